@@ -1,0 +1,188 @@
+"""HTTP routes. Each handler only parses: it turns a request into one typed call on the edge that
+the sandbox id names, and errors come back as ``{"error": {"code", "message"}}``.
+
+The apiserver keeps no sandbox state: sandbox ids name their node, and the node list comes from
+the cluster (one embedded edge here).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from libdsec import CapacityExceeded, DSecError, InvalidRequest, SandboxNotFound, Unauthenticated
+from libdsec._models import (
+    BatchEvent,
+    CreateBatchRequest,
+    DSecContainerRunArgs,
+    ErrorResponse,
+    ExecRequest,
+    ExecResult,
+    ImageInfo,
+    ImageList,
+    NodeInfo,
+    SandboxInfo,
+    SandboxList,
+)
+
+from ..edge.api import EdgeAPI, node_of
+from ..images.store import LayerStore
+
+log = logging.getLogger("dsec.apiserver")
+
+_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+           409: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
+
+
+class Cluster:
+    """The edges the apiserver can reach, by node name."""
+
+    def __init__(self, edges: list[EdgeAPI], store: LayerStore) -> None:
+        self.edges = {e.node: e for e in edges}
+        self.store = store
+
+    def edge_for(self, sandbox_id: str) -> EdgeAPI:
+        node = node_of(sandbox_id)
+        edge = self.edges.get(node)
+        if edge is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id}: node {node!r} is not in this cluster")
+        return edge
+
+    def candidates(self) -> list[EdgeAPI]:
+        edges = list(self.edges.values())
+        random.shuffle(edges)
+        return edges
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query"))
+        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+    return "malformed request: " + "; ".join(parts)
+
+
+def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
+    app = FastAPI(title="DSec", version="0.1.0", lifespan=lifespan,
+                  description="Sandboxes for agent training: containers from shared EROFS layers.")
+
+    async def authenticated(request: Request) -> None:
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
+            raise Unauthenticated("missing or invalid API token (Authorization: Bearer <token>)")
+
+    @app.exception_handler(DSecError)
+    async def _dsec_error(request: Request, exc: DSecError) -> JSONResponse:
+        return JSONResponse(exc.to_wire(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(InvalidRequest(_validation_message(exc)).to_wire(), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "invalid_request" if exc.status_code < 500 else "internal"
+        return JSONResponse({"error": {"code": code, "message": f"{exc.detail}: {request.method} {request.url.path}"}},
+                            status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return JSONResponse({"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}, status_code=500)
+
+    auth = [Depends(authenticated)]
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict:
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes", dependencies=auth, responses=_ERRORS)
+    async def create_sandbox(args: DSecContainerRunArgs) -> SandboxInfo:
+        last: DSecError | None = None
+        for edge in cluster.candidates():
+            try:
+                return await edge.create(args)
+            except CapacityExceeded as exc:
+                last = exc
+        raise last or CapacityExceeded("no node in the cluster")
+
+    @app.post("/v1/sandboxes:batch", dependencies=auth, responses=_ERRORS)
+    async def create_batch(batch: CreateBatchRequest) -> StreamingResponse:
+        edge = cluster.candidates()[0]
+        events = edge.create_batch(batch.args, batch.count)
+        # The first sandbox is awaited here, so a bad request gets a plain error status.
+        try:
+            first = await anext(events)
+        except BaseException:
+            await events.aclose()
+            raise
+
+        async def lines() -> AsyncIterator[str]:
+            async with aclosing(events):
+                try:
+                    index, info = first
+                    yield BatchEvent(event="created", index=index, sandbox=info).model_dump_json() + "\n"
+                    async for index, info in events:
+                        yield BatchEvent(event="created", index=index, sandbox=info).model_dump_json() + "\n"
+                    yield BatchEvent(event="done").model_dump_json() + "\n"
+                except DSecError as exc:
+                    yield BatchEvent(event="error", error=exc.to_wire()["error"]).model_dump_json() + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @app.get("/v1/sandboxes", dependencies=auth)
+    async def list_sandboxes() -> SandboxList:
+        found = [info for edge in cluster.edges.values() for info in await edge.list()]
+        return SandboxList(sandboxes=found)
+
+    @app.get("/v1/sandboxes/{sandbox_id}", dependencies=auth, responses=_ERRORS)
+    async def get_sandbox(sandbox_id: str) -> SandboxInfo:
+        return await cluster.edge_for(sandbox_id).get(sandbox_id)
+
+    @app.delete("/v1/sandboxes/{sandbox_id}", dependencies=auth, responses=_ERRORS)
+    async def stop_sandbox(sandbox_id: str) -> SandboxInfo:
+        return await cluster.edge_for(sandbox_id).stop(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=auth, responses=_ERRORS)
+    async def exec_command(sandbox_id: str, request: ExecRequest) -> ExecResult:
+        return await cluster.edge_for(sandbox_id).exec(sandbox_id, request)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, responses=_ERRORS)
+    async def read_file(sandbox_id: str, path: str = Query(min_length=1)) -> Response:
+        data = await cluster.edge_for(sandbox_id).read_file(sandbox_id, path)
+        return Response(content=data, media_type="application/octet-stream")
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, responses=_ERRORS)
+    async def write_file(request: Request, sandbox_id: str, path: str = Query(min_length=1),
+                         mode: str = Query("0o644")) -> dict:
+        try:
+            file_mode = int(mode, 0)
+        except ValueError:
+            raise InvalidRequest(f"invalid file mode {mode!r}: use octal like 0o644") from None
+        edge = cluster.edge_for(sandbox_id)
+        await edge.write_file(sandbox_id, path, await request.body(), file_mode)
+        return {"ok": True}
+
+    @app.get("/v1/images", dependencies=auth)
+    async def list_images() -> ImageList:
+        images = []
+        for name in cluster.store.image_names():
+            img = cluster.store.get_image(name)
+            images.append(ImageInfo(name=img.name, layers=list(img.layers), size_bytes=cluster.store.image_size(img),
+                                    env=img.env, workdir=img.workdir, user=img.user))
+        return ImageList(images=images)
+
+    @app.get("/v1/nodes", dependencies=auth)
+    async def nodes() -> list[NodeInfo]:
+        return [await edge.node_info() for edge in cluster.edges.values()]
+
+    return app

@@ -1,0 +1,103 @@
+"""The one interface every sandbox backend implements.
+
+Lifecycle of a handle, as the edge drives it::
+
+    create() ──▶ running ──exec/read_file/write_file──▶ running
+                    │  pause() ▶ paused ── resume() ▶ running
+                    └─ destroy() ▶ gone
+
+- ``create`` returns a handle only once the sandbox can take ``exec``; if it fails it leaves
+  nothing behind (no mount, cgroup or process) and raises ``BackendError``.
+- ``exec``, ``read_file`` and ``write_file`` need a running sandbox; on a paused one the edge
+  resumes first. A command past its timeout is killed (with everything it started) and
+  ``CommandTimeout`` is raised.
+- ``destroy`` is idempotent: a second call, or a call on a sandbox whose processes died, just
+  makes sure everything is released.
+- ``recover`` is called once when an edge starts: given the handles it had persisted, it says
+  which are still alive (they are adopted as they are); the edge destroys the rest.
+- ``apply_limits`` changes limits of a live sandbox (the edge uses it to hand out pre-created
+  sandboxes).
+
+Handles are plain data (``to_json``/``from_json``) so an edge restart can re-adopt them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from libdsec._models import ExecRequest, ExecResult
+
+from ..resources.cgroups import Limits
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What the edge asks a backend to create (image already resolved to layers)."""
+
+    image: str
+    layers: tuple[str, ...]
+    env: dict[str, str]
+    limits: Limits | None  # None: no limits yet (a pre-created sandbox)
+    hostname: str = "sandbox"
+
+
+@dataclass
+class Handle:
+    cid: str  # backend-level id (the crun container id)
+    image: str
+    layers: tuple[str, ...]
+    pid: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["layers"] = list(self.layers)
+        return d
+
+    @classmethod
+    def from_json(cls, data: dict) -> Handle:
+        return cls(
+            cid=data["cid"], image=data["image"], layers=tuple(data["layers"]),
+            pid=int(data.get("pid", 0)), env=dict(data.get("env", {})),
+        )
+
+
+@dataclass(frozen=True)
+class ExecContext:
+    """Who runs a command and where: from the sandbox's run args, overridable per call."""
+
+    uid: int
+    gid: int
+    workdir: str
+    env: dict[str, str]
+
+
+class SandboxBackend(Protocol):
+    kind: str
+
+    async def create(self, cid: str, spec: SandboxSpec) -> Handle: ...
+
+    async def apply_limits(self, handle: Handle, limits: Limits) -> None: ...
+
+    async def exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult: ...
+
+    async def read_file(self, handle: Handle, path: str, max_bytes: int) -> bytes: ...
+
+    async def write_file(self, handle: Handle, path: str, data: bytes, mode: int, uid: int, gid: int) -> None: ...
+
+    async def make_dir(self, handle: Handle, path: str, uid: int, gid: int) -> None: ...
+
+    async def resolve_user(self, handle: Handle, user: str) -> tuple[int, int]: ...
+
+    async def pause(self, handle: Handle) -> None: ...
+
+    async def resume(self, handle: Handle) -> None: ...
+
+    async def is_alive(self, handle: Handle) -> bool: ...
+
+    async def destroy(self, handle: Handle) -> None: ...
+
+    async def recover(self, handles: list[Handle]) -> list[Handle]: ...
+
+    def memory_usage(self, handle: Handle) -> int | None: ...

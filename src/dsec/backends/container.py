@@ -1,0 +1,498 @@
+"""Container sandboxes: an OCI bundle run by crun over EROFS layers and a private overlay upper.
+
+No Python process stays with a sandbox: crun starts catatonit (a static pause process that reaps
+zombies) as the sandbox's init and exits, so an idle sandbox costs the host its init, its
+namespaces and its cgroups. ``exec`` runs ``crun exec`` (it enters the namespaces and the cgroup,
+and applies the same capabilities, no_new_privs and seccomp profile); files are read and written
+from the host through the sandbox's own root with openat2(RESOLVE_IN_ROOT), so a symlink inside
+the sandbox can never point outside it.
+
+On disk, per node (``node_dir``): ``crun/`` (crun's state), ``layers/<digest>`` (shared layer
+mounts) and ``sandboxes/<cid>/`` with ``config.json``, ``upper``, ``work`` and ``rootfs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import os
+import resource
+import shutil
+import signal
+import stat
+import time
+from pathlib import Path
+
+from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNotFound, SandboxStateError
+from libdsec._models import ExecRequest, ExecResult
+
+from .. import _sys
+from ..images.compose import OverlayPlan, compose
+from ..images.mounts import LayerMounts
+from ..images.store import Image, LayerStore
+from ..isolation.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, seccomp_profile
+from ..resources import cgroups
+from ..resources.cgroups import Limits
+from .base import ExecContext, Handle, SandboxSpec
+
+CRUN = shutil.which("crun") or "/usr/bin/crun"
+INIT_BINARY = shutil.which("catatonit") or "/usr/bin/catatonit"
+INIT_PATH = "/dev/.dsec-init"
+_READ_CHUNK = 1 << 16
+_PIPE_GRACE_S = 0.5
+# A sandbox may not raise its open-file limit above the host's own.
+_NOFILE_HARD = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every descendant (found through /proc children lists)."""
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _pid_in_cgroup(pid: int, cid: str) -> bool:
+    """True while ``pid`` is a live process in sandbox ``cid``'s cgroup (guards pid reuse)."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            if f"/{cid}" not in f.read():
+                return False
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class _Capture:
+    """Keeps the first ``cap`` bytes of a stream and counts the rest."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.kept = bytearray()
+        self.total = 0
+
+    async def drain(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(_READ_CHUNK):
+            self.total += len(chunk)
+            if len(self.kept) < self.cap:
+                self.kept += chunk[: self.cap - len(self.kept)]
+
+    @property
+    def text(self) -> str:
+        return self.kept.decode(errors="replace")
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self.kept)
+
+
+class ContainerBackend:
+    """crun + overlayfs over shared EROFS layer mounts. See the module docstring."""
+
+    kind = "container"
+
+    def __init__(self, node_dir: Path, store: LayerStore, layer_mounts: LayerMounts | None = None) -> None:
+        self.node_dir = Path(node_dir)
+        self.store = store
+        self.crun_root = self.node_dir / "crun"
+        self.sandboxes_dir = self.node_dir / "sandboxes"
+        for d in (self.crun_root, self.sandboxes_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.layer_mounts = layer_mounts or LayerMounts(self.node_dir / "layers")
+        self._seccomp = seccomp_profile()
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _crun(self, *args: str) -> list[str]:
+        return [CRUN, "--root", str(self.crun_root), *args]
+
+    async def _run_crun(self, *args: str, timeout: float = 30.0, log: Path | None = None) -> tuple[int, str]:
+        """Run crun; returns (exit code, output). With ``log``, output goes to that file instead
+        of a pipe: ``run --detach`` hands its stdio to the sandbox's init, which keeps it open."""
+        out_file = open(log, "w+b") if log is not None else None  # noqa: SIM115
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._crun(*args), stdin=asyncio.subprocess.DEVNULL,
+                stdout=out_file or asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            )
+            try:
+                out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+                return -1, f"crun {args[0]} timed out after {timeout}s"
+            if out_file is not None:
+                out_file.seek(0)
+                out = out_file.read()
+            return proc.returncode or 0, out.decode(errors="replace").strip()
+        finally:
+            if out_file is not None:
+                out_file.close()
+
+    def _plan(self, cid: str, layers: tuple[str, ...], image: str) -> OverlayPlan:
+        img = Image(name=image, layers=layers)
+        return compose(img, self.store, self.layer_mounts.mount_dir, self.sandboxes_dir / cid)
+
+    def _config(self, cid: str, plan: OverlayPlan, spec: SandboxSpec) -> dict:
+        resources: dict = {"devices": [{"allow": False, "access": "rwm"}]}
+        limits = spec.limits
+        if limits is not None:
+            resources["memory"] = {"limit": limits.memory_bytes, "swap": limits.memory_bytes}
+            resources["cpu"] = {"quota": limits.cpu_quota_us, "period": cgroups.CPU_PERIOD_US,
+                                "shares": limits.cpu_shares}
+            resources["pids"] = {"limit": limits.pids}
+        return {
+            "ociVersion": "1.0.2",
+            "process": {
+                "terminal": False,
+                "user": {"uid": 0, "gid": 0},
+                "args": [INIT_PATH, "-P"],
+                "env": [f"{k}={v}" for k, v in spec.env.items()],
+                "cwd": "/",
+                "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
+                "rlimits": [{"type": "RLIMIT_NOFILE", "hard": _NOFILE_HARD, "soft": min(1024, _NOFILE_HARD)}],
+                "noNewPrivileges": True,
+                "oomScoreAdj": 500,
+            },
+            "root": {"path": str(plan.target), "readonly": False},
+            "hostname": spec.hostname,
+            "mounts": [
+                {"destination": "/proc", "type": "proc", "source": "proc",
+                 "options": ["nosuid", "noexec", "nodev"]},
+                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+                 "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+                {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+                 "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+                {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+                 "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+                {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+                 "options": ["nosuid", "noexec", "nodev"]},
+                {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+                 "options": ["nosuid", "noexec", "nodev", "ro"]},
+                {"destination": INIT_PATH, "type": "bind", "source": INIT_BINARY,
+                 "options": ["bind", "ro", "nosuid", "nodev"]},
+            ],
+            "linux": {
+                "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+                "cgroupsPath": f"/{cgroups.PARENT}/{cid}",
+                "resources": resources,
+                "maskedPaths": MASKED_PATHS,
+                "readonlyPaths": READONLY_PATHS,
+                "seccomp": self._seccomp,
+                "rootfsPropagation": "private",
+            },
+        }
+
+    def _mount_rootfs(self, plan: OverlayPlan) -> None:
+        for d in (plan.upper, plan.work, plan.target):
+            d.mkdir(parents=True, exist_ok=True)
+        self.layer_mounts.acquire(plan.layers)
+        try:
+            _sys.mount("overlay", str(plan.target), "overlay", _sys.MS_NODEV, plan.options)
+        except BaseException:
+            self.layer_mounts.release(plan.layers)
+            raise
+
+    def _release_rootfs(self, plan: OverlayPlan, held: bool = True) -> None:
+        if os.path.ismount(plan.target):
+            _sys.umount(str(plan.target), _sys.MNT_DETACH)
+            if held:
+                self.layer_mounts.release(plan.layers)
+        shutil.rmtree(plan.target.parent, ignore_errors=True)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def create(self, cid: str, spec: SandboxSpec) -> Handle:
+        for digest in spec.layers:
+            if not self.store.has_layer(digest):
+                raise BackendError(f"layer {digest} of image {spec.image!r} is missing from the store")
+        plan = self._plan(cid, spec.layers, spec.image)
+        bundle = plan.target.parent
+        try:
+            self._mount_rootfs(plan)
+        except OSError as exc:
+            shutil.rmtree(bundle, ignore_errors=True)
+            raise BackendError(f"cannot mount the root filesystem of {cid}: {exc}") from exc
+        pidfile = bundle / "init.pid"
+        try:
+            (bundle / "config.json").write_text(json.dumps(self._config(cid, plan, spec)))
+            rc, out = await self._run_crun("run", "--detach", "--bundle", str(bundle),
+                                           "--pid-file", str(pidfile), cid, log=bundle / "crun.log")
+            if rc != 0:
+                raise BackendError(f"crun could not start {cid}: {out[-800:]}")
+            pid = int(pidfile.read_text())
+        except BaseException:
+            await self._run_crun("delete", "--force", cid)
+            cgroups.remove_cgroup(cid)
+            self._release_rootfs(plan)
+            raise
+        return Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
+
+    async def apply_limits(self, handle: Handle, limits: Limits) -> None:
+        try:
+            cgroups.apply_limits(handle.cid, limits)
+        except OSError as exc:
+            raise BackendError(f"cannot set limits of {handle.cid}: {exc}") from exc
+
+    async def is_alive(self, handle: Handle) -> bool:
+        return handle.pid > 0 and _pid_in_cgroup(handle.pid, handle.cid)
+
+    async def pause(self, handle: Handle) -> None:
+        rc, out = await self._run_crun("pause", handle.cid)
+        if rc != 0:
+            raise BackendError(f"cannot pause {handle.cid}: {out}")
+
+    async def resume(self, handle: Handle) -> None:
+        rc, out = await self._run_crun("resume", handle.cid)
+        if rc != 0:
+            raise BackendError(f"cannot resume {handle.cid}: {out}")
+
+    async def destroy(self, handle: Handle) -> None:
+        if handle.pid > 0 and _pid_in_cgroup(handle.pid, handle.cid):
+            # Killing the pid namespace's init takes every process of the sandbox with it.
+            try:
+                os.kill(handle.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + 10
+            while _pid_in_cgroup(handle.pid, handle.cid) and time.monotonic() < deadline:
+                await asyncio.sleep(0.002)
+        rc, out = await self._run_crun("delete", "--force", handle.cid)
+        cgroups.remove_cgroup(handle.cid)
+        self._release_rootfs(self._plan(handle.cid, handle.layers, handle.image))
+
+    async def recover(self, handles: list[Handle]) -> list[Handle]:
+        """Adopt the live ones; remove the remains of everything else this backend owns."""
+        alive = []
+        for h in handles:
+            plan = self._plan(h.cid, h.layers, h.image)
+            if await self.is_alive(h) and os.path.ismount(plan.target):
+                self.layer_mounts.adopt(plan.layers)
+                alive.append(h)
+        keep = {h.cid for h in alive}
+        for h in handles:
+            if h.cid not in keep:
+                await self._remove_remains(h.cid)
+        for d in self.sandboxes_dir.iterdir():
+            if d.name not in keep:
+                await self._remove_remains(d.name)
+        for state in self.crun_root.iterdir():
+            if state.is_dir() and state.name not in keep:
+                await self._remove_remains(state.name)
+        for d in cgroups.sandbox_cgroup_dirs():
+            if d.name not in keep:
+                await self._remove_remains(d.name)
+        self.layer_mounts.release_unused()
+        return alive
+
+    async def _remove_remains(self, cid: str) -> None:
+        await self._run_crun("kill", cid, "KILL")
+        await self._run_crun("delete", "--force", cid)
+        cgroups.remove_cgroup(cid)
+        target = self.sandboxes_dir / cid / "rootfs"
+        if os.path.ismount(target):
+            _sys.umount(str(target), _sys.MNT_DETACH)
+        shutil.rmtree(self.sandboxes_dir / cid, ignore_errors=True)
+
+    def memory_usage(self, handle: Handle) -> int | None:
+        return cgroups.memory_usage_bytes(handle.cid)
+
+    # -- exec and files --------------------------------------------------------------------
+
+    async def exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult:
+        if not await self.is_alive(handle):
+            raise SandboxStateError(f"cannot exec: sandbox process of {handle.cid} is gone")
+        self._check_dir(handle, ctx.workdir)
+        pidfile = self.sandboxes_dir / handle.cid / f"exec-{os.urandom(4).hex()}.pid"
+        argv = ["exec", "--cwd", ctx.workdir, "--user", f"{ctx.uid}:{ctx.gid}", "--pid-file", str(pidfile)]
+        for k, v in ctx.env.items():
+            argv += ["--env", f"{k}={v}"]
+        argv += [handle.cid, "/bin/sh", "-c", request.command]
+        start = time.perf_counter()
+        proc = await asyncio.create_subprocess_exec(
+            *self._crun(*argv),
+            stdin=asyncio.subprocess.PIPE if request.stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        cap = request.max_output_bytes
+        out, err = _Capture(cap), _Capture(cap)
+        readers = [asyncio.ensure_future(out.drain(proc.stdout)),
+                   asyncio.ensure_future(err.drain(proc.stderr))]
+        timed_out = False
+        try:
+            if request.stdin is not None:
+                try:
+                    proc.stdin.write(request.stdin.encode())
+                    await proc.stdin.drain()
+                    proc.stdin.close()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+            try:
+                rc = await asyncio.wait_for(proc.wait(), request.timeout)
+            except TimeoutError:
+                timed_out = True
+                self._kill_exec(pidfile, proc)
+                rc = await proc.wait()
+            # Output still in the pipes is read at once; a background process that keeps them
+            # open is not waited for.
+            await asyncio.wait(readers, timeout=_PIPE_GRACE_S)
+        except BaseException:
+            self._kill_exec(pidfile, proc)
+            raise
+        finally:
+            for task in readers:
+                task.cancel()
+            pidfile.unlink(missing_ok=True)
+        if timed_out:
+            tail = out.text[-500:]
+            raise CommandTimeout(
+                f"command timed out after {request.timeout:g}s and was killed"
+                + (f"; last output: {tail!r}" if tail else "")
+            )
+        return ExecResult(
+            exit_code=rc,
+            stdout=out.text,
+            stderr=err.text,
+            duration_s=time.perf_counter() - start,
+            stdout_truncated=out.truncated,
+            stderr_truncated=err.truncated,
+            stdout_bytes=out.total,
+            stderr_bytes=err.total,
+        )
+
+    def _kill_exec(self, pidfile: Path, proc: asyncio.subprocess.Process) -> None:
+        try:
+            _kill_tree(int(pidfile.read_text()))
+        except (OSError, ValueError):
+            pass
+        if proc.returncode is None:
+            _kill_tree(proc.pid)
+
+    def _root_fd(self, handle: Handle) -> int:
+        try:
+            return os.open(f"/proc/{handle.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise SandboxStateError(f"sandbox process of {handle.cid} is gone") from exc
+
+    def _check_dir(self, handle: Handle, path: str) -> None:
+        root = self._root_fd(handle)
+        try:
+            fd = _sys.openat2(root, path, os.O_PATH | os.O_DIRECTORY, 0, _sys.RESOLVE_IN_ROOT)
+            os.close(fd)
+        except OSError as exc:
+            raise InvalidRequest(f"workdir {path!r} is not a directory in the sandbox: {exc.strerror}") from None
+        finally:
+            os.close(root)
+
+    async def read_file(self, handle: Handle, path: str, max_bytes: int) -> bytes:
+        return await asyncio.to_thread(self._read_file, handle, path, max_bytes)
+
+    def _read_file(self, handle: Handle, path: str, max_bytes: int) -> bytes:
+        root = self._root_fd(handle)
+        try:
+            fd = _sys.openat2(root, path, os.O_RDONLY, 0, _sys.RESOLVE_IN_ROOT | _sys.RESOLVE_NO_MAGICLINKS)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                raise SandboxFileNotFound(f"no such file in sandbox: {path}") from None
+            raise InvalidRequest(f"cannot read {path}: {exc.strerror}") from None
+        finally:
+            os.close(root)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if stat.S_ISDIR(st.st_mode):
+                raise InvalidRequest(f"cannot read {path}: is a directory")
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidRequest(f"cannot read {path}: not a regular file")
+            if st.st_size > max_bytes:
+                raise InvalidRequest(f"cannot read {path}: {st.st_size} bytes is over the {max_bytes}-byte limit")
+            return f.read(max_bytes + 1)[:max_bytes]
+
+    async def write_file(self, handle: Handle, path: str, data: bytes, mode: int, uid: int, gid: int) -> None:
+        await asyncio.to_thread(self._write_file, handle, path, data, mode, uid, gid)
+
+    def _write_file(self, handle: Handle, path: str, data: bytes, mode: int, uid: int, gid: int) -> None:
+        if not path.startswith("/"):
+            raise InvalidRequest(f"path must be absolute: {path!r}")
+        root = self._root_fd(handle)
+        try:
+            parent, _, name = path.rstrip("/").rpartition("/")
+            if not name:
+                raise InvalidRequest(f"cannot write {path!r}: not a file path")
+            self._makedirs(root, parent or "/", uid, gid)
+            try:
+                fd = _sys.openat2(root, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode,
+                                  _sys.RESOLVE_IN_ROOT | _sys.RESOLVE_NO_MAGICLINKS)
+            except OSError as exc:
+                raise InvalidRequest(f"cannot write {path}: {exc.strerror}") from None
+            try:
+                os.fchown(fd, uid, gid)
+                os.fchmod(fd, mode)
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            except OSError as exc:
+                raise InvalidRequest(f"cannot write {path}: {exc.strerror}") from None
+            finally:
+                os.close(fd)
+        finally:
+            os.close(root)
+
+    def _makedirs(self, root: int, directory: str, uid: int, gid: int) -> None:
+        parts = [p for p in directory.split("/") if p]
+        for i in range(len(parts)):
+            sub = "/" + "/".join(parts[: i + 1])
+            try:
+                os.close(_sys.openat2(root, sub, os.O_PATH | os.O_DIRECTORY, 0, _sys.RESOLVE_IN_ROOT))
+                continue
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:
+                    raise InvalidRequest(f"cannot create directory {sub}: {exc.strerror}") from None
+            parent = _sys.openat2(root, "/" + "/".join(parts[:i]), os.O_PATH | os.O_DIRECTORY, 0, _sys.RESOLVE_IN_ROOT)
+            try:
+                os.mkdir(parts[i], 0o755, dir_fd=parent)
+                fd = _sys.openat2(parent, parts[i], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, 0, 0)
+                os.fchown(fd, uid, gid)
+                os.close(fd)
+            except FileExistsError:
+                pass
+            finally:
+                os.close(parent)
+
+    async def make_dir(self, handle: Handle, path: str, uid: int, gid: int) -> None:
+        root = self._root_fd(handle)
+        try:
+            self._makedirs(root, path, uid, gid)
+        finally:
+            os.close(root)
+
+    async def resolve_user(self, handle: Handle, user: str) -> tuple[int, int]:
+        """``root``, ``UID``, ``UID:GID`` or a name from the sandbox's /etc/passwd."""
+        if user == "root":
+            return 0, 0
+        name, _, group = user.partition(":")
+        if name.isdigit() and (not group or group.isdigit()):
+            return int(name), int(group) if group else int(name)
+        try:
+            passwd = self._read_file(handle, "/etc/passwd", 1 << 20).decode(errors="replace")
+        except (SandboxFileNotFound, InvalidRequest):
+            passwd = ""
+        for line in passwd.splitlines():
+            fields = line.split(":")
+            if len(fields) >= 4 and fields[0] == name:
+                return int(fields[2]), int(group) if group.isdigit() else int(fields[3])
+        raise InvalidRequest(f"unknown user {user!r}: not in the image's /etc/passwd")

@@ -1,0 +1,52 @@
+"""The apiserver → edge seam: typed calls, and sandbox ids that name their edge.
+
+The apiserver holds ``EdgeAPI`` objects by node name and routes a call to the edge named in the
+sandbox id (``<node>-<hex>``), so it needs no table of sandboxes. ``Edge`` (embedded) implements
+it in-process; a remote edge (a later Ray node) implements the same methods over the wire.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from libdsec import InvalidRequest
+from libdsec._models import DSecContainerRunArgs, ExecRequest, ExecResult, NodeInfo, SandboxInfo
+
+NODE_NAME = re.compile(r"^[a-z0-9]{1,32}$")
+SANDBOX_ID = re.compile(r"^([a-z0-9]{1,32})-([0-9a-f]{16})$")
+
+
+def new_sandbox_id(node: str) -> str:
+    return f"{node}-{secrets.token_hex(8)}"
+
+
+def node_of(sandbox_id: str) -> str:
+    m = SANDBOX_ID.match(sandbox_id)
+    if not m:
+        raise InvalidRequest(f"malformed sandbox id {sandbox_id!r}: expected <node>-<16 hex digits>")
+    return m.group(1)
+
+
+class EdgeAPI(Protocol):
+    node: str
+
+    async def create(self, args: DSecContainerRunArgs) -> SandboxInfo: ...
+
+    def create_batch(self, args: DSecContainerRunArgs, count: int) -> AsyncIterator[tuple[int, SandboxInfo]]: ...
+
+    async def get(self, sandbox_id: str) -> SandboxInfo: ...
+
+    async def list(self) -> list[SandboxInfo]: ...
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult: ...
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None: ...
+
+    async def stop(self, sandbox_id: str, reason: str = "stopped by request") -> SandboxInfo: ...
+
+    async def node_info(self) -> NodeInfo: ...

@@ -1,0 +1,490 @@
+"""The edge: one per node. It owns the node's sandbox table and every sandbox's lifecycle.
+
+    creating ──▶ running ──▶ stopping ──▶ stopped
+        └──────────┴────────────┴──────▶ failed
+
+- Admission: limits in range for this node, sandbox count and (overcommitted) memory within
+  the node's capacity; otherwise ``LimitOutOfRange`` / ``CapacityExceeded``.
+- Warm pool: for images in demand the edge keeps pre-created sandboxes with no limits yet; a
+  create takes one and sets its limits (run args that vary per sandbox — user, env, workdir —
+  apply per call), so a burst of creates does not wait for crun. The pool follows demand.
+- ``ttl_running_stop``: a sandbox with no call for that many seconds is stopped.
+- Records are persisted one file per sandbox; on start the edge re-adopts the sandboxes still
+  running and removes the remains of the rest. ``close()`` (SIGTERM) releases what no running
+  sandbox uses — the warm pool, unused layer mounts — and leaves running sandboxes to be adopted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import time
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from libdsec import (
+    CapacityExceeded,
+    DSecError,
+    InvalidRequest,
+    LimitOutOfRange,
+    SandboxNotFound,
+    SandboxStateError,
+)
+from libdsec._models import (
+    DSecContainerRunArgs,
+    ExecRequest,
+    ExecResult,
+    NodeInfo,
+    SandboxInfo,
+    SandboxStatus,
+)
+
+from ..backends.base import ExecContext, Handle, SandboxBackend, SandboxSpec
+from ..images.store import Image, LayerStore
+from ..resources import cgroups
+from ..resources.cgroups import Limits
+from .api import new_sandbox_id
+
+log = logging.getLogger("dsec.edge")
+
+MIN_MEMORY_MB = 16
+MIN_CPU = 0.01
+MAX_TTL_S = 7 * 24 * 3600.0
+PIDS_RANGE = (16, 65536)
+
+
+def _memory_total_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+@dataclass
+class EdgeConfig:
+    node_dir: Path
+    node: str = "n0"
+    max_sandboxes: int = 4096
+    memory_overcommit: float = 4.0
+    batch_concurrency: int = 16
+    reaper_interval_s: float = 1.0
+    max_file_bytes: int = 64 << 20
+    # Warm pool per image: grows to the peak number of creates in flight, within these bounds;
+    # an image unused for pool_idle_s loses its pool.
+    pool_min: int = 2
+    pool_max: int = 64
+    pool_idle_s: float = 600.0
+    pool_fill_concurrency: int = 2
+    finished_kept: int = 10_000
+
+
+@dataclass
+class Record:
+    id: str
+    handle: Handle
+    args: DSecContainerRunArgs
+    image: Image
+    status: SandboxStatus
+    created_at: float
+    last_active: float
+    uid: int = 0
+    gid: int = 0
+    reason: str | None = None
+    calls: int = 0
+
+    def info(self, node: str) -> SandboxInfo:
+        return SandboxInfo(
+            id=self.id, node=node, image=self.args.container_image, status=self.status,
+            created_at=datetime.fromtimestamp(self.created_at, timezone.utc),
+            last_active_at=datetime.fromtimestamp(self.last_active, timezone.utc),
+            memory_limit_mb=self.args.memory_limit_mb, cpu_cores_limit=self.args.cpu_cores_limit,
+            ttl_running_stop=self.args.ttl_running_stop, init_user=self.args.init_user,
+            workdir=self.args.workdir, reason=self.reason,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "id": self.id, "handle": self.handle.to_json(), "args": self.args.model_dump(mode="json"),
+            "image": {"name": self.image.name, "layers": list(self.image.layers), "env": self.image.env,
+                      "workdir": self.image.workdir, "user": self.image.user},
+            "created_at": self.created_at, "uid": self.uid, "gid": self.gid,
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> Record:
+        d = json.loads(text)
+        img = d["image"]
+        now = time.time()
+        return cls(
+            id=d["id"], handle=Handle.from_json(d["handle"]),
+            args=DSecContainerRunArgs.model_validate(d["args"]),
+            image=Image(name=img["name"], layers=tuple(img["layers"]), env=img["env"],
+                        workdir=img["workdir"], user=img["user"]),
+            status=SandboxStatus.running, created_at=d["created_at"], last_active=now,
+            uid=d["uid"], gid=d["gid"],
+        )
+
+
+@dataclass
+class _Pool:
+    image: Image | None = None
+    handles: deque[Handle] = field(default_factory=deque)
+    want: int = 0
+    filling: int = 0
+    in_flight: int = 0
+    last_used: float = 0.0
+
+
+class Edge:
+    """The node daemon's core. ``await start()`` before use; ``await close()`` at the end
+    (a second ``close()`` does nothing)."""
+
+    def __init__(self, config: EdgeConfig, backend: SandboxBackend, store: LayerStore) -> None:
+        self.config = config
+        self.node = config.node
+        self.backend = backend
+        self.store = store
+        self.records_dir = Path(config.node_dir) / "records"
+        self.records_dir.mkdir(parents=True, exist_ok=True)
+        self._records: dict[str, Record] = {}
+        self._finished: OrderedDict[str, SandboxInfo] = OrderedDict()
+        self._pools: dict[tuple[str, ...], _Pool] = defaultdict(_Pool)
+        self._pool_wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._memory_total_mb = _memory_total_mb()
+        self._cpu_cores = os.cpu_count() or 1
+        self._closed = False
+
+    # -- start / close ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        records = []
+        for path in sorted(self.records_dir.glob("*.json")):
+            try:
+                records.append(Record.from_json(path.read_text()))
+            except (OSError, ValueError, KeyError) as exc:
+                log.warning("dropping unreadable record %s: %s", path, exc)
+                path.unlink(missing_ok=True)
+        alive = {h.cid for h in await self.backend.recover([r.handle for r in records])}
+        for rec in records:
+            if rec.handle.cid in alive:
+                self._records[rec.id] = rec
+                log.info("re-adopted running sandbox %s", rec.id)
+            else:
+                rec.status, rec.reason = SandboxStatus.failed, "sandbox was gone when the edge restarted"
+                self._forget(rec)
+        self._tasks = [
+            asyncio.create_task(self._reaper(), name="dsec-ttl-reaper"),
+            asyncio.create_task(self._pool_filler(), name="dsec-pool-filler"),
+        ]
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        pooled = [h for pool in self._pools.values() for h in pool.handles]
+        self._pools.clear()
+        await asyncio.gather(*(self.backend.destroy(h) for h in pooled), return_exceptions=True)
+        layer_mounts = getattr(self.backend, "layer_mounts", None)
+        if layer_mounts is not None:
+            layer_mounts.release_unused()
+
+    # -- admission -------------------------------------------------------------------------
+
+    def _check_limits(self, args: DSecContainerRunArgs) -> Limits:
+        def out_of_range(name: str, value: object, low: object, high: object, unit: str) -> LimitOutOfRange:
+            return LimitOutOfRange(f"{name}={value} is out of range: {low}..{high} {unit} on node {self.node}")
+
+        if not MIN_MEMORY_MB <= args.memory_limit_mb <= self._memory_total_mb:
+            raise out_of_range("memory_limit_mb", args.memory_limit_mb, MIN_MEMORY_MB, self._memory_total_mb, "MB")
+        if not MIN_CPU <= args.cpu_cores_limit <= self._cpu_cores:
+            raise out_of_range("cpu_cores_limit", args.cpu_cores_limit, MIN_CPU, self._cpu_cores, "cores")
+        if not 1 <= args.ttl_running_stop <= MAX_TTL_S:
+            raise out_of_range("ttl_running_stop", args.ttl_running_stop, 1, int(MAX_TTL_S), "seconds")
+        if not PIDS_RANGE[0] <= args.pids_limit <= PIDS_RANGE[1]:
+            raise out_of_range("pids_limit", args.pids_limit, *PIDS_RANGE, "processes")
+        if args.network_rules and any(args.network_rules.values()):
+            raise InvalidRequest(
+                "network_rules: network allowlists are not available yet; sandboxes have no network"
+            )
+        return Limits(memory_mb=args.memory_limit_mb, cpu_cores=args.cpu_cores_limit, pids=args.pids_limit)
+
+    def _admit(self, args: DSecContainerRunArgs) -> None:
+        active = [r for r in self._records.values() if r.status in (SandboxStatus.creating, SandboxStatus.running)]
+        if len(active) >= self.config.max_sandboxes:
+            raise CapacityExceeded(f"node {self.node} is full: {len(active)} of {self.config.max_sandboxes} sandboxes")
+        committed = sum(r.args.memory_limit_mb for r in active) + args.memory_limit_mb
+        cap = int(self._memory_total_mb * self.config.memory_overcommit)
+        if committed > cap:
+            raise CapacityExceeded(
+                f"node {self.node} cannot admit {args.memory_limit_mb} MB more: "
+                f"{committed - args.memory_limit_mb} of {cap} MB committed"
+            )
+
+    # -- create ----------------------------------------------------------------------------
+
+    async def create(self, args: DSecContainerRunArgs) -> SandboxInfo:
+        if self._closed:
+            raise SandboxStateError(f"edge {self.node} is shutting down")
+        limits = self._check_limits(args)
+        image = self.store.get_image(args.container_image)
+        self._admit(args)
+        now = time.time()
+        rec = Record(
+            id=new_sandbox_id(self.node), handle=Handle(cid="", image=image.name, layers=image.layers),
+            args=args, image=image, status=SandboxStatus.creating, created_at=now, last_active=now,
+        )
+        self._records[rec.id] = rec
+        pool = self._pools[image.layers]
+        pool.image = image
+        pool.in_flight += 1
+        pool.last_used = time.monotonic()
+        pool.want = min(self.config.pool_max, max(pool.want, self.config.pool_min, pool.in_flight))
+        self._pool_wakeup.set()
+        try:
+            rec.handle = await self._take_or_create(image, pool)
+            try:
+                await self.backend.apply_limits(rec.handle, limits)
+                rec.uid, rec.gid = await self.backend.resolve_user(rec.handle, args.init_user)
+                if args.workdir != "/":
+                    await self.backend.make_dir(rec.handle, args.workdir, rec.uid, rec.gid)
+            except BaseException:
+                await self.backend.destroy(rec.handle)
+                raise
+        except BaseException:
+            del self._records[rec.id]
+            raise
+        finally:
+            pool.in_flight -= 1
+        rec.status = SandboxStatus.running
+        rec.last_active = time.time()
+        self._persist(rec)
+        return rec.info(self.node)
+
+    async def _take_or_create(self, image: Image, pool: _Pool) -> Handle:
+        while pool.handles:
+            handle = pool.handles.popleft()
+            self._pool_wakeup.set()
+            if await self.backend.is_alive(handle):
+                return handle
+            await self.backend.destroy(handle)
+        return await self._new_handle(image)
+
+    async def _new_handle(self, image: Image) -> Handle:
+        spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=None)
+        return await self.backend.create(f"c{secrets.token_hex(8)}", spec)
+
+    async def create_batch(self, args: DSecContainerRunArgs, count: int) -> AsyncIterator[tuple[int, SandboxInfo]]:
+        """Create ``count`` sandboxes; yields (index, info) as each comes up. All or none: on the
+        first failure (or if the consumer goes away) every sandbox made so far is stopped."""
+        self._check_limits(args)
+        self.store.get_image(args.container_image)
+        sem = asyncio.Semaphore(self.config.batch_concurrency)
+        queue: asyncio.Queue[tuple[int, SandboxInfo | BaseException]] = asyncio.Queue()
+
+        async def one(i: int) -> None:
+            async with sem:
+                try:
+                    await queue.put((i, await self.create(args)))
+                except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                    await queue.put((i, exc))
+
+        tasks = [asyncio.create_task(one(i)) for i in range(count)]
+        made: list[str] = []
+        try:
+            for _ in range(count):
+                i, result = await queue.get()
+                if isinstance(result, BaseException):
+                    raise result
+                made.append(result.id)
+                yield i, result
+            made.clear()
+        finally:
+            if made:
+                for t in tasks:
+                    t.cancel()
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+                del results
+                while not queue.empty():
+                    _, result = queue.get_nowait()
+                    if isinstance(result, SandboxInfo):
+                        made.append(result.id)
+                await asyncio.gather(
+                    *(self.stop(sid, reason="batch create failed") for sid in made), return_exceptions=True
+                )
+
+    # -- calls -----------------------------------------------------------------------------
+
+    def _get(self, sandbox_id: str) -> Record:
+        rec = self._records.get(sandbox_id)
+        if rec is None:
+            if sandbox_id in self._finished:
+                info = self._finished[sandbox_id]
+                raise SandboxStateError(f"sandbox {sandbox_id} is {info.status.value}" + (f": {info.reason}" if info.reason else ""))
+            raise SandboxNotFound(f"no sandbox {sandbox_id} on node {self.node}")
+        return rec
+
+    def _running(self, sandbox_id: str, action: str) -> Record:
+        rec = self._get(sandbox_id)
+        if rec.status is not SandboxStatus.running:
+            raise SandboxStateError(f"cannot {action}: sandbox {sandbox_id} is {rec.status.value}")
+        return rec
+
+    async def _call(self, rec: Record, coro):
+        rec.calls += 1
+        rec.last_active = time.time()
+        try:
+            return await coro
+        except SandboxStateError:
+            if rec.status is SandboxStatus.running and not await self.backend.is_alive(rec.handle):
+                await self._fail(rec, "sandbox processes died")
+            raise
+        finally:
+            rec.calls -= 1
+            rec.last_active = time.time()
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        rec = self._running(sandbox_id, "exec")
+        if request.user is not None:
+            uid, gid = await self.backend.resolve_user(rec.handle, request.user)
+        else:
+            uid, gid = rec.uid, rec.gid
+        ctx = ExecContext(
+            uid=uid, gid=gid, workdir=request.workdir or rec.args.workdir,
+            env={**rec.image.env, **rec.args.env, **request.env},
+        )
+        return await self._call(rec, self.backend.exec(rec.handle, request, ctx))
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        rec = self._running(sandbox_id, "read a file")
+        return await self._call(rec, self.backend.read_file(rec.handle, path, self.config.max_file_bytes))
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
+        rec = self._running(sandbox_id, "write a file")
+        if len(data) > self.config.max_file_bytes:
+            raise InvalidRequest(f"file of {len(data)} bytes is over the {self.config.max_file_bytes}-byte limit")
+        if not 0 <= mode <= 0o7777:
+            raise InvalidRequest(f"invalid file mode {oct(mode)}")
+        await self._call(rec, self.backend.write_file(rec.handle, path, data, mode, rec.uid, rec.gid))
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        rec = self._records.get(sandbox_id)
+        if rec is not None:
+            return rec.info(self.node)
+        if sandbox_id in self._finished:
+            return self._finished[sandbox_id]
+        raise SandboxNotFound(f"no sandbox {sandbox_id} on node {self.node}")
+
+    async def list(self) -> list[SandboxInfo]:
+        return [r.info(self.node) for r in self._records.values()]
+
+    async def stop(self, sandbox_id: str, reason: str = "stopped by request") -> SandboxInfo:
+        rec = self._records.get(sandbox_id)
+        if rec is None:
+            return await self.get(sandbox_id)  # already stopped: nothing to do
+        if rec.status is SandboxStatus.creating:
+            raise SandboxStateError(f"cannot stop: sandbox {sandbox_id} is still being created")
+        if rec.status is SandboxStatus.stopping:
+            while rec.status is SandboxStatus.stopping:
+                await asyncio.sleep(0.01)
+            return await self.get(sandbox_id)
+        rec.status = SandboxStatus.stopping
+        try:
+            await self.backend.destroy(rec.handle)
+        except Exception as exc:
+            await self._fail(rec, f"stop failed: {exc}")
+            raise
+        rec.status, rec.reason = SandboxStatus.stopped, reason
+        self._forget(rec)
+        return rec.info(self.node)
+
+    async def _fail(self, rec: Record, reason: str) -> None:
+        log.warning("sandbox %s failed: %s", rec.id, reason)
+        rec.status, rec.reason = SandboxStatus.failed, reason
+        try:
+            await self.backend.destroy(rec.handle)
+        finally:
+            self._forget(rec)
+
+    def _forget(self, rec: Record) -> None:
+        self._records.pop(rec.id, None)
+        (self.records_dir / f"{rec.id}.json").unlink(missing_ok=True)
+        self._finished[rec.id] = rec.info(self.node)
+        while len(self._finished) > self.config.finished_kept:
+            self._finished.popitem(last=False)
+
+    def _persist(self, rec: Record) -> None:
+        tmp = self.records_dir / f".{rec.id}.tmp"
+        tmp.write_text(rec.to_json())
+        os.rename(tmp, self.records_dir / f"{rec.id}.json")
+
+    async def node_info(self) -> NodeInfo:
+        return NodeInfo(
+            node=self.node, cgroup_version=cgroups.version(), runtime=self.backend.kind,
+            sandboxes=len(self._records), memory_total_mb=self._memory_total_mb, cpu_cores=self._cpu_cores,
+        )
+
+    def pooled(self) -> int:
+        return sum(len(p.handles) for p in self._pools.values())
+
+    # -- background work -------------------------------------------------------------------
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reaper_interval_s)
+            now = time.time()
+            expired = [
+                r for r in self._records.values()
+                if r.status is SandboxStatus.running and r.calls == 0
+                and now - r.last_active > r.args.ttl_running_stop
+            ]
+            for rec in expired:
+                try:
+                    await self.stop(rec.id, reason=f"idle for over ttl_running_stop={rec.args.ttl_running_stop:g}s")
+                except DSecError as exc:
+                    log.warning("TTL stop of %s failed: %s", rec.id, exc)
+
+    async def _pool_filler(self) -> None:
+        sem = asyncio.Semaphore(self.config.pool_fill_concurrency)
+        while True:
+            await self._pool_wakeup.wait()
+            self._pool_wakeup.clear()
+            now = time.monotonic()
+            for pool in list(self._pools.values()):
+                if now - pool.last_used > self.config.pool_idle_s:
+                    pool.want = 0
+                while len(pool.handles) > pool.want:
+                    asyncio.create_task(self.backend.destroy(pool.handles.pop()))
+                while len(pool.handles) + pool.filling < pool.want and self._room_for_pool():
+                    pool.filling += 1
+                    asyncio.create_task(self._fill_one(pool, sem))
+            await asyncio.sleep(0.01)
+
+    def _room_for_pool(self) -> bool:
+        return len(self._records) + self.pooled() < self.config.max_sandboxes
+
+    async def _fill_one(self, pool: _Pool, sem: asyncio.Semaphore) -> None:
+        try:
+            async with sem:
+                if self._closed or pool.image is None:
+                    return
+                handle = await self._new_handle(pool.image)
+                if self._closed or self._pools.get(pool.image.layers) is not pool:
+                    await self.backend.destroy(handle)
+                else:
+                    pool.handles.append(handle)
+        except Exception as exc:  # noqa: BLE001 - a failed refill is retried on next demand
+            log.warning("warm pool refill failed: %s", exc)
+        finally:
+            pool.filling -= 1
+            self._pool_wakeup.set()

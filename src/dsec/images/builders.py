@@ -1,0 +1,133 @@
+"""Builders for the images that exist after set-up: ``busybox`` and ``python``.
+
+``busybox`` is made from the host's busybox-static in well under a second. ``python`` is a
+Debian bookworm minbase made by debootstrap with python3, bash and git; it takes about a minute
+and is cached (``ensure_default_images`` skips images that exist).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from .store import Image, LayerBuildError, LayerStore
+
+BUSYBOX_BIN = Path("/bin/busybox")
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+PYTHON_PACKAGES = ("python3", "bash", "git", "ca-certificates")
+
+Log = Callable[[str], None]
+
+
+def _write_etc(root: Path) -> None:
+    etc = root / "etc"
+    etc.mkdir(parents=True, exist_ok=True)
+    (etc / "passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
+        "agent:x:1000:1000:agent:/home/agent:/bin/sh\n"
+    )
+    (etc / "group").write_text("root:x:0:\nnogroup:x:65534:\nagent:x:1000:\n")
+    (etc / "hostname").write_text("sandbox\n")
+    (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+
+
+def build_busybox(store: LayerStore, name: str = "busybox") -> Image:
+    if not BUSYBOX_BIN.exists():
+        raise LayerBuildError(f"{BUSYBOX_BIN} not found: install busybox-static")
+    with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work:
+        root = Path(work)
+        root.chmod(0o755)
+        for d in ("bin", "sbin", "usr/bin", "usr/sbin", "proc", "sys", "dev", "root", "home/agent", "var", "run"):
+            (root / d).mkdir(parents=True, exist_ok=True)
+        (root / "tmp").mkdir(mode=0o1777)
+        (root / "tmp").chmod(0o1777)
+        shutil.chown(root / "home/agent", 1000, 1000)
+        shutil.copy2(BUSYBOX_BIN, root / "bin/busybox")
+        applets = subprocess.run(
+            [str(BUSYBOX_BIN), "--list-full"], capture_output=True, text=True, check=True
+        ).stdout.split()
+        for applet in applets:
+            link = root / applet
+            if applet == "bin/busybox" or link.exists():
+                continue
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to("/bin/busybox")
+        _write_etc(root)
+        digest = store.add_dir(root)
+    return store.put_image(Image(name=name, layers=(digest,), env={"PATH": DEFAULT_PATH}, workdir="/"))
+
+
+def apt_mirror() -> str | None:
+    """The Debian mirror the machine's apt uses, or None to take debootstrap's default."""
+    candidates: list[str] = []
+    sources = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]
+    for path in sources:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        if path.suffix == ".sources":
+            for block in text.split("\n\n"):
+                if re.search(r"^Suites:.*\bbookworm\b", block, re.M) and "debian-security" not in block:
+                    if m := re.search(r"^URIs:\s*(\S+)", block, re.M):
+                        candidates.append(m.group(1))
+        else:
+            for line in text.splitlines():
+                m = re.match(r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+bookworm\s", line)
+                if m and "security" not in m.group(1):
+                    candidates.append(m.group(1))
+    return candidates[0] if candidates else None
+
+
+def build_python(store: LayerStore, name: str = "python", log: Log | None = None) -> Image:
+    """debootstrap a bookworm minbase with python3, bash and git; ~1 minute, needs the network
+    to the machine's own Debian mirror."""
+    if shutil.which("debootstrap") is None:
+        raise LayerBuildError("debootstrap not found: install it (make demo does)")
+    with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work:
+        root = Path(work, "rootfs")
+        cmd = [
+            "debootstrap", "--variant=minbase", f"--include={','.join(PYTHON_PACKAGES)}",
+            "bookworm", str(root),
+        ]
+        if mirror := apt_mirror():
+            cmd.append(mirror)
+        if log:
+            log(f"debootstrap bookworm minbase + {', '.join(PYTHON_PACKAGES)} (about a minute)")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise LayerBuildError(f"debootstrap failed: {(proc.stdout + proc.stderr)[-1500:]}")
+        # Residue that must not ship in a base layer.
+        for junk in ("var/cache/apt/archives", "var/lib/apt/lists", "var/log", "tmp"):
+            shutil.rmtree(root / junk, ignore_errors=True)
+            (root / junk).mkdir(parents=True, exist_ok=True)
+        (root / "tmp").chmod(0o1777)
+        with open(root / "etc/passwd", "a") as f:
+            f.write("agent:x:1000:1000:agent:/home/agent:/bin/bash\n")
+        with open(root / "etc/group", "a") as f:
+            f.write("agent:x:1000:\n")
+        (root / "home/agent").mkdir(parents=True, exist_ok=True)
+        shutil.chown(root / "home/agent", 1000, 1000)
+        if log:
+            log("mkfs.erofs")
+        digest = store.add_dir(root)
+    return store.put_image(
+        Image(name=name, layers=(digest,), env={"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}, workdir="/root")
+    )
+
+
+BUILDERS: dict[str, Callable[..., Image]] = {"busybox": build_busybox, "python": build_python}
+
+
+def ensure_default_images(store: LayerStore, names: tuple[str, ...] = ("busybox", "python"), log: Log | None = None) -> None:
+    for name in names:
+        if store.has_image(name):
+            continue
+        if name == "python":
+            build_python(store, log=log)
+        else:
+            BUILDERS[name](store)

@@ -1,0 +1,234 @@
+"""The layer store and the image store.
+
+A layer is one EROFS file named by the digest of its content (``sha256-<hex>.erofs``); identical
+content is stored once. An image is an ordered list of layer digests (bottom first) plus config,
+stored by name as a small JSON manifest beside the layers. Nothing here mounts anything: the
+edge turns an image into mounts (see ``compose``).
+
+Writes are atomic: a layer or manifest is built under ``tmp/`` and renamed into place, so a
+half-written one is never visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from libdsec import ImageNotFound, InvalidRequest
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+# A fixed filesystem UUID keeps the EROFS bytes free of randomness.
+_EROFS_UUID = "6f2a1d9e-5dec-4000-8000-000000000000"
+
+
+class LayerBuildError(InvalidRequest):
+    """A layer source was unusable (bad archive, path escaping its root, mkfs failure)."""
+
+
+@dataclass(frozen=True)
+class Image:
+    name: str
+    layers: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = "/"
+    user: str = "root"
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"name": self.name, "layers": list(self.layers), "env": self.env,
+             "workdir": self.workdir, "user": self.user, "created_at": time.time()},
+            indent=1,
+        )
+
+
+def check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise InvalidRequest(
+            f"invalid image name {name!r}: use lowercase letters, digits, '.', '_' or '-' (max 128)"
+        )
+    return name
+
+
+def tree_digest(root: Path) -> str:
+    """sha256 over a directory tree's paths, metadata and contents (walk order is sorted)."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            path = Path(dirpath, name)
+            st = path.lstat()
+            rel = str(path.relative_to(root))
+            h.update(f"{rel}\0{st.st_mode}\0{st.st_uid}\0{st.st_gid}\0{st.st_mtime_ns}\0".encode())
+            if stat.S_ISLNK(st.st_mode):
+                h.update(os.readlink(path).encode())
+            elif stat.S_ISREG(st.st_mode):
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
+            elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+                h.update(str(st.st_rdev).encode())
+            h.update(b"\n")
+    return "sha256-" + h.hexdigest()
+
+
+class LayerStore:
+    """Layers (EROFS files) and image manifests under one root directory.
+
+    The root may sit on a shared filesystem: it holds no node-local state.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.layers_dir = self.root / "layers"
+        self.images_dir = self.root / "images"
+        self.tmp_dir = self.root / "tmp"
+        for d in (self.layers_dir, self.images_dir, self.tmp_dir):
+            d.mkdir(parents=True, exist_ok=True)
+
+    # -- layers ----------------------------------------------------------------------------
+
+    def layer_path(self, digest: str) -> Path:
+        return self.layers_dir / f"{digest}.erofs"
+
+    def has_layer(self, digest: str) -> bool:
+        return self.layer_path(digest).exists()
+
+    def add_dir(self, source: Path) -> str:
+        """Build a layer from a directory; returns its digest. Idempotent for equal content."""
+        source = Path(source)
+        if not source.is_dir():
+            raise LayerBuildError(f"layer source {source} is not a directory")
+        digest = tree_digest(source)
+        final = self.layer_path(digest)
+        if final.exists():
+            return digest
+        fd, tmp = tempfile.mkstemp(dir=self.tmp_dir, suffix=".erofs")
+        os.close(fd)
+        try:
+            proc = subprocess.run(
+                ["mkfs.erofs", "--quiet", f"-U{_EROFS_UUID}", "--preserve-mtime", tmp, str(source)],
+                capture_output=True, text=True,
+            )
+            if proc.returncode != 0:
+                raise LayerBuildError(f"mkfs.erofs failed for {source}: {proc.stderr.strip()[:500]}")
+            os.chmod(tmp, 0o444)
+            os.rename(tmp, final)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return digest
+
+    def add_tar(self, tar_path: Path) -> str:
+        """Build a layer from a tar archive (any compression tarfile reads), checked for escapes."""
+        with tempfile.TemporaryDirectory(dir=self.tmp_dir) as work:
+            root = Path(work, "root")
+            root.mkdir()
+            extract_tar(Path(tar_path), root)
+            return self.add_dir(root)
+
+    def layer_size(self, digest: str) -> int:
+        return self.layer_path(digest).stat().st_size
+
+    def layer_digests(self) -> list[str]:
+        return sorted(p.name.removesuffix(".erofs") for p in self.layers_dir.glob("*.erofs"))
+
+    def remove_layer(self, digest: str) -> None:
+        self.layer_path(digest).unlink(missing_ok=True)
+
+    # -- images ----------------------------------------------------------------------------
+
+    def put_image(self, image: Image) -> Image:
+        check_name(image.name)
+        if not image.layers:
+            raise InvalidRequest(f"image {image.name!r} has no layers")
+        for digest in image.layers:
+            if not self.has_layer(digest):
+                raise InvalidRequest(f"image {image.name!r} names missing layer {digest}")
+        fd, tmp = tempfile.mkstemp(dir=self.tmp_dir, suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(image.to_json())
+        os.rename(tmp, self.images_dir / f"{image.name}.json")
+        return image
+
+    def get_image(self, name: str) -> Image:
+        if not _NAME.match(name):
+            raise ImageNotFound(f"unknown image {name!r}")
+        try:
+            data = json.loads((self.images_dir / f"{name}.json").read_text())
+        except FileNotFoundError:
+            raise ImageNotFound(
+                f"unknown image {name!r}; known: {', '.join(self.image_names()) or 'none'}"
+            ) from None
+        return Image(
+            name=data["name"], layers=tuple(data["layers"]), env=data.get("env", {}),
+            workdir=data.get("workdir", "/"), user=data.get("user", "root"),
+        )
+
+    def image_names(self) -> list[str]:
+        return sorted(p.name.removesuffix(".json") for p in self.images_dir.glob("*.json"))
+
+    def has_image(self, name: str) -> bool:
+        return bool(_NAME.match(name)) and (self.images_dir / f"{name}.json").exists()
+
+    def remove_image(self, name: str) -> None:
+        self.get_image(name)
+        (self.images_dir / f"{name}.json").unlink()
+
+    def image_size(self, image: Image) -> int:
+        return sum(self.layer_size(d) for d in image.layers)
+
+    def unreferenced_layers(self) -> list[str]:
+        used = {d for n in self.image_names() for d in self.get_image(n).layers}
+        return [d for d in self.layer_digests() if d not in used]
+
+
+def extract_tar(tar_path: Path, dest: Path) -> None:
+    """Extract a tar into ``dest``, refusing members that would land or point outside it."""
+    dest = dest.resolve()
+    try:
+        with tarfile.open(tar_path) as tar:
+            members = tar.getmembers()
+            symlinks: set[str] = set()
+            for m in members:
+                _check_member(m, dest)
+                parents = Path(m.name).parents
+                if any(str(p) in symlinks for p in parents):
+                    raise LayerBuildError(f"tar member {m.name!r} is written through a symlink")
+                if m.issym():
+                    symlinks.add(os.path.normpath(m.name))
+            tar.extractall(dest, members=members, numeric_owner=True)
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise LayerBuildError(f"cannot read tar archive {tar_path}: {exc}") from exc
+
+
+def _check_member(member: tarfile.TarInfo, dest: Path) -> None:
+    name = member.name
+    parts = Path(name).parts
+    if name.startswith("/") or ".." in parts:
+        raise LayerBuildError(f"tar member {name!r} escapes the layer root")
+    if member.islnk() or member.issym():
+        target = member.linkname
+        base = dest if member.islnk() else (dest / name).parent
+        if member.islnk() and (target.startswith("/") or ".." in Path(target).parts):
+            raise LayerBuildError(f"hard link {name!r} -> {target!r} escapes the layer root")
+        if member.issym() and not target.startswith("/"):
+            resolved = os.path.normpath(base / target)
+            if not resolved.startswith(str(dest)):
+                raise LayerBuildError(f"symlink {name!r} -> {target!r} escapes the layer root")
+    if member.isdev() and not (member.ischr() and member.devmajor == 0 and member.devminor == 0):
+        # Overlay whiteouts (0:0 char devices) are the only device nodes a layer may hold.
+        raise LayerBuildError(f"tar member {name!r} is a device node")
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,126 @@
+"""cgroups on v1 (this machine), hybrid, and pure v2 (most hosts).
+
+crun creates each sandbox's cgroup at ``/dsec/<cid>`` from the OCI config; this module fixes up the
+host so crun can run (hybrid trees), applies limits to a live sandbox by writing the cgroup files
+directly (no process spawn), and finds leftovers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PARENT = "dsec"
+CPU_PERIOD_US = 100_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    memory_mb: int
+    cpu_cores: float
+    pids: int
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mb << 20
+
+    @property
+    def cpu_quota_us(self) -> int:
+        return max(1000, int(self.cpu_cores * CPU_PERIOD_US))
+
+    @property
+    def cpu_shares(self) -> int:
+        return max(2, int(self.cpu_cores * 1024))
+
+
+def is_v2() -> bool:
+    """Pure cgroup v2: /sys/fs/cgroup itself is the unified hierarchy."""
+    return (CGROUP_ROOT / "cgroup.controllers").exists()
+
+
+def version() -> str:
+    if is_v2():
+        return "v2"
+    return "hybrid" if (CGROUP_ROOT / "unified").is_dir() else "v1"
+
+
+def fix_hybrid_hugetlb() -> bool:
+    """crun refuses to run when a controller (hugetlb, here) sits alone on the v2 tree of a
+    hybrid host ("cgroups in hybrid mode not supported"). Mounting it on a v1 hierarchy moves
+    it there. Returns True when a mount was made."""
+    unified = CGROUP_ROOT / "unified" / "cgroup.controllers"
+    if is_v2() or not unified.exists():
+        return False
+    if "hugetlb" not in unified.read_text().split():
+        return False
+    target = CGROUP_ROOT / "hugetlb"
+    target.mkdir(exist_ok=True)
+    from .._sys import mount
+
+    mount("cgroup", str(target), "cgroup", 0, "hugetlb")
+    return True
+
+
+def _v1_dir(controller: str, cid: str) -> Path:
+    return CGROUP_ROOT / controller / PARENT / cid
+
+
+def _write(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def apply_limits(cid: str, limits: Limits) -> None:
+    """Set memory, CPU and pids limits of a running sandbox's cgroup."""
+    if is_v2():
+        d = CGROUP_ROOT / PARENT / cid
+        _write(d / "memory.max", str(limits.memory_bytes))
+        if (d / "memory.swap.max").exists():
+            _write(d / "memory.swap.max", "0")
+        _write(d / "cpu.max", f"{limits.cpu_quota_us} {CPU_PERIOD_US}")
+        _write(d / "cpu.weight", str(max(1, min(10_000, int(limits.cpu_cores * 100)))))
+        _write(d / "pids.max", str(limits.pids))
+        return
+    mem = _v1_dir("memory", cid)
+    _write(mem / "memory.limit_in_bytes", str(limits.memory_bytes))
+    if (mem / "memory.memsw.limit_in_bytes").exists():
+        _write(mem / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
+    cpu = _v1_dir("cpu", cid)
+    _write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
+    _write(cpu / "cpu.cfs_quota_us", str(limits.cpu_quota_us))
+    _write(cpu / "cpu.shares", str(limits.cpu_shares))
+    _write(_v1_dir("pids", cid) / "pids.max", str(limits.pids))
+
+
+def memory_usage_bytes(cid: str) -> int | None:
+    path = (CGROUP_ROOT / PARENT / cid / "memory.current") if is_v2() else (_v1_dir("memory", cid) / "memory.usage_in_bytes")
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def sandbox_cgroup_dirs() -> list[Path]:
+    """Every per-sandbox cgroup directory under the dsec parent, on any hierarchy."""
+    if is_v2():
+        parents = [CGROUP_ROOT / PARENT]
+    else:
+        parents = [p / PARENT for p in CGROUP_ROOT.iterdir() if (p / PARENT).is_dir()]
+    return [d for p in parents if p.is_dir() for d in p.iterdir() if d.is_dir()]
+
+
+def remove_cgroup(cid: str) -> None:
+    """Remove a sandbox's (empty) cgroups; tolerates ones already gone."""
+    dirs = [CGROUP_ROOT / PARENT / cid] if is_v2() else [
+        p / PARENT / cid for p in CGROUP_ROOT.iterdir() if (p / PARENT / cid).is_dir()
+    ]
+    for d in dirs:
+        try:
+            d.rmdir()
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,114 @@
+"""``dsec serve``: apiserver and one edge in one process, state under one directory.
+
+State dir layout: ``token`` (the API token, made on first start), ``store/`` (layers and image
+manifests; may be shared between nodes) and ``node/`` (this node's mounts, sandboxes, records).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import uvicorn
+
+from libdsec import BackendError
+
+from .apiserver.app import Cluster, create_app
+from .backends.container import CRUN, INIT_BINARY, ContainerBackend
+from .edge.edge import Edge, EdgeConfig
+from .images.builders import build_busybox
+from .images.store import LayerStore
+from .resources import cgroups
+
+log = logging.getLogger("dsec.server")
+
+DEFAULT_STATE_DIR = Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+
+
+@dataclass
+class ServerConfig:
+    state_dir: Path = DEFAULT_STATE_DIR
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    node: str = "n0"
+    edge: dict = field(default_factory=dict)  # EdgeConfig overrides
+
+
+def load_or_create_token(state_dir: Path) -> str:
+    path = state_dir / "token"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        token = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        return token
+
+
+def prepare_host() -> list[str]:
+    """Check the runtime and fix what the host needs; returns notes for the log."""
+    notes = []
+    for binary in (CRUN, INIT_BINARY):
+        if not os.path.exists(binary):
+            raise BackendError(f"{binary} not found: run `make demo` or install crun and catatonit")
+    if os.geteuid() != 0:
+        raise BackendError("dsec serve runs as root (it mounts layers and makes cgroups)")
+    if cgroups.fix_hybrid_hugetlb():
+        notes.append("hybrid cgroups: mounted hugetlb on a v1 hierarchy so crun can run")
+    notes.append(f"cgroups {cgroups.version()}")
+    return notes
+
+
+def open_store(state_dir: Path) -> LayerStore:
+    store = LayerStore(state_dir / "store")
+    if not store.has_image("busybox") and shutil.which("busybox"):
+        build_busybox(store)
+    return store
+
+
+def build_edge(config: ServerConfig, store: LayerStore) -> Edge:
+    node_dir = config.state_dir / "node"
+    backend = ContainerBackend(node_dir, store)
+    return Edge(EdgeConfig(node_dir=node_dir, node=config.node, **config.edge), backend, store)
+
+
+def build_app(config: ServerConfig):
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    for note in prepare_host():
+        log.info(note)
+    token = load_or_create_token(config.state_dir)
+    store = open_store(config.state_dir)
+    edge = build_edge(config, store)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await edge.start()
+        log.info("edge %s ready: %d sandboxes adopted", edge.node, len(await edge.list()))
+        try:
+            yield
+        finally:
+            await edge.close()
+
+    return create_app(Cluster([edge], store), token, lifespan=lifespan), edge
+
+
+def serve(config: ServerConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app, _ = build_app(config)
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    uvicorn.run(app, host=config.host, port=config.port, loop=loop, log_level="warning",
+                timeout_graceful_shutdown=10)
+

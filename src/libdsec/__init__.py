@@ -1,0 +1,48 @@
+"""libdsec: the DSec SDK. ``DSecClient`` (async) and ``SyncDSecClient`` (its blocking twin)."""
+
+from ._client import DSecClient, Sandbox, default_token
+from ._errors import (
+    BackendError,
+    CapacityExceeded,
+    CommandTimeout,
+    DSecError,
+    ImageNotFound,
+    InvalidRequest,
+    LimitOutOfRange,
+    SandboxFileNotFound,
+    SandboxNotFound,
+    SandboxStateError,
+    ServerError,
+    ServerUnavailable,
+    Unauthenticated,
+)
+from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, SandboxInfo, SandboxStatus
+from ._sync import SyncDSecClient, SyncSandbox
+
+__all__ = [
+    "BackendError",
+    "CapacityExceeded",
+    "CommandTimeout",
+    "DSecClient",
+    "DSecContainerRunArgs",
+    "DSecError",
+    "ExecResult",
+    "ImageInfo",
+    "ImageNotFound",
+    "InvalidRequest",
+    "LimitOutOfRange",
+    "Sandbox",
+    "SandboxFileNotFound",
+    "SandboxInfo",
+    "SandboxNotFound",
+    "SandboxStateError",
+    "SandboxStatus",
+    "ServerError",
+    "ServerUnavailable",
+    "SyncDSecClient",
+    "SyncSandbox",
+    "Unauthenticated",
+    "default_token",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,306 @@
+"""The async SDK: ``DSecClient`` opens a connection to an apiserver; ``Sandbox`` is one handle.
+
+Lifecycle: ``DSecClient()`` → ``await open()`` (or ``async with``) → calls → ``await close()``;
+a second ``close()`` does nothing. A ``Sandbox`` is a handle to a server-side sandbox; ``stop()``
+ends it (a second ``stop()`` does nothing), and ``async with sandbox`` stops it on exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import BaseModel
+
+from ._errors import (
+    DSecError,
+    InvalidRequest,
+    ServerError,
+    ServerUnavailable,
+    error_from_wire,
+)
+from ._models import (
+    DEFAULT_COMMAND_TIMEOUT_S,
+    BatchEvent,
+    CreateBatchRequest,
+    DSecContainerRunArgs,
+    ExecRequest,
+    ExecResult,
+    ImageList,
+    NodeInfo,
+    SandboxInfo,
+    SandboxList,
+    SandboxStatus,
+)
+
+DEFAULT_ENDPOINT = "http://127.0.0.1:8765"
+DEFAULT_STATE_DIR = "/var/lib/dsec"
+# Slack added to a command's own timeout for the HTTP round trip.
+_HTTP_SLACK_S = 30.0
+
+ProgressCallback = Callable[[int, int], None]
+
+
+def default_token() -> str | None:
+    """DSEC_TOKEN, else the token file in the local state dir (DSEC_STATE_DIR)."""
+    token = os.environ.get("DSEC_TOKEN")
+    if token:
+        return token
+    path = Path(os.environ.get("DSEC_STATE_DIR", DEFAULT_STATE_DIR)) / "token"
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+class Sandbox:
+    """A handle to one sandbox. Use ``async with`` or call ``stop()`` when done."""
+
+    def __init__(self, client: DSecClient, info: SandboxInfo) -> None:
+        self._client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def status(self) -> SandboxStatus:
+        return self.info.status
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} {self.info.image} {self.info.status.value}>"
+
+    async def run_shell(
+        self,
+        command: str,
+        *,
+        timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+        stdin: str | None = None,
+        max_output_bytes: int | None = None,
+    ) -> ExecResult:
+        """Run ``command`` with ``sh -c`` inside the sandbox; raises CommandTimeout past timeout."""
+        request = ExecRequest(
+            command=command,
+            timeout=timeout,
+            env=env or {},
+            workdir=workdir,
+            user=user,
+            stdin=stdin,
+            **({"max_output_bytes": max_output_bytes} if max_output_bytes is not None else {}),
+        )
+        body = await self._client._request(
+            "POST",
+            f"/v1/sandboxes/{self.id}/exec",
+            model=request,
+            timeout=timeout + _HTTP_SLACK_S,
+        )
+        return ExecResult.model_validate(body)
+
+    async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
+        if isinstance(data, str):
+            data = data.encode()
+        await self._client._request(
+            "PUT",
+            f"/v1/sandboxes/{self.id}/files",
+            params={"path": path, "mode": oct(mode)},
+            content=data,
+        )
+
+    async def read_file(self, path: str) -> bytes:
+        return await self._client._request(
+            "GET", f"/v1/sandboxes/{self.id}/files", params={"path": path}, raw=True
+        )
+
+    async def refresh(self) -> SandboxInfo:
+        self.info = SandboxInfo.model_validate(
+            await self._client._request("GET", f"/v1/sandboxes/{self.id}")
+        )
+        return self.info
+
+    async def stop(self) -> None:
+        """Stop and remove the sandbox. Stopping a stopped sandbox does nothing."""
+        if self.info.status in (SandboxStatus.stopped,):
+            return
+        body = await self._client._request("DELETE", f"/v1/sandboxes/{self.id}")
+        self.info = SandboxInfo.model_validate(body)
+
+    async def __aenter__(self) -> Sandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+class DSecClient:
+    """Async client for a DSec apiserver.
+
+    ``endpoint`` defaults to DSEC_ENDPOINT or http://127.0.0.1:8765; ``token`` to DSEC_TOKEN or
+    the local state dir's token file.
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 120.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        max_connections: int = 256,
+    ) -> None:
+        self.endpoint = (endpoint or os.environ.get("DSEC_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+        self._token = token
+        self._timeout = timeout
+        self._transport = transport
+        self._max_connections = max_connections
+        self._http: httpx.AsyncClient | None = None
+
+    async def open(self) -> DSecClient:
+        if self._http is not None:
+            return self
+        token = self._token or default_token()
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.endpoint,
+            headers=headers,
+            timeout=self._timeout,
+            transport=self._transport,
+            limits=httpx.Limits(
+                max_connections=self._max_connections,
+                max_keepalive_connections=self._max_connections,
+            ),
+        )
+        return self
+
+    async def close(self) -> None:
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.aclose()
+
+    async def __aenter__(self) -> DSecClient:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- sandboxes -------------------------------------------------------------------------
+
+    async def run_container(self, args: DSecContainerRunArgs, *, timeout: float | None = None) -> Sandbox:
+        """Create one container sandbox and return once it is running."""
+        body = await self._request("POST", "/v1/sandboxes", model=args, timeout=timeout)
+        return Sandbox(self, SandboxInfo.model_validate(body))
+
+    async def run_containers(
+        self,
+        args: DSecContainerRunArgs,
+        *,
+        count: int,
+        timeout: float | None = None,
+        progress: ProgressCallback | None = None,
+    ) -> list[Sandbox]:
+        """Create ``count`` sandboxes in one request; all of them, or none (then it raises).
+
+        ``progress(done, count)`` is called as each one comes up.
+        """
+        request = CreateBatchRequest(args=args, count=count)
+        sandboxes: list[Sandbox | None] = [None] * count
+        done = 0
+        async for event in self._stream("POST", "/v1/sandboxes:batch", request, timeout):
+            if event.event == "created" and event.sandbox is not None and event.index is not None:
+                sandboxes[event.index] = Sandbox(self, event.sandbox)
+                done += 1
+                if progress is not None:
+                    progress(done, count)
+            elif event.event == "error":
+                raise error_from_wire({"error": event.error}, 500)
+        if any(s is None for s in sandboxes):
+            raise ServerError(f"batch ended with {done} of {count} sandboxes created")
+        return [s for s in sandboxes if s is not None]
+
+    async def get_sandbox(self, sandbox_id: str) -> Sandbox:
+        body = await self._request("GET", f"/v1/sandboxes/{sandbox_id}")
+        return Sandbox(self, SandboxInfo.model_validate(body))
+
+    async def list_sandboxes(self) -> list[SandboxInfo]:
+        return SandboxList.model_validate(await self._request("GET", "/v1/sandboxes")).sandboxes
+
+    async def list_images(self) -> ImageList:
+        return ImageList.model_validate(await self._request("GET", "/v1/images"))
+
+    async def node_info(self) -> list[NodeInfo]:
+        return [NodeInfo.model_validate(n) for n in await self._request("GET", "/v1/nodes")]
+
+    # -- transport -------------------------------------------------------------------------
+
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            raise InvalidRequest("client is not open: call `await client.open()` first")
+        return self._http
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        model: BaseModel | None = None,
+        params: dict[str, str] | None = None,
+        content: bytes | None = None,
+        timeout: float | None = None,
+        raw: bool = False,
+    ) -> Any:
+        http = self._client()
+        kwargs: dict[str, Any] = {"params": params}
+        if model is not None:
+            kwargs["content"] = model.model_dump_json()
+            kwargs["headers"] = {"content-type": "application/json"}
+        elif content is not None:
+            kwargs["content"] = content
+            kwargs["headers"] = {"content-type": "application/octet-stream"}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        try:
+            response = await http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc!r}") from exc
+        if response.status_code >= 400:
+            raise _error_of(response)
+        if raw:
+            return response.content
+        return response.json()
+
+    async def _stream(
+        self, method: str, path: str, model: BaseModel, timeout: float | None
+    ) -> Any:
+        http = self._client()
+        try:
+            async with http.stream(
+                method,
+                path,
+                content=model.model_dump_json(),
+                headers={"content-type": "application/json"},
+                timeout=timeout if timeout is not None else self._timeout,
+            ) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise _error_of(response)
+                async for line in response.aiter_lines():
+                    if line.strip():
+                        yield BatchEvent.model_validate_json(line)
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc!r}") from exc
+
+
+def _error_of(response: httpx.Response) -> DSecError:
+    try:
+        body = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        body = response.text
+    return error_from_wire(body, response.status_code)
+

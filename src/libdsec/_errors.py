@@ -1,0 +1,123 @@
+"""One exception tree for DSec, shared by the SDK and the server.
+
+    DSecError
+    ├── InvalidRequest (ValueError)          malformed request or argument
+    │   └── LimitOutOfRange                  memory / CPU / TTL / count outside what is allowed
+    ├── Unauthenticated (PermissionError)    missing or wrong token
+    ├── ImageNotFound (LookupError)          no image by that name
+    ├── SandboxNotFound (LookupError)        no sandbox by that id (or it is gone)
+    ├── SandboxStateError (RuntimeError)     the call does not fit the sandbox's state
+    ├── SandboxFileNotFound (FileNotFoundError)
+    ├── CommandTimeout (TimeoutError)        a command ran past its timeout and was killed
+    ├── CapacityExceeded                     no node could admit the sandbox
+    ├── BackendError                         the runtime (crun, mounts, …) failed
+    ├── ServerUnavailable (ConnectionError)  the SDK could not reach the server
+    └── ServerError                          anything else the server reported
+
+Errors cross the wire as ``{"error": {"code": CODE, "message": MSG}}`` with the fixed list of
+codes in ``ERROR_CODES``; each side maps them back with :func:`error_from_wire`.
+"""
+
+from __future__ import annotations
+
+
+class DSecError(Exception):
+    """Base of every DSec error. ``code`` is its wire code, ``status`` the HTTP status."""
+
+    code = "internal"
+    status = 500
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_wire(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
+class InvalidRequest(DSecError, ValueError):
+    code = "invalid_request"
+    status = 422
+
+
+class LimitOutOfRange(InvalidRequest):
+    code = "limit_out_of_range"
+    status = 422
+
+
+class Unauthenticated(DSecError, PermissionError):
+    code = "unauthenticated"
+    status = 401
+
+
+class ImageNotFound(DSecError, LookupError):
+    code = "image_not_found"
+    status = 404
+
+
+class SandboxNotFound(DSecError, LookupError):
+    code = "sandbox_not_found"
+    status = 404
+
+
+class SandboxStateError(DSecError, RuntimeError):
+    code = "sandbox_state"
+    status = 409
+
+
+class SandboxFileNotFound(DSecError, FileNotFoundError):
+    code = "file_not_found"
+    status = 404
+
+
+class CommandTimeout(DSecError, TimeoutError):
+    code = "command_timeout"
+    status = 408
+
+
+class CapacityExceeded(DSecError):
+    code = "capacity_exceeded"
+    status = 503
+
+
+class BackendError(DSecError):
+    code = "backend_error"
+    status = 500
+
+
+class ServerUnavailable(DSecError, ConnectionError):
+    code = "server_unavailable"
+    status = 503
+
+
+class ServerError(DSecError):
+    code = "internal"
+    status = 500
+
+
+ERROR_CODES: dict[str, type[DSecError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidRequest,
+        LimitOutOfRange,
+        Unauthenticated,
+        ImageNotFound,
+        SandboxNotFound,
+        SandboxStateError,
+        SandboxFileNotFound,
+        CommandTimeout,
+        CapacityExceeded,
+        BackendError,
+        ServerUnavailable,
+        ServerError,
+    )
+}
+
+
+def error_from_wire(body: object, status: int) -> DSecError:
+    """Turn an error response body back into the matching exception."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        err = body["error"]
+        cls = ERROR_CODES.get(str(err.get("code")), ServerError)
+        return cls(str(err.get("message", "")))
+    return ServerError(f"HTTP {status}: {body!r}"[:500])

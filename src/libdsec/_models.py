@@ -1,0 +1,174 @@
+"""Wire models: one per operation, shared by the SDK and the server.
+
+The server imports these; the OpenAPI document is generated from them. Every model forbids
+unknown fields so a typo in a request is an error, not a silent default.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from enum import Enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Output kept per stream before truncation, unless a request asks for less.
+DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
+MAX_OUTPUT_BYTES_LIMIT = 64 << 20
+DEFAULT_COMMAND_TIMEOUT_S = 60.0
+MAX_BATCH_COUNT = 10_000
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SandboxKind(str, Enum):
+    container = "container"
+
+
+class SandboxStatus(str, Enum):
+    """Lifecycle: creating → running → stopping → stopped; any state may end in failed."""
+
+    creating = "creating"
+    running = "running"
+    stopping = "stopping"
+    stopped = "stopped"
+    failed = "failed"
+
+
+class DSecContainerRunArgs(_Model):
+    """What a container sandbox is made of and may use.
+
+    Ranges are checked by the node that admits the sandbox (``LimitOutOfRange`` names the
+    field and the allowed range), so they can follow the node's real capacity.
+    """
+
+    container_image: str = Field(min_length=1, max_length=256)
+    memory_limit_mb: int = 512
+    cpu_cores_limit: float = 1.0
+    # Seconds without a call after which the sandbox is stopped.
+    ttl_running_stop: float = 1800.0
+    # Named mirror services (or "domains") mapped to allowed or not. Default: no network.
+    network_rules: dict[str, bool | list[str]] = Field(default_factory=dict)
+    init_user: str = "root"
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str = "/"
+    pids_limit: int = 1024
+
+    @field_validator("cpu_cores_limit", "ttl_running_stop")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name, value in env.items():
+            if not name or "=" in name or "\0" in name or "\0" in value:
+                raise ValueError(f"invalid environment variable name or value: {name!r}")
+        return env
+
+    @field_validator("workdir")
+    @classmethod
+    def _absolute(cls, path: str) -> str:
+        if not path.startswith("/") or "\0" in path:
+            raise ValueError("workdir must be an absolute path")
+        return path
+
+
+class CreateBatchRequest(_Model):
+    args: DSecContainerRunArgs
+    count: int = Field(ge=1, le=MAX_BATCH_COUNT)
+
+
+class SandboxInfo(_Model):
+    id: str
+    kind: SandboxKind = SandboxKind.container
+    node: str
+    image: str
+    status: SandboxStatus
+    created_at: datetime
+    last_active_at: datetime
+    memory_limit_mb: int
+    cpu_cores_limit: float
+    ttl_running_stop: float
+    init_user: str
+    workdir: str
+    reason: str | None = None
+
+
+class SandboxList(_Model):
+    sandboxes: list[SandboxInfo]
+
+
+class BatchEvent(_Model):
+    """One line of the NDJSON stream answering a batch create."""
+
+    event: Literal["created", "done", "error"]
+    index: int | None = None
+    sandbox: SandboxInfo | None = None
+    error: dict | None = None
+
+
+class ExecRequest(_Model):
+    command: str = Field(min_length=1)
+    timeout: float = DEFAULT_COMMAND_TIMEOUT_S
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    stdin: str | None = None
+    max_output_bytes: int = Field(default=DEFAULT_MAX_OUTPUT_BYTES, ge=0, le=MAX_OUTPUT_BYTES_LIMIT)
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout(cls, value: float) -> float:
+        if not math.isfinite(value) or value <= 0 or value > 24 * 3600:
+            raise ValueError("timeout must be between 0 and 86400 seconds")
+        return value
+
+
+class ExecResult(_Model):
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_s: float
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    # Bytes the command wrote in all, kept or not.
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+
+
+class ImageInfo(_Model):
+    name: str
+    layers: list[str]
+    size_bytes: int
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str = "/"
+    user: str = "root"
+
+
+class ImageList(_Model):
+    images: list[ImageInfo]
+
+
+class NodeInfo(_Model):
+    node: str
+    cgroup_version: str
+    runtime: str
+    sandboxes: int
+    memory_total_mb: int
+    cpu_cores: int
+
+
+class ErrorBody(_Model):
+    code: str
+    message: str
+
+
+class ErrorResponse(_Model):
+    error: ErrorBody
