@@ -76,7 +76,7 @@ def open_store(state_dir: Path) -> LayerStore:
 
 def build_edge(config: ServerConfig, store: LayerStore) -> Edge:
     node_dir = config.state_dir / "node"
-    backend = ContainerBackend(node_dir, store)
+    backend = ContainerBackend(node_dir, store, cgroup_parent=cgroups.parent_for(config.state_dir))
     return Edge(EdgeConfig(node_dir=node_dir, node=config.node, **config.edge), backend, store)
 
 

@@ -99,6 +99,8 @@ class SandboxInfo(_Model):
     init_user: str
     workdir: str
     reason: str | None = None
+    # Seconds the node took to bring the sandbox up.
+    create_s: float | None = None
 
 
 class SandboxList(_Model):

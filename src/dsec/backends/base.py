@@ -15,6 +15,7 @@ Lifecycle of a handle, as the edge drives it::
   makes sure everything is released.
 - ``recover`` is called once when an edge starts: given the handles it had persisted, it says
   which are still alive (they are adopted as they are); the edge destroys the rest.
+- ``release_unused`` (edge shutdown) frees node-level resources no live sandbox holds.
 - ``apply_limits`` changes limits of a live sandbox (the edge uses it to hand out pre-created
   sandboxes).
 
@@ -99,5 +100,7 @@ class SandboxBackend(Protocol):
     async def destroy(self, handle: Handle) -> None: ...
 
     async def recover(self, handles: list[Handle]) -> list[Handle]: ...
+
+    def release_unused(self) -> None: ...
 
     def memory_usage(self, handle: Handle) -> int | None: ...

@@ -69,7 +69,7 @@ def _pid_in_cgroup(pid: int, cid: str) -> bool:
     """True while ``pid`` is a live process in sandbox ``cid``'s cgroup (guards pid reuse)."""
     try:
         with open(f"/proc/{pid}/cgroup") as f:
-            if f"/{cid}" not in f.read():
+            if f"/{cid}\n" not in f.read():
                 return False
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -105,8 +105,10 @@ class ContainerBackend:
 
     kind = "container"
 
-    def __init__(self, node_dir: Path, store: LayerStore, layer_mounts: LayerMounts | None = None) -> None:
+    def __init__(self, node_dir: Path, store: LayerStore, layer_mounts: LayerMounts | None = None,
+                 cgroup_parent: str = cgroups.DEFAULT_PARENT) -> None:
         self.node_dir = Path(node_dir)
+        self.cgroup_parent = cgroup_parent
         self.store = store
         self.crun_root = self.node_dir / "crun"
         self.sandboxes_dir = self.node_dir / "sandboxes"
@@ -189,7 +191,7 @@ class ContainerBackend:
             ],
             "linux": {
                 "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
-                "cgroupsPath": f"/{cgroups.PARENT}/{cid}",
+                "cgroupsPath": f"/{self.cgroup_parent}/{cid}",
                 "resources": resources,
                 "maskedPaths": MASKED_PATHS,
                 "readonlyPaths": READONLY_PATHS,
@@ -238,14 +240,14 @@ class ContainerBackend:
             pid = int(pidfile.read_text())
         except BaseException:
             await self._run_crun("delete", "--force", cid)
-            cgroups.remove_cgroup(cid)
+            cgroups.remove_cgroup(self.cgroup_parent, cid)
             self._release_rootfs(plan)
             raise
         return Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
 
     async def apply_limits(self, handle: Handle, limits: Limits) -> None:
         try:
-            cgroups.apply_limits(handle.cid, limits)
+            cgroups.apply_limits(self.cgroup_parent, handle.cid, limits)
         except OSError as exc:
             raise BackendError(f"cannot set limits of {handle.cid}: {exc}") from exc
 
@@ -273,7 +275,7 @@ class ContainerBackend:
             while _pid_in_cgroup(handle.pid, handle.cid) and time.monotonic() < deadline:
                 await asyncio.sleep(0.002)
         rc, out = await self._run_crun("delete", "--force", handle.cid)
-        cgroups.remove_cgroup(handle.cid)
+        cgroups.remove_cgroup(self.cgroup_parent, handle.cid)
         self._release_rootfs(self._plan(handle.cid, handle.layers, handle.image))
 
     async def recover(self, handles: list[Handle]) -> list[Handle]:
@@ -294,7 +296,7 @@ class ContainerBackend:
         for state in self.crun_root.iterdir():
             if state.is_dir() and state.name not in keep:
                 await self._remove_remains(state.name)
-        for d in cgroups.sandbox_cgroup_dirs():
+        for d in cgroups.sandbox_cgroup_dirs(self.cgroup_parent):
             if d.name not in keep:
                 await self._remove_remains(d.name)
         self.layer_mounts.release_unused()
@@ -303,14 +305,20 @@ class ContainerBackend:
     async def _remove_remains(self, cid: str) -> None:
         await self._run_crun("kill", cid, "KILL")
         await self._run_crun("delete", "--force", cid)
-        cgroups.remove_cgroup(cid)
+        cgroups.remove_cgroup(self.cgroup_parent, cid)
         target = self.sandboxes_dir / cid / "rootfs"
         if os.path.ismount(target):
             _sys.umount(str(target), _sys.MNT_DETACH)
         shutil.rmtree(self.sandboxes_dir / cid, ignore_errors=True)
 
+    def release_unused(self) -> None:
+        """After the last sandbox is gone: unmount unused layers, drop empty parent cgroups."""
+        self.layer_mounts.release_unused()
+        if not any(self.sandboxes_dir.iterdir()):
+            cgroups.remove_parent(self.cgroup_parent)
+
     def memory_usage(self, handle: Handle) -> int | None:
-        return cgroups.memory_usage_bytes(handle.cid)
+        return cgroups.memory_usage_bytes(self.cgroup_parent, handle.cid)
 
     # -- exec and files --------------------------------------------------------------------
 

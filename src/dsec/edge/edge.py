@@ -98,6 +98,7 @@ class Record:
     gid: int = 0
     reason: str | None = None
     calls: int = 0
+    create_s: float | None = None
 
     def info(self, node: str) -> SandboxInfo:
         return SandboxInfo(
@@ -106,7 +107,7 @@ class Record:
             last_active_at=datetime.fromtimestamp(self.last_active, timezone.utc),
             memory_limit_mb=self.args.memory_limit_mb, cpu_cores_limit=self.args.cpu_cores_limit,
             ttl_running_stop=self.args.ttl_running_stop, init_user=self.args.init_user,
-            workdir=self.args.workdir, reason=self.reason,
+            workdir=self.args.workdir, reason=self.reason, create_s=self.create_s,
         )
 
     def to_json(self) -> str:
@@ -195,9 +196,7 @@ class Edge:
         pooled = [h for pool in self._pools.values() for h in pool.handles]
         self._pools.clear()
         await asyncio.gather(*(self.backend.destroy(h) for h in pooled), return_exceptions=True)
-        layer_mounts = getattr(self.backend, "layer_mounts", None)
-        if layer_mounts is not None:
-            layer_mounts.release_unused()
+        self.backend.release_unused()
 
     # -- admission -------------------------------------------------------------------------
 
@@ -268,6 +267,7 @@ class Edge:
             pool.in_flight -= 1
         rec.status = SandboxStatus.running
         rec.last_active = time.time()
+        rec.create_s = rec.last_active - now
         self._persist(rec)
         return rec.info(self.node)
 

@@ -1,19 +1,30 @@
 """cgroups on v1 (this machine), hybrid, and pure v2 (most hosts).
 
-crun creates each sandbox's cgroup at ``/dsec/<cid>`` from the OCI config; this module fixes up the
+crun creates each sandbox's cgroup at ``/<parent>/<cid>`` from the OCI config (one parent per
+node state dir, ``dsec`` for the default one); this module fixes up the
 host so crun can run (hybrid trees), applies limits to a live sandbox by writing the cgroup files
 directly (no process spawn), and finds leftovers.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-PARENT = "dsec"
+DEFAULT_PARENT = "dsec"
 CPU_PERIOD_US = 100_000
+
+
+def parent_for(state_dir: Path) -> str:
+    """The parent cgroup of one state dir's sandboxes: ``dsec`` for the default state dir,
+    ``dsec-<hash>`` for others, so servers (and tests) never share a subtree."""
+    resolved = str(Path(state_dir).resolve())
+    if resolved == "/var/lib/dsec":
+        return DEFAULT_PARENT
+    return f"{DEFAULT_PARENT}-{hashlib.sha1(resolved.encode()).hexdigest()[:10]}"
 
 
 @dataclass(frozen=True)
@@ -63,8 +74,8 @@ def fix_hybrid_hugetlb() -> bool:
     return True
 
 
-def _v1_dir(controller: str, cid: str) -> Path:
-    return CGROUP_ROOT / controller / PARENT / cid
+def _v1_dir(controller: str, parent: str, cid: str) -> Path:
+    return CGROUP_ROOT / controller / parent / cid
 
 
 def _write(path: Path, value: str) -> None:
@@ -75,10 +86,10 @@ def _write(path: Path, value: str) -> None:
         os.close(fd)
 
 
-def apply_limits(cid: str, limits: Limits) -> None:
+def apply_limits(parent: str, cid: str, limits: Limits) -> None:
     """Set memory, CPU and pids limits of a running sandbox's cgroup."""
     if is_v2():
-        d = CGROUP_ROOT / PARENT / cid
+        d = CGROUP_ROOT / parent / cid
         _write(d / "memory.max", str(limits.memory_bytes))
         if (d / "memory.swap.max").exists():
             _write(d / "memory.swap.max", "0")
@@ -86,41 +97,49 @@ def apply_limits(cid: str, limits: Limits) -> None:
         _write(d / "cpu.weight", str(max(1, min(10_000, int(limits.cpu_cores * 100)))))
         _write(d / "pids.max", str(limits.pids))
         return
-    mem = _v1_dir("memory", cid)
+    mem = _v1_dir("memory", parent, cid)
     _write(mem / "memory.limit_in_bytes", str(limits.memory_bytes))
     if (mem / "memory.memsw.limit_in_bytes").exists():
         _write(mem / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
-    cpu = _v1_dir("cpu", cid)
+    cpu = _v1_dir("cpu", parent, cid)
     _write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
     _write(cpu / "cpu.cfs_quota_us", str(limits.cpu_quota_us))
     _write(cpu / "cpu.shares", str(limits.cpu_shares))
-    _write(_v1_dir("pids", cid) / "pids.max", str(limits.pids))
+    _write(_v1_dir("pids", parent, cid) / "pids.max", str(limits.pids))
 
 
-def memory_usage_bytes(cid: str) -> int | None:
-    path = (CGROUP_ROOT / PARENT / cid / "memory.current") if is_v2() else (_v1_dir("memory", cid) / "memory.usage_in_bytes")
+def memory_usage_bytes(parent: str, cid: str) -> int | None:
+    path = (CGROUP_ROOT / parent / cid / "memory.current") if is_v2() else (_v1_dir("memory", parent, cid) / "memory.usage_in_bytes")
     try:
         return int(path.read_text())
     except (OSError, ValueError):
         return None
 
 
-def sandbox_cgroup_dirs() -> list[Path]:
-    """Every per-sandbox cgroup directory under the dsec parent, on any hierarchy."""
+def _parent_dirs(parent: str) -> list[Path]:
     if is_v2():
-        parents = [CGROUP_ROOT / PARENT]
-    else:
-        parents = [p / PARENT for p in CGROUP_ROOT.iterdir() if (p / PARENT).is_dir()]
-    return [d for p in parents if p.is_dir() for d in p.iterdir() if d.is_dir()]
+        return [CGROUP_ROOT / parent]
+    return [p / parent for p in CGROUP_ROOT.iterdir() if (p / parent).is_dir()]
 
 
-def remove_cgroup(cid: str) -> None:
+def sandbox_cgroup_dirs(parent: str) -> list[Path]:
+    """Every per-sandbox cgroup directory under ``parent``, on any hierarchy."""
+    return [d for p in _parent_dirs(parent) if p.is_dir() for d in p.iterdir() if d.is_dir()]
+
+
+def remove_cgroup(parent: str, cid: str) -> None:
     """Remove a sandbox's (empty) cgroups; tolerates ones already gone."""
-    dirs = [CGROUP_ROOT / PARENT / cid] if is_v2() else [
-        p / PARENT / cid for p in CGROUP_ROOT.iterdir() if (p / PARENT / cid).is_dir()
-    ]
-    for d in dirs:
+    for d in _parent_dirs(parent):
+        try:
+            (d / cid).rmdir()
+        except FileNotFoundError:
+            pass
+
+
+def remove_parent(parent: str) -> None:
+    """Remove the parent cgroups once no sandbox cgroup is left under them."""
+    for d in _parent_dirs(parent):
         try:
             d.rmdir()
-        except FileNotFoundError:
+        except OSError:
             pass

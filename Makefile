@@ -1,0 +1,36 @@
+# `make demo` and `make test` set everything up on a fresh Debian machine (as root).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: setup host venv demo test test-quick bench clean
+
+setup: host venv
+
+host:
+	bash scripts/setup-host.sh
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/dsec demo
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The quick subset (no crun, no mounts): seconds.
+test-quick: venv
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/dsec bench lifecycle
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

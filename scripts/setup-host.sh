@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Install what DSec needs on a Debian host (as root), idempotently.
+set -euo pipefail
+
+PACKAGES=(crun catatonit erofs-utils busybox-static debootstrap podman uidmap
+          iproute2 nftables python3 python3-venv python3-pip psmisc ca-certificates)
+
+if [ "$(id -u)" != 0 ]; then
+    echo "setup-host: run as root (DSec mounts layers and makes cgroups)" >&2
+    exit 1
+fi
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "setup-host: installing ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# Hybrid cgroups (v1 controllers, hugetlb alone on the v2 tree): crun refuses to run until
+# hugetlb is mounted on a v1 hierarchy. `dsec serve` does the same at start.
+if [ ! -f /sys/fs/cgroup/cgroup.controllers ] && [ -f /sys/fs/cgroup/unified/cgroup.controllers ] \
+   && grep -qw hugetlb /sys/fs/cgroup/unified/cgroup.controllers; then
+    mkdir -p /sys/fs/cgroup/hugetlb
+    mount -t cgroup -o hugetlb cgroup /sys/fs/cgroup/hugetlb
+    echo "setup-host: mounted the hugetlb controller on a v1 hierarchy (hybrid cgroups)"
+fi

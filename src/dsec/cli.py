@@ -1,0 +1,221 @@
+"""The ``dsec`` command line: serve, run, ps, stop, image …, info, demo, bench …"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from libdsec import DSecClient, DSecContainerRunArgs, DSecError
+
+app = typer.Typer(help="DSec: sandboxes for agent training.", no_args_is_help=True, add_completion=False)
+image_app = typer.Typer(help="Manage images in the local layer store.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks, each against a peer measured in the same run.", no_args_is_help=True)
+app.add_typer(image_app, name="image")
+app.add_typer(bench_app, name="bench")
+
+console = Console()
+err_console = Console(stderr=True)
+
+StateDir = Annotated[Path, typer.Option("--state-dir", envvar="DSEC_STATE_DIR", help="State directory.")]
+DEFAULT_STATE = Path("/var/lib/dsec")
+
+
+def _fail(exc: Exception) -> None:
+    err_console.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(1)
+
+
+def _run(coro):
+    try:
+        return asyncio.run(coro)
+    except DSecError as exc:
+        _fail(exc)
+
+
+@app.command()
+def serve(
+    state_dir: StateDir = DEFAULT_STATE,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8765,
+    node: Annotated[str, typer.Option(help="This node's name (lowercase letters and digits).")] = "n0",
+    max_sandboxes: Annotated[int, typer.Option(help="Most sandboxes this node admits.")] = 4096,
+    pool_max: Annotated[int, typer.Option(help="Most pre-created sandboxes kept per image (0: no warm pool).")] = 64,
+) -> None:
+    """Run the apiserver and an edge for this machine in one process."""
+    from .server import ServerConfig
+    from .server import serve as run_server
+
+    edge = {"max_sandboxes": max_sandboxes, "pool_max": pool_max}
+    if pool_max == 0:
+        edge["pool_min"] = 0
+    try:
+        run_server(ServerConfig(state_dir=state_dir, host=host, port=port, node=node, edge=edge))
+    except DSecError as exc:
+        _fail(exc)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    ctx: typer.Context,
+    image: Annotated[str, typer.Argument(help="Image name.")],
+    memory: Annotated[int, typer.Option("--memory", "-m", help="Memory limit in MB.")] = 512,
+    cpus: Annotated[float, typer.Option("--cpus", help="CPU cores limit.")] = 1.0,
+    user: Annotated[str, typer.Option("--user", "-u", help="User to run as.")] = "root",
+    workdir: Annotated[str, typer.Option("--workdir", "-w")] = "/",
+    env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="KEY=VALUE")] = None,
+    timeout: Annotated[float, typer.Option(help="Command timeout in seconds.")] = 60.0,
+) -> None:
+    """Create a sandbox, run a command in it, print its output, stop it: dsec run IMAGE -- CMD…"""
+    command = ctx.args
+    if not command:
+        _fail(ValueError("no command: use dsec run IMAGE -- CMD …"))
+    env_map = dict(e.split("=", 1) for e in (env or []) if "=" in e)
+    args = DSecContainerRunArgs(container_image=image, memory_limit_mb=memory, cpu_cores_limit=cpus,
+                                init_user=user, workdir=workdir, env=env_map)
+
+    async def go() -> int:
+        async with DSecClient() as client:
+            async with await client.run_container(args) as sandbox:
+                result = await sandbox.run_shell(shlex.join(command), timeout=timeout)
+        sys.stdout.write(result.stdout)
+        sys.stderr.write(result.stderr)
+        return result.exit_code
+
+    raise typer.Exit(_run(go()))
+
+
+@app.command()
+def ps() -> None:
+    """List the sandboxes on every node."""
+
+    async def go():
+        async with DSecClient() as client:
+            return await client.list_sandboxes()
+
+    table = Table("ID", "IMAGE", "STATUS", "MEMORY", "CPUS", "CREATED", "LAST ACTIVE")
+    for s in _run(go()):
+        table.add_row(s.id, s.image, s.status.value, f"{s.memory_limit_mb} MB", f"{s.cpu_cores_limit:g}",
+                      s.created_at.strftime("%H:%M:%S"), s.last_active_at.strftime("%H:%M:%S"))
+    console.print(table)
+
+
+@app.command()
+def stop(ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")]) -> None:
+    """Stop sandboxes."""
+
+    async def go():
+        async with DSecClient() as client:
+            for sandbox_id in ids:
+                sandbox = await client.get_sandbox(sandbox_id)
+                await sandbox.stop()
+                console.print(f"{sandbox_id} {sandbox.status.value}")
+
+    _run(go())
+
+
+@app.command()
+def info() -> None:
+    """Show the nodes of the cluster and what they run."""
+
+    async def go():
+        async with DSecClient() as client:
+            return await client.node_info()
+
+    table = Table("NODE", "RUNTIME", "CGROUPS", "SANDBOXES", "CPU CORES", "MEMORY")
+    for n in _run(go()):
+        table.add_row(n.node, n.runtime, n.cgroup_version, str(n.sandboxes), str(n.cpu_cores), f"{n.memory_total_mb} MB")
+    console.print(table)
+
+
+# -- images --------------------------------------------------------------------------------
+
+
+def _store(state_dir: Path):
+    from .images.store import LayerStore
+
+    return LayerStore(state_dir / "store")
+
+
+@image_app.command("ls")
+def image_ls(state_dir: StateDir = DEFAULT_STATE) -> None:
+    """List images."""
+    store = _store(state_dir)
+    table = Table("NAME", "LAYERS", "SIZE")
+    for name in store.image_names():
+        img = store.get_image(name)
+        table.add_row(name, " ".join(d[:19] for d in img.layers), f"{store.image_size(img) / 1e6:.1f} MB")
+    console.print(table)
+
+
+@image_app.command("build")
+def image_build(
+    name: Annotated[str, typer.Argument(help="Image name; 'busybox' and 'python' have built-in recipes.")],
+    from_dir: Annotated[Optional[Path], typer.Option("--from-dir", help="Build one layer from a directory.")] = None,
+    from_tar: Annotated[Optional[Path], typer.Option("--from-tar", help="Build one layer from a tar archive.")] = None,
+    state_dir: StateDir = DEFAULT_STATE,
+) -> None:
+    """Build an image from a built-in recipe, a directory or a tar."""
+    from .images.builders import BUILDERS, DEFAULT_PATH
+    from .images.store import Image
+
+    store = _store(state_dir)
+    try:
+        with console.status(f"building {name} …"):
+            if from_dir is not None or from_tar is not None:
+                digest = store.add_dir(from_dir) if from_dir is not None else store.add_tar(from_tar)
+                image = store.put_image(Image(name=name, layers=(digest,), env={"PATH": DEFAULT_PATH}))
+            elif name in BUILDERS:
+                image = BUILDERS[name](store)
+            else:
+                raise ValueError(f"no recipe for {name!r}: give --from-dir or --from-tar")
+    except (DSecError, ValueError, OSError) as exc:
+        _fail(exc)
+    console.print(f"built {image.name}: {', '.join(image.layers)}")
+
+
+@image_app.command("rm")
+def image_rm(name: str, state_dir: StateDir = DEFAULT_STATE) -> None:
+    """Remove an image (its layers stay until nothing refers to them)."""
+    try:
+        _store(state_dir).remove_image(name)
+    except DSecError as exc:
+        _fail(exc)
+    console.print(f"removed {name}")
+
+
+# -- the main job and benchmarks --------------------------------------------------------------
+
+
+@app.command()
+def demo(
+    count: Annotated[int, typer.Option(help="Sandboxes to create in one batch.")] = 200,
+    image: Annotated[str, typer.Option(help="Image to run.")] = "python",
+    state_dir: StateDir = DEFAULT_STATE,
+    port: Annotated[int, typer.Option(help="Port for the embedded server.")] = 8765,
+) -> None:
+    """The main job: start the embedded server, run a task in COUNT sandboxes, report, clean up."""
+    from .demo import run_demo
+
+    raise typer.Exit(run_demo(count=count, image=image, state_dir=state_dir, port=port, console=console))
+
+
+def main() -> None:
+    if os.environ.get("DSEC_DEBUG"):
+        app()
+        return
+    try:
+        app()
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Run ``dsec serve`` as a child process (for the demo, benchmarks and tests), and check that
+nothing is left behind afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from .resources import cgroups
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalServer:
+    """``with LocalServer(state_dir) as server:`` starts ``dsec serve`` and stops it (SIGTERM)."""
+
+    state_dir: Path
+    port: int = 0
+    extra_args: tuple[str, ...] = ()
+    start_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        self.state_dir = Path(self.state_dir)
+        self.port = self.port or free_port()
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.state_dir / "serve.log"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def token(self) -> str:
+        return (self.state_dir / "token").read_text().strip()
+
+    def start(self) -> LocalServer:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dsec", "serve", "--state-dir", str(self.state_dir),
+             "--port", str(self.port), *self.extra_args],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        log.close()
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dsec serve exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                if httpx.get(f"{self.endpoint}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"dsec serve did not come up in {self.start_timeout_s}s: {self.log_tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def kill(self) -> None:
+        """Die without any cleanup, as a crash would."""
+        self.stop(signal.SIGKILL)
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text()[-n:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def leftovers(state_dir: Path, settle_s: float = 5.0) -> list[str]:
+    """What a stopped server left on the host: sandbox processes, mounts, cgroups, bundles.
+
+    Killed processes take a moment to exit and be reaped: look again for up to ``settle_s``."""
+    deadline = time.monotonic() + settle_s
+    while (found := _leftovers(state_dir)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
+def _leftovers(state_dir: Path) -> list[str]:
+    state_dir = Path(state_dir).resolve()
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            target = line.split()[4]
+            if target.startswith(str(state_dir) + "/"):
+                found.append(f"mount {target}")
+    node = state_dir / "node"
+    for sub in ("sandboxes", "crun", "layers"):
+        d = node / sub
+        if d.is_dir():
+            found += [f"{sub} entry {p}" for p in d.iterdir()]
+    parent = cgroups.parent_for(state_dir)
+    found += [f"cgroup {d}" for d in cgroups.sandbox_cgroup_dirs(parent)]
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if f"/{parent}/" in cgroup:
+            found.append(f"process {pid} ({state}) in cgroup {parent}")
+    return found

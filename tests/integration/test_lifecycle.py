@@ -1,0 +1,42 @@
+"""The basic lifecycle against a real ``dsec serve``: create, exec, files, stop, batch."""
+
+from __future__ import annotations
+
+import pytest
+
+from libdsec import DSecContainerRunArgs, SandboxStatus
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+
+async def test_create_exec_stop(client):
+    sandbox = await client.run_container(DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64))
+    assert sandbox.status is SandboxStatus.running
+    result = await sandbox.run_shell("echo hello; echo oops >&2; exit 7")
+    assert (result.exit_code, result.stdout, result.stderr) == (7, "hello\n", "oops\n")
+    await sandbox.stop()
+    assert sandbox.status is SandboxStatus.stopped
+    await sandbox.stop()  # a second stop does nothing
+    assert (await client.get_sandbox(sandbox.id)).status is SandboxStatus.stopped
+
+
+async def test_files_round_trip(client):
+    async with await client.run_container(DSecContainerRunArgs(container_image="busybox")) as sandbox:
+        payload = bytes(range(256)) * 100
+        await sandbox.write_file("/work/deep/data.bin", payload)
+        assert await sandbox.read_file("/work/deep/data.bin") == payload
+        result = await sandbox.run_shell("wc -c < /work/deep/data.bin")
+        assert result.stdout.strip() == str(len(payload))
+
+
+async def test_batch(client):
+    seen = []
+    sandboxes = await client.run_containers(
+        DSecContainerRunArgs(container_image="busybox", memory_limit_mb=32), count=12,
+        progress=lambda done, total: seen.append(done),
+    )
+    assert len({s.id for s in sandboxes}) == 12 and seen[-1] == 12
+    results = [await s.run_shell("hostname; cat /proc/1/cmdline | tr '\\0' ' '") for s in sandboxes]
+    assert all(r.exit_code == 0 for r in results)
+    for s in sandboxes:
+        await s.stop()
