@@ -207,6 +207,16 @@ def demo(
     raise typer.Exit(run_demo(count=count, image=image, state_dir=state_dir, port=port, console=console))
 
 
+@bench_app.command("lifecycle")
+def bench_lifecycle(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench"),
+) -> None:
+    """Full sandbox lifecycle against podman run --rm and bare crun run (see docs/BENCHMARKS.md)."""
+    from .bench.lifecycle import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console))
+
+
 def main() -> None:
     if os.environ.get("DSEC_DEBUG"):
         app()
