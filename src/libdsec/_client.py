@@ -19,12 +19,14 @@ from pydantic import BaseModel
 from ._errors import (
     DSecError,
     InvalidRequest,
+    LimitOutOfRange,
     ServerError,
     ServerUnavailable,
     error_from_wire,
 )
 from ._models import (
     DEFAULT_COMMAND_TIMEOUT_S,
+    MAX_BATCH_COUNT,
     BatchEvent,
     CreateBatchRequest,
     DSecContainerRunArgs,
@@ -209,6 +211,8 @@ class DSecClient:
 
         ``progress(done, count)`` is called as each one comes up.
         """
+        if not 1 <= count <= MAX_BATCH_COUNT:
+            raise LimitOutOfRange(f"count={count} is out of range: 1..{MAX_BATCH_COUNT} sandboxes per batch")
         request = CreateBatchRequest(args=args, count=count)
         sandboxes: list[Sandbox | None] = [None] * count
         done = 0
