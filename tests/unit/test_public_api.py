@@ -1,0 +1,149 @@
+"""The SDK's public surface: the curated ``__all__``, the error tree on the wire, the wire
+models, and that libdsec stands alone (no server code pulled in)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pydantic
+import pytest
+
+import libdsec
+from libdsec import _errors, _models
+from libdsec._errors import ERROR_CODES, error_from_wire
+
+PUBLIC = {
+    "BackendError", "CapacityExceeded", "CommandTimeout", "DSecClient", "DSecContainerRunArgs",
+    "DSecError", "ExecResult", "ImageInfo", "ImageNotFound", "InvalidRequest", "LimitOutOfRange",
+    "Sandbox", "SandboxFileNotFound", "SandboxInfo", "SandboxNotFound", "SandboxStateError",
+    "SandboxStatus", "ServerError", "ServerUnavailable", "SyncDSecClient", "SyncSandbox",
+    "Unauthenticated", "default_token",
+}
+
+# Every error class, its wire code, HTTP status and the built-in it also is.
+ERRORS = [
+    (libdsec.InvalidRequest, "invalid_request", 422, ValueError),
+    (libdsec.LimitOutOfRange, "limit_out_of_range", 422, ValueError),
+    (libdsec.Unauthenticated, "unauthenticated", 401, PermissionError),
+    (libdsec.ImageNotFound, "image_not_found", 404, LookupError),
+    (libdsec.SandboxNotFound, "sandbox_not_found", 404, LookupError),
+    (libdsec.SandboxStateError, "sandbox_state", 409, RuntimeError),
+    (libdsec.SandboxFileNotFound, "file_not_found", 404, FileNotFoundError),
+    (libdsec.CommandTimeout, "command_timeout", 408, TimeoutError),
+    (libdsec.CapacityExceeded, "capacity_exceeded", 503, libdsec.DSecError),
+    (libdsec.BackendError, "backend_error", 500, libdsec.DSecError),
+    (libdsec.ServerUnavailable, "server_unavailable", 503, ConnectionError),
+    (libdsec.ServerError, "internal", 500, libdsec.DSecError),
+]
+
+
+def test_all_is_the_checked_list():
+    assert set(libdsec.__all__) == PUBLIC
+    assert len(libdsec.__all__) == len(PUBLIC), "duplicates in __all__"
+    assert libdsec.__all__ == sorted(libdsec.__all__)
+    for name in libdsec.__all__:
+        assert getattr(libdsec, name) is not None
+
+
+def test_every_error_class_is_on_the_wire_list():
+    classes = {
+        obj for obj in vars(_errors).values()
+        if isinstance(obj, type) and issubclass(obj, libdsec.DSecError) and obj is not libdsec.DSecError
+    }
+    assert classes == {cls for cls, *_ in ERRORS}
+    assert set(ERROR_CODES.values()) == classes
+    assert len({cls.code for cls in classes}) == len(classes), "two classes share a wire code"
+
+
+@pytest.mark.parametrize(("cls", "code", "status", "builtin"), ERRORS, ids=[c.__name__ for c, *_ in ERRORS])
+def test_error_round_trips_the_wire(cls, code, status, builtin):
+    assert (cls.code, cls.status) == (code, status)
+    assert issubclass(cls, libdsec.DSecError) and issubclass(cls, builtin)
+    err = cls(f"something about {code}")
+    body = err.to_wire()
+    assert body == {"error": {"code": code, "message": f"something about {code}"}}
+    back = error_from_wire(body, status)
+    assert type(back) is cls
+    assert back.message == err.message and str(back) == err.message
+
+
+def test_error_from_wire_with_unknown_or_garbled_bodies():
+    unknown = error_from_wire({"error": {"code": "no_such_code", "message": "m"}}, 418)
+    assert type(unknown) is libdsec.ServerError and unknown.message == "m"
+    for body in ("<html>bad gateway</html>", None, {"detail": "x"}, {"error": "flat string"}, [1, 2]):
+        err = error_from_wire(body, 502)
+        assert type(err) is libdsec.ServerError
+        assert "HTTP 502" in err.message
+    assert len(error_from_wire("x" * 10_000, 500).message) <= 500
+
+
+WIRE_MODELS = [
+    cls for cls in vars(_models).values()
+    if isinstance(cls, type) and issubclass(cls, _models._Model) and cls is not _models._Model
+]
+
+
+def _minimal(cls: type[pydantic.BaseModel]) -> dict:
+    """A valid instance's fields for each wire model."""
+    info = {
+        "id": "n0-0123456789abcdef", "node": "n0", "image": "busybox", "status": "running",
+        "created_at": "2026-01-01T00:00:00Z", "last_active_at": "2026-01-01T00:00:00Z",
+        "memory_limit_mb": 64, "cpu_cores_limit": 1.0, "ttl_running_stop": 60.0,
+        "init_user": "root", "workdir": "/",
+    }
+    return {
+        _models.DSecContainerRunArgs: {"container_image": "busybox"},
+        _models.CreateBatchRequest: {"args": {"container_image": "busybox"}, "count": 1},
+        _models.SandboxInfo: info,
+        _models.SandboxList: {"sandboxes": [info]},
+        _models.BatchEvent: {"event": "done"},
+        _models.ExecRequest: {"command": "true"},
+        _models.ExecResult: {"exit_code": 0, "stdout": "", "stderr": "", "duration_s": 0.1},
+        _models.ImageInfo: {"name": "busybox", "layers": ["sha256-00"], "size_bytes": 1},
+        _models.ImageList: {"images": []},
+        _models.NodeInfo: {"node": "n0", "cgroup_version": "v1", "runtime": "container",
+                           "sandboxes": 0, "memory_total_mb": 1, "cpu_cores": 1},
+        _models.ErrorBody: {"code": "internal", "message": "m"},
+        _models.ErrorResponse: {"error": {"code": "internal", "message": "m"}},
+    }[cls]
+
+
+@pytest.mark.parametrize("cls", WIRE_MODELS, ids=[c.__name__ for c in WIRE_MODELS])
+def test_wire_models_forbid_unknown_fields(cls):
+    data = _minimal(cls)
+    cls.model_validate(data)
+    with pytest.raises(pydantic.ValidationError, match="extra_forbidden|Extra inputs"):
+        cls.model_validate({**data, "memroy_limit_mb": 64})
+
+
+def test_run_args_validation():
+    args = libdsec.DSecContainerRunArgs
+    for bad in ({"container_image": ""}, {"container_image": "x" * 257},
+                {"container_image": "busybox", "workdir": "relative"},
+                {"container_image": "busybox", "env": {"A=B": "x"}},
+                {"container_image": "busybox", "env": {"A": "nul\0"}},
+                {"container_image": "busybox", "cpu_cores_limit": float("nan")},
+                {"container_image": "busybox", "ttl_running_stop": float("inf")},
+                {"container_image": "busybox", "memory_limit_mb": "lots"}):
+        with pytest.raises(pydantic.ValidationError):
+            args.model_validate(bad)
+    for bad_timeout in (0, -1, float("nan"), 86401):
+        with pytest.raises(pydantic.ValidationError, match="timeout"):
+            _models.ExecRequest(command="true", timeout=bad_timeout)
+    with pytest.raises(pydantic.ValidationError):
+        _models.ExecRequest(command="")
+    with pytest.raises(pydantic.ValidationError):
+        _models.ExecRequest(command="true", max_output_bytes=_models.MAX_OUTPUT_BYTES_LIMIT + 1)
+
+
+def test_libdsec_imports_no_server_code():
+    # (httpx itself may pull in rich and click for its command line; that is not ours.)
+    code = (
+        "import sys, libdsec\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('dsec', 'fastapi', 'starlette', 'uvicorn', 'typer'))\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"libdsec pulled in: {out.stdout.strip()}"
