@@ -70,6 +70,30 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "malformed request: " + "; ".join(parts)
 
 
+class _CatchUnexpected:
+    """ASGI middleware: an unexpected error becomes a 500 ``internal`` error body."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            if scope["type"] != "http" or started:
+                raise
+            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+            body = {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
+            await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
 def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     app = FastAPI(title="DSec", version="0.1.0", lifespan=lifespan,
                   description="Sandboxes for agent training: containers from shared EROFS layers.")
@@ -94,10 +118,9 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         return JSONResponse({"error": {"code": code, "message": f"{exc.detail}: {request.method} {request.url.path}"}},
                             status_code=exc.status_code)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return JSONResponse({"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}, status_code=500)
+    # Not an exception handler: Starlette re-raises after those, and uvicorn then closes the
+    # keep-alive connection, so the client's next call on it fails.
+    app.add_middleware(_CatchUnexpected)
 
     auth = [Depends(authenticated)]
 
