@@ -114,7 +114,7 @@ def _leftovers(state_dir: Path) -> list[str]:
             if target.startswith(str(state_dir) + "/"):
                 found.append(f"mount {target}")
     node = state_dir / "node"
-    for sub in ("sandboxes", "crun", "layers"):
+    for sub in ("run", "layers", "records"):
         d = node / sub
         if d.is_dir():
             found += [f"{sub} entry {p}" for p in d.iterdir()]

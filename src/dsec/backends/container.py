@@ -7,8 +7,12 @@ and applies the same capabilities, no_new_privs and seccomp profile); files are 
 from the host through the sandbox's own root with openat2(RESOLVE_IN_ROOT), so a symlink inside
 the sandbox can never point outside it.
 
-On disk, per node (``node_dir``): ``crun/`` (crun's state), ``layers/<digest>`` (shared layer
-mounts) and ``sandboxes/<cid>/`` with ``config.json``, ``upper``, ``work`` and ``rootfs``.
+Per node (``node_dir``): ``layers/<digest>`` (the shared layer mounts) and ``run/``, a tmpfs the
+backend mounts, with ``crun/`` (crun's state) and ``sandboxes/<cid>/`` (``config.json``,
+``upper``, ``work``, ``rootfs``). A sandbox's writes thus live in memory, charged to the sandbox's
+own memory limit, and making or removing a sandbox costs no disk metadata operations (on this
+machine's disk those alone cost ~1 ms a sandbox). The tmpfs outlives an edge restart, like the
+sandboxes in it, and is unmounted when the last sandbox is gone.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import contextlib
 import errno
 import json
+import logging
 import os
 import resource
 import shutil
@@ -36,6 +41,8 @@ from ..isolation.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, secc
 from ..resources import cgroups
 from ..resources.cgroups import Limits
 from .base import ExecContext, Handle, SandboxSpec
+
+log = logging.getLogger("dsec.backends.container")
 
 CRUN = shutil.which("crun") or "/usr/bin/crun"
 INIT_BINARY = shutil.which("catatonit") or "/usr/bin/catatonit"
@@ -63,6 +70,24 @@ def _kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+async def _wait_exit(pid: int, timeout: float) -> None:
+    """Wait until ``pid`` has exited (zombie or reaped), through a pidfd."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+    try:
+        await asyncio.wait_for(exited, timeout)
+    except TimeoutError:
+        log.warning("process %d did not exit within %ss of SIGKILL", pid, timeout)
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
 
 
 def _pid_in_cgroup(pid: int, cid: str) -> bool:
@@ -110,8 +135,12 @@ class ContainerBackend:
         self.node_dir = Path(node_dir)
         self.cgroup_parent = cgroup_parent
         self.store = store
-        self.crun_root = self.node_dir / "crun"
-        self.sandboxes_dir = self.node_dir / "sandboxes"
+        self.run_dir = self.node_dir / "run"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if not os.path.ismount(self.run_dir):
+            _sys.mount("dsec-run", str(self.run_dir), "tmpfs", _sys.MS_NODEV | _sys.MS_NOSUID, "mode=0700")
+        self.crun_root = self.run_dir / "crun"
+        self.sandboxes_dir = self.run_dir / "sandboxes"
         for d in (self.crun_root, self.sandboxes_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.layer_mounts = layer_mounts or LayerMounts(self.node_dir / "layers")
@@ -267,16 +296,30 @@ class ContainerBackend:
     async def destroy(self, handle: Handle) -> None:
         if handle.pid > 0 and _pid_in_cgroup(handle.pid, handle.cid):
             # Killing the pid namespace's init takes every process of the sandbox with it.
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(handle.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            deadline = time.monotonic() + 10
-            while _pid_in_cgroup(handle.pid, handle.cid) and time.monotonic() < deadline:
-                await asyncio.sleep(0.002)
-        rc, out = await self._run_crun("delete", "--force", handle.cid)
-        cgroups.remove_cgroup(self.cgroup_parent, handle.cid)
-        self._release_rootfs(self._plan(handle.cid, handle.layers, handle.image))
+            await _wait_exit(handle.pid, timeout=10)
+        # What `crun delete` does for a dead container, without spawning it: drop its cgroups
+        # and its state directory.
+        if not await self._remove_cgroup(handle.cid):
+            await self._run_crun("delete", "--force", handle.cid)
+            await self._remove_cgroup(handle.cid)
+        plan = self._plan(handle.cid, handle.layers, handle.image)
+        await asyncio.to_thread(self._release_rootfs, plan)
+        shutil.rmtree(self.crun_root / handle.cid, ignore_errors=True)
+
+    async def _remove_cgroup(self, cid: str, timeout: float = 5.0) -> bool:
+        """rmdir the sandbox's cgroups; exiting processes may hold them for a moment."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                cgroups.remove_cgroup(self.cgroup_parent, cid)
+                return True
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    log.warning("cannot remove cgroup of %s: %s", cid, exc)
+                    return False
+            await asyncio.sleep(0.005)
 
     async def recover(self, handles: list[Handle]) -> list[Handle]:
         """Adopt the live ones; remove the remains of everything else this backend owns."""
@@ -316,6 +359,8 @@ class ContainerBackend:
         self.layer_mounts.release_unused()
         if not any(self.sandboxes_dir.iterdir()):
             cgroups.remove_parent(self.cgroup_parent)
+            if os.path.ismount(self.run_dir):
+                _sys.umount(str(self.run_dir), _sys.MNT_DETACH)
 
     def memory_usage(self, handle: Handle) -> int | None:
         return cgroups.memory_usage_bytes(self.cgroup_parent, handle.cid)

@@ -70,6 +70,8 @@ def _memory_total_mb() -> int:
 @dataclass
 class EdgeConfig:
     node_dir: Path
+    # Where sandbox records live; they must outlive an edge restart, like the sandboxes.
+    records_dir: Path | None = None
     node: str = "n0"
     max_sandboxes: int = 4096
     memory_overcommit: float = 4.0
@@ -152,13 +154,14 @@ class Edge:
         self.node = config.node
         self.backend = backend
         self.store = store
-        self.records_dir = Path(config.node_dir) / "records"
+        self.records_dir = Path(config.records_dir or Path(config.node_dir) / "records")
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self._records: dict[str, Record] = {}
         self._finished: OrderedDict[str, SandboxInfo] = OrderedDict()
         self._pools: dict[tuple[str, ...], _Pool] = defaultdict(_Pool)
         self._pool_wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._pool_tasks: set[asyncio.Task] = set()
         self._memory_total_mb = _memory_total_mb()
         self._cpu_cores = os.cpu_count() or 1
         self._closed = False
@@ -193,6 +196,8 @@ class Edge:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Refills and trims under way finish (a refill sees _closed and undoes itself).
+        await asyncio.gather(*self._pool_tasks, return_exceptions=True)
         pooled = [h for pool in self._pools.values() for h in pool.handles]
         self._pools.clear()
         await asyncio.gather(*(self.backend.destroy(h) for h in pooled), return_exceptions=True)
@@ -464,11 +469,16 @@ class Edge:
                 if now - pool.last_used > self.config.pool_idle_s:
                     pool.want = 0
                 while len(pool.handles) > pool.want:
-                    asyncio.create_task(self.backend.destroy(pool.handles.pop()))
+                    self._spawn(self.backend.destroy(pool.handles.pop()))
                 while len(pool.handles) + pool.filling < pool.want and self._room_for_pool():
                     pool.filling += 1
-                    asyncio.create_task(self._fill_one(pool, sem))
+                    self._spawn(self._fill_one(pool, sem))
             await asyncio.sleep(0.01)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._pool_tasks.add(task)
+        task.add_done_callback(self._pool_tasks.discard)
 
     def _room_for_pool(self) -> bool:
         return len(self._records) + self.pooled() < self.config.max_sandboxes

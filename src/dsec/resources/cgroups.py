@@ -8,6 +8,7 @@ directly (no process spawn), and finds leftovers.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from dataclasses import dataclass
@@ -116,10 +117,16 @@ def memory_usage_bytes(parent: str, cid: str) -> int | None:
         return None
 
 
-def _parent_dirs(parent: str) -> list[Path]:
+@functools.cache
+def _hierarchies() -> tuple[Path, ...]:
+    """The mounted cgroup hierarchies (v1 controllers, named and unified ones), or the v2 root."""
     if is_v2():
-        return [CGROUP_ROOT / parent]
-    return [p / parent for p in CGROUP_ROOT.iterdir() if (p / parent).is_dir()]
+        return (CGROUP_ROOT,)
+    return tuple(sorted(p for p in CGROUP_ROOT.iterdir() if p.is_dir() and not p.is_symlink()))
+
+
+def _parent_dirs(parent: str) -> list[Path]:
+    return [h / parent for h in _hierarchies() if (h / parent).is_dir()]
 
 
 def sandbox_cgroup_dirs(parent: str) -> list[Path]:
@@ -129,9 +136,9 @@ def sandbox_cgroup_dirs(parent: str) -> list[Path]:
 
 def remove_cgroup(parent: str, cid: str) -> None:
     """Remove a sandbox's (empty) cgroups; tolerates ones already gone."""
-    for d in _parent_dirs(parent):
+    for h in _hierarchies():
         try:
-            (d / cid).rmdir()
+            os.rmdir(h / parent / cid)
         except FileNotFoundError:
             pass
 
