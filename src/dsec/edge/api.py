@@ -15,8 +15,8 @@ from typing import Protocol
 from libdsec import InvalidRequest
 from libdsec._models import DSecContainerRunArgs, ExecRequest, ExecResult, NodeInfo, SandboxInfo
 
-NODE_NAME = re.compile(r"^[a-z0-9]{1,32}$")
-SANDBOX_ID = re.compile(r"^([a-z0-9]{1,32})-([0-9a-f]{16})$")
+NODE_NAME = re.compile(r"^[a-z0-9]{1,32}\Z")
+SANDBOX_ID = re.compile(r"^([a-z0-9]{1,32})-([0-9a-f]{16})\Z")
 
 
 def new_sandbox_id(node: str) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from libdsec import ImageNotFound, InvalidRequest
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}\Z")
 # A fixed filesystem UUID keeps the EROFS bytes free of randomness.
 _EROFS_UUID = "6f2a1d9e-5dec-4000-8000-000000000000"
 
@@ -204,11 +204,31 @@ def extract_tar(tar_path: Path, dest: Path) -> None:
                 parents = Path(m.name).parents
                 if any(str(p) in symlinks for p in parents):
                     raise LayerBuildError(f"tar member {m.name!r} is written through a symlink")
+                # tarfile writes (and chmods) a member over an existing symlink by following it.
+                if os.path.normpath(m.name) in symlinks:
+                    raise LayerBuildError(f"tar member {m.name!r} replaces a symlink")
+                if m.islnk() and (os.path.normpath(m.linkname) in symlinks
+                                  or any(str(p) in symlinks for p in Path(m.linkname).parents)):
+                    raise LayerBuildError(f"hard link {m.name!r} -> {m.linkname!r} goes through a symlink")
                 if m.issym():
                     symlinks.add(os.path.normpath(m.name))
             tar.extractall(dest, members=members, numeric_owner=True)
+            _fix_mtimes(dest, members)
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise LayerBuildError(f"cannot read tar archive {tar_path}: {exc}") from exc
+
+
+def _fix_mtimes(dest: Path, members: list[tarfile.TarInfo]) -> None:
+    """tarfile leaves symlinks and the directories an archive does not list with the time of
+    extraction; pin them so the same archive always makes the same layer."""
+    times = {os.path.normpath(m.name): m.mtime for m in members if m.isdir() or m.issym()}
+    for dirpath, dirnames, filenames in os.walk(dest):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, dest)
+            if name in dirnames or os.path.islink(path):
+                mtime = times.get(rel, 0)
+                os.utime(path, (mtime, mtime), follow_symlinks=False)
 
 
 def _check_member(member: tarfile.TarInfo, dest: Path) -> None:
