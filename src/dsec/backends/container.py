@@ -325,10 +325,9 @@ class ContainerBackend:
         """Adopt the live ones; remove the remains of everything else this backend owns."""
         alive = []
         for h in handles:
-            plan = self._plan(h.cid, h.layers, h.image)
-            if await self.is_alive(h) and os.path.ismount(plan.target):
-                self.layer_mounts.adopt(plan.layers)
+            if await self.is_alive(h) and os.path.ismount(self._plan(h.cid, h.layers, h.image).target):
                 alive.append(h)
+        self.layer_mounts.adopt([self._plan(h.cid, h.layers, h.image).layers for h in alive])
         keep = {h.cid for h in alive}
         for h in handles:
             if h.cid not in keep:

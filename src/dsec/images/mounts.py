@@ -61,9 +61,13 @@ class LayerMounts:
         except OSError:
             pass
 
-    def adopt(self, layers: tuple[LayerMount, ...]) -> None:
-        """Count a running sandbox found after a restart (its layers are mounted already)."""
-        self.acquire(layers)
+    def adopt(self, sandboxes: list[tuple[LayerMount, ...]]) -> None:
+        """Recount from scratch: the given sandboxes hold their layers, nothing else does.
+        Called when an edge (re)starts; ``release_unused`` then unmounts the rest."""
+        with self._lock:
+            self._refs.clear()
+        for layers in sandboxes:
+            self.acquire(layers)
 
     def release_unused(self) -> list[str]:
         """Unmount every layer mount under the mount dir that no sandbox holds."""

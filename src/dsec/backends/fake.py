@@ -1,0 +1,158 @@
+"""An in-memory backend for testing the control plane (edge, apiserver, SDK) without a kernel.
+
+It keeps each sandbox's files in a dict and understands a handful of commands (``echo``,
+``cat``, ``exit N``, ``sleep N``, ``true``, ``false``), joined by ``;``. That is enough for the
+edge's lifecycle, TTL and error paths, and for the backend conformance suite; anything else
+answers exit code 127, as a shell would for an unknown command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import time
+
+from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNotFound, SandboxStateError
+from libdsec._models import ExecRequest, ExecResult
+
+from ..resources.cgroups import Limits
+from .base import ExecContext, Handle, SandboxSpec
+
+
+class FakeBackend:
+    kind = "fake"
+
+    def __init__(self) -> None:
+        self.files: dict[str, dict[str, bytes]] = {}
+        self.paused: set[str] = set()
+        self.limits: dict[str, Limits] = {}
+        self.destroyed: list[str] = []
+        self.fail_next_create: str | None = None
+
+    def _files(self, handle: Handle) -> dict[str, bytes]:
+        files = self.files.get(handle.cid)
+        if files is None:
+            raise SandboxStateError(f"sandbox {handle.cid} is gone")
+        return files
+
+    async def create(self, cid: str, spec: SandboxSpec) -> Handle:
+        if self.fail_next_create:
+            message, self.fail_next_create = self.fail_next_create, None
+            raise BackendError(message)
+        self.files[cid] = {"/etc/passwd": b"root:x:0:0::/root:/bin/sh\nagent:x:1000:1000::/home/agent:/bin/sh\n"}
+        if spec.limits is not None:
+            self.limits[cid] = spec.limits
+        return Handle(cid=cid, image=spec.image, layers=spec.layers, pid=1, env=dict(spec.env))
+
+    async def apply_limits(self, handle: Handle, limits: Limits) -> None:
+        self._files(handle)
+        self.limits[handle.cid] = limits
+
+    async def exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult:
+        files = self._files(handle)
+        start = time.perf_counter()
+        out = bytearray()
+        err = bytearray()
+        code = 0
+
+        async def run() -> int:
+            for part in request.command.split(";"):
+                words = shlex.split(part)
+                if not words:
+                    continue
+                cmd, args = words[0], words[1:]
+                if cmd == "echo":
+                    out.extend((" ".join(args) + "\n").encode())
+                elif cmd == "cat":
+                    for path in args:
+                        if path in files:
+                            out.extend(files[path])
+                        else:
+                            err.extend(f"cat: {path}: No such file or directory\n".encode())
+                            return 1
+                elif cmd == "sleep":
+                    await asyncio.sleep(float(args[0]))
+                elif cmd in ("true", ":"):
+                    pass
+                elif cmd == "false":
+                    return 1
+                elif cmd == "exit":
+                    return int(args[0]) if args else 0
+                else:
+                    err.extend(f"sh: {cmd}: not found\n".encode())
+                    return 127
+            return 0
+
+        try:
+            code = await asyncio.wait_for(run(), request.timeout)
+        except TimeoutError:
+            raise CommandTimeout(f"command timed out after {request.timeout:g}s and was killed") from None
+        cap = request.max_output_bytes
+        return ExecResult(
+            exit_code=code, stdout=out[:cap].decode(), stderr=err[:cap].decode(),
+            duration_s=time.perf_counter() - start,
+            stdout_truncated=len(out) > cap, stderr_truncated=len(err) > cap,
+            stdout_bytes=len(out), stderr_bytes=len(err),
+        )
+
+    async def read_file(self, handle: Handle, path: str, max_bytes: int) -> bytes:
+        files = self._files(handle)
+        if path not in files:
+            raise SandboxFileNotFound(f"no such file in sandbox: {path}")
+        if len(files[path]) > max_bytes:
+            raise InvalidRequest(f"cannot read {path}: over the {max_bytes}-byte limit")
+        return files[path]
+
+    async def write_file(self, handle: Handle, path: str, data: bytes, mode: int, uid: int, gid: int) -> None:
+        if not path.startswith("/"):
+            raise InvalidRequest(f"path must be absolute: {path!r}")
+        self._files(handle)[path] = bytes(data)
+
+    async def make_dir(self, handle: Handle, path: str, uid: int, gid: int) -> None:
+        self._files(handle)
+
+    async def resolve_user(self, handle: Handle, user: str) -> tuple[int, int]:
+        if user == "root":
+            return 0, 0
+        name, _, group = user.partition(":")
+        if name.isdigit():
+            return int(name), int(group or name)
+        for line in self._files(handle)["/etc/passwd"].decode().splitlines():
+            fields = line.split(":")
+            if fields[0] == name:
+                return int(fields[2]), int(fields[3])
+        raise InvalidRequest(f"unknown user {user!r}: not in the image's /etc/passwd")
+
+    async def pause(self, handle: Handle) -> None:
+        self._files(handle)
+        self.paused.add(handle.cid)
+
+    async def resume(self, handle: Handle) -> None:
+        self._files(handle)
+        self.paused.discard(handle.cid)
+
+    async def is_alive(self, handle: Handle) -> bool:
+        return handle.cid in self.files
+
+    async def destroy(self, handle: Handle) -> None:
+        if self.files.pop(handle.cid, None) is not None:
+            self.destroyed.append(handle.cid)
+        self.paused.discard(handle.cid)
+        self.limits.pop(handle.cid, None)
+
+    async def recover(self, handles: list[Handle]) -> list[Handle]:
+        alive = [h for h in handles if h.cid in self.files]
+        keep = {h.cid for h in alive}
+        for cid in [c for c in self.files if c not in keep]:
+            del self.files[cid]
+        return alive
+
+    def release_unused(self) -> None:
+        pass
+
+    def memory_usage(self, handle: Handle) -> int | None:
+        return 0 if handle.cid in self.files else None
+
+    def kill(self, cid: str) -> None:
+        """Make a sandbox die as if its processes were killed from outside."""
+        self.files.pop(cid, None)

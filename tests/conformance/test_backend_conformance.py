@@ -1,0 +1,132 @@
+"""One suite every sandbox backend passes (the fake one included): the lifecycle in
+``dsec.backends.base``'s docstring, exec semantics and errors, files, users, recovery."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+
+import pytest
+
+from dsec.backends.base import ExecContext, Handle, SandboxSpec
+from dsec.resources.cgroups import Limits
+from libdsec import CommandTimeout, InvalidRequest, SandboxFileNotFound, SandboxStateError
+from libdsec._models import ExecRequest
+
+ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/bin:/usr/bin"})
+LIMITS = Limits(memory_mb=64, cpu_cores=0.5, pids=128)
+
+
+@pytest.fixture(params=["fake", pytest.param("container", marks=[pytest.mark.slow, pytest.mark.root])])
+async def kit(request, tmp_path_factory, test_store_lazy):
+    """(backend, spec) for one backend kind; checks that the backend left nothing behind."""
+    if request.param == "fake":
+        from dsec.backends.fake import FakeBackend
+
+        yield FakeBackend(), SandboxSpec(image="busybox", layers=("fake",), env={}, limits=None)
+        return
+    from dsec.backends.container import ContainerBackend
+    from dsec.images.store import LayerStore
+    from dsec.local import leftovers
+    from dsec.resources import cgroups
+
+    store_path = test_store_lazy()
+    state = tmp_path_factory.mktemp("conformance")
+    store = LayerStore(store_path)
+    backend = ContainerBackend(state / "node", store, cgroup_parent=cgroups.parent_for(state))
+    image = store.get_image("busybox")
+    try:
+        yield backend, SandboxSpec(image="busybox", layers=image.layers, env=dict(image.env), limits=None)
+    finally:
+        await backend.recover([])  # removes whatever a failed test left
+        backend.release_unused()
+        left = leftovers(state)
+        shutil.rmtree(state, ignore_errors=True)
+        assert not left, left
+
+
+@pytest.fixture
+def test_store_lazy(request):
+    return lambda: request.getfixturevalue("test_store")
+
+
+def cid() -> str:
+    return f"c{secrets.token_hex(8)}"
+
+
+def run(command: str, **kw) -> ExecRequest:
+    return ExecRequest(command=command, **kw)
+
+
+async def test_create_exec_destroy(kit):
+    backend, spec = kit
+    handle = await backend.create(cid(), spec)
+    try:
+        assert await backend.is_alive(handle)
+        result = await backend.exec(handle, run("echo hello; exit 3"), ROOT)
+        assert (result.exit_code, result.stdout) == (3, "hello\n")
+    finally:
+        await backend.destroy(handle)
+    assert not await backend.is_alive(handle)
+    await backend.destroy(handle)  # idempotent
+    with pytest.raises(SandboxStateError):
+        await backend.exec(handle, run("echo late"), ROOT)
+
+
+async def test_files(kit):
+    backend, spec = kit
+    handle = await backend.create(cid(), spec)
+    try:
+        await backend.write_file(handle, "/tmp/conf.txt", b"payload", 0o644, 0, 0)
+        assert await backend.read_file(handle, "/tmp/conf.txt", 1 << 20) == b"payload"
+        assert (await backend.exec(handle, run("cat /tmp/conf.txt"), ROOT)).stdout == "payload"
+        with pytest.raises(SandboxFileNotFound):
+            await backend.read_file(handle, "/tmp/missing", 1 << 20)
+        with pytest.raises(InvalidRequest):
+            await backend.write_file(handle, "relative.txt", b"x", 0o644, 0, 0)
+    finally:
+        await backend.destroy(handle)
+
+
+async def test_timeout_and_output_cap(kit):
+    backend, spec = kit
+    handle = await backend.create(cid(), spec)
+    try:
+        with pytest.raises(CommandTimeout):
+            await backend.exec(handle, run("sleep 5", timeout=0.3), ROOT)
+        assert await backend.is_alive(handle)
+        result = await backend.exec(handle, run("echo 0123456789", max_output_bytes=4), ROOT)
+        assert result.stdout == "0123" and result.stdout_truncated and result.stdout_bytes == 11
+    finally:
+        await backend.destroy(handle)
+
+
+async def test_users_limits_pause(kit):
+    backend, spec = kit
+    handle = await backend.create(cid(), spec)
+    try:
+        assert await backend.resolve_user(handle, "root") == (0, 0)
+        assert await backend.resolve_user(handle, "agent") == (1000, 1000)
+        assert await backend.resolve_user(handle, "1234:99") == (1234, 99)
+        with pytest.raises(InvalidRequest):
+            await backend.resolve_user(handle, "nobody-such")
+        await backend.apply_limits(handle, LIMITS)
+        await backend.pause(handle)
+        await backend.resume(handle)
+        assert (await backend.exec(handle, run("echo back"), ROOT)).stdout == "back\n"
+    finally:
+        await backend.destroy(handle)
+
+
+async def test_recover_adopts_live_and_drops_dead(kit):
+    backend, spec = kit
+    live = await backend.create(cid(), spec)
+    dead = await backend.create(cid(), spec)
+    try:
+        await backend.destroy(dead)
+        ghost = Handle(cid=cid(), image=spec.image, layers=spec.layers, pid=0)
+        alive = await backend.recover([live, dead, ghost])
+        assert [h.cid for h in alive] == [live.cid]
+        assert (await backend.exec(live, run("echo still"), ROOT)).stdout == "still\n"
+    finally:
+        await backend.destroy(live)
