@@ -1,0 +1,174 @@
+"""The edge's control logic over the in-memory fake backend: admission, lifecycle, TTL, warm
+pool, batches, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dsec.backends.fake import FakeBackend
+from dsec.edge.edge import Edge, EdgeConfig
+from dsec.images.store import Image, LayerStore
+from libdsec import (
+    BackendError,
+    CapacityExceeded,
+    ImageNotFound,
+    InvalidRequest,
+    LimitOutOfRange,
+    SandboxNotFound,
+    SandboxStateError,
+)
+from libdsec._models import DSecContainerRunArgs, ExecRequest, SandboxStatus
+
+
+@pytest.fixture
+def store(tmp_path):
+    store = LayerStore(tmp_path / "store")
+    root = tmp_path / "rootfs"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\n")
+    store.put_image(Image(name="tiny", layers=(store.add_dir(root),), env={"PATH": "/bin"}))
+    return store
+
+
+@pytest.fixture
+async def edge(tmp_path, store):
+    backend = FakeBackend()
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", reaper_interval_s=0.05, pool_min=0, pool_max=0), backend, store)
+    await edge.start()
+    yield edge
+    await edge.close()
+
+
+def args(**kw) -> DSecContainerRunArgs:
+    return DSecContainerRunArgs(container_image="tiny", **kw)
+
+
+async def test_lifecycle(edge):
+    info = await edge.create(args(memory_limit_mb=64))
+    assert info.status is SandboxStatus.running and info.id.startswith("n0-")
+    result = await edge.exec(info.id, ExecRequest(command="echo hi"))
+    assert result.stdout == "hi\n"
+    stopped = await edge.stop(info.id)
+    assert stopped.status is SandboxStatus.stopped
+    assert (await edge.stop(info.id)).status is SandboxStatus.stopped  # second stop: no-op
+    with pytest.raises(SandboxStateError, match="stopped"):
+        await edge.exec(info.id, ExecRequest(command="echo late"))
+    with pytest.raises(SandboxNotFound):
+        await edge.get("n0-0123456789abcdef")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("memory_limit_mb", 1), ("memory_limit_mb", 10**9), ("cpu_cores_limit", 0), ("cpu_cores_limit", 10**6),
+     ("ttl_running_stop", 0), ("pids_limit", 1)],
+)
+async def test_limits_out_of_range_name_the_field(edge, field, value):
+    with pytest.raises(LimitOutOfRange, match=field):
+        await edge.create(args(**{field: value}))
+    assert await edge.list() == []
+
+
+async def test_unknown_image_and_network(edge):
+    with pytest.raises(ImageNotFound, match="nope"):
+        await edge.create(DSecContainerRunArgs(container_image="nope"))
+    with pytest.raises(InvalidRequest, match="network"):
+        await edge.create(args(network_rules={"pypi": True}))
+
+
+async def test_capacity(tmp_path, store):
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "n", max_sandboxes=2, pool_min=0, pool_max=0), FakeBackend(), store)
+    await edge.start()
+    try:
+        await edge.create(args())
+        await edge.create(args())
+        with pytest.raises(CapacityExceeded, match="full"):
+            await edge.create(args())
+    finally:
+        await edge.close()
+
+
+async def test_backend_failure_leaves_no_record(edge):
+    edge.backend.fail_next_create = "crun exploded"
+    with pytest.raises(BackendError, match="exploded"):
+        await edge.create(args())
+    assert await edge.list() == []
+
+
+async def test_ttl_stops_idle_sandbox_but_not_a_busy_one(edge):
+    idle = await edge.create(args(ttl_running_stop=1))
+    busy = await edge.create(args(ttl_running_stop=1))
+    await edge.exec(busy.id, ExecRequest(command="sleep 1.5"))
+    await asyncio.sleep(0.3)
+    info = await edge.get(idle.id)
+    assert info.status is SandboxStatus.stopped and "ttl_running_stop" in info.reason
+    assert (await edge.get(busy.id)).status is SandboxStatus.running
+
+
+async def test_dead_sandbox_is_marked_failed(edge):
+    info = await edge.create(args())
+    edge.backend.kill(edge._records[info.id].handle.cid)
+    with pytest.raises(SandboxStateError):
+        await edge.exec(info.id, ExecRequest(command="echo hi"))
+    got = await edge.get(info.id)
+    assert got.status is SandboxStatus.failed and "died" in got.reason
+
+
+async def test_batch_all_or_nothing(edge):
+    made = [(i, info) async for i, info in edge.create_batch(args(), 5)]
+    assert sorted(i for i, _ in made) == list(range(5))
+    backend: FakeBackend = edge.backend
+    before = len(backend.files)
+    original = backend.create
+    calls = 0
+
+    async def flaky(cid, spec):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise BackendError("third one fails")
+        return await original(cid, spec)
+
+    backend.create = flaky
+    with pytest.raises(BackendError):
+        async for _ in edge.create_batch(args(), 6):
+            pass
+    assert len(backend.files) == before  # everything the failed batch made was stopped
+
+
+async def test_restart_readopts_running_sandboxes(tmp_path, store):
+    backend = FakeBackend()
+    config = EdgeConfig(node_dir=tmp_path / "node", pool_min=0, pool_max=0)
+    first = Edge(config, backend, store)
+    await first.start()
+    keep = await first.create(args())
+    lost = await first.create(args())
+    await first.close()
+    backend.kill(first._records[lost.id].handle.cid)
+    second = Edge(config, backend, store)
+    await second.start()
+    try:
+        assert (await second.get(keep.id)).status is SandboxStatus.running
+        assert (await second.exec(keep.id, ExecRequest(command="echo back"))).stdout == "back\n"
+        assert (await second.get(lost.id)).status is SandboxStatus.failed
+    finally:
+        await second.close()
+
+
+async def test_warm_pool_serves_creates_and_is_released_on_close(tmp_path, store):
+    backend = FakeBackend()
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", pool_min=3, pool_max=8), backend, store)
+    await edge.start()
+    first = await edge.create(args())
+    for _ in range(100):
+        if edge.pooled() >= 3:
+            break
+        await asyncio.sleep(0.01)
+    assert edge.pooled() == 3
+    second = await edge.create(args(memory_limit_mb=100))
+    cid = edge._records[second.id].handle.cid
+    assert backend.limits[cid].memory_mb == 100  # limits set when a pooled sandbox is taken
+    await edge.close()
+    alive = set(backend.files)
+    assert alive == {edge._records[first.id].handle.cid, cid}  # the pool is gone, sandboxes stay
