@@ -25,6 +25,7 @@ from .backends.container import CRUN, INIT_BINARY, ContainerBackend
 from .edge.edge import Edge, EdgeConfig
 from .images.builders import build_busybox
 from .images.store import LayerStore
+from ._sys import set_child_subreaper
 from .resources import cgroups
 
 log = logging.getLogger("dsec.server")
@@ -74,6 +75,7 @@ def prepare_host() -> list[str]:
     if cgroups.fix_hybrid_hugetlb():
         notes.append("hybrid cgroups: mounted hugetlb on a v1 hierarchy so crun can run")
     notes.append(f"cgroups {cgroups.version()}")
+    set_child_subreaper()
     return notes
 
 

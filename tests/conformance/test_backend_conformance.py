@@ -25,11 +25,13 @@ async def kit(request, tmp_path_factory, test_store_lazy):
 
         yield FakeBackend(), SandboxSpec(image="busybox", layers=("fake",), env={}, limits=None)
         return
+    from dsec._sys import set_child_subreaper
     from dsec.backends.container import ContainerBackend
     from dsec.images.store import LayerStore
     from dsec.local import leftovers
     from dsec.resources import cgroups
 
+    set_child_subreaper()  # as dsec serve does: sandbox inits are reaped by us, at once
     store_path = test_store_lazy()
     state = tmp_path_factory.mktemp("conformance")
     store = LayerStore(store_path)

@@ -299,6 +299,10 @@ class ContainerBackend:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(handle.pid, signal.SIGKILL)
             await _wait_exit(handle.pid, timeout=10)
+        # When we are the init's subreaper (see dsec.server), reap it now: a zombie still
+        # counts in a v1 cgroup, which cannot be removed until it is reaped.
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(handle.pid, os.WNOHANG)
         # What `crun delete` does for a dead container, without spawning it: drop its cgroups
         # and its state directory.
         if not await self._remove_cgroup(handle.cid):
@@ -399,7 +403,11 @@ class ContainerBackend:
             except TimeoutError:
                 timed_out = True
                 self._kill_exec(pidfile, proc)
-                rc = await proc.wait()
+                try:
+                    rc = await asyncio.wait_for(proc.wait(), 5)
+                except TimeoutError:
+                    _kill_tree(proc.pid)
+                    rc = await proc.wait()
             # Output still in the pipes is read at once; a background process that keeps them
             # open is not waited for.
             await asyncio.wait(readers, timeout=_PIPE_GRACE_S)
@@ -428,12 +436,13 @@ class ContainerBackend:
         )
 
     def _kill_exec(self, pidfile: Path, proc: asyncio.subprocess.Process) -> None:
+        """Kill what a command started. ``crun exec`` itself is left to reap its child and
+        exit; only if it had not started the command yet is it killed too."""
         try:
             _kill_tree(int(pidfile.read_text()))
         except (OSError, ValueError):
-            pass
-        if proc.returncode is None:
-            _kill_tree(proc.pid)
+            if proc.returncode is None:
+                _kill_tree(proc.pid)
 
     def _root_fd(self, handle: Handle) -> int:
         try:

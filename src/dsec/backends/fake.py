@@ -20,9 +20,10 @@ from .base import ExecContext, Handle, SandboxSpec
 
 
 class FakeBackend:
-    kind = "fake"
+    """Stands in for the backend of any sandbox kind (``container`` unless told otherwise)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "container") -> None:
+        self.kind = kind
         self.files: dict[str, dict[str, bytes]] = {}
         self.paused: set[str] = set()
         self.limits: dict[str, Limits] = {}

@@ -23,7 +23,7 @@ import os
 import secrets
 import time
 from collections import OrderedDict, defaultdict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -90,6 +90,7 @@ class EdgeConfig:
 @dataclass
 class Record:
     id: str
+    kind: str
     handle: Handle
     args: DSecContainerRunArgs
     image: Image
@@ -104,7 +105,7 @@ class Record:
 
     def info(self, node: str) -> SandboxInfo:
         return SandboxInfo(
-            id=self.id, node=node, image=self.args.container_image, status=self.status,
+            id=self.id, kind=self.kind, node=node, image=self.args.container_image, status=self.status,
             created_at=datetime.fromtimestamp(self.created_at, timezone.utc),
             last_active_at=datetime.fromtimestamp(self.last_active, timezone.utc),
             memory_limit_mb=self.args.memory_limit_mb, cpu_cores_limit=self.args.cpu_cores_limit,
@@ -114,7 +115,7 @@ class Record:
 
     def to_json(self) -> str:
         return json.dumps({
-            "id": self.id, "handle": self.handle.to_json(), "args": self.args.model_dump(mode="json"),
+            "id": self.id, "kind": self.kind, "handle": self.handle.to_json(), "args": self.args.model_dump(mode="json"),
             "image": {"name": self.image.name, "layers": list(self.image.layers), "env": self.image.env,
                       "workdir": self.image.workdir, "user": self.image.user},
             "created_at": self.created_at, "uid": self.uid, "gid": self.gid,
@@ -126,7 +127,7 @@ class Record:
         img = d["image"]
         now = time.time()
         return cls(
-            id=d["id"], handle=Handle.from_json(d["handle"]),
+            id=d["id"], kind=d.get("kind", "container"), handle=Handle.from_json(d["handle"]),
             args=DSecContainerRunArgs.model_validate(d["args"]),
             image=Image(name=img["name"], layers=tuple(img["layers"]), env=img["env"],
                         workdir=img["workdir"], user=img["user"]),
@@ -137,6 +138,7 @@ class Record:
 
 @dataclass
 class _Pool:
+    kind: str = "container"
     image: Image | None = None
     handles: deque[Handle] = field(default_factory=deque)
     want: int = 0
@@ -149,16 +151,22 @@ class Edge:
     """The node daemon's core. ``await start()`` before use; ``await close()`` at the end
     (a second ``close()`` does nothing)."""
 
-    def __init__(self, config: EdgeConfig, backend: SandboxBackend, store: LayerStore) -> None:
+    def __init__(
+        self, config: EdgeConfig, backends: SandboxBackend | Iterable[SandboxBackend], store: LayerStore
+    ) -> None:
         self.config = config
         self.node = config.node
-        self.backend = backend
+        if hasattr(backends, "kind"):
+            backends = [backends]
+        # One backend per sandbox kind (container, microvm, …); the first is the default.
+        self.backends: dict[str, SandboxBackend] = {b.kind: b for b in backends}
+        self.backend = next(iter(self.backends.values()))
         self.store = store
         self.records_dir = Path(config.records_dir or Path(config.node_dir) / "records")
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self._records: dict[str, Record] = {}
         self._finished: OrderedDict[str, SandboxInfo] = OrderedDict()
-        self._pools: dict[tuple[str, ...], _Pool] = defaultdict(_Pool)
+        self._pools: dict[tuple[str, tuple[str, ...]], _Pool] = defaultdict(_Pool)
         self._pool_wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
         self._pool_tasks: set[asyncio.Task] = set()
@@ -176,7 +184,10 @@ class Edge:
             except (OSError, ValueError, KeyError) as exc:
                 log.warning("dropping unreadable record %s: %s", path, exc)
                 path.unlink(missing_ok=True)
-        alive = {h.cid for h in await self.backend.recover([r.handle for r in records])}
+        alive: set[str] = set()
+        for kind, backend in self.backends.items():
+            mine = [r.handle for r in records if r.kind == kind]
+            alive |= {h.cid for h in await backend.recover(mine)}
         for rec in records:
             if rec.handle.cid in alive:
                 self._records[rec.id] = rec
@@ -198,10 +209,11 @@ class Edge:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         # Refills and trims under way finish (a refill sees _closed and undoes itself).
         await asyncio.gather(*self._pool_tasks, return_exceptions=True)
-        pooled = [h for pool in self._pools.values() for h in pool.handles]
+        pooled = [(pool.kind, h) for pool in self._pools.values() for h in pool.handles]
         self._pools.clear()
-        await asyncio.gather(*(self.backend.destroy(h) for h in pooled), return_exceptions=True)
-        self.backend.release_unused()
+        await asyncio.gather(*(self.backends[k].destroy(h) for k, h in pooled), return_exceptions=True)
+        for backend in self.backends.values():
+            backend.release_unused()
 
     # -- admission -------------------------------------------------------------------------
 
@@ -237,33 +249,42 @@ class Edge:
 
     # -- create ----------------------------------------------------------------------------
 
-    async def create(self, args: DSecContainerRunArgs) -> SandboxInfo:
+    def _backend(self, kind: str) -> SandboxBackend:
+        backend = self.backends.get(kind)
+        if backend is None:
+            raise InvalidRequest(
+                f"sandbox kind {kind!r} is not served by node {self.node} (it serves {', '.join(self.backends)})"
+            )
+        return backend
+
+    async def create(self, args: DSecContainerRunArgs, kind: str = "container") -> SandboxInfo:
         if self._closed:
             raise SandboxStateError(f"edge {self.node} is shutting down")
+        backend = self._backend(kind)
         limits = self._check_limits(args)
         image = self.store.get_image(args.container_image)
         self._admit(args)
         now = time.time()
         rec = Record(
-            id=new_sandbox_id(self.node), handle=Handle(cid="", image=image.name, layers=image.layers),
+            id=new_sandbox_id(self.node), kind=kind, handle=Handle(cid="", image=image.name, layers=image.layers),
             args=args, image=image, status=SandboxStatus.creating, created_at=now, last_active=now,
         )
         self._records[rec.id] = rec
-        pool = self._pools[image.layers]
-        pool.image = image
+        pool = self._pools[(kind, image.layers)]
+        pool.kind, pool.image = kind, image
         pool.in_flight += 1
         pool.last_used = time.monotonic()
         pool.want = min(self.config.pool_max, max(pool.want, self.config.pool_min, pool.in_flight))
         self._pool_wakeup.set()
         try:
-            rec.handle = await self._take_or_create(image, pool)
+            rec.handle = await self._take_or_create(pool)
             try:
-                await self.backend.apply_limits(rec.handle, limits)
-                rec.uid, rec.gid = await self.backend.resolve_user(rec.handle, args.init_user)
+                await backend.apply_limits(rec.handle, limits)
+                rec.uid, rec.gid = await backend.resolve_user(rec.handle, args.init_user)
                 if args.workdir != "/":
-                    await self.backend.make_dir(rec.handle, args.workdir, rec.uid, rec.gid)
+                    await backend.make_dir(rec.handle, args.workdir, rec.uid, rec.gid)
             except BaseException:
-                await self.backend.destroy(rec.handle)
+                await backend.destroy(rec.handle)
                 raise
         except BaseException:
             del self._records[rec.id]
@@ -276,22 +297,26 @@ class Edge:
         self._persist(rec)
         return rec.info(self.node)
 
-    async def _take_or_create(self, image: Image, pool: _Pool) -> Handle:
+    async def _take_or_create(self, pool: _Pool) -> Handle:
+        backend = self.backends[pool.kind]
         while pool.handles:
             handle = pool.handles.popleft()
             self._pool_wakeup.set()
-            if await self.backend.is_alive(handle):
+            if await backend.is_alive(handle):
                 return handle
-            await self.backend.destroy(handle)
-        return await self._new_handle(image)
+            await backend.destroy(handle)
+        return await self._new_handle(pool.kind, pool.image)
 
-    async def _new_handle(self, image: Image) -> Handle:
+    async def _new_handle(self, kind: str, image: Image) -> Handle:
         spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=None)
-        return await self.backend.create(f"c{secrets.token_hex(8)}", spec)
+        return await self.backends[kind].create(f"c{secrets.token_hex(8)}", spec)
 
-    async def create_batch(self, args: DSecContainerRunArgs, count: int) -> AsyncIterator[tuple[int, SandboxInfo]]:
+    async def create_batch(
+        self, args: DSecContainerRunArgs, count: int, kind: str = "container"
+    ) -> AsyncIterator[tuple[int, SandboxInfo]]:
         """Create ``count`` sandboxes; yields (index, info) as each comes up. All or none: on the
         first failure (or if the consumer goes away) every sandbox made so far is stopped."""
+        self._backend(kind)
         self._check_limits(args)
         self.store.get_image(args.container_image)
         sem = asyncio.Semaphore(self.config.batch_concurrency)
@@ -300,7 +325,7 @@ class Edge:
         async def one(i: int) -> None:
             async with sem:
                 try:
-                    await queue.put((i, await self.create(args)))
+                    await queue.put((i, await self.create(args, kind)))
                 except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                     await queue.put((i, exc))
 
@@ -351,7 +376,7 @@ class Edge:
         try:
             return await coro
         except SandboxStateError:
-            if rec.status is SandboxStatus.running and not await self.backend.is_alive(rec.handle):
+            if rec.status is SandboxStatus.running and not await self.backends[rec.kind].is_alive(rec.handle):
                 await self._fail(rec, "sandbox processes died")
             raise
         finally:
@@ -361,18 +386,19 @@ class Edge:
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         rec = self._running(sandbox_id, "exec")
         if request.user is not None:
-            uid, gid = await self.backend.resolve_user(rec.handle, request.user)
+            uid, gid = await self.backends[rec.kind].resolve_user(rec.handle, request.user)
         else:
             uid, gid = rec.uid, rec.gid
         ctx = ExecContext(
             uid=uid, gid=gid, workdir=request.workdir or rec.args.workdir,
             env={**rec.image.env, **rec.args.env, **request.env},
         )
-        return await self._call(rec, self.backend.exec(rec.handle, request, ctx))
+        return await self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx))
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         rec = self._running(sandbox_id, "read a file")
-        return await self._call(rec, self.backend.read_file(rec.handle, path, self.config.max_file_bytes))
+        backend = self.backends[rec.kind]
+        return await self._call(rec, backend.read_file(rec.handle, path, self.config.max_file_bytes))
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
         rec = self._running(sandbox_id, "write a file")
@@ -380,7 +406,8 @@ class Edge:
             raise InvalidRequest(f"file of {len(data)} bytes is over the {self.config.max_file_bytes}-byte limit")
         if not 0 <= mode <= 0o7777:
             raise InvalidRequest(f"invalid file mode {oct(mode)}")
-        await self._call(rec, self.backend.write_file(rec.handle, path, data, mode, rec.uid, rec.gid))
+        backend = self.backends[rec.kind]
+        await self._call(rec, backend.write_file(rec.handle, path, data, mode, rec.uid, rec.gid))
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         rec = self._records.get(sandbox_id)
@@ -405,7 +432,7 @@ class Edge:
             return await self.get(sandbox_id)
         rec.status = SandboxStatus.stopping
         try:
-            await self.backend.destroy(rec.handle)
+            await self.backends[rec.kind].destroy(rec.handle)
         except Exception as exc:
             await self._fail(rec, f"stop failed: {exc}")
             raise
@@ -417,7 +444,7 @@ class Edge:
         log.warning("sandbox %s failed: %s", rec.id, reason)
         rec.status, rec.reason = SandboxStatus.failed, reason
         try:
-            await self.backend.destroy(rec.handle)
+            await self.backends[rec.kind].destroy(rec.handle)
         finally:
             self._forget(rec)
 
@@ -435,7 +462,7 @@ class Edge:
 
     async def node_info(self) -> NodeInfo:
         return NodeInfo(
-            node=self.node, cgroup_version=cgroups.version(), runtime=self.backend.kind,
+            node=self.node, cgroup_version=cgroups.version(), runtime=",".join(self.backends),
             sandboxes=len(self._records), memory_total_mb=self._memory_total_mb, cpu_cores=self._cpu_cores,
         )
 
@@ -469,7 +496,7 @@ class Edge:
                 if now - pool.last_used > self.config.pool_idle_s:
                     pool.want = 0
                 while len(pool.handles) > pool.want:
-                    self._spawn(self.backend.destroy(pool.handles.pop()))
+                    self._spawn(self.backends[pool.kind].destroy(pool.handles.pop()))
                 while len(pool.handles) + pool.filling < pool.want and self._room_for_pool():
                     pool.filling += 1
                     self._spawn(self._fill_one(pool, sem))
@@ -488,9 +515,9 @@ class Edge:
             async with sem:
                 if self._closed or pool.image is None:
                     return
-                handle = await self._new_handle(pool.image)
-                if self._closed or self._pools.get(pool.image.layers) is not pool:
-                    await self.backend.destroy(handle)
+                handle = await self._new_handle(pool.kind, pool.image)
+                if self._closed or self._pools.get((pool.kind, pool.image.layers)) is not pool:
+                    await self.backends[pool.kind].destroy(handle)
                 else:
                     pool.handles.append(handle)
         except Exception as exc:  # noqa: BLE001 - a failed refill is retried on next demand
