@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,56 @@ def make_state_dir(tmp_path_factory: pytest.TempPathFactory, store: Path, name: 
     state = tmp_path_factory.mktemp(name)
     (state / "store").symlink_to(store)
     return state
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_after_the_suite(tmp_path_factory):
+    """After the whole run: no mounts, cgroups, crun state or processes (catatonit runs as
+    ``/dev/.dsec-init``) of any state dir a test made, removed since or not."""
+    made: list[Path] = []
+    mktemp = tmp_path_factory.mktemp
+
+    def recording_mktemp(*args, **kwargs):
+        path = mktemp(*args, **kwargs)
+        made.append(path.resolve())
+        return path
+
+    tmp_path_factory.mktemp = recording_mktemp
+    yield
+    tmp_path_factory.mktemp = mktemp
+    if os.geteuid() != 0:
+        return
+    deadline = time.monotonic() + 10
+    while (problems := suite_leftovers(tmp_path_factory.getbasetemp().resolve(), made)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not problems, "the test run left behind:\n" + "\n".join(problems)
+
+
+def suite_leftovers(base: Path, state_dirs: list[Path]) -> list[str]:
+    from dsec.local import leftovers
+    from dsec.resources import cgroups
+
+    problems = []
+    for state in state_dirs:
+        # A real container backend ran there (fake-backend tests leave plain files, no more).
+        if (state / "node" / "layers").exists() or (state / "node" / "run").exists():
+            problems += leftovers(state, settle_s=0)
+    with open("/proc/self/mountinfo") as f:
+        problems += [f"mount {t}" for line in f if (t := line.split()[4]).startswith(f"{base}/")]
+    parents = {cgroups.parent_for(d) for d in state_dirs}
+    hierarchies = [cgroups.CGROUP_ROOT] if cgroups.is_v2() else list(cgroups.CGROUP_ROOT.iterdir())
+    problems += [f"cgroup {h / p}" for h in hierarchies for p in parents if (h / p).is_dir()]
+    for pid in os.listdir("/proc"):
+        try:
+            cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            root = os.readlink(f"/proc/{pid}/root")
+        except (OSError, ValueError):
+            continue
+        names = {part for line in cgroup.splitlines() for part in line.split(":", 2)[-1].split("/")}
+        if names & parents or root.startswith(f"{base}/") or f"{base}/" in cmdline:
+            problems.append(f"process {pid} {cmdline.strip()[:150]!r} (root {root})")
+    return sorted(set(problems))
 
 
 @pytest.fixture(scope="module")

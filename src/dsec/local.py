@@ -120,6 +120,9 @@ def _leftovers(state_dir: Path) -> list[str]:
             found += [f"{sub} entry {p}" for p in d.iterdir()]
     parent = cgroups.parent_for(state_dir)
     found += [f"cgroup {d}" for d in cgroups.sandbox_cgroup_dirs(parent)]
+    hierarchies = [cgroups.CGROUP_ROOT] if cgroups.is_v2() else list(cgroups.CGROUP_ROOT.iterdir())
+    found += [f"parent cgroup {h / parent}" for h in hierarchies if (h / parent).is_dir()]
+    inside = str(state_dir) + "/"
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -130,4 +133,14 @@ def _leftovers(state_dir: Path) -> list[str]:
             continue
         if f"/{parent}/" in cgroup:
             found.append(f"process {pid} ({state}) in cgroup {parent}")
+            continue
+        # Sandbox processes outside the cgroups (a failed cgroup set-up), and the server or a
+        # crun that runs on this state dir.
+        try:
+            root = os.readlink(f"/proc/{pid}/root")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if root.startswith(inside) or inside in cmdline or f"{state_dir} " in cmdline:
+            found.append(f"process {pid} ({state}) {cmdline.strip()[:200]!r} rooted in {root}")
     return found
