@@ -16,7 +16,7 @@ from ._errors import (
     ServerUnavailable,
     Unauthenticated,
 )
-from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, SandboxInfo, SandboxStatus
+from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, SandboxInfo, SandboxStatus
 from ._sync import SyncDSecClient, SyncSandbox
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "ImageNotFound",
     "InvalidRequest",
     "LimitOutOfRange",
+    "PackDiffResult",
     "Sandbox",
     "SandboxFileNotFound",
     "SandboxInfo",

@@ -32,8 +32,11 @@ from ._models import (
     DSecContainerRunArgs,
     ExecRequest,
     ExecResult,
+    ImageInfo,
     ImageList,
     NodeInfo,
+    PackDiffRequest,
+    PackDiffResult,
     SandboxInfo,
     SandboxList,
     SandboxStatus,
@@ -120,6 +123,14 @@ class Sandbox:
         return await self._client._request(
             "GET", f"/v1/sandboxes/{self.id}/files", params={"path": path}, raw=True
         )
+
+    async def pack_diff(self, name: str | None = None) -> PackDiffResult:
+        """Turn the sandbox's changes into a new image (the sandbox is frozen meanwhile and
+        keeps running after). Start new sandboxes from ``result.image`` to restore or branch."""
+        body = await self._client._request(
+            "POST", f"/v1/sandboxes/{self.id}/pack_diff", model=PackDiffRequest(name=name), timeout=600
+        )
+        return PackDiffResult.model_validate(body)
 
     async def refresh(self) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(
@@ -237,6 +248,17 @@ class DSecClient:
 
     async def list_images(self) -> ImageList:
         return ImageList.model_validate(await self._request("GET", "/v1/images"))
+
+    async def inspect_image(self, ref: str) -> ImageInfo:
+        """An image by name, or a composition such as ``python+repo-abc+harness``."""
+        return ImageInfo.model_validate(await self._request("GET", f"/v1/images/{ref}"))
+
+    async def remove_image(self, name: str) -> None:
+        await self._request("DELETE", f"/v1/images/{name}")
+
+    async def gc_images(self) -> list[str]:
+        """Remove layers no image refers to and no sandbox holds; returns their digests."""
+        return (await self._request("POST", "/v1/images:gc"))["removed"]
 
     async def node_info(self) -> list[NodeInfo]:
         return [NodeInfo.model_validate(n) for n in await self._request("GET", "/v1/nodes")]

@@ -56,6 +56,14 @@ class DSecContainerRunArgs(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str = "/"
     pids_limit: int = 1024
+    # An explicit composition: ``container_image`` is the base, then a workspace layer set and
+    # toolkits stacked on top (``"python+repo-abc+harness"`` in ``container_image`` is the same).
+    workspace: str | None = None
+    toolkits: list[str] = Field(default_factory=list)
+
+    @property
+    def image_ref(self) -> str:
+        return "+".join([self.container_image, *([self.workspace] if self.workspace else []), *self.toolkits])
 
     @field_validator("cpu_cores_limit", "ttl_running_stop")
     @classmethod
@@ -78,6 +86,22 @@ class DSecContainerRunArgs(_Model):
         if not path.startswith("/") or "\0" in path:
             raise ValueError("workdir must be an absolute path")
         return path
+
+
+class PackDiffRequest(_Model):
+    # Name of the new image; default ``snap-<digest prefix>``.
+    name: str | None = None
+
+
+class PackDiffResult(_Model):
+    """What ``pack_diff`` made: an image (pass ``image`` as ``container_image`` to restore or
+    branch) whose top layer holds the sandbox's changes."""
+
+    image: str
+    layer: str
+    layers: list[str]
+    size_bytes: int
+    scrubbed: list[str]
 
 
 class CreateBatchRequest(_Model):
@@ -148,6 +172,9 @@ class ExecResult(_Model):
 class ImageInfo(_Model):
     name: str
     layers: list[str]
+    roles: list[str] = Field(default_factory=list)
+    layer_sizes: list[int] = Field(default_factory=list)
+    parent: str | None = None
     size_bytes: int
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str = "/"

@@ -12,7 +12,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ._client import DSecClient, ProgressCallback, Sandbox
-from ._models import DSecContainerRunArgs, ExecResult, ImageList, SandboxInfo
+from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, SandboxInfo
 
 T = TypeVar("T")
 
@@ -55,6 +55,9 @@ class SyncSandbox:
 
     def read_file(self, path: str) -> bytes:
         return self._run(self._sandbox.read_file(path))
+
+    def pack_diff(self, name: str | None = None) -> PackDiffResult:
+        return self._run(self._sandbox.pack_diff(name))
 
     def refresh(self) -> SandboxInfo:
         return self._run(self._sandbox.refresh())
@@ -117,3 +120,12 @@ class SyncDSecClient:
 
     def list_images(self) -> ImageList:
         return self._loop().run(self._async.list_images())
+
+    def inspect_image(self, ref: str) -> ImageInfo:
+        return self._loop().run(self._async.inspect_image(ref))
+
+    def remove_image(self, name: str) -> None:
+        self._loop().run(self._async.remove_image(name))
+
+    def gc_images(self) -> list[str]:
+        return self._loop().run(self._async.gc_images())

@@ -16,7 +16,7 @@ from libdsec._errors import ERROR_CODES, error_from_wire
 PUBLIC = {
     "BackendError", "CapacityExceeded", "CommandTimeout", "DSecClient", "DSecContainerRunArgs",
     "DSecError", "ExecResult", "ImageInfo", "ImageNotFound", "InvalidRequest", "LimitOutOfRange",
-    "Sandbox", "SandboxFileNotFound", "SandboxInfo", "SandboxNotFound", "SandboxStateError",
+    "PackDiffResult", "Sandbox", "SandboxFileNotFound", "SandboxInfo", "SandboxNotFound", "SandboxStateError",
     "SandboxStatus", "ServerError", "ServerUnavailable", "SyncDSecClient", "SyncSandbox",
     "Unauthenticated", "default_token",
 }
@@ -102,6 +102,9 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.ExecResult: {"exit_code": 0, "stdout": "", "stderr": "", "duration_s": 0.1},
         _models.ImageInfo: {"name": "busybox", "layers": ["sha256-00"], "size_bytes": 1},
         _models.ImageList: {"images": []},
+        _models.PackDiffRequest: {"name": "snap"},
+        _models.PackDiffResult: {"image": "snap", "layer": "sha256-00", "layers": ["sha256-00"],
+                                 "size_bytes": 1, "scrubbed": []},
         _models.NodeInfo: {"node": "n0", "cgroup_version": "v1", "runtime": "container",
                            "sandboxes": 0, "memory_total_mb": 1, "cpu_cores": 1},
         _models.ErrorBody: {"code": "internal", "message": "m"},

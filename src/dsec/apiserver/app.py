@@ -29,6 +29,8 @@ from libdsec._models import (
     ImageInfo,
     ImageList,
     NodeInfo,
+    PackDiffRequest,
+    PackDiffResult,
     SandboxInfo,
     SandboxList,
 )
@@ -195,14 +197,29 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         await edge.write_file(sandbox_id, path, await request.body(), file_mode)
         return {"ok": True}
 
+    @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", dependencies=auth, responses=_ERRORS)
+    async def pack_diff(sandbox_id: str, request: PackDiffRequest) -> PackDiffResult:
+        return await cluster.edge_for(sandbox_id).pack_diff(sandbox_id, request.name)
+
     @app.get("/v1/images", dependencies=auth)
     async def list_images() -> ImageList:
-        images = []
-        for name in cluster.store.image_names():
-            img = cluster.store.get_image(name)
-            images.append(ImageInfo(name=img.name, layers=list(img.layers), size_bytes=cluster.store.image_size(img),
-                                    env=img.env, workdir=img.workdir, user=img.user))
-        return ImageList(images=images)
+        store = cluster.store
+        return ImageList(images=[store.describe(store.get_image(name)) for name in store.image_names()])
+
+    @app.get("/v1/images/{ref}", dependencies=auth, responses=_ERRORS)
+    async def inspect_image(ref: str) -> ImageInfo:
+        return cluster.store.describe(cluster.store.resolve(ref))
+
+    @app.delete("/v1/images/{name}", dependencies=auth, responses=_ERRORS)
+    async def remove_image(name: str) -> dict:
+        refs = frozenset(r for edge in cluster.edges.values() for r in edge.in_use()[0])
+        cluster.store.remove_image(name, in_use=refs)
+        return {"removed": name}
+
+    @app.post("/v1/images:gc", dependencies=auth)
+    async def gc_layers() -> dict:
+        held = frozenset(d for edge in cluster.edges.values() for d in edge.in_use()[1])
+        return {"removed": cluster.store.gc(in_use=held)}
 
     @app.get("/v1/nodes", dependencies=auth)
     async def nodes() -> list[NodeInfo]:

@@ -15,6 +15,8 @@ Lifecycle of a handle, as the edge drives it::
   makes sure everything is released.
 - ``recover`` is called once when an edge starts: given the handles it had persisted, it says
   which are still alive (they are adopted as they are); the edge destroys the rest.
+- ``pack_diff`` turns a running sandbox's changes into a layer in the store (consistent: the
+  sandbox is frozen meanwhile; residue scrubbed) and returns its digest and what was scrubbed.
 - ``release_unused`` (edge shutdown) frees node-level resources no live sandbox holds.
 - ``apply_limits`` changes limits of a live sandbox (the edge uses it to hand out pre-created
   sandboxes).
@@ -90,6 +92,8 @@ class SandboxBackend(Protocol):
     async def make_dir(self, handle: Handle, path: str, uid: int, gid: int) -> None: ...
 
     async def resolve_user(self, handle: Handle, user: str) -> tuple[int, int]: ...
+
+    async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]: ...
 
     async def pause(self, handle: Handle) -> None: ...
 

@@ -34,6 +34,7 @@ from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNot
 from libdsec._models import ExecRequest, ExecResult
 
 from .. import _sys
+from ..images import scrub
 from ..images.compose import OverlayPlan, compose
 from ..images.mounts import LayerMounts
 from ..images.store import Image, LayerStore
@@ -88,6 +89,34 @@ async def _wait_exit(pid: int, timeout: float) -> None:
     finally:
         loop.remove_reader(fd)
         os.close(fd)
+
+
+def _session(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[3])
+
+
+def _kill_session_of(pidfile: Path, cid: str) -> None:
+    """SIGKILL the session of the command in ``pidfile`` in sandbox ``cid``. crun exec gives
+    each command a session of its own; what the command starts in the background stays in it
+    (unless it calls setsid), even when a double fork takes it out of the process tree."""
+    try:
+        pid = int(pidfile.read_text())
+        sid = _session(pid) if _pid_in_cgroup(pid, cid) else 0
+    except (OSError, ValueError, IndexError):
+        return
+    if sid <= 1:
+        return
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            session = _session(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+        if session == sid and _pid_in_cgroup(int(entry), cid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry), signal.SIGKILL)
 
 
 def _pid_in_cgroup(pid: int, cid: str) -> bool:
@@ -293,6 +322,24 @@ class ContainerBackend:
         if rc != 0:
             raise BackendError(f"cannot resume {handle.cid}: {out}")
 
+    async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
+        """Freeze the sandbox, turn its writable layer (minus residue) into a layer in the
+        store, thaw it. Whiteouts and opaque directories travel as overlay markers."""
+        if not await self.is_alive(handle):
+            raise SandboxStateError(f"cannot pack: sandbox process of {handle.cid} is gone")
+        upper = self._plan(handle.cid, handle.layers, handle.image).upper
+        rc, out = await self._run_crun("pause", handle.cid)
+        was_paused = rc != 0 and "paused" in out
+        if rc != 0 and not was_paused:
+            raise BackendError(f"cannot freeze {handle.cid} to pack it: {out}")
+        try:
+            skip = await asyncio.to_thread(scrub.residue, upper)
+            digest = await asyncio.to_thread(self.store.add_dir, upper, skip)
+        finally:
+            if not was_paused:
+                await self._run_crun("resume", handle.cid)
+        return digest, sorted("/" + p for p in skip)
+
     async def destroy(self, handle: Handle) -> None:
         if handle.pid > 0 and _pid_in_cgroup(handle.pid, handle.cid):
             # Killing the pid namespace's init takes every process of the sandbox with it.
@@ -402,6 +449,7 @@ class ContainerBackend:
                 rc = await asyncio.wait_for(proc.wait(), request.timeout)
             except TimeoutError:
                 timed_out = True
+                _kill_session_of(pidfile, handle.cid)
                 self._kill_exec(pidfile, proc)
                 try:
                     rc = await asyncio.wait_for(proc.wait(), 5)
@@ -466,19 +514,21 @@ class ContainerBackend:
     def _read_file(self, handle: Handle, path: str, max_bytes: int) -> bytes:
         root = self._root_fd(handle)
         try:
-            fd = _sys.openat2(root, path, os.O_RDONLY, 0, _sys.RESOLVE_IN_ROOT | _sys.RESOLVE_NO_MAGICLINKS)
+            # O_NONBLOCK: opening a FIFO must not wait for a writer.
+            fd = _sys.openat2(root, path, os.O_RDONLY | os.O_NONBLOCK, 0,
+                              _sys.RESOLVE_IN_ROOT | _sys.RESOLVE_NO_MAGICLINKS)
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 raise SandboxFileNotFound(f"no such file in sandbox: {path}") from None
             raise InvalidRequest(f"cannot read {path}: {exc.strerror}") from None
         finally:
             os.close(root)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)  # (os.fdopen refuses a directory)
+            kind = "is a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise InvalidRequest(f"cannot read {path}: {kind}")
         with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if stat.S_ISDIR(st.st_mode):
-                raise InvalidRequest(f"cannot read {path}: is a directory")
-            if not stat.S_ISREG(st.st_mode):
-                raise InvalidRequest(f"cannot read {path}: not a regular file")
             if st.st_size > max_bytes:
                 raise InvalidRequest(f"cannot read {path}: {st.st_size} bytes is over the {max_bytes}-byte limit")
             return f.read(max_bytes + 1)[:max_bytes]
@@ -496,10 +546,14 @@ class ContainerBackend:
                 raise InvalidRequest(f"cannot write {path!r}: not a file path")
             self._makedirs(root, parent or "/", uid, gid)
             try:
-                fd = _sys.openat2(root, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode,
+                # O_NONBLOCK: opening a FIFO must not wait for a reader.
+                fd = _sys.openat2(root, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, mode,
                                   _sys.RESOLVE_IN_ROOT | _sys.RESOLVE_NO_MAGICLINKS)
             except OSError as exc:
                 raise InvalidRequest(f"cannot write {path}: {exc.strerror}") from None
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise InvalidRequest(f"cannot write {path}: not a regular file")
             try:
                 os.fchown(fd, uid, gid)
                 os.fchmod(fd, mode)

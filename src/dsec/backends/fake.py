@@ -124,6 +124,10 @@ class FakeBackend:
                 return int(fields[2]), int(fields[3])
         raise InvalidRequest(f"unknown user {user!r}: not in the image's /etc/passwd")
 
+    async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
+        self._files(handle)
+        raise BackendError("the fake backend keeps no layers: it cannot pack a sandbox")
+
     async def pause(self, handle: Handle) -> None:
         self._files(handle)
         self.paused.add(handle.cid)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from libdsec import InvalidRequest
-from libdsec._models import DSecContainerRunArgs, ExecRequest, ExecResult, NodeInfo, SandboxInfo
+from libdsec._models import DSecContainerRunArgs, ExecRequest, ExecResult, NodeInfo, PackDiffResult, SandboxInfo
 
 NODE_NAME = re.compile(r"^[a-z0-9]{1,32}\Z")
 SANDBOX_ID = re.compile(r"^([a-z0-9]{1,32})-([0-9a-f]{16})\Z")
@@ -48,5 +48,9 @@ class EdgeAPI(Protocol):
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None: ...
 
     async def stop(self, sandbox_id: str, reason: str = "stopped by request") -> SandboxInfo: ...
+
+    async def pack_diff(self, sandbox_id: str, name: str | None = None) -> PackDiffResult: ...
+
+    def in_use(self) -> tuple[frozenset[str], frozenset[str]]: ...
 
     async def node_info(self) -> NodeInfo: ...

@@ -41,12 +41,13 @@ from libdsec._models import (
     ExecRequest,
     ExecResult,
     NodeInfo,
+    PackDiffResult,
     SandboxInfo,
     SandboxStatus,
 )
 
 from ..backends.base import ExecContext, Handle, SandboxBackend, SandboxSpec
-from ..images.store import Image, LayerStore
+from ..images.store import Image, LayerStore, check_name
 from ..resources import cgroups
 from ..resources.cgroups import Limits
 from .api import new_sandbox_id
@@ -105,7 +106,7 @@ class Record:
 
     def info(self, node: str) -> SandboxInfo:
         return SandboxInfo(
-            id=self.id, kind=self.kind, node=node, image=self.args.container_image, status=self.status,
+            id=self.id, kind=self.kind, node=node, image=self.image.name, status=self.status,
             created_at=datetime.fromtimestamp(self.created_at, timezone.utc),
             last_active_at=datetime.fromtimestamp(self.last_active, timezone.utc),
             memory_limit_mb=self.args.memory_limit_mb, cpu_cores_limit=self.args.cpu_cores_limit,
@@ -117,7 +118,7 @@ class Record:
         return json.dumps({
             "id": self.id, "kind": self.kind, "handle": self.handle.to_json(), "args": self.args.model_dump(mode="json"),
             "image": {"name": self.image.name, "layers": list(self.image.layers), "env": self.image.env,
-                      "workdir": self.image.workdir, "user": self.image.user},
+                      "workdir": self.image.workdir, "user": self.image.user, "roles": list(self.image.roles)},
             "created_at": self.created_at, "uid": self.uid, "gid": self.gid,
         })
 
@@ -130,7 +131,7 @@ class Record:
             id=d["id"], kind=d.get("kind", "container"), handle=Handle.from_json(d["handle"]),
             args=DSecContainerRunArgs.model_validate(d["args"]),
             image=Image(name=img["name"], layers=tuple(img["layers"]), env=img["env"],
-                        workdir=img["workdir"], user=img["user"]),
+                        workdir=img["workdir"], user=img["user"], roles=tuple(img.get("roles", ()))),
             status=SandboxStatus.running, created_at=d["created_at"], last_active=now,
             uid=d["uid"], gid=d["gid"],
         )
@@ -262,7 +263,7 @@ class Edge:
             raise SandboxStateError(f"edge {self.node} is shutting down")
         backend = self._backend(kind)
         limits = self._check_limits(args)
-        image = self.store.get_image(args.container_image)
+        image = self.store.resolve(args.image_ref)
         self._admit(args)
         now = time.time()
         rec = Record(
@@ -318,7 +319,7 @@ class Edge:
         first failure (or if the consumer goes away) every sandbox made so far is stopped."""
         self._backend(kind)
         self._check_limits(args)
-        self.store.get_image(args.container_image)
+        self.store.resolve(args.image_ref)
         sem = asyncio.Semaphore(self.config.batch_concurrency)
         queue: asyncio.Queue[tuple[int, SandboxInfo | BaseException]] = asyncio.Queue()
 
@@ -408,6 +409,32 @@ class Edge:
             raise InvalidRequest(f"invalid file mode {oct(mode)}")
         backend = self.backends[rec.kind]
         await self._call(rec, backend.write_file(rec.handle, path, data, mode, rec.uid, rec.gid))
+
+    async def pack_diff(self, sandbox_id: str, name: str | None = None) -> PackDiffResult:
+        """The sandbox's changes as a new image on top of its own (it keeps running)."""
+        rec = self._running(sandbox_id, "pack")
+        if name is not None:
+            check_name(name)
+            if self.store.has_image(name):
+                raise InvalidRequest(f"image {name!r} exists already; pick another name")
+        backend = self.backends[rec.kind]
+        digest, scrubbed = await self._call(rec, backend.pack_diff(rec.handle))
+        image = Image(
+            name=name or f"snap-{digest.removeprefix('sha256-')[:16]}",
+            layers=rec.image.layers + (digest,), roles=rec.image.roles + ("snapshot",),
+            env=rec.image.env, workdir=rec.image.workdir, user=rec.image.user, parent=rec.image.name,
+        )
+        self.store.put_image(image)
+        return PackDiffResult(image=image.name, layer=digest, layers=list(image.layers),
+                              size_bytes=self.store.layer_size(digest), scrubbed=scrubbed)
+
+    def in_use(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(image refs, layer digests) held by this node's sandboxes, pooled ones included."""
+        recs = list(self._records.values())
+        refs = {r.image.name for r in recs}
+        layers = {d for r in recs for d in r.image.layers}
+        layers |= {d for pool in self._pools.values() if pool.image for d in pool.image.layers}
+        return frozenset(refs), frozenset(layers)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         rec = self._records.get(sandbox_id)

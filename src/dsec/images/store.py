@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from libdsec import ImageNotFound, InvalidRequest
+from libdsec._models import ImageInfo
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}\Z")
 # A fixed filesystem UUID keeps the EROFS bytes free of randomness.
@@ -35,19 +36,41 @@ class LayerBuildError(InvalidRequest):
     """A layer source was unusable (bad archive, path escaping its root, mkfs failure)."""
 
 
+ROLES = ("base", "workspace", "toolkit", "step", "snapshot")
+
+
 @dataclass(frozen=True)
 class Image:
+    """Layers bottom first, each with a role (base, workspace, toolkit, step, snapshot)."""
+
     name: str
     layers: tuple[str, ...]
     env: dict[str, str] = field(default_factory=dict)
     workdir: str = "/"
     user: str = "root"
+    roles: tuple[str, ...] = ()
+    parent: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.roles:
+            object.__setattr__(self, "roles", ("base",) * len(self.layers))
+        if len(self.roles) != len(self.layers):
+            raise InvalidRequest(f"image {self.name!r}: {len(self.roles)} roles for {len(self.layers)} layers")
 
     def to_json(self) -> str:
         return json.dumps(
-            {"name": self.name, "layers": list(self.layers), "env": self.env,
-             "workdir": self.workdir, "user": self.user, "created_at": time.time()},
+            {"name": self.name, "layers": list(self.layers), "roles": list(self.roles), "env": self.env,
+             "workdir": self.workdir, "user": self.user, "parent": self.parent, "created_at": time.time()},
             indent=1,
+        )
+
+    def on_top(self, other: Image, name: str) -> Image:
+        """This image with ``other``'s layers stacked above it, and ``other``'s config over its own."""
+        return Image(
+            name=name, layers=self.layers + other.layers, roles=self.roles + other.roles,
+            env={**self.env, **other.env},
+            workdir=other.workdir if other.workdir != "/" else self.workdir,
+            user=other.user if other.user != "root" else self.user,
         )
 
 
@@ -59,16 +82,27 @@ def check_name(name: str) -> str:
     return name
 
 
-def tree_digest(root: Path) -> str:
-    """sha256 over a directory tree's paths, metadata and contents (walk order is sorted)."""
+def tree_digest(root: Path, exclude: frozenset[str] = frozenset()) -> str:
+    """sha256 over a directory tree's paths, metadata, xattrs and contents (walk order is sorted);
+    ``exclude`` lists relative paths left out, as mkfs leaves them out."""
     h = hashlib.sha256()
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         for name in sorted(dirnames + filenames):
             path = Path(dirpath, name)
-            st = path.lstat()
             rel = str(path.relative_to(root))
+            if rel in exclude:
+                if name in dirnames:
+                    dirnames.remove(name)
+                continue
+            st = path.lstat()
             h.update(f"{rel}\0{st.st_mode}\0{st.st_uid}\0{st.st_gid}\0{st.st_mtime_ns}\0".encode())
+            try:
+                # Overlay whiteout and opaque markers live in trusted.* xattrs.
+                for attr in sorted(os.listxattr(path, follow_symlinks=False)):
+                    h.update(attr.encode() + b"=" + os.getxattr(path, attr, follow_symlinks=False) + b"\0")
+            except OSError:
+                pass
             if stat.S_ISLNK(st.st_mode):
                 h.update(os.readlink(path).encode())
             elif stat.S_ISREG(st.st_mode):
@@ -103,12 +137,14 @@ class LayerStore:
     def has_layer(self, digest: str) -> bool:
         return self.layer_path(digest).exists()
 
-    def add_dir(self, source: Path) -> str:
-        """Build a layer from a directory; returns its digest. Idempotent for equal content."""
+    def add_dir(self, source: Path, exclude: frozenset[str] = frozenset()) -> str:
+        """Build a layer from a directory, leaving out the relative paths in ``exclude``;
+        returns its digest. Idempotent for equal content. Overlay whiteouts (0:0 character
+        devices) and opaque-directory xattrs are kept, so an overlay upper becomes a layer."""
         source = Path(source)
         if not source.is_dir():
             raise LayerBuildError(f"layer source {source} is not a directory")
-        digest = tree_digest(source)
+        digest = tree_digest(source, exclude)
         final = self.layer_path(digest)
         if final.exists():
             return digest
@@ -116,7 +152,8 @@ class LayerStore:
         os.close(fd)
         try:
             proc = subprocess.run(
-                ["mkfs.erofs", "--quiet", f"-U{_EROFS_UUID}", "--preserve-mtime", tmp, str(source)],
+                ["mkfs.erofs", "--quiet", f"-U{_EROFS_UUID}", "--preserve-mtime",
+                 *(f"--exclude-path={p}" for p in sorted(exclude)), tmp, str(source)],
                 capture_output=True, text=True,
             )
             if proc.returncode != 0:
@@ -172,7 +209,16 @@ class LayerStore:
         return Image(
             name=data["name"], layers=tuple(data["layers"]), env=data.get("env", {}),
             workdir=data.get("workdir", "/"), user=data.get("user", "root"),
+            roles=tuple(data.get("roles", ())), parent=data.get("parent"),
         )
+
+    def resolve(self, ref: str) -> Image:
+        """An image by name, or a composition ``base+workspace+toolkit…`` stacked in that order."""
+        names = ref.split("+")
+        image = self.get_image(names[0])
+        for name in names[1:]:
+            image = image.on_top(self.get_image(name), ref)
+        return image
 
     def image_names(self) -> list[str]:
         return sorted(p.name.removesuffix(".json") for p in self.images_dir.glob("*.json"))
@@ -180,16 +226,38 @@ class LayerStore:
     def has_image(self, name: str) -> bool:
         return bool(_NAME.match(name)) and (self.images_dir / f"{name}.json").exists()
 
-    def remove_image(self, name: str) -> None:
+    def remove_image(self, name: str, in_use: frozenset[str] = frozenset()) -> None:
+        """Remove an image's manifest; refused while a sandbox uses it (``in_use``: image refs
+        of live sandboxes, compositions included)."""
         self.get_image(name)
+        users = sorted(ref for ref in in_use if name in ref.split("+"))
+        if users:
+            raise InvalidRequest(f"image {name!r} is in use by running sandboxes ({', '.join(users)}); stop them first")
         (self.images_dir / f"{name}.json").unlink()
 
     def image_size(self, image: Image) -> int:
         return sum(self.layer_size(d) for d in image.layers)
 
+    def describe(self, image: Image) -> ImageInfo:
+        sizes = [self.layer_size(d) for d in image.layers]
+        return ImageInfo(name=image.name, layers=list(image.layers), roles=list(image.roles), layer_sizes=sizes,
+                         parent=image.parent, size_bytes=sum(sizes), env=image.env, workdir=image.workdir,
+                         user=image.user)
+
     def unreferenced_layers(self) -> list[str]:
         used = {d for n in self.image_names() for d in self.get_image(n).layers}
         return [d for d in self.layer_digests() if d not in used]
+
+    def gc(self, in_use: frozenset[str] = frozenset()) -> list[str]:
+        """Remove layers no image refers to and no sandbox holds (``in_use``: layer digests)."""
+        removed = [d for d in self.unreferenced_layers() if d not in in_use]
+        for digest in removed:
+            self.remove_layer(digest)
+        for stale in self.tmp_dir.iterdir():
+            # Half-built layers of builds that died; a live build's files are younger.
+            if time.time() - stale.lstat().st_mtime > 24 * 3600:
+                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+        return removed
 
 
 def extract_tar(tar_path: Path, dest: Path) -> None:
