@@ -28,3 +28,22 @@ if [ ! -f /sys/fs/cgroup/cgroup.controllers ] && [ -f /sys/fs/cgroup/unified/cgr
     mount -t cgroup -o hugetlb cgroup /sys/fs/cgroup/hugetlb
     echo "setup-host: mounted the hugetlb controller on a v1 hierarchy (hybrid cgroups)"
 fi
+
+# Swap on zram: pausing a sandbox pushes its memory out to swap (compressed in RAM), and the
+# cold-memory reclaimer does the same for idle pages. Half of RAM, as zram-generator does;
+# left alone when a zram swap is already on, or when zram0 is taken for something else.
+if ! grep -q '^/dev/zram' /proc/swaps; then
+    modprobe zram 2>/dev/null || true
+    if [ ! -e /sys/block/zram0 ] && [ -e /sys/class/zram-control/hot_add ]; then
+        cat /sys/class/zram-control/hot_add >/dev/null
+    fi
+    if [ -e /sys/block/zram0 ] && [ "$(cat /sys/block/zram0/disksize)" = 0 ]; then
+        half=$(( $(awk '/^MemTotal:/ {print $2}' /proc/meminfo) * 1024 / 2 ))
+        echo "$half" > /sys/block/zram0/disksize
+        mkswap /dev/zram0 >/dev/null
+        swapon -p 100 /dev/zram0
+        echo "setup-host: swap on /dev/zram0 ($(( half >> 20 )) MiB, $(sed 's/.*\[\(.*\)\].*/\1/' /sys/block/zram0/comp_algorithm))"
+    elif [ -e /sys/block/zram0 ]; then
+        echo "setup-host: /dev/zram0 is in use for something else; no zram swap (pause cannot push memory out)" >&2
+    fi
+fi
