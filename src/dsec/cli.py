@@ -15,8 +15,9 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, DSecError
 
+from .cli_images import image_app
+
 app = typer.Typer(help="DSec: sandboxes for agent training.", no_args_is_help=True, add_completion=False)
-image_app = typer.Typer(help="Manage images in the local layer store.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks, each against a peer measured in the same run.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
 app.add_typer(bench_app, name="bench")
@@ -135,62 +136,6 @@ def info() -> None:
     console.print(table)
 
 
-# -- images --------------------------------------------------------------------------------
-
-
-def _store(state_dir: Path):
-    from .images.store import LayerStore
-
-    return LayerStore(state_dir / "store")
-
-
-@image_app.command("ls")
-def image_ls(state_dir: StateDir = DEFAULT_STATE) -> None:
-    """List images."""
-    store = _store(state_dir)
-    table = Table("NAME", "LAYERS", "SIZE")
-    for name in store.image_names():
-        img = store.get_image(name)
-        table.add_row(name, " ".join(d[:19] for d in img.layers), f"{store.image_size(img) / 1e6:.1f} MB")
-    console.print(table)
-
-
-@image_app.command("build")
-def image_build(
-    name: Annotated[str, typer.Argument(help="Image name; 'busybox' and 'python' have built-in recipes.")],
-    from_dir: Annotated[Optional[Path], typer.Option("--from-dir", help="Build one layer from a directory.")] = None,
-    from_tar: Annotated[Optional[Path], typer.Option("--from-tar", help="Build one layer from a tar archive.")] = None,
-    state_dir: StateDir = DEFAULT_STATE,
-) -> None:
-    """Build an image from a built-in recipe, a directory or a tar."""
-    from .images.builders import BUILDERS, DEFAULT_PATH
-    from .images.store import Image
-
-    store = _store(state_dir)
-    try:
-        with console.status(f"building {name} …"):
-            if from_dir is not None or from_tar is not None:
-                digest = store.add_dir(from_dir) if from_dir is not None else store.add_tar(from_tar)
-                image = store.put_image(Image(name=name, layers=(digest,), env={"PATH": DEFAULT_PATH}))
-            elif name in BUILDERS:
-                image = BUILDERS[name](store)
-            else:
-                raise ValueError(f"no recipe for {name!r}: give --from-dir or --from-tar")
-    except (DSecError, ValueError, OSError) as exc:
-        _fail(exc)
-    console.print(f"built {image.name}: {', '.join(image.layers)}")
-
-
-@image_app.command("rm")
-def image_rm(name: str, state_dir: StateDir = DEFAULT_STATE) -> None:
-    """Remove an image (its layers stay until nothing refers to them)."""
-    try:
-        _store(state_dir).remove_image(name)
-    except DSecError as exc:
-        _fail(exc)
-    console.print(f"removed {name}")
-
-
 # -- the main job and benchmarks --------------------------------------------------------------
 
 
@@ -210,11 +155,25 @@ def demo(
 @bench_app.command("lifecycle")
 def bench_lifecycle(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench"),
+    idle_count: Annotated[int, typer.Option(help="Idle sandboxes held at once for the memory figure.")] = 1000,
+    lifecycles: Annotated[int, typer.Option(help="Measured DSec lifecycles.")] = 300,
+    concurrency: Annotated[int, typer.Option(help="Lifecycles in flight (DSec and peers).")] = 32,
+    latency_rounds: Annotated[int, typer.Option(help="Rounds of 64 creates with a warm pool (and for crun).")] = 5,
+    cold_rounds: Annotated[int, typer.Option(help="Rounds of 64 creates without a pool.")] = 3,
+    pool_max: Annotated[int, typer.Option(help="--pool-max of the warm server.")] = 64,
+    crun_runs: Annotated[int, typer.Option(help="Measured bare crun lifecycles.")] = 400,
+    podman_runs: Annotated[int, typer.Option(help="Measured podman lifecycles.")] = 48,
+    podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
+    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
     """Full sandbox lifecycle against podman run --rm and bare crun run (see docs/BENCHMARKS.md)."""
     from .bench.lifecycle import main as run_bench
 
-    raise typer.Exit(run_bench(state_dir=state_dir, console=console))
+    raise typer.Exit(run_bench(
+        state_dir=state_dir, console=console, idle_count=idle_count, lifecycles=lifecycles, concurrency=concurrency,
+        latency_rounds=latency_rounds, cold_rounds=cold_rounds, pool_max=pool_max, crun_runs=crun_runs,
+        podman_runs=podman_runs, podman=podman, strict=strict,
+    ))
 
 
 def main() -> None:

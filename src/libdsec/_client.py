@@ -124,11 +124,11 @@ class Sandbox:
             "GET", f"/v1/sandboxes/{self.id}/files", params={"path": path}, raw=True
         )
 
-    async def pack_diff(self, name: str | None = None) -> PackDiffResult:
+    async def pack_diff(self, name: str | None = None, *, role: str = "snapshot") -> PackDiffResult:
         """Turn the sandbox's changes into a new image (the sandbox is frozen meanwhile and
         keeps running after). Start new sandboxes from ``result.image`` to restore or branch."""
         body = await self._client._request(
-            "POST", f"/v1/sandboxes/{self.id}/pack_diff", model=PackDiffRequest(name=name), timeout=600
+            "POST", f"/v1/sandboxes/{self.id}/pack_diff", model=PackDiffRequest(name=name, role=role), timeout=600
         )
         return PackDiffResult.model_validate(body)
 

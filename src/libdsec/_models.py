@@ -91,6 +91,8 @@ class DSecContainerRunArgs(_Model):
 class PackDiffRequest(_Model):
     # Name of the new image; default ``snap-<digest prefix>``.
     name: str | None = None
+    # Role of the new layer: a snapshot of an episode, or a build step of an image.
+    role: Literal["snapshot", "step", "workspace", "toolkit"] = "snapshot"
 
 
 class PackDiffResult(_Model):

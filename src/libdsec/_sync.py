@@ -56,8 +56,8 @@ class SyncSandbox:
     def read_file(self, path: str) -> bytes:
         return self._run(self._sandbox.read_file(path))
 
-    def pack_diff(self, name: str | None = None) -> PackDiffResult:
-        return self._run(self._sandbox.pack_diff(name))
+    def pack_diff(self, name: str | None = None, *, role: str = "snapshot") -> PackDiffResult:
+        return self._run(self._sandbox.pack_diff(name, role=role))
 
     def refresh(self) -> SandboxInfo:
         return self._run(self._sandbox.refresh())

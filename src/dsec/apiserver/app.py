@@ -199,7 +199,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
 
     @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", dependencies=auth, responses=_ERRORS)
     async def pack_diff(sandbox_id: str, request: PackDiffRequest) -> PackDiffResult:
-        return await cluster.edge_for(sandbox_id).pack_diff(sandbox_id, request.name)
+        return await cluster.edge_for(sandbox_id).pack_diff(sandbox_id, request.name, request.role)
 
     @app.get("/v1/images", dependencies=auth)
     async def list_images() -> ImageList:

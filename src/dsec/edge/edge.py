@@ -410,7 +410,7 @@ class Edge:
         backend = self.backends[rec.kind]
         await self._call(rec, backend.write_file(rec.handle, path, data, mode, rec.uid, rec.gid))
 
-    async def pack_diff(self, sandbox_id: str, name: str | None = None) -> PackDiffResult:
+    async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult:
         """The sandbox's changes as a new image on top of its own (it keeps running)."""
         rec = self._running(sandbox_id, "pack")
         if name is not None:
@@ -421,7 +421,7 @@ class Edge:
         digest, scrubbed = await self._call(rec, backend.pack_diff(rec.handle))
         image = Image(
             name=name or f"snap-{digest.removeprefix('sha256-')[:16]}",
-            layers=rec.image.layers + (digest,), roles=rec.image.roles + ("snapshot",),
+            layers=rec.image.layers + (digest,), roles=rec.image.roles + (role,),
             env=rec.image.env, workdir=rec.image.workdir, user=rec.image.user, parent=rec.image.name,
         )
         self.store.put_image(image)

@@ -61,7 +61,7 @@ def build_busybox(store: LayerStore, name: str = "busybox") -> Image:
     return store.put_image(Image(name=name, layers=(digest,), env={"PATH": DEFAULT_PATH}, workdir="/"))
 
 
-def apt_mirror() -> str | None:
+def apt_mirror(suite: str = "bookworm") -> str | None:
     """The Debian mirror the machine's apt uses, or None to take debootstrap's default."""
     candidates: list[str] = []
     sources = [Path("/etc/apt/sources.list"), *sorted(Path("/etc/apt/sources.list.d").glob("*"))]
@@ -72,32 +72,40 @@ def apt_mirror() -> str | None:
             continue
         if path.suffix == ".sources":
             for block in text.split("\n\n"):
-                if re.search(r"^Suites:.*\bbookworm\b", block, re.M) and "debian-security" not in block:
+                if re.search(rf"^Suites:.*\b{re.escape(suite)}\b", block, re.M) and "debian-security" not in block:
                     if m := re.search(r"^URIs:\s*(\S+)", block, re.M):
                         candidates.append(m.group(1))
         else:
             for line in text.splitlines():
-                m = re.match(r"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+bookworm\s", line)
+                m = re.match(rf"^deb\s+(?:\[[^\]]*\]\s+)?(\S+)\s+{re.escape(suite)}\s", line)
                 if m and "security" not in m.group(1):
                     candidates.append(m.group(1))
     return candidates[0] if candidates else None
 
 
-def build_python(store: LayerStore, name: str = "python", log: Log | None = None) -> Image:
-    """debootstrap a bookworm minbase with python3, bash and git; ~1 minute, needs the network
-    to the machine's own Debian mirror."""
+def build_debian(
+    store: LayerStore, name: str, suite: str = "bookworm", packages: tuple[str, ...] = (),
+    log: Log | None = None, workdir: str = "/root",
+) -> Image:
+    """A Debian base made by debootstrap (minbase + ``packages``), from the machine's own apt
+    mirror (or debootstrap's default); about a minute for bookworm with python3."""
     if shutil.which("debootstrap") is None:
         raise LayerBuildError("debootstrap not found: install it (make demo does)")
+    if not re.fullmatch(r"[a-z]+", suite):
+        raise LayerBuildError(f"invalid Debian suite {suite!r}")
+    for package in packages:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9+.-]+", package):
+            raise LayerBuildError(f"invalid package name {package!r}")
     with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work:
         root = Path(work, "rootfs")
-        cmd = [
-            "debootstrap", "--variant=minbase", f"--include={','.join(PYTHON_PACKAGES)}",
-            "bookworm", str(root),
-        ]
-        if mirror := apt_mirror():
+        cmd = ["debootstrap", "--variant=minbase"]
+        if packages:
+            cmd.append(f"--include={','.join(packages)}")
+        cmd += [suite, str(root)]
+        if mirror := apt_mirror(suite):
             cmd.append(mirror)
         if log:
-            log(f"debootstrap bookworm minbase + {', '.join(PYTHON_PACKAGES)} (about a minute)")
+            log(f"debootstrap {suite} minbase + {', '.join(packages) or 'nothing else'} (about a minute)")
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise LayerBuildError(f"debootstrap failed: {(proc.stdout + proc.stderr)[-1500:]}")
@@ -116,8 +124,13 @@ def build_python(store: LayerStore, name: str = "python", log: Log | None = None
             log("mkfs.erofs")
         digest = store.add_dir(root)
     return store.put_image(
-        Image(name=name, layers=(digest,), env={"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}, workdir="/root")
+        Image(name=name, layers=(digest,), env={"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}, workdir=workdir)
     )
+
+
+def build_python(store: LayerStore, name: str = "python", log: Log | None = None) -> Image:
+    """Debian bookworm minbase with python3, bash and git."""
+    return build_debian(store, name, "bookworm", PYTHON_PACKAGES, log=log)
 
 
 BUILDERS: dict[str, Callable[..., Image]] = {"busybox": build_busybox, "python": build_python}

@@ -1,0 +1,190 @@
+"""``dsec image …``: the layer store from the command line.
+
+Most commands work on the local store directly (no server needed); ``build --from … --run …``
+runs its steps in a sandbox, so it needs ``dsec serve``. Removing an image or collecting layers
+takes into account what this node's sandboxes (and its warm pool) hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from libdsec import DSecClient, DSecContainerRunArgs, DSecError, InvalidRequest
+
+image_app = typer.Typer(help="Build, import and manage images (layers in the local store).", no_args_is_help=True)
+console = Console()
+err_console = Console(stderr=True)
+
+StateDir = Annotated[Path, typer.Option("--state-dir", envvar="DSEC_STATE_DIR", help="State directory.")]
+DEFAULT_STATE = Path("/var/lib/dsec")
+
+
+def _fail(exc: Exception) -> None:
+    err_console.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(1)
+
+
+def _store(state_dir: Path):
+    from .images.store import LayerStore
+
+    return LayerStore(state_dir / "store")
+
+
+def node_usage(state_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
+    """(image refs, layer digests) the local node's sandboxes hold, read from its records and
+    its layer mounts (which the warm pool holds too)."""
+    node = state_dir / "node"
+    refs, layers = set(), set()
+    for record in (node / "run" / "records").glob("*.json"):
+        try:
+            image = json.loads(record.read_text())["image"]
+        except (OSError, ValueError, KeyError):
+            continue
+        refs.add(image["name"])
+        layers.update(image["layers"])
+    mounts = node / "layers"
+    if mounts.is_dir():
+        layers.update(p.name for p in mounts.iterdir())
+    return frozenset(refs), frozenset(layers)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+@image_app.command("ls")
+def image_ls(state_dir: StateDir = DEFAULT_STATE) -> None:
+    """List images."""
+    store = _store(state_dir)
+    table = Table("NAME", "LAYERS", "ROLES", "SIZE")
+    for name in store.image_names():
+        info = store.describe(store.get_image(name))
+        table.add_row(name, str(len(info.layers)), ",".join(info.roles), _size(info.size_bytes))
+    console.print(table)
+
+
+@image_app.command("inspect")
+def image_inspect(ref: Annotated[str, typer.Argument(help="Image name or composition a+b+c.")],
+                  state_dir: StateDir = DEFAULT_STATE) -> None:
+    """Show an image's layers (bottom first) with their roles, digests and sizes."""
+    store = _store(state_dir)
+    try:
+        info = store.describe(store.resolve(ref))
+    except DSecError as exc:
+        _fail(exc)
+    table = Table("#", "ROLE", "DIGEST", "SIZE", title=f"{info.name}  ({_size(info.size_bytes)})")
+    for i, (digest, role, size) in enumerate(zip(info.layers, info.roles, info.layer_sizes)):
+        table.add_row(str(i), role, digest, _size(size))
+    console.print(table)
+    console.print(f"env: {info.env}\nworkdir: {info.workdir}\nuser: {info.user}" + (f"\nparent: {info.parent}" if info.parent else ""))
+
+
+@image_app.command("build")
+def image_build(
+    name: Annotated[str, typer.Argument(help="Image name; 'busybox' and 'python' have built-in recipes.")],
+    from_dir: Annotated[Optional[Path], typer.Option("--from-dir", help="A base layer from a directory.")] = None,
+    from_tar: Annotated[Optional[Path], typer.Option("--from-tar", help="A base layer from a tar archive.")] = None,
+    debian: Annotated[Optional[str], typer.Option("--debian", help="A Debian base by debootstrap: the suite.")] = None,
+    packages: Annotated[str, typer.Option("--packages", help="With --debian: packages to include, comma-separated.")] = "",
+    workspace_dir: Annotated[Optional[Path], typer.Option("--workspace-dir", help="A workspace layer from a directory.")] = None,
+    workspace_git: Annotated[Optional[str], typer.Option("--workspace-git", help="A workspace layer from a local git repository: PATH[@REF].")] = None,
+    toolkit_dir: Annotated[Optional[Path], typer.Option("--toolkit-dir", help="A toolkit layer from a directory.")] = None,
+    prefix: Annotated[str, typer.Option("--prefix", help="Where a workspace or toolkit lands in the sandbox.")] = "",
+    base: Annotated[Optional[str], typer.Option("--from", help="With --run: the image the steps run on.")] = None,
+    run: Annotated[Optional[list[str]], typer.Option("--run", help="A build step (shell command); repeatable; needs dsec serve.")] = None,
+    state_dir: StateDir = DEFAULT_STATE,
+) -> None:
+    """Build an image from a recipe, a directory, a tar, debootstrap, a workspace or build steps."""
+    from .images import builders, sources
+    from .images.store import Image
+
+    store = _store(state_dir)
+    try:
+        with console.status(f"building {name} …") as status:
+            log = lambda msg: status.update(f"building {name}: {msg}")  # noqa: E731
+            if run:
+                if not base:
+                    raise InvalidRequest("--run needs --from IMAGE: the image the steps run on")
+                image_name = asyncio.run(_build_steps(name, base, run, log))
+                image = store.get_image(image_name)
+            elif from_dir is not None or from_tar is not None:
+                digest = store.add_dir(from_dir) if from_dir is not None else store.add_tar(from_tar)
+                image = store.put_image(Image(name=name, layers=(digest,), env={"PATH": builders.DEFAULT_PATH}))
+            elif debian:
+                image = builders.build_debian(store, name, debian, tuple(p for p in packages.split(",") if p), log=log)
+            elif workspace_dir is not None:
+                image = sources.workspace_from_dir(store, workspace_dir, name, prefix or "/workspace")
+            elif workspace_git:
+                repo, _, ref = workspace_git.partition("@")
+                image = sources.workspace_from_git(store, Path(repo), name, ref or "HEAD", prefix or "/workspace")
+            elif toolkit_dir is not None:
+                image = sources.workspace_from_dir(store, toolkit_dir, name, prefix or f"/opt/{name}", role="toolkit")
+            elif name in builders.BUILDERS:
+                image = builders.BUILDERS[name](store)
+            else:
+                raise InvalidRequest(f"no recipe for {name!r}: give a source (see --help)")
+    except (DSecError, OSError) as exc:
+        _fail(exc)
+    console.print(f"built {image.name}: " + ", ".join(f"{r} {d[:19]}" for r, d in zip(image.roles, image.layers)))
+
+
+async def _build_steps(name: str, base: str, steps: list[str], log) -> str:
+    """Run each step in a sandbox over ``base``; its changes become the new image's top layer."""
+    async with DSecClient() as client:
+        async with await client.run_container(DSecContainerRunArgs(container_image=base, memory_limit_mb=2048)) as sandbox:
+            for i, step in enumerate(steps, 1):
+                log(f"step {i}/{len(steps)}: {step}")
+                result = await sandbox.run_shell(step, timeout=3600)
+                if result.exit_code != 0:
+                    raise InvalidRequest(
+                        f"build step {i} ({step!r}) failed with exit code {result.exit_code}: {result.stderr[-1000:]}"
+                    )
+            log("packing")
+            return (await sandbox.pack_diff(name=name, role="step")).image
+
+
+@image_app.command("import")
+def image_import(
+    name: Annotated[str, typer.Argument(help="Name for the imported image.")],
+    archive: Annotated[Path, typer.Argument(help="A docker-archive or oci-layout tarball (docker save, skopeo copy).")],
+    merge_below_mb: Annotated[int, typer.Option(help="Merge consecutive layers while under this size.")] = 64,
+    state_dir: StateDir = DEFAULT_STATE,
+) -> None:
+    """Import an OCI image archive as EROFS layers (whiteouts and opaque dirs applied)."""
+    from .images.sources import import_oci
+
+    store = _store(state_dir)
+    try:
+        with console.status(f"importing {archive} …") as status:
+            image = import_oci(store, archive, name, merge_below=merge_below_mb << 20,
+                               log=lambda msg: status.update(f"importing {archive}: {msg}"))
+    except DSecError as exc:
+        _fail(exc)
+    console.print(f"imported {image.name}: {len(image.layers)} layer(s), {_size(store.image_size(image))}")
+
+
+@image_app.command("rm")
+def image_rm(name: str, state_dir: StateDir = DEFAULT_STATE) -> None:
+    """Remove an image (refused while a sandbox uses it; its layers stay until `gc`)."""
+    try:
+        _store(state_dir).remove_image(name, in_use=node_usage(state_dir)[0])
+    except DSecError as exc:
+        _fail(exc)
+    console.print(f"removed {name}")
+
+
+@image_app.command("gc")
+def image_gc(state_dir: StateDir = DEFAULT_STATE) -> None:
+    """Remove layers that no image refers to and no sandbox holds."""
+    store = _store(state_dir)
+    removed = store.gc(in_use=node_usage(state_dir)[1])
+    for digest in removed:
+        console.print(f"removed layer {digest}")
+    console.print(f"{len(removed)} layer(s) removed")

@@ -1,0 +1,243 @@
+"""Layer sources beyond a plain directory or tar: OCI image archives (docker-archive and
+oci-layout tarballs), git checkouts and directories as workspaces.
+
+OCI layers mark deletions with ``.wh.NAME`` files and opaque directories with ``.wh..wh..opq``;
+overlayfs marks them with 0:0 character devices and the ``trusted.overlay.opaque`` xattr. Layers
+are converted as they are applied, so an imported image behaves in overlayfs exactly as its
+layer stack says. Consecutive small layers are merged into one (deletions inside the merged
+group are applied, and kept as markers for the layers below it).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tarfile
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .store import Image, LayerBuildError, LayerStore, _check_member
+
+WHITEOUT_PREFIX = ".wh."
+OPAQUE_MARKER = ".wh..wh..opq"
+OPAQUE_XATTR = "trusted.overlay.opaque"
+# Consecutive layers are merged while the group stays under this many (compressed) bytes.
+DEFAULT_MERGE_BELOW = 64 << 20
+
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class OciImage:
+    layer_paths: list[str]  # members of the archive, bottom first
+    env: dict[str, str]
+    workdir: str
+    user: str
+
+
+def _read_json(tar: tarfile.TarFile, name: str) -> dict | list:
+    try:
+        member = tar.extractfile(name)
+    except KeyError:
+        member = None
+    if member is None:
+        raise LayerBuildError(f"image archive has no {name}")
+    try:
+        return json.loads(member.read())
+    except json.JSONDecodeError as exc:
+        raise LayerBuildError(f"image archive: {name} is not valid JSON: {exc}") from None
+
+
+def _blob(digest: str) -> str:
+    algo, _, hexpart = digest.partition(":")
+    if algo != "sha256" or not hexpart.isalnum():
+        raise LayerBuildError(f"unsupported or malformed blob digest {digest!r}")
+    return f"blobs/sha256/{hexpart}"
+
+
+def read_oci_archive(tar: tarfile.TarFile) -> OciImage:
+    """The layer list and config of a docker-archive or oci-layout tarball."""
+    names = set(tar.getnames())
+    if "manifest.json" in names:  # docker save / skopeo docker-archive
+        manifests = _read_json(tar, "manifest.json")
+        if not isinstance(manifests, list) or not manifests:
+            raise LayerBuildError("image archive: manifest.json lists no image")
+        manifest = manifests[0]
+        layers = list(manifest.get("Layers", []))
+        config = _read_json(tar, manifest["Config"]) if manifest.get("Config") else {}
+    elif "index.json" in names:  # OCI image layout
+        index = _read_json(tar, "index.json")
+        entries = index.get("manifests", []) if isinstance(index, dict) else []
+        if not entries:
+            raise LayerBuildError("image archive: index.json lists no manifest")
+        manifest = _read_json(tar, _blob(entries[0]["digest"]))
+        if "manifests" in manifest:  # an index of indexes: take the first platform
+            manifest = _read_json(tar, _blob(manifest["manifests"][0]["digest"]))
+        layers = [_blob(layer["digest"]) for layer in manifest.get("layers", [])]
+        config = _read_json(tar, _blob(manifest["config"]["digest"])) if manifest.get("config") else {}
+    else:
+        raise LayerBuildError("not an image archive: no manifest.json (docker-archive) or index.json (OCI layout)")
+    if not layers:
+        raise LayerBuildError("image archive has no layers")
+    missing = [layer for layer in layers if layer not in names]
+    if missing:
+        raise LayerBuildError(f"image archive is missing layer {missing[0]}")
+    cfg = config.get("config") or {} if isinstance(config, dict) else {}
+    env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if "=" in e)
+    return OciImage(layer_paths=layers, env=env, workdir=cfg.get("WorkingDir") or "/", user=cfg.get("User") or "root")
+
+
+def _no_symlink_on_path(dest: Path, rel: str) -> None:
+    """Refuse to write through a symlink an earlier member (or layer) left in ``dest``."""
+    parts = Path(rel).parts
+    for i in range(1, len(parts)):
+        if os.path.islink(dest.joinpath(*parts[:i])):
+            raise LayerBuildError(f"layer member {rel!r} would be written through a symlink")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _whiteout(path: Path) -> None:
+    _remove(path)
+    os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+
+
+def apply_layer(fileobj, dest: Path) -> None:
+    """Apply one OCI layer tar (plain or gzip) onto ``dest``, converting whiteouts."""
+    dest = dest.resolve()
+    opaque: list[Path] = []
+    try:
+        with tarfile.open(fileobj=fileobj, mode="r:*") as tar:
+            for member in tar:
+                name = os.path.normpath(member.name)
+                if name in (".", "/"):
+                    continue
+                _check_member(member, dest)
+                _no_symlink_on_path(dest, name)
+                base = os.path.basename(name)
+                parent = dest / os.path.dirname(name)
+                if base == OPAQUE_MARKER:
+                    parent.mkdir(parents=True, exist_ok=True)
+                    for child in parent.iterdir():
+                        _remove(child)
+                    opaque.append(parent)
+                    continue
+                if base.startswith(WHITEOUT_PREFIX):
+                    target = base[len(WHITEOUT_PREFIX):]
+                    if not target or target in (".", ".."):
+                        raise LayerBuildError(f"layer has a malformed whiteout {member.name!r}")
+                    parent.mkdir(parents=True, exist_ok=True)
+                    _whiteout(parent / target)
+                    continue
+                path = dest / name
+                if (path.exists() or path.is_symlink()) and not (member.isdir() and path.is_dir() and not path.is_symlink()):
+                    _remove(path)
+                member.name = name
+                tar.extract(member, dest, numeric_owner=True)
+    except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, UnicodeDecodeError) as exc:
+        raise LayerBuildError(f"cannot apply layer: {exc}") from exc
+    for directory in opaque:
+        os.setxattr(directory, OPAQUE_XATTR, b"y")
+
+
+def import_oci(
+    store: LayerStore, archive: Path, name: str, merge_below: int = DEFAULT_MERGE_BELOW, log: Log | None = None
+) -> Image:
+    """Import a docker-archive or oci-layout tarball as image ``name``."""
+    archive = Path(archive)
+    if not archive.is_file():
+        raise LayerBuildError(f"no image archive at {archive}")
+    try:
+        tar = tarfile.open(archive)
+    except (tarfile.TarError, OSError) as exc:
+        raise LayerBuildError(f"cannot read image archive {archive}: {exc}") from exc
+    with tar:
+        try:
+            oci = read_oci_archive(tar)
+            groups = _merge_groups(tar, oci.layer_paths, merge_below)
+        except (tarfile.TarError, EOFError, OSError, KeyError) as exc:
+            raise LayerBuildError(f"cannot read image archive {archive}: {exc}") from exc
+        digests: list[str] = []
+        for i, group in enumerate(groups):
+            if log:
+                log(f"layer group {i + 1}/{len(groups)}: {len(group)} layer(s)")
+            with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work:
+                root = Path(work, "root")
+                root.mkdir()
+                for layer in group:
+                    blob = tar.extractfile(layer)
+                    if blob is None:
+                        raise LayerBuildError(f"image archive: layer {layer} is not a file")
+                    apply_layer(blob, root)
+                if i == 0:
+                    # Nothing lies below the bottom layer: its deletion markers would only show
+                    # up as stray device files.
+                    _drop_markers(root)
+                digests.append(store.add_dir(root))
+    return store.put_image(Image(name=name, layers=tuple(digests), env=oci.env, workdir=oci.workdir, user=oci.user))
+
+
+def _drop_markers(root: Path) -> None:
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                os.unlink(path)
+        for name in dirnames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path) and OPAQUE_XATTR in os.listxattr(path):
+                os.removexattr(path, OPAQUE_XATTR)
+
+
+def _merge_groups(tar: tarfile.TarFile, layers: list[str], merge_below: int) -> list[list[str]]:
+    groups: list[list[str]] = []
+    size = 0
+    for layer in layers:
+        layer_size = tar.getmember(layer).size
+        if groups and size + layer_size < merge_below:
+            groups[-1].append(layer)
+            size += layer_size
+        else:
+            groups.append([layer])
+            size = layer_size
+    return groups
+
+
+def workspace_from_dir(store: LayerStore, source: Path, name: str, prefix: str = "/workspace", role: str = "workspace") -> Image:
+    """A one-layer image holding ``source`` at ``prefix``, to stack on a base."""
+    source = Path(source)
+    if not source.is_dir():
+        raise LayerBuildError(f"workspace source {source} is not a directory")
+    with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work:
+        root = Path(work, "root")
+        target = root / prefix.strip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(source, target, symlinks=True, ignore=shutil.ignore_patterns(".git"))
+        digest = store.add_dir(root)
+    return store.put_image(Image(name=name, layers=(digest,), roles=(role,), workdir=prefix))
+
+
+def workspace_from_git(store: LayerStore, repo: Path, name: str, ref: str = "HEAD", prefix: str = "/workspace") -> Image:
+    """A one-layer image holding ``git archive REF`` of a local repository at ``prefix``."""
+    with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work:
+        tar_path = Path(work, "tree.tar")
+        proc = subprocess.run(
+            ["git", "-C", str(repo), "archive", "--format=tar", f"--prefix={prefix.strip('/')}/", ref, "-o", str(tar_path)],
+            capture_output=True, text=True,
+        )
+        if proc.returncode != 0:
+            raise LayerBuildError(f"git archive {ref} of {repo} failed: {proc.stderr.strip()[:500]}")
+        digest = store.add_tar(tar_path)
+    return store.put_image(Image(name=name, layers=(digest,), roles=("workspace",), workdir=prefix))
