@@ -107,16 +107,22 @@ def _kill_session_of(pidfile: Path, cid: str) -> None:
         return
     if sid <= 1:
         return
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            session = _session(int(entry))
-        except (OSError, IndexError, ValueError):
-            continue
-        if session == sid and _pid_in_cgroup(int(entry), cid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry), signal.SIGKILL)
+    # Again until none is left: a process may fork while the others are being killed.
+    for _ in range(20):
+        killed = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                session = _session(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+            if session == sid and _pid_in_cgroup(int(entry), cid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(entry), signal.SIGKILL)
+                    killed += 1
+        if not killed:
+            return
 
 
 def _pid_in_cgroup(pid: int, cid: str) -> bool:
@@ -359,9 +365,30 @@ class ContainerBackend:
         await asyncio.to_thread(self._release_rootfs, plan)
         shutil.rmtree(self.crun_root / handle.cid, ignore_errors=True)
 
+    def _reap_orphans(self) -> None:
+        """Reap zombies that were reparented to us (we are the subreaper) from inside our
+        sandboxes, e.g. a command whose ``crun exec`` died first. Only processes in our sandbox
+        cgroups: asyncio reaps the ``crun`` processes it spawned, which live outside them."""
+        me = os.getpid()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if fields[0] != "Z" or int(fields[1]) != me:
+                    continue
+                with open(f"/proc/{entry}/cgroup") as f:
+                    if f"/{self.cgroup_parent}/" not in f.read():
+                        continue
+                os.waitpid(int(entry), os.WNOHANG)
+            except (OSError, IndexError, ValueError, ChildProcessError):
+                continue
+
     async def _remove_cgroup(self, cid: str, timeout: float = 5.0) -> bool:
         """rmdir the sandbox's cgroups; exiting processes may hold them for a moment."""
         deadline = time.monotonic() + timeout
+        reaped = False
         while True:
             try:
                 cgroups.remove_cgroup(self.cgroup_parent, cid)
@@ -370,6 +397,10 @@ class ContainerBackend:
                 if exc.errno != errno.EBUSY or time.monotonic() > deadline:
                     log.warning("cannot remove cgroup of %s: %s", cid, exc)
                     return False
+            if not reaped:
+                self._reap_orphans()
+                reaped = True
+                continue
             await asyncio.sleep(0.005)
 
     async def recover(self, handles: list[Handle]) -> list[Handle]:
