@@ -43,6 +43,7 @@ class SandboxSpec:
     env: dict[str, str]
     limits: Limits | None  # None: no limits yet (a pre-created sandbox)
     hostname: str = "sandbox"
+    snapshot: str | None = None  # restore this memory snapshot (backends that take them)
 
 
 @dataclass

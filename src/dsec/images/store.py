@@ -30,6 +30,8 @@ from libdsec._models import ImageInfo
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}\Z")
 # A fixed filesystem UUID keeps the EROFS bytes free of randomness.
 _EROFS_UUID = "6f2a1d9e-5dec-4000-8000-000000000000"
+# DAX maps a layer in 2 MiB pages: its file is padded to a multiple of that.
+DAX_ALIGN = 2 << 20
 
 
 class LayerBuildError(InvalidRequest):
@@ -181,6 +183,40 @@ class LayerStore:
 
     def remove_layer(self, digest: str) -> None:
         self.layer_path(digest).unlink(missing_ok=True)
+        self.dax_layer_path(digest).unlink(missing_ok=True)
+
+    # -- DAX variants (layers mapped into VMs as persistent memory) ------------------------
+
+    def dax_layer_path(self, digest: str) -> Path:
+        return self.layers_dir / f"{digest}.dax"
+
+    def dax_layer(self, digest: str) -> Path:
+        """The layer rebuilt for DAX: uncompressed, no inline (tail-packed) data, its size a
+        multiple of 2 MiB, so a VM can map it as pmem and read it in place. Made on first use
+        from the layer itself (mounted read-only) and kept beside it."""
+        final = self.dax_layer_path(digest)
+        if final.exists():
+            return final
+        source = self.layer_path(digest)
+        if not source.exists():
+            raise InvalidRequest(f"no layer {digest} in the store")
+        with tempfile.TemporaryDirectory(dir=self.tmp_dir) as work:
+            mnt, tmp = Path(work, "mnt"), Path(work, "layer.dax")
+            mnt.mkdir()
+            subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(source), str(mnt)], check=True, capture_output=True)
+            try:
+                proc = subprocess.run(
+                    ["mkfs.erofs", "--quiet", "-Enoinline_data", f"-U{_EROFS_UUID}", "--preserve-mtime", str(tmp), str(mnt)],
+                    capture_output=True, text=True,
+                )
+            finally:
+                subprocess.run(["umount", str(mnt)], capture_output=True)
+            if proc.returncode != 0:
+                raise LayerBuildError(f"mkfs.erofs (DAX variant of {digest}) failed: {proc.stderr.strip()[:500]}")
+            os.truncate(tmp, -(-tmp.stat().st_size // DAX_ALIGN) * DAX_ALIGN)
+            os.chmod(tmp, 0o444)
+            os.rename(tmp, final)
+        return final
 
     # -- images ----------------------------------------------------------------------------
 

@@ -1,0 +1,223 @@
+"""What a DSec VM boots: a Debian cloud kernel and an initramfs the project builds.
+
+The kernel comes from Debian's cloud kernel package (``linux-image-cloud-amd64`` names the
+current one): it is fetched with ``apt-get download`` into ``<assets>/tmp``, unpacked with
+``dpkg-deb -x`` (never installed on the host) and kept under ``<assets>/kernel/<version>/``.
+The initramfs is a newc cpio of the host's busybox-static, the kernel modules a guest needs (with
+their dependencies, read from each module's ``.modinfo`` section: the package ships no
+modules.dep) and the guest scripts (``guest/``); it is named by the digest of what went in, so
+a changed script or kernel makes a new one.
+
+Both are made once per assets directory (under a file lock, so concurrent first uses wait for
+one another) and reused.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import io
+import os
+import re
+import shutil
+import struct
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from libdsec import BackendError
+
+KERNEL_PACKAGE = os.environ.get("DSEC_GUEST_KERNEL_PACKAGE", "linux-image-cloud-amd64")
+BUSYBOX = Path("/bin/busybox")
+GUEST_DIR = Path(__file__).parent / "guest"
+# Loaded in this order by the guest's init; dependencies are added in front of what needs them.
+GUEST_MODULES = (
+    "virtio_mmio", "virtio_pci", "virtio_console", "virtio_blk",
+    "libnvdimm", "nd_e820", "nd_pmem", "crc32c_generic", "erofs", "overlay",
+)
+
+
+@dataclass(frozen=True)
+class GuestAssets:
+    kernel: Path
+    initramfs: Path
+    kernel_version: str
+
+
+def _run(cmd: list[str], cwd: Path | None = None) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BackendError(f"{' '.join(cmd)} failed: {(proc.stdout + proc.stderr).strip()[-800:]}")
+    return proc.stdout
+
+
+@contextmanager
+def _locked(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def modinfo(path: Path) -> dict[str, list[str]]:
+    """The key=value pairs of an ELF64 kernel module's ``.modinfo`` section."""
+    data = path.read_bytes()
+    if data[:4] != b"\x7fELF" or data[4] != 2:
+        raise BackendError(f"{path} is not an ELF64 kernel module")
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names_at = sections[shstrndx][4]
+    info: dict[str, list[str]] = {}
+    for name, _type, _flags, _addr, offset, size in sections:
+        end = data.index(b"\0", names_at + name)
+        if data[names_at + name:end] == b".modinfo":
+            for item in data[offset:offset + size].split(b"\0"):
+                key, sep, value = item.decode(errors="replace").partition("=")
+                if sep:
+                    info.setdefault(key, []).append(value)
+    return info
+
+
+def module_load_order(modules_dir: Path, wanted: tuple[str, ...]) -> list[Path]:
+    """The .ko files for ``wanted`` and everything they depend on, dependencies first.
+    Modules built into the kernel (in modules.builtin) need no file and are skipped."""
+    files = {p.name.removesuffix(".ko").replace("-", "_"): p for p in modules_dir.rglob("*.ko")}
+    order: list[Path] = []
+    seen: set[str] = set()
+
+    def visit(name: str) -> None:
+        name = name.replace("-", "_")
+        if name in seen:
+            return
+        seen.add(name)
+        path = files.get(name)
+        if path is None:
+            return  # built in, or not in this kernel
+        for deps in modinfo(path).get("depends", []):
+            for dep in filter(None, deps.split(",")):
+                visit(dep)
+        order.append(path)
+
+    for name in wanted:
+        visit(name)
+    return order
+
+
+def _cpio_newc(entries: list[tuple[str, int, bytes]]) -> bytes:
+    """A newc archive of (name, mode, data) entries; a symlink's data is its target."""
+    out = io.BytesIO()
+    for ino, (name, mode, data) in enumerate([*entries, ("TRAILER!!!", 0, b"")], start=1):
+        raw = name.encode() + b"\0"
+        nlink = 2 if mode & 0o170000 == 0o040000 else 1
+        fields = (ino, mode, 0, 0, nlink, 0, len(data), 0, 0, 0, 0, len(raw), 0)
+        out.write(b"070701" + b"".join(b"%08X" % f for f in fields) + raw)
+        out.write(b"\0" * (-(110 + len(raw)) % 4))
+        out.write(data)
+        out.write(b"\0" * (-len(data) % 4))
+    return out.getvalue()
+
+
+class AssetCache:
+    """Guest kernel and initramfs under ``root`` (e.g. ``<state dir>/vm``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def ensure(self) -> GuestAssets:
+        with _locked(self.root / ".lock"):
+            kdir = self._kernel_dir()
+            version = kdir.name
+            initramfs = self._initramfs(kdir)
+        return GuestAssets(kernel=kdir / "vmlinuz", initramfs=initramfs, kernel_version=version)
+
+    # -- kernel ----------------------------------------------------------------------------
+
+    def _kernel_dir(self) -> Path:
+        kernels = self.root / "kernel"
+        ready = sorted(p for p in kernels.glob("*") if (p / "vmlinuz").exists() and (p / "modules").is_dir())
+        if ready:
+            return ready[-1]
+        for tool in ("apt-get", "apt-cache", "dpkg-deb"):
+            if shutil.which(tool) is None:
+                raise BackendError(f"{tool} not found: the guest kernel comes from a Debian package")
+        package = self._kernel_package()
+        tmp = self.root / "tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=tmp) as work:
+            work_dir = Path(work)
+            os.chmod(work_dir, 0o755)  # apt's download sandbox user must be able to write there
+            _run(["apt-get", "download", "-q", package], cwd=work_dir)
+            debs = list(work_dir.glob("*.deb"))
+            if not debs:
+                raise BackendError(f"apt-get download {package} left no .deb")
+            tree = work_dir / "tree"
+            _run(["dpkg-deb", "-x", str(debs[0]), str(tree)])
+            vmlinuz = sorted((tree / "boot").glob("vmlinuz-*"))
+            mods = sorted((tree / "lib/modules").glob("*"))
+            if not vmlinuz or not mods:
+                raise BackendError(f"{package} holds no kernel image or modules")
+            version = mods[0].name
+            staged = work_dir / version
+            staged.mkdir()
+            shutil.move(str(vmlinuz[0]), staged / "vmlinuz")
+            shutil.move(str(mods[0]), staged / "modules")
+            for config in (tree / "boot").glob("config-*"):
+                shutil.move(str(config), staged / "config")
+            kernels.mkdir(parents=True, exist_ok=True)
+            os.rename(staged, kernels / version)
+        return kernels / version
+
+    def _kernel_package(self) -> str:
+        """The versioned kernel package the meta package currently points at."""
+        out = _run(["apt-cache", "depends", KERNEL_PACKAGE])
+        for line in out.splitlines():
+            m = re.match(r"\s*Depends:\s*(linux-image-\S+)", line)
+            if m:
+                return m.group(1)
+        if "linux-image-" in KERNEL_PACKAGE and re.search(r"\d", KERNEL_PACKAGE):
+            return KERNEL_PACKAGE
+        raise BackendError(
+            f"cannot resolve {KERNEL_PACKAGE}: run `apt-get update` (apt-cache knows no such package)"
+        )
+
+    # -- initramfs -------------------------------------------------------------------------
+
+    def _initramfs(self, kdir: Path) -> Path:
+        if not BUSYBOX.exists():
+            raise BackendError(f"{BUSYBOX} not found: install busybox-static")
+        modules = module_load_order(kdir / "modules", GUEST_MODULES)
+        scripts = {name: (GUEST_DIR / name).read_bytes() for name in ("init.sh", "agent.sh", "pid1.sh")}
+        busybox = BUSYBOX.read_bytes()
+        h = hashlib.sha256(kdir.name.encode() + busybox)
+        for name, data in sorted(scripts.items()):
+            h.update(name.encode() + data)
+        for m in modules:
+            h.update(m.name.encode())
+        path = self.root / f"initramfs-{h.hexdigest()[:16]}.cpio"
+        if path.exists():
+            return path
+        entries: list[tuple[str, int, bytes]] = [
+            (d, 0o040755, b"") for d in ("bin", "dev", "proc", "sys", "dsec", "lib", "lib/modules")
+        ]
+        entries.append(("bin/busybox", 0o100755, busybox))
+        entries.append(("bin/sh", 0o120777, b"busybox"))
+        entries.append(("init", 0o100755, scripts["init.sh"]))
+        for name in ("agent.sh", "pid1.sh"):
+            entries.append((f"dsec/{name}", 0o100644, scripts[name]))
+        for m in modules:
+            entries.append((f"lib/modules/{m.name}", 0o100644, m.read_bytes()))
+        load = "".join(m.name.removesuffix(".ko") + "\n" for m in modules)
+        entries.append(("lib/modules/load", 0o100644, load.encode()))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(_cpio_newc(entries))
+        os.rename(tmp, path)
+        for old in self.root.glob("initramfs-*.cpio"):
+            if old != path:
+                old.unlink(missing_ok=True)
+        return path

@@ -1,0 +1,386 @@
+"""What both VM kinds share: QEMU per sandbox, driven over QMP, and the guest agent for exec and
+files, with the container backend's semantics and errors.
+
+Lifecycle as in ``dsec.backends.base``. ``create`` returns once the guest agent answers; a
+guest that does not boot within ``boot_timeout_s`` (or a QEMU that dies first) is killed, its
+directory removed, and ``BackendError`` raised with the tail of its console. A VM whose QEMU is
+gone, or whose agent closed its channel or stopped answering, is not alive: calls on it raise
+``SandboxStateError`` and the edge marks it failed.
+
+Per node: ``<node_dir>/vms/<kind>/<cid>/`` holds ``qemu.pid``, ``qmp.sock``, ``agent.sock``,
+``console.log`` and whatever the kind adds (a disk overlay); ``destroy`` removes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shlex
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from libdsec import BackendError, CommandTimeout, InvalidRequest, LimitOutOfRange, SandboxFileNotFound, SandboxStateError
+from libdsec._models import ExecRequest, ExecResult
+
+from ...images.store import LayerStore
+from ...resources.cgroups import Limits
+from ..base import ExecContext, Handle, SandboxSpec
+from . import machine
+from .agent import AgentChannel, AgentFailure, AgentGone, Done
+from .assets import AssetCache, GuestAssets
+from .qmp import QMP, QMPError
+
+log = logging.getLogger("dsec.backends.vm")
+
+AGENT_BIN = "/dev/.dsec/bin"
+KILL_GRACE_S = 5.0
+MIN_MEMORY_MB = 64
+DEFAULT_MEMORY_MB = 256
+
+
+@dataclass
+class _Live:
+    """What the backend holds for a running VM (rebuilt on recover)."""
+
+    pid: int
+    qmp: QMP
+    agent: AgentChannel
+    paused: bool = False
+    limits: Limits | None = None
+
+
+class VMBackend:
+    kind = "vm"
+    # The edge's warm pool pre-creates sandboxes without limits; a VM's memory is fixed when it
+    # boots, so VMs are made for each request instead.
+    pooled = False
+
+    def __init__(self, node_dir: Path, store: LayerStore, assets_dir: Path | None = None, *,
+                 accel: str | None = None, boot_timeout_s: float = 60.0, default_memory_mb: int = DEFAULT_MEMORY_MB) -> None:
+        self.node_dir = Path(node_dir)
+        self.store = store
+        self.vms_dir = self.node_dir / "vms" / self.kind
+        self.vms_dir.mkdir(parents=True, exist_ok=True)
+        self.assets_cache = AssetCache(Path(assets_dir) if assets_dir else self.node_dir.parent / "vm")
+        self._assets: GuestAssets | None = None
+        self._accel = accel
+        self.boot_timeout_s = boot_timeout_s
+        self.default_memory_mb = default_memory_mb
+        self._live: dict[str, _Live] = {}
+
+    # -- node-level ------------------------------------------------------------------------
+
+    async def assets(self) -> GuestAssets:
+        if self._assets is None:
+            self._assets = await asyncio.to_thread(self.assets_cache.ensure)
+        return self._assets
+
+    async def accel(self) -> str:
+        if self._accel is None:
+            assets = await self.assets()
+            self._accel = await asyncio.to_thread(machine.probe_accel, assets, self.assets_cache.root)
+        return self._accel
+
+    def describe(self) -> str:
+        """One line for ``dsec info``: the machine and the accelerator (once probed)."""
+        return f"{self.kind}: QEMU {machine.qemu_version()}, accel {self._accel or 'not probed yet'}"
+
+    def vm_dir(self, cid: str) -> Path:
+        return self.vms_dir / cid
+
+    # -- what each kind provides -----------------------------------------------------------
+
+    async def _prepare(self, cid: str, spec: SandboxSpec, vm_dir: Path) -> list[str]:
+        """Files the VM needs in ``vm_dir``, and QEMU's arguments (without -daemonize)."""
+        raise NotImplementedError
+
+    def _common_args(self, vm_dir: Path, accel: str, serial_bus: str) -> list[str]:
+        """QEMU arguments every VM has; ``serial_bus`` is the virtio-serial device of the machine."""
+        return [
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-name", vm_dir.name,
+            *machine.accel_args(accel),
+            "-serial", f"file:{vm_dir / 'console.log'}",
+            "-chardev", f"socket,id=agent,path={vm_dir / 'agent.sock'},server=on,wait=off",
+            "-device", serial_bus,
+            "-device", "virtserialport,chardev=agent,name=dsec.agent",
+            "-qmp", f"unix:{vm_dir / 'qmp.sock'},server=on,wait=off",
+        ]
+
+    def _kernel_args(self, assets: GuestAssets, accel: str, extra: str) -> list[str]:
+        cmdline = "console=ttyS0 quiet panic=-1 " + extra
+        khz = machine.tsc_khz()
+        if accel == "tcg" and khz:
+            cmdline += f" tsc_early_khz={khz}"
+        return ["-kernel", str(assets.kernel), "-initrd", str(assets.initramfs), "-append", cmdline]
+
+    def memory_mb(self, spec: SandboxSpec) -> int:
+        mb = spec.limits.memory_mb if spec.limits is not None else self.default_memory_mb
+        if mb < MIN_MEMORY_MB:
+            raise LimitOutOfRange(f"memory_limit_mb={mb} is too small for a {self.kind}: at least {MIN_MEMORY_MB} MB")
+        return mb
+
+    def vcpus(self, spec: SandboxSpec) -> int:
+        import math
+        import os
+
+        cores = spec.limits.cpu_cores if spec.limits is not None else 1.0
+        return max(1, min(os.cpu_count() or 1, math.ceil(cores)))
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def create(self, cid: str, spec: SandboxSpec) -> Handle:
+        for digest in spec.layers:
+            if not self.store.has_layer(digest):
+                raise BackendError(f"layer {digest} of image {spec.image!r} is missing from the store")
+        vm_dir = self.vm_dir(cid)
+        vm_dir.mkdir(parents=True)
+        pid = 0
+        try:
+            argv = await self._prepare(cid, spec, vm_dir)
+            pid = await machine.launch(argv, vm_dir)
+            live = await self._attach(cid, pid, vm_dir, self.boot_timeout_s, spec)
+        except BaseException as exc:
+            await machine.kill(pid)
+            console = self._console_tail(vm_dir)
+            shutil.rmtree(vm_dir, ignore_errors=True)
+            if isinstance(exc, (AgentGone, QMPError)):
+                raise BackendError(f"{self.kind} {cid} did not come up: {exc}" + (f"; console: {console}" if console else "")) from exc
+            raise
+        live.limits = spec.limits
+        self._live[cid] = live
+        return Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
+
+    async def _before_agent(self, qmp: QMP, pid: int, spec: SandboxSpec) -> None:
+        """Hook: a restored VM loads its state here."""
+
+    async def _attach(self, cid: str, pid: int, vm_dir: Path, timeout: float, spec: SandboxSpec | None = None) -> _Live:
+        """Connect QMP and the agent, and wait until the agent answers (or QEMU dies)."""
+        qmp = await QMP.connect(vm_dir / "qmp.sock")
+        try:
+            if spec is not None:
+                await self._before_agent(qmp, pid, spec)
+            agent = await AgentChannel.connect(vm_dir / "agent.sock")
+        except BaseException:
+            await qmp.close()
+            raise
+        live = _Live(pid=pid, qmp=qmp, agent=agent)
+        ready = asyncio.ensure_future(agent.wait_ready(timeout))
+        try:
+            while not ready.done():
+                await asyncio.wait([ready], timeout=0.2)
+                if not ready.done() and not machine.pid_alive(pid):
+                    raise AgentGone("QEMU exited while the guest was booting")
+            ready.result()
+        except BaseException:
+            ready.cancel()
+            await self._close_live(live)
+            raise
+        return live
+
+    async def _close_live(self, live: _Live) -> None:
+        await live.agent.close()
+        await live.qmp.close()
+
+    def _console_tail(self, vm_dir: Path, n: int = 600) -> str:
+        try:
+            return (vm_dir / "console.log").read_text(errors="replace").strip()[-n:]
+        except OSError:
+            return ""
+
+    async def apply_limits(self, handle: Handle, limits: Limits) -> None:
+        live = self._get(handle, "set limits")
+        live.limits = limits
+
+    async def is_alive(self, handle: Handle) -> bool:
+        live = self._live.get(handle.cid)
+        return live is not None and not live.agent.closed and machine.pid_alive(live.pid)
+
+    async def pause(self, handle: Handle) -> None:
+        live = self._get(handle, "pause")
+        try:
+            await live.qmp.execute("stop")
+        except QMPError as exc:
+            raise BackendError(f"cannot pause {handle.cid}: {exc}") from exc
+        live.paused = True
+
+    async def resume(self, handle: Handle) -> None:
+        live = self._get(handle, "resume")
+        try:
+            await live.qmp.execute("cont")
+        except QMPError as exc:
+            raise BackendError(f"cannot resume {handle.cid}: {exc}") from exc
+        live.paused = False
+
+    async def destroy(self, handle: Handle) -> None:
+        live = self._live.pop(handle.cid, None)
+        if live is not None:
+            await self._close_live(live)
+        await machine.kill(handle.pid if handle.pid else (live.pid if live else 0))
+        await asyncio.to_thread(shutil.rmtree, self.vm_dir(handle.cid), True)
+        await self._release(handle)
+
+    async def _release(self, handle: Handle) -> None:
+        """Hook: node-level things a VM held."""
+
+    async def recover(self, handles: list[Handle]) -> list[Handle]:
+        """Reconnect to the VMs still running; kill and remove everything else of this kind."""
+        alive = []
+        for h in handles:
+            vm_dir = self.vm_dir(h.cid)
+            if h.cid in self._live and await self.is_alive(h):
+                alive.append(h)
+                continue
+            if machine.pid_alive(h.pid) and vm_dir.is_dir():
+                try:
+                    self._live[h.cid] = await self._attach(h.cid, h.pid, vm_dir, 10.0)
+                    alive.append(h)
+                    continue
+                except (AgentGone, QMPError) as exc:
+                    log.warning("cannot re-adopt %s %s: %s", self.kind, h.cid, exc)
+        keep = {h.cid for h in alive}
+        for h in handles:
+            if h.cid not in keep:
+                await self.destroy(h)
+        for d in list(self.vms_dir.iterdir()):
+            if d.name not in keep and not d.name.startswith("."):
+                await self._remove_remains(d)
+        return alive
+
+    async def _remove_remains(self, vm_dir: Path) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            await machine.kill(int((vm_dir / "qemu.pid").read_text()))
+        live = self._live.pop(vm_dir.name, None)
+        if live is not None:
+            await self._close_live(live)
+        shutil.rmtree(vm_dir, ignore_errors=True)
+
+    def release_unused(self) -> None:
+        """Nothing node-wide outlives the last VM but cached files (kernel, disks, layers)."""
+
+    def memory_usage(self, handle: Handle) -> int | None:
+        return machine.rss_bytes(handle.pid) if handle.pid else None
+
+    async def close(self) -> None:
+        """Drop the connections (VMs keep running, to be re-adopted); for tests and shutdown."""
+        for live in list(self._live.values()):
+            await self._close_live(live)
+        self._live.clear()
+
+    # -- exec and files --------------------------------------------------------------------
+
+    def _get(self, handle: Handle, action: str) -> _Live:
+        live = self._live.get(handle.cid)
+        if live is None:
+            raise SandboxStateError(f"cannot {action}: {self.kind} {handle.cid} is gone")
+        if live.agent.closed or not machine.pid_alive(live.pid):
+            reason = live.agent.reason if live.agent.closed else "its QEMU exited"
+            raise SandboxStateError(f"cannot {action}: {self.kind} {handle.cid} is gone ({reason})")
+        if live.paused:
+            raise SandboxStateError(f"cannot {action}: {self.kind} {handle.cid} is paused")
+        return live
+
+    def _gone(self, handle: Handle, live: _Live, exc: Exception) -> SandboxStateError:
+        # An agent that stopped answering is as good as dead: close its channel so that the
+        # VM reads as not alive and the edge fails it.
+        live.agent._shut(str(exc))
+        return SandboxStateError(f"{self.kind} {handle.cid} is gone: {exc}")
+
+    async def exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult:
+        live = self._get(handle, "exec")
+        env = " ".join(shlex.quote(f"{k}={v}") for k, v in ctx.env.items())
+        script = (
+            f"cd -- {shlex.quote(ctx.workdir)} || exit 1\n"
+            f"exec {AGENT_BIN}/env -i {env} {AGENT_BIN}/nsenter -S {ctx.uid} -G {ctx.gid} "
+            f"/bin/sh -c {shlex.quote(request.command)}\n"
+        ).encode()
+        workdir = ctx.workdir.encode()
+        stdin = request.stdin.encode() if request.stdin is not None else None
+        start = time.perf_counter()
+        agent = live.agent
+        rid = agent.new_id()
+        try:
+            fut = await agent.send(
+                rid, f"exec {request.max_output_bytes} {len(workdir)} {len(script)} {len(stdin) if stdin is not None else -1}",
+                workdir, script, stdin or b"")
+            try:
+                result = await asyncio.wait_for(asyncio.shield(fut), request.timeout)
+            except TimeoutError:
+                await agent.send(agent.new_id(), f"kill {rid}")
+                try:
+                    result = await asyncio.wait_for(fut, KILL_GRACE_S)
+                except TimeoutError:
+                    raise AgentGone(f"the guest agent did not end a timed-out command within {KILL_GRACE_S:g}s") from None
+                tail = result.stdout.decode(errors="replace")[-500:] if isinstance(result, Done) else ""
+                raise CommandTimeout(
+                    f"command timed out after {request.timeout:g}s and was killed"
+                    + (f"; last output: {tail!r}" if tail else "")
+                ) from None
+        except AgentGone as exc:
+            raise self._gone(handle, live, exc) from None
+        except asyncio.CancelledError:
+            with contextlib.suppress(AgentGone):
+                await agent.send(agent.new_id(), f"kill {rid}")
+            raise
+        if isinstance(result, AgentFailure):
+            raise InvalidRequest(result.message)
+        assert isinstance(result, Done)
+        return ExecResult(
+            exit_code=result.exit_code,
+            stdout=result.stdout.decode(errors="replace"),
+            stderr=result.stderr.decode(errors="replace"),
+            duration_s=time.perf_counter() - start,
+            stdout_truncated=result.stdout_total > len(result.stdout),
+            stderr_truncated=result.stderr_total > len(result.stderr),
+            stdout_bytes=result.stdout_total,
+            stderr_bytes=result.stderr_total,
+        )
+
+    async def _file_call(self, handle: Handle, action: str, header: str, *payloads: bytes, size: int = 0) -> bytes:
+        live = self._get(handle, action)
+        try:
+            return await live.agent.request(header, *payloads, timeout=30.0 + size / (4 << 20))  # type: ignore[return-value]
+        except AgentFailure as exc:
+            if exc.code == "enoent":
+                raise SandboxFileNotFound(exc.message) from None
+            raise InvalidRequest(exc.message) from None
+        except AgentGone as exc:
+            raise self._gone(handle, live, exc) from None
+
+    async def read_file(self, handle: Handle, path: str, max_bytes: int) -> bytes:
+        if "\0" in path or "\n" in path:
+            raise InvalidRequest(f"invalid path {path!r}")
+        raw = path.encode()
+        return await self._file_call(handle, "read a file", f"read {len(raw)} {max_bytes}", raw, size=max_bytes)
+
+    async def write_file(self, handle: Handle, path: str, data: bytes, mode: int, uid: int, gid: int) -> None:
+        if not path.startswith("/"):
+            raise InvalidRequest(f"path must be absolute: {path!r}")
+        if "\0" in path or "\n" in path or not path.rstrip("/").rpartition("/")[2]:
+            raise InvalidRequest(f"cannot write {path!r}: not a file path")
+        raw = path.encode()
+        await self._file_call(handle, "write a file", f"write {len(raw)} {len(data)} {mode:o} {uid} {gid}",
+                              raw, data, size=len(data))
+
+    async def make_dir(self, handle: Handle, path: str, uid: int, gid: int) -> None:
+        raw = path.encode()
+        await self._file_call(handle, "make a directory", f"mkdir {len(raw)} {uid} {gid}", raw)
+
+    async def resolve_user(self, handle: Handle, user: str) -> tuple[int, int]:
+        """``root``, ``UID``, ``UID:GID`` or a name from the image's /etc/passwd."""
+        if user == "root":
+            return 0, 0
+        name, _, group = user.partition(":")
+        if name.isdigit() and (not group or group.isdigit()):
+            return int(name), int(group) if group else int(name)
+        try:
+            passwd = (await self.read_file(handle, "/etc/passwd", 1 << 20)).decode(errors="replace")
+        except (SandboxFileNotFound, InvalidRequest):
+            passwd = ""
+        for line in passwd.splitlines():
+            fields = line.split(":")
+            if len(fields) >= 4 and fields[0] == name:
+                return int(fields[2]), int(group) if group.isdigit() else int(fields[3])
+        raise InvalidRequest(f"unknown user {user!r}: not in the image's /etc/passwd")

@@ -1,0 +1,185 @@
+# The DSec guest agent: serves the host over the virtio-serial port named "dsec.agent".
+#
+# Frames. Host to guest: one header line "ID OP ARG…" then the payloads the header announces,
+# by byte length. Guest to host: "ID ok LEN" + LEN bytes, "ID err CODE LEN" + LEN bytes of
+# message, or "ID done RC OUTLEN OUTTOTAL ERRLEN ERRTOTAL" + stdout + stderr.
+#   ping                                  -> ok 0
+#   exec CAP WDLEN SCRIPTLEN STDINLEN     payloads: workdir, script, stdin (STDINLEN -1: none)
+#                                         -> done … when the command ends (answers may come
+#                                            in any order: commands run side by side)
+#   kill JOBID                            -> ok 0; the job's command and all it started die
+#   read PATHLEN MAX                      -> ok LEN + the file, or err enoent|invalid
+#   write PATHLEN DATALEN MODE UID GID    -> ok 0 or err invalid
+#   mkdir PATHLEN UID GID                 -> ok 0 or err invalid
+#   shutdown                              -> ok 0, then the VM powers off
+# Each command runs in a cgroup of its own (so a kill takes everything it started), with its
+# output captured up to CAP bytes a stream and the rest counted.
+export PATH=/dev/.dsec/bin
+D=/dev/.dsec
+CG=/sys/fs/cgroup/dsec
+mkdir -p $D/j $CG
+
+port=
+for n in /sys/class/virtio-ports/*/name; do
+    if [ "$(cat "$n")" = dsec.agent ]; then
+        port=${n%/name}
+        port=/dev/${port##*/}
+    fi
+done
+[ -n "$port" ] || { echo "dsec-agent: no dsec.agent port" >/dev/ttyS0; exit 1; }
+exec 3<>"$port"
+
+size() { stat -c %s "$1" 2>/dev/null || echo 0; }
+
+# Frames from concurrent jobs must not interleave: a mkdir lock around each.
+send() {
+    hdr=$1
+    shift
+    until mkdir $D/lock 2>/dev/null; do usleep 1000; done
+    { echo "$hdr"; [ $# -gt 0 ] && cat "$@"; } >&3
+    rmdir $D/lock
+}
+
+fail() {  # ID CODE MESSAGE
+    printf %s "$3" >$D/msg.$1
+    send "$1 err $2 $(size $D/msg.$1)" $D/msg.$1
+    rm -f $D/msg.$1
+}
+
+# take N FILE: exactly N bytes from the port into FILE.
+take() {
+    if [ "$1" -gt 0 ]; then
+        dd bs=65536 count="$1" iflag=count_bytes,fullblock of="$2" <&3 2>/dev/null
+    else
+        : >"$2"
+    fi
+}
+
+# capture FILE CAP: keep the first CAP bytes of stdin in FILE, count the rest in FILE.rest.
+capture() {
+    read -r pid _ </proc/self/stat
+    echo "$pid" >"$CG/$job-io/cgroup.procs"
+    if [ "$2" -gt 0 ]; then
+        dd bs=65536 count="$2" iflag=count_bytes,fullblock of="$1" 2>/dev/null
+    else
+        : >"$1"
+    fi
+    wc -c >"$1.rest"
+}
+
+run_job() {  # JOBID CAP
+    job=$1
+    j=$D/j/$job
+    mkdir $CG/$job $CG/$job-io
+    mkfifo $j/op $j/ep
+    capture $j/out "$2" <$j/op &
+    capture $j/err "$2" <$j/ep &
+    (
+        read -r pid _ </proc/self/stat
+        echo "$pid" >"$CG/$job/cgroup.procs"
+        exec sh $j/script
+    ) <$j/in >$j/op 2>$j/ep
+    rc=$?
+    # Output left in the pipes is read at once; a background process that keeps them open is
+    # not waited for (half a second at most).
+    n=0
+    while [ $n -lt 10 ] && ! { [ -s $j/out.rest ] && [ -s $j/err.rest ]; }; do
+        usleep 50000
+        n=$((n + 1))
+    done
+    echo 1 >$CG/$job-io/cgroup.kill 2>/dev/null
+    ot=$(( $(size $j/out) + $(cat $j/out.rest 2>/dev/null || echo 0) ))
+    et=$(( $(size $j/err) + $(cat $j/err.rest 2>/dev/null || echo 0) ))
+    send "$job done $rc $(size $j/out) $ot $(size $j/err) $et" $j/out $j/err
+    rm -rf $j
+    rmdir $CG/$job-io $CG/$job 2>/dev/null
+}
+
+do_read() {  # ID PATH MAX
+    if [ ! -e "$2" ]; then
+        fail "$1" enoent "no such file in sandbox: $2"
+    elif [ -d "$2" ]; then
+        fail "$1" invalid "cannot read $2: is a directory"
+    elif [ ! -f "$2" ]; then
+        fail "$1" invalid "cannot read $2: not a regular file"
+    elif [ "$(size "$2")" -gt "$3" ]; then
+        fail "$1" invalid "cannot read $2: $(size "$2") bytes is over the $3-byte limit"
+    elif ! cat "$2" >$D/data.$1 2>/dev/null; then
+        fail "$1" invalid "cannot read $2: permission denied"
+    else
+        send "$1 ok $(size $D/data.$1)" $D/data.$1
+    fi
+    rm -f $D/data.$1
+}
+
+# makedirs DIR UID GID: create the missing directories of DIR, owned by UID:GID.
+makedirs() {
+    [ -d "$1" ] && return 0
+    [ -e "$1" ] && return 1
+    makedirs "$(dirname "$1")" "$2" "$3" || return 1
+    mkdir "$1" 2>/dev/null && chown "$2:$3" "$1"
+    [ -d "$1" ]
+}
+
+do_write() {  # ID PATH DATAFILE MODE UID GID
+    dir=$(dirname "$2")
+    if ! makedirs "$dir" "$5" "$6"; then
+        fail "$1" invalid "cannot write $2: cannot create directory $dir"
+    elif [ -d "$2" ]; then
+        fail "$1" invalid "cannot write $2: Is a directory"
+    elif ! cat "$3" >"$2" 2>/dev/null; then
+        fail "$1" invalid "cannot write $2: cannot open the file"
+    else
+        chown "$5:$6" "$2" && chmod "$4" "$2"
+        send "$1 ok 0"
+    fi
+}
+
+while :; do
+    if ! read -r id op a b c d e <&3; then
+        usleep 200000  # the host is not connected (yet, or any more)
+        continue
+    fi
+    case $op in
+        ping)
+            send "$id ok 0" ;;
+        exec)  # CAP WDLEN SCRIPTLEN STDINLEN
+            j=$D/j/$id
+            mkdir -p $j
+            take "$b" $j/wd
+            take "$c" $j/script
+            if [ "$d" -ge 0 ]; then take "$d" $j/in; else ln -s /dev/null $j/in; fi
+            wd=$(cat $j/wd)
+            if [ -d "$wd" ]; then
+                ( run_job "$id" "$a" & )
+            else
+                rm -rf $j
+                fail "$id" notdir "workdir $wd is not a directory in the sandbox"
+            fi ;;
+        kill)
+            echo 1 >$CG/$a/cgroup.kill 2>/dev/null
+            send "$id ok 0" ;;
+        read)  # PATHLEN MAX
+            take "$a" $D/path.$id
+            p=$(cat $D/path.$id)
+            rm -f $D/path.$id
+            do_read "$id" "$p" "$b" ;;
+        write)  # PATHLEN DATALEN MODE UID GID
+            take "$a" $D/path.$id
+            take "$b" $D/data.$id
+            p=$(cat $D/path.$id)
+            do_write "$id" "$p" $D/data.$id "$c" "$d" "$e"
+            rm -f $D/path.$id $D/data.$id ;;
+        mkdir)  # PATHLEN UID GID
+            take "$a" $D/path.$id
+            p=$(cat $D/path.$id)
+            rm -f $D/path.$id
+            if makedirs "$p" "$b" "$c"; then send "$id ok 0"; else fail "$id" invalid "cannot create directory $p"; fi ;;
+        shutdown)
+            send "$id ok 0"
+            sync
+            poweroff -f ;;
+        *)
+            fail "$id" invalid "unknown operation $op" ;;
+    esac
+done

@@ -1,0 +1,210 @@
+"""MicroVM sandboxes: QEMU's ``microvm`` machine, layers as persistent memory with DAX.
+
+Each layer of the image is mapped into the guest read-only from its DAX variant in the layer
+store (``LayerStore.dax_layer``): a NUMA node backed by the file (``share=on,readonly=on``)
+that the kernel argument ``memmap=SIZE!ADDR`` turns into legacy pmem (/dev/pmemN, module
+nd_e820); the guest mounts it with ``erofs -o dax=always`` and reads the host's page cache in
+place, so every VM on the node shares one copy of each layer. (QEMU 7.2's microvm takes a
+``virtio-pmem`` device but never maps it, hence this.) A small RAM node follows the layers so
+that the initrd, which QEMU puts at the top of memory, does not land inside one. The guest's
+init composes the layers with overlayfs under a tmpfs upper, so a VM's writes live in its own
+memory — and in its memory snapshots.
+
+``layer_mode="private"`` (for comparison in ``dsec bench microvm``) attaches the same layers as
+virtio-blk disks read with O_DIRECT and turns off KSM merging: each VM then keeps private copies
+of what it reads.
+
+Snapshots: ``snapshot(handle)`` pauses the VM, writes its memory and device state to a file with
+QEMU's migration (the pmem layers are skipped: ``x-ignore-shared``), and resumes it. Creating a
+VM with ``spec.snapshot`` starts QEMU with ``-incoming defer``, loads the state and resumes it:
+its processes carry on where they were. Snapshots live in ``<node_dir>/snapshots/<id>/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import shlex
+import shutil
+import time
+from pathlib import Path
+
+from libdsec import BackendError, InvalidRequest
+
+from ..base import Handle, SandboxSpec
+from . import machine
+from .backend import VMBackend
+from .qmp import QMP, QMPError
+
+MiB = 1 << 20
+TAIL_RAM_MB = 32
+# microvm keeps guest memory below 4 GiB in one piece only up to here.
+MAX_GUEST_SPAN_MB = 2816
+SNAPSHOT_ID = re.compile(r"^s[0-9a-f]{16}\Z")
+MIGRATION_TIMEOUT_S = 300.0
+
+
+class SnapshotNotFound(InvalidRequest):
+    pass
+
+
+class MicroVMBackend(VMBackend):
+    kind = "microvm"
+
+    def __init__(self, node_dir: Path, store, assets_dir: Path | None = None, *, layer_mode: str = "pmem", **kw) -> None:
+        super().__init__(node_dir, store, assets_dir, **kw)
+        if layer_mode not in ("pmem", "private"):
+            raise ValueError(f"layer_mode must be pmem or private, not {layer_mode!r}")
+        self.layer_mode = layer_mode
+        self.snapshots_dir = self.node_dir / "snapshots"
+        self.snapshots_dir.mkdir(parents=True, exist_ok=True)
+
+    def describe(self) -> str:
+        return super().describe() + f", layers as {'pmem with DAX' if self.layer_mode == 'pmem' else 'private disks'}"
+
+    async def _layer_files(self, layers: tuple[str, ...]) -> list[Path]:
+        if self.layer_mode == "private":
+            return [self.store.layer_path(d) for d in layers]
+        return [await asyncio.to_thread(self.store.dax_layer, d) for d in layers]
+
+    async def _prepare(self, cid: str, spec: SandboxSpec, vm_dir: Path) -> list[str]:
+        assets = await self.assets()
+        accel = await self.accel()
+        ram_mb, vcpus = self.memory_mb(spec), self.vcpus(spec)
+        if spec.snapshot is not None:  # a restore: the machine must be the one saved
+            meta = self.snapshot_meta(spec.snapshot)
+            ram_mb, vcpus = meta["memory_mb"], meta["vcpus"]
+        (vm_dir / "machine.json").write_text(json.dumps({"memory_mb": ram_mb, "vcpus": vcpus}))
+        files = await self._layer_files(spec.layers)
+        argv = [*self._common_args(vm_dir, accel, "virtio-serial-device"), "-smp", str(vcpus)]
+        machine_opts = "microvm,pcie=on"
+        if self.layer_mode == "private":
+            machine_opts += ",mem-merge=off"
+            argv += ["-m", f"{ram_mb}M"]
+            for i, f in enumerate(files):
+                argv += ["-drive", f"file={f},if=none,id=layer{i},format=raw,readonly=on,cache.direct=on",
+                         "-device", f"virtio-blk-device,drive=layer{i}"]
+            extra = f"dsec.mode=microvm dsec.layers={len(files)} dsec.layerdev=vd"
+        else:
+            head_mb = ram_mb - TAIL_RAM_MB
+            sizes = [-(-f.stat().st_size // (2 * MiB)) * 2 for f in files]  # MiB, 2 MiB steps
+            total = ram_mb + sum(sizes)
+            if total > MAX_GUEST_SPAN_MB:
+                raise BackendError(f"image {spec.image!r} needs {sum(sizes)} MB of pmem: with {ram_mb} MB of "
+                                   f"memory that is over the {MAX_GUEST_SPAN_MB} MB a microVM maps")
+            argv += ["-m", f"{total}M",
+                     "-object", f"memory-backend-ram,id=ram0,size={head_mb}M", "-numa", "node,nodeid=0,memdev=ram0"]
+            memmap = []
+            addr = head_mb
+            for i, (f, size) in enumerate(zip(files, sizes, strict=True)):
+                argv += ["-object", f"memory-backend-file,id=layer{i},mem-path={f},size={size}M,share=on,readonly=on",
+                         "-numa", f"node,nodeid={i + 1},memdev=layer{i}"]
+                memmap.append(f"memmap={size}M!{addr}M")
+                addr += size
+            argv += ["-object", f"memory-backend-ram,id=ramtail,size={TAIL_RAM_MB}M",
+                     "-numa", f"node,nodeid={len(files) + 1},memdev=ramtail"]
+            extra = " ".join([*memmap, f"dsec.mode=microvm dsec.layers={len(files)}"])
+        argv += ["-M", machine_opts, *self._kernel_args(assets, accel, extra)]
+        if spec.snapshot is not None:
+            argv += ["-incoming", "defer", "-S"]
+        return argv
+
+    # -- snapshots -------------------------------------------------------------------------
+
+    def snapshot_dir(self, snapshot_id: str) -> Path:
+        if not SNAPSHOT_ID.match(snapshot_id):
+            raise SnapshotNotFound(f"malformed snapshot id {snapshot_id!r}")
+        return self.snapshots_dir / snapshot_id
+
+    def snapshot_meta(self, snapshot_id: str) -> dict:
+        d = self.snapshot_dir(snapshot_id)
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+        except (OSError, ValueError):
+            raise SnapshotNotFound(f"no snapshot {snapshot_id} on this node") from None
+        if not (d / "state").is_file():
+            raise SnapshotNotFound(f"snapshot {snapshot_id} has lost its state file")
+        return meta
+
+    async def snapshot(self, handle: Handle) -> dict:
+        """Save memory and device state; the VM runs on afterwards. Returns the snapshot's
+        metadata (``id``, ``size_bytes``, …)."""
+        live = self._get(handle, "snapshot")
+        snap_id = "s" + secrets.token_hex(8)
+        tmp = self.snapshots_dir / f".{snap_id}"
+        tmp.mkdir()
+        start = time.perf_counter()
+        try:
+            qmp = live.qmp
+            await qmp.execute("migrate-set-capabilities", {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
+            await qmp.execute("stop")
+            live.paused = True
+            try:
+                await qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(tmp / 'state'))}"})
+                await self._wait_migration(qmp, handle.pid, "saving")
+            finally:
+                await qmp.execute("cont")
+                live.paused = False
+        except QMPError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise BackendError(f"cannot snapshot {handle.cid}: {exc}") from exc
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shape = json.loads((self.vm_dir(handle.cid) / "machine.json").read_text())
+        meta = {
+            "id": snap_id, "kind": self.kind, "image": handle.image, "layers": list(handle.layers),
+            "env": handle.env, "memory_mb": shape["memory_mb"], "vcpus": shape["vcpus"], "layer_mode": self.layer_mode,
+            "accel": await self.accel(), "qemu": machine.qemu_version(), "created_at": time.time(),
+            "size_bytes": (tmp / "state").stat().st_size, "save_s": time.perf_counter() - start,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta))
+        tmp.rename(self.snapshots_dir / snap_id)
+        return meta
+
+    async def _wait_migration(self, qmp: QMP, pid: int, what: str) -> None:
+        deadline = time.monotonic() + MIGRATION_TIMEOUT_S
+        while True:
+            info = await qmp.execute("query-migrate")
+            status = info.get("status")
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                raise QMPError(f"{what} the memory state failed: {info.get('error-desc', status)}")
+            if not machine.pid_alive(pid):
+                raise QMPError(f"QEMU exited while {what} the memory state")
+            if time.monotonic() > deadline:
+                raise QMPError(f"{what} the memory state took over {MIGRATION_TIMEOUT_S:g}s")
+            await asyncio.sleep(0.01)
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        d = self.snapshot_dir(snapshot_id)
+        if not d.exists():
+            raise SnapshotNotFound(f"no snapshot {snapshot_id} on this node")
+        shutil.rmtree(d, ignore_errors=True)
+
+    async def create(self, cid: str, spec: SandboxSpec) -> Handle:
+        if spec.snapshot is None:
+            return await super().create(cid, spec)
+        meta = self.snapshot_meta(spec.snapshot)
+        if tuple(meta["layers"]) != tuple(spec.layers):
+            raise InvalidRequest(f"snapshot {spec.snapshot} was taken from image {meta['image']!r}, "
+                                 f"whose layers differ from those of {spec.image!r}")
+        if meta.get("layer_mode") != self.layer_mode:
+            raise InvalidRequest(f"snapshot {spec.snapshot} has layers as {meta.get('layer_mode')}, this node as {self.layer_mode}")
+        return await super().create(cid, spec)
+
+    async def _before_agent(self, qmp: QMP, pid: int, spec: SandboxSpec) -> None:
+        if spec.snapshot is None:
+            return
+        state = self.snapshot_dir(spec.snapshot) / "state"
+        await qmp.execute("migrate-set-capabilities", {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
+        await qmp.execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(state))}"})
+        try:
+            await self._wait_migration(qmp, pid, "loading")
+        except QMPError as exc:
+            raise QMPError(f"cannot restore snapshot {spec.snapshot}: {exc}") from None
+        await qmp.execute("cont")
+
