@@ -1,0 +1,124 @@
+"""Full VM sandboxes: QEMU ``q35`` booting the image's own init from a disk built from its layers.
+
+The first VM of an image builds its base disk: the layers composed (overlayfs, read-only) and
+copied into an ext4 image (``mkfs.ext4 -d``), kept in ``<node_dir>/vms/fullvm/.disks/`` by the
+digest of the layers. Each VM gets a qcow2 overlay over that base (copy-on-write: the base is
+never written). The guest's initramfs mounts the disk and hands PID 1 to the image's
+``/sbin/init``; an image whose init is busybox gets an inittab line that keeps the DSec agent
+running (respawned if it dies). An image with no init of its own boots the agent as PID 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from libdsec import BackendError
+
+from ..base import SandboxSpec
+from .backend import VMBackend
+
+INITTAB = """\
+# Written by DSec: the image's busybox init keeps the DSec guest agent running.
+::sysinit:/bin/hostname sandbox
+::respawn:/dev/.dsec/busybox sh /dev/.dsec/agent.sh
+::shutdown:/bin/sync
+"""
+FREE_SPACE_MB = 512
+
+
+def _sh(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BackendError(f"{' '.join(cmd[:3])} … failed: {(proc.stdout + proc.stderr).strip()[-600:]}")
+
+
+def build_base_disk(store, layers: tuple[str, ...], dest: Path) -> None:
+    """Compose ``layers`` and write them as an ext4 image at ``dest`` (atomically)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as work:
+        w = Path(work)
+        mounts: list[Path] = []
+        try:
+            for i, digest in enumerate(layers):
+                m = w / f"l{i}"
+                m.mkdir()
+                _sh(["mount", "-t", "erofs", "-o", "ro", str(store.layer_path(digest)), str(m)])
+                mounts.append(m)
+            if len(mounts) == 1:
+                merged = mounts[0]
+            else:
+                merged = w / "merged"
+                merged.mkdir()
+                lower = ":".join(str(m) for m in reversed(mounts))
+                _sh(["mount", "-t", "overlay", "-o", f"ro,lowerdir={lower}", "overlay", str(merged)])
+                mounts.append(merged)
+            root = w / "root"
+            _sh(["cp", "-a", f"{merged}/.", str(root)])
+        finally:
+            for m in reversed(mounts):
+                subprocess.run(["umount", str(m)], capture_output=True)
+        init = root / "sbin/init"
+        if init.is_symlink() and "busybox" in os.readlink(init):
+            (root / "etc").mkdir(exist_ok=True)
+            (root / "etc/inittab").write_text(INITTAB)
+        (root / "dev").mkdir(exist_ok=True)
+        used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
+        size_mb = used * 13 // 10 // (1 << 20) + FREE_SPACE_MB
+        tmp = w / "disk.raw"
+        _sh(["mkfs.ext4", "-q", "-F", "-E", "root_owner=0:0", "-d", str(root), str(tmp), f"{size_mb}M"])
+        os.chmod(tmp, 0o444)
+        os.rename(tmp, dest)
+
+
+class FullVMBackend(VMBackend):
+    kind = "fullvm"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.disks_dir = self.vms_dir / ".disks"
+        self._disk_locks: dict[str, asyncio.Lock] = {}
+
+    def describe(self) -> str:
+        return super().describe() + ", q35 with a copy-on-write disk"
+
+    async def base_disk(self, layers: tuple[str, ...]) -> Path:
+        key = hashlib.sha256(("\n".join(layers) + INITTAB).encode()).hexdigest()[:24]
+        path = self.disks_dir / f"{key}.raw"
+        async with self._disk_locks.setdefault(key, asyncio.Lock()):
+            if not path.exists():
+                await asyncio.to_thread(build_base_disk, self.store, layers, path)
+        return path
+
+    async def _prepare(self, cid: str, spec: SandboxSpec, vm_dir: Path) -> list[str]:
+        if spec.snapshot is not None:
+            raise BackendError("full VMs take no memory snapshots here: restore one into a microvm")
+        assets = await self.assets()
+        accel = await self.accel()
+        base = await self.base_disk(spec.layers)
+        disk = vm_dir / "disk.qcow2"
+        proc = await asyncio.create_subprocess_exec(
+            "qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(base), str(disk),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        out, _ = await proc.communicate()
+        if proc.returncode != 0:
+            raise BackendError(f"qemu-img could not make the disk overlay: {out.decode(errors='replace')[-400:]}")
+        return [
+            *self._common_args(vm_dir, accel, "virtio-serial-pci"),
+            "-M", "q35", "-m", f"{self.memory_mb(spec)}M", "-smp", str(self.vcpus(spec)),
+            "-drive", f"file={disk},if=none,id=disk0,format=qcow2,discard=unmap",
+            "-device", "virtio-blk-pci,drive=disk0",
+            *self._kernel_args(assets, accel, "dsec.mode=fullvm"),
+        ]
+
+    def release_unused(self) -> None:
+        """Base disks stay cached; nothing else is node-wide."""
+
+
+def remove_disk_cache(backend: FullVMBackend) -> None:
+    shutil.rmtree(backend.disks_dir, ignore_errors=True)
