@@ -136,6 +136,21 @@ def info() -> None:
     console.print(table)
 
 
+@app.command()
+def reset(
+    state_dir: StateDir = DEFAULT_STATE,
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask.")] = False,
+) -> None:
+    """Stop every sandbox of this node's state dir and release its mounts and cgroups (after a
+    crash; never while `dsec serve` runs on it)."""
+    from .server import reset_node
+
+    if not yes and not typer.confirm(f"stop every sandbox under {state_dir}?"):
+        raise typer.Exit(1)
+    removed = _run(reset_node(state_dir))
+    console.print(f"reset {state_dir}: {removed} sandbox(es) removed")
+
+
 # -- the main job and benchmarks --------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ manifests; may be shared between nodes) and ``node/`` (this node's mounts, sandb
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import secrets
@@ -90,13 +91,45 @@ def build_edge(config: ServerConfig, store: LayerStore) -> Edge:
     node_dir = config.state_dir / "node"
     backend = ContainerBackend(node_dir, store, cgroup_parent=cgroups.parent_for(config.state_dir))
     edge_config = EdgeConfig(node_dir=node_dir, records_dir=backend.run_dir / "records", node=config.node, **config.edge)
-    return Edge(edge_config, backend, store)
+    from .backends.vm import vm_backends
+
+    return Edge(edge_config, [backend, *vm_backends(node_dir, store, config.state_dir / "vm")], store)
+
+
+def lock_node(state_dir: Path) -> int:
+    """Hold the node dir's lock for the life of the process: one server (or reset) at a time."""
+    node_dir = Path(state_dir) / "node"
+    node_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(node_dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise BackendError(f"another dsec serve is running on {state_dir}") from None
+    return fd
+
+
+async def reset_node(state_dir: Path) -> int:
+    """Remove every sandbox, mount and cgroup a node's state dir holds (no server running)."""
+    lock = lock_node(state_dir)
+    node_dir = Path(state_dir) / "node"
+    backend = ContainerBackend(node_dir, LayerStore(Path(state_dir) / "store"),
+                               cgroup_parent=cgroups.parent_for(state_dir))
+    count = sum(1 for _ in backend.sandboxes_dir.iterdir())
+    await backend.recover([])
+    records = backend.run_dir / "records"
+    if records.is_dir():
+        shutil.rmtree(records)
+    backend.release_unused()
+    os.close(lock)
+    return count
 
 
 def build_app(config: ServerConfig):
     config.state_dir.mkdir(parents=True, exist_ok=True)
     for note in prepare_host():
         log.info(note)
+    lock_node(config.state_dir)  # kept open (and locked) until the process exits
     token = load_or_create_token(config.state_dir)
     store = open_store(config.state_dir)
     edge = build_edge(config, store)
@@ -105,10 +138,13 @@ def build_app(config: ServerConfig):
     async def lifespan(app):
         use_pidfd_child_watcher()
         await edge.start()
+        warm_ups = [asyncio.create_task(b.warm_up()) for b in edge.backends.values() if hasattr(b, "warm_up")]
         log.info("edge %s ready: %d sandboxes adopted", edge.node, len(await edge.list()))
         try:
             yield
         finally:
+            for task in warm_ups:
+                task.cancel()
             await edge.close()
 
     return create_app(Cluster([edge], store), token, lifespan=lifespan), edge
