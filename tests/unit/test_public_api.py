@@ -20,6 +20,7 @@ PUBLIC = {
     "SandboxStatus", "ServerError", "ServerUnavailable", "SyncDSecClient", "SyncSandbox",
     "Unauthenticated", "default_token",
 }
+PUBLIC |= {"DSecFullVMRunArgs", "DSecMicroVMRunArgs", "SnapshotInfo"}  # VM sandboxes
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -109,6 +110,11 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
                            "sandboxes": 0, "memory_total_mb": 1, "cpu_cores": 1},
         _models.ErrorBody: {"code": "internal", "message": "m"},
         _models.ErrorResponse: {"error": {"code": "internal", "message": "m"}},
+        _models.DSecMicroVMRunArgs: {"container_image": "busybox", "snapshot": "s0123456789abcdef"},
+        _models.DSecFullVMRunArgs: {"container_image": "busybox"},
+        _models.SnapshotInfo: {"id": "s0123456789abcdef", "sandbox_id": "n0-0123456789abcdef", "kind": "microvm",
+                               "node": "n0", "image": "busybox", "size_bytes": 1, "memory_mb": 256, "save_s": 0.1,
+                               "created_at": "2026-01-01T00:00:00Z"},
     }[cls]
 
 

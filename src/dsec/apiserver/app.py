@@ -8,8 +8,6 @@ the cluster (one embedded edge here).
 from __future__ import annotations
 
 import logging
-import random
-import secrets
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -18,11 +16,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from libdsec import CapacityExceeded, DSecError, InvalidRequest, SandboxNotFound, Unauthenticated
+from libdsec import DSecError, InvalidRequest
 from libdsec._models import (
     BatchEvent,
     CreateBatchRequest,
     DSecContainerRunArgs,
+    DSecFullVMRunArgs,
+    DSecMicroVMRunArgs,
     ErrorResponse,
     ExecRequest,
     ExecResult,
@@ -31,37 +31,21 @@ from libdsec._models import (
     NodeInfo,
     PackDiffRequest,
     PackDiffResult,
+    PauseResult,
     SandboxInfo,
     SandboxList,
+    SnapshotInfo,
 )
 
-from ..edge.api import EdgeAPI, node_of
-from ..images.store import LayerStore
+from .auth import Authenticator, Caller
+from .cluster import Cluster
+from .routes_projects import add_project_routes
 
 log = logging.getLogger("dsec.apiserver")
 
 _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
-           409: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 503: {"model": ErrorResponse}}
-
-
-class Cluster:
-    """The edges the apiserver can reach, by node name."""
-
-    def __init__(self, edges: list[EdgeAPI], store: LayerStore) -> None:
-        self.edges = {e.node: e for e in edges}
-        self.store = store
-
-    def edge_for(self, sandbox_id: str) -> EdgeAPI:
-        node = node_of(sandbox_id)
-        edge = self.edges.get(node)
-        if edge is None:
-            raise SandboxNotFound(f"no sandbox {sandbox_id}: node {node!r} is not in this cluster")
-        return edge
-
-    def candidates(self) -> list[EdgeAPI]:
-        edges = list(self.edges.values())
-        random.shuffle(edges)
-        return edges
+           409: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
+           503: {"model": ErrorResponse}}
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -100,11 +84,14 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     app = FastAPI(title="DSec", version="0.1.0", lifespan=lifespan,
                   description="Sandboxes for agent training: containers from shared EROFS layers.")
 
-    async def authenticated(request: Request) -> None:
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), token.encode()):
-            raise Unauthenticated("missing or invalid API token (Authorization: Bearer <token>)")
+    authenticator = Authenticator(token, cluster.projects)
+
+    async def authenticated(request: Request) -> Caller:
+        """The calling project; a sandbox it may not see answers ``SandboxNotFound``."""
+        caller = authenticator.caller(request.headers.get("authorization", ""))
+        if "sandbox_id" in request.path_params and not caller.is_root:
+            await cluster.edge_for_caller(request.path_params["sandbox_id"], caller)
+        return caller
 
     @app.exception_handler(DSecError)
     async def _dsec_error(request: Request, exc: DSecError) -> JSONResponse:
@@ -131,19 +118,27 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         return {"ok": True}
 
     @app.post("/v1/sandboxes", dependencies=auth, responses=_ERRORS)
-    async def create_sandbox(args: DSecContainerRunArgs) -> SandboxInfo:
-        last: DSecError | None = None
-        for edge in cluster.candidates():
-            try:
-                return await edge.create(args)
-            except CapacityExceeded as exc:
-                last = exc
-        raise last or CapacityExceeded("no node in the cluster")
+    async def create_sandbox(args: DSecContainerRunArgs, caller: Caller = Depends(authenticated)) -> SandboxInfo:
+        return await cluster.create(args, caller.project)
+
+    async def create_kind(args: DSecContainerRunArgs, kind: str, caller: Caller) -> SandboxInfo:
+        return await cluster.create(args, caller.project, kind=kind)
+
+    @app.post("/v1/microvms", dependencies=auth, responses=_ERRORS)
+    async def create_microvm(args: DSecMicroVMRunArgs, caller: Caller = Depends(authenticated)) -> SandboxInfo:
+        return await create_kind(args, "microvm", caller)
+
+    @app.post("/v1/vms", dependencies=auth, responses=_ERRORS)
+    async def create_fullvm(args: DSecFullVMRunArgs, caller: Caller = Depends(authenticated)) -> SandboxInfo:
+        return await create_kind(args, "fullvm", caller)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/snapshot", dependencies=auth, responses=_ERRORS)
+    async def snapshot(sandbox_id: str) -> SnapshotInfo:
+        return await cluster.edge_for(sandbox_id).snapshot(sandbox_id)
 
     @app.post("/v1/sandboxes:batch", dependencies=auth, responses=_ERRORS)
-    async def create_batch(batch: CreateBatchRequest) -> StreamingResponse:
-        edge = cluster.candidates()[0]
-        events = edge.create_batch(batch.args, batch.count)
+    async def create_batch(batch: CreateBatchRequest, caller: Caller = Depends(authenticated)) -> StreamingResponse:
+        events = cluster.create_batch(batch.args, batch.count, caller.project)
         # The first sandbox is awaited here, so a bad request gets a plain error status.
         try:
             first = await anext(events)
@@ -165,8 +160,9 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @app.get("/v1/sandboxes", dependencies=auth)
-    async def list_sandboxes() -> SandboxList:
-        found = [info for edge in cluster.edges.values() for info in await edge.list()]
+    async def list_sandboxes(caller: Caller = Depends(authenticated)) -> SandboxList:
+        found = [info for edge in cluster.edges.values() for info in await edge.list()
+                 if caller.sees(cluster.projects, info.project)]
         return SandboxList(sandboxes=found)
 
     @app.get("/v1/sandboxes/{sandbox_id}", dependencies=auth, responses=_ERRORS)
@@ -176,6 +172,14 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     @app.delete("/v1/sandboxes/{sandbox_id}", dependencies=auth, responses=_ERRORS)
     async def stop_sandbox(sandbox_id: str) -> SandboxInfo:
         return await cluster.edge_for(sandbox_id).stop(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/pause", dependencies=auth, responses=_ERRORS)
+    async def pause_sandbox(sandbox_id: str) -> PauseResult:
+        return await cluster.edge_for(sandbox_id).pause(sandbox_id)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/resume", dependencies=auth, responses=_ERRORS)
+    async def resume_sandbox(sandbox_id: str) -> SandboxInfo:
+        return await cluster.edge_for(sandbox_id).resume(sandbox_id)
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=auth, responses=_ERRORS)
     async def exec_command(sandbox_id: str, request: ExecRequest) -> ExecResult:
@@ -225,4 +229,5 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     async def nodes() -> list[NodeInfo]:
         return [await edge.node_info() for edge in cluster.edges.values()]
 
+    add_project_routes(app, cluster, authenticated, _ERRORS)
     return app

@@ -41,9 +41,11 @@ from libdsec._models import (
     ExecRequest,
     ExecResult,
     NodeInfo,
+    RUN_ARGS_BY_KIND,
     PackDiffResult,
     SandboxInfo,
     SandboxStatus,
+    SnapshotInfo,
 )
 
 from ..backends.base import ExecContext, Handle, SandboxBackend, SandboxSpec
@@ -129,7 +131,7 @@ class Record:
         now = time.time()
         return cls(
             id=d["id"], kind=d.get("kind", "container"), handle=Handle.from_json(d["handle"]),
-            args=DSecContainerRunArgs.model_validate(d["args"]),
+            args=RUN_ARGS_BY_KIND.get(d.get("kind", "container"), DSecContainerRunArgs).model_validate(d["args"]),
             image=Image(name=img["name"], layers=tuple(img["layers"]), env=img["env"],
                         workdir=img["workdir"], user=img["user"], roles=tuple(img.get("roles", ()))),
             status=SandboxStatus.running, created_at=d["created_at"], last_active=now,
@@ -271,14 +273,23 @@ class Edge:
             args=args, image=image, status=SandboxStatus.creating, created_at=now, last_active=now,
         )
         self._records[rec.id] = rec
-        pool = self._pools[(kind, image.layers)]
+        # VMs (whose memory is set at boot) and restores from a snapshot are made to order.
+        snapshot = getattr(args, "snapshot", None)
+        pooled = getattr(backend, "pooled", True) and snapshot is None
+        pool = self._pools[(kind, image.layers)] if pooled else _Pool(kind=kind, image=image)
         pool.kind, pool.image = kind, image
         pool.in_flight += 1
         pool.last_used = time.monotonic()
-        pool.want = min(self.config.pool_max, max(pool.want, self.config.pool_min, pool.in_flight))
-        self._pool_wakeup.set()
+        if pooled:
+            pool.want = min(self.config.pool_max, max(pool.want, self.config.pool_min, pool.in_flight))
+            self._pool_wakeup.set()
         try:
-            rec.handle = await self._take_or_create(pool)
+            if pooled:
+                rec.handle = await self._take_or_create(pool)
+            else:
+                spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits,
+                                   snapshot=snapshot)
+                rec.handle = await backend.create(f"c{secrets.token_hex(8)}", spec)
             try:
                 await backend.apply_limits(rec.handle, limits)
                 rec.uid, rec.gid = await backend.resolve_user(rec.handle, args.init_user)
@@ -428,6 +439,20 @@ class Edge:
         return PackDiffResult(image=image.name, layer=digest, layers=list(image.layers),
                               size_bytes=self.store.layer_size(digest), scrubbed=scrubbed)
 
+    async def snapshot(self, sandbox_id: str) -> SnapshotInfo:
+        """Save a running sandbox's memory and device state (it keeps running); restore it with
+        run args that name the snapshot. Only backends with memory snapshots (microvm) can."""
+        rec = self._running(sandbox_id, "snapshot")
+        backend = self.backends[rec.kind]
+        if not hasattr(backend, "snapshot"):
+            raise InvalidRequest(f"a {rec.kind} sandbox takes no memory snapshots (use pack_diff)")
+        meta = await self._call(rec, backend.snapshot(rec.handle))
+        return SnapshotInfo(
+            id=meta["id"], sandbox_id=rec.id, kind=rec.kind, node=self.node, image=rec.image.name,
+            size_bytes=meta["size_bytes"], memory_mb=meta["memory_mb"], save_s=meta["save_s"],
+            created_at=datetime.fromtimestamp(meta["created_at"], timezone.utc),
+        )
+
     def in_use(self) -> tuple[frozenset[str], frozenset[str]]:
         """(image refs, layer digests) held by this node's sandboxes, pooled ones included."""
         recs = list(self._records.values())
@@ -489,7 +514,8 @@ class Edge:
 
     async def node_info(self) -> NodeInfo:
         return NodeInfo(
-            node=self.node, cgroup_version=cgroups.version(), runtime=",".join(self.backends),
+            node=self.node, cgroup_version=cgroups.version(),
+            runtime="; ".join(b.describe() if hasattr(b, "describe") else k for k, b in self.backends.items()),
             sandboxes=len(self._records), memory_total_mb=self._memory_total_mb, cpu_cores=self._cpu_cores,
         )
 

@@ -1,2 +1,18 @@
 """VM sandboxes on QEMU: the layer both kinds share (QMP, guest agent, kernel and initramfs) and
 the two backends, ``MicroVMBackend`` (kind ``microvm``) and ``FullVMBackend`` (kind ``fullvm``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def vm_backends(node_dir: Path, store, assets_dir: Path) -> list:
+    """The VM backends for a node, or none where QEMU is not installed."""
+    from .fullvm import FullVMBackend
+    from .machine import QEMU
+    from .microvm import MicroVMBackend
+
+    if not os.path.exists(QEMU):
+        return []
+    return [MicroVMBackend(node_dir, store, assets_dir), FullVMBackend(node_dir, store, assets_dir)]

@@ -84,6 +84,14 @@ class VMBackend:
             self._accel = await asyncio.to_thread(machine.probe_accel, assets, self.assets_cache.root)
         return self._accel
 
+    async def warm_up(self) -> None:
+        """Fetch the guest kernel, build the initramfs and probe the accelerator now rather
+        than at the first create (the server starts this in the background)."""
+        try:
+            await self.accel()
+        except Exception as exc:  # noqa: BLE001 - reported, retried at the first create
+            log.warning("%s: cannot prepare VM assets yet: %s", self.kind, exc)
+
     def describe(self) -> str:
         """One line for ``dsec info``: the machine and the accelerator (once probed)."""
         return f"{self.kind}: QEMU {machine.qemu_version()}, accel {self._accel or 'not probed yet'}"
