@@ -17,6 +17,7 @@ from ._errors import (
     Unauthenticated,
 )
 from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, SandboxInfo, SandboxStatus
+from ._models import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from ._sync import SyncDSecClient, SyncSandbox
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "DSecClient",
     "DSecContainerRunArgs",
     "DSecError",
+    "DSecFullVMRunArgs",
+    "DSecMicroVMRunArgs",
     "ExecResult",
     "ImageInfo",
     "ImageNotFound",
@@ -40,6 +43,7 @@ __all__ = [
     "SandboxStatus",
     "ServerError",
     "ServerUnavailable",
+    "SnapshotInfo",
     "SyncDSecClient",
     "SyncSandbox",
     "Unauthenticated",

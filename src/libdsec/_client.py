@@ -30,6 +30,8 @@ from ._models import (
     BatchEvent,
     CreateBatchRequest,
     DSecContainerRunArgs,
+    DSecFullVMRunArgs,
+    DSecMicroVMRunArgs,
     ExecRequest,
     ExecResult,
     ImageInfo,
@@ -40,6 +42,7 @@ from ._models import (
     SandboxInfo,
     SandboxList,
     SandboxStatus,
+    SnapshotInfo,
 )
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:8765"
@@ -138,6 +141,11 @@ class Sandbox:
         )
         return self.info
 
+    async def snapshot(self) -> SnapshotInfo:
+        """Save a microVM's memory and device state (it keeps running); pass the result's
+        ``id`` as ``DSecMicroVMRunArgs(snapshot=…)`` to start a copy where it was."""
+        return SnapshotInfo.model_validate(await self._client._request("POST", f"/v1/sandboxes/{self.id}/snapshot"))
+
     async def stop(self) -> None:
         """Stop and remove the sandbox. Stopping a stopped sandbox does nothing."""
         if self.info.status in (SandboxStatus.stopped,):
@@ -208,6 +216,17 @@ class DSecClient:
     async def run_container(self, args: DSecContainerRunArgs, *, timeout: float | None = None) -> Sandbox:
         """Create one container sandbox and return once it is running."""
         body = await self._request("POST", "/v1/sandboxes", model=args, timeout=timeout)
+        return Sandbox(self, SandboxInfo.model_validate(body))
+
+    async def run_microvm(self, args: DSecMicroVMRunArgs, *, timeout: float | None = None) -> Sandbox:
+        """Create one microVM (or restore one from ``args.snapshot``); returns once its guest
+        agent answers. The handle is the same as a container's."""
+        body = await self._request("POST", "/v1/microvms", model=args, timeout=timeout)
+        return Sandbox(self, SandboxInfo.model_validate(body))
+
+    async def run_vm(self, args: DSecFullVMRunArgs, *, timeout: float | None = None) -> Sandbox:
+        """Create one full VM booting the image's own init; same handle as a container's."""
+        body = await self._request("POST", "/v1/vms", model=args, timeout=timeout)
         return Sandbox(self, SandboxInfo.model_validate(body))
 
     async def run_containers(

@@ -26,6 +26,8 @@ class _Model(BaseModel):
 
 class SandboxKind(str, Enum):
     container = "container"
+    microvm = "microvm"
+    fullvm = "fullvm"
 
 
 class SandboxStatus(str, Enum):
@@ -104,6 +106,42 @@ class PackDiffResult(_Model):
     layers: list[str]
     size_bytes: int
     scrubbed: list[str]
+
+
+class DSecMicroVMRunArgs(DSecContainerRunArgs):
+    """A microVM (QEMU ``microvm`` machine, its own kernel): the container's fields, where
+    ``container_image`` names the image in the same layer store, ``memory_limit_mb`` is the
+    guest's memory (at least 64) and ``cpu_cores_limit`` rounds up to vCPUs.
+
+    ``snapshot``: restore this memory snapshot (from ``Sandbox.snapshot()``) instead of booting;
+    the VM resumes with its processes and files, and the memory and vCPUs it was saved with.
+    The image must be the one the snapshot was taken from."""
+
+    snapshot: str | None = Field(default=None, pattern=r"^s[0-9a-f]{16}$")
+
+
+class DSecFullVMRunArgs(DSecContainerRunArgs):
+    """A full VM (QEMU ``q35``) booting the image's own init from a copy-on-write disk built
+    from its layers; fields as for a container (``memory_limit_mb`` is the guest's memory)."""
+
+
+RUN_ARGS_BY_KIND: dict[str, type[DSecContainerRunArgs]] = {
+    "container": DSecContainerRunArgs, "microvm": DSecMicroVMRunArgs, "fullvm": DSecFullVMRunArgs,
+}
+
+
+class SnapshotInfo(_Model):
+    """A memory snapshot of a microVM; pass ``id`` as ``DSecMicroVMRunArgs.snapshot``."""
+
+    id: str
+    sandbox_id: str
+    kind: str
+    node: str
+    image: str
+    size_bytes: int
+    memory_mb: int
+    save_s: float
+    created_at: datetime
 
 
 class CreateBatchRequest(_Model):

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from ._client import DSecClient, ProgressCallback, Sandbox
 from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, SandboxInfo
+from ._models import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 
 T = TypeVar("T")
 
@@ -62,6 +63,9 @@ class SyncSandbox:
     def refresh(self) -> SandboxInfo:
         return self._run(self._sandbox.refresh())
 
+    def snapshot(self) -> SnapshotInfo:
+        return self._run(self._sandbox.snapshot())
+
     def stop(self) -> None:
         self._run(self._sandbox.stop())
 
@@ -103,6 +107,14 @@ class SyncDSecClient:
     def run_container(self, args: DSecContainerRunArgs, **kwargs: Any) -> SyncSandbox:
         runner = self._loop()
         return SyncSandbox(runner, runner.run(self._async.run_container(args, **kwargs)))
+
+    def run_microvm(self, args: DSecMicroVMRunArgs, **kwargs: Any) -> SyncSandbox:
+        runner = self._loop()
+        return SyncSandbox(runner, runner.run(self._async.run_microvm(args, **kwargs)))
+
+    def run_vm(self, args: DSecFullVMRunArgs, **kwargs: Any) -> SyncSandbox:
+        runner = self._loop()
+        return SyncSandbox(runner, runner.run(self._async.run_vm(args, **kwargs)))
 
     def run_containers(
         self, args: DSecContainerRunArgs, *, count: int, progress: ProgressCallback | None = None, **kwargs: Any
