@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,9 @@ ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/bin:/usr/bin"})
 LIMITS = Limits(memory_mb=64, cpu_cores=0.5, pids=128)
 
 
-@pytest.fixture(params=["fake", pytest.param("container", marks=[pytest.mark.slow, pytest.mark.root])])
+@pytest.fixture(params=["fake", pytest.param("container", marks=[pytest.mark.slow, pytest.mark.root]),
+                        pytest.param("microvm", marks=[pytest.mark.slow, pytest.mark.root]),
+                        pytest.param("fullvm", marks=[pytest.mark.slow, pytest.mark.root])])
 async def kit(request, tmp_path_factory, test_store_lazy):
     """(backend, spec) for one backend kind; checks that the backend left nothing behind."""
     if request.param == "fake":
@@ -33,6 +36,10 @@ async def kit(request, tmp_path_factory, test_store_lazy):
 
     set_child_subreaper()  # as dsec serve does: sandbox inits are reaped by us, at once
     store_path = test_store_lazy()
+    if request.param in ("microvm", "fullvm"):
+        async for kit in _vm_kit(request.param, store_path, tmp_path_factory):
+            yield kit
+        return
     state = tmp_path_factory.mktemp("conformance")
     store = LayerStore(store_path)
     backend = ContainerBackend(state / "node", store, cgroup_parent=cgroups.parent_for(state))
@@ -42,6 +49,28 @@ async def kit(request, tmp_path_factory, test_store_lazy):
     finally:
         await backend.recover([])  # removes whatever a failed test left
         backend.release_unused()
+        left = leftovers(state)
+        shutil.rmtree(state, ignore_errors=True)
+        assert not left, left
+
+
+async def _vm_kit(kind, store_path, tmp_path_factory):
+    from dsec.backends.vm.fullvm import FullVMBackend
+    from dsec.backends.vm.microvm import MicroVMBackend
+    from dsec.images.store import LayerStore
+    from dsec.local import leftovers
+
+    state = tmp_path_factory.mktemp(f"conformance-{kind}")
+    store = LayerStore(store_path)
+    cls = MicroVMBackend if kind == "microvm" else FullVMBackend
+    # Guest kernel and initramfs are shared by every test run, like the test store.
+    backend = cls(state / "node", store, Path(store_path).parent / "vm", boot_timeout_s=90)
+    image = store.get_image("busybox")
+    try:
+        yield backend, SandboxSpec(image="busybox", layers=image.layers, env=dict(image.env), limits=None)
+    finally:
+        await backend.recover([])
+        await backend.close()
         left = leftovers(state)
         shutil.rmtree(state, ignore_errors=True)
         assert not left, left

@@ -199,7 +199,7 @@ class VMBackend:
             return ""
 
     async def apply_limits(self, handle: Handle, limits: Limits) -> None:
-        live = self._get(handle, "set limits")
+        live = self._get(handle, "set limits", paused_ok=True)
         live.limits = limits
 
     async def is_alive(self, handle: Handle) -> bool:
@@ -207,7 +207,7 @@ class VMBackend:
         return live is not None and not live.agent.closed and machine.pid_alive(live.pid)
 
     async def pause(self, handle: Handle) -> None:
-        live = self._get(handle, "pause")
+        live = self._get(handle, "pause", paused_ok=True)
         try:
             await live.qmp.execute("stop")
         except QMPError as exc:
@@ -215,7 +215,7 @@ class VMBackend:
         live.paused = True
 
     async def resume(self, handle: Handle) -> None:
-        live = self._get(handle, "resume")
+        live = self._get(handle, "resume", paused_ok=True)
         try:
             await live.qmp.execute("cont")
         except QMPError as exc:
@@ -279,14 +279,14 @@ class VMBackend:
 
     # -- exec and files --------------------------------------------------------------------
 
-    def _get(self, handle: Handle, action: str) -> _Live:
+    def _get(self, handle: Handle, action: str, paused_ok: bool = False) -> _Live:
         live = self._live.get(handle.cid)
         if live is None:
             raise SandboxStateError(f"cannot {action}: {self.kind} {handle.cid} is gone")
         if live.agent.closed or not machine.pid_alive(live.pid):
             reason = live.agent.reason if live.agent.closed else "its QEMU exited"
             raise SandboxStateError(f"cannot {action}: {self.kind} {handle.cid} is gone ({reason})")
-        if live.paused:
+        if live.paused and not paused_ok:
             raise SandboxStateError(f"cannot {action}: {self.kind} {handle.cid} is paused")
         return live
 
