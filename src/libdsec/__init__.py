@@ -9,6 +9,8 @@ from ._errors import (
     ImageNotFound,
     InvalidRequest,
     LimitOutOfRange,
+    ProjectNotFound,
+    QuotaExceeded,
     SandboxFileNotFound,
     SandboxNotFound,
     SandboxStateError,
@@ -16,8 +18,9 @@ from ._errors import (
     ServerUnavailable,
     Unauthenticated,
 )
-from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, SandboxInfo, SandboxStatus
+from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from ._models import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
+from ._projects import ProjectInfo, ProjectQuota
 from ._sync import SyncDSecClient, SyncSandbox
 
 __all__ = [
@@ -35,6 +38,11 @@ __all__ = [
     "InvalidRequest",
     "LimitOutOfRange",
     "PackDiffResult",
+    "PauseResult",
+    "ProjectInfo",
+    "ProjectNotFound",
+    "ProjectQuota",
+    "QuotaExceeded",
     "Sandbox",
     "SandboxFileNotFound",
     "SandboxInfo",

@@ -24,6 +24,7 @@ from ._errors import (
     ServerUnavailable,
     error_from_wire,
 )
+from ._projects import _ProjectMethods
 from ._models import (
     DEFAULT_COMMAND_TIMEOUT_S,
     MAX_BATCH_COUNT,
@@ -39,6 +40,7 @@ from ._models import (
     NodeInfo,
     PackDiffRequest,
     PackDiffResult,
+    PauseResult,
     SandboxInfo,
     SandboxList,
     SandboxStatus,
@@ -141,6 +143,18 @@ class Sandbox:
         )
         return self.info
 
+    async def pause(self) -> PauseResult:
+        """Freeze the sandbox and push its memory out (to swap); the result says how much
+        memory it held before and after. Its next call (or ``resume()``) brings it back."""
+        result = PauseResult.model_validate(await self._client._request("POST", f"/v1/sandboxes/{self.id}/pause"))
+        self.info = result.sandbox
+        return result
+
+    async def resume(self) -> SandboxInfo:
+        """Thaw a paused sandbox (its memory comes back as it is touched)."""
+        self.info = SandboxInfo.model_validate(await self._client._request("POST", f"/v1/sandboxes/{self.id}/resume"))
+        return self.info
+
     async def snapshot(self) -> SnapshotInfo:
         """Save a microVM's memory and device state (it keeps running); pass the result's
         ``id`` as ``DSecMicroVMRunArgs(snapshot=…)`` to start a copy where it was."""
@@ -160,7 +174,7 @@ class Sandbox:
         await self.stop()
 
 
-class DSecClient:
+class DSecClient(_ProjectMethods):
     """Async client for a DSec apiserver.
 
     ``endpoint`` defaults to DSEC_ENDPOINT or http://127.0.0.1:8765; ``token`` to DSEC_TOKEN or

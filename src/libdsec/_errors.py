@@ -10,6 +10,8 @@
     ├── SandboxFileNotFound (FileNotFoundError)
     ├── CommandTimeout (TimeoutError)        a command ran past its timeout and was killed
     ├── CapacityExceeded                     no node could admit the sandbox
+    ├── QuotaExceeded                        the project's quota (or an ancestor's) is used up
+    ├── ProjectNotFound (LookupError)        no project by that name (or not visible to the token)
     ├── BackendError                         the runtime (crun, mounts, …) failed
     ├── ServerUnavailable (ConnectionError)  the SDK could not reach the server
     └── ServerError                          anything else the server reported
@@ -80,6 +82,16 @@ class CapacityExceeded(DSecError):
     status = 503
 
 
+class QuotaExceeded(DSecError):
+    code = "quota_exceeded"
+    status = 429
+
+
+class ProjectNotFound(DSecError, LookupError):
+    code = "project_not_found"
+    status = 404
+
+
 class BackendError(DSecError):
     code = "backend_error"
     status = 500
@@ -107,6 +119,8 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         SandboxFileNotFound,
         CommandTimeout,
         CapacityExceeded,
+        QuotaExceeded,
+        ProjectNotFound,
         BackendError,
         ServerUnavailable,
         ServerError,

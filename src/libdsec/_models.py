@@ -31,10 +31,12 @@ class SandboxKind(str, Enum):
 
 
 class SandboxStatus(str, Enum):
-    """Lifecycle: creating → running → stopping → stopped; any state may end in failed."""
+    """Lifecycle: creating → running → stopping → stopped; any state may end in failed.
+    running ⇄ paused: frozen, memory pushed out to swap; the next call resumes it."""
 
     creating = "creating"
     running = "running"
+    paused = "paused"
     stopping = "stopping"
     stopped = "stopped"
     failed = "failed"
@@ -58,6 +60,12 @@ class DSecContainerRunArgs(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str = "/"
     pids_limit: int = 1024
+    # ``cpu_cores_limit`` is a weight (the sandbox's share when the node is busy), not a cap;
+    # this is an optional hard cap in cores on top of it.
+    cpu_cores_cap: float | None = None
+    # Best effort: the sandbox runs under SCHED_IDLE (init and every command) and gets only
+    # CPU time nobody else wants; it commits no CPU on its node or in its project's quota.
+    best_effort: bool = False
     # An explicit composition: ``container_image`` is the base, then a workspace layer set and
     # toolkits stacked on top (``"python+repo-abc+harness"`` in ``container_image`` is the same).
     workspace: str | None = None
@@ -71,6 +79,13 @@ class DSecContainerRunArgs(_Model):
     @classmethod
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("cpu_cores_cap")
+    @classmethod
+    def _finite_cap(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
             raise ValueError("must be a finite number")
         return value
 
@@ -165,6 +180,27 @@ class SandboxInfo(_Model):
     reason: str | None = None
     # Seconds the node took to bring the sandbox up.
     create_s: float | None = None
+    project: str = "root"
+    cpu_cores_cap: float | None = None
+    best_effort: bool = False
+
+
+class PauseResult(_Model):
+    """What ``pause`` did: the sandbox (now paused) and the memory charged to it before and
+    after its memory was pushed out (``None`` where the backend cannot tell)."""
+
+    sandbox: SandboxInfo
+    memory_before_bytes: int | None = None
+    memory_after_bytes: int | None = None
+    pause_s: float
+
+
+class ProjectUsage(_Model):
+    """What a project's sandboxes (running or paused) hold on a node, or in all."""
+
+    sandboxes: int = 0
+    cpu_cores: float = 0.0
+    memory_mb: int = 0
 
 
 class SandboxList(_Model):
@@ -232,6 +268,19 @@ class NodeInfo(_Model):
     sandboxes: int
     memory_total_mb: int
     cpu_cores: int
+    # Admission: the most sandboxes, the overcommit ratios and what is committed (creating,
+    # running and paused sandboxes; best-effort ones commit no CPU).
+    max_sandboxes: int | None = None
+    cpu_overcommit: float = 1.0
+    memory_overcommit: float = 1.0
+    committed_cpu: float = 0.0
+    committed_memory_mb: int = 0
+    paused: int = 0
+    swap_total_mb: int = 0
+    sched_idle: bool = False
+    # "supported", or "unsupported: <why>" (e.g. a kernel built without CONFIG_SCHED_CORE).
+    core_scheduling: str = "unknown"
+    projects: dict[str, ProjectUsage] = Field(default_factory=dict)
 
 
 class ErrorBody(_Model):

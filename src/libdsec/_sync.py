@@ -12,8 +12,9 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ._client import DSecClient, ProgressCallback, Sandbox
-from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, SandboxInfo
+from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from ._models import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
+from ._projects import _SyncProjectMethods
 
 T = TypeVar("T")
 
@@ -63,6 +64,12 @@ class SyncSandbox:
     def refresh(self) -> SandboxInfo:
         return self._run(self._sandbox.refresh())
 
+    def pause(self) -> PauseResult:
+        return self._run(self._sandbox.pause())
+
+    def resume(self) -> SandboxInfo:
+        return self._run(self._sandbox.resume())
+
     def snapshot(self) -> SnapshotInfo:
         return self._run(self._sandbox.snapshot())
 
@@ -76,7 +83,7 @@ class SyncSandbox:
         self.stop()
 
 
-class SyncDSecClient:
+class SyncDSecClient(_SyncProjectMethods):
     """Blocking twin of :class:`libdsec.DSecClient`; same arguments, same errors."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -21,6 +21,7 @@ PUBLIC = {
     "Unauthenticated", "default_token",
 }
 PUBLIC |= {"DSecFullVMRunArgs", "DSecMicroVMRunArgs", "SnapshotInfo"}  # VM sandboxes
+PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -33,6 +34,8 @@ ERRORS = [
     (libdsec.SandboxFileNotFound, "file_not_found", 404, FileNotFoundError),
     (libdsec.CommandTimeout, "command_timeout", 408, TimeoutError),
     (libdsec.CapacityExceeded, "capacity_exceeded", 503, libdsec.DSecError),
+    (libdsec.QuotaExceeded, "quota_exceeded", 429, libdsec.DSecError),
+    (libdsec.ProjectNotFound, "project_not_found", 404, LookupError),
     (libdsec.BackendError, "backend_error", 500, libdsec.DSecError),
     (libdsec.ServerUnavailable, "server_unavailable", 503, ConnectionError),
     (libdsec.ServerError, "internal", 500, libdsec.DSecError),
@@ -115,6 +118,8 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.SnapshotInfo: {"id": "s0123456789abcdef", "sandbox_id": "n0-0123456789abcdef", "kind": "microvm",
                                "node": "n0", "image": "busybox", "size_bytes": 1, "memory_mb": 256, "save_s": 0.1,
                                "created_at": "2026-01-01T00:00:00Z"},
+        _models.PauseResult: {"sandbox": info, "pause_s": 0.1},
+        _models.ProjectUsage: {"sandboxes": 1},
     }[cls]
 
 

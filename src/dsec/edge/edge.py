@@ -1,6 +1,9 @@
 """The edge: one per node. It owns the node's sandbox table and every sandbox's lifecycle.
 
     creating ──▶ running ──▶ stopping ──▶ stopped
+        │          ▲  │ pause
+        │   resume │  ▼
+        │         paused ─────▶ stopping
         └──────────┴────────────┴──────▶ failed
 
 - Admission: limits in range for this node, sandbox count and (overcommitted) memory within
@@ -8,7 +11,11 @@
 - Warm pool: for images in demand the edge keeps pre-created sandboxes with no limits yet; a
   create takes one and sets its limits (run args that vary per sandbox — user, env, workdir —
   apply per call), so a burst of creates does not wait for crun. The pool follows demand.
-- ``ttl_running_stop``: a sandbox with no call for that many seconds is stopped.
+- ``ttl_running_stop``: a sandbox with no call for that many seconds is stopped. A paused
+  sandbox is exempt until it has been paused for ``paused_ttl_s``.
+- Pause freezes a sandbox and pushes its memory out (swap); exec and file calls on a paused
+  sandbox resume it first. CPU requests are weights (overcommitted, ``cpu_overcommit``);
+  best-effort sandboxes commit none and run under SCHED_IDLE.
 - Records are persisted one file per sandbox; on start the edge re-adopts the sandboxes still
   running and removes the remains of the rest. ``close()`` (SIGTERM) releases what no running
   sandbox uses — the warm pool, unused layer mounts — and leaves running sandboxes to be adopted.
@@ -43,6 +50,8 @@ from libdsec._models import (
     NodeInfo,
     RUN_ARGS_BY_KIND,
     PackDiffResult,
+    PauseResult,
+    ProjectUsage,
     SandboxInfo,
     SandboxStatus,
     SnapshotInfo,
@@ -50,7 +59,9 @@ from libdsec._models import (
 
 from ..backends.base import ExecContext, Handle, SandboxBackend, SandboxSpec
 from ..images.store import Image, LayerStore, check_name
+from ..placement import DEFAULT_CPU_OVERCOMMIT, DEFAULT_MEMORY_OVERCOMMIT
 from ..resources import cgroups
+from ..resources import cpu as cpu_sched
 from ..resources.cgroups import Limits
 from .api import new_sandbox_id
 
@@ -60,6 +71,23 @@ MIN_MEMORY_MB = 16
 MIN_CPU = 0.01
 MAX_TTL_S = 7 * 24 * 3600.0
 PIDS_RANGE = (16, 65536)
+
+
+# States in which a sandbox holds its node's resources (and counts against its project's quota).
+_HOLDING = (SandboxStatus.creating, SandboxStatus.running, SandboxStatus.paused)
+
+
+def _cpu_commit(args: DSecContainerRunArgs) -> float:
+    """CPU a sandbox commits on its node: its weight in cores, or none for best effort."""
+    return 0.0 if getattr(args, "best_effort", False) else args.cpu_cores_limit
+
+
+def _swap_total_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("SwapTotal:"):
+                return int(line.split()[1]) // 1024
+    return 0
 
 
 def _memory_total_mb() -> int:
@@ -77,7 +105,10 @@ class EdgeConfig:
     records_dir: Path | None = None
     node: str = "n0"
     max_sandboxes: int = 4096
-    memory_overcommit: float = 4.0
+    memory_overcommit: float = DEFAULT_MEMORY_OVERCOMMIT
+    cpu_overcommit: float = DEFAULT_CPU_OVERCOMMIT
+    # A paused sandbox is stopped after this long paused (its run TTL does not run meanwhile).
+    paused_ttl_s: float = 24 * 3600.0
     batch_concurrency: int = 16
     reaper_interval_s: float = 1.0
     max_file_bytes: int = 64 << 20
@@ -105,6 +136,10 @@ class Record:
     reason: str | None = None
     calls: int = 0
     create_s: float | None = None
+    project: str = "root"
+    paused_at: float | None = None
+    # Serialises pause and resume (and the implicit resume of a call) on one sandbox.
+    transition: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     def info(self, node: str) -> SandboxInfo:
         return SandboxInfo(
@@ -113,7 +148,8 @@ class Record:
             last_active_at=datetime.fromtimestamp(self.last_active, timezone.utc),
             memory_limit_mb=self.args.memory_limit_mb, cpu_cores_limit=self.args.cpu_cores_limit,
             ttl_running_stop=self.args.ttl_running_stop, init_user=self.args.init_user,
-            workdir=self.args.workdir, reason=self.reason, create_s=self.create_s,
+            workdir=self.args.workdir, reason=self.reason, create_s=self.create_s, project=self.project,
+            cpu_cores_cap=getattr(self.args, "cpu_cores_cap", None), best_effort=getattr(self.args, "best_effort", False),
         )
 
     def to_json(self) -> str:
@@ -122,6 +158,7 @@ class Record:
             "image": {"name": self.image.name, "layers": list(self.image.layers), "env": self.image.env,
                       "workdir": self.image.workdir, "user": self.image.user, "roles": list(self.image.roles)},
             "created_at": self.created_at, "uid": self.uid, "gid": self.gid,
+            "project": self.project, "paused_at": self.paused_at,
         })
 
     @classmethod
@@ -134,8 +171,9 @@ class Record:
             args=RUN_ARGS_BY_KIND.get(d.get("kind", "container"), DSecContainerRunArgs).model_validate(d["args"]),
             image=Image(name=img["name"], layers=tuple(img["layers"]), env=img["env"],
                         workdir=img["workdir"], user=img["user"], roles=tuple(img.get("roles", ()))),
-            status=SandboxStatus.running, created_at=d["created_at"], last_active=now,
-            uid=d["uid"], gid=d["gid"],
+            status=SandboxStatus.paused if d.get("paused_at") else SandboxStatus.running,
+            created_at=d["created_at"], last_active=now, uid=d["uid"], gid=d["gid"],
+            project=d.get("project", "root"), paused_at=d.get("paused_at"),
         )
 
 
@@ -228,6 +266,9 @@ class Edge:
             raise out_of_range("memory_limit_mb", args.memory_limit_mb, MIN_MEMORY_MB, self._memory_total_mb, "MB")
         if not MIN_CPU <= args.cpu_cores_limit <= self._cpu_cores:
             raise out_of_range("cpu_cores_limit", args.cpu_cores_limit, MIN_CPU, self._cpu_cores, "cores")
+        cap = getattr(args, "cpu_cores_cap", None)
+        if cap is not None and not max(MIN_CPU, args.cpu_cores_limit) <= cap <= self._cpu_cores:
+            raise out_of_range("cpu_cores_cap", cap, f"max({MIN_CPU}, cpu_cores_limit)", self._cpu_cores, "cores")
         if not 1 <= args.ttl_running_stop <= MAX_TTL_S:
             raise out_of_range("ttl_running_stop", args.ttl_running_stop, 1, int(MAX_TTL_S), "seconds")
         if not PIDS_RANGE[0] <= args.pids_limit <= PIDS_RANGE[1]:
@@ -236,10 +277,14 @@ class Edge:
             raise InvalidRequest(
                 "network_rules: network allowlists are not available yet; sandboxes have no network"
             )
-        return Limits(memory_mb=args.memory_limit_mb, cpu_cores=args.cpu_cores_limit, pids=args.pids_limit)
+        return Limits(memory_mb=args.memory_limit_mb, cpu_cores=args.cpu_cores_limit, pids=args.pids_limit,
+                      cpu_cap=cap, best_effort=getattr(args, "best_effort", False))
+
+    def _active(self) -> list[Record]:
+        return [r for r in self._records.values() if r.status in _HOLDING]
 
     def _admit(self, args: DSecContainerRunArgs) -> None:
-        active = [r for r in self._records.values() if r.status in (SandboxStatus.creating, SandboxStatus.running)]
+        active = self._active()
         if len(active) >= self.config.max_sandboxes:
             raise CapacityExceeded(f"node {self.node} is full: {len(active)} of {self.config.max_sandboxes} sandboxes")
         committed = sum(r.args.memory_limit_mb for r in active) + args.memory_limit_mb
@@ -248,6 +293,15 @@ class Edge:
             raise CapacityExceeded(
                 f"node {self.node} cannot admit {args.memory_limit_mb} MB more: "
                 f"{committed - args.memory_limit_mb} of {cap} MB committed"
+                f" ({self.config.memory_overcommit:g}× its {self._memory_total_mb} MB)"
+            )
+        cpu = _cpu_commit(args)
+        cpu_committed = sum(_cpu_commit(r.args) for r in active)
+        cpu_cap = self._cpu_cores * self.config.cpu_overcommit
+        if cpu and cpu_committed + cpu > cpu_cap + 1e-9:
+            raise CapacityExceeded(
+                f"node {self.node} cannot admit {cpu:g} CPU cores more: {cpu_committed:g} of {cpu_cap:g} committed "
+                f"({self.config.cpu_overcommit:g}× its {self._cpu_cores} cores; best-effort sandboxes commit none)"
             )
 
     # -- create ----------------------------------------------------------------------------
@@ -260,7 +314,7 @@ class Edge:
             )
         return backend
 
-    async def create(self, args: DSecContainerRunArgs, kind: str = "container") -> SandboxInfo:
+    async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
         if self._closed:
             raise SandboxStateError(f"edge {self.node} is shutting down")
         backend = self._backend(kind)
@@ -270,7 +324,7 @@ class Edge:
         now = time.time()
         rec = Record(
             id=new_sandbox_id(self.node), kind=kind, handle=Handle(cid="", image=image.name, layers=image.layers),
-            args=args, image=image, status=SandboxStatus.creating, created_at=now, last_active=now,
+            args=args, image=image, status=SandboxStatus.creating, created_at=now, last_active=now, project=project,
         )
         self._records[rec.id] = rec
         # VMs (whose memory is set at boot) and restores from a snapshot are made to order.
@@ -324,7 +378,7 @@ class Edge:
         return await self.backends[kind].create(f"c{secrets.token_hex(8)}", spec)
 
     async def create_batch(
-        self, args: DSecContainerRunArgs, count: int, kind: str = "container"
+        self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root"
     ) -> AsyncIterator[tuple[int, SandboxInfo]]:
         """Create ``count`` sandboxes; yields (index, info) as each comes up. All or none: on the
         first failure (or if the consumer goes away) every sandbox made so far is stopped."""
@@ -337,7 +391,7 @@ class Edge:
         async def one(i: int) -> None:
             async with sem:
                 try:
-                    await queue.put((i, await self.create(args, kind)))
+                    await queue.put((i, await self.create(args, kind, project)))
                 except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                     await queue.put((i, exc))
 
@@ -396,7 +450,7 @@ class Edge:
             rec.last_active = time.time()
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        rec = self._running(sandbox_id, "exec")
+        rec = await self._ready(sandbox_id, "exec")
         if request.user is not None:
             uid, gid = await self.backends[rec.kind].resolve_user(rec.handle, request.user)
         else:
@@ -408,12 +462,12 @@ class Edge:
         return await self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx))
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        rec = self._running(sandbox_id, "read a file")
+        rec = await self._ready(sandbox_id, "read a file")
         backend = self.backends[rec.kind]
         return await self._call(rec, backend.read_file(rec.handle, path, self.config.max_file_bytes))
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
-        rec = self._running(sandbox_id, "write a file")
+        rec = await self._ready(sandbox_id, "write a file")
         if len(data) > self.config.max_file_bytes:
             raise InvalidRequest(f"file of {len(data)} bytes is over the {self.config.max_file_bytes}-byte limit")
         if not 0 <= mode <= 0o7777:
@@ -498,6 +552,67 @@ class Edge:
         try:
             await self.backends[rec.kind].destroy(rec.handle)
         finally:
+    # -- pause and resume ------------------------------------------------------------------
+
+    async def pause(self, sandbox_id: str) -> PauseResult:
+        """Freeze the sandbox and push its memory out; says what it held before and after."""
+        rec = self._get(sandbox_id)
+        async with rec.transition:
+            if rec.status is SandboxStatus.paused:
+                raise SandboxStateError(f"cannot pause: sandbox {sandbox_id} is paused already")
+            if rec.status is not SandboxStatus.running:
+                raise SandboxStateError(f"cannot pause: sandbox {sandbox_id} is {rec.status.value}")
+            if rec.calls:
+                raise SandboxStateError(f"cannot pause: sandbox {sandbox_id} has {rec.calls} calls in flight")
+            backend = self.backends[rec.kind]
+            before = backend.memory_usage(rec.handle)
+            start = time.perf_counter()
+            # Calls that arrive from here on find it paused and wait (on the lock) to resume it.
+            rec.status = SandboxStatus.paused
+            try:
+                await backend.pause(rec.handle)
+            except BaseException:
+                if rec.status is SandboxStatus.paused:
+                    rec.status = SandboxStatus.running
+                raise
+            if rec.status is not SandboxStatus.paused:  # stopped meanwhile
+                raise SandboxStateError(f"sandbox {sandbox_id} was {rec.status.value} while it was being paused")
+            rec.paused_at = time.time()
+            self._persist(rec)
+            return PauseResult(sandbox=rec.info(self.node), memory_before_bytes=before,
+                               memory_after_bytes=backend.memory_usage(rec.handle),
+                               pause_s=time.perf_counter() - start)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        rec = self._get(sandbox_id)
+        async with rec.transition:
+            if rec.status is not SandboxStatus.paused:
+                raise SandboxStateError(f"cannot resume: sandbox {sandbox_id} is {rec.status.value}, not paused")
+            await self._thaw(rec)
+        return rec.info(self.node)
+
+    async def _thaw(self, rec: Record) -> None:
+        """Resume a paused sandbox (the caller holds ``rec.transition``)."""
+        await self.backends[rec.kind].resume(rec.handle)
+        rec.status, rec.paused_at = SandboxStatus.running, None
+        rec.last_active = time.time()
+        self._persist(rec)
+
+    async def _ready(self, sandbox_id: str, action: str) -> Record:
+        """The record of a sandbox that can take a call: a paused one is resumed first."""
+        rec = self._get(sandbox_id)
+        if rec.status is SandboxStatus.paused:
+            async with rec.transition:
+                if rec.status is SandboxStatus.paused:
+                    await self._thaw(rec)
+        return self._running(sandbox_id, action)
+
+    def idle_sandboxes(self, idle_s: float) -> list[tuple[str, Handle]]:
+        """(kind, handle) of the running sandboxes without a call for ``idle_s`` seconds."""
+        now = time.time()
+        return [(r.kind, r.handle) for r in self._records.values()
+                if r.status is SandboxStatus.running and r.calls == 0 and now - r.last_active >= idle_s]
+
             self._forget(rec)
 
     def _forget(self, rec: Record) -> None:
@@ -523,19 +638,50 @@ class Edge:
         return sum(len(p.handles) for p in self._pools.values())
 
     # -- background work -------------------------------------------------------------------
+            **self._commitments(),
 
     async def _reaper(self) -> None:
+    def _commitments(self) -> dict:
+        """Admission figures for the placement view, and what each project holds here."""
+        cpu, memory, paused = 0.0, 0, 0
+        projects: dict[str, list] = {}
+        for r in self._records.values():
+            if r.status not in _HOLDING:
+                continue
+            c = _cpu_commit(r.args)
+            cpu += c
+            memory += r.args.memory_limit_mb
+            paused += r.status is SandboxStatus.paused
+            if r.status is not SandboxStatus.creating:  # creates in flight are the apiserver's to count
+                u = projects.setdefault(r.project, [0, 0.0, 0])
+                u[0] += 1
+                u[1] += c
+                u[2] += r.args.memory_limit_mb
+        return {
+            "max_sandboxes": self.config.max_sandboxes, "cpu_overcommit": self.config.cpu_overcommit,
+            "memory_overcommit": self.config.memory_overcommit, "committed_cpu": round(cpu, 6),
+            "committed_memory_mb": memory, "paused": paused, "swap_total_mb": _swap_total_mb(),
+            "sched_idle": cpu_sched.sched_idle(), "core_scheduling": cpu_sched.core_scheduling(),
+            "projects": {p: ProjectUsage(sandboxes=n, cpu_cores=round(c, 6), memory_mb=m)
+                         for p, (n, c, m) in projects.items()},
+        }
+
         while True:
             await asyncio.sleep(self.config.reaper_interval_s)
             now = time.time()
             expired = [
-                r for r in self._records.values()
+                (r, f"idle for over ttl_running_stop={r.args.ttl_running_stop:g}s") for r in self._records.values()
                 if r.status is SandboxStatus.running and r.calls == 0
                 and now - r.last_active > r.args.ttl_running_stop
             ]
-            for rec in expired:
+            expired += [
+                (r, f"paused for over paused_ttl_s={self.config.paused_ttl_s:g}s") for r in self._records.values()
+                if r.status is SandboxStatus.paused and r.paused_at is not None
+                and now - r.paused_at > self.config.paused_ttl_s
+            ]
+            for rec, reason in expired:
                 try:
-                    await self.stop(rec.id, reason=f"idle for over ttl_running_stop={rec.args.ttl_running_stop:g}s")
+                    await self.stop(rec.id, reason=reason)
                 except DSecError as exc:
                     log.warning("TTL stop of %s failed: %s", rec.id, exc)
 

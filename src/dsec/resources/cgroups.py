@@ -30,9 +30,15 @@ def parent_for(state_dir: Path) -> str:
 
 @dataclass(frozen=True)
 class Limits:
+    """``cpu_cores`` is a weight (cpu.shares / cpu.weight): the sandbox's share of a busy node.
+    ``cpu_cap`` is an optional hard cap (CFS quota). A best-effort sandbox gets the smallest
+    weight and an idle-class cgroup (``cpu.idle``), and its processes run under SCHED_IDLE."""
+
     memory_mb: int
     cpu_cores: float
     pids: int
+    cpu_cap: float | None = None
+    best_effort: bool = False
 
     @property
     def memory_bytes(self) -> int:
@@ -40,11 +46,18 @@ class Limits:
 
     @property
     def cpu_quota_us(self) -> int:
-        return max(1000, int(self.cpu_cores * CPU_PERIOD_US))
+        """CFS quota per period; -1 without a cap."""
+        if self.cpu_cap is None:
+            return -1
+        return max(1000, int(self.cpu_cap * CPU_PERIOD_US))
 
     @property
     def cpu_shares(self) -> int:
-        return max(2, int(self.cpu_cores * 1024))
+        return 2 if self.best_effort else max(2, min(262_144, int(self.cpu_cores * 1024)))
+
+    @property
+    def cpu_weight(self) -> int:
+        return 1 if self.best_effort else max(1, min(10_000, int(self.cpu_cores * 100)))
 
 
 def is_v2() -> bool:
@@ -94,8 +107,9 @@ def apply_limits(parent: str, cid: str, limits: Limits) -> None:
         _write(d / "memory.max", str(limits.memory_bytes))
         if (d / "memory.swap.max").exists():
             _write(d / "memory.swap.max", "0")
-        _write(d / "cpu.max", f"{limits.cpu_quota_us} {CPU_PERIOD_US}")
-        _write(d / "cpu.weight", str(max(1, min(10_000, int(limits.cpu_cores * 100)))))
+        quota = "max" if limits.cpu_cap is None else str(limits.cpu_quota_us)
+        _write(d / "cpu.max", f"{quota} {CPU_PERIOD_US}")
+        _set_cpu_weight(d, "cpu.weight", limits.cpu_weight, limits.best_effort)
         _write(d / "pids.max", str(limits.pids))
         return
     mem = _v1_dir("memory", parent, cid)
@@ -105,8 +119,28 @@ def apply_limits(parent: str, cid: str, limits: Limits) -> None:
     cpu = _v1_dir("cpu", parent, cid)
     _write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
     _write(cpu / "cpu.cfs_quota_us", str(limits.cpu_quota_us))
-    _write(cpu / "cpu.shares", str(limits.cpu_shares))
+    _set_cpu_weight(cpu, "cpu.shares", limits.cpu_shares, limits.best_effort)
     _write(_v1_dir("pids", parent, cid) / "pids.max", str(limits.pids))
+
+
+def _set_cpu_weight(d: Path, weight_file: str, weight: int, idle: bool) -> None:
+    """Weight, then ``cpu.idle`` (kernel 5.15+): the kernel refuses a weight while a group is
+    idle, so the idle flag is cleared first and set last."""
+    has_idle = (d / "cpu.idle").exists()
+    if has_idle:
+        _write(d / "cpu.idle", "0")
+    _write(d / weight_file, str(weight))
+    if has_idle and idle:
+        _write(d / "cpu.idle", "1")
+
+
+def cpu_idle(parent: str, cid: str) -> bool | None:
+    """Whether the sandbox's cgroup is idle-class (best effort); None if the kernel cannot say."""
+    d = (CGROUP_ROOT / parent / cid) if is_v2() else _v1_dir("cpu", parent, cid)
+    try:
+        return (d / "cpu.idle").read_text().strip() == "1"
+    except OSError:
+        return None
 
 
 def memory_usage_bytes(parent: str, cid: str) -> int | None:

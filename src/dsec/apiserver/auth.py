@@ -1,0 +1,51 @@
+"""Who is calling: a bearer token names a project. The token in the state dir's ``token`` file
+is the root project's; every other token is looked up (by digest) in the project store."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+from libdsec import ProjectNotFound, Unauthenticated
+from libdsec._projects import ROOT_PROJECT
+
+from .projects import ProjectStore
+
+
+@dataclass(frozen=True)
+class Caller:
+    project: str
+
+    @property
+    def is_root(self) -> bool:
+        return self.project == ROOT_PROJECT
+
+    def sees(self, projects: ProjectStore, project: str) -> bool:
+        """True when ``project`` is the caller's own or below it."""
+        if self.is_root:
+            return True
+        tree = projects.tree()
+        return project in tree and self.project in tree.ancestors(project)
+
+    def check_sees(self, projects: ProjectStore, project: str) -> None:
+        """Raise ``ProjectNotFound`` for a project the caller may not see (or that does not
+        exist: the two look the same from outside)."""
+        if not self.sees(projects, project):
+            raise ProjectNotFound(f"no project {project!r}")
+
+
+class Authenticator:
+    def __init__(self, root_token: str, projects: ProjectStore) -> None:
+        self.root_token = root_token.encode()
+        self.projects = projects
+
+    def caller(self, authorization: str) -> Caller:
+        scheme, _, given = authorization.partition(" ")
+        given = given.strip()
+        if scheme.lower() == "bearer" and given:
+            if secrets.compare_digest(given.encode(), self.root_token):
+                return Caller(ROOT_PROJECT)
+            project = self.projects.project_of_token(given)
+            if project is not None:
+                return Caller(project)
+        raise Unauthenticated("missing or invalid API token (Authorization: Bearer <token>)")

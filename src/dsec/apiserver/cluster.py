@@ -1,0 +1,296 @@
+"""The apiserver's view of the cluster: the edges by node, where new sandboxes go, and the
+project quotas in front of them.
+
+A create goes: quota (the project's, and the ancestors' it draws on) → placement over a fresh
+view of the nodes (``dsec.placement``: power of k choices) → the chosen edge, which admits or
+refuses against its real state; on ``CapacityExceeded`` the next choice excludes that node.
+When the view says no node has room, the least loaded one is asked anyway: its answer is the
+authoritative one (a size out of range, or "cannot admit").
+
+Quota usage is what the edges report their projects' running and paused sandboxes hold, plus
+the creates this apiserver has in flight (reserved before placing, released as they land).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+
+from libdsec import CapacityExceeded, DSecError, SandboxNotFound
+from libdsec._models import DSecContainerRunArgs, NodeInfo, SandboxInfo
+
+from .. import placement
+from ..edge.api import EdgeAPI, node_of
+from ..images.store import LayerStore
+from .auth import Caller
+from .projects import ProjectStore
+from .quota import RESOURCES, Amount, check_create
+
+log = logging.getLogger("dsec.apiserver.cluster")
+
+MAX_NODES_TRIED = 4
+
+
+def demand_of(args: DSecContainerRunArgs) -> placement.Demand:
+    best_effort = getattr(args, "best_effort", False)
+    return placement.Demand(cpu_cores=0.0 if best_effort else args.cpu_cores_limit, memory_mb=args.memory_limit_mb)
+
+
+def amount_of(args: DSecContainerRunArgs, count: int = 1) -> Amount:
+    d = demand_of(args)
+    return Amount(sandboxes=count, cpu_cores=d.cpu_cores * count, memory_mb=d.memory_mb * count)
+
+
+def load_of(info: NodeInfo) -> placement.NodeLoad:
+    return placement.NodeLoad(
+        node=info.node, cpu_cores=info.cpu_cores, memory_mb=info.memory_total_mb, max_sandboxes=info.max_sandboxes,
+        committed_cpu=info.committed_cpu, committed_memory_mb=info.committed_memory_mb, sandboxes=info.sandboxes,
+    )
+
+
+def _kinds(runtime: str) -> set[str]:
+    """The sandbox kinds a node's ``runtime`` line names ("container; microvm (kvm)")."""
+    return {part.split()[0] for part in re.split(r"[;,]", runtime) if part.strip()}
+
+
+class _Reservation:
+    """Quota held for creates in flight; released in full at the end, or one sandbox at a
+    time as they land."""
+
+    def __init__(self, pending: dict[str, Amount], project: str, one: Amount, count: int) -> None:
+        self.pending, self.project, self.one, self.left = pending, project, one, count
+
+    def release(self, n: int = 1) -> None:
+        n = min(n, self.left)
+        if n <= 0:
+            return
+        self.left -= n
+        rest = self.pending[self.project] - self.one.times(n)
+        if self.left == 0 and all(abs(rest.get(r)) < 1e-9 for r in RESOURCES):
+            self.pending.pop(self.project, None)
+        else:
+            self.pending[self.project] = rest
+
+
+@dataclass
+class _Share:
+    node: str
+    count: int
+    offset: int
+
+
+class Cluster:
+    """The edges the apiserver can reach, by node name; placement and quotas for creates."""
+
+    def __init__(
+        self,
+        edges: list[EdgeAPI],
+        store: LayerStore,
+        *,
+        projects: ProjectStore | None = None,
+        overcommit: placement.Overcommit | None = None,
+        k: int = placement.DEFAULT_K,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.edges = {e.node: e for e in edges}
+        self.store = store
+        self.projects = projects or ProjectStore()
+        self.overcommit = overcommit or placement.Overcommit()
+        self.k = k
+        self.rng = rng or random.Random()
+        self._pending: dict[str, Amount] = {}
+        self._quota_lock = asyncio.Lock()
+
+    # -- routing ---------------------------------------------------------------------------
+
+    def edge_for(self, sandbox_id: str) -> EdgeAPI:
+        node = node_of(sandbox_id)
+        edge = self.edges.get(node)
+        if edge is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id}: node {node!r} is not in this cluster")
+        return edge
+
+    async def edge_for_caller(self, sandbox_id: str, caller: Caller) -> EdgeAPI:
+        """The sandbox's edge, if the caller may see the sandbox; else ``SandboxNotFound``,
+        just as for one that does not exist."""
+        edge = self.edge_for(sandbox_id)
+        if not caller.is_root:
+            info = await edge.get(sandbox_id)
+            if not caller.sees(self.projects, info.project):
+                raise SandboxNotFound(f"no sandbox {sandbox_id} on node {edge.node}")
+        return edge
+
+    def candidates(self) -> list[EdgeAPI]:
+        edges = list(self.edges.values())
+        self.rng.shuffle(edges)
+        return edges
+
+    # -- the view --------------------------------------------------------------------------
+
+    async def node_infos(self) -> list[NodeInfo]:
+        """Every reachable edge's report (an edge that fails to answer is left out)."""
+        results = await asyncio.gather(*(e.node_info() for e in self.edges.values()), return_exceptions=True)
+        infos = []
+        for edge, result in zip(self.edges.values(), results):
+            if isinstance(result, BaseException):
+                log.warning("edge %s did not report: %s", edge.node, result)
+            else:
+                infos.append(result)
+        return infos
+
+    async def view(self, kind: str = "container") -> list[placement.NodeLoad]:
+        """The nodes that serve ``kind``, with their capacity and commitments (all of them when
+        none says it does: then an edge's answer explains)."""
+        infos = await self.node_infos()
+        serving = [i for i in infos if kind in _kinds(i.runtime)]
+        return [load_of(i) for i in serving or infos]
+
+    async def usage(self) -> dict[str, Amount]:
+        """What each project's own sandboxes hold, over every node."""
+        total: dict[str, Amount] = {}
+        for info in await self.node_infos():
+            for project, u in info.projects.items():
+                total[project] = total.get(project, Amount()) + Amount(u.sandboxes, u.cpu_cores, u.memory_mb)
+        return total
+
+    # -- quota -----------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _reserve(self, project: str, args: DSecContainerRunArgs, count: int) -> AsyncIterator[_Reservation]:
+        one = amount_of(args)
+        tree = self.projects.tree()
+        limited = any(tree.holder(project, r) is not None for r in RESOURCES)
+        if not limited:
+            yield _Reservation({project: one.times(count)}, project, one, count)
+            return
+        async with self._quota_lock:
+            usage = await self.usage()
+            for p, amount in self._pending.items():
+                usage[p] = usage.get(p, Amount()) + amount
+            check_create(tree, usage, project, one.times(count))
+            self._pending[project] = self._pending.get(project, Amount()) + one.times(count)
+        reservation = _Reservation(self._pending, project, one, count)
+        try:
+            yield reservation
+        finally:
+            reservation.release(reservation.left)
+
+    # -- creates ---------------------------------------------------------------------------
+
+    def _pick(self, view: list[placement.NodeLoad], args: DSecContainerRunArgs, count: int,
+              tried: Iterable[str]) -> list[str]:
+        return placement.place(view, demand_of(args), count, overcommit=self.overcommit, k=self.k, rng=self.rng,
+                               exclude=tried)
+
+    async def create(self, args: DSecContainerRunArgs, project: str, kind: str = "container") -> SandboxInfo:
+        async with self._reserve(project, args, 1):
+            view = await self.view(kind)
+            extra = {"kind": kind} if kind != "container" else {}
+            tried: list[str] = []
+            last: CapacityExceeded | None = None
+            while len(tried) < MAX_NODES_TRIED:
+                chosen = self._pick(view, args, 1, tried)
+                node = chosen[0] if chosen else None
+                if node is None and not tried:
+                    node = placement.least_loaded(view, overcommit=self.overcommit)
+                if node is None:
+                    break
+                try:
+                    return await self.edges[node].create(args, project=project, **extra)
+                except CapacityExceeded as exc:
+                    last = exc
+                    tried.append(node)
+            raise last or CapacityExceeded(
+                f"cannot admit a sandbox of {args.memory_limit_mb} MB and {args.cpu_cores_limit:g} cores: "
+                f"no node in the cluster has room"
+            )
+
+    async def create_batch(
+        self, args: DSecContainerRunArgs, count: int, project: str
+    ) -> AsyncIterator[tuple[int, SandboxInfo]]:
+        """Yields (index, info) as sandboxes come up, spread over nodes by placement. All or
+        none: on a failure (or when the consumer goes away early) every sandbox made is
+        stopped. A node that refuses its share before making any of it is replaced."""
+        async with self._reserve(project, args, count) as reservation:
+            view = await self.view()
+            shares = self._shares(self._pick(view, args, count, ()), count, view)
+            queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+            tasks: set[asyncio.Task] = set()
+            made: list[tuple[EdgeAPI, str]] = []
+            tried: set[str] = set()
+            complete = False
+
+            def launch(share: _Share) -> None:
+                tasks.add(asyncio.create_task(self._run_share(share, args, project, queue)))
+
+            for share in shares:
+                launch(share)
+            try:
+                delivered = 0
+                while delivered < count:
+                    kind, payload = await queue.get()
+                    if kind == "created":
+                        index, info, edge = payload
+                        made.append((edge, info.id))
+                        delivered += 1
+                        reservation.release(1)
+                        yield index, info
+                    elif kind == "refused":
+                        share, exc = payload
+                        tried.add(share.node)
+                        again = self._pick(await self.view(), args, share.count, tried)
+                        if len(again) < share.count or len(tried) >= MAX_NODES_TRIED:
+                            raise exc
+                        for new in self._shares(again, share.count, view, share.offset):
+                            launch(new)
+                    else:
+                        raise payload
+                complete = True
+            finally:
+                if not complete:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                    while not queue.empty():
+                        kind, payload = queue.get_nowait()
+                        if kind == "created":
+                            made.append((payload[2], payload[1].id))
+                    await asyncio.gather(
+                        *(edge.stop(sid, reason="batch create failed") for edge, sid in made), return_exceptions=True
+                    )
+
+    def _shares(self, nodes: list[str], count: int, view: list[placement.NodeLoad], offset: int = 0) -> list[_Share]:
+        """Group a placement into one share per node. When it placed fewer than ``count``,
+        the whole batch goes to the least loaded node, whose edge answers for it."""
+        if len(nodes) < count:
+            fallback = placement.least_loaded(view, overcommit=self.overcommit) or next(iter(self.edges))
+            return [_Share(fallback, count, offset)]
+        counts: dict[str, int] = {}
+        for node in nodes:
+            counts[node] = counts.get(node, 0) + 1
+        shares = []
+        for node, n in counts.items():
+            shares.append(_Share(node, n, offset))
+            offset += n
+        return shares
+
+    async def _run_share(self, share: _Share, args: DSecContainerRunArgs, project: str,
+                         queue: asyncio.Queue) -> None:
+        edge = self.edges[share.node]
+        made = 0
+        try:
+            async with aclosing(edge.create_batch(args, share.count, project=project)) as events:
+                async for index, info in events:
+                    made += 1
+                    await queue.put(("created", (share.offset + index, info, edge)))
+        except CapacityExceeded as exc:
+            await queue.put(("refused", (share, exc)) if made == 0 else ("failed", exc))
+        except DSecError as exc:
+            await queue.put(("failed", exc))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put(("failed", exc))
