@@ -38,6 +38,7 @@ from ..images import scrub
 from ..images.compose import OverlayPlan, compose
 from ..images.mounts import LayerMounts
 from ..images.store import Image, LayerStore
+from ..isolation import disk, userns
 from ..isolation.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, seccomp_profile
 from ..resources import cgroups
 from ..resources.cgroups import Limits
@@ -180,6 +181,18 @@ class ContainerBackend:
             d.mkdir(parents=True, exist_ok=True)
         self.layer_mounts = layer_mounts or LayerMounts(self.node_dir / "layers")
         self._seccomp = seccomp_profile()
+        # Root inside is not root outside: each sandbox gets a user namespace and a host uid
+        # range of its own (see dsec.isolation.userns); DSEC_USERNS=0 turns it off.
+        self.id_ranges = userns.IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
+        if self.id_ranges is not None:
+            userns.allow_traverse(self.sandboxes_dir)
+
+    def _host_ids(self, handle: Handle, uid: int, gid: int) -> tuple[int, int]:
+        """A sandbox's uid/gid as the host sees them (files written from the host)."""
+        idmap = self.id_ranges.of(handle.cid) if self.id_ranges else None
+        if idmap is None:
+            return uid, gid
+        return idmap.host(uid), idmap.host(gid)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -222,6 +235,7 @@ class ContainerBackend:
             resources["cpu"] = {"quota": limits.cpu_quota_us, "period": cgroups.CPU_PERIOD_US,
                                 "shares": limits.cpu_shares}
             resources["pids"] = {"limit": limits.pids}
+        idmap = self.id_ranges.of(cid) if self.id_ranges else None
         return {
             "ociVersion": "1.0.2",
             "process": {
@@ -254,7 +268,9 @@ class ContainerBackend:
                  "options": ["bind", "ro", "nosuid", "nodev"]},
             ],
             "linux": {
-                "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+                "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]
+                + ([{"type": "user"}] if idmap else []),
+                **(idmap.oci() if idmap else {}),
                 "cgroupsPath": f"/{self.cgroup_parent}/{cid}",
                 "resources": resources,
                 "maskedPaths": MASKED_PATHS,
@@ -265,13 +281,22 @@ class ContainerBackend:
         }
 
     def _mount_rootfs(self, plan: OverlayPlan) -> None:
+        # The bundle (and so the writable layer) is a tmpfs of its own: its size is the
+        # sandbox's disk limit (ENOSPC past it), set again with the memory limit.
+        disk.mount_bundle(plan.target.parent)
         for d in (plan.upper, plan.work, plan.target):
             d.mkdir(parents=True, exist_ok=True)
         self.layer_mounts.acquire(plan.layers)
         try:
-            _sys.mount("overlay", str(plan.target), "overlay", _sys.MS_NODEV, plan.options)
+            if self.id_ranges is None:
+                _sys.mount("overlay", str(plan.target), "overlay", _sys.MS_NODEV, plan.options)
+            else:
+                userns.mount_shifted_overlay(
+                    self.id_ranges.take(plan.target.parent.name), [m.target for m in reversed(plan.layers)],
+                    plan.upper, plan.work, plan.target, plan.target.parent / "lower", _sys.MS_NODEV)
         except BaseException:
             self.layer_mounts.release(plan.layers)
+            disk.unmount_bundle(plan.target.parent)
             raise
 
     def _release_rootfs(self, plan: OverlayPlan, held: bool = True) -> None:
@@ -279,7 +304,10 @@ class ContainerBackend:
             _sys.umount(str(plan.target), _sys.MNT_DETACH)
             if held:
                 self.layer_mounts.release(plan.layers)
+        disk.unmount_bundle(plan.target.parent)
         shutil.rmtree(plan.target.parent, ignore_errors=True)
+        if self.id_ranges is not None:
+            self.id_ranges.release(plan.target.parent.name)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -312,6 +340,7 @@ class ContainerBackend:
     async def apply_limits(self, handle: Handle, limits: Limits) -> None:
         try:
             cgroups.apply_limits(self.cgroup_parent, handle.cid, limits)
+            disk.resize_bundle(self.sandboxes_dir / handle.cid, limits.memory_bytes)
         except OSError as exc:
             raise BackendError(f"cannot set limits of {handle.cid}: {exc}") from exc
 
@@ -339,8 +368,12 @@ class ContainerBackend:
         if rc != 0 and not was_paused:
             raise BackendError(f"cannot freeze {handle.cid} to pack it: {out}")
         try:
-            skip = await asyncio.to_thread(scrub.residue, upper)
-            digest = await asyncio.to_thread(self.store.add_dir, upper, skip)
+            with contextlib.ExitStack() as stack:
+                idmap = self.id_ranges.of(handle.cid) if self.id_ranges else None
+                if idmap is not None:  # the layer holds the ids as the sandbox saw them
+                    upper = stack.enter_context(userns.shifted_view(idmap, upper, upper.parent / "packview"))
+                skip = await asyncio.to_thread(scrub.residue, upper)
+                digest = await asyncio.to_thread(self.store.add_dir, upper, skip)
         finally:
             if not was_paused:
                 await self._run_crun("resume", handle.cid)
@@ -409,6 +442,8 @@ class ContainerBackend:
         for h in handles:
             if await self.is_alive(h) and os.path.ismount(self._plan(h.cid, h.layers, h.image).target):
                 alive.append(h)
+                if self.id_ranges is not None:
+                    self.id_ranges.adopt(h.cid, h.pid)
         self.layer_mounts.adopt([self._plan(h.cid, h.layers, h.image).layers for h in alive])
         keep = {h.cid for h in alive}
         for h in handles:
@@ -433,7 +468,10 @@ class ContainerBackend:
         target = self.sandboxes_dir / cid / "rootfs"
         if os.path.ismount(target):
             _sys.umount(str(target), _sys.MNT_DETACH)
+        disk.unmount_bundle(self.sandboxes_dir / cid)
         shutil.rmtree(self.sandboxes_dir / cid, ignore_errors=True)
+        if self.id_ranges is not None:
+            self.id_ranges.release(cid)
 
     def release_unused(self) -> None:
         """After the last sandbox is gone: unmount unused layers, drop empty parent cgroups."""
@@ -565,6 +603,7 @@ class ContainerBackend:
             return f.read(max_bytes + 1)[:max_bytes]
 
     async def write_file(self, handle: Handle, path: str, data: bytes, mode: int, uid: int, gid: int) -> None:
+        uid, gid = self._host_ids(handle, uid, gid)
         await asyncio.to_thread(self._write_file, handle, path, data, mode, uid, gid)
 
     def _write_file(self, handle: Handle, path: str, data: bytes, mode: int, uid: int, gid: int) -> None:
@@ -620,6 +659,7 @@ class ContainerBackend:
                 os.close(parent)
 
     async def make_dir(self, handle: Handle, path: str, uid: int, gid: int) -> None:
+        uid, gid = self._host_ids(handle, uid, gid)
         root = self._root_fd(handle)
         try:
             self._makedirs(root, path, uid, gid)

@@ -37,7 +37,7 @@ DENIED_SYSCALLS = [
     "ptrace", "quotactl", "reboot", "request_key", "setns", "swapoff", "swapon", "syslog",
     "umount", "umount2", "unshare", "uselib", "userfaultfd", "vhangup", "clock_adjtime",
     "clock_settime", "settimeofday", "adjtimex", "iopl", "ioperm", "create_module",
-    "get_kernel_syms", "query_module", "fanotify_init",
+    "get_kernel_syms", "query_module", "fanotify_init", "pidfd_getfd", "quotactl_fd",
 ]
 
 CLONE_NEW_FLAGS = {
@@ -56,6 +56,13 @@ DENIED_IOCTLS = {
     "TIOCSTI": 0x5412,
     "TIOCLINUX": 0x541C,
 }
+# Extent-swapping ioctls, matched on type and number only (the low 16 bits), so a caller cannot
+# slip past with another struct size or direction: XFS_IOC_SWAPEXT is _IOWR('X', 109, struct
+# xfs_swapext) = 0xC0C0586D, EXT4_IOC_MOVE_EXT is _IOWR('f', 15, struct move_extent) = 0xC028660F.
+DENIED_IOCTL_TYPE_NR = {
+    "XFS_IOC_SWAPEXT": 0x586D,
+    "EXT4_IOC_MOVE_EXT": 0x660F,
+}
 
 ARCHES = ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
 
@@ -71,12 +78,18 @@ def seccomp_profile() -> dict:
             "names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
             "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
         })
-    for value in DENIED_IOCTLS.values():
+    # The kernel reads an ioctl's command as a 32-bit int: compare only those bits, or a caller
+    # sets bit 32 and up and gets past an exact 64-bit match.
+    masked = [(0xFFFFFFFF, v) for v in DENIED_IOCTLS.values()] + [(0xFFFF, v) for v in DENIED_IOCTL_TYPE_NR.values()]
+    for mask, value in masked:
         rules.append({
             "names": ["ioctl"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
-            "args": [{"index": 1, "value": value, "op": "SCMP_CMP_EQ"}],
+            "args": [{"index": 1, "value": mask, "valueTwo": value, "op": "SCMP_CMP_MASKED_EQ"}],
         })
-    return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": ARCHES, "syscalls": rules}
+    # FLAG_LOG: the kernel writes each refusal (an ERRNO action) to its log as an audit record,
+    # which the edge turns into ``syscall.denied`` security events (dsec.isolation.events).
+    return {"defaultAction": "SCMP_ACT_ALLOW", "architectures": ARCHES, "syscalls": rules,
+            "flags": ["SECCOMP_FILTER_FLAG_LOG"]}
 
 
 MASKED_PATHS = [

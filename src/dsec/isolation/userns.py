@@ -1,0 +1,208 @@
+"""The user namespace of a container sandbox: root inside is an unprivileged uid outside.
+
+Every container sandbox runs in a user namespace that maps ids 0..65535 inside to
+``SANDBOX_ID_BASE``..``+65535`` on the host (crun's ``uidMappings``/``gidMappings``). Root in
+a sandbox thus holds its capabilities only over its own namespaces: to the host kernel it is uid
+1073741824, which owns nothing outside the sandbox.
+
+The shared EROFS layers stay as they are on disk (owned by 0). Each sandbox's overlay stacks
+*idmapped* clones of the node's layer mounts (``open_tree`` + ``mount_setattr(MOUNT_ATTR_IDMAP)``:
+kernel ≥ 5.12, and EROFS supports it here), so on-disk uid 0 reads as the sandbox's root and the
+layers are never copied or chowned. The clones only live while the overlay is being mounted (the
+overlay keeps private references to its lower layers). The writable upper (tmpfs) holds host ids
+shifted by the base; ``shifted_view`` shows it shifted back, which is what ``pack_diff`` packs.
+
+Each live sandbox has a range of its own (``IdRanges``): no two sandboxes share a host uid, and
+a host uid names its sandbox (the kernel's seccomp audit records carry it, see
+dsec.isolation.events). Ranges are reused after a sandbox ends; the user namespace fds that
+describe them are made once per range and kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import _sys
+
+SANDBOX_ID_BASE = 1 << 30
+SANDBOX_ID_COUNT = 65536
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_SYS_OPEN_TREE = 428
+_SYS_MOVE_MOUNT = 429
+_SYS_MOUNT_SETATTR = 442
+_OPEN_TREE_CLONE = 1
+_AT_EMPTY_PATH = 0x1000
+_AT_FDCWD = -100
+_MOVE_MOUNT_F_EMPTY_PATH = 0x4
+_MOUNT_ATTR_IDMAP = 0x100000
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+
+
+def _check(rc: int, what: str) -> int:
+    if rc < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+    return rc
+
+
+@dataclass(frozen=True)
+class IdMap:
+    """ids ``0..count-1`` inside are ``base..base+count-1`` on the host."""
+
+    base: int = SANDBOX_ID_BASE
+    count: int = SANDBOX_ID_COUNT
+
+    def host(self, inside_id: int) -> int:
+        if not 0 <= inside_id < self.count:
+            raise ValueError(f"id {inside_id} is outside the sandbox's range 0..{self.count - 1}")
+        return self.base + inside_id
+
+    def oci(self) -> dict:
+        """The OCI ``linux.uidMappings``/``gidMappings`` entries."""
+        m = [{"containerID": 0, "hostID": self.base, "size": self.count}]
+        return {"uidMappings": m, "gidMappings": m}
+
+
+@functools.cache
+def _userns_fd(inside: int, outside: int, count: int) -> int:
+    """An fd of a user namespace mapping ``inside..`` to ``outside..`` (kept for the process's
+    life; it is only ever used to describe an idmapped mount)."""
+    child = subprocess.Popen(["unshare", "--user", "sh", "-c", "read _"], stdin=subprocess.PIPE)
+    try:
+        mine = os.stat("/proc/self/ns/user").st_ino
+        deadline = time.monotonic() + 5
+        while os.stat(f"/proc/{child.pid}/ns/user").st_ino == mine:
+            if time.monotonic() > deadline or child.poll() is not None:
+                raise OSError(f"unshare --user did not start (exit {child.returncode})")
+            time.sleep(0.002)
+        line = f"{inside} {outside} {count}\n"
+        for name in ("uid_map", "gid_map"):
+            with open(f"/proc/{child.pid}/{name}", "w") as f:
+                f.write(line)
+        return os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        with contextlib.suppress(BrokenPipeError):
+            child.stdin.close()
+        child.wait()
+
+
+def idmapped_bind(source: Path, target: Path, userns_fd: int) -> None:
+    """Mount an idmapped clone of the mount (or directory) ``source`` on ``target``."""
+    fd = _check(_libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, str(source).encode(),
+                              _OPEN_TREE_CLONE | os.O_CLOEXEC), f"open_tree {source}")
+    try:
+        attr = _MountAttr(_MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
+        _check(_libc.syscall(_SYS_MOUNT_SETATTR, fd, b"", _AT_EMPTY_PATH, ctypes.byref(attr),
+                             ctypes.sizeof(attr)), f"idmap {source}")
+        _check(_libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, str(target).encode(),
+                             _MOVE_MOUNT_F_EMPTY_PATH), f"move_mount {target}")
+    finally:
+        os.close(fd)
+
+
+class IdRanges:
+    """Hands out one ``IdMap`` per live sandbox: range ``i`` starts at ``base + i * count``."""
+
+    def __init__(self, base: int = SANDBOX_ID_BASE, count: int = SANDBOX_ID_COUNT, ranges: int = 16384) -> None:
+        self.base, self.count, self.ranges = base, count, ranges
+        self._used: dict[str, int] = {}
+
+    def take(self, cid: str) -> IdMap:
+        if cid in self._used:
+            return self.of(cid)
+        taken = set(self._used.values())
+        index = next((i for i in range(self.ranges) if i not in taken), None)
+        if index is None:
+            raise OSError(f"all {self.ranges} sandbox id ranges are in use")
+        self._used[cid] = index
+        return self.of(cid)
+
+    def of(self, cid: str) -> IdMap | None:
+        index = self._used.get(cid)
+        return None if index is None else IdMap(self.base + index * self.count, self.count)
+
+    def adopt(self, cid: str, pid: int) -> IdMap | None:
+        """Take back the range of a running sandbox (after an edge restart) from its uid_map."""
+        try:
+            with open(f"/proc/{pid}/uid_map") as f:
+                inside, outside, count = (int(x) for x in f.read().split()[:3])
+        except (OSError, ValueError):
+            return None
+        if inside != 0 or outside < self.base or (outside - self.base) % self.count:
+            return None
+        self._used[cid] = (outside - self.base) // self.count
+        return self.of(cid)
+
+    def release(self, cid: str) -> None:
+        self._used.pop(cid, None)
+
+    def owner(self, host_uid: int) -> str | None:
+        """The sandbox whose range holds ``host_uid``."""
+        index = (host_uid - self.base) // self.count
+        return next((cid for cid, i in self._used.items() if i == index), None) if host_uid >= self.base else None
+
+
+def mount_shifted_overlay(idmap: IdMap, lowers: list[Path], upper: Path, work: Path, target: Path,
+                          scratch: Path, flags: int) -> None:
+    """Mount an overlay on ``target`` whose lower layers (top first) read as owned by the
+    sandbox's ids; ``upper`` and ``work`` are made the sandbox root's. ``scratch`` is an empty
+    directory for the idmapped clones, gone again on return."""
+    nsfd = _userns_fd(0, idmap.base, idmap.count)
+    for d in (upper, work):
+        os.chown(d, idmap.base, idmap.base)
+    clones: list[Path] = []
+    try:
+        for i, lower in enumerate(lowers):
+            clone = scratch / str(i)
+            clone.mkdir(parents=True, exist_ok=True)
+            idmapped_bind(lower, clone, nsfd)
+            clones.append(clone)
+        options = f"lowerdir={':'.join(map(str, clones))},upperdir={upper},workdir={work}"
+        _sys.mount("overlay", str(target), "overlay", flags, options)
+    finally:
+        for clone in clones:
+            _sys.umount(str(clone), _sys.MNT_DETACH)
+        with contextlib.suppress(OSError):
+            for clone in clones:
+                clone.rmdir()
+            scratch.rmdir()
+
+
+@contextlib.contextmanager
+def shifted_view(idmap: IdMap, directory: Path, view: Path) -> Iterator[Path]:
+    """``directory`` (host ids base..) mounted on ``view`` with the ids shifted back to 0..."""
+    nsfd = _userns_fd(idmap.base, 0, idmap.count)
+    view.mkdir(parents=True, exist_ok=True)
+    idmapped_bind(directory, view, nsfd)
+    try:
+        yield view
+    finally:
+        _sys.umount(str(view), _sys.MNT_DETACH)
+        with contextlib.suppress(OSError):
+            view.rmdir()
+
+
+def allow_traverse(directory: Path) -> list[Path]:
+    """Let the sandboxes' root (an unprivileged host uid) search ``directory`` and its
+    ancestors, as crun sets up the root filesystem from inside the user namespace. Only the
+    search bit is added (no listing); returns the directories changed."""
+    changed = []
+    for d in [Path(directory), *Path(directory).resolve().parents]:
+        mode = os.stat(d).st_mode
+        if not mode & 0o001:
+            os.chmod(d, (mode & 0o7777) | 0o001)
+            changed.append(d)
+    return changed
