@@ -546,12 +546,6 @@ class Edge:
         self._forget(rec)
         return rec.info(self.node)
 
-    async def _fail(self, rec: Record, reason: str) -> None:
-        log.warning("sandbox %s failed: %s", rec.id, reason)
-        rec.status, rec.reason = SandboxStatus.failed, reason
-        try:
-            await self.backends[rec.kind].destroy(rec.handle)
-        finally:
     # -- pause and resume ------------------------------------------------------------------
 
     async def pause(self, sandbox_id: str) -> PauseResult:
@@ -613,6 +607,12 @@ class Edge:
         return [(r.kind, r.handle) for r in self._records.values()
                 if r.status is SandboxStatus.running and r.calls == 0 and now - r.last_active >= idle_s]
 
+    async def _fail(self, rec: Record, reason: str) -> None:
+        log.warning("sandbox %s failed: %s", rec.id, reason)
+        rec.status, rec.reason = SandboxStatus.failed, reason
+        try:
+            await self.backends[rec.kind].destroy(rec.handle)
+        finally:
             self._forget(rec)
 
     def _forget(self, rec: Record) -> None:
@@ -632,15 +632,9 @@ class Edge:
             node=self.node, cgroup_version=cgroups.version(),
             runtime="; ".join(b.describe() if hasattr(b, "describe") else k for k, b in self.backends.items()),
             sandboxes=len(self._records), memory_total_mb=self._memory_total_mb, cpu_cores=self._cpu_cores,
+            **self._commitments(),
         )
 
-    def pooled(self) -> int:
-        return sum(len(p.handles) for p in self._pools.values())
-
-    # -- background work -------------------------------------------------------------------
-            **self._commitments(),
-
-    async def _reaper(self) -> None:
     def _commitments(self) -> dict:
         """Admission figures for the placement view, and what each project holds here."""
         cpu, memory, paused = 0.0, 0, 0
@@ -666,6 +660,12 @@ class Edge:
                          for p, (n, c, m) in projects.items()},
         }
 
+    def pooled(self) -> int:
+        return sum(len(p.handles) for p in self._pools.values())
+
+    # -- background work -------------------------------------------------------------------
+
+    async def _reaper(self) -> None:
         while True:
             await asyncio.sleep(self.config.reaper_interval_s)
             now = time.time()
