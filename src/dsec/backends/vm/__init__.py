@@ -15,4 +15,6 @@ def vm_backends(node_dir: Path, store, assets_dir: Path) -> list:
 
     if not os.path.exists(QEMU):
         return []
+    # Tests and benchmarks share one kernel cache between their servers.
+    assets_dir = Path(os.environ.get("DSEC_VM_ASSETS") or assets_dir)
     return [MicroVMBackend(node_dir, store, assets_dir), FullVMBackend(node_dir, store, assets_dir)]

@@ -1,0 +1,220 @@
+"""MicroVM and full VM sandboxes on real QEMU: the SDK end to end, memory snapshots and clones,
+and every way a VM can go wrong (never a hung call, nothing left behind).
+
+Small guests (busybox image, 256 MB); a VM that a test breaks is restored from a snapshot of a
+booted one (a fraction of a second) instead of booted afresh."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from dsec.backends.base import ExecContext, SandboxSpec
+from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxStateError
+from libdsec._models import ExecRequest
+
+# One event loop for the module: the shared VM's connections live on it.
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
+
+ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/bin:/usr/bin"})
+
+
+def assets_dir(store: Path) -> Path:
+    return Path(store).parent / "vm"
+
+
+def qemu_processes(marker: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError):
+            continue
+        if "qemu-system" in cmdline and marker in cmdline:
+            found.append(f"{pid}: {cmdline[:120]}")
+    return found
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def vm_kit(tmp_path_factory, test_store):
+    """A microVM backend, one booted VM and a snapshot of it, for the module's tests."""
+    from dsec._sys import set_child_subreaper
+    from dsec.backends.vm.microvm import MicroVMBackend
+    from dsec.images.store import LayerStore
+    from dsec.local import leftovers
+
+    set_child_subreaper()
+    state = tmp_path_factory.mktemp("microvm")
+    store = LayerStore(test_store)
+    backend = MicroVMBackend(state / "node", store, assets_dir(test_store), boot_timeout_s=90)
+    image = store.get_image("busybox")
+    spec = SandboxSpec(image="busybox", layers=image.layers, env=dict(image.env), limits=None)
+    base = await backend.create("cbase000000000000", spec)
+    await backend.exec(base, ExecRequest(command="echo saved > /root/state; sleep 3600 >/dev/null 2>&1 &"), ROOT)
+    meta = await backend.snapshot(base)
+    try:
+        yield backend, spec, base, meta
+    finally:
+        await backend.recover([])
+        await backend.close()
+        left = leftovers(state) + qemu_processes(str(state))
+        shutil.rmtree(state, ignore_errors=True)
+        assert not left, left
+
+
+async def restore(backend, spec, meta, name):
+    from dataclasses import replace
+
+    return await backend.create(name, replace(spec, snapshot=meta["id"]))
+
+
+async def test_snapshot_restores_processes_and_files(vm_kit):
+    backend, spec, base, meta = vm_kit
+    clones = [await restore(backend, spec, meta, f"cclone00000000{i:03d}") for i in range(2)]
+    try:
+        for clone in clones:
+            result = await backend.exec(clone, ExecRequest(command="cat /root/state; pidof sleep"), ROOT)
+            assert result.stdout.startswith("saved\n") and result.stdout.split()[1].isdigit()
+        # Clones are independent copies: a write in one is not seen in the other or the source.
+        await backend.write_file(clones[0], "/root/state", b"changed", 0o644, 0, 0)
+        assert await backend.read_file(clones[1], "/root/state", 100) == b"saved\n"
+        assert await backend.read_file(base, "/root/state", 100) == b"saved\n"
+        # Layers are pmem with DAX in the guest.
+        dmesg = await backend.exec(clones[0], ExecRequest(command="dmesg | grep -c 'DAX enabled'"), ROOT)
+        assert int(dmesg.stdout) >= 1
+    finally:
+        for clone in clones:
+            await backend.destroy(clone)
+
+
+async def test_missing_and_corrupt_snapshot(vm_kit):
+    from dataclasses import replace
+
+    from dsec.backends.vm import machine
+
+    backend, spec, base, meta = vm_kit
+    with pytest.raises(InvalidRequest, match="no snapshot"):
+        await backend.create("cmissing000000000", replace(spec, snapshot="s" + "0" * 16))
+    bad = backend.snapshots_dir / ("s" + "1" * 16)
+    shutil.copytree(backend.snapshot_dir(meta["id"]), bad)
+    with open(bad / "state", "r+b") as f:
+        f.seek(4096)
+        f.write(os.urandom(1 << 16))
+    try:
+        start = time.monotonic()
+        with pytest.raises(BackendError):
+            await backend.create("ccorrupt000000000", replace(spec, snapshot=bad.name))
+        assert time.monotonic() - start < 60
+        assert not backend.vm_dir("ccorrupt000000000").exists()
+        (bad / "state").unlink()
+        with pytest.raises(InvalidRequest, match="lost its state"):
+            await backend.create("ccorrupt000000001", replace(spec, snapshot=bad.name))
+    finally:
+        shutil.rmtree(bad, ignore_errors=True)
+    assert machine.pid_alive(base.pid)
+
+
+async def test_qemu_killed_from_outside(vm_kit):
+    backend, spec, base, meta = vm_kit
+    vm = await restore(backend, spec, meta, "ckilled0000000000")
+    os.kill(vm.pid, signal.SIGKILL)
+    with pytest.raises(SandboxStateError):
+        await asyncio.wait_for(backend.exec(vm, ExecRequest(command="true"), ROOT), 30)
+    assert not await backend.is_alive(vm)
+    await backend.destroy(vm)
+    assert not backend.vm_dir(vm.cid).exists()
+
+
+async def test_agent_dies(vm_kit):
+    backend, spec, base, meta = vm_kit
+    vm = await restore(backend, spec, meta, "cagentdies0000000")
+    # The agent is PID 1's child; without it the guest powers off and its QEMU ends.
+    await backend.exec(vm, ExecRequest(command="(sleep 0.2; kill -9 $(cut -d' ' -f1 /proc/1/task/1/children)) >/dev/null 2>&1 &"), ROOT)
+    deadline = time.monotonic() + 60
+    while await backend.is_alive(vm) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert not await backend.is_alive(vm)
+    with pytest.raises(SandboxStateError):
+        await backend.exec(vm, ExecRequest(command="true"), ROOT)
+    await backend.destroy(vm)
+
+
+async def test_hung_guest_and_hanging_command(vm_kit):
+    backend, spec, base, meta = vm_kit
+    vm = await restore(backend, spec, meta, "chung000000000000")
+    try:
+        with pytest.raises(CommandTimeout):
+            await backend.exec(vm, ExecRequest(command="while :; do :; done", timeout=0.5), ROOT)
+        assert (await backend.exec(vm, ExecRequest(command="echo alive"), ROOT)).stdout == "alive\n"
+        # A guest that stops answering altogether (frozen behind the agent's back): the call
+        # ends within its timeout plus the kill grace, and the VM counts as dead.
+        await backend._live[vm.cid].qmp.execute("stop")
+        start = time.monotonic()
+        with pytest.raises(SandboxStateError):
+            await backend.exec(vm, ExecRequest(command="true", timeout=1), ROOT)
+        assert time.monotonic() - start < 15
+        assert not await backend.is_alive(vm)
+    finally:
+        await backend.destroy(vm)
+
+
+async def test_boot_timeout_leaves_nothing(tmp_path_factory, test_store):
+    from dsec.backends.vm.microvm import MicroVMBackend
+    from dsec.images.store import LayerStore
+
+    state = tmp_path_factory.mktemp("microvm-timeout")
+    store = LayerStore(test_store)
+    backend = MicroVMBackend(state / "node", store, assets_dir(test_store), boot_timeout_s=0.3)
+    image = store.get_image("busybox")
+    with pytest.raises(BackendError, match="did not come up"):
+        await backend.create("ctimeout000000000", SandboxSpec(image="busybox", layers=image.layers, env={}, limits=None))
+    assert not list(backend.vms_dir.iterdir())
+    assert not qemu_processes(str(state))
+    shutil.rmtree(state, ignore_errors=True)
+
+
+async def test_sdk_microvm_and_fullvm(tmp_path_factory, test_store, monkeypatch):
+    """run_microvm / run_vm / snapshot through the server, as a trainer would."""
+    from dsec.local import LocalServer, leftovers
+    from libdsec import DSecClient, DSecFullVMRunArgs, DSecMicroVMRunArgs
+
+    from conftest import make_state_dir
+
+    monkeypatch.setenv("DSEC_VM_ASSETS", str(assets_dir(test_store)))
+    state = make_state_dir(tmp_path_factory, test_store, "dsec-vm")
+    with LocalServer(state, extra_args=("--pool-max", "0")) as srv:
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            nodes = await client.node_info()
+            assert "microvm: QEMU" in nodes[0].runtime
+            args = DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=192, init_user="agent", workdir="/home/agent")
+            vm = await client.run_microvm(args, timeout=120)
+            try:
+                assert vm.info.kind.value == "microvm"
+                await vm.write_file("/home/agent/a.txt", "hello")
+                result = await vm.run_shell("cat a.txt; id -u; sleep 3600 >/dev/null 2>&1 &")
+                assert result.stdout == "hello1000\n"
+                snap = await vm.snapshot()
+                assert snap.memory_mb == 192
+                clone = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", snapshot=snap.id))
+                async with clone:
+                    again = await clone.run_shell("cat /home/agent/a.txt; pidof sleep >/dev/null && echo running")
+                    assert again.stdout == "hellorunning\n"
+                with pytest.raises(InvalidRequest):
+                    await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", snapshot="s" + "f" * 16))
+            finally:
+                await vm.stop()
+            full = await client.run_vm(DSecFullVMRunArgs(container_image="busybox"), timeout=180)
+            async with full:
+                assert full.info.kind.value == "fullvm"
+                result = await full.run_shell("cat /proc/1/comm; echo x > /root/f; cat /root/f")
+                assert result.stdout == "init\nx\n"
+    left = leftovers(state) + qemu_processes(str(state))
+    shutil.rmtree(state, ignore_errors=True)
+    assert not left, left
