@@ -191,6 +191,23 @@ def bench_lifecycle(
     ))
 
 
+@bench_app.command("microvm")
+def bench_microvm(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's VMs.")] = Path("/var/lib/dsec-bench-vm"),
+    store_dir: Annotated[Path, typer.Option("--store", help="Layer store with the image.")] = Path("/var/lib/dsec/store"),
+    image: Annotated[str, typer.Option(help="Image (python if the store has it, else busybox).")] = "python",
+    idle: Annotated[int, typer.Option(help="Idle microVMs per side for the memory figure.")] = 20,
+    many: Annotated[int, typer.Option(help="Idle microVMs held at once.")] = 50,
+    memory: Annotated[int, typer.Option(help="Guest memory in MB.")] = 256,
+    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
+) -> None:
+    """MicroVMs: snapshot restore vs cold boot, pmem/DAX + KSM vs private layers, density (docs/BENCHMARKS.md)."""
+    from .bench.microvm import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, store_dir=store_dir, console=console, image=image,
+                               idle=idle, many=many, memory_mb=memory, strict=strict))
+
+
 def main() -> None:
     if os.environ.get("DSEC_DEBUG"):
         app()

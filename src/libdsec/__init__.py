@@ -18,6 +18,7 @@ from ._errors import (
     ServerUnavailable,
     Unauthenticated,
 )
+from ._models import SecurityEvent
 from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from ._models import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from ._projects import ProjectInfo, ProjectQuota
@@ -49,6 +50,7 @@ __all__ = [
     "SandboxNotFound",
     "SandboxStateError",
     "SandboxStatus",
+    "SecurityEvent",
     "ServerError",
     "ServerUnavailable",
     "SnapshotInfo",

@@ -25,6 +25,7 @@ from ._errors import (
     error_from_wire,
 )
 from ._projects import _ProjectMethods
+from ._models import NetworkRulesRequest, SecurityEvent, SecurityEventList
 from ._models import (
     DEFAULT_COMMAND_TIMEOUT_S,
     MAX_BATCH_COUNT,
@@ -136,6 +137,17 @@ class Sandbox:
             "POST", f"/v1/sandboxes/{self.id}/pack_diff", model=PackDiffRequest(name=name, role=role), timeout=600
         )
         return PackDiffResult.model_validate(body)
+
+    async def security_events(self) -> list[SecurityEvent]:
+        """Denied actions the platform saw in this sandbox: blocked connections and DNS
+        names, denied syscalls, limit hits, output caps (also after it stopped)."""
+        body = await self._client._request("GET", f"/v1/sandboxes/{self.id}/security_events")
+        return SecurityEventList.model_validate(body).events
+
+    async def set_network_rules(self, network_rules: dict[str, bool | list[str]]) -> None:
+        """Replace the sandbox's network allowlist while it runs (e.g. between task stages)."""
+        await self._client._request("PUT", f"/v1/sandboxes/{self.id}/network_rules",
+                                    model=NetworkRulesRequest(network_rules=network_rules))
 
     async def refresh(self) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(

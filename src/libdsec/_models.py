@@ -290,3 +290,26 @@ class ErrorBody(_Model):
 
 class ErrorResponse(_Model):
     error: ErrorBody
+
+
+class SecurityEvent(_Model):
+    """A denied action the platform saw in a sandbox (see ``Sandbox.security_events``).
+
+    ``kind``: ``network.blocked``, ``dns.refused``, ``syscall.denied``, ``limit.memory``,
+    ``limit.pids``, ``limit.output`` or ``limit.timeout``; ``count``: how many times."""
+
+    kind: str
+    detail: str
+    count: int = 1
+    at: datetime
+
+
+class SecurityEventList(_Model):
+    events: list[SecurityEvent]
+
+
+class NetworkRulesRequest(_Model):
+    """New ``network_rules`` for a running sandbox: named services mapped to allowed or not,
+    and ``"domains"``: a list of names. ``{}`` takes all network away."""
+
+    network_rules: dict[str, bool | list[str]] = Field(default_factory=dict)

@@ -61,6 +61,12 @@ class SyncSandbox:
     def pack_diff(self, name: str | None = None, *, role: str = "snapshot") -> PackDiffResult:
         return self._run(self._sandbox.pack_diff(name, role=role))
 
+    def security_events(self) -> list:
+        return self._run(self._sandbox.security_events())
+
+    def set_network_rules(self, network_rules: dict) -> None:
+        self._run(self._sandbox.set_network_rules(network_rules))
+
     def refresh(self) -> SandboxInfo:
         return self._run(self._sandbox.refresh())
 

@@ -21,6 +21,7 @@ PUBLIC = {
     "Unauthenticated", "default_token",
 }
 PUBLIC |= {"DSecFullVMRunArgs", "DSecMicroVMRunArgs", "SnapshotInfo"}  # VM sandboxes
+PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
@@ -120,6 +121,9 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
                                "created_at": "2026-01-01T00:00:00Z"},
         _models.PauseResult: {"sandbox": info, "pause_s": 0.1},
         _models.ProjectUsage: {"sandboxes": 1},
+        _models.SecurityEvent: {"kind": "dns.refused", "detail": "d", "at": "2026-01-01T00:00:00Z"},
+        _models.SecurityEventList: {"events": []},
+        _models.NetworkRulesRequest: {"network_rules": {"pypi": True}},
     }[cls]
 
 

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libdsec import DSecError, InvalidRequest
+from libdsec._models import NetworkRulesRequest, SecurityEventList
 from libdsec._models import (
     BatchEvent,
     CreateBatchRequest,
@@ -199,6 +200,15 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
             raise InvalidRequest(f"invalid file mode {mode!r}: use octal like 0o644") from None
         edge = cluster.edge_for(sandbox_id)
         await edge.write_file(sandbox_id, path, await request.body(), file_mode)
+        return {"ok": True}
+
+    @app.get("/v1/sandboxes/{sandbox_id}/security_events", dependencies=auth, responses=_ERRORS)
+    async def security_events(sandbox_id: str) -> SecurityEventList:
+        return SecurityEventList(events=await cluster.edge_for(sandbox_id).security_events(sandbox_id))
+
+    @app.put("/v1/sandboxes/{sandbox_id}/network_rules", dependencies=auth, responses=_ERRORS)
+    async def set_network_rules(sandbox_id: str, request: NetworkRulesRequest) -> dict:
+        await cluster.edge_for(sandbox_id).set_network_rules(sandbox_id, request.network_rules)
         return {"ok": True}
 
     @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", dependencies=auth, responses=_ERRORS)

@@ -47,6 +47,7 @@ from libdsec._models import (
     DSecContainerRunArgs,
     ExecRequest,
     ExecResult,
+    SecurityEvent,
     NodeInfo,
     RUN_ARGS_BY_KIND,
     PackDiffResult,
@@ -64,6 +65,7 @@ from ..resources import cgroups
 from ..resources import cpu as cpu_sched
 from ..resources.cgroups import Limits
 from .api import new_sandbox_id
+from .security import EdgeSecurity
 
 log = logging.getLogger("dsec.edge")
 
@@ -214,6 +216,7 @@ class Edge:
         self._memory_total_mb = _memory_total_mb()
         self._cpu_cores = os.cpu_count() or 1
         self._closed = False
+        self.security = EdgeSecurity(self)  # network allowlists, security events
 
     # -- start / close ---------------------------------------------------------------------
 
@@ -236,6 +239,7 @@ class Edge:
             else:
                 rec.status, rec.reason = SandboxStatus.failed, "sandbox was gone when the edge restarted"
                 self._forget(rec)
+        await self.security.start(self._records.values())
         self._tasks = [
             asyncio.create_task(self._reaper(), name="dsec-ttl-reaper"),
             asyncio.create_task(self._pool_filler(), name="dsec-pool-filler"),
@@ -255,6 +259,7 @@ class Edge:
         await asyncio.gather(*(self.backends[k].destroy(h) for k, h in pooled), return_exceptions=True)
         for backend in self.backends.values():
             backend.release_unused()
+        self.security.close()
 
     # -- admission -------------------------------------------------------------------------
 
@@ -273,10 +278,7 @@ class Edge:
             raise out_of_range("ttl_running_stop", args.ttl_running_stop, 1, int(MAX_TTL_S), "seconds")
         if not PIDS_RANGE[0] <= args.pids_limit <= PIDS_RANGE[1]:
             raise out_of_range("pids_limit", args.pids_limit, *PIDS_RANGE, "processes")
-        if args.network_rules and any(args.network_rules.values()):
-            raise InvalidRequest(
-                "network_rules: network allowlists are not available yet; sandboxes have no network"
-            )
+        self.security.check_rules(args.network_rules)
         return Limits(memory_mb=args.memory_limit_mb, cpu_cores=args.cpu_cores_limit, pids=args.pids_limit,
                       cpu_cap=cap, best_effort=getattr(args, "best_effort", False))
 
@@ -349,7 +351,9 @@ class Edge:
                 rec.uid, rec.gid = await backend.resolve_user(rec.handle, args.init_user)
                 if args.workdir != "/":
                     await backend.make_dir(rec.handle, args.workdir, rec.uid, rec.gid)
+                await self.security.attach(rec)
             except BaseException:
+                self.security.forget(rec)
                 await backend.destroy(rec.handle)
                 raise
         except BaseException:
@@ -459,7 +463,17 @@ class Edge:
             uid=uid, gid=gid, workdir=request.workdir or rec.args.workdir,
             env={**rec.image.env, **rec.args.env, **request.env},
         )
-        return await self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx))
+        return await self.security.watch_exec(rec, self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx)))
+
+    async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:
+        """Denied actions seen in the sandbox (see dsec.isolation.events); kept after it ends."""
+        await self.get(sandbox_id)  # SandboxNotFound for an id this node never had
+        return self.security.list(sandbox_id)
+
+    async def set_network_rules(self, sandbox_id: str, rules: dict) -> None:
+        rec = self._running(sandbox_id, "change network rules")
+        await self.security.set_rules(rec, rules)
+        self._persist(rec)
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         rec = await self._ready(sandbox_id, "read a file")
@@ -616,6 +630,7 @@ class Edge:
             self._forget(rec)
 
     def _forget(self, rec: Record) -> None:
+        self.security.forget(rec)
         self._records.pop(rec.id, None)
         (self.records_dir / f"{rec.id}.json").unlink(missing_ok=True)
         self._finished[rec.id] = rec.info(self.node)

@@ -1,0 +1,177 @@
+"""The edge's security side: network allowlists and security events of its sandboxes.
+
+The edge calls in at a few points of a sandbox's life (``check_rules`` at admission, ``attach``
+once it runs, ``watch_exec`` around each command, ``forget`` when it ends) and serves
+``events`` and ``set_rules``. A kernel-log reader turns seccomp refusals into events: the
+audit record names the host uid, and each sandbox has a uid range of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from libdsec import CommandTimeout, InvalidRequest
+from libdsec._models import ExecResult, SecurityEvent
+
+from ..isolation.events import SecurityEvents
+from ..isolation.network import Allowed, SandboxNetworks
+
+if TYPE_CHECKING:
+    from .edge import Edge, Record
+
+log = logging.getLogger("dsec.edge.security")
+
+_AUDIT_SECCOMP = re.compile(r"type=1326 .*?\buid=(\d+) .*?\bpid=(\d+) comm=\"([^\"]*)\".*?\bsyscall=(\d+)")
+
+
+def _syscall_names() -> dict[int, str]:
+    names = {}
+    for header in ("/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "/usr/include/asm/unistd_64.h"):
+        try:
+            with open(header) as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) == 3 and parts[0] == "#define" and parts[1].startswith("__NR_"):
+                        names[int(parts[2])] = parts[1][5:]
+            break
+        except (OSError, ValueError):
+            continue
+    return names
+
+
+class EdgeSecurity:
+    def __init__(self, edge: Edge) -> None:
+        self.edge = edge
+        container = edge.backends.get("container")
+        self.cgroup_parent = getattr(container, "cgroup_parent", None)
+        self.id_ranges = getattr(container, "id_ranges", None)
+        self.events = SecurityEvents(self.cgroup_parent)
+        self.networks = SandboxNetworks(edge.config.node_dir, record=self.events.record)
+        self._kmsg_fd: int | None = None
+        self._syscalls = _syscall_names()
+
+    # -- start / close -------------------------------------------------------------------------
+
+    async def start(self, adopted: Iterable[Record]) -> None:
+        self._open_kmsg()
+        for rec in list(adopted):  # links do not outlive an edge: give them back
+            if rec.args.network_rules:
+                try:
+                    await self.attach(rec)
+                except Exception as exc:  # noqa: BLE001 - the sandbox runs on, without network
+                    log.warning("cannot give %s its network back: %s", rec.id, exc)
+
+    def close(self) -> None:
+        if self._kmsg_fd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._kmsg_fd)
+            os.close(self._kmsg_fd)
+            self._kmsg_fd = None
+        self.networks.close()
+
+    # -- network -------------------------------------------------------------------------------
+
+    def check_rules(self, rules: dict) -> Allowed:
+        return self.networks.check(rules)
+
+    async def attach(self, rec: Record) -> None:
+        allowed = self.networks.check(rec.args.network_rules)
+        if allowed.empty:
+            return
+        if rec.kind != "container":
+            raise InvalidRequest(f"network allowlists are for container sandboxes; {rec.kind} sandboxes have no network")
+        backend = self.edge.backends[rec.kind]
+
+        async def write_resolv_conf(data: bytes) -> None:
+            await backend.write_file(rec.handle, "/etc/resolv.conf", data, 0o644, 0, 0)
+
+        await self.networks.attach(rec.id, rec.handle.pid, allowed, write_resolv_conf)
+
+    async def set_rules(self, rec: Record, rules: dict) -> None:
+        allowed = self.networks.check(rules)
+        rec.args = rec.args.model_copy(update={"network_rules": rules})
+        if rec.id in self.networks.links():
+            if allowed.empty:
+                self.networks.detach(rec.id)
+            else:
+                await self.networks.update(rec.id, allowed)
+        elif not allowed.empty:
+            await self.attach(rec)
+
+    # -- events --------------------------------------------------------------------------------
+
+    async def watch_exec(self, rec: Record, call) -> ExecResult:
+        try:
+            result = await call
+        except CommandTimeout as exc:
+            self.events.record(rec.id, "limit.timeout", str(exc)[:200])
+            self.collect(rec)
+            raise
+        for stream in ("stdout", "stderr"):
+            if getattr(result, f"{stream}_truncated"):
+                total = getattr(result, f"{stream}_bytes")
+                self.events.record(rec.id, "limit.output", f"{stream}: {total} bytes written, cut at the output cap")
+        self.collect(rec)
+        return result
+
+    def collect(self, rec: Record) -> None:
+        self._drain_kmsg()
+        self.events.collect_cgroup(rec.id, rec.handle.cid)
+        self.networks.collect(rec.id)
+
+    def list(self, sandbox_id: str) -> list[SecurityEvent]:
+        rec = self.edge._records.get(sandbox_id)
+        if rec is not None:
+            self.collect(rec)
+        else:
+            self._drain_kmsg()
+        return self.events.list(sandbox_id)
+
+    def forget(self, rec: Record) -> None:
+        self.networks.detach(rec.id)
+
+    # -- seccomp refusals from the kernel log ----------------------------------------------------
+
+    def _open_kmsg(self) -> None:
+        if self.id_ranges is None or self._kmsg_fd is not None:
+            return
+        try:
+            fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            os.lseek(fd, 0, os.SEEK_END)
+        except OSError as exc:
+            log.warning("no kernel log (%s): denied syscalls will not be recorded", exc)
+            return
+        self._kmsg_fd = fd
+        asyncio.get_running_loop().add_reader(fd, self._drain_kmsg)
+
+    def _drain_kmsg(self) -> None:
+        if self._kmsg_fd is None:
+            return
+        while True:
+            try:
+                line = os.read(self._kmsg_fd, 8192).decode(errors="replace")
+            except BlockingIOError:
+                return
+            except OSError as exc:  # EPIPE: records were overwritten before we read them
+                if exc.errno == 32:
+                    continue
+                return
+            m = _AUDIT_SECCOMP.search(line)
+            if m:
+                self._syscall_denied(int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(4)))
+
+    def _syscall_denied(self, uid: int, pid: int, comm: str, nr: int) -> None:
+        cid = self.id_ranges.owner(uid) if self.id_ranges is not None else None
+        if cid is None:
+            return
+        rec = next((r for r in self.edge._records.values() if r.handle.cid == cid), None)
+        if rec is None:
+            return
+        name = self._syscalls.get(nr, f"syscall {nr}")
+        self.events.record(rec.id, "syscall.denied", f"{name} denied to {comm!r} (pid {pid} on the host)")

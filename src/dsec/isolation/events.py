@@ -1,0 +1,106 @@
+"""Security events: every denied action the platform can see, recorded against its sandbox.
+
+What is visible, and where it comes from:
+
+- ``network.blocked``: a packet from the sandbox to an address/port not on its allowlist (the
+  host, the edge, other sandboxes, unlisted mirrors). The nftables chain of the sandbox adds the
+  destination to a per-sandbox set as it drops it (see dsec.isolation.network).
+- ``dns.refused``: a name the sandbox asked the edge's resolver for that is not allowed.
+- ``limit.memory``: OOM kills in the sandbox's memory cgroup; ``limit.pids``: forks refused at
+  the pids limit (both read from the cgroup's counters).
+- ``limit.output``: a command's output went past the cap and was cut.
+- ``limit.timeout``: a command ran past its timeout and was killed.
+- ``syscall.denied``: seccomp refusals logged by the kernel (the profile sets
+  SECCOMP_FILTER_FLAG_LOG, so an EPERM from a denied syscall is written to the kernel log as an
+  audit record); attributed to the sandbox whose cgroup holds the pid when the edge reads it.
+
+Not visible: what a command was denied by plain permissions (EACCES on a read-only or masked
+path, a capability the process lacks) — the kernel reports those only to the caller.
+
+Counters are read when events are asked for (and after each command), so the cost is a few file
+reads per call, nothing per packet or syscall on the hot path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from libdsec._models import SecurityEvent
+
+from ..resources import cgroups
+
+MAX_EVENTS_PER_SANDBOX = 1000
+
+
+@dataclass
+class _Log:
+    events: deque = field(default_factory=lambda: deque(maxlen=MAX_EVENTS_PER_SANDBOX))
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class SecurityEvents:
+    """Per-sandbox event logs of one edge, kept in memory (also for stopped sandboxes, up to
+    ``kept`` of them) so an episode can be reviewed after it ended."""
+
+    def __init__(self, cgroup_parent: str | None = None, kept: int = 10_000) -> None:
+        self.cgroup_parent = cgroup_parent
+        self.kept = kept
+        self._logs: dict[str, _Log] = {}
+
+    def record(self, sandbox_id: str, kind: str, detail: str, count: int = 1) -> None:
+        log = self._logs.get(sandbox_id)
+        if log is None:
+            log = self._logs[sandbox_id] = _Log()
+            while len(self._logs) > self.kept:
+                self._logs.pop(next(iter(self._logs)))
+        log.events.append(SecurityEvent(kind=kind, detail=detail, count=count,
+                                        at=datetime.fromtimestamp(time.time(), timezone.utc)))
+
+    def list(self, sandbox_id: str) -> list[SecurityEvent]:
+        log = self._logs.get(sandbox_id)
+        return list(log.events) if log else []
+
+    def counter_delta(self, sandbox_id: str, name: str, value: int) -> int:
+        """How much the counter ``name`` grew since it was last seen (first sight: all of it)."""
+        log = self._logs.setdefault(sandbox_id, _Log())
+        before = log.counters.get(name, 0)
+        log.counters[name] = value
+        return max(0, value - before)
+
+    def collect_cgroup(self, sandbox_id: str, cid: str) -> None:
+        """Turn growth of the sandbox's OOM-kill and pids-refusal counters into events."""
+        if self.cgroup_parent is None or not cid:
+            return
+        oom = _oom_kills(self.cgroup_parent, cid)
+        if oom is not None and (n := self.counter_delta(sandbox_id, "oom_kill", oom)):
+            self.record(sandbox_id, "limit.memory", f"{n} process(es) killed at the memory limit", n)
+        pids = _pids_refused(self.cgroup_parent, cid)
+        if pids is not None and (n := self.counter_delta(sandbox_id, "pids_max", pids)):
+            self.record(sandbox_id, "limit.pids", f"{n} fork(s) refused at the pids limit", n)
+
+
+def _read_key(path: Path, key: str) -> int | None:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _oom_kills(parent: str, cid: str) -> int | None:
+    if cgroups.is_v2():
+        return _read_key(cgroups.CGROUP_ROOT / parent / cid / "memory.events", "oom_kill")
+    return _read_key(cgroups.CGROUP_ROOT / "memory" / parent / cid / "memory.oom_control", "oom_kill")
+
+
+def _pids_refused(parent: str, cid: str) -> int | None:
+    if cgroups.is_v2():
+        return _read_key(cgroups.CGROUP_ROOT / parent / cid / "pids.events", "max")
+    return _read_key(cgroups.CGROUP_ROOT / "pids" / parent / cid / "pids.events", "max")
