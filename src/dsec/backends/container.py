@@ -184,6 +184,16 @@ class ContainerBackend:
         # Root inside is not root outside: each sandbox gets a user namespace and a host uid
         # range of its own (see dsec.isolation.userns); DSEC_USERNS=0 turns it off.
         self.id_ranges = userns.IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
+
+    def _host_ids(self, handle: Handle, uid: int, gid: int) -> tuple[int, int]:
+        """A sandbox's uid/gid as the host sees them (files written from the host)."""
+        idmap = self.id_ranges.of(handle.cid) if self.id_ranges else None
+        if idmap is None:
+            return uid, gid
+        return idmap.host(uid), idmap.host(gid)
+        # Root inside is not root outside: each sandbox gets a user namespace and a host uid
+        # range of its own (see dsec.isolation.userns); DSEC_USERNS=0 turns it off.
+        self.id_ranges = userns.IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
         if self.id_ranges is not None:
             userns.allow_traverse(self.sandboxes_dir)
 
@@ -249,7 +259,9 @@ class ContainerBackend:
                 "noNewPrivileges": True,
                 "oomScoreAdj": 500,
             },
-            "root": {"path": str(plan.target), "readonly": False},
+            # Relative to the bundle: crun sets the root up from inside the user namespace, whose
+            # root may not search the directories above the bundle.
+            "root": {"path": plan.target.name if idmap else str(plan.target), "readonly": False},
             "hostname": spec.hostname,
             "mounts": [
                 {"destination": "/proc", "type": "proc", "source": "proc",

@@ -2,7 +2,7 @@
 
 The edge calls in at a few points of a sandbox's life (``check_rules`` at admission, ``attach``
 once it runs, ``watch_exec`` around each command, ``forget`` when it ends) and serves
-``events`` and ``set_rules``. A kernel-log reader turns seccomp refusals into events: the
+``events`` and ``set_rules``. A reader of the kernel's audit records turns seccomp refusals into events: the
 audit record names the host uid, and each sandbox has a uid range of its own.
 """
 
@@ -13,6 +13,8 @@ import contextlib
 import logging
 import os
 import re
+import socket
+import struct
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -27,6 +29,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsec.edge.security")
 
+_NETLINK_AUDIT = 9
+_AUDIT_NLGRP_READLOG = 1
+_AUDIT_SECCOMP_TYPE = 1326
 _AUDIT_SECCOMP = re.compile(r"type=1326 .*?\buid=(\d+) .*?\bpid=(\d+) comm=\"([^\"]*)\".*?\bsyscall=(\d+)")
 
 
@@ -54,6 +59,7 @@ class EdgeSecurity:
         self.events = SecurityEvents(self.cgroup_parent)
         self.networks = SandboxNetworks(edge.config.node_dir, record=self.events.record)
         self._kmsg_fd: int | None = None
+        self._netlink = False
         self._syscalls = _syscall_names()
 
     # -- start / close -------------------------------------------------------------------------
@@ -139,32 +145,51 @@ class EdgeSecurity:
     # -- seccomp refusals from the kernel log ----------------------------------------------------
 
     def _open_kmsg(self) -> None:
+        """Listen to the kernel's audit records: on the audit netlink socket's read-only
+        multicast group (every record, not rate-limited, needs no audit daemon), else on the
+        kernel log (where records are rate-limited when no audit daemon runs)."""
         if self.id_ranges is None or self._kmsg_fd is not None:
             return
         try:
-            fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            os.lseek(fd, 0, os.SEEK_END)
-        except OSError as exc:
-            log.warning("no kernel log (%s): denied syscalls will not be recorded", exc)
-            return
-        self._kmsg_fd = fd
-        asyncio.get_running_loop().add_reader(fd, self._drain_kmsg)
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC,
+                                 _NETLINK_AUDIT)
+            sock.bind((0, _AUDIT_NLGRP_READLOG))
+            self._kmsg_fd, self._netlink = sock.detach(), True
+        except OSError:
+            try:
+                fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                os.lseek(fd, 0, os.SEEK_END)
+            except OSError as exc:
+                log.warning("no audit records (%s): denied syscalls will not be recorded", exc)
+                return
+            self._kmsg_fd, self._netlink = fd, False
+        asyncio.get_running_loop().add_reader(self._kmsg_fd, self._drain_kmsg)
 
     def _drain_kmsg(self) -> None:
         if self._kmsg_fd is None:
             return
         while True:
             try:
-                line = os.read(self._kmsg_fd, 8192).decode(errors="replace")
+                data = os.read(self._kmsg_fd, 65536)
             except BlockingIOError:
                 return
-            except OSError as exc:  # EPIPE: records were overwritten before we read them
-                if exc.errno == 32:
+            except OSError as exc:  # EPIPE/ENOBUFS: records were lost before we read them
+                if exc.errno in (32, 105):
                     continue
                 return
-            m = _AUDIT_SECCOMP.search(line)
-            if m:
-                self._syscall_denied(int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(4)))
+            if self._netlink:
+                lines = []
+                while len(data) >= 16:
+                    length, kind = struct.unpack_from("=IH", data)
+                    if kind == _AUDIT_SECCOMP_TYPE:
+                        lines.append("type=1326 " + data[16:length].decode(errors="replace"))
+                    data = data[max(16, (length + 3) & ~3):]
+            else:
+                lines = [data.decode(errors="replace")]
+            for line in lines:
+                m = _AUDIT_SECCOMP.search(line)
+                if m:
+                    self._syscall_denied(int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(4)))
 
     def _syscall_denied(self, uid: int, pid: int, comm: str, nr: int) -> None:
         cid = self.id_ranges.owner(uid) if self.id_ranges is not None else None

@@ -194,15 +194,3 @@ def shifted_view(idmap: IdMap, directory: Path, view: Path) -> Iterator[Path]:
         with contextlib.suppress(OSError):
             view.rmdir()
 
-
-def allow_traverse(directory: Path) -> list[Path]:
-    """Let the sandboxes' root (an unprivileged host uid) search ``directory`` and its
-    ancestors, as crun sets up the root filesystem from inside the user namespace. Only the
-    search bit is added (no listing); returns the directories changed."""
-    changed = []
-    for d in [Path(directory), *Path(directory).resolve().parents]:
-        mode = os.stat(d).st_mode
-        if not mode & 0o001:
-            os.chmod(d, (mode & 0o7777) | 0o001)
-            changed.append(d)
-    return changed
