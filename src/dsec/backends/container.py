@@ -191,11 +191,6 @@ class ContainerBackend:
         if idmap is None:
             return uid, gid
         return idmap.host(uid), idmap.host(gid)
-        # Root inside is not root outside: each sandbox gets a user namespace and a host uid
-        # range of its own (see dsec.isolation.userns); DSEC_USERNS=0 turns it off.
-        self.id_ranges = userns.IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
-        if self.id_ranges is not None:
-            userns.allow_traverse(self.sandboxes_dir)
 
     def _host_ids(self, handle: Handle, uid: int, gid: int) -> tuple[int, int]:
         """A sandbox's uid/gid as the host sees them (files written from the host)."""
