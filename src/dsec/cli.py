@@ -15,6 +15,8 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, DSecError
 
+from .cli_resources import register as register_resource_commands
+
 from .cli_images import image_app
 
 app = typer.Typer(help="DSec: sandboxes for agent training.", no_args_is_help=True, add_completion=False)
@@ -49,6 +51,10 @@ def serve(
     node: Annotated[str, typer.Option(help="This node's name (lowercase letters and digits).")] = "n0",
     max_sandboxes: Annotated[int, typer.Option(help="Most sandboxes this node admits.")] = 4096,
     pool_max: Annotated[int, typer.Option(help="Most pre-created sandboxes kept per image (0: no warm pool).")] = 64,
+    cpu_overcommit: Annotated[Optional[float], typer.Option(help="CPU weights committed per core (default 2048).")] = None,
+    memory_overcommit: Annotated[Optional[float], typer.Option(help="Memory limits committed per MB of RAM (default 2.5).")] = None,
+    cold_memory_idle_s: Annotated[float, typer.Option(help="Reclaim memory of sandboxes idle this long (0: off).")] = 0.0,
+    cold_memory_interval_s: Annotated[float, typer.Option(help="Seconds between cold-memory passes.")] = 30.0,
 ) -> None:
     """Run the apiserver and an edge for this machine in one process."""
     from .server import ServerConfig
@@ -57,8 +63,13 @@ def serve(
     edge = {"max_sandboxes": max_sandboxes, "pool_max": pool_max}
     if pool_max == 0:
         edge["pool_min"] = 0
+    if cpu_overcommit is not None:
+        edge["cpu_overcommit"] = cpu_overcommit
+    if memory_overcommit is not None:
+        edge["memory_overcommit"] = memory_overcommit
+    cold = {"idle_s": cold_memory_idle_s, "interval_s": cold_memory_interval_s} if cold_memory_idle_s > 0 else {}
     try:
-        run_server(ServerConfig(state_dir=state_dir, host=host, port=port, node=node, edge=edge))
+        run_server(ServerConfig(state_dir=state_dir, host=host, port=port, node=node, edge=edge, cold_memory=cold))
     except DSecError as exc:
         _fail(exc)
 
@@ -73,6 +84,8 @@ def run(
     workdir: Annotated[str, typer.Option("--workdir", "-w")] = "/",
     env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="KEY=VALUE")] = None,
     timeout: Annotated[float, typer.Option(help="Command timeout in seconds.")] = 60.0,
+    cpu_cap: Annotated[Optional[float], typer.Option(help="Hard CPU cap in cores (--cpus is a weight).")] = None,
+    best_effort: Annotated[bool, typer.Option(help="Run under SCHED_IDLE, committing no CPU.")] = False,
 ) -> None:
     """Create a sandbox, run a command in it, print its output, stop it: dsec run IMAGE -- CMD…"""
     command = ctx.args
@@ -80,7 +93,8 @@ def run(
         _fail(ValueError("no command: use dsec run IMAGE -- CMD …"))
     env_map = dict(e.split("=", 1) for e in (env or []) if "=" in e)
     args = DSecContainerRunArgs(container_image=image, memory_limit_mb=memory, cpu_cores_limit=cpus,
-                                init_user=user, workdir=workdir, env=env_map)
+                                init_user=user, workdir=workdir, env=env_map, cpu_cores_cap=cpu_cap,
+                                best_effort=best_effort)
 
     async def go() -> int:
         async with DSecClient() as client:
@@ -131,9 +145,17 @@ def info() -> None:
             return await client.node_info()
 
     table = Table("NODE", "RUNTIME", "CGROUPS", "SANDBOXES", "CPU CORES", "MEMORY")
-    for n in _run(go()):
+    nodes = _run(go())
+    for n in nodes:
         table.add_row(n.node, n.runtime, n.cgroup_version, str(n.sandboxes), str(n.cpu_cores), f"{n.memory_total_mb} MB")
     console.print(table)
+    for n in nodes:
+        console.print(
+            f"{n.node}: committed {n.committed_cpu:g} of {n.cpu_cores * n.cpu_overcommit:g} CPU cores "
+            f"({n.cpu_overcommit:g}×, weights) and {n.committed_memory_mb} of "
+            f"{int(n.memory_total_mb * n.memory_overcommit)} MB ({n.memory_overcommit:g}×); {n.paused} paused; "
+            f"swap {n.swap_total_mb} MB; SCHED_IDLE {'yes' if n.sched_idle else 'no'}; "
+            f"core scheduling {n.core_scheduling}")
 
 
 @app.command()
@@ -206,6 +228,9 @@ def bench_microvm(
 
     raise typer.Exit(run_bench(state_dir=state_dir, store_dir=store_dir, console=console, image=image,
                                idle=idle, many=many, memory_mb=memory, strict=strict))
+
+
+register_resource_commands(app)  # dsec project …, dsec pause, dsec resume
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """``dsec serve``: apiserver and one edge in one process, state under one directory.
 
-State dir layout: ``token`` (the API token, made on first start), ``store/`` (layers and image
+State dir layout: ``token`` (the root project's API token, made on first start),
+``projects.db`` (projects, quotas and the other tokens), ``store/`` (layers and image
 manifests; may be shared between nodes) and ``node/`` (this node's mounts, sandboxes, records).
 """
 
@@ -22,12 +23,15 @@ import uvicorn
 from libdsec import BackendError
 
 from .apiserver.app import Cluster, create_app
+from .apiserver.projects import ProjectStore
 from .backends.container import CRUN, INIT_BINARY, ContainerBackend
 from .edge.edge import Edge, EdgeConfig
 from .images.builders import build_busybox
 from .images.store import LayerStore
 from ._sys import set_child_subreaper
+from .placement import Overcommit
 from .resources import cgroups
+from .resources.coldmem import ColdMemoryReclaimer
 
 log = logging.getLogger("dsec.server")
 
@@ -43,6 +47,8 @@ class ServerConfig:
     port: int = DEFAULT_PORT
     node: str = "n0"
     edge: dict = field(default_factory=dict)  # EdgeConfig overrides
+    # ColdMemoryReclaimer settings (idle_s, interval_s, fraction); empty: no cold-memory reclaim.
+    cold_memory: dict = field(default_factory=dict)
 
 
 def load_or_create_token(state_dir: Path) -> str:
@@ -133,11 +139,24 @@ def build_app(config: ServerConfig):
     token = load_or_create_token(config.state_dir)
     store = open_store(config.state_dir)
     edge = build_edge(config, store)
+    projects = ProjectStore(config.state_dir / "projects.db")
+    overcommit = Overcommit(cpu=edge.config.cpu_overcommit, memory=edge.config.memory_overcommit)
+    cold = None
+    if config.cold_memory:
+        container = edge.backends["container"]
+        cold = ColdMemoryReclaimer(
+            container.cgroup_parent,
+            lambda idle_s: [h.cid for kind, h in edge.idle_sandboxes(idle_s) if kind == "container"],
+            **config.cold_memory,
+        )
 
     @asynccontextmanager
     async def lifespan(app):
         use_pidfd_child_watcher()
         await edge.start()
+        if cold is not None:
+            cold.start()
+            log.info("cold-memory reclaimer on: %s", config.cold_memory)
         warm_ups = [asyncio.create_task(b.warm_up()) for b in edge.backends.values() if hasattr(b, "warm_up")]
         log.info("edge %s ready: %d sandboxes adopted", edge.node, len(await edge.list()))
         try:
@@ -145,9 +164,13 @@ def build_app(config: ServerConfig):
         finally:
             for task in warm_ups:
                 task.cancel()
+            if cold is not None:
+                await cold.close()
             await edge.close()
+            projects.close()
 
-    return create_app(Cluster([edge], store), token, lifespan=lifespan), edge
+    cluster = Cluster([edge], store, projects=projects, overcommit=overcommit)
+    return create_app(cluster, token, lifespan=lifespan), edge
 
 
 def serve(config: ServerConfig) -> None:

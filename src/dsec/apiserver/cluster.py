@@ -54,8 +54,8 @@ def load_of(info: NodeInfo) -> placement.NodeLoad:
 
 
 def _kinds(runtime: str) -> set[str]:
-    """The sandbox kinds a node's ``runtime`` line names ("container; microvm (kvm)")."""
-    return {part.split()[0] for part in re.split(r"[;,]", runtime) if part.strip()}
+    """The sandbox kinds a node's ``runtime`` line names ("container; microvm: QEMU …")."""
+    return {part.split()[0].rstrip(":") for part in re.split(r"[;,]", runtime) if part.strip()}
 
 
 class _Reservation:

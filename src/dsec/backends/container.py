@@ -40,7 +40,8 @@ from ..images.mounts import LayerMounts
 from ..images.store import Image, LayerStore
 from ..isolation import disk, userns
 from ..isolation.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, seccomp_profile
-from ..resources import cgroups
+from ..resources import cgroups, reclaim
+from ..resources import cpu as cpu_sched
 from ..resources.cgroups import Limits
 from .base import ExecContext, Handle, SandboxSpec
 
@@ -48,6 +49,7 @@ log = logging.getLogger("dsec.backends.container")
 
 CRUN = shutil.which("crun") or "/usr/bin/crun"
 INIT_BINARY = shutil.which("catatonit") or "/usr/bin/catatonit"
+CHRT = shutil.which("chrt") or "/usr/bin/chrt"
 INIT_PATH = "/dev/.dsec-init"
 _READ_CHUNK = 1 << 16
 _PIPE_GRACE_S = 0.5
@@ -237,8 +239,8 @@ class ContainerBackend:
         limits = spec.limits
         if limits is not None:
             resources["memory"] = {"limit": limits.memory_bytes, "swap": limits.memory_bytes}
-            resources["cpu"] = {"quota": limits.cpu_quota_us, "period": cgroups.CPU_PERIOD_US,
-                                "shares": limits.cpu_shares}
+            resources["cpu"] = {"period": cgroups.CPU_PERIOD_US, "shares": limits.cpu_shares,
+                                **({"quota": limits.cpu_quota_us} if limits.cpu_cap is not None else {})}
             resources["pids"] = {"limit": limits.pids}
         idmap = self.id_ranges.of(cid) if self.id_ranges else None
         return {
@@ -347,6 +349,9 @@ class ContainerBackend:
     async def apply_limits(self, handle: Handle, limits: Limits) -> None:
         try:
             cgroups.apply_limits(self.cgroup_parent, handle.cid, limits)
+            # The init too (a best-effort sandbox's commands get SCHED_IDLE in exec).
+            with contextlib.suppress(ProcessLookupError):
+                cpu_sched.set_idle(handle.pid, limits.best_effort)
             disk.resize_bundle(self.sandboxes_dir / handle.cid, limits.memory_bytes)
         except OSError as exc:
             raise BackendError(f"cannot set limits of {handle.cid}: {exc}") from exc
@@ -358,6 +363,11 @@ class ContainerBackend:
         rc, out = await self._run_crun("pause", handle.cid)
         if rc != 0:
             raise BackendError(f"cannot pause {handle.cid}: {out}")
+        # Frozen, nothing in it touches its pages: push them all out (to swap).
+        try:
+            await asyncio.to_thread(reclaim.push_out, self.cgroup_parent, handle.cid)
+        except OSError as exc:
+            log.warning("paused %s but could not push its memory out: %s", handle.cid, exc)
 
     async def resume(self, handle: Handle) -> None:
         rc, out = await self._run_crun("resume", handle.cid)
@@ -391,6 +401,7 @@ class ContainerBackend:
             # Killing the pid namespace's init takes every process of the sandbox with it.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(handle.pid, signal.SIGKILL)
+            reclaim.thaw(self.cgroup_parent, handle.cid)  # a frozen (paused) task dies once thawed
             await _wait_exit(handle.pid, timeout=10)
         # When we are the init's subreaper (see dsec.server), reap it now: a zombie still
         # counts in a v1 cgroup, which cannot be removed until it is reaped.
@@ -469,6 +480,7 @@ class ContainerBackend:
         return alive
 
     async def _remove_remains(self, cid: str) -> None:
+        reclaim.thaw(self.cgroup_parent, cid)
         await self._run_crun("kill", cid, "KILL")
         await self._run_crun("delete", "--force", cid)
         cgroups.remove_cgroup(self.cgroup_parent, cid)
@@ -502,9 +514,13 @@ class ContainerBackend:
         for k, v in ctx.env.items():
             argv += ["--env", f"{k}={v}"]
         argv += [handle.cid, "/bin/sh", "-c", request.command]
+        command = self._crun(*argv)
+        if cgroups.cpu_idle(self.cgroup_parent, handle.cid):
+            # Best effort: crun exec, and the command it starts, run under SCHED_IDLE.
+            command = [CHRT, "--idle", "0", *command]
         start = time.perf_counter()
         proc = await asyncio.create_subprocess_exec(
-            *self._crun(*argv),
+            *command,
             stdin=asyncio.subprocess.PIPE if request.stdin is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )

@@ -273,7 +273,8 @@ class Edge:
             raise out_of_range("cpu_cores_limit", args.cpu_cores_limit, MIN_CPU, self._cpu_cores, "cores")
         cap = getattr(args, "cpu_cores_cap", None)
         if cap is not None and not max(MIN_CPU, args.cpu_cores_limit) <= cap <= self._cpu_cores:
-            raise out_of_range("cpu_cores_cap", cap, f"max({MIN_CPU}, cpu_cores_limit)", self._cpu_cores, "cores")
+            low = max(MIN_CPU, args.cpu_cores_limit)
+            raise out_of_range("cpu_cores_cap", cap, f"{low:g}", self._cpu_cores, "cores (at least cpu_cores_limit)")
         if not 1 <= args.ttl_running_stop <= MAX_TTL_S:
             raise out_of_range("ttl_running_stop", args.ttl_running_stop, 1, int(MAX_TTL_S), "seconds")
         if not PIDS_RANGE[0] <= args.pids_limit <= PIDS_RANGE[1]:

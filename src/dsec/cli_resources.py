@@ -1,0 +1,157 @@
+"""``dsec project …`` (projects, quotas, tokens) and ``dsec pause|resume ID``: added to the
+main command line by ``register(app)``. Everything goes through the SDK, so a project's own
+token manages the projects below it just as the root token manages all."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from libdsec import DSecClient, DSecError, ProjectInfo
+
+project_app = typer.Typer(help="Projects, their quotas and tokens (nested: a parent hands quota to its children).",
+                          no_args_is_help=True)
+console = Console()
+err_console = Console(stderr=True)
+
+QuotaValue = Annotated[Optional[str], typer.Option(help="A number, or 'none' for no cap of its own.")]
+
+
+def _run(coro):
+    try:
+        return asyncio.run(coro)
+    except DSecError as exc:
+        err_console.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1) from None
+
+
+def _number(name: str, text: str | None, kind: type) -> int | float | None:
+    if text is None or text.lower() == "none":
+        return None
+    try:
+        return kind(text)
+    except ValueError:
+        err_console.print(f"[red]error:[/red] --{name} {text!r}: expected a number or 'none'")
+        raise typer.Exit(2) from None
+
+
+def _quota(sandboxes: str | None, cpu: str | None, memory: str | None) -> dict:
+    return {"sandboxes": _number("sandboxes", sandboxes, int), "cpu_cores": _number("cpu", cpu, float),
+            "memory_mb": _number("memory", memory, int)}
+
+
+def _cell(used: float, cap: float | None, handed: float, unit: str = "") -> str:
+    text = f"{used:g}{unit} / {'—' if cap is None else f'{cap:g}{unit}'}"
+    return text + (f" ({handed:g}{unit} handed out)" if handed else "")
+
+
+def _table(projects: list[ProjectInfo]) -> Table:
+    table = Table("PROJECT", "SANDBOXES", "CPU CORES", "MEMORY", caption="used (own and below) / quota")
+    for p in projects:
+        u, q, h = p.subtree_usage, p.quota, p.handed_out
+        table.add_row(p.path, _cell(u.sandboxes, q.sandboxes, h.sandboxes), _cell(u.cpu_cores, q.cpu_cores, h.cpu_cores),
+                      _cell(u.memory_mb, q.memory_mb, h.memory_mb, " MB"))
+    return table
+
+
+@project_app.command("ls")
+def project_ls() -> None:
+    """The caller's project and every project below it, with usage and quotas."""
+
+    async def go():
+        async with DSecClient() as client:
+            return await client.list_projects()
+
+    console.print(_table(_run(go())))
+
+
+@project_app.command("create")
+def project_create(
+    name: Annotated[str, typer.Argument(help="Lowercase letters, digits and '-'.")],
+    parent: Annotated[Optional[str], typer.Option(help="Parent project (default: the token's own).")] = None,
+    sandboxes: QuotaValue = None,
+    cpu: QuotaValue = None,
+    memory: QuotaValue = None,
+) -> None:
+    """Create a project, with a quota handed down from its parent's."""
+
+    async def go():
+        async with DSecClient() as client:
+            return await client.create_project(name, parent=parent, **_quota(sandboxes, cpu, memory))
+
+    console.print(_table([_run(go())]))
+
+
+@project_app.command("quota")
+def project_quota(
+    name: Annotated[str, typer.Argument(help="Project.")],
+    sandboxes: QuotaValue = None,
+    cpu: QuotaValue = None,
+    memory: QuotaValue = None,
+) -> None:
+    """Set a project's quota (each unset value: no cap of its own)."""
+
+    async def go():
+        async with DSecClient() as client:
+            return await client.set_project_quota(name, **_quota(sandboxes, cpu, memory))
+
+    console.print(_table([_run(go())]))
+
+
+@project_app.command("rm")
+def project_rm(name: Annotated[str, typer.Argument(help="Project.")]) -> None:
+    """Remove a project with no sub-projects and no sandboxes (its tokens go with it)."""
+
+    async def go():
+        async with DSecClient() as client:
+            await client.remove_project(name)
+
+    _run(go())
+    console.print(f"removed {name}")
+
+
+@project_app.command("token")
+def project_token(name: Annotated[str, typer.Argument(help="Project.")]) -> None:
+    """Make a new API token for a project and print it (it is not shown again)."""
+
+    async def go():
+        async with DSecClient() as client:
+            return await client.create_project_token(name)
+
+    print(_run(go()))
+
+
+def pause(ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")]) -> None:
+    """Pause sandboxes: freeze them and push their memory out to swap."""
+
+    async def go():
+        async with DSecClient() as client:
+            for sandbox_id in ids:
+                r = await (await client.get_sandbox(sandbox_id)).pause()
+                before = "?" if r.memory_before_bytes is None else f"{r.memory_before_bytes / 2**20:.1f}"
+                after = "?" if r.memory_after_bytes is None else f"{r.memory_after_bytes / 2**20:.1f}"
+                console.print(f"{sandbox_id} paused in {r.pause_s * 1e3:.0f} ms: memory {before} → {after} MiB")
+
+    _run(go())
+
+
+def resume(ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")]) -> None:
+    """Resume paused sandboxes."""
+
+    async def go():
+        async with DSecClient() as client:
+            for sandbox_id in ids:
+                info = await (await client.get_sandbox(sandbox_id)).resume()
+                console.print(f"{sandbox_id} {info.status.value}")
+
+    _run(go())
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(project_app, name="project")
+    app.command()(pause)
+    app.command()(resume)

@@ -1,0 +1,145 @@
+"""Pushing a sandbox's memory out of RAM: all of it when it is paused, some of it when it idles.
+
+Anonymous and tmpfs pages go to swap (zram here: compressed, still in RAM but smaller; see
+scripts/setup-host.sh), clean file pages are dropped. With no swap only the file pages go.
+
+- cgroup v2: ``memory.reclaim`` asks the kernel to reclaim so many bytes from the cgroup, cold
+  pages first (its LRU order).
+- cgroup v1 has no such file. ``memory.force_empty`` reclaims everything it can (used on a
+  frozen sandbox: nothing in it runs to touch the pages again), and lowering
+  ``memory.limit_in_bytes`` for a moment makes the kernel reclaim down to the new limit, coldest
+  pages first (used on a running one, by the cold-memory reclaimer); the limit is restored at once.
+
+Freezing itself is the backend's (``crun pause``); ``thaw`` is here so a frozen sandbox can be
+killed (a frozen task does not act on SIGKILL until it is thawed).
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+from . import cgroups
+
+
+def _memory_dir(parent: str, cid: str) -> Path:
+    return cgroups.CGROUP_ROOT / parent / cid if cgroups.is_v2() else cgroups.CGROUP_ROOT / "memory" / parent / cid
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def swap_total_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("SwapTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def usage(parent: str, cid: str) -> int | None:
+    return cgroups.memory_usage_bytes(parent, cid)
+
+
+def push_out(parent: str, cid: str) -> int | None:
+    """Reclaim all the memory the kernel can take from a (frozen) sandbox's cgroup. Returns the
+    usage afterwards."""
+    d = _memory_dir(parent, cid)
+    if cgroups.is_v2():
+        for _ in range(4):
+            current = _read_int(d / "memory.current")
+            if not current:
+                break
+            try:
+                cgroups._write(d / "memory.reclaim", str(current))
+            except OSError as exc:
+                if exc.errno != errno.EAGAIN:  # EAGAIN: reclaimed less than asked; look again
+                    raise
+    else:
+        cgroups._write(d / "memory.force_empty", "0")
+    return usage(parent, cid)
+
+
+def reclaim(parent: str, cid: str, nbytes: int) -> int:
+    """Reclaim about ``nbytes`` from a running sandbox, coldest pages first. Returns the bytes
+    its usage went down by (0 when the kernel could not take any)."""
+    d = _memory_dir(parent, cid)
+    before = usage(parent, cid) or 0
+    if nbytes <= 0 or before <= 0:
+        return 0
+    if cgroups.is_v2():
+        try:
+            cgroups._write(d / "memory.reclaim", str(nbytes))
+        except OSError as exc:
+            if exc.errno != errno.EAGAIN:
+                raise
+    else:
+        limit_file = d / "memory.limit_in_bytes"
+        limit = _read_int(limit_file)
+        if limit is None:
+            return 0
+        target = max(1 << 20, before - nbytes)
+        try:
+            cgroups._write(limit_file, str(target))
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:  # EBUSY: could not get down to the target; fine
+                raise
+        finally:
+            cgroups._write(limit_file, str(limit))
+    return max(0, before - (usage(parent, cid) or 0))
+
+
+def thaw(parent: str, cid: str) -> None:
+    """Thaw a frozen sandbox's cgroup (no-op when it is not frozen or gone)."""
+    if cgroups.is_v2():
+        path = cgroups.CGROUP_ROOT / parent / cid / "cgroup.freeze"
+        value = "0"
+    else:
+        path = cgroups.CGROUP_ROOT / "freezer" / parent / cid / "freezer.state"
+        value = "THAWED"
+    try:
+        if path.read_text().strip() in ("0", "THAWED"):
+            return
+        cgroups._write(path, value)
+    except OSError:
+        pass
+
+
+def frozen(parent: str, cid: str) -> bool:
+    if cgroups.is_v2():
+        path = cgroups.CGROUP_ROOT / parent / cid / "cgroup.freeze"
+        return path.exists() and path.read_text().strip() == "1"
+    path = cgroups.CGROUP_ROOT / "freezer" / parent / cid / "freezer.state"
+    return path.exists() and path.read_text().strip() != "THAWED"
+
+
+def swapped_bytes(parent: str, cid: str) -> int | None:
+    """Bytes of the sandbox's memory in swap (v1 memory.stat ``swap``; v2 ``memory.swap.current``)."""
+    d = _memory_dir(parent, cid)
+    if cgroups.is_v2():
+        return _read_int(d / "memory.swap.current")
+    try:
+        for line in (d / "memory.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "swap":
+                return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def zram_stats() -> dict[str, int]:
+    """/sys/block/zram*/mm_stat summed: original and compressed bytes, and RAM used."""
+    total = {"orig_data_size": 0, "compr_data_size": 0, "mem_used_total": 0}
+    for dev in Path("/sys/block").glob("zram*"):
+        try:
+            fields = (dev / "mm_stat").read_text().split()
+        except OSError:
+            continue
+        for i, key in enumerate(("orig_data_size", "compr_data_size", "mem_used_total")):
+            total[key] += int(fields[i])
+    return total
