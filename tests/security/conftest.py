@@ -87,7 +87,7 @@ def stop_mirror(mirror: Mirror) -> None:
     subprocess.run(["ip", "netns", "del", mirror.netns], capture_output=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mirrors():
     """Two mirrors: ``pypi`` (a named service) and ``example`` (reached by domain)."""
     made = []
@@ -102,7 +102,7 @@ def mirrors():
     assert not any(m.netns in left for m in made)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sec_server(tmp_path_factory, test_store, mirrors):
     """A ``dsec serve`` whose network configuration knows the two mirrors."""
     from dsec.local import LocalServer, leftovers
