@@ -47,6 +47,7 @@ class ServerConfig:
     port: int = DEFAULT_PORT
     node: str = "n0"
     edge: dict = field(default_factory=dict)  # EdgeConfig overrides
+    fncall: dict | None = field(default_factory=dict)  # FnCallConfig overrides; None: no fncall pool
     # ColdMemoryReclaimer settings (idle_s, interval_s, fraction); empty: no cold-memory reclaim.
     cold_memory: dict = field(default_factory=dict)
 
@@ -99,7 +100,14 @@ def build_edge(config: ServerConfig, store: LayerStore) -> Edge:
     edge_config = EdgeConfig(node_dir=node_dir, records_dir=backend.run_dir / "records", node=config.node, **config.edge)
     from .backends.vm import vm_backends
 
-    return Edge(edge_config, [backend, *vm_backends(node_dir, store, config.state_dir / "vm")], store)
+    fncalls = None
+    if config.fncall is not None:
+        from .fncall import FnCallConfig, FnCallPool
+        from .fncall.backend import FnCallBackend
+
+        fncall_config = FnCallConfig(**config.fncall)
+        fncalls = FnCallPool(FnCallBackend.beside(backend, tmpfs_mb=fncall_config.tmpfs_mb), store, fncall_config)
+    return Edge(edge_config, [backend, *vm_backends(node_dir, store, config.state_dir / "vm")], store, fncalls=fncalls)
 
 
 def lock_node(state_dir: Path) -> int:

@@ -21,6 +21,7 @@ from ._errors import (
 from ._models import SecurityEvent
 from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from ._models import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
+from ._models import DSecFnCallArgs, FnCallResult
 from ._projects import ProjectInfo, ProjectQuota
 from ._sync import SyncDSecClient, SyncSandbox
 
@@ -31,9 +32,11 @@ __all__ = [
     "DSecClient",
     "DSecContainerRunArgs",
     "DSecError",
+    "DSecFnCallArgs",
     "DSecFullVMRunArgs",
     "DSecMicroVMRunArgs",
     "ExecResult",
+    "FnCallResult",
     "ImageInfo",
     "ImageNotFound",
     "InvalidRequest",

@@ -7,9 +7,10 @@ ends it (a second ``stop()`` does nothing), and ``async with sandbox`` stops it 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from ._errors import (
 )
 from ._projects import _ProjectMethods
 from ._models import NetworkRulesRequest, SecurityEvent, SecurityEventList
+from ._models import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
 from ._models import (
     DEFAULT_COMMAND_TIMEOUT_S,
     MAX_BATCH_COUNT,
@@ -307,6 +309,38 @@ class DSecClient(_ProjectMethods):
 
     async def node_info(self) -> list[NodeInfo]:
         return [NodeInfo.model_validate(n) for n in await self._request("GET", "/v1/nodes")]
+
+    # -- fncall ------------------------------------------------------------------------------
+
+    async def fncall(self, args: DSecFnCallArgs, *, timeout: float | None = None) -> FnCallResult:
+        """Run one stateless call in the warm pool (see ``DSecFnCallArgs``). A call that runs
+        returns its result, whatever its exit code; one that cannot run raises."""
+        raw = await self._request("POST", "/v1/fncall", model=args, raw=True,
+                                  timeout=timeout if timeout is not None else args.timeout + _HTTP_SLACK_S)
+        return FnCallResult.model_validate_json(raw)
+
+    async def fncall_many(
+        self, calls: Iterable[DSecFnCallArgs], *, timeout: float | None = None,
+        per_request: int = 500, requests_in_flight: int = 4,
+    ) -> list[FnCallResult]:
+        """Run many calls, ``per_request`` to an HTTP request (a request costs more than a small
+        call), answers in order. A call that cannot run has ``error`` set; the others are not
+        affected. ``timeout`` bounds each request."""
+        calls = list(calls)
+        if not calls:
+            return []
+        chunks = [calls[i:i + per_request] for i in range(0, len(calls), max(1, per_request))]
+        gate = asyncio.Semaphore(max(1, requests_in_flight))
+        if timeout is None:
+            timeout = max(self._timeout, max(c.timeout for c in calls) + _HTTP_SLACK_S)
+
+        async def one(chunk: list[DSecFnCallArgs]) -> list[FnCallResult]:
+            async with gate:
+                raw = await self._request("POST", "/v1/fncall:batch", model=FnCallBatchRequest(calls=chunk),
+                                          raw=True, timeout=timeout)
+            return FnCallBatchResult.model_validate_json(raw).results
+
+        return [r for part in await asyncio.gather(*(one(c) for c in chunks)) for r in part]
 
     # -- transport -------------------------------------------------------------------------
 

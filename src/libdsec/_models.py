@@ -11,7 +11,7 @@ from datetime import datetime
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # Output kept per stream before truncation, unless a request asks for less.
 DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
@@ -313,3 +313,96 @@ class NetworkRulesRequest(_Model):
     and ``"domains"``: a list of names. ``{}`` takes all network away."""
 
     network_rules: dict[str, bool | list[str]] = Field(default_factory=dict)
+
+
+# -- FnCall: stateless calls in a warm pool ------------------------------------------------------
+
+FNCALL_LANGUAGES = ("python", "bash")
+DEFAULT_FNCALL_TIMEOUT_S = 10.0
+DEFAULT_FNCALL_MEMORY_MB = 256
+DEFAULT_FNCALL_OUTPUT_BYTES = 1 << 20
+
+
+class _BytesModel(_Model):
+    # bytes travel as base64 in JSON: URL-safe when written, either alphabet when read (the
+    # server parses these bodies with model_validate_json, which decodes it).
+    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+
+
+class DSecFnCallArgs(_BytesModel):
+    """One stateless call: run ``code`` in a fresh process forked from a warm interpreter.
+
+    ``language`` is ``python`` (the code runs as ``python3 -c`` would) or ``bash`` (``bash -c``).
+    The call starts in an empty working directory (``/work``, also ``HOME``) holding ``files``
+    (relative paths), reads ``stdin``, and may write only there and in ``/tmp``; ``fetch_files``
+    are read back from the working directory when it ends. Nothing of one call is visible to
+    another. No network. Ranges (timeout, memory, sizes) are checked by the node, which answers
+    ``LimitOutOfRange``; an unknown language is ``InvalidRequest``.
+    """
+
+    code: str
+    language: str = "python"
+    stdin: str | None = None
+    files: dict[str, bytes] = Field(default_factory=dict)
+    fetch_files: list[str] = Field(default_factory=list)
+    timeout: float = DEFAULT_FNCALL_TIMEOUT_S
+    memory_limit_mb: int = DEFAULT_FNCALL_MEMORY_MB
+    image: str = "python"
+    env: dict[str, str] = Field(default_factory=dict)
+    # Output kept per stream; past it the stream is cut and marked truncated.
+    max_output_bytes: int = DEFAULT_FNCALL_OUTPUT_BYTES
+
+    @field_validator("timeout")
+    @classmethod
+    def _finite_timeout(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("files", mode="before")
+    @classmethod
+    def _text_files(cls, files: object, info: ValidationInfo) -> object:
+        # In Python a str is the file's text; in JSON every value is base64.
+        if info.mode == "python" and isinstance(files, dict):
+            return {k: v.encode() if isinstance(v, str) else v for k, v in files.items()}
+        return files
+
+
+class FnCallResult(_BytesModel):
+    """What a call did. ``exit_code`` is negative when the process was killed by a signal (−9:
+    killed at the timeout, or for memory). ``duration_s`` is the call's own run (fork to exit),
+    ``worker_s`` its whole turn in the worker (with clean-up), ``queued_s`` its wait for a free
+    worker. In a batch, a call that could not run at all has ``error`` set (the others are
+    unaffected); ``DSecClient.fncall`` raises instead."""
+
+    exit_code: int
+    stdout: str = ""
+    stderr: str = ""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    # Bytes the call wrote in all, kept or not.
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    timed_out: bool = False
+    memory_exceeded: bool = False
+    files: dict[str, bytes] = Field(default_factory=dict)
+    # fetch_files that could not be fetched, with the reason ("no such file", …).
+    file_errors: dict[str, str] = Field(default_factory=dict)
+    duration_s: float = 0.0
+    cpu_s: float = 0.0
+    worker_s: float = 0.0
+    queued_s: float = 0.0
+    error: ErrorBody | None = None
+
+    @property
+    def ok(self) -> bool:
+        """It ran, exited 0 and was not killed."""
+        return self.error is None and self.exit_code == 0 and not self.timed_out
+
+
+class FnCallBatchRequest(_BytesModel):
+    calls: list[DSecFnCallArgs] = Field(min_length=1, max_length=MAX_BATCH_COUNT)
+
+
+class FnCallBatchResult(_BytesModel):
+    results: list[FnCallResult]

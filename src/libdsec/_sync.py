@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from ._client import DSecClient, ProgressCallback, Sandbox
 from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from ._models import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
+from ._models import DSecFnCallArgs, FnCallResult
 from ._projects import _SyncProjectMethods
 
 T = TypeVar("T")
@@ -154,3 +155,9 @@ class SyncDSecClient(_SyncProjectMethods):
 
     def gc_images(self) -> list[str]:
         return self._loop().run(self._async.gc_images())
+
+    def fncall(self, args: DSecFnCallArgs, **kwargs: Any) -> FnCallResult:
+        return self._loop().run(self._async.fncall(args, **kwargs))
+
+    def fncall_many(self, calls: Iterable[DSecFnCallArgs], **kwargs: Any) -> list[FnCallResult]:
+        return self._loop().run(self._async.fncall_many(calls, **kwargs))

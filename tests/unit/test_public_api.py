@@ -23,6 +23,7 @@ PUBLIC = {
 PUBLIC |= {"DSecFullVMRunArgs", "DSecMicroVMRunArgs", "SnapshotInfo"}  # VM sandboxes
 PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
+PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -85,7 +86,7 @@ def test_error_from_wire_with_unknown_or_garbled_bodies():
 
 WIRE_MODELS = [
     cls for cls in vars(_models).values()
-    if isinstance(cls, type) and issubclass(cls, _models._Model) and cls is not _models._Model
+    if isinstance(cls, type) and issubclass(cls, _models._Model) and not cls.__name__.startswith("_")
 ]
 
 
@@ -124,6 +125,10 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.SecurityEvent: {"kind": "dns.refused", "detail": "d", "at": "2026-01-01T00:00:00Z"},
         _models.SecurityEventList: {"events": []},
         _models.NetworkRulesRequest: {"network_rules": {"pypi": True}},
+        _models.DSecFnCallArgs: {"code": "print(1)"},
+        _models.FnCallResult: {"exit_code": 0},
+        _models.FnCallBatchRequest: {"calls": [{"code": "print(1)"}]},
+        _models.FnCallBatchResult: {"results": [{"exit_code": 0}]},
     }[cls]
 
 

@@ -40,6 +40,7 @@ from libdsec._models import (
 
 from .auth import Authenticator, Caller
 from .cluster import Cluster
+from .routes_fncall import add_fncall_routes
 from .routes_projects import add_project_routes
 
 log = logging.getLogger("dsec.apiserver")
@@ -240,4 +241,5 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         return [await edge.node_info() for edge in cluster.edges.values()]
 
     add_project_routes(app, cluster, authenticated, _ERRORS)
+    add_fncall_routes(app, cluster, authenticated, _ERRORS)
     return app

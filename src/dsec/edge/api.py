@@ -14,6 +14,7 @@ from typing import Protocol
 
 from libdsec import InvalidRequest
 from libdsec._models import DSecContainerRunArgs, ExecRequest, ExecResult, NodeInfo, PackDiffResult, SandboxInfo
+from libdsec._models import DSecFnCallArgs, FnCallResult
 
 NODE_NAME = re.compile(r"^[a-z0-9]{1,32}\Z")
 SANDBOX_ID = re.compile(r"^([a-z0-9]{1,32})-([0-9a-f]{16})\Z")
@@ -58,3 +59,7 @@ class EdgeAPI(Protocol):
     def in_use(self) -> tuple[frozenset[str], frozenset[str]]: ...
 
     async def node_info(self) -> NodeInfo: ...
+
+    async def fncall(self, args: DSecFnCallArgs) -> FnCallResult: ...
+
+    async def fncall_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]: ...

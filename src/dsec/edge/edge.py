@@ -57,8 +57,10 @@ from libdsec._models import (
     SandboxStatus,
     SnapshotInfo,
 )
+from libdsec._models import DSecFnCallArgs, FnCallResult
 
 from ..backends.base import ExecContext, Handle, SandboxBackend, SandboxSpec
+from ..fncall.pool import FnCallPool
 from ..images.store import Image, LayerStore, check_name
 from ..placement import DEFAULT_CPU_OVERCOMMIT, DEFAULT_MEMORY_OVERCOMMIT
 from ..resources import cgroups
@@ -195,7 +197,8 @@ class Edge:
     (a second ``close()`` does nothing)."""
 
     def __init__(
-        self, config: EdgeConfig, backends: SandboxBackend | Iterable[SandboxBackend], store: LayerStore
+        self, config: EdgeConfig, backends: SandboxBackend | Iterable[SandboxBackend], store: LayerStore,
+        fncalls: FnCallPool | None = None,
     ) -> None:
         self.config = config
         self.node = config.node
@@ -217,6 +220,7 @@ class Edge:
         self._cpu_cores = os.cpu_count() or 1
         self._closed = False
         self.security = EdgeSecurity(self)  # network allowlists, security events
+        self.fncalls = fncalls  # the warm pool for stateless calls (dsec.fncall), if served here
 
     # -- start / close ---------------------------------------------------------------------
 
@@ -239,6 +243,8 @@ class Edge:
             else:
                 rec.status, rec.reason = SandboxStatus.failed, "sandbox was gone when the edge restarted"
                 self._forget(rec)
+        if self.fncalls is not None:  # after recover, which removed the workers of an earlier run
+            await self.fncalls.start()
         await self.security.start(self._records.values())
         self._tasks = [
             asyncio.create_task(self._reaper(), name="dsec-ttl-reaper"),
@@ -257,6 +263,8 @@ class Edge:
         pooled = [(pool.kind, h) for pool in self._pools.values() for h in pool.handles]
         self._pools.clear()
         await asyncio.gather(*(self.backends[k].destroy(h) for k, h in pooled), return_exceptions=True)
+        if self.fncalls is not None:
+            await self.fncalls.close()
         for backend in self.backends.values():
             backend.release_unused()
         self.security.close()
@@ -501,6 +509,21 @@ class Edge:
         digest, scrubbed = await self._call(rec, backend.pack_diff(rec.handle))
         image = Image(
             name=name or f"snap-{digest.removeprefix('sha256-')[:16]}",
+    # -- fncall: stateless calls in the warm pool (no record, no sandbox id) -------------------
+
+    def _fncall_pool(self) -> FnCallPool:
+        if self.fncalls is None:
+            raise InvalidRequest(f"node {self.node} does not serve fncall")
+        if self._closed:
+            raise SandboxStateError(f"edge {self.node} is shutting down")
+        return self.fncalls
+
+    async def fncall(self, args: DSecFnCallArgs) -> FnCallResult:
+        return await self._fncall_pool().call(args)
+
+    async def fncall_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
+        return await self._fncall_pool().call_many(calls)
+
             layers=rec.image.layers + (digest,), roles=rec.image.roles + (role,),
             env=rec.image.env, workdir=rec.image.workdir, user=rec.image.user, parent=rec.image.name,
         )

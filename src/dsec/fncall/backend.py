@@ -1,0 +1,160 @@
+"""FnCall worker containers: the container backend's sandbox, locked down further.
+
+A worker is a container sandbox (crun, EROFS layers under an overlay, dropped capabilities,
+seccomp, no_new_privs, an empty network namespace, its own cgroup) whose root filesystem is
+read-only; the only places a call can write are two small tmpfs mounts, ``/work`` (the call's
+working directory) and ``/tmp``, plus ``/dev/shm`` from the base sandbox, all of which the
+zygote wipes after a call that wrote there. SysV IPC and POSIX message queues, which would
+outlive a call, are switched off with the IPC namespace's sysctls. The zygote script is
+bind-mounted read-only.
+
+Workers share the edge's node directory, crun root and cgroup parent with ordinary container
+sandboxes, so an edge that restarts removes the remains of old workers with the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import time
+from pathlib import Path
+
+from libdsec import BackendError
+
+from ..backends.base import Handle, SandboxSpec
+from ..backends.container import INIT_PATH, ContainerBackend
+from ..images.compose import OverlayPlan
+from ..images.mounts import LayerMounts
+from ..images.store import LayerStore
+from ..resources import cgroups
+
+ZYGOTE_SOURCE = Path(__file__).with_name("zygote.py")
+ZYGOTE_PATH = "/dev/.dsec-zygote.py"
+WORKDIR = "/work"
+IPC_OFF = {"kernel.shmmni": "0", "kernel.msgmni": "0", "kernel.sem": "0 0 0 0", "fs.mqueue.queues_max": "0"}
+
+
+class FnCallBackend(ContainerBackend):
+    """``ContainerBackend`` with the worker's mounts (see the module docstring)."""
+
+    kind = "fncall"
+
+    def __init__(self, node_dir: Path, store: LayerStore, layer_mounts: LayerMounts | None = None,
+                 cgroup_parent: str = cgroups.DEFAULT_PARENT, tmpfs_mb: int = 256) -> None:
+        super().__init__(node_dir, store, layer_mounts=layer_mounts, cgroup_parent=cgroup_parent)
+        self.tmpfs_mb = tmpfs_mb
+
+    @classmethod
+    def beside(cls, backend: ContainerBackend, tmpfs_mb: int = 256) -> FnCallBackend:
+        """A worker backend sharing ``backend``'s node dir, layer mounts and cgroup parent."""
+        return cls(backend.node_dir, backend.store, layer_mounts=backend.layer_mounts,
+                   cgroup_parent=backend.cgroup_parent, tmpfs_mb=tmpfs_mb)
+
+    async def create(self, cid: str, spec: SandboxSpec) -> Handle:
+        """As the container backend's, and only once the init really runs: ``crun run
+        --detach`` can return while the container's first process is still crun setting up
+        the namespaces, and a ``crun exec`` then fails (setns: EPERM) on a loaded host."""
+        handle = await super().create(cid, spec)
+        deadline = time.monotonic() + 10
+        while not _runs_init(handle.pid):
+            if time.monotonic() > deadline:
+                await self.destroy(handle)
+                raise BackendError(f"the init of {cid} did not start within 10s")
+            await asyncio.sleep(0.002)
+        return handle
+
+    def _config(self, cid: str, plan: OverlayPlan, spec: SandboxSpec) -> dict:
+        config = super()._config(cid, plan, spec)
+        config["root"]["readonly"] = True
+        # SysV IPC objects and POSIX message queues would outlive a call: switch them off.
+        config["linux"]["sysctl"] = dict(IPC_OFF)
+        size = f"size={self.tmpfs_mb}m"
+        config["mounts"] += [
+            {"destination": WORKDIR, "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=0700", size]},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "nodev", "mode=1777", size]},
+            {"destination": ZYGOTE_PATH, "type": "bind", "source": str(ZYGOTE_SOURCE),
+             "options": ["bind", "ro", "nosuid", "nodev"]},
+        ]
+        return config
+
+    def zygote_argv(self, cid: str, uid: int, gid: int, env: dict[str, str], preload: tuple[str, ...],
+                    nproc: int, fsize: int, nofile: int) -> list[str]:
+        """The host command that starts the zygote in worker ``cid`` (its stdio is the channel):
+        calls run as ``uid:gid`` under these limits (see ``zygote.py``)."""
+        # crun exec does not take no_new_privs from the container's config: ask for it.
+        argv = ["exec", "--no-new-privs", "--cwd", "/", "--user", "0:0"]
+        for k, v in env.items():
+            argv += ["--env", f"{k}={v}"]
+        argv += [cid, "python3", "-I", ZYGOTE_PATH, str(uid), str(gid), str(nproc), str(fsize), str(nofile),
+                 ",".join(preload)]
+        return self._crun(*argv)
+
+
+def _runs_init(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0] == INIT_PATH.encode()
+    except OSError:
+        return False
+
+
+def set_memory_limit(parent: str, cid: str, limit_bytes: int) -> None:
+    """Set a live worker's memory limit (memory and memory+swap alike, so it never swaps).
+
+    On cgroup v1 memory+swap may never be below memory: raise it first, lower it last."""
+    if cgroups.is_v2():
+        d = cgroups.CGROUP_ROOT / parent / cid
+        _write(d / "memory.max", limit_bytes)
+        return
+    d = cgroups.CGROUP_ROOT / "memory" / parent / cid
+    memsw = d / "memory.memsw.limit_in_bytes"
+    files = [d / "memory.limit_in_bytes"]
+    if memsw.exists():
+        current = int((d / "memory.limit_in_bytes").read_text())
+        files = [memsw, files[0]] if limit_bytes > current else [files[0], memsw]
+    for path in files:
+        _write(path, limit_bytes)
+
+
+def oom_kills(parent: str, cid: str) -> int:
+    """How many processes the kernel killed in the worker for want of memory."""
+    if cgroups.is_v2():
+        path, key = cgroups.CGROUP_ROOT / parent / cid / "memory.events", "oom_kill"
+    else:
+        path, key = cgroups.CGROUP_ROOT / "memory" / parent / cid / "memory.oom_control", "oom_kill"
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cpu_usage_s(parent: str, cid: str) -> float | None:
+    """CPU time the worker's processes have used, in seconds."""
+    try:
+        if cgroups.is_v2():
+            for line in (cgroups.CGROUP_ROOT / parent / cid / "cpu.stat").read_text().splitlines():
+                if line.startswith("usage_usec "):
+                    return int(line.split()[1]) / 1e6
+            return None
+        return int((cgroups.CGROUP_ROOT / "cpuacct" / parent / cid / "cpuacct.usage").read_text()) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: Path, value: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, str(value).encode())
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        raise OSError(exc.errno, f"cannot set {path.name} to {value}: {exc.strerror}") from None
+    finally:
+        os.close(fd)

@@ -1,0 +1,286 @@
+"""One FnCall worker: a locked-down container with the zygote running in it, driven over the
+pipes of the ``crun exec`` that started the zygote (see ``zygote.py`` for the wire protocol).
+
+Lifecycle: ``await Worker.start(…)`` returns once the zygote has said it is ready (or raises
+``WorkerFailed`` having removed the container). ``call`` sends one request and reads its answer;
+the pool sends one call at a time. A worker whose zygote dies, breaks the protocol or does not
+answer by the call's deadline raises ``WorkerFailed`` and is then useless: the pool ``close()``s
+it (idempotent: kills the container and reaps the ``crun exec``) and starts another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+from dataclasses import dataclass, field
+
+from ..backends.base import Handle, SandboxSpec
+from ..images.store import Image
+from ..resources.cgroups import Limits
+from .backend import FnCallBackend, oom_kills, set_memory_limit
+
+log = logging.getLogger("dsec.fncall")
+
+LANGUAGES = ("python", "bash")
+_REQUEST = struct.Struct("!II")
+_HEADER = struct.Struct("!dQIQQQ")
+_FRAME = struct.Struct("!cI")
+_RESULT = struct.Struct("!i?ddQQQQH")
+_FETCHED = struct.Struct("!HqH")
+_BODY = struct.Struct("!BIIiI")
+_FILE = struct.Struct("!HI")
+_U16 = struct.Struct("!H")
+_MAX_PAYLOAD = 1 << 20
+_STDERR_KEPT = 4096
+
+
+class WorkerFailed(Exception):
+    """The worker is broken (dead, hung or speaking nonsense) and must be replaced.
+    ``started`` is False when the call never reached it (it may safely go to another)."""
+
+    def __init__(self, message: str, started: bool = True) -> None:
+        super().__init__(message)
+        self.started = started
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """What the zygote enforces on one call."""
+
+    timeout_s: float
+    memory_bytes: int
+    max_output: int
+    max_fetch: int
+    max_fetch_total: int
+
+
+@dataclass
+class Answer:
+    exit_code: int
+    timed_out: bool
+    duration_s: float
+    cpu_s: float
+    stdout: bytes
+    stderr: bytes
+    stdout_bytes: int
+    stderr_bytes: int
+    files: dict[str, bytes] = field(default_factory=dict)
+    file_errors: dict[str, str] = field(default_factory=dict)
+    memory_exceeded: bool = False
+    worker_s: float = 0.0
+
+
+def encode_request(language: str, code: str, env: dict[str, str], stdin: bytes | None,
+                   files: list[tuple[str, bytes]], fetch: list[str], limits: CallLimits) -> bytes:
+    """One request frame (header for the zygote, body for the call's child)."""
+    code_b = code.encode("utf-8", "surrogatepass")
+    env_b = b"".join(f"{k}={v}\0".encode("utf-8", "surrogateescape") for k, v in env.items())
+    body = [_BODY.pack(LANGUAGES.index(language), len(code_b), len(env_b), -1 if stdin is None else len(stdin),
+                       len(files)), code_b, env_b, stdin or b""]
+    for path, data in files:
+        p = path.encode()
+        body += [_FILE.pack(len(p), len(data)), p, data]
+    header = [_HEADER.pack(limits.timeout_s, limits.memory_bytes, int(limits.timeout_s) + 1, limits.max_output,
+                           limits.max_fetch, limits.max_fetch_total), _U16.pack(len(fetch))]
+    for path in fetch:
+        p = path.encode()
+        header += [_U16.pack(len(p)), p]
+    head, tail = b"".join(header), b"".join(body)
+    return _REQUEST.pack(len(head), len(tail)) + head + tail
+
+
+class Worker:
+    def __init__(self, backend: FnCallBackend, handle: Handle, uid: int, image: Image, proc) -> None:
+        self.backend = backend
+        self.handle = handle
+        self.uid = uid
+        self.image = image
+        self.proc: asyncio.subprocess.Process = proc
+        self.memory_limit: int | None = None  # bytes, as last written to the cgroup
+        self.busy_since: float | None = None
+        self.idle_since = time.monotonic()
+        self.calls = 0
+        self.failed: str | None = None
+        self.python = ""
+        self.oom_kills = 0
+        self.cpu_sample: tuple[int, float, float | None] | None = None  # (call number, time, CPU s)
+        self._stderr = bytearray()
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    @property
+    def cid(self) -> str:
+        return self.handle.cid
+
+    @property
+    def alive(self) -> bool:
+        return self.failed is None and not self._closed and self.proc.returncode is None
+
+    def __repr__(self) -> str:
+        return f"<Worker {self.cid} uid={self.uid} calls={self.calls}{' failed' if self.failed else ''}>"
+
+    @classmethod
+    async def start(cls, backend: FnCallBackend, cid: str, image: Image, uid: int, limits: Limits, *,
+                    nproc: int, fsize: int, nofile: int, preload: tuple[str, ...], timeout_s: float) -> Worker:
+        spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits,
+                           hostname="fncall")
+        try:
+            handle = await backend.create(cid, spec)
+        except Exception as exc:  # noqa: BLE001 - any failure to start is the same to the pool
+            raise WorkerFailed(f"cannot create the worker container: {exc}", started=False) from exc
+        env = {"PATH": image.env.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "LANG": "C.UTF-8",
+               "PYTHONDONTWRITEBYTECODE": "1"}
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *backend.zygote_argv(cid, uid, uid, env, preload, nproc, fsize, nofile),
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )
+        except BaseException:
+            await backend.destroy(handle)
+            raise
+        worker = cls(backend, handle, uid, image, proc)
+        worker.memory_limit = limits.memory_bytes
+        worker._tasks.append(asyncio.create_task(worker._log_stderr(), name=f"fncall-stderr-{cid}"))
+        try:
+            async with asyncio.timeout(timeout_s):
+                kind, payload = await worker._frame()
+            if kind != b"R":
+                raise WorkerFailed(f"zygote said {kind!r} instead of ready")
+            version, _, missing = payload.decode(errors="replace").partition("\0")
+            worker.python = version
+            if missing:
+                log.warning("fncall worker %s: cannot preload %s", cid, missing)
+        except BaseException as exc:
+            detail = await worker._stderr_tail()
+            await worker.close()
+            if isinstance(exc, (WorkerFailed, TimeoutError, asyncio.IncompleteReadError, ConnectionError)):
+                why = "did not get ready in time" if isinstance(exc, TimeoutError) else str(exc) or "exited"
+                raise WorkerFailed(f"the zygote {why}" + (f": {detail}" if detail else ""), started=False) from None
+            raise
+        return worker
+
+    async def _log_stderr(self) -> None:
+        with contextlib.suppress(Exception):
+            while line := await self.proc.stderr.readline():
+                self._stderr += line
+                del self._stderr[:-_STDERR_KEPT]
+                log.warning("fncall worker %s: %s", self.cid, line.decode(errors="replace").rstrip())
+
+    async def _stderr_tail(self) -> str:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1):
+                await asyncio.shield(self._tasks[0])
+        return self._stderr.decode(errors="replace").strip()[-800:]
+
+    async def _frame(self) -> tuple[bytes, bytes]:
+        kind, n = _FRAME.unpack(await self.proc.stdout.readexactly(_FRAME.size))
+        if n > _MAX_PAYLOAD:
+            raise WorkerFailed(f"answer of {n} bytes")
+        return kind, await self.proc.stdout.readexactly(n)
+
+    def set_memory_limit(self, limit: int) -> None:
+        """Set the worker's cgroup memory limit (the call's limit plus the zygote's share)."""
+        if limit != self.memory_limit:
+            try:
+                set_memory_limit(self.backend.cgroup_parent, self.cid, limit)
+            except OSError as exc:
+                raise WorkerFailed(f"cannot set the memory limit: {exc}", started=False) from exc
+            self.memory_limit = limit
+
+    async def call(self, frame: bytes, limits: CallLimits, fetch: list[str], grace_s: float) -> Answer:
+        """Send one request and read its answer. The zygote enforces the call's timeout; if no
+        answer comes within the timeout plus ``grace_s`` the worker is taken for hung."""
+        if not self.alive:
+            raise WorkerFailed(self.failed or "the zygote is gone", started=False)
+        self.calls += 1
+        start = self.busy_since = time.monotonic()
+        try:
+            self.proc.stdin.write(frame)
+            if self.proc.stdin.transport.get_write_buffer_size() > (1 << 20):
+                await self.proc.stdin.drain()
+        except (ConnectionError, RuntimeError) as exc:
+            self.failed = f"the zygote's channel is closed: {exc}"
+            raise WorkerFailed(self.failed, started=False) from None
+        try:
+            async with asyncio.timeout(limits.timeout_s + grace_s):
+                answer = await self._answer(limits, fetch)
+        except TimeoutError:
+            self.failed = f"no answer {limits.timeout_s + grace_s:g}s after the call was sent"
+            raise WorkerFailed(self.failed) from None
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            self.failed = "the zygote exited" + (f": {self._stderr.decode(errors='replace').strip()[-300:]}"
+                                                 if self._stderr else "")
+            raise WorkerFailed(self.failed) from exc
+        except WorkerFailed as exc:
+            self.failed = str(exc)
+            raise
+        finally:
+            self.busy_since = None
+            self.idle_since = time.monotonic()
+        answer.worker_s = time.monotonic() - start
+        if answer.exit_code == -9 and not answer.timed_out:
+            # SIGKILL that was not ours: the kernel's, for memory, if the cgroup counted a kill.
+            kills = oom_kills(self.backend.cgroup_parent, self.cid)
+            answer.memory_exceeded, self.oom_kills = kills > self.oom_kills, kills
+        return answer
+
+    async def _answer(self, limits: CallLimits, fetch: list[str]) -> Answer:
+        """Read and check one answer; a zygote is not trusted to keep within the limits."""
+        kind, payload = await self._frame()
+        if kind == b"E":
+            raise WorkerFailed(f"the zygote could not start the call: {payload.decode(errors='replace')}")
+        if kind != b"A" or len(payload) < _RESULT.size:
+            raise WorkerFailed(f"unexpected answer {kind!r}")
+        (exit_code, timed_out, duration, cpu, out_sent, err_sent, out_total, err_total,
+         nfiles) = _RESULT.unpack_from(payload)
+        if out_sent > min(out_total, limits.max_output) or err_sent > min(err_total, limits.max_output):
+            raise WorkerFailed("answer over the output limit")
+        pos, entries, budget = _RESULT.size, [], limits.max_fetch_total
+        for _ in range(nfiles):
+            path_len, size, reason_len = _FETCHED.unpack_from(payload, pos)
+            pos += _FETCHED.size
+            path = payload[pos:pos + path_len].decode(errors="replace")
+            pos += path_len
+            reason = payload[pos:pos + reason_len].decode(errors="replace")
+            pos += reason_len
+            if path not in fetch or size > limits.max_fetch or size > budget:
+                raise WorkerFailed("answer with a file that was not asked for, or too big")
+            budget -= max(size, 0)
+            entries.append((path, size, reason))
+        read = self.proc.stdout.readexactly
+        answer = Answer(exit_code=exit_code, timed_out=timed_out, duration_s=duration, cpu_s=cpu,
+                        stdout=await read(out_sent) if out_sent else b"",
+                        stderr=await read(err_sent) if err_sent else b"",
+                        stdout_bytes=out_total, stderr_bytes=err_total)
+        for path, size, reason in entries:
+            if size >= 0:
+                answer.files[path] = await read(size) if size else b""
+            else:
+                answer.file_errors[path] = reason
+        return answer
+
+    async def close(self) -> None:
+        """Kill the container (and with it the zygote) and reap the ``crun exec``. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.proc.stdin.close()
+        try:
+            await self.backend.destroy(self.handle)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("fncall worker %s: destroy failed: %s", self.cid, exc)
+        if self.proc.returncode is None:
+            try:
+                async with asyncio.timeout(10):
+                    await self.proc.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.kill()
+                await self.proc.wait()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
