@@ -14,6 +14,7 @@ Drives the backend directly (no HTTP): the figures are the VMs', not the apiserv
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -91,7 +92,7 @@ async def run(state_dir: Path, store_dir: Path, console: Console, image: str, bo
     spec = SandboxSpec(image=image, layers=img.layers, env=dict(img.env),
                        limits=Limits(memory_mb=memory_mb, cpu_cores=1.0, pids=1024))
     node = state_dir / "node"
-    assets = state_dir / "vm"
+    assets = Path(os.environ.get("DSEC_VM_ASSETS") or state_dir / "vm")
     shared = MicroVMBackend(node, store, assets, boot_timeout_s=180)
     private = MicroVMBackend(state_dir / "node-private", store, assets, layer_mode="private", boot_timeout_s=180)
     accel = await shared.accel()
