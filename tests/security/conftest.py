@@ -8,6 +8,7 @@ packet leaves this machine.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import subprocess
@@ -117,7 +118,16 @@ def sec_server(tmp_path_factory, test_store, mirrors):
         "domain_ports": [MIRROR_PORT],
     }))
     srv = LocalServer(state, extra_args=("--pool-max", "2"))
-    srv.start()
+    # The VM backends' kernel cache, shared with the VM tests (so no extraction runs here).
+    previous = os.environ.get("DSEC_VM_ASSETS")
+    os.environ["DSEC_VM_ASSETS"] = str(Path(test_store).parent / "vm")
+    try:
+        srv.start()
+    finally:
+        if previous is None:
+            os.environ.pop("DSEC_VM_ASSETS", None)
+        else:
+            os.environ["DSEC_VM_ASSETS"] = previous
     try:
         yield srv
     finally:

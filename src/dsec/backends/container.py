@@ -352,7 +352,7 @@ class ContainerBackend:
             # The init too (a best-effort sandbox's commands get SCHED_IDLE in exec).
             with contextlib.suppress(ProcessLookupError):
                 cpu_sched.set_idle(handle.pid, limits.best_effort)
-            disk.resize_bundle(self.sandboxes_dir / handle.cid, limits.memory_bytes)
+            disk.resize_bundle(self.sandboxes_dir / handle.cid, disk.cap_for(limits.memory_bytes))
         except OSError as exc:
             raise BackendError(f"cannot set limits of {handle.cid}: {exc}") from exc
 

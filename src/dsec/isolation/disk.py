@@ -3,8 +3,9 @@
 Each sandbox's bundle directory (``config.json``, the overlay ``upper`` and ``work``) is a tmpfs
 of its own, so a sandbox that fills its disk gets ENOSPC at its own cap and never fills the
 node's shared tmpfs or disk. Its pages are also charged to the sandbox's memory cgroup (the
-writer pays), so the cap follows the memory limit: a pre-created sandbox starts at
-``INITIAL_BYTES`` and ``resize_bundle`` sets the cap when the sandbox gets its limits.
+writer pays): past the memory limit a write would end in the OOM killer, not ENOSPC. So the cap
+is half the memory limit (``cap_for``), leaving the rest to processes: a pre-created sandbox
+starts at ``INITIAL_BYTES`` and ``resize_bundle`` sets the cap when the sandbox gets its limits.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from .. import _sys
 
 INITIAL_BYTES = 64 << 20
 _MS_REMOUNT = 0x20
+
+
+def cap_for(memory_bytes: int) -> int:
+    """The disk cap of a sandbox with this memory limit."""
+    return max(INITIAL_BYTES // 4, memory_bytes // 2)
 
 
 def mount_bundle(bundle: Path, size_bytes: int = INITIAL_BYTES) -> None:
