@@ -132,3 +132,41 @@ async def test_root_inside_is_not_root_outside(sclient):
         assert uid == 0 and inside == 0 and outside >= 1 << 30 and count == 65536
         info = await sb.refresh()
         assert info.status.value == "running"
+
+
+async def test_another_projects_token_cannot_touch_the_sandbox(sclient, sec_server):
+    """Every call is authenticated and scoped to a project: project b's token cannot run, read,
+    write, re-network, stop or even see project a's sandbox (nor its security events)."""
+    from libdsec import DSecClient, SandboxNotFound, Unauthenticated
+
+    suffix = os.urandom(3).hex()
+    await sclient.create_project(f"reda{suffix}")
+    await sclient.create_project(f"redb{suffix}")
+    token_a = await sclient.create_project_token(f"reda{suffix}")
+    token_b = await sclient.create_project_token(f"redb{suffix}")
+    try:
+        async with DSecClient(sec_server.endpoint, token=token_a) as a_client, \
+                DSecClient(sec_server.endpoint, token=token_b) as b_client, \
+                DSecClient(sec_server.endpoint, token="forged-" + token_a[7:]) as forged:
+            async with await a_client.run_container(_args("busybox")) as sb:
+                await sb.write_file("/root/answer.txt", "a's secret")
+                with pytest.raises(Unauthenticated):
+                    await forged.list_sandboxes()
+                assert sb.id not in [s.id for s in await b_client.list_sandboxes()]
+                stolen = type(sb)(b_client, sb.info)
+                for attempt in (stolen.run_shell("cat /root/answer.txt"), stolen.read_file("/root/answer.txt"),
+                                stolen.write_file("/root/answer.txt", "b was here"), stolen.security_events(),
+                                stolen.set_network_rules({"pypi": True}), stolen.refresh()):
+                    with pytest.raises(SandboxNotFound):
+                        await attempt
+                with pytest.raises(SandboxNotFound):
+                    await b_client.get_sandbox(sb.id)
+                with pytest.raises(SandboxNotFound):
+                    await stolen.stop()
+                assert await sb.read_file("/root/answer.txt") == b"a's secret"
+    finally:
+        for name in (f"reda{suffix}", f"redb{suffix}"):
+            try:
+                await sclient.remove_project(name)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
