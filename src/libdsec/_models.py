@@ -296,7 +296,7 @@ class SecurityEvent(_Model):
     """A denied action the platform saw in a sandbox (see ``Sandbox.security_events``).
 
     ``kind``: ``network.blocked``, ``dns.refused``, ``syscall.denied``, ``limit.memory``,
-    ``limit.pids``, ``limit.output`` or ``limit.timeout``; ``count``: how many times."""
+    ``limit.pids``, ``limit.disk``, ``limit.output`` or ``limit.timeout``; ``count``: how many times."""
 
     kind: str
     detail: str

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -66,6 +68,7 @@ async def test_disk_fill(sclient, sec_server):
         await _neighbour_and_host_fine(sclient, sec_server, neighbour)
         assert abs(os.statvfs(sec_server.state_dir).f_bavail - free_before) * os.statvfs("/").f_frsize < 64 << 20
         assert (await neighbour.run_shell("dd if=/dev/zero of=/f bs=1M count=8 2>&1 && echo wrote")).stdout.endswith("wrote\n")
+        assert "writable layer is full" in (await _wait_for(sb, "limit.disk"))[0]
 
 
 async def test_yes_flood(sclient, sec_server):
@@ -79,3 +82,7 @@ async def test_yes_flood(sclient, sec_server):
         await _neighbour_and_host_fine(sclient, sec_server, neighbour)
         caps = (await event_kinds(sb)).get("limit.output", [])
         assert any(d.startswith("stdout") for d in caps) and any(d.startswith("stderr") for d in caps), caps
+        # The same through the command line.
+        env = {**os.environ, "DSEC_ENDPOINT": sec_server.endpoint, "DSEC_TOKEN": sec_server.token, "COLUMNS": "200"}
+        cli = subprocess.run([sys.executable, "-m", "dsec", "events", sb.id], capture_output=True, text=True, env=env)
+        assert cli.returncode == 0 and "limit.output" in cli.stdout, cli

@@ -129,6 +129,9 @@ class EdgeSecurity:
     def collect(self, rec: Record) -> None:
         self._drain_kmsg()
         self.events.collect_cgroup(rec.id, rec.handle.cid)
+        sandboxes_dir = getattr(self.edge.backends.get(rec.kind), "sandboxes_dir", None)
+        if sandboxes_dir is not None and rec.handle.cid:
+            self.events.collect_disk(rec.id, sandboxes_dir / rec.handle.cid)
         self.networks.collect(rec.id)
 
     def list(self, sandbox_id: str) -> list[SecurityEvent]:

@@ -8,6 +8,7 @@ What is visible, and where it comes from:
 - ``dns.refused``: a name the sandbox asked the edge's resolver for that is not allowed.
 - ``limit.memory``: OOM kills in the sandbox's memory cgroup; ``limit.pids``: forks refused at
   the pids limit (both read from the cgroup's counters).
+- ``limit.disk``: the sandbox's writable layer is full (its tmpfs has no space left).
 - ``limit.output``: a command's output went past the cap and was cut.
 - ``limit.timeout``: a command ran past its timeout and was killed.
 - ``syscall.denied``: seccomp refusals logged by the kernel (the profile sets
@@ -23,6 +24,7 @@ reads per call, nothing per packet or syscall on the hot path.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -81,6 +83,18 @@ class SecurityEvents:
         pids = _pids_refused(self.cgroup_parent, cid)
         if pids is not None and (n := self.counter_delta(sandbox_id, "pids_max", pids)):
             self.record(sandbox_id, "limit.pids", f"{n} fork(s) refused at the pids limit", n)
+
+
+    def collect_disk(self, sandbox_id: str, bundle: Path) -> None:
+        """Record the writable layer filling up (once per time it fills)."""
+        try:
+            st = os.statvfs(bundle)
+        except OSError:
+            return
+        full = int(st.f_bavail * st.f_frsize < (1 << 20))
+        if self.counter_delta(sandbox_id, "disk_full", full):
+            size = st.f_blocks * st.f_frsize >> 20
+            self.record(sandbox_id, "limit.disk", f"the writable layer is full ({size} MB cap)")
 
 
 def _read_key(path: Path, key: str) -> int | None:
