@@ -17,9 +17,14 @@ killed (a frozen task does not act on SIGKILL until it is thawed).
 from __future__ import annotations
 
 import errno
+import time
 from pathlib import Path
 
 from . import cgroups
+
+_PUSH_ROUNDS = 20
+# Below this a frozen sandbox's memory is its kernel objects: nothing more to push.
+_PUSH_DONE_BYTES = 1 << 20
 
 
 def _memory_dir(parent: str, cid: str) -> Path:
@@ -45,10 +50,21 @@ def usage(parent: str, cid: str) -> int | None:
     return cgroups.memory_usage_bytes(parent, cid)
 
 
+def _flush_stats(d: Path) -> None:
+    """Reading memory.stat flushes the cgroup's LRU statistics. Reclaim decides from them
+    whether to move active pages to the inactive list (only inactive ones are reclaimed); with
+    stale figures (pages written a moment ago) it sees nothing to deactivate and gives up."""
+    try:
+        (d / "memory.stat").read_bytes()
+    except OSError:
+        pass
+
+
 def push_out(parent: str, cid: str) -> int | None:
     """Reclaim all the memory the kernel can take from a (frozen) sandbox's cgroup. Returns the
     usage afterwards."""
     d = _memory_dir(parent, cid)
+    _flush_stats(d)
     if cgroups.is_v2():
         for _ in range(4):
             current = _read_int(d / "memory.current")
@@ -60,7 +76,20 @@ def push_out(parent: str, cid: str) -> int | None:
                 if exc.errno != errno.EAGAIN:  # EAGAIN: reclaimed less than asked; look again
                     raise
     else:
-        cgroups._write(d / "memory.force_empty", "0")
+        # force_empty gives up after a few rounds without progress, which happens now and then
+        # while pages are still on their way to swap: try again while it gets somewhere.
+        stalled = 0
+        for _ in range(_PUSH_ROUNDS):
+            before = usage(parent, cid) or 0
+            if before <= _PUSH_DONE_BYTES:
+                break
+            cgroups._write(d / "memory.force_empty", "0")
+            if (usage(parent, cid) or 0) >= before - _PUSH_DONE_BYTES:
+                stalled += 1
+                if stalled == 3:
+                    break
+                time.sleep(0.005)
+                _flush_stats(d)
     return usage(parent, cid)
 
 
@@ -71,6 +100,7 @@ def reclaim(parent: str, cid: str, nbytes: int) -> int:
     before = usage(parent, cid) or 0
     if nbytes <= 0 or before <= 0:
         return 0
+    _flush_stats(d)
     if cgroups.is_v2():
         try:
             cgroups._write(d / "memory.reclaim", str(nbytes))

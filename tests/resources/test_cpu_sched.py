@@ -1,0 +1,88 @@
+"""CPU against a real ``dsec serve``: requests are weights (cpu.shares / cpu.weight) with no CFS
+quota unless a cap is asked for; best-effort sandboxes get an idle-class cgroup and SCHED_IDLE
+for their init and every command; core scheduling is detected, and reported unsupported where
+the kernel lacks it."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsec.resources import cgroups
+from dsec.resources import cpu as cpu_sched
+from libdsec import DSecContainerRunArgs, LimitOutOfRange
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+SCHED_IDLE = 5
+
+
+def args(**kw) -> DSecContainerRunArgs:
+    return DSecContainerRunArgs(**{"container_image": "busybox", "memory_limit_mb": 64, **kw})
+
+
+async def cpu_dir(sandbox):
+    out = (await sandbox.run_shell("cat /proc/1/cgroup")).stdout
+    for line in out.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if cgroups.is_v2() and controllers == "":
+            return cgroups.CGROUP_ROOT / path.strip("/")
+        if "cpu" in controllers.split(","):
+            return cgroups.CGROUP_ROOT / "cpu" / path.strip("/")
+    raise AssertionError(out)
+
+
+async def policies(sandbox) -> tuple[int, int]:
+    """(policy of a command, policy of the init): field 41 of /proc/PID/stat."""
+    out = (await sandbox.run_shell("cut -d' ' -f41 /proc/self/stat /proc/1/stat")).stdout.split()
+    return int(out[0]), int(out[1])
+
+
+async def test_weights_not_caps(client):
+    async with await client.run_container(args(cpu_cores_limit=0.5)) as sandbox:
+        d = await cpu_dir(sandbox)
+        if cgroups.is_v2():
+            assert (d / "cpu.max").read_text().split()[0] == "max"
+            assert int((d / "cpu.weight").read_text()) == 50
+        else:
+            assert int((d / "cpu.cfs_quota_us").read_text()) == -1
+            assert int((d / "cpu.shares").read_text()) == 512
+        assert await policies(sandbox) == (0, 0)
+
+
+async def test_optional_hard_cap(client):
+    async with await client.run_container(args(cpu_cores_limit=0.5, cpu_cores_cap=1.5)) as sandbox:
+        d = await cpu_dir(sandbox)
+        if cgroups.is_v2():
+            assert (d / "cpu.max").read_text().split() == ["150000", "100000"]
+        else:
+            assert int((d / "cpu.cfs_quota_us").read_text()) == 150_000
+        assert sandbox.info.cpu_cores_cap == 1.5
+    with pytest.raises(LimitOutOfRange, match="cpu_cores_cap=0.2 is out of range: 0.5"):
+        await client.run_container(args(cpu_cores_limit=0.5, cpu_cores_cap=0.2))
+
+
+async def test_best_effort_runs_under_sched_idle(client):
+    async with await client.run_container(args(best_effort=True)) as sandbox:
+        assert sandbox.info.best_effort
+        d = await cpu_dir(sandbox)
+        if (d / "cpu.idle").exists():
+            assert (d / "cpu.idle").read_text().strip() == "1"
+        assert await policies(sandbox) == (SCHED_IDLE, SCHED_IDLE)
+        # Also a command run as another user, and one in the background.
+        out = await sandbox.run_shell("sleep 5 & cut -d' ' -f41 /proc/$!/stat; kill %1", user="1000")
+        assert out.stdout.strip() == str(SCHED_IDLE)
+
+
+async def test_node_info_says_what_the_kernel_has(client):
+    node = (await client.node_info())[0]
+    assert node.sched_idle is True
+    assert node.core_scheduling == cpu_sched.core_scheduling()
+    config = "/proc/config.gz"
+    import gzip
+    import os
+
+    if os.path.exists(config):
+        with gzip.open(config, "rt") as f:
+            text = f.read()
+        if "# CONFIG_SCHED_CORE is not set" in text:
+            assert node.core_scheduling.startswith("unsupported") and "CONFIG_SCHED_CORE" in node.core_scheduling
