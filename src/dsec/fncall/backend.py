@@ -64,6 +64,14 @@ class FnCallBackend(ContainerBackend):
             await asyncio.sleep(0.002)
         return handle
 
+    async def destroy(self, handle: Handle) -> None:
+        """As the container backend's, after reaping the worker's zombies that were reparented to
+        us (we are the subreaper): a ``crun exec`` that failed or was killed leaves its child
+        to us, and a pid namespace's init cannot finish dying while such a zombie is in it."""
+        _reap_zombies_of(self.cgroup_parent, handle.cid)
+        await super().destroy(handle)
+        _reap_zombies_of(self.cgroup_parent, handle.cid)
+
     def _config(self, cid: str, plan: OverlayPlan, spec: SandboxSpec) -> dict:
         config = super()._config(cid, plan, spec)
         config["root"]["readonly"] = True
@@ -91,6 +99,24 @@ class FnCallBackend(ContainerBackend):
         argv += [cid, "python3", "-I", ZYGOTE_PATH, str(uid), str(gid), str(nproc), str(fsize), str(nofile),
                  ",".join(preload)]
         return self._crun(*argv)
+
+
+def _reap_zombies_of(parent: str, cid: str) -> None:
+    me, where = os.getpid(), f"/{parent}/{cid}\n"
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            if state != "Z" or int(ppid) != me:
+                continue
+            with open(f"/proc/{entry}/cgroup") as f:
+                if where not in f.read():
+                    continue
+            os.waitpid(int(entry), os.WNOHANG)
+        except (OSError, ValueError, ChildProcessError):
+            continue
 
 
 def _runs_init(pid: int) -> bool:

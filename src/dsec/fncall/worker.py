@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import os
 import struct
+import sys
+import termios
 import time
 from dataclasses import dataclass, field
 
@@ -73,6 +77,13 @@ class Answer:
     worker_s: float = 0.0
 
 
+def _unread_bytes(fd: int) -> int:
+    """Bytes written to a pipe and not read yet (FIONREAD works on either end)."""
+    buf = bytearray(4)
+    fcntl.ioctl(fd, termios.FIONREAD, buf)
+    return int.from_bytes(buf, sys.byteorder)
+
+
 def encode_request(language: str, code: str, env: dict[str, str], stdin: bytes | None,
                    files: list[tuple[str, bytes]], fetch: list[str], limits: CallLimits) -> bytes:
     """One request frame (header for the zygote, body for the call's child)."""
@@ -110,6 +121,10 @@ class Worker:
         self._stderr = bytearray()
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        # Our own handle on the request pipe: it outlives the transport, which closes when the
+        # zygote's end does, and tells (FIONREAD) whether a request was read.
+        pipe = proc.stdin.transport.get_extra_info("pipe")
+        self._stdin_fd = os.dup(pipe.fileno()) if pipe is not None else -1
 
     @property
     def cid(self) -> str:
@@ -199,6 +214,8 @@ class Worker:
         start = self.busy_since = time.monotonic()
         try:
             self.proc.stdin.write(frame)
+            if self.proc.stdin.transport.is_closing():  # the write hit EPIPE: nobody reads
+                raise ConnectionResetError("the pipe has no reader")
             if self.proc.stdin.transport.get_write_buffer_size() > (1 << 20):
                 await self.proc.stdin.drain()
         except (ConnectionError, RuntimeError) as exc:
@@ -213,7 +230,8 @@ class Worker:
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             self.failed = "the zygote exited" + (f": {self._stderr.decode(errors='replace').strip()[-300:]}"
                                                  if self._stderr else "")
-            raise WorkerFailed(self.failed) from exc
+            # Dead before it read the request (still in the pipe): the call never started.
+            raise WorkerFailed(self.failed, started=not self._request_unread()) from exc
         except WorkerFailed as exc:
             self.failed = str(exc)
             raise
@@ -226,6 +244,13 @@ class Worker:
             kills = oom_kills(self.backend.cgroup_parent, self.cid)
             answer.memory_exceeded, self.oom_kills = kills > self.oom_kills, kills
         return answer
+
+    def _request_unread(self) -> bool:
+        """The zygote did not read the request: its bytes are still in the pipe."""
+        try:
+            return self._stdin_fd >= 0 and _unread_bytes(self._stdin_fd) > 0
+        except OSError:
+            return False
 
     async def _answer(self, limits: CallLimits, fetch: list[str]) -> Answer:
         """Read and check one answer; a zygote is not trusted to keep within the limits."""
@@ -269,6 +294,9 @@ class Worker:
         self._closed = True
         with contextlib.suppress(Exception):
             self.proc.stdin.close()
+        if self._stdin_fd >= 0:
+            os.close(self._stdin_fd)
+            self._stdin_fd = -1
         try:
             await self.backend.destroy(self.handle)
         except Exception as exc:  # noqa: BLE001

@@ -1,0 +1,141 @@
+"""Bad input and hostile code: each call gets a clear result (or error) of its own, and the pool
+goes on serving — with the same worker: none of these needs the worker replaced."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import libdsec
+from fncall_kit import make_pool  # noqa: F401 - a fixture
+from libdsec import DSecFnCallArgs
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+
+async def run(pool, code: str, **kw) -> libdsec.FnCallResult:
+    result = await pool.call(DSecFnCallArgs(code=code, **kw))
+    # The pool serves the next call, clean, on the same worker.
+    after = await pool.call(DSecFnCallArgs(code="import os\nprint(sum(range(1000)), sorted(os.listdir('/work')), "
+                                                "len([p for p in os.listdir('/proc') if p.isdigit()]))"))
+    assert (after.exit_code, after.stdout) == (0, "499500 [] 3\n"), after
+    assert pool.stats["workers_replaced"] == 0 and pool.stats["workers_started"] == 1
+    return result
+
+
+@pytest.fixture
+async def pool(make_pool):
+    return await make_pool(max_file_bytes=8 << 20)
+
+
+async def test_syntax_error(pool):
+    r = await run(pool, "def f(:\n  pass")
+    assert r.exit_code == 1 and "SyntaxError" in r.stderr and not r.timed_out
+
+
+async def test_infinite_loop(pool):
+    r = await run(pool, "while True:\n    pass", timeout=1)
+    assert r.timed_out and r.exit_code == -9 and 1 <= r.duration_s < 3
+
+
+async def test_infinite_loop_in_bash_with_children(pool):
+    r = await run(pool, "sleep 1000 & sleep 1000 & while :; do :; done", language="bash", timeout=1)
+    assert r.timed_out and r.exit_code == -9
+
+
+async def test_fork_bomb(pool):
+    r = await run(pool, "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+                  timeout=2)
+    assert r.timed_out
+
+
+async def test_bash_fork_bomb(pool):
+    # The shell itself returns at once (the bomb runs in the background); the zygote kills the
+    # rest, which ran into the process limit.
+    r = await run(pool, ":(){ :|:& };:", language="bash", timeout=2)
+    assert r.timed_out or "Resource temporarily unavailable" in r.stderr, r
+
+
+async def test_escaping_the_process_group(pool):
+    """Children that leave the call's session and outlive it are killed all the same."""
+    r = await run(pool, "import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n"
+                        "        if os.fork() == 0:\n            time.sleep(1000)\n        os._exit(0)\nprint('bye')")
+    assert r.exit_code == 0 and r.stdout == "bye\n"
+
+
+async def test_memory_bomb(pool):
+    r = await run(pool, "x = bytearray(10 ** 10)", memory_limit_mb=64)
+    assert r.exit_code == 1 and "MemoryError" in r.stderr
+    r = await run(pool, "x = []\nwhile True:\n    x.append(' ' * 10 ** 6)", memory_limit_mb=64)
+    assert r.exit_code == 1 and "MemoryError" in r.stderr
+
+
+async def test_memory_bomb_in_many_processes(pool):
+    """Each process keeps within its address space; together they hit the worker's memory
+    limit and the kernel kills them, not the zygote."""
+    r = await run(pool, "import os\nfor _ in range(4):\n    os.fork()\nx = bytearray(60 << 20)\n"
+                        "for i in range(0, len(x), 4096):\n    x[i] = 1\nimport time; time.sleep(5)",
+                  memory_limit_mb=64, timeout=10)
+    assert r.exit_code == -9 and (r.memory_exceeded or r.timed_out)
+
+
+async def test_os_exit(pool):
+    r = await run(pool, "import os\nprint('unflushed', end='')\nos._exit(3)")
+    assert r.exit_code == 3 and r.stdout == ""  # as with python3 -c: the buffer was not flushed
+
+
+async def test_killing_the_parent(pool):
+    r = await run(pool, "import os, signal\nfor pid in (os.getppid(), 1, -1):\n    try:\n"
+                        "        os.kill(pid, signal.SIGKILL)\n    except OSError as exc:\n"
+                        "        print(pid, type(exc).__name__)\nprint('alive')")
+    assert r.exit_code == 0 and "PermissionError" in r.stdout and r.stdout.endswith("alive\n")
+
+
+async def test_killing_itself(pool):
+    r = await run(pool, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
+    assert r.exit_code == -11
+
+
+async def test_writing_outside_the_workdir(pool):
+    r = await run(pool, "import os\nfor path in ('/etc/passwd', '/x', '/usr/bin/python3', '/root/x', '/dev/x', "
+                        "'/dev/.dsec-zygote.py', '/proc/sys/kernel/hostname'):\n    try:\n"
+                        "        open(path, 'a').write('x')\n        print(path, 'WRITTEN')\n"
+                        "    except OSError as exc:\n        print(path, exc.errno)\n"
+                        "open('/tmp/kept-here', 'w').write('only until the call ends')")
+    assert "WRITTEN" not in r.stdout, r.stdout
+
+
+async def test_huge_output(pool):
+    r = await run(pool, "import sys\nsys.stdout.write('x' * (100 << 20))", max_output_bytes=1000)
+    assert r.stdout == "x" * 1000 and r.stdout_truncated and r.stdout_bytes > 1000
+    assert "File too large" in r.stderr  # stops at the file size limit, not at 100 MiB
+    r = await run(pool, "yes", language="bash", max_output_bytes=10, timeout=30)
+    assert r.stdout == "y\n" * 5 and r.stdout_truncated and not r.timed_out
+    assert r.exit_code == -25  # SIGXFSZ at the file size limit
+
+
+async def test_reading_another_calls_files(make_pool):
+    """Two calls at once run in two workers; neither can find the other's files."""
+    pool = await make_pool(workers_min=2, workers_max=2)
+    writer = asyncio.create_task(pool.call(DSecFnCallArgs(
+        code="open('/work/secret.txt', 'w').write('s')\nopen('/tmp/secret.txt', 'w').write('s')\n"
+             "import time; time.sleep(3)")))
+    await asyncio.sleep(1)
+    reader = await pool.call(DSecFnCallArgs(
+        code="import glob, os\nfound = glob.glob('/work/**', recursive=True) + glob.glob('/tmp/**', recursive=True)\n"
+             "for pid in os.listdir('/proc'):\n    if pid.isdigit():\n"
+             "        found += glob.glob(f'/proc/{pid}/root/work/*') + glob.glob(f'/proc/{pid}/cwd/*')\n"
+             "print(sorted(f for f in found if 'secret' in f))"))
+    assert reader.stdout == "[]\n", reader
+    assert (await writer).ok
+
+
+async def test_bad_requests_are_errors_of_their_own(pool):
+    calls = [DSecFnCallArgs(code="print(1)"), DSecFnCallArgs(code="x", language="cobol"),
+             DSecFnCallArgs(code="print(2)", files={"../../etc/x": b"x"}),
+             DSecFnCallArgs(code="print(3)", memory_limit_mb=1 << 20), DSecFnCallArgs(code="print(4)")]
+    results = await pool.call_many(calls)
+    assert [r.error.code if r.error else r.stdout for r in results] == [
+        "1\n", "invalid_request", "invalid_request", "limit_out_of_range", "4\n"]
+    assert "cobol" in results[1].error.message
