@@ -94,6 +94,32 @@ async def _wait_exit(pid: int, timeout: float) -> None:
         os.close(fd)
 
 
+async def _wait_process(proc: asyncio.subprocess.Process, timeout: float) -> int:
+    """``proc``'s exit code once it has exited; TimeoutError past ``timeout``. Unlike
+    ``proc.wait()`` (Python < 3.12), it does not also wait until every process that inherited
+    the pipes (a command's background children) has closed them."""
+    if proc.returncode is None:
+        try:
+            # Not reaped yet (the child watcher reaps on this loop), so the pid is still ours.
+            fd = os.pidfd_open(proc.pid)
+        except ProcessLookupError:
+            fd = -1
+        if fd >= 0:
+            loop = asyncio.get_running_loop()
+            exited = loop.create_future()
+            loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+            try:
+                await asyncio.wait_for(exited, timeout)
+            finally:
+                loop.remove_reader(fd)
+                os.close(fd)
+    for turn in range(100_000):  # the child watcher sets the code a loop turn or two later
+        if proc.returncode is not None:
+            return proc.returncode
+        await asyncio.sleep(0 if turn < 20 else 0.001)
+    raise TimeoutError(f"process {proc.pid} exited but was not reaped")
+
+
 def _session(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[3])
@@ -538,16 +564,16 @@ class ContainerBackend:
                 except (BrokenPipeError, ConnectionResetError):
                     pass
             try:
-                rc = await asyncio.wait_for(proc.wait(), request.timeout)
+                rc = await _wait_process(proc, request.timeout)
             except TimeoutError:
                 timed_out = True
                 _kill_session_of(pidfile, handle.cid)
                 self._kill_exec(pidfile, proc)
                 try:
-                    rc = await asyncio.wait_for(proc.wait(), 5)
+                    rc = await _wait_process(proc, 5)
                 except TimeoutError:
                     _kill_tree(proc.pid)
-                    rc = await proc.wait()
+                    rc = await _wait_process(proc, 60)
             # Output still in the pipes is read at once; a background process that keeps them
             # open is not waited for.
             await asyncio.wait(readers, timeout=_PIPE_GRACE_S)

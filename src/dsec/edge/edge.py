@@ -401,15 +401,19 @@ class Edge:
         sem = asyncio.Semaphore(self.config.batch_concurrency)
         queue: asyncio.Queue[tuple[int, SandboxInfo | BaseException]] = asyncio.Queue()
 
+        abandoned = False
+
         async def one(i: int) -> None:
             async with sem:
+                if abandoned:
+                    return
                 try:
                     await queue.put((i, await self.create(args, kind, project)))
                 except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                     await queue.put((i, exc))
 
         tasks = [asyncio.create_task(one(i)) for i in range(count)]
-        made: list[str] = []
+        made: list[str] | None = []
         try:
             for _ in range(count):
                 i, result = await queue.get()
@@ -417,20 +421,27 @@ class Edge:
                     raise result
                 made.append(result.id)
                 yield i, result
-            made.clear()
+            made = None
         finally:
-            if made:
-                for t in tasks:
-                    t.cancel()
-                results = await asyncio.gather(*tasks, return_exceptions=True)
-                del results
-                while not queue.empty():
-                    _, result = queue.get_nowait()
-                    if isinstance(result, SandboxInfo):
-                        made.append(result.id)
-                await asyncio.gather(
-                    *(self.stop(sid, reason="batch create failed") for sid in made), return_exceptions=True
-                )
+            # Also when the failure came first (nothing made yet), creates are under way. They
+            # finish (a create cancelled inside crun could leave a container behind), the
+            # others do not start, and whatever was made is stopped.
+            if made is not None:
+                abandoned = True
+                # In a task of its own: a consumer that went away may be under a cancel scope
+                # that cancels every await made here (anyio's, in Starlette's streaming).
+                undo = asyncio.create_task(self._undo_batch(tasks, queue, made))
+                self._pool_tasks.add(undo)  # referenced until done; close() waits for it
+                undo.add_done_callback(self._pool_tasks.discard)
+                await asyncio.shield(undo)
+
+    async def _undo_batch(self, tasks: list[asyncio.Task], queue: asyncio.Queue, made: list[str]) -> None:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        while not queue.empty():
+            _, result = queue.get_nowait()
+            if isinstance(result, SandboxInfo):
+                made.append(result.id)
+        await asyncio.gather(*(self.stop(sid, reason="batch create failed") for sid in made), return_exceptions=True)
 
     # -- calls -----------------------------------------------------------------------------
 
