@@ -124,7 +124,7 @@ def _leftovers(state_dir: Path) -> list[str]:
     found += [f"parent cgroup {h / parent}" for h in hierarchies if (h / parent).is_dir()]
     inside = str(state_dir) + "/"
     for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+        if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
             cgroup = Path(f"/proc/{pid}/cgroup").read_text()

@@ -81,6 +81,7 @@ OUT_OF_RANGE = [
     ("cpu_cores_limit", 0), ("cpu_cores_limit", 0.001), ("cpu_cores_limit", -1), ("cpu_cores_limit", 4096),
     ("ttl_running_stop", 0), ("ttl_running_stop", 0.5), ("ttl_running_stop", -10), ("ttl_running_stop", 10**9),
     ("pids_limit", 0), ("pids_limit", 15), ("pids_limit", -1), ("pids_limit", 10**7),
+    ("cpu_cores_cap", 0.001), ("cpu_cores_cap", 4096),
 ]
 
 

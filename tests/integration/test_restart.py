@@ -1,0 +1,134 @@
+"""An edge restart re-adopts running sandboxes: after SIGTERM and after a crash (SIGKILL).
+A sandbox whose init died while the server was down is cleaned up and reported failed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import make_state_dir
+from dsec.local import LocalServer, leftovers
+from libdsec import DSecClient, DSecContainerRunArgs, SandboxStateError, SandboxStatus
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+ARGS = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=32)
+
+
+@pytest.fixture
+def state_dir(tmp_path_factory, test_store):
+    state = make_state_dir(tmp_path_factory, test_store, "dsec-restart")
+    yield state
+    # Whatever a failed test left: a last server re-adopts it, is told to stop it all, and goes.
+    if leftovers(state, settle_s=0):
+        srv = LocalServer(state).start()
+        try:
+            async def stop_all():
+                async with DSecClient(srv.endpoint, token=srv.token) as c:
+                    for info in await c.list_sandboxes():
+                        await (await c.get_sandbox(info.id)).stop()
+
+            asyncio.run(stop_all())
+        finally:
+            srv.stop()
+    left = leftovers(state)
+    assert not left, f"left behind: {left}"
+
+
+def init_pid(state: Path, sandbox_id: str) -> int:
+    """The host pid of a sandbox's init, from the edge's persisted record."""
+    records = list(state.glob(f"node/**/records/{sandbox_id}.json"))
+    assert len(records) == 1, records
+    return json.loads(records[0].read_text())["handle"]["pid"]
+
+
+def wait_gone(pid: int, within_s: float = 5) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except OSError:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still alive")
+
+
+async def _prepare(server: LocalServer) -> tuple[str, str]:
+    """Two sandboxes with some state each: a file, and a process running in the background."""
+    async with DSecClient(server.endpoint, token=server.token) as client:
+        keep = await client.run_container(ARGS)
+        lose = await client.run_container(ARGS)
+        for s in (keep, lose):
+            await s.write_file("/root/note.txt", f"written before the restart by {s.id}\n")
+            await s.run_shell("sleep 3600 >/dev/null 2>&1 &")
+        return keep.id, lose.id
+
+
+async def _check_after(server: LocalServer, keep: str, lose: str | None) -> None:
+    async with DSecClient(server.endpoint, token=server.token) as client:
+        sandbox = await client.get_sandbox(keep)
+        assert sandbox.status is SandboxStatus.running
+        assert await sandbox.read_file("/root/note.txt") == f"written before the restart by {keep}\n".encode()
+        ps = await sandbox.run_shell("ps -o args")
+        assert "sleep 3600" in ps.stdout  # the same sandbox, not a new one
+        assert (await sandbox.run_shell("echo back")).stdout == "back\n"
+        listed = {s.id for s in await client.list_sandboxes()}
+        assert keep in listed
+        if lose is not None:
+            assert lose not in listed
+            gone = await client.get_sandbox(lose)
+            assert gone.status is SandboxStatus.failed
+            assert "gone when the edge restarted" in gone.info.reason
+            with pytest.raises(SandboxStateError, match="failed"):
+                await gone.run_shell("true")
+        await sandbox.stop()
+        assert await client.list_sandboxes() == []
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+async def test_restart_readopts_running_sandboxes(state_dir, how):
+    server = LocalServer(state_dir, extra_args=("--pool-max", "2")).start()
+    try:
+        keep, lose = await _prepare(server)
+        port = server.port
+        if how == "sigterm":
+            server.stop()
+        else:
+            server.kill()
+        # The sandboxes outlive the server.
+        for sandbox_id in (keep, lose):
+            pid = init_pid(state_dir, sandbox_id)
+            assert Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"/dev/.dsec-init")
+        server = LocalServer(state_dir, port=port, extra_args=("--pool-max", "2")).start()
+        async with DSecClient(server.endpoint, token=server.token) as client:
+            assert {s.id for s in await client.list_sandboxes()} == {keep, lose}
+            await (await client.get_sandbox(lose)).stop()
+        await _check_after(server, keep, None)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+async def test_sandbox_dead_while_server_down_is_cleaned_up(state_dir, how):
+    server = LocalServer(state_dir).start()
+    try:
+        keep, lose = await _prepare(server)
+        if how == "sigterm":
+            server.stop()
+        else:
+            server.kill()
+        pid = init_pid(state_dir, lose)
+        os.kill(pid, signal.SIGKILL)
+        wait_gone(pid)
+        server = LocalServer(state_dir).start()
+        await _check_after(server, keep, lose)
+    finally:
+        server.stop()
+    assert leftovers(state_dir) == []
