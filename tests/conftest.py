@@ -12,6 +12,9 @@ import pytest
 # Layers are content-addressed, so one store can be shared by every test run on a machine; the
 # python image (debootstrap, about a minute) is then built once.
 TEST_STORE = Path(os.environ.get("DSEC_TEST_STORE", "/var/lib/dsec-test/store"))
+# Every test server shares one VM kernel cache (else each fresh state dir downloads a kernel
+# and probes the accelerator in the background when its server starts).
+os.environ.setdefault("DSEC_VM_ASSETS", str(TEST_STORE.parent / "vm"))
 
 
 def pytest_collection_modifyitems(config, items):
