@@ -44,8 +44,9 @@ async def _syscall(sb, nr: int, *args: int) -> str:
 async def test_mounting(sclient, python_image):
     async with await sclient.run_container(_args("busybox")) as sb:
         r = await sb.run_shell("mount -t tmpfs none /mnt; mount -o remount,rw /proc/sys; mount -t proc proc /mnt")
-        assert r.exit_code != 0 and "/mnt" not in (await sb.run_shell("cat /proc/mounts")).stdout.split("\n")[-2:]
-        assert "tmpfs /mnt" not in (await sb.run_shell("cat /proc/mounts")).stdout
+        assert r.exit_code != 0, r
+        mounts = (await sb.run_shell("cat /proc/mounts")).stdout
+        assert " /mnt " not in mounts and "/proc/sys proc rw" not in mounts
         await _denied_syscalls(sb, "mount")
 
 
@@ -91,8 +92,6 @@ async def test_loading_kernel_modules(sclient, python_image):
         # init_module(NULL, 0, "") and finit_module(0, "", 0): refused before the kernel reads a byte.
         assert (await _syscall(sb, 175, 0, 0, 0)).endswith("EPERM")
         assert (await _syscall(sb, 313, 0, 0, 0)).endswith("EPERM")
-        r = await sb.run_shell("ls /lib/modules 2>&1; cat /proc/modules | head -1")
-        assert r.stdout.strip().splitlines()[-1:] != [""] or True  # /proc/modules may be listed; loading is not
         await _denied_syscalls(sb, "init_module", "finit_module")
 
 

@@ -92,3 +92,37 @@ async def test_domains_and_rules_changed_between_stages(sclient, python_image, m
 async def test_unknown_service_is_refused(sclient, python_image):
     with pytest.raises(InvalidRequest, match="unknown service"):
         await sclient.run_container(_args(python_image, network_rules={"crates": True}))
+
+
+async def test_rules_survive_an_edge_crash(tmp_path_factory, test_store, python_image, mirrors, monkeypatch):
+    """SIGKILL the server: on restart the re-adopted sandbox gets its link, chain and resolver
+    back from its persisted rules (still only what they allow), and nothing stale is left."""
+    import json
+
+    from dsec.local import LocalServer, leftovers
+    from libdsec import DSecClient
+
+    state = tmp_path_factory.mktemp("dsec-crash")
+    (state / "store").symlink_to(test_store)
+    (state / "network.json").write_text(json.dumps({
+        "services": {"pypi": {"hosts": ["pypi.mirror.internal"], "ports": [MIRROR_PORT]}},
+        "hosts": {"pypi.mirror.internal": [mirrors["pypi"].ip], "example.internal": [mirrors["example"].ip]},
+        "domain_ports": [MIRROR_PORT]}))
+    monkeypatch.setenv("DSEC_VM_ASSETS", str(test_store.parent / "vm"))
+    srv = LocalServer(state, extra_args=("--pool-max", "0")).start()
+    try:
+        async with DSecClient(srv.endpoint, token=srv.token) as c:
+            sb = await c.run_container(_args(python_image, network_rules={"pypi": True}))
+            await _prepare(sb)
+        srv.kill()
+        srv = LocalServer(state, port=srv.port, extra_args=("--pool-max", "0")).start()
+        async with DSecClient(srv.endpoint, token=srv.token) as c:
+            sb = await c.get_sandbox(sb.id)
+            r = await sb.run_shell(f"python3 /tmp/fetch.py http://pypi.mirror.internal:{MIRROR_PORT}/")
+            assert "mirror pypi" in r.stdout, r
+            r = await sb.run_shell(f"python3 /tmp/connect.py {mirrors['example'].ip} {MIRROR_PORT} 1")
+            assert r.exit_code == 3, r
+            await sb.stop()
+    finally:
+        srv.stop()
+    assert not leftovers(state)

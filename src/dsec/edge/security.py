@@ -66,6 +66,8 @@ class EdgeSecurity:
 
     async def start(self, adopted: Iterable[Record]) -> None:
         self._open_kmsg()
+        if self.id_ranges is not None:  # a real container backend: clear what a crash left
+            self.networks.reset()
         for rec in list(adopted):  # links do not outlive an edge: give them back
             if rec.args.network_rules:
                 try:

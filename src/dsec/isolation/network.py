@@ -179,11 +179,21 @@ class SandboxNetworks:
 
     # -- nftables ----------------------------------------------------------------------------
 
+    def reset(self) -> None:
+        """Remove what an edge that crashed left of this node's networking (its table and the
+        host ends of its links); the edge gives re-adopted sandboxes their links anew."""
+        subprocess.run(["nft", "delete", "table", "inet", self.table], capture_output=True)
+        out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            name = line.split(":")[1].strip().split("@")[0] if line.count(":") >= 2 else ""
+            if name.startswith(f"dsv{self.tag}"):
+                subprocess.run(["ip", "link", "del", name], capture_output=True)
+        self._table_made = False
+
     def _ensure_table(self) -> None:
         if self._table_made:
             return
         t = self.table
-        # Chains left by an edge that crashed go: the links they served are given back anew.
         subprocess.run(["nft", "delete", "table", "inet", t], capture_output=True)
         _run(["nft", "-f", "-"], f"""
 add table inet {t}
@@ -224,6 +234,8 @@ link set {peer} netns {init_pid}
 addr add {gw}/30 dev {host_if}
 link set {host_if} up
 """)
+            # An eth0 left from before an edge restart goes first.
+            subprocess.run(["nsenter", f"--net=/proc/{init_pid}/ns/net", "ip", "link", "del", "eth0"], capture_output=True)
             _run(["nsenter", f"--net=/proc/{init_pid}/ns/net", "ip", "-batch", "-"], f"""link set {peer} name eth0
 addr add {addr}/30 dev eth0
 link set eth0 up
