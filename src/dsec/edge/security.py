@@ -119,22 +119,25 @@ class EdgeSecurity:
             result = await call
         except CommandTimeout as exc:
             self.events.record(rec.id, "limit.timeout", str(exc)[:200])
-            self.collect(rec)
+            self.collect(rec, network=False)
             raise
         for stream in ("stdout", "stderr"):
             if getattr(result, f"{stream}_truncated"):
                 total = getattr(result, f"{stream}_bytes")
                 self.events.record(rec.id, "limit.output", f"{stream}: {total} bytes written, cut at the output cap")
-        self.collect(rec)
+        self.collect(rec, network=False)
         return result
 
-    def collect(self, rec: Record) -> None:
+    def collect(self, rec: Record, network: bool = True) -> None:
+        """Turn counters into events. After each command only the cheap ones (file reads); the
+        nftables set (a process spawn) when events are asked for and when the sandbox ends."""
         self._drain_kmsg()
         self.events.collect_cgroup(rec.id, rec.handle.cid)
         sandboxes_dir = getattr(self.edge.backends.get(rec.kind), "sandboxes_dir", None)
         if sandboxes_dir is not None and rec.handle.cid:
             self.events.collect_disk(rec.id, sandboxes_dir / rec.handle.cid)
-        self.networks.collect(rec.id)
+        if network:
+            self.networks.collect(rec.id)
 
     def list(self, sandbox_id: str) -> list[SecurityEvent]:
         rec = self.edge._records.get(sandbox_id)
@@ -145,6 +148,7 @@ class EdgeSecurity:
         return self.events.list(sandbox_id)
 
     def forget(self, rec: Record) -> None:
+        self.networks.collect(rec.id)  # what was blocked stays readable after the sandbox ends
         self.networks.detach(rec.id)
 
     # -- seccomp refusals from the kernel log ----------------------------------------------------
