@@ -55,6 +55,8 @@ def serve(
     memory_overcommit: Annotated[Optional[float], typer.Option(help="Memory limits committed per MB of RAM (default 2.5).")] = None,
     cold_memory_idle_s: Annotated[float, typer.Option(help="Reclaim memory of sandboxes idle this long (0: off).")] = 0.0,
     cold_memory_interval_s: Annotated[float, typer.Option(help="Seconds between cold-memory passes.")] = 30.0,
+    fncall_workers: Annotated[int, typer.Option(help="Warm fncall workers per image in use (0: two per core).")] = 0,
+    fncall_max: Annotated[int, typer.Option(help="Most fncall workers on this node (0: no fncall).")] = 64,
 ) -> None:
     """Run the apiserver and an edge for this machine in one process."""
     from .server import ServerConfig
@@ -69,7 +71,9 @@ def serve(
         edge["memory_overcommit"] = memory_overcommit
     cold = {"idle_s": cold_memory_idle_s, "interval_s": cold_memory_interval_s} if cold_memory_idle_s > 0 else {}
     try:
-        run_server(ServerConfig(state_dir=state_dir, host=host, port=port, node=node, edge=edge, cold_memory=cold))
+        fncall = {"workers_min": fncall_workers, "workers_max": fncall_max} if fncall_max > 0 else None
+        run_server(ServerConfig(state_dir=state_dir, host=host, port=port, node=node, edge=edge, cold_memory=cold,
+                                fncall=fncall))
     except DSecError as exc:
         _fail(exc)
 
@@ -105,6 +109,38 @@ def run(
         return result.exit_code
 
     raise typer.Exit(_run(go()))
+
+
+@app.command()
+def call(
+    code: Annotated[Optional[str], typer.Argument(help="The code ('-' or none: read it from stdin).")] = None,
+    language: Annotated[str, typer.Option("--language", "-l", help="python or bash.")] = "python",
+    code_file: Annotated[Optional[Path], typer.Option("--file", "-f", help="Read the code from this file.")] = None,
+    image: Annotated[str, typer.Option(help="Image the call runs in.")] = "python",
+    timeout: Annotated[float, typer.Option(help="Wall-clock limit in seconds.")] = 10.0,
+    memory: Annotated[int, typer.Option("--memory", "-m", help="Memory limit in MB.")] = 256,
+    stdin_file: Annotated[Optional[Path], typer.Option("--stdin", help="Feed this file to the call's stdin.")] = None,
+    put: Annotated[Optional[list[str]], typer.Option("--put", help="PATH=LOCAL_FILE into the working dir.")] = None,
+    fetch: Annotated[Optional[list[str]], typer.Option("--fetch", help="A file to bring back into --out.")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Where fetched files go.")] = Path("."),
+    env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="NAME=VALUE")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the whole result as JSON.")] = False,
+) -> None:
+    """Run code once in a fresh process of the warm pool and print its output: dsec call 'print(1)'.
+
+    Exits with the call's exit code (124 after a timeout, 128+N when killed by signal N)."""
+    from libdsec import DSecFnCallArgs
+
+    from .fncall.cli import read_inputs, run_call
+
+    try:
+        source, stdin, files, variables = read_inputs(code, code_file, stdin_file, put or [], env or [])
+        args = DSecFnCallArgs(code=source, language=language, image=image, timeout=timeout, memory_limit_mb=memory,
+                              stdin=stdin, files=files, fetch_files=fetch or [], env=variables)
+        status = run_call(args, out, as_json)
+    except (DSecError, OSError, ValueError) as exc:
+        _fail(exc)
+    raise typer.Exit(status)
 
 
 @app.command()
@@ -228,6 +264,25 @@ def bench_microvm(
 
     raise typer.Exit(run_bench(state_dir=state_dir, store_dir=store_dir, console=console, image=image,
                                idle=idle, many=many, memory_mb=memory, strict=strict))
+
+
+@bench_app.command("fncall")
+def bench_fncall(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-fncall"),
+    store_dir: Annotated[Optional[Path], typer.Option("--store", help="Layer store with the python image (default: the state dir's; built if missing).")] = None,
+    calls: Annotated[int, typer.Option(help="Calls for the throughput figure (fncall_many).")] = 6000,
+    latency_calls: Annotated[int, typer.Option(help="Calls for the latency figures (one request each).")] = 3000,
+    peer_calls: Annotated[int, typer.Option(help="Calls per peer (python3 -c, bwrap).")] = 300,
+    in_flight: Annotated[int, typer.Option(help="Calls in flight (DSec and peers).")] = 32,
+    workers: Annotated[int, typer.Option(help="--fncall-workers of the server (0: two per core).")] = 0,
+    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
+) -> None:
+    """Stateless calls: the warm pool against bwrap python3 -c and python3 -c (docs/BENCHMARKS.md)."""
+    from .bench.fncall import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, store_dir=store_dir, console=console, calls=calls,
+                               latency_calls=latency_calls, peer_calls=peer_calls, in_flight=in_flight,
+                               workers=workers, strict=strict))
 
 
 register_resource_commands(app)  # dsec project …, dsec pause, dsec resume

@@ -1,0 +1,327 @@
+"""``dsec bench fncall``: stateless calls through the warm pool, against the same snippet run per
+call with ``bwrap … python3 -c`` and with plain ``python3 -c``, all in one run.
+
+The snippet is ``print(sum(range(1000)))``; every answer is checked (``499500``).
+
+1. Peers: ``python3 -c`` and ``bwrap --unshare-all … python3 -c`` (the host's python3, the same
+   Debian 3.11 as the image's), one process per call, ``in_flight`` (32) at a time, spawned
+   from this process with asyncio; then 1 at a time. Latency is spawn to exit.
+2. DSec throughput: ``fncall_many`` against a ``dsec serve`` this benchmark starts itself, 500
+   calls to an HTTP request and 2 requests in flight: an HTTP request costs more CPU than a
+   trivial call, so the throughput figure carries many calls a request.
+3. DSec latency at ``in_flight`` (32) calls in flight, one HTTP request each (``fncall``):
+   the client's round trip, and the server's own figures for each call: ``worker_s`` (its turn
+   in a worker: request to answer, fork, run, exit and clean-up included) and ``queued_s`` (its
+   wait for a free worker). With 32 calls in flight on 2 cores a round trip is at least
+   32 / throughput (Little's law), so the per-call goal (p50 ≤ 2 ms, p99 ≤ 20 ms) is checked on
+   ``worker_s``; the round trips are reported beside it. Then 1 call in flight.
+
+CPU: host CPU per call in each phase, and the share of the machine other work (not this
+benchmark, its server, its workers or its peers) took meanwhile, since this host is shared.
+Results go to ``<state_dir>/bench-fncall.json``; the server is stopped and what it left behind
+(``dsec.local.leftovers``) is printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from libdsec import DSecClient, DSecFnCallArgs
+
+from ..images.builders import build_python
+from ..images.store import LayerStore
+from ..local import LocalServer, leftovers
+from ..resources import cgroups
+from . import host
+
+CODE = "print(sum(range(1000)))"
+EXPECTED = "499500\n"
+RESULTS_FILE = "bench-fncall.json"
+PYTHON3 = "/usr/bin/python3"
+BWRAP = [
+    "bwrap", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
+    "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+    "--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", "/usr/bin",
+]
+
+GOAL_CALLS_PER_S = 1000.0
+GOAL_VS_BWRAP = 20.0
+GOAL_P50_MS = 2.0
+GOAL_P99_MS = 20.0
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Meter:
+    """CPU used during a phase: by the host, and by the benchmark (this process and its
+    children, the server and its children, the fncall workers' cgroups); the rest is others'."""
+
+    server_pid: int | None
+    parent: str | None
+
+    def __post_init__(self) -> None:
+        self._host = host.CpuSample.now()
+        self._ours = self._ours_now()
+
+    def _ours_now(self) -> float:
+        t = os.times()
+        total = t.user + t.system + t.children_user + t.children_system
+        if self.server_pid is not None:
+            total += sum(host.process_cpu(self.server_pid))
+        if self.parent is not None:
+            total += _cgroup_cpu_s(self.parent)
+        return total
+
+    def stop(self, count: int) -> dict:
+        spent = host.CpuSample.now().since(self._host)
+        ours = self._ours_now() - self._ours
+        cores = os.cpu_count() or 1
+        others = max(0.0, spent["busy_cpu_s"] - ours)
+        return {"wall_s": spent["wall_s"], "host_cpu_ms_per_call": spent["busy_cpu_s"] / max(count, 1) * 1e3,
+                "own_cpu_ms_per_call": ours / max(count, 1) * 1e3,
+                "others_share": others / (spent["wall_s"] * cores) if spent["wall_s"] > 0 else float("nan")}
+
+
+def _cgroup_cpu_s(parent: str) -> float:
+    """CPU time of every process under a cgroup parent (the fncall workers), in seconds."""
+    try:
+        if cgroups.is_v2():
+            for line in (cgroups.CGROUP_ROOT / parent / "cpu.stat").read_text().splitlines():
+                if line.startswith("usage_usec "):
+                    return int(line.split()[1]) / 1e6
+            return 0.0
+        return int((cgroups.CGROUP_ROOT / "cpuacct" / parent / "cpuacct.usage").read_text()) / 1e9
+    except (OSError, ValueError):
+        return 0.0
+
+
+async def _peer(argv: list[str], count: int, in_flight: int) -> dict:
+    """``count`` processes, ``in_flight`` at a time; each must print the expected answer."""
+    latencies: list[float] = []
+    gate = asyncio.Semaphore(in_flight)
+
+    async def one() -> None:
+        async with gate:
+            start = time.perf_counter()
+            proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL,
+                                                        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await proc.communicate()
+            latencies.append(time.perf_counter() - start)
+            if out.decode() != EXPECTED:
+                raise BenchError(f"{argv[0]} answered {out!r} {err[-300:]!r}")
+
+    meter = Meter(None, None)
+    await asyncio.gather(*(one() for _ in range(count)))
+    cpu = meter.stop(count)
+    return {"calls": count, "in_flight": in_flight, "calls_per_s": count / cpu["wall_s"],
+            "latency": host.latency_summary(latencies), **cpu}
+
+
+async def _throughput(client: DSecClient, count: int, meter: Meter) -> dict:
+    calls = [DSecFnCallArgs(code=CODE) for _ in range(count)]
+    results = await client.fncall_many(calls, per_request=500, requests_in_flight=2)
+    cpu = meter.stop(count)
+    _check(results)
+    return {"calls": count, "per_request": 500, "requests_in_flight": 2, "calls_per_s": count / cpu["wall_s"],
+            "worker": host.latency_summary([r.worker_s for r in results]),
+            "duration": host.latency_summary([r.duration_s for r in results]), **cpu}
+
+
+async def _latency(client: DSecClient, count: int, in_flight: int, meter: Meter) -> dict:
+    args = DSecFnCallArgs(code=CODE)
+    round_trips: list[float] = []
+    results = []
+    left = count
+
+    async def loop() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            start = time.perf_counter()
+            result = await client.fncall(args)
+            round_trips.append(time.perf_counter() - start)
+            results.append(result)
+
+    await asyncio.gather(*(loop() for _ in range(in_flight)))
+    cpu = meter.stop(count)
+    _check(results)
+    return {"calls": count, "in_flight": in_flight, "calls_per_s": count / cpu["wall_s"],
+            "round_trip": host.latency_summary(round_trips),
+            "worker": host.latency_summary([r.worker_s for r in results]),
+            "queued": host.latency_summary([r.queued_s for r in results]),
+            "duration": host.latency_summary([r.duration_s for r in results]), **cpu}
+
+
+def _check(results: list) -> None:
+    bad = [r for r in results if r.error is not None or r.stdout != EXPECTED or r.exit_code != 0]
+    if bad:
+        raise BenchError(f"{len(bad)} of {len(results)} calls went wrong; the first: {bad[0]!r}"[:800])
+
+
+async def _wait_quiet(pid: int, parent: str, timeout_s: float = 180.0) -> None:
+    """Wait until the server and its workers are idle: start-up work (worker starts, the VM
+    backends' preparation) must not land in a measurement."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        before = sum(host.process_cpu(pid)) + _cgroup_cpu_s(parent)
+        await asyncio.sleep(1.0)
+        if sum(host.process_cpu(pid)) + _cgroup_cpu_s(parent) - before < 0.05:
+            return
+
+
+async def _dsec(server: LocalServer, opts: dict, console: Console) -> dict:
+    parent = cgroups.parent_for(server.state_dir)
+    pid = server.proc.pid
+    async with DSecClient(server.endpoint, token=server.token, timeout=600) as client:
+        console.log("warming up (the pool starts its workers)")
+        _check(await client.fncall_many([DSecFnCallArgs(code=CODE) for _ in range(500)]))
+        _check([await client.fncall(DSecFnCallArgs(code=CODE)) for _ in range(100)])
+        await _wait_quiet(pid, parent)
+        out: dict[str, Any] = {}
+        console.log(f"throughput: {opts['calls']} calls with fncall_many")
+        out["throughput"] = await _throughput(client, opts["calls"], Meter(pid, parent))
+        await _wait_quiet(pid, parent)
+        console.log(f"latency: {opts['latency_calls']} calls, {opts['in_flight']} in flight, one request each")
+        out["latency"] = await _latency(client, opts["latency_calls"], opts["in_flight"], Meter(pid, parent))
+        await _wait_quiet(pid, parent)
+        sequential = max(100, opts["latency_calls"] // 10)
+        console.log(f"latency: {sequential} calls one at a time")
+        out["sequential"] = await _latency(client, sequential, 1, Meter(pid, parent))
+    return out
+
+
+def _leftovers(state_dir: Path) -> list[str]:
+    """``dsec.local.leftovers``, less this process and the ones that started it (their command
+    lines may name the state dir, but they are not left behind)."""
+    mine, pid = set(), os.getpid()
+    while pid > 1:
+        mine.add(f"process {pid} ")
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return [x for x in leftovers(state_dir) if not any(x.startswith(m) for m in mine)]
+
+
+def _ensure_store(state_dir: Path, store_dir: Path | None, console: Console) -> None:
+    store_path = state_dir / "store"
+    if store_dir is not None and not store_path.exists():
+        store_path.symlink_to(Path(store_dir).resolve())
+    store = LayerStore(store_path)
+    if not store.has_image("python"):
+        with console.status("building the python image (debootstrap, about a minute) …"):
+            build_python(store)
+
+
+def _summary(res: dict) -> dict:
+    tp = res["dsec"]["throughput"]["calls_per_s"]
+    bwrap = res["peers"]["bwrap"]["calls_per_s"]
+    worker = res["dsec"]["latency"]["worker"]
+    return {
+        "calls_per_s": tp,
+        "vs_bwrap": tp / bwrap,
+        "vs_python3_c": tp / res["peers"]["python3"]["calls_per_s"],
+        "goals": {
+            f"≥ {GOAL_CALLS_PER_S:g} calls/s": tp >= GOAL_CALLS_PER_S,
+            f"≥ {GOAL_VS_BWRAP:g}× bwrap": tp / bwrap >= GOAL_VS_BWRAP,
+            f"p50 ≤ {GOAL_P50_MS:g} ms at {res['options']['in_flight']} in flight (worker_s)":
+                worker["p50_ms"] <= GOAL_P50_MS,
+            f"p99 ≤ {GOAL_P99_MS:g} ms at {res['options']['in_flight']} in flight (worker_s)":
+                worker["p99_ms"] <= GOAL_P99_MS,
+        },
+    }
+
+
+def _table(res: dict) -> Table:
+    table = Table(title=f"fncall: {CODE!r} — {res['machine']['cores']} cores", show_header=True)
+    for col in ("system", "calls/s", "p50 ms", "p99 ms", "host CPU ms/call", "others' share"):
+        table.add_column(col, justify="right" if col != "system" else "left")
+
+    def row(name: str, r: dict, lat: dict) -> None:
+        table.add_row(name, f"{r['calls_per_s']:.0f}", f"{lat['p50_ms']:.2f}", f"{lat['p99_ms']:.2f}",
+                      f"{r['host_cpu_ms_per_call']:.2f}", f"{r['others_share']:.0%}")
+
+    n = res["options"]["in_flight"]
+    peers, dsec = res["peers"], res["dsec"]
+    row(f"python3 -c, {n} in flight", peers["python3"], peers["python3"]["latency"])
+    row(f"bwrap … python3 -c, {n} in flight", peers["bwrap"], peers["bwrap"]["latency"])
+    row("python3 -c, 1 in flight", peers["python3_sequential"], peers["python3_sequential"]["latency"])
+    row("bwrap … python3 -c, 1 in flight", peers["bwrap_sequential"], peers["bwrap_sequential"]["latency"])
+    row("DSec fncall_many (500/request): worker_s", dsec["throughput"], dsec["throughput"]["worker"])
+    row(f"DSec fncall, {n} in flight: round trip", dsec["latency"], dsec["latency"]["round_trip"])
+    row(f"DSec fncall, {n} in flight: worker_s", dsec["latency"], dsec["latency"]["worker"])
+    row(f"DSec fncall, {n} in flight: queued_s", dsec["latency"], dsec["latency"]["queued"])
+    row("DSec fncall, 1 in flight: round trip", dsec["sequential"], dsec["sequential"]["round_trip"])
+    row("DSec fncall, 1 in flight: worker_s", dsec["sequential"], dsec["sequential"]["worker"])
+    return table
+
+
+async def _run(state_dir: Path, opts: dict, console: Console) -> dict:
+    n, count = opts["in_flight"], opts["peer_calls"]
+    if not shutil.which("bwrap"):
+        raise BenchError("bwrap not found: apt-get install bubblewrap (scripts/setup-host.sh does)")
+    res: dict[str, Any] = {"options": opts, "machine": host.machine(), "code": CODE, "peers": {}}
+    console.log(f"peers: python3 -c and bwrap … python3 -c, {count} calls each, {n} in flight")
+    res["peers"]["python3"] = await _peer([PYTHON3, "-c", CODE], count, n)
+    res["peers"]["bwrap"] = await _peer([*BWRAP, PYTHON3, "-c", CODE], count, n)
+    res["peers"]["python3_sequential"] = await _peer([PYTHON3, "-c", CODE], max(20, count // 10), 1)
+    res["peers"]["bwrap_sequential"] = await _peer([*BWRAP, PYTHON3, "-c", CODE], max(20, count // 10), 1)
+    workers = ("--fncall-workers", str(opts["workers"])) if opts["workers"] else ()
+    server = LocalServer(state_dir, extra_args=("--pool-max", "0", *workers), start_timeout_s=120)
+    with server:
+        try:
+            res["dsec"] = await _dsec(server, opts, console)
+        except BaseException:
+            console.print(server.log_tail(2000))
+            raise
+    res["left_behind"] = _leftovers(state_dir)
+    res["summary"] = _summary(res)
+    return res
+
+
+def main(state_dir: Path, store_dir: Path | None, console: Console, *, calls: int, latency_calls: int,
+         peer_calls: int, in_flight: int, workers: int, strict: bool) -> int:
+    state_dir = Path(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    _ensure_store(state_dir, store_dir, console)
+    # The VM backends' accelerator probe boots a guest at server start: take TCG as given
+    # (fncall does not use VMs) so it does not load the CPU while this measures.
+    os.environ.setdefault("DSEC_VM_ACCEL", "tcg")
+    opts = {"calls": calls, "latency_calls": latency_calls, "peer_calls": peer_calls, "in_flight": in_flight,
+            "workers": workers}
+    try:
+        res = asyncio.run(_run(state_dir, opts, console))
+    except BenchError as exc:
+        console.print(f"[red]benchmark failed:[/red] {exc}")
+        return 1
+    res["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    (state_dir / RESULTS_FILE).write_text(json.dumps(res, indent=1, default=str))
+    console.print(_table(res))
+    summary = res["summary"]
+    console.print(f"DSec fncall_many: {summary['calls_per_s']:.0f} calls/s = {summary['vs_bwrap']:.1f}× bwrap, "
+                  f"{summary['vs_python3_c']:.1f}× python3 -c")
+    for goal, met in summary["goals"].items():
+        console.print(f"  {'[green]met[/green]' if met else '[red]missed[/red]'}  {goal}")
+    others = statistics.fmean(r["others_share"] for r in (*res["peers"].values(), *res["dsec"].values()))
+    if others > 0.1:
+        console.print(f"[yellow]note:[/yellow] other work took {others:.0%} of the machine during the run")
+    for item in res["left_behind"]:
+        console.print(f"[red]left behind:[/red] {item}")
+    console.print(f"results: {state_dir / RESULTS_FILE}")
+    if res["left_behind"]:
+        return 1
+    return 2 if strict and not all(summary["goals"].values()) else 0
