@@ -509,17 +509,6 @@ class Edge:
         backend = self.backends[rec.kind]
         await self._call(rec, backend.write_file(rec.handle, path, data, mode, rec.uid, rec.gid))
 
-    async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult:
-        """The sandbox's changes as a new image on top of its own (it keeps running)."""
-        rec = self._running(sandbox_id, "pack")
-        if name is not None:
-            check_name(name)
-            if self.store.has_image(name):
-                raise InvalidRequest(f"image {name!r} exists already; pick another name")
-        backend = self.backends[rec.kind]
-        digest, scrubbed = await self._call(rec, backend.pack_diff(rec.handle))
-        image = Image(
-            name=name or f"snap-{digest.removeprefix('sha256-')[:16]}",
     # -- fncall: stateless calls in the warm pool (no record, no sandbox id) -------------------
 
     def _fncall_pool(self) -> FnCallPool:
@@ -535,6 +524,17 @@ class Edge:
     async def fncall_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
         return await self._fncall_pool().call_many(calls)
 
+    async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult:
+        """The sandbox's changes as a new image on top of its own (it keeps running)."""
+        rec = self._running(sandbox_id, "pack")
+        if name is not None:
+            check_name(name)
+            if self.store.has_image(name):
+                raise InvalidRequest(f"image {name!r} exists already; pick another name")
+        backend = self.backends[rec.kind]
+        digest, scrubbed = await self._call(rec, backend.pack_diff(rec.handle))
+        image = Image(
+            name=name or f"snap-{digest.removeprefix('sha256-')[:16]}",
             layers=rec.image.layers + (digest,), roles=rec.image.roles + (role,),
             env=rec.image.env, workdir=rec.image.workdir, user=rec.image.user, parent=rec.image.name,
         )
