@@ -90,4 +90,7 @@ def test_counters_become_events_once():
     assert events.counter_delta("s", "oom_kill", 2) == 0
     assert events.counter_delta("s", "oom_kill", 5) == 3
     events.record("s", "dns.refused", "name 'x' is not allowed")
-    assert [e.kind for e in events.list("s")] == ["dns.refused"] and events.list("other") == []
+    events.record("s", "syscall.denied", "mount denied to 'mount'")
+    events.record("s", "syscall.denied", "mount denied to 'mount'")  # a repeat: counted, not listed again
+    assert [(e.kind, e.count) for e in events.list("s")] == [("dns.refused", 1), ("syscall.denied", 2)]
+    assert events.list("other") == []

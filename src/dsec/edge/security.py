@@ -208,4 +208,4 @@ class EdgeSecurity:
         if rec is None:
             return
         name = self._syscalls.get(nr, f"syscall {nr}")
-        self.events.record(rec.id, "syscall.denied", f"{name} denied to {comm!r} (pid {pid} on the host)")
+        self.events.record(rec.id, "syscall.denied", f"{name} denied to {comm!r}")

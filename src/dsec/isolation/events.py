@@ -59,8 +59,14 @@ class SecurityEvents:
             log = self._logs[sandbox_id] = _Log()
             while len(self._logs) > self.kept:
                 self._logs.pop(next(iter(self._logs)))
-        log.events.append(SecurityEvent(kind=kind, detail=detail, count=count,
-                                        at=datetime.fromtimestamp(time.time(), timezone.utc)))
+        now = datetime.fromtimestamp(time.time(), timezone.utc)
+        last = log.events[-1] if log.events else None
+        if last is not None and last.kind == kind and last.detail == detail:
+            # A repeat (a loop of denied syscalls, a retrying connect) counts on the last event.
+            last.count += count
+            last.at = now
+            return
+        log.events.append(SecurityEvent(kind=kind, detail=detail, count=count, at=now))
 
     def list(self, sandbox_id: str) -> list[SecurityEvent]:
         log = self._logs.get(sandbox_id)
