@@ -173,6 +173,20 @@ def stop(ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")]) -> None
 
 
 @app.command()
+def events(sandbox_id: Annotated[str, typer.Argument(help="Sandbox id.")]) -> None:
+    """Security events of a sandbox: blocked connections and names, denied syscalls, limit hits."""
+
+    async def go():
+        async with DSecClient() as client:
+            return await (await client.get_sandbox(sandbox_id)).security_events()
+
+    table = Table("TIME", "KIND", "COUNT", "DETAIL")
+    for e in _run(go()):
+        table.add_row(e.at.strftime("%H:%M:%S"), e.kind, str(e.count), e.detail)
+    console.print(table)
+
+
+@app.command()
 def info() -> None:
     """Show the nodes of the cluster and what they run."""
 
