@@ -15,17 +15,17 @@ shifted by the base; ``shifted_view`` shows it shifted back, which is what ``pac
 Each live sandbox has a range of its own (``IdRanges``): no two sandboxes share a host uid, and
 a host uid names its sandbox (the kernel's seccomp audit records carry it, see
 dsec.isolation.events). Ranges are reused after a sandbox ends; the user namespace fds that
-describe them are made once per range and kept.
+describe them are made once per range (one ``unshare`` spawn) and the last 256 used are kept.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import os
 import subprocess
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,10 +76,9 @@ class IdMap:
         return {"uidMappings": m, "gidMappings": m}
 
 
-@functools.cache
-def _userns_fd(inside: int, outside: int, count: int) -> int:
-    """An fd of a user namespace mapping ``inside..`` to ``outside..`` (kept for the process's
-    life; it is only ever used to describe an idmapped mount)."""
+def _make_userns_fd(inside: int, outside: int, count: int) -> int:
+    """An fd of a new user namespace mapping ``inside..`` to ``outside..`` (it only ever
+    describes an idmapped mount)."""
     child = subprocess.Popen(["unshare", "--user", "sh", "-c", "read _"], stdin=subprocess.PIPE)
     try:
         mine = os.stat("/proc/self/ns/user").st_ino
@@ -97,6 +96,23 @@ def _userns_fd(inside: int, outside: int, count: int) -> int:
         with contextlib.suppress(BrokenPipeError):
             child.stdin.close()
         child.wait()
+
+
+_USERNS_FDS: OrderedDict[tuple[int, int, int], int] = OrderedDict()
+_USERNS_FDS_KEPT = 256  # fds held at most; a range used again after eviction costs one spawn
+
+
+def _userns_fd(inside: int, outside: int, count: int) -> int:
+    """``_make_userns_fd``, kept for the ranges used last (the spawn costs a few ms)."""
+    key = (inside, outside, count)
+    fd = _USERNS_FDS.get(key)
+    if fd is not None:
+        _USERNS_FDS.move_to_end(key)
+        return fd
+    fd = _USERNS_FDS[key] = _make_userns_fd(inside, outside, count)
+    while len(_USERNS_FDS) > _USERNS_FDS_KEPT:
+        os.close(_USERNS_FDS.popitem(last=False)[1])
+    return fd
 
 
 def idmapped_bind(source: Path, target: Path, userns_fd: int) -> None:
