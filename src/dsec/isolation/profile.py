@@ -58,7 +58,8 @@ DENIED_IOCTLS = {
 }
 # Extent-swapping ioctls, matched on type and number only (the low 16 bits), so a caller cannot
 # slip past with another struct size or direction: XFS_IOC_SWAPEXT is _IOWR('X', 109, struct
-# xfs_swapext) = 0xC0C0586D, EXT4_IOC_MOVE_EXT is _IOWR('f', 15, struct move_extent) = 0xC028660F.
+# xfs_swapext) = 0xC0C0586D, EXT4_IOC_MOVE_EXT is _IOWR('f', 15, struct move_extent) = 0xC028660F
+# (both checked by compiling against xfsprogs' and the kernel's headers: struct sizes 192 and 40).
 DENIED_IOCTL_TYPE_NR = {
     "XFS_IOC_SWAPEXT": 0x586D,
     "EXT4_IOC_MOVE_EXT": 0x660F,
