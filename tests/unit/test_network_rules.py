@@ -94,3 +94,14 @@ def test_counters_become_events_once():
     events.record("s", "syscall.denied", "mount denied to 'mount'")  # a repeat: counted, not listed again
     assert [(e.kind, e.count) for e in events.list("s")] == [("dns.refused", 1), ("syscall.denied", 2)]
     assert events.list("other") == []
+
+
+def test_resolver_drops_a_flood():
+    from dsec.isolation import resolver
+
+    sent = []
+    proto = resolver._Protocol(lambda name: ["10.1.0.2"], lambda name: None)
+    proto.transport = type("T", (), {"sendto": lambda self, data, addr: sent.append(data)})()
+    for _ in range(resolver.QUERY_BURST + 100):
+        proto.datagram_received(_query("pypi.mirror.internal"), ("10.0.0.2", 5353))
+    assert resolver.QUERY_BURST <= len(sent) < resolver.QUERY_BURST + 20 and proto.dropped >= 80

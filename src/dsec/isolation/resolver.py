@@ -4,7 +4,8 @@ address, answering only the names the sandbox's rules allow.
 Answers come from the node's host table (``NetworkConfig.hosts``); a name that is not allowed
 gets NXDOMAIN and a ``dns.refused`` security event. The socket a query arrives on names the
 sandbox, so a sandbox cannot ask in another's name (and its source address is checked by the
-nftables chain anyway). Only A queries get addresses: sandboxes have no IPv6.
+nftables chain anyway). Only A queries get addresses: sandboxes have no IPv6. Each socket answers
+at most ``QUERIES_PER_S`` a second (bursts of ``QUERY_BURST``); a flood beyond is dropped.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import logging
 import socket
 import struct
+import time
 from collections.abc import Callable
 
 log = logging.getLogger("dsec.resolver")
@@ -22,6 +24,8 @@ _CLASS_IN = 1
 _NXDOMAIN = 3
 _FORMERR = 1
 _TTL_S = 30
+QUERIES_PER_S = 200  # per sandbox, sustained
+QUERY_BURST = 400
 
 
 def parse_query(packet: bytes) -> tuple[int, int, str, int, int]:
@@ -71,11 +75,20 @@ class _Protocol(asyncio.DatagramProtocol):
         self.lookup = lookup
         self.refused = refused
         self.transport: asyncio.DatagramTransport | None = None
+        self.tokens, self.last, self.dropped = float(QUERY_BURST), time.monotonic(), 0
 
     def connection_made(self, transport) -> None:
         self.transport = transport
 
     def datagram_received(self, data: bytes, addr) -> None:
+        # A flood of queries costs the edge CPU: past the budget, queries are dropped unanswered.
+        now = time.monotonic()
+        self.tokens = min(QUERY_BURST, self.tokens + (now - self.last) * QUERIES_PER_S)
+        self.last = now
+        if self.tokens < 1:
+            self.dropped += 1
+            return
+        self.tokens -= 1
         try:
             name = parse_query(data)[2]
         except ValueError:
