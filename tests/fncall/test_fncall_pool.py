@@ -36,6 +36,11 @@ async def test_python_and_bash(make_pool):
     r = await pool.call(call("echo $0 $HOME $GREETING; cat a.txt; read x; echo got $x; exit 4", language="bash",
                              env={"GREETING": "hi"}, files={"a.txt": "A\n"}, stdin="line\n"))
     assert (r.exit_code, r.stdout) == (4, "bash /work hi\nA\ngot line\n")
+    env = await pool.call(call("import os; print(sorted(os.environ.items()))"))
+    assert env.stdout == str(sorted({"HOME": "/work", "LANG": "C.UTF-8", "TMPDIR": "/tmp",
+                                     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}.items())) + "\n"
+    env = await pool.call(call("env | sort", language="bash", env={"X": "1"}))
+    assert "X=1\nHOME=/work" not in env.stdout and "X=1\n" in env.stdout and "PYTHON" not in env.stdout
 
 
 async def test_python_errors_look_like_python3_c(make_pool):

@@ -71,10 +71,16 @@ def test_inputs_over_the_limit():
 
 
 def test_call_env():
-    prepared = _pool()._prepare(DSecFnCallArgs(code="x", env={"A": "1", "PATH": "/opt/bin"}))
+    """The zygote holds the image's environment (HOME and TMPDIR set for calls); a request
+    carries only what the call changes."""
+    from dsec.fncall.worker import call_env
+
+    base = call_env(_Store().get_image("python"))
+    assert base == {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/work", "TMPDIR": "/tmp"}
+    prepared = _pool()._prepare(DSecFnCallArgs(code="x", env={"A": "1", "PATH": "/opt/bin", "LANG": "C.UTF-8"}))
     body = memoryview(prepared.frame)[8 + _header_len(prepared.frame):]
     _, _, env, _, _ = zygote._parse_body(body)
-    assert env["A"] == "1" and env["PATH"] == "/opt/bin" and env["HOME"] == "/work" and env["LANG"] == "C.UTF-8"
+    assert env == {"A": "1", "PATH": "/opt/bin"}
 
 
 # -- the wire format between the edge and the zygote -------------------------------------------

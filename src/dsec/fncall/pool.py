@@ -45,7 +45,7 @@ from libdsec._models import (
 from ..images.store import Image, LayerStore
 from ..resources.cgroups import Limits
 from .backend import WORKDIR, FnCallBackend, cpu_usage_s
-from .worker import LANGUAGES, CallLimits, Worker, WorkerFailed, encode_request
+from .worker import LANGUAGES, CallLimits, Worker, WorkerFailed, call_env, encode_request
 
 log = logging.getLogger("dsec.fncall")
 
@@ -248,8 +248,8 @@ class FnCallPool:
             if not name or "=" in name or "\0" in name or "\0" in value:
                 raise InvalidRequest(f"invalid environment variable {name!r}")
         image = self._image(args.image)
-        env = {**image.env, "HOME": WORKDIR, "TMPDIR": "/tmp", **args.env}
-        env.setdefault("LANG", "C.UTF-8")
+        base = call_env(image)
+        env = {k: v for k, v in args.env.items() if base.get(k) != v}  # the zygote has the rest
         limits = CallLimits(timeout_s=args.timeout, memory_bytes=args.memory_limit_mb << 20,
                             max_output=args.max_output_bytes, max_fetch=cfg.max_fetch_bytes,
                             max_fetch_total=cfg.max_fetch_bytes)

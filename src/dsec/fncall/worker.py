@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from ..backends.base import Handle, SandboxSpec
 from ..images.store import Image
 from ..resources.cgroups import Limits
-from .backend import FnCallBackend, oom_kills, set_memory_limit
+from .backend import WORKDIR, FnCallBackend, oom_kills, set_memory_limit
 
 log = logging.getLogger("dsec.fncall")
 
@@ -82,6 +82,15 @@ def _unread_bytes(fd: int) -> int:
     buf = bytearray(4)
     fcntl.ioctl(fd, termios.FIONREAD, buf)
     return int.from_bytes(buf, sys.byteorder)
+
+
+def call_env(image: Image) -> dict[str, str]:
+    """The environment a call starts with (the zygote's own): the image's, with HOME and TMPDIR
+    pointing at the call's writable places. A call's ``env`` is sent as additions to it."""
+    env = {**image.env, "HOME": WORKDIR, "TMPDIR": "/tmp"}
+    env.setdefault("LANG", "C.UTF-8")
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    return env
 
 
 def encode_request(language: str, code: str, env: dict[str, str], stdin: bytes | None,
@@ -146,11 +155,9 @@ class Worker:
             handle = await backend.create(cid, spec)
         except Exception as exc:  # noqa: BLE001 - any failure to start is the same to the pool
             raise WorkerFailed(f"cannot create the worker container: {exc}", started=False) from exc
-        env = {"PATH": image.env.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "LANG": "C.UTF-8",
-               "PYTHONDONTWRITEBYTECODE": "1"}
         try:
             proc = await asyncio.create_subprocess_exec(
-                *backend.zygote_argv(cid, uid, uid, env, preload, nproc, fsize, nofile),
+                *backend.zygote_argv(cid, uid, uid, call_env(image), preload, nproc, fsize, nofile),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             )
         except BaseException:

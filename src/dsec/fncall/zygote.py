@@ -28,8 +28,9 @@ integers big-endian, strings UTF-8 with a ``!H`` length before them):
   stream, bytes per fetched file, bytes fetched in all), then ``!H`` count and the relative
   paths of the files to fetch.
   Body (read by the child only): ``!BIIiI`` (language: 0 python, 1 bash; code length; env
-  length; stdin length or -1; number of files), the code, the env (``NAME=VALUE\\0``…), stdin,
-  then per file ``!HI`` (path length, data length), path, data.
+  length; stdin length or -1; number of files), the code, the environment variables the call
+  adds to the zygote's own (``NAME=VALUE\\0``…), stdin, then per file ``!HI`` (path length,
+  data length), path, data.
 - answer: ``!cI`` (kind, payload length), payload. Kind ``A``: ``!i?ddQQQQH`` (exit code,
   negative when killed by that signal; timed out; duration in s; CPU in s; stdout and stderr
   bytes sent; stdout and stderr bytes written; number of fetched files), then per file ``!HqH``
@@ -225,11 +226,11 @@ def _run_python(code):
 
 
 def _enter_call_state():
-    """Make the zygote look, to the children it forks, like a fresh ``python3 -c``: empty
-    environment (each call brings its own), ``sys.argv``, stdio, a pristine ``__main__``.
+    """Make the zygote look, to the children it forks, like a fresh ``python3 -c``: ``sys.argv``,
+    stdio, a pristine ``__main__``. Its environment is the calls' (the edge starts it so); a
+    call's request carries only what it adds.
     Every child gets its own copy, so one call cannot spoil the next."""
     global _MAIN
-    os.environ.clear()
     sys.argv[:] = ["-c"]
     sys.stdin, sys.stdout, sys.stderr = _STDIO
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = _STDIO
@@ -307,14 +308,15 @@ def _child(uid, gid, body_fd, body_len, out_fd, err_fd, hdr, vsz):
             _write_inputs(files)
         del files, stdin, raw
         if language == "python":
-            os.environ.update(env)
+            if env:
+                os.environ.update(env)
             resource.setrlimit(resource.RLIMIT_AS, (vsz + hdr["memory"], vsz + hdr["memory"]))
             _run_python(code)
         else:
             resource.setrlimit(resource.RLIMIT_AS, (hdr["memory"], hdr["memory"]))
             for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):
                 _signal.signal(sig, _signal.SIG_DFL)
-            os.execve("/bin/bash", ["bash", "-c", code], env)
+            os.execve("/bin/bash", ["bash", "-c", code], {**os.environ, **env})
     except BaseException as exc:  # noqa: BLE001
         try:
             os.write(2, f"fncall: the call could not start: {type(exc).__name__}: {exc}\n".encode())
