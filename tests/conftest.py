@@ -96,8 +96,11 @@ def suite_leftovers(base: Path, state_dirs: list[Path]) -> list[str]:
             cgroup = Path(f"/proc/{pid}/cgroup").read_text()
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             root = os.readlink(f"/proc/{pid}/root")
+            state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
         except (OSError, ValueError):
             continue
+        if state == "Z" and ppid == "1":
+            continue  # exited; the host's init reaps it (this machine's only now and then)
         names = {part for line in cgroup.splitlines() for part in line.split(":", 2)[-1].split("/")}
         if names & parents or root.startswith(f"{base}/") or f"{base}/" in cmdline:
             problems.append(f"process {pid} {cmdline.strip()[:150]!r} (root {root})")

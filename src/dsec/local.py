@@ -128,9 +128,11 @@ def _leftovers(state_dir: Path) -> list[str]:
             continue
         try:
             cgroup = Path(f"/proc/{pid}/cgroup").read_text()
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+            state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, IndexError, ValueError):
             continue
+        if state == "Z" and ppid == "1":
+            continue  # exited, and the host's init is to reap it (some reap only now and then)
         if f"/{parent}/" in cgroup:
             found.append(f"process {pid} ({state}) in cgroup {parent}")
             continue
