@@ -299,6 +299,34 @@ def bench_fncall(
                                workers=workers, strict=strict))
 
 
+@bench_app.command("density")
+def bench_density(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own servers.")] = Path("/var/lib/dsec-bench-density"),
+    count: Annotated[int, typer.Option(help="Idle sandboxes to hold at once.")] = 3200,
+    step: Annotated[int, typer.Option(help="Time single creates every STEP sandboxes.")] = 400,
+    peer_count: Annotated[int, typer.Option(help="Idle bare crun containers (the floor).")] = 400,
+    pause_count: Annotated[int, typer.Option(help="Sandboxes paused after touching --pause-mb each.")] = 100,
+    pause_mb: Annotated[int, typer.Option(help="MiB each paused (or idling) sandbox touches.")] = 64,
+    text_count: Annotated[int, typer.Option(help="Sandboxes paused with agent-like text.")] = 100,
+    random_count: Annotated[int, typer.Option(help="Sandboxes paused with random (incompressible) data.")] = 10,
+    cold_count: Annotated[int, typer.Option(help="Idle running sandboxes for the cold-memory reclaimer.")] = 20,
+    time_limit_s: Annotated[float, typer.Option(help="Bound on the whole run.")] = 2400.0,
+    quick: Annotated[bool, typer.Option(help="Developer size: 400 sandboxes, 20 paused, 6 cold.")] = False,
+    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
+) -> None:
+    """Idle sandboxes per node and their memory vs bare crun, create latency as the node fills,
+    memory returned by pause, the cold-memory reclaimer, placement decisions/s."""
+    from .bench.density import main as run_bench
+
+    if quick:
+        count, step, peer_count, pause_count, text_count, random_count, cold_count = 400, 100, 100, 20, 10, 4, 6
+    raise typer.Exit(run_bench(
+        state_dir=state_dir, console=console, count=count, step=step, peer_count=peer_count, pause_count=pause_count,
+        pause_mb=pause_mb, text_count=text_count, random_count=random_count, cold_count=cold_count,
+        time_limit_s=time_limit_s, strict=strict,
+    ))
+
+
 register_resource_commands(app)  # dsec project …, dsec pause, dsec resume
 
 

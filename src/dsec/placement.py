@@ -7,8 +7,10 @@ stale views from all piling onto the same "emptiest" node, and spreads as well: 
 most loaded node sits close to the mean.
 
 A batch of N is placed one sandbox at a time against a private copy of the view, so it
-spreads over nodes as N single creates would. Filtering costs O(nodes) once per call; each
-sandbox then costs O(k).
+spreads over nodes as N single creates would. The k candidates are found by drawing nodes at
+random until k of them fit (a uniform sample of the nodes that fit, without scanning them all);
+only when fitting nodes are scarce does it fall back to filtering the whole view, once per call.
+A decision thus costs O(k) on a roomy cluster and O(nodes) on a nearly full one.
 
 CPU requests are weights (``cpu.shares``), so CPU is overcommitted far above 1× by default;
 memory limits are ceilings the kernel enforces, so memory stays near 1×. A node's edge still
@@ -146,17 +148,47 @@ def place(
         raise ValueError(f"k must be >= 1, not {k}")
     rng = rng or random
     skip = set(exclude)
-    slots = [_Slots(n, overcommit) if n.node not in skip else None for n in view]
-    fitting = [i for i, s in enumerate(slots) if s is not None and s.fits(demand)]
-    position = {i: p for p, i in enumerate(fitting)}
+    n = len(view)
+    slots: dict[int, _Slots | None] = {}
+
+    def slot(i: int) -> _Slots | None:
+        if i not in slots:
+            slots[i] = None if view[i].node in skip else _Slots(view[i], overcommit)
+        return slots[i]
+
+    def fit(i: int) -> bool:
+        s = slot(i)
+        return s is not None and s.fits(demand)
+
+    fitting: list[int] | None = None  # the filtered view, once sampling stops paying
+    position: dict[int, int] = {}
     chosen: list[str] = []
-    while len(chosen) < count and fitting:
-        sample = fitting if len(fitting) <= k else rng.sample(fitting, k)
+    while len(chosen) < count:
+        if fitting is None:
+            # Draw distinct nodes at random until k fit: a uniform k-subset of the fitting ones.
+            sample, drawn = [], set()
+            for _ in range(min(n, 4 * k + 8)):
+                i = rng.randrange(n)
+                if i in drawn:
+                    continue
+                drawn.add(i)
+                if fit(i):
+                    sample.append(i)
+                    if len(sample) == k:
+                        break
+            if len(sample) < k:  # few nodes fit (or a small view): filter it all, once
+                fitting = [i for i in range(n) if fit(i)]
+                position = {i: p for p, i in enumerate(fitting)}
+                continue
+        else:
+            if not fitting:
+                break
+            sample = fitting if len(fitting) <= k else rng.sample(fitting, k)
         best = min(sample, key=lambda i: (slots[i].load(), slots[i].count))
-        slot = slots[best]
-        slot.take(demand)
+        s = slots[best]
+        s.take(demand)
         chosen.append(view[best].node)
-        if not slot.fits(demand):
+        if fitting is not None and not s.fits(demand):
             # Swap-remove from the fitting list in O(1).
             p = position.pop(best)
             last = fitting.pop()

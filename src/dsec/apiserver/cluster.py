@@ -17,9 +17,10 @@ import asyncio
 import logging
 import random
 import re
+import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from libdsec import CapacityExceeded, DSecError, SandboxNotFound
 from libdsec._models import DSecContainerRunArgs, NodeInfo, SandboxInfo
@@ -96,6 +97,7 @@ class Cluster:
         overcommit: placement.Overcommit | None = None,
         k: int = placement.DEFAULT_K,
         rng: random.Random | None = None,
+        view_max_age_s: float = 0.2,
     ) -> None:
         self.edges = {e.node: e for e in edges}
         self.store = store
@@ -105,6 +107,11 @@ class Cluster:
         self.rng = rng or random.Random()
         self._pending: dict[str, Amount] = {}
         self._quota_lock = asyncio.Lock()
+        # Placement may use a view this old (edges refuse what they cannot hold, and the next
+        # choice is tried); quota checks always ask the edges afresh.
+        self.view_max_age_s = view_max_age_s
+        self._infos: tuple[float, list[NodeInfo]] = (float("-inf"), [])
+        self._placed: dict[str, list] = {}
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -132,8 +139,12 @@ class Cluster:
 
     # -- the view --------------------------------------------------------------------------
 
-    async def node_infos(self) -> list[NodeInfo]:
-        """Every reachable edge's report (an edge that fails to answer is left out)."""
+    async def node_infos(self, max_age_s: float = 0.0) -> list[NodeInfo]:
+        """Every reachable edge's report (an edge that fails to answer is left out); one taken
+        less than ``max_age_s`` ago is reused."""
+        taken, cached = self._infos
+        if max_age_s > 0 and time.monotonic() - taken < max_age_s:
+            return cached
         results = await asyncio.gather(*(e.node_info() for e in self.edges.values()), return_exceptions=True)
         infos = []
         for edge, result in zip(self.edges.values(), results):
@@ -141,14 +152,31 @@ class Cluster:
                 log.warning("edge %s did not report: %s", edge.node, result)
             else:
                 infos.append(result)
+        self._infos = (time.monotonic(), infos)
+        self._placed.clear()
         return infos
 
     async def view(self, kind: str = "container") -> list[placement.NodeLoad]:
         """The nodes that serve ``kind``, with their capacity and commitments (all of them when
         none says it does: then an edge's answer explains)."""
-        infos = await self.node_infos()
+        infos = await self.node_infos(self.view_max_age_s)
         serving = [i for i in infos if kind in _kinds(i.runtime)]
-        return [load_of(i) for i in serving or infos]
+        return [self._with_placed(load_of(i)) for i in serving or infos]
+
+    def _with_placed(self, node: placement.NodeLoad) -> placement.NodeLoad:
+        """A view entry plus what this apiserver placed there since the view was taken."""
+        added = self._placed.get(node.node)
+        if added is None:
+            return node
+        return replace(node, committed_cpu=node.committed_cpu + added[0],
+                       committed_memory_mb=node.committed_memory_mb + added[1], sandboxes=node.sandboxes + added[2])
+
+    def _note_placed(self, node: str, args: DSecContainerRunArgs, count: int = 1) -> None:
+        d = demand_of(args)
+        added = self._placed.setdefault(node, [0.0, 0.0, 0])
+        added[0] += d.cpu_cores * count
+        added[1] += d.memory_mb * count
+        added[2] += count
 
     async def usage(self) -> dict[str, Amount]:
         """What each project's own sandboxes hold, over every node."""
@@ -200,9 +228,11 @@ class Cluster:
                     node = placement.least_loaded(view, overcommit=self.overcommit)
                 if node is None:
                     break
+                self._note_placed(node, args)
                 try:
                     return await self.edges[node].create(args, project=project, **extra)
                 except CapacityExceeded as exc:
+                    self._infos = (float("-inf"), [])  # a refusal: look again next time
                     last = exc
                     tried.append(node)
             raise last or CapacityExceeded(
@@ -243,6 +273,7 @@ class Cluster:
                     elif kind == "refused":
                         share, exc = payload
                         tried.add(share.node)
+                        self._infos = (float("-inf"), [])  # a refusal: look again
                         again = self._pick(await self.view(), args, share.count, tried)
                         if len(again) < share.count or len(tried) >= MAX_NODES_TRIED:
                             raise exc
@@ -253,6 +284,7 @@ class Cluster:
                 complete = True
             finally:
                 if not complete:
+                    self._infos = (float("-inf"), [])  # what was noted as placed is not there
                     for task in tasks:
                         task.cancel()
                     await asyncio.gather(*tasks, return_exceptions=True)
@@ -282,6 +314,7 @@ class Cluster:
     async def _run_share(self, share: _Share, args: DSecContainerRunArgs, project: str,
                          queue: asyncio.Queue) -> None:
         edge = self.edges[share.node]
+        self._note_placed(share.node, args, share.count)
         made = 0
         try:
             async with aclosing(edge.create_batch(args, share.count, project=project)) as events:
