@@ -1,9 +1,10 @@
 """The apiserver's view of the cluster: the edges by node, where new sandboxes go, and the
 project quotas in front of them.
 
-A create goes: quota (the project's, and the ancestors' it draws on) → placement over a fresh
-view of the nodes (``dsec.placement``: power of k choices) → the chosen edge, which admits or
-refuses against its real state; on ``CapacityExceeded`` the next choice excludes that node.
+A create goes: quota (the project's, and the ancestors' it draws on) → placement over a view of
+the nodes at most ``view_max_age_s`` old, plus what this apiserver placed since
+(``dsec.placement``: power of k choices) → the chosen edge, which admits or refuses against its
+real state; on ``CapacityExceeded`` the view is dropped and the next choice excludes that node.
 When the view says no node has room, the least loaded one is asked anyway: its answer is the
 authoritative one (a size out of range, or "cannot admit").
 

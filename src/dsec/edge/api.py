@@ -13,7 +13,15 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from libdsec import InvalidRequest
-from libdsec._models import DSecContainerRunArgs, ExecRequest, ExecResult, NodeInfo, PackDiffResult, SandboxInfo
+from libdsec._models import (
+    DSecContainerRunArgs,
+    ExecRequest,
+    ExecResult,
+    NodeInfo,
+    PackDiffResult,
+    PauseResult,
+    SandboxInfo,
+)
 from libdsec._models import DSecFnCallArgs, FnCallResult
 
 NODE_NAME = re.compile(r"^[a-z0-9]{1,32}\Z")
@@ -34,9 +42,11 @@ def node_of(sandbox_id: str) -> str:
 class EdgeAPI(Protocol):
     node: str
 
-    async def create(self, args: DSecContainerRunArgs) -> SandboxInfo: ...
+    async def create(self, args: DSecContainerRunArgs, project: str = "root") -> SandboxInfo: ...
 
-    def create_batch(self, args: DSecContainerRunArgs, count: int) -> AsyncIterator[tuple[int, SandboxInfo]]: ...
+    def create_batch(
+        self, args: DSecContainerRunArgs, count: int, project: str = "root"
+    ) -> AsyncIterator[tuple[int, SandboxInfo]]: ...
 
     async def get(self, sandbox_id: str) -> SandboxInfo: ...
 
@@ -49,6 +59,10 @@ class EdgeAPI(Protocol):
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None: ...
 
     async def stop(self, sandbox_id: str, reason: str = "stopped by request") -> SandboxInfo: ...
+
+    async def pause(self, sandbox_id: str) -> PauseResult: ...
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo: ...
 
     async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult: ...
 
