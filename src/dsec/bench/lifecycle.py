@@ -1,0 +1,797 @@
+"""``dsec bench lifecycle``: the whole life of a sandbox, against podman and bare crun, in one run.
+
+What it measures, all on the ``busybox`` image and the same root filesystem (its EROFS layer):
+
+1. Throughput. Full lifecycles — ``run_container`` → ``run_shell("echo hi")`` → ``stop`` —
+   through the real SDK against a ``dsec serve`` this benchmark starts itself, ``concurrency``
+   (32) at a time, after a warm-up. Peers at the same concurrency: ``podman run --rm`` of
+   ``/bin/echo hi`` and bare ``crun run`` of it (a prepared bundle, read-only root): the floor.
+   For each, the CPU time a lifecycle costs: that of the processes the benchmark runs (client,
+   server and its crun children; the peers' commands), and the host's as a whole.
+2. Create latency with 64 creates in flight: rounds in which 64 workers create at once (timed)
+   and then stop (not timed). Warm: on the server above after bursts that grow its warm pool
+   (``--pool-max``, 64), with the pool refilled before each round (its size at each round
+   start is reported). Cold: on a second server started with ``--pool-max 0``. Peers:
+   ``crun run --detach`` and ``podman run --rm --detach`` of an idle process, 64 at once.
+3. Idle memory: ``idle_count`` (1000) sandboxes with ``memory_limit_mb=16``, created with
+   ``run_containers`` in batches on the pool-less server (so the pool neither adds to nor hides
+   the figure); host memory per sandbox = Δ(MemTotal − MemAvailable) / count once they settle,
+   and again from the drop when they are stopped. Peers: as many idle ``crun run --detach``
+   containers, and 64 idle podman containers.
+
+The host may be busy with other work: every phase reports the share of the machine that work
+took. Everything runs against 127.0.0.1. The servers are stopped with SIGTERM; every sandbox,
+peer container, cgroup and mount is removed, and what is left (``dsec.local.leftovers`` and
+the peers' own check) is printed. Results go to ``<state_dir>/bench-lifecycle.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from libdsec import DSecClient, DSecContainerRunArgs, Sandbox
+
+from ..images.builders import build_busybox
+from ..images.store import LayerStore
+from ..local import LocalServer, leftovers
+from ..resources import cgroups
+from . import hoststats as host
+from .lifecycle_peers import PeerRig
+
+RESULTS_FILE = "bench-lifecycle.json"
+
+GOAL_LIFECYCLES_PER_S = 100.0
+GOAL_VS_PODMAN = 10.0
+GOAL_CREATE_P50_MS = 30.0
+GOAL_CREATE_P99_MS = 200.0
+GOAL_IDLE_MIB = 4.0
+
+
+@dataclass
+class Options:
+    lifecycles: int = 300          # measured DSec lifecycles
+    warmup: int = 64               # DSec lifecycles before measuring
+    concurrency: int = 32          # lifecycles in flight, for every system
+    crun_runs: int = 400           # measured bare crun lifecycles
+    podman_runs: int = 48          # measured podman lifecycles (about 5/s here)
+    latency_concurrency: int = 64  # creates in flight
+    latency_rounds: int = 5        # measured rounds with a warm pool (and for crun)
+    cold_rounds: int = 3           # measured rounds without a pool
+    pool_max: int = 64             # --pool-max of the warm server
+    pool_wait_s: float = 30.0      # most to wait for the pool to refill before a round
+    pool_warmup_rounds: int = 3    # most unmeasured bursts to grow the pool
+    idle_count: int = 1000         # idle sandboxes held at once (and idle crun containers)
+    idle_batch: int = 100          # sandboxes per run_containers call
+    podman_idle: int = 64          # idle podman containers (also its create-latency sample)
+    podman: bool = True            # measure podman at all
+    strict: bool = False           # exit 2 when a goal is missed
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description:<58}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console)
+
+
+async def _workers(total: int, concurrency: int, fn: Callable[[int], Awaitable[Any]],
+                   progress: Progress, task: TaskID, max_errors: int | None = None) -> tuple[float, list, list[str]]:
+    """Run ``fn(i)`` for i in range(total), ``concurrency`` at a time. Returns (seconds, results,
+    errors); stops early past ``max_errors`` errors."""
+    it = iter(range(total))
+    results: list = []
+    errors: list[str] = []
+    limit = max_errors if max_errors is not None else max(3, total // 10)
+
+    async def worker() -> None:
+        for i in it:
+            if len(errors) > limit:
+                return
+            try:
+                results.append(await fn(i))
+            except Exception as exc:  # noqa: BLE001 - counted and reported
+                errors.append(f"{type(exc).__name__}: {exc}"[:400])
+            progress.advance(task)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, total))))
+    return time.perf_counter() - t0, results, errors
+
+
+def _client(server: LocalServer) -> DSecClient:
+    """The SDK's client, with one change to its HTTP transport: idle connections expire after
+    2 s. With httpx's default (5 s) equal to uvicorn's keep-alive timeout (5 s), a request can
+    go out on a connection the server is closing and fail with ReadError; under load this
+    happened about once per few hundred requests here."""
+    transport = httpx.AsyncHTTPTransport(
+        limits=httpx.Limits(max_connections=256, max_keepalive_connections=256, keepalive_expiry=2.0))
+    return DSecClient(server.endpoint, token=server.token, transport=transport)
+
+
+def _sandbox_count(parent: str) -> int:
+    """Sandboxes (running or pooled) of a server, counted by their cgroups on the host."""
+    return len({d.name for d in cgroups.sandbox_cgroup_dirs(parent)})
+
+
+def _cgroup_memory(parent: str) -> int:
+    """Memory charged to every sandbox of a server (hierarchical usage of their parent)."""
+    if cgroups.is_v2():
+        path = cgroups.CGROUP_ROOT / parent / "memory.current"
+    else:
+        path = cgroups.CGROUP_ROOT / "memory" / parent / "memory.usage_in_bytes"
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+class Bench:
+    def __init__(self, state_dir: Path, console: Console, opts: Options) -> None:
+        self.state_dir = state_dir
+        self.console = console
+        self.opts = opts
+        self.parent = cgroups.parent_for(state_dir)
+        self.errors: list[str] = []
+        self.notes: list[str] = []
+        self.r: dict[str, Any] = {"dsec": {}, "podman": {}, "crun": {}}
+
+    # -- DSec --------------------------------------------------------------------------------
+
+    def _args(self, memory_mb: int = 64) -> DSecContainerRunArgs:
+        return DSecContainerRunArgs(container_image="busybox", memory_limit_mb=memory_mb, cpu_cores_limit=1.0,
+                                    ttl_running_stop=600)
+
+    async def _lifecycle(self, client: DSecClient) -> tuple[float, float, float]:
+        t0 = time.perf_counter()
+        sandbox = await client.run_container(self._args(), timeout=120)
+        t1 = time.perf_counter()
+        try:
+            result = await sandbox.run_shell("echo hi", timeout=30)
+            t2 = time.perf_counter()
+        finally:
+            await sandbox.stop()
+        t3 = time.perf_counter()
+        if result.exit_code != 0 or result.stdout != "hi\n":
+            raise BenchError(f"echo hi gave exit {result.exit_code}, stdout {result.stdout!r}, "
+                             f"stderr {result.stderr[-200:]!r}")
+        return t1 - t0, t2 - t1, t3 - t2
+
+    async def dsec_throughput(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
+        o = self.opts
+        task = progress.add_task(f"DSec warm-up: {o.warmup} lifecycles, {o.concurrency} in flight", total=o.warmup)
+        _, _, errors = await _workers(o.warmup, o.concurrency, lambda i: self._lifecycle(client), progress, task)
+        self.errors += [f"dsec warm-up: {e}" for e in errors]
+
+        task = progress.add_task(f"DSec: {o.lifecycles} lifecycles (create → echo hi → stop), {o.concurrency} in flight",
+                                 total=o.lifecycles)
+        meter = host.Meter(server.proc.pid)
+        srv0, me0 = host.process_cpu(server.proc.pid), host.self_cpu()
+        elapsed, results, errors = await _workers(o.lifecycles, o.concurrency, lambda i: self._lifecycle(client),
+                                                  progress, task)
+        done = len(results)
+        cpu = meter.stop(done)
+        srv = host.process_cpu(server.proc.pid)
+        me = host.self_cpu() - me0
+        self.errors += [f"dsec lifecycle: {e}" for e in errors]
+        self.r["dsec"]["throughput"] = {
+            "lifecycles": done, "failed": len(errors), "concurrency": o.concurrency, "seconds": elapsed,
+            "lifecycles_per_s": done / elapsed if elapsed else 0.0, "cpu": cpu,
+            "server_python_cpu_ms_per_lifecycle": (srv[0] - srv0[0]) / max(done, 1) * 1e3,
+            "server_children_cpu_ms_per_lifecycle": (srv[1] - srv0[1]) / max(done, 1) * 1e3,
+            "client_cpu_ms_per_lifecycle": me / max(done, 1) * 1e3,
+            "create": host.latency_summary([r[0] for r in results]),
+            "exec": host.latency_summary([r[1] for r in results]),
+            "stop": host.latency_summary([r[2] for r in results]),
+        }
+
+    async def _wait_pool(self, target: int) -> tuple[int, float, float]:
+        """Wait until the warm pool holds ``target`` sandboxes, or stops growing for 3 s (it
+        sizes itself to the creates in flight it has seen). No sandbox runs between rounds, so
+        every sandbox cgroup on the host is a pooled one. Returns (count, seconds waited, seconds
+        until the last change)."""
+        t0 = time.perf_counter()
+        deadline = t0 + self.opts.pool_wait_s
+        last, changed = _sandbox_count(self.parent), t0
+        while last < target and time.perf_counter() < deadline:
+            await asyncio.sleep(0.05)
+            n = _sandbox_count(self.parent)
+            now = time.perf_counter()
+            if n != last:
+                last, changed = n, now
+            elif now - changed > 3.0:
+                break
+        if last >= target:
+            await asyncio.sleep(0.2)  # the last ones counted may still be starting
+        return last, time.perf_counter() - t0, changed - t0
+
+    async def _create_rounds(self, server: LocalServer, rounds: int, label: str, progress: Progress,
+                             pool_target: int = 0, size: int | None = None) -> dict:
+        """``rounds`` times: latency_concurrency creates at once (each timed), then stop them.
+
+        Each round has its own client, so no round reuses connections left idle by the last."""
+        n = size or self.opts.latency_concurrency
+        task = progress.add_task(label, total=rounds * n)
+        latencies: list[float] = []
+        server_side: list[float] = []
+        pool_at_start: list[int] = []
+        waits: list[float] = []
+        failed = 0
+        meter = host.Meter(server.proc.pid)
+        for _ in range(rounds):
+            if pool_target:
+                count, waited, _ = await self._wait_pool(pool_target)
+                pool_at_start.append(count)
+                waits.append(round(waited, 2))
+            async with _client(server) as client:
+
+                async def create() -> Sandbox:
+                    t0 = time.perf_counter()
+                    try:
+                        sandbox = await client.run_container(self._args(), timeout=120)
+                    finally:
+                        progress.advance(task)
+                    latencies.append(time.perf_counter() - t0)
+                    if sandbox.info.create_s is not None:
+                        server_side.append(sandbox.info.create_s)
+                    return sandbox
+
+                made = await asyncio.gather(*(create() for _ in range(n)), return_exceptions=True)
+                for m in made:
+                    if isinstance(m, BaseException):
+                        failed += 1
+                        self.errors.append(f"{label}: {type(m).__name__}: {m}"[:400])
+                stops = await asyncio.gather(*(m.stop() for m in made if isinstance(m, Sandbox)),
+                                             return_exceptions=True)
+                self.errors += [f"{label}: stop: {e}"[:400] for e in stops if isinstance(e, BaseException)]
+        out = {"in_flight": n, "rounds": rounds, "failed": failed, "latency": host.latency_summary(latencies),
+               "server_side": host.latency_summary(server_side), "cpu": meter.stop(len(latencies))}
+        if pool_target:
+            out["pool_at_round_start"] = pool_at_start
+            out["pool_refill_wait_s"] = waits
+        return out
+
+    async def dsec_warm(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
+        """Create latency with the warm pool as full as it gets at the start of each round.
+
+        The pool sizes itself to the most creates it has seen inside the edge at once; a create
+        served from the pool finishes without yielding, so a burst of B against a pool of W only
+        raises the target to B − W (64 against 32 leaves it at 32). The warm-up therefore uses
+        bursts of twice the measured size, until the pool reaches its target or stops growing."""
+        o = self.opts
+        target = min(o.pool_max, o.latency_concurrency)
+        sizes: list[int] = []
+        for i in range(o.pool_warmup_rounds):
+            await self._create_rounds(server, 1, f"DSec warm pool: warm-up burst {i + 1} of {2 * o.latency_concurrency}",
+                                      progress, size=2 * o.latency_concurrency)
+            size, _, _ = await self._wait_pool(target)
+            sizes.append(size)
+            if size >= target or (len(sizes) > 1 and size <= sizes[-2]):
+                break
+        res = await self._create_rounds(
+            server, o.latency_rounds, f"DSec create, warm pool: {o.latency_rounds} rounds × {o.latency_concurrency}",
+            progress, pool_target=target)
+        res["pool_after_warmup_bursts"] = sizes
+        self.r["dsec"]["create_warm"] = res
+
+    async def dsec_cold(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
+        o = self.opts
+        await self._create_rounds(server, 1, f"DSec no pool: warm-up round of {o.latency_concurrency}", progress)
+        self.r["dsec"]["create_cold"] = await self._create_rounds(
+            server, o.cold_rounds, f"DSec create, no pool: {o.cold_rounds} rounds × {o.latency_concurrency}", progress)
+
+    async def dsec_idle(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
+        o = self.opts
+        args = self._args(memory_mb=16)
+        if _sandbox_count(self.parent):
+            raise BenchError(f"{_sandbox_count(self.parent)} sandboxes exist before the idle phase")
+        mem0 = await host.settled_memory(settle_s=2.0)
+        cg0 = _cgroup_memory(self.parent)
+        sandboxes: list[Sandbox] = []
+        task = progress.add_task(f"DSec: {o.idle_count} idle sandboxes (16 MB), batches of {o.idle_batch}",
+                                 total=o.idle_count)
+        t0 = time.perf_counter()
+        try:
+            while len(sandboxes) < o.idle_count:
+                base = len(sandboxes)
+                count = min(o.idle_batch, o.idle_count - base)
+                sandboxes += await client.run_containers(
+                    args, count=count, timeout=600,
+                    progress=lambda done, total, base=base: progress.update(task, completed=base + done))
+            create_s = time.perf_counter() - t0
+            mem1 = await host.settled_memory(settle_s=3.0)
+            cg1 = _cgroup_memory(self.parent)
+            seen = _sandbox_count(self.parent)
+        finally:
+            stop_task = progress.add_task(f"DSec: stopping {len(sandboxes)} idle sandboxes", total=len(sandboxes))
+            t1 = time.perf_counter()
+            _, _, errors = await _workers(len(sandboxes), o.concurrency, lambda i: sandboxes[i].stop(), progress,
+                                          stop_task, max_errors=len(sandboxes))
+            stop_s = time.perf_counter() - t1
+            self.errors += [f"dsec idle stop: {e}" for e in errors]
+        mem2 = await host.settled_memory(settle_s=3.0)
+        if seen != o.idle_count:
+            self.notes.append(f"idle phase: {seen} sandbox cgroups seen for {o.idle_count} sandboxes")
+        self.r["dsec"]["idle"] = {
+            "count": o.idle_count, "memory_limit_mb": 16, "batch": o.idle_batch,
+            "created_per_s": o.idle_count / create_s, "stopped_per_s": len(sandboxes) / stop_s if stop_s else None,
+            "host_mib_per_sandbox": (mem1["used"] - mem0["used"]) / o.idle_count / 2**20,
+            # The same quantity measured the other way (held − after all were stopped): the
+            # gap between the two shows how much other work on the host moved the figure.
+            "host_mib_per_sandbox_by_release": (mem1["used"] - mem2["used"]) / o.idle_count / 2**20,
+            "meminfo_mib_per_sandbox": host.per_item_mib(mem1, mem0, o.idle_count),
+            "meminfo_mib_per_sandbox_by_release": host.per_item_mib(mem1, mem2, o.idle_count),
+            "cgroup_charged_mib_per_sandbox": (cg1 - cg0) / o.idle_count / 2**20,
+            "host_used_before_mib": mem0["used"] / 2**20, "host_used_held_mib": mem1["used"] / 2**20,
+            "host_used_after_stop_mib": mem2["used"] / 2**20,
+        }
+
+    async def _stop_all(self, client: DSecClient) -> None:
+        """Safety net before a server is stopped: SIGTERM leaves running sandboxes to be
+        adopted, so stop whatever a failed phase left."""
+        try:
+            remaining = await client.list_sandboxes()
+        except Exception as exc:  # noqa: BLE001
+            self.errors.append(f"cannot list sandboxes: {exc}")
+            return
+        running = [await client.get_sandbox(s.id) for s in remaining if s.status.value in ("running", "creating")]
+        if running:
+            self.notes.append(f"stopped {len(running)} sandboxes a failed phase left")
+            await asyncio.gather(*(s.stop() for s in running), return_exceptions=True)
+
+    async def with_server(self, extra: tuple[str, ...], phases, progress: Progress) -> dict:
+        server = LocalServer(self.state_dir, extra_args=extra)
+        await asyncio.to_thread(server.start)
+        try:
+            async with _client(server) as client:
+                try:
+                    for phase in phases:
+                        await self.phase(phase.__name__, phase(server, client, progress))
+                finally:
+                    await self._stop_all(client)
+        finally:
+            rc = await asyncio.to_thread(server.stop)
+        # uvicorn shuts down on SIGTERM and then re-raises it, so -15 is a clean exit.
+        if rc not in (0, None, -signal.SIGTERM):
+            self.errors.append(f"dsec serve {' '.join(extra)} exited {rc} on SIGTERM: {server.log_tail(800)}")
+        return {"args": list(extra), "exit_code": rc}
+
+    async def phase(self, name: str, coro: Awaitable[None]) -> None:
+        """Run one phase; an error ends that phase only (it is reported, the rest still run)."""
+        try:
+            await coro
+        except Exception as exc:  # noqa: BLE001 - reported with the results
+            self.errors.append(f"phase {name}: {type(exc).__name__}: {exc}"[:600])
+
+    # -- peers -------------------------------------------------------------------------------
+
+    async def crun_throughput(self, rig: PeerRig, progress: Progress) -> None:
+        o = self.opts
+
+        async def once(i: int) -> None:
+            ok, why = await rig.crun_echo()
+            if not ok:
+                raise BenchError(why)
+
+        task = progress.add_task(f"crun run: warm-up {o.concurrency}", total=o.concurrency)
+        await _workers(o.concurrency, o.concurrency, once, progress, task)
+        task = progress.add_task(f"crun run of echo hi: {o.crun_runs}, {o.concurrency} in flight", total=o.crun_runs)
+        meter = host.Meter()
+        elapsed, results, errors = await _workers(o.crun_runs, o.concurrency, once, progress, task)
+        cpu = meter.stop(len(results))
+        self.errors += [f"crun run: {e}" for e in errors]
+        self.r["crun"]["throughput"] = {
+            "lifecycles": len(results), "failed": len(errors), "concurrency": o.concurrency, "seconds": elapsed,
+            "lifecycles_per_s": len(results) / elapsed if elapsed else 0.0, "cpu": cpu,
+        }
+
+    async def podman_throughput(self, rig: PeerRig, progress: Progress) -> None:
+        o = self.opts
+
+        async def once(i: int) -> float:
+            t0 = time.perf_counter()
+            ok, why = await rig.podman_echo()
+            if not ok:
+                raise BenchError(why)
+            return time.perf_counter() - t0
+
+        task = progress.add_task("podman run --rm: warm-up 2", total=2)
+        _, _, errors = await _workers(2, 1, once, progress, task, max_errors=0)
+        if errors:
+            raise BenchError(f"podman does not run here: {errors[0]}")
+        task = progress.add_task(f"podman run --rm of echo hi: {o.podman_runs}, {o.concurrency} in flight",
+                                 total=o.podman_runs)
+        meter = host.Meter()
+        elapsed, results, errors = await _workers(o.podman_runs, o.concurrency, once, progress, task)
+        cpu = meter.stop(len(results))
+        self.errors += [f"podman run: {e}" for e in errors]
+        self.r["podman"]["throughput"] = {
+            "lifecycles": len(results), "failed": len(errors), "concurrency": o.concurrency, "seconds": elapsed,
+            "lifecycles_per_s": len(results) / elapsed if elapsed else 0.0, "cpu": cpu,
+            "run_latency": host.latency_summary(results),
+        }
+
+    async def crun_create(self, rig: PeerRig, progress: Progress) -> None:
+        """crun run --detach at 64 in flight, same rounds as DSec's warm figure."""
+        o = self.opts
+        n = o.latency_concurrency
+        task = progress.add_task(f"crun run --detach: {o.latency_rounds} rounds × {n}", total=o.latency_rounds * n)
+        latencies: list[float] = []
+        failed = 0
+        meter = host.Meter()
+        for _ in range(o.latency_rounds):
+            async def create() -> str:
+                t0 = time.perf_counter()
+                try:
+                    cid = await rig.crun_start_idle()
+                finally:
+                    progress.advance(task)
+                latencies.append(time.perf_counter() - t0)
+                return cid
+
+            made = await asyncio.gather(*(create() for _ in range(n)), return_exceptions=True)
+            for m in made:
+                if isinstance(m, BaseException):
+                    failed += 1
+                    self.errors.append(f"crun run --detach: {m}"[:400])
+            await asyncio.gather(*(rig.crun_delete(m) for m in made if isinstance(m, str)))
+        self.r["crun"]["create"] = {"in_flight": n, "rounds": o.latency_rounds, "failed": failed,
+                                    "latency": host.latency_summary(latencies), "cpu": meter.stop(len(latencies))}
+
+    async def crun_idle(self, rig: PeerRig, progress: Progress) -> None:
+        o = self.opts
+        mem0 = await host.settled_memory(settle_s=2.0)
+        task = progress.add_task(f"crun: {o.idle_count} idle containers, {o.concurrency} at a time", total=o.idle_count)
+        cids: list[str] = []
+
+        async def start(i: int) -> None:
+            cids.append(await rig.crun_start_idle())
+
+        try:
+            _, _, errors = await _workers(o.idle_count, o.concurrency, start, progress, task)
+            self.errors += [f"crun idle: {e}" for e in errors]
+            mem1 = await host.settled_memory(settle_s=3.0)
+        finally:
+            task = progress.add_task(f"crun: deleting {len(cids)} idle containers", total=len(cids))
+            await _workers(len(cids), o.concurrency, lambda i: rig.crun_delete(cids[i]), progress, task,
+                           max_errors=len(cids))
+        mem2 = await host.settled_memory(settle_s=3.0)
+        n = max(len(cids), 1)
+        self.r["crun"]["idle"] = {"count": len(cids), "host_mib_per_container": (mem1["used"] - mem0["used"]) / n / 2**20,
+                                  "host_mib_per_container_by_release": (mem1["used"] - mem2["used"]) / n / 2**20,
+                                  "meminfo_mib_per_container": host.per_item_mib(mem1, mem0, n),
+                                  "meminfo_mib_per_container_by_release": host.per_item_mib(mem1, mem2, n)}
+
+    async def podman_idle(self, rig: PeerRig, progress: Progress) -> None:
+        """64 ``podman run --detach`` at once: their create latency, then their idle memory."""
+        n = self.opts.podman_idle
+        mem0 = await host.settled_memory(settle_s=2.0)
+        task = progress.add_task(f"podman run --rm --detach: {n} at once, then idle", total=n)
+        latencies: list[float] = []
+
+        async def create() -> str:
+            t0 = time.perf_counter()
+            try:
+                name = await rig.podman_start_idle()
+            finally:
+                progress.advance(task)
+            latencies.append(time.perf_counter() - t0)
+            return name
+
+        made = await asyncio.gather(*(create() for _ in range(n)), return_exceptions=True)
+        names = [m for m in made if isinstance(m, str)]
+        try:
+            for m in made:
+                if isinstance(m, BaseException):
+                    self.errors.append(f"podman run --detach: {m}"[:400])
+            mem1 = await host.settled_memory(settle_s=3.0)
+        finally:
+            await rig.podman_remove(names)
+        mem2 = await host.settled_memory(settle_s=3.0)
+        k = max(len(names), 1)
+        self.r["podman"]["create"] = {"in_flight": n, "rounds": 1, "failed": n - len(names),
+                                      "latency": host.latency_summary(latencies)}
+        self.r["podman"]["idle"] = {"count": len(names),
+                                    "host_mib_per_container": (mem1["used"] - mem0["used"]) / k / 2**20,
+                                    "host_mib_per_container_by_release": (mem1["used"] - mem2["used"]) / k / 2**20,
+                                    "meminfo_mib_per_container": host.per_item_mib(mem1, mem0, k),
+                                    "meminfo_mib_per_container_by_release": host.per_item_mib(mem1, mem2, k)}
+
+
+def _ancestors() -> set[int]:
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return pids
+
+
+def _leftovers(state_dir: Path, settle_s: float = 5.0) -> list[str]:
+    """``dsec.local.leftovers``, less this process and the ones that started it: their command
+    lines may name the state dir, but they are not left behind."""
+    mine = {f"process {pid} " for pid in _ancestors()}
+    return [x for x in leftovers(state_dir, settle_s=settle_s) if not any(x.startswith(m) for m in mine)]
+
+
+def _source() -> dict:
+    """Which DSec code ran: its path and, from a git checkout, the commit and whether the tree
+    differs from it."""
+    import dsec
+
+    src = Path(dsec.__file__).resolve().parent
+    info: dict[str, Any] = {"path": str(src)}
+    try:
+        top = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if top.returncode == 0:
+            info["git_commit"] = top.stdout.strip()
+            dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."],
+                                   capture_output=True, text=True, timeout=30)
+            info["uncommitted_changes"] = bool(dirty.stdout.strip())
+        elif (src.parent.parent / "COMMIT").exists():
+            info["git_commit"] = (src.parent.parent / "COMMIT").read_text().strip()
+            info["note"] = "exported tree of that commit"
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return info
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0 or a != a or b != b:
+        return None
+    return a / b
+
+
+def _get(d: dict, *path: str) -> Any:
+    for p in path:
+        if not isinstance(d, dict) or p not in d:
+            return None
+        d = d[p]
+    return d
+
+
+def _summarise(r: dict) -> tuple[dict, list[dict]]:
+    d, p, c = r["dsec"], r["podman"], r["crun"]
+    tput = _get(d, "throughput", "lifecycles_per_s")
+    ratios = {
+        "throughput_dsec_over_podman": _ratio(tput, _get(p, "throughput", "lifecycles_per_s")),
+        "throughput_dsec_over_crun": _ratio(tput, _get(c, "throughput", "lifecycles_per_s")),
+    }
+    for kind in ("own", "host"):
+        v = _get(d, "throughput", "cpu", f"{kind}_cpu_ms_per_op")
+        ratios[f"{kind}_cpu_per_lifecycle_dsec_over_podman"] = _ratio(v, _get(p, "throughput", "cpu", f"{kind}_cpu_ms_per_op"))
+        ratios[f"{kind}_cpu_per_lifecycle_dsec_over_crun"] = _ratio(v, _get(c, "throughput", "cpu", f"{kind}_cpu_ms_per_op"))
+    for kind in ("warm", "cold"):
+        for q in ("p50_ms", "p99_ms"):
+            v = _get(d, f"create_{kind}", "latency", q)
+            ratios[f"create_{kind}_{q}_dsec_over_podman"] = _ratio(v, _get(p, "create", "latency", q))
+            ratios[f"create_{kind}_{q}_dsec_over_crun"] = _ratio(v, _get(c, "create", "latency", q))
+    mem = _get(d, "idle", "host_mib_per_sandbox")
+    ratios["idle_memory_dsec_over_podman"] = _ratio(mem, _get(p, "idle", "host_mib_per_container"))
+    ratios["idle_memory_dsec_over_crun"] = _ratio(mem, _get(c, "idle", "host_mib_per_container"))
+
+    def goal(name: str, value: float | None, target: float, higher_is_better: bool, unit: str) -> dict:
+        ok = None if value is None else (value >= target if higher_is_better else value <= target)
+        return {"goal": name, "target": target, "unit": unit, "value": value, "met": ok}
+
+    goals = [
+        goal("lifecycles/s", tput, GOAL_LIFECYCLES_PER_S, True, "/s"),
+        goal("throughput vs podman", ratios["throughput_dsec_over_podman"], GOAL_VS_PODMAN, True, "×"),
+        goal("create p50, warm pool", _get(d, "create_warm", "latency", "p50_ms"), GOAL_CREATE_P50_MS, False, "ms"),
+        goal("create p99, warm pool", _get(d, "create_warm", "latency", "p99_ms"), GOAL_CREATE_P99_MS, False, "ms"),
+        goal("host memory per idle sandbox", mem, GOAL_IDLE_MIB, False, "MiB"),
+    ]
+    return ratios, goals
+
+
+def _fmt(v: float | None, spec: str = ".1f", unit: str = "") -> str:
+    if v is None or v != v:
+        return "—"
+    return f"{v:{spec}}{unit}"
+
+
+def _verdict(met: bool | None) -> str:
+    return {True: "[green]PASS[/green]", False: "[red]FAIL[/red]", None: "[yellow]—[/yellow]"}[met]
+
+
+def _table(res: dict) -> Table:
+    d, p, c, ratios, o = res["dsec"], res["podman"], res["crun"], res["ratios"], res["options"]
+    goals = {g["goal"]: g for g in res["goals"]}
+    t = Table(title="dsec bench lifecycle: busybox, one rootfs for all")
+    for col, just in (("measure", "left"), ("DSec", "right"), ("podman", "right"), ("crun", "right"),
+                      ("÷podman", "right"), ("÷crun", "right"), ("goal", "left"), ("", "left")):
+        t.add_column(col, justify=just)
+
+    def row(label: str, key: tuple[str, ...], pkey: tuple[str, ...] | None, ckey: tuple[str, ...] | None,
+            ratio: str | None, goal_text: str = "", verdict: str = "", spec: str = ".1f") -> None:
+        t.add_row(label, _fmt(_get(d, *key), spec), _fmt(_get(p, *pkey), spec) if pkey else "",
+                  _fmt(_get(c, *ckey), spec) if ckey else "",
+                  _fmt(ratios.get(f"{ratio}_dsec_over_podman"), ".2f", "×") if ratio else "",
+                  _fmt(ratios.get(f"{ratio}_dsec_over_crun"), ".2f", "×") if ratio else "", goal_text, verdict)
+
+    tp = ("throughput", "lifecycles_per_s")
+    row(f"lifecycles/s ({o['concurrency']} in flight)", tp, tp, tp, "throughput",
+        f"≥{GOAL_LIFECYCLES_PER_S:g}, ≥{GOAL_VS_PODMAN:g}× podman",
+        f"{_verdict(goals['lifecycles/s']['met'])} {_verdict(goals['throughput vs podman']['met'])}")
+    own = ("throughput", "cpu", "own_cpu_ms_per_op")
+    row("CPU ms per lifecycle", own, own, own, "own_cpu_per_lifecycle")
+    n = o["latency_concurrency"]
+    for kind, label in (("warm", "warm pool"), ("cold", "no pool")):
+        for q, target in (("p50_ms", GOAL_CREATE_P50_MS), ("p99_ms", GOAL_CREATE_P99_MS)):
+            if kind == "warm":
+                goal_text, verdict = f"≤{target:g}", _verdict(goals[f"create {q[:3]}, warm pool"]["met"])
+            else:
+                v = _get(d, "create_cold", "latency", q)
+                goal_text, verdict = "(for warm)", "" if v is None else ("within" if v <= target else "over")
+            row(f"create {q[:3]} ms, {n} at once, {label}", (f"create_{kind}", "latency", q),
+                ("create", "latency", q), ("create", "latency", q), f"create_{kind}_{q}", goal_text, verdict)
+    row(f"MiB per idle sandbox (×{_get(d, 'idle', 'count') or '—'}; podman ×{_get(p, 'idle', 'count') or '—'})",
+        ("idle", "host_mib_per_sandbox"), ("idle", "host_mib_per_container"), ("idle", "host_mib_per_container"),
+        "idle_memory", f"≤{GOAL_IDLE_MIB:g}", _verdict(goals["host memory per idle sandbox"]["met"]), ".2f")
+    row("  same, measured on release", ("idle", "host_mib_per_sandbox_by_release"),
+        ("idle", "host_mib_per_container_by_release"), ("idle", "host_mib_per_container_by_release"), None, spec=".2f")
+    row("  charged to the sandbox cgroups", ("idle", "cgroup_charged_mib_per_sandbox"), None, None, None, spec=".2f")
+    left = res["leftovers"]
+    clean = not left["dsec"] and not left["peers"]
+    t.add_row("left behind", "nothing" if not left["dsec"] else f"{len(left['dsec'])} items", "", "",
+              "", "", "nothing", _verdict(clean))
+    t.caption = ("÷: DSec divided by the peer (above 1 is better for lifecycles/s; below 1 is better for CPU, "
+                 "latency, memory). CPU: the benchmark's own processes (client, server, crun; podman without conmon).")
+    return t
+
+
+async def _run(bench: Bench, rig_args: tuple[Path, Path, str], progress: Progress) -> None:
+    o = bench.opts
+    # SIGTERM ends the run the way Ctrl-C does: the phases unwind and everything is cleaned up.
+    main_task = asyncio.current_task()
+    assert main_task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
+    with PeerRig(*rig_args) as rig:
+        try:
+            await bench.phase("crun_throughput", bench.crun_throughput(rig, progress))
+            if o.podman:
+                try:
+                    await bench.podman_throughput(rig, progress)
+                except Exception as exc:  # noqa: BLE001 - reported; the podman phases are skipped
+                    bench.errors.append(f"phase podman_throughput: {type(exc).__name__}: {exc}"[:600])
+                    o.podman = False
+            bench.r["dsec"]["servers"] = [
+                await bench.with_server(("--pool-max", str(o.pool_max)),
+                                        [bench.dsec_throughput, bench.dsec_warm], progress),
+                await bench.with_server(("--pool-max", "0"), [bench.dsec_cold, bench.dsec_idle], progress),
+            ]
+            await bench.phase("crun_create", bench.crun_create(rig, progress))
+            await bench.phase("crun_idle", bench.crun_idle(rig, progress))
+            if o.podman:
+                await bench.phase("podman_idle", bench.podman_idle(rig, progress))
+        finally:
+            rig.cleanup()
+            bench.r["peer_leftovers"] = await asyncio.to_thread(rig.leftovers)
+
+
+def main(state_dir: Path, console: Console, **options: Any) -> int:
+    """Run the benchmark; print the table; write ``<state_dir>/bench-lifecycle.json``.
+
+    Returns 0 when it ran cleanly, 1 on errors or leftovers, 2 (with ``strict=True``) when a
+    goal is missed."""
+    opts = Options(**options)
+    state_dir = Path(state_dir).resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    started = datetime.now(timezone.utc)
+    t_start = time.perf_counter()
+    machine = host.machine()
+    console.print(f"[bold]dsec bench lifecycle[/bold]: state in {state_dir}; {machine['cores']} cores, "
+                  f"{machine['memory_total_gib']} GiB, kernel {machine['kernel']}, cgroups {machine['cgroups']}")
+    store = LayerStore(state_dir / "store")
+    image = store.get_image("busybox") if store.has_image("busybox") else build_busybox(store)
+    if len(image.layers) != 1:
+        console.print(f"[red]error:[/red] the busybox image has {len(image.layers)} layers; expected one")
+        return 1
+    layer_file = store.layer_path(image.layers[0])
+    bench = Bench(state_dir, console, opts)
+    if stale := _leftovers(state_dir, settle_s=0):
+        bench.notes.append(f"{len(stale)} items of an earlier run were there at start (the server removes them)")
+    interrupted = False
+    # The plain asyncio loop, as the server uses: it spawns the peers' crun and podman with
+    # vfork, where uvloop would fork this whole process for each and slow the peers down.
+    runner = asyncio.Runner()
+    try:
+        with _progress(console) as progress, runner:
+            runner.run(_run(bench, (state_dir / "peers", layer_file, secrets.token_hex(3)), progress))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        interrupted = True
+        bench.errors.append("interrupted")
+    except Exception as exc:  # noqa: BLE001 - reported, then cleaned up and checked
+        bench.errors.append(f"{type(exc).__name__}: {exc}")
+    left_dsec = _leftovers(state_dir)
+    left_peers = bench.r.pop("peer_leftovers", None)
+    if left_peers is None:  # the rig never came up, or cleanup raised: look again
+        left_peers = PeerRig(state_dir / "peers", layer_file, "x").leftovers()
+    machine["loadavg_at_end"] = open("/proc/loadavg").read().split()[:3]
+
+    res: dict[str, Any] = {
+        "benchmark": "dsec bench lifecycle",
+        "started_at": started.isoformat(timespec="seconds"),
+        "duration_s": round(time.perf_counter() - t_start, 1),
+        "command": shlex.join(["dsec", *sys.argv[1:]]) if "bench" in sys.argv else "dsec bench lifecycle",
+        "machine": machine,
+        "source": _source(),
+        "options": asdict(opts),
+        **bench.r,
+    }
+    res["ratios"], res["goals"] = _summarise(res)
+    res["leftovers"] = {"dsec": left_dsec, "peers": left_peers}
+    res["errors"] = bench.errors
+    res["notes"] = bench.notes
+    out = state_dir / RESULTS_FILE
+    out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+
+    console.print(_table(res))
+    dt = _get(res, "dsec", "throughput")
+    if dt:
+        console.print(
+            f"DSec lifecycle parts, p50: create {dt['create']['p50_ms']:.1f} ms, exec {dt['exec']['p50_ms']:.1f} ms, "
+            f"stop {dt['stop']['p50_ms']:.1f} ms; CPU per lifecycle: server {dt['server_python_cpu_ms_per_lifecycle']:.1f}"
+            f" ms Python + {dt['server_children_cpu_ms_per_lifecycle']:.1f} ms its child processes (crun, …), client "
+            f"{dt['client_cpu_ms_per_lifecycle']:.1f} ms")
+    warm = _get(res, "dsec", "create_warm")
+    if warm:
+        console.print(f"warm pool: {warm.get('pool_after_warmup_bursts')} after warm-up bursts, "
+                      f"{warm.get('pool_at_round_start')} at the start of each round (waited "
+                      f"{warm.get('pool_refill_wait_s')} s for refills); inside the edge, create p50/p99 "
+                      f"{warm['server_side']['p50_ms']:.1f}/{warm['server_side']['p99_ms']:.1f} ms")
+    cold = _get(res, "dsec", "create_cold")
+    if cold:
+        console.print(f"no pool: inside the edge, create p50/p99 {cold['server_side']['p50_ms']:.1f}/"
+                      f"{cold['server_side']['p99_ms']:.1f} ms")
+    shares = []
+    for label, path in (("crun run", ("crun", "throughput")), ("podman run", ("podman", "throughput")),
+                        ("DSec lifecycles", ("dsec", "throughput")), ("DSec warm creates", ("dsec", "create_warm")),
+                        ("DSec cold creates", ("dsec", "create_cold")), ("crun creates", ("crun", "create"))):
+        share = _get(res, *path, "cpu", "others_share")
+        if share is not None:
+            shares.append(f"{label} {share * 100:.0f}%")
+    if shares:
+        console.print("share of the machine used by other work during: " + ", ".join(shares))
+    idle = _get(res, "dsec", "idle")
+    if idle:
+        parts = idle["meminfo_mib_per_sandbox"]
+        console.print(f"idle phase: {idle['created_per_s']:.0f} created/s in batches, {_fmt(idle['stopped_per_s'], '.0f')} "
+                      f"stopped/s; per sandbox (MiB): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items() if k != "used"))
+    for note in bench.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    for err in bench.errors[:20]:
+        console.print(f"[red]error:[/red] {err}")
+    if len(bench.errors) > 20:
+        console.print(f"[red]… and {len(bench.errors) - 20} more errors[/red] (all in {out})")
+    console.print(f"leftovers(state_dir): {left_dsec or 'nothing'}")
+    console.print(f"peer leftovers: {left_peers or 'nothing'}")
+    console.print(f"results: {out} ({res['duration_s']:.0f} s)")
+    if interrupted:
+        return 130
+    if bench.errors or left_dsec or left_peers:
+        return 1
+    if opts.strict and any(g["met"] is False for g in res["goals"]):
+        return 2
+    return 0
