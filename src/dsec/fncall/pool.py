@@ -418,7 +418,9 @@ class FnCallPool:
             if pool.waiters:
                 # Workers stuck on calls that wait do not serve the queue: add as many.
                 want = max(want, min(base + self._blocked(pool, now), pool.size + len(pool.waiters)))
-                oldest = min((w.queued_at for w in pool.waiters if not w.done()), default=now)
+                while pool.waiters and pool.waiters[0].done():
+                    pool.waiters.popleft()  # cancelled
+                oldest = pool.waiters[0].queued_at if pool.waiters else now
                 if now - oldest > cfg.queue_grow_s and pool.starting == 0:
                     want = max(want, pool.size + 1)
             backing_off = pool.failures >= 2 and now - pool.failed_at < cfg.failure_backoff_s

@@ -246,10 +246,11 @@ def _parse_body(raw):
     code = str(raw[pos:pos + code_len], "utf-8")
     pos += code_len
     env = {}
-    for item in bytes(raw[pos:pos + env_len]).split(b"\0"):
-        if item:
-            name, _, value = item.decode("utf-8", "surrogateescape").partition("=")
-            env[name] = value
+    if env_len:  # every object a child makes costs it page faults: none when there is nothing
+        for item in bytes(raw[pos:pos + env_len]).split(b"\0"):
+            if item:
+                name, _, value = item.decode("utf-8", "surrogateescape").partition("=")
+                env[name] = value
     pos += env_len
     stdin = None
     if stdin_len >= 0:
