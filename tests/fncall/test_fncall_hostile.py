@@ -80,6 +80,15 @@ async def test_memory_bomb_in_many_processes(pool):
     assert r.exit_code == -9 and (r.memory_exceeded or r.timed_out)
 
 
+async def test_memory_limits_that_change_from_call_to_call(pool):
+    for memory_mb in (512, 32, 256, 16, 1024, 64):
+        r = await run(pool, "x = bytearray(24 << 20)\nprint(len(x) >> 20)", memory_limit_mb=memory_mb)
+        if memory_mb > 24:
+            assert r.stdout == "24\n", r
+        else:
+            assert "MemoryError" in r.stderr, r
+
+
 async def test_os_exit(pool):
     r = await run(pool, "import os\nprint('unflushed', end='')\nos._exit(3)")
     assert r.exit_code == 3 and r.stdout == ""  # as with python3 -c: the buffer was not flushed

@@ -183,7 +183,7 @@ class FnCallPool:
             worker = await self._acquire(pool)
             queued = time.monotonic() - started
             try:
-                worker.set_memory_limit((prepared.memory_mb + self.config.memory_overhead_mb) << 20)
+                await worker.set_memory_limit((prepared.memory_mb + self.config.memory_overhead_mb) << 20)
                 answer = await worker.call(prepared.frame, prepared.limits, prepared.fetch, self.config.answer_grace_s)
             except WorkerFailed as exc:
                 self._discard(pool, worker, str(exc))
@@ -412,7 +412,9 @@ class FnCallPool:
         cfg = self.config
         total = sum(p.size for p in self._pools.values())
         for key, pool in list(self._pools.items()):
-            in_use = pool.image.name in cfg.prewarm or now - pool.last_used < cfg.image_idle_s
+            latest = self._images.get(pool.image.name)
+            current = latest is None or latest[1].layers == pool.image.layers  # not a rebuilt image's old pool
+            in_use = (pool.image.name in cfg.prewarm and current) or now - pool.last_used < cfg.image_idle_s
             base = cfg.workers_min if in_use else 0
             want = base
             if pool.waiters:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -203,14 +204,26 @@ class Worker:
             raise WorkerFailed(f"answer of {n} bytes")
         return kind, await self.proc.stdout.readexactly(n)
 
-    def set_memory_limit(self, limit: int) -> None:
-        """Set the worker's cgroup memory limit (the call's limit plus the zygote's share)."""
-        if limit != self.memory_limit:
-            try:
+    async def set_memory_limit(self, limit: int) -> None:
+        """Set the worker's cgroup memory limit (the call's limit plus the zygote's share).
+
+        Raising is a file write. Lowering makes the kernel reclaim down to it, which can take a
+        while (so it runs in a thread) or fail while the last call's files are still being
+        wiped (EBUSY): the higher limit then stays for this call, whose processes are each held
+        to the call's own limit by RLIMIT_AS anyway."""
+        if limit == self.memory_limit:
+            return
+        try:
+            if self.memory_limit is not None and limit < self.memory_limit:
+                await asyncio.to_thread(set_memory_limit, self.backend.cgroup_parent, self.cid, limit)
+            else:
                 set_memory_limit(self.backend.cgroup_parent, self.cid, limit)
-            except OSError as exc:
-                raise WorkerFailed(f"cannot set the memory limit: {exc}", started=False) from exc
-            self.memory_limit = limit
+        except OSError as exc:
+            if exc.errno == errno.EBUSY:
+                log.debug("fncall worker %s: memory limit stays at %s: %s", self.cid, self.memory_limit, exc)
+                return
+            raise WorkerFailed(f"cannot set the memory limit: {exc}", started=False) from exc
+        self.memory_limit = limit
 
     async def call(self, frame: bytes, limits: CallLimits, fetch: list[str], grace_s: float) -> Answer:
         """Send one request and read its answer. The zygote enforces the call's timeout; if no
