@@ -3,6 +3,7 @@ nothing is left behind afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -130,6 +131,11 @@ def _leftovers(state_dir: Path) -> list[str]:
             cgroup = Path(f"/proc/{pid}/cgroup").read_text()
             state, ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[:2]
         except (OSError, IndexError, ValueError):
+            continue
+        if state == "Z" and ppid == str(os.getpid()):
+            # A sandbox init orphaned by a stopped server, re-parented to us as a subreaper.
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(int(pid), os.WNOHANG)
             continue
         if state == "Z" and ppid == "1":
             continue  # exited, and the host's init is to reap it (some reap only now and then)
