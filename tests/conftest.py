@@ -54,6 +54,13 @@ def make_state_dir(tmp_path_factory: pytest.TempPathFactory, store: Path, name: 
     return state
 
 
+@pytest.fixture(scope="session")
+def new_state_dir(tmp_path_factory, test_store):
+    """``new_state_dir(name)``: a fresh state dir on the shared test store (for tests that run
+    servers of their own; ``from conftest import`` may find another directory's conftest)."""
+    return lambda name: make_state_dir(tmp_path_factory, test_store, name)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_after_the_suite(tmp_path_factory):
     """After the whole run: no mounts, cgroups, crun state or processes (catatonit runs as

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_state_dir
 from dsec.local import LocalServer, leftovers
 from libdsec import DSecClient, DSecContainerRunArgs, SandboxStateError, SandboxStatus
 
@@ -22,8 +21,8 @@ ARGS = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=32)
 
 
 @pytest.fixture
-def state_dir(tmp_path_factory, test_store):
-    state = make_state_dir(tmp_path_factory, test_store, "dsec-restart")
+def state_dir(new_state_dir):
+    state = new_state_dir("dsec-restart")
     yield state
     # Whatever a failed test left: a last server re-adopts it, is told to stop it all, and goes.
     if leftovers(state, settle_s=0):
