@@ -142,7 +142,7 @@ async def test_command_timeout(sandbox):
     start = time.monotonic()
     with pytest.raises(CommandTimeout, match="timed out after 1s") as info:
         await sandbox.run_shell("echo started; sleep 30", timeout=1)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 10
     assert isinstance(info.value, TimeoutError) and "started" in str(info.value)
     result = await sandbox.run_shell("echo still here")
     assert (result.exit_code, result.stdout) == (0, "still here\n")
@@ -160,7 +160,7 @@ async def test_timeout_kills_background_children(sandbox):
     command = "sleep 1001 & (sleep 1002 &); nohup sleep 1003 >/dev/null 2>&1 & sh -c 'sleep 1004 &'; sleep 1005"
     with pytest.raises(CommandTimeout):
         await sandbox.run_shell(command, timeout=1)
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 10
     while (left := await _sleepers(sandbox)) and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     assert left == [], f"still running after the timeout: {left}"
@@ -198,7 +198,7 @@ async def test_endless_output_under_a_timeout(sandbox):
     start = time.monotonic()
     with pytest.raises(CommandTimeout, match="timed out after 2s"):
         await sandbox.run_shell("yes", timeout=2, max_output_bytes=1000)
-    assert time.monotonic() - start < 6
+    assert time.monotonic() - start < 12
     assert (await sandbox.run_shell("echo ok")).stdout == "ok\n"
 
 

@@ -58,6 +58,7 @@ async def _sample_pids(pids: Path, task: asyncio.Task) -> list[int]:
     while not task.done():
         seen.append(int((pids / "pids.current").read_text()))
         await asyncio.sleep(0.05)
+    seen.append(int((pids / "pids.current").read_text()))
     return seen
 
 
@@ -75,7 +76,7 @@ async def test_pids_limit_bounds_a_fork_bomb(client):
         assert (pids / "pids.max").read_text().strip() == "32"
         # Fork for ever: the sandbox's pids fill up, no more. (The shell gives up when a fork
         # fails, or the timeout ends it.)
-        for bomb in ("while :; do sleep 2 & done", "f() { f & f & wait; }; f"):
+        for bomb in ("while :; do sleep 5 & done", "f() { f & f & wait; }; f"):
             task = asyncio.create_task(sandbox.run_shell(bomb, timeout=3))
             seen = await _sample_pids(pids, task)
             try:
@@ -83,7 +84,7 @@ async def test_pids_limit_bounds_a_fork_bomb(client):
             except CommandTimeout:
                 pass
             assert 16 <= max(seen) <= 32, (bomb, seen)
-            await _pids_drop_to(pids, 3)
+            await _pids_drop_to(pids, 3, within_s=20)
             assert (await sandbox.run_shell("echo ok")).stdout == "ok\n"
         assert int((pids / "pids.events").read_text().split()[-1]) > 0  # forks were refused
 
@@ -179,7 +180,7 @@ async def test_background_process_does_not_hold_the_call(client):
         start = asyncio.get_running_loop().time()
         result = await sandbox.run_shell("sleep 1234 & echo started", timeout=20)
         assert (result.exit_code, result.stdout) == (0, "started\n")
-        assert asyncio.get_running_loop().time() - start < 5
+        assert asyncio.get_running_loop().time() - start < 10
         assert "sleep 1234" in (await sandbox.run_shell("ps -o args")).stdout
 
 
