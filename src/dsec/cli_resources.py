@@ -93,11 +93,15 @@ def project_quota(
     cpu: QuotaValue = None,
     memory: QuotaValue = None,
 ) -> None:
-    """Set a project's quota (each unset value: no cap of its own)."""
+    """Change a project's quota: the values given ('none': no cap of its own); the rest stay."""
 
     async def go():
         async with DSecClient() as client:
-            return await client.set_project_quota(name, **_quota(sandboxes, cpu, memory))
+            quota = (await client.get_project(name)).quota.model_dump()
+            given = {"sandboxes": sandboxes, "cpu_cores": cpu, "memory_mb": memory}
+            new = _quota(sandboxes, cpu, memory)
+            quota.update({k: v for k, v in new.items() if given[k] is not None})
+            return await client.set_project_quota(name, **quota)
 
     console.print(_table([_run(go())]))
 
