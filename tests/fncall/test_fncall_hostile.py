@@ -51,10 +51,10 @@ async def test_fork_bomb(pool):
 
 
 async def test_bash_fork_bomb(pool):
-    # The shell itself returns at once (the bomb runs in the background); the zygote kills the
-    # rest, which ran into the process limit.
-    r = await run(pool, ":(){ :|:& };:", language="bash", timeout=2)
-    assert r.timed_out or "Resource temporarily unavailable" in r.stderr, r
+    # The bomb runs in the background; the shell waits a moment (while it hits the process
+    # limit), then the zygote kills whatever is left.
+    r = await run(pool, ":(){ :|:& };:; sleep 1; echo done", language="bash", timeout=3)
+    assert r.timed_out or r.stdout == "done\n" or "Resource temporarily unavailable" in r.stderr, r
 
 
 async def test_escaping_the_process_group(pool):
@@ -72,12 +72,15 @@ async def test_memory_bomb(pool):
 
 
 async def test_memory_bomb_in_many_processes(pool):
-    """Each process keeps within its address space; together they hit the worker's memory
-    limit and the kernel kills them, not the zygote."""
-    r = await run(pool, "import os\nfor _ in range(4):\n    os.fork()\nx = bytearray(60 << 20)\n"
-                        "for i in range(0, len(x), 4096):\n    x[i] = 1\nimport time; time.sleep(5)",
-                  memory_limit_mb=64, timeout=10)
-    assert r.exit_code == -9 and (r.memory_exceeded or r.timed_out)
+    """Each process keeps within its address space; together they pass the worker's memory
+    limit and the kernel kills the biggest of them (the call's, never the zygote)."""
+    r = await run(pool, "import os, time\npids = []\nfor _ in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+                        "        x = bytearray(60 << 20)\n        for i in range(0, len(x), 4096):\n"
+                        "            x[i] = 1\n        time.sleep(3)\n        os._exit(0)\n    pids.append(pid)\n"
+                        "print(sorted(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids))",
+                  memory_limit_mb=64, timeout=20)
+    killed = r.stdout.count("-9")
+    assert r.exit_code == 0 and killed >= 3, r  # 6 × 60 MB in a 64 + 64 MB worker
 
 
 async def test_memory_limits_that_change_from_call_to_call(pool):
