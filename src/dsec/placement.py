@@ -72,24 +72,13 @@ class Demand:
 
 def fits(node: NodeLoad, demand: Demand, overcommit: Overcommit = Overcommit()) -> bool:
     """True when ``node`` can take one more sandbox of ``demand``."""
-    return (
-        node.healthy
-        and (node.max_sandboxes is None or node.sandboxes < node.max_sandboxes)
-        and node.committed_cpu + demand.cpu_cores <= node.cpu_cores * overcommit.cpu + 1e-9
-        and node.committed_memory_mb + demand.memory_mb <= node.memory_mb * overcommit.memory + 1e-9
-    )
+    return _Slots(node, overcommit).fits(demand)
 
 
 def load(node: NodeLoad, overcommit: Overcommit = Overcommit()) -> float:
     """The node's dominant share: its most committed resource, as a fraction of what it may
     commit (0 empty, 1 full)."""
-    shares = [
-        node.committed_cpu / (node.cpu_cores * overcommit.cpu) if node.cpu_cores > 0 else 1.0,
-        node.committed_memory_mb / (node.memory_mb * overcommit.memory) if node.memory_mb > 0 else 1.0,
-    ]
-    if node.max_sandboxes is not None:
-        shares.append(node.sandboxes / node.max_sandboxes if node.max_sandboxes > 0 else 1.0)
-    return max(shares)
+    return _Slots(node, overcommit).load()
 
 
 class _Slots:

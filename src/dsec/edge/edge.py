@@ -65,6 +65,7 @@ from ..images.store import Image, LayerStore, check_name
 from ..placement import DEFAULT_CPU_OVERCOMMIT, DEFAULT_MEMORY_OVERCOMMIT
 from ..resources import cgroups
 from ..resources import cpu as cpu_sched
+from ..resources import reclaim
 from ..resources.cgroups import Limits
 from .api import new_sandbox_id
 from .security import EdgeSecurity
@@ -84,14 +85,6 @@ _HOLDING = (SandboxStatus.creating, SandboxStatus.running, SandboxStatus.paused)
 def _cpu_commit(args: DSecContainerRunArgs) -> float:
     """CPU a sandbox commits on its node: its weight in cores, or none for best effort."""
     return 0.0 if getattr(args, "best_effort", False) else args.cpu_cores_limit
-
-
-def _swap_total_mb() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("SwapTotal:"):
-                return int(line.split()[1]) // 1024
-    return 0
 
 
 def _memory_total_mb() -> int:
@@ -704,7 +697,7 @@ class Edge:
         return {
             "max_sandboxes": self.config.max_sandboxes, "cpu_overcommit": self.config.cpu_overcommit,
             "memory_overcommit": self.config.memory_overcommit, "committed_cpu": round(cpu, 6),
-            "committed_memory_mb": memory, "paused": paused, "swap_total_mb": _swap_total_mb(),
+            "committed_memory_mb": memory, "paused": paused, "swap_total_mb": reclaim.swap_total_bytes() >> 20,
             "sched_idle": cpu_sched.sched_idle(), "core_scheduling": cpu_sched.core_scheduling(),
             "projects": {p: ProjectUsage(sandboxes=n, cpu_cores=round(c, 6), memory_mb=m)
                          for p, (n, c, m) in projects.items()},
