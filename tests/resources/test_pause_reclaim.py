@@ -106,11 +106,10 @@ async def test_many_pauses_at_once(client):
 
 
 @pytest.fixture(scope="module")
-def cold_server(tmp_path_factory, test_store):
-    from conftest import make_state_dir
+def cold_server(new_state_dir):
     from dsec.local import LocalServer, leftovers
 
-    state = make_state_dir(tmp_path_factory, test_store, "dsec-coldmem")
+    state = new_state_dir("dsec-coldmem")
     srv = LocalServer(state, extra_args=("--pool-max", "0", "--cold-memory-idle-s", "2",
                                          "--cold-memory-interval-s", "0.5"))
     srv.start()
