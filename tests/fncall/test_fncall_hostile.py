@@ -118,6 +118,15 @@ async def test_writing_outside_the_workdir(pool):
     assert "WRITTEN" not in r.stdout, r.stdout
 
 
+async def test_fetching_through_symlinks(pool):
+    r = await run(pool, "ln -s /etc etc; ln -s /proc/self me; ln -s ../../etc/passwd up; mkdir d; echo in > d/f; "
+                        "ln -s d/f final; ln -s d dir", language="bash",
+                  fetch_files=["etc/passwd", "me/environ", "up", "final", "dir/f"])
+    assert r.files == {"dir/f": b"in\n"}, r
+    assert r.file_errors == {"etc/passwd": "outside the working directory", "me/environ": "outside the working directory",
+                             "up": "a symbolic link", "final": "a symbolic link"}, r.file_errors
+
+
 async def test_huge_output(pool):
     r = await run(pool, "import sys\nsys.stdout.write('x' * (100 << 20))", max_output_bytes=1000)
     assert r.stdout == "x" * 1000 and r.stdout_truncated and r.stdout_bytes > 1000

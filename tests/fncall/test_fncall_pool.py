@@ -164,6 +164,18 @@ async def test_grows_for_calls_that_wait_and_shrinks_back(make_pool):
     assert len(pool.workers()) == 1 and pool.stats["workers_retired"] >= 1
 
 
+async def test_a_cancelled_call_keeps_its_worker(make_pool):
+    """A caller that goes away (a client disconnects, say) does not cost the pool a worker."""
+    pool = await make_pool()
+    task = asyncio.create_task(pool.call(call("import time; time.sleep(1)")))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert (await pool.call(call("print(2)"))).stdout == "2\n"
+    assert pool.stats["workers_replaced"] == 0 and pool.stats["workers_started"] == 1
+
+
 async def test_a_zygote_that_dies_between_calls_is_replaced(make_pool):
     pool = await make_pool()
     assert (await pool.call(call("print(1)"))).ok

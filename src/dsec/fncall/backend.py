@@ -77,12 +77,13 @@ class FnCallBackend(ContainerBackend):
         config["root"]["readonly"] = True
         # SysV IPC objects and POSIX message queues would outlive a call: switch them off.
         config["linux"]["sysctl"] = dict(IPC_OFF)
-        size = f"size={self.tmpfs_mb}m"
+        # Sizes and inode counts bound what a call can leave for the zygote to wipe.
+        size, inodes = f"size={self.tmpfs_mb}m", "nr_inodes=65536"
         config["mounts"] += [
             {"destination": WORKDIR, "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "nodev", "mode=0700", size]},
+             "options": ["nosuid", "nodev", "mode=0700", size, inodes]},
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "nodev", "mode=1777", size]},
+             "options": ["nosuid", "nodev", "mode=1777", size, inodes]},
             {"destination": ZYGOTE_PATH, "type": "bind", "source": str(ZYGOTE_SOURCE),
              "options": ["bind", "ro", "nosuid", "nodev"]},
         ]

@@ -45,7 +45,7 @@ from libdsec._models import (
 from ..images.store import Image, LayerStore
 from ..resources.cgroups import Limits
 from .backend import WORKDIR, FnCallBackend, cpu_usage_s
-from .worker import LANGUAGES, CallLimits, Worker, WorkerFailed, call_env, encode_request
+from .worker import LANGUAGES, Answer, CallLimits, Worker, WorkerFailed, call_env, encode_request
 
 log = logging.getLogger("dsec.fncall")
 
@@ -162,9 +162,11 @@ class FnCallPool:
                     fut.set_exception(SandboxStateError("the node is shutting down"))
             workers += [*pool.idle, *pool.busy]
             pool.idle.clear()
-        # Starts under way see _closed and close what they made.
-        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        # Calls under way fail as their workers go; starts under way see _closed and close
+        # what they made.
         await asyncio.gather(*(w.close() for w in workers), return_exceptions=True)
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
         self._pools.clear()
 
     def workers(self) -> list[Worker]:
@@ -182,19 +184,17 @@ class FnCallPool:
             pool = self._pool_of(self._image(prepared.image))
             worker = await self._acquire(pool)
             queued = time.monotonic() - started
+            # The worker's turn runs on even if this call is cancelled (its client went away):
+            # the answer is read and the worker goes back to the pool, warm.
+            turn = asyncio.ensure_future(self._turn(pool, worker, prepared))
+            self._tasks.add(turn)
+            turn.add_done_callback(self._forget)
             try:
-                await worker.set_memory_limit((prepared.memory_mb + self.config.memory_overhead_mb) << 20)
-                answer = await worker.call(prepared.frame, prepared.limits, prepared.fetch, self.config.answer_grace_s)
+                answer = await asyncio.shield(turn)
             except WorkerFailed as exc:
-                self._discard(pool, worker, str(exc))
                 if not exc.started and attempt == 0:
                     continue
                 raise BackendError(f"fncall worker {worker.cid} failed during the call: {exc}") from None
-            except BaseException:
-                # Cancelled mid-call: the answer may still come, so the worker cannot be reused.
-                self._discard(pool, worker, "call cancelled")
-                raise
-            self._release(pool, worker)
             self.stats["calls"] += 1
             cap = prepared.limits.max_output
             return FnCallResult(
@@ -209,6 +209,19 @@ class FnCallPool:
                 duration_s=answer.duration_s, cpu_s=answer.cpu_s, worker_s=answer.worker_s, queued_s=queued,
             )
         raise AssertionError("unreachable")
+
+    async def _turn(self, pool: _ImagePool, worker: Worker, prepared: _Prepared) -> Answer:
+        try:
+            await worker.set_memory_limit((prepared.memory_mb + self.config.memory_overhead_mb) << 20)
+            answer = await worker.call(prepared.frame, prepared.limits, prepared.fetch, self.config.answer_grace_s)
+        except WorkerFailed as exc:
+            self._discard(pool, worker, str(exc))
+            raise
+        except BaseException:
+            self._discard(pool, worker, "interrupted")
+            raise
+        self._release(pool, worker)
+        return answer
 
     async def call_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
         """Run calls concurrently, answers in order; a call that cannot run gets ``error`` set
@@ -330,7 +343,12 @@ class FnCallPool:
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a turn whose caller went away may end in an error
 
     def _new_uid(self) -> int:
         for slot in range(self.config.uid_count):

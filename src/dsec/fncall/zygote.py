@@ -438,8 +438,9 @@ class Zygote:
                 os.close(fd)
 
     def _open_fetched(self, hdr, fds, opened):
-        """Open the files to fetch with the call's own rights (so a symlink it left gets it no
-        more than it could read itself); nothing of them is read into this process."""
+        """Open the files to fetch beneath /work only (openat2 RESOLVE_BENEATH: no symlink out
+        of it, no /proc magic link) and with the call's own rights; nothing of them is read
+        into this process."""
         files = []
         budget = hdr["max_fetch_total"]
         os.setegid(self.gid)
@@ -447,8 +448,7 @@ class Zygote:
         try:
             for path in hdr["fetch"]:
                 try:
-                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
-                                 dir_fd=self.workdir_fd)
+                    fd = _open_beneath(self.workdir_fd, path)
                 except OSError as exc:
                     files.append((path, -1, _OPEN_ERRORS.get(exc.errno) or (exc.strerror or str(exc)).lower()))
                     continue
@@ -509,7 +509,24 @@ def _rmtree(path):
     os.rmdir(path)
 
 
-_OPEN_ERRORS = {2: "no such file", 20: "no such file", 40: "a symbolic link", 13: "permission denied"}
+_OPEN_ERRORS = {2: "no such file", 20: "no such file", 40: "a symbolic link", 13: "permission denied",
+                18: "outside the working directory"}
+_SYS_OPENAT2 = 437
+_RESOLVE_NO_MAGICLINKS, _RESOLVE_BENEATH = 0x02, 0x08
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _open_beneath(dir_fd, path):
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    how = _OpenHow(flags, 0, _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS)
+    fd = _libc.syscall(_SYS_OPENAT2, dir_fd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), path)
+    return fd
 
 
 def _kill_others():
