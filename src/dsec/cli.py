@@ -330,6 +330,29 @@ def bench_density(
 register_resource_commands(app)  # dsec project …, dsec pause, dsec resume
 
 
+@bench_app.command("burst")
+def bench_burst(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark (its disk is measured).")] = Path("/var/lib/dsec-bench-burst"),
+    count: Annotated[int, typer.Option("--count", "-n", help="Sandboxes (N), all started at once.")] = 256,
+    images: Annotated[int, typer.Option("--images", "-m", help="Distinct task images (M) over one shared base.")] = 32,
+    quick: Annotated[bool, typer.Option(help="Developer size: N=32, M=4.")] = False,
+    base: Annotated[str, typer.Option(help="Shared base: python-pkgs (python + Python packages) or python.")] = "python-pkgs",
+    concurrency: Annotated[int, typer.Option(help="Peer creates and tasks in flight.")] = 32,
+    pull_concurrency: Annotated[int, typer.Option(help="Images unpacked/imported at once (eager, podman).")] = 2,
+    podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
+    podman_max: Annotated[int, typer.Option(help="Cap the podman arm at this many sandboxes (0: all).")] = 0,
+    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
+) -> None:
+    """A burst of N sandboxes from M task images: on demand (DSec) vs unpack-then-run vs podman."""
+    from .bench.burst import main as run_bench
+
+    raise typer.Exit(run_bench(
+        state_dir=state_dir, console=console, command=shlex.join(["dsec", *sys.argv[1:]]), count=count,
+        images=images, quick=quick, base=base, concurrency=concurrency, pull_concurrency=pull_concurrency,
+        podman=podman, podman_max=podman_max, strict=strict,
+    ))
+
+
 def main() -> None:
     if os.environ.get("DSEC_DEBUG"):
         app()
