@@ -712,6 +712,12 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
     bench = Bench(state_dir, console, opts)
     if stale := _leftovers(state_dir, settle_s=0):
         bench.notes.append(f"{len(stale)} items of an earlier run were there at start (the server removes them)")
+    # `dsec serve` also starts VM backends, which on a state dir's first start fetch a guest
+    # kernel package from the Debian mirror (apt-get download) and boot a probe VM in the
+    # background. This benchmark uses containers only and keeps all its traffic on 127.0.0.1:
+    # its servers are given a kernel package name that does not exist, so when no kernel is
+    # cached the VM warm-up fails at once (a warning in serve.log) instead of downloading one.
+    os.environ.setdefault("DSEC_GUEST_KERNEL_PACKAGE", "dsec-bench-lifecycle-no-guest-kernel")
     interrupted = False
     # The plain asyncio loop, as the server uses: it spawns the peers' crun and podman with
     # vfork, where uvloop would fork this whole process for each and slow the peers down.
