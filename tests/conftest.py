@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +16,15 @@ TEST_STORE = Path(os.environ.get("DSEC_TEST_STORE", "/var/lib/dsec-test/store"))
 # Every test server shares one VM kernel cache (else each fresh state dir downloads a kernel
 # and probes the accelerator in the background when its server starts).
 os.environ.setdefault("DSEC_VM_ASSETS", str(TEST_STORE.parent / "vm"))
+
+
+# Every directory's conftest.py is imported as the module ``conftest`` and the last one wins
+# sys.modules; a test that does ``from conftest import make_state_dir`` when it runs means this one.
+_ROOT_CONFTEST = sys.modules[__name__]
+
+
+def pytest_collection_finish(session):
+    sys.modules["conftest"] = _ROOT_CONFTEST
 
 
 def pytest_collection_modifyitems(config, items):
