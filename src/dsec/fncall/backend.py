@@ -31,6 +31,8 @@ from ..resources import cgroups
 
 ZYGOTE_SOURCE = Path(__file__).with_name("zygote.py")
 ZYGOTE_PATH = "/dev/.dsec-zygote.py"
+BOOT_SOURCE = Path(__file__).with_name("zygote_boot.py")
+BOOT_PATH = "/dev/.dsec-zygote-boot.py"
 WORKDIR = "/work"
 IPC_OFF = {"kernel.shmmni": "0", "kernel.msgmni": "0", "kernel.sem": "0 0 0 0", "fs.mqueue.queues_max": "0"}
 
@@ -86,6 +88,8 @@ class FnCallBackend(ContainerBackend):
              "options": ["nosuid", "nodev", "mode=1777", size, inodes]},
             {"destination": ZYGOTE_PATH, "type": "bind", "source": str(ZYGOTE_SOURCE),
              "options": ["bind", "ro", "nosuid", "nodev"]},
+            {"destination": BOOT_PATH, "type": "bind", "source": str(BOOT_SOURCE),
+             "options": ["bind", "ro", "nosuid", "nodev"]},
         ]
         return config
 
@@ -97,8 +101,8 @@ class FnCallBackend(ContainerBackend):
         argv = ["exec", "--no-new-privs", "--cwd", "/", "--user", "0:0"]
         for k, v in env.items():
             argv += ["--env", f"{k}={v}"]
-        argv += [cid, "python3", "-I", ZYGOTE_PATH, str(uid), str(gid), str(nproc), str(fsize), str(nofile),
-                 ",".join(preload)]
+        argv += [cid, "python3", "-I", BOOT_PATH, ZYGOTE_PATH, str(uid), str(gid), str(nproc), str(fsize),
+                 str(nofile), ",".join(preload)]
         return self._crun(*argv)
 
 

@@ -2,8 +2,9 @@
 
 This file runs inside the container, with the image's own ``python3`` (3.10 or later) and the
 standard library only; the edge bind-mounts it read-only and starts it as root of the container
-with ``crun exec … python3 -I ZYGOTE UID GID NPROC FSIZE NOFILE PRELOAD``. It imports what
-calls commonly need once, then serves calls one at a time, forking a fresh child for each::
+with ``crun exec … python3 -I BOOT ZYGOTE UID GID NPROC FSIZE NOFILE PRELOAD`` (``BOOT`` is
+``zygote_boot.py``, which loads this file compiled elsewhere, see there). It imports what calls
+commonly need once, then serves calls one at a time, forking a fresh child for each::
 
     edge ──request──▶ zygote ──fork──▶ child: setsid, rlimits, drop to UID, write files, run code
     edge ◀──answer─── zygote ◀──exit── child            (stdout and stderr are memfds)
