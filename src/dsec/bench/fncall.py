@@ -43,7 +43,7 @@ from ..images.builders import build_python
 from ..images.store import LayerStore
 from ..local import LocalServer, leftovers
 from ..resources import cgroups
-from . import host
+from . import hoststats as host
 
 CODE = "print(sum(range(1000)))"
 EXPECTED = "499500\n"
