@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -52,11 +53,16 @@ class _OpenHow(ctypes.Structure):
 def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) -> int:
     """openat2(2): with RESOLVE_IN_ROOT every path and symlink resolves inside ``dirfd``."""
     how = _OpenHow(flags | os.O_CLOEXEC, mode, resolve)
-    fd = _libc.syscall(_SYS_OPENAT2, dirfd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
-    if fd < 0:
+    # EAGAIN: a rename or mount anywhere on the host raced a ".." under RESOLVE_IN_ROOT and the
+    # kernel could not prove it safe; the man page says to try again (busy hosts see it often).
+    for _ in range(1000):
+        fd = _libc.syscall(_SYS_OPENAT2, dirfd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+        if fd >= 0:
+            return fd
         err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), path)
-    return fd
+        if err != errno.EAGAIN:
+            break
+    raise OSError(err, os.strerror(err), path)
 
 
 def mounted_targets() -> set[str]:
