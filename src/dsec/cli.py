@@ -288,7 +288,7 @@ def bench_fncall(
     latency_calls: Annotated[int, typer.Option(help="Calls for the latency figures (one request each).")] = 3000,
     peer_calls: Annotated[int, typer.Option(help="Calls per peer (python3 -c, bwrap).")] = 300,
     in_flight: Annotated[int, typer.Option(help="Calls in flight (DSec and peers).")] = 32,
-    workers: Annotated[int, typer.Option(help="--fncall-workers of the server (0: two per core).")] = 0,
+    workers: Annotated[int, typer.Option(help="--fncall-workers of the server (0: one per core).")] = 0,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
     """Stateless calls: the warm pool against bwrap python3 -c and python3 -c (docs/BENCHMARKS.md)."""
@@ -330,16 +330,17 @@ def bench_density(
 register_resource_commands(app)  # dsec project …, dsec pause, dsec resume
 
 
-
-@bench_app.command("fncall")
-def bench_fncall(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-fncall"),
-    store_dir: Annotated[Optional[Path], typer.Option("--store", help="Layer store with the python image (default: the state dir's; built if missing).")] = None,
-    calls: Annotated[int, typer.Option(help="Calls for the throughput figure (fncall_many).")] = 6000,
-    latency_calls: Annotated[int, typer.Option(help="Calls for the latency figures (one request each).")] = 3000,
-    peer_calls: Annotated[int, typer.Option(help="Calls per peer (python3 -c, bwrap).")] = 300,
-    in_flight: Annotated[int, typer.Option(help="Calls in flight (DSec and peers).")] = 32,
-    workers: Annotated[int, typer.Option(help="--fncall-workers of the server (0: one per core).")] = 0,
+@bench_app.command("burst")
+def bench_burst(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark (its disk is measured).")] = Path("/var/lib/dsec-bench-burst"),
+    count: Annotated[int, typer.Option("--count", "-n", help="Sandboxes (N), all started at once.")] = 256,
+    images: Annotated[int, typer.Option("--images", "-m", help="Distinct task images (M) over one shared base.")] = 32,
+    quick: Annotated[bool, typer.Option(help="Developer size: N=32, M=4.")] = False,
+    base: Annotated[str, typer.Option(help="Shared base: python-pkgs (python + Python packages) or python.")] = "python-pkgs",
+    concurrency: Annotated[int, typer.Option(help="Peer creates and tasks in flight.")] = 32,
+    pull_concurrency: Annotated[int, typer.Option(help="Images unpacked/imported at once (eager, podman).")] = 2,
+    podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
+    podman_max: Annotated[int, typer.Option(help="Cap the podman arm at this many sandboxes (0: all).")] = 0,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
     """A burst of N sandboxes from M task images: on demand (DSec) vs unpack-then-run vs podman."""
