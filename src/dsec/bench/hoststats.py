@@ -52,6 +52,40 @@ def per_item_mib(after: dict[str, int], before: dict[str, int], count: int) -> d
     return {k: round((after[k] - before[k]) / max(count, 1) / 2**20, 3) for k in after}
 
 
+def pss_bytes(pids: list[int]) -> int:
+    """Proportional set size of these processes together (shared pages split among sharers):
+    their user-space memory, not moved by what other processes on the host do."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def cgroup_pids(parent: str) -> list[int]:
+    """Processes in the cgroups under ``parent`` (the memory hierarchy on v1)."""
+    from ..resources import cgroups
+
+    base = cgroups.CGROUP_ROOT / parent if cgroups.is_v2() else cgroups.CGROUP_ROOT / "memory" / parent
+    pids: list[int] = []
+    try:
+        children = [d for d in base.iterdir() if d.is_dir()]
+    except OSError:
+        return pids
+    for d in [base, *children]:
+        try:
+            pids += [int(x) for x in (d / "cgroup.procs").read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100); NaN for no values."""
     if not values:

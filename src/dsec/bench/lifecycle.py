@@ -321,6 +321,7 @@ class Bench:
             mem1 = await host.settled_memory(settle_s=3.0)
             cg1 = _cgroup_memory(self.parent)
             seen = _sandbox_count(self.parent)
+            pss = host.pss_bytes(host.cgroup_pids(self.parent))
         finally:
             stop_task = progress.add_task(f"DSec: stopping {len(sandboxes)} idle sandboxes", total=len(sandboxes))
             t1 = time.perf_counter()
@@ -341,6 +342,7 @@ class Bench:
             "meminfo_mib_per_sandbox": host.per_item_mib(mem1, mem0, o.idle_count),
             "meminfo_mib_per_sandbox_by_release": host.per_item_mib(mem1, mem2, o.idle_count),
             "cgroup_charged_mib_per_sandbox": (cg1 - cg0) / o.idle_count / 2**20,
+            "process_pss_mib_per_sandbox": pss / o.idle_count / 2**20,
             "host_used_before_mib": mem0["used"] / 2**20, "host_used_held_mib": mem1["used"] / 2**20,
             "host_used_after_stop_mib": mem2["used"] / 2**20,
         }
@@ -470,6 +472,7 @@ class Bench:
             _, _, errors = await _workers(o.idle_count, o.concurrency, start, progress, task)
             self.errors += [f"crun idle: {e}" for e in errors]
             mem1 = await host.settled_memory(settle_s=3.0)
+            pss = host.pss_bytes(host.cgroup_pids(rig.cgroup_parent))
         finally:
             task = progress.add_task(f"crun: deleting {len(cids)} idle containers", total=len(cids))
             await _workers(len(cids), o.concurrency, lambda i: rig.crun_delete(cids[i]), progress, task,
@@ -478,6 +481,7 @@ class Bench:
         n = max(len(cids), 1)
         self.r["crun"]["idle"] = {"count": len(cids), "host_mib_per_container": (mem1["used"] - mem0["used"]) / n / 2**20,
                                   "host_mib_per_container_by_release": (mem1["used"] - mem2["used"]) / n / 2**20,
+                                  "process_pss_mib_per_container": pss / n / 2**20,
                                   "meminfo_mib_per_container": host.per_item_mib(mem1, mem0, n),
                                   "meminfo_mib_per_container_by_release": host.per_item_mib(mem1, mem2, n)}
 
@@ -504,6 +508,7 @@ class Bench:
                 if isinstance(m, BaseException):
                     self.errors.append(f"podman run --detach: {m}"[:400])
             mem1 = await host.settled_memory(settle_s=3.0)
+            pss = host.pss_bytes(await asyncio.to_thread(rig.podman_pids, names))
         finally:
             await rig.podman_remove(names)
         mem2 = await host.settled_memory(settle_s=3.0)
@@ -513,6 +518,7 @@ class Bench:
         self.r["podman"]["idle"] = {"count": len(names),
                                     "host_mib_per_container": (mem1["used"] - mem0["used"]) / k / 2**20,
                                     "host_mib_per_container_by_release": (mem1["used"] - mem2["used"]) / k / 2**20,
+                                    "process_pss_mib_per_container": pss / k / 2**20,
                                     "meminfo_mib_per_container": host.per_item_mib(mem1, mem0, k),
                                     "meminfo_mib_per_container_by_release": host.per_item_mib(mem1, mem2, k)}
 
@@ -663,6 +669,8 @@ def _table(res: dict) -> Table:
         "idle_memory", f"≤{GOAL_IDLE_MIB:g}", _verdict(goals["host memory per idle sandbox"]["met"]), ".2f")
     row("  same, measured on release", ("idle", "host_mib_per_sandbox_by_release"),
         ("idle", "host_mib_per_container_by_release"), ("idle", "host_mib_per_container_by_release"), None, spec=".2f")
+    row("  of it, processes' PSS (conmon included)", ("idle", "process_pss_mib_per_sandbox"),
+        ("idle", "process_pss_mib_per_container"), ("idle", "process_pss_mib_per_container"), None, spec=".2f")
     row("  charged to the sandbox cgroups", ("idle", "cgroup_charged_mib_per_sandbox"), None, None, None, spec=".2f")
     left = res["leftovers"]
     clean = not left["dsec"] and not left["peers"]

@@ -254,6 +254,14 @@ class PeerRig:
             raise PeerError(f"podman run --detach exited {rc}: {text[-300:]}")
         return name
 
+    def podman_pids(self, names: list[str]) -> list[int]:
+        """The containers' processes and their conmons."""
+        if not names:
+            return []
+        proc = subprocess.run([PODMAN, "inspect", "--format", "{{.State.Pid}} {{.State.ConmonPid}}", *names],
+                              capture_output=True, text=True, timeout=120)
+        return [int(x) for x in proc.stdout.split() if x.isdigit() and int(x) > 0]
+
     async def podman_remove(self, names: list[str]) -> None:
         for i in range(0, len(names), 64):
             proc = await asyncio.create_subprocess_exec(
