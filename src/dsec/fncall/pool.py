@@ -225,15 +225,21 @@ class FnCallPool:
 
     async def call_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
         """Run calls concurrently, answers in order; a call that cannot run gets ``error`` set
-        and does not affect the others."""
+        and does not affect the others. At most ``workers_max`` are under way at once, each
+        prepared just before it goes out: preparing a whole large batch at once would hold up
+        the event loop (and leave the workers idle) for tens of milliseconds."""
+        results: list[FnCallResult | None] = [None] * len(calls)
+        pending = iter(enumerate(calls))
 
-        async def one(args: DSecFnCallArgs) -> FnCallResult:
-            try:
-                return await self.call(args)
-            except DSecError as exc:
-                return FnCallResult(exit_code=-1, error=ErrorBody(code=exc.code, message=exc.message))
+        async def feed() -> None:
+            for i, args in pending:
+                try:
+                    results[i] = await self.call(args)
+                except DSecError as exc:
+                    results[i] = FnCallResult(exit_code=-1, error=ErrorBody(code=exc.code, message=exc.message))
 
-        return list(await asyncio.gather(*(one(a) for a in calls)))
+        await asyncio.gather(*(feed() for _ in range(min(len(calls), self.config.workers_max))))
+        return results  # type: ignore[return-value]
 
     # -- checking ------------------------------------------------------------------------------
 
