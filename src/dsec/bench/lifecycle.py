@@ -722,6 +722,7 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
     started = datetime.now(timezone.utc)
     t_start = time.perf_counter()
     machine = host.machine()
+    source = _source()  # the code as it is when the run starts
     console.print(f"[bold]dsec bench lifecycle[/bold]: state in {state_dir}; {machine['cores']} cores, "
                   f"{machine['memory_total_gib']} GiB, kernel {machine['kernel']}, cgroups {machine['cgroups']}")
     store = LayerStore(state_dir / "store")
@@ -763,7 +764,7 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
         "duration_s": round(time.perf_counter() - t_start, 1),
         "command": shlex.join(["dsec", *sys.argv[1:]]) if "bench" in sys.argv else "dsec bench lifecycle",
         "machine": machine,
-        "source": _source(),
+        "source": source,
         "options": asdict(opts),
         **bench.r,
     }
