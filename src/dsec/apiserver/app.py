@@ -7,6 +7,7 @@ the cluster (one embedded edge here).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -14,6 +15,7 @@ from contextlib import aclosing
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libdsec import DSecError, InvalidRequest
@@ -56,6 +58,10 @@ def _validation_message(exc: RequestValidationError) -> str:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query"))
         parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
     return "malformed request: " + "; ".join(parts)
+
+
+# Batch creations under way, referenced until done (see the batch route).
+_BATCHES: set[asyncio.Task] = set()
 
 
 class _CatchUnexpected:
@@ -139,7 +145,8 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         return await cluster.edge_for(sandbox_id).snapshot(sandbox_id)
 
     @app.post("/v1/sandboxes:batch", dependencies=auth, responses=_ERRORS)
-    async def create_batch(batch: CreateBatchRequest, caller: Caller = Depends(authenticated)) -> StreamingResponse:
+    async def create_batch(batch: CreateBatchRequest, request: Request,
+                           caller: Caller = Depends(authenticated)) -> StreamingResponse:
         events = cluster.create_batch(batch.args, batch.count, caller.project)
         # The first sandbox is awaited here, so a bad request gets a plain error status.
         try:
@@ -148,18 +155,63 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
             await events.aclose()
             raise
 
-        async def lines() -> AsyncIterator[str]:
+        # The batch runs in a task of its own, not in the response's: when the client goes away,
+        # Starlette cancels the response under a cancel scope that would also cancel every await
+        # of the batch's clean-up (so sandboxes it had made were left running), and a response
+        # cancelled before it starts would never close the batch at all. A client that goes
+        # away before the stream's end never learns the ids: what the batch made is stopped.
+        out: asyncio.Queue[BatchEvent] = asyncio.Queue()
+        made: list[str] = []
+        state = {"complete": False, "delivered": False, "undone": False}
+
+        async def pump() -> None:
             async with aclosing(events):
                 try:
                     index, info = first
-                    yield BatchEvent(event="created", index=index, sandbox=info).model_dump_json() + "\n"
+                    made.append(info.id)
+                    out.put_nowait(BatchEvent(event="created", index=index, sandbox=info))
                     async for index, info in events:
-                        yield BatchEvent(event="created", index=index, sandbox=info).model_dump_json() + "\n"
-                    yield BatchEvent(event="done").model_dump_json() + "\n"
+                        made.append(info.id)
+                        out.put_nowait(BatchEvent(event="created", index=index, sandbox=info))
+                    state["complete"] = True
+                    out.put_nowait(BatchEvent(event="done"))
                 except DSecError as exc:
-                    yield BatchEvent(event="error", error=exc.to_wire()["error"]).model_dump_json() + "\n"
+                    out.put_nowait(BatchEvent(event="error", error=exc.to_wire()["error"]))
 
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
+        async def undo() -> None:
+            batch_task.cancel()  # an unfinished batch undoes itself (all or none)
+            await asyncio.gather(batch_task, return_exceptions=True)
+            if state["complete"]:
+                await asyncio.gather(*(cluster.edge_for(sid).stop(sid, reason="batch abandoned by its client")
+                                       for sid in made), return_exceptions=True)
+
+        def give_up() -> None:
+            if not state["delivered"] and not state["undone"]:
+                state["undone"] = True
+                task = asyncio.create_task(undo())
+                _BATCHES.add(task)
+                task.add_done_callback(_BATCHES.discard)
+
+        batch_task = asyncio.create_task(pump())
+        _BATCHES.add(batch_task)
+        batch_task.add_done_callback(_BATCHES.discard)
+
+        async def lines() -> AsyncIterator[str]:
+            try:
+                while True:
+                    event = await out.get()
+                    yield event.model_dump_json() + "\n"
+                    if event.event != "created":
+                        # (a client gone before the response started takes nothing from it)
+                        state["delivered"] = not await request.is_disconnected()
+                        return
+            finally:
+                give_up()
+
+        async def abandoned() -> None:  # (runs also when the response never started)
+            give_up()
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson", background=BackgroundTask(abandoned))
 
     @app.get("/v1/sandboxes", dependencies=auth)
     async def list_sandboxes(caller: Caller = Depends(authenticated)) -> SandboxList:
