@@ -355,7 +355,7 @@ class Bench:
         except Exception as exc:  # noqa: BLE001
             self.errors.append(f"cannot list sandboxes: {exc}")
             return
-        running = [await client.get_sandbox(s.id) for s in remaining if s.status.value in ("running", "creating")]
+        running = [await client.get_sandbox(s.id) for s in remaining if s.status.value in ("running", "creating", "paused")]
         if running:
             self.notes.append(f"stopped {len(running)} sandboxes a failed phase left")
             await asyncio.gather(*(s.stop() for s in running), return_exceptions=True)
