@@ -3,8 +3,9 @@
 This file runs inside the container, with the image's own ``python3`` (3.10 or later) and the
 standard library only; the edge bind-mounts it read-only and starts it as root of the container
 with ``crun exec … python3 -I BOOT ZYGOTE UID GID NPROC FSIZE NOFILE PRELOAD`` (``BOOT`` is
-``zygote_boot.py``, which loads this file compiled elsewhere, see there). It imports what calls
-commonly need once, then serves calls one at a time, forking a fresh child for each::
+``zygote_boot.py``, which loads this file compiled elsewhere, see there). It does Python's
+start-up work (and imports the PRELOAD modules, if any) once, then serves calls one at a time,
+forking a fresh child for each::
 
     edge ──request──▶ zygote ──fork──▶ child: setsid, rlimits, drop to UID, write files, run code
     edge ◀──answer─── zygote ◀──exit── child            (stdout and stderr are memfds)
@@ -17,9 +18,9 @@ spliced from the channel into a memfd that only the child reads, and output and 
 back with sendfile(2). Only the small request header (limits, names of files to fetch) is parsed
 here. The zygote is the subreaper of every process a call starts: once the child is reaped,
 any process still there is found with one waitpid, killed with kill(-1) (atomic against fork,
-so a fork bomb cannot outrun it) and reaped. The writable mounts are wiped when their directory
-size says they are not empty; SysV IPC and POSIX message queues are switched off in the worker
-(namespaced sysctls), so no other state survives a call.
+so a fork bomb cannot outrun it) and reaped. The writable mounts are wiped when a stat of their
+directory (size, times, owner, mode) shows a change; SysV IPC and POSIX message queues are
+switched off in the worker (namespaced sysctls), so no other state survives a call.
 
 Wire protocol (the channel is the zygote's stdin and stdout, moved to fds 3 and 4 at start;
 integers big-endian, strings UTF-8 with a ``!H`` length before them):
@@ -39,11 +40,13 @@ integers big-endian, strings UTF-8 with a ``!H`` length before them):
   bytes themselves. Kind ``E``: the call could not be started, payload is the reason. Kind ``R``
   (once, at start): ``PYTHON_VERSION\\0MISSING_MODULES``. EOF on the channel ends the zygote.
 
-Speed: on a virtual machine every page a process writes after fork costs a fault (≈2 µs here),
-so the zygote does once what every child would otherwise do for the first time (it builds the
-child's ``sys.stdin``/``stdout``/``stderr`` on seekable placeholders, as ``python3 -c`` would
-for files, and runs a warm-up snippet through compile, exec, print and traceback), and keeps its
-own per-call work to a few system calls.
+Speed: on a virtual machine every page a process writes after fork costs a fault (≈2 µs here)
+and every page it maps costs at fork and exit, so the zygote keeps its heap small (only small
+modules; compiled elsewhere, see ``zygote_boot``), does once what every child would otherwise do
+for the first time (it builds the child's ``sys.stdin``/``stdout``/``stderr`` on seekable
+placeholders, as ``python3 -c`` would for files, and runs a warm-up snippet through compile,
+exec, print and traceback; that halves a child's cost), keeps the calls' base environment as
+its own, and keeps its per-call work to a few system calls.
 """
 
 import os
