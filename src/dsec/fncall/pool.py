@@ -6,12 +6,14 @@
 
 - Size: each image in use keeps ``workers_min`` workers (default one per core). Short calls
   just queue for the warm workers: more workers would only share the cores (measured here: two
-  workers on two cores answer in half the time of four, at the same throughput). The pool grows (up to ``workers_max`` for the node) when
-  calls queue behind calls that wait rather than compute (busy for over ``slow_call_s`` while
-  their worker's cgroup used under ``blocked_cpu`` of a core: sleep, I/O), one worker per such
-  call, and by one worker a tick while the oldest queued call has waited over ``queue_grow_s``
-  whatever the reason. Workers idle for ``idle_s`` above the minimum are retired; an image with
-  no call for ``image_idle_s`` keeps none (``prewarm`` images always keep the minimum).
+  workers on two cores answer in half the time of four, at the same throughput). The pool grows
+  (up to ``workers_max`` for the node) when calls queue behind calls that wait rather than
+  compute (busy for over ``slow_call_s`` while their worker's cgroup used under ``blocked_cpu``
+  of a core: sleep, I/O), one worker per such call, and by one worker a tick while the oldest
+  queued call has waited over ``queue_grow_s`` whatever the reason. Workers idle for ``idle_s``
+  above the minimum are retired; an image with no call for ``image_idle_s`` keeps none
+  (``prewarm`` images always keep the minimum).
+- A call whose caller goes away (cancelled) still finishes in its worker, which stays warm.
 - Failure: a worker that dies, hangs (no answer by the call's timeout plus ``answer_grace_s``)
   or breaks the protocol is destroyed and replaced in the background; its call gets a
   ``BackendError`` — unless the call never reached it, then it goes to another worker. If an
