@@ -107,7 +107,9 @@ def build_edge(config: ServerConfig, store: LayerStore) -> Edge:
 
         fncall_config = FnCallConfig(**config.fncall)
         fncalls = FnCallPool(FnCallBackend.beside(backend, tmpfs_mb=fncall_config.tmpfs_mb), store, fncall_config)
-    return Edge(edge_config, [backend, *vm_backends(node_dir, store, config.state_dir / "vm")], store, fncalls=fncalls)
+    # DSEC_VMS=0: containers only (no guest kernel to fetch, no accelerator probe at start).
+    vms = vm_backends(node_dir, store, config.state_dir / "vm") if os.environ.get("DSEC_VMS", "1") != "0" else []
+    return Edge(edge_config, [backend, *vms], store, fncalls=fncalls)
 
 
 def lock_node(state_dir: Path) -> int:
@@ -187,5 +189,8 @@ def serve(config: ServerConfig) -> None:
     # The plain asyncio loop, on purpose: it spawns crun with vfork (≈0.6 ms), where uvloop
     # forks the whole server (≈4 ms), and every sandbox call spawns crun.
     uvicorn.run(app, host=config.host, port=config.port, loop="asyncio", log_level="warning",
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10,
+                # Well above the SDK's idle-connection expiry (httpx: 5 s), so a request never
+                # leaves on a connection the server is closing.
+                timeout_keep_alive=75)
 

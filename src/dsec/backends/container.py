@@ -352,9 +352,14 @@ class ContainerBackend:
                 raise BackendError(f"layer {digest} of image {spec.image!r} is missing from the store")
         plan = self._plan(cid, spec.layers, spec.image)
         bundle = plan.target.parent
+        if self.id_ranges is not None:
+            self.id_ranges.take(cid)  # here, on the event loop: ranges are handed out in order
         try:
-            self._mount_rootfs(plan)
+            # Mounting (idmapped layer clones, the overlay, a tmpfs) blocks: off the event loop.
+            await asyncio.to_thread(self._mount_rootfs, plan)
         except OSError as exc:
+            if self.id_ranges is not None:
+                self.id_ranges.release(cid)
             shutil.rmtree(bundle, ignore_errors=True)
             raise BackendError(f"cannot mount the root filesystem of {cid}: {exc}") from exc
         pidfile = bundle / "init.pid"

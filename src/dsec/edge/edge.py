@@ -183,6 +183,15 @@ class _Pool:
     filling: int = 0
     in_flight: int = 0
     last_used: float = 0.0
+    # When recent creates started: a create served from the pool may finish before the next
+    # one arrives, so the size of a burst shows in arrivals, not in creates in flight.
+    arrivals: deque[float] = field(default_factory=deque)
+
+    def demand(self, now: float, window_s: float = 0.5) -> int:
+        self.arrivals.append(now)
+        while self.arrivals and now - self.arrivals[0] > window_s:
+            self.arrivals.popleft()
+        return max(self.in_flight, len(self.arrivals))
 
 
 class Edge:
@@ -339,7 +348,8 @@ class Edge:
         pool.in_flight += 1
         pool.last_used = time.monotonic()
         if pooled:
-            pool.want = min(self.config.pool_max, max(pool.want, self.config.pool_min, pool.in_flight))
+            demand = pool.demand(pool.last_used)
+            pool.want = min(self.config.pool_max, max(pool.want, self.config.pool_min, demand))
             self._pool_wakeup.set()
         try:
             if pooled:

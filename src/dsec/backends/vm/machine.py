@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -31,7 +32,9 @@ QEMU = shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64"
 PROBE_TIMEOUT_S = 20.0
 
 
+@functools.cache
 def qemu_version() -> str:
+    """QEMU's version, asked once per process (it cannot change under a running server)."""
     try:
         out = subprocess.run([QEMU, "--version"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
