@@ -97,6 +97,15 @@ def open_store(state_dir: Path) -> LayerStore:
 def build_edge(config: ServerConfig, store: LayerStore) -> Edge:
     node_dir = config.state_dir / "node"
     backend = ContainerBackend(node_dir, store, cgroup_parent=cgroups.parent_for(config.state_dir))
+    try:
+        return _edge_over(backend, config, store)
+    except BaseException:
+        backend.release_unused()  # the node's tmpfs, if no sandbox of an earlier run is in it
+        raise
+
+
+def _edge_over(backend: ContainerBackend, config: ServerConfig, store: LayerStore) -> Edge:
+    node_dir = backend.node_dir
     edge_config = EdgeConfig(node_dir=node_dir, records_dir=backend.run_dir / "records", node=config.node, **config.edge)
     from .backends.vm import vm_backends
 
