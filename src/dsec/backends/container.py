@@ -28,6 +28,7 @@ import shutil
 import signal
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNotFound, SandboxStateError
@@ -76,8 +77,9 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-async def _wait_exit(pid: int, timeout: float) -> None:
-    """Wait until ``pid`` has exited (zombie or reaped), through a pidfd."""
+async def _wait_exit(pid: int, timeout: float, tick: Callable[[], None] = lambda: None) -> None:
+    """Wait until ``pid`` has exited (zombie or reaped), through a pidfd; ``tick`` runs every
+    50 ms meanwhile."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -85,10 +87,15 @@ async def _wait_exit(pid: int, timeout: float) -> None:
     loop = asyncio.get_running_loop()
     exited = loop.create_future()
     loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+    deadline = time.monotonic() + timeout
     try:
-        await asyncio.wait_for(exited, timeout)
-    except TimeoutError:
-        log.warning("process %d did not exit within %ss of SIGKILL", pid, timeout)
+        while not exited.done():
+            if time.monotonic() > deadline:
+                log.warning("process %d did not exit within %ss of SIGKILL", pid, timeout)
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(exited), 0.05)
+            tick()
     finally:
         loop.remove_reader(fd)
         os.close(fd)
@@ -154,6 +161,15 @@ def _kill_session_of(pidfile: Path, cid: str) -> None:
             return
 
 
+def _runs_init(pid: int) -> bool:
+    """True once ``pid`` runs the sandbox's init (not crun still setting up its namespaces)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0] == INIT_PATH.encode()
+    except OSError:
+        return False
+
+
 def _pid_in_cgroup(pid: int, cid: str) -> bool:
     """True while ``pid`` is a live process in sandbox ``cid``'s cgroup (guards pid reuse)."""
     try:
@@ -212,13 +228,6 @@ class ContainerBackend:
         # Root inside is not root outside: each sandbox gets a user namespace and a host uid
         # range of its own (see dsec.isolation.userns); DSEC_USERNS=0 turns it off.
         self.id_ranges = userns.IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
-
-    def _host_ids(self, handle: Handle, uid: int, gid: int) -> tuple[int, int]:
-        """A sandbox's uid/gid as the host sees them (files written from the host)."""
-        idmap = self.id_ranges.of(handle.cid) if self.id_ranges else None
-        if idmap is None:
-            return uid, gid
-        return idmap.host(uid), idmap.host(gid)
 
     def _host_ids(self, handle: Handle, uid: int, gid: int) -> tuple[int, int]:
         """A sandbox's uid/gid as the host sees them (files written from the host)."""
@@ -370,6 +379,13 @@ class ContainerBackend:
             if rc != 0:
                 raise BackendError(f"crun could not start {cid}: {out[-800:]}")
             pid = int(pidfile.read_text())
+            # `crun run --detach` may return while the first process is still crun setting up
+            # the namespaces; a `crun exec` then fails (setns: EPERM). Wait for the init.
+            deadline = time.monotonic() + 10
+            while not _runs_init(pid):
+                if time.monotonic() > deadline:
+                    raise BackendError(f"the init of {cid} did not start within 10s")
+                await asyncio.sleep(0.002)
         except BaseException:
             await self._run_crun("delete", "--force", cid)
             cgroups.remove_cgroup(self.cgroup_parent, cid)
@@ -432,8 +448,11 @@ class ContainerBackend:
             # Killing the pid namespace's init takes every process of the sandbox with it.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(handle.pid, signal.SIGKILL)
+            # A pid namespace's init cannot finish dying while a zombie of it waits on us (a
+            # command whose crun exec died first was reparented to us, the subreaper).
+            self._reap_orphans()
             reclaim.thaw(self.cgroup_parent, handle.cid)  # a frozen (paused) task dies once thawed
-            await _wait_exit(handle.pid, timeout=10)
+            await _wait_exit(handle.pid, timeout=10, tick=self._reap_orphans)
         # When we are the init's subreaper (see dsec.server), reap it now: a zombie still
         # counts in a v1 cgroup, which cannot be removed until it is reaped.
         with contextlib.suppress(ChildProcessError):
@@ -541,7 +560,8 @@ class ContainerBackend:
             raise SandboxStateError(f"cannot exec: sandbox process of {handle.cid} is gone")
         self._check_dir(handle, ctx.workdir)
         pidfile = self.sandboxes_dir / handle.cid / f"exec-{os.urandom(4).hex()}.pid"
-        argv = ["exec", "--cwd", ctx.workdir, "--user", f"{ctx.uid}:{ctx.gid}", "--pid-file", str(pidfile)]
+        # crun exec does not take no_new_privs from the container's config: ask for it.
+        argv = ["exec", "--no-new-privs", "--cwd", ctx.workdir, "--user", f"{ctx.uid}:{ctx.gid}", "--pid-file", str(pidfile)]
         for k, v in ctx.env.items():
             argv += ["--env", f"{k}={v}"]
         argv += [handle.cid, "/bin/sh", "-c", request.command]

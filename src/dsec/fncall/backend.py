@@ -14,16 +14,12 @@ sandboxes, so an edge that restarts removes the remains of old workers with the 
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
-import time
 from pathlib import Path
 
-from libdsec import BackendError
-
-from ..backends.base import Handle, SandboxSpec
-from ..backends.container import INIT_PATH, ContainerBackend
+from ..backends.base import SandboxSpec
+from ..backends.container import ContainerBackend
 from ..images.compose import OverlayPlan
 from ..images.mounts import LayerMounts
 from ..images.store import LayerStore
@@ -52,27 +48,6 @@ class FnCallBackend(ContainerBackend):
         """A worker backend sharing ``backend``'s node dir, layer mounts and cgroup parent."""
         return cls(backend.node_dir, backend.store, layer_mounts=backend.layer_mounts,
                    cgroup_parent=backend.cgroup_parent, tmpfs_mb=tmpfs_mb)
-
-    async def create(self, cid: str, spec: SandboxSpec) -> Handle:
-        """As the container backend's, and only once the init really runs: ``crun run
-        --detach`` can return while the container's first process is still crun setting up
-        the namespaces, and a ``crun exec`` then fails (setns: EPERM) on a loaded host."""
-        handle = await super().create(cid, spec)
-        deadline = time.monotonic() + 10
-        while not _runs_init(handle.pid):
-            if time.monotonic() > deadline:
-                await self.destroy(handle)
-                raise BackendError(f"the init of {cid} did not start within 10s")
-            await asyncio.sleep(0.002)
-        return handle
-
-    async def destroy(self, handle: Handle) -> None:
-        """As the container backend's, after reaping the worker's zombies that were reparented to
-        us (we are the subreaper): a ``crun exec`` that failed or was killed leaves its child
-        to us, and a pid namespace's init cannot finish dying while such a zombie is in it."""
-        _reap_zombies_of(self.cgroup_parent, handle.cid)
-        await super().destroy(handle)
-        _reap_zombies_of(self.cgroup_parent, handle.cid)
 
     def _config(self, cid: str, plan: OverlayPlan, spec: SandboxSpec) -> dict:
         config = super()._config(cid, plan, spec)
@@ -106,30 +81,6 @@ class FnCallBackend(ContainerBackend):
         return self._crun(*argv)
 
 
-def _reap_zombies_of(parent: str, cid: str) -> None:
-    me, where = os.getpid(), f"/{parent}/{cid}\n"
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-            if state != "Z" or int(ppid) != me:
-                continue
-            with open(f"/proc/{entry}/cgroup") as f:
-                if where not in f.read():
-                    continue
-            os.waitpid(int(entry), os.WNOHANG)
-        except (OSError, ValueError, ChildProcessError):
-            continue
-
-
-def _runs_init(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().split(b"\0")[0] == INIT_PATH.encode()
-    except OSError:
-        return False
 
 
 def set_memory_limit(parent: str, cid: str, limit_bytes: int) -> None:
