@@ -78,8 +78,9 @@ def _kill_tree(pid: int) -> None:
 
 
 async def _wait_exit(pid: int, timeout: float, tick: Callable[[], None] = lambda: None) -> None:
-    """Wait until ``pid`` has exited (zombie or reaped), through a pidfd; ``tick`` runs every
-    50 ms meanwhile."""
+    """Wait until ``pid`` has exited (zombie or reaped), through a pidfd; past 0.2 s ``tick``
+    runs every 50 ms (a pid namespace's init cannot finish dying while a zombie of the
+    namespace waits on us, the subreaper, to be reaped)."""
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
@@ -89,13 +90,15 @@ async def _wait_exit(pid: int, timeout: float, tick: Callable[[], None] = lambda
     loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
     deadline = time.monotonic() + timeout
     try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(exited), 0.2)
         while not exited.done():
             if time.monotonic() > deadline:
                 log.warning("process %d did not exit within %ss of SIGKILL", pid, timeout)
                 break
+            tick()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(exited), 0.05)
-            tick()
     finally:
         loop.remove_reader(fd)
         os.close(fd)
@@ -448,9 +451,6 @@ class ContainerBackend:
             # Killing the pid namespace's init takes every process of the sandbox with it.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(handle.pid, signal.SIGKILL)
-            # A pid namespace's init cannot finish dying while a zombie of it waits on us (a
-            # command whose crun exec died first was reparented to us, the subreaper).
-            self._reap_orphans()
             reclaim.thaw(self.cgroup_parent, handle.cid)  # a frozen (paused) task dies once thawed
             await _wait_exit(handle.pid, timeout=10, tick=self._reap_orphans)
         # When we are the init's subreaper (see dsec.server), reap it now: a zombie still
@@ -470,14 +470,15 @@ class ContainerBackend:
         """Reap zombies that were reparented to us (we are the subreaper) from inside our
         sandboxes, e.g. a command whose ``crun exec`` died first. Only processes in our sandbox
         cgroups: asyncio reaps the ``crun`` processes it spawned, which live outside them."""
-        me = os.getpid()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+        children: set[str] = set()
+        for task in os.listdir("/proc/self/task"):  # our children only: no scan of all /proc
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
+                children.update(f.read().split())
+        for entry in children:
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
-                if fields[0] != "Z" or int(fields[1]) != me:
+                if fields[0] != "Z":
                     continue
                 with open(f"/proc/{entry}/cgroup") as f:
                     if f"/{self.cgroup_parent}/" not in f.read():
