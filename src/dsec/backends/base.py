@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from libdsec import InvalidRequest
 from libdsec._models import ExecRequest, ExecResult
 
 from ..resources.cgroups import Limits
@@ -65,6 +66,26 @@ class Handle:
             cid=data["cid"], image=data["image"], layers=tuple(data["layers"]),
             pid=int(data.get("pid", 0)), env=dict(data.get("env", {})),
         )
+
+
+def numeric_user(user: str) -> tuple[int, int] | None:
+    """``root``, ``UID`` or ``UID:GID`` as ids; None when a name must be looked up."""
+    if user == "root":
+        return 0, 0
+    name, _, group = user.partition(":")
+    if name.isdigit() and (not group or group.isdigit()):
+        return int(name), int(group) if group else int(name)
+    return None
+
+
+def user_from_passwd(user: str, passwd: str) -> tuple[int, int]:
+    """``NAME`` or ``NAME:GID`` looked up in the text of an image's /etc/passwd."""
+    name, _, group = user.partition(":")
+    for line in passwd.splitlines():
+        fields = line.split(":")
+        if len(fields) >= 4 and fields[0] == name:
+            return int(fields[2]), int(group) if group.isdigit() else int(fields[3])
+    raise InvalidRequest(f"unknown user {user!r}: not in the image's /etc/passwd")
 
 
 @dataclass(frozen=True)

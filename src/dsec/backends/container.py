@@ -44,7 +44,7 @@ from ..isolation.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, secc
 from ..resources import cgroups, reclaim
 from ..resources import cpu as cpu_sched
 from ..resources.cgroups import Limits
-from .base import ExecContext, Handle, SandboxSpec
+from .base import ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
 
 log = logging.getLogger("dsec.backends.container")
 
@@ -742,18 +742,12 @@ class ContainerBackend:
             os.close(root)
 
     async def resolve_user(self, handle: Handle, user: str) -> tuple[int, int]:
-        """``root``, ``UID``, ``UID:GID`` or a name from the sandbox's /etc/passwd."""
-        if user == "root":
-            return 0, 0
-        name, _, group = user.partition(":")
-        if name.isdigit() and (not group or group.isdigit()):
-            return int(name), int(group) if group else int(name)
+        """``root``, ``UID``, ``UID:GID`` or a name from the image's /etc/passwd."""
+        ids = numeric_user(user)
+        if ids is not None:
+            return ids
         try:
             passwd = self._read_file(handle, "/etc/passwd", 1 << 20).decode(errors="replace")
         except (SandboxFileNotFound, InvalidRequest):
             passwd = ""
-        for line in passwd.splitlines():
-            fields = line.split(":")
-            if len(fields) >= 4 and fields[0] == name:
-                return int(fields[2]), int(group) if group.isdigit() else int(fields[3])
-        raise InvalidRequest(f"unknown user {user!r}: not in the image's /etc/passwd")
+        return user_from_passwd(user, passwd)

@@ -16,7 +16,7 @@ from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNot
 from libdsec._models import ExecRequest, ExecResult
 
 from ..resources.cgroups import Limits
-from .base import ExecContext, Handle, SandboxSpec
+from .base import ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
 
 
 class FakeBackend:
@@ -113,16 +113,8 @@ class FakeBackend:
         self._files(handle)
 
     async def resolve_user(self, handle: Handle, user: str) -> tuple[int, int]:
-        if user == "root":
-            return 0, 0
-        name, _, group = user.partition(":")
-        if name.isdigit():
-            return int(name), int(group or name)
-        for line in self._files(handle)["/etc/passwd"].decode().splitlines():
-            fields = line.split(":")
-            if fields[0] == name:
-                return int(fields[2]), int(fields[3])
-        raise InvalidRequest(f"unknown user {user!r}: not in the image's /etc/passwd")
+        ids = numeric_user(user)
+        return ids if ids is not None else user_from_passwd(user, self._files(handle)["/etc/passwd"].decode())
 
     async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
         self._files(handle)

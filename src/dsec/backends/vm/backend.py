@@ -27,7 +27,7 @@ from libdsec._models import ExecRequest, ExecResult
 
 from ...images.store import LayerStore
 from ...resources.cgroups import Limits
-from ..base import ExecContext, Handle, SandboxSpec
+from ..base import ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
 from . import machine
 from .agent import AgentChannel, AgentFailure, AgentGone, Done
 from .assets import AssetCache, GuestAssets
@@ -378,17 +378,11 @@ class VMBackend:
 
     async def resolve_user(self, handle: Handle, user: str) -> tuple[int, int]:
         """``root``, ``UID``, ``UID:GID`` or a name from the image's /etc/passwd."""
-        if user == "root":
-            return 0, 0
-        name, _, group = user.partition(":")
-        if name.isdigit() and (not group or group.isdigit()):
-            return int(name), int(group) if group else int(name)
+        ids = numeric_user(user)
+        if ids is not None:
+            return ids
         try:
             passwd = (await self.read_file(handle, "/etc/passwd", 1 << 20)).decode(errors="replace")
         except (SandboxFileNotFound, InvalidRequest):
             passwd = ""
-        for line in passwd.splitlines():
-            fields = line.split(":")
-            if len(fields) >= 4 and fields[0] == name:
-                return int(fields[2]), int(group) if group.isdigit() else int(fields[3])
-        raise InvalidRequest(f"unknown user {user!r}: not in the image's /etc/passwd")
+        return user_from_passwd(user, passwd)
