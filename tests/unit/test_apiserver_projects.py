@@ -14,7 +14,6 @@ from dsec.apiserver.app import Cluster, create_app
 from dsec.apiserver.projects import ProjectStore
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
-from dsec.images.store import Image, LayerStore
 from libdsec import (
     CapacityExceeded,
     DSecClient,
@@ -28,16 +27,6 @@ from libdsec import (
 from libdsec._models import DSecContainerRunArgs
 
 ROOT_TOKEN = "root-token"
-
-
-@pytest.fixture
-def store(tmp_path):
-    store = LayerStore(tmp_path / "store")
-    root = tmp_path / "rootfs"
-    (root / "etc").mkdir(parents=True)
-    (root / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\n")
-    store.put_image(Image(name="tiny", layers=(store.add_dir(root),), env={"PATH": "/bin"}))
-    return store
 
 
 async def start_edges(tmp_path, store, names, **config):

@@ -9,7 +9,6 @@ import pytest
 
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
-from dsec.images.store import Image, LayerStore
 from libdsec import (
     BackendError,
     CapacityExceeded,
@@ -20,16 +19,6 @@ from libdsec import (
     SandboxStateError,
 )
 from libdsec._models import DSecContainerRunArgs, ExecRequest, SandboxStatus
-
-
-@pytest.fixture
-def store(tmp_path):
-    store = LayerStore(tmp_path / "store")
-    root = tmp_path / "rootfs"
-    (root / "etc").mkdir(parents=True)
-    (root / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\n")
-    store.put_image(Image(name="tiny", layers=(store.add_dir(root),), env={"PATH": "/bin"}))
-    return store
 
 
 @pytest.fixture
