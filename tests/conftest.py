@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -134,18 +133,10 @@ def suite_leftovers(base: Path, state_dirs: list[Path]) -> list[str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, test_store):
     """A ``dsec serve`` for the module's tests; checks on the way out that nothing was left."""
-    from dsec.local import LocalServer, leftovers
+    from dsec.local import serving
 
-    state = make_state_dir(tmp_path_factory, test_store, "dsec-state")
-    srv = LocalServer(state, extra_args=("--pool-max", "4"))
-    srv.start()
-    try:
+    with serving(make_state_dir(tmp_path_factory, test_store, "dsec-state"), "--pool-max", "4") as srv:
         yield srv
-    finally:
-        srv.stop()
-        left = leftovers(state)
-        shutil.rmtree(state, ignore_errors=True)
-    assert not left, f"left behind: {left}"
 
 
 @pytest.fixture

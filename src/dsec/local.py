@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,6 +96,21 @@ class LocalServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def serving(state_dir: Path, *extra_args: str) -> Iterator[LocalServer]:
+    """A ``dsec serve`` on ``state_dir`` for a block; on the way out it is stopped, the state dir
+    removed, and anything the server left behind is an error."""
+    server = LocalServer(state_dir, extra_args=extra_args).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        left = leftovers(state_dir)
+        shutil.rmtree(state_dir, ignore_errors=True)
+    if left:
+        raise AssertionError(f"left behind: {left}")
 
 
 def leftovers(state_dir: Path, settle_s: float = 5.0) -> list[str]:

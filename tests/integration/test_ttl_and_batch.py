@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dsec.local import LocalServer, leftovers
+from dsec.local import serving
 from libdsec import (
     CapacityExceeded,
     DSecClient,
@@ -95,15 +95,8 @@ async def test_batch_with_a_bad_user_makes_nothing(client):
 @pytest.fixture(scope="module")
 def cold_server(new_state_dir):
     """A server with no warm pool and room for 3 sandboxes: every create goes to crun."""
-    state = new_state_dir("dsec-cold")
-    srv = LocalServer(state, extra_args=("--pool-max", "0", "--max-sandboxes", "3"))
-    srv.start()
-    try:
+    with serving(new_state_dir("dsec-cold"), "--pool-max", "0", "--max-sandboxes", "3") as srv:
         yield srv
-    finally:
-        srv.stop()
-        left = leftovers(state)
-    assert not left, f"left behind: {left}"
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ bad transitions are refused. Also the cold-memory reclaimer on idle running sand
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 
 import pytest
@@ -107,19 +106,11 @@ async def test_many_pauses_at_once(client):
 
 @pytest.fixture(scope="module")
 def cold_server(new_state_dir):
-    from dsec.local import LocalServer, leftovers
+    from dsec.local import serving
 
-    state = new_state_dir("dsec-coldmem")
-    srv = LocalServer(state, extra_args=("--pool-max", "0", "--cold-memory-idle-s", "2",
-                                         "--cold-memory-interval-s", "0.5"))
-    srv.start()
-    try:
+    with serving(new_state_dir("dsec-coldmem"), "--pool-max", "0", "--cold-memory-idle-s", "2",
+                 "--cold-memory-interval-s", "0.5") as srv:
         yield srv
-    finally:
-        srv.stop()
-        left = leftovers(state)
-        shutil.rmtree(state, ignore_errors=True)
-    assert not left, f"left behind: {left}"
 
 
 @pytest.mark.skipif(not has_swap(), reason="no swap: cold anonymous memory has nowhere to go")
