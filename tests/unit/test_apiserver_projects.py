@@ -172,7 +172,7 @@ async def test_remove_projects_and_their_tokens(world):
 async def test_bad_project_requests(world, body):
     client, cluster = world
     async with client() as root:
-        response = await root._http.post("/v1/projects", json=body)
+        response = await root._client().post("/v1/projects", json=body)
     assert response.status_code == 422, response.text
     assert response.json()["error"]["code"] in ("invalid_request", "limit_out_of_range")
     assert "x" not in cluster.projects.tree()
