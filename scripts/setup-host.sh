@@ -2,7 +2,7 @@
 # Install what DSec needs on a Debian host (as root), idempotently.
 set -euo pipefail
 
-PACKAGES=(crun catatonit erofs-utils busybox-static debootstrap podman uidmap
+PACKAGES=(crun gcc libc6-dev erofs-utils busybox-static debootstrap podman uidmap
           iproute2 nftables python3 python3-venv python3-pip psmisc ca-certificates
           qemu-system-x86 qemu-utils e2fsprogs bubblewrap)
 

@@ -72,7 +72,7 @@ def new_state_dir(tmp_path_factory, test_store):
 
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_after_the_suite(tmp_path_factory):
-    """After the whole run: no mounts, cgroups, crun state or processes (catatonit runs as
+    """After the whole run: no mounts, cgroups, crun state or processes (the init runs as
     ``/dev/.dsec-init``) of any state dir a test made, removed since or not."""
     made: list[Path] = []
     mktemp = tmp_path_factory.mktemp

@@ -11,6 +11,7 @@ import asyncio
 import fcntl
 import logging
 import os
+import resource
 import secrets
 import shutil
 import sys
@@ -24,7 +25,8 @@ from libdsec import BackendError
 
 from .apiserver.app import Cluster, create_app
 from .apiserver.projects import ProjectStore
-from .backends.container import CRUN, INIT_BINARY, ContainerBackend
+from . import native
+from .backends.container import CRUN, ContainerBackend
 from .edge.edge import Edge, EdgeConfig
 from .images.builders import build_busybox
 from .images.store import LayerStore
@@ -75,9 +77,16 @@ def use_pidfd_child_watcher() -> None:
 def prepare_host() -> list[str]:
     """Check the runtime and fix what the host needs; returns notes for the log."""
     notes = []
-    for binary in (CRUN, INIT_BINARY):
-        if not os.path.exists(binary):
-            raise BackendError(f"{binary} not found: run `make demo` or install crun and catatonit")
+    if not os.path.exists(CRUN):
+        raise BackendError(f"{CRUN} not found: run `make demo` or install crun")
+    try:
+        native.binary("init")
+    except native.NativeBuildError as exc:
+        raise BackendError(str(exc)) from None
+    # One socket (the init channel) per sandbox, and pipes per running command: thousands.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if os.geteuid() != 0:
         raise BackendError("dsec serve runs as root (it mounts layers and makes cgroups)")
     if cgroups.fix_hybrid_hugetlb():

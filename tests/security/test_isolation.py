@@ -24,7 +24,10 @@ def _args(image: str, **kw) -> DSecContainerRunArgs:
 
 async def test_no_executor_socket_to_forge(sclient):
     """The report's agents sent forged RPC to the in-sandbox executor's socket. Here the
-    sandbox has no socket, no listener and no process but its init and the command."""
+    sandbox has no socket, no listener and no process but its init and the command; the init
+    starts commands, but its channel is an unnamed socket made in the host's network namespace
+    that only it holds, and it is not dumpable: its fds cannot be opened, it cannot be traced,
+    and a signal from inside does not stop it."""
     async with await sclient.run_container(_args("busybox")) as sb:
         r = await sb.run_shell("tail -n +2 /proc/net/unix | wc -l; tail -n +2 /proc/net/tcp | wc -l; "
                                "tail -n +2 /proc/net/tcp6 | wc -l; tail -n +2 /proc/net/udp | wc -l; "
@@ -34,6 +37,11 @@ async def test_no_executor_socket_to_forge(sclient):
         assert procs <= 5, r.stdout  # init, sh, tail/find/ls, grep
         r = await sb.run_shell("cat /proc/1/cmdline | tr '\\0' ' '")
         assert r.stdout.startswith("/dev/.dsec-init"), r.stdout
+        r = await sb.run_shell("ls -l /proc/1/fd/; cat /proc/1/fd/0 </dev/null; cat /proc/1/environ; "
+                               "kill -9 1; kill -TERM 1; sleep 0.2; echo still here")
+        assert r.stderr.count("Permission denied") >= 3, r
+        assert "socket:" not in r.stdout and r.stdout.strip().endswith("still here"), r
+        assert (await sb.run_shell("echo ok")).stdout == "ok\n"
 
 
 async def test_reading_the_executors_logs(sclient, sec_server):

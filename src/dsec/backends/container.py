@@ -1,9 +1,12 @@
 """Container sandboxes: an OCI bundle run by crun over EROFS layers and a private overlay upper.
 
-No Python process stays with a sandbox: crun starts catatonit (a static pause process that reaps
-zombies) as the sandbox's init and exits, so an idle sandbox costs the host its init, its
-namespaces and its cgroups. ``exec`` runs ``crun exec`` (it enters the namespaces and the cgroup,
-and applies the same capabilities, no_new_privs and seccomp profile); files are read and written
+No Python process stays with a sandbox: crun starts ``dsec-init`` (dsec/native/init.c, a small
+static program that reaps zombies) as the sandbox's init and exits, so an idle sandbox costs the
+host its init, its namespaces and its cgroups. ``exec`` asks that init, over a socketpair only it
+holds (dsec.backends.initchan), to fork the command with our pipes as its stdio: it inherits the
+namespaces, cgroup, capabilities, no_new_privs and seccomp filter crun gave the init. A sandbox
+adopted after a server restart has lost its channel; its commands go through ``crun exec``
+(which enters the namespaces and the cgroup and applies the same profile). Files are read and written
 from the host through the sandbox's own root with openat2(RESOLVE_IN_ROOT), so a symlink inside
 the sandbox can never point outside it.
 
@@ -44,12 +47,13 @@ from ..isolation.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, secc
 from ..resources import cgroups, reclaim
 from ..resources import cpu as cpu_sched
 from ..resources.cgroups import Limits
+from .. import native
 from .base import ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
+from .initchan import MAX_REQUEST, ChannelClosed, InitChannel, StartFailed, exit_code
 
 log = logging.getLogger("dsec.backends.container")
 
 CRUN = shutil.which("crun") or "/usr/bin/crun"
-INIT_BINARY = shutil.which("catatonit") or "/usr/bin/catatonit"
 CHRT = shutil.which("chrt") or "/usr/bin/chrt"
 INIT_PATH = "/dev/.dsec-init"
 _READ_CHUNK = 1 << 16
@@ -195,9 +199,12 @@ class _Capture:
 
     async def drain(self, stream: asyncio.StreamReader) -> None:
         while chunk := await stream.read(_READ_CHUNK):
-            self.total += len(chunk)
-            if len(self.kept) < self.cap:
-                self.kept += chunk[: self.cap - len(self.kept)]
+            self.feed(chunk)
+
+    def feed(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        if len(self.kept) < self.cap:
+            self.kept += chunk[: self.cap - len(self.kept)]
 
     @property
     def text(self) -> str:
@@ -206,6 +213,21 @@ class _Capture:
     @property
     def truncated(self) -> bool:
         return self.total > len(self.kept)
+
+
+class _PipeSink(asyncio.Protocol):
+    """Feeds what a command writes to a pipe into a capture; ``done`` at end of file."""
+
+    def __init__(self, capture: _Capture, done: asyncio.Future) -> None:
+        self.capture = capture
+        self.done = done
+
+    def data_received(self, data: bytes) -> None:
+        self.capture.feed(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
 
 
 class ContainerBackend:
@@ -228,6 +250,10 @@ class ContainerBackend:
             d.mkdir(parents=True, exist_ok=True)
         self.layer_mounts = layer_mounts or LayerMounts(self.node_dir / "layers")
         self._seccomp = seccomp_profile()
+        self.init_binary = native.binary("init")
+        # Each sandbox's init channel (see dsec.backends.initchan); none for a sandbox adopted
+        # after a restart, whose commands go through `crun exec`.
+        self.channels: dict[str, InitChannel] = {}
         # Root inside is not root outside: each sandbox gets a user namespace and a host uid
         # range of its own (see dsec.isolation.userns); DSEC_USERNS=0 turns it off.
         self.id_ranges = userns.IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
@@ -244,13 +270,15 @@ class ContainerBackend:
     def _crun(self, *args: str) -> list[str]:
         return [CRUN, "--root", str(self.crun_root), *args]
 
-    async def _run_crun(self, *args: str, timeout: float = 30.0, log: Path | None = None) -> tuple[int, str]:
+    async def _run_crun(self, *args: str, timeout: float = 30.0, log: Path | None = None,
+                        stdin: int | None = None) -> tuple[int, str]:
         """Run crun; returns (exit code, output). With ``log``, output goes to that file instead
-        of a pipe: ``run --detach`` hands its stdio to the sandbox's init, which keeps it open."""
+        of a pipe: ``run --detach`` hands its stdio to the sandbox's init, which keeps it open
+        (its stdin, ``stdin`` here, is the init's channel)."""
         out_file = open(log, "w+b") if log is not None else None  # noqa: SIM115
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self._crun(*args), stdin=asyncio.subprocess.DEVNULL,
+                *self._crun(*args), stdin=asyncio.subprocess.DEVNULL if stdin is None else stdin,
                 stdout=out_file or asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
             )
             try:
@@ -286,7 +314,7 @@ class ContainerBackend:
             "process": {
                 "terminal": False,
                 "user": {"uid": 0, "gid": 0},
-                "args": [INIT_PATH, "-P"],
+                "args": [INIT_PATH],
                 "env": [f"{k}={v}" for k, v in spec.env.items()],
                 "cwd": "/",
                 "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
@@ -311,7 +339,7 @@ class ContainerBackend:
                  "options": ["nosuid", "noexec", "nodev"]},
                 {"destination": "/sys", "type": "sysfs", "source": "sysfs",
                  "options": ["nosuid", "noexec", "nodev", "ro"]},
-                {"destination": INIT_PATH, "type": "bind", "source": INIT_BINARY,
+                {"destination": INIT_PATH, "type": "bind", "source": str(self.init_binary),
                  "options": ["bind", "ro", "nosuid", "nodev"]},
             ],
             "linux": {
@@ -375,10 +403,14 @@ class ContainerBackend:
             shutil.rmtree(bundle, ignore_errors=True)
             raise BackendError(f"cannot mount the root filesystem of {cid}: {exc}") from exc
         pidfile = bundle / "init.pid"
+        host_end, init_end = InitChannel.pair()
         try:
             (bundle / "config.json").write_text(json.dumps(self._config(cid, plan, spec)))
-            rc, out = await self._run_crun("run", "--detach", "--bundle", str(bundle),
-                                           "--pid-file", str(pidfile), cid, log=bundle / "crun.log")
+            try:
+                rc, out = await self._run_crun("run", "--detach", "--bundle", str(bundle), "--pid-file", str(pidfile),
+                                               cid, log=bundle / "crun.log", stdin=init_end.fileno())
+            finally:
+                init_end.close()
             if rc != 0:
                 raise BackendError(f"crun could not start {cid}: {out[-800:]}")
             pid = int(pidfile.read_text())
@@ -390,10 +422,12 @@ class ContainerBackend:
                     raise BackendError(f"the init of {cid} did not start within 10s")
                 await asyncio.sleep(0.002)
         except BaseException:
+            host_end.close()
             await self._run_crun("delete", "--force", cid)
             cgroups.remove_cgroup(self.cgroup_parent, cid)
             self._release_rootfs(plan)
             raise
+        self.channels[cid] = InitChannel(host_end)
         return Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
 
     async def apply_limits(self, handle: Handle, limits: Limits) -> None:
@@ -447,6 +481,8 @@ class ContainerBackend:
         return digest, sorted("/" + p for p in skip)
 
     async def destroy(self, handle: Handle) -> None:
+        if (channel := self.channels.pop(handle.cid, None)) is not None:
+            channel.close()
         if handle.pid > 0 and _pid_in_cgroup(handle.pid, handle.cid):
             # Killing the pid namespace's init takes every process of the sandbox with it.
             with contextlib.suppress(ProcessLookupError):
@@ -560,6 +596,92 @@ class ContainerBackend:
         if not await self.is_alive(handle):
             raise SandboxStateError(f"cannot exec: sandbox process of {handle.cid} is gone")
         self._check_dir(handle, ctx.workdir)
+        channel = self.channels.get(handle.cid)
+        if channel is not None and not channel.closed:
+            job_id, message = channel.encode(["/bin/sh", "-c", request.command], ctx.env, ctx.workdir, ctx.uid, ctx.gid)
+            if len(message) <= MAX_REQUEST:
+                try:
+                    return await self._exec_init(channel, job_id, message, request)
+                except ChannelClosed:
+                    if not await self.is_alive(handle):
+                        raise SandboxStateError(f"sandbox process of {handle.cid} is gone") from None
+                    log.warning("init channel of %s closed; commands go through crun exec", handle.cid)
+        return await self._exec_crun(handle, request, ctx)
+
+    async def _exec_init(self, channel: InitChannel, job_id: int, message: bytes, request: ExecRequest) -> ExecResult:
+        """Run a command through the sandbox's init: it forks it with our pipes as its stdio."""
+        loop = asyncio.get_running_loop()
+        cap = request.max_output_bytes
+        out, err = _Capture(cap), _Capture(cap)
+        ours: list[int] = []
+        theirs: list[int] = []
+        transports: list[asyncio.BaseTransport] = []
+        try:
+            if request.stdin is not None:
+                stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
+                theirs.append(stdin_r)
+                ours.append(stdin_w)
+            else:
+                theirs.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            readers = []
+            for capture in (out, err):
+                r, w = os.pipe2(os.O_CLOEXEC)
+                theirs.append(w)
+                ours.append(r)
+                done = loop.create_future()
+                t, _ = await loop.connect_read_pipe(lambda c=capture, d=done: _PipeSink(c, d), os.fdopen(r, "rb", 0))
+                ours.remove(r)  # the transport owns it now
+                transports.append(t)
+                readers.append(done)
+            start = time.perf_counter()
+            try:
+                await channel.start(job_id, message, (theirs[0], theirs[1], theirs[2]))
+            except StartFailed as exc:
+                raise BackendError(f"cannot start the command: {exc}") from None
+            finally:
+                for fd in theirs:
+                    os.close(fd)
+                theirs.clear()
+            if request.stdin is not None:
+                wt, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(ours.pop(), "wb", 0))
+                transports.append(wt)
+                wt.write(request.stdin.encode())
+                wt.close()  # after the buffered data is written (or the reader is gone)
+            try:
+                status = await asyncio.wait_for(channel.wait(job_id), request.timeout)
+            except TimeoutError:
+                channel.kill(job_id)
+                with contextlib.suppress(TimeoutError, ChannelClosed):
+                    await asyncio.wait_for(channel.wait(job_id), 5)
+                tail = out.text[-500:]
+                raise CommandTimeout(
+                    f"command timed out after {request.timeout:g}s and was killed"
+                    + (f"; last output: {tail!r}" if tail else "")
+                ) from None
+            except BaseException:
+                channel.kill(job_id)
+                raise
+            # Output still in the pipes is read at once; a background process that keeps them
+            # open is not waited for.
+            await asyncio.wait(readers, timeout=_PIPE_GRACE_S)
+        finally:
+            for t in transports:
+                t.close()
+            for fd in theirs + ours:
+                os.close(fd)
+        return ExecResult(
+            exit_code=exit_code(status),
+            stdout=out.text,
+            stderr=err.text,
+            duration_s=time.perf_counter() - start,
+            stdout_truncated=out.truncated,
+            stderr_truncated=err.truncated,
+            stdout_bytes=out.total,
+            stderr_bytes=err.total,
+        )
+
+    async def _exec_crun(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult:
+        """Run a command through `crun exec` (a sandbox adopted after a restart has no channel)."""
         pidfile = self.sandboxes_dir / handle.cid / f"exec-{os.urandom(4).hex()}.pid"
         # crun exec does not take no_new_privs from the container's config: ask for it.
         argv = ["exec", "--no-new-privs", "--cwd", ctx.workdir, "--user", f"{ctx.uid}:{ctx.gid}", "--pid-file", str(pidfile)]
