@@ -192,6 +192,18 @@ async def test_background_process_does_not_hold_the_call(client):
         assert "sleep 1234" in (await sandbox.run_shell("ps -o args")).stdout
 
 
+async def test_timeout_kills_what_left_the_session(client):
+    """A timed-out command dies with everything it started: also what left its session
+    (setsid) or its process tree (a double fork). What another command started lives on."""
+    async with await client.run_container(args()) as sandbox:
+        await sandbox.run_shell("sleep 4321 >/dev/null 2>&1 &")
+        with pytest.raises(CommandTimeout):
+            await sandbox.run_shell("setsid sleep 1111 & (sleep 2222 &) ; sleep 3333", timeout=1)
+        ps = (await sandbox.run_shell("ps -o args")).stdout
+        assert not any(f"sleep {n}" in ps for n in (1111, 2222, 3333)), ps
+        assert "sleep 4321" in ps, ps
+
+
 async def test_files_round_trip_modes(client):
     async with await client.run_container(args()) as sandbox:
         await sandbox.write_file("/tmp/run.sh", "#!/bin/sh\necho ran\n", mode=0o755)

@@ -14,9 +14,10 @@
  *     x ID UID GID CWD ARGC ARG... ENV...   start a command in a session of its own, with the
  *                                           three fds of the packet (SCM_RIGHTS) as stdin,
  *                                           stdout, stderr
- *     k ID                                  SIGKILL the command's session (all it started)
+ *     k ID                                  SIGKILL all the command started (it and all below
+ *                                           its keeper, see keeper())
  *   init -> host
- *     s ID PID                              started
+ *     s ID PID                              started (PID in the sandbox's pid namespace)
  *     e ID ERRNO WHAT                       could not start it (WHAT: chdir, exec, ...)
  *     w ID STATUS                           ended, with its wait status
  * When the host end closes (the server restarted) the init keeps reaping; the server then
@@ -44,7 +45,7 @@
 
 struct job {
     unsigned long id;
-    pid_t pid;
+    pid_t keeper; /* the command's keeper: a subreaper that forks it and reports its end */
 };
 
 static struct job *jobs;
@@ -68,7 +69,8 @@ static void reply(const char *fmt, ...) {
     }
 }
 
-static pid_t session_of(pid_t pid) {
+/* The parent of `pid`, from /proc/PID/stat (") S PPID"); -1 if it is gone. */
+static pid_t parent_of(pid_t pid) {
     char path[64], buf[512];
     snprintf(path, sizeof path, "/proc/%d/stat", pid);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -80,27 +82,45 @@ static pid_t session_of(pid_t pid) {
         return -1;
     buf[n] = '\0';
     char *p = strrchr(buf, ')');
-    int sid;
-    /* ") S PPID PGRP SESSION" */
-    if (!p || sscanf(p + 1, " %*c %*d %*d %d", &sid) != 1)
+    int ppid;
+    if (!p || sscanf(p + 1, " %*c %d", &ppid) != 1)
         return -1;
-    return sid;
+    return ppid;
 }
 
-/* SIGKILL every process of session `sid`, again until none is left (they may fork meanwhile). */
-static void kill_session(pid_t sid) {
+/* SIGKILL every process below `keeper` (not the keeper: it reports the command's end), again
+ * until none is left, since they may fork meanwhile. A process that left its session or was
+ * orphaned by a double fork is still below the keeper, a subreaper. */
+static void kill_below(pid_t keeper) {
+    enum { MAX_PIDS = 65536 };
+    static pid_t pids[MAX_PIDS], parents[MAX_PIDS];
     for (int round = 0; round < 20; round++) {
-        int killed = 0;
+        size_t n = 0;
         DIR *d = opendir("/proc");
         if (!d)
             return;
         struct dirent *e;
-        while ((e = readdir(d))) {
+        while ((e = readdir(d)) && n < MAX_PIDS) {
             pid_t pid = (pid_t)atoi(e->d_name);
-            if (pid > 1 && session_of(pid) == sid && kill(pid, SIGKILL) == 0)
-                killed++;
+            if (pid > 1 && pid != keeper) {
+                pids[n] = pid;
+                parents[n++] = parent_of(pid);
+            }
         }
         closedir(d);
+        int killed = 0;
+        for (size_t i = 0; i < n; i++) {
+            /* Walk up from each process; a chain is short, and a pid seen twice ends it. */
+            pid_t up = parents[i];
+            for (int depth = 0; up > 1 && up != keeper && depth < 4096; depth++) {
+                size_t j = 0;
+                while (j < n && pids[j] != up)
+                    j++;
+                up = j < n ? parents[j] : -1;
+            }
+            if (up == keeper && kill(pids[i], SIGKILL) == 0)
+                killed++;
+        }
         if (!killed)
             return;
     }
@@ -188,6 +208,49 @@ fail:;
     _exit(127);
 }
 
+/* The keeper: a child of the init that is the subreaper of one command. It starts the command,
+ * reports that it started (or why not) and its wait status, and stays while anything the command
+ * left behind runs, so that `k ID` finds all of it below the keeper. */
+static void keeper(unsigned long id, char **f, int nf, int fds[3], sigset_t *oldmask) {
+    prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    int errpipe[2];
+    if (pipe2(errpipe, O_CLOEXEC) < 0) {
+        reply("e %lu %d pipe", id, errno);
+        _exit(0);
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(errpipe[0]);
+        child(f, nf, fds, errpipe[1], oldmask);
+    }
+    close(errpipe[1]);
+    for (int i = 0; i < 3; i++)
+        close(fds[i]);
+    if (pid < 0) {
+        reply("e %lu %d fork", id, errno);
+        _exit(0);
+    }
+    char buf[64] = {0};
+    ssize_t n;
+    while ((n = read(errpipe[0], buf, sizeof buf - 1)) < 0 && errno == EINTR)
+        ;
+    close(errpipe[0]);
+    if (n > 0) { /* it failed before exec (and exits 127) */
+        int err = 0;
+        char what[32] = "exec";
+        sscanf(buf, "%d %31s", &err, what);
+        reply("e %lu %d %s", id, err, what);
+    } else {
+        reply("s %lu %d", id, pid);
+    }
+    int status;
+    pid_t done;
+    while ((done = waitpid(-1, &status, 0)) > 0 || errno == EINTR)
+        if (done == pid && n <= 0)
+            reply("w %lu %d", id, status);
+    _exit(0);
+}
+
 static void start(char *msg, size_t len, int fds[3], sigset_t *oldmask) {
     char *f[MAX_FIELDS + 1];
     int nf = 0;
@@ -200,32 +263,11 @@ static void start(char *msg, size_t len, int fds[3], sigset_t *oldmask) {
         return;
     }
     unsigned long id = strtoul(f[1], NULL, 10);
-    int errpipe[2];
-    if (pipe2(errpipe, O_CLOEXEC) < 0) {
-        reply("e %lu %d pipe", id, errno);
-        return;
-    }
     pid_t pid = fork();
-    if (pid == 0) {
-        close(errpipe[0]);
-        child(f, nf, fds, errpipe[1], oldmask);
-    }
-    close(errpipe[1]);
+    if (pid == 0)
+        keeper(id, f, nf, fds, oldmask);
     if (pid < 0) {
         reply("e %lu %d fork", id, errno);
-        close(errpipe[0]);
-        return;
-    }
-    char buf[64] = {0};
-    ssize_t n;
-    while ((n = read(errpipe[0], buf, sizeof buf - 1)) < 0 && errno == EINTR)
-        ;
-    close(errpipe[0]);
-    if (n > 0) { /* it failed before exec; it exits 127 and is reaped without a report */
-        int err = 0;
-        char what[32] = "exec";
-        sscanf(buf, "%d %31s", &err, what);
-        reply("e %lu %d %s", id, err, what);
         return;
     }
     if (njobs == capjobs) {
@@ -235,13 +277,12 @@ static void start(char *msg, size_t len, int fds[3], sigset_t *oldmask) {
             abort();
     }
     jobs[njobs++] = (struct job){id, pid};
-    reply("s %lu %d", id, pid);
 }
 
 static void kill_job(unsigned long id) {
     for (size_t i = 0; i < njobs; i++)
         if (jobs[i].id == id)
-            kill_session(jobs[i].pid); /* the command is its session's leader: sid == pid */
+            kill_below(jobs[i].keeper);
 }
 
 static void reap(void) {
@@ -249,8 +290,12 @@ static void reap(void) {
     pid_t pid;
     while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
         for (size_t i = 0; i < njobs; i++) {
-            if (jobs[i].pid == pid) {
-                reply("w %lu %d", jobs[i].id, status);
+            if (jobs[i].keeper == pid) {
+                /* A keeper ends with 0 once it has told all; one that was killed (by the
+                 * command it kept: same user) has not: the job ends here. The host ignores a
+                 * second end. */
+                if (!WIFEXITED(status))
+                    reply("w %lu %d", jobs[i].id, status);
                 jobs[i] = jobs[--njobs];
                 break;
             }
