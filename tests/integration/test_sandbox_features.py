@@ -134,6 +134,10 @@ async def test_init_user(client):
         await sandbox.write_file("/tmp/new/dir/file", "mine too\n")
         owners = await sandbox.run_shell("stat -c '%u:%g %a' /tmp/agent-file /tmp/new/dir /tmp/new/dir/file")
         assert owners.stdout.split("\n")[:3] == ["1000:1000 644", "1000:1000 755", "1000:1000 644"]
+        # Rewriting a file that exists keeps its owner.
+        await sandbox.run_shell("echo x > /tmp/roots; chmod 644 /tmp/roots", user="root")
+        await sandbox.write_file("/tmp/roots", "hello\n")
+        assert (await sandbox.run_shell("stat -c %u:%g /tmp/roots; cat /tmp/roots")).stdout == "0:0\nhello\n"
         # The user cannot do what only root can; a call may still run as root.
         denied = await sandbox.run_shell("echo x > /etc/passwd")
         assert denied.exit_code != 0

@@ -812,17 +812,24 @@ class ContainerBackend:
             if not name:
                 raise InvalidRequest(f"cannot write {path!r}: not a file path")
             self._makedirs(root, parent or "/", uid, gid)
+            resolve = _sys.RESOLVE_IN_ROOT | _sys.RESOLVE_NO_MAGICLINKS
             try:
-                # O_NONBLOCK: opening a FIFO must not wait for a reader.
-                fd = _sys.openat2(root, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK, mode,
-                                  _sys.RESOLVE_IN_ROOT | _sys.RESOLVE_NO_MAGICLINKS)
+                # A new file belongs to the sandbox's user; an existing one keeps its owner (as
+                # with a shell's `>`). O_NONBLOCK: opening a FIFO must not wait for a reader.
+                try:
+                    fd = _sys.openat2(root, path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NONBLOCK, mode, resolve)
+                    created = True
+                except FileExistsError:
+                    fd = _sys.openat2(root, path, os.O_WRONLY | os.O_TRUNC | os.O_NONBLOCK, 0, resolve)
+                    created = False
             except OSError as exc:
                 raise InvalidRequest(f"cannot write {path}: {exc.strerror}") from None
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
                 raise InvalidRequest(f"cannot write {path}: not a regular file")
             try:
-                os.fchown(fd, uid, gid)
+                if created:
+                    os.fchown(fd, uid, gid)
                 os.fchmod(fd, mode)
                 view = memoryview(data)
                 while view:
