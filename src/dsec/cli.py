@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shlex
 import sys
@@ -10,10 +9,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, DSecError
+from .cli_common import DEFAULT_STATE, StateDir, console, fail, run_sdk
 
 from .cli_resources import register as register_resource_commands
 
@@ -24,23 +23,7 @@ bench_app = typer.Typer(help="Benchmarks, each against a peer measured in the sa
 app.add_typer(image_app, name="image")
 app.add_typer(bench_app, name="bench")
 
-console = Console()
-err_console = Console(stderr=True)
 
-StateDir = Annotated[Path, typer.Option("--state-dir", envvar="DSEC_STATE_DIR", help="State directory.")]
-DEFAULT_STATE = Path("/var/lib/dsec")
-
-
-def _fail(exc: Exception) -> None:
-    err_console.print(f"[red]error:[/red] {exc}")
-    raise typer.Exit(1)
-
-
-def _run(coro):
-    try:
-        return asyncio.run(coro)
-    except DSecError as exc:
-        _fail(exc)
 
 
 @app.command()
@@ -75,7 +58,7 @@ def serve(
         run_server(ServerConfig(state_dir=state_dir, host=host, port=port, node=node, edge=edge, cold_memory=cold,
                                 fncall=fncall))
     except DSecError as exc:
-        _fail(exc)
+        fail(exc)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -94,7 +77,7 @@ def run(
     """Create a sandbox, run a command in it, print its output, stop it: dsec run IMAGE -- CMD…"""
     command = ctx.args
     if not command:
-        _fail(ValueError("no command: use dsec run IMAGE -- CMD …"))
+        fail(ValueError("no command: use dsec run IMAGE -- CMD …"))
     env_map = dict(e.split("=", 1) for e in (env or []) if "=" in e)
     args = DSecContainerRunArgs(container_image=image, memory_limit_mb=memory, cpu_cores_limit=cpus,
                                 init_user=user, workdir=workdir, env=env_map, cpu_cores_cap=cpu_cap,
@@ -108,7 +91,7 @@ def run(
         sys.stderr.write(result.stderr)
         return result.exit_code
 
-    raise typer.Exit(_run(go()))
+    raise typer.Exit(run_sdk(go()))
 
 
 @app.command()
@@ -139,7 +122,7 @@ def call(
                               stdin=stdin, files=files, fetch_files=fetch or [], env=variables)
         status = run_call(args, out, as_json)
     except (DSecError, OSError, ValueError) as exc:
-        _fail(exc)
+        fail(exc)
     raise typer.Exit(status)
 
 
@@ -152,7 +135,7 @@ def ps() -> None:
             return await client.list_sandboxes()
 
     table = Table("ID", "IMAGE", "STATUS", "MEMORY", "CPUS", "CREATED", "LAST ACTIVE")
-    for s in _run(go()):
+    for s in run_sdk(go()):
         table.add_row(s.id, s.image, s.status.value, f"{s.memory_limit_mb} MB", f"{s.cpu_cores_limit:g}",
                       s.created_at.strftime("%H:%M:%S"), s.last_active_at.strftime("%H:%M:%S"))
     console.print(table)
@@ -169,7 +152,7 @@ def stop(ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")]) -> None
                 await sandbox.stop()
                 console.print(f"{sandbox_id} {sandbox.status.value}")
 
-    _run(go())
+    run_sdk(go())
 
 
 @app.command()
@@ -181,7 +164,7 @@ def events(sandbox_id: Annotated[str, typer.Argument(help="Sandbox id.")]) -> No
             return await (await client.get_sandbox(sandbox_id)).security_events()
 
     table = Table("TIME", "KIND", "COUNT", "DETAIL")
-    for e in _run(go()):
+    for e in run_sdk(go()):
         table.add_row(e.at.strftime("%H:%M:%S"), e.kind, str(e.count), e.detail)
     console.print(table)
 
@@ -195,7 +178,7 @@ def info() -> None:
             return await client.node_info()
 
     table = Table("NODE", "RUNTIME", "CGROUPS", "SANDBOXES", "CPU CORES", "MEMORY")
-    nodes = _run(go())
+    nodes = run_sdk(go())
     for n in nodes:
         table.add_row(n.node, n.runtime, n.cgroup_version, str(n.sandboxes), str(n.cpu_cores), f"{n.memory_total_mb} MB")
     console.print(table)
@@ -219,7 +202,7 @@ def reset(
 
     if not yes and not typer.confirm(f"stop every sandbox under {state_dir}?"):
         raise typer.Exit(1)
-    removed = _run(reset_node(state_dir))
+    removed = run_sdk(reset_node(state_dir))
     console.print(f"reset {state_dir}: {removed} sandbox(es) removed")
 
 

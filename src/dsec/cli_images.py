@@ -13,22 +13,13 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, DSecError, InvalidRequest
+from .cli_common import DEFAULT_STATE, StateDir, console, fail
 
 image_app = typer.Typer(help="Build, import and manage images (layers in the local store).", no_args_is_help=True)
-console = Console()
-err_console = Console(stderr=True)
 
-StateDir = Annotated[Path, typer.Option("--state-dir", envvar="DSEC_STATE_DIR", help="State directory.")]
-DEFAULT_STATE = Path("/var/lib/dsec")
-
-
-def _fail(exc: Exception) -> None:
-    err_console.print(f"[red]error:[/red] {exc}")
-    raise typer.Exit(1)
 
 
 def _store(state_dir: Path):
@@ -78,7 +69,7 @@ def image_inspect(ref: Annotated[str, typer.Argument(help="Image name or composi
     try:
         info = store.describe(store.resolve(ref))
     except DSecError as exc:
-        _fail(exc)
+        fail(exc)
     table = Table("#", "ROLE", "DIGEST", "SIZE", title=f"{info.name}  ({_size(info.size_bytes)})")
     for i, (digest, role, size) in enumerate(zip(info.layers, info.roles, info.layer_sizes)):
         table.add_row(str(i), role, digest, _size(size))
@@ -131,7 +122,7 @@ def image_build(
             else:
                 raise InvalidRequest(f"no recipe for {name!r}: give a source (see --help)")
     except (DSecError, OSError) as exc:
-        _fail(exc)
+        fail(exc)
     console.print(f"built {image.name}: " + ", ".join(f"{r} {d[:19]}" for r, d in zip(image.roles, image.layers)))
 
 
@@ -166,7 +157,7 @@ def image_import(
             image = import_oci(store, archive, name, merge_below=merge_below_mb << 20,
                                log=lambda msg: status.update(f"importing {archive}: {msg}"))
     except DSecError as exc:
-        _fail(exc)
+        fail(exc)
     console.print(f"imported {image.name}: {len(image.layers)} layer(s), {_size(store.image_size(image))}")
 
 
@@ -176,7 +167,7 @@ def image_rm(name: str, state_dir: StateDir = DEFAULT_STATE) -> None:
     try:
         _store(state_dir).remove_image(name, in_use=node_usage(state_dir)[0])
     except DSecError as exc:
-        _fail(exc)
+        fail(exc)
     console.print(f"removed {name}")
 
 

@@ -4,29 +4,18 @@ token manages the projects below it just as the root token manages all."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from libdsec import DSecClient, DSecError, ProjectInfo
+from libdsec import DSecClient, ProjectInfo
+from .cli_common import console, err_console, run_sdk
 
 project_app = typer.Typer(help="Projects, their quotas and tokens (nested: a parent hands quota to its children).",
                           no_args_is_help=True)
-console = Console()
-err_console = Console(stderr=True)
 
 QuotaValue = Annotated[Optional[str], typer.Option(help="A number, or 'none' for no cap of its own.")]
-
-
-def _run(coro):
-    try:
-        return asyncio.run(coro)
-    except DSecError as exc:
-        err_console.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1) from None
 
 
 def _number(name: str, text: str | None, kind: type) -> int | float | None:
@@ -66,7 +55,7 @@ def project_ls() -> None:
         async with DSecClient() as client:
             return await client.list_projects()
 
-    console.print(_table(_run(go())))
+    console.print(_table(run_sdk(go())))
 
 
 @project_app.command("create")
@@ -83,7 +72,7 @@ def project_create(
         async with DSecClient() as client:
             return await client.create_project(name, parent=parent, **_quota(sandboxes, cpu, memory))
 
-    console.print(_table([_run(go())]))
+    console.print(_table([run_sdk(go())]))
 
 
 @project_app.command("quota")
@@ -103,7 +92,7 @@ def project_quota(
             quota.update({k: v for k, v in new.items() if given[k] is not None})
             return await client.set_project_quota(name, **quota)
 
-    console.print(_table([_run(go())]))
+    console.print(_table([run_sdk(go())]))
 
 
 @project_app.command("rm")
@@ -114,7 +103,7 @@ def project_rm(name: Annotated[str, typer.Argument(help="Project.")]) -> None:
         async with DSecClient() as client:
             await client.remove_project(name)
 
-    _run(go())
+    run_sdk(go())
     console.print(f"removed {name}")
 
 
@@ -126,7 +115,7 @@ def project_token(name: Annotated[str, typer.Argument(help="Project.")]) -> None
         async with DSecClient() as client:
             return await client.create_project_token(name)
 
-    print(_run(go()))
+    print(run_sdk(go()))
 
 
 def pause(ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")]) -> None:
@@ -140,7 +129,7 @@ def pause(ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")]) -> Non
                 after = "?" if r.memory_after_bytes is None else f"{r.memory_after_bytes / 2**20:.1f}"
                 console.print(f"{sandbox_id} paused in {r.pause_s * 1e3:.0f} ms: memory {before} → {after} MiB")
 
-    _run(go())
+    run_sdk(go())
 
 
 def resume(ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")]) -> None:
@@ -152,7 +141,7 @@ def resume(ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")]) -> No
                 info = await (await client.get_sandbox(sandbox_id)).resume()
                 console.print(f"{sandbox_id} {info.status.value}")
 
-    _run(go())
+    run_sdk(go())
 
 
 def register(app: typer.Typer) -> None:
