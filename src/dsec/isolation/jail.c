@@ -1,13 +1,15 @@
 /* dsec-jail: confine a command, then exec it. Built static by dsec.isolation.jail.
  *
- *   dsec-jail [--caps N,N,…] [--seccomp FILE] [--rw|--ro|--hide PATH]… [--scope] [--pidns]
+ *   dsec-jail [--caps N,N,…] [--seccomp FILE] [--rw|--ro|--hide PATH]… [--scope] [--join PID]
  *             [--strict] -- COMMAND [ARG…]
+ *   dsec-jail --init
  *
- * In this order, in the process that becomes COMMAND:
- *   --pidns    a new pid and mount namespace with its own /proc: the command sees (and can
- *              signal) only its own processes. The namespace's pid 1 is a small reaper that
- *              stays while anything started by the command runs; the jail itself exits with
- *              the command's status as soon as the command ends.
+ * --init makes a sandbox's pid namespace (and a mount namespace with that namespace's /proc):
+ * its pid 1 reaps, forever; the pid it has outside is printed. In this order, in the process
+ * that becomes COMMAND:
+ *   --join     enter the pid and mount namespaces of that init: the command sees, and can
+ *              signal, only the processes of the sandbox's commands (not whoever started it).
+ *              The jail stays outside and exits with the command's status.
  *   Landlock   filesystem rules (any --rw/--ro/--hide): a path that no option names gets full
  *              access, a named path gets its mode for itself and everything beneath it (named
  *              paths beneath it excepted). Landlock only allows, so the directories above a
@@ -269,94 +271,99 @@ static void keep_caps(const char *list)
         die("capset: %s", strerror(errno));
 }
 
-static void load_seccomp(const char *file)
+static struct sock_filter seccomp_prog[BPF_MAXINSNS + 1];
+static struct sock_fprog seccomp_fprog;
+
+/* Read the program early: Landlock may hide the file by the time it is loaded. */
+static void read_seccomp(const char *file)
 {
     int fd = open(file, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         die("cannot open the seccomp program %s: %s", file, strerror(errno));
-    static struct sock_filter prog[BPF_MAXINSNS + 1];
-    ssize_t n = read(fd, prog, sizeof prog);
+    ssize_t n = read(fd, seccomp_prog, sizeof seccomp_prog);
     if (n < 0)
         die("cannot read %s: %s", file, strerror(errno));
     close(fd);
-    if (n == 0 || n % sizeof prog[0] || n > (ssize_t)(BPF_MAXINSNS * sizeof prog[0]))
+    if (n == 0 || n % sizeof seccomp_prog[0] || n > (ssize_t)(BPF_MAXINSNS * sizeof seccomp_prog[0]))
         die("%s is not a seccomp BPF program (%zd bytes)", file, n);
-    struct sock_fprog fprog = {.len = n / sizeof prog[0], .filter = prog};
-    if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &fprog) < 0)
-        die("cannot load the seccomp program %s: %s", file, strerror(errno));
+    seccomp_fprog.len = n / sizeof seccomp_prog[0];
+    seccomp_fprog.filter = seccomp_prog;
 }
 
-/* -- pid namespace ----------------------------------------------------------------------- */
+static void load_seccomp(void)
+{
+    if (seccomp_fprog.len && syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &seccomp_fprog) < 0)
+        die("cannot load the seccomp program: %s", strerror(errno));
+}
+
+/* -- the sandbox's pid namespace ---------------------------------------------------------- */
+
+/* --init: make a pid and mount namespace (with its own /proc) whose pid 1 reaps whatever ends
+ * in it, forever; print that process's pid (as the caller sees it) and exit. */
+static void start_init(void)
+{
+    if (unshare(CLONE_NEWPID | CLONE_NEWNS) < 0)
+        die("cannot make a pid and mount namespace: %s", strerror(errno));
+    sigset_t chld;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    if (sigprocmask(SIG_BLOCK, &chld, NULL) < 0)
+        die("sigprocmask: %s", strerror(errno));
+    pid_t init = fork();
+    if (init < 0)
+        die("fork: %s", strerror(errno));
+    if (init > 0) {
+        printf("%d\n", init);
+        _exit(fflush(stdout) == 0 ? 0 : FAIL_CODE);
+    }
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
+        die("cannot make the mounts private: %s", strerror(errno));
+    if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+        die("cannot mount /proc: %s", strerror(errno));
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0 || chdir("/") < 0)
+        _exit(FAIL_CODE);
+    syscall(SYS_close_range, 3, ~0U, 0);
+    for (;;) {
+        while (waitpid(-1, NULL, WNOHANG) > 0)
+            ;
+        sigwaitinfo(&chld, NULL);
+    }
+}
 
 static int exit_code(int status)
 {
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
-/* The namespace's pid 1: reaps everything. When the command (pid `command`) ends it reports
- * the command's status: by exiting if nothing else is left, else by writing it to `report`
- * (the jail exits with it) and reaping on while the command's background processes run. */
-static void reaper(pid_t command, int report)
+/* --join PID: enter the pid and mount namespaces of PID (an --init) and fork; returns in the
+ * child, which goes on to become the command; the parent exits with the command's status.
+ * What the command leaves running is reaped by that init. */
+static void join(const char *pid)
 {
-    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
-    if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0)
-        _exit(FAIL_CODE);  /* (keeps none of the command's pipes open) */
-    int code = FAIL_CODE, status;
-    for (;;) {
-        pid_t pid = waitpid(-1, &status, 0);
-        if (pid < 0 && errno == EINTR)
-            continue;
-        if (pid < 0)
-            _exit(code);  /* ECHILD: all gone */
-        if (pid != command)
-            continue;
-        code = exit_code(status);
-        while ((pid = waitpid(-1, &status, WNOHANG)) > 0)
-            ;
-        if (pid < 0)
-            _exit(code);
-        unsigned char byte = code;
-        if (write(report, &byte, 1) != 1)
-            _exit(FAIL_CODE);
-        close(report);
+    const char *kinds[] = {"mnt", "pid"};
+    int fds[2];
+    for (int i = 0; i < 2; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "/proc/%s/ns/%s", pid, kinds[i]);
+        if ((fds[i] = open(path, O_RDONLY | O_CLOEXEC)) < 0)
+            die("cannot open %s: %s", path, strerror(errno));
     }
-}
-
-/* Returns in the process that goes on to become the command; the others exit. */
-static void enter_pid_namespace(void)
-{
-    int pipefd[2];
-    if (pipe2(pipefd, O_CLOEXEC) < 0)
-        die("pipe: %s", strerror(errno));
-    if (unshare(CLONE_NEWPID | CLONE_NEWNS) < 0)
-        die("cannot make a pid and mount namespace: %s", strerror(errno));
-    pid_t init = fork();
-    if (init < 0)
+    for (int i = 0; i < 2; i++) {
+        if (setns(fds[i], 0) < 0)
+            die("cannot enter the %s namespace of %s: %s", kinds[i], pid, strerror(errno));
+        close(fds[i]);
+    }
+    pid_t child = fork();
+    if (child < 0)
         die("fork: %s", strerror(errno));
-    if (init > 0) {  /* the jail: wait for the command's status */
-        close(pipefd[1]);
-        unsigned char byte;
-        ssize_t n;
-        while ((n = read(pipefd[0], &byte, 1)) < 0 && errno == EINTR)
-            ;
-        if (n == 1)
-            _exit(byte);
-        int status;
-        if (waitpid(init, &status, 0) < 0)
+    if (child == 0)
+        return;
+    int status;
+    while (waitpid(child, &status, 0) < 0)
+        if (errno != EINTR)
             die("waitpid: %s", strerror(errno));
-        _exit(exit_code(status));
-    }
-    close(pipefd[0]);
-    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
-        die("cannot make the mounts private: %s", strerror(errno));
-    if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
-        die("cannot mount /proc: %s", strerror(errno));
-    pid_t command = fork();
-    if (command < 0)
-        die("fork: %s", strerror(errno));
-    if (command > 0)
-        reaper(command, pipefd[1]);
-    close(pipefd[1]);
+    _exit(exit_code(status));
 }
 
 /* -- main -------------------------------------------------------------------------------- */
@@ -364,13 +371,16 @@ static void enter_pid_namespace(void)
 int main(int argc, char **argv)
 {
     const char *caps = NULL, *seccomp = NULL;
-    int scope = 0, pidns = 0, i;
+    const char *join_pid = NULL;
+    int scope = 0, i;
     for (i = 1; i < argc && strcmp(argv[i], "--") != 0; i++) {
         const char *opt = argv[i];
         if (strcmp(opt, "--scope") == 0) {
             scope = 1;
-        } else if (strcmp(opt, "--pidns") == 0) {
-            pidns = 1;
+        } else if (strcmp(opt, "--init") == 0) {
+            start_init();
+        } else if (i + 1 < argc && strcmp(opt, "--join") == 0) {
+            join_pid = argv[++i];
         } else if (strcmp(opt, "--strict") == 0) {
             strict = 1;
         } else if (i + 1 < argc && strcmp(opt, "--caps") == 0) {
@@ -387,23 +397,24 @@ int main(int argc, char **argv)
             named[n_named++].mode = opt[2] == 'r' ? (opt[3] == 'w' ? FULL : READ_ONLY) : HIDDEN;
         } else {
             die("unknown or incomplete option %s (usage: dsec-jail [--caps N,…] [--seccomp FILE] "
-                "[--rw|--ro|--hide PATH]… [--scope] [--pidns] [--strict] -- COMMAND [ARG…])", opt);
+                "[--rw|--ro|--hide PATH]… [--scope] [--join PID] [--strict] -- COMMAND [ARG…] | dsec-jail --init)", opt);
         }
     }
     if (i + 1 >= argc)
         die("no command given after --");
     char **command = argv + i + 1;
 
-    if (pidns)
-        enter_pid_namespace();
+    if (seccomp)
+        read_seccomp(seccomp);
+    if (join_pid)
+        join(join_pid);
     int ruleset = landlock_ruleset(scope);
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
         die("cannot set no_new_privs: %s", strerror(errno));
     if (caps)
         keep_caps(caps);
     landlock_restrict(ruleset);
-    if (seccomp)
-        load_seccomp(seccomp);
+    load_seccomp();
     if (syscall(SYS_close_range, 3, ~0U, 0) < 0)
         die("close_range: %s", strerror(errno));
     execvp(command[0], command);

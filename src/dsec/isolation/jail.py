@@ -9,11 +9,13 @@ another name and renamed, so concurrent first uses never see half a file).
 ``seccomp_bpf`` compiles ``profile.seccomp_profile()`` (the OCI section crun loads for
 containers) into the classic BPF program that seccomp(2) takes, with libseccomp, the library crun
 itself uses for it: the guest has no crun, so the host compiles the program and the guest's jail
-loads it as is.
+loads it as is. A VM guest's profile lets ``syslog`` through: the kernel log a command reads
+there (``dmesg``) is the guest's own, not the host's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
@@ -21,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from libdsec import BackendError
@@ -44,6 +47,9 @@ CAPABILITY_NUMBERS = {
 }
 
 
+GUEST_ALSO_ALLOWED = ("syslog",)
+
+
 def caps_argument(names: list[str] = CAPABILITIES) -> str:
     """``--caps``'s value for a list of capability names."""
     return ",".join(str(CAPABILITY_NUMBERS[n]) for n in names)
@@ -57,6 +63,7 @@ def jail_binary(cache_dir: Path) -> Path:
     """The static ``dsec-jail`` for the current source, compiled into ``cache_dir`` if needed."""
     target = Path(cache_dir) / f"dsec-jail-{source_digest()}"
     if target.exists():
+        os.utime(target)  # in use: see below
         return target
     gcc = shutil.which("gcc")
     if gcc is None:
@@ -75,9 +82,11 @@ def jail_binary(cache_dir: Path) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    # Other versions go once unused for a day (another checkout may share the directory).
     for old in target.parent.glob("dsec-jail-*"):
-        if old != target:
-            old.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            if old != target and time.time() - old.stat().st_mtime > 86400:
+                old.unlink()
     return target
 
 

@@ -77,10 +77,11 @@ SIGNAL_SYSCALLS_PID_ARGS = {
 ARCHES = ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
 
 
-def seccomp_profile() -> dict:
-    """The OCI ``linux.seccomp`` section."""
+def seccomp_profile(also_allowed: tuple[str, ...] = ()) -> dict:
+    """The OCI ``linux.seccomp`` section (``also_allowed``: denied syscalls to let through)."""
     rules: list[dict] = [
-        {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM},
+        {"names": [n for n in DENIED_SYSCALLS if n not in also_allowed], "action": "SCMP_ACT_ERRNO",
+         "errnoRet": errno.EPERM},
         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
     ]
     for flag in CLONE_NEW_FLAGS.values():
