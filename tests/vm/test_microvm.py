@@ -216,7 +216,7 @@ async def test_sdk_microvm_and_fullvm(tmp_path_factory, test_store, monkeypatch)
                 assert full.info.kind.value == "fullvm"
                 # The image's own init is PID 1 (commands, in the sandbox's pid namespace, do
                 # not see it; the agent reads the file).
-                assert await full.read_file("/proc/1/comm") == "init\n"
+                assert await full.read_file("/proc/1/comm") == b"init\n"
                 result = await full.run_shell("echo x > /root/f; cat /root/f")
                 assert result.stdout == "x\n"
     left = leftovers(state) + qemu_processes(str(state))
