@@ -72,7 +72,7 @@ def jail_binary(cache_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".dsec-jail-", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([gcc, "-static", "-O2", "-Wall", "-o", tmp, str(SOURCE)],
+        proc = subprocess.run([gcc, "-static", "-O2", "-s", "-Wall", "-o", tmp, str(SOURCE)],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise BackendError(f"cannot compile {SOURCE.name} (static, needs libc6-dev): "
