@@ -75,9 +75,15 @@ def test_caps_no_new_privs_fds_and_seccomp(jail_bin, tmp_path):
     assert "rc=1" in r.stdout  # unshare: EPERM from the profile
 
 
-def test_shared_pid_namespace(jail_bin):
-    init = int(subprocess.run([str(jail_bin), "--init"], capture_output=True, text=True, check=True).stdout)
+def test_shared_pid_namespace(jail_bin, tmp_path):
+    (tmp_path / "f").write_text("kept")
+    init = int(subprocess.run([str(jail_bin), "--ro", str(tmp_path), "--init"], capture_output=True, text=True,
+                              check=True).stdout)
     try:
+        # --ro with --init: a read-only bind mount in the commands' mount namespace.
+        r = run(jail_bin, "--join", str(init), script=f"python3 -c 'import os; os.truncate(\"{tmp_path}/f\", 0)'")
+        assert r.returncode == 1 and "Read-only file system" in r.stderr, r
+        assert (tmp_path / "f").read_text() == "kept"
         r = run(jail_bin, "--join", str(init), script="echo $$; sleep 30 >/dev/null 2>&1 & echo started")
         assert r.stdout.split()[1] == "started" and int(r.stdout.split()[0]) > 1
         # The next command sees the first one's process, not this test's; pid 1 is the init.
@@ -107,6 +113,7 @@ def _is_child(pid: int) -> bool:
     (["--caps", "1,x", "--", "true"], "capability numbers"),
     (["--seccomp", "/nonexistent", "--", "true"], "cannot open the seccomp program"),
     (["--"], "no command given"),
+    (["--rw", "/tmp", "--init"], "--init takes only --ro paths"),
 ])
 def test_bad_arguments(jail_bin, args, message):
     r = subprocess.run([str(jail_bin), *args], capture_output=True, text=True, timeout=30)

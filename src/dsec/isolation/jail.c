@@ -2,10 +2,11 @@
  *
  *   dsec-jail [--caps N,N,…] [--seccomp FILE] [--rw|--ro|--hide PATH]… [--scope] [--join PID]
  *             [--strict] -- COMMAND [ARG…]
- *   dsec-jail --init
+ *   dsec-jail [--ro PATH]… --init
  *
- * --init makes a sandbox's pid namespace (and a mount namespace with that namespace's /proc):
- * its pid 1 reaps, forever; the pid it has outside is printed. In this order, in the process
+ * --init makes a sandbox's pid namespace (and a mount namespace with that namespace's /proc,
+ * where each --ro PATH is a read-only bind mount): its pid 1 reaps, forever; the pid it has
+ * outside is printed. In this order, in the process
  * that becomes COMMAND:
  *   --join     enter the pid and mount namespaces of that init: the command sees, and can
  *              signal, only the processes of the sandbox's commands (not whoever started it).
@@ -298,10 +299,14 @@ static void load_seccomp(void)
 
 /* -- the sandbox's pid namespace ---------------------------------------------------------- */
 
-/* --init: make a pid and mount namespace (with its own /proc) whose pid 1 reaps whatever ends
- * in it, forever; print that process's pid (as the caller sees it) and exit. */
+/* --init: make a pid and mount namespace (with its own /proc, and each --ro path a read-only
+ * bind mount: Landlock before ABI 3 cannot stop truncate(2)) whose pid 1 reaps whatever ends in
+ * it, forever; print that process's pid (as the caller sees it) and exit. */
 static void start_init(void)
 {
+    for (int i = 0; i < n_named; i++)
+        if (named[i].mode != READ_ONLY)
+            die("--init takes only --ro paths, not %s", named[i].path);
     if (unshare(CLONE_NEWPID | CLONE_NEWNS) < 0)
         die("cannot make a pid and mount namespace: %s", strerror(errno));
     sigset_t chld;
@@ -320,6 +325,12 @@ static void start_init(void)
         die("cannot make the mounts private: %s", strerror(errno));
     if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
         die("cannot mount /proc: %s", strerror(errno));
+    for (int i = 0; i < n_named; i++) {
+        const char *path = named[i].path;
+        if (mount(path, path, NULL, MS_BIND | MS_REC, NULL) < 0 ||
+            mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) < 0)
+            die("cannot make %s read-only: %s", path, strerror(errno));
+    }
     int null = open("/dev/null", O_RDWR | O_CLOEXEC);
     if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0 || chdir("/") < 0)
         _exit(FAIL_CODE);
@@ -372,13 +383,13 @@ int main(int argc, char **argv)
 {
     const char *caps = NULL, *seccomp = NULL;
     const char *join_pid = NULL;
-    int scope = 0, i;
+    int scope = 0, init = 0, i;
     for (i = 1; i < argc && strcmp(argv[i], "--") != 0; i++) {
         const char *opt = argv[i];
         if (strcmp(opt, "--scope") == 0) {
             scope = 1;
         } else if (strcmp(opt, "--init") == 0) {
-            start_init();
+            init = 1;
         } else if (i + 1 < argc && strcmp(opt, "--join") == 0) {
             join_pid = argv[++i];
         } else if (strcmp(opt, "--strict") == 0) {
@@ -397,9 +408,11 @@ int main(int argc, char **argv)
             named[n_named++].mode = opt[2] == 'r' ? (opt[3] == 'w' ? FULL : READ_ONLY) : HIDDEN;
         } else {
             die("unknown or incomplete option %s (usage: dsec-jail [--caps N,…] [--seccomp FILE] "
-                "[--rw|--ro|--hide PATH]… [--scope] [--join PID] [--strict] -- COMMAND [ARG…] | dsec-jail --init)", opt);
+                "[--rw|--ro|--hide PATH]… [--scope] [--join PID] [--strict] -- COMMAND [ARG…] | dsec-jail [--ro PATH]… --init)", opt);
         }
     }
+    if (init)
+        start_init();
     if (i + 1 >= argc)
         die("no command given after --");
     char **command = argv + i + 1;

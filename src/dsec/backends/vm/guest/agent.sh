@@ -26,8 +26,10 @@ CG=/sys/fs/cgroup/dsec
 mkdir -p $D/j $CG
 # The guest kernel's log is the sandbox's own: commands may read it (dmesg) without CAP_SYSLOG.
 echo 0 >/proc/sys/kernel/dmesg_restrict
-# The sandbox's pid namespace: its init (which only reaps) stays as long as the VM.
-init=$($D/jail --init) || { echo "dsec-agent: no pid namespace for commands" >/dev/ttyS0; exit 1; }
+# The sandbox's pid namespace: its init (which only reaps) stays as long as the VM. In the
+# commands' mount namespace this directory is read-only too (Landlock ABI 2 cannot stop a
+# truncate(2) of a hidden file).
+init=$($D/jail --ro $D --init) || { echo "dsec-agent: no pid namespace for commands" >/dev/ttyS0; exit 1; }
 JAIL="$D/jail --join $init --caps $(cat $D/caps) --seccomp $D/seccomp.bpf --ro /proc --ro /sys --hide /dev"
 for dev in null zero full random urandom tty ptmx pts shm; do
     JAIL="$JAIL --rw /dev/$dev"
