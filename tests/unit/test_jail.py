@@ -63,7 +63,7 @@ def test_caps_no_new_privs_fds_and_seccomp(jail_bin, tmp_path):
     try:
         r = subprocess.run([str(jail_bin), "--caps", jail.caps_argument(), "--seccomp", str(bpf), "--",
                             "/bin/sh", "-c", "grep -E '^(CapEff|CapBnd|CapAmb|NoNewPrivs)' /proc/self/status; "
-                            f"ls /proc/self/fd | sort -n | tr '\\n' ' '; echo; unshare -U true; echo rc=$?"],
+                            "ls /proc/self/fd | sort -n | tr '\\n' ' '; echo; unshare -U true; echo rc=$?"],
                            capture_output=True, text=True, timeout=30, pass_fds=(extra,))
     finally:
         os.close(extra)

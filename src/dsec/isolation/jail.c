@@ -408,7 +408,8 @@ int main(int argc, char **argv)
             named[n_named++].mode = opt[2] == 'r' ? (opt[3] == 'w' ? FULL : READ_ONLY) : HIDDEN;
         } else {
             die("unknown or incomplete option %s (usage: dsec-jail [--caps N,…] [--seccomp FILE] "
-                "[--rw|--ro|--hide PATH]… [--scope] [--join PID] [--strict] -- COMMAND [ARG…] | dsec-jail [--ro PATH]… --init)", opt);
+                "[--rw|--ro|--hide PATH]… [--scope] [--join PID] [--strict] -- COMMAND [ARG…], "
+                "or dsec-jail [--ro PATH]… --init)", opt);
         }
     }
     if (init)

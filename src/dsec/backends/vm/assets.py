@@ -202,7 +202,8 @@ class AssetCache:
         modules = module_load_order(kdir / "modules", GUEST_MODULES)
         scripts = {name: (GUEST_DIR / name).read_bytes() for name in ("init.sh", "agent.sh", "pid1.sh")}
         busybox = BUSYBOX.read_bytes()
-        confinement = {"jail": jail_binary(self.root).read_bytes(), "seccomp.bpf": seccomp_bpf(seccomp_profile(GUEST_ALSO_ALLOWED)),
+        confinement = {"jail": jail_binary(self.root).read_bytes(),
+                       "seccomp.bpf": seccomp_bpf(seccomp_profile(GUEST_ALSO_ALLOWED)),
                        "caps": caps_argument().encode()}
         h = hashlib.sha256(kdir.name.encode() + busybox)
         for name, data in sorted({**scripts, **confinement}.items()):
