@@ -160,3 +160,19 @@ async def test_bad_requests_are_errors_of_their_own(pool):
     assert [r.error.code if r.error else r.stdout for r in results] == [
         "1\n", "invalid_request", "invalid_request", "limit_out_of_range", "4\n"]
     assert "cobol" in results[1].error.message
+
+
+async def test_landlock_holds_even_a_root_call(make_pool):
+    """With calls run as root in the worker (uid 0, as no pool does by default), what stops a
+    call is its Landlock domain alone: it cannot signal its zygote, nor write outside /work,
+    /tmp and /dev/shm (here: create a file in the worker's own /dev, which root could)."""
+    pool = await make_pool(uid_base=0, uid_count=1)
+    r = await pool.call(DSecFnCallArgs(code=(
+        "import os, signal\nprint(os.getuid())\n"
+        "try:\n    os.kill(os.getppid(), signal.SIGKILL); print('KILLED')\nexcept OSError as exc:\n    print(exc.errno)\n"
+        "for path in ('/dev/x', '/work/ok', '/tmp/ok'):\n"
+        "    try:\n        open(path, 'w').write('x'); print(path, 'written')\n"
+        "    except OSError as exc:\n        print(path, exc.errno)\n")))
+    assert r.stdout.split("\n")[:5] == ["0", "1", "/dev/x 13", "/work/ok written", "/tmp/ok written"], r
+    again = await pool.call(DSecFnCallArgs(code="print('next')"))
+    assert again.stdout == "next\n" and pool.stats["workers_replaced"] == 0

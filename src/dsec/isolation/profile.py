@@ -8,7 +8,9 @@ Seccomp: allow by default, and deny (EPERM) the kernel surface a sandbox never n
 loading, kexec, bpf, perf, keyrings, mounts and the new mount API, namespace creation and
 joining, ptrace and cross-process memory access, reboot, swap, clock setting, io_uring, and the
 ioctls the report saw abused (XFS_IOC_SWAPEXT) or that inject terminal input (TIOCSTI).
-clone3 answers ENOSYS so libc falls back to clone, whose namespace flags are filtered.
+clone3 answers ENOSYS so libc falls back to clone, whose namespace flags are filtered. No
+signal can be sent to pid 1, the sandbox's init (catatonit ends on SIGTERM, and the sandbox with
+it), nor a pidfd opened for it.
 """
 
 from __future__ import annotations
@@ -65,13 +67,21 @@ DENIED_IOCTL_TYPE_NR = {
     "EXT4_IOC_MOVE_EXT": 0x660F,
 }
 
+# Syscalls that name a target process, and the arguments that name it: none may name pid 1 (the
+# kernel reads a pid as a 32-bit int, so only the low 32 bits are compared).
+SIGNAL_SYSCALLS_PID_ARGS = {
+    "kill": (0,), "tkill": (0,), "tgkill": (0, 1), "rt_sigqueueinfo": (0,), "rt_tgsigqueueinfo": (0, 1),
+    "pidfd_open": (0,),
+}
+
 ARCHES = ["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"]
 
 
-def seccomp_profile() -> dict:
-    """The OCI ``linux.seccomp`` section."""
+def seccomp_profile(also_allowed: tuple[str, ...] = ()) -> dict:
+    """The OCI ``linux.seccomp`` section (``also_allowed``: denied syscalls to let through)."""
     rules: list[dict] = [
-        {"names": DENIED_SYSCALLS, "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM},
+        {"names": [n for n in DENIED_SYSCALLS if n not in also_allowed], "action": "SCMP_ACT_ERRNO",
+         "errnoRet": errno.EPERM},
         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
     ]
     for flag in CLONE_NEW_FLAGS.values():
@@ -79,6 +89,12 @@ def seccomp_profile() -> dict:
             "names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
             "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
         })
+    for name, indexes in SIGNAL_SYSCALLS_PID_ARGS.items():
+        for index in indexes:
+            rules.append({
+                "names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
+                "args": [{"index": index, "value": 0xFFFFFFFF, "valueTwo": 1, "op": "SCMP_CMP_MASKED_EQ"}],
+            })
     # The kernel reads an ioctl's command as a 32-bit int: compare only those bits, or a caller
     # sets bit 32 and up and gets past an exact 64-bit match.
     masked = [(0xFFFFFFFF, v) for v in DENIED_IOCTLS.values()] + [(0xFFFF, v) for v in DENIED_IOCTL_TYPE_NR.values()]

@@ -5,8 +5,10 @@ current one): it is fetched with ``apt-get download`` into ``<assets>/tmp``, unp
 ``dpkg-deb -x`` (never installed on the host) and kept under ``<assets>/kernel/<version>/``.
 The initramfs is a newc cpio of the host's busybox-static, the kernel modules a guest needs (with
 their dependencies, read from each module's ``.modinfo`` section: the package ships no
-modules.dep) and the guest scripts (``guest/``); it is named by the digest of what went in, so
-a changed script or kernel makes a new one.
+modules.dep), the guest scripts (``guest/``) and what the agent confines each command with:
+the static ``dsec-jail``, the sandbox seccomp profile compiled to BPF and the capability numbers
+to keep (see ``dsec.isolation.jail``). It is named by the digest of what went in, so a changed
+script, profile or kernel makes a new one.
 
 Both are made once per assets directory (under a file lock, so concurrent first uses wait for
 one another) and reused.
@@ -14,6 +16,7 @@ one another) and reused.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import io
@@ -23,12 +26,17 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from libdsec import BackendError
 
+from ...isolation.jail import GUEST_ALSO_ALLOWED, caps_argument, jail_binary, seccomp_bpf
+from ...isolation.profile import seccomp_profile
+
+STALE_S = 86400.0
 KERNEL_PACKAGE = os.environ.get("DSEC_GUEST_KERNEL_PACKAGE", "linux-image-cloud-amd64")
 BUSYBOX = Path("/bin/busybox")
 GUEST_DIR = Path(__file__).parent / "guest"
@@ -194,13 +202,17 @@ class AssetCache:
         modules = module_load_order(kdir / "modules", GUEST_MODULES)
         scripts = {name: (GUEST_DIR / name).read_bytes() for name in ("init.sh", "agent.sh", "pid1.sh")}
         busybox = BUSYBOX.read_bytes()
+        confinement = {"jail": jail_binary(self.root).read_bytes(),
+                       "seccomp.bpf": seccomp_bpf(seccomp_profile(GUEST_ALSO_ALLOWED)),
+                       "caps": caps_argument().encode()}
         h = hashlib.sha256(kdir.name.encode() + busybox)
-        for name, data in sorted(scripts.items()):
+        for name, data in sorted({**scripts, **confinement}.items()):
             h.update(name.encode() + data)
         for m in modules:
             h.update(m.name.encode())
         path = self.root / f"initramfs-{h.hexdigest()[:16]}.cpio"
         if path.exists():
+            os.utime(path)  # in use: see below
             return path
         entries: list[tuple[str, int, bytes]] = [
             (d, 0o040755, b"") for d in ("bin", "dev", "proc", "sys", "dsec", "lib", "lib/modules")
@@ -210,6 +222,8 @@ class AssetCache:
         entries.append(("init", 0o100755, scripts["init.sh"]))
         for name in ("agent.sh", "pid1.sh"):
             entries.append((f"dsec/{name}", 0o100644, scripts[name]))
+        for name, data in confinement.items():
+            entries.append((f"dsec/{name}", 0o100755 if name == "jail" else 0o100644, data))
         for m in modules:
             entries.append((f"lib/modules/{m.name}", 0o100644, m.read_bytes()))
         load = "".join(m.name.removesuffix(".ko") + "\n" for m in modules)
@@ -217,7 +231,10 @@ class AssetCache:
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(_cpio_newc(entries))
         os.rename(tmp, path)
+        # Others go once unused for a day: another checkout of DSec may share this directory
+        # (its scripts make another initramfs) and boot from its own right now.
         for old in self.root.glob("initramfs-*.cpio"):
-            if old != path:
-                old.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                if old != path and time.time() - old.stat().st_mtime > STALE_S:
+                    old.unlink()
         return path

@@ -14,10 +14,27 @@
 #   shutdown                              -> ok 0, then the VM powers off
 # Each command runs in a cgroup of its own (so a kill takes everything it started), with its
 # output captured up to CAP bytes a stream and the rest counted.
+#
+# Each command runs confined by dsec-jail (the sandbox capability set, no_new_privs, the sandbox
+# seccomp profile, Landlock) in the sandbox's pid namespace, and without the channel's fd: it
+# sees the processes of the sandbox's commands but cannot see or signal this agent, and cannot
+# open the port, this directory (other commands' scripts, input and output) or any device but
+# the usual few; /proc and /sys are read-only to it.
 export PATH=/dev/.dsec/bin
 D=/dev/.dsec
 CG=/sys/fs/cgroup/dsec
 mkdir -p $D/j $CG
+# The guest kernel's log is the sandbox's own: commands may read it (dmesg) without CAP_SYSLOG.
+echo 0 >/proc/sys/kernel/dmesg_restrict
+# The sandbox's pid namespace: its init (which only reaps) stays as long as the VM. In the
+# commands' mount namespace this directory is read-only too (Landlock ABI 2 cannot stop a
+# truncate(2) of a hidden file).
+init=$($D/jail --ro $D --init) || { echo "dsec-agent: no pid namespace for commands" >/dev/ttyS0; exit 1; }
+JAIL="$D/jail --join $init --caps $(cat $D/caps) --seccomp $D/seccomp.bpf --ro /proc --ro /sys --hide /dev"
+for dev in null zero full random urandom tty ptmx pts shm; do
+    JAIL="$JAIL --rw /dev/$dev"
+done
+JAIL="$JAIL --ro $D/busybox"
 
 port=
 for n in /sys/class/virtio-ports/*/name; do
@@ -72,13 +89,13 @@ run_job() {  # JOBID CAP
     j=$D/j/$job
     mkdir $CG/$job $CG/$job-io
     mkfifo $j/op $j/ep
-    capture $j/out "$2" <$j/op &
-    capture $j/err "$2" <$j/ep &
+    capture $j/out "$2" <$j/op 3>&- &
+    capture $j/err "$2" <$j/ep 3>&- &
     (
         read -r pid _ </proc/self/stat
         echo "$pid" >"$CG/$job/cgroup.procs"
-        exec sh $j/script
-    ) <$j/in >$j/op 2>$j/ep
+        exec $JAIL -- $D/busybox sh -c "$(cat $j/script)"
+    ) <$j/in >$j/op 2>$j/ep 3>&-
     rc=$?
     # Output left in the pipes is read at once; a background process that keeps them open is
     # not waited for (half a second at most).
