@@ -1,10 +1,9 @@
-"""``dsec-jail`` (``jail.c``) built for the host, and the seccomp profile as a BPF program for it.
+"""``dsec-jail`` (``native/jail.c``) built for the host, and the seccomp profile as a BPF program for it.
 
 The jail confines a command and execs it (Landlock filesystem rules and scopes, a pid namespace,
 the capability set, no_new_privs, a seccomp program; see the source's header). It is a static
-binary, so the same file runs on the host and inside a VM's guest. ``jail_binary`` compiles it
-with ``gcc -static`` once per source version into ``<cache>/dsec-jail-<hash>`` (written under
-another name and renamed, so concurrent first uses never see half a file).
+binary, so the same file runs on the host and inside a VM's guest; ``jail_binary`` builds it
+(see ``dsec.native``).
 
 ``seccomp_bpf`` compiles ``profile.seccomp_profile()`` (the OCI section crun loads for
 containers) into the classic BPF program that seccomp(2) takes, with libseccomp, the library crun
@@ -15,22 +14,17 @@ there (``dmesg``) is the guest's own, not the host's.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
-import hashlib
 import os
-import shutil
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 from libdsec import BackendError
 
+from .. import native
 from .profile import CAPABILITIES, seccomp_profile
 
-SOURCE = Path(__file__).with_name("jail.c")
 
 # linux/capability.h
 CAPABILITY_NUMBERS = {
@@ -56,38 +50,12 @@ def caps_argument(names: list[str] = CAPABILITIES) -> str:
 
 
 def source_digest() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return native.digest("jail")
 
 
 def jail_binary(cache_dir: Path) -> Path:
     """The static ``dsec-jail`` for the current source, compiled into ``cache_dir`` if needed."""
-    target = Path(cache_dir) / f"dsec-jail-{source_digest()}"
-    if target.exists():
-        os.utime(target)  # in use: see below
-        return target
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        raise BackendError("gcc not found: dsec-jail is compiled on first use (install gcc and libc6-dev)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".dsec-jail-", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([gcc, "-static", "-O2", "-s", "-Wall", "-o", tmp, str(SOURCE)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise BackendError(f"cannot compile {SOURCE.name} (static, needs libc6-dev): "
-                               f"{(proc.stdout + proc.stderr).strip()[-800:]}")
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    # Other versions go once unused for a day (another checkout may share the directory).
-    for old in target.parent.glob("dsec-jail-*"):
-        with contextlib.suppress(OSError):
-            if old != target and time.time() - old.stat().st_mtime > 86400:
-                old.unlink()
-    return target
+    return native.binary("jail", cache_dir)
 
 
 # -- seccomp profile → BPF, with libseccomp -------------------------------------------------------

@@ -1,48 +1,66 @@
-"""The few small C programs DSec puts inside sandboxes (static, so they run in any image).
+"""The small C programs DSec runs inside sandboxes: ``init`` (a container's pid 1, which starts
+its commands) and ``jail`` (confines a command: Landlock, a pid namespace, capabilities,
+no_new_privs, seccomp). Static, so one file runs in any image and inside a VM's guest.
 
 They are built from the sources beside this file by the host's C compiler the first time they
 are needed, into a cache named by the source's digest (a changed source builds anew; two
-processes building at once both end with the same file, written whole by rename)."""
+processes building at once both end with the same file, written whole and renamed). Versions
+unused for a day are removed (other checkouts may share the cache)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
+
+from libdsec import BackendError
 
 SOURCES = Path(__file__).parent
 CACHE = Path(os.environ.get("DSEC_NATIVE_CACHE", "/var/cache/dsec/bin"))
 CFLAGS = ("-static", "-O2", "-s", "-Wall", "-Wextra", "-Werror")
 
 
-class NativeBuildError(RuntimeError):
+class NativeBuildError(BackendError):
     """A helper program could not be built (no C compiler or static libc, or a compile error)."""
 
 
-def binary(name: str) -> Path:
+def digest(name: str) -> str:
+    """The version of program ``name``: its source and the flags it is built with."""
+    text = (SOURCES / f"{name}.c").read_bytes()
+    return hashlib.sha256(text + " ".join(CFLAGS).encode()).hexdigest()[:16]
+
+
+def binary(name: str, cache: Path | None = None) -> Path:
     """The path of the built program ``name`` (from ``name.c``), building it if needed."""
-    source = SOURCES / f"{name}.c"
-    text = source.read_bytes()
-    digest = hashlib.sha256(text + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    target = CACHE / f"dsec-{name}-{digest}"
+    cache = Path(cache) if cache is not None else CACHE
+    target = cache / f"dsec-{name}-{digest(name)}"
     if target.exists():
+        with contextlib.suppress(OSError):
+            if time.time() - target.stat().st_mtime > 3600:
+                os.utime(target)  # in use: not pruned below
         return target
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         raise NativeBuildError(f"cannot build dsec-{name}: no C compiler (install gcc and libc6-dev)")
-    CACHE.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".dsec-{name}-", dir=CACHE)
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".dsec-{name}-", dir=cache)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(source)], capture_output=True, text=True)
+        done = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCES / f"{name}.c")], capture_output=True, text=True)
         if done.returncode != 0:
-            raise NativeBuildError(f"cannot build dsec-{name}: {done.stderr.strip()[-2000:]}")
+            raise NativeBuildError(f"cannot build dsec-{name} (static, needs libc6-dev): {done.stderr.strip()[-2000:]}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    for old in cache.glob(f"dsec-{name}-*"):
+        with contextlib.suppress(OSError):
+            if old != target and time.time() - old.stat().st_mtime > 86400:
+                old.unlink()
     return target
