@@ -28,7 +28,7 @@ from libdsec._models import ExecRequest, ExecResult
 from ...images.store import LayerStore
 from ...resources.cgroups import Limits
 from ..base import ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
-from . import machine
+from . import machine, pack
 from .agent import AgentChannel, AgentFailure, AgentGone, Done
 from .assets import AssetCache, GuestAssets
 from .qmp import QMP, QMPError
@@ -221,6 +221,17 @@ class VMBackend:
         except QMPError as exc:
             raise BackendError(f"cannot resume {handle.cid}: {exc}") from exc
         live.paused = False
+
+    async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
+        """The VM's writable layer, scrubbed, as a layer in the store (see ``pack``); the VM
+        runs on (its commands are frozen while the agent reads the layer)."""
+        live = self._get(handle, "pack")
+        try:
+            return await pack.pack_upper(live.agent, self.store)
+        except AgentFailure as exc:
+            raise BackendError(f"cannot pack {self.kind} {handle.cid}: {exc.message}") from None
+        except AgentGone as exc:
+            raise self._gone(handle, live, exc) from None
 
     async def destroy(self, handle: Handle) -> None:
         live = self._live.pop(handle.cid, None)
