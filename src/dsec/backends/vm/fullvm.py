@@ -149,7 +149,8 @@ class FullVMBackend(VMBackend):
         ]
 
     def release_unused(self) -> None:
-        """Base disks stay cached; nothing else is node-wide."""
+        """Base disks stay cached."""
+        super().release_unused()
 
 
 def remove_disk_cache(backend: FullVMBackend) -> None:
