@@ -54,7 +54,8 @@ def _held(backend: MicroVMBackend, handles, zram_start: int) -> dict:
     rss = sum(machine.rss_bytes(h.pid) or 0 for h in handles)
     swapped = sum(reclaim.swapped_bytes(backend.cgroup_parent, h.cid) or 0 for h in handles)
     zram = max(0, reclaim.zram_stats()["mem_used_total"] - zram_start)
-    return {"rss": rss, "swapped": swapped, "zram": zram, "held": rss + zram}
+    each = sorted((machine.rss_bytes(h.pid) or 0) >> 20 for h in handles)
+    return {"rss": rss, "swapped": swapped, "zram": zram, "held": rss + zram, "rss_each_mib": each}
 
 
 async def run(state_dir: Path, store_dir: Path, console: Console, image: str, count: int, memory_mb: int,
@@ -155,6 +156,7 @@ def report(r: dict, console: Console, count: int) -> list[str]:
     table.add_row("first command after resume (median)", f"{r['resume_latency_ms']:.0f} ms",
                   f"on a running VM {r['run_latency_ms']:.0f} ms", "", "")
     console.print(table)
+    console.print(f"QEMU resident per VM (MiB): running {run_['rss_each_mib']}, paused {paused['rss_each_mib']}")
     console.print(f"pause: {r['pause_wall_s'] * 1e3:.0f} ms wall, {r['pause_cpu_s'] * 1e3:.0f} ms CPU per VM; "
                   f"{r['intact']} of {count} resumed with their file and process intact; swap {mib(r['swap_total'])}; "
                   f"accel {r['accel'].upper()}, QEMU {r['qemu']}, load at start {r['load_start']:.1f}")
