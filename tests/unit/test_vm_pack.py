@@ -19,5 +19,6 @@ def test_opaque_dirs_are_those_hiding_the_probe_under_a_visible_parent(tmp_path)
 
 def test_nothing_opaque_when_the_probe_shows_everywhere(tmp_path):
     (tmp_path / "a b" / "c").mkdir(parents=True)
+    (tmp_path / "to-host").symlink_to("/etc")  # a symlink is never a directory of the layer
     visible = b"\0".join(f"{p}/{PROBE}".encode() for p in (".", "./a b", "./a b/c"))
     assert opaque_dirs(tmp_path, PROBE, visible) == []

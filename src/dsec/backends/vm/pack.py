@@ -61,7 +61,7 @@ def opaque_dirs(root: Path, probe: str, visible: bytes) -> list[str]:
             continue
         for name in dirnames:
             rel = os.path.normpath(os.path.join(rel_dir, name))
-            if rel not in seen:
+            if rel not in seen and not os.path.islink(os.path.join(dirpath, name)):
                 opaque.append(rel)
     return sorted(opaque)
 
