@@ -147,7 +147,7 @@ def report(r: dict, console: Console, count: int) -> list[str]:
     saving = 1 - paused["held"] / stop["held"]
     table = Table("measure", "DSec pause (stop + push-out)", "peer: QMP stop", "ratio", "running, idle")
     table.add_row(f"host memory held, {count} paused microVMs (RSS + zram)", mib(paused["held"]), mib(stop["held"]),
-                  f"{saving * 100:.0f}% less", mib(run_["held"]))
+                  f"{saving * 100:.1f}% less", mib(run_["held"]))
     table.add_row("  of which QEMU resident", mib(paused["rss"]), mib(stop["rss"]), "", mib(run_["rss"]))
     table.add_row("  of which zram (for what went to swap)", f"{mib(paused['zram'])} for {mib(paused['swapped'])}",
                   mib(stop["zram"]), "", "")
