@@ -20,14 +20,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.asyncio(loop_scope
 CHANGES = (
     "set -e; echo kept > /root/result.txt; rm /bin/vi; rm -rf /etc; mkdir /etc; echo new > /etc/only;"
     "echo junk > /tmp/junk; echo 'cat secret' > /root/.ash_history; mkdir -p '/srv/a b'; echo 1 > '/srv/a b/f';"
-    "ln -s ../root/result.txt /srv/link; sleep 3600 >/dev/null 2>&1 &"
+    "ln -s ../root/result.txt /srv/link; mkfifo /srv/pipe; sleep 3600 >/dev/null 2>&1 &"
 )
 # (A full VM's disk gets DSec's /etc/inittab besides, so that busybox's init runs the agent.)
 CHECK = (
     "cat /root/result.txt; ls -A /etc | grep -vx inittab; test -e /bin/vi || echo vi-gone; test -e /tmp/junk || echo no-junk;"
-    "test -e /root/.ash_history || echo no-history; cat '/srv/a b/f'; cat /srv/link; test -e /bin/sh && echo sh-kept"
+    "test -e /root/.ash_history || echo no-history; cat '/srv/a b/f'; cat /srv/link; test -e /bin/sh && echo sh-kept;"
+    "test -p /srv/pipe && echo fifo-kept"
 )
-EXPECTED = ["kept", "only", "vi-gone", "no-junk", "no-history", "1", "kept", "sh-kept"]
+EXPECTED = ["kept", "only", "vi-gone", "no-junk", "no-history", "1", "kept", "sh-kept", "fifo-kept"]
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ mount it; so the guest agent packs the upper itself (op ``pack``, see ``guest/ag
 
 The host extracts the tar into the store's scratch space with the checks every untrusted tar
 gets (``extract_tar``: no member outside the root, none written through a symlink, no device
-node but whiteouts), marks the opaque directories ``trusted.overlay.opaque=y`` as the kernel
-would have, and from there it is a container's upper: residue scrubbed (``scrub.residue``), an
-EROFS layer built (``LayerStore.add_dir``).
+node but whiteouts; FIFOs are fine), marks the opaque directories ``trusted.overlay.opaque=y``
+as the kernel would have, and from there it is a container's upper: residue scrubbed
+(``scrub.residue``), an EROFS layer built (``LayerStore.add_dir``).
 
 What busybox's tar does not carry is lost: xattrs other than the opaque mark (file
 capabilities, ACLs) and sub-second mtimes; sockets are skipped; a device node, or a relative
