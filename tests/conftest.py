@@ -104,7 +104,7 @@ def suite_leftovers(base: Path, state_dirs: list[Path]) -> list[str]:
             problems += leftovers(state, settle_s=0)
     with open("/proc/self/mountinfo") as f:
         problems += [f"mount {t}" for line in f if (t := line.split()[4]).startswith(f"{base}/")]
-    parents = {cgroups.parent_for(d) for d in state_dirs}
+    parents = {f"{cgroups.parent_for(d)}{kind}" for d in state_dirs for kind in ("", "-microvm", "-fullvm")}
     hierarchies = [cgroups.CGROUP_ROOT] if cgroups.is_v2() else list(cgroups.CGROUP_ROOT.iterdir())
     problems += [f"cgroup {h / p}" for h in hierarchies for p in parents if (h / p).is_dir()]
     for pid in os.listdir("/proc"):

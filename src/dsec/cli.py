@@ -336,6 +336,23 @@ def bench_burst(
     ))
 
 
+@bench_app.command("vm-pause")
+def bench_vm_pause(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's VMs.")] = Path("/var/lib/dsec-bench-vm-pause"),
+    store_dir: Annotated[Path, typer.Option("--store", help="Layer store with the image.")] = Path("/var/lib/dsec/store"),
+    image: Annotated[str, typer.Option(help="Image (busybox is built if the store lacks it).")] = "busybox",
+    count: Annotated[int, typer.Option("--count", "-n", help="Idle microVMs to pause.")] = 8,
+    memory: Annotated[int, typer.Option(help="Guest memory in MB.")] = 256,
+    state_mb: Annotated[int, typer.Option(help="MiB of text each VM writes to its filesystem first.")] = 32,
+    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
+) -> None:
+    """Host memory of N paused idle microVMs: DSec's pause (stop + push-out) vs QMP stop alone."""
+    from .bench.vm_pause import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, store_dir=store_dir, console=console, image=image, count=count,
+                               memory_mb=memory, state_mb=state_mb, strict=strict))
+
+
 def main() -> None:
     if os.environ.get("DSEC_DEBUG"):
         app()

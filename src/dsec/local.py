@@ -137,9 +137,10 @@ def _leftovers(state_dir: Path) -> list[str]:
         if d.is_dir():
             found += [f"{sub} entry {p}" for p in d.iterdir()]
     parent = cgroups.parent_for(state_dir)
-    found += [f"cgroup {d}" for d in cgroups.sandbox_cgroup_dirs(parent)]
     hierarchies = [cgroups.CGROUP_ROOT] if cgroups.is_v2() else list(cgroups.CGROUP_ROOT.iterdir())
-    found += [f"parent cgroup {h / parent}" for h in hierarchies if (h / parent).is_dir()]
+    for p in (parent, f"{parent}-microvm", f"{parent}-fullvm"):  # containers', VMs' (see backends.vm)
+        found += [f"cgroup {d}" for d in cgroups.sandbox_cgroup_dirs(p)]
+        found += [f"parent cgroup {h / p}" for h in hierarchies if (h / p).is_dir()]
     inside = str(state_dir) + "/"
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) == os.getpid():

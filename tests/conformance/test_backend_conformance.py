@@ -161,3 +161,40 @@ async def test_recover_adopts_live_and_drops_dead(kit):
         assert (await backend.exec(live, run("echo still"), ROOT)).stdout == "still\n"
     finally:
         await backend.destroy(live)
+
+
+async def test_pack_diff(kit):
+    """The sandbox's changes as a layer (deletions as whiteouts, residue left out); it runs on."""
+    import os
+    import stat
+    import subprocess
+    import tempfile
+
+    from libdsec import BackendError
+
+    backend, spec = kit
+    handle = await backend.create(cid(), spec)
+    try:
+        await backend.exec(handle, run("echo packed > /root/p; rm /bin/vi; echo x > /tmp/junk"), ROOT)
+        if not hasattr(backend, "store"):
+            with pytest.raises(BackendError, match="cannot pack"):
+                await backend.pack_diff(handle)
+            return
+        digest, scrubbed = await backend.pack_diff(handle)
+        assert "/tmp/junk" in scrubbed
+        assert (await backend.exec(handle, run("cat /root/p"), ROOT)).stdout == "packed\n"
+        with tempfile.TemporaryDirectory() as mnt:
+            subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(backend.store.layer_path(digest)), mnt], check=True)
+            try:
+                assert Path(mnt, "root/p").read_text() == "packed\n"
+                whiteout = os.stat(Path(mnt, "bin/vi"), follow_symlinks=False)
+                assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
+                assert not Path(mnt, "tmp/junk").exists()
+            finally:
+                subprocess.run(["umount", mnt], check=True)
+        if digest in backend.store.unreferenced_layers():
+            backend.store.remove_layer(digest)
+    finally:
+        await backend.destroy(handle)
+    with pytest.raises(SandboxStateError):
+        await backend.pack_diff(handle)

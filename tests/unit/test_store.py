@@ -172,6 +172,15 @@ def test_extract_tar_refuses_escapes(tmp_path, victim, case):
     assert not Path("/etc/dsec-test-escape").exists() and not (tmp_path / "escape").exists()
 
 
+def test_extract_tar_keeps_whiteouts_and_fifos(tmp_path):
+    archive = _tar(tmp_path / "a.tar", [_member("gone", "chr", link="0:0"), _member("pipe", "fifo")])
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    extract_tar(archive, dest)
+    assert stat.S_ISCHR((dest / "gone").lstat().st_mode) and (dest / "gone").lstat().st_rdev == 0
+    assert stat.S_ISFIFO((dest / "pipe").lstat().st_mode)
+
+
 def test_add_tar_refuses_escapes_and_leaves_nothing(store, tmp_path, victim):
     for case, members in _escaping_archives(victim).items():
         archive = _tar(tmp_path / "a.tar", members)

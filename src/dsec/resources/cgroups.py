@@ -143,6 +143,25 @@ def cpu_idle(parent: str, cid: str) -> bool | None:
         return None
 
 
+def make_memory_cgroup(parent: str, cid: str) -> Path:
+    """A cgroup with the memory controller for a process the backend starts itself (a VM's
+    QEMU; crun makes a container's); returns its ``cgroup.procs``. No limit is set: a VM's
+    memory is fixed by its machine, and the cgroup is there to account for it and reclaim it."""
+    d = CGROUP_ROOT / parent / cid if is_v2() else _v1_dir("memory", parent, cid)
+    for _ in range(10):
+        d.parent.mkdir(exist_ok=True)
+        if is_v2():
+            for level in (CGROUP_ROOT, d.parent):
+                if "memory" not in (level / "cgroup.subtree_control").read_text().split():
+                    _write(level / "cgroup.subtree_control", "+memory")
+        try:
+            d.mkdir(exist_ok=True)
+            break
+        except FileNotFoundError:
+            continue  # the empty parent was just removed (``remove_parent``): make it again
+    return d / "cgroup.procs"
+
+
 def memory_usage_bytes(parent: str, cid: str) -> int | None:
     path = (CGROUP_ROOT / parent / cid / "memory.current") if is_v2() else (_v1_dir("memory", parent, cid) / "memory.usage_in_bytes")
     try:

@@ -2,7 +2,8 @@
 
 QEMU exposes the guest's virtio-serial port as a unix socket; ``AgentChannel`` connects to it,
 writes requests and matches answers to them by id, so calls can run side by side (commands run
-concurrently in the guest). When the connection drops or the guest stops answering, every
+concurrently in the guest). A long answer may come first as "part" frames, handed to the
+caller's sink as they arrive, before its final frame. When the connection drops or the guest stops answering, every
 pending call raises ``AgentGone``.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +44,8 @@ class AgentChannel:
         self._reader = reader
         self._writer = writer
         self._pending: dict[str, asyncio.Future] = {}
+        # Where the "part" frames of a streamed answer go (``request(..., sink=)``).
+        self._sinks: dict[str, Callable[[bytes], object]] = {}
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()
         self._reader_task = asyncio.create_task(self._read_loop(), name="dsec-agent-reader")
@@ -82,6 +86,12 @@ class AgentChannel:
                 if len(fields) < 2:
                     continue  # noise (a half frame after the host reconnected)
                 rid, status, nums = fields[0], fields[1], fields[2:]
+                if status == "part":
+                    body = await self._reader.readexactly(int(nums[0]))
+                    sink = self._sinks.get(rid)
+                    if sink is not None:
+                        sink(body)
+                    continue
                 if status == "ok":
                     body = await self._reader.readexactly(int(nums[0]))
                     result: object = body
@@ -95,6 +105,7 @@ class AgentChannel:
                     result = Done(rc, out, out_total, err, err_total)
                 else:
                     continue
+                self._sinks.pop(rid, None)
                 fut = self._pending.pop(rid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(result)
@@ -111,6 +122,7 @@ class AgentChannel:
             if not fut.done():
                 fut.set_exception(AgentGone(reason))
         self._pending.clear()
+        self._sinks.clear()
         self._writer.close()
 
     def new_id(self) -> str:
@@ -132,13 +144,23 @@ class AgentChannel:
             raise AgentGone(self.reason) from exc
         return fut
 
-    async def request(self, header: str, *payloads: bytes, timeout: float = 30.0) -> object:
+    async def request(self, header: str, *payloads: bytes, timeout: float = 30.0,
+                      sink: Callable[[bytes], object] | None = None) -> object:
+        """Send one request and wait for its answer; ``sink`` gets the bytes of each "part"
+        frame that comes before it (a streamed answer)."""
         rid = self.new_id()
-        fut = await self.send(rid, header, *payloads)
+        if sink is not None:
+            self._sinks[rid] = sink
+        try:
+            fut = await self.send(rid, header, *payloads)
+        except BaseException:
+            self._sinks.pop(rid, None)
+            raise
         try:
             result = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except TimeoutError:
             self._pending.pop(rid, None)
+            self._sinks.pop(rid, None)
             raise AgentGone(f"the guest agent did not answer {header.split()[0]!r} within {timeout:g}s") from None
         if isinstance(result, AgentFailure):
             raise result

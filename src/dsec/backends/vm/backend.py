@@ -9,6 +9,13 @@ gone, or whose agent closed its channel or stopped answering, is not alive: call
 
 Per node: ``<node_dir>/vms/<kind>/<cid>/`` holds ``qemu.pid``, ``qmp.sock``, ``agent.sock``,
 ``console.log`` and whatever the kind adds (a disk overlay); ``destroy`` removes it.
+
+Each QEMU runs in a memory cgroup of its own, ``<parent>-<kind>/<cid>`` (``<parent>`` being the
+node's container parent, see ``cgroups.parent_for``), started in it so that all its memory is
+charged there. ``pause`` stops the vCPUs (QMP ``stop``) and then pushes the VM's memory out of
+RAM as a paused container's is (``reclaim.push_out``: guest RAM and QEMU's own to swap, zram
+here; clean file pages such as the layers' dropped); ``resume`` lets the vCPUs go again
+(``cont``), and the guest faults its pages back in as it touches them.
 """
 
 from __future__ import annotations
@@ -26,9 +33,10 @@ from libdsec import BackendError, CommandTimeout, InvalidRequest, LimitOutOfRang
 from libdsec._models import ExecRequest, ExecResult
 
 from ...images.store import LayerStore
+from ...resources import cgroups, reclaim
 from ...resources.cgroups import Limits
 from ..base import ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
-from . import machine
+from . import machine, pack
 from .agent import AgentChannel, AgentFailure, AgentGone, Done
 from .assets import AssetCache, GuestAssets
 from .qmp import QMP, QMPError
@@ -70,6 +78,7 @@ class VMBackend:
         self.boot_timeout_s = boot_timeout_s
         self.default_memory_mb = default_memory_mb
         self._live: dict[str, _Live] = {}
+        self.cgroup_parent = f"{cgroups.parent_for(self.node_dir.parent)}-{self.kind}"
 
     # -- node-level ------------------------------------------------------------------------
 
@@ -148,10 +157,14 @@ class VMBackend:
         pid = 0
         try:
             argv = await self._prepare(cid, spec, vm_dir)
-            pid = await machine.launch(argv, vm_dir)
+            procs = await asyncio.to_thread(cgroups.make_memory_cgroup, self.cgroup_parent, cid)
+            pid = await machine.launch(argv, vm_dir, cgroup_procs=procs)
             live = await self._attach(cid, pid, vm_dir, self.boot_timeout_s, spec)
         except BaseException as exc:
             await machine.kill(pid)
+            await self._remove_cgroup(cid)
+            if not self._live:
+                cgroups.remove_parent(self.cgroup_parent)
             console = self._console_tail(vm_dir)
             shutil.rmtree(vm_dir, ignore_errors=True)
             if isinstance(exc, (AgentGone, QMPError)):
@@ -213,6 +226,11 @@ class VMBackend:
         except QMPError as exc:
             raise BackendError(f"cannot pause {handle.cid}: {exc}") from exc
         live.paused = True
+        # Stopped, the guest touches none of its pages: push them all out (to swap).
+        try:
+            await asyncio.to_thread(reclaim.push_out, self.cgroup_parent, handle.cid)
+        except OSError as exc:
+            log.warning("paused %s but could not push its memory out: %s", handle.cid, exc)
 
     async def resume(self, handle: Handle) -> None:
         live = self._get(handle, "resume", paused_ok=True)
@@ -222,13 +240,46 @@ class VMBackend:
             raise BackendError(f"cannot resume {handle.cid}: {exc}") from exc
         live.paused = False
 
+    async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
+        """The VM's writable layer, scrubbed, as a layer in the store (see ``pack``); the VM
+        runs on (its commands are frozen while the agent reads the layer)."""
+        live = self._get(handle, "pack")
+        try:
+            return await pack.pack_upper(live.agent, self.store)
+        except AgentFailure as exc:
+            raise BackendError(f"cannot pack {self.kind} {handle.cid}: {exc.message}") from None
+        except AgentGone as exc:
+            raise self._gone(handle, live, exc) from None
+
     async def destroy(self, handle: Handle) -> None:
         live = self._live.pop(handle.cid, None)
         if live is not None:
             await self._close_live(live)
         await machine.kill(handle.pid if handle.pid else (live.pid if live else 0))
+        await self._remove_cgroup(handle.cid)
         await asyncio.to_thread(shutil.rmtree, self.vm_dir(handle.cid), True)
         await self._release(handle)
+
+    async def _remove_cgroup(self, cid: str) -> None:
+        """Remove a VM's cgroup once its QEMU is gone (an exited one leaves it a moment later)."""
+        d = self._memory_cgroup(cid)
+        for _ in range(200):
+            try:
+                cgroups.remove_cgroup(self.cgroup_parent, cid)
+                return
+            except OSError:
+                if not d.exists():
+                    return
+                with contextlib.suppress(OSError, ValueError):
+                    for pid in (d / "cgroup.procs").read_text().split():
+                        await machine.kill(int(pid))
+                await asyncio.sleep(0.01)
+        log.warning("cannot remove the cgroup of %s %s", self.kind, cid)
+
+    def _memory_cgroup(self, cid: str) -> Path:
+        if cgroups.is_v2():
+            return cgroups.CGROUP_ROOT / self.cgroup_parent / cid
+        return cgroups.CGROUP_ROOT / "memory" / self.cgroup_parent / cid
 
     async def _release(self, handle: Handle) -> None:
         """Hook: node-level things a VM held."""
@@ -255,6 +306,11 @@ class VMBackend:
         for d in list(self.vms_dir.iterdir()):
             if d.name not in keep and not d.name.startswith("."):
                 await self._remove_remains(d)
+        for d in cgroups.sandbox_cgroup_dirs(self.cgroup_parent):
+            if d.name not in keep:
+                await self._remove_cgroup(d.name)
+        if not keep:
+            cgroups.remove_parent(self.cgroup_parent)
         return alive
 
     async def _remove_remains(self, vm_dir: Path) -> None:
@@ -263,10 +319,14 @@ class VMBackend:
         live = self._live.pop(vm_dir.name, None)
         if live is not None:
             await self._close_live(live)
+        await self._remove_cgroup(vm_dir.name)
         shutil.rmtree(vm_dir, ignore_errors=True)
 
     def release_unused(self) -> None:
-        """Nothing node-wide outlives the last VM but cached files (kernel, disks, layers)."""
+        """Nothing node-wide outlives the last VM but cached files (kernel, disks, layers) and,
+        while a VM is left, the parent cgroup."""
+        if not self._live:
+            cgroups.remove_parent(self.cgroup_parent)
 
     def memory_usage(self, handle: Handle) -> int | None:
         return machine.rss_bytes(handle.pid) if handle.pid else None

@@ -2,10 +2,17 @@
 
 The first VM of an image builds its base disk: the layers composed (overlayfs, read-only) and
 copied into an ext4 image (``mkfs.ext4 -d``), kept in ``<node_dir>/vms/fullvm/.disks/`` by the
-digest of the layers. Each VM gets a qcow2 overlay over that base (copy-on-write: the base is
-never written). The guest's initramfs mounts the disk and hands PID 1 to the image's
-``/sbin/init``; an image whose init is busybox gets an inittab line that keeps the DSec agent
+digest of the layers. Every VM of the image attaches that disk read-only (``/dev/vda``) and a
+disk of its own (``/dev/vdb``: a qcow2 overlay over an empty ext4 template, so it starts at a
+few hundred KB); the guest's initramfs mounts an overlay of the two as the root (the base never
+changes; the VM's writes land in ``/dev/vdb``'s ``upper/``), and hands PID 1 to the image's
+``/sbin/init``. An image whose init is busybox gets an inittab line that keeps the DSec agent
 running (respawned if it dies). An image with no init of its own boots the agent as PID 1.
+
+Why an overlay in the guest rather than one ext4 disk written in place: ``pack_diff`` then has
+the VM's changes as they are, file by file, with deletions as whiteouts and replaced
+directories marked opaque, exactly as a container's or a microVM's upper, instead of having to
+work them out by comparing a whole disk against the base tree.
 """
 
 from __future__ import annotations
@@ -29,7 +36,10 @@ INITTAB = """\
 ::respawn:/dev/.dsec/busybox sh /dev/.dsec/agent.sh
 ::shutdown:/bin/sync
 """
-FREE_SPACE_MB = 512
+# The base disk is read-only: a little room for ext4's own metadata is all it needs.
+FREE_SPACE_MB = 32
+# Each VM's own disk (sparse: it takes on the host what the guest writes).
+UPPER_DISK_MB = 4096
 
 
 def _sh(cmd: list[str]) -> None:
@@ -76,6 +86,18 @@ def build_base_disk(store, layers: tuple[str, ...], dest: Path) -> None:
         os.rename(tmp, dest)
 
 
+def _empty_ext4(dest: Path, size_mb: int) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        _sh(["mkfs.ext4", "-q", "-F", "-E", "root_owner=0:0", "-J", "size=16", str(tmp), f"{size_mb}M"])
+        os.chmod(tmp, 0o444)
+        os.rename(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class FullVMBackend(VMBackend):
     kind = "fullvm"
 
@@ -86,6 +108,14 @@ class FullVMBackend(VMBackend):
 
     def describe(self) -> str:
         return super().describe() + ", q35 with a copy-on-write disk"
+
+    async def upper_template(self) -> Path:
+        """An empty ext4 image that every VM's own disk starts as (made once per node)."""
+        path = self.disks_dir / f"upper-{UPPER_DISK_MB}m.raw"
+        async with self._disk_locks.setdefault(path.name, asyncio.Lock()):
+            if not path.exists():
+                await asyncio.to_thread(_empty_ext4, path, UPPER_DISK_MB)
+        return path
 
     async def base_disk(self, layers: tuple[str, ...]) -> Path:
         key = hashlib.sha256(("\n".join(layers) + INITTAB).encode()).hexdigest()[:24]
@@ -103,7 +133,7 @@ class FullVMBackend(VMBackend):
         base = await self.base_disk(spec.layers)
         disk = vm_dir / "disk.qcow2"
         proc = await asyncio.create_subprocess_exec(
-            "qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(base), str(disk),
+            "qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(await self.upper_template()), str(disk),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
         out, _ = await proc.communicate()
         if proc.returncode != 0:
@@ -111,13 +141,16 @@ class FullVMBackend(VMBackend):
         return [
             *self._common_args(vm_dir, accel, "virtio-serial-pci"),
             "-M", "q35", "-m", f"{self.memory_mb(spec)}M", "-smp", str(self.vcpus(spec)),
+            "-drive", f"file={base},if=none,id=base,format=raw,readonly=on",
+            "-device", "virtio-blk-pci,drive=base",
             "-drive", f"file={disk},if=none,id=disk0,format=qcow2,discard=unmap",
             "-device", "virtio-blk-pci,drive=disk0",
             *self._kernel_args(assets, accel, "dsec.mode=fullvm"),
         ]
 
     def release_unused(self) -> None:
-        """Base disks stay cached; nothing else is node-wide."""
+        """Base disks stay cached."""
+        super().release_unused()
 
 
 def remove_disk_cache(backend: FullVMBackend) -> None:

@@ -109,11 +109,13 @@ def pid_alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z" and "qemu-system" in exe
 
 
-async def launch(argv: list[str], vm_dir: Path, timeout: float = 30.0) -> int:
-    """Start a daemonizing QEMU; returns the daemon's pid."""
+async def launch(argv: list[str], vm_dir: Path, timeout: float = 30.0, cgroup_procs: Path | None = None) -> int:
+    """Start a daemonizing QEMU; returns the daemon's pid. With ``cgroup_procs``, QEMU starts
+    in that cgroup (a shell joins it and execs QEMU), so all its memory is charged there."""
     pidfile = vm_dir / "qemu.pid"
+    join = ["/bin/sh", "-c", 'echo $$ >"$0" && exec "$@"', str(cgroup_procs)] if cgroup_procs else []
     proc = await asyncio.create_subprocess_exec(
-        QEMU, *argv, "-daemonize", "-pidfile", str(pidfile),
+        *join, QEMU, *argv, "-daemonize", "-pidfile", str(pidfile),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,
     )

@@ -12,6 +12,11 @@
 #   write PATHLEN DATALEN MODE UID GID    -> ok 0 or err invalid
 #   mkdir PATHLEN UID GID                 -> ok 0 or err invalid
 #   shutdown                              -> ok 0, then the VM powers off
+#   pack TOKEN                            -> "ID part LEN" + LEN bytes, repeated: a tar of the
+#                                            root's writable layer (/dev/.dsec/rw/upper), taken
+#                                            with the commands' cgroups frozen; then ok LEN + the
+#                                            NUL-separated paths of a probe file named TOKEN that
+#                                            stays visible (the host finds opaque dirs from them)
 # Each command runs in a cgroup of its own (so a kill takes everything it started), with its
 # output captured up to CAP bytes a stream and the rest counted.
 #
@@ -152,6 +157,55 @@ do_write() {  # ID PATH DATAFILE MODE UID GID
     fi
 }
 
+# The opaque-directory mark is an xattr, and busybox reads none: an overlay of the writable layer
+# over a tree with a probe file TOKEN in each of its directories shows the probe under a
+# directory unless that directory, or one above it, is opaque.
+probe_visible() {  # UPPER WORKDIR TOKEN -> WORKDIR/visible
+    mkdir -p "$2/probe" "$2/view"
+    (cd "$1" && find . -type d -exec mkdir -p "$2/probe/{}" \; -exec touch "$2/probe/{}/$3" \;) || return 1
+    mount -t overlay -o "ro,index=off,lowerdir=$1:$2/probe" dsec-probe "$2/view" || return 1
+    (cd "$2/view" && find . -name "$3" -print0) >"$2/visible"
+    rc=$?
+    umount "$2/view"
+    return $rc
+}
+
+do_pack() {  # ID TOKEN
+    up=$D/rw/upper
+    w=$D/pack.$1
+    if [ ! -d $up ]; then
+        fail "$1" invalid "this VM has no writable layer at $up"
+        return
+    fi
+    mkdir -p $w
+    frozen=
+    for c in $CG/*/; do
+        case $c in *-io/) continue ;; esac
+        echo 1 >"${c}cgroup.freeze" 2>/dev/null && frozen="$frozen $c"
+    done
+    for c in $frozen; do
+        n=0
+        until grep -q '^frozen 1' "${c}cgroup.events" 2>/dev/null || [ $n -gt 100 ]; do
+            usleep 20000
+            n=$((n + 1))
+        done
+    done
+    if probe_visible $up $w "$2"; then
+        (cd $up && tar -c .) | while :; do
+            dd bs=65536 count=16 iflag=fullblock of=$w/chunk 2>/dev/null
+            n=$(size $w/chunk)
+            [ "$n" -gt 0 ] || break
+            send "$1 part $n" $w/chunk
+            [ "$n" -eq 1048576 ] || break
+        done
+        send "$1 ok $(size $w/visible)" $w/visible
+    else
+        fail "$1" invalid "cannot look for opaque directories in $up"
+    fi
+    for c in $frozen; do echo 0 >"${c}cgroup.freeze" 2>/dev/null; done
+    rm -rf $w
+}
+
 while :; do
     if ! read -r id op a b c d e <&3; then
         usleep 200000  # the host is not connected (yet, or any more)
@@ -192,6 +246,8 @@ while :; do
             p=$(cat $D/path.$id)
             rm -f $D/path.$id
             if makedirs "$p" "$b" "$c"; then send "$id ok 0"; else fail "$id" invalid "cannot create directory $p"; fi ;;
+        pack)  # TOKEN
+            ( do_pack "$id" "$a" & ) ;;
         shutdown)
             send "$id ok 0"
             sync

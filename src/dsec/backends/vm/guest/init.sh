@@ -3,8 +3,11 @@
 # the guest agent (busybox + agent.sh) on a tmpfs at <root>/dev/.dsec and hands over:
 #   dsec.mode=microvm  root = overlay of the EROFS layers (pmem with DAX, or virtio-blk when
 #                      dsec.layerdev=vd) under a tmpfs upper; PID 1 becomes pid1.sh (the agent)
-#   dsec.mode=fullvm   root = /dev/vda (ext4, copy-on-write on the host); PID 1 becomes the
-#                      image's own /sbin/init, which starts the agent (its inittab says so)
+#   dsec.mode=fullvm   root = overlay of /dev/vda (the image's ext4 disk, read-only, shared by
+#                      every VM of the image) under an upper on /dev/vdb (the VM's own ext4
+#                      disk); PID 1 becomes the image's own /sbin/init, which starts the agent
+#                      (its inittab says so)
+# Either way the upper's filesystem is moved to <root>/dev/.dsec/rw, where the agent packs it.
 /bin/busybox mkdir -p /bin /proc /sys /dev /newroot /layers /rw
 /bin/busybox --install -s /bin
 export PATH=/bin
@@ -46,7 +49,13 @@ wait_dev() {
 
 if [ "$mode" = fullvm ]; then
     wait_dev /dev/vda
-    mount -t ext4 /dev/vda /newroot || fail "cannot mount the root disk"
+    wait_dev /dev/vdb
+    mkdir -p /base
+    mount -t ext4 -o ro,noload /dev/vda /base || fail "cannot mount the image disk"
+    mount -t ext4 /dev/vdb /rw || fail "cannot mount the VM's own disk"
+    mkdir -p /rw/upper /rw/work
+    mount -t overlay -o "lowerdir=/base,upperdir=/rw/upper,workdir=/rw/work" overlay /newroot \
+        || fail "cannot mount the overlay"
 else
     lower=
     i=0
@@ -78,6 +87,8 @@ mount --move /proc /newroot/proc
 mount --move /sys /newroot/sys
 mkdir -p /newroot/dev/.dsec
 mount -t tmpfs -o mode=0700 dsec /newroot/dev/.dsec
+mkdir /newroot/dev/.dsec/rw
+mount --move /rw /newroot/dev/.dsec/rw
 mkdir -p /newroot/dev/.dsec/bin /newroot/dev/pts /newroot/dev/shm
 cp /bin/busybox /dsec/agent.sh /dsec/pid1.sh /dsec/jail /dsec/seccomp.bpf /dsec/caps /newroot/dev/.dsec/
 /newroot/dev/.dsec/busybox --install -s /newroot/dev/.dsec/bin
