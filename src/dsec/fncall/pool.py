@@ -147,6 +147,7 @@ class FnCallPool:
         self.config = config or FnCallConfig()
         self._pools: dict[tuple[str, ...], _ImagePool] = {}
         self._images: dict[str, tuple[float, Image]] = {}
+        self._limits: dict[tuple[float, int, int], CallLimits] = {}
         self._uids: set[int] = set()
         self._wakeup = asyncio.Event()
         self._start_sem = asyncio.Semaphore(self.config.start_concurrency)
@@ -270,11 +271,18 @@ class FnCallPool:
             if not name or "=" in name or "\0" in name or "\0" in value:
                 raise InvalidRequest(f"invalid environment variable {name!r}")
         image = self._image(args.image)
-        base = call_env(image)
-        env = {k: v for k, v in args.env.items() if base.get(k) != v}  # the zygote has the rest
-        limits = CallLimits(timeout_s=args.timeout, memory_bytes=args.memory_limit_mb << 20,
-                            max_output=args.max_output_bytes, max_fetch=cfg.max_fetch_bytes,
-                            max_fetch_total=cfg.max_fetch_bytes)
+        env = args.env
+        if env:
+            base = call_env(image)
+            env = {k: v for k, v in env.items() if base.get(k) != v}  # the zygote has the rest
+        key = (args.timeout, args.memory_limit_mb, args.max_output_bytes)
+        limits = self._limits.get(key)
+        if limits is None:  # calls mostly share their limits: one object for each set of them
+            if len(self._limits) > 1000:
+                self._limits.clear()
+            limits = self._limits[key] = CallLimits(
+                timeout_s=args.timeout, memory_bytes=args.memory_limit_mb << 20, max_output=args.max_output_bytes,
+                max_fetch=cfg.max_fetch_bytes, max_fetch_total=cfg.max_fetch_bytes)
         frame = encode_request(args.language, args.code, env, stdin, files, fetch, limits)
         return _Prepared(image=args.image, frame=frame, limits=limits, fetch=fetch, memory_mb=args.memory_limit_mb)
 
