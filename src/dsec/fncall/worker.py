@@ -310,6 +310,9 @@ class Worker:
             except asyncio.CancelledError:
                 self._fail("the worker was closed", started=not self._request_unread())
                 raise
+            except Exception as exc:  # noqa: BLE001 - an answer that cannot be parsed: a broken zygote
+                self._fail(f"unreadable answer: {exc!r}", started=True)
+                return
             now = time.monotonic()
             answer.worker_s = now - self.busy_since
             if answer.exit_code == -9 and not answer.timed_out:
@@ -319,10 +322,16 @@ class Worker:
             self._sent = None
             self.busy_since = None
             self.idle_since = now
-            if self.on_done is not None:
-                self.on_done(self)  # may send the next call at once
+            self._tell_pool()  # which may send the next call at once
             if not sent.future.done():  # its caller may have gone away
                 sent.future.set_result(answer)
+
+    def _tell_pool(self) -> None:
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:  # noqa: BLE001 - the call's own answer must still reach its caller
+                log.exception("fncall worker %s: after a call", self.cid)
 
     def _fail(self, message: str, started: bool) -> None:
         """The worker is broken: fail the call under way, tell the pool."""
@@ -330,8 +339,7 @@ class Worker:
             self.failed = message
         sent, self._sent = self._sent, None
         self.busy_since = None
-        if self.on_done is not None:
-            self.on_done(self)
+        self._tell_pool()
         if sent is not None and not sent.future.done():
             sent.future.set_exception(WorkerFailed(message, started=started))
 
