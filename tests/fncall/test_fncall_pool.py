@@ -176,6 +176,23 @@ async def test_a_cancelled_call_keeps_its_worker(make_pool):
     assert pool.stats["workers_replaced"] == 0 and pool.stats["workers_started"] == 1
 
 
+async def test_a_queued_call_whose_caller_goes_away_is_dropped(make_pool):
+    """A call still waiting for a worker when its caller goes away is never sent."""
+    pool = await make_pool()
+    first = asyncio.create_task(pool.call(call("import time; time.sleep(0.5); print(1)")))
+    await asyncio.sleep(0.2)
+    queued = asyncio.create_task(pool.call(call("print(2)")))
+    await asyncio.sleep(0.1)
+    queued.cancel()
+    assert (await first).stdout == "1\n"
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    (worker,) = pool.workers()
+    assert worker.calls == 1 and not worker.busy
+    assert (await pool.call(call("print(3)"))).stdout == "3\n"
+    assert worker.calls == 2 and pool.stats["workers_started"] == 1
+
+
 async def test_a_zygote_that_dies_between_calls_is_replaced(make_pool):
     pool = await make_pool()
     assert (await pool.call(call("print(1)"))).ok

@@ -19,8 +19,11 @@ The snippet is ``print(sum(range(1000)))``; every answer is checked (``499500``)
 4. Then one HTTP request per call (``fncall``), 32 and 1 in flight: the client's round trips.
    This path is bound by the client: httpx spends 1–2 ms of CPU a request, the server ≈0.7 ms.
 
-CPU: host CPU per call in each phase, and the share of the machine other work (not this
-benchmark, its server, its workers or its peers) took meanwhile, since this host is shared.
+CPU: host CPU per call in each phase, the benchmark's own (its cgroup: this process, the peers
+and the server; and the workers' cgroups), DSec's split into client (this process), server and
+workers (zygotes and their calls), and the share of the machine other work (not this benchmark,
+its server, its workers or its peers) took meanwhile, since this host is shared. CPU per call is
+the steadier figure when others load the machine: the ratio by it is printed too.
 Beside each throughput, the same divided by (1 − that share): what the run would have done with
 the machine to itself, all of it being CPU-bound work. Goals are judged on the raw figures.
 Results go to ``<state_dir>/bench-fncall.json``; the server is stopped and what it left behind
@@ -118,10 +121,19 @@ class Meter:
 
     group: CpuGroup
     parent: str | None = None
+    server_pid: int | None = None
 
     def __post_init__(self) -> None:
         self._host = host.CpuSample.now()
         self._ours = self._ours_now()
+        self._parts = self._parts_now()
+
+    def _parts_now(self) -> dict[str, float]:
+        """DSec's CPU by part: this process (the SDK client), the server, the workers."""
+        if self.server_pid is None or self.parent is None:
+            return {}
+        return {"client": host.self_cpu(), "server": host.process_cpu(self.server_pid)[0],
+                "workers": _cgroup_cpu_s(self.parent)}
 
     def _ours_now(self) -> float:
         return self.group.usage_s() + (_cgroup_cpu_s(self.parent) if self.parent is not None else 0.0)
@@ -132,7 +144,9 @@ class Meter:
         cores = os.cpu_count() or 1
         others = max(0.0, spent["busy_cpu_s"] - ours)
         share = others / (spent["wall_s"] * cores) if spent["wall_s"] > 0 else float("nan")
-        return {"wall_s": spent["wall_s"], "host_cpu_ms_per_call": spent["busy_cpu_s"] / max(count, 1) * 1e3,
+        parts = {f"{k}_cpu_ms_per_call": (v - self._parts[k]) / max(count, 1) * 1e3
+                 for k, v in self._parts_now().items()}
+        return {**parts, "wall_s": spent["wall_s"], "host_cpu_ms_per_call": spent["busy_cpu_s"] / max(count, 1) * 1e3,
                 "own_cpu_ms_per_call": ours / max(count, 1) * 1e3, "others_share": share,
                 "calls_per_s": count / spent["wall_s"],
                 "calls_per_s_alone": count / spent["wall_s"] / max(0.05, 1 - share)}
@@ -249,6 +263,10 @@ async def _wait_quiet(pid: int, parent: str, timeout_s: float = 180.0) -> None:
 async def _dsec(group: CpuGroup, server: LocalServer, opts: dict, console: Console) -> dict:
     parent = cgroups.parent_for(server.state_dir)
     pid = server.proc.pid
+
+    def meter() -> Meter:
+        return Meter(group, parent, pid)
+
     async with DSecClient(server.endpoint, token=server.token, timeout=600) as client:
         console.log("warming up (the pool starts its workers)")
         _check(await client.fncall_many([DSecFnCallArgs(code=CODE) for _ in range(500)]))
@@ -256,18 +274,17 @@ async def _dsec(group: CpuGroup, server: LocalServer, opts: dict, console: Conso
         await _wait_quiet(pid, parent)
         out: dict[str, Any] = {}
         console.log(f"throughput: {opts['calls']} calls with fncall_many")
-        out["throughput"] = await _throughput(client, opts["calls"], Meter(group, parent))
+        out["throughput"] = await _throughput(client, opts["calls"], meter())
         await _wait_quiet(pid, parent)
         console.log(f"latency: {opts['latency_calls']} calls, {opts['in_flight']} in flight, 8 a request")
-        out["latency_batched"] = await _latency_batched(client, opts["latency_calls"], opts["in_flight"], 8,
-                                                        Meter(group, parent))
+        out["latency_batched"] = await _latency_batched(client, opts["latency_calls"], opts["in_flight"], 8, meter())
         await _wait_quiet(pid, parent)
         console.log(f"latency: {opts['latency_calls']} calls, {opts['in_flight']} in flight, one request each")
-        out["latency"] = await _latency(client, opts["latency_calls"], opts["in_flight"], Meter(group, parent))
+        out["latency"] = await _latency(client, opts["latency_calls"], opts["in_flight"], meter())
         await _wait_quiet(pid, parent)
         sequential = max(100, opts["latency_calls"] // 10)
         console.log(f"latency: {sequential} calls one at a time")
-        out["sequential"] = await _latency(client, sequential, 1, Meter(group, parent))
+        out["sequential"] = await _latency(client, sequential, 1, meter())
     return out
 
 
@@ -306,6 +323,7 @@ def _summary(res: dict) -> dict:
         "calls_per_s_alone": alone,
         "vs_bwrap_alone": alone / res["peers"]["bwrap"]["calls_per_s_alone"],
         "vs_python3_c_alone": alone / res["peers"]["python3"]["calls_per_s_alone"],
+        "vs_bwrap_by_cpu": res["peers"]["bwrap"]["own_cpu_ms_per_call"] / res["dsec"]["throughput"]["own_cpu_ms_per_call"],
         "goals": {
             f"≥ {GOAL_CALLS_PER_S:g} calls/s": tp >= GOAL_CALLS_PER_S,
             f"≥ {GOAL_VS_BWRAP:g}× bwrap": tp / bwrap >= GOAL_VS_BWRAP,
@@ -401,6 +419,11 @@ def main(state_dir: Path, store_dir: Path | None, console: Console, *, calls: in
                   f"{summary['vs_python3_c']:.1f}× python3 -c; with the machine to itself "
                   f"{summary['calls_per_s_alone']:.0f} calls/s = {summary['vs_bwrap_alone']:.1f}× bwrap, "
                   f"{summary['vs_python3_c_alone']:.1f}× python3 -c")
+    tp = res["dsec"]["throughput"]
+    console.print(f"CPU per call: DSec fncall_many {tp['own_cpu_ms_per_call']:.2f} ms (client "
+                  f"{tp['client_cpu_ms_per_call']:.2f} + server {tp['server_cpu_ms_per_call']:.2f} + workers "
+                  f"{tp['workers_cpu_ms_per_call']:.2f}), bwrap {res['peers']['bwrap']['own_cpu_ms_per_call']:.2f} ms "
+                  f"({summary['vs_bwrap_by_cpu']:.1f}×), python3 -c {res['peers']['python3']['own_cpu_ms_per_call']:.2f} ms")
     for goal, met in summary["goals"].items():
         console.print(f"  {'[green]met[/green]' if met else '[red]missed[/red]'}  {goal}")
     others = statistics.fmean(r["others_share"] for r in (*res["peers"].values(), *res["dsec"].values()))

@@ -1,8 +1,9 @@
 """The FnCall pool of a node: warm workers per image, calls dispatched to them one at a time.
 
-    call ─▶ check args ─▶ free worker of the image (or wait) ─▶ worker.call ─▶ FnCallResult
-                              ▲                                    │ WorkerFailed
-                              └── manager: start / retire ◀────────┘ (worker replaced)
+    call ─▶ check args ─▶ free worker of the image, or the queue ─▶ worker.submit ─▶ FnCallResult
+                              ▲          (a worker that answers takes the      │ WorkerFailed
+                              │           next queued call at once)            │
+                              └── manager: start / retire ◀────────────────────┘ (worker replaced)
 
 - Size: each image in use keeps ``workers_min`` workers (default one per core). Short calls
   just queue for the warm workers: more workers would only share the cores (measured here: two
@@ -13,7 +14,11 @@
   queued call has waited over ``queue_grow_s`` whatever the reason. Workers idle for ``idle_s``
   above the minimum are retired; an image with no call for ``image_idle_s`` keeps none
   (``prewarm`` images always keep the minimum).
-- A call whose caller goes away (cancelled) still finishes in its worker, which stays warm.
+- A call whose caller goes away (cancelled) still finishes in its worker, which stays warm; one
+  still queued is dropped.
+- Dispatch costs the event loop as little as it can: a worker's answer is read by its reader
+  task, which hands the worker the next queued call in the same turn (a worker waits for the
+  node only that long between calls), and a call is a future, not a task.
 - Failure: a worker that dies, hangs (no answer by the call's timeout plus ``answer_grace_s``)
   or breaks the protocol is destroyed and replaced in the background; its call gets a
   ``BackendError`` — unless the call never reached it, then it goes to another worker. If an
@@ -106,11 +111,22 @@ class _Prepared:
 
 
 @dataclass
+class _Queued:
+    """A call waiting for a worker of its image, or running in one (``worker`` set)."""
+
+    prepared: _Prepared
+    future: asyncio.Future  # its Answer, or WorkerFailed / the error that kept it from running
+    queued_at: float
+    sent_at: float = 0.0
+    worker: Worker | None = None
+
+
+@dataclass
 class _ImagePool:
     image: Image
     idle: list[Worker] = field(default_factory=list)
     busy: set[Worker] = field(default_factory=set)
-    waiters: deque[asyncio.Future] = field(default_factory=deque)
+    waiters: deque[_Queued] = field(default_factory=deque)
     starting: int = 0
     last_used: float = field(default_factory=time.monotonic)
     last_error: str | None = None
@@ -131,10 +147,12 @@ class FnCallPool:
         self.config = config or FnCallConfig()
         self._pools: dict[tuple[str, ...], _ImagePool] = {}
         self._images: dict[str, tuple[float, Image]] = {}
+        self._limits: dict[tuple[float, int, int], CallLimits] = {}
         self._uids: set[int] = set()
         self._wakeup = asyncio.Event()
         self._start_sem = asyncio.Semaphore(self.config.start_concurrency)
         self._tasks: set[asyncio.Task] = set()
+        self._discarded: set[Worker] = set()  # being closed
         self._manager: asyncio.Task | None = None
         self._closed = False
         self.stats = {"calls": 0, "workers_started": 0, "workers_replaced": 0, "workers_retired": 0}
@@ -159,7 +177,7 @@ class FnCallPool:
         workers = []
         for pool in self._pools.values():
             while pool.waiters:
-                fut = pool.waiters.popleft()
+                fut = pool.waiters.popleft().future
                 if not fut.done():
                     fut.set_exception(SandboxStateError("the node is shutting down"))
             workers += [*pool.idle, *pool.busy]
@@ -183,20 +201,16 @@ class FnCallPool:
         prepared = self._prepare(args)
         started = time.monotonic()
         for attempt in range(2):
-            pool = self._pool_of(self._image(prepared.image))
-            worker = await self._acquire(pool)
-            queued = time.monotonic() - started
-            # The worker's turn runs on even if this call is cancelled (its client went away):
-            # the answer is read and the worker goes back to the pool, warm.
-            turn = asyncio.ensure_future(self._turn(pool, worker, prepared))
-            self._tasks.add(turn)
-            turn.add_done_callback(self._forget)
+            queued = self._enqueue(self._pool_of(self._image(prepared.image)), prepared)
+            # If this caller is cancelled, so is the future: a queued call is then dropped, and
+            # one under way finishes in its worker, which stays warm.
             try:
-                answer = await asyncio.shield(turn)
+                answer: Answer = await queued.future
             except WorkerFailed as exc:
                 if not exc.started and attempt == 0:
                     continue
-                raise BackendError(f"fncall worker {worker.cid} failed during the call: {exc}") from None
+                cid = queued.worker.cid if queued.worker is not None else "?"
+                raise BackendError(f"fncall worker {cid} failed during the call: {exc}") from None
             self.stats["calls"] += 1
             cap = prepared.limits.max_output
             return FnCallResult(
@@ -208,22 +222,10 @@ class FnCallPool:
                 stdout_bytes=answer.stdout_bytes, stderr_bytes=answer.stderr_bytes,
                 timed_out=answer.timed_out, memory_exceeded=answer.memory_exceeded,
                 files=answer.files, file_errors=answer.file_errors,
-                duration_s=answer.duration_s, cpu_s=answer.cpu_s, worker_s=answer.worker_s, queued_s=queued,
+                duration_s=answer.duration_s, cpu_s=answer.cpu_s, worker_s=answer.worker_s,
+                queued_s=queued.sent_at - started,
             )
         raise AssertionError("unreachable")
-
-    async def _turn(self, pool: _ImagePool, worker: Worker, prepared: _Prepared) -> Answer:
-        try:
-            await worker.set_memory_limit((prepared.memory_mb + self.config.memory_overhead_mb) << 20)
-            answer = await worker.call(prepared.frame, prepared.limits, prepared.fetch, self.config.answer_grace_s)
-        except WorkerFailed as exc:
-            self._discard(pool, worker, str(exc))
-            raise
-        except BaseException:
-            self._discard(pool, worker, "interrupted")
-            raise
-        self._release(pool, worker)
-        return answer
 
     async def call_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
         """Run calls concurrently, answers in order; a call that cannot run gets ``error`` set
@@ -269,11 +271,18 @@ class FnCallPool:
             if not name or "=" in name or "\0" in name or "\0" in value:
                 raise InvalidRequest(f"invalid environment variable {name!r}")
         image = self._image(args.image)
-        base = call_env(image)
-        env = {k: v for k, v in args.env.items() if base.get(k) != v}  # the zygote has the rest
-        limits = CallLimits(timeout_s=args.timeout, memory_bytes=args.memory_limit_mb << 20,
-                            max_output=args.max_output_bytes, max_fetch=cfg.max_fetch_bytes,
-                            max_fetch_total=cfg.max_fetch_bytes)
+        env = args.env
+        if env:
+            base = call_env(image)
+            env = {k: v for k, v in env.items() if base.get(k) != v}  # the zygote has the rest
+        key = (args.timeout, args.memory_limit_mb, args.max_output_bytes)
+        limits = self._limits.get(key)
+        if limits is None:  # calls mostly share their limits: one object for each set of them
+            if len(self._limits) > 1000:
+                self._limits.clear()
+            limits = self._limits[key] = CallLimits(
+                timeout_s=args.timeout, memory_bytes=args.memory_limit_mb << 20, max_output=args.max_output_bytes,
+                max_fetch=cfg.max_fetch_bytes, max_fetch_total=cfg.max_fetch_bytes)
         frame = encode_request(args.language, args.code, env, stdin, files, fetch, limits)
         return _Prepared(image=args.image, frame=frame, limits=limits, fetch=fetch, memory_mb=args.memory_limit_mb)
 
@@ -296,30 +305,66 @@ class FnCallPool:
         pool.last_used = time.monotonic()
         return pool
 
-    async def _acquire(self, pool: _ImagePool) -> Worker:
-        while True:
-            while pool.idle:
-                worker = pool.idle.pop()  # the most recently used: its pages are warm
-                if worker.alive:
-                    pool.busy.add(worker)
-                    return worker
-                self._discard(pool, worker, worker.failed or "the zygote exited")
-            if self._closed:
-                raise SandboxStateError("the node is shutting down")
-            if pool.size == 0 and pool.failures >= 2 and time.monotonic() - pool.failed_at < self.config.failure_backoff_s:
-                raise BackendError(f"cannot start an fncall worker for image {pool.image.name!r}: {pool.last_error}")
-            fut = asyncio.get_running_loop().create_future()
-            fut.queued_at = time.monotonic()
-            pool.waiters.append(fut)
-            self._wakeup.set()
-            try:
-                worker = await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():
-                    self._release(pool, fut.result())
-                raise
+    def _enqueue(self, pool: _ImagePool, prepared: _Prepared) -> _Queued:
+        """Send the call to a free worker now, or queue it for the next one."""
+        queued = _Queued(prepared, asyncio.get_running_loop().create_future(), time.monotonic())
+        while pool.idle:
+            worker = pool.idle.pop()  # the most recently used: its pages are warm
             if worker.alive:
-                return worker
+                pool.busy.add(worker)
+                self._send(pool, worker, queued)
+                return queued
+            self._discard(pool, worker, worker.failed or "the zygote exited")
+        if self._closed:
+            raise SandboxStateError("the node is shutting down")
+        if pool.size == 0 and pool.failures >= 2 and time.monotonic() - pool.failed_at < self.config.failure_backoff_s:
+            raise BackendError(f"cannot start an fncall worker for image {pool.image.name!r}: {pool.last_error}")
+        pool.waiters.append(queued)
+        if len(pool.waiters) == 1:
+            self._wakeup.set()  # a queue formed: the manager may start workers
+        return queued
+
+    def _send(self, pool: _ImagePool, worker: Worker, queued: _Queued) -> None:
+        """Give a call to a worker taken for it (in ``pool.busy``)."""
+        queued.worker, queued.sent_at = worker, time.monotonic()
+        limit = (queued.prepared.memory_mb + self.config.memory_overhead_mb) << 20
+        if limit != worker.memory_limit:
+            self._spawn(self._send_with_limit(pool, worker, queued, limit))
+            return
+        self._submit(pool, worker, queued)
+
+    def _submit(self, pool: _ImagePool, worker: Worker, queued: _Queued) -> None:
+        p = queued.prepared
+        try:
+            worker.submit(p.frame, p.limits, p.fetch, self.config.answer_grace_s, queued.future)
+        except WorkerFailed as exc:
+            self._discard(pool, worker, str(exc))
+            if not queued.future.done():
+                queued.future.set_exception(exc)
+
+    async def _send_with_limit(self, pool: _ImagePool, worker: Worker, queued: _Queued, limit: int) -> None:
+        try:
+            await worker.set_memory_limit(limit)
+        except WorkerFailed as exc:
+            self._discard(pool, worker, str(exc))
+            if not queued.future.done():
+                queued.future.set_exception(exc)
+            return
+        except BaseException:
+            self._discard(pool, worker, "interrupted")
+            if not queued.future.done():
+                queued.future.set_exception(WorkerFailed("interrupted", started=False))
+            raise
+        if queued.future.done():  # its caller went away meanwhile
+            self._release(pool, worker)
+        else:
+            self._submit(pool, worker, queued)
+
+    def _after_call(self, pool: _ImagePool, worker: Worker) -> None:
+        """A worker's call ended (``Worker.on_done``)."""
+        if worker.alive:
+            self._release(pool, worker)
+        else:
             self._discard(pool, worker, worker.failed or "the zygote exited")
 
     def _release(self, pool: _ImagePool, worker: Worker) -> None:
@@ -327,14 +372,17 @@ class FnCallPool:
             self._discard(pool, worker, worker.failed or "retired")
             return
         while pool.waiters:
-            fut = pool.waiters.popleft()
-            if not fut.done():
-                fut.set_result(worker)  # stays in pool.busy
+            queued = pool.waiters.popleft()
+            if not queued.future.done():  # not cancelled
+                self._send(pool, worker, queued)  # stays in pool.busy
                 return
         pool.busy.discard(worker)
         pool.idle.append(worker)
 
     def _discard(self, pool: _ImagePool, worker: Worker, reason: str) -> None:
+        if worker in self._discarded:
+            return
+        self._discarded.add(worker)
         pool.busy.discard(worker)
         with contextlib.suppress(ValueError):
             pool.idle.remove(worker)
@@ -347,6 +395,7 @@ class FnCallPool:
     async def _close_worker(self, worker: Worker) -> None:
         await worker.close()
         self._uids.discard(worker.uid)
+        self._discarded.discard(worker)
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
@@ -390,7 +439,7 @@ class FnCallPool:
             if pool.size == 0 and pool.failures >= 2:
                 error = BackendError(f"cannot start an fncall worker for image {pool.image.name!r}: {exc}")
                 while pool.waiters:
-                    fut = pool.waiters.popleft()
+                    fut = pool.waiters.popleft().future
                     if not fut.done():
                         fut.set_exception(error)
             self._wakeup.set()
@@ -403,6 +452,7 @@ class FnCallPool:
         pool.starting -= 1
         pool.last_error, pool.failures = None, 0
         self.stats["workers_started"] += 1
+        worker.on_done = lambda w: self._after_call(pool, w)
         worker._tasks.append(asyncio.create_task(self._watch(pool, worker), name=f"fncall-watch-{worker.cid}"))
         if self._closed or self._pools.get(pool.image.layers) is not pool:
             await self._close_worker(worker)
@@ -446,7 +496,7 @@ class FnCallPool:
             if pool.waiters:
                 # Workers stuck on calls that wait do not serve the queue: add as many.
                 want = max(want, min(base + self._blocked(pool, now), pool.size + len(pool.waiters)))
-                while pool.waiters and pool.waiters[0].done():
+                while pool.waiters and pool.waiters[0].future.done():
                     pool.waiters.popleft()  # cancelled
                 oldest = pool.waiters[0].queued_at if pool.waiters else now
                 if now - oldest > cfg.queue_grow_s and pool.starting == 0:

@@ -2,10 +2,14 @@
 pipes of the ``crun exec`` that started the zygote (see ``zygote.py`` for the wire protocol).
 
 Lifecycle: ``await Worker.start(…)`` returns once the zygote has said it is ready (or raises
-``WorkerFailed`` having removed the container). ``call`` sends one request and reads its answer;
-the pool sends one call at a time. A worker whose zygote dies, breaks the protocol or does not
-answer by the call's deadline raises ``WorkerFailed`` and is then useless: the pool ``close()``s
-it (idempotent: kills the container and reaps the ``crun exec``) and starts another.
+``WorkerFailed`` having removed the container). ``submit`` sends one request (one at a time: the
+worker must be free) and returns at once; the worker's reader task reads the answer, calls
+``on_done(worker)`` — in the same turn of the event loop, so the pool can send the next request
+before anything else runs — and then resolves the call's future. A caller that stops waiting
+(cancels that future) does not disturb the worker. A worker whose zygote dies, breaks the
+protocol or does not answer by the call's deadline fails its call with ``WorkerFailed`` and is
+then useless: the pool ``close()``s it (idempotent: kills the container and reaps the
+``crun exec``) and starts another.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import struct
 import sys
 import termios
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..backends.base import Handle, SandboxSpec
@@ -78,6 +83,17 @@ class Answer:
     worker_s: float = 0.0
 
 
+@dataclass
+class _Sent:
+    """The call a worker is running: sent, its answer not read yet."""
+
+    future: asyncio.Future
+    limits: CallLimits
+    fetch: list[str]
+    wait_s: float  # the call's timeout plus the grace: its answer must have come by then
+    deadline: float  # the same, in loop time
+
+
 def _unread_bytes(fd: int) -> int:
     """Bytes written to a pipe and not read yet (FIONREAD works on either end)."""
     buf = bytearray(4)
@@ -128,6 +144,9 @@ class Worker:
         self.python = ""
         self.oom_kills = 0
         self.cpu_sample: tuple[int, float, float | None] | None = None  # (call number, time, CPU s)
+        self.on_done: Callable[[Worker], None] | None = None
+        self._sent: _Sent | None = None
+        self._wakeup: asyncio.Future | None = None  # the reader waits on it while no call is out
         self._stderr = bytearray()
         self._tasks: list[asyncio.Task] = []
         self._closed = False
@@ -143,6 +162,10 @@ class Worker:
     @property
     def alive(self) -> bool:
         return self.failed is None and not self._closed and self.proc.returncode is None
+
+    @property
+    def busy(self) -> bool:
+        return self._sent is not None
 
     def __repr__(self) -> str:
         return f"<Worker {self.cid} uid={self.uid} calls={self.calls}{' failed' if self.failed else ''}>"
@@ -176,6 +199,7 @@ class Worker:
             worker.python = version
             if missing:
                 log.warning("fncall worker %s: cannot preload %s", cid, missing)
+            worker._tasks.append(asyncio.create_task(worker._read_answers(), name=f"fncall-answers-{cid}"))
         except BaseException as exc:
             detail = await worker._stderr_tail()
             await worker.close()
@@ -225,45 +249,99 @@ class Worker:
             raise WorkerFailed(f"cannot set the memory limit: {exc}", started=False) from exc
         self.memory_limit = limit
 
-    async def call(self, frame: bytes, limits: CallLimits, fetch: list[str], grace_s: float) -> Answer:
-        """Send one request and read its answer. The zygote enforces the call's timeout; if no
-        answer comes within the timeout plus ``grace_s`` the worker is taken for hung."""
+    def submit(self, frame: bytes, limits: CallLimits, fetch: list[str], grace_s: float,
+               future: asyncio.Future) -> None:
+        """Send one request; ``future`` gets its ``Answer`` or ``WorkerFailed``. The worker must
+        be free (not ``busy``). The zygote enforces the call's timeout; if no answer comes
+        within the timeout plus ``grace_s`` the worker is taken for hung. Raises
+        ``WorkerFailed`` (not started) if the request cannot be sent."""
         if not self.alive:
             raise WorkerFailed(self.failed or "the zygote is gone", started=False)
-        self.calls += 1
-        start = self.busy_since = time.monotonic()
+        if self._sent is not None:
+            raise RuntimeError(f"{self!r} is busy")
         try:
             self.proc.stdin.write(frame)
             if self.proc.stdin.transport.is_closing():  # the write hit EPIPE: nobody reads
                 raise ConnectionResetError("the pipe has no reader")
-            if self.proc.stdin.transport.get_write_buffer_size() > (1 << 20):
-                await self.proc.stdin.drain()
         except (ConnectionError, RuntimeError) as exc:
             self.failed = f"the zygote's channel is closed: {exc}"
             raise WorkerFailed(self.failed, started=False) from None
-        try:
-            async with asyncio.timeout(limits.timeout_s + grace_s):
-                answer = await self._answer(limits, fetch)
-        except TimeoutError:
-            self.failed = f"no answer {limits.timeout_s + grace_s:g}s after the call was sent"
-            raise WorkerFailed(self.failed) from None
-        except (asyncio.IncompleteReadError, ConnectionError) as exc:
-            self.failed = "the zygote exited" + (f": {self._stderr.decode(errors='replace').strip()[-300:]}"
-                                                 if self._stderr else "")
-            # Dead before it read the request (still in the pipe): the call never started.
-            raise WorkerFailed(self.failed, started=not self._request_unread()) from exc
-        except WorkerFailed as exc:
-            self.failed = str(exc)
-            raise
-        finally:
+        self.calls += 1
+        self.busy_since = time.monotonic()
+        loop = asyncio.get_running_loop()
+        wait_s = limits.timeout_s + grace_s
+        self._sent = _Sent(future, limits, fetch, wait_s, loop.time() + wait_s)
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
+
+    async def call(self, frame: bytes, limits: CallLimits, fetch: list[str], grace_s: float) -> Answer:
+        """``submit`` and wait for the answer."""
+        future = asyncio.get_running_loop().create_future()
+        self.submit(frame, limits, fetch, grace_s, future)
+        return await future
+
+    async def _read_answers(self) -> None:
+        """Read the answer of each call sent, until the worker fails or is closed."""
+        loop = asyncio.get_running_loop()
+        while True:
+            sent = self._sent
+            if sent is None:
+                self._wakeup = loop.create_future()
+                try:
+                    await self._wakeup
+                finally:
+                    self._wakeup = None
+                continue
+            try:
+                async with asyncio.timeout_at(sent.deadline):
+                    answer = await self._answer(sent.limits, sent.fetch)
+            except TimeoutError:
+                self._fail(f"no answer {sent.wait_s:g}s after the call was sent", started=True)
+                return
+            except (asyncio.IncompleteReadError, ConnectionError):
+                self._fail("the zygote exited" + (f": {self._stderr.decode(errors='replace').strip()[-300:]}"
+                                                  if self._stderr else ""),
+                           # Dead before it read the request (still in the pipe): never started.
+                           started=not self._request_unread())
+                return
+            except WorkerFailed as exc:
+                self._fail(str(exc), started=exc.started)
+                return
+            except asyncio.CancelledError:
+                self._fail("the worker was closed", started=not self._request_unread())
+                raise
+            except Exception as exc:  # noqa: BLE001 - an answer that cannot be parsed: a broken zygote
+                self._fail(f"unreadable answer: {exc!r}", started=True)
+                return
+            now = time.monotonic()
+            answer.worker_s = now - self.busy_since
+            if answer.exit_code == -9 and not answer.timed_out:
+                # SIGKILL that was not ours: the kernel's, for memory, if the cgroup counted a kill.
+                kills = oom_kills(self.backend.cgroup_parent, self.cid)
+                answer.memory_exceeded, self.oom_kills = kills > self.oom_kills, kills
+            self._sent = None
             self.busy_since = None
-            self.idle_since = time.monotonic()
-        answer.worker_s = time.monotonic() - start
-        if answer.exit_code == -9 and not answer.timed_out:
-            # SIGKILL that was not ours: the kernel's, for memory, if the cgroup counted a kill.
-            kills = oom_kills(self.backend.cgroup_parent, self.cid)
-            answer.memory_exceeded, self.oom_kills = kills > self.oom_kills, kills
-        return answer
+            self.idle_since = now
+            self._tell_pool()  # which may send the next call at once
+            if not sent.future.done():  # its caller may have gone away
+                sent.future.set_result(answer)
+
+    def _tell_pool(self) -> None:
+        if self.on_done is not None:
+            try:
+                self.on_done(self)
+            except Exception:  # noqa: BLE001 - the call's own answer must still reach its caller
+                log.exception("fncall worker %s: after a call", self.cid)
+
+    def _fail(self, message: str, started: bool) -> None:
+        """The worker is broken: fail the call under way, tell the pool."""
+        if self.failed is None:
+            self.failed = message
+        sent, self._sent = self._sent, None
+        self.busy_since = None
+        self._tell_pool()
+        if sent is not None and not sent.future.done():
+            sent.future.set_exception(WorkerFailed(message, started=started))
 
     def _request_unread(self) -> bool:
         """The zygote did not read the request: its bytes are still in the pipe."""
