@@ -115,6 +115,12 @@ async def test_files(kit):
             await backend.read_file(handle, "/tmp/missing", 1 << 20)
         with pytest.raises(InvalidRequest):
             await backend.write_file(handle, "relative.txt", b"x", 0o644, 0, 0)
+        if type(backend).__name__ != "FakeBackend":  # (the fake keeps no owners)
+            # A new file belongs to the writer; one that exists keeps its owner.
+            await backend.write_file(handle, "/tmp/theirs.txt", b"a", 0o644, 1000, 1000)
+            await backend.write_file(handle, "/tmp/conf.txt", b"b", 0o644, 1000, 1000)
+            owners = await backend.exec(handle, run("stat -c %u /tmp/theirs.txt /tmp/conf.txt"), ROOT)
+            assert owners.stdout.split() == ["1000", "0"], owners
     finally:
         await backend.destroy(handle)
 

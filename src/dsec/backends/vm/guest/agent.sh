@@ -143,8 +143,10 @@ makedirs() {
     [ -d "$1" ]
 }
 
-do_write() {  # ID PATH DATAFILE MODE UID GID
+do_write() {  # ID PATH DATAFILE MODE UID GID (a file that exists keeps its owner)
     dir=$(dirname "$2")
+    existed=
+    [ -e "$2" ] && existed=1
     if ! makedirs "$dir" "$5" "$6"; then
         fail "$1" invalid "cannot write $2: cannot create directory $dir"
     elif [ -d "$2" ]; then
@@ -152,7 +154,7 @@ do_write() {  # ID PATH DATAFILE MODE UID GID
     elif ! cat "$3" >"$2" 2>/dev/null; then
         fail "$1" invalid "cannot write $2: cannot open the file"
     else
-        chown "$5:$6" "$2" && chmod "$4" "$2"
+        { [ -n "$existed" ] || chown "$5:$6" "$2"; } && chmod "$4" "$2"
         send "$1 ok 0"
     fi
 }
