@@ -42,6 +42,7 @@ from pathlib import Path
 
 from libdsec import BackendError, InvalidRequest
 
+from ...resources import ksm
 from ..base import Handle, SandboxSpec
 from . import machine, ramsplit
 from .backend import VMBackend
@@ -66,11 +67,15 @@ class SnapshotDamaged(InvalidRequest):
 class MicroVMBackend(VMBackend):
     kind = "microvm"
 
-    def __init__(self, node_dir: Path, store, assets_dir: Path | None = None, *, layer_mode: str = "pmem", **kw) -> None:
+    def __init__(self, node_dir: Path, store, assets_dir: Path | None = None, *, layer_mode: str = "pmem",
+                 use_ksm: bool = True, **kw) -> None:
         super().__init__(node_dir, store, assets_dir, **kw)
         if layer_mode not in ("pmem", "private"):
             raise ValueError(f"layer_mode must be pmem or private, not {layer_mode!r}")
         self.layer_mode = layer_mode
+        # Private layers are the comparison without sharing: no KSM for them.
+        self._ksm_wanted = use_ksm and layer_mode == "pmem"
+        self._ksm_on = False
         self.snapshots_dir = self.node_dir / "snapshots"
         self.snapshots_dir.mkdir(parents=True, exist_ok=True)
 
@@ -98,7 +103,17 @@ class MicroVMBackend(VMBackend):
         path = self.snapshot_dir(snapshot) / f"{block}.ram"
         return f"memory-backend-file,id={block},mem-path={path},size={size_mb}M,share=off,merge={merge}"
 
+    async def warm_up(self) -> None:
+        await super().warm_up()
+        await self._start_ksm()
+
+    async def _start_ksm(self) -> None:
+        if self._ksm_wanted and not self._ksm_on:
+            self._ksm_on = await asyncio.to_thread(ksm.enable)
+            self._ksm_wanted = self._ksm_on  # tried once: a node without KSM is told once
+
     async def _prepare(self, cid: str, spec: SandboxSpec, vm_dir: Path) -> list[str]:
+        await self._start_ksm()
         assets = await self.assets()
         accel = await self.accel()
         ram_mb, vcpus = self.memory_mb(spec), self.vcpus(spec)
@@ -197,8 +212,8 @@ class MicroVMBackend(VMBackend):
             paused_s = time.perf_counter() - start
             shape = json.loads((self.vm_dir(handle.cid) / "machine.json").read_text())
             blocks = dict(self._ram_blocks(shape["memory_mb"]))
-            split = await asyncio.to_thread(ramsplit.split, tmp / "stream", tmp / "state",
-                                            {block: tmp / f"{block}.ram" for block in blocks})
+            await asyncio.to_thread(ramsplit.split, tmp / "stream", tmp / "state",
+                                    {block: tmp / f"{block}.ram" for block in blocks})
             (tmp / "stream").unlink()
         except QMPError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
