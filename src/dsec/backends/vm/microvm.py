@@ -94,14 +94,13 @@ class MicroVMBackend(VMBackend):
             return [("ram0", ram_mb)]
         return [("ram0", ram_mb - TAIL_RAM_MB), ("ramtail", TAIL_RAM_MB)]
 
-    def _ram_object(self, block: str, size_mb: int, snapshot: str | None) -> str:
+    def _ram_object(self, block: str, size_mb: int, ram_file: Path | None) -> str:
         merge = "off" if self.layer_mode == "private" else "on"
-        if snapshot is None:
+        if ram_file is None:
             return f"memory-backend-ram,id={block},size={size_mb}M,merge={merge}"
         # A clone maps the snapshot's RAM file privately: pages it only reads stay the host's
         # one cached copy, pages it writes become its own (copy-on-write).
-        path = self.snapshot_dir(snapshot) / f"{block}.ram"
-        return f"memory-backend-file,id={block},mem-path={path},size={size_mb}M,share=off,merge={merge}"
+        return f"memory-backend-file,id={block},mem-path={ram_file},size={size_mb}M,share=off,merge={merge}"
 
     async def warm_up(self) -> None:
         await super().warm_up()
@@ -117,14 +116,19 @@ class MicroVMBackend(VMBackend):
         assets = await self.assets()
         accel = await self.accel()
         ram_mb, vcpus = self.memory_mb(spec), self.vcpus(spec)
+        saved_ram: dict = {}
         if spec.snapshot is not None:  # a restore: the machine must be the one saved
             meta = self.snapshot_meta(spec.snapshot)
             ram_mb, vcpus = meta["memory_mb"], meta["vcpus"]
+            # (A snapshot from before RAM files has its pages in the stream: private RAM.)
+            saved_ram = meta.get("ram", {})
         (vm_dir / "machine.json").write_text(json.dumps({"memory_mb": ram_mb, "vcpus": vcpus}))
         files = await self._layer_files(spec.layers)
         argv = [*self._common_args(vm_dir, accel, "virtio-serial-device"), "-smp", str(vcpus)]
         machine_opts = "microvm,pcie=on"
-        ram = [(block, mb, self._ram_object(block, mb, spec.snapshot)) for block, mb in self._ram_blocks(ram_mb)]
+        ram = [(block, mb, self._ram_object(block, mb, self.snapshot_dir(spec.snapshot) / f"{block}.ram"
+                                            if block in saved_ram else None))
+               for block, mb in self._ram_blocks(ram_mb)]
         if self.layer_mode == "private":
             (block, _, obj), = ram
             machine_opts += f",mem-merge=off,memory-backend={block}"
