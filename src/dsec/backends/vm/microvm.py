@@ -54,6 +54,11 @@ TAIL_RAM_MB = 32
 MAX_GUEST_SPAN_MB = 2816
 SNAPSHOT_ID = re.compile(r"^s[0-9a-f]{16}\Z")
 MIGRATION_TIMEOUT_S = 300.0
+# Identical guests should hold identical pages, for KSM to merge them: with the guest kernel's
+# layout randomized (KASLR) every pointer differs between VMs, and so does every page holding
+# one (page tables, slab, struct pages). Clones of a snapshot share their layout anyway.
+# docs/SECURITY.md weighs it; docs/BENCHMARKS.md measures it.
+GUEST_SHARING_ARGS = "nokaslr"
 
 
 class SnapshotNotFound(InvalidRequest):
@@ -154,6 +159,7 @@ class MicroVMBackend(VMBackend):
                 addr += size
             argv += ["-object", tail_obj, "-numa", f"node,nodeid={len(files) + 1},memdev={tail}"]
             extra = " ".join([*memmap, f"dsec.mode=microvm dsec.layers={len(files)}"])
+        extra += " " + GUEST_SHARING_ARGS
         argv += ["-M", machine_opts, *self._kernel_args(assets, accel, extra)]
         if spec.snapshot is not None:
             argv += ["-incoming", "defer", "-S"]
