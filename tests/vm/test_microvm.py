@@ -143,6 +143,15 @@ async def test_clones_share_the_snapshot_memory_copy_on_write(vm_kit):
         fresh = await restore(backend, spec, meta, "ccowfresh00000000")
         clones.append(fresh)
         assert (await backend.exec(fresh, ExecRequest(command="cat /root/state; ls /root"), ROOT)).stdout == "saved\nstate\n"
+        # A clone's own snapshot (its RAM a private file mapping) carries its writes on.
+        second = await backend.snapshot(clones[1])
+        try:
+            grandchild = await restore(backend, spec, second, "ccowgrand00000000")
+            clones.append(grandchild)
+            result = await backend.exec(grandchild, ExecRequest(command="cat /root/state; ls /root; pidof sleep"), ROOT)
+            assert result.stdout.startswith("clone1\nbig1\nstate\n"), result.stdout
+        finally:
+            backend.delete_snapshot(second["id"])
     finally:
         for clone in clones:
             await backend.destroy(clone)

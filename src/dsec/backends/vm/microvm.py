@@ -253,6 +253,13 @@ class MicroVMBackend(VMBackend):
         tmp.rename(self.snapshots_dir / snap_id)
         return meta
 
+    async def recover(self, handles: list[Handle]) -> list[Handle]:
+        alive = await super().recover(handles)
+        # A snapshot cut short by a crash left its unfinished directory (with the raw stream).
+        for unfinished in self.snapshots_dir.glob(".s*"):
+            shutil.rmtree(unfinished, ignore_errors=True)
+        return alive
+
     async def _wait_migration(self, qmp: QMP, pid: int, what: str) -> None:
         deadline = time.monotonic() + MIGRATION_TIMEOUT_S
         while True:
