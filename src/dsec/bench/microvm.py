@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import statistics
 import time
 from dataclasses import replace
@@ -167,6 +168,7 @@ async def run(state_dir: Path, store_dir: Path, console: Console, image: str, bo
             restore_s.append(time.perf_counter() - t)
             restore_cpu.append(machine.cpu_seconds(c.pid) or 0.0)
             await shared.destroy(c)
+        shared.delete_snapshot(meta["id"])
         # QEMU's own CPU time to the answered echo: what the load of others does not inflate.
         results.update(boot_s=statistics.median(boot_s), restore_s=statistics.median(restore_s),
                        boot_qemu_cpu_s=statistics.median(boot_cpu), restore_qemu_cpu_s=statistics.median(restore_cpu),
@@ -252,6 +254,8 @@ async def run(state_dir: Path, store_dir: Path, console: Console, image: str, bo
         for b in (shared, private):
             await b.recover([])
             await b.close()
+            for snapshot in b.snapshots_dir.iterdir():  # the benchmark's own node: none are kept
+                shutil.rmtree(snapshot, ignore_errors=True)
     return results
 
 
