@@ -14,6 +14,11 @@ memory — and in its memory snapshots.
 virtio-blk disks read with O_DIRECT and turns off KSM merging: each VM then keeps private copies
 of what it reads.
 
+Host memory besides the layers: QEMU marks a pmem microVM's RAM mergeable and the backend turns
+KSM on for the node (``dsec.resources.ksm``; ``use_ksm=False`` or DSEC_VM_KSM=0 leave it as the
+host has it), so identical guests share identical pages; they boot with ``nokaslr`` to have more
+of them. TCG's translation cache is bounded (``machine.TCG_TB_MB``).
+
 Snapshots: ``snapshot(handle)`` pauses the VM, writes its memory and device state with QEMU's
 migration (the pmem layers are skipped: ``x-ignore-shared``) and resumes it; the guest RAM's pages
 are then split out of that stream into one sparse file per RAM block (``ramsplit``). Creating a
