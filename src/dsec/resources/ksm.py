@@ -45,7 +45,8 @@ def enable(settings: dict[str, str] = SETTINGS) -> bool:
         log.warning("no KSM on this kernel: microVMs share their layers but not their other pages")
         return False
     try:
-        write({**settings, "run": "1"})
+        # A kernel without a knob (use_zero_pages came in 4.14) runs without it.
+        write({**{k: v for k, v in settings.items() if (KSM / k).exists()}, "run": "1"})
     except OSError as exc:
         log.warning("cannot set KSM (%s): microVMs share their layers but not their other pages", exc)
         return False
