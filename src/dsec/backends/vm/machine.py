@@ -32,7 +32,7 @@ QEMU = shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64"
 PROBE_TIMEOUT_S = 20.0
 # TCG's translation cache per VM, in MiB. Once full it is flushed and refilled, so every VM ends
 # up holding all of it: 64 MiB was a quarter of an idle 256 MB microVM's host memory. At 32 a
-# boot costs about the same CPU and a re-run of a large Python import ~40% more (retranslation;
+# boot costs about the same CPU and a re-run of a large Python import 25-55% more (retranslation;
 # docs/BENCHMARKS.md, MicroVM).
 TCG_TB_MB = 32
 
