@@ -64,7 +64,9 @@ async def _vm_kit(kind, store_path, tmp_path_factory):
     store = LayerStore(store_path)
     cls = MicroVMBackend if kind == "microvm" else FullVMBackend
     # Guest kernel and initramfs are shared by every test run, like the test store.
-    backend = cls(state / "node", store, Path(store_path).parent / "vm", boot_timeout_s=90)
+    # KSM is node-wide: the tests leave the host's settings alone.
+    extra = {"use_ksm": False} if kind == "microvm" else {}
+    backend = cls(state / "node", store, Path(store_path).parent / "vm", boot_timeout_s=90, **extra)
     image = store.get_image("busybox")
     try:
         yield backend, SandboxSpec(image="busybox", layers=image.layers, env=dict(image.env), limits=None)

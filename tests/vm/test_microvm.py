@@ -27,7 +27,9 @@ ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/bin:/usr/bin"})
 
 
 def assets_dir(store: Path) -> Path:
-    return Path(store).parent / "vm"
+    # DSEC_VM_ASSETS: a kernel/initramfs cache of one's own (worktrees with different guest
+    # scripts would replace each other's initramfs in the shared one).
+    return Path(os.environ.get("DSEC_VM_ASSETS") or Path(store).parent / "vm")
 
 
 def qemu_processes(marker: str) -> list[str]:
@@ -53,7 +55,8 @@ async def vm_kit(tmp_path_factory, test_store):
     set_child_subreaper()
     state = tmp_path_factory.mktemp("microvm")
     store = LayerStore(test_store)
-    backend = MicroVMBackend(state / "node", store, assets_dir(test_store), boot_timeout_s=90)
+    # KSM is node-wide: the tests leave the host's settings alone.
+    backend = MicroVMBackend(state / "node", store, assets_dir(test_store), boot_timeout_s=90, use_ksm=False)
     image = store.get_image("busybox")
     spec = SandboxSpec(image="busybox", layers=image.layers, env=dict(image.env), limits=None)
     base = await backend.create("cbase000000000000", spec)
@@ -92,6 +95,101 @@ async def test_snapshot_restores_processes_and_files(vm_kit):
     finally:
         for clone in clones:
             await backend.destroy(clone)
+
+
+def mapping_kb(pid: int, suffix: str) -> dict[str, int]:
+    """The smaps counters (kB) of the mapping of the file whose name ends with ``suffix``."""
+    out: dict[str, int] = {}
+    inside = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and ":" not in fields[0]:
+            inside = len(fields) > 5 and fields[5].endswith(suffix)
+        elif inside and line.endswith(" kB"):
+            out[fields[0].rstrip(":")] = out.get(fields[0].rstrip(":"), 0) + int(fields[1])
+    return out
+
+
+async def test_clones_share_the_snapshot_memory_copy_on_write(vm_kit):
+    import hashlib
+
+    backend, spec, base, meta = vm_kit
+    snap = backend.snapshot_dir(meta["id"])
+    ram_files = sorted(snap.glob("*.ram"))
+    assert {p.name for p in ram_files} == {"ram0.ram", "ramtail.ram"}
+    digests = [hashlib.sha256(p.read_bytes()).hexdigest() for p in ram_files]
+    clones = [await restore(backend, spec, meta, f"ccow0000000000{i:03d}") for i in range(3)]
+    try:
+        for i, clone in enumerate(clones):
+            result = await backend.exec(clone, ExecRequest(command="cat /root/state; pidof sleep"), ROOT)
+            assert result.stdout.startswith("saved\n") and result.stdout.split()[1].isdigit()
+            # Each writes its own files and 8 MiB of fresh memory (the overlay's upper is tmpfs).
+            await backend.exec(clone, ExecRequest(
+                command=f"echo clone{i} > /root/state; head -c 8388608 /dev/zero | tr '\\0' '{i}' > /root/big{i}"), ROOT)
+        for i, clone in enumerate(clones):
+            result = await backend.exec(clone, ExecRequest(command="cat /root/state; ls /root; head -c 3 /root/big*"), ROOT)
+            assert result.stdout == f"clone{i}\nbig{i}\nstate\n{str(i) * 3}", result.stdout
+        assert await backend.read_file(base, "/root/state", 100) == b"saved\n"
+        # The snapshot's memory is mapped by every clone: pages they only read are one copy
+        # (shared between processes), pages they wrote are their own.
+        for clone in clones:
+            ram0 = mapping_kb(clone.pid, "/ram0.ram")
+            assert ram0["Shared_Clean"] + ram0["Shared_Dirty"] > 8 * 1024, ram0
+            assert ram0["Anonymous"] > 8 * 1024, ram0  # its copy-on-write pages (8 MiB file and more)
+        # Nothing a clone did reached the snapshot: its files are as saved, a new clone starts
+        # from the saved state.
+        assert [hashlib.sha256(p.read_bytes()).hexdigest() for p in ram_files] == digests
+        backend.snapshot_meta(meta["id"])
+        fresh = await restore(backend, spec, meta, "ccowfresh00000000")
+        clones.append(fresh)
+        assert (await backend.exec(fresh, ExecRequest(command="cat /root/state; ls /root"), ROOT)).stdout == "saved\nstate\n"
+        # A clone's own snapshot (its RAM a private file mapping) carries its writes on.
+        second = await backend.snapshot(clones[1])
+        try:
+            grandchild = await restore(backend, spec, second, "ccowgrand00000000")
+            clones.append(grandchild)
+            result = await backend.exec(grandchild, ExecRequest(command="cat /root/state; ls /root; pidof sleep"), ROOT)
+            assert result.stdout.startswith("clone1\nbig1\nstate\n"), result.stdout
+        finally:
+            backend.delete_snapshot(second["id"])
+    finally:
+        for clone in clones:
+            await backend.destroy(clone)
+
+
+async def test_damaged_snapshot_memory_files(vm_kit):
+    """A RAM file that is missing, cut short or rewritten is refused before QEMU starts, with
+    nothing left behind; an intact copy of the snapshot restores."""
+    from dataclasses import replace
+
+    from dsec.backends.vm.microvm import SnapshotDamaged, SnapshotNotFound
+
+    backend, spec, base, meta = vm_kit
+    good = backend.snapshot_dir(meta["id"])
+    bad = backend.snapshots_dir / ("s" + "2" * 16)
+    shutil.copytree(good, bad)  # keeps the files' times: a faithful copy
+    cid = "cdamaged000000000"
+    try:
+        vm = await backend.create(cid, replace(spec, snapshot=bad.name))
+        assert (await backend.exec(vm, ExecRequest(command="cat /root/state"), ROOT)).stdout == "saved\n"
+        await backend.destroy(vm)
+        cases = [
+            (lambda: (bad / "ram0.ram").unlink(), SnapshotNotFound, "lost its memory file ram0.ram"),
+            (lambda: os.truncate(bad / "ramtail.ram", 1 << 20), SnapshotDamaged, "ramtail.ram is 1048576 bytes"),
+            (lambda: Path(bad / "ram0.ram").write_bytes(os.urandom(4096) + (good / "ram0.ram").read_bytes()[4096:]),
+             SnapshotDamaged, "ram0.ram was modified"),
+        ]
+        for damage, error, message in cases:
+            shutil.rmtree(bad)
+            shutil.copytree(good, bad)
+            os.chmod(bad / "ram0.ram", 0o600)
+            damage()
+            with pytest.raises(error, match=message):
+                await backend.create(cid, replace(spec, snapshot=bad.name))
+            assert not backend.vm_dir(cid).exists()
+            assert not qemu_processes(cid)
+    finally:
+        shutil.rmtree(bad, ignore_errors=True)
 
 
 async def test_missing_and_corrupt_snapshot(vm_kit):
@@ -172,7 +270,7 @@ async def test_boot_timeout_leaves_nothing(tmp_path_factory, test_store):
 
     state = tmp_path_factory.mktemp("microvm-timeout")
     store = LayerStore(test_store)
-    backend = MicroVMBackend(state / "node", store, assets_dir(test_store), boot_timeout_s=0.3)
+    backend = MicroVMBackend(state / "node", store, assets_dir(test_store), boot_timeout_s=0.3, use_ksm=False)
     image = store.get_image("busybox")
     with pytest.raises(BackendError, match="did not come up"):
         await backend.create("ctimeout000000000", SandboxSpec(image="busybox", layers=image.layers, env={}, limits=None))
@@ -189,6 +287,7 @@ async def test_sdk_microvm_and_fullvm(tmp_path_factory, test_store, monkeypatch)
     from conftest import make_state_dir
 
     monkeypatch.setenv("DSEC_VM_ASSETS", str(assets_dir(test_store)))
+    monkeypatch.setenv("DSEC_VM_KSM", "0")
     state = make_state_dir(tmp_path_factory, test_store, "dsec-vm")
     with LocalServer(state, extra_args=("--pool-max", "0")) as srv:
         async with DSecClient(srv.endpoint, token=srv.token) as client:

@@ -30,6 +30,11 @@ log = logging.getLogger("dsec.backends.vm")
 
 QEMU = shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64"
 PROBE_TIMEOUT_S = 20.0
+# TCG's translation cache per VM, in MiB. Once full it is flushed and refilled, so every VM ends
+# up holding all of it: 64 MiB was a quarter of an idle 256 MB microVM's host memory. At 32 a
+# boot costs about the same CPU and a re-run of a large Python import 25-55% more (retranslation;
+# docs/BENCHMARKS.md, MicroVM).
+TCG_TB_MB = 32
 
 
 @functools.cache
@@ -95,7 +100,7 @@ def accel_args(accel: str) -> list[str]:
     if accel == "kvm":
         return ["-accel", "kvm", "-cpu", "host"]
     # A bounded translation cache: the default (1 GiB) would be each VM's to fill.
-    return ["-accel", "tcg,tb-size=64"]
+    return ["-accel", f"tcg,tb-size={TCG_TB_MB}"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -174,3 +179,13 @@ def pss_bytes(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a process has used so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -14,16 +14,30 @@ memory — and in its memory snapshots.
 virtio-blk disks read with O_DIRECT and turns off KSM merging: each VM then keeps private copies
 of what it reads.
 
-Snapshots: ``snapshot(handle)`` pauses the VM, writes its memory and device state to a file with
-QEMU's migration (the pmem layers are skipped: ``x-ignore-shared``), and resumes it. Creating a
-VM with ``spec.snapshot`` starts QEMU with ``-incoming defer``, loads the state and resumes it:
-its processes carry on where they were. Snapshots live in ``<node_dir>/snapshots/<id>/``.
+Host memory besides the layers: QEMU marks a pmem microVM's RAM mergeable and the backend turns
+KSM on for the node (``dsec.resources.ksm``; ``use_ksm=False`` or DSEC_VM_KSM=0 leave it as the
+host has it), so identical guests share identical pages; they boot with ``nokaslr`` to have more
+of them. TCG's translation cache is bounded (``machine.TCG_TB_MB``).
+
+Snapshots: ``snapshot(handle)`` pauses the VM, writes its memory and device state with QEMU's
+migration (the pmem layers are skipped: ``x-ignore-shared``) and resumes it; the guest RAM's pages
+are then split out of that stream into one sparse file per RAM block (``ramsplit``). Creating a
+VM with ``spec.snapshot`` starts QEMU with each RAM block a ``memory-backend-file`` over the
+snapshot's file with ``share=off`` (MAP_PRIVATE) and ``-incoming defer``, loads the rest of the
+stream (device state, no RAM pages) and resumes it: its processes carry on where they were, and
+N clones share one copy of the snapshot's memory in the host page cache, each writing into its
+own copy-on-write pages. Snapshots live in ``<node_dir>/snapshots/<id>/`` (``meta.json``,
+``state``, ``<block>.ram``); a RAM file that is missing, cut short or modified since is refused
+before any QEMU maps it. (QEMU 7.2 discards guest RAM of a file-backed block by punching a hole
+in the file, MAP_PRIVATE or not: a microVM must therefore have no device that discards RAM, such
+as a virtio-balloon, or one clone could zero pages of the snapshot under all the others.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import secrets
 import shlex
@@ -33,8 +47,9 @@ from pathlib import Path
 
 from libdsec import BackendError, InvalidRequest
 
+from ...resources import ksm
 from ..base import Handle, SandboxSpec
-from . import machine
+from . import machine, ramsplit
 from .backend import VMBackend
 from .qmp import QMP, QMPError
 
@@ -44,20 +59,33 @@ TAIL_RAM_MB = 32
 MAX_GUEST_SPAN_MB = 2816
 SNAPSHOT_ID = re.compile(r"^s[0-9a-f]{16}\Z")
 MIGRATION_TIMEOUT_S = 300.0
+# Identical guests should hold identical pages, for KSM to merge them: with the guest kernel's
+# layout randomized (KASLR) every pointer differs between VMs, and so does every page holding
+# one (page tables, slab, struct pages). Clones of a snapshot share their layout anyway.
+# docs/SECURITY.md weighs it; docs/BENCHMARKS.md measures it.
+GUEST_SHARING_ARGS = "nokaslr"
 
 
 class SnapshotNotFound(InvalidRequest):
     pass
 
 
+class SnapshotDamaged(InvalidRequest):
+    """A snapshot's files are not as saved (a RAM file cut short or rewritten)."""
+
+
 class MicroVMBackend(VMBackend):
     kind = "microvm"
 
-    def __init__(self, node_dir: Path, store, assets_dir: Path | None = None, *, layer_mode: str = "pmem", **kw) -> None:
+    def __init__(self, node_dir: Path, store, assets_dir: Path | None = None, *, layer_mode: str = "pmem",
+                 use_ksm: bool = True, **kw) -> None:
         super().__init__(node_dir, store, assets_dir, **kw)
         if layer_mode not in ("pmem", "private"):
             raise ValueError(f"layer_mode must be pmem or private, not {layer_mode!r}")
         self.layer_mode = layer_mode
+        # Private layers are the comparison without sharing: no KSM for them.
+        self._ksm_wanted = use_ksm and layer_mode == "pmem"
+        self._ksm_on = False
         self.snapshots_dir = self.node_dir / "snapshots"
         self.snapshots_dir.mkdir(parents=True, exist_ok=True)
 
@@ -69,33 +97,64 @@ class MicroVMBackend(VMBackend):
             return [self.store.layer_path(d) for d in layers]
         return [await asyncio.to_thread(self.store.dax_layer, d) for d in layers]
 
+    def _ram_blocks(self, ram_mb: int) -> list[tuple[str, int]]:
+        """The guest RAM's memory backends, (id, MiB) in guest-address order. Their ids name
+        the RAM blocks in a snapshot, so a clone's must be the same."""
+        if self.layer_mode == "private":
+            return [("ram0", ram_mb)]
+        return [("ram0", ram_mb - TAIL_RAM_MB), ("ramtail", TAIL_RAM_MB)]
+
+    def _ram_object(self, block: str, size_mb: int, ram_file: Path | None) -> str:
+        merge = "off" if self.layer_mode == "private" else "on"
+        if ram_file is None:
+            return f"memory-backend-ram,id={block},size={size_mb}M,merge={merge}"
+        # A clone maps the snapshot's RAM file privately: pages it only reads stay the host's
+        # one cached copy, pages it writes become its own (copy-on-write).
+        return f"memory-backend-file,id={block},mem-path={ram_file},size={size_mb}M,share=off,merge={merge}"
+
+    async def warm_up(self) -> None:
+        await super().warm_up()
+        await self._start_ksm()
+
+    async def _start_ksm(self) -> None:
+        if self._ksm_wanted and not self._ksm_on:
+            self._ksm_on = await asyncio.to_thread(ksm.enable)
+            self._ksm_wanted = self._ksm_on  # tried once: a node without KSM is told once
+
     async def _prepare(self, cid: str, spec: SandboxSpec, vm_dir: Path) -> list[str]:
+        await self._start_ksm()
         assets = await self.assets()
         accel = await self.accel()
         ram_mb, vcpus = self.memory_mb(spec), self.vcpus(spec)
+        saved_ram: dict = {}
         if spec.snapshot is not None:  # a restore: the machine must be the one saved
             meta = self.snapshot_meta(spec.snapshot)
             ram_mb, vcpus = meta["memory_mb"], meta["vcpus"]
+            # (A snapshot from before RAM files has its pages in the stream: private RAM.)
+            saved_ram = meta.get("ram", {})
         (vm_dir / "machine.json").write_text(json.dumps({"memory_mb": ram_mb, "vcpus": vcpus}))
         files = await self._layer_files(spec.layers)
         argv = [*self._common_args(vm_dir, accel, "virtio-serial-device"), "-smp", str(vcpus)]
         machine_opts = "microvm,pcie=on"
+        ram = [(block, mb, self._ram_object(block, mb, self.snapshot_dir(spec.snapshot) / f"{block}.ram"
+                                            if block in saved_ram else None))
+               for block, mb in self._ram_blocks(ram_mb)]
         if self.layer_mode == "private":
-            machine_opts += ",mem-merge=off"
-            argv += ["-m", f"{ram_mb}M"]
+            (block, _, obj), = ram
+            machine_opts += f",mem-merge=off,memory-backend={block}"
+            argv += ["-m", f"{ram_mb}M", "-object", obj]
             for i, f in enumerate(files):
                 argv += ["-drive", f"file={f},if=none,id=layer{i},format=raw,readonly=on,cache.direct=on",
                          "-device", f"virtio-blk-device,drive=layer{i}"]
             extra = f"dsec.mode=microvm dsec.layers={len(files)} dsec.layerdev=vd"
         else:
-            head_mb = ram_mb - TAIL_RAM_MB
+            (head, head_mb, head_obj), (tail, _, tail_obj) = ram
             sizes = [-(-f.stat().st_size // (2 * MiB)) * 2 for f in files]  # MiB, 2 MiB steps
             total = ram_mb + sum(sizes)
             if total > MAX_GUEST_SPAN_MB:
                 raise BackendError(f"image {spec.image!r} needs {sum(sizes)} MB of pmem: with {ram_mb} MB of "
                                    f"memory that is over the {MAX_GUEST_SPAN_MB} MB a microVM maps")
-            argv += ["-m", f"{total}M",
-                     "-object", f"memory-backend-ram,id=ram0,size={head_mb}M", "-numa", "node,nodeid=0,memdev=ram0"]
+            argv += ["-m", f"{total}M", "-object", head_obj, "-numa", f"node,nodeid=0,memdev={head}"]
             memmap = []
             addr = head_mb
             for i, (f, size) in enumerate(zip(files, sizes, strict=True)):
@@ -103,9 +162,9 @@ class MicroVMBackend(VMBackend):
                          "-numa", f"node,nodeid={i + 1},memdev=layer{i}"]
                 memmap.append(f"memmap={size}M!{addr}M")
                 addr += size
-            argv += ["-object", f"memory-backend-ram,id=ramtail,size={TAIL_RAM_MB}M",
-                     "-numa", f"node,nodeid={len(files) + 1},memdev=ramtail"]
+            argv += ["-object", tail_obj, "-numa", f"node,nodeid={len(files) + 1},memdev={tail}"]
             extra = " ".join([*memmap, f"dsec.mode=microvm dsec.layers={len(files)}"])
+        extra += " " + GUEST_SHARING_ARGS
         argv += ["-M", machine_opts, *self._kernel_args(assets, accel, extra)]
         if spec.snapshot is not None:
             argv += ["-incoming", "defer", "-S"]
@@ -119,6 +178,8 @@ class MicroVMBackend(VMBackend):
         return self.snapshots_dir / snapshot_id
 
     def snapshot_meta(self, snapshot_id: str) -> dict:
+        """The snapshot's metadata, once its files are checked: a missing, cut or rewritten RAM
+        file is an error here, before any QEMU maps it."""
         d = self.snapshot_dir(snapshot_id)
         try:
             meta = json.loads((d / "meta.json").read_text())
@@ -126,11 +187,27 @@ class MicroVMBackend(VMBackend):
             raise SnapshotNotFound(f"no snapshot {snapshot_id} on this node") from None
         if not (d / "state").is_file():
             raise SnapshotNotFound(f"snapshot {snapshot_id} has lost its state file")
+        for block, saved in meta.get("ram", {}).items():
+            path = d / f"{block}.ram"
+            try:
+                st = path.stat()
+            except OSError:
+                raise SnapshotNotFound(f"snapshot {snapshot_id} has lost its memory file {path.name}") from None
+            if st.st_size != saved["size"]:
+                raise SnapshotDamaged(f"snapshot {snapshot_id}: memory file {path.name} is {st.st_size} bytes, "
+                                      f"{saved['size']} were saved (cut short or overwritten)")
+            if st.st_mtime_ns != saved["mtime_ns"]:
+                raise SnapshotDamaged(f"snapshot {snapshot_id}: memory file {path.name} was modified after "
+                                      "the snapshot was taken")
         return meta
 
     async def snapshot(self, handle: Handle) -> dict:
         """Save memory and device state; the VM runs on afterwards. Returns the snapshot's
-        metadata (``id``, ``size_bytes``, …)."""
+        metadata (``id``, ``size_bytes``, …).
+
+        The VM is paused while QEMU writes its migration stream; then (the VM running again)
+        the guest RAM's pages are split out of the stream into one sparse file per RAM block,
+        which clones map copy-on-write (``ramsplit``)."""
         live = self._get(handle, "snapshot")
         snap_id = "s" + secrets.token_hex(8)
         tmp = self.snapshots_dir / f".{snap_id}"
@@ -142,27 +219,51 @@ class MicroVMBackend(VMBackend):
             await qmp.execute("stop")
             live.paused = True
             try:
-                await qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(tmp / 'state'))}"})
+                await qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(tmp / 'stream'))}"})
                 await self._wait_migration(qmp, handle.pid, "saving")
             finally:
                 await qmp.execute("cont")
                 live.paused = False
+            paused_s = time.perf_counter() - start
+            shape = json.loads((self.vm_dir(handle.cid) / "machine.json").read_text())
+            blocks = dict(self._ram_blocks(shape["memory_mb"]))
+            await asyncio.to_thread(ramsplit.split, tmp / "stream", tmp / "state",
+                                    {block: tmp / f"{block}.ram" for block in blocks})
+            (tmp / "stream").unlink()
         except QMPError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             raise BackendError(f"cannot snapshot {handle.cid}: {exc}") from exc
+        except ramsplit.StreamError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise BackendError(f"cannot snapshot {handle.cid}: QEMU's migration stream: {exc}") from exc
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        shape = json.loads((self.vm_dir(handle.cid) / "machine.json").read_text())
+        ram = {}
+        for block in blocks:
+            path = tmp / f"{block}.ram"
+            os.chmod(path, 0o400)
+            st = path.stat()
+            ram[block] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "allocated": st.st_blocks * 512}
+        state_bytes = (tmp / "state").stat().st_size
         meta = {
             "id": snap_id, "kind": self.kind, "image": handle.image, "layers": list(handle.layers),
             "env": handle.env, "memory_mb": shape["memory_mb"], "vcpus": shape["vcpus"], "layer_mode": self.layer_mode,
             "accel": await self.accel(), "qemu": machine.qemu_version(), "created_at": time.time(),
-            "size_bytes": (tmp / "state").stat().st_size, "save_s": time.perf_counter() - start,
+            "ram": ram, "state_bytes": state_bytes,
+            "size_bytes": state_bytes + sum(r["allocated"] for r in ram.values()),
+            "paused_s": paused_s, "save_s": time.perf_counter() - start,
         }
         (tmp / "meta.json").write_text(json.dumps(meta))
         tmp.rename(self.snapshots_dir / snap_id)
         return meta
+
+    async def recover(self, handles: list[Handle]) -> list[Handle]:
+        alive = await super().recover(handles)
+        # A snapshot cut short by a crash left its unfinished directory (with the raw stream).
+        for unfinished in self.snapshots_dir.glob(".s*"):
+            shutil.rmtree(unfinished, ignore_errors=True)
+        return alive
 
     async def _wait_migration(self, qmp: QMP, pid: int, what: str) -> None:
         deadline = time.monotonic() + MIGRATION_TIMEOUT_S

@@ -1,0 +1,40 @@
+"""dsec.resources.ksm against a stand-in for /sys/kernel/mm/ksm (the real one is node-wide:
+the microVM benchmark measures what it does)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsec.resources import ksm
+
+
+@pytest.fixture
+def fake_ksm(tmp_path, monkeypatch):
+    for key, value in {"run": "0", "pages_to_scan": "100", "sleep_millisecs": "20", "use_zero_pages": "0",
+                       "full_scans": "7", "pages_sharing": "12", "pages_shared": "3"}.items():
+        (tmp_path / key).write_text(value + "\n")
+    monkeypatch.setattr(ksm, "KSM", tmp_path)
+    return tmp_path
+
+
+def test_enable_sets_the_platform_rate_and_starts_it(fake_ksm):
+    before = ksm.read()
+    assert before == {"run": "0", "pages_to_scan": "100", "sleep_millisecs": "20", "use_zero_pages": "0"}
+    assert ksm.enable()
+    assert ksm.read() == {"run": "1", **ksm.SETTINGS}
+    assert ksm.full_scans() == 7
+    assert ksm.stats() == {"pages_shared": 3, "pages_sharing": 12, "full_scans": 7}
+    ksm.write(before)
+    assert ksm.read() == before
+
+
+def test_no_ksm_or_no_permission_is_a_warning_not_an_error(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(ksm, "KSM", tmp_path / "absent")
+    assert not ksm.available()
+    assert not ksm.enable()
+    assert "no KSM" in caplog.text
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "run").mkdir()  # writing it fails (a directory): like a read-only sysfs
+    monkeypatch.setattr(ksm, "KSM", tmp_path / "ro")
+    assert not ksm.enable()
+    assert "cannot set KSM" in caplog.text
