@@ -210,7 +210,7 @@ do_pack() {  # ID TOKEN
 
 while :; do
     if ! read -r id op a b c d e <&3; then
-        usleep 200000  # the host is not connected (yet, or any more)
+        usleep 20000  # the host is not connected (yet, or any more: a restored VM waits here)
         continue
     fi
     case $op in
