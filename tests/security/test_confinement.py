@@ -6,23 +6,12 @@ and that the refusal is recorded where the platform can see it."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from libdsec import DSecContainerRunArgs, DSecFnCallArgs, DSecMicroVMRunArgs
-from redteam import event_kinds
+from redteam import denied_syscalls
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
-
-
-async def _denied(sb, *names: str) -> list[str]:
-    for _ in range(40):
-        denied = (await event_kinds(sb)).get("syscall.denied", [])
-        if all(any(d.startswith(n + " ") for d in denied) for n in names):
-            return denied
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no syscall.denied event for {names}: {denied}")
 
 
 async def test_signalling_the_sandbox_init(sclient, python_image):
@@ -38,7 +27,7 @@ async def test_signalling_the_sandbox_init(sclient, python_image):
         assert r.stdout.split() == ["PermissionError", "PermissionError"], r
         assert (await sb.run_shell("echo still here")).stdout == "still here\n"
         assert (await sb.refresh()).status.value == "running"
-        await _denied(sb, "kill", "pidfd_open")
+        await denied_syscalls(sb, "kill", "pidfd_open")
 
 
 async def test_fncall_killing_its_zygote_and_writing_outside(sclient):

@@ -4,28 +4,16 @@ the refusal (a seccomp denial), that it is recorded against the sandbox."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from libdsec import DSecContainerRunArgs
-from redteam import event_kinds
+from redteam import denied_syscalls
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
 
 def _args(image: str, **kw) -> DSecContainerRunArgs:
     return DSecContainerRunArgs(container_image=image, memory_limit_mb=128, **kw)
-
-
-async def _denied_syscalls(sb, *names: str) -> list[str]:
-    """The sandbox's syscall.denied events, once every one of ``names`` is among them."""
-    for _ in range(40):
-        denied = (await event_kinds(sb)).get("syscall.denied", [])
-        if all(any(d.startswith(n + " ") for d in denied) for n in names):
-            return denied
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"no syscall.denied event for {names}: {denied}")
 
 
 PY_SYSCALL = ("import ctypes, errno, os, sys\n"
@@ -47,7 +35,7 @@ async def test_mounting(sclient, python_image):
         assert r.exit_code != 0, r
         mounts = (await sb.run_shell("cat /proc/mounts")).stdout
         assert " /mnt " not in mounts and "/proc/sys proc rw" not in mounts
-        await _denied_syscalls(sb, "mount")
+        await denied_syscalls(sb, "mount")
 
 
 async def test_unshare_and_setns(sclient):
@@ -58,7 +46,7 @@ async def test_unshare_and_setns(sclient):
                                "nsenter -t $$ -m true")
         assert "uid=" not in r.stdout and r.exit_code != 0, r
         assert "Permission denied" in r.stderr, r
-        await _denied_syscalls(sb, "unshare", "setns")
+        await denied_syscalls(sb, "unshare", "setns")
 
 
 async def test_device_nodes(sclient):
@@ -78,7 +66,7 @@ async def test_cgroup_escape(sclient):
                                "mkdir -p /tmp/cg && mount -t cgroup -o memory cgroup /tmp/cg && echo MOUNTED")
         assert "WROTE" not in r.stdout and "MOUNTED" not in r.stdout, r
         assert r.stdout.split()[0] == "0", r
-        await _denied_syscalls(sb, "mount")
+        await denied_syscalls(sb, "mount")
 
 
 async def test_writing_proc_sys(sclient):
@@ -96,7 +84,7 @@ async def test_loading_kernel_modules(sclient, python_image):
         # init_module(NULL, 0, "") and finit_module(0, "", 0): refused before the kernel reads a byte.
         assert (await _syscall(sb, 175, 0, 0, 0)).endswith("EPERM")
         assert (await _syscall(sb, 313, 0, 0, 0)).endswith("EPERM")
-        await _denied_syscalls(sb, "init_module", "finit_module")
+        await denied_syscalls(sb, "init_module", "finit_module")
 
 
 async def test_ptrace_outside(sclient, python_image):
@@ -107,7 +95,7 @@ async def test_ptrace_outside(sclient, python_image):
         assert (await _syscall(sb, 310, 1, 0, 0, 0, 0, 0)).endswith("EPERM")
         r = await sb.run_shell("ls /proc | grep -c '^[0-9]'")
         assert int(r.stdout) <= 5, r  # init, the command's keeper, the shell, grep, ls: no host process
-        await _denied_syscalls(sb, "ptrace", "process_vm_readv")
+        await denied_syscalls(sb, "ptrace", "process_vm_readv")
 
 
 async def test_raw_sockets(sclient, python_image):
@@ -124,7 +112,7 @@ async def test_bpf_perf_keyctl_io_uring(sclient, python_image):
     async with await sclient.run_container(_args(python_image)) as sb:
         for nr in (321, 298, 250, 425):  # bpf, perf_event_open, keyctl, io_uring_setup
             assert (await _syscall(sb, nr, 0, 0, 0)).endswith("EPERM"), nr
-        await _denied_syscalls(sb, "bpf", "perf_event_open", "keyctl", "io_uring_setup")
+        await denied_syscalls(sb, "bpf", "perf_event_open", "keyctl", "io_uring_setup")
 
 
 SWAPEXT = ("import fcntl, os, errno\n"
@@ -144,7 +132,7 @@ async def test_extent_swap_ioctls(sclient, python_image):
         lines = r.stdout.split()
         assert r.stdout.count("EPERM") == 4, r
         assert "OK" not in lines
-        await _denied_syscalls(sb, "ioctl")
+        await denied_syscalls(sb, "ioctl")
 
 
 async def test_kpagecgroup_and_kernel_memory(sclient):

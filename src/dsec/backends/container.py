@@ -214,6 +214,19 @@ class _Capture:
     def truncated(self) -> bool:
         return self.total > len(self.kept)
 
+    @staticmethod
+    def result(rc: int, out: _Capture, err: _Capture, start: float) -> ExecResult:
+        return ExecResult(
+            exit_code=rc,
+            stdout=out.text,
+            stderr=err.text,
+            duration_s=time.perf_counter() - start,
+            stdout_truncated=out.truncated,
+            stderr_truncated=err.truncated,
+            stdout_bytes=out.total,
+            stderr_bytes=err.total,
+        )
+
 
 class _PipeSink(asyncio.Protocol):
     """Feeds what a command writes to a pipe into a capture; ``done`` at end of file."""
@@ -669,16 +682,7 @@ class ContainerBackend:
                 t.close()
             for fd in theirs + ours:
                 os.close(fd)
-        return ExecResult(
-            exit_code=exit_code(status),
-            stdout=out.text,
-            stderr=err.text,
-            duration_s=time.perf_counter() - start,
-            stdout_truncated=out.truncated,
-            stderr_truncated=err.truncated,
-            stdout_bytes=out.total,
-            stderr_bytes=err.total,
-        )
+        return _Capture.result(exit_code(status), out, err, start)
 
     async def _exec_crun(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult:
         """Run a command through `crun exec` (a sandbox adopted after a restart has no channel)."""
@@ -738,16 +742,7 @@ class ContainerBackend:
                 f"command timed out after {request.timeout:g}s and was killed"
                 + (f"; last output: {tail!r}" if tail else "")
             )
-        return ExecResult(
-            exit_code=rc,
-            stdout=out.text,
-            stderr=err.text,
-            duration_s=time.perf_counter() - start,
-            stdout_truncated=out.truncated,
-            stderr_truncated=err.truncated,
-            stdout_bytes=out.total,
-            stderr_bytes=err.total,
-        )
+        return _Capture.result(rc, out, err, start)
 
     def _kill_exec(self, pidfile: Path, proc: asyncio.subprocess.Process) -> None:
         """Kill what a command started. ``crun exec`` itself is left to reap its child and

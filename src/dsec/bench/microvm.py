@@ -119,8 +119,11 @@ async def _destroy(backend: MicroVMBackend, handles) -> None:
     await asyncio.gather(*(backend.destroy(h) for h in handles), return_exceptions=True)
 
 
-async def run(state_dir: Path, store_dir: Path, console: Console, image: str, boots: int, restores: int,
-              idle: int, many: int, memory_mb: int, concurrency: int) -> dict:
+def vm_spec(store_dir: Path, image: str, memory_mb: int, console: Console) -> tuple[LayerStore, str, SandboxSpec]:
+    """The store, the image the benchmark boots (busybox, built if need be, when ``image`` is not
+    there) and the spec of its VMs."""
+    from ..resources.cgroups import Limits
+
     store = LayerStore(store_dir)
     if not store.has_image(image):
         if image != "busybox":
@@ -129,10 +132,13 @@ async def run(state_dir: Path, store_dir: Path, console: Console, image: str, bo
         if not store.has_image("busybox"):
             build_busybox(store)
     img = store.get_image(image)
-    from ..resources.cgroups import Limits
+    return store, image, SandboxSpec(image=image, layers=img.layers, env=dict(img.env),
+                                     limits=Limits(memory_mb=memory_mb, cpu_cores=1.0, pids=1024))
 
-    spec = SandboxSpec(image=image, layers=img.layers, env=dict(img.env),
-                       limits=Limits(memory_mb=memory_mb, cpu_cores=1.0, pids=1024))
+
+async def run(state_dir: Path, store_dir: Path, console: Console, image: str, boots: int, restores: int,
+              idle: int, many: int, memory_mb: int, concurrency: int) -> dict:
+    store, image, spec = vm_spec(store_dir, image, memory_mb, console)
     node = state_dir / "node"
     assets = Path(os.environ.get("DSEC_VM_ASSETS") or state_dir / "vm")
     shared = MicroVMBackend(node, store, assets, boot_timeout_s=180)

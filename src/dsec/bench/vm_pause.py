@@ -31,14 +31,12 @@ from rich.table import Table
 
 from libdsec._models import ExecRequest
 
-from ..backends.base import ExecContext, SandboxSpec
+from ..backends.base import ExecContext
 from ..backends.vm import machine
 from ..backends.vm.microvm import MicroVMBackend
-from ..images.builders import build_busybox
-from ..images.store import LayerStore
 from ..resources import reclaim
-from ..resources.cgroups import Limits
 from .hoststats import settled_memory
+from .microvm import vm_spec
 
 ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"})
 MiB = 1 << 20
@@ -60,15 +58,7 @@ def _held(backend: MicroVMBackend, handles, zram_start: int) -> dict:
 
 async def run(state_dir: Path, store_dir: Path, console: Console, image: str, count: int, memory_mb: int,
               state_mb: int, concurrency: int) -> dict:
-    store = LayerStore(store_dir)
-    if not store.has_image(image):
-        console.print(f"image {image!r} not in {store_dir}: using busybox")
-        image = "busybox"
-        if not store.has_image("busybox"):
-            build_busybox(store)
-    img = store.get_image(image)
-    spec = SandboxSpec(image=image, layers=img.layers, env=dict(img.env),
-                       limits=Limits(memory_mb=memory_mb, cpu_cores=1.0, pids=1024))
+    store, image, spec = vm_spec(store_dir, image, memory_mb, console)
     assets = Path(os.environ.get("DSEC_VM_ASSETS") or state_dir / "vm")
     backend = MicroVMBackend(state_dir / "node", store, assets, boot_timeout_s=180)
     r: dict = {"accel": await backend.accel(), "qemu": machine.qemu_version(), "image": image,
