@@ -15,6 +15,10 @@ TEST_STORE = Path(os.environ.get("DSEC_TEST_STORE", "/var/lib/dsec-test/store"))
 # Every test server shares one VM kernel cache (else each fresh state dir downloads a kernel
 # and probes the accelerator in the background when its server starts).
 os.environ.setdefault("DSEC_VM_ASSETS", str(TEST_STORE.parent / "vm"))
+# KSM is a host-wide setting that a node with microVMs turns on: test servers leave it as the
+# host has it (a test run must not change the host, and merging pages would move the memory
+# figures the VM tests read). Its settings are tested against a stand-in sysfs (test_ksm.py).
+os.environ.setdefault("DSEC_VM_KSM", "0")
 
 
 # Every directory's conftest.py is imported as the module ``conftest`` and the last one wins
