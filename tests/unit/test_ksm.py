@@ -38,3 +38,16 @@ def test_no_ksm_or_no_permission_is_a_warning_not_an_error(tmp_path, monkeypatch
     monkeypatch.setattr(ksm, "KSM", tmp_path / "ro")
     assert not ksm.enable()
     assert "cannot set KSM" in caplog.text
+
+
+async def test_the_microvm_backend_gives_the_host_its_settings_back(fake_ksm, tmp_path):
+    """A node turns KSM on for its microVMs, and a stopping edge (nothing left running) puts
+    the host's settings back as it found them."""
+    from dsec.backends.vm.microvm import MicroVMBackend
+
+    backend = MicroVMBackend(tmp_path / "node", None, tmp_path / "assets")
+    before = ksm.read()
+    await backend._start_ksm()
+    assert ksm.read() == {"run": "1", **ksm.SETTINGS}
+    backend.release_unused()
+    assert ksm.read() == before

@@ -16,7 +16,7 @@ of what it reads.
 
 Host memory besides the layers: QEMU marks a pmem microVM's RAM mergeable and the backend turns
 KSM on for the node (``dsec.resources.ksm``; ``use_ksm=False`` or DSEC_VM_KSM=0 leave it as the
-host has it), so identical guests share identical pages; they boot with ``nokaslr`` to have more
+host has it; a stopping edge with no VM left gives the host its settings back), so identical guests share identical pages; they boot with ``nokaslr`` to have more
 of them. TCG's translation cache is bounded (``machine.TCG_TB_MB``).
 
 Snapshots: ``snapshot(handle)`` pauses the VM, writes its memory and device state with QEMU's
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import secrets
@@ -54,6 +55,8 @@ from .backend import VMBackend
 from .qmp import QMP, QMPError
 
 MiB = 1 << 20
+log = logging.getLogger(__name__)
+
 TAIL_RAM_MB = 32
 # microvm keeps guest memory below 4 GiB in one piece only up to here.
 MAX_GUEST_SPAN_MB = 2816
@@ -86,6 +89,7 @@ class MicroVMBackend(VMBackend):
         # Private layers are the comparison without sharing: no KSM for them.
         self._ksm_wanted = use_ksm and layer_mode == "pmem"
         self._ksm_on = False
+        self._ksm_before: dict[str, str] = {}
         self.snapshots_dir = self.node_dir / "snapshots"
         self.snapshots_dir.mkdir(parents=True, exist_ok=True)
 
@@ -118,8 +122,20 @@ class MicroVMBackend(VMBackend):
 
     async def _start_ksm(self) -> None:
         if self._ksm_wanted and not self._ksm_on:
+            if ksm.available():
+                self._ksm_before = await asyncio.to_thread(ksm.read)
             self._ksm_on = await asyncio.to_thread(ksm.enable)
             self._ksm_wanted = self._ksm_on  # tried once: a node without KSM is told once
+
+    def release_unused(self) -> None:
+        """Also give the host its KSM settings back once no VM is left (a stopping edge)."""
+        super().release_unused()
+        if self._ksm_on and not self._live and self._ksm_before:
+            try:
+                ksm.write(self._ksm_before)
+            except OSError as exc:
+                log.warning("cannot restore the host's KSM settings: %s", exc)
+            self._ksm_on, self._ksm_wanted = False, True
 
     async def _prepare(self, cid: str, spec: SandboxSpec, vm_dir: Path) -> list[str]:
         await self._start_ksm()
