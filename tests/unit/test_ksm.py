@@ -45,7 +45,7 @@ async def test_the_microvm_backend_gives_the_host_its_settings_back(fake_ksm, tm
     the host's settings back as it found them."""
     from dsec.backends.vm.microvm import MicroVMBackend
 
-    backend = MicroVMBackend(tmp_path / "node", None, tmp_path / "assets")
+    backend = MicroVMBackend(tmp_path / "node", None, tmp_path / "assets", use_ksm=True)
     before = ksm.read()
     await backend._start_ksm()
     assert ksm.read() == {"run": "1", **ksm.SETTINGS}

@@ -17,6 +17,4 @@ def vm_backends(node_dir: Path, store, assets_dir: Path) -> list:
         return []
     # Tests and benchmarks share one kernel cache between their servers.
     assets_dir = Path(os.environ.get("DSEC_VM_ASSETS") or assets_dir)
-    # KSM is node-wide; DSEC_VM_KSM=0 leaves the host's settings alone (tests).
-    use_ksm = os.environ.get("DSEC_VM_KSM", "1") != "0"
-    return [MicroVMBackend(node_dir, store, assets_dir, use_ksm=use_ksm), FullVMBackend(node_dir, store, assets_dir)]
+    return [MicroVMBackend(node_dir, store, assets_dir), FullVMBackend(node_dir, store, assets_dir)]

@@ -81,12 +81,14 @@ class MicroVMBackend(VMBackend):
     kind = "microvm"
 
     def __init__(self, node_dir: Path, store, assets_dir: Path | None = None, *, layer_mode: str = "pmem",
-                 use_ksm: bool = True, **kw) -> None:
+                 use_ksm: bool | None = None, **kw) -> None:
         super().__init__(node_dir, store, assets_dir, **kw)
         if layer_mode not in ("pmem", "private"):
             raise ValueError(f"layer_mode must be pmem or private, not {layer_mode!r}")
         self.layer_mode = layer_mode
         # Private layers are the comparison without sharing: no KSM for them.
+        if use_ksm is None:  # KSM is node-wide; DSEC_VM_KSM=0 leaves the host's settings alone (tests)
+            use_ksm = os.environ.get("DSEC_VM_KSM", "1") != "0"
         self._ksm_wanted = use_ksm and layer_mode == "pmem"
         self._ksm_on = False
         self._ksm_before: dict[str, str] = {}
