@@ -49,7 +49,7 @@ from ..resources import cpu as cpu_sched
 from ..resources.cgroups import Limits
 from .. import native
 from .base import ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
-from .initchan import MAX_REQUEST, ChannelClosed, InitChannel, StartFailed, exit_code
+from .initchan import MAX_REQUEST, ChannelClosed, InitChannel, StartFailed, TooLarge, exit_code
 
 log = logging.getLogger("dsec.backends.container")
 
@@ -615,6 +615,8 @@ class ContainerBackend:
             if len(message) <= MAX_REQUEST:
                 try:
                     return await self._exec_init(channel, job_id, message, request)
+                except TooLarge:
+                    pass  # this command alone goes through crun exec
                 except ChannelClosed:
                     if not await self.is_alive(handle):
                         raise SandboxStateError(f"sandbox process of {handle.cid} is gone") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import os
 import socket
@@ -19,6 +20,10 @@ MAX_REQUEST = 200 * 1024  # the init reads up to 256 KiB a packet; larger comman
 
 class ChannelClosed(ConnectionError):
     """The init's end is gone (the sandbox ended) or was never there."""
+
+
+class TooLarge(ValueError):
+    """The request does not fit one packet of this host's socket buffers (the channel stays)."""
 
 
 class StartFailed(OSError):
@@ -95,6 +100,8 @@ class InitChannel:
             except BlockingIOError:
                 await asyncio.sleep(0.001)
             except OSError as exc:
+                if exc.errno == errno.EMSGSIZE:  # over the socket's send buffer (a host sysctl)
+                    raise TooLarge(f"{len(data)} bytes is over one packet here") from None
                 self._close(exc)
                 raise ChannelClosed(f"the sandbox's init channel failed: {exc.strerror}") from None
 

@@ -1,0 +1,60 @@
+"""The container init's command channel (dsec.backends.initchan) at its edges: a request over
+one packet of the host's socket buffers goes through `crun exec` alone and the channel stays;
+a sandbox whose channel is gone (adopted after a restart) runs commands through `crun exec`."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+
+import pytest
+
+from dsec.backends.base import ExecContext, SandboxSpec
+from libdsec._models import ExecRequest
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/bin:/usr/bin"})
+
+
+@pytest.fixture
+async def container(tmp_path_factory, test_store):
+    from dsec._sys import set_child_subreaper
+    from dsec.backends.container import ContainerBackend
+    from dsec.images.store import LayerStore
+    from dsec.local import leftovers
+    from dsec.resources import cgroups
+
+    set_child_subreaper()
+    state = tmp_path_factory.mktemp("initchan")
+    store = LayerStore(test_store)
+    backend = ContainerBackend(state / "node", store, cgroup_parent=cgroups.parent_for(state))
+    image = store.get_image("busybox")
+    handle = await backend.create("cinitchan0000001", SandboxSpec(image="busybox", layers=image.layers,
+                                                                 env=dict(image.env), limits=None))
+    try:
+        yield backend, handle
+    finally:
+        await backend.destroy(handle)
+        backend.release_unused()
+        left = leftovers(state)
+        shutil.rmtree(state, ignore_errors=True)
+        assert not left, left
+
+
+async def test_a_request_over_one_packet_goes_through_crun_exec_alone(container):
+    backend, handle = container
+    channel = backend.channels[handle.cid]
+    channel.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # as a host with small buffers
+    big = "x" * 20000
+    result = await backend.exec(handle, ExecRequest(command=f"echo {big} | wc -c", timeout=30), ROOT)
+    assert result.stdout.strip() == "20001", result
+    assert not channel.closed and backend.channels[handle.cid] is channel
+    assert (await backend.exec(handle, ExecRequest(command="echo small", timeout=30), ROOT)).stdout == "small\n"
+
+
+async def test_without_a_channel_commands_go_through_crun_exec(container):
+    backend, handle = container
+    backend.channels.pop(handle.cid).close()  # as after a server restart
+    result = await backend.exec(handle, ExecRequest(command="echo via crun; exit 3", timeout=30), ROOT)
+    assert (result.exit_code, result.stdout) == (3, "via crun\n")
