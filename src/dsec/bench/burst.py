@@ -60,7 +60,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
@@ -464,6 +463,21 @@ class Arm:
         if len(self.res.errors) < 20:
             self.res.errors.append(msg[:400])
 
+    async def gather(self, what: str, coros) -> None:
+        """Run one image's tasks side by side; each that raises is a failed task."""
+        for r in await asyncio.gather(*coros, return_exceptions=True):
+            if isinstance(r, BaseException):
+                self.error(f"{what}: {type(r).__name__}: {r}")
+
+    async def run(self, image, timeout_s: float, label: str) -> ArmResult:
+        """The timed part: ``image(i, k)`` for every image i and its k sandboxes, all at once."""
+        self.start()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(image(i, k) for i, k in enumerate(self.groups))), timeout_s)
+        except TimeoutError:
+            self.error(f"{label} arm timed out after {timeout_s}s")
+        return self.finish()
+
     def finish(self) -> ArmResult:
         r = self.res
         r.all_running_s = max(self.running) if self.running else None
@@ -538,18 +552,9 @@ class Bench:
                             arm.error(f"create image {i}: {type(exc).__name__}: {exc}")
                         return
                     sandboxes.extend(made)
-                    results = await asyncio.gather(*(run_task(i, s) for s in made), return_exceptions=True)
-                    for r in results:
-                        if isinstance(r, BaseException):
-                            arm.error(f"task {i}: {type(r).__name__}: {r}")
+                    await arm.gather(f"task {i}", (run_task(i, s) for s in made))
 
-                arm.start()
-                try:
-                    await asyncio.wait_for(asyncio.gather(*(group(i, k) for i, k in enumerate(arm.groups))),
-                                           o.arm_timeout_s)
-                except TimeoutError:
-                    arm.error(f"DSec arm timed out after {o.arm_timeout_s}s")
-                res = arm.finish()
+                res = await arm.run(group, o.arm_timeout_s, "DSec")
                 stop = progress.add_task("DSec: stopping sandboxes", total=len(sandboxes))
 
                 async def stop_one(s: Sandbox) -> None:
@@ -671,17 +676,9 @@ class Bench:
                         return
             arm.ready.append(arm.now())
             progress.advance(pulled)
-            results = await asyncio.gather(*(sandbox(i, j, image_dir) for j in range(k)), return_exceptions=True)
-            for r in results:
-                if isinstance(r, BaseException):
-                    arm.error(f"image {i}: {type(r).__name__}: {r}")
+            await arm.gather(f"image {i}", (sandbox(i, j, image_dir) for j in range(k)))
 
-        arm.start()
-        try:
-            await asyncio.wait_for(asyncio.gather(*(image(i, k) for i, k in enumerate(arm.groups))), o.arm_timeout_s)
-        except TimeoutError:
-            arm.error(f"eager arm timed out after {o.arm_timeout_s}s")
-        res = arm.finish()
+        res = await arm.run(image, o.arm_timeout_s, "eager")
         res.notes.append("upper/work dirs on disk beside the unpacked images; crun state and bundles on a tmpfs")
         return res
 
@@ -777,17 +774,9 @@ class Bench:
                 return
             arm.ready.append(arm.now())
             progress.advance(imported)
-            results = await asyncio.gather(*(task(i, j, ref) for j in range(k)), return_exceptions=True)
-            for r in results:
-                if isinstance(r, BaseException):
-                    arm.error(f"image {i}: {type(r).__name__}: {r}")
+            await arm.gather(f"image {i}", (task(i, j, ref) for j in range(k)))
 
-        arm.start()
-        try:
-            await asyncio.wait_for(asyncio.gather(*(image(i, k) for i, k in enumerate(arm.groups))), o.arm_timeout_s)
-        except TimeoutError:
-            arm.error(f"podman arm timed out after {o.arm_timeout_s}s")
-        res = arm.finish()
+        res = await arm.run(image, o.arm_timeout_s, "podman")
         res.notes.append("all-running = the last task's own start stamp (podman run --rm creates, runs and removes)")
         return res
 
