@@ -117,6 +117,17 @@ async def _workers(total: int, concurrency: int, fn: Callable[[int], Awaitable[A
     return time.perf_counter() - t0, results, errors
 
 
+async def _timed(start, latencies: list[float], progress: Progress, task: TaskID) -> str:
+    """``await start()``, its time added to ``latencies`` when it succeeds; one step of ``task``."""
+    t0 = time.perf_counter()
+    try:
+        made = await start()
+    finally:
+        progress.advance(task)
+    latencies.append(time.perf_counter() - t0)
+    return made
+
+
 def _client(server: LocalServer) -> DSecClient:
     """The SDK's client as a user gets it. (It once needed a shorter idle-connection expiry than
     httpx's 5 s, equal to uvicorn's keep-alive then; the server now keeps connections 75 s.)"""
@@ -436,16 +447,8 @@ class Bench:
         failed = 0
         meter = host.Meter()
         for _ in range(o.latency_rounds):
-            async def create() -> str:
-                t0 = time.perf_counter()
-                try:
-                    cid = await rig.crun_start_idle()
-                finally:
-                    progress.advance(task)
-                latencies.append(time.perf_counter() - t0)
-                return cid
-
-            made = await asyncio.gather(*(create() for _ in range(n)), return_exceptions=True)
+            made = await asyncio.gather(*(_timed(rig.crun_start_idle, latencies, progress, task) for _ in range(n)),
+                                        return_exceptions=True)
             for m in made:
                 if isinstance(m, BaseException):
                     failed += 1
@@ -486,17 +489,8 @@ class Bench:
         mem0 = await host.settled_memory(settle_s=2.0)
         task = progress.add_task(f"podman run --rm --detach: {n} at once, then idle", total=n)
         latencies: list[float] = []
-
-        async def create() -> str:
-            t0 = time.perf_counter()
-            try:
-                name = await rig.podman_start_idle()
-            finally:
-                progress.advance(task)
-            latencies.append(time.perf_counter() - t0)
-            return name
-
-        made = await asyncio.gather(*(create() for _ in range(n)), return_exceptions=True)
+        made = await asyncio.gather(*(_timed(rig.podman_start_idle, latencies, progress, task) for _ in range(n)),
+                                    return_exceptions=True)
         names = [m for m in made if isinstance(m, str)]
         try:
             for m in made:
