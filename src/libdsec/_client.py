@@ -26,6 +26,7 @@ from ._errors import (
     error_from_wire,
 )
 from ._projects import _ProjectMethods
+from ._wire import Answer, WireClient, WireError
 from ._models import NetworkRulesRequest, SecurityEvent, SecurityEventList
 from ._models import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
 from ._models import (
@@ -211,6 +212,7 @@ class DSecClient(_ProjectMethods):
         self._transport = transport
         self._max_connections = max_connections
         self._http: list[httpx.AsyncClient] | None = None
+        self._wire: WireClient | None = None
         self._turn = 0
 
     async def open(self) -> DSecClient:
@@ -218,11 +220,15 @@ class DSecClient(_ProjectMethods):
             return self
         token = self._token or default_token()
         headers = {"authorization": f"Bearer {token}"} if token else {}
+        if self._transport is None and self.endpoint.startswith("http://"):
+            # Plain requests take the lean client (libdsec/_wire.py: httpx costs the client
+            # more CPU than the server spends answering); httpx keeps the streamed answers.
+            self._wire = WireClient(self.endpoint, headers, self._max_connections)
         # Requests take turns over a few connection pools: httpcore's pool looks at every
         # connection (a poll(2) for each idle one) and every queued request each time one is
         # sent or done, so its cost per request grows with the connections in flight; with
         # 64 in flight one pool cost the client more CPU than the request itself.
-        shards = 1 if self._transport is not None else min(_POOL_SHARDS, self._max_connections)
+        shards = 1 if self._transport is not None or self._wire is not None else min(_POOL_SHARDS, self._max_connections)
         per_shard = -(-self._max_connections // shards)
         self._http = [
             httpx.AsyncClient(
@@ -237,6 +243,9 @@ class DSecClient(_ProjectMethods):
         return self
 
     async def close(self) -> None:
+        if self._wire is not None:
+            wire, self._wire = self._wire, None
+            await wire.aclose()
         if self._http is not None:
             pools, self._http = self._http, None
             await asyncio.gather(*(http.aclose() for http in pools))
@@ -369,6 +378,8 @@ class DSecClient(_ProjectMethods):
         timeout: float | None = None,
         raw: bool = False,
     ) -> Any:
+        if self._wire is not None:
+            return await self._request_wire(method, path, model, params, content, timeout, raw)
         http = self._client()
         kwargs: dict[str, Any] = {"params": params}
         if model is not None:
@@ -388,6 +399,25 @@ class DSecClient(_ProjectMethods):
         if raw:
             return response.content
         return response.json()
+
+    async def _request_wire(
+        self, method: str, path: str, model: BaseModel | None, params: dict[str, str] | None,
+        content: bytes | None, timeout: float | None, raw: bool,
+    ) -> Any:
+        assert self._wire is not None
+        body, content_type = content, "application/octet-stream"
+        if model is not None:
+            body, content_type = model.model_dump_json().encode(), "application/json"
+        try:
+            answer = await self._wire.request(method, path, params=params, body=body, content_type=content_type,
+                                              timeout=self._timeout if timeout is None else timeout)
+        except WireError as exc:
+            raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc}") from exc
+        if answer.status_code >= 400:
+            raise _error_of(answer)
+        if raw:
+            return answer.content
+        return answer.json()
 
     async def _stream(
         self, method: str, path: str, model: BaseModel, timeout: float | None
@@ -411,7 +441,7 @@ class DSecClient(_ProjectMethods):
             raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc!r}") from exc
 
 
-def _error_of(response: httpx.Response) -> DSecError:
+def _error_of(response: httpx.Response | Answer) -> DSecError:
     try:
         body = response.json()
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -5,6 +5,8 @@ the kernel lacks it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from dsec.resources import cgroups
@@ -86,3 +88,30 @@ async def test_node_info_says_what_the_kernel_has(client):
             text = f.read()
         if "# CONFIG_SCHED_CORE is not set" in text:
             assert node.core_scheduling.startswith("unsupported") and "CONFIG_SCHED_CORE" in node.core_scheduling
+
+
+def memory_limits(sandbox_init: int) -> tuple[int, int | None]:
+    """(memory.limit_in_bytes, memory.memsw.limit_in_bytes or None) of a process's cgroup."""
+    with open(f"/proc/{sandbox_init}/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.strip().split(":", 2)
+            if cgroups.is_v2() and controllers == "":
+                d = cgroups.CGROUP_ROOT / path.strip("/")
+                return int(d.joinpath("memory.max").read_text()), None
+            if "memory" in controllers.split(","):
+                d = cgroups.CGROUP_ROOT / "memory" / path.strip("/")
+                swap = d / "memory.memsw.limit_in_bytes"
+                return (int(d.joinpath("memory.limit_in_bytes").read_text()),
+                        int(swap.read_text()) if swap.exists() else None)
+    raise AssertionError("no memory cgroup")
+
+
+async def test_memory_limit_raised_and_lowered(client, server):
+    """Warm sandboxes get the limits of the latest create; one taken for other limits is set
+    again, up (memsw first, or the kernel refuses) as well as down."""
+    for mb in (64, 64, 512, 96):
+        async with await client.run_container(args(memory_limit_mb=mb)) as sb:
+            records = list(server.state_dir.glob(f"node/**/records/{sb.id}.json"))
+            mem, swap = memory_limits(json.loads(records[0].read_text())["handle"]["pid"])
+            assert mem == mb << 20
+            assert swap in (None, mb << 20)

@@ -8,6 +8,7 @@ the cluster (one embedded edge here).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -60,6 +61,9 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "malformed request: " + "; ".join(parts)
 
 
+_NO_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+                 if "telemetry" in inspect.signature(FastAPI.__init__).parameters else {})
+
 # Batch creations under way, referenced until done (see the batch route).
 _BATCHES: set[asyncio.Task] = set()
 
@@ -90,7 +94,10 @@ class _CatchUnexpected:
 
 def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     app = FastAPI(title="DSec", version="0.1.0", lifespan=lifespan,
-                  description="Sandboxes for agent training: containers from shared EROFS layers.")
+                  description="Sandboxes for agent training: containers from shared EROFS layers.",
+                  # No OpenTelemetry (the platform's metrics are its own): FastAPI would otherwise
+                  # ask the global providers whether to trace, on every request.
+                  **_NO_TELEMETRY)
 
     authenticator = Authenticator(token, cluster.projects)
 

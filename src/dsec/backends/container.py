@@ -507,13 +507,19 @@ class ContainerBackend:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(handle.pid, os.WNOHANG)
         # What `crun delete` does for a dead container, without spawning it: drop its cgroups
-        # and its state directory.
-        if not await self._remove_cgroup(handle.cid):
+        # and its state directory; then the root filesystem. Off the event loop: rmdir of a
+        # cgroup in each v1 hierarchy and the unmounts are kernel work the loop need not wait on.
+        if not await asyncio.to_thread(self._teardown, handle):
             await self._run_crun("delete", "--force", handle.cid)
-            await self._remove_cgroup(handle.cid)
-        plan = self._plan(handle.cid, handle.layers, handle.image)
-        await asyncio.to_thread(self._release_rootfs, plan)
+            await asyncio.to_thread(self._remove_cgroup, handle.cid)
+
+    def _teardown(self, handle: Handle) -> bool:
+        """Remove a dead sandbox's cgroups, root filesystem and crun state; False if its
+        cgroups would not go (crun delete is tried then)."""
+        removed = self._remove_cgroup(handle.cid)
+        self._release_rootfs(self._plan(handle.cid, handle.layers, handle.image))
         shutil.rmtree(self.crun_root / handle.cid, ignore_errors=True)
+        return removed
 
     def _reap_orphans(self) -> None:
         """Reap zombies that were reparented to us (we are the subreaper) from inside our
@@ -536,8 +542,9 @@ class ContainerBackend:
             except (OSError, IndexError, ValueError, ChildProcessError):
                 continue
 
-    async def _remove_cgroup(self, cid: str, timeout: float = 5.0) -> bool:
-        """rmdir the sandbox's cgroups; exiting processes may hold them for a moment."""
+    def _remove_cgroup(self, cid: str, timeout: float = 5.0) -> bool:
+        """rmdir the sandbox's cgroups; exiting processes may hold them for a moment. Blocks:
+        call it from a thread."""
         deadline = time.monotonic() + timeout
         reaped = False
         while True:
@@ -552,7 +559,7 @@ class ContainerBackend:
                 self._reap_orphans()
                 reaped = True
                 continue
-            await asyncio.sleep(0.005)
+            time.sleep(0.005)
 
     async def recover(self, handles: list[Handle]) -> list[Handle]:
         """Adopt the live ones; remove the remains of everything else this backend owns."""

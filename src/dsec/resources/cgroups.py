@@ -113,9 +113,14 @@ def apply_limits(parent: str, cid: str, limits: Limits) -> None:
         _write(d / "pids.max", str(limits.pids))
         return
     mem = _v1_dir("memory", parent, cid)
-    _write(mem / "memory.limit_in_bytes", str(limits.memory_bytes))
+    files = [mem / "memory.limit_in_bytes"]
     if (mem / "memory.memsw.limit_in_bytes").exists():
-        _write(mem / "memory.memsw.limit_in_bytes", str(limits.memory_bytes))
+        # memory ≤ memory+swap at every step: raising a limit sets memsw first.
+        files.append(mem / "memory.memsw.limit_in_bytes")
+        if int(files[1].read_text()) < limits.memory_bytes:
+            files.reverse()
+    for f in files:
+        _write(f, str(limits.memory_bytes))
     cpu = _v1_dir("cpu", parent, cid)
     _write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
     _write(cpu / "cpu.cfs_quota_us", str(limits.cpu_quota_us))

@@ -1,0 +1,161 @@
+"""The SDK's lean HTTP/1.1 client (libdsec/_wire.py) against small servers on 127.0.0.1 that
+answer by hand, so each test decides how the server frames its answer and when it hangs up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+import pytest
+
+from libdsec import DSecClient, LimitOutOfRange, ServerUnavailable
+from libdsec._wire import WireClient, WireError
+
+
+class Server:
+    """Reads requests (headers, then Content-Length bytes) and answers each with ``answer``."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.requests: list[tuple[str, dict[str, str], bytes]] = []
+        self.connections = 0
+
+    async def __aenter__(self) -> Server:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                line, *fields = head.decode().split("\r\n")
+                headers = {k.lower(): v.strip() for k, _, v in (f.partition(":") for f in fields if f)}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                self.requests.append((line, headers, body))
+                if not await self.answer(writer, line, body):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def _json(writer: asyncio.StreamWriter, status: int, body: object) -> None:
+    data = json.dumps(body).encode()
+    writer.write(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n".encode()
+                 + data)
+
+
+async def test_keeps_the_connection_and_sends_body_query_and_token() -> None:
+    async def answer(writer, line, body):
+        _json(writer, 200, {"line": line, "body": body.decode()})
+        return True
+
+    async with Server(answer) as srv:
+        wire = WireClient(f"http://127.0.0.1:{srv.port}", {"authorization": "Bearer t0k"}, 4)
+        for i in range(3):
+            got = await wire.request("POST", "/v1/x", params={"path": "/a b"}, body=f"{i}".encode(),
+                                     content_type="application/json", timeout=5)
+            assert got.status_code == 200
+            assert got.json() == {"line": "POST /v1/x?path=%2Fa+b HTTP/1.1", "body": str(i)}
+        await wire.aclose()
+    assert srv.connections == 1  # one keep-alive connection for all three
+    _, headers, _ = srv.requests[0]
+    assert headers["authorization"] == "Bearer t0k"
+    assert headers["content-type"] == "application/json"
+    assert headers["host"] == f"127.0.0.1:{srv.port}"
+
+
+async def test_reads_a_chunked_answer_and_an_error_status() -> None:
+    async def answer(writer, line, body):
+        if "/fail" in line:
+            _json(writer, 404, {"error": "not_found"})
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                         b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n")
+        return True
+
+    async with Server(answer) as srv:
+        wire = WireClient(f"http://127.0.0.1:{srv.port}", {}, 4)
+        got = await wire.request("GET", "/chunked", timeout=5)
+        assert (got.status_code, got.content) == (200, b"hello world")
+        got = await wire.request("GET", "/fail", timeout=5)
+        assert (got.status_code, got.json()) == (404, {"error": "not_found"})
+        await wire.aclose()
+    assert srv.connections == 1
+
+
+async def test_a_connection_the_server_closed_while_idle_is_replaced() -> None:
+    async def answer(writer, line, body):  # answers once, then hangs up (a keep-alive expiry)
+        _json(writer, 200, {"ok": True})
+        await writer.drain()
+        return False
+
+    async with Server(answer) as srv:
+        wire = WireClient(f"http://127.0.0.1:{srv.port}", {}, 4)
+        for _ in range(3):
+            assert (await wire.request("GET", "/", timeout=5)).json() == {"ok": True}
+        await wire.aclose()
+    assert srv.connections == 3
+    assert len(srv.requests) == 3  # each request reached the server once
+
+
+async def test_a_server_that_breaks_off_mid_answer_is_an_error() -> None:
+    async def answer(writer, line, body):
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\npartial")
+        await writer.drain()
+        return False
+
+    async with Server(answer) as srv:
+        wire = WireClient(f"http://127.0.0.1:{srv.port}", {}, 4)
+        with pytest.raises(WireError, match="broke off"):
+            await wire.request("GET", "/", timeout=5)
+        await wire.aclose()
+    assert len(srv.requests) == 1  # not sent again: the server had begun to answer
+
+
+async def test_timeout_and_refused_connection_are_errors() -> None:
+    async def answer(writer, line, body):
+        await asyncio.sleep(10)
+        return False
+
+    async with Server(answer) as srv:
+        wire = WireClient(f"http://127.0.0.1:{srv.port}", {}, 4)
+        with pytest.raises(WireError, match="within 0.2s"):
+            await wire.request("GET", "/slow", timeout=0.2)
+        await wire.aclose()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    wire = WireClient(f"http://127.0.0.1:{port}", {}, 4)
+    with pytest.raises(WireError, match="cannot connect"):
+        await wire.request("GET", "/", timeout=5)
+
+
+async def test_the_sdk_maps_wire_failures_and_errors() -> None:
+    async def answer(writer, line, body):
+        _json(writer, 400, {"error": {"code": "limit_out_of_range", "message": "memory_limit_mb out of range"}})
+        return True
+
+    async with Server(answer) as srv:
+        async with DSecClient(f"http://127.0.0.1:{srv.port}", token="t") as client:
+            with pytest.raises(LimitOutOfRange, match="memory_limit_mb"):
+                await client.list_images()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with DSecClient(f"http://127.0.0.1:{port}", token="t") as client:
+        with pytest.raises(ServerUnavailable, match="cannot reach DSec"):
+            await client.list_images()
+
+
+def test_only_plain_http() -> None:
+    with pytest.raises(ValueError, match="plain http"):
+        WireClient("https://127.0.0.1:1", {}, 1)
