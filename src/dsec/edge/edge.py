@@ -220,6 +220,7 @@ class Edge:
         self.store = store
         self.records_dir = Path(config.records_dir or Path(config.node_dir) / "records")
         self.records_dir.mkdir(parents=True, exist_ok=True)
+        self.records_dir_s = str(self.records_dir)
         self._records: dict[str, Record] = {}
         self._finished: OrderedDict[str, SandboxInfo] = OrderedDict()
         self._pools: dict[tuple[str, tuple[str, ...]], _Pool] = defaultdict(_Pool)
@@ -687,9 +688,14 @@ class Edge:
             self._finished.popitem(last=False)
 
     def _persist(self, rec: Record) -> None:
-        tmp = self.records_dir / f".{rec.id}.tmp"
-        tmp.write_text(rec.to_json())
-        os.rename(tmp, self.records_dir / f"{rec.id}.json")
+        directory = self.records_dir_s
+        tmp = f"{directory}/.{rec.id}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, rec.to_json().encode())
+        finally:
+            os.close(fd)
+        os.rename(tmp, f"{directory}/{rec.id}.json")
 
     async def node_info(self) -> NodeInfo:
         return NodeInfo(

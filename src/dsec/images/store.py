@@ -130,6 +130,10 @@ class LayerStore:
         self.tmp_dir = self.root / "tmp"
         for d in (self.layers_dir, self.images_dir, self.tmp_dir):
             d.mkdir(parents=True, exist_ok=True)
+        # Manifests read, by name: (inode, mtime, size) when read, and the image. Every create
+        # resolves its image; a stat tells whether the file (replaced by rename, maybe from
+        # another process sharing the store) is still the one read.
+        self._images: dict[str, tuple[tuple[int, int, int], Image]] = {}
 
     # -- layers ----------------------------------------------------------------------------
 
@@ -236,17 +240,26 @@ class LayerStore:
     def get_image(self, name: str) -> Image:
         if not _NAME.match(name):
             raise ImageNotFound(f"unknown image {name!r}")
+        path = f"{self.images_dir}/{name}.json"
         try:
-            data = json.loads((self.images_dir / f"{name}.json").read_text())
+            st = os.stat(path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            cached = self._images.get(name)
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            with open(path, "rb") as f:
+                data = json.loads(f.read())
         except FileNotFoundError:
             raise ImageNotFound(
                 f"unknown image {name!r}; known: {', '.join(self.image_names()) or 'none'}"
             ) from None
-        return Image(
+        image = Image(
             name=data["name"], layers=tuple(data["layers"]), env=data.get("env", {}),
             workdir=data.get("workdir", "/"), user=data.get("user", "root"),
             roles=tuple(data.get("roles", ())), parent=data.get("parent"),
         )
+        self._images[name] = (key, image)
+        return image
 
     def resolve(self, ref: str) -> Image:
         """An image by name, or a composition ``base+workspace+toolkit…`` stacked in that order."""
