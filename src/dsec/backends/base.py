@@ -42,7 +42,7 @@ class SandboxSpec:
     image: str
     layers: tuple[str, ...]
     env: dict[str, str]
-    limits: Limits | None  # None: no limits yet (a pre-created sandbox)
+    limits: Limits | None  # set them all before returning; None: none yet (pre-created for a pool)
     hostname: str = "sandbox"
     snapshot: str | None = None  # restore this memory snapshot (backends that take them)
 

@@ -391,10 +391,13 @@ class ContainerBackend:
             },
         }
 
-    def _mount_rootfs(self, plan: OverlayPlan) -> None:
+    def _mount_rootfs(self, plan: OverlayPlan, limits: Limits | None) -> None:
         # The bundle (and so the writable layer) is a tmpfs of its own: its size is the
         # sandbox's disk limit (ENOSPC past it), set again with the memory limit.
-        disk.mount_bundle(plan.target.parent)
+        if limits is None:
+            disk.mount_bundle(plan.target.parent)
+        else:
+            disk.mount_bundle(plan.target.parent, disk.cap_for(limits.memory_bytes))
         for d in (plan.upper, plan.work, plan.target):
             d.mkdir(parents=True, exist_ok=True)
         self.layer_mounts.acquire(plan.layers)
@@ -432,7 +435,7 @@ class ContainerBackend:
             self.id_ranges.take(cid)  # here, on the event loop: ranges are handed out in order
         try:
             # Mounting (idmapped layer clones, the overlay, a tmpfs) blocks: off the event loop.
-            await asyncio.to_thread(self._mount_rootfs, plan)
+            await asyncio.to_thread(self._mount_rootfs, plan, spec.limits)
         except OSError as exc:
             if self.id_ranges is not None:
                 self.id_ranges.release(cid)
@@ -466,7 +469,16 @@ class ContainerBackend:
         self.channels[cid] = InitChannel(host_end)
         with contextlib.suppress(OSError):  # gone already: is_alive reads /proc and says so
             self._pidfds[cid] = os.pidfd_open(pid)
-        return Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
+        handle = Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
+        # crun set the memory, CPU and pids limits and the bundle got its size; an idle-class
+        # CPU group and SCHED_IDLE for the init are what only apply_limits does.
+        if spec.limits is not None and spec.limits.best_effort:
+            try:
+                await self.apply_limits(handle, spec.limits)
+            except BaseException:
+                await self.destroy(handle)
+                raise
+        return handle
 
     async def apply_limits(self, handle: Handle, limits: Limits) -> None:
         try:

@@ -363,13 +363,14 @@ class Edge:
             self._pool_wakeup.set()
         try:
             if pooled:
-                rec.handle = await self._take_or_create(pool)
+                rec.handle = await self._take_or_create(pool, limits)
             else:
                 spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits,
                                    snapshot=snapshot)
                 rec.handle = await backend.create(f"c{secrets.token_hex(8)}", spec)
             try:
-                if pool.prepared.pop(rec.handle.cid, None) != limits:
+                # A pooled sandbox made for these limits has them (see _Pool.limits).
+                if not pooled or pool.prepared.pop(rec.handle.cid, None) != limits:
                     await backend.apply_limits(rec.handle, limits)
                 rec.uid, rec.gid = await backend.resolve_user(rec.handle, args.init_user)
                 if args.workdir != "/":
@@ -390,7 +391,7 @@ class Edge:
         self._persist(rec)
         return rec.info(self.node)
 
-    async def _take_or_create(self, pool: _Pool) -> Handle:
+    async def _take_or_create(self, pool: _Pool, limits: Limits) -> Handle:
         backend = self.backends[pool.kind]
         while pool.handles:
             handle = pool.handles.popleft()
@@ -399,10 +400,13 @@ class Edge:
                 return handle
             pool.prepared.pop(handle.cid, None)
             await backend.destroy(handle)
-        return await self._new_handle(pool.kind, pool.image)
+        handle = await self._new_handle(pool.kind, pool.image, limits)
+        pool.prepared[handle.cid] = limits
+        return handle
 
-    async def _new_handle(self, kind: str, image: Image) -> Handle:
-        spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=None)
+    async def _new_handle(self, kind: str, image: Image, limits: Limits | None) -> Handle:
+        """A new sandbox of ``image``, with ``limits`` set (None: none yet)."""
+        spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits)
         return await self.backends[kind].create(f"c{secrets.token_hex(8)}", spec)
 
     async def create_batch(
@@ -799,14 +803,8 @@ class Edge:
                 if self._closed or pool.image is None:
                     return
                 backend = self.backends[pool.kind]
-                handle = await self._new_handle(pool.kind, pool.image)
                 limits = pool.limits
-                if limits is not None:
-                    try:
-                        await backend.apply_limits(handle, limits)
-                    except BaseException:
-                        await backend.destroy(handle)
-                        raise
+                handle = await self._new_handle(pool.kind, pool.image, limits)
                 if self._closed or self._pools.get((pool.kind, pool.image.layers)) is not pool:
                     await backend.destroy(handle)
                 else:
