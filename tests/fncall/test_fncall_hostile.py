@@ -24,9 +24,13 @@ async def run(pool, code: str, **kw) -> libdsec.FnCallResult:
     return result
 
 
-@pytest.fixture
-async def pool(make_pool):
-    return await make_pool(max_file_bytes=8 << 20)
+@pytest.fixture(params=["native", "python"])
+async def pool(make_pool, request):
+    """A pool whose zygote serves with the C loop, or with the Python one (its fallback)."""
+    pool = await make_pool(max_file_bytes=8 << 20, loop=request.param)
+    assert (await pool.call(DSecFnCallArgs(code="pass"))).ok
+    assert pool.workers()[0].loop == request.param
+    return pool
 
 
 async def test_syntax_error(pool):

@@ -2,10 +2,11 @@
 
 This file runs inside the container, with the image's own ``python3`` (3.10 or later) and the
 standard library only; the edge bind-mounts it read-only and starts it as root of the container
-with ``crun exec … python3 -I BOOT ZYGOTE UID GID NPROC FSIZE NOFILE PRELOAD`` (``BOOT`` is
-``zygote_boot.py``, which loads this file compiled elsewhere, see there). It does Python's
-start-up work (and imports the PRELOAD modules, if any) once, then serves calls one at a time,
-forking a fresh child for each::
+with ``crun exec … python3 -I BOOT ZYGOTE UID GID NPROC FSIZE NOFILE PRELOAD LOOP`` (``BOOT``
+is ``zygote_boot.py``, which loads this file compiled elsewhere, see there; ``LOOP`` is the
+path of the per-call loop in C, ``dsec/native/zygote.c`` built as a shared library, or empty).
+It does Python's start-up work (and imports the PRELOAD modules, if any) once, then serves
+calls one at a time, forking a fresh child for each::
 
     edge ──request──▶ zygote ──fork──▶ child: setsid, rlimits, drop to UID, write files, run code
     edge ◀──answer─── zygote ◀──exit── child            (stdout and stderr are memfds)
@@ -38,7 +39,8 @@ integers big-endian, strings UTF-8 with a ``!H`` length before them):
   bytes sent; stdout and stderr bytes written; number of fetched files), then per file ``!HqH``
   (path length, bytes sent or -1, reason length), path, reason; then the stdout, stderr and file
   bytes themselves. Kind ``E``: the call could not be started, payload is the reason. Kind ``R``
-  (once, at start): ``PYTHON_VERSION\\0MISSING_MODULES``. EOF on the channel ends the zygote.
+  (once, at start): ``PYTHON_VERSION\\0MISSING_MODULES\\0LOOP`` (``native`` or ``python``: which
+  loop serves). EOF on the channel ends the zygote.
 
 Speed: on a virtual machine every page a process writes after fork costs a fault (≈2 µs here)
 and every page it maps costs at fork and exit, so the zygote keeps its heap small (only small
@@ -46,7 +48,11 @@ modules; compiled elsewhere, see ``zygote_boot``), does once what every child wo
 for the first time (it builds the child's ``sys.stdin``/``stdout``/``stderr`` on seekable
 placeholders, as ``python3 -c`` would for files, and runs a warm-up snippet through compile,
 exec, print and traceback; that halves a child's cost), keeps the calls' base environment as
-its own, and keeps its per-call work to a few system calls.
+its own, and keeps its per-call work to a few system calls. Those run in C (``LOOP``), so
+the zygote runs no Python between two forks: a Python loop writes ≈100 pages a call (objects,
+reference counts, frames), each a copy-on-write fault after the fork before; the C loop a few.
+The Python loop below (``Zygote.serve_forever``) does the same where the library cannot be
+loaded (an image with another libc than glibc).
 """
 
 import os
@@ -283,7 +289,7 @@ def _write_inputs(files):
             os.close(fd)
 
 
-def _child(uid, gid, body_fd, body_len, out_fd, err_fd, hdr, vsz):
+def _child(uid, gid, body_fd, body_len, out_fd, err_fd, cpu, memory, vsz):
     """The call's own process: never returns."""
     try:
         os.setsid()
@@ -304,7 +310,7 @@ def _child(uid, gid, body_fd, body_len, out_fd, err_fd, hdr, vsz):
         fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
         os.write(fd, b"1000")  # under memory pressure the call dies, not the zygote
         os.close(fd)
-        resource.setrlimit(resource.RLIMIT_CPU, (hdr["cpu"], hdr["cpu"] + 1))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         os.setgid(gid)
         os.setuid(uid)
         # setuid made the process non-dumpable, which hides its own /proc entries from it.
@@ -316,10 +322,10 @@ def _child(uid, gid, body_fd, body_len, out_fd, err_fd, hdr, vsz):
         if language == "python":
             if env:
                 os.environ.update(env)
-            resource.setrlimit(resource.RLIMIT_AS, (vsz + hdr["memory"], vsz + hdr["memory"]))
+            resource.setrlimit(resource.RLIMIT_AS, (vsz + memory, vsz + memory))
             _run_python(code)
         else:
-            resource.setrlimit(resource.RLIMIT_AS, (hdr["memory"], hdr["memory"]))
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
             for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):
                 _signal.signal(sig, _signal.SIG_DFL)
             os.execve("/bin/bash", ["bash", "-c", code], {**os.environ, **env})
@@ -348,6 +354,27 @@ class Zygote:
         self.workdir_fd = self.dirs[0][1]
         self.clean = {}
         self.statm_fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+
+    def serve_native(self, serve):
+        """Serve with the C loop until EOF (see ``dsec/native/zygote.c``); in a call's child,
+        run the call."""
+        hooks = {field: ctypes.cast(getattr(ctypes.pythonapi, name), ctypes.c_void_p).value
+                 for field, name in _FORK_HOOKS}
+        loop = _NativeLoop(chan_in=CHAN_IN, chan_out=CHAN_OUT, statm_fd=self.statm_fd, workdir_fd=self.workdir_fd,
+                           ndirs=len(self.dirs), uid=self.uid, gid=self.gid, **hooks)
+        for i, (_, fd) in enumerate(self.dirs):
+            loop.dir_fds[i] = fd
+        while True:
+            rc = serve(ctypes.byref(loop))
+            if rc == 1:
+                _child(self.uid, self.gid, loop.body_fd, loop.body_len, loop.out_fd, loop.err_fd, loop.cpu,
+                       loop.memory, loop.vsz)
+            elif rc == 2:  # a call wrote to a wiped directory
+                self.cleanup()
+            elif rc == 0:
+                return
+            else:
+                raise RuntimeError(loop.error.decode(errors="replace"))
 
     def serve_forever(self):
         while True:
@@ -381,7 +408,7 @@ class Zygote:
             _answer(b"E", f"cannot fork the call: {exc}".encode())
             return
         if pid == 0:
-            _child(self.uid, self.gid, body_fd, blen, out_fd, err_fd, hdr, vsz)
+            _child(self.uid, self.gid, body_fd, blen, out_fd, err_fd, hdr["cpu"], hdr["memory"], vsz)
         os.close(body_fd)
         try:
             status, cpu, timed_out = self._wait(pid, hdr["timeout"])
@@ -495,6 +522,41 @@ class Zygote:
                 os.fchmod(fd, 0o700)
                 os.utime(fd)
             self.clean[path] = _state(os.fstat(fd))
+
+
+class _NativeLoop(ctypes.Structure):
+    """``struct dsec_zygote`` of ``dsec/native/zygote.c``."""
+
+    _fields_ = [("chan_in", ctypes.c_int), ("chan_out", ctypes.c_int), ("statm_fd", ctypes.c_int),
+                ("workdir_fd", ctypes.c_int), ("ndirs", ctypes.c_int), ("dir_fds", ctypes.c_int * 8),
+                ("uid", ctypes.c_uint), ("gid", ctypes.c_uint), ("before_fork", ctypes.c_void_p),
+                ("after_fork_parent", ctypes.c_void_p), ("after_fork_child", ctypes.c_void_p),
+                ("body_fd", ctypes.c_int), ("out_fd", ctypes.c_int), ("err_fd", ctypes.c_int),
+                ("body_len", ctypes.c_uint), ("cpu", ctypes.c_uint), ("memory", ctypes.c_ulonglong),
+                ("vsz", ctypes.c_ulonglong), ("error", ctypes.c_char * 512)]
+
+
+# What os.fork calls around fork(2): at-fork hooks (os.register_at_fork), the import lock, and
+# in the child the interpreter's thread state.
+_FORK_HOOKS = (("before_fork", "PyOS_BeforeFork"), ("after_fork_parent", "PyOS_AfterFork_Parent"),
+               ("after_fork_child", "PyOS_AfterFork_Child"))
+
+
+def _load_loop(path):
+    """The C loop's entry point, or None (then the Python loop serves, and the log says why).
+    Loaded with PyDLL: the GIL stays held, as the fork hooks it calls need."""
+    if not path:
+        return None
+    try:
+        serve = ctypes.PyDLL(path).dsec_zygote_serve
+        for _, name in _FORK_HOOKS:
+            getattr(ctypes.pythonapi, name)
+    except (OSError, AttributeError) as exc:
+        print(f"fncall zygote: the Python loop serves: cannot load {path}: {exc}")
+        return None
+    serve.restype = ctypes.c_int
+    serve.argtypes = (ctypes.POINTER(_NativeLoop),)
+    return serve
 
 
 def _state(st):
@@ -641,6 +703,7 @@ def main(argv):
     _setup_fds()
     _STDIO = _make_stdio()
     preload = [m for m in (argv[6].split(",") if len(argv) > 6 else []) if m]
+    native_loop = _load_loop(argv[7] if len(argv) > 7 else "")
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     os.setgroups([])
     os.umask(0o022)
@@ -665,9 +728,13 @@ def main(argv):
     _enter_call_state()
     gc.collect()
     gc.freeze()
-    _answer(b"R", f"{sys.version.split()[0]}\0{','.join(missing)}".encode())
+    loop = "native" if native_loop is not None else "python"
+    _answer(b"R", f"{sys.version.split()[0]}\0{','.join(missing)}\0{loop}".encode())
     try:
-        zygote.serve_forever()
+        if native_loop is not None:
+            zygote.serve_native(native_loop)
+        else:
+            zygote.serve_forever()
     except BaseException as exc:
         sys.stderr = sys.__stderr__ = open(LOG, "w", encoding="utf-8", errors="backslashreplace",  # noqa: SIM115
                                            buffering=1, closefd=False)
