@@ -131,6 +131,13 @@ async def test_fetching_through_symlinks(pool):
                              "up": "a symbolic link", "final": "a symbolic link"}, r.file_errors
 
 
+async def test_input_files_that_cannot_be_written(pool):
+    """"a" is a file, so "a/b" cannot be made: the call does not start (126, and why)."""
+    r = await run(pool, "print(1)", files={"a": "x", "a/b": "y"})
+    assert (r.exit_code, r.stdout) == (126, "") and "fncall: the call could not start" in r.stderr, r
+    assert "a" in r.stderr
+
+
 async def test_huge_output(pool):
     r = await run(pool, "import sys\nsys.stdout.write('x' * (100 << 20))", max_output_bytes=1000)
     assert r.stdout == "x" * 1000 and r.stdout_truncated and r.stdout_bytes > 1000

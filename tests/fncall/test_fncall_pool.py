@@ -45,6 +45,8 @@ async def test_python_and_bash(make_pool, loop):
                                      "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}.items())) + "\n"
     env = await pool.call(call("env | sort", language="bash", env={"X": "1"}))
     assert "X=1\nHOME=/work" not in env.stdout and "X=1\n" in env.stdout and "PYTHON" not in env.stdout
+    env = await pool.call(call("env", language="bash", env={"HOME": "/tmp", "Y": "2=3"}))
+    assert "HOME=/tmp\n" in env.stdout and "HOME=/work" not in env.stdout and "Y=2=3\n" in env.stdout
 
 
 async def test_python_errors_look_like_python3_c(make_pool):

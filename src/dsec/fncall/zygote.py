@@ -255,12 +255,8 @@ def _parse_body(raw):
     pos = _BODY.size
     code = str(raw[pos:pos + code_len], "utf-8")
     pos += code_len
-    env = {}
-    if env_len:  # every object a child makes costs it page faults: none when there is nothing
-        for item in bytes(raw[pos:pos + env_len]).split(b"\0"):
-            if item:
-                name, _, value = item.decode("utf-8", "surrogateescape").partition("=")
-                env[name] = value
+    # every object a child makes costs it page faults: none when there is nothing
+    env = _parse_env(bytes(raw[pos:pos + env_len])) if env_len else {}
     pos += env_len
     stdin = None
     if stdin_len >= 0:
@@ -275,6 +271,15 @@ def _parse_body(raw):
         files.append((path, raw[pos:pos + data_len]))
         pos += data_len
     return LANGUAGES[language], code, env, stdin, files
+
+
+def _parse_env(raw):
+    env = {}
+    for item in raw.split(b"\0"):
+        if item:
+            name, _, value = item.decode("utf-8", "surrogateescape").partition("=")
+            env[name] = value
+    return env
 
 
 def _write_inputs(files):
@@ -337,6 +342,25 @@ def _child(uid, gid, body_fd, body_len, out_fd, err_fd, cpu, memory, vsz):
     os._exit(126)
 
 
+def _native_child(loop):
+    """A Python call's process once the C loop has prepared it (as ``_child`` does up to its
+    input files): never returns."""
+    try:
+        code = str(ctypes.string_at(loop.code, loop.code_len), "utf-8")
+        if loop.env_len:
+            env = _parse_env(ctypes.string_at(loop.env, loop.env_len))
+            os.environ.update(env)
+        limit = loop.vsz + loop.memory
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        _run_python(code)
+    except BaseException as exc:  # noqa: BLE001
+        try:
+            os.write(2, f"fncall: the call could not start: {type(exc).__name__}: {exc}\n".encode())
+        except BaseException:  # noqa: BLE001
+            pass
+    os._exit(126)
+
+
 # -- the zygote --------------------------------------------------------------------------------
 
 
@@ -361,14 +385,14 @@ class Zygote:
         hooks = {field: ctypes.cast(getattr(ctypes.pythonapi, name), ctypes.c_void_p).value
                  for field, name in _FORK_HOOKS}
         loop = _NativeLoop(chan_in=CHAN_IN, chan_out=CHAN_OUT, statm_fd=self.statm_fd, workdir_fd=self.workdir_fd,
-                           ndirs=len(self.dirs), uid=self.uid, gid=self.gid, **hooks)
+                           devnull_fd=DEVNULL, ruleset_fd=_RULESET, ndirs=len(self.dirs), uid=self.uid, gid=self.gid,
+                           **hooks)
         for i, (_, fd) in enumerate(self.dirs):
             loop.dir_fds[i] = fd
         while True:
             rc = serve(ctypes.byref(loop))
             if rc == 1:
-                _child(self.uid, self.gid, loop.body_fd, loop.body_len, loop.out_fd, loop.err_fd, loop.cpu,
-                       loop.memory, loop.vsz)
+                _native_child(loop)
             elif rc == 2:  # a call wrote to a wiped directory
                 self.cleanup()
             elif rc == 0:
@@ -528,12 +552,13 @@ class _NativeLoop(ctypes.Structure):
     """``struct dsec_zygote`` of ``dsec/native/zygote.c``."""
 
     _fields_ = [("chan_in", ctypes.c_int), ("chan_out", ctypes.c_int), ("statm_fd", ctypes.c_int),
-                ("workdir_fd", ctypes.c_int), ("ndirs", ctypes.c_int), ("dir_fds", ctypes.c_int * 8),
+                ("workdir_fd", ctypes.c_int), ("devnull_fd", ctypes.c_int), ("ruleset_fd", ctypes.c_int),
+                ("ndirs", ctypes.c_int), ("dir_fds", ctypes.c_int * 8),
                 ("uid", ctypes.c_uint), ("gid", ctypes.c_uint), ("before_fork", ctypes.c_void_p),
                 ("after_fork_parent", ctypes.c_void_p), ("after_fork_child", ctypes.c_void_p),
-                ("body_fd", ctypes.c_int), ("out_fd", ctypes.c_int), ("err_fd", ctypes.c_int),
-                ("body_len", ctypes.c_uint), ("cpu", ctypes.c_uint), ("memory", ctypes.c_ulonglong),
-                ("vsz", ctypes.c_ulonglong), ("error", ctypes.c_char * 512)]
+                ("code", ctypes.c_void_p), ("env", ctypes.c_void_p), ("code_len", ctypes.c_uint),
+                ("env_len", ctypes.c_uint), ("memory", ctypes.c_ulonglong), ("vsz", ctypes.c_ulonglong),
+                ("error", ctypes.c_char * 512)]
 
 
 # What os.fork calls around fork(2): at-fork hooks (os.register_at_fork), the import lock, and
@@ -682,6 +707,8 @@ def _warm_up():
         sys.stderr = saved
     body = _BODY.pack(0, 1, 4, 1, 1) + b"x" + b"A=b\0" + b"y" + _FILE.pack(1, 1) + b"zw"
     _parse_body(memoryview(body))
+    env = ctypes.create_string_buffer(b"A=b\0")
+    _parse_env(ctypes.string_at(ctypes.addressof(env), 4))  # what a child of the C loop does
     _parse_header(memoryview(_HEADER.pack(1.0, 1, 1, 1, 1, 1) + _U16.pack(1) + _U16.pack(1) + b"f"))
 
 

@@ -4,7 +4,9 @@
  * which reads requests from the channel, forks a child for each, waits for it and answers, and
  * returns only when Python has something to do:
  *    0  EOF on the channel: the zygote ends
- *    1  in a call's child (after PyOS_AfterFork_Child): z's call fields describe the call
+ *    1  in a Python call's child, ready to run the code (z->code, z->env): the child has done
+ *       all else here (session, stdio, Landlock, limits, uid, working directory, input files;
+ *       see prepare_call); a bash call's child execs bash from here and never returns
  *    2  a call wrote to one of the wiped directories: the zygote wipes them and calls again
  *   -1  a broken request or a failed system call: z->error says which; the zygote ends
  * Why C: after each fork every page the parent writes costs it a copy-on-write fault (about
@@ -27,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/sendfile.h>
 #include <sys/stat.h>
@@ -56,18 +59,27 @@
 #endif
 #define RESOLVE_NO_MAGICLINKS 0x02
 #define RESOLVE_BENEATH 0x08
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+#ifndef SYS_landlock_restrict_self
+#define SYS_landlock_restrict_self 446
+#endif
+#define BODY_FIXED 17 /* !BIIiI */
+#define WORKDIR "/work"
 
 struct dsec_zygote { /* zygote.py's _NativeLoop mirrors this */
     /* set by the zygote */
-    int chan_in, chan_out, statm_fd, workdir_fd;
+    int chan_in, chan_out, statm_fd, workdir_fd, devnull_fd, ruleset_fd;
     int ndirs, dir_fds[MAX_DIRS];
     unsigned int uid, gid;
     void (*before_fork)(void);
     void (*after_fork_parent)(void);
     void (*after_fork_child)(void);
-    /* the call, for the child (return 1) */
-    int body_fd, out_fd, err_fd;
-    unsigned int body_len, cpu;
+    /* the call, for the child (return 1): its code and added environment (NAME=VALUE\0...),
+     * in a private mapping; RLIMIT_AS, vsz + memory, is left for Python to set */
+    const char *code, *env;
+    unsigned int code_len, env_len;
     unsigned long long memory, vsz;
     /* why -1 */
     char error[512];
@@ -412,6 +424,139 @@ static int same_state(const struct dir_state *a, const struct dir_state *b) {
            a->ctime.tv_sec == b->ctime.tv_sec && a->ctime.tv_nsec == b->ctime.tv_nsec;
 }
 
+/* -- the call's child ---------------------------------------------------------------------- */
+
+_Noreturn static void cannot_start(const char *what, const char *detail, int err) {
+    char msg[1024];
+    int n = snprintf(msg, sizeof msg, "fncall: the call could not start: %s%s%s: [Errno %d] %s\n", what,
+                     detail ? " " : "", detail ? detail : "", err, strerror(err));
+    if (n > 0) write_all(2, (const unsigned char *)msg, (size_t)n < sizeof msg ? (size_t)n : sizeof msg - 1);
+    _exit(126);
+}
+
+static void check(int rc, const char *what) {
+    if (rc < 0) cannot_start(what, NULL, errno);
+}
+
+static void set_limit(int resource, rlim_t soft, rlim_t hard, const char *what) {
+    struct rlimit limit = {soft, hard};
+    check(setrlimit(resource, &limit), what);
+}
+
+static void write_input(const char *path, const unsigned char *data, uint32_t len) {
+    static char dir[65536 + 1];
+    size_t n = strlen(path);
+    memcpy(dir, path, n + 1);
+    for (char *slash = strchr(dir, '/'); slash; slash = strchr(slash + 1, '/')) { /* os.makedirs */
+        *slash = 0;
+        if (mkdir(dir, 0777) < 0 && errno != EEXIST) cannot_start("cannot create", dir, errno);
+        *slash = '/';
+    }
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+    if (fd < 0) cannot_start("cannot create", path, errno);
+    if (write_all(fd, data, len) < 0) cannot_start("cannot write", path, errno);
+    close(fd);
+}
+
+/* What the call's process does before its code runs, in this order: a session of its own; stdin
+ * (a memfd with the call's input, or /dev/null), stdout and stderr; the Landlock ruleset;
+ * nothing of the zygote's left open; first to die under memory pressure; RLIMIT_CPU; the call's
+ * uid and gid (dumpable again, or its own /proc entries are hidden from it); /work; the input
+ * files. Any failure ends the child with 126 and a line on its stderr. */
+static void prepare_call(struct dsec_zygote *z, const struct call *c, int body_fd, uint32_t body_len, int out_fd,
+                         int err_fd, int *language) {
+    check(setsid(), "setsid");
+    if (body_len < BODY_FIXED) cannot_start("a short request body", NULL, EINVAL);
+    const unsigned char *body = mmap(NULL, body_len, PROT_READ, MAP_PRIVATE, body_fd, 0);
+    if (body == MAP_FAILED) cannot_start("mmap", NULL, errno);
+    *language = body[0];
+    uint32_t code_len = get32(body + 1), env_len = get32(body + 5), stdin_len = get32(body + 9);
+    uint32_t nfiles = get32(body + 13);
+    uint64_t pos = BODY_FIXED + (uint64_t)code_len + env_len;
+    int has_stdin = stdin_len != 0xffffffffu;
+    if (pos + (has_stdin ? stdin_len : 0) > body_len) cannot_start("a broken request body", NULL, EINVAL);
+    if (has_stdin) {
+        int stdin_fd = (int)syscall(SYS_memfd_create, "stdin", 0);
+        if (stdin_fd < 0) cannot_start("memfd_create", NULL, errno);
+        if (write_all(stdin_fd, body + pos, stdin_len) < 0) cannot_start("stdin", NULL, errno);
+        check((int)lseek(stdin_fd, 0, SEEK_SET), "lseek");
+        check(dup2(stdin_fd, 0), "dup2");
+        pos += stdin_len;
+    } else {
+        check(dup2(z->devnull_fd, 0), "dup2");
+    }
+    check(dup2(out_fd, 1), "dup2");
+    check(dup2(err_fd, 2), "dup2");
+    if (z->ruleset_fd >= 0 && syscall(SYS_landlock_restrict_self, z->ruleset_fd, 1) < 0) { /* 1: LOG_SAME_EXEC_OFF */
+        if (errno != EINVAL || syscall(SYS_landlock_restrict_self, z->ruleset_fd, 0) < 0) /* EINVAL: ABI < 7 */
+            cannot_start("landlock_restrict_self", NULL, errno);
+    }
+    /* Nothing of the zygote's stays open in the call: not the channel, not a memfd. */
+    check((int)syscall(SYS_close_range, 3, ~0U, 0), "close_range");
+    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (oom < 0 || write(oom, "1000", 4) != 4) cannot_start("oom_score_adj", NULL, errno);
+    close(oom);
+    set_limit(RLIMIT_CPU, c->cpu, (rlim_t)c->cpu + 1, "RLIMIT_CPU");
+    check(setgid(z->gid), "setgid");
+    check(setuid(z->uid), "setuid");
+    check(prctl(PR_SET_DUMPABLE, 1, 0, 0, 0), "prctl");
+    check(chdir(WORKDIR), "chdir");
+    for (uint32_t i = 0; i < nfiles; i++) {
+        if (pos + 6 > body_len) cannot_start("a broken request body", NULL, EINVAL);
+        uint16_t path_len = get16(body + pos);
+        uint32_t data_len = get32(body + pos + 2);
+        pos += 6;
+        if (pos + path_len + (uint64_t)data_len > body_len) cannot_start("a broken request body", NULL, EINVAL);
+        static char path[65536 + 1];
+        memcpy(path, body + pos, path_len);
+        path[path_len] = 0;
+        if (strlen(path) != path_len) cannot_start("a file name with NUL", NULL, EINVAL);
+        write_input(path, body + pos + path_len, data_len);
+        pos += path_len + (uint64_t)data_len;
+    }
+    /* Keep the code and environment only (the body may be large, and counts against RLIMIT_AS). */
+    size_t keep = code_len + (size_t)env_len;
+    char *kept = mmap(NULL, keep + 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (kept == MAP_FAILED) cannot_start("mmap", NULL, errno);
+    memcpy(kept, body + BODY_FIXED, keep);
+    munmap((void *)body, body_len);
+    z->code = kept, z->code_len = code_len;
+    z->env = kept + code_len, z->env_len = env_len;
+}
+
+/* bash -c CODE, with the zygote's environment plus the call's additions. */
+_Noreturn static void exec_bash(struct dsec_zygote *z) {
+    extern char **environ;
+    size_t n = 0, added = 0;
+    while (environ[n]) n++;
+    for (unsigned i = 0; i < z->env_len; i++) added += z->env[i] == 0;
+    char **envp = mmap(NULL, (n + added + 1) * sizeof *envp, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    char *code = mmap(NULL, z->code_len + 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (envp == MAP_FAILED || code == MAP_FAILED) cannot_start("mmap", NULL, errno);
+    memcpy(code, z->code, z->code_len);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) envp[m++] = environ[i];
+    for (const char *item = z->env; item < z->env + z->env_len; item += strlen(item) + 1) {
+        if (!*item) continue;
+        const char *eq = strchr(item, '=');
+        size_t name_len = eq ? (size_t)(eq - item) : strlen(item);
+        size_t j = 0;
+        for (; j < n; j++) /* an addition replaces the zygote's own variable of that name */
+            if (strncmp(envp[j], item, name_len) == 0 && envp[j][name_len] == '=') break;
+        if (j < n)
+            envp[j] = (char *)item;
+        else
+            envp[m++] = (char *)item;
+    }
+    envp[m] = NULL;
+    set_limit(RLIMIT_AS, z->memory, z->memory, "RLIMIT_AS");
+    signal(SIGPIPE, SIG_DFL);
+    signal(SIGXFSZ, SIG_DFL);
+    char *argv[] = {"bash", "-c", code, NULL};
+    execve("/bin/bash", argv, envp);
+    cannot_start("execve", "/bin/bash", errno);
+}
+
 /* One call; 1 in the child, 0 done, -1 failed. */
 static int serve_one(struct dsec_zygote *z, const struct call *c, uint32_t body_len) {
     int body_fd = (int)syscall(SYS_memfd_create, "body", MFD_CLOEXEC);
@@ -440,8 +585,11 @@ static int serve_one(struct dsec_zygote *z, const struct call *c, uint32_t body_
     int fork_errno = errno;
     if (pid == 0) {
         z->after_fork_child();
-        z->body_fd = body_fd, z->body_len = body_len, z->out_fd = out_fd, z->err_fd = err_fd;
-        z->cpu = c->cpu, z->memory = c->memory, z->vsz = pages * (unsigned long long)sysconf(_SC_PAGESIZE);
+        int language;
+        z->memory = c->memory, z->vsz = pages * (unsigned long long)sysconf(_SC_PAGESIZE);
+        prepare_call(z, c, body_fd, body_len, out_fd, err_fd, &language);
+        if (language == 1) exec_bash(z);
+        if (language != 0) cannot_start("a request for another language", NULL, EINVAL);
         return 1;
     }
     z->after_fork_parent();
