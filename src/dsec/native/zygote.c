@@ -391,8 +391,8 @@ static int send_result(struct dsec_zygote *z, const struct call *c, int status, 
         answer[0] = 'A';
         put32(answer + 1, (uint32_t)(p - answer - 5));
         answer_len = (size_t)(p - answer);
-        if (write_all(z->chan_out, answer, (size_t)(p - answer)) < 0 || sendfile_all(z->chan_out, out_fd, out_sent) < 0 ||
-            sendfile_all(z->chan_out, err_fd, err_sent) < 0)
+        if (write_all(z->chan_out, answer, (size_t)(p - answer)) < 0 ||
+            sendfile_all(z->chan_out, out_fd, out_sent) < 0 || sendfile_all(z->chan_out, err_fd, err_sent) < 0)
             rc = fail(z, "cannot answer: %s", strerror(errno));
         for (unsigned i = 0; rc == 0 && i < c->nfetch; i++)
             if (fetched[i].size > 0 && sendfile_all(z->chan_out, fetched[i].fd, (uint64_t)fetched[i].size) < 0)
@@ -530,7 +530,8 @@ _Noreturn static void exec_bash(struct dsec_zygote *z) {
     size_t n = 0, added = 0;
     while (environ[n]) n++;
     for (unsigned i = 0; i < z->env_len; i++) added += z->env[i] == 0;
-    char **envp = mmap(NULL, (n + added + 1) * sizeof *envp, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    char **envp =
+        mmap(NULL, (n + added + 1) * sizeof *envp, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     char *code = mmap(NULL, z->code_len + 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (envp == MAP_FAILED || code == MAP_FAILED) cannot_start("mmap", NULL, errno);
     memcpy(code, z->code, z->code_len);
