@@ -138,6 +138,17 @@ async def test_input_files_that_cannot_be_written(pool):
     assert "a" in r.stderr
 
 
+async def test_output_of_every_size_arrives_whole(pool):
+    """Output up to 16 KiB travels in the answer's own write (C loop), more with sendfile; both
+    arrive whole, and cut at max_output_bytes."""
+    for n in (0, 1, 16383, 16384 - 7, 16384, 16385, 100 << 10):
+        r = await pool.call(DSecFnCallArgs(code=f"import sys\nsys.stdout.write('a' * {n})\nsys.stderr.write('b' * 7)"))
+        assert (r.stdout, r.stderr, r.stdout_bytes) == ("a" * n, "b" * 7, n), n
+    r = await run(pool, "import sys\nsys.stdout.write('a' * 20000)\nsys.stderr.write('b' * 20000)",
+                  max_output_bytes=9000)
+    assert (r.stdout, r.stderr, r.stdout_truncated, r.stderr_bytes) == ("a" * 9000, "b" * 9000, True, 20000)
+
+
 async def test_huge_output(pool):
     r = await run(pool, "import sys\nsys.stdout.write('x' * (100 << 20))", max_output_bytes=1000)
     assert r.stdout == "x" * 1000 and r.stdout_truncated and r.stdout_bytes > 1000

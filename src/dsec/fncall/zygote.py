@@ -16,7 +16,8 @@ Clean state: a child is a copy of the zygote, which never runs call code, so no 
 earlier call exists in it. The zygote never holds call data in its own heap either, so a child
 cannot dig an earlier call's code, input or output out of freed memory: the request body is
 spliced from the channel into a memfd that only the child reads, and output and fetched files go
-back with sendfile(2). Only the small request header (limits, names of files to fetch) is parsed
+back with sendfile(2) (the C loop copies output of up to 16 KiB into the answer's own write, and
+wipes it before the next fork). Only the small request header (limits, names of files to fetch) is parsed
 here. The zygote is the subreaper of every process a call starts: once the child is reaped,
 any process still there is found with one waitpid, killed with kill(-1) (atomic against fork,
 so a fork bomb cannot outrun it) and reaped. The writable mounts are wiped when a stat of their

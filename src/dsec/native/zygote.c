@@ -46,7 +46,10 @@
 #define MAX_FETCH 4096
 #define HEADER_FIXED 44 /* !dQIQQQ */
 #define RESULT_FIXED 43 /* !i?ddQQQQH */
-#define ANSWER_MAX (MAX_HEADER + MAX_FETCH * 96 + 64)
+#define REASON_MAX 96
+#define INLINE_MAX (16 << 10) /* stdout and stderr up to this go in the answer's own write */
+/* the frame, the result, per fetched file its !HqH and reason (paths: at most the header) */
+#define ANSWER_MAX (5 + RESULT_FIXED + MAX_HEADER + MAX_FETCH * (12 + REASON_MAX) + INLINE_MAX)
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -90,10 +93,10 @@ struct fetched {
     uint16_t path_len;
     int fd;
     int64_t size; /* -1: not sent, reason says why */
-    char reason[96];
+    char reason[REASON_MAX];
 };
 
-/* A call's header and answer; wiped after the call (see forget()). */
+/* A call's header and answer (with its output, when small); wiped after the call (forget()). */
 static unsigned char header[MAX_HEADER];
 static unsigned char answer[ANSWER_MAX];
 static size_t answer_len;
@@ -182,6 +185,20 @@ static int splice_all(int src, int dst, size_t n) {
         }
         n -= (size_t)moved;
     }
+    return 0;
+}
+
+/* n bytes of src from its start into buf; zeros past its end (the file shrank). */
+static int pread_all(int src, unsigned char *buf, uint64_t n) {
+    uint64_t got = 0;
+    while (got < n) {
+        ssize_t r = pread(src, buf + got, n - got, (off_t)got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return -1;
+        if (r == 0) break;
+        got += (uint64_t)r;
+    }
+    memset(buf + got, 0, n - got);
     return 0;
 }
 
@@ -390,9 +407,18 @@ static int send_result(struct dsec_zygote *z, const struct call *c, int status, 
         }
         answer[0] = 'A';
         put32(answer + 1, (uint32_t)(p - answer - 5));
+        /* Small output goes in the same write as the result: one wake-up of the edge's reader,
+         * not three. It is wiped from the buffer before the next fork, like the rest. */
+        int inline_output = out_sent + err_sent <= INLINE_MAX;
+        if (inline_output) {
+            if (pread_all(out_fd, p, out_sent) < 0 || pread_all(err_fd, p + out_sent, err_sent) < 0)
+                rc = fail(z, "cannot read the call's output: %s", strerror(errno));
+            p += out_sent + err_sent;
+        }
         answer_len = (size_t)(p - answer);
-        if (write_all(z->chan_out, answer, (size_t)(p - answer)) < 0 ||
-            sendfile_all(z->chan_out, out_fd, out_sent) < 0 || sendfile_all(z->chan_out, err_fd, err_sent) < 0)
+        if (rc == 0 && (write_all(z->chan_out, answer, answer_len) < 0 ||
+                        (!inline_output && (sendfile_all(z->chan_out, out_fd, out_sent) < 0 ||
+                                            sendfile_all(z->chan_out, err_fd, err_sent) < 0))))
             rc = fail(z, "cannot answer: %s", strerror(errno));
         for (unsigned i = 0; rc == 0 && i < c->nfetch; i++)
             if (fetched[i].size > 0 && sendfile_all(z->chan_out, fetched[i].fd, (uint64_t)fetched[i].size) < 0)
