@@ -13,8 +13,8 @@
  * 2 us on a virtual machine); a Python loop writes ~100 pages a call (objects, refcounts,
  * frames), this loop a handful (its stack and buffers).
  *
- * The wire protocol, the answer and every check are those of zygote.py (Zygote.serve and what
- * it calls), which remains the loop where this library cannot be loaded (another libc).
+ * The wire protocol, the answer and every check are those of zygote.py (Zygote.serve, _child
+ * and what they call), which remain the loop where this library cannot be loaded (another libc).
  * Only libc symbols every glibc has had since 2.17 are used; newer system calls go through
  * syscall(2). It links to no Python symbol: the fork hooks come as function pointers.
  */
