@@ -131,6 +131,14 @@ async def test_fetching_through_symlinks(pool):
                              "up": "a symbolic link", "final": "a symbolic link"}, r.file_errors
 
 
+async def test_code_with_a_nul_byte(pool):
+    """Neither language runs code cut short at a NUL byte."""
+    r = await run(pool, "echo a\0echo b", language="bash")
+    assert (r.exit_code, r.stdout) == (126, "") and "could not start" in r.stderr, r
+    r = await run(pool, "print('a')\0print('b')")
+    assert (r.exit_code, r.stdout) == (1, "") and "null bytes" in r.stderr, r
+
+
 async def test_input_files_that_cannot_be_written(pool):
     """"a" is a file, so "a/b" cannot be made: the call does not start (126, and why)."""
     r = await run(pool, "print(1)", files={"a": "x", "a/b": "y"})

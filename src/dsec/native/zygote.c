@@ -560,6 +560,7 @@ _Noreturn static void exec_bash(struct dsec_zygote *z) {
         mmap(NULL, (n + added + 1) * sizeof *envp, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     char *code = mmap(NULL, z->code_len + 1, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (envp == MAP_FAILED || code == MAP_FAILED) cannot_start("mmap", NULL, errno);
+    if (memchr(z->code, 0, z->code_len)) cannot_start("bash code with a NUL byte", NULL, EINVAL);
     memcpy(code, z->code, z->code_len);
     size_t m = 0;
     for (size_t i = 0; i < n; i++) envp[m++] = environ[i];
