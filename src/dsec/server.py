@@ -81,6 +81,7 @@ def prepare_host() -> list[str]:
         raise BackendError(f"{CRUN} not found: run `make demo` or install crun")
     try:
         native.binary("init")
+        native.library("zygote")  # the FnCall zygotes' per-call loop
     except native.NativeBuildError as exc:
         raise BackendError(str(exc)) from None
     # One socket (the init channel) per sandbox, and pipes per running command: thousands.

@@ -14,7 +14,9 @@ from conftest import make_state_dir
 @pytest.fixture
 async def make_pool(tmp_path_factory, test_store, python_image):
     """``await make_pool(**FnCallConfig overrides)`` → a started pool (one worker by default,
-    so consecutive calls share it); all are closed and checked for leftovers at the end."""
+    so consecutive calls share it); all are closed and checked for leftovers at the end.
+    ``loop="python"``: the zygotes serve with their Python loop instead of the C one;
+    ``loop_library``: the path the zygotes are given to load the C loop from."""
     from dsec._sys import set_child_subreaper
     from dsec.backends.container import ContainerBackend
     from dsec.fncall import FnCallConfig, FnCallPool
@@ -28,10 +30,13 @@ async def make_pool(tmp_path_factory, test_store, python_image):
     store = LayerStore(test_store)
     made = []
 
-    async def make(**overrides) -> FnCallPool:
+    async def make(loop: str = "native", loop_library=None, **overrides) -> FnCallPool:
         config = FnCallConfig(**{"workers_min": 1, "workers_max": 1, **overrides})
         container = ContainerBackend(state / "node", store, cgroup_parent=cgroups.parent_for(state))
-        pool = FnCallPool(FnCallBackend.beside(container, tmpfs_mb=config.tmpfs_mb), store, config)
+        backend = FnCallBackend.beside(container, tmpfs_mb=config.tmpfs_mb, native_loop=loop == "native")
+        if loop_library is not None:
+            backend.loop_library = loop_library
+        pool = FnCallPool(backend, store, config)
         made.append((pool, container))
         await pool.start()
         return pool

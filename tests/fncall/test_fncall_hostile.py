@@ -24,9 +24,13 @@ async def run(pool, code: str, **kw) -> libdsec.FnCallResult:
     return result
 
 
-@pytest.fixture
-async def pool(make_pool):
-    return await make_pool(max_file_bytes=8 << 20)
+@pytest.fixture(params=["native", "python"])
+async def pool(make_pool, request):
+    """A pool whose zygote serves with the C loop, or with the Python one (its fallback)."""
+    pool = await make_pool(max_file_bytes=8 << 20, loop=request.param)
+    assert (await pool.call(DSecFnCallArgs(code="pass"))).ok
+    assert pool.workers()[0].loop == request.param
+    return pool
 
 
 async def test_syntax_error(pool):
@@ -125,6 +129,32 @@ async def test_fetching_through_symlinks(pool):
     assert r.files == {"dir/f": b"in\n"}, r
     assert r.file_errors == {"etc/passwd": "outside the working directory", "me/environ": "outside the working directory",
                              "up": "a symbolic link", "final": "a symbolic link"}, r.file_errors
+
+
+async def test_code_with_a_nul_byte(pool):
+    """Neither language runs code cut short at a NUL byte."""
+    r = await run(pool, "echo a\0echo b", language="bash")
+    assert (r.exit_code, r.stdout) == (126, "") and "could not start" in r.stderr, r
+    r = await run(pool, "print('a')\0print('b')")
+    assert (r.exit_code, r.stdout) == (1, "") and "null bytes" in r.stderr, r
+
+
+async def test_input_files_that_cannot_be_written(pool):
+    """"a" is a file, so "a/b" cannot be made: the call does not start (126, and why)."""
+    r = await run(pool, "print(1)", files={"a": "x", "a/b": "y"})
+    assert (r.exit_code, r.stdout) == (126, "") and "fncall: the call could not start" in r.stderr, r
+    assert "a" in r.stderr
+
+
+async def test_output_of_every_size_arrives_whole(pool):
+    """Output up to 16 KiB travels in the answer's own write (C loop), more with sendfile; both
+    arrive whole, and cut at max_output_bytes."""
+    for n in (0, 1, 16383, 16384 - 7, 16384, 16385, 100 << 10):
+        r = await pool.call(DSecFnCallArgs(code=f"import sys\nsys.stdout.write('a' * {n})\nsys.stderr.write('b' * 7)"))
+        assert (r.stdout, r.stderr, r.stdout_bytes) == ("a" * n, "b" * 7, n), n
+    r = await run(pool, "import sys\nsys.stdout.write('a' * 20000)\nsys.stderr.write('b' * 20000)",
+                  max_output_bytes=9000)
+    assert (r.stdout, r.stderr, r.stdout_truncated, r.stderr_bytes) == ("a" * 9000, "b" * 9000, True, 20000)
 
 
 async def test_huge_output(pool):

@@ -21,8 +21,12 @@ def call(code: str, **kw) -> DSecFnCallArgs:
     return DSecFnCallArgs(code=code, **kw)
 
 
-async def test_python_and_bash(make_pool):
-    pool = await make_pool()
+LOOPS = pytest.mark.parametrize("loop", ["native", "python"])  # the zygote's C loop, and its fallback
+
+
+@LOOPS
+async def test_python_and_bash(make_pool, loop):
+    pool = await make_pool(loop=loop)
     r = await pool.call(call("import os, sys\nprint(sum(range(1000)), os.getcwd(), os.environ['HOME'], sys.argv, "
                              "__name__)\nprint('warn', file=sys.stderr)\nsys.exit(3)"))
     assert (r.exit_code, r.stdout, r.stderr) == (3, "499500 /work /work ['-c'] __main__\n", "warn\n")
@@ -41,6 +45,8 @@ async def test_python_and_bash(make_pool):
                                      "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}.items())) + "\n"
     env = await pool.call(call("env | sort", language="bash", env={"X": "1"}))
     assert "X=1\nHOME=/work" not in env.stdout and "X=1\n" in env.stdout and "PYTHON" not in env.stdout
+    env = await pool.call(call("env", language="bash", env={"HOME": "/tmp", "Y": "2=3"}))
+    assert "HOME=/tmp\n" in env.stdout and "HOME=/work" not in env.stdout and "Y=2=3\n" in env.stdout
 
 
 async def test_python_errors_look_like_python3_c(make_pool):
@@ -55,9 +61,10 @@ async def test_python_errors_look_like_python3_c(make_pool):
     assert (r.exit_code, r.stderr) == (1, "hooked\n")
 
 
-async def test_every_call_starts_clean(make_pool):
+@LOOPS
+async def test_every_call_starts_clean(make_pool, loop):
     """One worker serves both calls: the second sees nothing the first left."""
-    pool = await make_pool()
+    pool = await make_pool(loop=loop)
     first = await pool.call(call(
         "import os, subprocess, sys\n"
         "leftover = 42\n"
@@ -85,14 +92,17 @@ async def test_every_call_starts_clean(make_pool):
     assert pool.stats["workers_started"] == 1  # the same worker served both
 
 
-async def test_no_memory_of_an_earlier_call(make_pool):
+@LOOPS
+async def test_no_memory_of_an_earlier_call(make_pool, loop):
     """A child is a copy of the zygote: the zygote must hold nothing of a call, not even in freed
-    memory, or the next call could read the last one's code, input or output there."""
-    pool = await make_pool()
+    memory, or the next call could read the last one's code, input or output there (nor the
+    names of the files it fetched)."""
+    pool = await make_pool(loop=loop)
     secret = "DSEC-SECRET-" + os.urandom(8).hex()
     r = await pool.call(call(f"s = {secret!r}\nprint(s + input())\nopen('f', 'w').write(s)", stdin=secret,
-                             files={"in.txt": secret}, fetch_files=["f"], env={"S": secret}))
+                             files={"in.txt": secret}, fetch_files=["f", f"{secret}.txt"], env={"S": secret}))
     assert r.stdout == secret * 2 + "\n" and r.files == {"f": secret.encode()}
+    assert r.file_errors == {f"{secret}.txt": "no such file"}
     scan = (
         "import os, re\n"
         "mine = 'DSEC-SECRET-' + os.urandom(8).hex()  # a control: the scan must find this one\n"
@@ -236,3 +246,23 @@ async def test_an_image_without_python(make_pool):
             await pool.call(call("echo hi", language="bash", image="busybox"))
     with pytest.raises(libdsec.ImageNotFound):
         await pool.call(call("print(1)", image="no-such-image"))
+
+
+async def test_the_c_loop_serves_and_the_python_loop_stands_in(make_pool, tmp_path, caplog):
+    """The zygote serves with its C loop; where that cannot be loaded (say, an image whose libc
+    is not glibc) its Python loop serves instead, and the worker's log says why."""
+    pool = await make_pool()
+    assert (await pool.call(call("print(1)"))).stdout == "1\n"
+    assert pool.workers()[0].loop == "native"
+    not_a_library = tmp_path / "not-a-library.so"
+    not_a_library.write_bytes(b"\x7fELF, not really")
+    caplog.set_level("WARNING", logger="dsec.fncall")
+    pool = await make_pool(loop_library=not_a_library)
+    r = await pool.call(call("import os\nprint(os.getuid() != 0)", fetch_files=["x"]))
+    assert (r.stdout, r.file_errors) == ("True\n", {"x": "no such file"})
+    assert pool.workers()[0].loop == "python"
+    for _ in range(50):  # the zygote's log is read by a task of its own
+        if "the Python loop serves: cannot load /dev/.dsec-zygote.so" in caplog.text:
+            break
+        await asyncio.sleep(0.05)
+    assert "the Python loop serves: cannot load /dev/.dsec-zygote.so" in caplog.text

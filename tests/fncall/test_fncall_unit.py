@@ -4,11 +4,13 @@ models, the SDK over a mock transport, and the routes over a fake edge."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
 
 import libdsec
+from dsec import native
 from dsec.apiserver.app import Cluster, create_app
 from dsec.fncall import zygote
 from dsec.fncall.pool import FnCallConfig, FnCallPool, _workdir_path
@@ -106,6 +108,24 @@ def test_request_frame_is_what_the_zygote_reads():
 
 def test_zygote_refuses_to_run_outside_a_sandbox():
     assert zygote._inside_a_sandbox() is False  # pid 1 here is not the sandbox init
+
+
+def test_the_c_loop_is_built_once_and_fits_the_zygote(tmp_path):
+    """The zygote's C loop: a shared library, built once per source, that the zygote's ctypes
+    can load, whose struct is the one ``_NativeLoop`` describes, and that needs no glibc symbol
+    newer than 2.17 (it is loaded by the image's python3, not the host's)."""
+    library = native.library("zygote", tmp_path)
+    assert library.name.startswith("dsec-zygote-") and library.suffix == ".so"
+    inode = library.stat().st_ino
+    assert native.library("zygote", tmp_path) == library and library.stat().st_ino == inode
+    assert zygote._load_loop(str(library)) is not None
+    versions = {tuple(map(int, v)) for v in re.findall(rb"GLIBC_(\d+)\.(\d+)", library.read_bytes())}
+    assert versions and max(versions) <= (2, 17), versions
+    source = (native.SOURCES / "zygote.c").read_text()
+    struct = source[source.index("struct dsec_zygote {"):source.index("};", source.index("struct dsec_zygote {"))]
+    struct = re.sub(r"\(\*(\w+)\)\(void\)", r"\1", re.sub(r"/\*.*?\*/", "", struct, flags=re.S))  # no comments
+    fields = re.findall(r"\b(\w+)(?:\[\w+\])?[,;]", struct)
+    assert fields == [name for name, _ in zygote._NativeLoop._fields_]
 
 
 # -- wire models -------------------------------------------------------------------------------

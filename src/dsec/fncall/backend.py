@@ -5,8 +5,9 @@ seccomp, no_new_privs, an empty network namespace, its own cgroup) whose root fi
 read-only; the only places a call can write are two small tmpfs mounts, ``/work`` (the call's
 working directory) and ``/tmp``, plus ``/dev/shm`` from the base sandbox, all of which the
 zygote wipes after a call that wrote there. SysV IPC and POSIX message queues, which would
-outlive a call, are switched off with the IPC namespace's sysctls. The zygote script is
-bind-mounted read-only.
+outlive a call, are switched off with the IPC namespace's sysctls. The zygote script and its
+per-call loop in C (``dsec/native/zygote.c``, built as a shared library) are bind-mounted
+read-only.
 
 Workers share the edge's node directory, crun root and cgroup parent with ordinary container
 sandboxes, so an edge that restarts removes the remains of old workers with the rest.
@@ -18,6 +19,7 @@ import errno
 import os
 from pathlib import Path
 
+from .. import native
 from ..backends.base import SandboxSpec
 from ..backends.container import ContainerBackend
 from ..images.compose import OverlayPlan
@@ -29,6 +31,7 @@ ZYGOTE_SOURCE = Path(__file__).with_name("zygote.py")
 ZYGOTE_PATH = "/dev/.dsec-zygote.py"
 BOOT_SOURCE = Path(__file__).with_name("zygote_boot.py")
 BOOT_PATH = "/dev/.dsec-zygote-boot.py"
+LOOP_PATH = "/dev/.dsec-zygote.so"
 WORKDIR = "/work"
 IPC_OFF = {"kernel.shmmni": "0", "kernel.msgmni": "0", "kernel.sem": "0 0 0 0", "fs.mqueue.queues_max": "0"}
 
@@ -39,15 +42,18 @@ class FnCallBackend(ContainerBackend):
     kind = "fncall"
 
     def __init__(self, node_dir: Path, store: LayerStore, layer_mounts: LayerMounts | None = None,
-                 cgroup_parent: str = cgroups.DEFAULT_PARENT, tmpfs_mb: int = 256) -> None:
+                 cgroup_parent: str = cgroups.DEFAULT_PARENT, tmpfs_mb: int = 256, native_loop: bool = True) -> None:
+        """``native_loop=False``: the zygotes serve with their Python loop (which they also fall
+        back to where the C loop cannot be loaded)."""
         super().__init__(node_dir, store, layer_mounts=layer_mounts, cgroup_parent=cgroup_parent)
         self.tmpfs_mb = tmpfs_mb
+        self.loop_library = native.library("zygote") if native_loop else None
 
     @classmethod
-    def beside(cls, backend: ContainerBackend, tmpfs_mb: int = 256) -> FnCallBackend:
+    def beside(cls, backend: ContainerBackend, tmpfs_mb: int = 256, native_loop: bool = True) -> FnCallBackend:
         """A worker backend sharing ``backend``'s node dir, layer mounts and cgroup parent."""
         return cls(backend.node_dir, backend.store, layer_mounts=backend.layer_mounts,
-                   cgroup_parent=backend.cgroup_parent, tmpfs_mb=tmpfs_mb)
+                   cgroup_parent=backend.cgroup_parent, tmpfs_mb=tmpfs_mb, native_loop=native_loop)
 
     def _config(self, cid: str, plan: OverlayPlan, spec: SandboxSpec) -> dict:
         config = super()._config(cid, plan, spec)
@@ -66,6 +72,9 @@ class FnCallBackend(ContainerBackend):
             {"destination": BOOT_PATH, "type": "bind", "source": str(BOOT_SOURCE),
              "options": ["bind", "ro", "nosuid", "nodev"]},
         ]
+        if self.loop_library is not None:
+            config["mounts"].append({"destination": LOOP_PATH, "type": "bind", "source": str(self.loop_library),
+                                     "options": ["bind", "ro", "nosuid", "nodev"]})
         return config
 
     def zygote_argv(self, cid: str, uid: int, gid: int, env: dict[str, str], preload: tuple[str, ...],
@@ -77,7 +86,7 @@ class FnCallBackend(ContainerBackend):
         for k, v in env.items():
             argv += ["--env", f"{k}={v}"]
         argv += [cid, "python3", "-I", BOOT_PATH, ZYGOTE_PATH, str(uid), str(gid), str(nproc), str(fsize),
-                 str(nofile), ",".join(preload)]
+                 str(nofile), ",".join(preload), LOOP_PATH if self.loop_library is not None else ""]
         return self._crun(*argv)
 
 

@@ -142,6 +142,7 @@ class Worker:
         self.calls = 0
         self.failed: str | None = None
         self.python = ""
+        self.loop = ""  # the zygote's per-call loop: "native" (C) or "python"
         self.oom_kills = 0
         self.cpu_sample: tuple[int, float, float | None] | None = None  # (call number, time, CPU s)
         self.on_done: Callable[[Worker], None] | None = None
@@ -195,7 +196,8 @@ class Worker:
                 kind, payload = await worker._frame()
             if kind != b"R":
                 raise WorkerFailed(f"zygote said {kind!r} instead of ready")
-            version, _, missing = payload.decode(errors="replace").partition("\0")
+            version, _, rest = payload.decode(errors="replace").partition("\0")
+            missing, _, worker.loop = rest.partition("\0")
             worker.python = version
             if missing:
                 log.warning("fncall worker %s: cannot preload %s", cid, missing)
@@ -259,6 +261,7 @@ class Worker:
             raise WorkerFailed(self.failed or "the zygote is gone", started=False)
         if self._sent is not None:
             raise RuntimeError(f"{self!r} is busy")
+        sent_at = time.monotonic()  # before the write: the zygote may start the call before it returns
         try:
             self.proc.stdin.write(frame)
             if self.proc.stdin.transport.is_closing():  # the write hit EPIPE: nobody reads
@@ -267,7 +270,7 @@ class Worker:
             self.failed = f"the zygote's channel is closed: {exc}"
             raise WorkerFailed(self.failed, started=False) from None
         self.calls += 1
-        self.busy_since = time.monotonic()
+        self.busy_since = sent_at
         loop = asyncio.get_running_loop()
         wait_s = limits.timeout_s + grace_s
         self._sent = _Sent(future, limits, fetch, wait_s, loop.time() + wait_s)

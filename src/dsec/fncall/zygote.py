@@ -2,10 +2,11 @@
 
 This file runs inside the container, with the image's own ``python3`` (3.10 or later) and the
 standard library only; the edge bind-mounts it read-only and starts it as root of the container
-with ``crun exec … python3 -I BOOT ZYGOTE UID GID NPROC FSIZE NOFILE PRELOAD`` (``BOOT`` is
-``zygote_boot.py``, which loads this file compiled elsewhere, see there). It does Python's
-start-up work (and imports the PRELOAD modules, if any) once, then serves calls one at a time,
-forking a fresh child for each::
+with ``crun exec … python3 -I BOOT ZYGOTE UID GID NPROC FSIZE NOFILE PRELOAD LOOP`` (``BOOT``
+is ``zygote_boot.py``, which loads this file compiled elsewhere, see there; ``LOOP`` is the
+path of the per-call loop in C, ``dsec/native/zygote.c`` built as a shared library, or empty).
+It does Python's start-up work (and imports the PRELOAD modules, if any) once, then serves
+calls one at a time, forking a fresh child for each::
 
     edge ──request──▶ zygote ──fork──▶ child: setsid, rlimits, drop to UID, write files, run code
     edge ◀──answer─── zygote ◀──exit── child            (stdout and stderr are memfds)
@@ -15,7 +16,8 @@ Clean state: a child is a copy of the zygote, which never runs call code, so no 
 earlier call exists in it. The zygote never holds call data in its own heap either, so a child
 cannot dig an earlier call's code, input or output out of freed memory: the request body is
 spliced from the channel into a memfd that only the child reads, and output and fetched files go
-back with sendfile(2). Only the small request header (limits, names of files to fetch) is parsed
+back with sendfile(2) (the C loop copies output of up to 16 KiB into the answer's own write, and
+wipes it before the next fork). Only the small request header (limits, names of files to fetch) is parsed
 here. The zygote is the subreaper of every process a call starts: once the child is reaped,
 any process still there is found with one waitpid, killed with kill(-1) (atomic against fork,
 so a fork bomb cannot outrun it) and reaped. The writable mounts are wiped when a stat of their
@@ -38,7 +40,8 @@ integers big-endian, strings UTF-8 with a ``!H`` length before them):
   bytes sent; stdout and stderr bytes written; number of fetched files), then per file ``!HqH``
   (path length, bytes sent or -1, reason length), path, reason; then the stdout, stderr and file
   bytes themselves. Kind ``E``: the call could not be started, payload is the reason. Kind ``R``
-  (once, at start): ``PYTHON_VERSION\\0MISSING_MODULES``. EOF on the channel ends the zygote.
+  (once, at start): ``PYTHON_VERSION\\0MISSING_MODULES\\0LOOP`` (``native`` or ``python``: which
+  loop serves). EOF on the channel ends the zygote.
 
 Speed: on a virtual machine every page a process writes after fork costs a fault (≈2 µs here)
 and every page it maps costs at fork and exit, so the zygote keeps its heap small (only small
@@ -46,7 +49,11 @@ modules; compiled elsewhere, see ``zygote_boot``), does once what every child wo
 for the first time (it builds the child's ``sys.stdin``/``stdout``/``stderr`` on seekable
 placeholders, as ``python3 -c`` would for files, and runs a warm-up snippet through compile,
 exec, print and traceback; that halves a child's cost), keeps the calls' base environment as
-its own, and keeps its per-call work to a few system calls.
+its own, and keeps its per-call work to a few system calls. Those run in C (``LOOP``), so
+the zygote runs no Python between two forks: a Python loop writes ≈100 pages a call (objects,
+reference counts, frames), each a copy-on-write fault after the fork before; the C loop a few.
+The Python loop below (``Zygote.serve_forever``) does the same where the library cannot be
+loaded (an image with another libc than glibc).
 """
 
 import os
@@ -249,12 +256,8 @@ def _parse_body(raw):
     pos = _BODY.size
     code = str(raw[pos:pos + code_len], "utf-8")
     pos += code_len
-    env = {}
-    if env_len:  # every object a child makes costs it page faults: none when there is nothing
-        for item in bytes(raw[pos:pos + env_len]).split(b"\0"):
-            if item:
-                name, _, value = item.decode("utf-8", "surrogateescape").partition("=")
-                env[name] = value
+    # every object a child makes costs it page faults: none when there is nothing
+    env = _parse_env(bytes(raw[pos:pos + env_len])) if env_len else {}
     pos += env_len
     stdin = None
     if stdin_len >= 0:
@@ -271,6 +274,15 @@ def _parse_body(raw):
     return LANGUAGES[language], code, env, stdin, files
 
 
+def _parse_env(raw):
+    env = {}
+    for item in raw.split(b"\0"):
+        if item:
+            name, _, value = item.decode("utf-8", "surrogateescape").partition("=")
+            env[name] = value
+    return env
+
+
 def _write_inputs(files):
     for path, data in files:
         parent = os.path.dirname(path)
@@ -283,7 +295,7 @@ def _write_inputs(files):
             os.close(fd)
 
 
-def _child(uid, gid, body_fd, body_len, out_fd, err_fd, hdr, vsz):
+def _child(uid, gid, body_fd, body_len, out_fd, err_fd, cpu, memory, vsz):
     """The call's own process: never returns."""
     try:
         os.setsid()
@@ -304,7 +316,7 @@ def _child(uid, gid, body_fd, body_len, out_fd, err_fd, hdr, vsz):
         fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
         os.write(fd, b"1000")  # under memory pressure the call dies, not the zygote
         os.close(fd)
-        resource.setrlimit(resource.RLIMIT_CPU, (hdr["cpu"], hdr["cpu"] + 1))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         os.setgid(gid)
         os.setuid(uid)
         # setuid made the process non-dumpable, which hides its own /proc entries from it.
@@ -316,13 +328,32 @@ def _child(uid, gid, body_fd, body_len, out_fd, err_fd, hdr, vsz):
         if language == "python":
             if env:
                 os.environ.update(env)
-            resource.setrlimit(resource.RLIMIT_AS, (vsz + hdr["memory"], vsz + hdr["memory"]))
+            resource.setrlimit(resource.RLIMIT_AS, (vsz + memory, vsz + memory))
             _run_python(code)
         else:
-            resource.setrlimit(resource.RLIMIT_AS, (hdr["memory"], hdr["memory"]))
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
             for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):
                 _signal.signal(sig, _signal.SIG_DFL)
             os.execve("/bin/bash", ["bash", "-c", code], {**os.environ, **env})
+    except BaseException as exc:  # noqa: BLE001
+        try:
+            os.write(2, f"fncall: the call could not start: {type(exc).__name__}: {exc}\n".encode())
+        except BaseException:  # noqa: BLE001
+            pass
+    os._exit(126)
+
+
+def _native_child(loop):
+    """A Python call's process once the C loop has prepared it (as ``_child`` does up to its
+    input files): never returns."""
+    try:
+        code = str(ctypes.string_at(loop.code, loop.code_len), "utf-8")
+        if loop.env_len:
+            env = _parse_env(ctypes.string_at(loop.env, loop.env_len))
+            os.environ.update(env)
+        limit = loop.vsz + loop.memory
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        _run_python(code)
     except BaseException as exc:  # noqa: BLE001
         try:
             os.write(2, f"fncall: the call could not start: {type(exc).__name__}: {exc}\n".encode())
@@ -348,6 +379,27 @@ class Zygote:
         self.workdir_fd = self.dirs[0][1]
         self.clean = {}
         self.statm_fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+
+    def serve_native(self, serve):
+        """Serve with the C loop until EOF (see ``dsec/native/zygote.c``); in a call's child,
+        run the call."""
+        hooks = {field: ctypes.cast(getattr(ctypes.pythonapi, name), ctypes.c_void_p).value
+                 for field, name in _FORK_HOOKS}
+        loop = _NativeLoop(chan_in=CHAN_IN, chan_out=CHAN_OUT, statm_fd=self.statm_fd, workdir_fd=self.workdir_fd,
+                           devnull_fd=DEVNULL, ruleset_fd=_RULESET, ndirs=len(self.dirs), uid=self.uid, gid=self.gid,
+                           **hooks)
+        for i, (_, fd) in enumerate(self.dirs):
+            loop.dir_fds[i] = fd
+        while True:
+            rc = serve(ctypes.byref(loop))
+            if rc == 1:
+                _native_child(loop)
+            elif rc == 2:  # a call wrote to a wiped directory
+                self.cleanup()
+            elif rc == 0:
+                return
+            else:
+                raise RuntimeError(loop.error.decode(errors="replace"))
 
     def serve_forever(self):
         while True:
@@ -381,7 +433,7 @@ class Zygote:
             _answer(b"E", f"cannot fork the call: {exc}".encode())
             return
         if pid == 0:
-            _child(self.uid, self.gid, body_fd, blen, out_fd, err_fd, hdr, vsz)
+            _child(self.uid, self.gid, body_fd, blen, out_fd, err_fd, hdr["cpu"], hdr["memory"], vsz)
         os.close(body_fd)
         try:
             status, cpu, timed_out = self._wait(pid, hdr["timeout"])
@@ -495,6 +547,42 @@ class Zygote:
                 os.fchmod(fd, 0o700)
                 os.utime(fd)
             self.clean[path] = _state(os.fstat(fd))
+
+
+class _NativeLoop(ctypes.Structure):
+    """``struct dsec_zygote`` of ``dsec/native/zygote.c``."""
+
+    _fields_ = [("chan_in", ctypes.c_int), ("chan_out", ctypes.c_int), ("statm_fd", ctypes.c_int),
+                ("workdir_fd", ctypes.c_int), ("devnull_fd", ctypes.c_int), ("ruleset_fd", ctypes.c_int),
+                ("ndirs", ctypes.c_int), ("dir_fds", ctypes.c_int * 8),
+                ("uid", ctypes.c_uint), ("gid", ctypes.c_uint), ("before_fork", ctypes.c_void_p),
+                ("after_fork_parent", ctypes.c_void_p), ("after_fork_child", ctypes.c_void_p),
+                ("code", ctypes.c_void_p), ("env", ctypes.c_void_p), ("code_len", ctypes.c_uint),
+                ("env_len", ctypes.c_uint), ("memory", ctypes.c_ulonglong), ("vsz", ctypes.c_ulonglong),
+                ("error", ctypes.c_char * 512)]
+
+
+# What os.fork calls around fork(2): at-fork hooks (os.register_at_fork), the import lock, and
+# in the child the interpreter's thread state.
+_FORK_HOOKS = (("before_fork", "PyOS_BeforeFork"), ("after_fork_parent", "PyOS_AfterFork_Parent"),
+               ("after_fork_child", "PyOS_AfterFork_Child"))
+
+
+def _load_loop(path):
+    """The C loop's entry point, or None (then the Python loop serves, and the log says why).
+    Loaded with PyDLL: the GIL stays held, as the fork hooks it calls need."""
+    if not path:
+        return None
+    try:
+        serve = ctypes.PyDLL(path).dsec_zygote_serve
+        for _, name in _FORK_HOOKS:
+            getattr(ctypes.pythonapi, name)
+    except (OSError, AttributeError) as exc:
+        print(f"fncall zygote: the Python loop serves: cannot load {path}: {exc}")
+        return None
+    serve.restype = ctypes.c_int
+    serve.argtypes = (ctypes.POINTER(_NativeLoop),)
+    return serve
 
 
 def _state(st):
@@ -620,6 +708,8 @@ def _warm_up():
         sys.stderr = saved
     body = _BODY.pack(0, 1, 4, 1, 1) + b"x" + b"A=b\0" + b"y" + _FILE.pack(1, 1) + b"zw"
     _parse_body(memoryview(body))
+    env = ctypes.create_string_buffer(b"A=b\0")
+    _parse_env(ctypes.string_at(ctypes.addressof(env), 4))  # what a child of the C loop does
     _parse_header(memoryview(_HEADER.pack(1.0, 1, 1, 1, 1, 1) + _U16.pack(1) + _U16.pack(1) + b"f"))
 
 
@@ -641,6 +731,7 @@ def main(argv):
     _setup_fds()
     _STDIO = _make_stdio()
     preload = [m for m in (argv[6].split(",") if len(argv) > 6 else []) if m]
+    native_loop = _load_loop(argv[7] if len(argv) > 7 else "")
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     os.setgroups([])
     os.umask(0o022)
@@ -665,9 +756,13 @@ def main(argv):
     _enter_call_state()
     gc.collect()
     gc.freeze()
-    _answer(b"R", f"{sys.version.split()[0]}\0{','.join(missing)}".encode())
+    loop = "native" if native_loop is not None else "python"
+    _answer(b"R", f"{sys.version.split()[0]}\0{','.join(missing)}\0{loop}".encode())
     try:
-        zygote.serve_forever()
+        if native_loop is not None:
+            zygote.serve_native(native_loop)
+        else:
+            zygote.serve_forever()
     except BaseException as exc:
         sys.stderr = sys.__stderr__ = open(LOG, "w", encoding="utf-8", errors="backslashreplace",  # noqa: SIM115
                                            buffering=1, closefd=False)
