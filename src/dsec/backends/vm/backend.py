@@ -180,11 +180,16 @@ class VMBackend:
     async def _attach(self, cid: str, pid: int, vm_dir: Path, timeout: float, spec: SandboxSpec | None = None) -> _Live:
         """Connect QMP and the agent, and wait until the agent answers (or QEMU dies)."""
         qmp = await QMP.connect(vm_dir / "qmp.sock")
+        agent = None
         try:
+            # The agent's socket first: a restored guest then finds its host connected, as it
+            # was when the snapshot was taken, instead of seeing it gone and looking again later.
+            agent = await AgentChannel.connect(vm_dir / "agent.sock")
             if spec is not None:
                 await self._before_agent(qmp, pid, spec)
-            agent = await AgentChannel.connect(vm_dir / "agent.sock")
         except BaseException:
+            if agent is not None:
+                await agent.close()
             await qmp.close()
             raise
         live = _Live(pid=pid, qmp=qmp, agent=agent)
