@@ -6,10 +6,16 @@
  * Frames. Host to guest: one header line "ID OP ARG…" then the payloads the header announces,
  * by byte length. Guest to host: "ID ok LEN" + LEN bytes, "ID err CODE LEN" + LEN bytes of
  * message, or "ID done RC OUTLEN OUTTOTAL ERRLEN ERRTOTAL" + stdout + stderr.
- *   ping                                  -> ok 0
- *   exec CAP WDLEN SCRIPTLEN STDINLEN     payloads: workdir, script, stdin (STDINLEN -1: none)
- *                                         -> done … when the command ends (answers may come
- *                                            in any order: commands run side by side)
+ *   ping                                  -> ok LEN + "run": the operations this agent has
+ *                                            beyond those of the shell agent before it (whose
+ *                                            answer was ok 0, and which ran "exec CAP WDLEN
+ *                                            SCRIPTLEN STDINLEN" scripts: a VM restored from an
+ *                                            old snapshot still runs it)
+ *   run CAP WDLEN CMDLEN STDINLEN ENVLEN UID GID
+ *                                         payloads: workdir, command (for /bin/sh -c), stdin
+ *                                         (STDINLEN -1: none), environment (NUL-separated
+ *                                         NAME=VALUE) -> done … when the command ends (answers
+ *                                         may come in any order: commands run side by side)
  *   kill JOBID                            -> ok 0; the job's command and all it started die
  *   read PATHLEN MAX                      -> ok LEN + the file, or err enoent|invalid
  *   write PATHLEN DATALEN MODE UID GID    -> ok 0 or err invalid
@@ -30,7 +36,9 @@
  * keeps them open is not waited for more than half a second after that (the pipes are closed).
  *
  * Each command runs confined by dsec-jail (the sandbox capability set, no_new_privs, the sandbox
- * seccomp profile, Landlock) in the sandbox's pid namespace, and without the channel's fd (every
+ * seccomp profile, Landlock) in the sandbox's pid namespace, as the uid and gid asked, in the
+ * workdir asked, with only the environment given; the jail execs /bin/sh -c COMMAND itself, so
+ * a command costs two execs (the jail's and the shell's). It runs without the channel's fd (every
  * fd of the agent is close-on-exec, and the jail closes all above 2): it sees the processes of
  * the sandbox's commands but cannot see or signal this agent, and cannot open the port, this
  * directory or any device but the usual few; /proc and /sys are read-only to it. Its stdin is a
@@ -101,7 +109,7 @@ struct pack {
 static struct job jobs[MAX_JOBS];
 static struct pack packs[MAX_PACKS];
 static int port = -1;
-static char **jail_argv;
+static char **jail_argv;  /* the jail's fixed arguments, room left for a command's own */
 static int jail_argc;
 static unsigned long job_seq;
 
@@ -347,7 +355,8 @@ static struct job *job_by_id(const char *id)
     return NULL;
 }
 
-static void start_job(const char *id, long long cap, const char *script, const char *stdin_data, long long stdin_len)
+static void start_job(const char *id, long long cap, const char *wd, const char *command, const char *stdin_data,
+                      long long stdin_len, char *env, size_t env_len, const char *user)
 {
     struct job *j = NULL;
     for (int i = 0; i < MAX_JOBS && !j; i++)
@@ -385,8 +394,32 @@ static void start_job(const char *id, long long cap, const char *script, const c
     }
     char procs[96];
     snprintf(procs, sizeof procs, "%s/cgroup.procs", cgroup);
-    jail_argv[jail_argc - 1] = (char *)script;
+    /* The environment: the payload's NUL-separated entries, pointed at in place. */
+    size_t n_env = 0;
+    for (size_t k = 0; k < env_len; k++)
+        n_env += env[k] == '\0';
+    char **envp = calloc(n_env + 2, sizeof *envp);
+    if (!envp) {
+        send_err(id, "invalid", "cannot start the command: out of memory");
+        goto fail;
+    }
+    n_env = 0;
+    for (size_t k = 0; k < env_len; k += strlen(env + k) + 1)
+        if (env[k])
+            envp[n_env++] = env + k;
+    int argc = jail_argc;
+    jail_argv[argc++] = "--cwd";
+    jail_argv[argc++] = (char *)wd;
+    jail_argv[argc++] = "--user";
+    jail_argv[argc++] = (char *)user;
+    jail_argv[argc++] = "--";
+    jail_argv[argc++] = "/bin/sh";
+    jail_argv[argc++] = "-c";
+    jail_argv[argc++] = (char *)command;
+    jail_argv[argc] = NULL;
     pid_t pid = fork();
+    if (pid != 0)
+        free(envp);
     if (pid < 0) {
         send_err(id, "invalid", "cannot start the command: %s", strerror(errno));
         goto fail;
@@ -399,7 +432,7 @@ static void start_job(const char *id, long long cap, const char *script, const c
             _exit(125);
         if (dup2(in, 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0)
             _exit(125);
-        execv(jail_argv[0], jail_argv);
+        execve(jail_argv[0], jail_argv, envp);
         _exit(127);
     }
     close(in);
@@ -684,7 +717,7 @@ static void pack_main(const char *id, const char *token, int out)
             reset_child_signals();
             if (chdir(up) < 0 || dup2(tar_out[1], 1) < 0)
                 _exit(125);
-            execl(BUSYBOX, "tar", "tar", "-c", ".", (char *)NULL);
+            execl(BUSYBOX, "tar", "-c", ".", (char *)NULL);
             _exit(127);
         }
         close(tar_out[1]);
@@ -825,9 +858,9 @@ static void relay_pack(struct pack *p)
 
 static void handle_request(char *line)
 {
-    char *f[8] = {0};
+    char *f[10] = {0};
     int n = 0;
-    for (char *tok = strtok(line, " \t\r"); tok && n < 8; tok = strtok(NULL, " \t\r"))
+    for (char *tok = strtok(line, " \t\r"); tok && n < 10; tok = strtok(NULL, " \t\r"))
         f[n++] = tok;
     if (n == 0)
         return;
@@ -836,33 +869,33 @@ static void handle_request(char *line)
         return;  /* noise: what is left of a frame from before the host reconnected */
     long long a, b, c, d;
     if (strcmp(op, "ping") == 0) {
-        send_ok(id, NULL, 0);
-    } else if (strcmp(op, "exec") == 0) {  /* CAP WDLEN SCRIPTLEN STDINLEN */
+        send_ok(id, "run", 3);
+    } else if (strcmp(op, "run") == 0) {  /* CAP WDLEN CMDLEN STDINLEN ENVLEN UID GID */
+        long long e, uid, gid;
         if (number(f[2], &a) < 0 || number(f[3], &b) < 0 || number(f[4], &c) < 0 || number(f[5], &d) < 0 ||
-            a < 0 || b < 0 || c < 0 || d < -1) {
-            send_err(id, "invalid", "malformed exec request");
+            number(f[6], &e) < 0 || number(f[7], &uid) < 0 || number(f[8], &gid) < 0 ||
+            a < 0 || b < 0 || c < 0 || d < -1 || e < 0 || uid < 0 || gid < 0) {
+            send_err(id, "invalid", "malformed run request");
             return;
         }
-        char *wd, *script, *in = NULL;
-        if (take_payload(b, &wd) < 0)
-            return;
-        if (take_payload(c, &script) < 0 || take_payload(d, &in) < 0) {
-            free(wd);
-            free(script);
-            return;
+        char *wd = NULL, *command = NULL, *in = NULL, *env = NULL, user[48];
+        snprintf(user, sizeof user, "%lld:%lld", uid, gid);
+        if (take_payload(b, &wd) == 0 && take_payload(c, &command) == 0 && take_payload(d, &in) == 0 &&
+            take_payload(e, &env) == 0) {
+            struct stat st;
+            if (!wd || !command || (d >= 0 && !in) || !env)
+                send_err(id, "invalid", "cannot start the command: out of memory");
+            else if (job_by_id(id))
+                send_err(id, "invalid", "a command with id %s is running", id);
+            else if (stat(wd, &st) < 0 || !S_ISDIR(st.st_mode))
+                send_err(id, "notdir", "workdir %s is not a directory in the sandbox", wd);
+            else
+                start_job(id, a, wd, command, in, d, env, (size_t)e, user);
         }
-        struct stat st;
-        if (!wd || !script || (d >= 0 && !in))
-            send_err(id, "invalid", "cannot start the command: out of memory");
-        else if (job_by_id(id))
-            send_err(id, "invalid", "a command with id %s is running", id);
-        else if (stat(wd, &st) < 0 || !S_ISDIR(st.st_mode))
-            send_err(id, "notdir", "workdir %s is not a directory in the sandbox", wd);
-        else
-            start_job(id, a, script, in, d);
         free(wd);
-        free(script);
+        free(command);
         free(in);
+        free(env);
     } else if (strcmp(op, "kill") == 0) {
         struct job *j = f[2] ? job_by_id(f[2]) : NULL;
         if (j) {
@@ -1027,9 +1060,9 @@ static int setup_jail(void)
         jail_argv[n++] = "--rw";
         jail_argv[n++] = dev_paths[i];
     }
-    const char *tail[] = {"--ro", BUSYBOX, "--", BUSYBOX, "sh", "-c", "SCRIPT"};
-    for (size_t i = 0; i < sizeof tail / sizeof *tail; i++)
-        jail_argv[n++] = (char *)tail[i];
+    /* Busybox stays readable to commands, as when their scripts ran through it. */
+    jail_argv[n++] = "--ro";
+    jail_argv[n++] = BUSYBOX;
     jail_argc = n;
     return 0;
 }
