@@ -112,6 +112,10 @@ static int port = -1;
 static char **jail_argv;  /* the jail's fixed arguments, room left for a command's own */
 static int jail_argc;
 static unsigned long job_seq;
+/* A job's cgroup, made ahead (while the agent is idle, after an answer was sent) so that a
+ * command's start does not wait for it: in a VM restored from a snapshot, the kernel's code for
+ * it is not translated yet (TCG) and the first command is the one timed. */
+static char spare[64];
 
 /* -- small helpers ----------------------------------------------------------------------- */
 
@@ -347,6 +351,21 @@ static void reset_child_signals(void)
     signal(SIGPIPE, SIG_DFL);
 }
 
+/* The next job's cgroup: a name of the agent's own (the host's ids start again at 1 in a clone
+ * of a snapshot, where a cgroup of an earlier job may linger). */
+static int make_spare(void)
+{
+    while (!spare[0]) {
+        char path[64];
+        snprintf(path, sizeof path, CG "/job%lu", ++job_seq);
+        if (mkdir(path, 0755) == 0)
+            snprintf(spare, sizeof spare, "%s", path);
+        else if (errno != EEXIST)
+            return -1;
+    }
+    return 0;
+}
+
 static struct job *job_by_id(const char *id)
 {
     for (int i = 0; i < MAX_JOBS; i++)
@@ -366,18 +385,13 @@ static void start_job(const char *id, long long cap, const char *wd, const char 
         send_err(id, "invalid", "too many commands running at once (%d)", MAX_JOBS);
         return;
     }
-    /* The job's cgroup: a name of the agent's own (the host's ids start again at 1 in a clone
-     * of a snapshot, where a cgroup of an earlier job may linger). */
     char cgroup[64];
-    for (;;) {
-        snprintf(cgroup, sizeof cgroup, CG "/job%lu", ++job_seq);
-        if (mkdir(cgroup, 0755) == 0)
-            break;
-        if (errno != EEXIST) {
-            send_err(id, "invalid", "cannot make a cgroup for the command: %s", strerror(errno));
-            return;
-        }
+    if (!spare[0] && make_spare() < 0) {
+        send_err(id, "invalid", "cannot make a cgroup for the command: %s", strerror(errno));
+        return;
     }
+    snprintf(cgroup, sizeof cgroup, "%s", spare);
+    spare[0] = '\0';
     int in = -1, out[2] = {-1, -1}, err[2] = {-1, -1};
     if (stdin_len >= 0) {
         in = memfd_create("stdin", MFD_CLOEXEC);
@@ -498,7 +512,7 @@ static void sweep_cgroups(void)
             continue;
         char path[300];
         snprintf(path, sizeof path, CG "/%s", e->d_name);
-        int live = 0;
+        int live = strcmp(path, spare) == 0;
         for (int i = 0; i < MAX_JOBS && !live; i++)
             live = jobs[i].used && strcmp(jobs[i].cgroup, path) == 0;
         if (!live)
@@ -526,6 +540,7 @@ static void finish_job(struct job *j)
     j->used = 0;
     rmdir(j->cgroup);
     sweep_cgroups();
+    make_spare();
 }
 
 /* -- files ------------------------------------------------------------------------------- */
@@ -1120,6 +1135,7 @@ int main(void)
         return 1;
     }
     reap();  /* children that ended before the signalfd */
+    make_spare();
 
     struct pollfd fds[2 + 2 * MAX_JOBS + MAX_PACKS];
     void *owner[2 + 2 * MAX_JOBS + MAX_PACKS];
