@@ -37,14 +37,19 @@
  *
  * Each command runs confined by dsec-jail (the sandbox capability set, no_new_privs, the sandbox
  * seccomp profile, Landlock) in the sandbox's pid namespace, as the uid and gid asked, in the
- * workdir asked, with only the environment given; the jail execs /bin/sh -c COMMAND itself, so
- * a command costs two execs (the jail's and the shell's). It runs without the channel's fd (every
+ * workdir asked, with only the environment given. The jail (jail.c) is compiled into this
+ * program: the child forked for a command runs it, and it execs /bin/sh -c COMMAND, the one
+ * exec a command costs (TCG translates each new program's start-up afresh in a restored VM).
+ * The command runs without the channel's fd (every
  * fd of the agent is close-on-exec, and the jail closes all above 2): it sees the processes of
  * the sandbox's commands but cannot see or signal this agent, and cannot open the port, this
  * directory or any device but the usual few; /proc and /sys are read-only to it. Its stdin is a
  * memfd holding what the host sent (or /dev/null).
  */
 #define _GNU_SOURCE
+#define JAIL_MAIN jail_main
+#include "jail.c"  /* dsec-jail, called in a forked child instead of exec'd: one exec fewer */
+
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -446,8 +451,8 @@ static void start_job(const char *id, long long cap, const char *wd, const char 
             _exit(125);
         if (dup2(in, 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0)
             _exit(125);
-        execve(jail_argv[0], jail_argv, envp);
-        _exit(127);
+        environ = envp;  /* the jail execs the command with it */
+        _exit(jail_main(argc, jail_argv));
     }
     close(in);
     close(out[1]);
@@ -1038,8 +1043,8 @@ static int setup_jail(void)
     pid_t pid = fork();
     if (pid == 0) {
         dup2(fds[1], 1);
-        execl(D "/jail", D "/jail", "--ro", D, "--init", (char *)NULL);
-        _exit(127);
+        char *args[] = {"dsec-jail", "--ro", D, "--init", NULL};
+        _exit(jail_main(4, args));
     }
     close(fds[1]);
     char text[32] = "";
@@ -1066,7 +1071,7 @@ static int setup_jail(void)
     if (!jail_argv)
         return -1;
     int n = 0;
-    const char *fixed[] = {D "/jail", "--join", init_text, "--caps", strdup(caps), "--seccomp", D "/seccomp.bpf",
+    const char *fixed[] = {"dsec-jail", "--join", init_text, "--caps", strdup(caps), "--seccomp", D "/seccomp.bpf",
                            "--ro", "/proc", "--ro", "/sys", "--hide", "/dev"};
     for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++)
         jail_argv[n++] = (char *)fixed[i];
