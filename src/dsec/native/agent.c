@@ -40,6 +40,9 @@
  * workdir asked, with only the environment given. The jail (jail.c) is compiled into this
  * program: the child forked for a command runs it, and it execs /bin/sh -c COMMAND, the one
  * exec a command costs (TCG translates each new program's start-up afresh in a restored VM).
+ * The sandbox's pid namespace is made at start by the jail's --init, for which this program
+ * execs itself as "dsec-jail" (argv[0] picks the jail's main): that namespace's pid 1 is a
+ * fresh image, with nothing of the agent's memory.
  * The command runs without the channel's fd (every
  * fd of the agent is close-on-exec, and the jail closes all above 2): it sees the processes of
  * the sandbox's commands but cannot see or signal this agent, and cannot open the port, this
@@ -1042,9 +1045,11 @@ static int setup_jail(void)
         return -1;
     pid_t pid = fork();
     if (pid == 0) {
+        /* Exec'd afresh as the jail (argv[0] picks it, see main): the sandbox's pid 1 holds
+         * nothing of the agent's memory, and its commands see it as what it is. */
         dup2(fds[1], 1);
-        char *args[] = {"dsec-jail", "--ro", D, "--init", NULL};
-        _exit(jail_main(4, args));
+        execl("/proc/self/exe", "dsec-jail", "--ro", D, "--init", (char *)NULL);
+        _exit(127);
     }
     close(fds[1]);
     char text[32] = "";
@@ -1110,8 +1115,10 @@ static int open_port(void)
     return fd;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    if (argc > 0 && strcmp(argv[0], "dsec-jail") == 0)
+        return jail_main(argc, argv);
     setenv("PATH", D "/bin", 1);
     umask(022);
     if (chdir("/") < 0)
