@@ -2,9 +2,8 @@
 
 The jail confines a command and execs it (Landlock filesystem rules and scopes, a pid namespace,
 the capability set, no_new_privs, a seccomp program; see the source's header). It is a static
-binary, built for the host by ``jail_binary`` (see ``dsec.native``); a VM's guest agent
-(``native/agent.c``) has the same source compiled in and runs it in the child it forks for each
-command.
+binary, so the same file runs on the host and inside a VM's guest; ``jail_binary`` builds it
+(see ``dsec.native``).
 
 ``seccomp_bpf`` compiles ``profile.seccomp_profile()`` (the OCI section crun loads for
 containers) into the classic BPF program that seccomp(2) takes, with libseccomp, the library crun

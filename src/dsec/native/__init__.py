@@ -1,7 +1,6 @@
 """The small C programs DSec runs inside sandboxes: ``init`` (a container's pid 1, which starts
-its commands), ``jail`` (confines a command: Landlock, a pid namespace, capabilities,
-no_new_privs, seccomp) and ``agent`` (a VM's guest agent, with the jail compiled in). Static, so
-one file runs in any image and inside a VM's guest.
+its commands) and ``jail`` (confines a command: Landlock, a pid namespace, capabilities,
+no_new_privs, seccomp). Static, so one file runs in any image and inside a VM's guest.
 
 They are built from the sources beside this file by the host's C compiler the first time they
 are needed, into a cache named by the source's digest (a changed source builds anew; two
@@ -24,8 +23,6 @@ from libdsec import BackendError
 SOURCES = Path(__file__).parent
 CACHE = Path(os.environ.get("DSEC_NATIVE_CACHE", "/var/cache/dsec/bin"))
 CFLAGS = ("-static", "-O2", "-s", "-Wall", "-Wextra", "-Werror")
-# Sources a program compiles in (#include) besides its own: part of its version.
-INCLUDES = {"agent": ("jail.c",)}
 
 
 class NativeBuildError(BackendError):
@@ -34,7 +31,7 @@ class NativeBuildError(BackendError):
 
 def digest(name: str) -> str:
     """The version of program ``name``: its source and the flags it is built with."""
-    text = b"".join((SOURCES / src).read_bytes() for src in (f"{name}.c", *INCLUDES.get(name, ())))
+    text = (SOURCES / f"{name}.c").read_bytes()
     return hashlib.sha256(text + " ".join(CFLAGS).encode()).hexdigest()[:16]
 
 

@@ -37,22 +37,14 @@
  *
  * Each command runs confined by dsec-jail (the sandbox capability set, no_new_privs, the sandbox
  * seccomp profile, Landlock) in the sandbox's pid namespace, as the uid and gid asked, in the
- * workdir asked, with only the environment given. The jail (jail.c) is compiled into this
- * program: the child forked for a command runs it, and it execs /bin/sh -c COMMAND, the one
- * exec a command costs (TCG translates each new program's start-up afresh in a restored VM).
- * The sandbox's pid namespace is made at start by the jail's --init, for which this program
- * execs itself as "dsec-jail" (argv[0] picks the jail's main): that namespace's pid 1 is a
- * fresh image, with nothing of the agent's memory.
- * The command runs without the channel's fd (every
+ * workdir asked, with only the environment given; the jail execs /bin/sh -c COMMAND itself, so
+ * a command costs two execs (the jail's and the shell's). It runs without the channel's fd (every
  * fd of the agent is close-on-exec, and the jail closes all above 2): it sees the processes of
  * the sandbox's commands but cannot see or signal this agent, and cannot open the port, this
  * directory or any device but the usual few; /proc and /sys are read-only to it. Its stdin is a
  * memfd holding what the host sent (or /dev/null).
  */
 #define _GNU_SOURCE
-#define JAIL_MAIN jail_main
-#include "jail.c"  /* dsec-jail, called in a forked child instead of exec'd: one exec fewer */
-
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -454,8 +446,8 @@ static void start_job(const char *id, long long cap, const char *wd, const char 
             _exit(125);
         if (dup2(in, 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0)
             _exit(125);
-        environ = envp;  /* the jail execs the command with it */
-        _exit(jail_main(argc, jail_argv));
+        execve(jail_argv[0], jail_argv, envp);
+        _exit(127);
     }
     close(in);
     close(out[1]);
@@ -1045,10 +1037,8 @@ static int setup_jail(void)
         return -1;
     pid_t pid = fork();
     if (pid == 0) {
-        /* Exec'd afresh as the jail (argv[0] picks it, see main): the sandbox's pid 1 holds
-         * nothing of the agent's memory, and its commands see it as what it is. */
         dup2(fds[1], 1);
-        execl("/proc/self/exe", "dsec-jail", "--ro", D, "--init", (char *)NULL);
+        execl(D "/jail", D "/jail", "--ro", D, "--init", (char *)NULL);
         _exit(127);
     }
     close(fds[1]);
@@ -1076,7 +1066,7 @@ static int setup_jail(void)
     if (!jail_argv)
         return -1;
     int n = 0;
-    const char *fixed[] = {"dsec-jail", "--join", init_text, "--caps", strdup(caps), "--seccomp", D "/seccomp.bpf",
+    const char *fixed[] = {D "/jail", "--join", init_text, "--caps", strdup(caps), "--seccomp", D "/seccomp.bpf",
                            "--ro", "/proc", "--ro", "/sys", "--hide", "/dev"};
     for (size_t i = 0; i < sizeof fixed / sizeof *fixed; i++)
         jail_argv[n++] = (char *)fixed[i];
@@ -1115,10 +1105,8 @@ static int open_port(void)
     return fd;
 }
 
-int main(int argc, char **argv)
+int main(void)
 {
-    if (argc > 0 && strcmp(argv[0], "dsec-jail") == 0)
-        return jail_main(argc, argv);
     setenv("PATH", D "/bin", 1);
     umask(022);
     if (chdir("/") < 0)

@@ -32,9 +32,7 @@
  * Exit status: the command's (128 + N when signal N ended it), 127/126 when it cannot be run,
  * 125 when the jail itself fails (with a message on stderr).
  */
-#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
-#endif
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -402,13 +400,7 @@ static void become(const char *user)
 
 /* -- main -------------------------------------------------------------------------------- */
 
-/* The VM guest agent (agent.c) has this file compiled in and calls the jail as JAIL_MAIN in a
- * child it forked, rather than exec'ing it. */
-#ifndef JAIL_MAIN
-#define JAIL_MAIN main
-#endif
-
-int JAIL_MAIN(int argc, char **argv)
+int main(int argc, char **argv)
 {
     const char *caps = NULL, *seccomp = NULL;
     const char *join_pid = NULL, *cwd = NULL, *user = NULL;

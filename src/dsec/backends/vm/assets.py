@@ -6,8 +6,8 @@ current one): it is fetched with ``apt-get download`` into ``<assets>/tmp``, unp
 The initramfs is a newc cpio of the host's busybox-static, the kernel modules a guest needs (with
 their dependencies, read from each module's ``.modinfo`` section: the package ships no
 modules.dep), the guest scripts (``guest/``), the guest agent (the static ``dsec-agent``,
-``native/agent.c``, with ``dsec-jail`` compiled in) and what the agent confines each command
-with: the sandbox seccomp profile compiled to BPF and the capability numbers to keep (see
+``native/agent.c``) and what the agent confines each command with: the static ``dsec-jail``, the
+sandbox seccomp profile compiled to BPF and the capability numbers to keep (see
 ``dsec.isolation.jail``). It is named by the digest of what went in, so a changed script,
 program, profile or kernel makes a new one.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 from libdsec import BackendError
 
 from ... import native
-from ...isolation.jail import GUEST_ALSO_ALLOWED, caps_argument, seccomp_bpf
+from ...isolation.jail import GUEST_ALSO_ALLOWED, caps_argument, jail_binary, seccomp_bpf
 from ...isolation.profile import seccomp_profile
 
 STALE_S = 86400.0
@@ -204,8 +204,9 @@ class AssetCache:
         modules = module_load_order(kdir / "modules", GUEST_MODULES)
         scripts = {name: (GUEST_DIR / name).read_bytes() for name in ("init.sh", "pack.sh", "pid1.sh")}
         busybox = BUSYBOX.read_bytes()
-        programs = ("agent",)
+        programs = ("agent", "jail")
         confinement = {"agent": native.binary("agent", self.root).read_bytes(),
+                       "jail": jail_binary(self.root).read_bytes(),
                        "seccomp.bpf": seccomp_bpf(seccomp_profile(GUEST_ALSO_ALLOWED)),
                        "caps": caps_argument().encode()}
         h = hashlib.sha256(kdir.name.encode() + busybox)

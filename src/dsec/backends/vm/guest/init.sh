@@ -90,7 +90,7 @@ mount -t tmpfs -o mode=0700 dsec /newroot/dev/.dsec
 mkdir /newroot/dev/.dsec/rw
 mount --move /rw /newroot/dev/.dsec/rw
 mkdir -p /newroot/dev/.dsec/bin /newroot/dev/pts /newroot/dev/shm
-cp /bin/busybox /dsec/agent /dsec/pack.sh /dsec/pid1.sh /dsec/seccomp.bpf /dsec/caps /newroot/dev/.dsec/
+cp /bin/busybox /dsec/agent /dsec/pack.sh /dsec/pid1.sh /dsec/jail /dsec/seccomp.bpf /dsec/caps /newroot/dev/.dsec/
 /newroot/dev/.dsec/busybox --install -s /newroot/dev/.dsec/bin
 for l in /newroot/dev/.dsec/bin/*; do ln -sf /dev/.dsec/busybox "$l"; done
 mount -t devpts -o newinstance,ptmxmode=0666 devpts /newroot/dev/pts
