@@ -114,6 +114,9 @@ def _is_child(pid: int) -> bool:
     (["--seccomp", "/nonexistent", "--", "true"], "cannot open the seccomp program"),
     (["--"], "no command given"),
     (["--rw", "/tmp", "--init"], "--init takes only --ro paths"),
+    (["--user", "1000", "--", "true"], "--user wants UID:GID"),
+    (["--user", "x:1", "--", "true"], "--user wants UID:GID"),
+    (["--user", "1:2:3", "--", "true"], "--user wants UID:GID"),
 ])
 def test_bad_arguments(jail_bin, args, message):
     r = subprocess.run([str(jail_bin), *args], capture_output=True, text=True, timeout=30)
@@ -123,3 +126,30 @@ def test_bad_arguments(jail_bin, args, message):
 def test_missing_command(jail_bin):
     r = subprocess.run([str(jail_bin), "--", "/nonexistent"], capture_output=True, text=True)
     assert r.returncode == 127 and "cannot run /nonexistent" in r.stderr
+
+
+def test_cwd_user_and_environment(jail_bin, tmp_path):
+    """--cwd and --user come after the rest (a VM guest's commands get them from the jail): the
+    command starts in the directory, as the uid and gid without supplementary groups and, not
+    being root, with no capabilities; it has the jail's environment and nothing else."""
+    work = tmp_path / "a dir"
+    work.mkdir()
+    r = subprocess.run([str(jail_bin), "--caps", jail.caps_argument(), "--cwd", str(work), "--user", "1234:99", "--",
+                        "/bin/sh", "-c", "pwd; id -u; id -g; id -G; grep CapEff /proc/self/status; env"],
+                       capture_output=True, text=True, timeout=30, env={"ONLY": "it's\nhere"})
+    assert r.returncode == 0, r
+    lines = r.stdout.splitlines()
+    assert lines[:4] == [str(work), "1234", "99", "99"], r.stdout
+    assert lines[4].split() == ["CapEff:", "0000000000000000"], r.stdout
+    names = {line.split("=", 1)[0] for line in lines[5:] if "=" in line}
+    assert "ONLY=it's\nhere" in r.stdout and names <= {"ONLY", "PWD", "SHLVL", "OLDPWD", "_"}, r.stdout
+    # Root keeps the capability set it was given.
+    r = subprocess.run([str(jail_bin), "--caps", jail.caps_argument(), "--user", "0:0", "--",
+                        "/bin/sh", "-c", "grep CapEff /proc/self/status"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.split()[1] != "0000000000000000", r
+
+
+def test_cwd_that_is_not_there(jail_bin, tmp_path):
+    r = subprocess.run([str(jail_bin), "--cwd", str(tmp_path / "gone"), "--", "/bin/true"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "cannot change to" in r.stderr, r

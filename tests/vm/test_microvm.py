@@ -7,6 +7,7 @@ booted one (a fraction of a second) instead of booted afresh."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 import signal
@@ -219,6 +220,49 @@ async def test_missing_and_corrupt_snapshot(vm_kit):
     finally:
         shutil.rmtree(bad, ignore_errors=True)
     assert machine.pid_alive(base.pid)
+
+
+async def test_guest_agent_runs_commands_as_asked(vm_kit):
+    """The guest agent (native/agent.c) in a restored VM: the workdir, user and environment the
+    request gave (values passed as they are), stdin bigger than a pipe holds, output over the
+    cap counted on both streams, a background process that keeps stdout open not holding the
+    answer, concurrent commands each with its own whole output, a timeout ending all the
+    command started, a missing workdir refused."""
+    backend, spec, base, meta = vm_kit
+    vm = await restore(backend, spec, meta, "cagentcmds0000000")
+    try:
+        assert "run" in backend._live[vm.cid].agent.features
+        await backend.make_dir(vm, "/tmp/a dir", 0, 0)
+        value = "it's \"$HOME\" `x`\nnext"
+        ctx = ExecContext(uid=1000, gid=1001, workdir="/tmp/a dir", env={"PATH": "/bin", "V": value})
+        r = await backend.exec(vm, ExecRequest(command='pwd; id -u; id -g; grep CapEff /proc/self/status; '
+                                                       '[ -z "$HOME" ] && echo no-home; printf %s "$V"'), ctx)
+        assert r.exit_code == 0, r
+        assert r.stdout.split("\n", 5) == ["/tmp/a dir", "1000", "1001", "CapEff:\t0000000000000000", "no-home",
+                                          value], r.stdout
+        data = "".join(f"{i:07d}\n" for i in range(40_000))  # 320 kB
+        r = await backend.exec(vm, ExecRequest(command="md5sum", stdin=data), ROOT)
+        assert r.stdout.split()[0] == hashlib.md5(data.encode()).hexdigest(), r
+        r = await backend.exec(vm, ExecRequest(command="yes 0123456789 | head -c 1000000; yes e | head -c 300000 >&2; "
+                                                       "kill -9 $$", max_output_bytes=1000), ROOT)
+        assert (r.exit_code, r.stdout, r.stdout_bytes, r.stderr_bytes) == (137, "0123456789\n" * 90 + "0123456789", 1_000_000, 300_000)
+        assert r.stdout_truncated and r.stderr_truncated and r.stderr == "e\n" * 500
+        start = time.monotonic()
+        r = await backend.exec(vm, ExecRequest(command="echo started; sleep 30 &"), ROOT)
+        assert r.stdout == "started\n" and time.monotonic() - start < 5, r
+        results = await asyncio.gather(*(backend.exec(vm, ExecRequest(command=f"yes {i} | head -c 200000",
+                                                                      max_output_bytes=1 << 20), ROOT)
+                                         for i in range(6)))
+        assert [r.stdout == f"{i}\n" * 100_000 for i, r in enumerate(results)] == [True] * 6
+        with pytest.raises(CommandTimeout):
+            await backend.exec(vm, ExecRequest(command="sleep 300 & sleep 301", timeout=1), ROOT)
+        r = await backend.exec(vm, ExecRequest(command="ps -o args | grep -c '^sleep 30[01]$'"), ROOT)
+        assert r.stdout == "0\n", r
+        with pytest.raises(InvalidRequest, match="not a directory"):
+            await backend.exec(vm, ExecRequest(command="true"), ExecContext(uid=0, gid=0, workdir="/nonexistent", env={}))
+        assert (await backend.exec(vm, ExecRequest(command="echo alive"), ROOT)).stdout == "alive\n"
+    finally:
+        await backend.destroy(vm)
 
 
 async def test_qemu_killed_from_outside(vm_kit):

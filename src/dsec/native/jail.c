@@ -1,7 +1,7 @@
 /* dsec-jail: confine a command, then exec it. Built static by dsec.isolation.jail.
  *
  *   dsec-jail [--caps N,N,…] [--seccomp FILE] [--rw|--ro|--hide PATH]… [--scope] [--join PID]
- *             [--strict] -- COMMAND [ARG…]
+ *             [--cwd DIR] [--user UID:GID] [--strict] -- COMMAND [ARG…]
  *   dsec-jail [--ro PATH]… --init
  *
  * --init makes a sandbox's pid namespace (and a mount namespace with that namespace's /proc,
@@ -11,6 +11,7 @@
  *   --join     enter the pid and mount namespaces of that init: the command sees, and can
  *              signal, only the processes of the sandbox's commands (not whoever started it).
  *              The jail stays outside and exits with the command's status.
+ *   --cwd      change to DIR (in the joined mount namespace); exit status 1 when it cannot.
  *   Landlock   filesystem rules (any --rw/--ro/--hide): a path that no option names gets full
  *              access, a named path gets its mode for itself and everything beneath it (named
  *              paths beneath it excepted). Landlock only allows, so the directories above a
@@ -23,7 +24,10 @@
  *   --caps     the capability bounding set reduced to these numbers; effective, permitted
  *              and inheritable to match; ambient cleared.
  *   --seccomp  a BPF program (an array of struct sock_filter) loaded with seccomp(2).
- *   every fd above 2 is closed, then COMMAND is exec'd (PATH is searched).
+ *   --user     no supplementary groups, then setgid(GID) and setuid(UID) (a uid other than 0
+ *              leaves the command no capabilities, as for any root process that drops to it).
+ *   every fd above 2 is closed, then COMMAND is exec'd (PATH is searched) with the jail's own
+ *   environment.
  *
  * Exit status: the command's (128 + N when signal N ended it), 127/126 when it cannot be run,
  * 125 when the jail itself fails (with a message on stderr).
@@ -32,6 +36,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
 #include <linux/landlock.h>
@@ -377,12 +382,28 @@ static void join(const char *pid)
     _exit(exit_code(status));
 }
 
+/* --user UID:GID, last before the exec (a command's own uid and gid; the sandbox's confinement
+ * is in place by then). */
+static void become(const char *user)
+{
+    char *end;
+    unsigned long uid = strtoul(user, &end, 10), gid;
+    if (end == user || *end != ':' || (gid = strtoul(end + 1, &end, 10), *end) || uid > 0xfffffffeUL || gid > 0xfffffffeUL)
+        die("--user wants UID:GID, not %s", user);
+    if (setgroups(0, NULL) < 0 && errno != EPERM)
+        die("setgroups: %s", strerror(errno));
+    if (setgid((gid_t)gid) < 0)
+        die("setgid %lu: %s", gid, strerror(errno));
+    if (setuid((uid_t)uid) < 0)
+        die("setuid %lu: %s", uid, strerror(errno));
+}
+
 /* -- main -------------------------------------------------------------------------------- */
 
 int main(int argc, char **argv)
 {
     const char *caps = NULL, *seccomp = NULL;
-    const char *join_pid = NULL;
+    const char *join_pid = NULL, *cwd = NULL, *user = NULL;
     int scope = 0, init = 0, i;
     for (i = 1; i < argc && strcmp(argv[i], "--") != 0; i++) {
         const char *opt = argv[i];
@@ -392,6 +413,10 @@ int main(int argc, char **argv)
             init = 1;
         } else if (i + 1 < argc && strcmp(opt, "--join") == 0) {
             join_pid = argv[++i];
+        } else if (i + 1 < argc && strcmp(opt, "--cwd") == 0) {
+            cwd = argv[++i];
+        } else if (i + 1 < argc && strcmp(opt, "--user") == 0) {
+            user = argv[++i];
         } else if (strcmp(opt, "--strict") == 0) {
             strict = 1;
         } else if (i + 1 < argc && strcmp(opt, "--caps") == 0) {
@@ -408,7 +433,7 @@ int main(int argc, char **argv)
             named[n_named++].mode = opt[2] == 'r' ? (opt[3] == 'w' ? FULL : READ_ONLY) : HIDDEN;
         } else {
             die("unknown or incomplete option %s (usage: dsec-jail [--caps N,…] [--seccomp FILE] "
-                "[--rw|--ro|--hide PATH]… [--scope] [--join PID] [--strict] -- COMMAND [ARG…], "
+                "[--rw|--ro|--hide PATH]… [--scope] [--join PID] [--cwd DIR] [--user UID:GID] [--strict] -- COMMAND [ARG…], "
                 "or dsec-jail [--ro PATH]… --init)", opt);
         }
     }
@@ -422,6 +447,10 @@ int main(int argc, char **argv)
         read_seccomp(seccomp);
     if (join_pid)
         join(join_pid);
+    if (cwd && chdir(cwd) < 0) {
+        fprintf(stderr, "dsec-jail: cannot change to %s: %s\n", cwd, strerror(errno));
+        _exit(1);  /* as `cd DIR || exit 1` did */
+    }
     int ruleset = landlock_ruleset(scope);
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
         die("cannot set no_new_privs: %s", strerror(errno));
@@ -429,6 +458,8 @@ int main(int argc, char **argv)
         keep_caps(caps);
     landlock_restrict(ruleset);
     load_seccomp();
+    if (user)
+        become(user);
     if (syscall(SYS_close_range, 3, ~0U, 0) < 0)
         die("close_range: %s", strerror(errno));
     execvp(command[0], command);

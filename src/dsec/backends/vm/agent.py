@@ -1,10 +1,12 @@
-"""The host end of the guest agent's channel (see ``guest/agent.sh`` for the frames).
+"""The host end of the guest agent's channel (see ``native/agent.c`` for the frames).
 
 QEMU exposes the guest's virtio-serial port as a unix socket; ``AgentChannel`` connects to it,
 writes requests and matches answers to them by id, so calls can run side by side (commands run
 concurrently in the guest). A long answer may come first as "part" frames, handed to the
 caller's sink as they arrive, before its final frame. When the connection drops or the guest stops answering, every
-pending call raises ``AgentGone``.
+pending call raises ``AgentGone``. The agent's answer to ``ping`` names the operations it has
+beyond the first agent's (``features``): a VM restored from a snapshot taken before keeps the
+agent it had then.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class AgentChannel:
         self._reader_task = asyncio.create_task(self._read_loop(), name="dsec-agent-reader")
         self.closed = False
         self.reason = ""
+        self.features: frozenset[str] = frozenset()
 
     @classmethod
     async def connect(cls, path: Path, timeout: float = 5.0) -> AgentChannel:
@@ -70,7 +73,9 @@ class AgentChannel:
             if left <= 0:
                 raise AgentGone(f"the guest agent did not answer within {timeout:g}s")
             try:
-                await self.request("ping", timeout=min(0.5, left))
+                answer = await self.request("ping", timeout=min(0.5, left))
+                assert isinstance(answer, bytes)
+                self.features = frozenset(answer.decode(errors="replace").split())
                 return
             except AgentGone:
                 if self.closed:

@@ -5,10 +5,11 @@ current one): it is fetched with ``apt-get download`` into ``<assets>/tmp``, unp
 ``dpkg-deb -x`` (never installed on the host) and kept under ``<assets>/kernel/<version>/``.
 The initramfs is a newc cpio of the host's busybox-static, the kernel modules a guest needs (with
 their dependencies, read from each module's ``.modinfo`` section: the package ships no
-modules.dep), the guest scripts (``guest/``) and what the agent confines each command with:
-the static ``dsec-jail``, the sandbox seccomp profile compiled to BPF and the capability numbers
-to keep (see ``dsec.isolation.jail``). It is named by the digest of what went in, so a changed
-script, profile or kernel makes a new one.
+modules.dep), the guest scripts (``guest/``), the guest agent (the static ``dsec-agent``,
+``native/agent.c``) and what the agent confines each command with: the static ``dsec-jail``, the
+sandbox seccomp profile compiled to BPF and the capability numbers to keep (see
+``dsec.isolation.jail``). It is named by the digest of what went in, so a changed script,
+program, profile or kernel makes a new one.
 
 Both are made once per assets directory (under a file lock, so concurrent first uses wait for
 one another) and reused.
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from libdsec import BackendError
 
+from ... import native
 from ...isolation.jail import GUEST_ALSO_ALLOWED, caps_argument, jail_binary, seccomp_bpf
 from ...isolation.profile import seccomp_profile
 
@@ -200,9 +202,11 @@ class AssetCache:
         if not BUSYBOX.exists():
             raise BackendError(f"{BUSYBOX} not found: install busybox-static")
         modules = module_load_order(kdir / "modules", GUEST_MODULES)
-        scripts = {name: (GUEST_DIR / name).read_bytes() for name in ("init.sh", "agent.sh", "pid1.sh")}
+        scripts = {name: (GUEST_DIR / name).read_bytes() for name in ("init.sh", "pack.sh", "pid1.sh")}
         busybox = BUSYBOX.read_bytes()
-        confinement = {"jail": jail_binary(self.root).read_bytes(),
+        programs = ("agent", "jail")
+        confinement = {"agent": native.binary("agent", self.root).read_bytes(),
+                       "jail": jail_binary(self.root).read_bytes(),
                        "seccomp.bpf": seccomp_bpf(seccomp_profile(GUEST_ALSO_ALLOWED)),
                        "caps": caps_argument().encode()}
         h = hashlib.sha256(kdir.name.encode() + busybox)
@@ -220,10 +224,10 @@ class AssetCache:
         entries.append(("bin/busybox", 0o100755, busybox))
         entries.append(("bin/sh", 0o120777, b"busybox"))
         entries.append(("init", 0o100755, scripts["init.sh"]))
-        for name in ("agent.sh", "pid1.sh"):
+        for name in ("pack.sh", "pid1.sh"):
             entries.append((f"dsec/{name}", 0o100644, scripts[name]))
         for name, data in confinement.items():
-            entries.append((f"dsec/{name}", 0o100755 if name == "jail" else 0o100644, data))
+            entries.append((f"dsec/{name}", 0o100755 if name in programs else 0o100644, data))
         for m in modules:
             entries.append((f"lib/modules/{m.name}", 0o100644, m.read_bytes()))
         load = "".join(m.name.removesuffix(".ko") + "\n" for m in modules)

@@ -180,11 +180,16 @@ class VMBackend:
     async def _attach(self, cid: str, pid: int, vm_dir: Path, timeout: float, spec: SandboxSpec | None = None) -> _Live:
         """Connect QMP and the agent, and wait until the agent answers (or QEMU dies)."""
         qmp = await QMP.connect(vm_dir / "qmp.sock")
+        agent = None
         try:
+            # The agent's socket first: a restored guest then finds its host connected, as it
+            # was when the snapshot was taken, instead of seeing it gone and looking again later.
+            agent = await AgentChannel.connect(vm_dir / "agent.sock")
             if spec is not None:
                 await self._before_agent(qmp, pid, spec)
-            agent = await AgentChannel.connect(vm_dir / "agent.sock")
         except BaseException:
+            if agent is not None:
+                await agent.close()
             await qmp.close()
             raise
         live = _Live(pid=pid, qmp=qmp, agent=agent)
@@ -358,21 +363,31 @@ class VMBackend:
 
     async def exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult:
         live = self._get(handle, "exec")
-        env = " ".join(shlex.quote(f"{k}={v}") for k, v in ctx.env.items())
-        script = (
-            f"cd -- {shlex.quote(ctx.workdir)} || exit 1\n"
-            f"exec {AGENT_BIN}/env -i {env} {AGENT_BIN}/nsenter -S {ctx.uid} -G {ctx.gid} "
-            f"/bin/sh -c {shlex.quote(request.command)}\n"
-        ).encode()
+        if any("\0" in f"{k}{v}" or "=" in k for k, v in ctx.env.items()) or "\0" in ctx.workdir + request.command:
+            raise InvalidRequest("a NUL byte in the command, workdir or environment, or '=' in a variable's name")
         workdir = ctx.workdir.encode()
         stdin = request.stdin.encode() if request.stdin is not None else None
-        start = time.perf_counter()
+        stdin_len = len(stdin) if stdin is not None else -1
         agent = live.agent
+        if "run" in agent.features:  # the agent runs the jail with the workdir, user and environment
+            command = request.command.encode()
+            env = b"".join(f"{k}={v}".encode() + b"\0" for k, v in ctx.env.items())
+            header = (f"run {request.max_output_bytes} {len(workdir)} {len(command)} {stdin_len} {len(env)} "
+                      f"{ctx.uid} {ctx.gid}")
+            payloads = (workdir, command, stdin or b"", env)
+        else:  # the shell agent of a VM restored from an older snapshot: a script does it
+            env_words = " ".join(shlex.quote(f"{k}={v}") for k, v in ctx.env.items())
+            script = (
+                f"cd -- {shlex.quote(ctx.workdir)} || exit 1\n"
+                f"exec {AGENT_BIN}/env -i {env_words} {AGENT_BIN}/nsenter -S {ctx.uid} -G {ctx.gid} "
+                f"/bin/sh -c {shlex.quote(request.command)}\n"
+            ).encode()
+            header = f"exec {request.max_output_bytes} {len(workdir)} {len(script)} {stdin_len}"
+            payloads = (workdir, script, stdin or b"")
+        start = time.perf_counter()
         rid = agent.new_id()
         try:
-            fut = await agent.send(
-                rid, f"exec {request.max_output_bytes} {len(workdir)} {len(script)} {len(stdin) if stdin is not None else -1}",
-                workdir, script, stdin or b"")
+            fut = await agent.send(rid, header, *payloads)
             try:
                 result = await asyncio.wait_for(asyncio.shield(fut), request.timeout)
             except TimeoutError:

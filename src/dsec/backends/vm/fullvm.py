@@ -33,7 +33,7 @@ from .backend import VMBackend
 INITTAB = """\
 # Written by DSec: the image's busybox init keeps the DSec guest agent running.
 ::sysinit:/bin/hostname sandbox
-::respawn:/dev/.dsec/busybox sh /dev/.dsec/agent.sh
+::respawn:/dev/.dsec/agent
 ::shutdown:/bin/sync
 """
 # The base disk is read-only: a little room for ext4's own metadata is all it needs.

@@ -4,7 +4,8 @@ Both VM kinds root the guest in an overlay whose upper holds everything the VM c
 microVM's upper is a tmpfs in guest memory (over its pmem layers), a full VM's is its own ext4
 disk (over the image's disk, see ``fullvm``). The host cannot read guest memory, and reading the
 full VM's disk from the host would need the guest's filesystem quiesced and a loop device to
-mount it; so the guest agent packs the upper itself (op ``pack``, see ``guest/agent.sh``):
+mount it; so the guest agent packs the upper itself (op ``pack``, see ``native/agent.c`` and
+``guest/pack.sh``):
 
 1. it freezes every command's cgroup, so nothing changes the upper while it is read (the VM's
    own init and the agent keep running);

@@ -1,6 +1,6 @@
 #!/bin/busybox sh
 # PID 1 of every DSec VM, in the initramfs. Loads the modules, builds the root filesystem, puts
-# the guest agent (busybox + agent.sh) on a tmpfs at <root>/dev/.dsec and hands over:
+# the guest agent (dsec-agent, with busybox and pack.sh) on a tmpfs at <root>/dev/.dsec and hands over:
 #   dsec.mode=microvm  root = overlay of the EROFS layers (pmem with DAX, or virtio-blk when
 #                      dsec.layerdev=vd) under a tmpfs upper; PID 1 becomes pid1.sh (the agent)
 #   dsec.mode=fullvm   root = overlay of /dev/vda (the image's ext4 disk, read-only, shared by
@@ -90,7 +90,7 @@ mount -t tmpfs -o mode=0700 dsec /newroot/dev/.dsec
 mkdir /newroot/dev/.dsec/rw
 mount --move /rw /newroot/dev/.dsec/rw
 mkdir -p /newroot/dev/.dsec/bin /newroot/dev/pts /newroot/dev/shm
-cp /bin/busybox /dsec/agent.sh /dsec/pid1.sh /dsec/jail /dsec/seccomp.bpf /dsec/caps /newroot/dev/.dsec/
+cp /bin/busybox /dsec/agent /dsec/pack.sh /dsec/pid1.sh /dsec/jail /dsec/seccomp.bpf /dsec/caps /newroot/dev/.dsec/
 /newroot/dev/.dsec/busybox --install -s /newroot/dev/.dsec/bin
 for l in /newroot/dev/.dsec/bin/*; do ln -sf /dev/.dsec/busybox "$l"; done
 mount -t devpts -o newinstance,ptmxmode=0666 devpts /newroot/dev/pts

@@ -3,7 +3,7 @@
 # QEMU end with it.
 export PATH=/dev/.dsec/bin
 hostname sandbox 2>/dev/null
-/dev/.dsec/busybox sh /dev/.dsec/agent.sh &
+/dev/.dsec/agent &
 wait $!
 echo "dsec: guest agent exited" >/dev/ttyS0
 poweroff -f
