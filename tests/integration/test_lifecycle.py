@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+
 import pytest
 
 from libdsec import DSecContainerRunArgs, SandboxStatus
@@ -40,3 +43,29 @@ async def test_batch(client):
     assert all(r.exit_code == 0 for r in results)
     for s in sandboxes:
         await s.stop()
+
+
+async def test_no_zombie_left_by_crun(client, server):
+    """`crun run --detach` leaves a forked process of its own to the server (the subreaper):
+    the server reaps it, so sandboxes made and stopped leave no zombie behind."""
+    def zombies() -> list[str]:
+        found = []
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    comm, fields = f.read().rsplit(")", 1)
+            except (OSError, ValueError):
+                continue
+            state, ppid = fields.split()[:2]
+            if state == "Z" and int(ppid) == server.proc.pid:
+                found.append(f"{pid} {comm.split('(', 1)[-1]}")
+        return found
+
+    for _ in range(2):
+        sandboxes = await client.run_containers(DSecContainerRunArgs(container_image="busybox"), count=4)
+        await asyncio.gather(*(s.stop() for s in sandboxes))
+    for _ in range(50):
+        if not zombies():
+            break
+        await asyncio.sleep(0.1)
+    assert zombies() == []
