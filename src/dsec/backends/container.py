@@ -139,57 +139,77 @@ def _sealed_copy(path: str) -> str:
 class _OrphanReaper:
     """``crun run --detach`` forks a process that outlives the crun we started, in a process
     group crun made: that orphan comes to us, the subreaper (dsec.server), and would stay a
-    zombie, one a sandbox, until the server exits. After crun runs, a sweep (in a thread, a
-    tenth of a second later) reaps our zombie children that are in a process group neither
-    their own (sandbox inits, sessions we started) nor ours (what we spawned and wait for);
-    only children newer than the first crun since the last sweep are looked at."""
+    zombie, one a sandbox, until the server exits. A tenth of a second after crun runs, the
+    zombie children we have are looked at, oldest first, without reaping them (WNOWAIT): one
+    in a process group neither its own (sandbox inits, sessions we started) nor ours (what we
+    spawned and wait for) is such an orphan, and is reaped. Any other zombie is left to its
+    waiter; should one stay in the way, a sweep of all children newer than the first crun
+    since (in a thread) takes its place."""
 
     def __init__(self) -> None:
-        self.floor: int | None = None  # the lowest crun pid since the last clean sweep
+        self.floor: int | None = None  # the lowest crun pid since the last look
         self.due = False
+        self.blocked = 0
 
     def after(self, pid: int) -> None:
         self.floor = pid if self.floor is None else min(self.floor, pid)
         if not self.due:
             self.due = True
-            asyncio.get_running_loop().call_later(0.1, self._start)
+            asyncio.get_running_loop().call_later(0.1, self._look)
 
-    def _start(self) -> None:
-        floor, self.floor = self.floor, None
-        future = asyncio.get_running_loop().run_in_executor(None, _reap_orphans_above, floor or 0)
-        future.add_done_callback(lambda f: self._done(f, floor or 0))
-
-    def _done(self, future: asyncio.Future, floor: int) -> None:
+    def _look(self) -> None:
         self.due = False
-        if future.cancelled() or future.exception() is not None or future.result():
-            self.after(floor)  # one still runs, or the sweep failed: again later
+        floor, self.floor = self.floor or 0, None
+        if not _reap_waitable_orphans():
+            self.blocked = 0
+            return
+        self.blocked += 1
+        if self.blocked < 5:
+            self.after(floor)  # another zombie in the way: its waiter reaps it soon
+        else:
+            self.blocked = 0
+            asyncio.get_running_loop().run_in_executor(None, _reap_orphans_above, floor)
 
 
-def _reap_orphans_above(floor: int) -> bool:
-    """Reap orphaned zombies newer than ``floor`` (see _OrphanReaper); True if a candidate
-    still runs."""
+def _orphan(pid: int, mine: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[2]) not in (pid, mine)
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def _reap_waitable_orphans() -> bool:
+    """Reap orphaned zombie children (see _OrphanReaper) while they come first; True if
+    another zombie is in the way."""
+    mine = os.getpgrp()
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        if info is None:
+            return False
+        if not _orphan(info.si_pid, mine):
+            return True
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(info.si_pid, os.WNOHANG)
+
+
+def _reap_orphans_above(floor: int) -> None:
+    """Reap orphaned zombies newer than ``floor`` among all our children."""
     mine = os.getpgrp()
     children: set[int] = set()
     for task in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
             children.update(int(c) for c in f.read().split())
-    running = False
     for pid in children:
-        if pid <= floor:
+        if pid <= floor or not _orphan(pid, mine):
             continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) in (pid, mine):
-            continue
-        if fields[0] == "Z":
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-        else:
-            running = True
-    return running
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
 
 
 _ORPHANS = _OrphanReaper()
