@@ -14,6 +14,7 @@ def fake_ksm(tmp_path, monkeypatch):
                        "full_scans": "7", "pages_sharing": "12", "pages_shared": "3"}.items():
         (tmp_path / key).write_text(value + "\n")
     monkeypatch.setattr(ksm, "KSM", tmp_path)
+    monkeypatch.setattr(ksm, "SAVED", tmp_path / "saved" / "ksm-host.json")
     return tmp_path
 
 
@@ -51,3 +52,16 @@ async def test_the_microvm_backend_gives_the_host_its_settings_back(fake_ksm, tm
     assert ksm.read() == {"run": "1", **ksm.SETTINGS}
     backend.release_unused()
     assert ksm.read() == before
+
+
+def test_settings_left_by_a_run_that_died_are_given_back(fake_ksm):
+    """A run that dies with KSM on leaves the host's settings saved: the next run takes those
+    (not DSec's rate it finds) and gives them back."""
+    host = ksm.read()
+    assert ksm.take() == host
+    ksm.enable()  # ... and the run dies here
+    assert ksm.take() == host  # the next run
+    ksm.give_back(ksm.take())
+    assert ksm.read() == host
+    assert not ksm.SAVED.exists()
+    assert ksm.take() == host  # a clean slate: the settings now

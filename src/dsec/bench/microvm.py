@@ -148,7 +148,7 @@ async def run(state_dir: Path, store_dir: Path, console: Console, image: str, bo
     console.print(f"[bold]dsec bench microvm[/bold]: image {image}, {memory_mb} MB guests, accel {accel.upper()}, "
                   f"QEMU {results['qemu']}")
     warm = WARM_COMMANDS.get(image, WARM_COMMANDS["busybox"])
-    ksm_before = ksm.read()
+    ksm_before = ksm.take()
     live: list = []
     try:
         # 1. cold boot vs restore, each to an answered echo.
@@ -257,7 +257,7 @@ async def run(state_dir: Path, store_dir: Path, console: Console, image: str, bo
                 machine.TCG_TB_MB = platform_tb
     finally:
         await _destroy(shared, live)
-        ksm.write(ksm_before)
+        ksm.give_back(ksm_before)
         for b in (shared, private):
             await b.recover([])
             await b.close()

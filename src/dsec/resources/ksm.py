@@ -13,7 +13,9 @@ guests of 256 MiB, 26 s at the rate below.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 
 log = logging.getLogger("dsec.resources.ksm")
@@ -22,6 +24,10 @@ KSM = Path("/sys/kernel/mm/ksm")
 # 1000 pages every 20 ms: 50,000 pages (195 MiB) a second.
 SETTINGS = {"pages_to_scan": "1000", "sleep_millisecs": "20", "use_zero_pages": "1"}
 KEYS = ("run", *SETTINGS)
+# The host's own settings while DSec runs KSM, kept where a reboot (which resets KSM) clears
+# them too: a server or benchmark that dies with KSM on leaves them for the next one to put
+# back, instead of the host scanning at DSec's rate for good.
+SAVED = Path("/run/dsec/ksm-host.json")
 
 
 def available() -> bool:
@@ -51,6 +57,32 @@ def enable(settings: dict[str, str] = SETTINGS) -> bool:
         log.warning("cannot set KSM (%s): microVMs share their layers but not their other pages", exc)
         return False
     return True
+
+
+def take() -> dict[str, str]:
+    """The host's settings, saved before DSec changes them: those an earlier run saved and
+    did not give back, else the settings now."""
+    try:
+        saved = json.loads(SAVED.read_text())
+        if isinstance(saved, dict) and saved:
+            return {str(k): str(v) for k, v in saved.items()}
+    except (OSError, ValueError):
+        pass
+    now = read()
+    try:
+        SAVED.parent.mkdir(parents=True, exist_ok=True)
+        tmp = SAVED.with_suffix(".tmp")
+        tmp.write_text(json.dumps(now))
+        os.replace(tmp, SAVED)
+    except OSError as exc:
+        log.warning("cannot keep the host's KSM settings in %s: %s", SAVED, exc)
+    return now
+
+
+def give_back(settings: dict[str, str]) -> None:
+    """Put the host's ``settings`` back and forget the saved copy."""
+    write(settings)
+    SAVED.unlink(missing_ok=True)
 
 
 def full_scans() -> int:

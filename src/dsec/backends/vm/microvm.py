@@ -125,7 +125,7 @@ class MicroVMBackend(VMBackend):
     async def _start_ksm(self) -> None:
         if self._ksm_wanted and not self._ksm_on:
             if ksm.available():
-                self._ksm_before = await asyncio.to_thread(ksm.read)
+                self._ksm_before = await asyncio.to_thread(ksm.take)
             self._ksm_on = await asyncio.to_thread(ksm.enable)
             self._ksm_wanted = self._ksm_on  # tried once: a node without KSM is told once
 
@@ -134,7 +134,7 @@ class MicroVMBackend(VMBackend):
         super().release_unused()
         if self._ksm_on and not self._live and self._ksm_before:
             try:
-                ksm.write(self._ksm_before)
+                ksm.give_back(self._ksm_before)
             except OSError as exc:
                 log.warning("cannot restore the host's KSM settings: %s", exc)
             self._ksm_on, self._ksm_wanted = False, True
