@@ -394,11 +394,7 @@ class DSecClient(_ProjectMethods):
             response = await http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
             raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc!r}") from exc
-        if response.status_code >= 400:
-            raise _error_of(response)
-        if raw:
-            return response.content
-        return response.json()
+        return _body(response, raw)
 
     async def _request_wire(
         self, method: str, path: str, model: BaseModel | None, params: dict[str, str] | None,
@@ -413,11 +409,7 @@ class DSecClient(_ProjectMethods):
                                               timeout=self._timeout if timeout is None else timeout)
         except WireError as exc:
             raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc}") from exc
-        if answer.status_code >= 400:
-            raise _error_of(answer)
-        if raw:
-            return answer.content
-        return answer.json()
+        return _body(answer, raw)
 
     async def _stream(
         self, method: str, path: str, model: BaseModel, timeout: float | None
@@ -439,6 +431,13 @@ class DSecClient(_ProjectMethods):
                         yield BatchEvent.model_validate_json(line)
         except httpx.TransportError as exc:
             raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc!r}") from exc
+
+
+def _body(response: httpx.Response | Answer, raw: bool) -> Any:
+    """An answer's body (bytes with ``raw``, else parsed JSON); its error raised."""
+    if response.status_code >= 400:
+        raise _error_of(response)
+    return response.content if raw else response.json()
 
 
 def _error_of(response: httpx.Response | Answer) -> DSecError:

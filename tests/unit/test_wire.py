@@ -47,6 +47,13 @@ class Server:
             writer.close()
 
 
+def _unused_port() -> int:
+    """A port on 127.0.0.1 nobody listens on (bound a moment, then let go)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _json(writer: asyncio.StreamWriter, status: int, body: object) -> None:
     data = json.dumps(body).encode()
     writer.write(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n".encode()
@@ -131,10 +138,7 @@ async def test_timeout_and_refused_connection_are_errors() -> None:
         with pytest.raises(WireError, match="within 0.2s"):
             await wire.request("GET", "/slow", timeout=0.2)
         await wire.aclose()
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    wire = WireClient(f"http://127.0.0.1:{port}", {}, 4)
+    wire = WireClient(f"http://127.0.0.1:{_unused_port()}", {}, 4)
     with pytest.raises(WireError, match="cannot connect"):
         await wire.request("GET", "/", timeout=5)
 
@@ -148,10 +152,7 @@ async def test_the_sdk_maps_wire_failures_and_errors() -> None:
         async with DSecClient(f"http://127.0.0.1:{srv.port}", token="t") as client:
             with pytest.raises(LimitOutOfRange, match="memory_limit_mb"):
                 await client.list_images()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    async with DSecClient(f"http://127.0.0.1:{port}", token="t") as client:
+    async with DSecClient(f"http://127.0.0.1:{_unused_port()}", token="t") as client:
         with pytest.raises(ServerUnavailable, match="cannot reach DSec"):
             await client.list_images()
 

@@ -336,11 +336,16 @@ def _child(uid, gid, body_fd, body_len, out_fd, err_fd, cpu, memory, vsz):
                 _signal.signal(sig, _signal.SIG_DFL)
             os.execve("/bin/bash", ["bash", "-c", code], {**os.environ, **env})
     except BaseException as exc:  # noqa: BLE001
-        try:
-            os.write(2, f"fncall: the call could not start: {type(exc).__name__}: {exc}\n".encode())
-        except BaseException:  # noqa: BLE001
-            pass
+        _say_cannot_start(exc)
     os._exit(126)
+
+
+def _say_cannot_start(exc: BaseException) -> None:
+    """Tell the call's stderr why it did not start (its exit code, 126, says that it did not)."""
+    try:
+        os.write(2, f"fncall: the call could not start: {type(exc).__name__}: {exc}\n".encode())
+    except BaseException:  # noqa: BLE001
+        pass
 
 
 def _native_child(loop):
@@ -355,10 +360,7 @@ def _native_child(loop):
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         _run_python(code)
     except BaseException as exc:  # noqa: BLE001
-        try:
-            os.write(2, f"fncall: the call could not start: {type(exc).__name__}: {exc}\n".encode())
-        except BaseException:  # noqa: BLE001
-            pass
+        _say_cannot_start(exc)
     os._exit(126)
 
 
