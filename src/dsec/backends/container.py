@@ -115,21 +115,16 @@ def _sealed_copy(path: str) -> str:
     libraries, about 1.7 ms of CPU here. Started from a copy sealed like its own, it sees it is
     one and goes on (crun's cloned_binary.c: a fully sealed memfd may be shared). The copy is
     this process's; a crun upgraded on disk is used from the next server start."""
+    fd = -1
     try:
         fd = os.memfd_create("crun", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    except OSError as exc:
-        log.warning("no sealed copy of %s (%s): it copies itself on every run", path, exc)
-        return path
-    try:
-        with open(path, "rb") as src:
-            data = src.read()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        with open(path, "rb") as src, os.fdopen(fd, "wb", closefd=False) as dst:
+            shutil.copyfileobj(src, dst)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
                     fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
     except OSError as exc:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         log.warning("no sealed copy of %s (%s): it copies itself on every run", path, exc)
         return path
     # posix_spawn resolves the path before close-on-exec descriptors close.
@@ -171,10 +166,25 @@ class _OrphanReaper:
             asyncio.get_running_loop().run_in_executor(None, _reap_orphans_above, floor)
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name: state [0], ppid [1], process
+    group [2], session [3] … (OSError once the process is gone)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _children() -> set[int]:
+    """Our child processes, those of every thread (no scan of all /proc)."""
+    children: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
+            children.update(int(c) for c in f.read().split())
+    return children
+
+
 def _orphan(pid: int, mine: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[2]) not in (pid, mine)
+        return int(_stat(pid)[2]) not in (pid, mine)
     except (OSError, IndexError, ValueError):
         return False
 
@@ -199,17 +209,15 @@ def _reap_waitable_orphans() -> bool:
 def _reap_orphans_above(floor: int) -> None:
     """Reap orphaned zombies newer than ``floor`` among all our children."""
     mine = os.getpgrp()
-    children: set[int] = set()
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
-            children.update(int(c) for c in f.read().split())
-    for pid in children:
-        if pid <= floor or not _orphan(pid, mine):
+    for pid in _children():
+        if pid <= floor:
             continue
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(pid, os.WNOHANG)
+        try:
+            fields = _stat(pid)
+            if fields[0] == "Z" and int(fields[2]) not in (pid, mine):
+                os.waitpid(pid, os.WNOHANG)
+        except (OSError, IndexError, ValueError, ChildProcessError):
+            continue
 
 
 _ORPHANS = _OrphanReaper()
@@ -276,8 +284,7 @@ async def _wait_process(proc: asyncio.subprocess.Process, timeout: float) -> int
 
 
 def _session(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[3])
+    return int(_stat(pid)[3])
 
 
 def _kill_session_of(pidfile: Path, cid: str) -> None:
@@ -324,8 +331,7 @@ def _pid_in_cgroup(pid: int, cid: str) -> bool:
         with open(f"/proc/{pid}/cgroup") as f:
             if f"/{cid}\n" not in f.read():
                 return False
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return _stat(pid)[0] != "Z"
     except (OSError, IndexError):
         return False
 
@@ -507,10 +513,8 @@ class ContainerBackend:
     def _mount_rootfs(self, plan: OverlayPlan, limits: Limits | None) -> None:
         # The bundle (and so the writable layer) is a tmpfs of its own: its size is the
         # sandbox's disk limit (ENOSPC past it), set again with the memory limit.
-        if limits is None:
-            disk.mount_bundle(plan.target.parent)
-        else:
-            disk.mount_bundle(plan.target.parent, disk.cap_for(limits.memory_bytes))
+        disk.mount_bundle(plan.target.parent,
+                          disk.INITIAL_BYTES if limits is None else disk.cap_for(limits.memory_bytes))
         for d in (plan.upper, plan.work, plan.target):
             d.mkdir(parents=True, exist_ok=True)
         self.layer_mounts.acquire(plan.layers)
@@ -687,20 +691,14 @@ class ContainerBackend:
         """Reap zombies that were reparented to us (we are the subreaper) from inside our
         sandboxes, e.g. a command whose ``crun exec`` died first. Only processes in our sandbox
         cgroups: asyncio reaps the ``crun`` processes it spawned, which live outside them."""
-        children: set[str] = set()
-        for task in os.listdir("/proc/self/task"):  # our children only: no scan of all /proc
-            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
-                children.update(f.read().split())
-        for entry in children:
+        for pid in _children():
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if fields[0] != "Z":
+                if _stat(pid)[0] != "Z":
                     continue
-                with open(f"/proc/{entry}/cgroup") as f:
+                with open(f"/proc/{pid}/cgroup") as f:
                     if f"/{self.cgroup_parent}/" not in f.read():
                         continue
-                os.waitpid(int(entry), os.WNOHANG)
+                os.waitpid(pid, os.WNOHANG)
             except (OSError, IndexError, ValueError, ChildProcessError):
                 continue
 

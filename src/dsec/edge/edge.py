@@ -363,14 +363,13 @@ class Edge:
             self._pool_wakeup.set()
         try:
             if pooled:
-                rec.handle = await self._take_or_create(pool, limits)
+                rec.handle, has = await self._take_or_create(pool, limits)
             else:
                 spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits,
                                    snapshot=snapshot)
-                rec.handle = await backend.create(f"c{secrets.token_hex(8)}", spec)
+                rec.handle, has = await backend.create(f"c{secrets.token_hex(8)}", spec), None
             try:
-                # A pooled sandbox made for these limits has them (see _Pool.limits).
-                if not pooled or pool.prepared.pop(rec.handle.cid, None) != limits:
+                if has != limits:
                     await backend.apply_limits(rec.handle, limits)
                 rec.uid, rec.gid = await backend.resolve_user(rec.handle, args.init_user)
                 if args.workdir != "/":
@@ -391,18 +390,17 @@ class Edge:
         self._persist(rec)
         return rec.info(self.node)
 
-    async def _take_or_create(self, pool: _Pool, limits: Limits) -> Handle:
+    async def _take_or_create(self, pool: _Pool, limits: Limits) -> tuple[Handle, Limits | None]:
+        """A sandbox of the pool's image, and the limits it already has (see _Pool.limits)."""
         backend = self.backends[pool.kind]
         while pool.handles:
             handle = pool.handles.popleft()
             self._pool_wakeup.set()
+            has = pool.prepared.pop(handle.cid, None)
             if await backend.is_alive(handle):
-                return handle
-            pool.prepared.pop(handle.cid, None)
+                return handle, has
             await backend.destroy(handle)
-        handle = await self._new_handle(pool.kind, pool.image, limits)
-        pool.prepared[handle.cid] = limits
-        return handle
+        return await self._new_handle(pool.kind, pool.image, limits), limits
 
     async def _new_handle(self, kind: str, image: Image, limits: Limits | None) -> Handle:
         """A new sandbox of ``image``, with ``limits`` set (None: none yet)."""
