@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 
 import pytest
@@ -69,3 +70,22 @@ async def test_no_zombie_left_by_crun(client, server):
             break
         await asyncio.sleep(0.1)
     assert zombies() == []
+
+
+async def test_seccomp_program_compiled_once(client, server):
+    """crun compiles the seccomp profile for the first sandbox; later ones get that program
+    (run.oci.seccomp_bpf_data) and refuse the same calls, and record the refusal."""
+    sandboxes = await client.run_containers(DSecContainerRunArgs(container_image="busybox"), count=3)
+    try:
+        crun_root = server.state_dir / "node" / "run" / "crun"
+        configs = [json.loads((d / "config.json").read_text()) for d in crun_root.iterdir() if not d.name.startswith(".")]
+        with_program = [c for c in configs if c.get("annotations", {}).get("run.oci.seccomp_bpf_data")]
+        assert with_program, "no sandbox got the compiled seccomp program"
+        assert all(c["linux"]["seccomp"]["flags"] == ["SECCOMP_FILTER_FLAG_LOG"] for c in with_program)
+        for sb in sandboxes:
+            r = await sb.run_shell("kill -TERM 1; echo rc=$?")
+            assert "Operation not permitted" in r.stderr and r.stdout == "rc=1\n", r
+            events = await sb.security_events()
+            assert any(e.kind == "syscall.denied" and e.detail.startswith("kill ") for e in events), events
+    finally:
+        await asyncio.gather(*(s.stop() for s in sandboxes))
