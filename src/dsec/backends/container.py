@@ -548,8 +548,11 @@ class ContainerBackend:
             raise
 
     def _release_rootfs(self, plan: OverlayPlan, held: bool = True) -> None:
-        if os.path.ismount(plan.target):
+        try:
             _sys.umount(str(plan.target), _sys.MNT_DETACH)
+        except OSError:
+            pass  # not mounted (EINVAL), or never made (ENOENT)
+        else:
             if held:
                 self.layer_mounts.release(plan.layers)
         disk.unmount_bundle(plan.target.parent)

@@ -10,7 +10,6 @@ starts at ``INITIAL_BYTES`` and ``resize_bundle`` sets the cap when the sandbox 
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -39,6 +38,9 @@ def resize_bundle(bundle: Path, size_bytes: int) -> None:
 
 
 def unmount_bundle(bundle: Path) -> None:
-    with contextlib.suppress(OSError):
-        while os.path.ismount(bundle):
+    # Until nothing is mounted there (EINVAL) or it is gone (ENOENT); a few tmpfs deep at most.
+    for _ in range(8):
+        try:
             _sys.umount(str(bundle), _sys.MNT_DETACH)
+        except OSError:
+            break

@@ -60,6 +60,7 @@ class Limits:
         return 1 if self.best_effort else max(1, min(10_000, int(self.cpu_cores * 100)))
 
 
+@functools.cache
 def is_v2() -> bool:
     """Pure cgroup v2: /sys/fs/cgroup itself is the unified hierarchy."""
     return (CGROUP_ROOT / "cgroup.controllers").exists()
@@ -85,6 +86,7 @@ def fix_hybrid_hugetlb() -> bool:
     from .._sys import mount
 
     mount("cgroup", str(target), "cgroup", 0, "hugetlb")
+    _hierarchies.cache_clear()
     return True
 
 
@@ -176,8 +178,11 @@ def memory_usage_bytes(parent: str, cid: str) -> int | None:
 
 
 @functools.cache
+@functools.cache
 def _hierarchies() -> tuple[Path, ...]:
-    """The mounted cgroup hierarchies (v1 controllers, named and unified ones), or the v2 root."""
+    """The mounted cgroup hierarchies (v1 controllers, named and unified ones), or the v2 root.
+    Read once (each sandbox's removal walks them): the set only changes at set-up, which
+    clears it (fix_hybrid_hugetlb)."""
     if is_v2():
         return (CGROUP_ROOT,)
     return tuple(sorted(p for p in CGROUP_ROOT.iterdir() if p.is_dir() and not p.is_symlink()))
