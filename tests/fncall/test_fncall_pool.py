@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -254,6 +255,8 @@ async def test_the_c_loop_serves_and_the_python_loop_stands_in(make_pool, tmp_pa
     pool = await make_pool()
     assert (await pool.call(call("print(1)"))).stdout == "1\n"
     assert pool.workers()[0].loop == "native"
+    if "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text():
+        assert pool.workers()[0].code_on_huge_pages >= 2 << 20  # the image's python3.11, 4 MiB of it
     not_a_library = tmp_path / "not-a-library.so"
     not_a_library.write_bytes(b"\x7fELF, not really")
     caplog.set_level("WARNING", logger="dsec.fncall")
@@ -261,6 +264,7 @@ async def test_the_c_loop_serves_and_the_python_loop_stands_in(make_pool, tmp_pa
     r = await pool.call(call("import os\nprint(os.getuid() != 0)", fetch_files=["x"]))
     assert (r.stdout, r.file_errors) == ("True\n", {"x": "no such file"})
     assert pool.workers()[0].loop == "python"
+    assert pool.workers()[0].code_on_huge_pages == 0
     for _ in range(50):  # the zygote's log is read by a task of its own
         if "the Python loop serves: cannot load /dev/.dsec-zygote.so" in caplog.text:
             break

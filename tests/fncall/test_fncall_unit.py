@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -126,6 +129,39 @@ def test_the_c_loop_is_built_once_and_fits_the_zygote(tmp_path):
     struct = re.sub(r"\(\*(\w+)\)\(void\)", r"\1", re.sub(r"/\*.*?\*/", "", struct, flags=re.S))  # no comments
     fields = re.findall(r"\b(\w+)(?:\[\w+\])?[,;]", struct)
     assert fields == [name for name, _ in zygote._NativeLoop._fields_]
+
+
+_HUGE_PAGES_CHILD = """
+import ctypes, os, sys
+move = ctypes.PyDLL(sys.argv[1]).dsec_zygote_code_to_huge_pages
+move.restype = ctypes.c_long
+moved = move()
+anon_code = [line for line in open("/proc/self/maps") if line.split()[1:2] == ["r-xp"] and len(line.split()) == 5]
+import json, decimal  # new code and data through the moved interpreter, here and in a fork
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if json.loads(json.dumps({"x": str(decimal.Decimal(1) / 7)}))["x"].startswith("0.142857") else 1)
+print(moved, len(anon_code), os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_the_c_loop_moves_the_interpreters_code_onto_huge_pages(tmp_path):
+    """``dsec_zygote_code_to_huge_pages`` moves the 2 MiB-aligned stretches of the loaded
+    objects' read-only mappings onto huge pages, where the kernel gives them (THP not "never"):
+    the interpreter (libpython here, a static python3.11 in the image) keeps running from the
+    copies, in the process and in its forks."""
+    library = native.library("zygote", tmp_path)
+    done = subprocess.run([sys.executable, "-c", _HUGE_PAGES_CHILD, str(library)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    moved, anon_code, child = (int(x) for x in done.stdout.split())
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert moved >= 2 << 20 and moved % (2 << 20) == 0
+        assert anon_code >= moved >> 21  # each moved stretch is an anonymous executable mapping now
+    else:
+        assert moved == 0
+    assert child == 0
 
 
 # -- wire models -------------------------------------------------------------------------------

@@ -143,6 +143,7 @@ class Worker:
         self.failed: str | None = None
         self.python = ""
         self.loop = ""  # the zygote's per-call loop: "native" (C) or "python"
+        self.code_on_huge_pages = 0  # bytes of the interpreter's code the zygote moved onto huge pages
         self.oom_kills = 0
         self.cpu_sample: tuple[int, float, float | None] | None = None  # (call number, time, CPU s)
         self.on_done: Callable[[Worker], None] | None = None
@@ -197,7 +198,9 @@ class Worker:
             if kind != b"R":
                 raise WorkerFailed(f"zygote said {kind!r} instead of ready")
             version, _, rest = payload.decode(errors="replace").partition("\0")
-            missing, _, worker.loop = rest.partition("\0")
+            missing, _, rest = rest.partition("\0")
+            worker.loop, _, huge = rest.partition("\0")
+            worker.code_on_huge_pages = int(huge or 0)
             worker.python = version
             if missing:
                 log.warning("fncall worker %s: cannot preload %s", cid, missing)

@@ -149,6 +149,17 @@ static unsigned char *put_double(unsigned char *p, double d) {
     return put64(p, v);
 }
 
+/* The hexadecimal or decimal number at *p, which is moved past it. Not strtoul: with _GNU_SOURCE,
+ * glibc 2.38 and later bind that to __isoc23_strtoul, which an image's older glibc lacks. */
+static unsigned long parse_number(const char **p, int base) {
+    unsigned long v = 0;
+    for (;; (*p)++) {
+        int c = **p, d = c >= '0' && c <= '9' ? c - '0' : base == 16 && c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (d < 0) return v;
+        v = v * (unsigned long)base + (unsigned long)d;
+    }
+}
+
 /* 1: all read; 0: EOF before the first byte (at_start only); -1: error or EOF midway. */
 static int read_exact(int fd, unsigned char *buf, size_t n, int at_start) {
     size_t got = 0;
@@ -450,6 +461,140 @@ static int same_state(const struct dir_state *a, const struct dir_state *b) {
            a->ctime.tv_sec == b->ctime.tv_sec && a->ctime.tv_nsec == b->ctime.tv_nsec;
 }
 
+/* -- the interpreter's code on huge pages ---------------------------------------------------
+ *
+ * fork(2) copies no page-table entry of a file mapping that holds no anonymous page, such as
+ * the interpreter's code: each call's child faulted it in again (≈35 faults a call in
+ * python3.11's code and read-only data, 16 pages each with fault-around, every page then
+ * unmapped again at exit). An anonymous mapping on a transparent huge page goes to the child as
+ * one page-directory entry instead: no fault, no page-table entry to copy at fork or to unmap at
+ * exit. So, once warm, the zygote copies each 2 MiB-aligned stretch of an object's read-only
+ * mappings (ELF headers, code, read-only data, RELRO) into a huge page and moves it over the
+ * original: the same bytes at the same addresses, now one mapping, executable if any of it was.
+ * A stretch the kernel gives no huge page for is left as it was: as 512 small anonymous pages
+ * it would cost about what it saves (≈0.13 us a page-table entry at fork and exit, here, against
+ * ≈3 us a fault that maps 16). mremap(2) swaps the pages in one step, so code running from the
+ * stretch (this process's interpreter) sees no gap. Measured: 34 faults fewer a call (202.5 to
+ * 168.5), the workers' CPU 1.045 to 0.939 ms a call.
+ */
+
+#define HUGE_PAGE (2UL << 20)
+
+struct mapping {
+    unsigned long start, end, inode;
+    char perms[4];
+};
+
+static const char *skip_field(const char *p) {
+    while (*p && *p != ' ') p++;
+    while (*p == ' ') p++;
+    return p;
+}
+
+/* A line of /proc/self/maps; 1 for a mapping of a file (a path, not [heap] or [vdso]). */
+static int parse_mapping(const char *line, struct mapping *m) {
+    const char *p = line;
+    m->start = parse_number(&p, 16);
+    if (*p++ != '-') return 0;
+    m->end = parse_number(&p, 16);
+    if (*p++ != ' ' || strlen(p) < 4) return 0;
+    memcpy(m->perms, p, 4);
+    p = skip_field(skip_field(skip_field(p))); /* perms, offset, device */
+    m->inode = parse_number(&p, 10);
+    while (*p == ' ') p++;
+    return m->inode != 0 && *p == '/';
+}
+
+/* Readable, not writable, private (a guard gap, ---p, is not readable). */
+static int read_only(const struct mapping *m) { return m->perms[0] == 'r' && m->perms[1] == '-' && m->perms[3] == 'p'; }
+
+/* The kB of AnonHugePages of the mapping that starts at addr (/proc/self/smaps), or -1. */
+static long anon_huge_kb(unsigned long addr) {
+    static char buf[1 << 16];
+    char head[32];
+    int head_len = snprintf(head, sizeof head, "%lx-", addr);
+    int fd = open("/proc/self/smaps", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    long found = -1;
+    int in_entry = 0;
+    size_t used = 0;
+    while (found < 0) {
+        ssize_t got = read(fd, buf + used, sizeof buf - 1 - used);
+        if (got <= 0) break;
+        used += (size_t)got;
+        buf[used] = 0;
+        char *line = buf, *nl;
+        while (found < 0 && (nl = strchr(line, '\n'))) {
+            *nl = 0;
+            if (strncmp(line, head, (size_t)head_len) == 0) {
+                in_entry = 1;
+            } else if (in_entry && strncmp(line, "AnonHugePages:", 14) == 0) {
+                const char *p = line + 14;
+                while (*p == ' ') p++;
+                found = (long)parse_number(&p, 10);
+            }
+            line = nl + 1;
+        }
+        used = (size_t)(buf + used - line);
+        memmove(buf, line, used);
+        if (used == sizeof buf - 1) used = 0; /* a line longer than the buffer: not one we want */
+    }
+    close(fd);
+    return found;
+}
+
+/* Move a huge-page copy of [addr, addr + HUGE_PAGE) over it: 1 done, 0 left as it was. */
+static int to_huge_page(unsigned long addr, int prot) {
+    char *raw = mmap(NULL, 2 * HUGE_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return 0;
+    char *copy = (char *)(((unsigned long)raw + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1));
+    if (copy > raw) munmap(raw, (size_t)(copy - raw));
+    munmap(copy + HUGE_PAGE, (size_t)(raw + HUGE_PAGE - copy));
+    if (madvise(copy, HUGE_PAGE, MADV_HUGEPAGE) < 0) goto undo;
+    memcpy(copy, (const void *)addr, HUGE_PAGE);
+    if (anon_huge_kb((unsigned long)copy) * 1024 != (long)HUGE_PAGE) goto undo;
+    if (mprotect(copy, HUGE_PAGE, prot) < 0) goto undo;
+    if (mremap(copy, HUGE_PAGE, HUGE_PAGE, MREMAP_MAYMOVE | MREMAP_FIXED, (void *)addr) == MAP_FAILED) goto undo;
+    return 1;
+undo:
+    munmap(copy, HUGE_PAGE);
+    return 0;
+}
+
+/* Put the loaded objects' read-only stretches on huge pages (see above); the bytes now there,
+ * or -1 when /proc/self/maps cannot be read whole. Called once, by the warm zygote, before
+ * dsec_zygote_serve. */
+long dsec_zygote_code_to_huge_pages(void) {
+    static char maps[1 << 16];
+    static struct mapping m[1024];
+    int fd = open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    size_t used = 0;
+    ssize_t got = 0;
+    while (used < sizeof maps - 1 && (got = read(fd, maps + used, sizeof maps - 1 - used)) > 0) used += (size_t)got;
+    close(fd);
+    if (got < 0 || used == sizeof maps - 1) return -1;
+    maps[used] = 0;
+    int n = 0;
+    for (char *line = maps, *nl; n < (int)(sizeof m / sizeof *m) && (nl = strchr(line, '\n')); line = nl + 1) {
+        *nl = 0;
+        n += parse_mapping(line, &m[n]);
+    }
+    long moved = 0;
+    for (int i = 0, j; i < n; i = j + 1) {
+        j = i;
+        if (!read_only(&m[i])) continue;
+        while (j + 1 < n && m[j + 1].inode == m[i].inode && m[j + 1].start == m[j].end && read_only(&m[j + 1])) j++;
+        unsigned long from = (m[i].start + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1), to = m[j].end & ~(HUGE_PAGE - 1);
+        for (unsigned long addr = from; addr + HUGE_PAGE <= to; addr += HUGE_PAGE) {
+            int exec = 0;
+            for (int k = i; k <= j; k++) exec |= m[k].perms[2] == 'x' && m[k].start < addr + HUGE_PAGE && m[k].end > addr;
+            moved += to_huge_page(addr, PROT_READ | (exec ? PROT_EXEC : 0)) ? (long)HUGE_PAGE : 0;
+        }
+    }
+    return moved;
+}
+
 /* -- the call's child ---------------------------------------------------------------------- */
 
 _Noreturn static void cannot_start(const char *what, const char *detail, int err) {
@@ -606,7 +751,8 @@ static int serve_one(struct dsec_zygote *z, const struct call *c, uint32_t body_
         return fail(z, "cannot prepare the call: %s", strerror(err));
     }
     statm[got] = 0;
-    unsigned long long pages = strtoull(statm, NULL, 10);
+    const char *digits = statm;
+    unsigned long long pages = parse_number(&digits, 10);
     double start = now();
     z->before_fork();
     pid_t pid = fork();
