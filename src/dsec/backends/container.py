@@ -559,12 +559,14 @@ class ContainerBackend:
             raise
 
     def _release_rootfs(self, plan: OverlayPlan, held: bool = True) -> None:
-        # One lazy unmount of the bundle takes the overlay and the layers' idmapped clones under
-        # it along (each unmount call waits for an RCU grace period).
-        mounted = os.path.ismount(plan.target)
+        try:
+            _sys.umount(str(plan.target), _sys.MNT_DETACH)
+        except OSError:
+            pass  # not mounted (EINVAL), or never made (ENOENT)
+        else:
+            if held:
+                self.layer_mounts.release(plan.layers)
         disk.unmount_bundle(plan.target.parent)
-        if mounted and held:
-            self.layer_mounts.release(plan.layers)
         shutil.rmtree(plan.target.parent, ignore_errors=True)
         if self.id_ranges is not None:
             self.id_ranges.release(plan.target.parent.name)

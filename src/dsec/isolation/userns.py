@@ -174,11 +174,8 @@ class IdRanges:
 def mount_shifted_overlay(idmap: IdMap, lowers: list[Path], upper: Path, work: Path, target: Path,
                           scratch: Path, flags: int) -> None:
     """Mount an overlay on ``target`` whose lower layers (top first) read as owned by the
-    sandbox's ids; ``upper`` and ``work`` are made the sandbox root's. The idmapped clones of
-    the layers are mounted under ``scratch`` and stay there: ``scratch`` must lie inside a mount
-    that the caller unmounts, with the overlay, in one lazy unmount (the sandbox's bundle). Each
-    unmount waits for an expedited RCU grace period, costly on a small VM; the overlay holds its
-    own references to the layers either way. On an error the clones made are unmounted."""
+    sandbox's ids; ``upper`` and ``work`` are made the sandbox root's. ``scratch`` is an empty
+    directory for the idmapped clones, gone again on return."""
     nsfd = _userns_fd(0, idmap.base, idmap.count)
     for d in (upper, work):
         os.chown(d, idmap.base, idmap.base)
@@ -191,14 +188,13 @@ def mount_shifted_overlay(idmap: IdMap, lowers: list[Path], upper: Path, work: P
             clones.append(clone)
         options = f"lowerdir={':'.join(map(str, clones))},upperdir={upper},workdir={work}"
         _sys.mount("overlay", str(target), "overlay", flags, options)
-    except BaseException:
+    finally:
         for clone in clones:
             _sys.umount(str(clone), _sys.MNT_DETACH)
         with contextlib.suppress(OSError):
             for clone in clones:
                 clone.rmdir()
             scratch.rmdir()
-        raise
 
 
 @contextlib.contextmanager
