@@ -64,9 +64,6 @@ _READ_CHUNK = 1 << 16
 _PIPE_GRACE_S = 0.5
 # A sandbox may not raise its open-file limit above the host's own.
 _NOFILE_HARD = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
-# A sandbox's teardown runs on the event loop when its writable layer holds at most this much
-# (unmounting frees it); more goes to a thread (see ContainerBackend._teardown_now).
-_QUICK_TEARDOWN_BYTES = 16 << 20
 
 
 def _kill_tree(pid: int) -> None:
@@ -530,22 +527,14 @@ class ContainerBackend:
             **({"annotations": {"run.oci.seccomp_bpf_data": self._seccomp_bpf}} if self._seccomp_bpf else {}),
         }
 
-    def _mount_rootfs(self, plan: OverlayPlan, limits: Limits | None, held: bool = False) -> None:
-        """``held``: the layers are acquired already (see create)."""
+    def _mount_rootfs(self, plan: OverlayPlan, limits: Limits | None) -> None:
         # The bundle (and so the writable layer) is a tmpfs of its own: its size is the
         # sandbox's disk limit (ENOSPC past it), set again with the memory limit.
-        try:
-            disk.mount_bundle(plan.target.parent,
-                              disk.INITIAL_BYTES if limits is None else disk.cap_for(limits.memory_bytes))
-            for d in (plan.upper, plan.work, plan.target):
-                d.mkdir(parents=True, exist_ok=True)
-        except BaseException:
-            disk.unmount_bundle(plan.target.parent)
-            if held:
-                self.layer_mounts.release(plan.layers)
-            raise
-        if not held:
-            self.layer_mounts.acquire(plan.layers)
+        disk.mount_bundle(plan.target.parent,
+                          disk.INITIAL_BYTES if limits is None else disk.cap_for(limits.memory_bytes))
+        for d in (plan.upper, plan.work, plan.target):
+            d.mkdir(parents=True, exist_ok=True)
+        self.layer_mounts.acquire(plan.layers)
         try:
             if self.id_ranges is None:
                 _sys.mount("overlay", str(plan.target), "overlay", _sys.MS_NODEV, plan.options)
@@ -582,14 +571,8 @@ class ContainerBackend:
         if self.id_ranges is not None:
             self.id_ranges.take(cid)  # here, on the event loop: ranges are handed out in order
         try:
-            # A tmpfs, an idmapped clone of each layer and the overlay: about half a millisecond
-            # of syscalls when the layers are mounted already, done here (a hop to a thread and
-            # back costs more CPU than that on the machines here); mounting a layer (reading
-            # its file) goes to a thread.
-            if self.layer_mounts.hold_mounted(plan.layers):
-                self._mount_rootfs(plan, spec.limits, held=True)
-            else:
-                await asyncio.to_thread(self._mount_rootfs, plan, spec.limits)
+            # Mounting (idmapped layer clones, the overlay, a tmpfs) blocks: off the event loop.
+            await asyncio.to_thread(self._mount_rootfs, plan, spec.limits)
         except OSError as exc:
             if self.id_ranges is not None:
                 self.id_ranges.release(cid)
@@ -712,33 +695,11 @@ class ContainerBackend:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(handle.pid, os.WNOHANG)
         # What `crun delete` does for a dead container, without spawning it: drop its cgroups
-        # and its state directory; then the root filesystem. Here when that is quick (about a
-        # millisecond of syscalls), else in a thread: see _teardown_now.
-        if self._teardown_now(handle):
-            return
+        # and its state directory; then the root filesystem. Off the event loop: rmdir of a
+        # cgroup in each v1 hierarchy and the unmounts are kernel work the loop need not wait on.
         if not await asyncio.to_thread(self._teardown, handle):
             await self._run_crun("delete", "--force", handle.cid)
             await asyncio.to_thread(self._remove_cgroup, handle.cid)
-
-    def _teardown_now(self, handle: Handle) -> bool:
-        """``_teardown`` on the caller's thread, if it is sure to be quick: the writable layer
-        holds little (unmounting it frees that much), no layer mount goes with it, the cgroups
-        go at the first try (an exiting process may hold them a moment). False, having changed
-        nothing that ``_teardown`` would not finish, when it is not."""
-        plan = self._plan(handle.cid, handle.layers, handle.image)
-        try:
-            st = os.statvfs(plan.target.parent)
-        except OSError:
-            return False
-        if (st.f_blocks - st.f_bfree) * st.f_frsize > _QUICK_TEARDOWN_BYTES or not self.layer_mounts.shared(plan.layers):
-            return False
-        try:
-            cgroups.remove_cgroup(self.cgroup_parent, handle.cid)
-        except OSError:
-            return False
-        self._release_rootfs(plan)
-        shutil.rmtree(self.crun_root / handle.cid, ignore_errors=True)
-        return True
 
     def _teardown(self, handle: Handle) -> bool:
         """Remove a dead sandbox's cgroups, root filesystem and crun state; False if its

@@ -42,24 +42,6 @@ class LayerMounts:
                     self._release_locked(layer)
                 raise
 
-    def hold_mounted(self, layers: tuple[LayerMount, ...]) -> bool:
-        """``acquire`` when it would mount nothing and nobody is mounting: True if done. For
-        callers on an event loop, which must not wait on another thread's mount."""
-        if not self._lock.acquire(blocking=False):
-            return False
-        try:
-            if not all(self._refs[layer.digest] > 0 for layer in layers):
-                return False
-            for layer in layers:
-                self._refs[layer.digest] += 1
-            return True
-        finally:
-            self._lock.release()
-
-    def shared(self, layers: tuple[LayerMount, ...]) -> bool:
-        """Whether each layer has another holder, so ``release`` would unmount none of them."""
-        return all(self._refs.get(layer.digest, 0) > 1 for layer in layers)
-
     def release(self, layers: tuple[LayerMount, ...]) -> None:
         with self._lock:
             for layer in layers:
