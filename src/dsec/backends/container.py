@@ -12,7 +12,8 @@ the sandbox can never point outside it.
 
 Per node (``node_dir``): ``layers/<digest>`` (the shared layer mounts) and ``run/``, a tmpfs the
 backend mounts, with ``crun/`` (crun's state) and ``sandboxes/<cid>/`` (``config.json``,
-``upper``, ``work``, ``rootfs``). A sandbox's writes thus live in memory, charged to the sandbox's
+``upper``, ``work``, ``rootfs``; ``rootfs``, the overlay, is unmounted on the host once the
+sandbox's init runs on its own namespace's copy). A sandbox's writes thus live in memory, charged to the sandbox's
 own memory limit, and making or removing a sandbox costs no disk metadata operations (on this
 machine's disk those alone cost ~1 ms a sandbox). The tmpfs outlives an edge restart, like the
 sandboxes in it, and is unmounted when the last sandbox is gone.
