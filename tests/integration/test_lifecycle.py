@@ -89,3 +89,38 @@ async def test_seccomp_program_compiled_once(client, server):
             assert any(e.kind == "syscall.denied" and e.detail.startswith("kill ") for e in events), events
     finally:
         await asyncio.gather(*(s.stop() for s in sandboxes))
+
+
+async def test_started_sandboxes_keep_only_their_bundle_on_the_host(client, server):
+    """Once a sandbox runs on its own mount namespace's copy of its overlay, the host unmounts its
+    copy (with the next sandbox's mount) and keeps the bundle's tmpfs: fewer host mounts for every
+    later `crun run` to copy. The sandboxes go on working: commands, files, stop."""
+    sandboxes_dir = server.state_dir / "node" / "run" / "sandboxes"
+
+    def mounted() -> tuple[set[str], set[str]]:
+        bundles, overlays = set(), set()
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                point = line.split()[4]
+                if point.startswith(f"{sandboxes_dir}/"):
+                    rest = point[len(str(sandboxes_dir)) + 1:].split("/")
+                    (bundles if len(rest) == 1 else overlays if rest[1:] == ["rootfs"] else set()).add(rest[0])
+        return bundles, overlays
+
+    sandboxes = []
+    try:
+        for _ in range(4):  # each create mounts a sandbox (its own or the pool's refill)
+            sandboxes.append(await client.run_container(DSecContainerRunArgs(container_image="busybox")))
+        for _ in range(50):
+            bundles, overlays = mounted()
+            if bundles - overlays:
+                break
+            await asyncio.sleep(0.1)
+        assert bundles and bundles - overlays, (bundles, overlays)
+        assert overlays <= bundles
+        for i, sb in enumerate(sandboxes):
+            await sb.write_file(f"/tmp/f{i}", f"data {i}".encode())
+            assert await sb.read_file(f"/tmp/f{i}") == f"data {i}".encode()
+            assert (await sb.run_shell(f"cat /tmp/f{i}; ls /bin/busybox")).stdout == f"data {i}/bin/busybox\n"
+    finally:
+        await asyncio.gather(*(s.stop() for s in sandboxes))
