@@ -560,9 +560,12 @@ class ContainerBackend:
                 _sys.umount(str(self._started.pop()), _sys.MNT_DETACH)
 
     def _release_rootfs(self, plan: OverlayPlan, held: bool = True) -> None:
+        # The bundle's tmpfs stays mounted until here (the overlay may be gone from the host
+        # already, see create): while it is, the sandbox still holds its layers.
+        mounted = os.path.ismount(plan.target.parent)
         with contextlib.suppress(OSError):  # detached after the start (EINVAL) or never made (ENOENT)
             _sys.umount(str(plan.target), _sys.MNT_DETACH)
-        if held:
+        if held and mounted:
             self.layer_mounts.release(plan.layers)
         disk.unmount_bundle(plan.target.parent)
         shutil.rmtree(plan.target.parent, ignore_errors=True)

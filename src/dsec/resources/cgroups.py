@@ -178,11 +178,9 @@ def memory_usage_bytes(parent: str, cid: str) -> int | None:
 
 
 @functools.cache
-@functools.cache
 def _hierarchies() -> tuple[Path, ...]:
     """The mounted cgroup hierarchies (v1 controllers, named and unified ones), or the v2 root.
-    Read once (each sandbox's removal walks them): the set only changes at set-up, which
-    clears it (fix_hybrid_hugetlb)."""
+    Read once: the set only changes at set-up, which clears it (fix_hybrid_hugetlb)."""
     if is_v2():
         return (CGROUP_ROOT,)
     return tuple(sorted(p for p in CGROUP_ROOT.iterdir() if p.is_dir() and not p.is_symlink()))
