@@ -78,6 +78,11 @@ async def _check_after(server: LocalServer, keep: str, lose: str | None) -> None
         ps = await sandbox.run_shell("ps -o args")
         assert "sleep 3600" in ps.stdout  # the same sandbox, not a new one
         assert (await sandbox.run_shell("echo back")).stdout == "back\n"
+        # Its commands now go through `crun exec`, and are born in the sandbox's cgroup (crun
+        # does not make it, so it would not put them there).
+        own = (await sandbox.run_shell("cat /proc/self/cgroup")).stdout
+        assert own == (await sandbox.run_shell("cat /proc/1/cgroup")).stdout
+        assert any(line.split(":")[1] in ("", "pids") and "/dsec" in line for line in own.splitlines()), own
         listed = {s.id for s in await client.list_sandboxes()}
         assert keep in listed
         if lose is not None:

@@ -27,7 +27,9 @@ def args(**kw) -> DSecContainerRunArgs:
 async def host_cgroup(sandbox, controller: str) -> Path:
     """The host directory of the sandbox's cgroup for ``controller`` (its path read inside)."""
     lines = (await sandbox.run_shell("cat /proc/1/cgroup")).stdout.splitlines()
-    path = lines[-1].split(":", 2)[2]  # /<parent>/<cid>, the same on every hierarchy
+    # v2: "0::/<parent>/<cid>"; v1: "N:<controllers>:/<parent>/<cid>" on the hierarchies DSec uses
+    wanted = "" if cgroups.is_v2() else controller
+    path = next(line.split(":", 2)[2] for line in lines if wanted in line.split(":", 2)[1].split(","))
     assert path.count("/") == 2 and path.split("/")[1].startswith("dsec"), lines
     if cgroups.is_v2():
         return cgroups.CGROUP_ROOT / path.lstrip("/")

@@ -44,7 +44,7 @@ async def test_pause_pushes_memory_out_and_a_call_brings_it_back(client):
         parent, cid = await cgroup_of(sandbox)
         result = await sandbox.pause()
         assert result.sandbox.status is SandboxStatus.paused and sandbox.status is SandboxStatus.paused
-        assert reclaim.frozen(parent, cid)
+        assert cgroups.frozen(parent, cid)
         assert result.memory_before_bytes >= FILL_MB << 20
         if has_swap():
             assert result.memory_after_bytes <= 0.2 * result.memory_before_bytes, result
@@ -53,7 +53,7 @@ async def test_pause_pushes_memory_out_and_a_call_brings_it_back(client):
         # A call resumes it, and everything is still there.
         check = await sandbox.run_shell("md5sum /fill | cut -c1-32")
         assert check.stdout.strip() == digest
-        assert not reclaim.frozen(parent, cid)
+        assert not cgroups.frozen(parent, cid)
         assert (await sandbox.refresh()).status is SandboxStatus.running
         # Explicit pause and resume, and files through a paused sandbox.
         await sandbox.pause()

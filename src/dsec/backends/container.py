@@ -2,11 +2,14 @@
 
 No Python process stays with a sandbox: crun starts ``dsec-init`` (dsec/native/init.c, a small
 static program that reaps zombies) as the sandbox's init and exits, so an idle sandbox costs the
-host its init, its namespaces and its cgroups. ``exec`` asks that init, over a socketpair only it
-holds (dsec.backends.initchan), to fork the command with our pipes as its stdio: it inherits the
-namespaces, cgroup, capabilities, no_new_privs and seccomp filter crun gave the init. A sandbox
-adopted after a server restart has lost its channel; its commands go through ``crun exec``
-(which enters the namespaces and the cgroup and applies the same profile). Files are read and written
+host its init, its namespaces and its cgroups. The cgroup is the backend's own, made with its
+limits before crun runs (crun is told not to manage cgroups; see dsec.resources.cgroups); the
+init is moved into it before it is asked to run anything. ``exec`` asks that init, over a
+socketpair only it holds (dsec.backends.initchan), to fork the command with our pipes as its
+stdio: it inherits the namespaces, cgroup, capabilities, no_new_privs and seccomp filter the init
+has. A sandbox adopted after a server restart has lost its channel; its commands go through
+``crun exec`` (which enters the namespaces and applies the same profile), started by a shell that
+first joins the sandbox's cgroup. Pause is the cgroup freezer. Files are read and written
 from the host through the sandbox's own root with openat2(RESOLVE_IN_ROOT), so a symlink inside
 the sandbox can never point outside it.
 
@@ -451,7 +454,8 @@ class ContainerBackend:
     # -- helpers ---------------------------------------------------------------------------
 
     def _crun(self, *args: str) -> list[str]:
-        return [CRUN, "--root", str(self.crun_root), *args]
+        # DSec makes the sandbox's cgroup itself (see dsec.resources.cgroups).
+        return [CRUN, "--root", str(self.crun_root), "--cgroup-manager=disabled", *args]
 
     async def _run_crun(self, *args: str, timeout: float = 30.0, log: Path | None = None,
                         stdin: int | None = None) -> tuple[int, str]:
@@ -475,13 +479,6 @@ class ContainerBackend:
         return compose(img, self.store, self.layer_mounts.mount_dir, self.sandboxes_dir / cid)
 
     def _config(self, cid: str, plan: OverlayPlan, spec: SandboxSpec) -> dict:
-        resources: dict = {"devices": [{"allow": False, "access": "rwm"}]}
-        limits = spec.limits
-        if limits is not None:
-            resources["memory"] = {"limit": limits.memory_bytes, "swap": limits.memory_bytes}
-            resources["cpu"] = {"period": cgroups.CPU_PERIOD_US, "shares": limits.cpu_shares,
-                                **({"quota": limits.cpu_quota_us} if limits.cpu_cap is not None else {})}
-            resources["pids"] = {"limit": limits.pids}
         idmap = self.id_ranges.of(cid) if self.id_ranges else None
         return {
             "ociVersion": "1.0.2",
@@ -520,8 +517,6 @@ class ContainerBackend:
                 "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]
                 + ([{"type": "user"}] if idmap else []),
                 **(idmap.oci() if idmap else {}),
-                "cgroupsPath": f"/{self.cgroup_parent}/{cid}",
-                "resources": resources,
                 "maskedPaths": MASKED_PATHS,
                 "readonlyPaths": READONLY_PATHS,
                 "seccomp": self._seccomp,
@@ -583,11 +578,18 @@ class ContainerBackend:
         if self.id_ranges is not None:
             self.id_ranges.take(cid)  # here, on the event loop: ranges are handed out in order
         try:
+            cgroups.make_sandbox_cgroup(self.cgroup_parent, cid, spec.limits)
+        except OSError as exc:
+            if self.id_ranges is not None:
+                self.id_ranges.release(cid)
+            raise BackendError(f"cannot make the cgroup of {cid}: {exc}") from exc
+        try:
             # Mounting (idmapped layer clones, the overlay, a tmpfs) blocks: off the event loop.
             await asyncio.to_thread(self._mount_rootfs, plan, spec.limits)
         except OSError as exc:
             if self.id_ranges is not None:
                 self.id_ranges.release(cid)
+            cgroups.remove_cgroup(self.cgroup_parent, cid)
             shutil.rmtree(bundle, ignore_errors=True)
             raise BackendError(f"cannot mount the root filesystem of {cid}: {exc}") from exc
         pidfile = bundle / "init.pid"
@@ -604,6 +606,8 @@ class ContainerBackend:
             if self._seccomp_bpf is None:
                 self._seccomp_bpf = _compiled_seccomp(self.crun_root / cid)
             pid = int(pidfile.read_text())
+            # The init waits for its first command: nothing runs before it is in its cgroup.
+            cgroups.enter(self.cgroup_parent, cid, pid)
             # `crun run --detach` may return while the first process is still crun setting up
             # the namespaces; a `crun exec` then fails (setns: EPERM). Wait for the init.
             deadline = time.monotonic() + 10
@@ -628,14 +632,11 @@ class ContainerBackend:
         with contextlib.suppress(OSError):  # gone already: is_alive reads /proc and says so
             self._pidfds[cid] = os.pidfd_open(pid)
         handle = Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
-        # crun set the memory, CPU and pids limits and the bundle got its size; an idle-class
-        # CPU group and SCHED_IDLE for the init are what only apply_limits does.
+        # The cgroup got its limits and the bundle its size; SCHED_IDLE for a best-effort
+        # sandbox's init is what is left (its commands get it in exec).
         if spec.limits is not None and spec.limits.best_effort:
-            try:
-                await self.apply_limits(handle, spec.limits)
-            except BaseException:
-                await self.destroy(handle)
-                raise
+            with contextlib.suppress(ProcessLookupError):
+                cpu_sched.set_idle(pid, True)
         return handle
 
     async def apply_limits(self, handle: Handle, limits: Limits) -> None:
@@ -656,10 +657,15 @@ class ContainerBackend:
             return not poller.poll(0)  # a pidfd turns readable when its process exits
         return handle.pid > 0 and _pid_in_cgroup(handle.pid, handle.cid)
 
+    async def _freeze(self, handle: Handle) -> bool:
+        """Freeze the sandbox; False if it was frozen already."""
+        try:
+            return await asyncio.to_thread(cgroups.freeze, self.cgroup_parent, handle.cid)
+        except (OSError, TimeoutError) as exc:
+            raise BackendError(f"cannot freeze {handle.cid}: {exc}") from exc
+
     async def pause(self, handle: Handle) -> None:
-        rc, out = await self._run_crun("pause", handle.cid)
-        if rc != 0:
-            raise BackendError(f"cannot pause {handle.cid}: {out}")
+        await self._freeze(handle)
         # Frozen, nothing in it touches its pages: push them all out (to swap).
         try:
             await asyncio.to_thread(reclaim.push_out, self.cgroup_parent, handle.cid)
@@ -667,9 +673,7 @@ class ContainerBackend:
             log.warning("paused %s but could not push its memory out: %s", handle.cid, exc)
 
     async def resume(self, handle: Handle) -> None:
-        rc, out = await self._run_crun("resume", handle.cid)
-        if rc != 0:
-            raise BackendError(f"cannot resume {handle.cid}: {out}")
+        cgroups.thaw(self.cgroup_parent, handle.cid)
 
     async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
         """Freeze the sandbox, turn its writable layer (minus residue) into a layer in the
@@ -677,10 +681,7 @@ class ContainerBackend:
         if not await self.is_alive(handle):
             raise SandboxStateError(f"cannot pack: sandbox process of {handle.cid} is gone")
         upper = self._plan(handle.cid, handle.layers, handle.image).upper
-        rc, out = await self._run_crun("pause", handle.cid)
-        was_paused = rc != 0 and "paused" in out
-        if rc != 0 and not was_paused:
-            raise BackendError(f"cannot freeze {handle.cid} to pack it: {out}")
+        was_paused = not await self._freeze(handle)
         try:
             with contextlib.ExitStack() as stack:
                 idmap = self.id_ranges.of(handle.cid) if self.id_ranges else None
@@ -690,7 +691,7 @@ class ContainerBackend:
                 digest = await asyncio.to_thread(self.store.add_dir, upper, skip)
         finally:
             if not was_paused:
-                await self._run_crun("resume", handle.cid)
+                cgroups.thaw(self.cgroup_parent, handle.cid)
         return digest, sorted("/" + p for p in skip)
 
     async def destroy(self, handle: Handle) -> None:
@@ -705,7 +706,7 @@ class ContainerBackend:
                 # Killing the pid namespace's init takes every process of the sandbox with it.
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
-                reclaim.thaw(self.cgroup_parent, handle.cid)  # a frozen (paused) task dies once thawed
+                cgroups.thaw(self.cgroup_parent, handle.cid)  # a frozen (paused) task dies once thawed
                 await _wait_exit(fd, timeout=10, tick=self._reap_orphans)
             finally:
                 os.close(fd)
@@ -788,7 +789,7 @@ class ContainerBackend:
         return alive
 
     async def _remove_remains(self, cid: str) -> None:
-        reclaim.thaw(self.cgroup_parent, cid)
+        cgroups.thaw(self.cgroup_parent, cid)
         await self._run_crun("kill", cid, "KILL")
         await self._run_crun("delete", "--force", cid)
         cgroups.remove_cgroup(self.cgroup_parent, cid)
@@ -902,7 +903,7 @@ class ContainerBackend:
         for k, v in ctx.env.items():
             argv += ["--env", f"{k}={v}"]
         argv += [handle.cid, "/bin/sh", "-c", request.command]
-        command = self._crun(*argv)
+        command = cgroups.join_argv(self.cgroup_parent, handle.cid, self._crun(*argv))
         if cgroups.cpu_idle(self.cgroup_parent, handle.cid):
             # Best effort: crun exec, and the command it starts, run under SCHED_IDLE.
             command = [CHRT, "--idle", "0", *command]

@@ -87,7 +87,7 @@ class FnCallBackend(ContainerBackend):
             argv += ["--env", f"{k}={v}"]
         argv += [cid, "python3", "-I", BOOT_PATH, ZYGOTE_PATH, str(uid), str(gid), str(nproc), str(fsize),
                  str(nofile), ",".join(preload), LOOP_PATH if self.loop_library is not None else ""]
-        return self._crun(*argv)
+        return cgroups.join_argv(self.cgroup_parent, cid, self._crun(*argv))
 
 
 

@@ -10,8 +10,7 @@ scripts/setup-host.sh), clean file pages are dropped. With no swap only the file
   ``memory.limit_in_bytes`` for a moment makes the kernel reclaim down to the new limit, coldest
   pages first (used on a running one, by the cold-memory reclaimer); the limit is restored at once.
 
-Freezing itself is the backend's (``crun pause``); ``thaw`` is here so a frozen sandbox can be
-killed (a frozen task does not act on SIGKILL until it is thawed).
+Freezing and thawing are in ``cgroups`` (``freeze``, ``thaw``, ``frozen``).
 """
 
 from __future__ import annotations
@@ -121,30 +120,6 @@ def reclaim(parent: str, cid: str, nbytes: int) -> int:
         finally:
             cgroups._write(limit_file, str(limit))
     return max(0, before - (usage(parent, cid) or 0))
-
-
-def thaw(parent: str, cid: str) -> None:
-    """Thaw a frozen sandbox's cgroup (no-op when it is not frozen or gone)."""
-    if cgroups.is_v2():
-        path = cgroups.CGROUP_ROOT / parent / cid / "cgroup.freeze"
-        value = "0"
-    else:
-        path = cgroups.CGROUP_ROOT / "freezer" / parent / cid / "freezer.state"
-        value = "THAWED"
-    try:
-        if path.read_text().strip() in ("0", "THAWED"):
-            return
-        cgroups._write(path, value)
-    except OSError:
-        pass
-
-
-def frozen(parent: str, cid: str) -> bool:
-    if cgroups.is_v2():
-        path = cgroups.CGROUP_ROOT / parent / cid / "cgroup.freeze"
-        return path.exists() and path.read_text().strip() == "1"
-    path = cgroups.CGROUP_ROOT / "freezer" / parent / cid / "freezer.state"
-    return path.exists() and path.read_text().strip() != "THAWED"
 
 
 def swapped_bytes(parent: str, cid: str) -> int | None:
