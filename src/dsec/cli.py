@@ -226,7 +226,7 @@ def demo(
 def bench_lifecycle(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench"),
     idle_count: Annotated[int, typer.Option(help="Idle sandboxes held at once for the memory figure.")] = 1000,
-    lifecycles: Annotated[int, typer.Option(help="Measured DSec lifecycles.")] = 300,
+    lifecycles: Annotated[int, typer.Option(help="Measured DSec lifecycles.")] = 1000,
     concurrency: Annotated[int, typer.Option(help="Lifecycles in flight (DSec and peers).")] = 32,
     latency_rounds: Annotated[int, typer.Option(help="Rounds of 64 creates with a warm pool (and for crun).")] = 5,
     cold_rounds: Annotated[int, typer.Option(help="Rounds of 64 creates without a pool.")] = 3,

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from libdsec import DSecContainerRunArgs, SandboxStatus
+from dsec.isolation.profile import seccomp_profile
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -82,6 +83,8 @@ async def test_seccomp_program_compiled_once(client, server):
         with_program = [c for c in configs if c.get("annotations", {}).get("run.oci.seccomp_bpf_data")]
         assert with_program, "no sandbox got the compiled seccomp program"
         assert all(c["linux"]["seccomp"]["flags"] == ["SECCOMP_FILTER_FLAG_LOG"] for c in with_program)
+        # The profile is serialized once and spliced into each config: the same profile in all.
+        assert all(c["linux"]["seccomp"] == seccomp_profile() for c in configs), "a config lost its profile"
         for sb in sandboxes:
             r = await sb.run_shell("kill -TERM 1; echo rc=$?")
             assert "Operation not permitted" in r.stderr and r.stdout == "rc=1\n", r

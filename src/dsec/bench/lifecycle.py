@@ -66,7 +66,7 @@ GOAL_IDLE_MIB = 4.0
 
 @dataclass
 class Options:
-    lifecycles: int = 300          # measured DSec lifecycles
+    lifecycles: int = 1000         # measured DSec lifecycles (~12 s: a steadier figure than 300)
     warmup: int = 64               # DSec lifecycles before measuring
     concurrency: int = 32          # lifecycles in flight, for every system
     crun_runs: int = 400           # measured bare crun lifecycles

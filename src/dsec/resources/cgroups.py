@@ -362,10 +362,11 @@ def sandbox_cgroup_dirs(parent: str) -> list[Path]:
 
 
 def remove_cgroup(parent: str, cid: str) -> None:
-    """Remove a sandbox's (empty) cgroups; tolerates ones already gone."""
+    """Remove a sandbox's (empty) cgroups; tolerates ones already gone. Every hierarchy is
+    tried: a sandbox made by an older DSec (crun's cgroups) may have one in each."""
     for h in _hierarchies():
         try:
-            os.rmdir(h / parent / cid)
+            os.rmdir(f"{h}/{parent}/{cid}")
         except FileNotFoundError:
             pass
 
