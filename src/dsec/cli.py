@@ -226,13 +226,14 @@ def demo(
 def bench_lifecycle(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench"),
     idle_count: Annotated[int, typer.Option(help="Idle sandboxes held at once for the memory figure.")] = 1000,
-    lifecycles: Annotated[int, typer.Option(help="Measured DSec lifecycles.")] = 1000,
+    lifecycles: Annotated[int, typer.Option(help="Measured DSec lifecycles (all rounds).")] = 1200,
+    rounds: Annotated[int, typer.Option(help="Throughput rounds: crun, podman and DSec in turn, each round.")] = 2,
     concurrency: Annotated[int, typer.Option(help="Lifecycles in flight (DSec and peers).")] = 32,
     latency_rounds: Annotated[int, typer.Option(help="Rounds of 64 creates with a warm pool (and for crun).")] = 5,
     cold_rounds: Annotated[int, typer.Option(help="Rounds of 64 creates without a pool.")] = 3,
     pool_max: Annotated[int, typer.Option(help="--pool-max of the warm server.")] = 64,
-    crun_runs: Annotated[int, typer.Option(help="Measured bare crun lifecycles.")] = 400,
-    podman_runs: Annotated[int, typer.Option(help="Measured podman lifecycles.")] = 48,
+    crun_runs: Annotated[int, typer.Option(help="Measured bare crun lifecycles (all rounds).")] = 800,
+    podman_runs: Annotated[int, typer.Option(help="Measured podman lifecycles (all rounds).")] = 96,
     podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
@@ -240,7 +241,8 @@ def bench_lifecycle(
     from .bench.lifecycle import main as run_bench
 
     raise typer.Exit(run_bench(
-        state_dir=state_dir, console=console, idle_count=idle_count, lifecycles=lifecycles, concurrency=concurrency,
+        state_dir=state_dir, console=console, idle_count=idle_count, lifecycles=lifecycles, rounds=rounds,
+        concurrency=concurrency,
         latency_rounds=latency_rounds, cold_rounds=cold_rounds, pool_max=pool_max, crun_runs=crun_runs,
         podman_runs=podman_runs, podman=podman, strict=strict,
     ))

@@ -7,9 +7,13 @@ What it measures, all on the ``busybox`` image and the same root filesystem (its
    (32) at a time, after a warm-up. Peers at the same concurrency: ``podman run --rm`` of
    ``/bin/echo hi`` and bare ``crun run`` of it (a prepared bundle, read-only root): the floor.
    For each, the CPU time a lifecycle costs: that of the processes the benchmark runs (client,
-   server and its crun children; the peers' commands), and the host's as a whole.
+   server and its crun children; the peers' commands), and the host's as a whole. In
+   ``rounds`` (2): crun, podman, then DSec (a new server each round), again and again, each
+   doing its share of the runs; a system's figure is over all its rounds (runs ÷ seconds). The
+   host's speed swings by tens of percent within minutes here, and a ratio of two figures
+   taken minutes apart carried those swings; interleaved, every system sees the same stretches.
 2. Create latency with 64 creates in flight: rounds in which 64 workers create at once (timed)
-   and then stop (not timed). Warm: on the server above after bursts that grow its warm pool
+   and then stop (not timed). Warm: on the last round's server above after bursts that grow its warm pool
    (``--pool-max``, 64), with the pool refilled before each round (its size at each round
    start is reported). Cold: on a second server started with ``--pool-max 0``. Peers:
    ``crun run --detach`` and ``podman run --rm --detach`` of an idle process, 64 at once.
@@ -66,11 +70,12 @@ GOAL_IDLE_MIB = 4.0
 
 @dataclass
 class Options:
-    lifecycles: int = 1000         # measured DSec lifecycles (~12 s: a steadier figure than 300)
+    lifecycles: int = 1200         # measured DSec lifecycles (all rounds; ~7 s a round)
+    rounds: int = 2                # throughput rounds: crun, podman, DSec in turn, each time
     warmup: int = 64               # DSec lifecycles before measuring
     concurrency: int = 32          # lifecycles in flight, for every system
-    crun_runs: int = 400           # measured bare crun lifecycles
-    podman_runs: int = 48          # measured podman lifecycles (about 5/s here)
+    crun_runs: int = 800           # measured bare crun lifecycles (all rounds)
+    podman_runs: int = 96          # measured podman lifecycles (all rounds; about 10/s here)
     latency_concurrency: int = 64  # creates in flight
     latency_rounds: int = 5        # measured rounds with a warm pool (and for crun)
     cold_rounds: int = 3           # measured rounds without a pool
@@ -91,6 +96,11 @@ class BenchError(RuntimeError):
 def _progress(console: Console) -> Progress:
     return Progress(TextColumn("{task.description:<58}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console)
+
+
+def _share(total: int, rounds: int) -> int:
+    """One round's part of ``total`` (the rounds together do at least ``total``)."""
+    return -(-total // max(rounds, 1))
 
 
 async def _workers(total: int, concurrency: int, fn: Callable[[int], Awaitable[Any]],
@@ -160,6 +170,34 @@ class Bench:
         self.errors: list[str] = []
         self.notes: list[str] = []
         self.r: dict[str, Any] = {"dsec": {}, "podman": {}, "crun": {}}
+        # Throughput rounds so far, per system: each round's figures, merged into "throughput".
+        self._rounds: dict[str, list[dict]] = {"dsec": [], "podman": [], "crun": []}
+
+    def _round_done(self, system: str, figures: dict, raw: dict[str, list[float]]) -> None:
+        """Record one throughput round of ``system`` and merge all its rounds so far into
+        ``r[system]["throughput"]``: counts and seconds summed, CPU per lifecycle weighted by
+        lifecycles, shares of the machine by wall time, latencies over every lifecycle."""
+        rounds = self._rounds[system]
+        rounds.append({**figures, "raw": raw})
+        n = sum(r["lifecycles"] for r in rounds)
+        secs = sum(r["seconds"] for r in rounds)
+        merged: dict[str, Any] = {k: v for k, v in figures.items() if k not in ("cpu", "raw")}
+        merged.update(lifecycles=n, failed=sum(r["failed"] for r in rounds), seconds=secs,
+                      lifecycles_per_s=n / secs if secs else 0.0)
+        cpu: dict[str, float] = {"wall_s": sum(r["cpu"]["wall_s"] for r in rounds)}
+        for key in ("host_cpu_ms_per_op", "own_cpu_ms_per_op"):
+            cpu[key] = sum(r["cpu"][key] * r["lifecycles"] for r in rounds) / max(n, 1)
+        for key in ("host_utilisation", "others_share"):
+            cpu[key] = sum(r["cpu"][key] * r["cpu"]["wall_s"] for r in rounds) / max(cpu["wall_s"], 1e-9)
+        merged["cpu"] = cpu
+        for key, value in figures.items():
+            if key.endswith("_per_lifecycle"):
+                merged[key] = sum(r[key] * r["lifecycles"] for r in rounds) / max(n, 1)
+        for key in raw:
+            merged[key] = host.latency_summary([x for r in rounds for x in r["raw"][key]])
+        merged["rounds"] = [{"lifecycles_per_s": r["lifecycles_per_s"], "own_cpu_ms_per_op": r["cpu"]["own_cpu_ms_per_op"],
+                             "seconds": r["seconds"]} for r in rounds]
+        self.r[system]["throughput"] = merged
 
     # -- DSec --------------------------------------------------------------------------------
 
@@ -183,32 +221,31 @@ class Bench:
         return t1 - t0, t2 - t1, t3 - t2
 
     async def dsec_throughput(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
+        """One round: a warm-up on this (new) server, then lifecycles / rounds of them."""
         o = self.opts
         task = progress.add_task(f"DSec warm-up: {o.warmup} lifecycles, {o.concurrency} in flight", total=o.warmup)
         _, _, errors = await _workers(o.warmup, o.concurrency, lambda i: self._lifecycle(client), progress, task)
         self.errors += [f"dsec warm-up: {e}" for e in errors]
 
-        task = progress.add_task(f"DSec: {o.lifecycles} lifecycles (create → echo hi → stop), {o.concurrency} in flight",
-                                 total=o.lifecycles)
+        count = _share(o.lifecycles, o.rounds)
+        task = progress.add_task(f"DSec: {count} lifecycles (create → echo hi → stop), {o.concurrency} in flight",
+                                 total=count)
         meter = host.Meter(server.proc.pid)
         srv0, me0 = host.process_cpu(server.proc.pid), host.self_cpu()
-        elapsed, results, errors = await _workers(o.lifecycles, o.concurrency, lambda i: self._lifecycle(client),
+        elapsed, results, errors = await _workers(count, o.concurrency, lambda i: self._lifecycle(client),
                                                   progress, task)
         done = len(results)
         cpu = meter.stop(done)
         srv = host.process_cpu(server.proc.pid)
         me = host.self_cpu() - me0
         self.errors += [f"dsec lifecycle: {e}" for e in errors]
-        self.r["dsec"]["throughput"] = {
+        self._round_done("dsec", {
             "lifecycles": done, "failed": len(errors), "concurrency": o.concurrency, "seconds": elapsed,
             "lifecycles_per_s": done / elapsed if elapsed else 0.0, "cpu": cpu,
             "server_python_cpu_ms_per_lifecycle": (srv[0] - srv0[0]) / max(done, 1) * 1e3,
             "server_children_cpu_ms_per_lifecycle": (srv[1] - srv0[1]) / max(done, 1) * 1e3,
             "client_cpu_ms_per_lifecycle": me / max(done, 1) * 1e3,
-            "create": host.latency_summary([r[0] for r in results]),
-            "exec": host.latency_summary([r[1] for r in results]),
-            "stop": host.latency_summary([r[2] for r in results]),
-        }
+        }, {"create": [r[0] for r in results], "exec": [r[1] for r in results], "stop": [r[2] for r in results]})
 
     async def _wait_pool(self, target: int) -> tuple[int, float, float]:
         """Wait until the warm pool holds ``target`` sandboxes, or stops growing for 3 s (it
@@ -400,17 +437,19 @@ class Bench:
             if not ok:
                 raise BenchError(why)
 
-        task = progress.add_task(f"crun run: warm-up {o.concurrency}", total=o.concurrency)
-        await _workers(o.concurrency, o.concurrency, once, progress, task)
-        task = progress.add_task(f"crun run of echo hi: {o.crun_runs}, {o.concurrency} in flight", total=o.crun_runs)
+        if not self._rounds["crun"]:
+            task = progress.add_task(f"crun run: warm-up {o.concurrency}", total=o.concurrency)
+            await _workers(o.concurrency, o.concurrency, once, progress, task)
+        count = _share(o.crun_runs, o.rounds)
+        task = progress.add_task(f"crun run of echo hi: {count}, {o.concurrency} in flight", total=count)
         meter = host.Meter()
-        elapsed, results, errors = await _workers(o.crun_runs, o.concurrency, once, progress, task)
+        elapsed, results, errors = await _workers(count, o.concurrency, once, progress, task)
         cpu = meter.stop(len(results))
         self.errors += [f"crun run: {e}" for e in errors]
-        self.r["crun"]["throughput"] = {
+        self._round_done("crun", {
             "lifecycles": len(results), "failed": len(errors), "concurrency": o.concurrency, "seconds": elapsed,
             "lifecycles_per_s": len(results) / elapsed if elapsed else 0.0, "cpu": cpu,
-        }
+        }, {})
 
     async def podman_throughput(self, rig: PeerRig, progress: Progress) -> None:
         o = self.opts
@@ -422,21 +461,21 @@ class Bench:
                 raise BenchError(why)
             return time.perf_counter() - t0
 
-        task = progress.add_task("podman run --rm: warm-up 2", total=2)
-        _, _, errors = await _workers(2, 1, once, progress, task, max_errors=0)
-        if errors:
-            raise BenchError(f"podman does not run here: {errors[0]}")
-        task = progress.add_task(f"podman run --rm of echo hi: {o.podman_runs}, {o.concurrency} in flight",
-                                 total=o.podman_runs)
+        if not self._rounds["podman"]:
+            task = progress.add_task("podman run --rm: warm-up 2", total=2)
+            _, _, errors = await _workers(2, 1, once, progress, task, max_errors=0)
+            if errors:
+                raise BenchError(f"podman does not run here: {errors[0]}")
+        count = _share(o.podman_runs, o.rounds)
+        task = progress.add_task(f"podman run --rm of echo hi: {count}, {o.concurrency} in flight", total=count)
         meter = host.Meter()
-        elapsed, results, errors = await _workers(o.podman_runs, o.concurrency, once, progress, task)
+        elapsed, results, errors = await _workers(count, o.concurrency, once, progress, task)
         cpu = meter.stop(len(results))
         self.errors += [f"podman run: {e}" for e in errors]
-        self.r["podman"]["throughput"] = {
+        self._round_done("podman", {
             "lifecycles": len(results), "failed": len(errors), "concurrency": o.concurrency, "seconds": elapsed,
             "lifecycles_per_s": len(results) / elapsed if elapsed else 0.0, "cpu": cpu,
-            "run_latency": host.latency_summary(results),
-        }
+        }, {"run_latency": results})
 
     async def crun_create(self, rig: PeerRig, progress: Progress) -> None:
         """crun run --detach at 64 in flight, same rounds as DSec's warm figure."""
@@ -679,18 +718,24 @@ async def _run(bench: Bench, rig_args: tuple[Path, Path, str], progress: Progres
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main_task.cancel)
     with PeerRig(*rig_args) as rig:
         try:
-            await bench.phase("crun_throughput", bench.crun_throughput(rig, progress))
-            if o.podman:
-                try:
-                    await bench.podman_throughput(rig, progress)
-                except Exception as exc:  # noqa: BLE001 - reported; the podman phases are skipped
-                    bench.errors.append(f"phase podman_throughput: {type(exc).__name__}: {exc}"[:600])
-                    o.podman = False
-            bench.r["dsec"]["servers"] = [
-                await bench.with_server(("--pool-max", str(o.pool_max)),
-                                        [bench.dsec_throughput, bench.dsec_warm], progress),
-                await bench.with_server(("--pool-max", "0"), [bench.dsec_cold, bench.dsec_idle], progress),
-            ]
+            # Throughput in rounds, crun, podman and DSec in turn, so that each system's figure
+            # spans the same stretches of the host's (changing) speed. DSec gets a new server each
+            # round: no pool of idle sandboxes (and their mounts) sits on the host while the peers run.
+            bench.r["dsec"]["servers"] = []
+            for i in range(o.rounds):
+                await bench.phase("crun_throughput", bench.crun_throughput(rig, progress))
+                if o.podman:
+                    try:
+                        await bench.podman_throughput(rig, progress)
+                    except Exception as exc:  # noqa: BLE001 - reported; the podman phases are skipped
+                        bench.errors.append(f"phase podman_throughput: {type(exc).__name__}: {exc}"[:600])
+                        o.podman = False
+                last = i == o.rounds - 1
+                bench.r["dsec"]["servers"].append(await bench.with_server(
+                    ("--pool-max", str(o.pool_max)), [bench.dsec_throughput] + ([bench.dsec_warm] if last else []),
+                    progress))
+            bench.r["dsec"]["servers"].append(
+                await bench.with_server(("--pool-max", "0"), [bench.dsec_cold, bench.dsec_idle], progress))
             await bench.phase("crun_create", bench.crun_create(rig, progress))
             await bench.phase("crun_idle", bench.crun_idle(rig, progress))
             if o.podman:
