@@ -422,6 +422,8 @@ class ContainerBackend:
     """crun + overlayfs over shared EROFS layer mounts. See the module docstring."""
 
     kind = "container"
+    # The v1 controllers of a sandbox's cgroup (see dsec.resources.cgroups).
+    cgroup_controllers: tuple[str, ...] = cgroups.SANDBOX_CONTROLLERS
 
     def __init__(self, node_dir: Path, store: LayerStore, layer_mounts: LayerMounts | None = None,
                  cgroup_parent: str = cgroups.DEFAULT_PARENT) -> None:
@@ -563,9 +565,9 @@ class ContainerBackend:
             if self.id_ranges is None:
                 _sys.mount("overlay", str(plan.target), "overlay", _sys.MS_NODEV, plan.options)
             else:
-                userns.mount_shifted_overlay(
-                    self.id_ranges.take(plan.target.parent.name), [m.target for m in reversed(plan.layers)],
-                    plan.upper, plan.work, plan.target, plan.target.parent / "lower", _sys.MS_NODEV)
+                idmap = self.id_ranges.take(plan.target.parent.name)
+                with self.layer_mounts.idmapped(tuple(reversed(plan.layers)), idmap) as lowers:
+                    userns.mount_shifted_overlay(idmap, lowers, plan.upper, plan.work, plan.target, _sys.MS_NODEV)
         except BaseException:
             self.layer_mounts.release(plan.layers)
             disk.unmount_bundle(plan.target.parent)
@@ -603,7 +605,7 @@ class ContainerBackend:
         if self.id_ranges is not None:
             self.id_ranges.take(cid)  # here, on the event loop: ranges are handed out in order
         try:
-            cgroups.make_sandbox_cgroup(self.cgroup_parent, cid, spec.limits)
+            cgroups.make_sandbox_cgroup(self.cgroup_parent, cid, spec.limits, self.cgroup_controllers)
         except OSError as exc:
             if self.id_ranges is not None:
                 self.id_ranges.release(cid)
@@ -632,7 +634,7 @@ class ContainerBackend:
                 self._seccomp_bpf = _compiled_seccomp(self.crun_root / cid)
             pid = int(pidfile.read_text())
             # The init waits for its first command: nothing runs before it is in its cgroup.
-            cgroups.enter(self.cgroup_parent, cid, pid)
+            cgroups.enter(self.cgroup_parent, cid, pid, self.cgroup_controllers)
             # `crun run --detach` may return while the first process is still crun setting up
             # the namespaces; a `crun exec` then fails (setns: EPERM). Wait for the init.
             deadline = time.monotonic() + 10
@@ -928,7 +930,7 @@ class ContainerBackend:
         for k, v in ctx.env.items():
             argv += ["--env", f"{k}={v}"]
         argv += [handle.cid, "/bin/sh", "-c", request.command]
-        command = cgroups.join_argv(self.cgroup_parent, handle.cid, self._crun(*argv))
+        command = cgroups.join_argv(self.cgroup_parent, handle.cid, self._crun(*argv), self.cgroup_controllers)
         if cgroups.cpu_idle(self.cgroup_parent, handle.cid):
             # Best effort: crun exec, and the command it starts, run under SCHED_IDLE.
             command = [CHRT, "--idle", "0", *command]

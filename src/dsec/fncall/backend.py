@@ -40,6 +40,8 @@ class FnCallBackend(ContainerBackend):
     """``ContainerBackend`` with the worker's mounts (see the module docstring)."""
 
     kind = "fncall"
+    # cpuacct too: the pool reads a worker's CPU time (cpu_usage_s).
+    cgroup_controllers = (*cgroups.SANDBOX_CONTROLLERS, "cpuacct")
 
     def __init__(self, node_dir: Path, store: LayerStore, layer_mounts: LayerMounts | None = None,
                  cgroup_parent: str = cgroups.DEFAULT_PARENT, tmpfs_mb: int = 256, native_loop: bool = True) -> None:
@@ -87,7 +89,7 @@ class FnCallBackend(ContainerBackend):
             argv += ["--env", f"{k}={v}"]
         argv += [cid, "python3", "-I", BOOT_PATH, ZYGOTE_PATH, str(uid), str(gid), str(nproc), str(fsize),
                  str(nofile), ",".join(preload), LOOP_PATH if self.loop_library is not None else ""]
-        return cgroups.join_argv(self.cgroup_parent, cid, self._crun(*argv))
+        return cgroups.join_argv(self.cgroup_parent, cid, self._crun(*argv), self.cgroup_controllers)
 
 
 

@@ -8,14 +8,16 @@ a sandbox thus holds its capabilities only over its own namespaces: to the host 
 The shared EROFS layers stay as they are on disk (owned by 0). Each sandbox's overlay stacks
 *idmapped* clones of the node's layer mounts (``open_tree`` + ``mount_setattr(MOUNT_ATTR_IDMAP)``:
 kernel ≥ 5.12, and EROFS supports it here), so on-disk uid 0 reads as the sandbox's root and the
-layers are never copied or chowned. The clones only live while the overlay is being mounted (the
-overlay keeps private references to its lower layers). The writable upper (tmpfs) holds host ids
+layers are never copied or chowned. The clones are detached mounts, held by fds
+(the overlay keeps private references to its lower layers). The writable upper (tmpfs) holds host ids
 shifted by the base; ``shifted_view`` shows it shifted back, which is what ``pack_diff`` packs.
 
 Each live sandbox has a range of its own (``IdRanges``): no two sandboxes share a host uid, and
 a host uid names its sandbox (the kernel's seccomp audit records carry it, see
 dsec.isolation.events). Ranges are reused after a sandbox ends; the user namespace fds that
-describe them are made once per range (one ``unshare`` spawn) and the last 256 used are kept.
+describe them are made once per range (one ``unshare`` spawn) and the last 256 used are kept,
+and so are the idmapped clones of each layer for a range (``LayerMounts.idmapped``): detached
+mounts, in no mount table, that the overlay takes as its lower layers by their fds.
 """
 
 from __future__ import annotations
@@ -115,14 +117,30 @@ def _userns_fd(inside: int, outside: int, count: int) -> int:
     return fd
 
 
-def idmapped_bind(source: Path, target: Path, userns_fd: int) -> None:
-    """Mount an idmapped clone of the mount (or directory) ``source`` on ``target``."""
+def idmapped_clone(source: Path, idmap: IdMap) -> int:
+    """An fd of a detached idmapped clone of the mount (or directory) ``source``, its ids
+    0.. read as ``idmap``'s host ids. Not in any mount table; it goes when the fd is closed
+    (and whatever was mounted over it lets go)."""
+    return _clone(source, _userns_fd(0, idmap.base, idmap.count))
+
+
+def _clone(source: Path, userns_fd: int) -> int:
     fd = _check(_libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, str(source).encode(),
                               _OPEN_TREE_CLONE | os.O_CLOEXEC), f"open_tree {source}")
     try:
         attr = _MountAttr(_MOUNT_ATTR_IDMAP, 0, 0, userns_fd)
         _check(_libc.syscall(_SYS_MOUNT_SETATTR, fd, b"", _AT_EMPTY_PATH, ctypes.byref(attr),
                              ctypes.sizeof(attr)), f"idmap {source}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def idmapped_bind(source: Path, target: Path, userns_fd: int) -> None:
+    """Mount an idmapped clone of the mount (or directory) ``source`` on ``target``."""
+    fd = _clone(source, userns_fd)
+    try:
         _check(_libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, str(target).encode(),
                              _MOVE_MOUNT_F_EMPTY_PATH), f"move_mount {target}")
     finally:
@@ -171,30 +189,15 @@ class IdRanges:
         return next((cid for cid, i in self._used.items() if i == index), None) if host_uid >= self.base else None
 
 
-def mount_shifted_overlay(idmap: IdMap, lowers: list[Path], upper: Path, work: Path, target: Path,
-                          scratch: Path, flags: int) -> None:
-    """Mount an overlay on ``target`` whose lower layers (top first) read as owned by the
-    sandbox's ids; ``upper`` and ``work`` are made the sandbox root's. ``scratch`` is an empty
-    directory for the idmapped clones, gone again on return."""
-    nsfd = _userns_fd(0, idmap.base, idmap.count)
+def mount_shifted_overlay(idmap: IdMap, lower_fds: list[int], upper: Path, work: Path, target: Path,
+                          flags: int) -> None:
+    """Mount an overlay on ``target`` over the idmapped clones ``lower_fds`` (top first, from
+    ``idmapped_clone``: they read as owned by the sandbox's ids); ``upper`` and ``work`` are made
+    the sandbox root's. The overlay keeps its own references to the clones."""
     for d in (upper, work):
         os.chown(d, idmap.base, idmap.base)
-    clones: list[Path] = []
-    try:
-        for i, lower in enumerate(lowers):
-            clone = scratch / str(i)
-            clone.mkdir(parents=True, exist_ok=True)
-            idmapped_bind(lower, clone, nsfd)
-            clones.append(clone)
-        options = f"lowerdir={':'.join(map(str, clones))},upperdir={upper},workdir={work}"
-        _sys.mount("overlay", str(target), "overlay", flags, options)
-    finally:
-        for clone in clones:
-            _sys.umount(str(clone), _sys.MNT_DETACH)
-        with contextlib.suppress(OSError):
-            for clone in clones:
-                clone.rmdir()
-            scratch.rmdir()
+    lowers = ":".join(f"/proc/self/fd/{fd}" for fd in lower_fds)
+    _sys.mount("overlay", str(target), "overlay", flags, f"lowerdir={lowers},upperdir={upper},workdir={work}")
 
 
 @contextlib.contextmanager

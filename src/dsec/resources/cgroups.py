@@ -8,7 +8,8 @@ all (the benchmarks' bare crun and podman manage their own cgroups).
 
 crun is told not to manage cgroups (``--cgroup-manager=disabled``). On v1 it would make the
 container's cgroup in every hierarchy the host mounts (ten here, with the named and the unified
-ones) and move the container into each; DSec uses five controllers (``SANDBOX_CONTROLLERS``).
+ones) and move the container into each; DSec uses four (``SANDBOX_CONTROLLERS``; FnCall's
+workers add ``cpuacct``).
 That was a quarter of crun's CPU per container on this machine (9.7 → 7.2 ms a ``crun run``).
 """
 
@@ -26,10 +27,10 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 DEFAULT_PARENT = "dsec"
 CPU_PERIOD_US = 100_000
-# What a sandbox's cgroup is for on v1: its limits (memory, cpu, pids), the CPU it used
-# (cpuacct) and pause (freezer). Devices are not among them: no sandbox holds CAP_MKNOD (and in a
+# What a sandbox's cgroup is for on v1: its limits (memory, cpu, pids) and pause (freezer).
+# Devices are not among them: no sandbox holds CAP_MKNOD (and in a
 # user namespace the kernel refuses device nodes anyway), so its /dev has only what crun puts there.
-SANDBOX_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids", "freezer")
+SANDBOX_CONTROLLERS = ("memory", "cpu", "pids", "freezer")
 # The v2 controllers a sandbox's parent hands down to it.
 _V2_CONTROLLERS = ("memory", "cpu", "pids")
 
@@ -193,22 +194,22 @@ def memory_usage_bytes(parent: str, cid: str) -> int | None:
 
 
 @functools.cache
-def sandbox_hierarchies() -> tuple[Path, ...]:
+def sandbox_hierarchies(controllers: tuple[str, ...] = SANDBOX_CONTROLLERS) -> tuple[Path, ...]:
     """Where a sandbox's cgroup is made: the v2 root, or the v1 hierarchies of
-    ``SANDBOX_CONTROLLERS``, each once (``cpu`` and ``cpuacct`` often share one)."""
+    ``controllers``, each once (``cpu`` and ``cpuacct`` often share one)."""
     if is_v2():
         return (CGROUP_ROOT,)
     found: dict[Path, Path] = {}
-    for controller in SANDBOX_CONTROLLERS:
+    for controller in controllers:
         path = CGROUP_ROOT / controller
         if path.is_dir():
             found.setdefault(path.resolve(), path)
     return tuple(found.values())
 
 
-def _make_parent(parent: str) -> None:
+def _make_parent(parent: str, controllers: tuple[str, ...]) -> None:
     """The parent cgroups, and on v2 the controllers handed down through them."""
-    for h in sandbox_hierarchies():
+    for h in sandbox_hierarchies(controllers):
         (h / parent).mkdir(exist_ok=True)
     if is_v2():
         for level in (CGROUP_ROOT, CGROUP_ROOT / parent):
@@ -219,19 +220,20 @@ def _make_parent(parent: str) -> None:
                 _write(level / "cgroup.subtree_control", " ".join(f"+{c}" for c in missing))
 
 
-def make_sandbox_cgroup(parent: str, cid: str, limits: Limits | None) -> None:
+def make_sandbox_cgroup(parent: str, cid: str, limits: Limits | None,
+                        controllers: tuple[str, ...] = SANDBOX_CONTROLLERS) -> None:
     """Make a sandbox's cgroup with its limits (none without ``limits``); nothing is left
     behind when it fails. A fresh cgroup has no quota, a 100 ms period and is not idle-class, so
     only what differs is written: four writes (v1) for most, ~0.6 ms of kernel work in all, no wait
     (no RCU grace period), so the event loop may call it."""
     made = []
     try:
-        for h in sandbox_hierarchies():
+        for h in sandbox_hierarchies(controllers):
             d = f"{h}/{parent}/{cid}"
             try:
                 os.mkdir(d)
             except FileNotFoundError:  # first sandbox, or the empty parent was just removed
-                _make_parent(parent)
+                _make_parent(parent, controllers)
                 os.mkdir(d)
             made.append(d)
         if limits is None:
@@ -277,18 +279,19 @@ def _has(d: str, name: str) -> bool:
     return known
 
 
-def enter(parent: str, cid: str, pid: int) -> None:
+def enter(parent: str, cid: str, pid: int, controllers: tuple[str, ...] = SANDBOX_CONTROLLERS) -> None:
     """Move process ``pid`` (a sandbox's init, before it starts anything) into the sandbox's
     cgroup: what it forks from then on is born there."""
-    for h in sandbox_hierarchies():
+    for h in sandbox_hierarchies(controllers):
         _write(f"{h}/{parent}/{cid}/cgroup.procs", str(pid))
 
 
-def join_argv(parent: str, cid: str, argv: list[str]) -> list[str]:
+def join_argv(parent: str, cid: str, argv: list[str],
+              controllers: tuple[str, ...] = SANDBOX_CONTROLLERS) -> list[str]:
     """``argv`` run by a shell that first moves itself into the sandbox's cgroup, so that the
     command is born there (``crun exec`` does not join a cgroup crun did not make)."""
     joins = " && ".join(f"echo 0 > {shlex.quote(str(h / parent / cid / 'cgroup.procs'))}"
-                        for h in sandbox_hierarchies())
+                        for h in sandbox_hierarchies(controllers))
     return ["/bin/sh", "-c", f"{joins} && exec \"$@\"", "dsec-join", *argv]
 
 
