@@ -403,17 +403,33 @@ class _Capture:
         )
 
 
-class _PipeSink(asyncio.Protocol):
-    """Feeds what a command writes to a pipe into a capture; ``done`` at end of file."""
+class _PipeReader:
+    """Feeds what a command writes to a pipe (non-blocking, ours to close) into a capture;
+    ``done`` at end of file. A reader on the loop, not a pipe transport: no protocol, file
+    object or extra loop iteration to set it up, for the two pipes of every command."""
 
-    def __init__(self, capture: _Capture, done: asyncio.Future) -> None:
-        self.capture = capture
-        self.done = done
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, capture: _Capture) -> None:
+        self.loop, self.fd, self.capture = loop, fd, capture
+        self.done = loop.create_future()
+        loop.add_reader(fd, self._ready)
 
-    def data_received(self, data: bytes) -> None:
-        self.capture.feed(data)
+    def _ready(self) -> None:
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.capture.feed(data)
+        else:
+            self.close()
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def close(self) -> None:
+        if self.fd >= 0:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = -1
         if not self.done.done():
             self.done.set_result(None)
 
@@ -867,6 +883,7 @@ class ContainerBackend:
         ours: list[int] = []
         theirs: list[int] = []
         transports: list[asyncio.BaseTransport] = []
+        pipes: list[_PipeReader] = []
         try:
             if request.stdin is not None:
                 stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
@@ -874,16 +891,13 @@ class ContainerBackend:
                 ours.append(stdin_w)
             else:
                 theirs.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
-            readers = []
             for capture in (out, err):
-                r, w = os.pipe2(os.O_CLOEXEC)
+                r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+                os.set_blocking(w, True)  # the command's end
                 theirs.append(w)
                 ours.append(r)
-                done = loop.create_future()
-                t, _ = await loop.connect_read_pipe(lambda c=capture, d=done: _PipeSink(c, d), os.fdopen(r, "rb", 0))
-                ours.remove(r)  # the transport owns it now
-                transports.append(t)
-                readers.append(done)
+                pipes.append(_PipeReader(loop, r, capture))
+                ours.remove(r)  # the reader owns it now
             start = time.perf_counter()
             try:
                 await channel.start(job_id, message, (theirs[0], theirs[1], theirs[2]))
@@ -914,8 +928,10 @@ class ContainerBackend:
                 raise
             # Output still in the pipes is read at once; a background process that keeps them
             # open is not waited for.
-            await asyncio.wait(readers, timeout=_PIPE_GRACE_S)
+            await asyncio.wait([p.done for p in pipes], timeout=_PIPE_GRACE_S)
         finally:
+            for pipe in pipes:
+                pipe.close()
             for t in transports:
                 t.close()
             for fd in theirs + ours:
