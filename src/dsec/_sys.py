@@ -79,11 +79,17 @@ def mounted_targets() -> set[str]:
 _FILE_ACTIONS_BYTES = 256
 
 
-def posix_spawn(path: str, argv: list[str], env: dict[str, str] | os._Environ,
+def spawn_env(env: dict[str, str] | os._Environ) -> ctypes.Array:
+    """An environment for ``posix_spawn``, encoded once (a caller that spawns often keeps it)."""
+    encoded = [os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()]
+    return (ctypes.c_char_p * (len(encoded) + 1))(*encoded, None)
+
+
+def posix_spawn(path: str, argv: list[str], env: ctypes.Array,
                 stdin: int | None, stdout: int, stderr: int) -> int:
     """posix_spawn (glibc: a vfork) with the GIL released: ``os.posix_spawn`` holds it until
     the child has exec'd, which on a busy machine is milliseconds in which no other thread of
-    ours runs. ``stdin`` None is /dev/null. Returns the child's pid."""
+    ours runs. ``env`` from ``spawn_env``; ``stdin`` None is /dev/null. Returns the child's pid."""
     actions = ctypes.create_string_buffer(_FILE_ACTIONS_BYTES)
     _check_rc(_libc.posix_spawn_file_actions_init(actions), "posix_spawn_file_actions_init")
     try:
@@ -95,10 +101,8 @@ def posix_spawn(path: str, argv: list[str], env: dict[str, str] | os._Environ,
         _check_rc(_libc.posix_spawn_file_actions_adddup2(actions, stderr, 2), "adddup2")
         args = [os.fsencode(a) for a in argv]
         c_argv = (ctypes.c_char_p * (len(args) + 1))(*args, None)
-        envs = [os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()]
-        c_env = (ctypes.c_char_p * (len(envs) + 1))(*envs, None)
         pid = ctypes.c_int()
-        rc = _libc.posix_spawn(ctypes.byref(pid), os.fsencode(path), actions, None, c_argv, c_env)
+        rc = _libc.posix_spawn(ctypes.byref(pid), os.fsencode(path), actions, None, c_argv, env)
         if rc != 0:
             raise OSError(rc, f"posix_spawn {path}: {os.strerror(rc)}")
         return pid.value

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import ctypes
 import errno
 import fcntl
 import functools
@@ -230,6 +231,12 @@ _ORPHANS = _OrphanReaper()
 _SECCOMP_SLOT = "@dsec-seccomp-profile@"
 
 
+@functools.cache
+def _spawn_env() -> ctypes.Array:
+    """The server's environment for crun, encoded once (the server does not change it)."""
+    return _sys.spawn_env(os.environ)
+
+
 async def _spawn_wait(argv: list[str], stdin: int | None, out: int, timeout: float) -> int | None:
     """Run ``argv`` with ``stdin`` (None: /dev/null) and stdout and stderr to ``out``; its exit
     code, or None when it was killed past ``timeout``. posix_spawn (a vfork) and a pidfd:
@@ -241,7 +248,7 @@ async def _spawn_wait(argv: list[str], stdin: int | None, out: int, timeout: flo
     loop's time. It is waited for even when the call is cancelled (the child takes ``stdin``
     and ``out``, which the caller closes once this returns), and what it started is killed."""
     spawning = asyncio.get_running_loop().run_in_executor(
-        None, _sys.posix_spawn, argv[0], argv, os.environ, stdin, out, out)
+        None, _sys.posix_spawn, argv[0], argv, _spawn_env(), stdin, out, out)
     cancelled = False
     while not spawning.done():
         try:
@@ -457,6 +464,8 @@ class ContainerBackend:
         self.layer_mounts = layer_mounts or LayerMounts(self.node_dir / "layers")
         self._seccomp = seccomp_profile()
         self._seccomp_json: str | None = None
+        # The overlay plan of each live sandbox made here: paths, worked out once.
+        self._plans: dict[str, OverlayPlan] = {}
         # The profile as the BPF program crun compiled it for the first sandbox, handed to crun
         # for every later one (its run.oci.seccomp_bpf_data annotation): crun then loads it as is
         # instead of building it again with libseccomp, a tenth of its CPU per sandbox (its own
@@ -508,8 +517,11 @@ class ContainerBackend:
             os.close(out)
 
     def _plan(self, cid: str, layers: tuple[str, ...], image: str) -> OverlayPlan:
-        img = Image(name=image, layers=layers)
-        return compose(img, self.store, self.layer_mounts.mount_dir, self.sandboxes_dir / cid)
+        plan = self._plans.get(cid)
+        if plan is None:
+            img = Image(name=image, layers=layers)
+            plan = compose(img, self.store, self.layer_mounts.mount_dir, self.sandboxes_dir / cid)
+        return plan
 
     def _config(self, cid: str, plan: OverlayPlan, spec: SandboxSpec) -> dict:
         idmap = self.id_ranges.of(cid) if self.id_ranges else None
@@ -675,6 +687,7 @@ class ContainerBackend:
         with contextlib.suppress(OSError):  # gone already: is_alive reads /proc and says so
             self._pidfds[cid] = os.pidfd_open(pid)
         handle = Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
+        self._plans[cid] = plan
         # The cgroup got its limits and the bundle its size; SCHED_IDLE for a best-effort
         # sandbox's init is what is left (its commands get it in exec).
         if spec.limits is not None and spec.limits.best_effort:
@@ -769,6 +782,7 @@ class ContainerBackend:
         cgroups would not go (crun delete is tried then)."""
         removed = self._remove_cgroup(handle.cid)
         self._release_rootfs(self._plan(handle.cid, handle.layers, handle.image))
+        self._plans.pop(handle.cid, None)
         shutil.rmtree(self.crun_root / handle.cid, ignore_errors=True)
         return removed
 

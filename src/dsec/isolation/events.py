@@ -103,24 +103,34 @@ class SecurityEvents:
             self.record(sandbox_id, "limit.disk", f"the writable layer is full ({size} MB cap)")
 
 
-def _read_key(path: Path, key: str) -> int | None:
+def _read_key(path: str, key: bytes) -> int | None:
+    """The value of ``key`` in a flat-keyed cgroup file. Read after every command: plain
+    system calls, not a text file object."""
     try:
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, 1 << 14)
+        finally:
+            os.close(fd)
+    except OSError:
         return None
+    for line in data.split(b"\n"):
+        name, _, value = line.partition(b" ")
+        if name == key:
+            try:
+                return int(value)
+            except ValueError:
+                return None
     return None
 
 
 def _oom_kills(parent: str, cid: str) -> int | None:
     if cgroups.is_v2():
-        return _read_key(cgroups.CGROUP_ROOT / parent / cid / "memory.events", "oom_kill")
-    return _read_key(cgroups.CGROUP_ROOT / "memory" / parent / cid / "memory.oom_control", "oom_kill")
+        return _read_key(f"{cgroups.CGROUP_ROOT}/{parent}/{cid}/memory.events", b"oom_kill")
+    return _read_key(f"{cgroups.CGROUP_ROOT}/memory/{parent}/{cid}/memory.oom_control", b"oom_kill")
 
 
 def _pids_refused(parent: str, cid: str) -> int | None:
     if cgroups.is_v2():
-        return _read_key(cgroups.CGROUP_ROOT / parent / cid / "pids.events", "max")
-    return _read_key(cgroups.CGROUP_ROOT / "pids" / parent / cid / "pids.events", "max")
+        return _read_key(f"{cgroups.CGROUP_ROOT}/{parent}/{cid}/pids.events", b"max")
+    return _read_key(f"{cgroups.CGROUP_ROOT}/pids/{parent}/{cid}/pids.events", b"max")
