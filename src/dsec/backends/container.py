@@ -662,7 +662,10 @@ class ContainerBackend:
                 self._seccomp_bpf = _compiled_seccomp(self.crun_root / cid)
             pid = int(pidfile.read_text())
             # The init waits for its first command: nothing runs before it is in its cgroup.
-            cgroups.enter(self.cgroup_parent, cid, pid, self.cgroup_controllers)
+            try:
+                cgroups.enter(self.cgroup_parent, cid, pid, self.cgroup_controllers)
+            except OSError as exc:  # ESRCH: the init is gone already
+                raise BackendError(f"cannot move the init of {cid} into its cgroup: {exc}") from exc
             # `crun run --detach` may return while the first process is still crun setting up
             # the namespaces; a `crun exec` then fails (setns: EPERM). Wait for the init.
             deadline = time.monotonic() + 10
