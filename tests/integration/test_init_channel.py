@@ -1,6 +1,7 @@
 """The container init's command channel (dsec.backends.initchan) at its edges: a request over
 one packet of the host's socket buffers goes through `crun exec` alone and the channel stays;
-a sandbox whose channel is gone (adopted after a restart) runs commands through `crun exec`."""
+a sandbox whose channel is gone (adopted after a restart) runs commands through `crun exec`; a
+root filesystem that cannot be mounted fails its create alone."""
 
 from __future__ import annotations
 
@@ -58,3 +59,29 @@ async def test_without_a_channel_commands_go_through_crun_exec(container):
     backend.channels.pop(handle.cid).close()  # as after a server restart
     result = await backend.exec(handle, ExecRequest(command="echo via crun; exit 3", timeout=30), ROOT)
     assert (result.exit_code, result.stdout) == (3, "via crun\n")
+
+
+async def test_a_root_filesystem_that_cannot_be_mounted_is_a_clear_error_and_leaves_nothing(container, monkeypatch):
+    """When the mounts fail, crun is not run, the error names the mount, and the sandbox's
+    cgroup, bundle and id range go; the other sandbox goes on."""
+    from libdsec import BackendError
+
+    from dsec.resources import cgroups
+
+    backend, handle = container
+    image = backend.store.get_image("busybox")
+
+    def refuse(plan, limits):
+        raise OSError(28, "No space left on device (test)")
+
+    monkeypatch.setattr(backend, "_mount_rootfs", refuse)
+    with pytest.raises(BackendError, match="cannot mount the root filesystem of cnomount00000001: .*No space left"):
+        await backend.create("cnomount00000001", SandboxSpec(image="busybox", layers=image.layers,
+                                                             env=dict(image.env), limits=None))
+    assert not (backend.sandboxes_dir / "cnomount00000001").exists()
+    assert not (backend.crun_root / "cnomount00000001").exists()
+    assert all(d.name != "cnomount00000001" for d in cgroups.sandbox_cgroup_dirs(backend.cgroup_parent))
+    assert backend.id_ranges is None or backend.id_ranges.of("cnomount00000001") is None
+    monkeypatch.undo()
+    result = await backend.exec(handle, ExecRequest(command="echo still here", timeout=30), ROOT)
+    assert result.stdout == "still here\n"
