@@ -120,41 +120,53 @@ def _write(path: str | Path, value: str) -> None:
 
 def apply_limits(parent: str, cid: str, limits: Limits) -> None:
     """Set memory, CPU and pids limits of a running sandbox's cgroup."""
+    for path, value in _limit_writes(parent, cid, limits, fresh=False):
+        _write(path, value)
+
+
+def _limit_writes(parent: str, cid: str, limits: Limits, fresh: bool) -> list[tuple[str, str]]:
+    """The cgroup files to write for ``limits``, in order. On a ``fresh`` cgroup only what
+    differs from its defaults (no quota, a 100 ms period, not idle-class, memory+swap
+    unlimited). ``cpu.idle`` (kernel 5.15+): the kernel refuses a weight while a group is idle, so
+    the flag is cleared first and set last."""
+    writes: list[tuple[str, str]] = []
     if is_v2():
-        d = CGROUP_ROOT / parent / cid
-        _write(d / "memory.max", str(limits.memory_bytes))
-        if (d / "memory.swap.max").exists():
-            _write(d / "memory.swap.max", "0")
-        quota = "max" if limits.cpu_cap is None else str(limits.cpu_quota_us)
-        _write(d / "cpu.max", f"{quota} {CPU_PERIOD_US}")
-        _set_cpu_weight(d, "cpu.weight", limits.cpu_weight, limits.best_effort)
-        _write(d / "pids.max", str(limits.pids))
-        return
-    mem = _v1_dir("memory", parent, cid)
-    files = [mem / "memory.limit_in_bytes"]
-    if (mem / "memory.memsw.limit_in_bytes").exists():
-        # memory ≤ memory+swap at every step: raising a limit sets memsw first.
-        files.append(mem / "memory.memsw.limit_in_bytes")
-        if int(files[1].read_text()) < limits.memory_bytes:
-            files.reverse()
-    for f in files:
-        _write(f, str(limits.memory_bytes))
-    cpu = _v1_dir("cpu", parent, cid)
-    _write(cpu / "cpu.cfs_period_us", str(CPU_PERIOD_US))
-    _write(cpu / "cpu.cfs_quota_us", str(limits.cpu_quota_us))
-    _set_cpu_weight(cpu, "cpu.shares", limits.cpu_shares, limits.best_effort)
-    _write(_v1_dir("pids", parent, cid) / "pids.max", str(limits.pids))
+        d = cpu = pids = f"{CGROUP_ROOT}/{parent}/{cid}"
+        writes.append((f"{d}/memory.max", str(limits.memory_bytes)))
+        if _has(d, "memory.swap.max"):
+            writes.append((f"{d}/memory.swap.max", "0"))
+        if limits.cpu_cap is not None or not fresh:
+            quota = "max" if limits.cpu_cap is None else str(limits.cpu_quota_us)
+            writes.append((f"{d}/cpu.max", f"{quota} {CPU_PERIOD_US}"))
+        weight = ("cpu.weight", limits.cpu_weight)
+    else:
+        mem, cpu, pids = (f"{CGROUP_ROOT}/{c}/{parent}/{cid}" for c in ("memory", "cpu", "pids"))
+        memory = [(f"{mem}/memory.limit_in_bytes", str(limits.memory_bytes))]
+        if _has(mem, "memory.memsw.limit_in_bytes"):
+            # memory ≤ memory+swap at every step: raising a limit sets memsw first.
+            memsw = f"{mem}/memory.memsw.limit_in_bytes"
+            memory.append((memsw, str(limits.memory_bytes)))
+            if not fresh and _read_int(memsw) < limits.memory_bytes:
+                memory.reverse()
+        writes += memory
+        if not fresh:
+            writes.append((f"{cpu}/cpu.cfs_period_us", str(CPU_PERIOD_US)))
+        if limits.cpu_cap is not None or not fresh:
+            writes.append((f"{cpu}/cpu.cfs_quota_us", str(limits.cpu_quota_us)))
+        weight = ("cpu.shares", limits.cpu_shares)
+    has_idle = _has(cpu, "cpu.idle")
+    if has_idle and not fresh:
+        writes.append((f"{cpu}/cpu.idle", "0"))
+    writes.append((f"{cpu}/{weight[0]}", str(weight[1])))
+    if has_idle and limits.best_effort:
+        writes.append((f"{cpu}/cpu.idle", "1"))
+    writes.append((f"{pids}/pids.max", str(limits.pids)))
+    return writes
 
 
-def _set_cpu_weight(d: Path, weight_file: str, weight: int, idle: bool) -> None:
-    """Weight, then ``cpu.idle`` (kernel 5.15+): the kernel refuses a weight while a group is
-    idle, so the idle flag is cleared first and set last."""
-    has_idle = (d / "cpu.idle").exists()
-    if has_idle:
-        _write(d / "cpu.idle", "0")
-    _write(d / weight_file, str(weight))
-    if has_idle and idle:
-        _write(d / "cpu.idle", "1")
+def _read_int(path: str) -> int:
+    with open(path) as f:
+        return int(f.read())
 
 
 def cpu_idle(parent: str, cid: str) -> bool | None:
@@ -223,9 +235,9 @@ def _make_parent(parent: str, controllers: tuple[str, ...]) -> None:
 def make_sandbox_cgroup(parent: str, cid: str, limits: Limits | None,
                         controllers: tuple[str, ...] = SANDBOX_CONTROLLERS) -> None:
     """Make a sandbox's cgroup with its limits (none without ``limits``); nothing is left
-    behind when it fails. A fresh cgroup has no quota, a 100 ms period and is not idle-class, so
-    only what differs is written: four writes (v1) for most, ~0.6 ms of kernel work in all, no wait
-    (no RCU grace period), so the event loop may call it."""
+    behind when it fails. Only the limits that differ from a fresh cgroup's are written (four
+    writes on v1 for most): ~0.6 ms of kernel work in all, and no wait (no RCU grace period), so
+    the event loop may call it."""
     made = []
     try:
         for h in sandbox_hierarchies(controllers):
@@ -236,30 +248,8 @@ def make_sandbox_cgroup(parent: str, cid: str, limits: Limits | None,
                 _make_parent(parent, controllers)
                 os.mkdir(d)
             made.append(d)
-        if limits is None:
-            return
-        if is_v2():
-            d = made[0]
-            _write(f"{d}/memory.max", str(limits.memory_bytes))
-            if _has(d, "memory.swap.max"):
-                _write(f"{d}/memory.swap.max", "0")
-            if limits.cpu_cap is not None:
-                _write(f"{d}/cpu.max", f"{limits.cpu_quota_us} {CPU_PERIOD_US}")
-            _write(f"{d}/cpu.weight", str(limits.cpu_weight))
-            _write(f"{d}/pids.max", str(limits.pids))
-        else:
-            mem, cpu, pids = (f"{CGROUP_ROOT}/{c}/{parent}/{cid}" for c in ("memory", "cpu", "pids"))
-            _write(f"{mem}/memory.limit_in_bytes", str(limits.memory_bytes))
-            if _has(mem, "memory.memsw.limit_in_bytes"):  # memory+swap, from unlimited: after
-                _write(f"{mem}/memory.memsw.limit_in_bytes", str(limits.memory_bytes))
-            if limits.cpu_cap is not None:
-                _write(f"{cpu}/cpu.cfs_quota_us", str(limits.cpu_quota_us))
-            _write(f"{cpu}/cpu.shares", str(limits.cpu_shares))
-            _write(f"{pids}/pids.max", str(limits.pids))
-        if limits.best_effort:
-            _set_cpu_weight(Path(made[0]) if is_v2() else _v1_dir("cpu", parent, cid),
-                            "cpu.weight" if is_v2() else "cpu.shares",
-                            limits.cpu_weight if is_v2() else limits.cpu_shares, True)
+        for path, value in () if limits is None else _limit_writes(parent, cid, limits, fresh=True):
+            _write(path, value)
     except BaseException:
         for d in made:
             with contextlib.suppress(OSError):
