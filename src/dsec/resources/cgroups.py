@@ -146,7 +146,7 @@ def _limit_writes(parent: str, cid: str, limits: Limits, fresh: bool) -> list[tu
             # memory ≤ memory+swap at every step: raising a limit sets memsw first.
             memsw = f"{mem}/memory.memsw.limit_in_bytes"
             memory.append((memsw, str(limits.memory_bytes)))
-            if not fresh and _read_int(memsw) < limits.memory_bytes:
+            if not fresh and int(Path(memsw).read_text()) < limits.memory_bytes:
                 memory.reverse()
         writes += memory
         if not fresh:
@@ -162,11 +162,6 @@ def _limit_writes(parent: str, cid: str, limits: Limits, fresh: bool) -> list[tu
         writes.append((f"{cpu}/cpu.idle", "1"))
     writes.append((f"{pids}/pids.max", str(limits.pids)))
     return writes
-
-
-def _read_int(path: str) -> int:
-    with open(path) as f:
-        return int(f.read())
 
 
 def cpu_idle(parent: str, cid: str) -> bool | None:
