@@ -42,6 +42,9 @@ async def test_memory_limit_is_enforced(client):
         memory = await host_cgroup(sandbox, "memory")
         limit_file = "memory.max" if cgroups.is_v2() else "memory.limit_in_bytes"
         assert int((memory / limit_file).read_text()) == 32 << 20
+        # The OOM killer takes a command before the init, whose death would end the sandbox.
+        adj = await sandbox.run_shell("cat /proc/self/oom_score_adj /proc/1/oom_score_adj")
+        assert adj.stdout.split() == ["1000", "500"]
         # Under the limit: fine. Over it (tail keeps a 100 MB line in memory): OOM-killed.
         small = await sandbox.run_shell("head -c 8m /dev/zero | tail | wc -c", timeout=30)
         assert (small.exit_code, small.stdout.strip()) == (0, str(8 << 20))

@@ -716,6 +716,28 @@ class ContainerBackend:
             return not poller.poll(0)  # a pidfd turns readable when its process exits
         return handle.pid > 0 and _pid_in_cgroup(handle.pid, handle.cid)
 
+    async def _alive_after(self, handle: Handle, grace: float) -> bool:
+        """Whether the init still lives ``grace`` seconds on (or once it is gone, if sooner). A
+        pid namespace's init that was killed closes its files first, then waits for all else in
+        the namespace to die before it counts as exited: its channel closes well before that."""
+        fd = self._pidfds.get(handle.cid)
+        if fd is None:
+            return await self.is_alive(handle)
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
+        try:
+            await asyncio.wait_for(exited, grace)
+            return False
+        except TimeoutError:
+            return True
+        finally:
+            loop.remove_reader(fd)
+
+    def _why_gone(self, handle: Handle) -> str:
+        kills = cgroups.oom_kills(self.cgroup_parent, handle.cid)
+        return f" ({kills} out-of-memory kill(s) in its cgroup)" if kills else ""
+
     async def _freeze(self, handle: Handle) -> bool:
         """Freeze the sandbox; False if it was frozen already."""
         try:
@@ -887,8 +909,8 @@ class ContainerBackend:
                 except TooLarge:
                     pass  # this command alone goes through crun exec
                 except ChannelClosed:
-                    if not await self.is_alive(handle):
-                        raise SandboxStateError(f"sandbox process of {handle.cid} is gone") from None
+                    if not await self._alive_after(handle, _INIT_EXIT_GRACE_S):
+                        raise SandboxStateError(f"sandbox process of {handle.cid} is gone{self._why_gone(handle)}") from None
                     log.warning("init channel of %s closed; commands go through crun exec", handle.cid)
         return await self._exec_crun(handle, request, ctx)
 

@@ -112,22 +112,6 @@ def set_memory_limit(parent: str, cid: str, limit_bytes: int) -> None:
         _write(path, limit_bytes)
 
 
-def oom_kills(parent: str, cid: str) -> int:
-    """How many processes the kernel killed in the worker for want of memory."""
-    if cgroups.is_v2():
-        path, key = cgroups.CGROUP_ROOT / parent / cid / "memory.events", "oom_kill"
-    else:
-        path, key = cgroups.CGROUP_ROOT / "memory" / parent / cid / "memory.oom_control", "oom_kill"
-    try:
-        for line in path.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == key:
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
 def cpu_usage_s(parent: str, cid: str) -> float | None:
     """CPU time the worker's processes have used, in seconds."""
     try:

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 
 from ..backends.base import Handle, SandboxSpec
 from ..images.store import Image
+from ..resources import cgroups
 from ..resources.cgroups import Limits
-from .backend import WORKDIR, FnCallBackend, oom_kills, set_memory_limit
+from .backend import WORKDIR, FnCallBackend, set_memory_limit
 
 log = logging.getLogger("dsec.fncall")
 
@@ -323,7 +324,7 @@ class Worker:
             answer.worker_s = now - self.busy_since
             if answer.exit_code == -9 and not answer.timed_out:
                 # SIGKILL that was not ours: the kernel's, for memory, if the cgroup counted a kill.
-                kills = oom_kills(self.backend.cgroup_parent, self.cid)
+                kills = cgroups.oom_kills(self.backend.cgroup_parent, self.cid) or 0
                 answer.memory_exceeded, self.oom_kills = kills > self.oom_kills, kills
             self._sent = None
             self.busy_since = None

@@ -83,7 +83,7 @@ class SecurityEvents:
         """Turn growth of the sandbox's OOM-kill and pids-refusal counters into events."""
         if self.cgroup_parent is None or not cid:
             return
-        oom = _oom_kills(self.cgroup_parent, cid)
+        oom = cgroups.oom_kills(self.cgroup_parent, cid)
         if oom is not None and (n := self.counter_delta(sandbox_id, "oom_kill", oom)):
             self.record(sandbox_id, "limit.memory", f"{n} process(es) killed at the memory limit", n)
         pids = _pids_refused(self.cgroup_parent, cid)
@@ -103,34 +103,7 @@ class SecurityEvents:
             self.record(sandbox_id, "limit.disk", f"the writable layer is full ({size} MB cap)")
 
 
-def _read_key(path: str, key: bytes) -> int | None:
-    """The value of ``key`` in a flat-keyed cgroup file. Read after every command: plain
-    system calls, not a text file object."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = os.read(fd, 1 << 14)
-        finally:
-            os.close(fd)
-    except OSError:
-        return None
-    for line in data.split(b"\n"):
-        name, _, value = line.partition(b" ")
-        if name == key:
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
-def _oom_kills(parent: str, cid: str) -> int | None:
-    if cgroups.is_v2():
-        return _read_key(f"{cgroups.CGROUP_ROOT}/{parent}/{cid}/memory.events", b"oom_kill")
-    return _read_key(f"{cgroups.CGROUP_ROOT}/memory/{parent}/{cid}/memory.oom_control", b"oom_kill")
-
-
 def _pids_refused(parent: str, cid: str) -> int | None:
     if cgroups.is_v2():
-        return _read_key(f"{cgroups.CGROUP_ROOT}/{parent}/{cid}/pids.events", b"max")
-    return _read_key(f"{cgroups.CGROUP_ROOT}/pids/{parent}/{cid}/pids.events", b"max")
+        return cgroups.read_key(f"{cgroups.CGROUP_ROOT}/{parent}/{cid}/pids.events", b"max")
+    return cgroups.read_key(f"{cgroups.CGROUP_ROOT}/pids/{parent}/{cid}/pids.events", b"max")

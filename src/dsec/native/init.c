@@ -63,9 +63,17 @@ static void reply(const char *fmt, ...) {
     for (int i = 0; i < n; i++)
         if (buf[i] == ' ')
             buf[i] = '\0';
-    if (channel >= 0 && send(channel, buf, (size_t)n, MSG_NOSIGNAL) < 0 && errno != EINTR) {
-        close(channel); /* the host is gone: keep reaping */
-        channel = -1;
+    for (int tries = 0; channel >= 0 && tries < 100; tries++) {
+        if (send(channel, buf, (size_t)n, MSG_NOSIGNAL) >= 0)
+            return;
+        if (errno == EINTR)
+            continue;
+        if (errno != ENOBUFS && errno != ENOMEM) {
+            close(channel); /* the host is gone: keep reaping */
+            channel = -1;
+            return;
+        }
+        usleep(10000); /* out of memory for a moment (the sandbox's cgroup is at its limit) */
     }
 }
 
@@ -163,6 +171,17 @@ static void child(char **f, int nf, int fds[3], int errpipe, sigset_t *oldmask) 
     for (int s = 1; s < NSIG; s++)
         signal(s, SIG_DFL);
     sigprocmask(SIG_SETMASK, oldmask, NULL);
+    /* The command, not the init or its keeper, is what the OOM killer takes in the sandbox: the
+     * init has crun's 500, the command 1000 (raising needs no privilege). Even when the kernel
+     * kills twice for one overrun (a first victim's pages not yet uncharged), the second is one
+     * of the command's processes, and the sandbox lives on. */
+    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (oom >= 0) {
+        if (write(oom, "1000", 4) < 0) {
+            /* best effort: the command then ranks as the init does */
+        }
+        close(oom);
+    }
     if (setsid() < 0)
         goto fail;
     what = "setgroups";

@@ -164,6 +164,34 @@ def _limit_writes(parent: str, cid: str, limits: Limits, fresh: bool) -> list[tu
     return writes
 
 
+def read_key(path: str, key: bytes) -> int | None:
+    """The value of ``key`` in a flat-keyed cgroup file (None if it cannot be read). Read after
+    every command: plain system calls, not a text file object."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, 1 << 14)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    for line in data.split(b"\n"):
+        name, _, value = line.partition(b" ")
+        if name == key:
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+def oom_kills(parent: str, cid: str) -> int | None:
+    """How many processes the kernel's OOM killer took in the sandbox's cgroup."""
+    if is_v2():
+        return read_key(f"{CGROUP_ROOT}/{parent}/{cid}/memory.events", b"oom_kill")
+    return read_key(f"{CGROUP_ROOT}/memory/{parent}/{cid}/memory.oom_control", b"oom_kill")
+
+
 def cpu_idle(parent: str, cid: str) -> bool | None:
     """Whether the sandbox's cgroup is idle-class (best effort); None if the kernel cannot say."""
     d = (CGROUP_ROOT / parent / cid) if is_v2() else _v1_dir("cpu", parent, cid)
