@@ -1,7 +1,8 @@
 """The container init's command channel (dsec.backends.initchan) at its edges: a request over
 one packet of the host's socket buffers goes through `crun exec` alone and the channel stays;
 a sandbox whose channel is gone (adopted after a restart) runs commands through `crun exec`; a
-root filesystem that cannot be mounted fails its create alone."""
+root filesystem that cannot be mounted fails its create alone; remains whose crun state is lost
+are still killed."""
 
 from __future__ import annotations
 
@@ -85,3 +86,22 @@ async def test_a_root_filesystem_that_cannot_be_mounted_is_a_clear_error_and_lea
     monkeypatch.undo()
     result = await backend.exec(handle, ExecRequest(command="echo still here", timeout=30), ROOT)
     assert result.stdout == "still here\n"
+
+
+async def test_remains_whose_runtime_state_is_lost_are_killed_by_their_cgroup(container):
+    """After a crash that took crun's state with it, ``crun kill`` finds nothing: recover
+    still kills what is left in the sandbox's cgroup and removes it."""
+    from dsec.resources import cgroups
+
+    backend, handle = container
+    assert (await backend.exec(handle, ExecRequest(command="sleep 1000 & echo started", timeout=30),
+                               ROOT)).stdout == "started\n"
+    backend.channels.pop(handle.cid).close()
+    shutil.rmtree(backend.crun_root / handle.cid)
+    assert await backend.recover([]) == []
+    assert all(d.name != handle.cid for d in cgroups.sandbox_cgroup_dirs(backend.cgroup_parent))
+    try:  # dead: gone, or a zombie until this test's process (its parent) reaps it
+        state = open(f"/proc/{handle.pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("Z", "gone"), state

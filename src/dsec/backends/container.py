@@ -874,6 +874,11 @@ class ContainerBackend:
         cgroups.thaw(self.cgroup_parent, cid)
         await self._run_crun("kill", cid, "KILL")
         await self._run_crun("delete", "--force", cid)
+        try:
+            if killed := await asyncio.to_thread(cgroups.kill_all, self.cgroup_parent, cid):
+                log.warning("killed %d process(es) left in the cgroup of %s", killed, cid)
+        except TimeoutError as exc:
+            log.warning("%s", exc)
         cgroups.remove_cgroup(self.cgroup_parent, cid)
         target = self.sandboxes_dir / cid / "rootfs"
         if os.path.ismount(target):

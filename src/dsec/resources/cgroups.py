@@ -20,6 +20,7 @@ import functools
 import hashlib
 import os
 import shlex
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -349,6 +350,29 @@ def thaw(parent: str, cid: str) -> None:
         _write(path, value)
     except OSError:
         pass
+
+
+def kill_all(parent: str, cid: str, timeout: float = 5.0) -> int:
+    """SIGKILL every process left in a sandbox's cgroup and wait until it is empty; returns how
+    many were killed. For remains whose runtime state is lost (crun's state dir or the bundle
+    gone after a crash), where ``crun kill`` finds nothing to kill. Thaw a frozen one first."""
+    d = CGROUP_ROOT / parent / cid if is_v2() else _v1_dir("memory", parent, cid)
+    killed = 0
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
+        except FileNotFoundError:
+            return killed
+        if not pids:
+            return killed
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(pids)} process(es) of {cid} outlived SIGKILL for {timeout:g}s")
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        time.sleep(0.01)
 
 
 def frozen(parent: str, cid: str) -> bool:
