@@ -2,7 +2,7 @@
 one packet of the host's socket buffers goes through `crun exec` alone and the channel stays;
 a sandbox whose channel is gone (adopted after a restart) runs commands through `crun exec`; a
 root filesystem that cannot be mounted fails its create alone; remains whose crun state is lost
-are still killed."""
+are still killed; a command whose init dies fails with a clear error."""
 
 from __future__ import annotations
 
@@ -105,3 +105,20 @@ async def test_remains_whose_runtime_state_is_lost_are_killed_by_their_cgroup(co
     except FileNotFoundError:
         state = "gone"
     assert state in ("Z", "gone"), state
+
+
+async def test_a_command_whose_init_dies_says_the_sandbox_is_gone(container):
+    """The init killed under a running command (as by the OOM killer): the command fails with a
+    clear error naming the sandbox, not a `crun exec` of a dead container."""
+    import asyncio
+    import os
+    import signal
+
+    from libdsec import SandboxStateError
+
+    backend, handle = container
+    command = asyncio.create_task(backend.exec(handle, ExecRequest(command="sleep 30", timeout=60), ROOT))
+    await asyncio.sleep(0.3)
+    os.kill(handle.pid, signal.SIGKILL)
+    with pytest.raises(SandboxStateError, match=f"sandbox process of {handle.cid} is gone"):
+        await asyncio.wait_for(command, 10)

@@ -67,6 +67,9 @@ CHRT = shutil.which("chrt") or "/usr/bin/chrt"
 INIT_PATH = "/dev/.dsec-init"
 _READ_CHUNK = 1 << 16
 _PIPE_GRACE_S = 0.5
+# How long a command whose init channel closed waits for the init to be seen dead (a killed
+# pid namespace init closes its files well before it counts as exited).
+_INIT_EXIT_GRACE_S = 1.0
 # A sandbox may not raise its open-file limit above the host's own.
 _NOFILE_HARD = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
 
@@ -90,24 +93,23 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-async def _wait_exit(fd: int, timeout: float, tick: Callable[[], None] = lambda: None) -> None:
-    """Wait until the process of pidfd ``fd`` has exited (zombie or reaped); past 0.2 s
-    ``tick`` runs every 50 ms (a pid namespace's init cannot finish dying while a zombie of
-    the namespace waits on us, the subreaper, to be reaped). The caller closes ``fd``."""
+async def _wait_exit(fd: int, timeout: float, tick: Callable[[], None] = lambda: None) -> bool:
+    """Wait until the process of pidfd ``fd`` has exited (zombie or reaped), at most
+    ``timeout`` seconds; True if it did. Past 0.2 s ``tick`` runs every 50 ms (a pid
+    namespace's init cannot finish dying while a zombie of the namespace waits on us, the
+    subreaper, to be reaped). The caller closes ``fd``."""
     loop = asyncio.get_running_loop()
     exited = loop.create_future()
     loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
     deadline = time.monotonic() + timeout
     try:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(exited), 0.2)
-        while not exited.done():
-            if time.monotonic() > deadline:
-                log.warning("a sandbox init did not exit within %ss of SIGKILL", timeout)
-                break
+            await asyncio.wait_for(asyncio.shield(exited), min(0.2, timeout))
+        while not exited.done() and time.monotonic() < deadline:
             tick()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(exited), 0.05)
+        return exited.done()
     finally:
         loop.remove_reader(fd)
 
@@ -723,16 +725,7 @@ class ContainerBackend:
         fd = self._pidfds.get(handle.cid)
         if fd is None:
             return await self.is_alive(handle)
-        loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
-        try:
-            await asyncio.wait_for(exited, grace)
-            return False
-        except TimeoutError:
-            return True
-        finally:
-            loop.remove_reader(fd)
+        return not await _wait_exit(fd, grace, tick=self._reap_orphans)
 
     def _why_gone(self, handle: Handle) -> str:
         kills = cgroups.oom_kills(self.cgroup_parent, handle.cid)
@@ -788,7 +781,8 @@ class ContainerBackend:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
                 cgroups.thaw(self.cgroup_parent, handle.cid)  # a frozen (paused) task dies once thawed
-                await _wait_exit(fd, timeout=10, tick=self._reap_orphans)
+                if not await _wait_exit(fd, timeout=10, tick=self._reap_orphans):
+                    log.warning("the init of %s did not exit within 10s of SIGKILL", handle.cid)
             finally:
                 os.close(fd)
         # When we are the init's subreaper (see dsec.server), reap it now: a zombie still
