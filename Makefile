@@ -23,10 +23,12 @@ demo: setup
 	$(BIN)/dsec demo
 
 test: setup
+	$(BIN)/ruff check --quiet src tests
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The quick subset (no crun, no mounts): seconds.
 test-quick: venv
+	$(BIN)/ruff check --quiet src tests
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup
