@@ -873,7 +873,7 @@ class ContainerBackend:
                 log.warning("killed %d process(es) left in the cgroup of %s", killed, cid)
         except TimeoutError as exc:
             log.warning("%s", exc)
-        cgroups.remove_cgroup(self.cgroup_parent, cid)
+        await asyncio.to_thread(self._remove_cgroup, cid)  # (a zombie of ours is reaped first)
         target = self.sandboxes_dir / cid / "rootfs"
         if os.path.ismount(target):
             _sys.umount(str(target), _sys.MNT_DETACH)

@@ -353,15 +353,16 @@ def thaw(parent: str, cid: str) -> None:
 
 
 def kill_all(parent: str, cid: str, timeout: float = 5.0) -> int:
-    """SIGKILL every process left in a sandbox's cgroup and wait until it is empty; returns how
-    many were killed. For remains whose runtime state is lost (crun's state dir or the bundle
-    gone after a crash), where ``crun kill`` finds nothing to kill. Thaw a frozen one first."""
+    """SIGKILL every process left in a sandbox's cgroup and wait until none but zombies (which
+    their parent reaps) is; returns how many were killed. For remains whose runtime state is
+    lost (crun's state dir or the bundle gone after a crash), where ``crun kill`` finds nothing
+    to kill. Thaw a frozen one first. Blocks: call it from a thread."""
     d = CGROUP_ROOT / parent / cid if is_v2() else _v1_dir("memory", parent, cid)
     killed = 0
     deadline = time.monotonic() + timeout
     while True:
         try:
-            pids = [int(p) for p in (d / "cgroup.procs").read_text().split()]
+            pids = [int(p) for p in (d / "cgroup.procs").read_text().split() if not _zombie(int(p))]
         except FileNotFoundError:
             return killed
         if not pids:
@@ -373,6 +374,14 @@ def kill_all(parent: str, cid: str, timeout: float = 5.0) -> int:
                 os.kill(pid, signal.SIGKILL)
                 killed += 1
         time.sleep(0.01)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True  # gone
 
 
 def frozen(parent: str, cid: str) -> bool:
