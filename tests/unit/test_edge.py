@@ -78,6 +78,47 @@ async def test_capacity(tmp_path, store):
         await edge.close()
 
 
+async def test_admission_totals_follow_sandboxes_in_and_out(tmp_path, store):
+    """What admission counts (kept as sandboxes come and go, not summed per create) matches the
+    records through creates, a failed create, a stop and a sandbox found dead; a stop frees its
+    place and its memory at once."""
+    from dsec.edge.edge import _HOLDING, _cpu_commit
+
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "n", max_sandboxes=3, pool_min=0, pool_max=0), FakeBackend(), store)
+    await edge.start()
+
+    def check() -> None:
+        holding = [r for r in edge._records.values() if r.status in _HOLDING]
+        assert sorted(edge._held) == sorted(r.id for r in holding)
+        assert edge._held_memory_mb == sum(r.args.memory_limit_mb for r in holding)
+        assert edge._held_millicores == sum(round(_cpu_commit(r.args) * 1000) for r in holding)
+
+    try:
+        a = await edge.create(args(memory_limit_mb=64, cpu_cores_limit=0.1))
+        b = await edge.create(args(memory_limit_mb=128, cpu_cores_limit=0.7))
+        check()
+        edge.backend.fail_next_create = "crun exploded"
+        with pytest.raises(BackendError):
+            await edge.create(args())
+        check()
+        c = await edge.create(args(memory_limit_mb=32))
+        with pytest.raises(CapacityExceeded, match="full: 3 of 3"):
+            await edge.create(args())
+        await edge.stop(a.id)
+        check()
+        d = await edge.create(args())  # a's place is free again
+        edge.backend.kill(edge._records[b.id].handle.cid)
+        with pytest.raises(SandboxStateError):
+            await edge.exec(b.id, ExecRequest(command="true"))
+        check()
+        for info in (c, d):
+            await edge.stop(info.id)
+        check()
+        assert (edge._held, edge._held_memory_mb, edge._held_millicores) == ({}, 0, 0)
+    finally:
+        await edge.close()
+
+
 async def test_backend_failure_leaves_no_record(edge):
     edge.backend.fail_next_create = "crun exploded"
     with pytest.raises(BackendError, match="exploded"):

@@ -222,6 +222,11 @@ class Edge:
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.records_dir_s = str(self.records_dir)
         self._records: dict[str, Record] = {}
+        # What the sandboxes that hold resources (creating, running, paused) commit, kept as
+        # they come and go so that admitting one is O(1): id -> (CPU in millicores, memory MB).
+        self._held: dict[str, tuple[int, int]] = {}
+        self._held_millicores = 0
+        self._held_memory_mb = 0
         self._finished: OrderedDict[str, SandboxInfo] = OrderedDict()
         self._pools: dict[tuple[str, tuple[str, ...]], _Pool] = defaultdict(_Pool)
         self._pool_wakeup = asyncio.Event()
@@ -250,6 +255,7 @@ class Edge:
         for rec in records:
             if rec.handle.cid in alive:
                 self._records[rec.id] = rec
+                self._hold(rec)
                 log.info("re-adopted running sandbox %s", rec.id)
             else:
                 rec.status, rec.reason = SandboxStatus.failed, "sandbox was gone when the edge restarted"
@@ -302,14 +308,23 @@ class Edge:
         return Limits(memory_mb=args.memory_limit_mb, cpu_cores=args.cpu_cores_limit, pids=args.pids_limit,
                       cpu_cap=cap, best_effort=getattr(args, "best_effort", False))
 
-    def _active(self) -> list[Record]:
-        return [r for r in self._records.values() if r.status in _HOLDING]
+    def _hold(self, rec: Record) -> None:
+        """``rec`` holds resources from now on (it is creating, running or paused)."""
+        if rec.id not in self._held:
+            held = self._held[rec.id] = (round(_cpu_commit(rec.args) * 1000), rec.args.memory_limit_mb)
+            self._held_millicores += held[0]
+            self._held_memory_mb += held[1]
+
+    def _unhold(self, rec: Record) -> None:
+        """``rec`` holds nothing any more (stopping, stopped, failed or forgotten)."""
+        if (held := self._held.pop(rec.id, None)) is not None:
+            self._held_millicores -= held[0]
+            self._held_memory_mb -= held[1]
 
     def _admit(self, args: DSecContainerRunArgs) -> None:
-        active = self._active()
-        if len(active) >= self.config.max_sandboxes:
-            raise CapacityExceeded(f"node {self.node} is full: {len(active)} of {self.config.max_sandboxes} sandboxes")
-        committed = sum(r.args.memory_limit_mb for r in active) + args.memory_limit_mb
+        if len(self._held) >= self.config.max_sandboxes:
+            raise CapacityExceeded(f"node {self.node} is full: {len(self._held)} of {self.config.max_sandboxes} sandboxes")
+        committed = self._held_memory_mb + args.memory_limit_mb
         cap = int(self._memory_total_mb * self.config.memory_overcommit)
         if committed > cap:
             raise CapacityExceeded(
@@ -318,7 +333,7 @@ class Edge:
                 f" ({self.config.memory_overcommit:g}× its {self._memory_total_mb} MB)"
             )
         cpu = _cpu_commit(args)
-        cpu_committed = sum(_cpu_commit(r.args) for r in active)
+        cpu_committed = self._held_millicores / 1000
         cpu_cap = self._cpu_cores * self.config.cpu_overcommit
         if cpu and cpu_committed + cpu > cpu_cap + 1e-9:
             raise CapacityExceeded(
@@ -349,6 +364,7 @@ class Edge:
             args=args, image=image, status=SandboxStatus.creating, created_at=now, last_active=now, project=project,
         )
         self._records[rec.id] = rec
+        self._hold(rec)
         # VMs (whose memory is set at boot) and restores from a snapshot are made to order.
         snapshot = getattr(args, "snapshot", None)
         pooled = getattr(backend, "pooled", True) and snapshot is None
@@ -381,6 +397,7 @@ class Edge:
                 raise
         except BaseException:
             del self._records[rec.id]
+            self._unhold(rec)
             raise
         finally:
             pool.in_flight -= 1
@@ -603,6 +620,7 @@ class Edge:
                 await asyncio.sleep(0.01)
             return await self.get(sandbox_id)
         rec.status = SandboxStatus.stopping
+        self._unhold(rec)
         try:
             await self.backends[rec.kind].destroy(rec.handle)
         except Exception as exc:
@@ -676,6 +694,7 @@ class Edge:
     async def _fail(self, rec: Record, reason: str) -> None:
         log.warning("sandbox %s failed: %s", rec.id, reason)
         rec.status, rec.reason = SandboxStatus.failed, reason
+        self._unhold(rec)
         try:
             await self.backends[rec.kind].destroy(rec.handle)
         finally:
@@ -684,6 +703,7 @@ class Edge:
     def _forget(self, rec: Record) -> None:
         self.security.forget(rec)
         self._records.pop(rec.id, None)
+        self._unhold(rec)
         (self.records_dir / f"{rec.id}.json").unlink(missing_ok=True)
         self._finished[rec.id] = rec.info(self.node)
         while len(self._finished) > self.config.finished_kept:
