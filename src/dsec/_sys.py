@@ -79,6 +79,13 @@ def mounted_targets() -> set[str]:
 _FILE_ACTIONS_BYTES = 256
 
 
+def proc_stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name: state [0], ppid [1], process
+    group [2], session [3] … (OSError once the process is gone)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def spawn_env(env: dict[str, str] | os._Environ) -> ctypes.Array:
     """An environment for ``posix_spawn``, encoded once (a caller that spawns often keeps it)."""
     encoded = [os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()]

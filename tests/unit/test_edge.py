@@ -91,7 +91,7 @@ async def test_admission_totals_follow_sandboxes_in_and_out(tmp_path, store):
         holding = [r for r in edge._records.values() if r.status in _HOLDING]
         assert sorted(edge._held) == sorted(r.id for r in holding)
         assert edge._held_memory_mb == sum(r.args.memory_limit_mb for r in holding)
-        assert edge._held_millicores == sum(round(_cpu_commit(r.args) * 1000) for r in holding)
+        assert edge._held_ucores == sum(round(_cpu_commit(r.args) * 1_000_000) for r in holding)
 
     try:
         a = await edge.create(args(memory_limit_mb=64, cpu_cores_limit=0.1))
@@ -114,7 +114,7 @@ async def test_admission_totals_follow_sandboxes_in_and_out(tmp_path, store):
         for info in (c, d):
             await edge.stop(info.id)
         check()
-        assert (edge._held, edge._held_memory_mb, edge._held_millicores) == ({}, 0, 0)
+        assert (edge._held, edge._held_memory_mb, edge._held_ucores) == ({}, 0, 0)
     finally:
         await edge.close()
 

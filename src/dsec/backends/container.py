@@ -174,13 +174,6 @@ class _OrphanReaper:
             asyncio.get_running_loop().run_in_executor(None, _reap_orphans_above, floor)
 
 
-def _stat(pid: int) -> list[str]:
-    """The fields of /proc/PID/stat after the command's name: state [0], ppid [1], process
-    group [2], session [3] … (OSError once the process is gone)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
-
-
 def _children() -> set[int]:
     """Our child processes, those of every thread (no scan of all /proc)."""
     children: set[int] = set()
@@ -192,7 +185,7 @@ def _children() -> set[int]:
 
 def _orphan(pid: int, mine: int) -> bool:
     try:
-        return int(_stat(pid)[2]) not in (pid, mine)
+        return int(_sys.proc_stat(pid)[2]) not in (pid, mine)
     except (OSError, IndexError, ValueError):
         return False
 
@@ -221,7 +214,7 @@ def _reap_orphans_above(floor: int) -> None:
         if pid <= floor:
             continue
         try:
-            fields = _stat(pid)
+            fields = _sys.proc_stat(pid)
             if fields[0] == "Z" and int(fields[2]) not in (pid, mine):
                 os.waitpid(pid, os.WNOHANG)
         except (OSError, IndexError, ValueError, ChildProcessError):
@@ -312,7 +305,7 @@ async def _wait_process(proc: asyncio.subprocess.Process, timeout: float) -> int
 
 
 def _session(pid: int) -> int:
-    return int(_stat(pid)[3])
+    return int(_sys.proc_stat(pid)[3])
 
 
 def _kill_session_of(pidfile: Path, cid: str) -> None:
@@ -368,7 +361,7 @@ def _pid_in_cgroup(pid: int, cid: str) -> bool:
         with open(f"/proc/{pid}/cgroup") as f:
             if f"/{cid}\n" not in f.read():
                 return False
-        return _stat(pid)[0] != "Z"
+        return _sys.proc_stat(pid)[0] != "Z"
     except (OSError, IndexError):
         return False
 
@@ -811,7 +804,7 @@ class ContainerBackend:
         cgroups: asyncio reaps the ``crun`` processes it spawned, which live outside them."""
         for pid in _children():
             try:
-                if _stat(pid)[0] != "Z":
+                if _sys.proc_stat(pid)[0] != "Z":
                     continue
                 with open(f"/proc/{pid}/cgroup") as f:
                     if f"/{self.cgroup_parent}/" not in f.read():

@@ -223,9 +223,9 @@ class Edge:
         self.records_dir_s = str(self.records_dir)
         self._records: dict[str, Record] = {}
         # What the sandboxes that hold resources (creating, running, paused) commit, kept as
-        # they come and go so that admitting one is O(1): id -> (CPU in millicores, memory MB).
+        # they come and go so that admitting one is O(1): id -> (CPU in millionths of a core, MB).
         self._held: dict[str, tuple[int, int]] = {}
-        self._held_millicores = 0
+        self._held_ucores = 0
         self._held_memory_mb = 0
         self._finished: OrderedDict[str, SandboxInfo] = OrderedDict()
         self._pools: dict[tuple[str, tuple[str, ...]], _Pool] = defaultdict(_Pool)
@@ -311,14 +311,14 @@ class Edge:
     def _hold(self, rec: Record) -> None:
         """``rec`` holds resources from now on (it is creating, running or paused)."""
         if rec.id not in self._held:
-            held = self._held[rec.id] = (round(_cpu_commit(rec.args) * 1000), rec.args.memory_limit_mb)
-            self._held_millicores += held[0]
+            held = self._held[rec.id] = (round(_cpu_commit(rec.args) * 1_000_000), rec.args.memory_limit_mb)
+            self._held_ucores += held[0]
             self._held_memory_mb += held[1]
 
     def _unhold(self, rec: Record) -> None:
         """``rec`` holds nothing any more (stopping, stopped, failed or forgotten)."""
         if (held := self._held.pop(rec.id, None)) is not None:
-            self._held_millicores -= held[0]
+            self._held_ucores -= held[0]
             self._held_memory_mb -= held[1]
 
     def _admit(self, args: DSecContainerRunArgs) -> None:
@@ -333,7 +333,7 @@ class Edge:
                 f" ({self.config.memory_overcommit:g}× its {self._memory_total_mb} MB)"
             )
         cpu = _cpu_commit(args)
-        cpu_committed = self._held_millicores / 1000
+        cpu_committed = self._held_ucores / 1_000_000
         cpu_cap = self._cpu_cores * self.config.cpu_overcommit
         if cpu and cpu_committed + cpu > cpu_cap + 1e-9:
             raise CapacityExceeded(
@@ -729,24 +729,21 @@ class Edge:
 
     def _commitments(self) -> dict:
         """Admission figures for the placement view, and what each project holds here."""
-        cpu, memory, paused = 0.0, 0, 0
+        paused = 0
         projects: dict[str, list] = {}
         for r in self._records.values():
             if r.status not in _HOLDING:
                 continue
-            c = _cpu_commit(r.args)
-            cpu += c
-            memory += r.args.memory_limit_mb
             paused += r.status is SandboxStatus.paused
             if r.status is not SandboxStatus.creating:  # creates in flight are the apiserver's to count
                 u = projects.setdefault(r.project, [0, 0.0, 0])
                 u[0] += 1
-                u[1] += c
+                u[1] += _cpu_commit(r.args)
                 u[2] += r.args.memory_limit_mb
         return {
             "max_sandboxes": self.config.max_sandboxes, "cpu_overcommit": self.config.cpu_overcommit,
-            "memory_overcommit": self.config.memory_overcommit, "committed_cpu": round(cpu, 6),
-            "committed_memory_mb": memory, "paused": paused, "swap_total_mb": reclaim.swap_total_bytes() >> 20,
+            "memory_overcommit": self.config.memory_overcommit, "committed_cpu": self._held_ucores / 1_000_000,
+            "committed_memory_mb": self._held_memory_mb, "paused": paused, "swap_total_mb": reclaim.swap_total_bytes() >> 20,
             "sched_idle": cpu_sched.sched_idle(), "core_scheduling": cpu_sched.core_scheduling(),
             "projects": {p: ProjectUsage(sandboxes=n, cpu_cores=round(c, 6), memory_mb=m)
                          for p, (n, c, m) in projects.items()},

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import _sys
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 DEFAULT_PARENT = "dsec"
 CPU_PERIOD_US = 100_000
@@ -378,8 +380,7 @@ def kill_all(parent: str, cid: str, timeout: float = 5.0) -> int:
 
 def _zombie(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        return _sys.proc_stat(pid)[0] == "Z"
     except (OSError, IndexError):
         return True  # gone
 
