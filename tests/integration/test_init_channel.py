@@ -60,6 +60,10 @@ async def test_without_a_channel_commands_go_through_crun_exec(container):
     backend.channels.pop(handle.cid).close()  # as after a server restart
     result = await backend.exec(handle, ExecRequest(command="echo via crun; exit 3", timeout=30), ROOT)
     assert (result.exit_code, result.stdout) == (3, "via crun\n")
+    # As through the init: the OOM killer takes such a command before the init.
+    adj = await backend.exec(handle, ExecRequest(command="cat /proc/self/oom_score_adj /proc/1/oom_score_adj",
+                                                 timeout=30), ROOT)
+    assert adj.stdout.split() == ["1000", "500"]
 
 
 async def test_a_root_filesystem_that_cannot_be_mounted_is_a_clear_error_and_leaves_nothing(container, monkeypatch):

@@ -65,6 +65,10 @@ log = logging.getLogger("dsec.backends.container")
 CRUN = shutil.which("crun") or "/usr/bin/crun"
 CHRT = shutil.which("chrt") or "/usr/bin/chrt"
 INIT_PATH = "/dev/.dsec-init"
+# A command ranks above the sandbox's init (crun gives the init 500) for the OOM killer, so that
+# an overrun takes a command and not the sandbox (dsec-init sets the same for the commands it
+# starts; this is for those started by `crun exec`).
+COMMAND_OOM_SCORE_ADJ = 1000
 _READ_CHUNK = 1 << 16
 _PIPE_GRACE_S = 0.5
 # How long a command whose init channel closed waits for the init to be seen dead (a killed
@@ -977,7 +981,8 @@ class ContainerBackend:
         for k, v in ctx.env.items():
             argv += ["--env", f"{k}={v}"]
         argv += [handle.cid, "/bin/sh", "-c", request.command]
-        command = cgroups.join_argv(self.cgroup_parent, handle.cid, self._crun(*argv), self.cgroup_controllers)
+        command = cgroups.join_argv(self.cgroup_parent, handle.cid, self._crun(*argv), self.cgroup_controllers,
+                                    oom_score_adj=COMMAND_OOM_SCORE_ADJ)
         if cgroups.cpu_idle(self.cgroup_parent, handle.cid):
             # Best effort: crun exec, and the command it starts, run under SCHED_IDLE.
             command = [CHRT, "--idle", "0", *command]

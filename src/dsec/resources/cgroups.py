@@ -303,12 +303,14 @@ def enter(parent: str, cid: str, pid: int, controllers: tuple[str, ...] = SANDBO
 
 
 def join_argv(parent: str, cid: str, argv: list[str],
-              controllers: tuple[str, ...] = SANDBOX_CONTROLLERS) -> list[str]:
+              controllers: tuple[str, ...] = SANDBOX_CONTROLLERS, oom_score_adj: int | None = None) -> list[str]:
     """``argv`` run by a shell that first moves itself into the sandbox's cgroup, so that the
-    command is born there (``crun exec`` does not join a cgroup crun did not make)."""
-    joins = " && ".join(f"echo 0 > {shlex.quote(str(h / parent / cid / 'cgroup.procs'))}"
-                        for h in sandbox_hierarchies(controllers))
-    return ["/bin/sh", "-c", f"{joins} && exec \"$@\"", "dsec-join", *argv]
+    command is born there (``crun exec`` does not join a cgroup crun did not make), with
+    ``oom_score_adj`` if given (inherited: ``crun exec`` does not set one)."""
+    steps = [f"echo 0 > {shlex.quote(str(h / parent / cid / 'cgroup.procs'))}" for h in sandbox_hierarchies(controllers)]
+    if oom_score_adj is not None:
+        steps.append(f"echo {int(oom_score_adj)} > /proc/self/oom_score_adj")
+    return ["/bin/sh", "-c", f"{' && '.join(steps)} && exec \"$@\"", "dsec-join", *argv]
 
 
 def freeze(parent: str, cid: str, timeout: float = 10.0) -> bool:
