@@ -8,11 +8,9 @@ import shutil
 
 import pytest
 
-from conftest import make_state_dir
-
 
 @pytest.fixture
-async def make_pool(tmp_path_factory, test_store, python_image):
+async def make_pool(new_state_dir, test_store, python_image):
     """``await make_pool(**FnCallConfig overrides)`` → a started pool (one worker by default,
     so consecutive calls share it); all are closed and checked for leftovers at the end.
     ``loop="python"``: the zygotes serve with their Python loop instead of the C one;
@@ -26,7 +24,7 @@ async def make_pool(tmp_path_factory, test_store, python_image):
     from dsec.resources import cgroups
 
     set_child_subreaper()  # as dsec serve does: sandbox inits are reaped by us, at once
-    state = make_state_dir(tmp_path_factory, test_store, "fncall")
+    state = new_state_dir("fncall")
     store = LayerStore(test_store)
     made = []
 
