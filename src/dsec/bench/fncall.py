@@ -9,6 +9,9 @@ The snippet is ``print(sum(range(1000)))``; every answer is checked (``499500``)
 2. DSec throughput: ``fncall_many`` against a ``dsec serve`` this benchmark starts itself, 500
    calls to an HTTP request and 2 requests in flight: an HTTP request costs more CPU than a
    trivial call, so the throughput figure carries many calls a request.
+   Then the same with a call of ``pass``: the pool's floor, what a call costs with no work of its
+   own (the HTTP share, the worker's fork, the child's set-up and exit). Its ratio to the peers
+   bounds what any call through a fork-per-call pool can reach on the host.
 3. DSec latency at ``in_flight`` (32) calls in flight, measured per call with the server's own
    figures for each call: ``worker_s`` (its turn in a worker: request to answer, fork, run, exit
    and clean-up included) and ``queued_s`` (its wait for a free worker). The 32 calls are kept in
@@ -55,6 +58,10 @@ from . import hoststats as host
 
 CODE = "print(sum(range(1000)))"
 EXPECTED = "499500\n"
+# The least a call can be: the pool's fixed cost (the HTTP share, the worker's fork, the child's
+# set-up and exit) with no work of its own, measured the same way as the snippet. It bounds the
+# ratio to the peers that any call through a fork-per-call pool can reach on this host.
+FLOOR_CODE = "pass"
 RESULTS_FILE = "bench-fncall.json"
 PYTHON3 = "/usr/bin/python3"
 BWRAP = [
@@ -186,12 +193,13 @@ async def _peer(group: CpuGroup, argv: list[str], count: int, in_flight: int) ->
     return {"calls": count, "in_flight": in_flight, "latency": host.latency_summary(latencies), **cpu}
 
 
-async def _throughput(client: DSecClient, count: int, meter: Meter) -> dict:
-    calls = [DSecFnCallArgs(code=CODE) for _ in range(count)]
+async def _throughput(client: DSecClient, count: int, meter: Meter, code: str = CODE,
+                      expected: str = EXPECTED) -> dict:
+    calls = [DSecFnCallArgs(code=code) for _ in range(count)]
     results = await client.fncall_many(calls, per_request=500, requests_in_flight=2)
     cpu = meter.stop(count)
-    _check(results)
-    return {"calls": count, "per_request": 500, "requests_in_flight": 2,
+    _check(results, expected)
+    return {"code": code, "calls": count, "per_request": 500, "requests_in_flight": 2,
             "worker": host.latency_summary([r.worker_s for r in results]),
             "duration": host.latency_summary([r.duration_s for r in results]), **cpu}
 
@@ -243,8 +251,8 @@ async def _latency_batched(client: DSecClient, count: int, in_flight: int, per_r
             "duration": host.latency_summary([r.duration_s for r in results]), **cpu}
 
 
-def _check(results: list) -> None:
-    bad = [r for r in results if r.error is not None or r.stdout != EXPECTED or r.exit_code != 0]
+def _check(results: list, expected: str = EXPECTED) -> None:
+    bad = [r for r in results if r.error is not None or r.stdout != expected or r.exit_code != 0]
     if bad:
         raise BenchError(f"{len(bad)} of {len(results)} calls went wrong; the first: {bad[0]!r}"[:800])
 
@@ -275,6 +283,9 @@ async def _dsec(group: CpuGroup, server: LocalServer, opts: dict, console: Conso
         out: dict[str, Any] = {}
         console.log(f"throughput: {opts['calls']} calls with fncall_many")
         out["throughput"] = await _throughput(client, opts["calls"], meter())
+        await _wait_quiet(pid, parent)
+        console.log(f"the pool's floor: {opts['calls']} calls of {FLOOR_CODE!r} with fncall_many")
+        out["floor"] = await _throughput(client, opts["calls"], meter(), FLOOR_CODE, "")
         await _wait_quiet(pid, parent)
         console.log(f"latency: {opts['latency_calls']} calls, {opts['in_flight']} in flight, 8 a request")
         out["latency_batched"] = await _latency_batched(client, opts["latency_calls"], opts["in_flight"], 8, meter())
@@ -316,6 +327,7 @@ def _summary(res: dict) -> dict:
     bwrap = res["peers"]["bwrap"]["calls_per_s"]
     worker = res["dsec"]["latency_batched"]["worker"]
     alone = res["dsec"]["throughput"]["calls_per_s_alone"]
+    floor = res["dsec"]["floor"]
     return {
         "calls_per_s": tp,
         "vs_bwrap": tp / bwrap,
@@ -324,6 +336,9 @@ def _summary(res: dict) -> dict:
         "vs_bwrap_alone": alone / res["peers"]["bwrap"]["calls_per_s_alone"],
         "vs_python3_c_alone": alone / res["peers"]["python3"]["calls_per_s_alone"],
         "vs_bwrap_by_cpu": res["peers"]["bwrap"]["own_cpu_ms_per_call"] / res["dsec"]["throughput"]["own_cpu_ms_per_call"],
+        "floor_calls_per_s": floor["calls_per_s"],
+        "floor_vs_bwrap": floor["calls_per_s"] / bwrap,
+        "floor_vs_bwrap_by_cpu": res["peers"]["bwrap"]["own_cpu_ms_per_call"] / floor["own_cpu_ms_per_call"],
         "goals": {
             f"≥ {GOAL_CALLS_PER_S:g} calls/s": tp >= GOAL_CALLS_PER_S,
             f"≥ {GOAL_VS_BWRAP:g}× bwrap": tp / bwrap >= GOAL_VS_BWRAP,
@@ -351,6 +366,7 @@ def _table(res: dict) -> Table:
     row("python3 -c, 1 in flight", peers["python3_sequential"], peers["python3_sequential"]["latency"])
     row("bwrap … python3 -c, 1 in flight", peers["bwrap_sequential"], peers["bwrap_sequential"]["latency"])
     row("DSec fncall_many (500/request): worker_s", dsec["throughput"], dsec["throughput"]["worker"])
+    row(f"DSec fncall_many, {FLOOR_CODE!r} (the floor): worker_s", dsec["floor"], dsec["floor"]["worker"])
     lb = dsec["latency_batched"]
     row(f"DSec {n} in flight (8/request): worker_s", lb, lb["worker"])
     row(f"DSec {n} in flight (8/request): queued_s", lb, lb["queued"])
@@ -424,6 +440,11 @@ def main(state_dir: Path, store_dir: Path | None, console: Console, *, calls: in
                   f"{tp['client_cpu_ms_per_call']:.2f} + server {tp['server_cpu_ms_per_call']:.2f} + workers "
                   f"{tp['workers_cpu_ms_per_call']:.2f}), bwrap {res['peers']['bwrap']['own_cpu_ms_per_call']:.2f} ms "
                   f"({summary['vs_bwrap_by_cpu']:.1f}×), python3 -c {res['peers']['python3']['own_cpu_ms_per_call']:.2f} ms")
+    floor = res["dsec"]["floor"]
+    console.print(f"the pool's floor, a call of {FLOOR_CODE!r} (no work: the HTTP share, fork, set-up, exit): "
+                  f"{summary['floor_calls_per_s']:.0f} calls/s = {summary['floor_vs_bwrap']:.1f}× bwrap, "
+                  f"{floor['own_cpu_ms_per_call']:.2f} ms of CPU a call ({summary['floor_vs_bwrap_by_cpu']:.1f}× by CPU): "
+                  "no call through this pool can beat that ratio on this host")
     for goal, met in summary["goals"].items():
         console.print(f"  {'[green]met[/green]' if met else '[red]missed[/red]'}  {goal}")
     others = statistics.fmean(r["others_share"] for r in (*res["peers"].values(), *res["dsec"].values()))
