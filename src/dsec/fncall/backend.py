@@ -95,21 +95,10 @@ class FnCallBackend(ContainerBackend):
 
 
 def set_memory_limit(parent: str, cid: str, limit_bytes: int) -> None:
-    """Set a live worker's memory limit (memory and memory+swap alike, so it never swaps).
-
-    On cgroup v1 memory+swap may never be below memory: raise it first, lower it last."""
-    if cgroups.is_v2():
-        d = cgroups.CGROUP_ROOT / parent / cid
-        _write(d / "memory.max", limit_bytes)
-        return
-    d = cgroups.CGROUP_ROOT / "memory" / parent / cid
-    memsw = d / "memory.memsw.limit_in_bytes"
-    files = [d / "memory.limit_in_bytes"]
-    if memsw.exists():
-        current = int((d / "memory.limit_in_bytes").read_text())
-        files = [memsw, files[0]] if limit_bytes > current else [files[0], memsw]
-    for path in files:
-        _write(path, limit_bytes)
+    """Set a live worker's memory limit (memory and memory+swap alike, so it never swaps), in
+    the order cgroup v1 needs (``cgroups.memory_writes``)."""
+    for path, value in cgroups.memory_writes(parent, cid, limit_bytes, fresh=False):
+        _write(Path(path), int(value))
 
 
 def cpu_usage_s(parent: str, cid: str) -> float | None:

@@ -132,26 +132,15 @@ def _limit_writes(parent: str, cid: str, limits: Limits, fresh: bool) -> list[tu
     differs from its defaults (no quota, a 100 ms period, not idle-class, memory+swap
     unlimited). ``cpu.idle`` (kernel 5.15+): the kernel refuses a weight while a group is idle, so
     the flag is cleared first and set last."""
-    writes: list[tuple[str, str]] = []
+    writes = memory_writes(parent, cid, limits.memory_bytes, fresh)
     if is_v2():
         d = cpu = pids = f"{CGROUP_ROOT}/{parent}/{cid}"
-        writes.append((f"{d}/memory.max", str(limits.memory_bytes)))
-        if _has(d, "memory.swap.max"):
-            writes.append((f"{d}/memory.swap.max", "0"))
         if limits.cpu_cap is not None or not fresh:
             quota = "max" if limits.cpu_cap is None else str(limits.cpu_quota_us)
             writes.append((f"{d}/cpu.max", f"{quota} {CPU_PERIOD_US}"))
         weight = ("cpu.weight", limits.cpu_weight)
     else:
-        mem, cpu, pids = (f"{CGROUP_ROOT}/{c}/{parent}/{cid}" for c in ("memory", "cpu", "pids"))
-        memory = [(f"{mem}/memory.limit_in_bytes", str(limits.memory_bytes))]
-        if _has(mem, "memory.memsw.limit_in_bytes"):
-            # memory ≤ memory+swap at every step: raising a limit sets memsw first.
-            memsw = f"{mem}/memory.memsw.limit_in_bytes"
-            memory.append((memsw, str(limits.memory_bytes)))
-            if not fresh and int(Path(memsw).read_text()) < limits.memory_bytes:
-                memory.reverse()
-        writes += memory
+        cpu, pids = (f"{CGROUP_ROOT}/{c}/{parent}/{cid}" for c in ("cpu", "pids"))
         if not fresh:
             writes.append((f"{cpu}/cpu.cfs_period_us", str(CPU_PERIOD_US)))
         if limits.cpu_cap is not None or not fresh:
@@ -164,6 +153,25 @@ def _limit_writes(parent: str, cid: str, limits: Limits, fresh: bool) -> list[tu
     if has_idle and limits.best_effort:
         writes.append((f"{cpu}/cpu.idle", "1"))
     writes.append((f"{pids}/pids.max", str(limits.pids)))
+    return writes
+
+
+def memory_writes(parent: str, cid: str, memory_bytes: int, fresh: bool) -> list[tuple[str, str]]:
+    """The cgroup files that set a memory limit with no swap beyond it, in order. On v1 memory
+    ≤ memory+swap at every step, so raising a ``fresh=False`` cgroup's limit writes memsw first."""
+    if is_v2():
+        d = f"{CGROUP_ROOT}/{parent}/{cid}"
+        writes = [(f"{d}/memory.max", str(memory_bytes))]
+        if _has(d, "memory.swap.max"):
+            writes.append((f"{d}/memory.swap.max", "0"))
+        return writes
+    mem = f"{CGROUP_ROOT}/memory/{parent}/{cid}"
+    writes = [(f"{mem}/memory.limit_in_bytes", str(memory_bytes))]
+    if _has(mem, "memory.memsw.limit_in_bytes"):
+        memsw = f"{mem}/memory.memsw.limit_in_bytes"
+        writes.append((memsw, str(memory_bytes)))
+        if not fresh and int(Path(memsw).read_text()) < memory_bytes:
+            writes.reverse()
     return writes
 
 
