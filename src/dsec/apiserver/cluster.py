@@ -15,6 +15,7 @@ the creates this apiserver has in flight (reserved before placing, released as t
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import re
@@ -55,9 +56,10 @@ def load_of(info: NodeInfo) -> placement.NodeLoad:
     )
 
 
-def _kinds(runtime: str) -> set[str]:
+@functools.lru_cache(maxsize=64)
+def _kinds(runtime: str) -> frozenset[str]:
     """The sandbox kinds a node's ``runtime`` line names ("container; microvm: QEMU …")."""
-    return {part.split()[0].rstrip(":") for part in re.split(r"[;,]", runtime) if part.strip()}
+    return frozenset(part.split()[0].rstrip(":") for part in re.split(r"[;,]", runtime) if part.strip())
 
 
 class _Reservation:
@@ -113,6 +115,10 @@ class Cluster:
         self.view_max_age_s = view_max_age_s
         self._infos: tuple[float, list[NodeInfo]] = (float("-inf"), [])
         self._placed: dict[str, list] = {}
+        # The edges' reports being gathered for the view: creates that find the view stale at
+        # once share one gathering instead of asking every edge once each.
+        self._refresh: asyncio.Task[list[NodeInfo]] | None = None
+        self._loads: dict[str, tuple[list[NodeInfo], list[placement.NodeLoad]]] = {}  # by kind, of those reports
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -142,10 +148,14 @@ class Cluster:
 
     async def node_infos(self, max_age_s: float = 0.0) -> list[NodeInfo]:
         """Every reachable edge's report (an edge that fails to answer is left out); one taken
-        less than ``max_age_s`` ago is reused."""
+        less than ``max_age_s`` ago is reused. With no ``max_age_s`` (quota checks) the edges
+        are always asked afresh."""
         taken, cached = self._infos
         if max_age_s > 0 and time.monotonic() - taken < max_age_s:
             return cached
+        return await self._gather_infos()
+
+    async def _gather_infos(self) -> list[NodeInfo]:
         results = await asyncio.gather(*(e.node_info() for e in self.edges.values()), return_exceptions=True)
         infos = []
         for edge, result in zip(self.edges.values(), results):
@@ -157,12 +167,32 @@ class Cluster:
         self._placed.clear()
         return infos
 
+    def _refreshing(self) -> asyncio.Task[list[NodeInfo]]:
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.create_task(self._gather_infos(), name="dsec-view-refresh")
+        return self._refresh
+
+    async def _view_infos(self) -> list[NodeInfo]:
+        """The reports placement works on: the last ones while less than ``view_max_age_s``
+        old; past that, the last ones still while fresh ones are gathered for the next creates,
+        so that no create waits on the edges' reports (placement adds what this apiserver placed
+        since, and an edge refuses what it cannot hold: then the view is dropped). With none,
+        every create waiting shares one gathering."""
+        taken, cached = self._infos
+        if time.monotonic() - taken < self.view_max_age_s:
+            return cached
+        refresh = self._refreshing()
+        return cached if cached else await asyncio.shield(refresh)
+
     async def view(self, kind: str = "container") -> list[placement.NodeLoad]:
         """The nodes that serve ``kind``, with their capacity and commitments (all of them when
         none says it does: then an edge's answer explains)."""
-        infos = await self.node_infos(self.view_max_age_s)
-        serving = [i for i in infos if kind in _kinds(i.runtime)]
-        return [self._with_placed(load_of(i)) for i in serving or infos]
+        infos = await self._view_infos()
+        loads = self._loads.get(kind)
+        if loads is None or loads[0] is not infos:
+            serving = [i for i in infos if kind in _kinds(i.runtime)]
+            loads = self._loads[kind] = (infos, [load_of(i) for i in serving or infos])
+        return [self._with_placed(load) for load in loads[1]]
 
     def _with_placed(self, node: placement.NodeLoad) -> placement.NodeLoad:
         """A view entry plus what this apiserver placed there since the view was taken."""
