@@ -4,6 +4,7 @@ every change; a second reader sees a writer's changes."""
 from __future__ import annotations
 
 import sqlite3
+import time
 
 import pytest
 
@@ -97,12 +98,18 @@ def test_tokens_are_stored_hashed(store, tmp_path):
 
 
 def test_a_second_connection_sees_changes(tmp_path):
+    """Another connection's changes show within ``recheck_s``; one's own at once."""
     path = tmp_path / "p.db"
     with ProjectStore(path) as writer, ProjectStore(path) as reader:
+        reader.recheck_s = 0.05
         assert "a" not in reader.tree()
         writer.create("a", "root", ProjectQuota(sandboxes=1))
+        assert writer.get("a").cap("sandboxes") == 1
+        time.sleep(reader.recheck_s)
         assert reader.get("a").cap("sandboxes") == 1
         writer.set_quota("a", ProjectQuota(sandboxes=2))
+        assert writer.get("a").cap("sandboxes") == 2
+        time.sleep(reader.recheck_s)
         assert reader.get("a").cap("sandboxes") == 2
 
 

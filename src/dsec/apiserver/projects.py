@@ -5,7 +5,8 @@ does nothing). The ``root`` project always exists. Tokens are kept as SHA-256 di
 new token is shown once, when it is made. The store checks the quota tree's invariants on every
 change (see ``quota``); who may change what is the apiserver's business.
 
-One writer is expected (the apiserver); readers in other processes see changes at once (WAL).
+One writer is expected (the apiserver); readers in other processes see its changes within
+``ProjectStore.recheck_s`` (WAL).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ def quota_of(project: Project) -> ProjectQuota:
 
 
 class ProjectStore:
+    # How long the tree read last is trusted before asking whether another process changed it.
+    recheck_s = 0.5
+
     def __init__(self, path: Path | str = ":memory:") -> None:
         self.path = str(path)
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
@@ -80,6 +84,7 @@ class ProjectStore:
         )
         self._tree: Tree | None = None
         self._version: int | None = None
+        self._checked_at = float("-inf")
 
     def close(self) -> None:
         if self._db is not None:
@@ -100,10 +105,16 @@ class ProjectStore:
     # -- reading ---------------------------------------------------------------------------
 
     def tree(self) -> Tree:
-        """The whole tree, re-read only when the database changed."""
+        """The whole tree, re-read only when the database changed. Our own writes show at once;
+        another process's within ``recheck_s`` (asking SQLite whether the file changed takes
+        three system calls, and every create asks for the tree)."""
         with self._lock:
+            now = time.monotonic()
+            if self._tree is not None and now - self._checked_at < self.recheck_s:
+                return self._tree
             db = self._conn()
             version = db.execute("PRAGMA data_version").fetchone()[0]
+            self._checked_at = now
             if self._tree is None or version != self._version:
                 rows = db.execute("SELECT name, parent, sandboxes, cpu_cores, memory_mb FROM projects").fetchall()
                 self._tree = Tree(
