@@ -41,10 +41,13 @@ def state_dir(new_state_dir):
 
 
 def init_pid(state: Path, sandbox_id: str) -> int:
-    """The host pid of a sandbox's init, from the edge's persisted record."""
-    records = list(state.glob(f"node/**/records/{sandbox_id}.json"))
-    assert len(records) == 1, records
-    return json.loads(records[0].read_text())["handle"]["pid"]
+    """The host pid of a sandbox's init, from the edge's persisted record (its last line in
+    the records log)."""
+    logs = list(state.glob("node/**/records/records.log"))
+    assert len(logs) == 1, logs
+    puts = [line.split(" ", 1)[1] for line in logs[0].read_text().splitlines() if line.startswith(f"+{sandbox_id} ")]
+    assert puts, f"no record of {sandbox_id}"
+    return json.loads(puts[-1])["handle"]["pid"]
 
 
 def wait_gone(pid: int, within_s: float = 5) -> None:

@@ -16,9 +16,10 @@
 - Pause freezes a sandbox and pushes its memory out (swap); exec and file calls on a paused
   sandbox resume it first. CPU requests are weights (overcommitted, ``cpu_overcommit``);
   best-effort sandboxes commit none and run under SCHED_IDLE.
-- Records are persisted one file per sandbox; on start the edge re-adopts the sandboxes still
-  running and removes the remains of the rest. ``close()`` (SIGTERM) releases what no running
-  sandbox uses — the warm pool, unused layer mounts — and leaves running sandboxes to be adopted.
+- Records are kept in one append-only log (``journal``); on start the edge re-adopts the
+  sandboxes still running and removes the remains of the rest. ``close()`` (SIGTERM) releases
+  what no running sandbox uses — the warm pool, unused layer mounts — and leaves running
+  sandboxes to be adopted.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from ..resources import cpu as cpu_sched
 from ..resources import reclaim
 from ..resources.cgroups import Limits
 from .api import new_sandbox_id
+from .journal import RecordJournal
 from .security import EdgeSecurity
 
 log = logging.getLogger("dsec.edge")
@@ -220,7 +222,7 @@ class Edge:
         self.store = store
         self.records_dir = Path(config.records_dir or Path(config.node_dir) / "records")
         self.records_dir.mkdir(parents=True, exist_ok=True)
-        self.records_dir_s = str(self.records_dir)
+        self.journal = RecordJournal(self.records_dir)
         self._records: dict[str, Record] = {}
         # What the sandboxes that hold resources (creating, running, paused) commit, kept as
         # they come and go so that admitting one is O(1): id -> (CPU in millionths of a core, MB).
@@ -242,12 +244,12 @@ class Edge:
 
     async def start(self) -> None:
         records = []
-        for path in sorted(self.records_dir.glob("*.json")):
+        for sandbox_id, text in self.journal.load().items():
             try:
-                records.append(Record.from_json(path.read_text()))
-            except (OSError, ValueError, KeyError) as exc:
-                log.warning("dropping unreadable record %s: %s", path, exc)
-                path.unlink(missing_ok=True)
+                records.append(Record.from_json(text))
+            except (ValueError, KeyError) as exc:
+                log.warning("dropping the unreadable record of %s: %s", sandbox_id, exc)
+                self.journal.drop(sandbox_id)
         alive: set[str] = set()
         for kind, backend in self.backends.items():
             mine = [r.handle for r in records if r.kind == kind]
@@ -285,6 +287,7 @@ class Edge:
         for backend in self.backends.values():
             backend.release_unused()
         self.security.close()
+        self.journal.close()
 
     # -- admission -------------------------------------------------------------------------
 
@@ -704,20 +707,13 @@ class Edge:
         self.security.forget(rec)
         self._records.pop(rec.id, None)
         self._unhold(rec)
-        (self.records_dir / f"{rec.id}.json").unlink(missing_ok=True)
+        self.journal.drop(rec.id)
         self._finished[rec.id] = rec.info(self.node)
         while len(self._finished) > self.config.finished_kept:
             self._finished.popitem(last=False)
 
     def _persist(self, rec: Record) -> None:
-        directory = self.records_dir_s
-        tmp = f"{directory}/.{rec.id}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, rec.to_json().encode())
-        finally:
-            os.close(fd)
-        os.rename(tmp, f"{directory}/{rec.id}.json")
+        self.journal.put(rec.id, rec.to_json())
 
     async def node_info(self) -> NodeInfo:
         return NodeInfo(
