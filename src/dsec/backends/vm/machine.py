@@ -29,6 +29,7 @@ from .assets import GuestAssets
 log = logging.getLogger("dsec.backends.vm")
 
 QEMU = shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64"
+SETPRIV = shutil.which("setpriv")  # util-linux: sets a parent-death signal, then execs
 PROBE_TIMEOUT_S = 20.0
 # TCG's translation cache per VM, in MiB. Once full it is flushed and refilled, so every VM ends
 # up holding all of it: 64 MiB was a quarter of an idle 256 MB microVM's host memory. At 32 a
@@ -81,7 +82,11 @@ def probe_accel(assets: GuestAssets, cache_dir: Path) -> str:
         pass
     with tempfile.TemporaryDirectory(dir=cache_dir) as work:
         console = Path(work, "console.log")
-        cmd = [QEMU, "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        # The probe's QEMU dies with the thread that runs it: a server stopped (or killed)
+        # during a probe that hangs, as KVM on a PVM host does, would otherwise leave it
+        # spinning for good (a test run that started servers in turn left 24 behind).
+        die_with_us = [SETPRIV, "--pdeathsig", "KILL"] if SETPRIV else []
+        cmd = [*die_with_us, QEMU, "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
                "-M", "microvm", "-accel", "kvm", "-cpu", "host", "-m", "128M",
                "-kernel", str(assets.kernel), "-initrd", str(assets.initramfs),
                "-append", "console=ttyS0 quiet panic=-1 dsec.mode=probe", "-serial", f"file:{console}"]
