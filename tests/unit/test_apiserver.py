@@ -290,3 +290,55 @@ async def test_unexpected_error_keeps_the_connection_usable(app):
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+_LEAN_CASES = [
+    ("POST", "/v1/sandboxes", {"container_image": "busybox"}),
+    ("POST", "/v1/sandboxes", {"container_image": "nope"}),
+    ("POST", "/v1/sandboxes", {"container_image": "busybox", "memory_limit_mb": "lots"}),
+    ("POST", "/v1/sandboxes", {"container_image": "busybox", "memroy_limit_mb": 64}),
+    ("POST", "/v1/sandboxes", {"memory_limit_mb": 64}),
+    ("GET", f"/v1/sandboxes/{SID}", None),
+    ("GET", "/v1/sandboxes/n0-fedcba9876543210", None),
+    ("GET", "/v1/sandboxes/n0-0123", None),
+    ("GET", f"/v1/sandboxes/{BOOM}", None),
+    ("POST", f"/v1/sandboxes/{SID}/exec", {"command": "echo hi", "env": {"A": "1"}, "timeout": 5}),
+    ("POST", f"/v1/sandboxes/{SID}/exec", {"command": ["ls"]}),
+    ("POST", "/v1/sandboxes/n0-fedcba9876543210/exec", {"command": "ls"}),
+    ("DELETE", f"/v1/sandboxes/{SID}", None),
+    ("DELETE", "/v1/sandboxes/xyz", None),
+]
+
+
+def _comparable(r: httpx.Response) -> tuple:
+    body = r.json()
+    if r.status_code == 200:
+        body = {k: v for k, v in body.items() if not k.endswith("_at")}  # the fake edge stamps "now"
+    return r.status_code, body
+
+
+async def test_the_lean_routes_answer_as_fastapi_does(http, monkeypatch):
+    """The hottest routes skip FastAPI's layers (apiserver/lean.py); a query string sends the
+    same request through FastAPI. Both answer alike, errors and all."""
+    from dsec.apiserver.lean import LeanRoutes
+
+    served = []
+    serve = LeanRoutes._serve
+
+    async def counting(self, plan, *args):
+        served.append(plan.endpoint.__name__)
+        return await serve(self, plan, *args)
+
+    monkeypatch.setattr(LeanRoutes, "_serve", counting)
+    for method, path, body in _LEAN_CASES:
+        lean = await http.request(method, path, json=body)
+        assert served and served.pop(), (method, path)
+        framework = await http.request(method, path + "?via=fastapi", json=body)
+        assert not served, (method, path)
+        assert _comparable(lean) == _comparable(framework), (method, path)
+    # A JSON body that does not parse: both say it is malformed, each in its words.
+    for method, path in (("POST", "/v1/sandboxes"), ("POST", f"/v1/sandboxes/{SID}/exec")):
+        answers = [await http.request(method, path + q, content=b"{not json", headers={"content-type": "application/json"})
+                   for q in ("", "?via=fastapi")]
+        assert [(a.status_code, a.json()["error"]["code"]) for a in answers] == [(422, "invalid_request")] * 2
+        assert all(a.json()["error"]["message"].startswith("malformed request") for a in answers)

@@ -43,6 +43,7 @@ from libdsec._models import (
 
 from .auth import Authenticator, Caller
 from .cluster import Cluster
+from .lean import LeanRoutes
 from .routes_fncall import add_fncall_routes
 from .routes_projects import add_project_routes
 
@@ -53,9 +54,17 @@ _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"
            503: {"model": ErrorResponse}}
 
 
+# Served by the same endpoints without FastAPI's per-request layers (see lean.py).
+LEAN_ROUTES = frozenset({"create_sandbox", "get_sandbox", "stop_sandbox", "exec_command"})
+
+
 def _validation_message(exc: RequestValidationError) -> str:
+    return _errors_message(exc.errors())
+
+
+def _errors_message(errors: list) -> str:
     parts = []
-    for err in exc.errors()[:5]:
+    for err in errors[:5]:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query"))
         parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
     return "malformed request: " + "; ".join(parts)
@@ -101,12 +110,15 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
 
     authenticator = Authenticator(token, cluster.projects)
 
-    async def authenticated(request: Request) -> Caller:
+    async def check(authorization: str, path_params: dict) -> Caller:
         """The calling project; a sandbox it may not see answers ``SandboxNotFound``."""
-        caller = authenticator.caller(request.headers.get("authorization", ""))
-        if "sandbox_id" in request.path_params and not caller.is_root:
-            await cluster.edge_for_caller(request.path_params["sandbox_id"], caller)
+        caller = authenticator.caller(authorization)
+        if "sandbox_id" in path_params and not caller.is_root:
+            await cluster.edge_for_caller(path_params["sandbox_id"], caller)
         return caller
+
+    async def authenticated(request: Request) -> Caller:
+        return await check(request.headers.get("authorization", ""), request.path_params)
 
     @app.exception_handler(DSecError)
     async def _dsec_error(request: Request, exc: DSecError) -> JSONResponse:
@@ -125,6 +137,9 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     # Not an exception handler: Starlette re-raises after those, and uvicorn then closes the
     # keep-alive connection, so the client's next call on it fails.
     app.add_middleware(_CatchUnexpected)
+    # Outermost of ours: the hottest routes skip FastAPI's own layers (see lean.py).
+    app.add_middleware(LeanRoutes, app_ref=app, names=LEAN_ROUTES, check=check, dependency=authenticated,
+                       invalid=_errors_message)
 
     auth = [Depends(authenticated)]
 
