@@ -160,3 +160,33 @@ async def test_the_sdk_maps_wire_failures_and_errors() -> None:
 def test_only_plain_http() -> None:
     with pytest.raises(ValueError, match="plain http"):
         WireClient("https://127.0.0.1:1", {}, 1)
+
+
+async def test_a_chunked_answer_and_one_that_closes_are_read_whole() -> None:
+    """The answer's framing is the parser's business: chunks are joined, and an answer that
+    says ``connection: close`` leaves its connection out of the idle ones."""
+    async def answer(writer, line, body):
+        if line.startswith("GET /chunked"):
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+            return True
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        return False
+
+    async with Server(answer) as srv:
+        wire = WireClient(f"http://127.0.0.1:{srv.port}", {}, 4)
+        assert (await wire.request("GET", "/chunked", timeout=5)).content == b"abcde"
+        assert (await wire.request("GET", "/close", timeout=5)).content == b"ok"
+        assert (await wire.request("GET", "/close", timeout=5)).content == b"ok"
+        await wire.aclose()
+    assert srv.connections == 2  # the chunked answer's connection was kept; each close one was not
+
+
+async def test_nothing_the_caller_passes_can_end_a_line_of_the_head() -> None:
+    with pytest.raises(ValueError, match="header"):
+        WireClient("http://127.0.0.1:1", {"authorization": "Bearer x\r\nx-evil: 1"}, 4)
+    wire = WireClient("http://127.0.0.1:1", {}, 4)
+    for path in ("/v1/sandboxes/a b", "/v1/x\r\nx-evil: 1", "/v1/ü"):
+        with pytest.raises(WireError, match="not a request target"):
+            await wire.request("GET", path, timeout=1)
+    await wire.aclose()
