@@ -4,6 +4,7 @@ nothing is left behind afterwards."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -111,6 +112,16 @@ def serving(state_dir: Path, *extra_args: str) -> Iterator[LocalServer]:
         shutil.rmtree(state_dir, ignore_errors=True)
     if left:
         raise AssertionError(f"left behind: {left}")
+
+
+def persisted_record(state_dir: Path, sandbox_id: str) -> dict:
+    """A sandbox's record as the edge of ``dsec serve --state-dir state_dir`` keeps it."""
+    from .edge import journal
+
+    text = journal.read(Path(state_dir) / "node" / "run" / "records").get(sandbox_id)
+    if text is None:
+        raise LookupError(f"no record of {sandbox_id} under {state_dir}")
+    return json.loads(text)
 
 
 def leftovers(state_dir: Path, settle_s: float = 5.0) -> list[str]:

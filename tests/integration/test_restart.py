@@ -4,7 +4,6 @@ A sandbox whose init died while the server was down is cleaned up and reported f
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.local import LocalServer, leftovers
+from dsec.local import LocalServer, leftovers, persisted_record
 from libdsec import DSecClient, DSecContainerRunArgs, SandboxStateError, SandboxStatus
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
@@ -41,13 +40,8 @@ def state_dir(new_state_dir):
 
 
 def init_pid(state: Path, sandbox_id: str) -> int:
-    """The host pid of a sandbox's init, from the edge's persisted record (its last line in
-    the records log)."""
-    logs = list(state.glob("node/**/records/records.log"))
-    assert len(logs) == 1, logs
-    puts = [line.split(" ", 1)[1] for line in logs[0].read_text().splitlines() if line.startswith(f"+{sandbox_id} ")]
-    assert puts, f"no record of {sandbox_id}"
-    return json.loads(puts[-1])["handle"]["pid"]
+    """The host pid of a sandbox's init, from the edge's persisted record."""
+    return persisted_record(state, sandbox_id)["handle"]["pid"]
 
 
 def wait_gone(pid: int, within_s: float = 5) -> None:

@@ -5,10 +5,10 @@ the kernel lacks it."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 
+from dsec.local import persisted_record
 from dsec.resources import cgroups
 from dsec.resources import cpu as cpu_sched
 from libdsec import DSecContainerRunArgs, LimitOutOfRange
@@ -111,7 +111,6 @@ async def test_memory_limit_raised_and_lowered(client, server):
     again, up (memsw first, or the kernel refuses) as well as down."""
     for mb in (64, 64, 512, 96):
         async with await client.run_container(args(memory_limit_mb=mb)) as sb:
-            records = list(server.state_dir.glob(f"node/**/records/{sb.id}.json"))
-            mem, swap = memory_limits(json.loads(records[0].read_text())["handle"]["pid"])
+            mem, swap = memory_limits(persisted_record(server.state_dir, sb.id)["handle"]["pid"])
             assert mem == mb << 20
             assert swap in (None, mb << 20)

@@ -10,7 +10,8 @@ lines outnumber live ones; the rewrite goes to a new file renamed over the old, 
 leaves one whole file or the other. A line cut short (a crash in the middle of its write) is
 skipped on reading, with a warning.
 
-``RecordJournal(directory)``; ``load()`` once, before any change, returns ``{id: JSON}``;
+``RecordJournal(directory)``; ``load()`` once, before any change, returns ``{id: JSON}``
+(``read(directory)`` returns the same without touching the file);
 ``put(id, json)``, ``drop(id)``; ``close()`` ends it (a second call does nothing, and a change
 after it opens the file again). Records left as one file each (``ID.json``) by an earlier
 version are read by ``load()`` and folded into the log.
@@ -25,6 +26,28 @@ from pathlib import Path
 log = logging.getLogger("dsec.edge.journal")
 
 _NAME = "records.log"
+
+
+def read(directory: Path | str) -> dict[str, str]:
+    """The records in ``directory``'s log, ``{id: JSON}``, read and nothing more (a live edge
+    may be writing it: a line it has not finished is skipped)."""
+    path = Path(directory) / _NAME
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return {}
+    live: dict[str, str] = {}
+    for number, raw in enumerate(data.splitlines(), 1):
+        line = raw.decode(errors="replace")
+        op, rest = line[:1], line[1:]
+        if op == "+" and " " in rest:
+            sandbox_id, text = rest.split(" ", 1)
+            live[sandbox_id] = text
+        elif op == "-" and rest:
+            live.pop(rest, None)
+        else:
+            log.warning("skipping a damaged line (%d) of %s: %.80r", number, path, line)
+    return live
 
 
 class RecordJournal:
@@ -45,20 +68,7 @@ class RecordJournal:
                 live[path.stem] = path.read_text()
             except OSError as exc:
                 log.warning("dropping unreadable record %s: %s", path, exc)
-        try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            data = b""
-        for number, raw in enumerate(data.splitlines(), 1):
-            line = raw.decode(errors="replace")
-            op, rest = line[:1], line[1:]
-            if op == "+" and " " in rest:
-                sandbox_id, text = rest.split(" ", 1)
-                live[sandbox_id] = text
-            elif op == "-" and rest:
-                live.pop(rest, None)
-            else:
-                log.warning("skipping a damaged line (%d) of %s: %.80r", number, self.path, line)
+        live.update(read(self.directory))
         self._live = live
         self._rewrite()
         for path in legacy:
