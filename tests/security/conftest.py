@@ -59,6 +59,9 @@ def start_mirror(name: str, subnet_index: int) -> Mirror:
         _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", netns)
         _sh("ip", "addr", "add", f"{host_ip}/30", "dev", host_if)
         _sh("ip", "link", "set", host_if, "up")
+        # The host routes the mirror's answers back to the sandboxes: forwarding on for the
+        # interface toward it, as network.json's operator would set it (ip_forward may be off).
+        Path(f"/proc/sys/net/ipv4/conf/{host_if}/forwarding").write_text("1")
         for cmd in (["ip", "addr", "add", f"{ip}/30", "dev", "eth0"], ["ip", "link", "set", "eth0", "up"],
                     ["ip", "link", "set", "lo", "up"], ["ip", "route", "add", "default", "via", host_ip]):
             _sh("ip", "netns", "exec", netns, *cmd)

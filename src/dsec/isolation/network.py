@@ -28,7 +28,9 @@ Configuration: ``network.json`` in the state dir (or ``DSEC_NETWORK_CONFIG``)::
      "hosts": {"pypi.mirror.internal": ["10.214.1.2"]},
      "domain_ports": [80, 443], "subnet": "10.213.0.0/16"}
 
-The interface toward the mirrors needs IPv4 forwarding on, as for any router.
+Each sandbox's link is a routing interface of its own (forwarding on for it alone, whatever
+the host's ``ip_forward``); the interface toward the mirrors needs IPv4 forwarding on too, as
+for any router: that one is the operator's.
 """
 
 from __future__ import annotations
@@ -234,6 +236,10 @@ link set {peer} netns {init_pid}
 addr add {gw}/30 dev {host_if}
 link set {host_if} up
 """)
+            # What the sandbox sends is routed on from its link: forwarding on that interface
+            # alone (the host's ip_forward may be off; nothing else starts to be routed).
+            with open(f"/proc/sys/net/ipv4/conf/{host_if}/forwarding", "w") as f:
+                f.write("1")
             # An eth0 left from before an edge restart goes first.
             subprocess.run(["nsenter", f"--net=/proc/{init_pid}/ns/net", "ip", "link", "del", "eth0"], capture_output=True)
             _run(["nsenter", f"--net=/proc/{init_pid}/ns/net", "ip", "-batch", "-"], f"""link set {peer} name eth0
