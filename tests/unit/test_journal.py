@@ -69,3 +69,14 @@ def test_a_record_is_one_line(tmp_path):
     j.load()
     with pytest.raises(ValueError, match="one line"):
         j.put("n0-a", "{\n}")
+
+
+def test_records_put_again_are_compacted_away(tmp_path):
+    """A sandbox paused and resumed over and over puts its record each time."""
+    j = RecordJournal(tmp_path)
+    j.load()
+    for i in range(600):
+        j.put("n0-a", f'{{"v": {i}}}')
+    assert len((tmp_path / "records.log").read_text().splitlines()) < 300
+    j.close()
+    assert RecordJournal(tmp_path).load() == {"n0-a": '{"v": 599}'}

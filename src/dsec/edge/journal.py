@@ -5,10 +5,10 @@ and drops it when the sandbox is gone; on restart it reads them back to re-adopt
 runs. Each change is one line appended to ``records.log``: ``+ID JSON`` puts a record (the
 last one for an id wins), ``-ID`` drops it. That is one ``write`` a change, where a file per
 record took four system calls (open, write, close, rename) on every create and one on every
-stop. The file is rewritten with only the live records when it is opened and whenever dropped
-lines outnumber live ones; the rewrite goes to a new file renamed over the old, so a crash
-leaves one whole file or the other. A line cut short (a crash in the middle of its write) is
-skipped on reading, with a warning.
+stop. The file is rewritten with only the live records when it is opened and whenever lines
+that no longer count (dropped, or put again) outnumber live ones; the rewrite goes to a new file
+renamed over the old, so a crash leaves one whole file or the other. A line cut short (a crash
+in the middle of its write) is skipped on reading, with a warning.
 
 ``RecordJournal(directory)``; ``load()`` once, before any change, returns ``{id: JSON}``
 (``read(directory)`` returns the same without touching the file);
@@ -85,8 +85,6 @@ class RecordJournal:
         if self._live.pop(sandbox_id, None) is None:
             return
         self._append(f"-{sandbox_id}\n")
-        if self._lines > 2 * len(self._live) + 256:
-            self._rewrite()
 
     def close(self) -> None:
         if self._fd is not None:
@@ -98,6 +96,8 @@ class RecordJournal:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         os.write(self._fd, line.encode())
         self._lines += 1
+        if self._lines > 2 * len(self._live) + 256:  # mostly lines that no longer count
+            self._rewrite()
 
     def _rewrite(self) -> None:
         tmp = self.directory / f".{_NAME}.tmp"
