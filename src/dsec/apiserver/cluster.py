@@ -1,12 +1,13 @@
 """The apiserver's view of the cluster: the edges by node, where new sandboxes go, and the
 project quotas in front of them.
 
-A create goes: quota (the project's, and the ancestors' it draws on) → placement over a view of
-the nodes at most ``view_max_age_s`` old, plus what this apiserver placed since
-(``dsec.placement``: power of k choices) → the chosen edge, which admits or refuses against its
-real state; on ``CapacityExceeded`` the view is dropped and the next choice excludes that node.
-When the view says no node has room, the least loaded one is asked anyway: its answer is the
-authoritative one (a size out of range, or "cannot admit").
+A create goes: quota (the project's, and the ancestors' it draws on) → placement over the last
+view of the nodes (gathered afresh in the background once older than ``view_max_age_s``), plus
+what this apiserver placed since (``dsec.placement``: power of k choices) → the chosen edge,
+which admits or refuses against its real state; on ``CapacityExceeded`` the view is dropped
+and the next choice excludes that node. When the view says no node has room, the least loaded
+one is asked anyway: its answer is the authoritative one (a size out of range, or "cannot
+admit").
 
 Quota usage is what the edges report their projects' running and paused sandboxes hold, plus
 the creates this apiserver has in flight (reserved before placing, released as they land).
