@@ -416,8 +416,10 @@ def main(state_dir: Path, store_dir: Path | None, console: Console, *, calls: in
     state_dir.mkdir(parents=True, exist_ok=True)
     _ensure_store(state_dir, store_dir, console)
     # A server prepares its VM backends at start (fetching a guest kernel with apt, booting a
-    # probe VM). fncall uses no VM: name a kernel package that does not exist, so that step fails
-    # at once, no traffic leaves the machine and no probe loads the CPU while this measures.
+    # probe VM). fncall uses no VM: its servers run containers only (DSEC_VMS=0) unless told
+    # otherwise, and even then name a kernel package that does not exist, so that step fails at
+    # once, no traffic leaves the machine and no probe loads the CPU while this measures.
+    os.environ.setdefault("DSEC_VMS", "0")
     os.environ.setdefault("DSEC_GUEST_KERNEL_PACKAGE", "dsec-bench-fncall-no-guest-kernel")
     os.environ.setdefault("DSEC_VM_ACCEL", "tcg")
     opts = {"calls": calls, "latency_calls": latency_calls, "peer_calls": peer_calls, "in_flight": in_flight,
