@@ -59,12 +59,8 @@ LEAN_ROUTES = frozenset({"create_sandbox", "get_sandbox", "stop_sandbox", "exec_
 
 
 def _validation_message(exc: RequestValidationError) -> str:
-    return _errors_message(exc.errors())
-
-
-def _errors_message(errors: list) -> str:
     parts = []
-    for err in errors[:5]:
+    for err in exc.errors()[:5]:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x not in ("body", "query"))
         parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
     return "malformed request: " + "; ".join(parts)
@@ -138,8 +134,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     # keep-alive connection, so the client's next call on it fails.
     app.add_middleware(_CatchUnexpected)
     # Outermost of ours: the hottest routes skip FastAPI's own layers (see lean.py).
-    app.add_middleware(LeanRoutes, app_ref=app, names=LEAN_ROUTES, check=check, dependency=authenticated,
-                       invalid=_errors_message)
+    app.add_middleware(LeanRoutes, app_ref=app, names=LEAN_ROUTES, check=check, dependency=authenticated)
 
     auth = [Depends(authenticated)]
 

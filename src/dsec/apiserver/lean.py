@@ -71,24 +71,35 @@ def _plan(route: APIRoute, dependency: Callable) -> _Plan | None:
     return _Plan(route.path_regex, route.endpoint, tuple(path), caller, body, route.response_model)
 
 
+def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
+    """``body`` (raw JSON) as ``model``, or ``InvalidRequest`` naming what is wrong. pydantic
+    reads the JSON itself: base64 bytes fields (FnCall's files) are decoded only then."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(x) for x in err.get("loc", ()))
+            parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+        raise InvalidRequest("malformed request: " + "; ".join(parts)) from None
+
+
 def _error(exc: DSecError) -> tuple[int, bytes]:
     return exc.status, json.dumps(exc.to_wire(), separators=(",", ":")).encode()
 
 
 class LeanRoutes:
     """ASGI middleware: ``app.add_middleware(LeanRoutes, app_ref=app, names=…, check=…,
-    dependency=…, invalid=…)`` after every other one. ``check(authorization, path_params)``
-    returns the caller (or raises); ``invalid(errors)`` turns pydantic's errors into the
-    message FastAPI's validation errors get."""
+    dependency=…)`` after every other one. ``check(authorization, path_params)`` returns the
+    caller (or raises)."""
 
     def __init__(self, app, app_ref: FastAPI, names: frozenset[str], check: Callable[[str, dict], Awaitable],
-                 dependency: Callable, invalid: Callable[[list], str]) -> None:
+                 dependency: Callable) -> None:
         self.app = app
         self._app_ref = app_ref
         self._names = names
         self._check = check
         self._dependency = dependency
-        self._invalid = invalid
         self._plans: dict[str, list[_Plan]] | None = None
 
     def _by_method(self) -> dict[str, list[_Plan]]:
@@ -140,10 +151,7 @@ class LeanRoutes:
                 kwargs[plan.caller_param] = caller
             if plan.body is not None:
                 name, model = plan.body
-                try:
-                    kwargs[name] = model.model_validate_json(data)
-                except ValidationError as exc:
-                    raise InvalidRequest(self._invalid(exc.errors())) from None
+                kwargs[name] = parse_body(model, data)
             result = await plan.endpoint(**kwargs)
             if not isinstance(result, plan.response):
                 result = plan.response.model_validate(result)

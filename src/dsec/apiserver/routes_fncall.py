@@ -1,7 +1,7 @@
 """FnCall routes: ``POST /v1/fncall`` (one call) and ``POST /v1/fncall:batch`` (many calls in
 one request, answers in order). Handlers only parse and hand the call to an edge.
 
-Bodies are parsed here from the raw JSON (``model_validate_json``): file contents travel as
+Bodies are parsed here from the raw JSON (``lean.parse_body``): file contents travel as
 base64, which pydantic decodes only when it reads JSON itself.
 """
 
@@ -10,23 +10,13 @@ from __future__ import annotations
 import random
 
 from fastapi import Depends, FastAPI, Request, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from libdsec import CapacityExceeded, InvalidRequest
+from libdsec import CapacityExceeded
 from libdsec._models import MAX_BATCH_COUNT, DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
 
 from .cluster import Cluster
-
-
-def _parse(model: type[BaseModel], body: bytes) -> BaseModel:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        parts = []
-        for err in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in err.get("loc", ()))
-            parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
-        raise InvalidRequest("malformed request: " + "; ".join(parts)) from None
+from .lean import parse_body
 
 
 def _body_schema(schema: dict) -> dict:
@@ -54,11 +44,11 @@ def add_fncall_routes(app: FastAPI, cluster: Cluster, authenticated, errors: dic
     @app.post("/v1/fncall", dependencies=auth, responses=errors, response_model=FnCallResult,
               openapi_extra=_body_schema(call_schema))
     async def fncall(request: Request) -> Response:
-        args = _parse(DSecFnCallArgs, await request.body())
+        args = parse_body(DSecFnCallArgs, await request.body())
         return _json(await edge().fncall(args))
 
     @app.post("/v1/fncall:batch", dependencies=auth, responses=errors, response_model=FnCallBatchResult,
               openapi_extra=_body_schema(batch_schema))
     async def fncall_batch(request: Request) -> Response:
-        batch = _parse(FnCallBatchRequest, await request.body())
+        batch = parse_body(FnCallBatchRequest, await request.body())
         return _json(FnCallBatchResult(results=await edge().fncall_many(batch.calls)))
