@@ -12,16 +12,17 @@ from ._errors import (
     ProjectNotFound,
     QuotaExceeded,
     SandboxFileNotFound,
+    SandboxLost,
     SandboxNotFound,
     SandboxStateError,
     ServerError,
     ServerUnavailable,
     Unauthenticated,
 )
-from ._models import SecurityEvent
-from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
-from ._models import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
-from ._models import DSecFnCallArgs, FnCallResult
+from .protocol import SecurityEvent
+from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
+from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
+from .protocol import DSecFnCallArgs, FnCallResult
 from ._projects import ProjectInfo, ProjectQuota
 from ._sync import SyncDSecClient, SyncSandbox
 
@@ -50,6 +51,7 @@ __all__ = [
     "Sandbox",
     "SandboxFileNotFound",
     "SandboxInfo",
+    "SandboxLost",
     "SandboxNotFound",
     "SandboxStateError",
     "SandboxStatus",

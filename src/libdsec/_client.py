@@ -29,9 +29,9 @@ from ._errors import (
 )
 from ._projects import _ProjectMethods
 from ._wire import Answer, WireClient, WireError
-from ._models import NetworkRulesRequest, SecurityEvent, SecurityEventList
-from ._models import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
-from ._models import (
+from .protocol import NetworkRulesRequest, SecurityEvent, SecurityEventList
+from .protocol import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
+from .protocol import (
     DEFAULT_COMMAND_TIMEOUT_S,
     MAX_BATCH_COUNT,
     BatchEvent,

@@ -7,6 +7,7 @@
     ├── ImageNotFound (LookupError)          no image by that name
     ├── SandboxNotFound (LookupError)        no sandbox by that id (or it is gone)
     ├── SandboxStateError (RuntimeError)     the call does not fit the sandbox's state
+    ├── SandboxLost (ConnectionError)        the node that held the sandbox is lost (died, unreachable)
     ├── SandboxFileNotFound (FileNotFoundError)
     ├── CommandTimeout (TimeoutError)        a command ran past its timeout and was killed
     ├── CapacityExceeded                     no node could admit the sandbox
@@ -67,6 +68,14 @@ class SandboxStateError(DSecError, RuntimeError):
     status = 409
 
 
+class SandboxLost(DSecError, ConnectionError):
+    """The sandbox's node left the cluster or stopped answering: the call did not reach it.
+    Not retried (the sandbox may come back with its node, or be gone for good)."""
+
+    code = "sandbox_lost"
+    status = 410
+
+
 class SandboxFileNotFound(DSecError, FileNotFoundError):
     code = "file_not_found"
     status = 404
@@ -116,6 +125,7 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         ImageNotFound,
         SandboxNotFound,
         SandboxStateError,
+        SandboxLost,
         SandboxFileNotFound,
         CommandTimeout,
         CapacityExceeded,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, field_validator
 
-from ._models import ProjectUsage, _Model
+from .protocol import ProjectUsage, _Model
 
 if TYPE_CHECKING:
     from ._client import DSecClient

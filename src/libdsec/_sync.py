@@ -12,9 +12,9 @@ from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from ._client import DSecClient, ProgressCallback, Sandbox
-from ._models import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
-from ._models import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
-from ._models import DSecFnCallArgs, FnCallResult
+from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
+from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
+from .protocol import DSecFnCallArgs, FnCallResult
 from ._projects import _SyncProjectMethods
 
 T = TypeVar("T")

@@ -12,7 +12,7 @@ import pytest
 from dsec.backends.base import ExecContext, Handle, SandboxSpec
 from dsec.resources.cgroups import Limits
 from libdsec import CommandTimeout, InvalidRequest, SandboxFileNotFound, SandboxStateError
-from libdsec._models import ExecRequest
+from libdsec.protocol import ExecRequest
 
 ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/bin:/usr/bin"})
 LIMITS = Limits(memory_mb=64, cpu_cores=0.5, pids=128)

@@ -188,7 +188,7 @@ def test_result_ok():
 
 def test_batch_bounds():
     with pytest.raises(ValueError):
-        libdsec._models.FnCallBatchRequest(calls=[])
+        libdsec.protocol.FnCallBatchRequest(calls=[])
 
 
 # -- the SDK -----------------------------------------------------------------------------------
@@ -285,7 +285,7 @@ async def test_routes_parse_base64_and_map_errors(http):
 
 
 async def test_batch_route(http):
-    body = libdsec._models.FnCallBatchRequest(calls=[DSecFnCallArgs(code=str(i)) for i in range(3)])
+    body = libdsec.protocol.FnCallBatchRequest(calls=[DSecFnCallArgs(code=str(i)) for i in range(3)])
     response = await http.post("/v1/fncall:batch", content=body.model_dump_json())
     assert [r["stdout"] for r in response.json()["results"]] == ["0", "1", "2"]
     assert (await http.post("/v1/fncall:batch", content=json.dumps({"calls": []}))).status_code == 422

@@ -27,7 +27,7 @@ from libdsec import (
     SandboxStatus,
     Unauthenticated,
 )
-from libdsec._models import MAX_BATCH_COUNT
+from libdsec.protocol import MAX_BATCH_COUNT
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 

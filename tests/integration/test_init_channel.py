@@ -12,7 +12,7 @@ import socket
 import pytest
 
 from dsec.backends.base import ExecContext, SandboxSpec
-from libdsec._models import ExecRequest
+from libdsec.protocol import ExecRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 

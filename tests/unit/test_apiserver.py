@@ -15,7 +15,7 @@ import uvicorn
 import libdsec
 from dsec.apiserver.app import Cluster, create_app
 from dsec.local import free_port
-from libdsec._models import ExecRequest, ExecResult, NodeInfo, SandboxInfo, SandboxStatus
+from libdsec.protocol import ExecRequest, ExecResult, NodeInfo, SandboxInfo, SandboxStatus
 
 TOKEN = "s3cret"
 SID = "n0-0123456789abcdef"

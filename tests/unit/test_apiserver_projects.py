@@ -24,7 +24,7 @@ from libdsec import (
     SandboxStatus,
     Unauthenticated,
 )
-from libdsec._models import DSecContainerRunArgs
+from libdsec.protocol import DSecContainerRunArgs
 
 ROOT_TOKEN = "root-token"
 

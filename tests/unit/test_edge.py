@@ -18,7 +18,7 @@ from libdsec import (
     SandboxNotFound,
     SandboxStateError,
 )
-from libdsec._models import DSecContainerRunArgs, ExecRequest, SandboxStatus
+from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxStatus
 
 
 @pytest.fixture

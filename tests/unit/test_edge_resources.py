@@ -11,7 +11,7 @@ import pytest
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
 from libdsec import CapacityExceeded, LimitOutOfRange, SandboxStateError
-from libdsec._models import DSecContainerRunArgs, ExecRequest, SandboxStatus
+from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxStatus
 
 
 def make_edge(tmp_path, store, backend=None, **config) -> Edge:

@@ -10,7 +10,7 @@ import pydantic
 import pytest
 
 import libdsec
-from libdsec import _errors, _models
+from libdsec import _errors, protocol as _models
 from libdsec._errors import ERROR_CODES, error_from_wire
 
 PUBLIC = {
@@ -24,6 +24,7 @@ PUBLIC |= {"DSecFullVMRunArgs", "DSecMicroVMRunArgs", "SnapshotInfo"}  # VM sand
 PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
+PUBLIC |= {"SandboxLost"}  # cluster
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -33,6 +34,7 @@ ERRORS = [
     (libdsec.ImageNotFound, "image_not_found", 404, LookupError),
     (libdsec.SandboxNotFound, "sandbox_not_found", 404, LookupError),
     (libdsec.SandboxStateError, "sandbox_state", 409, RuntimeError),
+    (libdsec.SandboxLost, "sandbox_lost", 410, ConnectionError),
     (libdsec.SandboxFileNotFound, "file_not_found", 404, FileNotFoundError),
     (libdsec.CommandTimeout, "command_timeout", 408, TimeoutError),
     (libdsec.CapacityExceeded, "capacity_exceeded", 503, libdsec.DSecError),

@@ -11,7 +11,7 @@ import pytest
 import libdsec
 from dsec.local import free_port
 from libdsec import DSecClient, DSecContainerRunArgs, SyncDSecClient
-from libdsec._models import MAX_BATCH_COUNT
+from libdsec.protocol import MAX_BATCH_COUNT
 
 INFO = {
     "id": "n0-0123456789abcdef", "node": "n0", "image": "busybox", "status": "running",

@@ -19,7 +19,7 @@ import pytest_asyncio
 
 from dsec.backends.base import ExecContext, SandboxSpec
 from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxStateError
-from libdsec._models import ExecRequest
+from libdsec.protocol import ExecRequest
 
 # One event loop for the module: the shared VM's connections live on it.
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]

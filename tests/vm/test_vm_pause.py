@@ -12,7 +12,7 @@ import pytest
 from dsec.backends.base import ExecContext, SandboxSpec
 from dsec.resources import cgroups, reclaim
 from libdsec import SandboxStateError
-from libdsec._models import ExecRequest
+from libdsec.protocol import ExecRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 

@@ -20,8 +20,8 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libdsec import DSecError, InvalidRequest
-from libdsec._models import NetworkRulesRequest, SecurityEventList
-from libdsec._models import (
+from libdsec.protocol import NetworkRulesRequest, SecurityEventList
+from libdsec.protocol import (
     BatchEvent,
     CreateBatchRequest,
     DSecContainerRunArgs,

@@ -26,7 +26,7 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 
 from libdsec import CapacityExceeded, DSecError, SandboxNotFound
-from libdsec._models import DSecContainerRunArgs, NodeInfo, SandboxInfo
+from libdsec.protocol import DSecContainerRunArgs, NodeInfo, SandboxInfo
 
 from .. import placement
 from ..edge.api import EdgeAPI, node_of

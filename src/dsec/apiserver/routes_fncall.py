@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from pydantic import BaseModel
 
 from libdsec import CapacityExceeded
-from libdsec._models import MAX_BATCH_COUNT, DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
+from libdsec.protocol import MAX_BATCH_COUNT, DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
 
 from .cluster import Cluster
 from .lean import parse_body

@@ -11,7 +11,7 @@ from __future__ import annotations
 from fastapi import Depends, FastAPI
 
 from libdsec import InvalidRequest
-from libdsec._models import ProjectUsage
+from libdsec.protocol import ProjectUsage
 from libdsec._projects import ProjectCreateRequest, ProjectInfo, ProjectList, ProjectQuota, ProjectToken
 
 from .auth import Caller

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from libdsec import InvalidRequest
-from libdsec._models import ExecRequest, ExecResult
+from libdsec.protocol import ExecRequest, ExecResult
 
 from ..resources.cgroups import Limits
 

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNotFound, SandboxStateError
-from libdsec._models import ExecRequest, ExecResult
+from libdsec.protocol import ExecRequest, ExecResult
 
 from .. import _sys
 from ..images import scrub

@@ -13,7 +13,7 @@ import shlex
 import time
 
 from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNotFound, SandboxStateError
-from libdsec._models import ExecRequest, ExecResult
+from libdsec.protocol import ExecRequest, ExecResult
 
 from ..resources.cgroups import Limits
 from .base import ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd

@@ -36,7 +36,7 @@ from ..backends.vm.microvm import MicroVMBackend
 from ..images.builders import build_busybox
 from ..images.store import LayerStore
 from ..resources import ksm
-from libdsec._models import ExecRequest
+from libdsec.protocol import ExecRequest
 
 ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"})
 # What each VM does before it idles: read part of its image, as an agent's first steps would.

@@ -29,7 +29,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from libdsec._models import ExecRequest
+from libdsec.protocol import ExecRequest
 
 from ..backends.base import ExecContext
 from ..backends.vm import machine

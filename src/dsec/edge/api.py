@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from libdsec import InvalidRequest
-from libdsec._models import (
+from libdsec.protocol import (
     DSecContainerRunArgs,
     ExecRequest,
     ExecResult,
@@ -22,7 +22,7 @@ from libdsec._models import (
     PauseResult,
     SandboxInfo,
 )
-from libdsec._models import DSecFnCallArgs, FnCallResult
+from libdsec.protocol import DSecFnCallArgs, FnCallResult
 
 NODE_NAME = re.compile(r"^[a-z0-9]{1,32}\Z")
 SANDBOX_ID = re.compile(r"^([a-z0-9]{1,32})-([0-9a-f]{16})\Z")

@@ -44,7 +44,7 @@ from libdsec import (
     SandboxNotFound,
     SandboxStateError,
 )
-from libdsec._models import (
+from libdsec.protocol import (
     DSecContainerRunArgs,
     ExecRequest,
     ExecResult,
@@ -58,7 +58,7 @@ from libdsec._models import (
     SandboxStatus,
     SnapshotInfo,
 )
-from libdsec._models import DSecFnCallArgs, FnCallResult
+from libdsec.protocol import DSecFnCallArgs, FnCallResult
 
 from ..backends.base import ExecContext, Handle, SandboxBackend, SandboxSpec
 from ..fncall.pool import FnCallPool

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from libdsec import CommandTimeout, InvalidRequest
-from libdsec._models import ExecResult, SecurityEvent
+from libdsec.protocol import ExecResult, SecurityEvent
 
 from ..isolation.events import SecurityEvents
 from ..isolation.network import Allowed, SandboxNetworks

@@ -41,7 +41,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from libdsec import BackendError, DSecError, InvalidRequest, LimitOutOfRange, SandboxStateError
-from libdsec._models import (
+from libdsec.protocol import (
     DEFAULT_FNCALL_MEMORY_MB,
     MAX_OUTPUT_BYTES_LIMIT,
     DSecFnCallArgs,

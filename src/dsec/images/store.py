@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from libdsec import ImageNotFound, InvalidRequest
-from libdsec._models import ImageInfo
+from libdsec.protocol import ImageInfo
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}\Z")
 # A fixed filesystem UUID keeps the EROFS bytes free of randomness.

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from libdsec._models import SecurityEvent
+from libdsec.protocol import SecurityEvent
 
 from ..resources import cgroups
 

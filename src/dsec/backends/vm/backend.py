@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from libdsec import BackendError, CommandTimeout, InvalidRequest, LimitOutOfRange, SandboxFileNotFound, SandboxStateError
-from libdsec._models import ExecRequest, ExecResult
+from libdsec.protocol import ExecRequest, ExecResult
 
 from ...images.store import LayerStore
 from ...resources import cgroups, reclaim
