@@ -203,7 +203,7 @@ def build_app(config: ServerConfig):
             await edge.close()
             projects.close()
 
-    cluster = Cluster([edge], store, projects=projects, overcommit=overcommit)
+    cluster = Cluster([edge], projects=projects, overcommit=overcommit)
     return create_app(cluster, token, lifespan=lifespan), edge
 
 

@@ -33,7 +33,7 @@ from .protocol import NetworkRulesRequest, SecurityEvent, SecurityEventList
 from .protocol import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
 from .protocol import (
     DEFAULT_COMMAND_TIMEOUT_S,
-    MAX_BATCH_COUNT,
+    MAX_SANDBOX_BATCH,
     BatchEvent,
     CreateBatchRequest,
     DSecContainerRunArgs,
@@ -296,8 +296,8 @@ class DSecClient(_ProjectMethods):
 
         ``progress(done, count)`` is called as each one comes up.
         """
-        if not 1 <= count <= MAX_BATCH_COUNT:
-            raise LimitOutOfRange(f"count={count} is out of range: 1..{MAX_BATCH_COUNT} sandboxes per batch")
+        if not 1 <= count <= MAX_SANDBOX_BATCH:
+            raise LimitOutOfRange(f"count={count} is out of range: 1..{MAX_SANDBOX_BATCH} sandboxes per batch")
         request = CreateBatchRequest(args=args, count=count)
         sandboxes: list[Sandbox | None] = [None] * count
         done = 0

@@ -17,7 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
 MAX_OUTPUT_BYTES_LIMIT = 64 << 20
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
-MAX_BATCH_COUNT = 10_000
+MAX_BATCH_COUNT = 10_000  # calls in one fncall batch
+# Sandboxes in one batch create: a training job asks for tens of thousands at once, split over
+# the cluster's nodes by the apiserver and streamed back as they come up.
+MAX_SANDBOX_BATCH = 100_000
 
 
 class _Model(BaseModel):
@@ -161,7 +164,7 @@ class SnapshotInfo(_Model):
 
 class CreateBatchRequest(_Model):
     args: DSecContainerRunArgs
-    count: int = Field(ge=1, le=MAX_BATCH_COUNT)
+    count: int = Field(ge=1, le=MAX_SANDBOX_BATCH)
 
 
 class SandboxInfo(_Model):
@@ -406,3 +409,64 @@ class FnCallBatchRequest(_BytesModel):
 
 class FnCallBatchResult(_BytesModel):
     results: list[FnCallResult]
+
+
+# -- The node seam: apiserver → edge (dsec.edge.api.EdgeAPI) -------------------------------------
+# Requests and answers of the calls the apiserver makes on a node, for the operations that have
+# no SDK model of their own; the others (ExecRequest, PackDiffRequest, NetworkRulesRequest, the
+# fncall models, and every answer) are the SDK's. Errors cross as ``ErrorResponse``.
+
+
+def run_args_of(kind: str, args: dict | DSecContainerRunArgs) -> DSecContainerRunArgs:
+    """``args`` as the run-args model of sandbox ``kind`` (a dict is validated against it)."""
+    model = RUN_ARGS_BY_KIND.get(kind)
+    if model is None:
+        raise ValueError(f"unknown sandbox kind {kind!r}: one of {', '.join(RUN_ARGS_BY_KIND)}")
+    if isinstance(args, model) and type(args) is model:
+        return args
+    return model.model_validate(args if isinstance(args, dict) else args.model_dump())
+
+
+class NodeCreateRequest(_Model):
+    """Create one sandbox of ``kind`` for ``project`` (``args``: that kind's run args)."""
+
+    kind: SandboxKind = SandboxKind.container
+    project: str = "root"
+    args: dict
+
+    def run_args(self) -> DSecContainerRunArgs:
+        return run_args_of(self.kind.value, self.args)
+
+
+class NodeBatchRequest(NodeCreateRequest):
+    """Create ``count`` sandboxes, all or none; answered as an NDJSON stream of ``BatchEvent``
+    (``created`` with the index within this request, then ``done`` or ``error``)."""
+
+    count: int = Field(ge=1, le=MAX_SANDBOX_BATCH)
+
+
+class NodeStopRequest(_Model):
+    reason: str = Field(default="stopped by request", max_length=1000)
+
+
+class LayerUse(_Model):
+    """What a node's sandboxes (pooled ones included) hold of the layer store."""
+
+    images: list[str] = Field(default_factory=list)
+    layers: list[str] = Field(default_factory=list)
+
+
+class ImageRemoveRequest(_Model):
+    """Remove image ``name`` unless one of ``in_use`` (every node's image refs) holds it."""
+
+    in_use: list[str] = Field(default_factory=list)
+
+
+class LayerGCRequest(_Model):
+    """Remove the layers no image names and no node holds (``in_use``: every node's digests)."""
+
+    in_use: list[str] = Field(default_factory=list)
+
+
+class LayerGCResult(_Model):
+    removed: list[str]

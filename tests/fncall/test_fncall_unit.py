@@ -20,6 +20,7 @@ from dsec.fncall.pool import FnCallConfig, FnCallPool, _workdir_path
 from dsec.fncall.worker import CallLimits, encode_request
 from dsec.images.store import Image
 from libdsec import DSecFnCallArgs, FnCallResult
+from libdsec.protocol import NodeInfo
 
 TOKEN = "s3cret"
 
@@ -253,6 +254,9 @@ def test_sync_twin_has_the_fncall_methods():
 class _FakeEdge:
     node = "n0"
 
+    async def node_info(self) -> NodeInfo:
+        return NodeInfo(node="n0", cgroup_version="v1", runtime="fncall", sandboxes=0, memory_total_mb=1, cpu_cores=1)
+
     async def fncall(self, args: DSecFnCallArgs) -> FnCallResult:
         if args.language not in ("python", "bash"):
             raise libdsec.InvalidRequest(f"unsupported language {args.language!r}")
@@ -264,7 +268,7 @@ class _FakeEdge:
 
 @pytest.fixture
 async def http():
-    app = create_app(Cluster([_FakeEdge()], _Store()), TOKEN)
+    app = create_app(Cluster([_FakeEdge()]), TOKEN)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://dsec.test",
                                  headers={"authorization": f"Bearer {TOKEN}"}) as client:

@@ -42,13 +42,13 @@ class FakeEdge:
         if sandbox_id != SID:
             raise libdsec.SandboxNotFound(f"no sandbox {sandbox_id} on node n0")
 
-    async def create(self, args, project="root"):
+    async def create(self, args, kind="container", project="root"):
         self.calls.append(("create", args))
         if args.container_image != "busybox":
             raise libdsec.ImageNotFound(f"unknown image {args.container_image!r}")
         return self._info()
 
-    async def create_batch(self, args, count, project="root"):
+    async def create_batch(self, args, count, kind="container", project="root"):
         if args.container_image != "busybox":
             raise libdsec.ImageNotFound(f"unknown image {args.container_image!r}")
         for i in range(count):
@@ -98,7 +98,7 @@ def edge() -> FakeEdge:
 
 @pytest.fixture
 def app(edge):
-    return create_app(Cluster([edge], FakeStore()), TOKEN)
+    return create_app(Cluster([edge]), TOKEN)
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ async def start_edges(tmp_path, store, names, **config):
 async def world(tmp_path, store):
     edges = await start_edges(tmp_path, store, ["n0"])
     projects = ProjectStore(tmp_path / "projects.db")
-    cluster = Cluster(edges, store, projects=projects, rng=random.Random(0))
+    cluster = Cluster(edges, projects=projects, rng=random.Random(0))
     app = create_app(cluster, ROOT_TOKEN)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
 
@@ -196,7 +196,7 @@ async def test_creates_spread_over_nodes_and_retry_when_an_edge_refuses(tmp_path
 
     edges[0].node_info = stale_info
     projects = ProjectStore()
-    cluster = Cluster(edges, store, projects=projects, rng=random.Random(3))
+    cluster = Cluster(edges, projects=projects, rng=random.Random(3))
     transport = httpx.ASGITransport(app=create_app(cluster, ROOT_TOKEN), raise_app_exceptions=False)
     try:
         async with DSecClient("http://api", token=ROOT_TOKEN, transport=transport) as client:
@@ -214,7 +214,7 @@ async def test_creates_spread_over_nodes_and_retry_when_an_edge_refuses(tmp_path
 
 async def test_a_batch_larger_than_the_cluster_fails_whole(tmp_path, store):
     edges = await start_edges(tmp_path, store, ["n0", "n1"], n0={"max_sandboxes": 3}, n1={"max_sandboxes": 3})
-    cluster = Cluster(edges, store, rng=random.Random(1))
+    cluster = Cluster(edges, rng=random.Random(1))
     transport = httpx.ASGITransport(app=create_app(cluster, ROOT_TOKEN), raise_app_exceptions=False)
     try:
         async with DSecClient("http://api", token=ROOT_TOKEN, transport=transport) as client:

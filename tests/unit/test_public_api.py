@@ -131,6 +131,13 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.FnCallResult: {"exit_code": 0},
         _models.FnCallBatchRequest: {"calls": [{"code": "print(1)"}]},
         _models.FnCallBatchResult: {"results": [{"exit_code": 0}]},
+        _models.NodeCreateRequest: {"args": {"container_image": "busybox"}},
+        _models.NodeBatchRequest: {"args": {"container_image": "busybox"}, "count": 2},
+        _models.NodeStopRequest: {},
+        _models.LayerUse: {},
+        _models.ImageRemoveRequest: {},
+        _models.LayerGCRequest: {},
+        _models.LayerGCResult: {"removed": []},
     }[cls]
 
 

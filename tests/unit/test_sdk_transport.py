@@ -11,7 +11,7 @@ import pytest
 import libdsec
 from dsec.local import free_port
 from libdsec import DSecClient, DSecContainerRunArgs, SyncDSecClient
-from libdsec.protocol import MAX_BATCH_COUNT
+from libdsec.protocol import MAX_SANDBOX_BATCH
 
 INFO = {
     "id": "n0-0123456789abcdef", "node": "n0", "image": "busybox", "status": "running",
@@ -164,7 +164,7 @@ async def test_batch_error_status_before_streaming():
             await client.run_containers(ARGS, count=2)
 
 
-@pytest.mark.parametrize("count", [0, -1, MAX_BATCH_COUNT + 1, 10**9])
+@pytest.mark.parametrize("count", [0, -1, MAX_SANDBOX_BATCH + 1, 10**9])
 async def test_batch_count_out_of_range_is_refused_before_sending(count):
     sent = []
     async with _client(lambda r: sent.append(r) or httpx.Response(500)) as client:

@@ -232,8 +232,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
 
     @app.get("/v1/sandboxes")
     async def list_sandboxes(caller: Caller = Depends(authenticated)) -> SandboxList:
-        found = [info for edge in cluster.edges.values() for info in await edge.list()
-                 if caller.sees(cluster.projects, info.project)]
+        found = [info for info in await cluster.list_sandboxes() if caller.sees(cluster.projects, info.project)]
         return SandboxList(sandboxes=found)
 
     @app.get("/v1/sandboxes/{sandbox_id}", dependencies=auth, responses=_ERRORS)
@@ -287,27 +286,26 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
 
     @app.get("/v1/images", dependencies=auth)
     async def list_images() -> ImageList:
-        store = cluster.store
-        return ImageList(images=[store.describe(store.get_image(name)) for name in store.image_names()])
+        return ImageList(images=await cluster.any_edge().list_images())
 
     @app.get("/v1/images/{ref}", dependencies=auth, responses=_ERRORS)
     async def inspect_image(ref: str) -> ImageInfo:
-        return cluster.store.describe(cluster.store.resolve(ref))
+        return await cluster.any_edge().inspect_image(ref)
 
     @app.delete("/v1/images/{name}", dependencies=auth, responses=_ERRORS)
     async def remove_image(name: str) -> dict:
-        refs = frozenset(r for edge in cluster.edges.values() for r in edge.in_use()[0])
-        cluster.store.remove_image(name, in_use=refs)
+        images, _ = await cluster.layer_use()
+        await cluster.any_edge().remove_image(name, images)
         return {"removed": name}
 
     @app.post("/v1/images:gc", dependencies=auth)
     async def gc_layers() -> dict:
-        held = frozenset(d for edge in cluster.edges.values() for d in edge.in_use()[1])
-        return {"removed": cluster.store.gc(in_use=held)}
+        _, layers = await cluster.layer_use()
+        return {"removed": await cluster.any_edge().gc_layers(layers)}
 
     @app.get("/v1/nodes", dependencies=auth)
     async def nodes() -> list[NodeInfo]:
-        return [await edge.node_info() for edge in cluster.edges.values()]
+        return await cluster.node_infos()
 
     add_project_routes(app, cluster, authenticated, _ERRORS)
     add_fncall_routes(app, cluster, authenticated, _ERRORS)

@@ -25,12 +25,11 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 
-from libdsec import CapacityExceeded, DSecError, SandboxNotFound
+from libdsec import CapacityExceeded, DSecError, SandboxLost, SandboxNotFound
 from libdsec.protocol import DSecContainerRunArgs, NodeInfo, SandboxInfo
 
 from .. import placement
-from ..edge.api import EdgeAPI, node_of
-from ..images.store import LayerStore
+from ..edge.api import EdgeAPI, NodeUnreachable, node_of
 from .auth import Caller
 from .projects import ProjectStore
 from .quota import RESOURCES, Amount, check_create
@@ -95,7 +94,6 @@ class Cluster:
     def __init__(
         self,
         edges: list[EdgeAPI],
-        store: LayerStore,
         *,
         projects: ProjectStore | None = None,
         overcommit: placement.Overcommit | None = None,
@@ -104,7 +102,9 @@ class Cluster:
         view_max_age_s: float = 0.2,
     ) -> None:
         self.edges = {e.node: e for e in edges}
-        self.store = store
+        # Nodes that left the cluster (died, or stopped answering): node -> (since, why). Their
+        # sandboxes answer SandboxLost until the node comes back (``add_edge``) and re-adopts them.
+        self.lost: dict[str, tuple[float, str]] = {}
         self.projects = projects or ProjectStore()
         self.overcommit = overcommit or placement.Overcommit()
         self.k = k
@@ -127,7 +127,31 @@ class Cluster:
         node = node_of(sandbox_id)
         edge = self.edges.get(node)
         if edge is None:
+            if node in self.lost:
+                since, why = self.lost[node]
+                raise SandboxLost(f"sandbox {sandbox_id} is lost: its node {node} left the cluster "
+                                  f"{time.monotonic() - since:.1f} s ago ({why})")
             raise SandboxNotFound(f"no sandbox {sandbox_id}: node {node!r} is not in this cluster")
+        return edge
+
+    # -- membership ------------------------------------------------------------------------
+
+    def add_edge(self, edge: EdgeAPI) -> None:
+        """A node joined (or came back, with the sandboxes it re-adopted)."""
+        self.edges[edge.node] = edge
+        self.lost.pop(edge.node, None)
+        self._infos = (float("-inf"), [])
+
+    def mark_lost(self, node: str, why: str) -> EdgeAPI | None:
+        """A node left: its sandboxes are lost (and stop counting against quotas, which are
+        summed from the nodes' own reports); new creates go elsewhere. Returns its edge (for
+        the caller to close), if it was in the cluster."""
+        edge = self.edges.pop(node, None)
+        if edge is not None or node not in self.lost:
+            self.lost[node] = (time.monotonic(), why)
+            log.warning("node %s lost: %s", node, why)
+        self._infos = (float("-inf"), [])
+        self._loads.clear()
         return edge
 
     async def edge_for_caller(self, sandbox_id: str, caller: Caller) -> EdgeAPI:
@@ -140,10 +164,35 @@ class Cluster:
                 raise SandboxNotFound(f"no sandbox {sandbox_id} on node {edge.node}")
         return edge
 
-    def candidates(self) -> list[EdgeAPI]:
-        edges = list(self.edges.values())
-        self.rng.shuffle(edges)
-        return edges
+    def any_edge(self) -> EdgeAPI:
+        """A node to ask about the layer store (every node reads the same one)."""
+        if not self.edges:
+            raise CapacityExceeded("no node in the cluster")
+        return self.rng.choice(list(self.edges.values()))
+
+    async def list_sandboxes(self) -> list[SandboxInfo]:
+        """Every reachable node's sandboxes (a node that does not answer is left out)."""
+        results = await asyncio.gather(*(e.list() for e in self.edges.values()), return_exceptions=True)
+        found = []
+        for edge, result in zip(list(self.edges.values()), results):
+            if isinstance(result, BaseException):
+                log.warning("node %s did not list its sandboxes: %s", edge.node, result)
+            else:
+                found.extend(result)
+        return found
+
+    async def layer_use(self) -> tuple[frozenset[str], frozenset[str]]:
+        """(image refs, layer digests) that some node's sandboxes hold. A node that cannot
+        answer makes this fail: what it holds must not be removed from under it."""
+        uses = await asyncio.gather(*(e.layer_use() for e in self.edges.values()))
+        return (frozenset(i for u in uses for i in u.images), frozenset(d for u in uses for d in u.layers))
+
+    async def fncall_edge(self) -> EdgeAPI:
+        """A node that serves fncall, by the last view."""
+        serving = [i.node for i in await self._view_infos() if "fncall" in _kinds(i.runtime) and i.node in self.edges]
+        if not serving:
+            raise CapacityExceeded("no node in the cluster serves fncall")
+        return self.edges[self.rng.choice(serving)]
 
     # -- the view --------------------------------------------------------------------------
 
@@ -157,9 +206,10 @@ class Cluster:
         return await self._gather_infos()
 
     async def _gather_infos(self) -> list[NodeInfo]:
-        results = await asyncio.gather(*(e.node_info() for e in self.edges.values()), return_exceptions=True)
+        edges = list(self.edges.values())
+        results = await asyncio.gather(*(e.node_info() for e in edges), return_exceptions=True)
         infos = []
-        for edge, result in zip(self.edges.values(), results):
+        for edge, result in zip(edges, results):
             if isinstance(result, BaseException):
                 log.warning("edge %s did not report: %s", edge.node, result)
             else:
@@ -250,9 +300,8 @@ class Cluster:
     async def create(self, args: DSecContainerRunArgs, project: str, kind: str = "container") -> SandboxInfo:
         async with self._reserve(project, args, 1):
             view = await self.view(kind)
-            extra = {"kind": kind} if kind != "container" else {}
             tried: list[str] = []
-            last: CapacityExceeded | None = None
+            last: DSecError | None = None
             while len(tried) < MAX_NODES_TRIED:
                 chosen = self._pick(view, args, 1, tried)
                 node = chosen[0] if chosen else None
@@ -261,9 +310,13 @@ class Cluster:
                 if node is None:
                     break
                 self._note_placed(node, args)
+                edge = self.edges.get(node)
+                if edge is None:  # left the cluster since the view was taken
+                    tried.append(node)
+                    continue
                 try:
-                    return await self.edges[node].create(args, project=project, **extra)
-                except CapacityExceeded as exc:
+                    return await edge.create(args, kind, project)
+                except (CapacityExceeded, NodeUnreachable) as exc:
                     self._infos = (float("-inf"), [])  # a refusal: look again next time
                     last = exc
                     tried.append(node)
@@ -345,15 +398,18 @@ class Cluster:
 
     async def _run_share(self, share: _Share, args: DSecContainerRunArgs, project: str,
                          queue: asyncio.Queue) -> None:
-        edge = self.edges[share.node]
+        edge = self.edges.get(share.node)
+        if edge is None:  # left the cluster since the view was taken
+            await queue.put(("refused", (share, NodeUnreachable(f"node {share.node} left the cluster"))))
+            return
         self._note_placed(share.node, args, share.count)
         made = 0
         try:
-            async with aclosing(edge.create_batch(args, share.count, project=project)) as events:
+            async with aclosing(edge.create_batch(args, share.count, "container", project)) as events:
                 async for index, info in events:
                     made += 1
                     await queue.put(("created", (share.offset + index, info, edge)))
-        except CapacityExceeded as exc:
+        except (CapacityExceeded, NodeUnreachable) as exc:
             await queue.put(("refused", (share, exc)) if made == 0 else ("failed", exc))
         except DSecError as exc:
             await queue.put(("failed", exc))

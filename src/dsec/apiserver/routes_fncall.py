@@ -7,12 +7,9 @@ base64, which pydantic decodes only when it reads JSON itself.
 
 from __future__ import annotations
 
-import random
-
 from fastapi import Depends, FastAPI, Request, Response
 from pydantic import BaseModel
 
-from libdsec import CapacityExceeded
 from libdsec.protocol import MAX_BATCH_COUNT, DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
 
 from .cluster import Cluster
@@ -35,20 +32,17 @@ def add_fncall_routes(app: FastAPI, cluster: Cluster, authenticated, errors: dic
                     "properties": {"calls": {"type": "array", "items": call_schema, "minItems": 1,
                                              "maxItems": MAX_BATCH_COUNT}}}
 
-    def edge():
-        edges = [e for e in cluster.edges.values() if hasattr(e, "fncall")]
-        if not edges:
-            raise CapacityExceeded("no node in the cluster serves fncall")
-        return random.choice(edges)
+    async def edge():
+        return await cluster.fncall_edge()
 
     @app.post("/v1/fncall", dependencies=auth, responses=errors, response_model=FnCallResult,
               openapi_extra=_body_schema(call_schema))
     async def fncall(request: Request) -> Response:
         args = parse_body(DSecFnCallArgs, await request.body())
-        return _json(await edge().fncall(args))
+        return _json(await (await edge()).fncall(args))
 
     @app.post("/v1/fncall:batch", dependencies=auth, responses=errors, response_model=FnCallBatchResult,
               openapi_extra=_body_schema(batch_schema))
     async def fncall_batch(request: Request) -> Response:
         batch = parse_body(FnCallBatchRequest, await request.body())
-        return _json(FnCallBatchResult(results=await edge().fncall_many(batch.calls)))
+        return _json(FnCallBatchResult(results=await (await edge()).fncall_many(batch.calls)))

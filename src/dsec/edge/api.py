@@ -1,8 +1,22 @@
-"""The apiserver → edge seam: typed calls, and sandbox ids that name their edge.
+"""The apiserver → node seam: every call the apiserver makes on a node, and sandbox ids that
+name their node.
 
-The apiserver holds ``EdgeAPI`` objects by node name and routes a call to the edge named in the
-sandbox id (``<node>-<hex>``), so it needs no table of sandboxes. ``Edge`` (embedded) implements
-it in-process; a remote edge (a later Ray node) implements the same methods over the wire.
+The apiserver holds one ``EdgeAPI`` per node and routes a call to the node named in the sandbox
+id (``<node>-<hex>``), so it needs no table of sandboxes. It reaches a node only through this
+interface: never the node's layer store, cgroups or records. Two implementations:
+
+- ``dsec.edge.edge.Edge``: the edge itself, in-process (the embedded ``dsec serve``);
+- ``dsec.edge.remote.RemoteEdge``: an edge in another process or on another machine, reached
+  over HTTP (``dsec.edge.server`` serves it there).
+
+Both pass one conformance suite (``tests/conformance/test_node_seam.py``). Requests and answers
+are the models of ``libdsec.protocol`` (one per operation); errors are the SDK's error tree, and
+cross the wire as its codes. A node that cannot be reached makes a sandbox call fail with
+``SandboxLost`` (and a create fail with ``NodeUnreachable``, on which placement tries another).
+
+Lifecycle: a node is usable once its owner started it (``Edge.start()``; a ``RemoteEdge`` once
+its server answers); ``close()`` on either ends this side of it, and a second ``close()`` does
+nothing.
 """
 
 from __future__ import annotations
@@ -12,17 +26,22 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from libdsec import InvalidRequest
+from libdsec import InvalidRequest, SandboxLost
 from libdsec.protocol import (
     DSecContainerRunArgs,
+    DSecFnCallArgs,
     ExecRequest,
     ExecResult,
+    FnCallResult,
+    ImageInfo,
+    LayerUse,
     NodeInfo,
     PackDiffResult,
     PauseResult,
     SandboxInfo,
+    SecurityEvent,
+    SnapshotInfo,
 )
-from libdsec.protocol import DSecFnCallArgs, FnCallResult
 
 NODE_NAME = re.compile(r"^[a-z0-9]{1,32}\Z")
 SANDBOX_ID = re.compile(r"^([a-z0-9]{1,32})-([0-9a-f]{16})\Z")
@@ -39,24 +58,29 @@ def node_of(sandbox_id: str) -> str:
     return m.group(1)
 
 
+class NodeUnreachable(SandboxLost):
+    """The node did not answer (refused, reset, timed out, or answered garbage). For a sandbox
+    call this is the caller's ``SandboxLost``; a create that meets it goes to another node."""
+
+
 class EdgeAPI(Protocol):
+    """One node, as the apiserver sees it."""
+
     node: str
 
-    async def create(self, args: DSecContainerRunArgs, project: str = "root") -> SandboxInfo: ...
+    # -- sandboxes ---------------------------------------------------------------------------
+    async def create(self, args: DSecContainerRunArgs, kind: str = "container",
+                     project: str = "root") -> SandboxInfo: ...
 
     def create_batch(
-        self, args: DSecContainerRunArgs, count: int, project: str = "root"
-    ) -> AsyncIterator[tuple[int, SandboxInfo]]: ...
+        self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root"
+    ) -> AsyncIterator[tuple[int, SandboxInfo]]:
+        """Yields (index, info) as each comes up; all or none (``dsec.batch``)."""
+        ...
 
     async def get(self, sandbox_id: str) -> SandboxInfo: ...
 
     async def list(self) -> list[SandboxInfo]: ...
-
-    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult: ...
-
-    async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
-
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None: ...
 
     async def stop(self, sandbox_id: str, reason: str = "stopped by request") -> SandboxInfo: ...
 
@@ -64,16 +88,38 @@ class EdgeAPI(Protocol):
 
     async def resume(self, sandbox_id: str) -> SandboxInfo: ...
 
+    async def snapshot(self, sandbox_id: str) -> SnapshotInfo: ...
+
     async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult: ...
 
-    async def security_events(self, sandbox_id: str) -> list: ...
+    # -- inside a sandbox --------------------------------------------------------------------
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult: ...
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None: ...
+
+    async def security_events(self, sandbox_id: str) -> list[SecurityEvent]: ...
 
     async def set_network_rules(self, sandbox_id: str, rules: dict) -> None: ...
 
-    def in_use(self) -> tuple[frozenset[str], frozenset[str]]: ...
-
+    # -- the node ----------------------------------------------------------------------------
     async def node_info(self) -> NodeInfo: ...
 
+    async def layer_use(self) -> LayerUse: ...
+
+    # The layer store as this node sees it (one store may be shared by every node).
+    async def list_images(self) -> list[ImageInfo]: ...
+
+    async def inspect_image(self, ref: str) -> ImageInfo: ...
+
+    async def remove_image(self, name: str, in_use: frozenset[str]) -> None: ...
+
+    async def gc_layers(self, in_use: frozenset[str]) -> list[str]: ...
+
+    # -- stateless calls (FnCall) ------------------------------------------------------------
     async def fncall(self, args: DSecFnCallArgs) -> FnCallResult: ...
 
     async def fncall_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]: ...
+
+    async def close(self) -> None: ...

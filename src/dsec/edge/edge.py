@@ -48,6 +48,8 @@ from libdsec.protocol import (
     DSecContainerRunArgs,
     ExecRequest,
     ExecResult,
+    ImageInfo,
+    LayerUse,
     SecurityEvent,
     NodeInfo,
     RUN_ARGS_BY_KIND,
@@ -593,13 +595,27 @@ class Edge:
             created_at=datetime.fromtimestamp(meta["created_at"], timezone.utc),
         )
 
-    def in_use(self) -> tuple[frozenset[str], frozenset[str]]:
-        """(image refs, layer digests) held by this node's sandboxes, pooled ones included."""
+    async def layer_use(self) -> LayerUse:
+        """The image refs and layer digests this node's sandboxes hold, pooled ones included."""
         recs = list(self._records.values())
         refs = {r.image.name for r in recs}
         layers = {d for r in recs for d in r.image.layers}
         layers |= {d for pool in self._pools.values() if pool.image for d in pool.image.layers}
-        return frozenset(refs), frozenset(layers)
+        return LayerUse(images=sorted(refs), layers=sorted(layers))
+
+    # -- the layer store, as this node sees it -----------------------------------------------
+
+    async def list_images(self) -> list[ImageInfo]:
+        return [self.store.describe(self.store.get_image(name)) for name in self.store.image_names()]
+
+    async def inspect_image(self, ref: str) -> ImageInfo:
+        return self.store.describe(self.store.resolve(ref))
+
+    async def remove_image(self, name: str, in_use: frozenset[str]) -> None:
+        self.store.remove_image(name, in_use=frozenset(in_use))
+
+    async def gc_layers(self, in_use: frozenset[str]) -> list[str]:
+        return self.store.gc(in_use=frozenset(in_use))
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         rec = self._records.get(sandbox_id)
@@ -718,7 +734,8 @@ class Edge:
     async def node_info(self) -> NodeInfo:
         return NodeInfo(
             node=self.node, cgroup_version=cgroups.version(),
-            runtime="; ".join(b.describe() if hasattr(b, "describe") else k for k, b in self.backends.items()),
+            runtime="; ".join([b.describe() if hasattr(b, "describe") else k for k, b in self.backends.items()]
+                              + (["fncall"] if self.fncalls is not None else [])),
             sandboxes=len(self._records), memory_total_mb=self._memory_total_mb, cpu_cores=self._cpu_cores,
             **self._commitments(),
         )
