@@ -1,0 +1,290 @@
+"""``RemoteEdge``: a node in another process or on another machine, behind its own endpoint
+(``dsec.edge.server``), as an ``EdgeAPI``.
+
+Answers come back as the seam's models and errors as the error tree (the wire codes). A node
+that cannot be reached — refused, reset, no answer in time, or an answer that is not the node
+protocol — raises ``NodeUnreachable`` naming the node: a ``SandboxLost`` to whoever called on a
+sandbox, and for a create the sign to place it elsewhere. Nothing here waits without a bound:
+each call has a timeout (a command's own timeout plus slack, for exec and fncall).
+
+Requests go through the SDK's lean HTTP client (``libdsec._wire``): one keep-alive pool per
+node; a batch create's NDJSON stream goes through httpx.
+
+Lifecycle: usable once made; ``await close()`` closes its connections (a second call does
+nothing); a call after it raises ``NodeUnreachable``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pydantic
+
+from libdsec import DSecError
+from libdsec._errors import error_from_wire
+from libdsec._wire import Answer, WireClient, WireError
+from libdsec.protocol import (
+    BatchEvent,
+    DSecContainerRunArgs,
+    DSecFnCallArgs,
+    ExecRequest,
+    ExecResult,
+    FnCallBatchRequest,
+    FnCallBatchResult,
+    FnCallResult,
+    ImageInfo,
+    ImageList,
+    ImageRemoveRequest,
+    LayerGCRequest,
+    LayerGCResult,
+    LayerUse,
+    NetworkRulesRequest,
+    NodeBatchRequest,
+    NodeCreateRequest,
+    NodeInfo,
+    NodeStopRequest,
+    PackDiffRequest,
+    PackDiffResult,
+    PauseResult,
+    SandboxInfo,
+    SandboxList,
+    SecurityEvent,
+    SecurityEventList,
+    SnapshotInfo,
+)
+
+from .api import NodeUnreachable
+from .server import PREFIX
+
+# Bounds on a call's wait. A node's own work (a create, a stop) takes well under these; long
+# ones (packing a layer, saving a VM's memory) get the long bound; commands their own timeout
+# plus the slack.
+CALL_TIMEOUT_S = 30.0
+LONG_CALL_TIMEOUT_S = 600.0
+SLACK_S = 30.0
+# A batch stream may pause between sandboxes while the node starts them; not longer than this.
+BATCH_IDLE_S = 120.0
+MAX_CONNECTIONS = 256
+
+# Batch streams being read, referenced until done (see RemoteEdge.create_batch).
+_BATCHES: set[asyncio.Task] = set()
+
+
+class RemoteEdge:
+    """The node ``node`` at ``url`` (``http://host:port``), called with the node ``token``."""
+
+    def __init__(self, node: str, url: str, token: str, *, call_timeout_s: float = CALL_TIMEOUT_S) -> None:
+        self.node = node
+        self.url = url.rstrip("/")
+        self.call_timeout_s = call_timeout_s
+        headers = {"authorization": f"Bearer {token}"}
+        self._wire = WireClient(self.url, headers, MAX_CONNECTIONS)
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers,
+                                       timeout=httpx.Timeout(CALL_TIMEOUT_S, read=BATCH_IDLE_S))
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"RemoteEdge({self.node!r}, {self.url!r})"
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self._wire.aclose()
+        await self._http.aclose()
+
+    # -- transport ---------------------------------------------------------------------------
+
+    def _unreachable(self, what: str) -> NodeUnreachable:
+        return NodeUnreachable(f"node {self.node} ({self.url}) {what}")
+
+    async def _call(self, method: str, path: str, *, model: pydantic.BaseModel | None = None,
+                    body: bytes | None = None, params: dict[str, str] | None = None,
+                    timeout: float | None = None) -> Answer:
+        if self._closed:
+            raise self._unreachable("is closed on this side")
+        content_type = "application/octet-stream"
+        if model is not None:
+            body, content_type = model.model_dump_json().encode(), "application/json"
+        try:
+            answer = await self._wire.request(method, PREFIX + path, params=params, body=body,
+                                              content_type=content_type, timeout=timeout or self.call_timeout_s)
+        except WireError as exc:
+            raise self._unreachable(f"did not answer {method} {path}: {exc}") from None
+        if answer.status_code >= 400:
+            raise self._error(answer.status_code, answer.content)
+        return answer
+
+    def _error(self, status: int, content: bytes) -> DSecError:
+        try:
+            body = json.loads(content)
+        except (ValueError, UnicodeDecodeError):
+            body = None
+        if not (isinstance(body, dict) and isinstance(body.get("error"), dict) and "code" in body["error"]):
+            return self._unreachable(f"answered what is not the node protocol: HTTP {status} {content[:200]!r}")
+        return error_from_wire(body, status)
+
+    def _parse(self, model: type[pydantic.BaseModel], answer: Answer):
+        try:
+            return model.model_validate_json(answer.content)
+        except pydantic.ValidationError as exc:
+            raise self._unreachable(f"answered what is not a {model.__name__}: {exc.errors()[0].get('msg')}") from None
+
+    async def _get(self, answer_model, path: str, **kw):
+        return self._parse(answer_model, await self._call("GET", path, **kw))
+
+    async def _post(self, answer_model, path: str, **kw):
+        return self._parse(answer_model, await self._call("POST", path, **kw))
+
+    # -- sandboxes ---------------------------------------------------------------------------
+
+    async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
+        request = NodeCreateRequest(kind=kind, project=project, args=args.model_dump(mode="json"))
+        return await self._post(SandboxInfo, "/sandboxes", model=request)
+
+    async def create_batch(
+        self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root"
+    ) -> AsyncIterator[tuple[int, SandboxInfo]]:
+        """Yields (index, info) as the node streams them; all or none. The stream is read by a
+        task of its own: when this is closed early, or fails, the task reads the stream to its
+        end and stops every sandbox it names (the node undoes itself only once it sees the
+        request gone, and may have sent the rest already)."""
+        if self._closed:
+            raise self._unreachable("is closed on this side")
+        request = NodeBatchRequest(kind=kind, project=project, args=args.model_dump(mode="json"), count=count)
+        queue: asyncio.Queue[tuple[int, SandboxInfo] | BaseException | None] = asyncio.Queue()
+        state = {"abandoned": False}
+        reader = asyncio.create_task(self._read_batch(request, queue, state))
+        _BATCHES.add(reader)
+        reader.add_done_callback(_BATCHES.discard)
+        complete = False
+        try:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+            complete = True
+        finally:
+            if not complete:
+                state["abandoned"] = True
+                if reader.done():  # it read to the end already: what it made is undone here
+                    undo = asyncio.create_task(self._stop_all(state["made"]))
+                    _BATCHES.add(undo)
+                    undo.add_done_callback(_BATCHES.discard)
+
+    async def _stop_all(self, made: list[str]) -> None:
+        await asyncio.gather(*(self.stop(sid, "batch create failed") for sid in made), return_exceptions=True)
+        made.clear()
+
+    async def _read_batch(self, request: NodeBatchRequest, queue: asyncio.Queue, state: dict) -> None:
+        made: list[str] = state.setdefault("made", [])
+        ok = False
+        try:
+            async with self._http.stream("POST", PREFIX + "/sandboxes:batch", content=request.model_dump_json(),
+                                         headers={"content-type": "application/json"}) as response:
+                if response.status_code >= 400:
+                    raise self._error(response.status_code, await response.aread())
+                async for line in response.aiter_lines():
+                    if not line.strip():
+                        continue
+                    try:
+                        event = BatchEvent.model_validate_json(line)
+                    except pydantic.ValidationError:
+                        raise self._unreachable(f"sent a batch line that is not a BatchEvent: {line[:200]!r}") from None
+                    if event.event == "created" and event.sandbox is not None and event.index is not None:
+                        made.append(event.sandbox.id)
+                        if not state["abandoned"]:
+                            queue.put_nowait((event.index, event.sandbox))
+                    elif event.event == "error":
+                        made.clear()  # the node undid its batch itself
+                        raise error_from_wire({"error": event.error}, 500)
+                    elif event.event == "done":
+                        if len(made) != request.count:
+                            raise self._unreachable(f"ended a batch of {request.count} after {len(made)}")
+                        queue.put_nowait(None)
+                        ok = True
+                        return
+            raise self._unreachable(f"broke off a batch of {request.count} after {len(made)} sandboxes")
+        except httpx.HTTPError as exc:
+            queue.put_nowait(self._unreachable(f"did not answer a batch of {request.count} (after {len(made)}): {exc!r}"))
+        except DSecError as exc:
+            queue.put_nowait(exc)
+        finally:
+            if made and (state["abandoned"] or not ok):
+                await self._stop_all(made)
+
+    async def get(self, sandbox_id: str) -> SandboxInfo:
+        return await self._get(SandboxInfo, f"/sandboxes/{sandbox_id}")
+
+    async def list(self) -> list[SandboxInfo]:
+        return (await self._get(SandboxList, "/sandboxes")).sandboxes
+
+    async def stop(self, sandbox_id: str, reason: str = "stopped by request") -> SandboxInfo:
+        return await self._post(SandboxInfo, f"/sandboxes/{sandbox_id}/stop", model=NodeStopRequest(reason=reason))
+
+    async def pause(self, sandbox_id: str) -> PauseResult:
+        return await self._post(PauseResult, f"/sandboxes/{sandbox_id}/pause", timeout=LONG_CALL_TIMEOUT_S)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        return await self._post(SandboxInfo, f"/sandboxes/{sandbox_id}/resume", timeout=LONG_CALL_TIMEOUT_S)
+
+    async def snapshot(self, sandbox_id: str) -> SnapshotInfo:
+        return await self._post(SnapshotInfo, f"/sandboxes/{sandbox_id}/snapshot", timeout=LONG_CALL_TIMEOUT_S)
+
+    async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult:
+        return await self._post(PackDiffResult, f"/sandboxes/{sandbox_id}/pack_diff",
+                                model=PackDiffRequest(name=name, role=role), timeout=LONG_CALL_TIMEOUT_S)
+
+    # -- inside a sandbox --------------------------------------------------------------------
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        return await self._post(ExecResult, f"/sandboxes/{sandbox_id}/exec", model=request,
+                                timeout=request.timeout + SLACK_S)
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return (await self._call("GET", f"/sandboxes/{sandbox_id}/files", params={"path": path})).content
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
+        await self._call("PUT", f"/sandboxes/{sandbox_id}/files", body=data, params={"path": path, "mode": oct(mode)})
+
+    async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:
+        return (await self._get(SecurityEventList, f"/sandboxes/{sandbox_id}/security_events")).events
+
+    async def set_network_rules(self, sandbox_id: str, rules: dict) -> None:
+        await self._call("PUT", f"/sandboxes/{sandbox_id}/network_rules", model=NetworkRulesRequest(network_rules=rules))
+
+    # -- the node ----------------------------------------------------------------------------
+
+    async def node_info(self) -> NodeInfo:
+        return await self._get(NodeInfo, "/info")
+
+    async def layer_use(self) -> LayerUse:
+        return await self._get(LayerUse, "/layer_use")
+
+    async def list_images(self) -> list[ImageInfo]:
+        return (await self._get(ImageList, "/images")).images
+
+    async def inspect_image(self, ref: str) -> ImageInfo:
+        return await self._get(ImageInfo, f"/images/{ref}")
+
+    async def remove_image(self, name: str, in_use: frozenset[str]) -> None:
+        await self._call("POST", f"/images/{name}:remove", model=ImageRemoveRequest(in_use=sorted(in_use)))
+
+    async def gc_layers(self, in_use: frozenset[str]) -> list[str]:
+        result = await self._post(LayerGCResult, "/images:gc", model=LayerGCRequest(in_use=sorted(in_use)),
+                                  timeout=LONG_CALL_TIMEOUT_S)
+        return result.removed
+
+    # -- stateless calls ---------------------------------------------------------------------
+
+    async def fncall(self, args: DSecFnCallArgs) -> FnCallResult:
+        return await self._post(FnCallResult, "/fncall", model=args, timeout=max(args.timeout, 0) + SLACK_S)
+
+    async def fncall_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
+        longest = max((c.timeout for c in calls), default=0.0)
+        result = await self._post(FnCallBatchResult, "/fncall:batch", model=FnCallBatchRequest(calls=calls),
+                                  timeout=LONG_CALL_TIMEOUT_S + longest)
+        return result.results
