@@ -40,8 +40,17 @@ def serve(
     cold_memory_interval_s: Annotated[float, typer.Option(help="Seconds between cold-memory passes.")] = 30.0,
     fncall_workers: Annotated[int, typer.Option(help="Warm fncall workers per image in use (0: one per core).")] = 0,
     fncall_max: Annotated[int, typer.Option(help="Most fncall workers on this node (0: no fncall).")] = 64,
+    ray: Annotated[Optional[str], typer.Option(
+        help="Serve a Ray cluster instead (ADDRESS as ray.init takes it, 'auto' included): an edge on every node "
+             "with the dsec_edge resource.")] = None,
+    nodes_file: Annotated[Optional[Path], typer.Option(
+        help='Serve the nodes listed in this JSON file instead: {"token": T, "nodes": {NAME: URL}}.')] = None,
+    node_state_dir: Annotated[Optional[Path], typer.Option(
+        help="On Ray: each node keeps its state in DIR/NAME on its own disk (default STATE_DIR/nodes).")] = None,
+    store_dir: Annotated[Optional[Path], typer.Option(
+        help="On Ray: the layer store every node reads, on a shared filesystem (default STATE_DIR/store).")] = None,
 ) -> None:
-    """Run the apiserver and an edge for this machine in one process."""
+    """Run the apiserver and an edge for this machine in one process (or the apiserver of a cluster)."""
     from .server import ServerConfig
     from .server import serve as run_server
 
@@ -55,8 +64,11 @@ def serve(
     cold = {"idle_s": cold_memory_idle_s, "interval_s": cold_memory_interval_s} if cold_memory_idle_s > 0 else {}
     try:
         fncall = {"workers_min": fncall_workers, "workers_max": fncall_max} if fncall_max > 0 else None
+        if ray is not None and nodes_file is not None:
+            fail(ValueError("--ray and --nodes-file: one or the other"))
         run_server(ServerConfig(state_dir=state_dir, host=host, port=port, node=node, edge=edge, cold_memory=cold,
-                                fncall=fncall))
+                                fncall=fncall, ray=ray, nodes_file=nodes_file, node_state_dir=node_state_dir,
+                                store_dir=store_dir))
     except DSecError as exc:
         fail(exc)
 

@@ -53,6 +53,14 @@ class ServerConfig:
     fncall: dict | None = field(default_factory=dict)  # FnCallConfig overrides; None: no fncall pool
     # ColdMemoryReclaimer settings (idle_s, interval_s, fraction); empty: no cold-memory reclaim.
     cold_memory: dict = field(default_factory=dict)
+    # A cluster instead of the embedded edge: the Ray cluster's address (``ray.init`` form,
+    # ``auto`` included), or a file listing node endpoints (``dsec.nodes.static``).
+    ray: str | None = None
+    nodes_file: Path | None = None
+    # On Ray: each node's state dir is node_state_dir/NAME on that node; every node reads the
+    # layer store at store_dir (a shared filesystem on a real cluster; docs/CLUSTER.md).
+    node_state_dir: Path | None = None
+    store_dir: Path | None = None
 
 
 def load_or_create_token(state_dir: Path) -> str:
@@ -161,6 +169,56 @@ async def reset_node(state_dir: Path) -> int:
     return count
 
 
+async def build_node_edge(config: ServerConfig, store_dir: Path) -> Edge:
+    """A started edge on ``config.state_dir`` (this process holds its lock from now on), reading
+    layers from ``store_dir``: a node of a cluster (``dsec.nodes.ray.EdgeHost``)."""
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    for note in prepare_host():
+        log.info(note)
+    lock_node(config.state_dir)
+    link = config.state_dir / "store"
+    if not link.exists() and not link.is_symlink():
+        link.symlink_to(store_dir)
+    use_pidfd_child_watcher()
+    edge = build_edge(config, open_store(config.state_dir))
+    await edge.start()
+    return edge
+
+
+def build_cluster_app(config: ServerConfig):
+    """The apiserver alone, over the nodes of a cluster (Ray, or a node list): no edge here."""
+    from .nodes.static import StaticNodes
+
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    token = load_or_create_token(config.state_dir)
+    projects = ProjectStore(config.state_dir / "projects.db")
+    if config.ray is not None:
+        from .nodes.ray import RayNodes
+
+        provider = RayNodes(config.ray, secrets.token_urlsafe(32),
+                            node_state_dir=config.node_state_dir or config.state_dir / "nodes",
+                            store_dir=config.store_dir or config.state_dir / "store", edge=config.edge,
+                            fncall=config.fncall)
+        provider.connect()  # here, so that no cluster at the address is a clear error at start
+    else:
+        assert config.nodes_file is not None
+        provider = StaticNodes.from_file(config.nodes_file)
+    cluster = Cluster([], projects=projects, view_max_age_s=1.0)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await provider.start(cluster)
+        log.info("apiserver ready over %d nodes: %s", len(cluster.edges), ", ".join(sorted(cluster.edges)))
+        gc.freeze()
+        try:
+            yield
+        finally:
+            await provider.close()
+            projects.close()
+
+    return create_app(cluster, token, lifespan=lifespan), cluster
+
+
 def build_app(config: ServerConfig):
     config.state_dir.mkdir(parents=True, exist_ok=True)
     for note in prepare_host():
@@ -209,7 +267,7 @@ def build_app(config: ServerConfig):
 
 def serve(config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app, _ = build_app(config)
+    app, _ = build_cluster_app(config) if config.ray is not None or config.nodes_file else build_app(config)
     # The plain asyncio loop, on purpose: it spawns crun with vfork (≈0.6 ms), where uvloop
     # forks the whole server (≈4 ms), and every sandbox call spawns crun.
     uvicorn.run(app, host=config.host, port=config.port, loop="asyncio", log_level="warning",

@@ -1,0 +1,257 @@
+"""Edges on the nodes of a Ray cluster.
+
+``RayNodes(address)`` connects to the cluster (``ray.init(address=…)``, ``auto`` included) and
+keeps one edge on every alive node that offers the custom resource ``dsec_edge`` (operators start
+workers with ``ray start --address … --resources '{"dsec_edge": 1}'``). Each edge runs in an
+``EdgeHost`` actor pinned to its node (node affinity, not soft; it takes the node's ``dsec_edge``),
+with its own node name and state dir, and serves the node seam on its own HTTP endpoint
+(``dsec.edge.server``) at the node's address; the apiserver calls it there (``RemoteEdge``).
+Ray carries membership, placement of the actors and their health; the data path is the edge's
+own endpoint, which costs the apiserver a fraction of an actor call per request
+(docs/BENCHMARKS.md → Cluster).
+
+Membership is polled (``poll_s``): a node that joins gets an edge within seconds; one that Ray
+declares dead is marked lost (its sandboxes answer ``SandboxLost``, stop counting against
+quotas, and new creates go elsewhere). A node that comes back under the same name starts an edge
+on the same state dir, which re-adopts the sandboxes still running there.
+
+Names: a node's ``dsec-node`` label (``ray start --labels '{"dsec-node": "a1"}'``), else one made
+from its Ray node name (its address by default), so that a machine keeps its name across
+restarts. Actors are named ``dsec-edge-<name>`` in the ``dsec`` namespace and detached: a second
+apiserver finds the same edges, and an apiserver that restarts finds them still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from libdsec import BackendError
+
+from ..apiserver.cluster import Cluster
+from ..edge.api import NODE_NAME
+from ..edge.remote import RemoteEdge
+
+log = logging.getLogger("dsec.nodes.ray")
+
+RESOURCE = "dsec_edge"
+LABEL = "dsec-node"
+NAMESPACE = "dsec"
+
+
+def node_name(ray_node: dict) -> str:
+    """The DSec name of a Ray node (see the module docstring)."""
+    label = (ray_node.get("Labels") or {}).get(LABEL)
+    if label:
+        if not NODE_NAME.match(label):
+            raise BackendError(f"Ray node {ray_node.get('NodeID', '?')[:12]}: label {LABEL}={label!r} is not a "
+                               "DSec node name (lowercase letters and digits, at most 32)")
+        return label
+    name = re.sub(r"[^a-z0-9]", "", str(ray_node.get("NodeName", "")).lower())
+    if NODE_NAME.match(name) and not name.isdigit():
+        return name
+    return "r" + hashlib.sha256(str(ray_node.get("NodeName", ray_node.get("NodeID"))).encode()).hexdigest()[:12]
+
+
+def _probe(address: str) -> None:
+    """Fail at once where nothing listens at a ``host:port`` address (Ray itself retries a
+    missing head for minutes)."""
+    if address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=3).close()
+    except ValueError:
+        raise BackendError(f"Ray address {address!r}: expected HOST:PORT or 'auto'") from None
+    except OSError as exc:
+        raise BackendError(f"no Ray cluster at {address!r}: {exc.strerror or exc}. Start one with "
+                           "`ray start --head`, and nodes for DSec with "
+                           f"`ray start --address HEAD:6379 --resources '{{\"{RESOURCE}\": 1}}'`") from None
+
+
+class EdgeHost:
+    """A Ray actor holding one node's edge and its endpoint (made by ``RayNodes``).
+
+    ``start()`` builds the edge on the node's state dir (re-adopting what runs there), serves it
+    and returns its URL (a second call returns the same URL); ``stop()`` closes both, leaving
+    running sandboxes to be adopted by the next edge on that state dir."""
+
+    def __init__(self, name: str, state_dir: str, store_dir: str, token: str, edge: dict,
+                 fncall: dict | None) -> None:
+        self.name, self.state_dir, self.store_dir = name, Path(state_dir), Path(store_dir)
+        self.token, self.edge_overrides, self.fncall = token, edge, fncall
+        self._edge = None
+        self._server = None
+        self._url = ""
+
+    async def start(self) -> tuple[str, str]:
+        """(URL, node token). The token is the one this actor was made with: an apiserver that
+        finds the actor made by another (``get_if_exists``) learns it here (whoever reaches the
+        Ray cluster is trusted with its nodes anyway)."""
+        if self._url:
+            return self._url, self.token
+        import ray
+
+        from ..edge.server import NodeServer
+        from ..server import ServerConfig, build_node_edge
+
+        host = ray.util.get_node_ip_address()
+        config = ServerConfig(state_dir=self.state_dir, node=self.name, edge=self.edge_overrides, fncall=self.fncall)
+        self._edge = await build_node_edge(config, self.store_dir)
+        self._server = NodeServer(self._edge, self.token, host=host)
+        self._url = await self._server.start()
+        log.info("edge %s serving at %s", self.name, self._url)
+        return self._url, self.token
+
+    async def stop(self) -> None:
+        server, edge, self._server, self._edge, self._url = self._server, self._edge, None, None, ""
+        if server is not None:
+            await server.close()
+        if edge is not None:
+            await edge.close()
+
+    async def ping(self) -> str:
+        return self.name
+
+
+@dataclass
+class _Member:
+    ray_id: str
+    name: str
+    edge: RemoteEdge | None = None
+    starting: asyncio.Task | None = None
+    since: float = field(default_factory=time.monotonic)
+
+
+class RayNodes:
+    """Follows a Ray cluster's ``dsec_edge`` nodes (see the module docstring)."""
+
+    def __init__(self, address: str, token: str, *, node_state_dir: Path, store_dir: Path,
+                 edge: dict | None = None, fncall: dict | None = None, poll_s: float = 1.0,
+                 start_timeout_s: float = 120.0) -> None:
+        self.address, self.token = address, token
+        self.node_state_dir, self.store_dir = Path(node_state_dir), Path(store_dir)
+        self.edge_overrides, self.fncall = edge or {}, fncall
+        self.poll_s, self.start_timeout_s = poll_s, start_timeout_s
+        self._members: dict[str, _Member] = {}  # by Ray node id
+        self._cluster: Cluster | None = None
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self._actor_class = None
+
+    async def start(self, cluster: Cluster) -> None:
+        self._cluster = cluster
+        if self._actor_class is None:
+            await asyncio.to_thread(self.connect)
+        await self._poll()
+        pending = [m.starting for m in self._members.values() if m.starting is not None]
+        if pending:
+            await asyncio.wait(pending, timeout=self.start_timeout_s)
+        self._task = asyncio.create_task(self._follow(), name="dsec-ray-membership")
+
+    def connect(self) -> None:
+        """Join the Ray cluster (blocking); ``BackendError`` naming the address if none runs there."""
+        import ray
+
+        _probe(self.address)
+        try:
+            ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
+                     ignore_reinit_error=True)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise BackendError(f"cannot join the Ray cluster at {self.address!r}: {exc}. Start one with "
+                               "`ray start --head`, and nodes for DSec with "
+                               f"`ray start --address HEAD:6379 --resources '{{\"{RESOURCE}\": 1}}'`") from None
+        self._actor_class = ray.remote(EdgeHost)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        for member in self._members.values():
+            if member.starting is not None:
+                member.starting.cancel()
+            if member.edge is not None:
+                await member.edge.close()
+        self._members.clear()
+        import ray
+
+        if ray.is_initialized():
+            await asyncio.to_thread(ray.shutdown)
+
+    # -- membership --------------------------------------------------------------------------
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            try:
+                await self._poll()
+            except Exception as exc:  # noqa: BLE001 - the next poll tries again
+                log.warning("Ray membership poll failed: %s", exc)
+
+    async def _poll(self) -> None:
+        import ray
+
+        nodes = await asyncio.to_thread(ray.nodes)
+        alive = {n["NodeID"]: n for n in nodes if n.get("Alive") and (n.get("Resources") or {}).get(RESOURCE, 0) > 0}
+        for ray_id, member in list(self._members.items()):
+            if ray_id not in alive:
+                self._lose(member, "its Ray node died or left the cluster")
+        for ray_id, ray_node in alive.items():
+            if ray_id in self._members:
+                continue
+            try:
+                name = node_name(ray_node)
+            except BackendError as exc:
+                log.warning("%s", exc)
+                continue
+            if any(m.name == name for m in self._members.values()):
+                log.warning("Ray node %s is named %s like another node: not used", ray_id[:12], name)
+                continue
+            member = self._members[ray_id] = _Member(ray_id, name)
+            member.starting = asyncio.create_task(self._join(member), name=f"dsec-join-{name}")
+
+    def _lose(self, member: _Member, why: str) -> None:
+        self._members.pop(member.ray_id, None)
+        if member.starting is not None:
+            member.starting.cancel()
+        assert self._cluster is not None
+        if self._cluster.edges.get(member.name) is member.edge:
+            self._cluster.mark_lost(member.name, why)
+        if member.edge is not None:
+            asyncio.create_task(member.edge.close())
+
+    async def _join(self, member: _Member) -> None:
+        """Start (or find) the node's edge actor and add its endpoint to the cluster."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        assert self._cluster is not None and self._actor_class is not None
+        try:
+            actor = self._actor_class.options(
+                name=f"dsec-edge-{member.name}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                num_cpus=0, resources={RESOURCE: 1}, max_restarts=0, max_concurrency=1000,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(member.ray_id, soft=False),
+            ).remote(member.name, str(self.node_state_dir / member.name), str(self.store_dir), self.token,
+                     self.edge_overrides, self.fncall)
+            url, token = await asyncio.wait_for(actor.start.remote(), self.start_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the node stays out; logged, retried when it rejoins
+            log.warning("node %s: its edge did not start: %s", member.name, exc)
+            self._members.pop(member.ray_id, None)
+            return
+        finally:
+            member.starting = None
+        if self._members.get(member.ray_id) is not member:
+            return
+        member.edge = RemoteEdge(member.name, url, token)
+        self._cluster.add_edge(member.edge)
+        log.info("node %s joined: edge at %s", member.name, url)
