@@ -1,0 +1,190 @@
+"""DSec on a real Ray cluster of this machine (``ray.cluster_utils.Cluster``: a head and three
+``dsec_edge`` nodes, real raylets) with real crun containers on every node, through one
+``dsec serve --ray`` apiserver: spread, calls on every node, a node killed (its sandboxes answer
+``SandboxLost`` within seconds, creates go on elsewhere), a node that comes back re-adopting its
+sandboxes, a node removed in the middle of a batch, and a node added."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from dsec.local import LocalServer, leftovers
+from libdsec import DSecClient, DSecContainerRunArgs, DSecError, SandboxLost
+
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.cluster]
+
+ARGS = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=32, cpu_cores_limit=0.1)
+NODE_ARGS = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
+
+
+class RayWorld:
+    def __init__(self, base: Path, store: Path) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.base, self.store = base, store
+        self.cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+            "object_store_memory": 80 << 20,
+            # A node killed hard is declared dead in about 1.5 s instead of 13 s.
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
+        })
+        self.nodes = {}
+        self.server: LocalServer | None = None
+
+    def add(self, name: str):
+        self.nodes[name] = self.cluster.add_node(resources={"dsec_edge": 1}, labels={"dsec-node": name}, **NODE_ARGS)
+        return self.nodes[name]
+
+    def kill(self, name: str) -> None:
+        self.cluster.remove_node(self.nodes.pop(name), allow_graceful=False)
+
+    def serve(self) -> LocalServer:
+        self.server = LocalServer(self.base / "api", extra_args=(
+            "--ray", self.cluster.address, "--node-state-dir", str(self.base / "nodes"),
+            "--store-dir", str(self.store), "--fncall-max", "0", "--pool-max", "4"),
+            start_timeout_s=120).start()
+        return self.server
+
+    def node_dirs(self) -> list[Path]:
+        return sorted(p for p in (self.base / "nodes").iterdir() if p.is_dir()) if (self.base / "nodes").is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, test_store):
+    base = tmp_path_factory.mktemp("ray")
+    os.environ.update({"RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(base / "ray"), "DSEC_VMS": "0",
+                       "RAY_USAGE_STATS_ENABLED": "0"})
+    (base / "ray").mkdir()
+    world = RayWorld(base, test_store)
+    try:
+        for name in ("a1", "a2", "a3"):
+            world.add(name)
+        world.serve()
+        yield world
+    finally:
+        if world.server is not None:
+            _stop_everything(world.server)
+            world.server.stop()
+        world.cluster.shutdown()
+        # Sandboxes of killed nodes outlive their edges (as after a crash): reset each node.
+        from dsec.server import reset_node
+
+        for node_dir in world.node_dirs():
+            asyncio.run(reset_node(node_dir))
+        left = [x for d in world.node_dirs() for x in leftovers(d)]
+        assert not left, f"left behind: {left}"
+
+
+def _stop_everything(server: LocalServer) -> None:
+    async def stop_all():
+        async with DSecClient(server.endpoint, token=server.token) as client:
+            for info in await client.list_sandboxes():
+                try:
+                    await (await client.get_sandbox(info.id)).stop()
+                except DSecError:
+                    pass
+
+    asyncio.run(stop_all())
+
+
+async def wait_for_nodes(client: DSecClient, names: set[str], within_s: float = 60) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if {n.node for n in await client.node_info()} == names:
+            return
+        await asyncio.sleep(0.25)
+    raise AssertionError(f"nodes {sorted(n.node for n in await client.node_info())}, expected {sorted(names)}")
+
+
+def client_of(world: RayWorld) -> DSecClient:
+    return DSecClient(world.server.endpoint, token=world.server.token)
+
+
+async def test_sandboxes_spread_over_the_nodes_and_answer_on_each(world):
+    async with client_of(world) as client:
+        await wait_for_nodes(client, {"a1", "a2", "a3"})
+        sandboxes = await client.run_containers(ARGS, count=9)
+        by_node = {}
+        for s in sandboxes:
+            by_node.setdefault(s.info.node, []).append(s)
+        assert set(by_node) == {"a1", "a2", "a3"}, {n: len(v) for n, v in by_node.items()}
+        for node, group in by_node.items():
+            s = group[0]
+            await s.write_file("/tmp/where", node)
+            result = await s.run_shell("cat /tmp/where; echo; hostname")
+            assert result.exit_code == 0 and result.stdout.split()[0] == node
+        listed = {i.id for i in await client.list_sandboxes()}
+        assert {s.id for s in sandboxes} <= listed
+        for s in sandboxes:
+            await s.stop()
+        assert not {s.id for s in sandboxes} & {i.id for i in await client.list_sandboxes()}
+
+
+async def test_a_killed_node_is_lost_then_comes_back_with_its_sandboxes(world):
+    async with client_of(world) as client:
+        await wait_for_nodes(client, {"a1", "a2", "a3"})
+        made = await client.run_containers(ARGS, count=6)
+        on_a2 = [s for s in made if s.info.node == "a2"]
+        others = [s for s in made if s.info.node != "a2"]
+        assert on_a2 and others
+        await on_a2[0].write_file("/tmp/kept", "still here")
+        killed_at = time.monotonic()
+        world.kill("a2")
+        # Calls to its sandboxes fail with SandboxLost within seconds, never a hang.
+        with pytest.raises(SandboxLost):
+            async with asyncio.timeout(30):
+                while True:
+                    await on_a2[0].run_shell("true", timeout=5)
+                    await asyncio.sleep(0.1)
+        lost_after = time.monotonic() - killed_at
+        assert lost_after < 30
+        # New creates go to the surviving nodes; the others still answer.
+        fresh = [await client.run_container(ARGS) for _ in range(4)]
+        assert {s.info.node for s in fresh} <= {"a1", "a3"}
+        assert (await others[0].run_shell("echo ok")).stdout == "ok\n"
+        await wait_for_nodes(client, {"a1", "a3"})
+        # The node comes back under its name: its edge re-adopts what still runs there.
+        world.add("a2")
+        await wait_for_nodes(client, {"a1", "a2", "a3"})
+        result = await on_a2[0].run_shell("cat /tmp/kept")
+        assert (result.exit_code, result.stdout) == (0, "still here")
+        for s in made + fresh:
+            await s.stop()
+
+
+async def test_a_node_removed_mid_batch_leaves_all_or_none(world):
+    async with client_of(world) as client:
+        await wait_for_nodes(client, {"a1", "a2", "a3"})
+        batch = asyncio.create_task(client.run_containers(ARGS, count=24))
+        await asyncio.sleep(0.3)
+        world.kill("a3")
+        try:
+            made = await batch
+        except DSecError as exc:
+            made = None
+            assert "a3" in str(exc) or isinstance(exc, SandboxLost), exc
+        if made is not None:  # it completed, on the others
+            assert len(made) == 24
+            for s in made:
+                await s.stop()
+        # Nothing of a failed batch is left on the surviving nodes.
+        await asyncio.sleep(0.5)
+        assert [i.id for i in await client.list_sandboxes()] == []
+        # A node added (a new one, and a3 back): both take new work.
+        world.add("a4")
+        world.add("a3")
+        await wait_for_nodes(client, {"a1", "a2", "a3", "a4"})
+        spread = await client.run_containers(ARGS, count=12)
+        assert {"a4", "a3"} <= {s.info.node for s in spread}
+        for s in spread:
+            await s.stop()
+        # Sandboxes the failed batch made on a3 before it died were stopped when it came back.
+        deadline = time.monotonic() + 20
+        while (left := await client.list_sandboxes()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+        assert left == []
