@@ -169,6 +169,9 @@ def events(sandbox_id: Annotated[str, typer.Argument(help="Sandbox id.")]) -> No
     console.print(table)
 
 
+_LAYER_ATTACH = {"file": "file-backed", "loop": "on read-only loop devices"}
+
+
 @app.command()
 def info() -> None:
     """Show the nodes of the cluster and what they run."""
@@ -188,7 +191,7 @@ def info() -> None:
             f"({n.cpu_overcommit:g}×, weights) and {n.committed_memory_mb} of "
             f"{int(n.memory_total_mb * n.memory_overcommit)} MB ({n.memory_overcommit:g}×); {n.paused} paused; "
             f"swap {n.swap_total_mb} MB; SCHED_IDLE {'yes' if n.sched_idle else 'no'}; "
-            f"core scheduling {n.core_scheduling}")
+            f"core scheduling {n.core_scheduling}; layers {_LAYER_ATTACH.get(n.layer_attach, n.layer_attach)}")
 
 
 @app.command()
