@@ -238,6 +238,10 @@ def bench_lifecycle(
     crun_runs: Annotated[int, typer.Option(help="Measured bare crun lifecycles (all rounds).")] = 800,
     podman_runs: Annotated[int, typer.Option(help="Measured podman lifecycles (all rounds).")] = 96,
     podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
+    layer_attach: Annotated[str, typer.Option(help="DSEC_LAYER_ATTACH of the servers: auto, file or loop "
+                                              "(default: the environment's).")] = "",
+    compare_loop: Annotated[bool, typer.Option(help="Each throughput round also with layers on loop devices "
+                                               "(the path of kernels before 6.12).")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
     """Full sandbox lifecycle against podman run --rm and bare crun run (see docs/BENCHMARKS.md)."""
@@ -247,7 +251,7 @@ def bench_lifecycle(
         state_dir=state_dir, console=console, idle_count=idle_count, lifecycles=lifecycles, rounds=rounds,
         concurrency=concurrency,
         latency_rounds=latency_rounds, cold_rounds=cold_rounds, pool_max=pool_max, crun_runs=crun_runs,
-        podman_runs=podman_runs, podman=podman, strict=strict,
+        podman_runs=podman_runs, podman=podman, layer_attach=layer_attach, compare_loop=compare_loop, strict=strict,
     ))
 
 
