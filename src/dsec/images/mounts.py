@@ -20,7 +20,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
-from .. import _sys
+from .. import _sys, hostcheck
 from ..isolation import userns
 from . import loopdev
 from .compose import LayerMount
@@ -33,8 +33,6 @@ class LayerMounts:
     ``layers_dir``: the store's layer files, whose loop devices ``release_unused`` sweeps."""
 
     def __init__(self, mount_dir: Path, attach: str | None = None, layers_dir: Path | None = None) -> None:
-        from .. import hostcheck
-
         self.mount_dir = Path(mount_dir)
         self.mount_dir.mkdir(parents=True, exist_ok=True)
         self.attach = attach or hostcheck.layer_attach()
