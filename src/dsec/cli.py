@@ -181,6 +181,9 @@ def events(sandbox_id: Annotated[str, typer.Argument(help="Sandbox id.")]) -> No
     console.print(table)
 
 
+_LAYER_ATTACH = {"file": "file-backed", "loop": "on read-only loop devices"}
+
+
 @app.command()
 def info() -> None:
     """Show the nodes of the cluster and what they run."""
@@ -200,7 +203,7 @@ def info() -> None:
             f"({n.cpu_overcommit:g}×, weights) and {n.committed_memory_mb} of "
             f"{int(n.memory_total_mb * n.memory_overcommit)} MB ({n.memory_overcommit:g}×); {n.paused} paused; "
             f"swap {n.swap_total_mb} MB; SCHED_IDLE {'yes' if n.sched_idle else 'no'}; "
-            f"core scheduling {n.core_scheduling}")
+            f"core scheduling {n.core_scheduling}; layers {_LAYER_ATTACH.get(n.layer_attach, n.layer_attach)}")
 
 
 @app.command()
@@ -247,6 +250,10 @@ def bench_lifecycle(
     crun_runs: Annotated[int, typer.Option(help="Measured bare crun lifecycles (all rounds).")] = 800,
     podman_runs: Annotated[int, typer.Option(help="Measured podman lifecycles (all rounds).")] = 96,
     podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
+    layer_attach: Annotated[str, typer.Option(help="DSEC_LAYER_ATTACH of the servers: auto, file or loop "
+                                              "(default: the environment's).")] = "",
+    compare_loop: Annotated[bool, typer.Option(help="Each throughput round also with layers on loop devices "
+                                               "(the path of kernels before 6.12).")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
     """Full sandbox lifecycle against podman run --rm and bare crun run (see docs/BENCHMARKS.md)."""
@@ -256,7 +263,7 @@ def bench_lifecycle(
         state_dir=state_dir, console=console, idle_count=idle_count, lifecycles=lifecycles, rounds=rounds,
         concurrency=concurrency,
         latency_rounds=latency_rounds, cold_rounds=cold_rounds, pool_max=pool_max, crun_runs=crun_runs,
-        podman_runs=podman_runs, podman=podman, strict=strict,
+        podman_runs=podman_runs, podman=podman, layer_attach=layer_attach, compare_loop=compare_loop, strict=strict,
     ))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from .images import loopdev
 from .resources import cgroups
 
 
@@ -29,12 +30,14 @@ def free_port() -> int:
 
 @dataclass
 class LocalServer:
-    """``with LocalServer(state_dir) as server:`` starts ``dsec serve`` and stops it (SIGTERM)."""
+    """``with LocalServer(state_dir) as server:`` starts ``dsec serve`` and stops it (SIGTERM).
+    ``env``: variables set for the server on top of this process's environment."""
 
     state_dir: Path
     port: int = 0
     extra_args: tuple[str, ...] = ()
     start_timeout_s: float = 60.0
+    env: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         self.state_dir = Path(self.state_dir)
@@ -57,6 +60,7 @@ class LocalServer:
             [sys.executable, "-m", "dsec", "serve", "--state-dir", str(self.state_dir),
              "--port", str(self.port), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env} if self.env else None,
         )
         log.close()
         deadline = time.monotonic() + self.start_timeout_s
@@ -142,6 +146,9 @@ def _leftovers(state_dir: Path) -> list[str]:
             target = line.split()[4]
             if target.startswith(str(state_dir) + "/"):
                 found.append(f"mount {target}")
+    # Loop devices of layers (DSEC_LAYER_ATTACH=loop, or a kernel before 6.12) whose files are
+    # under the state dir: a store it only links to may be another's, and is not looked at.
+    found += [f"loop device /dev/{name} on {path}" for name, path in loopdev.backed_by(state_dir).items()]
     node = state_dir / "node"
     for sub in ("run", "layers", "records"):
         d = node / sub

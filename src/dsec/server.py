@@ -26,7 +26,7 @@ from libdsec import BackendError
 
 from .apiserver.app import Cluster, create_app
 from .apiserver.projects import ProjectStore
-from . import native
+from . import hostcheck, native
 from .backends.container import CRUN, ContainerBackend
 from .edge.edge import Edge, EdgeConfig
 from .images.builders import build_busybox
@@ -99,6 +99,7 @@ def prepare_host() -> list[str]:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if os.geteuid() != 0:
         raise BackendError("dsec serve runs as root (it mounts layers and makes cgroups)")
+    notes += hostcheck.check_host()  # EROFS, overlayfs, loop devices, user namespaces
     if cgroups.fix_hybrid_hugetlb():
         notes.append("hybrid cgroups: mounted hugetlb on a v1 hierarchy so crun can run")
     notes.append(f"cgroups {cgroups.version()}")

@@ -283,6 +283,8 @@ class NodeInfo(_Model):
     sched_idle: bool = False
     # "supported", or "unsupported: <why>" (e.g. a kernel built without CONFIG_SCHED_CORE).
     core_scheduling: str = "unknown"
+    # How container layers are attached: "file" (file-backed EROFS) or "loop" (loop devices).
+    layer_attach: str = "file"
     projects: dict[str, ProjectUsage] = Field(default_factory=dict)
 
 

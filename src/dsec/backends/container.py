@@ -460,7 +460,7 @@ class ContainerBackend:
         self.sandboxes_dir = self.run_dir / "sandboxes"
         for d in (self.crun_root, self.sandboxes_dir):
             d.mkdir(parents=True, exist_ok=True)
-        self.layer_mounts = layer_mounts or LayerMounts(self.node_dir / "layers")
+        self.layer_mounts = layer_mounts or LayerMounts(self.node_dir / "layers", layers_dir=store.layers_dir)
         self._seccomp = seccomp_profile()
         self._seccomp_json: str | None = None
         # The overlay plan of each live sandbox made here: paths, worked out once.
@@ -484,6 +484,16 @@ class ContainerBackend:
         # Root inside is not root outside: each sandbox gets a user namespace and a host uid
         # range of its own (see dsec.isolation.userns); DSEC_USERNS=0 turns it off.
         self.id_ranges = userns.IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
+
+    @property
+    def layer_attach(self) -> str:
+        """How this node attaches layers: ``"file"`` (file-backed EROFS) or ``"loop"``."""
+        return self.layer_mounts.attach
+
+    def describe(self) -> str:
+        """One line for ``dsec info``."""
+        how = "file-backed" if self.layer_attach == "file" else "on read-only loop devices"
+        return f"{self.kind}: crun, EROFS layers {how}"
 
     def _host_ids(self, handle: Handle, uid: int, gid: int) -> tuple[int, int]:
         """A sandbox's uid/gid as the host sees them (files written from the host)."""

@@ -23,6 +23,11 @@ What it measures, all on the ``busybox`` image and the same root filesystem (its
    and again from the drop when they are stopped. Peers: as many idle ``crun run --detach``
    containers, and 64 idle podman containers.
 
+Layers: the servers attach them as ``dsec serve`` would on this host (``DSEC_LAYER_ATTACH``,
+or ``layer_attach``: ``file``, ``loop``); with ``compare_loop`` every throughput round also runs
+a server whose layers are on loop devices (the path of kernels before 6.12), reported beside the
+first DSec figure as ``dsec_loop``, from the same stretches of the host's speed.
+
 The host may be busy with other work: every phase reports the share of the machine that work
 took. Everything runs against 127.0.0.1. The servers are stopped with SIGTERM; every sandbox,
 peer container, cgroup and mount is removed, and what is left (``dsec.local.leftovers`` and
@@ -86,6 +91,8 @@ class Options:
     idle_batch: int = 100          # sandboxes per run_containers call
     podman_idle: int = 64          # idle podman containers (also its create-latency sample)
     podman: bool = True            # measure podman at all
+    layer_attach: str = ""         # DSEC_LAYER_ATTACH for the servers ("": as the environment says)
+    compare_loop: bool = False     # each throughput round also on a server with layers on loop devices
     strict: bool = False           # exit 2 when a goal is missed
 
 
@@ -172,6 +179,9 @@ class Bench:
         self.r: dict[str, Any] = {"dsec": {}, "podman": {}, "crun": {}}
         # Throughput rounds so far, per system: each round's figures, merged into "throughput".
         self._rounds: dict[str, list[dict]] = {"dsec": [], "podman": [], "crun": []}
+        if opts.compare_loop:
+            self.r["dsec_loop"] = {}
+            self._rounds["dsec_loop"] = []
 
     def _round_done(self, system: str, figures: dict, raw: dict[str, list[float]]) -> None:
         """Record one throughput round of ``system`` and merge all its rounds so far into
@@ -221,14 +231,22 @@ class Bench:
         return t1 - t0, t2 - t1, t3 - t2
 
     async def dsec_throughput(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
+        await self._throughput(server, client, progress, "dsec")
+
+    async def dsec_loop_throughput(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
+        """``dsec_throughput`` on a server with its layers on loop devices (compare_loop)."""
+        await self._throughput(server, client, progress, "dsec_loop")
+
+    async def _throughput(self, server: LocalServer, client: DSecClient, progress: Progress, system: str) -> None:
         """One round: a warm-up on this (new) server, then lifecycles / rounds of them."""
         o = self.opts
-        task = progress.add_task(f"DSec warm-up: {o.warmup} lifecycles, {o.concurrency} in flight", total=o.warmup)
+        label = "DSec" if system == "dsec" else "DSec, layers on loop devices"
+        task = progress.add_task(f"{label} warm-up: {o.warmup} lifecycles, {o.concurrency} in flight", total=o.warmup)
         _, _, errors = await _workers(o.warmup, o.concurrency, lambda i: self._lifecycle(client), progress, task)
-        self.errors += [f"dsec warm-up: {e}" for e in errors]
+        self.errors += [f"{system} warm-up: {e}" for e in errors]
 
         count = _share(o.lifecycles, o.rounds)
-        task = progress.add_task(f"DSec: {count} lifecycles (create → echo hi → stop), {o.concurrency} in flight",
+        task = progress.add_task(f"{label}: {count} lifecycles (create → echo hi → stop), {o.concurrency} in flight",
                                  total=count)
         meter = host.Meter(server.proc.pid)
         srv0, me0 = host.process_cpu(server.proc.pid), host.self_cpu()
@@ -238,8 +256,8 @@ class Bench:
         cpu = meter.stop(done)
         srv = host.process_cpu(server.proc.pid)
         me = host.self_cpu() - me0
-        self.errors += [f"dsec lifecycle: {e}" for e in errors]
-        self._round_done("dsec", {
+        self.errors += [f"{system} lifecycle: {e}" for e in errors]
+        self._round_done(system, {
             "lifecycles": done, "failed": len(errors), "concurrency": o.concurrency, "seconds": elapsed,
             "lifecycles_per_s": done / elapsed if elapsed else 0.0, "cpu": cpu,
             "server_python_cpu_ms_per_lifecycle": (srv[0] - srv0[0]) / max(done, 1) * 1e3,
@@ -403,8 +421,9 @@ class Bench:
             self.notes.append(f"stopped {len(running)} sandboxes a failed phase left")
             await asyncio.gather(*(s.stop() for s in running), return_exceptions=True)
 
-    async def with_server(self, extra: tuple[str, ...], phases, progress: Progress) -> dict:
-        server = LocalServer(self.state_dir, extra_args=extra)
+    async def with_server(self, extra: tuple[str, ...], phases, progress: Progress,
+                          env: dict[str, str] | None = None) -> dict:
+        server = LocalServer(self.state_dir, extra_args=extra, env=env)
         await asyncio.to_thread(server.start)
         try:
             async with _client(server) as client:
@@ -418,7 +437,7 @@ class Bench:
         # uvicorn shuts down on SIGTERM and then re-raises it, so -15 is a clean exit.
         if rc not in (0, None, -signal.SIGTERM):
             self.errors.append(f"dsec serve {' '.join(extra)} exited {rc} on SIGTERM: {server.log_tail(800)}")
-        return {"args": list(extra), "exit_code": rc}
+        return {"args": list(extra), "env": env or {}, "exit_code": rc}
 
     async def phase(self, name: str, coro: Awaitable[None]) -> None:
         """Run one phase; an error ends that phase only (it is reported, the rest still run)."""
@@ -631,6 +650,11 @@ def _summarise(r: dict) -> tuple[dict, list[dict]]:
             v = _get(d, f"create_{kind}", "latency", q)
             ratios[f"create_{kind}_{q}_dsec_over_podman"] = _ratio(v, _get(p, "create", "latency", q))
             ratios[f"create_{kind}_{q}_dsec_over_crun"] = _ratio(v, _get(c, "create", "latency", q))
+    loop = r.get("dsec_loop", {})
+    if _get(loop, "throughput"):
+        ratios["throughput_loop_over_dsec"] = _ratio(_get(loop, "throughput", "lifecycles_per_s"), tput)
+        ratios["own_cpu_per_lifecycle_loop_over_dsec"] = _ratio(
+            _get(loop, "throughput", "cpu", "own_cpu_ms_per_op"), _get(d, "throughput", "cpu", "own_cpu_ms_per_op"))
     mem = _get(d, "idle", "host_mib_per_sandbox")
     ratios["idle_memory_dsec_over_podman"] = _ratio(mem, _get(p, "idle", "host_mib_per_container"))
     ratios["idle_memory_dsec_over_crun"] = _ratio(mem, _get(c, "idle", "host_mib_per_container"))
@@ -734,6 +758,10 @@ async def _run(bench: Bench, rig_args: tuple[Path, Path, str], progress: Progres
                 bench.r["dsec"]["servers"].append(await bench.with_server(
                     ("--pool-max", str(o.pool_max)), [bench.dsec_throughput] + ([bench.dsec_warm] if last else []),
                     progress))
+                if o.compare_loop:
+                    bench.r["dsec_loop"].setdefault("servers", []).append(await bench.with_server(
+                        ("--pool-max", str(o.pool_max)), [bench.dsec_loop_throughput], progress,
+                        env={"DSEC_LAYER_ATTACH": "loop"}))
             bench.r["dsec"]["servers"].append(
                 await bench.with_server(("--pool-max", "0"), [bench.dsec_cold, bench.dsec_idle], progress))
             await bench.phase("crun_create", bench.crun_create(rig, progress))
@@ -777,6 +805,12 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
     # serve.log) instead of downloading one.
     os.environ.setdefault("DSEC_VMS", "0")
     os.environ.setdefault("DSEC_GUEST_KERNEL_PACKAGE", "dsec-bench-lifecycle-no-guest-kernel")
+    if opts.layer_attach:
+        if opts.layer_attach not in ("auto", "file", "loop"):
+            console.print(f"[red]error:[/red] --layer-attach {opts.layer_attach!r}: use auto, file or loop")
+            return 1
+        os.environ["DSEC_LAYER_ATTACH"] = opts.layer_attach
+    machine["layer_attach"] = os.environ.get("DSEC_LAYER_ATTACH") or "auto"
     interrupted = False
     # The plain asyncio loop, as the server uses: it spawns the peers' crun and podman with
     # vfork, where uvloop would fork this whole process for each and slow the peers down.
@@ -826,6 +860,13 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
                       f"{warm.get('pool_at_round_start')} at the start of each round (waited "
                       f"{warm.get('pool_refill_wait_s')} s for refills); inside the edge, create p50/p99 "
                       f"{warm['server_side']['p50_ms']:.1f}/{warm['server_side']['p99_ms']:.1f} ms")
+    lt = _get(res, "dsec_loop", "throughput")
+    if lt and dt:
+        console.print(
+            f"layers on loop devices: {lt['lifecycles_per_s']:.1f} lifecycles/s "
+            f"({_fmt(res['ratios'].get('throughput_loop_over_dsec'), '.2f', '×')} the DSec figure above, same rounds), "
+            f"create p50 {lt['create']['p50_ms']:.1f} ms, CPU {lt['cpu']['own_cpu_ms_per_op']:.1f} ms per lifecycle "
+            f"({_fmt(res['ratios'].get('own_cpu_per_lifecycle_loop_over_dsec'), '.2f', '×')})")
     cold = _get(res, "dsec", "create_cold")
     if cold:
         console.print(f"no pool: inside the edge, create p50/p99 {cold['server_side']['p50_ms']:.1f}/"

@@ -737,6 +737,7 @@ class Edge:
             runtime="; ".join([b.describe() if hasattr(b, "describe") else k for k, b in self.backends.items()]
                               + (["fncall"] if self.fncalls is not None else [])),
             sandboxes=len(self._records), memory_total_mb=self._memory_total_mb, cpu_cores=self._cpu_cores,
+            layer_attach=getattr(self.backends.get("container"), "layer_attach", "file"),
             **self._commitments(),
         )
 

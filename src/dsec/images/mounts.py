@@ -1,9 +1,12 @@
 """Node-local, reference-counted mounts of EROFS layers.
 
-Each layer is mounted once per node, file-backed (no loop device) and read-only, and shared by
-every sandbox on the node. ``acquire`` mounts on first use; ``release`` unmounts when the last
-user lets go. ``adopt`` rebuilds the counts after an edge restart from the sandboxes that are
-still running; ``release_unused`` unmounts the rest. ``idmapped`` hands out idmapped clones of
+Each layer is mounted once per node, read-only, and shared by every sandbox on the node:
+file-backed where the kernel can (Linux 6.12), else through a read-only loop device of its own
+(``attach="loop"``, see dsec.images.loopdev and dsec.hostcheck), which the kernel detaches when
+the mount's last user is gone. ``acquire`` mounts on first use; ``release`` unmounts when the
+last user lets go. ``adopt`` rebuilds the counts after an edge restart from the sandboxes that
+are still running; ``release_unused`` unmounts the rest, and detaches any loop device still
+backed by a layer of the store that nothing holds (left by an earlier run). ``idmapped`` hands out idmapped clones of
 a layer mount for a sandbox id range (dsec.isolation.userns), made once per (layer, range),
 kept for the last ``CLONES_KEPT`` used, and closed with their layer's mount.
 """
@@ -17,17 +20,25 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
-from .. import _sys
+from .. import _sys, hostcheck
 from ..isolation import userns
+from . import loopdev
 from .compose import LayerMount
 
 CLONES_KEPT = 256
 
 
 class LayerMounts:
-    def __init__(self, mount_dir: Path) -> None:
+    """``attach``: ``"file"`` or ``"loop"`` (None: what dsec.hostcheck chose for this host);
+    ``layers_dir``: the store's layer files, whose loop devices ``release_unused`` sweeps."""
+
+    def __init__(self, mount_dir: Path, attach: str | None = None, layers_dir: Path | None = None) -> None:
         self.mount_dir = Path(mount_dir)
         self.mount_dir.mkdir(parents=True, exist_ok=True)
+        self.attach = attach or hostcheck.layer_attach()
+        if self.attach not in ("file", "loop"):
+            raise ValueError(f"layer attach must be file or loop, not {self.attach!r}")
+        self.layers_dir = layers_dir
         self._refs: Counter[str] = Counter()
         self._lock = threading.Lock()
         # (layer mount target, id range base) -> fd of its detached idmapped clone
@@ -63,16 +74,21 @@ class LayerMounts:
                 for layer in layers:
                     if self._refs[layer.digest] == 0 and not os.path.ismount(layer.target):
                         layer.target.mkdir(parents=True, exist_ok=True)
-                        _sys.mount(
-                            str(layer.source), str(layer.target), "erofs",
-                            _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID,
-                        )
+                        self._mount(layer)
                     self._refs[layer.digest] += 1
                     done.append(layer)
             except BaseException:
                 for layer in done:
                     self._release_locked(layer)
                 raise
+
+    def _mount(self, layer: LayerMount) -> None:
+        flags = _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID
+        if self.attach == "file":
+            _sys.mount(str(layer.source), str(layer.target), "erofs", flags)
+            return
+        with loopdev.attached(layer.source) as device:
+            _sys.mount(device, str(layer.target), "erofs", flags)
 
     def release(self, layers: tuple[LayerMount, ...]) -> None:
         with self._lock:
@@ -103,13 +119,17 @@ class LayerMounts:
             self.acquire(layers)
 
     def release_unused(self) -> list[str]:
-        """Unmount every layer mount under the mount dir that no sandbox holds."""
+        """Unmount every layer mount under the mount dir that no sandbox holds, and detach the
+        loop devices of the store's layers that nothing holds (whichever way this process
+        attaches: an earlier run may have used the other)."""
         removed = []
         with self._lock:
             for target in self.mount_dir.iterdir():
                 if target.name not in self._refs:
                     self._unmount(target)
                     removed.append(target.name)
+            if self.layers_dir is not None:
+                loopdev.detach_backed_by(self.layers_dir)
         return removed
 
     def mounted(self) -> dict[str, int]:
