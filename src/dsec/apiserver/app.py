@@ -199,8 +199,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
             batch_task.cancel()  # an unfinished batch undoes itself (all or none)
             await asyncio.gather(batch_task, return_exceptions=True)
             if state["complete"]:
-                await asyncio.gather(*(cluster.edge_for(sid).stop(sid, reason="batch abandoned by its client")
-                                       for sid in made), return_exceptions=True)
+                await cluster.stop_ids(made, "batch abandoned by its client")
 
         def give_up() -> None:
             if not state["delivered"] and not state["undone"]:

@@ -105,6 +105,10 @@ class Cluster:
         # Nodes that left the cluster (died, or stopped answering): node -> (since, why). Their
         # sandboxes answer SandboxLost until the node comes back (``add_edge``) and re-adopts them.
         self.lost: dict[str, tuple[float, str]] = {}
+        # Stops that could not reach a lost node (the sandboxes of a batch that failed with it):
+        # made when it comes back, as the batch's all-or-none rule owes them. Kept in memory only.
+        self._owed_stops: dict[str, set[str]] = {}
+        self._tasks: set[asyncio.Task] = set()
         self.projects = projects or ProjectStore()
         self.overcommit = overcommit or placement.Overcommit()
         self.k = k
@@ -141,6 +145,40 @@ class Cluster:
         self.edges[edge.node] = edge
         self.lost.pop(edge.node, None)
         self._infos = (float("-inf"), [])
+        owed = self._owed_stops.pop(edge.node, None)
+        if owed:
+            log.info("node %s is back: stopping the %d sandboxes of failed batches it held", edge.node, len(owed))
+            self._spawn(self._stop_owed(edge, owed))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _stop_owed(self, edge: EdgeAPI, owed: set[str]) -> None:
+        results = await asyncio.gather(*(edge.stop(sid, reason="batch create failed") for sid in owed),
+                                       return_exceptions=True)
+        again = {sid for sid, r in zip(owed, results) if isinstance(r, NodeUnreachable)}
+        if again:
+            self._owed_stops.setdefault(edge.node, set()).update(again)
+
+    async def stop_ids(self, sandbox_ids: list[str], reason: str) -> None:
+        """``stop_for_batch`` by ids (their nodes looked up; a lost node's are owed to it)."""
+        made = []
+        for sid in sandbox_ids:
+            node = node_of(sid)
+            if node in self.edges:
+                made.append((self.edges[node], sid))
+            elif node in self.lost:
+                self._owed_stops.setdefault(node, set()).add(sid)
+        await self.stop_for_batch(made, reason)
+
+    async def stop_for_batch(self, made: list[tuple[EdgeAPI, str]], reason: str) -> None:
+        """Stop what an unfinished batch made; a stop its node cannot take now is owed to it."""
+        results = await asyncio.gather(*(edge.stop(sid, reason=reason) for edge, sid in made), return_exceptions=True)
+        for (edge, sid), result in zip(made, results):
+            if isinstance(result, (NodeUnreachable, SandboxLost)):
+                self._owed_stops.setdefault(edge.node, set()).add(sid)
 
     def mark_lost(self, node: str, why: str) -> EdgeAPI | None:
         """A node left: its sandboxes are lost (and stop counting against quotas, which are
@@ -377,9 +415,7 @@ class Cluster:
                         kind, payload = queue.get_nowait()
                         if kind == "created":
                             made.append((payload[2], payload[1].id))
-                    await asyncio.gather(
-                        *(edge.stop(sid, reason="batch create failed") for edge, sid in made), return_exceptions=True
-                    )
+                    await self.stop_for_batch(made, "batch create failed")
 
     def _shares(self, nodes: list[str], count: int, view: list[placement.NodeLoad], offset: int = 0) -> list[_Share]:
         """Group a placement into one share per node. When it placed fewer than ``count``,

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import re
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,46 +77,65 @@ def _probe(address: str) -> None:
                            f"`ray start --address HEAD:6379 --resources '{{\"{RESOURCE}\": 1}}'`") from None
 
 
-class EdgeHost:
-    """A Ray actor holding one node's edge and its endpoint (made by ``RayNodes``).
+def _loopback(address: str) -> bool:
+    host = address.rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
-    ``start()`` builds the edge on the node's state dir (re-adopting what runs there), serves it
-    and returns its URL (a second call returns the same URL); ``stop()`` closes both, leaving
-    running sandboxes to be adopted by the next edge on that state dir."""
+
+class EdgeHost:
+    """A Ray actor holding one node's edge (made by ``RayNodes``): it runs the edge daemon
+    (``dsec.nodes.edged``) in a session of its own, which dies with the actor (a parent-death
+    signal) while the sandboxes it started outlive both (see edged's docstring).
+
+    ``start()`` starts the daemon on the node's state dir (it re-adopts what runs there) and
+    returns its URL and token (a second call returns the same); ``stop()`` ends the daemon,
+    leaving running sandboxes to be adopted by the next edge on that state dir."""
 
     def __init__(self, name: str, state_dir: str, store_dir: str, token: str, edge: dict,
                  fncall: dict | None) -> None:
         self.name, self.state_dir, self.store_dir = name, Path(state_dir), Path(store_dir)
         self.token, self.edge_overrides, self.fncall = token, edge, fncall
-        self._edge = None
-        self._server = None
+        self._proc: asyncio.subprocess.Process | None = None
         self._url = ""
 
     async def start(self) -> tuple[str, str]:
         """(URL, node token). The token is the one this actor was made with: an apiserver that
         finds the actor made by another (``get_if_exists``) learns it here (whoever reaches the
         Ray cluster is trusted with its nodes anyway)."""
-        if self._url:
+        if self._url and self._proc is not None and self._proc.returncode is None:
             return self._url, self.token
         import ray
 
-        from ..edge.server import NodeServer
-        from ..server import ServerConfig, build_node_edge
-
-        host = ray.util.get_node_ip_address()
-        config = ServerConfig(state_dir=self.state_dir, node=self.name, edge=self.edge_overrides, fncall=self.fncall)
-        self._edge = await build_node_edge(config, self.store_dir)
-        self._server = NodeServer(self._edge, self.token, host=host)
-        self._url = await self._server.start()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.state_dir / "edged.log"
+        config = json.dumps({"edge": self.edge_overrides, "fncall": self.fncall})
+        with open(log_path, "ab") as log_file:
+            self._proc = await asyncio.create_subprocess_exec(
+                "setpriv", "--pdeathsig", "KILL", "--", sys.executable, "-m", "dsec.nodes.edged",
+                "--state-dir", str(self.state_dir), "--node", self.name, "--store", str(self.store_dir),
+                "--host", ray.util.get_node_ip_address(), "--config", config,
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=log_file,
+                start_new_session=True)
+        self._proc.stdin.write(self.token.encode() + b"\n")
+        await self._proc.stdin.drain()
+        line = await self._proc.stdout.readline()
+        if not line:
+            await self._proc.wait()
+            tail = log_path.read_text(errors="replace")[-2000:]
+            raise BackendError(f"the edge of node {self.name} exited at start ({self._proc.returncode}): {tail}")
+        self._url = json.loads(line)["url"]
         log.info("edge %s serving at %s", self.name, self._url)
         return self._url, self.token
 
     async def stop(self) -> None:
-        server, edge, self._server, self._edge, self._url = self._server, self._edge, None, None, ""
-        if server is not None:
-            await server.close()
-        if edge is not None:
-            await edge.close()
+        proc, self._proc, self._url = self._proc, None, ""
+        if proc is not None and proc.returncode is None:
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 60)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
 
     async def ping(self) -> str:
         return self.name
@@ -160,6 +181,12 @@ class RayNodes:
         import ray
 
         _probe(self.address)
+        if _loopback(self.address):
+            # A cluster of this machine's loopback (tests, a one-machine trial): Ray would turn
+            # 127.0.0.1 into the machine's outward address, where its head does not listen.
+            from ray._private import ray_constants
+
+            ray_constants.ENABLE_RAY_CLUSTER = False
         try:
             ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
                      ignore_reinit_error=True)
