@@ -25,7 +25,7 @@ import uvicorn
 from libdsec import BackendError
 
 from .apiserver.app import Cluster, create_app
-from .apiserver.projects import ProjectStore
+from .apiserver.projects import open_project_store
 from . import native
 from .backends.container import CRUN, ContainerBackend
 from .edge.edge import Edge, EdgeConfig
@@ -169,7 +169,7 @@ def build_app(config: ServerConfig):
     token = load_or_create_token(config.state_dir)
     store = open_store(config.state_dir)
     edge = build_edge(config, store)
-    projects = ProjectStore(config.state_dir / "projects.db")
+    projects = open_project_store(config.state_dir / "projects.db")
     overcommit = Overcommit(cpu=edge.config.cpu_overcommit, memory=edge.config.memory_overcommit)
     cold = None
     if config.cold_memory:

@@ -16,3 +16,10 @@ def store(tmp_path):
     (root / "etc/passwd").write_text("root:x:0:0::/root:/bin/sh\n")
     store.put_image(Image(name="tiny", layers=(store.add_dir(root),), env={"PATH": "/bin"}))
     return store
+
+
+@pytest.fixture(params=["sqlite"])
+def project_db(request, tmp_path):
+    """Where a project store keeps its records, once per kind of store;
+    ``open_project_store(project_db)`` opens one (again) over it."""
+    return tmp_path / "projects.db"

@@ -32,7 +32,7 @@ from .. import placement
 from ..edge.api import EdgeAPI, node_of
 from ..images.store import LayerStore
 from .auth import Caller
-from .projects import ProjectStore
+from .projects import ProjectStore, open_project_store
 from .quota import RESOURCES, Amount, check_create
 
 log = logging.getLogger("dsec.apiserver.cluster")
@@ -105,7 +105,7 @@ class Cluster:
     ) -> None:
         self.edges = {e.node: e for e in edges}
         self.store = store
-        self.projects = projects or ProjectStore()
+        self.projects = projects or open_project_store()
         self.overcommit = overcommit or placement.Overcommit()
         self.k = k
         self.rng = rng or random.Random()
