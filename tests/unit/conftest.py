@@ -18,8 +18,10 @@ def store(tmp_path):
     return store
 
 
-@pytest.fixture(params=["sqlite"])
+@pytest.fixture(params=["sqlite", "postgresql"])
 def project_db(request, tmp_path):
-    """Where a project store keeps its records, once per kind of store;
-    ``open_project_store(project_db)`` opens one (again) over it."""
-    return tmp_path / "projects.db"
+    """Where a project store keeps its records, once per kind: a SQLite file, or a fresh
+    PostgreSQL database; ``open_project_store(project_db)`` opens one (again) over it."""
+    if request.param == "sqlite":
+        return tmp_path / "projects.db"
+    return request.getfixturevalue("postgres").new_database()

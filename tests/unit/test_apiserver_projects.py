@@ -1,6 +1,7 @@
 """The apiserver with projects, quotas and placement, over real edges on the fake backend, driven
 through the SDK in-process: tokens and what they see, quota errors that name the limit, project
-management rules, and creates spread over several nodes with retries when an edge refuses."""
+management rules (over each project store: SQLite and PostgreSQL), and creates spread over
+several nodes with retries when an edge refuses."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The project store against one suite for every kind: durable projects, quotas and hashed
-tokens; invariants checked on every change; a second store over the same database sees the
-first's changes; writers racing from two stores cannot break the tree."""
+"""The project stores, SQLite and PostgreSQL, against one suite: durable projects, quotas and
+hashed tokens; invariants checked on every change; a second store over the same database sees
+the first's changes; writers racing from two stores cannot break the tree."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import sqlite3
 import time
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from dsec.apiserver.projects import open_project_store, token_digest
 from dsec.apiserver.quota import check_tree
-from libdsec import InvalidRequest, LimitOutOfRange, ProjectNotFound, QuotaExceeded
+from libdsec import BackendError, InvalidRequest, LimitOutOfRange, ProjectNotFound, QuotaExceeded
 from libdsec._projects import ProjectQuota
 
 
@@ -31,8 +32,18 @@ async def eventually(check, within_s: float = 3.0):
         await asyncio.sleep(0.01)
 
 
-async def stored_digests(where: Path) -> list[str]:
-    return [row[0] for row in sqlite3.connect(where).execute("SELECT sha256 FROM tokens")]
+async def sql(url: str, query: str, *args):
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetch(query, *args)
+    finally:
+        await conn.close()
+
+
+async def stored_digests(where) -> list[str]:
+    if isinstance(where, Path):
+        return [row[0] for row in sqlite3.connect(where).execute("SELECT sha256 FROM tokens")]
+    return [row[0] for row in await sql(where, "SELECT sha256 FROM tokens")]
 
 
 async def test_root_always_exists_and_survives_reopening(project_db):
@@ -170,6 +181,35 @@ async def test_racing_writers_cannot_break_the_tree(project_db):
             assert made[0] + made[1] == len(tree.children["team"]) <= tree.projects["team"].cap("sandboxes") <= 10
 
 
+async def test_a_change_made_without_a_notification_shows_within_recheck_s(postgres):
+    url = postgres.new_database()
+    with open_project_store(url) as s:
+        s.recheck_s = 0.1
+        await sql(url, "INSERT INTO projects (name, parent, sandboxes) VALUES ('quiet', 'root', 3)")
+        await sql(url, "UPDATE projects_version SET version = version + 1")  # no NOTIFY
+        await eventually(lambda: "quiet" in s.tree())
+        assert s.get("quiet").cap("sandboxes") == 3
+
+
+async def test_a_store_follows_the_database_again_after_losing_its_connections(postgres):
+    url = postgres.new_database()
+    with open_project_store(url) as writer, open_project_store(url) as reader:
+        await writer.create("before", "root")
+        await eventually(lambda: "before" in reader.tree())
+        await sql(url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                       "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        assert "before" in reader.tree()  # meanwhile: what it read last
+        deadline = time.monotonic() + 10
+        while True:  # writes fail until the pool has a connection again
+            try:
+                await writer.create("after", "root")
+                break
+            except BackendError:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.1)
+        await eventually(lambda: "after" in reader.tree(), within_s=10)
+
+
 def test_close_twice_and_use_after_close(project_db):
     s = open_project_store(project_db)
     s.close()
@@ -183,6 +223,21 @@ def test_which_store_a_url_opens(tmp_path):
 
     with open_project_store(f"sqlite://{tmp_path}/p.db") as s:
         assert isinstance(s, SQLiteProjectStore) and s.path == f"{tmp_path}/p.db"
-    for bad in ("mysql://h/db", "postgresql://h/db", "sqlite://relative.db", "projects.db"):
+    for bad in ("mysql://h/db", "postgresql//h/db", "sqlite://relative.db", "projects.db"):
         with pytest.raises(InvalidRequest, match="not a project database URL"):
             open_project_store(bad)
+
+
+@pytest.mark.parametrize("url, error", [
+    ("postgresql://u@127.0.0.1:notaport/db", "malformed PostgreSQL URL"),
+    ("postgresql://u:secret@127.0.0.1:{free}/db", "cannot open the project database postgresql://u:\\*\\*\\*@"),
+])
+def test_a_bad_postgresql_url_fails_at_open_naming_it(url, error):
+    from dsec.local import free_port
+    from libdsec import DSecError
+
+    started = time.monotonic()
+    with pytest.raises(DSecError, match=error) as info:
+        open_project_store(url.format(free=free_port()))
+    assert "secret" not in str(info.value)
+    assert time.monotonic() - started < 5

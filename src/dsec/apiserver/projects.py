@@ -1,7 +1,9 @@
 """Durable projects, quotas and tokens: the ``ProjectStore`` interface, the rules every store
 checks, and ``open_project_store`` to pick one.
 
-The store: an embedded SQLite file (``projects_sqlite``, the default of ``dsec serve``). The ``root`` project always exists. Tokens are kept as SHA-256 digests only; a new
+Two stores: an embedded SQLite file (``projects_sqlite``, the default of ``dsec serve``) and
+PostgreSQL (``projects_pg``, ``dsec serve --db postgresql://…``), which several apiservers
+share. The ``root`` project always exists. Tokens are kept as SHA-256 digests only; a new
 token is shown once, when it is made. Who may change what is the apiserver's business.
 """
 
@@ -71,19 +73,23 @@ class ProjectStore(Protocol):
 
 
 def open_project_store(where: Path | str = ":memory:") -> ProjectStore:
-    """The store at ``where``: a ``sqlite:///PATH`` URL, or the ``Path``
+    """The store at ``where``: a ``postgresql://`` URL, a ``sqlite:///PATH`` URL, or the ``Path``
     of a SQLite file (``":memory:"``: a database of this process alone)."""
     if isinstance(where, Path) or where == ":memory:":
         from .projects_sqlite import SQLiteProjectStore
 
         return SQLiteProjectStore(where)
     scheme = urlsplit(where).scheme if "://" in where else ""
+    if scheme in ("postgresql", "postgres"):
+        from .projects_pg import PostgresProjectStore
+
+        return PostgresProjectStore(where)
     if scheme == "sqlite" and where.startswith("sqlite:///") and len(where) > len("sqlite:///"):
         from .projects_sqlite import SQLiteProjectStore
 
         return SQLiteProjectStore(where[len("sqlite://"):])
     raise InvalidRequest(
-        f"not a project database URL: {where!r} (sqlite:///PATH)"
+        f"not a project database URL: {where!r} (postgresql://USER@HOST:PORT/DATABASE or sqlite:///PATH)"
     )
 
 
