@@ -40,6 +40,9 @@ def serve(
     cold_memory_interval_s: Annotated[float, typer.Option(help="Seconds between cold-memory passes.")] = 30.0,
     fncall_workers: Annotated[int, typer.Option(help="Warm fncall workers per image in use (0: one per core).")] = 0,
     fncall_max: Annotated[int, typer.Option(help="Most fncall workers on this node (0: no fncall).")] = 64,
+    db: Annotated[Optional[str], typer.Option(
+        help="Projects, quotas and tokens in PostgreSQL (postgresql://USER@HOST:PORT/DB), shared by several "
+             "apiservers; default: projects.db in the state dir.")] = None,
 ) -> None:
     """Run the apiserver and an edge for this machine in one process."""
     from .server import ServerConfig
@@ -56,7 +59,7 @@ def serve(
     try:
         fncall = {"workers_min": fncall_workers, "workers_max": fncall_max} if fncall_max > 0 else None
         run_server(ServerConfig(state_dir=state_dir, host=host, port=port, node=node, edge=edge, cold_memory=cold,
-                                fncall=fncall))
+                                fncall=fncall, db=db))
     except DSecError as exc:
         fail(exc)
 

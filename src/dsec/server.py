@@ -1,7 +1,8 @@
 """``dsec serve``: apiserver and one edge in one process, state under one directory.
 
 State dir layout: ``token`` (the root project's API token, made on first start),
-``projects.db`` (projects, quotas and the other tokens), ``store/`` (layers and image
+``projects.db`` (projects, quotas and the other tokens, unless ``--db`` names a PostgreSQL
+database that several apiservers share), ``store/`` (layers and image
 manifests; may be shared between nodes) and ``node/`` (this node's mounts, sandboxes, records).
 """
 
@@ -53,6 +54,8 @@ class ServerConfig:
     fncall: dict | None = field(default_factory=dict)  # FnCallConfig overrides; None: no fncall pool
     # ColdMemoryReclaimer settings (idle_s, interval_s, fraction); empty: no cold-memory reclaim.
     cold_memory: dict = field(default_factory=dict)
+    # Projects, quotas and tokens: a postgresql:// URL; None: projects.db in the state dir.
+    db: str | None = None
 
 
 def load_or_create_token(state_dir: Path) -> str:
@@ -163,13 +166,14 @@ async def reset_node(state_dir: Path) -> int:
 
 def build_app(config: ServerConfig):
     config.state_dir.mkdir(parents=True, exist_ok=True)
+    # First: a --db that cannot be reached ends the start here, before anything else is set up.
+    projects = open_project_store(config.db or config.state_dir / "projects.db")
     for note in prepare_host():
         log.info(note)
     lock_node(config.state_dir)  # kept open (and locked) until the process exits
     token = load_or_create_token(config.state_dir)
     store = open_store(config.state_dir)
     edge = build_edge(config, store)
-    projects = open_project_store(config.state_dir / "projects.db")
     overcommit = Overcommit(cpu=edge.config.cpu_overcommit, memory=edge.config.memory_overcommit)
     cold = None
     if config.cold_memory:
