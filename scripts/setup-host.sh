@@ -5,7 +5,8 @@ set -euo pipefail
 PACKAGES=(crun gcc libc6-dev erofs-utils busybox-static debootstrap podman uidmap
           iproute2 nftables python3 python3-venv python3-pip psmisc ca-certificates
           qemu-system-x86 qemu-utils e2fsprogs bubblewrap
-          gcc libc6-dev libseccomp2)  # dsec-jail is compiled on first use; its seccomp program made with libseccomp
+          gcc libc6-dev libseccomp2  # dsec-jail is compiled on first use; its seccomp program made with libseccomp
+          postgresql)  # initdb and postgres: the tests run a server of their own for `dsec serve --db`
 
 if [ "$(id -u)" != 0 ]; then
     echo "setup-host: run as root (DSec mounts layers and makes cgroups)" >&2

@@ -152,3 +152,17 @@ async def client(server):
 
     async with DSecClient(server.endpoint, token=server.token) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server of the test run's own (``postgres_server``), stopped and removed at
+    the end; ``postgres.new_database()`` is the URL of a fresh database on it."""
+    from postgres_server import PostgresServer, find_postgres
+
+    bin_dir = find_postgres()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL is not installed (no initdb): scripts/setup-host.sh installs it")
+    server = PostgresServer(bin_dir).start()
+    yield server
+    server.stop()

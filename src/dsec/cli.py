@@ -49,6 +49,9 @@ def serve(
         help="On Ray: each node keeps its state in DIR/NAME on its own disk (default STATE_DIR/nodes).")] = None,
     store_dir: Annotated[Optional[Path], typer.Option(
         help="On Ray: the layer store every node reads, on a shared filesystem (default STATE_DIR/store).")] = None,
+    db: Annotated[Optional[str], typer.Option(
+        help="Projects, quotas and tokens in PostgreSQL (postgresql://USER@HOST:PORT/DB), shared by several "
+             "apiservers; default: projects.db in the state dir.")] = None,
 ) -> None:
     """Run the apiserver and an edge for this machine in one process (or the apiserver of a cluster)."""
     from .server import ServerConfig
@@ -68,7 +71,7 @@ def serve(
             fail(ValueError("--ray and --nodes-file: one or the other"))
         run_server(ServerConfig(state_dir=state_dir, host=host, port=port, node=node, edge=edge, cold_memory=cold,
                                 fncall=fncall, ray=ray, nodes_file=nodes_file, node_state_dir=node_state_dir,
-                                store_dir=store_dir))
+                                store_dir=store_dir, db=db))
     except DSecError as exc:
         fail(exc)
 

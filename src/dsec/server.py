@@ -1,7 +1,8 @@
 """``dsec serve``: apiserver and one edge in one process, state under one directory.
 
 State dir layout: ``token`` (the root project's API token, made on first start),
-``projects.db`` (projects, quotas and the other tokens), ``store/`` (layers and image
+``projects.db`` (projects, quotas and the other tokens, unless ``--db`` names a PostgreSQL
+database that several apiservers share), ``store/`` (layers and image
 manifests; may be shared between nodes) and ``node/`` (this node's mounts, sandboxes, records).
 """
 
@@ -25,7 +26,7 @@ import uvicorn
 from libdsec import BackendError
 
 from .apiserver.app import Cluster, create_app
-from .apiserver.projects import ProjectStore
+from .apiserver.projects import open_project_store
 from . import hostcheck, native
 from .backends.container import CRUN, ContainerBackend
 from .edge.edge import Edge, EdgeConfig
@@ -61,6 +62,8 @@ class ServerConfig:
     # layer store at store_dir (a shared filesystem on a real cluster; docs/CLUSTER.md).
     node_state_dir: Path | None = None
     store_dir: Path | None = None
+    # Projects, quotas and tokens: a postgresql:// URL; None: projects.db in the state dir.
+    db: str | None = None
 
 
 def load_or_create_token(state_dir: Path) -> str:
@@ -192,7 +195,7 @@ def build_cluster_app(config: ServerConfig):
 
     config.state_dir.mkdir(parents=True, exist_ok=True)
     token = load_or_create_token(config.state_dir)
-    projects = ProjectStore(config.state_dir / "projects.db")
+    projects = open_project_store(config.db or config.state_dir / "projects.db")
     if config.ray is not None:
         from .nodes.ray import RayNodes
 
@@ -222,13 +225,14 @@ def build_cluster_app(config: ServerConfig):
 
 def build_app(config: ServerConfig):
     config.state_dir.mkdir(parents=True, exist_ok=True)
+    # First: a --db that cannot be reached ends the start here, before anything else is set up.
+    projects = open_project_store(config.db or config.state_dir / "projects.db")
     for note in prepare_host():
         log.info(note)
     lock_node(config.state_dir)  # kept open (and locked) until the process exits
     token = load_or_create_token(config.state_dir)
     store = open_store(config.state_dir)
     edge = build_edge(config, store)
-    projects = ProjectStore(config.state_dir / "projects.db")
     overcommit = Overcommit(cpu=edge.config.cpu_overcommit, memory=edge.config.memory_overcommit)
     cold = None
     if config.cold_memory:

@@ -28,7 +28,7 @@ from ._errors import (
     error_from_wire,
 )
 from ._projects import _ProjectMethods
-from ._wire import Answer, WireClient, WireError
+from ._wire import Answer, CannotConnect, ConnectionBroken, WireClient, WireError
 from .protocol import NetworkRulesRequest, SecurityEvent, SecurityEventList
 from .protocol import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
 from .protocol import (
@@ -58,6 +58,9 @@ DEFAULT_STATE_DIR = "/var/lib/dsec"
 # Slack added to a command's own timeout for the HTTP round trip.
 _HTTP_SLACK_S = 30.0
 _POOL_SHARDS = 8  # connection pools a client takes turns over (see DSecClient.open)
+# Requests that may go to another endpoint after they may have reached a server: the
+# idempotent methods (RFC 9110), reads and stop among them; never a create or an exec (POST).
+_REPEATABLE = frozenset({"GET", "HEAD", "PUT", "DELETE"})
 
 
 @functools.cache
@@ -204,6 +207,13 @@ class DSecClient(_ProjectMethods):
 
     ``endpoint`` defaults to DSEC_ENDPOINT or http://127.0.0.1:8765; ``token`` to DSEC_TOKEN or
     the local state dir's token file.
+
+    Several apiservers of one cluster: ``endpoint="http://a:8765,http://b:8765"``. Requests go
+    to one (``self.endpoint``, the first to begin with); when it cannot be reached (connection
+    refused, reset or closed, not an error answer) a request moves on to the next one, and the
+    client stays there. A request that may already have reached the server (the connection
+    broke after it was sent) moves on only when it is safe to repeat (GET, PUT, DELETE: reads,
+    writing a file, stop); a create or an exec then fails with ``ServerUnavailable``.
     """
 
     def __init__(
@@ -215,7 +225,8 @@ class DSecClient(_ProjectMethods):
         transport: httpx.AsyncBaseTransport | None = None,
         max_connections: int = 256,
     ) -> None:
-        self.endpoint = (endpoint or os.environ.get("DSEC_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+        self.endpoints = _split_endpoints(endpoint or os.environ.get("DSEC_ENDPOINT") or DEFAULT_ENDPOINT)
+        self.endpoint = self.endpoints[0]  # the one in use
         self._token = token
         self._timeout = timeout
         self._transport = transport
@@ -223,25 +234,33 @@ class DSecClient(_ProjectMethods):
         self._http: list[httpx.AsyncClient] | None = None
         self._wire: WireClient | None = None
         self._turn = 0
+        # By endpoint: its lean client (plain http://, no custom transport) and httpx pools.
+        self._routes: dict[str, tuple[WireClient | None, list[httpx.AsyncClient]]] = {}
 
     async def open(self) -> DSecClient:
         if self._http is not None:
             return self
         token = self._token or default_token()
         headers = {"authorization": f"Bearer {token}"} if token else {}
-        if self._transport is None and self.endpoint.startswith("http://"):
+        self._routes = {endpoint: self._route(endpoint, headers) for endpoint in self.endpoints}
+        self._wire, self._http = self._routes[self.endpoint]
+        return self
+
+    def _route(self, endpoint: str, headers: dict[str, str]) -> tuple[WireClient | None, list[httpx.AsyncClient]]:
+        wire = None
+        if self._transport is None and endpoint.startswith("http://"):
             # Plain requests take the lean client (libdsec/_wire.py: httpx costs the client
             # more CPU than the server spends answering); httpx keeps the streamed answers.
-            self._wire = WireClient(self.endpoint, headers, self._max_connections)
+            wire = WireClient(endpoint, headers, self._max_connections, check_idle=len(self.endpoints) > 1)
         # Requests take turns over a few connection pools: httpcore's pool looks at every
         # connection (a poll(2) for each idle one) and every queued request each time one is
         # sent or done, so its cost per request grows with the connections in flight; with
         # 64 in flight one pool cost the client more CPU than the request itself.
-        shards = 1 if self._transport is not None or self._wire is not None else min(_POOL_SHARDS, self._max_connections)
+        shards = 1 if self._transport is not None or wire is not None else min(_POOL_SHARDS, self._max_connections)
         per_shard = -(-self._max_connections // shards)
-        self._http = [
+        http = [
             httpx.AsyncClient(
-                base_url=self.endpoint,
+                base_url=endpoint,
                 headers=headers,
                 timeout=self._timeout,
                 transport=self._transport,
@@ -250,14 +269,14 @@ class DSecClient(_ProjectMethods):
             )
             for _ in range(shards)
         ]
-        return self
+        return wire, http
 
     async def close(self) -> None:
-        if self._wire is not None:
-            wire, self._wire = self._wire, None
-            await wire.aclose()
-        if self._http is not None:
-            pools, self._http = self._http, None
+        routes, self._routes = self._routes, {}
+        self._wire = self._http = None
+        for wire, pools in routes.values():
+            if wire is not None:
+                await wire.aclose()
             await asyncio.gather(*(http.aclose() for http in pools))
 
     async def __aenter__(self) -> DSecClient:
@@ -388,59 +407,97 @@ class DSecClient(_ProjectMethods):
         timeout: float | None = None,
         raw: bool = False,
     ) -> Any:
-        if self._wire is not None:
-            return await self._request_wire(method, path, model, params, content, timeout, raw)
-        http = self._client()
-        kwargs: dict[str, Any] = {"params": params}
-        if model is not None:
-            kwargs["content"] = model.model_dump_json()
-            kwargs["headers"] = {"content-type": "application/json"}
-        elif content is not None:
-            kwargs["content"] = content
-            kwargs["headers"] = {"content-type": "application/octet-stream"}
-        if timeout is not None:
-            kwargs["timeout"] = timeout
-        try:
-            response = await http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc!r}") from exc
-        return _body(response, raw)
-
-    async def _request_wire(
-        self, method: str, path: str, model: BaseModel | None, params: dict[str, str] | None,
-        content: bytes | None, timeout: float | None, raw: bool,
-    ) -> Any:
-        assert self._wire is not None
         body, content_type = content, "application/octet-stream"
         if model is not None:
             body, content_type = model.model_dump_json().encode(), "application/json"
-        try:
-            answer = await self._wire.request(method, path, params=params, body=body, content_type=content_type,
-                                              timeout=self._timeout if timeout is None else timeout)
-        except WireError as exc:
-            raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc}") from exc
-        return _body(answer, raw)
+        tried: list[str] | None = None
+        while True:
+            endpoint, wire = self.endpoint, self._wire
+            try:
+                if wire is not None:
+                    answer: Answer | httpx.Response = await wire.request(
+                        method, path, params=params, body=body, content_type=content_type,
+                        timeout=self._timeout if timeout is None else timeout)
+                else:
+                    answer = await self._request_httpx(method, path, params, body, content_type, timeout)
+            except (WireError, httpx.TransportError) as exc:
+                tried = [] if tried is None else tried
+                if not self._fail_over(endpoint, method, exc, tried):
+                    raise _unavailable(tried, endpoint, exc) from exc
+                continue
+            return _body(answer, raw)
+
+    async def _request_httpx(
+        self, method: str, path: str, params: dict[str, str] | None, body: bytes | None, content_type: str,
+        timeout: float | None,
+    ) -> httpx.Response:
+        http = self._client()
+        kwargs: dict[str, Any] = {"params": params}
+        if body is not None:
+            kwargs["content"] = body
+            kwargs["headers"] = {"content-type": content_type}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        return await http.request(method, path, **kwargs)
 
     async def _stream(
         self, method: str, path: str, model: BaseModel, timeout: float | None
     ) -> Any:
-        http = self._client()
-        try:
-            async with http.stream(
-                method,
-                path,
-                content=model.model_dump_json(),
-                headers={"content-type": "application/json"},
-                timeout=timeout if timeout is not None else self._timeout,
-            ) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise _error_of(response)
-                async for line in response.aiter_lines():
-                    if line.strip():
-                        yield BatchEvent.model_validate_json(line)
-        except httpx.TransportError as exc:
-            raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc!r}") from exc
+        tried: list[str] = []
+        while True:
+            endpoint, http = self.endpoint, self._client()
+            try:
+                async with http.stream(
+                    method,
+                    path,
+                    content=model.model_dump_json(),
+                    headers={"content-type": "application/json"},
+                    timeout=timeout if timeout is not None else self._timeout,
+                ) as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        raise _error_of(response)
+                    async for line in response.aiter_lines():
+                        if line.strip():
+                            yield BatchEvent.model_validate_json(line)
+                return
+            except httpx.TransportError as exc:
+                if not self._fail_over(endpoint, method, exc, tried):
+                    raise _unavailable(tried, endpoint, exc) from exc
+
+    def _fail_over(self, failed: str, method: str, exc: Exception, tried: list[str]) -> bool:
+        """After ``exc`` at ``failed``: whether to send the request again, to ``self.endpoint``
+        (moved on to the next endpoint this request has not tried, unless another request
+        moved on first). Only when the request cannot have reached a server, or is safe to repeat."""
+        if len(self._routes) < 2:
+            return False
+        never_left = isinstance(exc, (CannotConnect, httpx.ConnectError))
+        broken = isinstance(exc, (ConnectionBroken, httpx.NetworkError, httpx.RemoteProtocolError))
+        if not (never_left or (broken and method in _REPEATABLE)):
+            return False
+        tried.append(failed)
+        if self.endpoint not in tried:
+            return True
+        at = self.endpoints.index(failed)
+        for endpoint in (*self.endpoints[at + 1:], *self.endpoints[:at]):
+            if endpoint not in tried:
+                self.endpoint = endpoint
+                self._wire, self._http = self._routes[endpoint]
+                return True
+        return False
+
+
+def _split_endpoints(endpoints: str) -> tuple[str, ...]:
+    """``"http://a:1,http://b:2"`` → each endpoint, without a trailing slash."""
+    split = tuple(dict.fromkeys(e.strip().rstrip("/") for e in endpoints.split(",") if e.strip()))
+    if not split:
+        raise InvalidRequest(f"no DSec endpoint in {endpoints!r}")
+    return split
+
+
+def _unavailable(tried: list[str], endpoint: str, exc: Exception) -> ServerUnavailable:
+    where = ", ".join(dict.fromkeys([*tried, endpoint]))
+    return ServerUnavailable(f"cannot reach DSec at {where}: {exc if isinstance(exc, WireError) else repr(exc)}")
 
 
 def _body(response: httpx.Response | Answer, raw: bool) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import select
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +37,16 @@ _VALUE = re.compile(r"[\t -~]*")
 
 
 class WireError(Exception):
-    """The server could not be reached, or broke off the exchange."""
+    """The server could not be reached, broke off the exchange, or did not answer in time."""
+
+
+class CannotConnect(WireError):
+    """No connection could be made: the request never left."""
+
+
+class ConnectionBroken(WireError):
+    """The connection closed or broke before the whole answer came: the request may have
+    reached the server."""
 
 
 @dataclass(slots=True)
@@ -64,6 +74,13 @@ class _Connection:
         return (now - self.idle_since < IDLE_EXPIRY_S and not self.reader.at_eof()
                 and not self.writer.is_closing())
 
+    def peer_closed(self) -> bool:
+        """Whether the kernel holds something to read on this idle connection (the server's
+        end of it, which the event loop may not have seen yet): one poll(2)."""
+        poller = select.poll()
+        poller.register(self.writer.get_extra_info("socket").fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+
     def close(self) -> None:
         self.writer.close()
 
@@ -89,9 +106,16 @@ class _Reading:
 
 
 class WireClient:
-    """Requests to one ``http://host:port`` with at most ``max_connections`` open at once."""
+    """Requests to one ``http://host:port`` with at most ``max_connections`` open at once.
 
-    def __init__(self, endpoint: str, headers: dict[str, str], max_connections: int) -> None:
+    ``check_idle``: before an idle connection is used again, ask the kernel whether the server
+    closed it (one poll(2) a request). Then a request sent on it that gets no answer was read
+    by a server that went away, so it may have reached it, and the failure says so
+    (``ConnectionBroken``, not ``CannotConnect``): for a client that would send it to another
+    server."""
+
+    def __init__(self, endpoint: str, headers: dict[str, str], max_connections: int, *,
+                 check_idle: bool = False) -> None:
         url = urlsplit(endpoint)
         if url.scheme != "http" or not url.hostname:
             raise ValueError(f"not a plain http endpoint: {endpoint!r}")
@@ -107,6 +131,7 @@ class WireClient:
         self._idle: list[_Connection] = []
         self._slots = asyncio.Semaphore(max_connections)
         self._closed = False
+        self._check_idle = check_idle
 
     async def request(
         self,
@@ -136,26 +161,29 @@ class WireClient:
 
     async def _exchange(self, request: bytes) -> Answer:
         conn = self._take()
+        sent = False
         if conn is not None:
             try:
                 return await self._send(conn, request)
             except _NoAnswer:
-                # The server closed the idle connection as the request left: it never read it.
-                pass
+                # The server closed the idle connection as the request left: it never read it
+                # (with check_idle, one closed before was not taken: this one went away after).
+                sent = self._check_idle
         try:
             reader, writer = await asyncio.open_connection(self._host, self._port)
         except OSError as exc:
-            raise WireError(f"cannot connect to {self._host}:{self._port}: {exc}") from exc
+            failure = ConnectionBroken if sent else CannotConnect
+            raise failure(f"cannot connect to {self._host}:{self._port}: {exc}") from exc
         try:
             return await self._send(_Connection(reader, writer), request)
         except _NoAnswer as exc:
-            raise WireError(str(exc)) from None
+            raise ConnectionBroken(str(exc)) from None
 
     def _take(self) -> _Connection | None:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()
-            if conn.usable(now):
+            if conn.usable(now) and not (self._check_idle and conn.peer_closed()):
                 return conn
             conn.close()
         return None
@@ -171,14 +199,15 @@ class WireClient:
                 if not chunk:
                     if not answered:
                         raise _NoAnswer("the server closed the connection without answering")
-                    raise WireError("the server broke off its answer: it closed the connection")
+                    raise ConnectionBroken("the server broke off its answer: it closed the connection")
                 answered = True
                 parser.feed_data(chunk)
         except (OSError, httptools.HttpParserError) as exc:
             conn.close()
             if not answered:
                 raise _NoAnswer(f"the server closed the connection: {exc!r}") from exc
-            raise WireError(f"the server broke off its answer: {exc!r}") from exc
+            failure = ConnectionBroken if isinstance(exc, OSError) else WireError
+            raise failure(f"the server broke off its answer: {exc!r}") from exc
         except BaseException:  # cancelled or timed out mid-exchange, or closed: the connection is spent
             conn.close()
             raise
@@ -201,5 +230,5 @@ class WireClient:
                 pass
 
 
-class _NoAnswer(WireError):
+class _NoAnswer(ConnectionBroken):
     """Nothing of an answer arrived: the request may be sent again on a new connection."""

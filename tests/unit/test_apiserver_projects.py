@@ -1,6 +1,7 @@
 """The apiserver with projects, quotas and placement, over real edges on the fake backend, driven
 through the SDK in-process: tokens and what they see, quota errors that name the limit, project
-management rules, and creates spread over several nodes with retries when an edge refuses."""
+management rules (over each project store: SQLite and PostgreSQL), and creates spread over
+several nodes with retries when an edge refuses."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 import libdsec
 from dsec.apiserver.app import Cluster, create_app
-from dsec.apiserver.projects import ProjectStore
+from dsec.apiserver.projects import open_project_store
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
 from libdsec import (
@@ -40,9 +41,9 @@ async def start_edges(tmp_path, store, names, **config):
 
 
 @pytest.fixture
-async def world(tmp_path, store):
+async def world(tmp_path, store, project_db):
     edges = await start_edges(tmp_path, store, ["n0"])
-    projects = ProjectStore(tmp_path / "projects.db")
+    projects = open_project_store(project_db)
     cluster = Cluster(edges, projects=projects, rng=random.Random(0))
     app = create_app(cluster, ROOT_TOKEN)
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
@@ -195,7 +196,7 @@ async def test_creates_spread_over_nodes_and_retry_when_an_edge_refuses(tmp_path
         return info.model_copy(update={"max_sandboxes": 4096})
 
     edges[0].node_info = stale_info
-    projects = ProjectStore()
+    projects = open_project_store()
     cluster = Cluster(edges, projects=projects, rng=random.Random(3))
     transport = httpx.ASGITransport(app=create_app(cluster, ROOT_TOKEN), raise_app_exceptions=False)
     try:

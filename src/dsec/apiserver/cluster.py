@@ -31,7 +31,7 @@ from libdsec.protocol import DSecContainerRunArgs, NodeInfo, SandboxInfo
 from .. import placement
 from ..edge.api import EdgeAPI, NodeUnreachable, node_of
 from .auth import Caller
-from .projects import ProjectStore
+from .projects import ProjectStore, open_project_store
 from .quota import RESOURCES, Amount, check_create
 
 log = logging.getLogger("dsec.apiserver.cluster")
@@ -109,7 +109,7 @@ class Cluster:
         # made when it comes back, as the batch's all-or-none rule owes them. Kept in memory only.
         self._owed_stops: dict[str, set[str]] = {}
         self._tasks: set[asyncio.Task] = set()
-        self.projects = projects or ProjectStore()
+        self.projects = projects or open_project_store()
         self.overcommit = overcommit or placement.Overcommit()
         self.k = k
         self.rng = rng or random.Random()

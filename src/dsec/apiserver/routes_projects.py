@@ -68,13 +68,13 @@ def add_project_routes(app: FastAPI, cluster: Cluster, authenticated, errors: di
     async def create_project(request: ProjectCreateRequest, caller: Caller = Depends(authenticated)) -> ProjectInfo:
         parent = request.parent or caller.project
         caller.check_sees(projects, parent)
-        projects.create(request.name, parent, request.quota)
+        await projects.create(request.name, parent, request.quota)
         return (await describe(cluster, [request.name]))[0]
 
     @app.put("/v1/projects/{name}/quota", responses=errors)
     async def set_quota(name: str, quota: ProjectQuota, caller: Caller = Depends(authenticated)) -> ProjectInfo:
         _strictly_below(cluster, caller, name, "set the quota of")
-        projects.set_quota(name, quota)
+        await projects.set_quota(name, quota)
         return (await describe(cluster, [name]))[0]
 
     @app.delete("/v1/projects/{name}", responses=errors)
@@ -83,10 +83,10 @@ def add_project_routes(app: FastAPI, cluster: Cluster, authenticated, errors: di
         held = (await cluster.usage()).get(name, Amount())
         if any(held.get(r) for r in RESOURCES):
             raise InvalidRequest(f"project {name!r} still has {int(held.sandboxes)} sandboxes: stop them first")
-        projects.remove(name)
+        await projects.remove(name)
         return {"removed": name}
 
     @app.post("/v1/projects/{name}/tokens", responses=errors)
     async def new_token(name: str, caller: Caller = Depends(authenticated)) -> ProjectToken:
         caller.check_sees(projects, name)
-        return ProjectToken(project=name, token=projects.new_token(name))
+        return ProjectToken(project=name, token=await projects.new_token(name))

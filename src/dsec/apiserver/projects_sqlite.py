@@ -1,0 +1,173 @@
+"""The embedded project store: one SQLite file (stdlib ``sqlite3``), the default of ``dsec serve``.
+
+A ``ProjectStore`` (see ``projects``). Each write holds the database's write lock (``BEGIN
+IMMEDIATE``) while it reads the tree, checks it and changes it, so writers in several processes
+cannot break the tree between them; readers elsewhere see a change within ``recheck_s`` (WAL).
+Writes run on the caller's thread: they take a local file a fraction of a millisecond.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from libdsec._projects import ROOT_PROJECT, ProjectQuota
+
+from .projects import check_removal, make_token, plan_create, plan_set_quota, project_in, token_digest
+from .quota import Project, Tree
+
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS projects (
+    name TEXT PRIMARY KEY,
+    parent TEXT REFERENCES projects(name),
+    sandboxes INTEGER,
+    cpu_cores REAL,
+    memory_mb INTEGER,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tokens (
+    sha256 TEXT PRIMARY KEY,
+    project TEXT NOT NULL REFERENCES projects(name) ON DELETE CASCADE,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tokens_by_project ON tokens(project);
+"""
+
+
+def _read_tree(db: sqlite3.Connection) -> Tree:
+    rows = db.execute("SELECT name, parent, sandboxes, cpu_cores, memory_mb FROM projects").fetchall()
+    return Tree(Project(name=n, parent=p, caps={"sandboxes": s, "cpu_cores": c, "memory_mb": m})
+                for n, p, s, c, m in rows)
+
+
+class SQLiteProjectStore:
+    # How long the tree read last is trusted before asking whether another process changed it.
+    recheck_s = 0.5
+
+    def __init__(self, path: Path | str = ":memory:") -> None:
+        self.path = str(path)
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=10)
+        self._lock = threading.Lock()
+        self._db.execute("PRAGMA foreign_keys = ON")
+        if self.path != ":memory:":
+            self._db.execute("PRAGMA journal_mode = WAL")
+            self._db.execute("PRAGMA synchronous = NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._db.execute(
+            "INSERT OR IGNORE INTO projects (name, parent, created_at) VALUES (?, NULL, ?)", (ROOT_PROJECT, time.time())
+        )
+        self._tree: Tree | None = None
+        self._version: int | None = None
+        self._checked_at = float("-inf")
+
+    def close(self) -> None:
+        if self._db is not None:
+            db, self._db = self._db, None
+            db.close()
+
+    def __enter__(self) -> SQLiteProjectStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise RuntimeError("the project store is closed")
+        return self._db
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def tree(self) -> Tree:
+        """The whole tree, re-read only when the database changed. Our own writes show at once;
+        another process's within ``recheck_s`` (asking SQLite whether the file changed takes
+        three system calls, and every create asks for the tree)."""
+        with self._lock:
+            now = time.monotonic()
+            if self._tree is not None and now - self._checked_at < self.recheck_s:
+                return self._tree
+            db = self._conn()
+            version = db.execute("PRAGMA data_version").fetchone()[0]
+            self._checked_at = now
+            if self._tree is None or version != self._version:
+                self._tree = _read_tree(db)
+                self._version = version
+            return self._tree
+
+    def get(self, name: str) -> Project:
+        return project_in(self.tree(), name)
+
+    def project_of_token(self, token: str) -> str | None:
+        with self._lock:
+            row = self._conn().execute("SELECT project FROM tokens WHERE sha256 = ?", (token_digest(token),)).fetchone()
+        return row[0] if row else None
+
+    def token_count(self, name: str) -> int:
+        with self._lock:
+            return self._conn().execute("SELECT count(*) FROM tokens WHERE project = ?", (name,)).fetchone()[0]
+
+    # -- changing --------------------------------------------------------------------------
+
+    def _write(self, change: Callable[[sqlite3.Connection, Tree], T]) -> T:
+        """``change(db, tree)`` in one transaction holding the write lock, ``tree`` as it is in
+        the file (not the one cached: another process may have changed it)."""
+        with self._lock:
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                result = change(db, _read_tree(db))
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            finally:
+                self._tree = None  # our own writes do not move data_version
+        return result
+
+    async def create(self, name: str, parent: str, quota: ProjectQuota = ProjectQuota()) -> Project:
+        def change(db: sqlite3.Connection, tree: Tree) -> Project:
+            project = plan_create(tree, name, parent, quota)
+            db.execute(
+                "INSERT INTO projects (name, parent, sandboxes, cpu_cores, memory_mb, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (name, parent, quota.sandboxes, quota.cpu_cores, quota.memory_mb, time.time()),
+            )
+            return project
+
+        return self._write(change)
+
+    async def set_quota(self, name: str, quota: ProjectQuota) -> Project:
+        def change(db: sqlite3.Connection, tree: Tree) -> Project:
+            project = plan_set_quota(tree, name, quota)
+            db.execute(
+                "UPDATE projects SET sandboxes = ?, cpu_cores = ?, memory_mb = ? WHERE name = ?",
+                (quota.sandboxes, quota.cpu_cores, quota.memory_mb, name),
+            )
+            return project
+
+        return self._write(change)
+
+    async def remove(self, name: str) -> None:
+        """Remove a project without children; its tokens go with it."""
+        def change(db: sqlite3.Connection, tree: Tree) -> None:
+            check_removal(tree, name)
+            db.execute("DELETE FROM projects WHERE name = ?", (name,))
+
+        self._write(change)
+
+    async def new_token(self, name: str) -> str:
+        """A new token for ``name``; only its digest is stored."""
+        token = make_token()
+
+        def change(db: sqlite3.Connection, tree: Tree) -> None:
+            project_in(tree, name)
+            db.execute("INSERT INTO tokens (sha256, project, created_at) VALUES (?, ?, ?)",
+                       (token_digest(token), name, time.time()))
+
+        self._write(change)
+        return token
