@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, DSecError
-from .cli_common import DEFAULT_STATE, StateDir, console, fail, run_sdk
+from .cli_common import DEFAULT_STATE, StateDir, console, err_console, fail, run_sdk
 
 from .cli_resources import register as register_resource_commands
 
@@ -105,6 +105,37 @@ def run(
         sys.stdout.write(result.stdout)
         sys.stderr.write(result.stderr)
         return result.exit_code
+
+    raise typer.Exit(run_sdk(go()))
+
+
+@app.command()
+def create(
+    image: Annotated[str, typer.Argument(help="Image name (or ref: base+workspace+toolkit).")],
+    count: Annotated[int, typer.Option("--count", "-n", help="How many sandboxes, in one request.")] = 1,
+    memory: Annotated[int, typer.Option("--memory", "-m", help="Memory limit in MB.")] = 512,
+    cpus: Annotated[float, typer.Option("--cpus", help="CPU cores limit.")] = 1.0,
+    ttl: Annotated[float, typer.Option(help="Stop a sandbox after this many seconds without a call.")] = 1800.0,
+    user: Annotated[str, typer.Option("--user", "-u", help="User to run as.")] = "root",
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the whole batch.")] = 3600.0,
+) -> None:
+    """Create sandboxes and leave them running: one batch request (all or none), spread over the
+    cluster's nodes, with a progress bar; prints their ids, one a line."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    args = DSecContainerRunArgs(container_image=image, memory_limit_mb=memory, cpu_cores_limit=cpus,
+                                ttl_running_stop=ttl, init_user=user)
+
+    async def go() -> int:
+        async with DSecClient() as client:
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          console=err_console, transient=True) as progress:
+                bar = progress.add_task(f"creating {count} from {image!r}", total=count)
+                sandboxes = await client.run_containers(
+                    args, count=count, timeout=timeout, progress=lambda done, _: progress.update(bar, completed=done))
+        for s in sandboxes:
+            print(s.id)
+        return 0
 
     raise typer.Exit(run_sdk(go()))
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from dsec.local import LocalServer, leftovers
-from libdsec import DSecClient, DSecContainerRunArgs, DSecError, SandboxLost
+from libdsec import DSecClient, DSecContainerRunArgs, DSecError, DSecFnCallArgs, QuotaExceeded, SandboxLost
+from libdsec import SandboxStatus
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.cluster]
 
@@ -34,7 +35,7 @@ class RayWorld:
             "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
         })
         self.nodes = {}
-        self.server: LocalServer | None = None
+        self.servers: list[LocalServer] = []
 
     def add(self, name: str):
         self.nodes[name] = self.cluster.add_node(resources={"dsec_edge": 1}, labels={"dsec-node": name}, **NODE_ARGS)
@@ -43,19 +44,24 @@ class RayWorld:
     def kill(self, name: str) -> None:
         self.cluster.remove_node(self.nodes.pop(name), allow_graceful=False)
 
-    def serve(self) -> LocalServer:
-        self.server = LocalServer(self.base / "api", extra_args=(
+    def serve(self, name: str = "api", db: str | None = None) -> LocalServer:
+        server = LocalServer(self.base / name, extra_args=(
             "--ray", self.cluster.address, "--node-state-dir", str(self.base / "nodes"),
-            "--store-dir", str(self.store), "--fncall-max", "0", "--pool-max", "4"),
-            start_timeout_s=120).start()
-        return self.server
+            "--store-dir", str(self.store), "--fncall-max", "2", "--fncall-workers", "1", "--pool-max", "4",
+            *(("--db", db) if db else ())), start_timeout_s=120).start()
+        self.servers.append(server)
+        return server
+
+    @property
+    def server(self) -> LocalServer:
+        return self.servers[0]
 
     def node_dirs(self) -> list[Path]:
         return sorted(p for p in (self.base / "nodes").iterdir() if p.is_dir()) if (self.base / "nodes").is_dir() else []
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, test_store):
+def world(tmp_path_factory, test_store, python_image, postgres):
     base = tmp_path_factory.mktemp("ray")
     os.environ.update({"RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(base / "ray"), "DSEC_VMS": "0",
                        "RAY_USAGE_STATS_ENABLED": "0"})
@@ -64,12 +70,14 @@ def world(tmp_path_factory, test_store):
     try:
         for name in ("a1", "a2", "a3"):
             world.add(name)
-        world.serve()
+        world.db = postgres.new_database()
+        world.serve(db=world.db)
         yield world
     finally:
-        if world.server is not None:
+        if world.servers:
             _stop_everything(world.server)
-            world.server.stop()
+        for server in world.servers:
+            server.stop()
         world.cluster.shutdown()
         # Sandboxes of killed nodes outlive their edges (as after a crash): reset each node.
         from dsec.server import reset_node
@@ -92,10 +100,11 @@ def _stop_everything(server: LocalServer) -> None:
     asyncio.run(stop_all())
 
 
-async def wait_for_nodes(client: DSecClient, names: set[str], within_s: float = 60) -> None:
+async def wait_for_nodes(client: DSecClient, names: set[str], within_s: float = 60, exact: bool = False) -> None:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if {n.node for n in await client.node_info()} == names:
+        found = {n.node for n in await client.node_info()}
+        if found == names or (not exact and names <= found):
             return
         await asyncio.sleep(0.25)
     raise AssertionError(f"nodes {sorted(n.node for n in await client.node_info())}, expected {sorted(names)}")
@@ -147,7 +156,7 @@ async def test_a_killed_node_is_lost_then_comes_back_with_its_sandboxes(world):
         fresh = [await client.run_container(ARGS) for _ in range(4)]
         assert {s.info.node for s in fresh} <= {"a1", "a3"}
         assert (await others[0].run_shell("echo ok")).stdout == "ok\n"
-        await wait_for_nodes(client, {"a1", "a3"})
+        await wait_for_nodes(client, {"a1", "a3"}, exact=True)
         # The node comes back under its name: its edge re-adopts what still runs there.
         world.add("a2")
         await wait_for_nodes(client, {"a1", "a2", "a3"})
@@ -197,3 +206,58 @@ async def test_a_node_removed_mid_batch_leaves_all_or_none(world):
         while (left := await client.list_sandboxes()) and time.monotonic() < deadline:
             await asyncio.sleep(0.25)
         assert left == []
+
+
+async def test_every_feature_works_across_nodes(world):
+    """An image packed on one node starts on every node (one shared store); pause, network
+    rules, security events, quotas and FnCall through the apiserver, whichever node serves."""
+    async with client_of(world) as client:
+        await wait_for_nodes(client, {"a1", "a2", "a3"})
+        first = await client.run_container(ARGS)
+        await first.write_file("/root/made-on", first.info.node)
+        snap = await first.pack_diff()
+        branches = await client.run_containers(DSecContainerRunArgs(container_image=snap.image, memory_limit_mb=32,
+                                                                    cpu_cores_limit=0.1), count=6)
+        assert len({b.info.node for b in branches}) >= 2
+        for b in branches:
+            assert (await b.read_file("/root/made-on")).decode() == first.info.node
+        paused = await branches[0].pause()
+        assert paused.sandbox.status is SandboxStatus.paused
+        assert (await branches[0].run_shell("echo awake")).stdout == "awake\n"  # a call resumes it
+        await branches[1].set_network_rules({})
+        assert await branches[1].security_events() == []
+        result = await client.fncall(DSecFnCallArgs(code="print(6 * 7)"))
+        assert (result.exit_code, result.stdout) == (0, "42\n")
+        # Quotas count what every node holds.
+        await client.create_project("team", sandboxes=2)
+        token = await client.create_project_token("team")
+        async with DSecClient(world.server.endpoint, token=token) as team:
+            held = [await team.run_container(ARGS), await team.run_container(ARGS)]
+            with pytest.raises(QuotaExceeded):
+                await team.run_container(ARGS)
+            for s in held:
+                await s.stop()
+        await client.remove_project("team")
+        for s in [first, *branches]:
+            await s.stop()
+        await client.remove_image(snap.image)
+
+
+async def test_two_apiservers_serve_one_cluster(world):
+    """A second apiserver over the same Ray cluster and PostgreSQL: the same nodes (the edges are
+    detached actors it finds by name), the same sandboxes, the same projects and tokens."""
+    second = world.serve("api2", db=world.db)
+    async with client_of(world) as one, DSecClient(second.endpoint, token=second.token) as root2:
+        await wait_for_nodes(one, {"a1", "a2", "a3"})
+        await one.create_project("pair")
+        token = await one.create_project_token("pair")
+        async with DSecClient(second.endpoint, token=token) as two:
+            await wait_for_nodes(root2, {"a1", "a2", "a3"})
+            made = await two.run_containers(ARGS, count=3)
+            seen = await (await one.get_sandbox(made[0].id)).refresh()
+            assert seen.project == "pair"
+            for s in made:
+                await s.stop()
+        await one.remove_project("pair")
+    second.stop()
+    world.servers.remove(second)
