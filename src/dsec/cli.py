@@ -301,6 +301,19 @@ def bench_lifecycle(
     ))
 
 
+@bench_app.command("cluster-ray")
+def bench_cluster_ray(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark (removed at the end).")] = Path("/var/lib/dsec-bench-ray"),
+    lifecycles: Annotated[int, typer.Option(help="Measured lifecycles per side (all rounds).")] = 400,
+    rounds: Annotated[int, typer.Option(help="Rounds, embedded and Ray in turn.")] = 2,
+    concurrency: Annotated[int, typer.Option(help="Lifecycles (and creates under the node kill) in flight.")] = 16,
+) -> None:
+    """Real crun containers on 3 Ray nodes of this machine vs embedded, and a node killed under load."""
+    from .bench.ray_nodes import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir, console, lifecycles=lifecycles, rounds=rounds, concurrency=concurrency))
+
+
 @bench_app.command("microvm")
 def bench_microvm(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's VMs.")] = Path("/var/lib/dsec-bench-vm"),

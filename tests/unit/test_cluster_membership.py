@@ -1,0 +1,117 @@
+"""The apiserver's cluster as nodes come and go (over in-process edges on the fake backend):
+ids of nodes it never had, lost nodes (``SandboxLost``, out of quotas and placement), a node that
+does not answer a create, and a node coming back with the stops a failed batch owes it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import pytest
+
+from dsec.apiserver.app import Cluster, create_app
+from dsec.apiserver.projects import open_project_store
+from dsec.backends.fake import FakeBackend
+from dsec.edge.api import NodeUnreachable
+from dsec.edge.edge import Edge, EdgeConfig
+from libdsec import DSecClient, DSecContainerRunArgs, QuotaExceeded, SandboxLost, SandboxNotFound
+
+TOKEN = "root-token"
+
+
+def args(**kw) -> DSecContainerRunArgs:
+    return DSecContainerRunArgs(container_image="tiny", **{"memory_limit_mb": 64, **kw})
+
+
+class Unreachable:
+    """An edge whose node does not answer (every call raises NodeUnreachable)."""
+
+    def __init__(self, edge: Edge) -> None:
+        self.node, self._edge = edge.node, edge
+
+    def __getattr__(self, name):
+        async def fail(*a, **kw):
+            raise NodeUnreachable(f"node {self.node} did not answer {name}")
+        if name == "create_batch":
+            async def gen(*a, **kw):
+                raise NodeUnreachable(f"node {self.node} did not answer a batch")
+                yield
+            return gen
+        return fail
+
+
+@pytest.fixture
+async def world(tmp_path, store):
+    edges = []
+    for name in ("n0", "n1", "n2"):
+        edge = Edge(EdgeConfig(node_dir=tmp_path / name, node=name, pool_min=0, pool_max=0), FakeBackend(), store)
+        await edge.start()
+        edges.append(edge)
+    projects = open_project_store()
+    cluster = Cluster(edges, projects=projects, rng=random.Random(5))
+    transport = httpx.ASGITransport(app=create_app(cluster, TOKEN), raise_app_exceptions=False)
+    client = DSecClient("http://api", token=TOKEN, transport=transport)
+    await client.open()
+    yield client, cluster, {e.node: e for e in edges}
+    await client.close()
+    for edge in edges:
+        await edge.close()
+    projects.close()
+
+
+async def test_an_id_of_a_node_never_in_the_cluster(world):
+    client, _, _ = world
+    with pytest.raises(SandboxNotFound, match="node 'zz' is not in this cluster"):
+        await client.get_sandbox("zz-0123456789abcdef")
+
+
+async def test_a_lost_node_answers_sandbox_lost_and_leaves_quotas_and_placement(world):
+    client, cluster, edges = world
+    await client.create_project("team", sandboxes=4)
+    token = await client.create_project_token("team")
+    transport = cluster_transport(cluster)
+    async with DSecClient("http://api", token=token, transport=transport) as team:
+        made = [await team.run_container(args()) for _ in range(4)]
+        with pytest.raises(QuotaExceeded):
+            await team.run_container(args())
+        victim = made[0].info.node
+        on_victim = [s for s in made if s.info.node == victim]
+        cluster.mark_lost(victim, "its Ray node died")
+        with pytest.raises(SandboxLost, match=f"its node {victim} left the cluster"):
+            await on_victim[0].run_shell("echo hi")
+        assert {i.node for i in await client.list_sandboxes()} <= set(edges) - {victim}
+        # Its sandboxes hold no quota any more, and new ones go to the other nodes.
+        again = [await team.run_container(args()) for _ in range(len(on_victim))]
+        assert victim not in {s.info.node for s in again}
+        # It comes back with its sandboxes.
+        cluster.add_edge(edges[victim])
+        assert (await on_victim[0].run_shell("echo back")).stdout == "back\n"
+
+
+def cluster_transport(cluster: Cluster) -> httpx.ASGITransport:
+    return httpx.ASGITransport(app=create_app(cluster, TOKEN), raise_app_exceptions=False)
+
+
+async def test_a_create_skips_a_node_that_does_not_answer(world):
+    client, cluster, edges = world
+    cluster.edges["n1"] = Unreachable(edges["n1"])
+    nodes = {(await client.run_container(args())).info.node for _ in range(20)}
+    assert nodes <= {"n0", "n2"} and nodes
+
+
+async def test_a_batch_failing_with_a_lost_node_is_stopped_there_when_it_returns(world):
+    client, cluster, edges = world
+    made = await client.run_containers(args(), count=6)
+    victim = made[0].info.node
+    ids = [s.id for s in made if s.info.node == victim]
+    cluster.mark_lost(victim, "test")
+    await cluster.stop_ids([s.id for s in made], "batch create failed")
+    assert len(await edges[victim].list()) == len(ids)  # could not be reached: owed
+    cluster.add_edge(edges[victim])
+    for _ in range(100):
+        if not await edges[victim].list():
+            break
+        await asyncio.sleep(0.01)
+    assert await edges[victim].list() == []
+    assert await client.list_sandboxes() == []
