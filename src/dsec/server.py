@@ -165,6 +165,12 @@ async def reset_node(state_dir: Path) -> int:
                                cgroup_parent=cgroups.parent_for(state_dir))
     count = sum(1 for _ in backend.sandboxes_dir.iterdir())
     await backend.recover([])
+    if (node_dir / "vms").is_dir():  # the VMs of a node that ran them (their QEMUs, dirs, cgroups)
+        from .backends.vm import vm_backends
+
+        for vms in vm_backends(node_dir, backend.store, Path(state_dir) / "vm"):
+            count += sum(1 for d in vms.vms_dir.iterdir() if not d.name.startswith("."))
+            await vms.recover([])
     records = backend.run_dir / "records"
     if records.is_dir():
         shutil.rmtree(records)

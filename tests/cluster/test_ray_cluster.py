@@ -261,3 +261,26 @@ async def test_two_apiservers_serve_one_cluster(world):
         await one.remove_project("pair")
     second.stop()
     world.servers.remove(second)
+
+
+async def test_vms_on_a_node_that_serves_them(world):
+    """A node whose edge has the VM backends (this one) takes the microVMs and full VMs; the
+    others, containers only, are never asked for one."""
+    from libdsec import DSecFullVMRunArgs, DSecMicroVMRunArgs
+
+    os.environ["DSEC_VMS"] = "1"
+    try:
+        world.add("v1")  # its raylet, and so its edge, sees DSEC_VMS=1
+    finally:
+        os.environ["DSEC_VMS"] = "0"
+    async with client_of(world) as client:
+        await wait_for_nodes(client, {"v1"}, within_s=120)
+        vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=192),
+                                      timeout=180)
+        async with vm:
+            assert (vm.info.node, vm.info.kind.value) == ("v1", "microvm")
+            assert (await vm.run_shell("echo in a vm")).stdout == "in a vm\n"
+        full = await client.run_vm(DSecFullVMRunArgs(container_image="busybox"), timeout=240)
+        async with full:
+            assert (full.info.node, full.info.kind.value) == ("v1", "fullvm")
+            assert (await full.run_shell("echo x")).stdout == "x\n"
