@@ -3,6 +3,7 @@ nothing is left behind afterwards."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -95,6 +96,24 @@ class LocalServer:
             return self.log_path.read_text()[-n:]
         except OSError:
             return ""
+
+    def stop_sandboxes(self) -> None:
+        """Stop every sandbox the server lists (those it cannot stop are left; the caller's
+        leftovers check sees them)."""
+        from libdsec import DSecClient, DSecError
+
+        async def stop_all() -> None:
+            async with DSecClient(self.endpoint, token=self.token) as client:
+                for info in await client.list_sandboxes():
+                    try:
+                        await (await client.get_sandbox(info.id)).stop()
+                    except DSecError:
+                        pass
+
+        try:
+            asyncio.run(stop_all())
+        except (DSecError, OSError):
+            pass
 
     def __enter__(self) -> LocalServer:
         return self.start()

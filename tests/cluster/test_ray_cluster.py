@@ -75,7 +75,7 @@ def world(tmp_path_factory, test_store, python_image, postgres):
         yield world
     finally:
         if world.servers:
-            _stop_everything(world.server)
+            world.server.stop_sandboxes()
         for server in world.servers:
             server.stop()
         world.cluster.shutdown()
@@ -86,18 +86,6 @@ def world(tmp_path_factory, test_store, python_image, postgres):
             asyncio.run(reset_node(node_dir))
         left = [x for d in world.node_dirs() for x in leftovers(d)]
         assert not left, f"left behind: {left}"
-
-
-def _stop_everything(server: LocalServer) -> None:
-    async def stop_all():
-        async with DSecClient(server.endpoint, token=server.token) as client:
-            for info in await client.list_sandboxes():
-                try:
-                    await (await client.get_sandbox(info.id)).stop()
-                except DSecError:
-                    pass
-
-    asyncio.run(stop_all())
 
 
 async def wait_for_nodes(client: DSecClient, names: set[str], within_s: float = 60, exact: bool = False) -> None:

@@ -49,6 +49,72 @@ class _Ray:
         self.cluster.remove_node(self.nodes.pop(name), allow_graceful=False)
 
 
+class _Answerer:
+    """A Ray actor answering what a node answers a ``get``: a sandbox's report."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    async def get(self, sandbox_id: str) -> bytes:
+        return self.payload
+
+
+async def _data_path(server: LocalServer, calls: int, in_flight: int) -> dict:
+    """The same call (a sandbox's report) to a node by a Ray actor call and by the node's own
+    endpoint (``RemoteEdge.get``), ``in_flight`` at a time: calls/s and the caller's CPU a call."""
+    import resource
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from libdsec.protocol import SandboxInfo
+
+    from ..edge.remote import RemoteEdge
+    from ..nodes.ray import NAMESPACE
+
+    async with DSecClient(server.endpoint, token=server.token) as client:
+        sandbox = await client.run_container(ARGS)
+        info = await sandbox.refresh()
+        host = ray.get_actor(f"dsec-edge-{info.node}", namespace=NAMESPACE)
+        url, token = await host.start.remote()
+        node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and (n.get("Labels") or {}).get("dsec-node") == info.node)
+        answerer = ray.remote(_Answerer).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node_id, soft=False)).remote(info.model_dump_json().encode())
+        edge = RemoteEdge(info.node, url, token)
+
+        async def by_actor() -> None:
+            SandboxInfo.model_validate_json(await answerer.get.remote(info.id))
+
+        async def by_endpoint() -> None:
+            await edge.get(info.id)
+
+        out = {}
+        for name, call in (("actor", by_actor), ("endpoint", by_endpoint)) * 2:
+            for _ in range(50):
+                await call()
+            left = calls
+            cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+            start = time.perf_counter()
+
+            async def worker() -> None:
+                nonlocal left
+                while left > 0:
+                    left -= 1
+                    await call()
+
+            await asyncio.gather(*(worker() for _ in range(in_flight)))
+            wall = time.perf_counter() - start
+            cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu = (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+            best = out.get(name)
+            if best is None or calls / wall > best[0]:
+                out[name] = (calls / wall, cpu / calls * 1000)
+        await edge.close()
+        ray.kill(answerer)
+        await sandbox.stop()
+        return out
+
+
 async def _lifecycles(server: LocalServer, count: int, concurrency: int) -> float:
     async with DSecClient(server.endpoint, token=server.token) as client:
         left = count
@@ -152,11 +218,18 @@ def main(state_dir: Path, console: Console, lifecycles: int = 300, rounds: int =
                 console.print(f"round {r + 1}: {name} {rate:.1f} lifecycles/s")
         result["embedded"] = max(rates["embedded"])
         result["ray"] = max(rates["ray"])
+        import ray as ray_module
+
+        from ..nodes.ray import join
+
+        join(ray.cluster.address)
+        result["data_path"] = asyncio.run(_data_path(clustered, 2000, 64))
+        ray_module.shutdown()
         console.print("[bold]killing node b3 under load[/]")
         result.update(asyncio.run(_node_loss(clustered, ray, "b3", concurrency)))
     finally:
         for server in reversed(servers):
-            _stop_all(server)
+            server.stop_sandboxes()
             server.stop()
         if ray is not None:
             ray.cluster.shutdown()
@@ -176,6 +249,9 @@ def main(state_dir: Path, console: Console, lifecycles: int = 300, rounds: int =
                   _met(lost is not None and lost <= 5))
     table.add_row("longest stretch of failing creates", f"{result['create_outage_s']:.2f} s", "", "", "≤ 5 s",
                   _met(result["create_outage_s"] <= 5))
+    for name, (rate, cpu_ms) in result.get("data_path", {}).items():
+        table.add_row(f"data path: a node call by {'a Ray actor call' if name == 'actor' else 'its HTTP endpoint'}",
+                      f"{rate:,.0f} calls/s, caller CPU {cpu_ms:.2f} ms", "", "", "64 in flight", "")
     table.add_row("creates after the kill (failed)", f"{result['creates_after_kill']} ({result['failed_creates']})",
                   "", "", "", "")
     console.print(table)
@@ -188,18 +264,3 @@ def main(state_dir: Path, console: Console, lifecycles: int = 300, rounds: int =
 
 def _met(ok: bool) -> str:
     return "yes" if ok else "NO"
-
-
-def _stop_all(server: LocalServer) -> None:
-    async def go() -> None:
-        async with DSecClient(server.endpoint, token=server.token) as client:
-            for info in await client.list_sandboxes():
-                try:
-                    await (await client.get_sandbox(info.id)).stop()
-                except DSecError:
-                    pass
-
-    try:
-        asyncio.run(go())
-    except (DSecError, OSError):
-        pass

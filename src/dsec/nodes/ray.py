@@ -82,6 +82,27 @@ def _loopback(address: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def join(address: str) -> None:
+    """``ray.init`` on the cluster at ``address`` in the namespace of DSec's actors; a clear
+    ``BackendError`` at once where none runs there."""
+    import ray
+
+    _probe(address)
+    if _loopback(address):
+        # A cluster of this machine's loopback (tests, a one-machine trial): Ray would turn
+        # 127.0.0.1 into the machine's outward address, where its head does not listen.
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
+                 ignore_reinit_error=True)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise BackendError(f"cannot join the Ray cluster at {address!r}: {exc}. Start one with "
+                           "`ray start --head`, and nodes for DSec with "
+                           f"`ray start --address HEAD:6379 --resources '{{\"{RESOURCE}\": 1}}'`") from None
+
+
 class EdgeHost:
     """A Ray actor holding one node's edge (made by ``RayNodes``): it runs the edge daemon
     (``dsec.nodes.edged``) in a session of its own, which dies with the actor (a parent-death
@@ -180,20 +201,7 @@ class RayNodes:
         """Join the Ray cluster (blocking); ``BackendError`` naming the address if none runs there."""
         import ray
 
-        _probe(self.address)
-        if _loopback(self.address):
-            # A cluster of this machine's loopback (tests, a one-machine trial): Ray would turn
-            # 127.0.0.1 into the machine's outward address, where its head does not listen.
-            from ray._private import ray_constants
-
-            ray_constants.ENABLE_RAY_CLUSTER = False
-        try:
-            ray.init(address=self.address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING,
-                     ignore_reinit_error=True)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise BackendError(f"cannot join the Ray cluster at {self.address!r}: {exc}. Start one with "
-                               "`ray start --head`, and nodes for DSec with "
-                               f"`ray start --address HEAD:6379 --resources '{{\"{RESOURCE}\": 1}}'`") from None
+        join(self.address)
         self._actor_class = ray.remote(EdgeHost)
 
     async def close(self) -> None:
