@@ -27,7 +27,7 @@ from libdsec import (
     SandboxStatus,
     Unauthenticated,
 )
-from libdsec.protocol import MAX_BATCH_COUNT
+from libdsec.protocol import MAX_BATCH_COUNT, MAX_SANDBOX_BATCH
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -115,7 +115,7 @@ async def test_workdir_that_is_a_file(client):
         await client.run_container(args(workdir="/etc/passwd/sub"))
 
 
-@pytest.mark.parametrize("count", [0, -3, MAX_BATCH_COUNT + 1, 10**9])
+@pytest.mark.parametrize("count", [0, -3, MAX_SANDBOX_BATCH + 1, 10**9])
 async def test_batch_count_out_of_range(client, server, count):
     with pytest.raises(LimitOutOfRange, match=f"count={count}"):
         await client.run_containers(args(), count=count)
