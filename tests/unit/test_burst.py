@@ -1,11 +1,17 @@
-"""Bursting: the policy over views (when to ask for nodes, how many, when to drain and release)."""
+"""Bursting: the policy over views (when to ask for nodes, how many, when to drain and release),
+and placement with overflow and draining nodes over real edges on the fake backend."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from dsec.apiserver.cluster import Cluster
+from dsec.backends.fake import FakeBackend
+from dsec.edge.edge import Edge, EdgeConfig
 from dsec.nodes.burst import BurstSettings, BurstState, committed_share, decide
-from libdsec.protocol import NodeInfo
+from libdsec.protocol import DSecContainerRunArgs, NodeInfo
 
 SETTINGS = BurstSettings(high_water=0.8, low_water=0.5, quiet_s=60, max_nodes=4, settle_s=5)
 
@@ -135,3 +141,47 @@ def test_settings_are_checked():
         BurstSettings(high_water=0.5, low_water=0.6)
     with pytest.raises(ValueError):
         BurstSettings(max_nodes=-1)
+
+
+# -- placement with overflow and draining nodes --------------------------------------------------
+
+ARGS = DSecContainerRunArgs(container_image="tiny", memory_limit_mb=64)
+
+
+async def start_edges(tmp_path, store, sizes: dict[str, int]) -> list[Edge]:
+    edges = []
+    for name, most in sizes.items():
+        edge = Edge(EdgeConfig(node_dir=tmp_path / name, node=name, pool_min=0, pool_max=0, max_sandboxes=most),
+                    FakeBackend(), store)
+        await edge.start()
+        edges.append(edge)
+    return edges
+
+
+@pytest.fixture
+async def edges(tmp_path, store):
+    edges = await start_edges(tmp_path, store, {"a": 4, "c": 4, "b1": 8})
+    yield edges
+    for edge in edges:
+        await edge.close()
+
+
+async def test_overflow_nodes_take_only_what_the_others_have_no_room_for(edges):
+    cluster = Cluster(edges, rng=random.Random(0), view_max_age_s=0)
+    cluster.overflow = frozenset({"b1"})
+    singles = [await cluster.create(ARGS, "root") for _ in range(6)]
+    assert "b1" not in {s.node for s in singles}
+    batch = [info async for _, info in cluster.create_batch(ARGS, 4, "root")]
+    assert [s.node for s in batch].count("b1") == 2  # the base nodes had room for 2 more
+
+
+async def test_draining_nodes_take_nothing_new_and_keep_serving(edges):
+    cluster = Cluster(edges, rng=random.Random(0), view_max_age_s=0)
+    kept = [await cluster.create(ARGS, "root") for _ in range(6)]
+    cluster.draining = frozenset({"b1"})
+    fresh = [await cluster.create(ARGS, "root") for _ in range(2)]
+    batch = [info async for _, info in cluster.create_batch(ARGS, 2, "root")]
+    assert "b1" not in {s.node for s in fresh + batch}
+    on_b1 = [s for s in kept if s.node == "b1"]
+    assert on_b1, [s.node for s in kept]
+    assert (await cluster.edge_for(on_b1[0].id).get(on_b1[0].id)).id == on_b1[0].id
