@@ -1,5 +1,6 @@
 """Bursting: the policy over views (when to ask for nodes, how many, when to drain and release),
-and placement with overflow and draining nodes over real edges on the fake backend."""
+placement with overflow and draining nodes, and the applier's whole round over real edges on the
+fake backend (a fake autoscaler: the requests it got, the nodes let go)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dsec.apiserver.cluster import Cluster
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
 from dsec.nodes.burst import BurstSettings, BurstState, committed_share, decide
+from dsec.nodes.ray_burst import RayBurst
 from libdsec.protocol import DSecContainerRunArgs, NodeInfo
 
 SETTINGS = BurstSettings(high_water=0.8, low_water=0.5, quiet_s=60, max_nodes=4, settle_s=5)
@@ -185,3 +187,47 @@ async def test_draining_nodes_take_nothing_new_and_keep_serving(edges):
     on_b1 = [s for s in kept if s.node == "b1"]
     assert on_b1, [s.node for s in kept]
     assert (await cluster.edge_for(on_b1[0].id).get(on_b1[0].id)).id == on_b1[0].id
+
+
+# -- the applier's whole round --------------------------------------------------------------------
+
+async def test_a_burst_round_over_real_edges_asks_places_drains_and_lets_go(tmp_path, store):
+    (a,) = await start_edges(tmp_path, store, {"a": 10})
+    cluster = Cluster([a], rng=random.Random(0), view_max_age_s=0)
+    asked: list[int] = []
+    let_go: list[str] = []
+    now = [0.0]
+
+    async def release(name: str) -> None:
+        let_go.append(name)
+        cluster.remove_edge(name)
+
+    burst = RayBurst(BurstSettings(quiet_s=30, settle_s=2, max_nodes=2), cluster, release, request=asked.append,
+                     view_max_age_s=0, clock=lambda: now[0])
+    (b1,) = await start_edges(tmp_path, store, {"b1": 10})
+    try:
+        made = [await cluster.create(ARGS, "root") for _ in range(9)]
+        assert (await burst.step(set())).request == 1 and asked == [1]
+        cluster.add_edge(b1)  # the burst node joined
+        now[0] = 5
+        await burst.step({"b1"})
+        assert asked == [1] and cluster.overflow == {"b1"}
+        made += [await cluster.create(ARGS, "root") for _ in range(3)]
+        assert [s.node for s in made].count("a") == 10 and [s.node for s in made[-2:]] == ["b1", "b1"]
+        for info in made:
+            await cluster.edge_for(info.id).stop(info.id)
+        # Quiet since t=5 (9 of 20), yet not drained then: a alone would hold 9 of 10.
+        for t in (10, 34):
+            now[0] = t
+            assert (await burst.step({"b1"})).drain == frozenset()
+        now[0] = 35
+        plan = await burst.step({"b1"})
+        assert plan.drain == {"b1"} and cluster.draining == {"b1"} and asked == [1, 0] and not let_go
+        now[0] = 37
+        await burst.step({"b1"})
+        assert let_go == ["b1"] and set(cluster.edges) == {"a"}
+        now[0] = 38
+        assert (await burst.step(set())).drain == frozenset() and asked == [1, 0]
+    finally:
+        await a.close()
+        await b1.close()
