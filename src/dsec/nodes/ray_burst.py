@@ -58,9 +58,11 @@ class RayBurst:
         burst = frozenset(burst_nodes)
         infos = await self.cluster.node_infos(max_age_s=self.view_max_age_s)
         plan = decide(infos, burst, self.state, self.clock(), self.settings)
-        if plan.drain != self.state.draining.keys():
-            log.info("bursting: %s draining (committed share %.2f)", ", ".join(sorted(plan.drain)) or "none",
-                     plan.share)
+        begun, taken_back = plan.drain - self.state.draining.keys(), (self.state.draining.keys() - plan.drain) & burst
+        if begun:
+            log.info("bursting: draining %s (committed share %.2f)", ", ".join(sorted(begun)), plan.share)
+        if taken_back:
+            log.info("bursting: taking %s back (committed share %.2f)", ", ".join(sorted(taken_back)), plan.share)
         self.state = plan.state
         self.cluster.overflow, self.cluster.draining = burst, plan.drain
         if plan.request != self._asked:
