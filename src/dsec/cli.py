@@ -52,6 +52,11 @@ def serve(
     db: Annotated[Optional[str], typer.Option(
         help="Projects, quotas and tokens in PostgreSQL (postgresql://USER@HOST:PORT/DB), shared by several "
              "apiservers; default: projects.db in the state dir.")] = None,
+    burst_max: Annotated[int, typer.Option(
+        help="On Ray: above 80% committed, ask the autoscaler for up to this many burst nodes (offering "
+             "dsec_burst); 0: no bursting.")] = 0,
+    burst_quiet_s: Annotated[float, typer.Option(
+        help="On Ray: let burst nodes go after this long below 50% committed.")] = 60.0,
 ) -> None:
     """Run the apiserver and an edge for this machine in one process (or the apiserver of a cluster)."""
     from .server import ServerConfig
@@ -71,7 +76,8 @@ def serve(
             fail(ValueError("--ray and --nodes-file: one or the other"))
         run_server(ServerConfig(state_dir=state_dir, host=host, port=port, node=node, edge=edge, cold_memory=cold,
                                 fncall=fncall, ray=ray, nodes_file=nodes_file, node_state_dir=node_state_dir,
-                                store_dir=store_dir, db=db))
+                                store_dir=store_dir, db=db,
+                                burst={"max_nodes": burst_max, "quiet_s": burst_quiet_s} if burst_max > 0 else None))
     except DSecError as exc:
         fail(exc)
 

@@ -64,6 +64,8 @@ class ServerConfig:
     store_dir: Path | None = None
     # Projects, quotas and tokens: a postgresql:// URL; None: projects.db in the state dir.
     db: str | None = None
+    # On Ray: BurstSettings overrides (dsec.nodes.burst); None: no bursting.
+    burst: dict | None = None
 
 
 def load_or_create_token(state_dir: Path) -> str:
@@ -203,12 +205,14 @@ def build_cluster_app(config: ServerConfig):
     token = load_or_create_token(config.state_dir)
     projects = open_project_store(config.db or config.state_dir / "projects.db")
     if config.ray is not None:
+        from .nodes.burst import BurstSettings
         from .nodes.ray import RayNodes
 
         provider = RayNodes(config.ray, secrets.token_urlsafe(32),
                             node_state_dir=config.node_state_dir or config.state_dir / "nodes",
                             store_dir=config.store_dir or config.state_dir / "store", edge=config.edge,
-                            fncall=config.fncall)
+                            fncall=config.fncall,
+                            burst=BurstSettings(**config.burst) if config.burst is not None else None)
         provider.connect()  # here, so that no cluster at the address is a clear error at start
     else:
         assert config.nodes_file is not None

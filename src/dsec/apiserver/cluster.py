@@ -124,6 +124,11 @@ class Cluster:
         # once share one gathering instead of asking every edge once each.
         self._refresh: asyncio.Task[list[NodeInfo]] | None = None
         self._loads: dict[str, tuple[list[NodeInfo], list[placement.NodeLoad]]] = {}  # by kind, of those reports
+        # Set by a node provider that bursts (``dsec.nodes.ray_burst``): draining nodes take no
+        # new sandboxes (they keep serving theirs); overflow nodes take only what the others
+        # have no room for.
+        self.draining: frozenset[str] = frozenset()
+        self.overflow: frozenset[str] = frozenset()
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -180,6 +185,13 @@ class Cluster:
             if isinstance(result, (NodeUnreachable, SandboxLost)):
                 self._owed_stops.setdefault(edge.node, set()).add(sid)
 
+    def remove_edge(self, node: str) -> EdgeAPI | None:
+        """A node holding no sandbox left on purpose (a burst node let go); returns its edge."""
+        edge = self.edges.pop(node, None)
+        self._infos = (float("-inf"), [])
+        self._loads.clear()
+        return edge
+
     def mark_lost(self, node: str, why: str) -> EdgeAPI | None:
         """A node left: its sandboxes are lost (and stop counting against quotas, which are
         summed from the nodes' own reports); new creates go elsewhere. Returns its edge (for
@@ -227,7 +239,8 @@ class Cluster:
 
     async def fncall_edge(self) -> EdgeAPI:
         """A node that serves fncall, by the last view."""
-        serving = [i.node for i in await self._view_infos() if "fncall" in _kinds(i.runtime) and i.node in self.edges]
+        serving = [i.node for i in await self._view_infos()
+                   if "fncall" in _kinds(i.runtime) and i.node in self.edges and i.node not in self.draining]
         if not serving:
             raise CapacityExceeded("no node in the cluster serves fncall")
         return self.edges[self.rng.choice(serving)]
@@ -281,7 +294,7 @@ class Cluster:
         if loads is None or loads[0] is not infos:
             serving = [i for i in infos if kind in _kinds(i.runtime)]
             loads = self._loads[kind] = (infos, [load_of(i) for i in serving or infos])
-        return [self._with_placed(load) for load in loads[1]]
+        return [self._with_placed(load) for load in loads[1] if load.node not in self.draining]
 
     def _with_placed(self, node: placement.NodeLoad) -> placement.NodeLoad:
         """A view entry plus what this apiserver placed there since the view was taken."""
@@ -332,8 +345,19 @@ class Cluster:
 
     def _pick(self, view: list[placement.NodeLoad], args: DSecContainerRunArgs, count: int,
               tried: Iterable[str]) -> list[str]:
-        return placement.place(view, demand_of(args), count, overcommit=self.overcommit, k=self.k, rng=self.rng,
-                               exclude=tried)
+        demand = demand_of(args)
+        if not self.overflow:
+            return placement.place(view, demand, count, overcommit=self.overcommit, k=self.k, rng=self.rng,
+                                   exclude=tried)
+        # The other nodes first, as far as they have room; the rest on the overflow nodes.
+        tried = set(tried)
+        chosen = placement.place(view, demand, count, overcommit=self.overcommit, k=self.k, rng=self.rng,
+                                 exclude=tried | self.overflow)
+        if len(chosen) < count:
+            others = {n.node for n in view} - self.overflow
+            chosen += placement.place(view, demand, count - len(chosen), overcommit=self.overcommit, k=self.k,
+                                      rng=self.rng, exclude=tried | others)
+        return chosen
 
     async def create(self, args: DSecContainerRunArgs, project: str, kind: str = "container") -> SandboxInfo:
         async with self._reserve(project, args, 1):

@@ -19,6 +19,9 @@ Names: a node's ``dsec-node`` label (``ray start --labels '{"dsec-node": "a1"}'`
 from its Ray node name (its address by default), so that a machine keeps its name across
 restarts. Actors are named ``dsec-edge-<name>`` in the ``dsec`` namespace and detached: a second
 apiserver finds the same edges, and an apiserver that restarts finds them still running.
+
+Bursting (``burst=BurstSettings(…)``; ``dsec.nodes.ray_burst``): after each poll, more nodes are
+asked of Ray's autoscaler when the cluster is busy, and burst nodes drained and let go when quiet.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from libdsec import BackendError
 from ..apiserver.cluster import Cluster
 from ..edge.api import NODE_NAME
 from ..edge.remote import RemoteEdge
+from .burst import BurstSettings
+from .ray_burst import BURST_RESOURCE, RayBurst
 
 log = logging.getLogger("dsec.nodes.ray")
 
@@ -169,6 +174,7 @@ class _Member:
     edge: RemoteEdge | None = None
     starting: asyncio.Task | None = None
     since: float = field(default_factory=time.monotonic)
+    burst: bool = False  # offers dsec_burst: came for bursting
 
 
 class RayNodes:
@@ -176,7 +182,7 @@ class RayNodes:
 
     def __init__(self, address: str, token: str, *, node_state_dir: Path, store_dir: Path,
                  edge: dict | None = None, fncall: dict | None = None, poll_s: float = 1.0,
-                 start_timeout_s: float = 120.0) -> None:
+                 start_timeout_s: float = 120.0, burst: BurstSettings | None = None) -> None:
         self.address, self.token = address, token
         self.node_state_dir, self.store_dir = Path(node_state_dir), Path(store_dir)
         self.edge_overrides, self.fncall = edge or {}, fncall
@@ -186,9 +192,15 @@ class RayNodes:
         self._task: asyncio.Task | None = None
         self._closed = False
         self._actor_class = None
+        self.burst = burst
+        self._burst: RayBurst | None = None
+        # Burst nodes let go (by Ray node id): no edge again until the autoscaler removes them.
+        self._released: set[str] = set()
 
     async def start(self, cluster: Cluster) -> None:
         self._cluster = cluster
+        if self.burst is not None:
+            self._burst = RayBurst(self.burst, cluster, self.let_go, view_max_age_s=self.poll_s)
         if self._actor_class is None:
             await asyncio.to_thread(self.connect)
         await self._poll()
@@ -231,17 +243,23 @@ class RayNodes:
                 await self._poll()
             except Exception as exc:  # noqa: BLE001 - the next poll tries again
                 log.warning("Ray membership poll failed: %s", exc)
+            if self._burst is not None:
+                try:
+                    await self._burst.step({m.name for m in self._members.values() if m.burst})
+                except Exception as exc:  # noqa: BLE001 - the next poll tries again
+                    log.warning("bursting step failed: %s", exc)
 
     async def _poll(self) -> None:
         import ray
 
         nodes = await asyncio.to_thread(ray.nodes)
         alive = {n["NodeID"]: n for n in nodes if n.get("Alive") and (n.get("Resources") or {}).get(RESOURCE, 0) > 0}
+        self._released &= alive.keys()
         for ray_id, member in list(self._members.items()):
             if ray_id not in alive:
                 self._lose(member, "its Ray node died or left the cluster")
         for ray_id, ray_node in alive.items():
-            if ray_id in self._members:
+            if ray_id in self._members or ray_id in self._released:
                 continue
             try:
                 name = node_name(ray_node)
@@ -251,7 +269,8 @@ class RayNodes:
             if any(m.name == name for m in self._members.values()):
                 log.warning("Ray node %s is named %s like another node: not used", ray_id[:12], name)
                 continue
-            member = self._members[ray_id] = _Member(ray_id, name)
+            member = self._members[ray_id] = _Member(ray_id, name,
+                                                     burst=ray_node["Resources"].get(BURST_RESOURCE, 0) > 0)
             member.starting = asyncio.create_task(self._join(member), name=f"dsec-join-{name}")
 
     def _lose(self, member: _Member, why: str) -> None:
@@ -263,6 +282,37 @@ class RayNodes:
             self._cluster.mark_lost(member.name, why)
         if member.edge is not None:
             asyncio.create_task(member.edge.close())
+
+    async def let_go(self, name: str) -> None:
+        """Let a drained burst node go: out of the cluster, its edge stopped and its actor ended
+        (the node then holds nothing of Ray's, and the autoscaler removes it once idle); it gets
+        no edge again while Ray keeps it."""
+        import ray
+
+        member = next((m for m in self._members.values() if m.name == name), None)
+        if member is None:
+            return
+        self._members.pop(member.ray_id)
+        self._released.add(member.ray_id)
+        if member.starting is not None:
+            member.starting.cancel()
+        assert self._cluster is not None
+        if self._cluster.edges.get(name) is member.edge:
+            self._cluster.remove_edge(name)
+        if member.edge is not None:
+            await member.edge.close()
+        try:
+            actor = await asyncio.to_thread(ray.get_actor, f"dsec-edge-{name}", namespace=NAMESPACE)
+        except ValueError:
+            actor = None  # its edge never started
+        if actor is not None:
+            try:  # the edge closes (its warm pool with it), then the actor goes
+                await asyncio.wait_for(actor.stop.remote(), self.start_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - the actor goes anyway
+                log.warning("node %s: its edge did not stop: %s", name, exc)
+            finally:
+                await asyncio.to_thread(ray.kill, actor)
+        log.info("node %s let go", name)
 
     async def _join(self, member: _Member) -> None:
         """Start (or find) the node's edge actor and add its endpoint to the cluster."""
