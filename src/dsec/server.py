@@ -217,7 +217,10 @@ def build_cluster_app(config: ServerConfig):
     else:
         assert config.nodes_file is not None
         provider = StaticNodes.from_file(config.nodes_file)
-    cluster = Cluster([], projects=projects, view_max_age_s=1.0)
+    # The nodes' own overcommit (the edge settings they are started with) for placement.
+    overcommit = Overcommit(**{k: config.edge[f"{k}_overcommit"] for k in ("cpu", "memory")
+                               if f"{k}_overcommit" in config.edge})
+    cluster = Cluster([], projects=projects, overcommit=overcommit, view_max_age_s=1.0)
 
     @asynccontextmanager
     async def lifespan(app):
