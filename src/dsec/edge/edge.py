@@ -58,11 +58,9 @@ from ..placement import DEFAULT_CPU_OVERCOMMIT, DEFAULT_MEMORY_OVERCOMMIT
 from ..resources import cgroups
 from . import lifecycle
 from .admission import Admission, memory_total_mb
-from .admission import cpu_commit as _cpu_commit  # noqa: F401 - the tests' names, until they move
 from .api import new_sandbox_id
 from .batch import all_or_none
 from .journal import RecordJournal
-from .lifecycle import HOLDING as _HOLDING  # noqa: F401 - the tests' names, until they move
 from .lifecycle import Action, Record
 from .pool import WarmPool
 from .reaper import TTLReaper
@@ -502,15 +500,3 @@ class Edge:
             layer_attach=getattr(self.backends.get("container"), "layer_attach", "file"),
             **self.admission.commitments(self._records.values()),
         )
-
-    def pooled(self) -> int:
-        return self.warm_pool.pooled()
-
-    # Until the tests that reach into these move with them (next commit).
-    _held = property(lambda self: self.admission.held)
-    _held_ucores = property(lambda self: self.admission.held_ucores)
-    _held_memory_mb = property(lambda self: self.admission.held_memory_mb)
-    _memory_total_mb = property(lambda self: self.admission.memory_total_mb)
-    _cpu_cores = property(lambda self: self.admission.cpu_cores)
-    _pools = property(lambda self: self.warm_pool.pools)
-
