@@ -171,3 +171,32 @@ async def test_a_paused_sandbox_refuses_a_pack_a_snapshot_and_new_rules(tmp_path
         assert (await edge.get(info.id)).status is paused  # none of them resumed it
     finally:
         await edge.close()
+
+
+async def test_a_sandbox_stopped_while_it_resumes_stays_stopped(tmp_path, store):
+    """A stop that comes while the backend resumes a sandbox wins: the resume fails, and its
+    record is not written back (a restarted edge would find it and call it failed)."""
+    from dsec.edge import journal
+
+    backend = FakeBackend()
+    real_resume = backend.resume
+
+    async def slow_resume(handle):
+        await real_resume(handle)
+        await asyncio.sleep(0.1)
+
+    backend.resume = slow_resume
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", pool_min=0, pool_max=0), backend, store)
+    await edge.start()
+    try:
+        info = await edge.create(args())
+        await edge.pause(info.id)
+        resuming = asyncio.create_task(edge.resume(info.id))
+        await asyncio.sleep(0.03)
+        assert (await edge.stop(info.id)).status is stopped
+        with pytest.raises(SandboxStateError, match=f"sandbox {info.id} was stopped while it was being resumed"):
+            await resuming
+        assert (await edge.get(info.id)).status is stopped
+        assert info.id not in journal.read(edge.records_dir)
+    finally:
+        await edge.close()

@@ -459,6 +459,8 @@ class Edge:
     async def _thaw(self, rec: Record) -> None:
         """Resume a paused sandbox (the caller holds ``rec.transition``)."""
         await self.backends[rec.kind].resume(rec.handle)
+        if rec.status is not SandboxStatus.paused:  # stopped meanwhile: it stays so, unwritten
+            raise SandboxStateError(f"sandbox {rec.id} was {rec.status.value} while it was being resumed")
         rec.status, rec.paused_at = SandboxStatus.running, None
         rec.last_active = time.time()
         self._persist(rec)
