@@ -4,6 +4,8 @@ own (test_edge_admission.py, test_edge_pool.py, test_edge_reaper.py, test_edge_l
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from dsec.backends.fake import FakeBackend
@@ -101,3 +103,37 @@ async def test_restart_readopts_running_sandboxes(tmp_path, store):
         assert (await second.get(lost.id)).status is SandboxStatus.failed
     finally:
         await second.close()
+
+
+async def test_a_stop_while_a_sandbox_fails_leaves_it_failed(tmp_path, store):
+    """A sandbox found dead is failed and destroyed; a stop that comes meanwhile waits for that
+    instead of destroying it a second time, and the sandbox stays failed, with its reason."""
+    backend = FakeBackend()
+    real_destroy = backend.destroy
+    destroyed: list[str] = []
+
+    async def slow_destroy(handle):
+        destroyed.append(handle.cid)
+        await asyncio.sleep(0.1)
+        await real_destroy(handle)
+
+    backend.destroy = slow_destroy
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", pool_min=0, pool_max=0), backend, store)
+    await edge.start()
+    try:
+        info = await edge.create(args())
+        cid = edge._records[info.id].handle.cid
+        backend.kill(cid)
+        failing = asyncio.create_task(edge.exec(info.id, ExecRequest(command="true")))
+        for _ in range(100):
+            if (await edge.get(info.id)).status is SandboxStatus.failed:
+                break
+            await asyncio.sleep(0.005)
+        got = await edge.stop(info.id)
+        assert got.status is SandboxStatus.failed and "died" in got.reason
+        with pytest.raises(SandboxStateError):
+            await failing
+        assert destroyed == [cid]
+        assert (await edge.get(info.id)).status is SandboxStatus.failed
+    finally:
+        await edge.close()

@@ -33,7 +33,7 @@ EXPECTED: dict[Action, tuple[SandboxStatus | None, ...]] = {
     Action.set_network_rules: (None,    running,  None,    None,     None,    None),
     Action.pause:             (None,    paused,   None,    None,     None,    None),
     Action.resume:            (None,    None,     running, None,     None,    None),
-    Action.stop:              (None,    stopping, stopping, stopping, stopped, stopping),
+    Action.stop:              (None,    stopping, stopping, stopping, stopped, failed),
 }
 VERBS = {
     Action.exec: "exec", Action.read_file: "read a file", Action.write_file: "write a file",

@@ -407,7 +407,7 @@ class Edge:
         if rec is None:
             return await self.get(sandbox_id)  # already stopped: nothing to do
         if lifecycle.check(Action.stop, sandbox_id, rec.status, rec.reason) is rec.status:
-            while rec.status is SandboxStatus.stopping:  # a stop under way: wait for it
+            while self._records.get(sandbox_id) is rec:  # a stop or a failure under way: wait for its end
                 await asyncio.sleep(0.01)
             return await self.get(sandbox_id)
         rec.status = SandboxStatus.stopping

@@ -14,18 +14,19 @@ What a caller asks of a sandbox (an ``Action``) is allowed in these states and l
     pack, snapshot, net rules  ✗         running   ✗          ✗          ✗         ✗
     pause                      ✗         paused    ✗ already  ✗          ✗         ✗
     resume                     ✗         ✗         running    ✗          ✗         ✗
-    stop                       ✗²        stopping  stopping   stopping³  stopped⁴  stopping
+    stop                       ✗²        stopping  stopping   stopping³  stopped⁴  failed³
 
-    ¹ the call resumes it first   ² "still being created"   ³ waits for the stop under way
-    ⁴ nothing left to do
+    ¹ the call resumes it first    ² "still being created"    ⁴ nothing left to do
+    ³ waits for the end under way (the stop's, or the clean-up of the failure)
 
 ``check(action, …)`` is the table's one gate: it answers the state the action leads to, or
 raises ``SandboxStateError("cannot <verb>: sandbox <id> is <state>")``. Every edge method that
 acts on a sandbox asks it first. Reading a sandbox (its info, its security events) is allowed in
 every state. The other steps are the edge's own, not asked for: creating → running when its
 create completes (a create that fails leaves no record), stopping → stopped when its backend has
-destroyed it, and any state → failed when its processes die or a stop fails. A stopped or failed
-sandbox's record is gone from the table; the edge keeps its last info.
+destroyed it, running → failed when its processes are found dead, stopping → failed when the
+destroy fails (and, on an edge restart, failed for a sandbox found gone). The edge drops the
+record of a stopped or failed sandbox once it is cleaned up, and keeps its last info.
 """
 
 from __future__ import annotations
@@ -78,9 +79,9 @@ TRANSITIONS: dict[SandboxStatus, dict[Action, SandboxStatus]] = {
         Action.resume: SandboxStatus.running,
         Action.stop: SandboxStatus.stopping,
     },
-    SandboxStatus.stopping: {Action.stop: SandboxStatus.stopping},  # under way: a second stop waits for it
+    SandboxStatus.stopping: {Action.stop: SandboxStatus.stopping},  # under way: a second stop waits for its end
     SandboxStatus.stopped: {Action.stop: SandboxStatus.stopped},  # nothing left to do
-    SandboxStatus.failed: {Action.stop: SandboxStatus.stopping},
+    SandboxStatus.failed: {Action.stop: SandboxStatus.failed},  # its end under way: a stop waits for it
 }
 
 # Refusals that say more than "is <state>".
