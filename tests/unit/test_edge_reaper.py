@@ -61,3 +61,35 @@ async def test_ttl_stops_idle_sandbox_but_not_a_busy_one(edge):
     info = await edge.get(idle.id)
     assert info.status is SandboxStatus.stopped and "ttl_running_stop" in info.reason
     assert (await edge.get(busy.id)).status is SandboxStatus.running
+
+
+async def test_the_reaper_outlives_a_stop_that_fails(tmp_path, store):
+    """A TTL stop that fails with an error of the backend's own (not DSec's) is logged, and the
+    reaper goes on stopping the sandboxes due after it."""
+    backend = FakeBackend()
+    real_destroy = backend.destroy
+    wedged: set[str] = set()
+
+    async def destroy(handle):
+        if handle.cid in wedged:
+            raise RuntimeError("the runtime is wedged")
+        await real_destroy(handle)
+
+    backend.destroy = destroy
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", reaper_interval_s=0.05, pool_min=0, pool_max=0), backend, store)
+    await edge.start()
+    try:
+        first = await edge.create(args(ttl_running_stop=1))
+        wedged.add(edge._records[first.id].handle.cid)
+        await asyncio.sleep(0.5)
+        second = await edge.create(args(ttl_running_stop=1))
+        for _ in range(60):
+            if (await edge.get(second.id)).status is not SandboxStatus.running:
+                break
+            await asyncio.sleep(0.05)
+        got = await edge.get(first.id)
+        assert got.status is SandboxStatus.failed and "wedged" in got.reason
+        got = await edge.get(second.id)
+        assert got.status is SandboxStatus.stopped and "ttl_running_stop" in got.reason
+    finally:
+        await edge.close()

@@ -2,7 +2,8 @@
 
 A running sandbox with no call in flight and none for ``ttl_running_stop`` seconds (its own run
 arg) is stopped; a paused one is exempt from that until it has been paused for the node's
-``paused_ttl_s``. A stop that fails is logged (the stop itself marks the sandbox failed).
+``paused_ttl_s``. A stop that fails, with any error, is logged (the stop marks the sandbox
+failed) and the reaper goes on.
 ``start()`` runs it, ``close()`` ends it (a second call does nothing).
 """
 
@@ -14,7 +15,6 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from libdsec import DSecError
 from libdsec.protocol import SandboxStatus
 
 from .lifecycle import Record
@@ -66,5 +66,5 @@ class TTLReaper:
             for rec, reason in expired(self.records.values(), time.time(), self.config.paused_ttl_s):
                 try:
                     await self.stop(rec.id, reason)
-                except DSecError as exc:
+                except Exception as exc:  # noqa: BLE001 - a backend's own error must not end the reaper
                     log.warning("TTL stop of %s failed: %s", rec.id, exc)
