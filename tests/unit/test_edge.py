@@ -1,5 +1,6 @@
-"""The edge's control logic over the in-memory fake backend: admission, lifecycle, TTL, warm
-pool, batches, recovery."""
+"""The edge's control logic over the in-memory fake backend: lifecycle, failures, batches,
+recovery. Admission, the warm pool, the TTL reaper and the transition table have files of their
+own (test_edge_admission.py, test_edge_pool.py, test_edge_reaper.py, test_edge_lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,7 @@ import pytest
 
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
-from libdsec import (
-    BackendError,
-    CapacityExceeded,
-    ImageNotFound,
-    InvalidRequest,
-    LimitOutOfRange,
-    SandboxNotFound,
-    SandboxStateError,
-)
+from libdsec import BackendError, ImageNotFound, InvalidRequest, SandboxNotFound, SandboxStateError
 from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxStatus
 
 
@@ -48,17 +41,6 @@ async def test_lifecycle(edge):
         await edge.get("n0-0123456789abcdef")
 
 
-@pytest.mark.parametrize(
-    "field, value",
-    [("memory_limit_mb", 1), ("memory_limit_mb", 10**9), ("cpu_cores_limit", 0), ("cpu_cores_limit", 10**6),
-     ("ttl_running_stop", 0), ("pids_limit", 1)],
-)
-async def test_limits_out_of_range_name_the_field(edge, field, value):
-    with pytest.raises(LimitOutOfRange, match=field):
-        await edge.create(args(**{field: value}))
-    assert await edge.list() == []
-
-
 async def test_unknown_image_and_network(edge):
     with pytest.raises(ImageNotFound, match="nope"):
         await edge.create(DSecContainerRunArgs(container_image="nope"))
@@ -66,74 +48,11 @@ async def test_unknown_image_and_network(edge):
         await edge.create(args(network_rules={"pypi": True}))
 
 
-async def test_capacity(tmp_path, store):
-    edge = Edge(EdgeConfig(node_dir=tmp_path / "n", max_sandboxes=2, pool_min=0, pool_max=0), FakeBackend(), store)
-    await edge.start()
-    try:
-        await edge.create(args())
-        await edge.create(args())
-        with pytest.raises(CapacityExceeded, match="full"):
-            await edge.create(args())
-    finally:
-        await edge.close()
-
-
-async def test_admission_totals_follow_sandboxes_in_and_out(tmp_path, store):
-    """What admission counts (kept as sandboxes come and go, not summed per create) matches the
-    records through creates, a failed create, a stop and a sandbox found dead; a stop frees its
-    place and its memory at once."""
-    from dsec.edge.edge import _HOLDING, _cpu_commit
-
-    edge = Edge(EdgeConfig(node_dir=tmp_path / "n", max_sandboxes=3, pool_min=0, pool_max=0), FakeBackend(), store)
-    await edge.start()
-
-    def check() -> None:
-        holding = [r for r in edge._records.values() if r.status in _HOLDING]
-        assert sorted(edge._held) == sorted(r.id for r in holding)
-        assert edge._held_memory_mb == sum(r.args.memory_limit_mb for r in holding)
-        assert edge._held_ucores == sum(round(_cpu_commit(r.args) * 1_000_000) for r in holding)
-
-    try:
-        a = await edge.create(args(memory_limit_mb=64, cpu_cores_limit=0.1))
-        b = await edge.create(args(memory_limit_mb=128, cpu_cores_limit=0.7))
-        check()
-        edge.backend.fail_next_create = "crun exploded"
-        with pytest.raises(BackendError):
-            await edge.create(args())
-        check()
-        c = await edge.create(args(memory_limit_mb=32))
-        with pytest.raises(CapacityExceeded, match="full: 3 of 3"):
-            await edge.create(args())
-        await edge.stop(a.id)
-        check()
-        d = await edge.create(args())  # a's place is free again
-        edge.backend.kill(edge._records[b.id].handle.cid)
-        with pytest.raises(SandboxStateError):
-            await edge.exec(b.id, ExecRequest(command="true"))
-        check()
-        for info in (c, d):
-            await edge.stop(info.id)
-        check()
-        assert (edge._held, edge._held_memory_mb, edge._held_ucores) == ({}, 0, 0)
-    finally:
-        await edge.close()
-
-
 async def test_backend_failure_leaves_no_record(edge):
     edge.backend.fail_next_create = "crun exploded"
     with pytest.raises(BackendError, match="exploded"):
         await edge.create(args())
     assert await edge.list() == []
-
-
-async def test_ttl_stops_idle_sandbox_but_not_a_busy_one(edge):
-    idle = await edge.create(args(ttl_running_stop=1))
-    busy = await edge.create(args(ttl_running_stop=1))
-    await edge.exec(busy.id, ExecRequest(command="sleep 1.5"))
-    await asyncio.sleep(0.3)
-    info = await edge.get(idle.id)
-    assert info.status is SandboxStatus.stopped and "ttl_running_stop" in info.reason
-    assert (await edge.get(busy.id)).status is SandboxStatus.running
 
 
 async def test_dead_sandbox_is_marked_failed(edge):
@@ -186,82 +105,35 @@ async def test_restart_readopts_running_sandboxes(tmp_path, store):
         await second.close()
 
 
-async def test_refills_wait_until_a_burst_is_served(tmp_path, store):
+async def test_a_stop_while_a_sandbox_fails_leaves_it_failed(tmp_path, store):
+    """A sandbox found dead is failed and destroyed; a stop that comes meanwhile waits for that
+    instead of destroying it a second time, and the sandbox stays failed, with its reason."""
     backend = FakeBackend()
-    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", pool_min=8, pool_max=8, pool_quiet_s=0.3), backend, store)
-    await edge.start()
-    try:
-        await edge.create(args())  # the image's first use starts its pool
-        for _ in range(200):
-            if edge.pooled() >= 8:
-                break
-            await asyncio.sleep(0.01)
-        assert edge.pooled() == 8
-        made = len(backend.files)
-        for _ in range(4):  # a burst: 4 of 8 taken, the pool keeps over a quarter
-            await edge.create(args())
+    real_destroy = backend.destroy
+    destroyed: list[str] = []
+
+    async def slow_destroy(handle):
+        destroyed.append(handle.cid)
         await asyncio.sleep(0.1)
-        assert len(backend.files) == made  # no refill while creates keep arriving
-        for _ in range(100):
-            if edge.pooled() >= 8:
-                break
-            await asyncio.sleep(0.02)
-        assert edge.pooled() == 8  # refilled once the burst went quiet
-        for _ in range(7):  # down to one: below a quarter, refills start at once
-            await edge.create(args())
-        for _ in range(10):
-            if edge.pooled() + sum(p.filling for p in edge._pools.values()) >= 8:
-                break
-            await asyncio.sleep(0.01)
-        assert edge.pooled() + sum(p.filling for p in edge._pools.values()) == 8
-    finally:
-        await edge.close()
+        await real_destroy(handle)
 
-
-async def test_refills_get_the_limits_creates_ask_for(tmp_path, store):
-    backend = FakeBackend()
-    applied: list[str] = []
-    real = backend.apply_limits
-
-    async def counting(handle, limits):
-        applied.append(handle.cid)
-        await real(handle, limits)
-
-    backend.apply_limits = counting
-    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", pool_min=2, pool_max=2, pool_quiet_s=0), backend, store)
+    backend.destroy = slow_destroy
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", pool_min=0, pool_max=0), backend, store)
     await edge.start()
     try:
-        await edge.create(args(memory_limit_mb=64))
-        for _ in range(200):
-            pool = next(iter(edge._pools.values()))
-            if len(pool.handles) >= 2 and not pool.filling:
+        info = await edge.create(args())
+        cid = edge._records[info.id].handle.cid
+        backend.kill(cid)
+        failing = asyncio.create_task(edge.exec(info.id, ExecRequest(command="true")))
+        for _ in range(100):
+            if (await edge.get(info.id)).status is SandboxStatus.failed:
                 break
-            await asyncio.sleep(0.01)
-        applied.clear()
-        same = await edge.create(args(memory_limit_mb=64))  # as prepared: nothing set on the way
-        assert applied == []
-        cid = edge._records[same.id].handle.cid
-        assert backend.limits[cid].memory_mb == 64
-        other = await edge.create(args(memory_limit_mb=100))  # prepared for 64: set to 100
-        cid = edge._records[other.id].handle.cid
-        assert applied[0] == cid and backend.limits[cid].memory_mb == 100
+            await asyncio.sleep(0.005)
+        got = await edge.stop(info.id)
+        assert got.status is SandboxStatus.failed and "died" in got.reason
+        with pytest.raises(SandboxStateError):
+            await failing
+        assert destroyed == [cid]
+        assert (await edge.get(info.id)).status is SandboxStatus.failed
     finally:
         await edge.close()
-
-
-async def test_warm_pool_serves_creates_and_is_released_on_close(tmp_path, store):
-    backend = FakeBackend()
-    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", pool_min=3, pool_max=8), backend, store)
-    await edge.start()
-    first = await edge.create(args())
-    for _ in range(100):
-        if edge.pooled() >= 3:
-            break
-        await asyncio.sleep(0.01)
-    assert edge.pooled() == 3
-    second = await edge.create(args(memory_limit_mb=100))
-    cid = edge._records[second.id].handle.cid
-    assert backend.limits[cid].memory_mb == 100  # limits set when a pooled sandbox is taken
-    await edge.close()
-    alive = set(backend.files)
-    assert alive == {edge._records[first.id].handle.cid, cid}  # the pool is gone, sandboxes stay

@@ -140,7 +140,7 @@ async def test_cpu_weights_are_overcommitted_and_best_effort_commits_none(tmp_pa
     edge = make_edge(tmp_path, store, cpu_overcommit=2.0)
     await edge.start()
     try:
-        cores = edge._cpu_cores
+        cores = edge.admission.cpu_cores
         for _ in range(2 * cores):
             await edge.create(args(cpu_cores_limit=1))
         with pytest.raises(CapacityExceeded, match="cannot admit 1 CPU cores more.*best-effort sandboxes commit none"):
@@ -157,7 +157,7 @@ async def test_memory_is_admitted_against_its_ratio_paused_ones_included(tmp_pat
     edge = make_edge(tmp_path, store, memory_overcommit=1.0)
     await edge.start()
     try:
-        half = edge._memory_total_mb // 2
+        half = edge.admission.memory_total_mb // 2
         first = await edge.create(args(memory_limit_mb=half))
         await edge.pause(first.id)  # paused sandboxes still hold their commitment
         await edge.create(args(memory_limit_mb=half))

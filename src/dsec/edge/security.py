@@ -25,7 +25,8 @@ from ..isolation.events import SecurityEvents
 from ..isolation.network import Allowed, SandboxNetworks
 
 if TYPE_CHECKING:
-    from .edge import Edge, Record
+    from .edge import Edge
+    from .lifecycle import Record
 
 log = logging.getLogger("dsec.edge.security")
 

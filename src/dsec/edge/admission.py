@@ -1,0 +1,140 @@
+"""Admission: whether this node takes one more sandbox, and what the sandboxes it holds commit.
+
+A create asks ``limits(args)`` first: each limit in range for this node, else
+``LimitOutOfRange`` naming the field. Then ``admit(sandbox_id, args)``: room for one more
+sandbox, its memory within the node's memory times ``memory_overcommit``, its CPU weight within
+the node's cores times ``cpu_overcommit`` (best-effort sandboxes commit no CPU), else
+``CapacityExceeded``. An admitted sandbox holds what it commits until ``unhold``: the edge
+unholds it when it leaves the states that hold resources (creating, running, paused: stopping,
+failing or forgotten). The totals are kept as sandboxes come and go, so admitting one costs the
+same at 10 sandboxes as at 10,000. ``commitments`` reports them, and what each project holds
+here, for the placement view and the quotas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from libdsec import CapacityExceeded, LimitOutOfRange
+from libdsec.protocol import DSecContainerRunArgs, ProjectUsage, SandboxStatus
+
+from ..resources import cpu as cpu_sched
+from ..resources import reclaim
+from ..resources.cgroups import Limits
+from .lifecycle import HOLDING, Record
+
+if TYPE_CHECKING:
+    from .edge import EdgeConfig
+
+MIN_MEMORY_MB = 16
+MIN_CPU = 0.01
+MAX_TTL_S = 7 * 24 * 3600.0
+PIDS_RANGE = (16, 65536)
+
+
+def cpu_commit(args: DSecContainerRunArgs) -> float:
+    """CPU a sandbox commits on its node: its weight in cores, or none for best effort."""
+    return 0.0 if getattr(args, "best_effort", False) else args.cpu_cores_limit
+
+
+def memory_total_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+class Admission:
+    """One node's admission; ``config`` is read on every call (its node, capacity and ratios)."""
+
+    def __init__(self, config: EdgeConfig, memory_total_mb: int, cpu_cores: int) -> None:
+        self.config = config
+        self.memory_total_mb = memory_total_mb
+        self.cpu_cores = cpu_cores
+        # What the sandboxes that hold resources commit: id -> (CPU in millionths of a core, MB).
+        self.held: dict[str, tuple[int, int]] = {}
+        self.held_ucores = 0
+        self.held_memory_mb = 0
+
+    def limits(self, args: DSecContainerRunArgs) -> Limits:
+        """The cgroup limits ``args`` ask for, each checked against this node."""
+        node = self.config.node
+
+        def out_of_range(name: str, value: object, low: object, high: object, unit: str) -> LimitOutOfRange:
+            return LimitOutOfRange(f"{name}={value} is out of range: {low}..{high} {unit} on node {node}")
+
+        if not MIN_MEMORY_MB <= args.memory_limit_mb <= self.memory_total_mb:
+            raise out_of_range("memory_limit_mb", args.memory_limit_mb, MIN_MEMORY_MB, self.memory_total_mb, "MB")
+        if not MIN_CPU <= args.cpu_cores_limit <= self.cpu_cores:
+            raise out_of_range("cpu_cores_limit", args.cpu_cores_limit, MIN_CPU, self.cpu_cores, "cores")
+        cap = getattr(args, "cpu_cores_cap", None)
+        if cap is not None and not max(MIN_CPU, args.cpu_cores_limit) <= cap <= self.cpu_cores:
+            low = max(MIN_CPU, args.cpu_cores_limit)
+            raise out_of_range("cpu_cores_cap", cap, f"{low:g}", self.cpu_cores, "cores (at least cpu_cores_limit)")
+        if not 1 <= args.ttl_running_stop <= MAX_TTL_S:
+            raise out_of_range("ttl_running_stop", args.ttl_running_stop, 1, int(MAX_TTL_S), "seconds")
+        if not PIDS_RANGE[0] <= args.pids_limit <= PIDS_RANGE[1]:
+            raise out_of_range("pids_limit", args.pids_limit, *PIDS_RANGE, "processes")
+        return Limits(memory_mb=args.memory_limit_mb, cpu_cores=args.cpu_cores_limit, pids=args.pids_limit,
+                      cpu_cap=cap, best_effort=getattr(args, "best_effort", False))
+
+    def admit(self, sandbox_id: str, args: DSecContainerRunArgs) -> None:
+        """Take ``sandbox_id`` in, holding what ``args`` commit; ``CapacityExceeded`` if it does not fit."""
+        config = self.config
+        if len(self.held) >= config.max_sandboxes:
+            raise CapacityExceeded(f"node {config.node} is full: {len(self.held)} of {config.max_sandboxes} sandboxes")
+        committed = self.held_memory_mb + args.memory_limit_mb
+        cap = int(self.memory_total_mb * config.memory_overcommit)
+        if committed > cap:
+            raise CapacityExceeded(
+                f"node {config.node} cannot admit {args.memory_limit_mb} MB more: "
+                f"{committed - args.memory_limit_mb} of {cap} MB committed"
+                f" ({config.memory_overcommit:g}× its {self.memory_total_mb} MB)"
+            )
+        cpu = cpu_commit(args)
+        cpu_committed = self.held_ucores / 1_000_000
+        cpu_cap = self.cpu_cores * config.cpu_overcommit
+        if cpu and cpu_committed + cpu > cpu_cap + 1e-9:
+            raise CapacityExceeded(
+                f"node {config.node} cannot admit {cpu:g} CPU cores more: {cpu_committed:g} of {cpu_cap:g} committed "
+                f"({config.cpu_overcommit:g}× its {self.cpu_cores} cores; best-effort sandboxes commit none)"
+            )
+        self.hold(sandbox_id, args)
+
+    def hold(self, sandbox_id: str, args: DSecContainerRunArgs) -> None:
+        """``sandbox_id`` holds what ``args`` commit from now on (admitted, or re-adopted on restart)."""
+        if sandbox_id not in self.held:
+            held = self.held[sandbox_id] = (round(cpu_commit(args) * 1_000_000), args.memory_limit_mb)
+            self.held_ucores += held[0]
+            self.held_memory_mb += held[1]
+
+    def unhold(self, sandbox_id: str) -> None:
+        """``sandbox_id`` holds nothing any more; a second call does nothing."""
+        if (held := self.held.pop(sandbox_id, None)) is not None:
+            self.held_ucores -= held[0]
+            self.held_memory_mb -= held[1]
+
+    def commitments(self, records: Iterable[Record]) -> dict:
+        """Admission figures for the placement view, and what each project holds here."""
+        paused = 0
+        projects: dict[str, list] = {}
+        for r in records:
+            if r.status not in HOLDING:
+                continue
+            paused += r.status is SandboxStatus.paused
+            if r.status is not SandboxStatus.creating:  # creates in flight are the apiserver's to count
+                u = projects.setdefault(r.project, [0, 0.0, 0])
+                u[0] += 1
+                u[1] += cpu_commit(r.args)
+                u[2] += r.args.memory_limit_mb
+        config = self.config
+        return {
+            "max_sandboxes": config.max_sandboxes, "cpu_overcommit": config.cpu_overcommit,
+            "memory_overcommit": config.memory_overcommit, "committed_cpu": self.held_ucores / 1_000_000,
+            "committed_memory_mb": self.held_memory_mb, "paused": paused, "swap_total_mb": reclaim.swap_total_bytes() >> 20,
+            "sched_idle": cpu_sched.sched_idle(), "core_scheduling": cpu_sched.core_scheduling(),
+            "projects": {p: ProjectUsage(sandboxes=n, cpu_cores=round(c, 6), memory_mb=m)
+                         for p, (n, c, m) in projects.items()},
+        }

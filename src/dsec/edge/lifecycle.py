@@ -1,0 +1,170 @@
+"""A sandbox's lifecycle on its node: the one table of what may be done in which state, and the
+record the edge keeps of each sandbox.
+
+    creating ──▶ running ──▶ stopping ──▶ stopped
+        │          ▲  │ pause
+        │   resume │  ▼
+        │         paused ─────▶ stopping
+        └──────────┴────────────┴──────▶ failed
+
+What a caller asks of a sandbox (an ``Action``) is allowed in these states and leads to these:
+
+    action                     creating  running   paused     stopping   stopped   failed
+    exec, read/write a file    ✗         running   running¹   ✗          ✗         ✗
+    pack, snapshot, net rules  ✗         running   ✗          ✗          ✗         ✗
+    pause                      ✗         paused    ✗ already  ✗          ✗         ✗
+    resume                     ✗         ✗         running    ✗          ✗         ✗
+    stop                       ✗²        stopping  stopping   stopping³  stopped⁴  failed³
+
+    ¹ the call resumes it first    ² "still being created"    ⁴ nothing left to do
+    ³ waits for the end under way (the stop's, or the clean-up of the failure)
+
+``check(action, …)`` is the table's one gate: it answers the state the action leads to, or
+raises ``SandboxStateError("cannot <verb>: sandbox <id> is <state>")``. Every edge method that
+acts on a sandbox asks it first. Reading a sandbox (its info, its security events) is allowed in
+every state. The other steps are the edge's own, not asked for: creating → running when its
+create completes (a create that fails leaves no record), stopping → stopped when its backend has
+destroyed it, running → failed when its processes are found dead, stopping → failed when the
+destroy fails (and, on an edge restart, failed for a sandbox found gone). The edge drops the
+record of a stopped or failed sandbox once it is cleaned up, and keeps its last info.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from enum import Enum
+
+from libdsec import SandboxStateError
+from libdsec.protocol import RUN_ARGS_BY_KIND, DSecContainerRunArgs, SandboxInfo, SandboxStatus
+
+from ..backends.base import Handle
+from ..images.store import Image
+
+class Action(str, Enum):
+    """What a caller may ask of a sandbox; the value is its verb in a refusal."""
+
+    exec = "exec"
+    read_file = "read a file"
+    write_file = "write a file"
+    pack_diff = "pack"
+    snapshot = "snapshot"
+    set_network_rules = "change network rules"
+    pause = "pause"
+    resume = "resume"
+    stop = "stop"
+
+
+# The state an action leads to, in each state it is allowed in; what is not here is refused.
+TRANSITIONS: dict[SandboxStatus, dict[Action, SandboxStatus]] = {
+    SandboxStatus.creating: {},
+    SandboxStatus.running: {
+        Action.exec: SandboxStatus.running,
+        Action.read_file: SandboxStatus.running,
+        Action.write_file: SandboxStatus.running,
+        Action.pack_diff: SandboxStatus.running,
+        Action.snapshot: SandboxStatus.running,
+        Action.set_network_rules: SandboxStatus.running,
+        Action.pause: SandboxStatus.paused,
+        Action.stop: SandboxStatus.stopping,
+    },
+    SandboxStatus.paused: {
+        # A call resumes a paused sandbox first; a pack, a snapshot or new rules do not.
+        Action.exec: SandboxStatus.running,
+        Action.read_file: SandboxStatus.running,
+        Action.write_file: SandboxStatus.running,
+        Action.resume: SandboxStatus.running,
+        Action.stop: SandboxStatus.stopping,
+    },
+    SandboxStatus.stopping: {Action.stop: SandboxStatus.stopping},  # under way: a second stop waits for its end
+    SandboxStatus.stopped: {Action.stop: SandboxStatus.stopped},  # nothing left to do
+    SandboxStatus.failed: {Action.stop: SandboxStatus.failed},  # its end under way: a stop waits for it
+}
+
+# Refusals that say more than "is <state>".
+_REFUSALS: dict[tuple[SandboxStatus, Action], str] = {
+    (SandboxStatus.paused, Action.pause): "is paused already",
+    (SandboxStatus.creating, Action.stop): "is still being created",
+}
+
+# States in which a sandbox holds its node's resources (and counts against its project's quota).
+HOLDING = (SandboxStatus.creating, SandboxStatus.running, SandboxStatus.paused)
+
+
+def refusal(action: Action, sandbox_id: str, status: SandboxStatus, reason: str | None = None) -> SandboxStateError:
+    """The error that refuses ``action`` on a sandbox in ``status`` (``reason``: why it ended)."""
+    said = _REFUSALS.get((status, action))
+    if said is None:
+        said = f"is {status.value}, not paused" if action is Action.resume else f"is {status.value}"
+    return SandboxStateError(f"cannot {action.value}: sandbox {sandbox_id} {said}" + (f": {reason}" if reason else ""))
+
+
+def check(action: Action, sandbox_id: str, status: SandboxStatus, reason: str | None = None) -> SandboxStatus:
+    """The state ``action`` leads a sandbox in ``status`` to; ``SandboxStateError`` if the table
+    does not allow it there."""
+    to = TRANSITIONS[status].get(action)
+    if to is None:
+        raise refusal(action, sandbox_id, status, reason)
+    return to
+
+
+@dataclass
+class Record:
+    """The edge's record of one sandbox; its JSON (``to_json``) is what the journal keeps."""
+
+    id: str
+    kind: str
+    handle: Handle
+    args: DSecContainerRunArgs
+    image: Image
+    status: SandboxStatus
+    created_at: float
+    last_active: float
+    uid: int = 0
+    gid: int = 0
+    reason: str | None = None
+    calls: int = 0
+    create_s: float | None = None
+    project: str = "root"
+    paused_at: float | None = None
+    # Serialises pause and resume (and the implicit resume of a call) on one sandbox.
+    transition: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    def info(self, node: str) -> SandboxInfo:
+        return SandboxInfo(
+            id=self.id, kind=self.kind, node=node, image=self.image.name, status=self.status,
+            created_at=datetime.fromtimestamp(self.created_at, timezone.utc),
+            last_active_at=datetime.fromtimestamp(self.last_active, timezone.utc),
+            memory_limit_mb=self.args.memory_limit_mb, cpu_cores_limit=self.args.cpu_cores_limit,
+            ttl_running_stop=self.args.ttl_running_stop, init_user=self.args.init_user,
+            workdir=self.args.workdir, reason=self.reason, create_s=self.create_s, project=self.project,
+            cpu_cores_cap=getattr(self.args, "cpu_cores_cap", None), best_effort=getattr(self.args, "best_effort", False),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "id": self.id, "kind": self.kind, "handle": self.handle.to_json(), "args": self.args.model_dump(mode="json"),
+            "image": {"name": self.image.name, "layers": list(self.image.layers), "env": self.image.env,
+                      "workdir": self.image.workdir, "user": self.image.user, "roles": list(self.image.roles)},
+            "created_at": self.created_at, "uid": self.uid, "gid": self.gid,
+            "project": self.project, "paused_at": self.paused_at,
+        })
+
+    @classmethod
+    def from_json(cls, text: str) -> Record:
+        """A record read back on restart: running, or paused if it was (``paused_at``)."""
+        d = json.loads(text)
+        img = d["image"]
+        now = time.time()
+        return cls(
+            id=d["id"], kind=d.get("kind", "container"), handle=Handle.from_json(d["handle"]),
+            args=RUN_ARGS_BY_KIND.get(d.get("kind", "container"), DSecContainerRunArgs).model_validate(d["args"]),
+            image=Image(name=img["name"], layers=tuple(img["layers"]), env=img["env"],
+                        workdir=img["workdir"], user=img["user"], roles=tuple(img.get("roles", ()))),
+            status=SandboxStatus.paused if d.get("paused_at") else SandboxStatus.running,
+            created_at=d["created_at"], last_active=now, uid=d["uid"], gid=d["gid"],
+            project=d.get("project", "root"), paused_at=d.get("paused_at"),
+        )

@@ -1,0 +1,70 @@
+"""The TTL reaper: every ``reaper_interval_s`` it stops the sandboxes whose time is up.
+
+A running sandbox with no call in flight and none for ``ttl_running_stop`` seconds (its own run
+arg) is stopped; a paused one is exempt from that until it has been paused for the node's
+``paused_ttl_s``. A stop that fails, with any error, is logged (the stop marks the sandbox
+failed) and the reaper goes on.
+``start()`` runs it, ``close()`` ends it (a second call does nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from libdsec.protocol import SandboxStatus
+
+from .lifecycle import Record
+
+if TYPE_CHECKING:
+    from .edge import EdgeConfig
+
+log = logging.getLogger("dsec.edge")
+
+
+def expired(records: Iterable[Record], now: float, paused_ttl_s: float) -> list[tuple[Record, str]]:
+    """The sandboxes to stop at ``now``, each with the reason it is stopped for."""
+    records = list(records)
+    due = [
+        (r, f"idle for over ttl_running_stop={r.args.ttl_running_stop:g}s") for r in records
+        if r.status is SandboxStatus.running and r.calls == 0
+        and now - r.last_active > r.args.ttl_running_stop
+    ]
+    due += [
+        (r, f"paused for over paused_ttl_s={paused_ttl_s:g}s") for r in records
+        if r.status is SandboxStatus.paused and r.paused_at is not None
+        and now - r.paused_at > paused_ttl_s
+    ]
+    return due
+
+
+class TTLReaper:
+    """Stops, through ``stop(sandbox_id, reason)``, what ``expired`` finds in ``records``."""
+
+    def __init__(self, config: EdgeConfig, records: Mapping[str, Record],
+                 stop: Callable[[str, str], Awaitable[object]]) -> None:
+        self.config = config
+        self.records = records
+        self.stop = stop
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="dsec-ttl-reaper")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.reaper_interval_s)
+            for rec, reason in expired(self.records.values(), time.time(), self.config.paused_ttl_s):
+                try:
+                    await self.stop(rec.id, reason)
+                except Exception as exc:  # noqa: BLE001 - a backend's own error must not end the reaper
+                    log.warning("TTL stop of %s failed: %s", rec.id, exc)
