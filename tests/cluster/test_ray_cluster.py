@@ -63,6 +63,7 @@ class RayWorld:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, test_store, python_image, postgres):
     base = tmp_path_factory.mktemp("ray")
+    saved_env = dict(os.environ)
     os.environ.update({"RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(base / "ray"), "DSEC_VMS": "0",
                        "RAY_USAGE_STATS_ENABLED": "0"})
     (base / "ray").mkdir()
@@ -85,6 +86,8 @@ def world(tmp_path_factory, test_store, python_image, postgres):
         for node_dir in world.node_dirs():
             asyncio.run(reset_node(node_dir))
         left = [x for d in world.node_dirs() for x in leftovers(d)]
+        os.environ.clear()
+        os.environ.update(saved_env)  # the next modules' servers run VMs again, and so on
         assert not left, f"left behind: {left}"
 
 
