@@ -82,26 +82,35 @@ class Admission:
 
     def admit(self, sandbox_id: str, args: DSecContainerRunArgs) -> None:
         """Take ``sandbox_id`` in, holding what ``args`` commit; ``CapacityExceeded`` if it does not fit."""
+        self.fits(args)
+        self.hold(sandbox_id, args)
+
+    def fits(self, args: DSecContainerRunArgs, count: int = 1) -> None:
+        """``CapacityExceeded`` unless ``count`` more sandboxes of ``args`` fit beside what is held
+        (a batch that cannot fit whole is refused before any of it is made)."""
         config = self.config
-        if len(self.held) >= config.max_sandboxes:
-            raise CapacityExceeded(f"node {config.node} is full: {len(self.held)} of {config.max_sandboxes} sandboxes")
-        committed = self.held_memory_mb + args.memory_limit_mb
+        some = f"{count} sandboxes of " if count > 1 else ""
+        if len(self.held) + count > config.max_sandboxes:
+            raise CapacityExceeded(f"node {config.node} is full: {len(self.held)} of {config.max_sandboxes} sandboxes"
+                                   + (f", {count} more asked for" if count > 1 else ""))
+        memory = args.memory_limit_mb * count
+        committed = self.held_memory_mb + memory
         cap = int(self.memory_total_mb * config.memory_overcommit)
         if committed > cap:
             raise CapacityExceeded(
-                f"node {config.node} cannot admit {args.memory_limit_mb} MB more: "
-                f"{committed - args.memory_limit_mb} of {cap} MB committed"
+                f"node {config.node} cannot admit {some}{args.memory_limit_mb} MB more: "
+                f"{self.held_memory_mb} of {cap} MB committed"
                 f" ({config.memory_overcommit:g}× its {self.memory_total_mb} MB)"
             )
-        cpu = cpu_commit(args)
+        cpu = cpu_commit(args) * count
         cpu_committed = self.held_ucores / 1_000_000
         cpu_cap = self.cpu_cores * config.cpu_overcommit
         if cpu and cpu_committed + cpu > cpu_cap + 1e-9:
             raise CapacityExceeded(
-                f"node {config.node} cannot admit {cpu:g} CPU cores more: {cpu_committed:g} of {cpu_cap:g} committed "
-                f"({config.cpu_overcommit:g}× its {self.cpu_cores} cores; best-effort sandboxes commit none)"
+                f"node {config.node} cannot admit {some}{cpu_commit(args):g} CPU cores more: {cpu_committed:g} of "
+                f"{cpu_cap:g} committed ({config.cpu_overcommit:g}× its {self.cpu_cores} cores; best-effort "
+                "sandboxes commit none)"
             )
-        self.hold(sandbox_id, args)
 
     def hold(self, sandbox_id: str, args: DSecContainerRunArgs) -> None:
         """``sandbox_id`` holds what ``args`` commit from now on (admitted, or re-adopted on restart)."""

@@ -239,6 +239,7 @@ class Edge:
             self.admission.limits(args)
             self.security.check_rules(args.network_rules)
             self.store.resolve(args.image_ref)
+            self.admission.fits(args, count)
 
         return all_or_none(
             count, lambda: self.create(args, kind, project), lambda sid: self.stop(sid, reason="batch create failed"),
