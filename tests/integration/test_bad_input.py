@@ -127,10 +127,10 @@ async def test_batch_count_out_of_range(client, server, count):
 
 
 async def test_huge_batch_beyond_node_capacity_leaves_nothing(client):
-    """A batch the node cannot hold fails as a whole, and every sandbox it had made is stopped,
-    even when the failure comes back before the first success."""
+    """A batch the node cannot hold fails as a whole, refused before any of it is made (the
+    batch's undo of what it made is tested in test_ttl_and_batch)."""
     node = (await client.node_info())[0]
-    with pytest.raises(CapacityExceeded, match="cannot admit"):
+    with pytest.raises(CapacityExceeded, match="is full|cannot admit"):
         await client.run_containers(args(memory_limit_mb=node.memory_total_mb), count=MAX_BATCH_COUNT, timeout=120)
     # (the autouse check waits for the batch's sandboxes to be gone)
 
