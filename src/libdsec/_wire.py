@@ -19,6 +19,7 @@ import asyncio
 import json
 import re
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -60,9 +61,11 @@ class _Connection:
         self.writer = writer
         self.idle_since = 0.0
 
+    def fresh(self, now: float) -> bool:
+        return now - self.idle_since < IDLE_EXPIRY_S
+
     def usable(self, now: float) -> bool:
-        return (now - self.idle_since < IDLE_EXPIRY_S and not self.reader.at_eof()
-                and not self.writer.is_closing())
+        return self.fresh(now) and not self.reader.at_eof() and not self.writer.is_closing()
 
     def close(self) -> None:
         self.writer.close()
@@ -89,9 +92,11 @@ class _Reading:
 
 
 class WireClient:
-    """Requests to one ``http://host:port`` with at most ``max_connections`` open at once."""
+    """Requests to one ``http://host:port`` with at most ``max_connections`` in flight at once,
+    and at most ``max_idle`` (default ``max_connections``) kept open between them."""
 
-    def __init__(self, endpoint: str, headers: dict[str, str], max_connections: int) -> None:
+    def __init__(self, endpoint: str, headers: dict[str, str], max_connections: int,
+                 max_idle: int | None = None) -> None:
         url = urlsplit(endpoint)
         if url.scheme != "http" or not url.hostname:
             raise ValueError(f"not a plain http endpoint: {endpoint!r}")
@@ -104,7 +109,12 @@ class WireClient:
             if not _TARGET.fullmatch(name) or ":" in name or not _VALUE.fullmatch(value):
                 raise ValueError(f"cannot send the header {name!r}: {value!r} (visible ASCII only)")
         self._head = "".join(f"{name}: {value}\r\n" for name, value in lines)
-        self._idle: list[_Connection] = []
+        # Most recently used last; a burst's extra connections sink to the front, expire there
+        # and are closed (else an apiserver's pool to each of 160 nodes kept every connection
+        # its busiest moment opened: 256 stops in flight to one node at a time ran it out of
+        # file descriptors).
+        self._idle: deque[_Connection] = deque()
+        self._max_idle = max_connections if max_idle is None else max_idle
         self._slots = asyncio.Semaphore(max_connections)
         self._closed = False
 
@@ -153,8 +163,11 @@ class WireClient:
 
     def _take(self) -> _Connection | None:
         now = time.monotonic()
-        while self._idle:
-            conn = self._idle.pop()
+        idle = self._idle
+        while idle and not idle[0].fresh(now):
+            idle.popleft().close()
+        while idle:
+            conn = idle.pop()
             if conn.usable(now):
                 return conn
             conn.close()
@@ -182,7 +195,7 @@ class WireClient:
         except BaseException:  # cancelled or timed out mid-exchange, or closed: the connection is spent
             conn.close()
             raise
-        if reading.keep_alive and not self._closed:
+        if reading.keep_alive and not self._closed and len(self._idle) < self._max_idle:
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
@@ -191,7 +204,7 @@ class WireClient:
 
     async def aclose(self) -> None:
         self._closed = True
-        idle, self._idle = self._idle, []
+        idle, self._idle = self._idle, deque()
         for conn in idle:
             conn.close()
         for conn in idle:

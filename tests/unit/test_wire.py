@@ -80,6 +80,24 @@ async def test_keeps_the_connection_and_sends_body_query_and_token() -> None:
     assert headers["host"] == f"127.0.0.1:{srv.port}"
 
 
+async def test_a_burst_leaves_at_most_max_idle_open_and_expired_ones_are_closed(monkeypatch) -> None:
+    async def answer(writer, line, body):
+        await asyncio.sleep(0.05)  # the burst's requests overlap: each needs a connection
+        _json(writer, 200, {})
+        return True
+
+    async with Server(answer) as srv:
+        wire = WireClient(f"http://127.0.0.1:{srv.port}", {}, 64, max_idle=4)
+        await asyncio.gather(*(wire.request("GET", "/x", timeout=5) for _ in range(20)))
+        assert srv.connections == 20 and len(wire._idle) == 4  # the other 16 were closed
+        await wire.request("GET", "/x", timeout=5)
+        assert srv.connections == 20  # one of the kept ones was used
+        monkeypatch.setattr("libdsec._wire.IDLE_EXPIRY_S", 0.0)  # now all of them have expired
+        await wire.request("GET", "/x", timeout=5)
+        assert srv.connections == 21 and len(wire._idle) == 1  # the expired ones closed, the new one kept
+        await wire.aclose()
+
+
 async def test_reads_a_chunked_answer_and_an_error_status() -> None:
     async def answer(writer, line, body):
         if "/fail" in line:

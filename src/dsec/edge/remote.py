@@ -68,6 +68,9 @@ SLACK_S = 30.0
 # A batch stream may pause between sandboxes while the node starts them; not longer than this.
 BATCH_IDLE_S = 120.0
 MAX_CONNECTIONS = 256
+# Connections kept open to a node between calls: one apiserver's pools to 160 nodes hold at
+# most 160 × this many file descriptors, whatever bursts opened.
+MAX_IDLE_CONNECTIONS = 32
 
 # Batch streams being read, referenced until done (see RemoteEdge.create_batch).
 _BATCHES: set[asyncio.Task] = set()
@@ -81,7 +84,7 @@ class RemoteEdge:
         self.url = url.rstrip("/")
         self.call_timeout_s = call_timeout_s
         headers = {"authorization": f"Bearer {token}"}
-        self._wire = WireClient(self.url, headers, MAX_CONNECTIONS)
+        self._wire = WireClient(self.url, headers, MAX_CONNECTIONS, MAX_IDLE_CONNECTIONS)
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers,
                                        timeout=httpx.Timeout(CALL_TIMEOUT_S, read=BATCH_IDLE_S))
         self._closed = False
