@@ -16,7 +16,8 @@ overcommit; nodes admit ``max_sandboxes`` (1000) each):
 
 1. one batch, ``run_containers(args, count=batch)`` (32,000): sandboxes/s from the request to
    the last one received, and the spread (max/mean sandboxes per node, over every node);
-2. every sandbox stopped, ``in_flight`` (256) stops at a time: stops/s;
+2. every sandbox stopped, ``in_flight`` (256) stops at a time, in a random order (episodes
+   end in any order; a batch's sandboxes come back grouped by node): stops/s;
 3. ``singles`` (32,000) single creates, ``in_flight`` at a time (a closed loop): creates/s,
    p50/p99 latency, spread; then stopped as in 2;
 4. single creates offered at a fixed rate (``paced_rate``, 2,000/s, for ``paced_s`` seconds;
@@ -38,6 +39,7 @@ import asyncio
 import gc
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -329,6 +331,8 @@ class Phases:
         return time.perf_counter() - t0, results, latencies
 
     async def stop_all(self, made: list[Sandbox], what: str) -> dict:
+        made = list(made)
+        random.Random(len(made)).shuffle(made)
         meter = CpuMeter(self.arm.pids())
         seconds, _, latencies = await self._closed_loop(len(made), f"{what} ({self.opts.in_flight} in flight)",
                                                         lambda i: made[i].stop())
@@ -487,6 +491,7 @@ def main(console: Console, **options: Any) -> int:
     console.print(f"[bold]dsec bench cluster[/bold]: {opts.nodes} simulated nodes in {opts.processes} processes, "
                   f"one apiserver; {res['machine']['cores']} cores, load average {' '.join(_loadavg())}")
     work = Path(tempfile.mkdtemp(prefix="dsec-bench-cluster-"))
+    res["work_dir"] = str(work)
     code = 0
 
     async def run(progress: Progress) -> None:
