@@ -92,14 +92,16 @@ class BenchError(RuntimeError):
 
 # Run a module as ``python -m`` would, after asking the kernel for SIGTERM once this process
 # (its parent) dies: a benchmark killed outright leaves no server behind.
-# With DSEC_BENCH_PROFILE=DIR each child runs under cProfile and writes DIR/<module>-<pid>.prof.
+# With DSEC_BENCH_PROFILE=DIR each child runs under cProfile (timed by its CPU time, not the
+# wall clock, which charges a call for the time the process waited to run) and writes
+# DIR/<module>-<pid>.prof.
 _LAUNCH = ("import ctypes, os, runpy, sys; ctypes.CDLL(None).prctl(1, 15)\n"
            "if os.getppid() != int(sys.argv[1]): sys.exit(1)\n"
            "sys.argv = sys.argv[2:]; out = os.environ.get('DSEC_BENCH_PROFILE')\n"
            "run = lambda: runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
            "if not out: run()\n"
            "else:\n"
-           "    import cProfile, signal; p = cProfile.Profile(); name = f'{out}/{sys.argv[0]}-{os.getpid()}.prof'\n"
+           "    import cProfile, signal, time; p = cProfile.Profile(time.process_time); name = f'{out}/{sys.argv[0]}-{os.getpid()}.prof'\n"
            "    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn raises it again at its end\n"
            "    try: p.runcall(run)\n"
            "    finally: p.dump_stats(name)")
