@@ -36,6 +36,8 @@ def test_both_arms_run_every_phase_and_clean_up(tmp_path: Path) -> None:
         assert arm["batch"]["per_s"] > 0 and 1.0 <= arm["batch"]["spread"] < 2.0
         assert arm["singles"]["per_s"] > 0 and arm["singles"]["p99_ms"] >= arm["singles"]["p50_ms"] > 0
         assert arm["paced"]["count"] == 100 and arm["paced"]["p99_ms"] > 0
+        assert arm["paced_half"]["rate"] == arm["singles"]["per_s"] / 2 and arm["paced_half"]["p99_ms"] > 0
+        assert arm["singles"]["cpu_us_all"] > 0 and arm["batch"]["cpu_bound_per_s"] > 0
         assert arm["batch_stop"]["count"] == 200 and arm["singles_stop"]["count"] == 200
         assert arm["left_running"] == 0
         assert arm["batch"]["cpu_s"]["apiserver"] > 0

@@ -21,10 +21,12 @@ overcommit; nodes admit ``max_sandboxes`` (1000) each):
 3. ``singles`` (32,000) single creates, ``in_flight`` at a time (a closed loop): creates/s,
    p50/p99 latency, spread; then stopped as in 2;
 4. single creates offered at a fixed rate (``paced_rate``, 2,000/s, for ``paced_s`` seconds;
-   an open loop, at most ``in_flight`` outstanding): p50/p99 latency at that rate. With 256 in
-   flight in a closed loop the latency is queueing: by Little's law the mean is 256 ÷ rate, so
-   p99 ≤ 50 ms there needs more than 5,120 creates/s; the paced phase gives the latency a
-   create sees when the cluster is asked for the goal's rate.
+   an open loop, at most ``in_flight`` outstanding): p50/p99 latency at that rate, each counted
+   from when the create was due; then again at half the rate phase 3 reached (the latency of
+   the path itself, below saturation). With 256 in flight in a closed loop the latency is
+   queueing: by Little's law the mean is 256 ÷ rate, so p99 ≤ 50 ms there needs more than
+   5,120 creates/s; the paced phase gives the latency a create sees when the cluster is asked
+   for the goal's rate.
 
 Each phase reports the CPU seconds of each process (apiserver, simulated nodes, load
 generator), so the cost per sandbox shows where it goes. Everything lives in a temporary
@@ -254,6 +256,10 @@ class CpuMeter:
         return {
             "cpu_s": {k: round(v, 3) for k, v in cpu_s.items()},
             "cpu_us_per_sandbox": {k: round(v / max(count, 1) * 1e6, 1) for k, v in cpu_s.items()},
+            # Every process of the arm and the load generator: what the machine's cores could
+            # do at this CPU cost with no other work on them (a bound: it assumes they overlap).
+            "cpu_us_all": ours / max(count, 1) * 1e6,
+            "cpu_bound_per_s": count * cores / ours if ours > 0 else float("nan"),
             "others_share": max(0.0, machine["busy_cpu_s"] - ours) / (machine["wall_s"] * cores),
         }
 
@@ -284,8 +290,10 @@ class Phases:
         made, r["singles"] = await self.run_singles()
         r["singles_stop"] = await self.stop_all(made, "stop the single creates")
         if self.opts.paced_rate > 0 and self.paced_s > 0:
-            made, r["paced"] = await self.run_paced()
+            made, r["paced"] = await self.run_paced(self.opts.paced_rate)
             r["paced_stop"] = await self.stop_all(made, "stop the paced creates")
+            made, r["paced_half"] = await self.run_paced(r["singles"]["per_s"] / 2)
+            r["paced_half_stop"] = await self.stop_all(made, "stop the paced creates")
         r["left_running"] = len(await self.client.list_sandboxes())
         return r
 
@@ -349,10 +357,10 @@ class Phases:
         return made, {"seconds": seconds, "per_s": len(made) / seconds, **_ms(latencies),
                       **_spread([s.info for s in made], self.arm.nodes), **meter.stop(len(made)), "loadavg": _loadavg()}
 
-    async def run_paced(self) -> tuple[list[Sandbox], dict]:
-        """Creates offered at ``paced_rate``; each one's latency counts from when it was due,
-        so falling behind the rate shows as latency, not as a slower offer."""
-        rate, total = self.opts.paced_rate, max(1, round(self.opts.paced_rate * self.paced_s))
+    async def run_paced(self, rate: float) -> tuple[list[Sandbox], dict]:
+        """Creates offered at ``rate`` a second; each one's latency counts from when it was
+        due, so falling behind the rate shows as latency, not as a slower offer."""
+        total = max(1, round(rate * self.paced_s))
         task = self._task(f"single creates offered at {rate:,.0f}/s", total)
         gate = asyncio.Semaphore(self.opts.in_flight)
         made: list[Sandbox] = []
@@ -460,8 +468,17 @@ def _table(res: dict[str, Any]) -> Table:
         ("single create p50 ms", ("singles", "p50_ms"), ".1f", None),
         ("single create p99 ms", ("singles", "p99_ms"), ".1f", "single create p99 ≤ 50 ms (2"),
         ("single creates spread", ("singles", "spread"), ".3f", None),
-        ("paced create p50 ms", ("paced", "p50_ms"), ".1f", None),
-        ("paced create p99 ms", ("paced", "p99_ms"), ".1f", "single create p99 ≤ 50 ms (o"),
+        (f"create p50 ms offered at {res['options']['paced_rate']:,.0f}/s", ("paced", "p50_ms"), ".1f", None),
+        (f"create p99 ms offered at {res['options']['paced_rate']:,.0f}/s", ("paced", "p99_ms"), ".1f",
+         "single create p99 ≤ 50 ms (o"),
+        ("create p50 ms offered at ½ the closed-loop rate", ("paced_half", "p50_ms"), ".1f", None),
+        ("create p99 ms offered at ½ the closed-loop rate", ("paced_half", "p99_ms"), ".1f", None),
+        ("  (that rate, creates/s)", ("paced_half", "rate"), ",.0f", None),
+        ("batch: CPU µs a sandbox, all processes", ("batch", "cpu_us_all"), ",.0f", None),
+        ("batch: sandboxes/s that CPU allows on 2 free cores", ("batch", "cpu_bound_per_s"), ",.0f", None),
+        ("single create: CPU µs, all processes", ("singles", "cpu_us_all"), ",.0f", None),
+        ("single creates/s that CPU allows on 2 free cores", ("singles", "cpu_bound_per_s"), ",.0f", None),
+        ("others' share of the machine (single creates)", ("singles", "others_share"), ".0%", None),
     ]
     for label, (phase, key), spec, goal_name in rows:
         a, b = remote.get(phase, {}).get(key), embedded.get(phase, {}).get(key)
@@ -473,7 +490,7 @@ def _table(res: dict[str, Any]) -> Table:
 def _cpu_lines(res: dict[str, Any]) -> list[str]:
     lines = []
     for name, arm in res["arms"].items():
-        for phase in ("batch", "batch_stop", "singles", "singles_stop", "paced"):
+        for phase in ("batch", "batch_stop", "singles", "singles_stop", "paced", "paced_half"):
             if phase in arm:
                 per = arm[phase]["cpu_us_per_sandbox"]
                 parts = ", ".join(f"{role} {us:,.0f}" for role, us in per.items())
