@@ -427,6 +427,27 @@ def bench_vm_pause(
                                memory_mb=memory, state_mb=state_mb, strict=strict))
 
 
+@bench_app.command("cluster")
+def bench_cluster(
+    nodes: Annotated[int, typer.Option(help="Simulated nodes (fake backend, each behind its own endpoint).")] = 160,
+    processes: Annotated[int, typer.Option(help="Processes the simulated nodes are dealt out among.")] = 4,
+    batch: Annotated[int, typer.Option(help="Sandboxes in the one batch.")] = 32_000,
+    singles: Annotated[int, typer.Option(help="Single creates (closed loop).")] = 32_000,
+    in_flight: Annotated[int, typer.Option(help="Single creates and stops outstanding at once.")] = 256,
+    paced_rate: Annotated[float, typer.Option(help="Single creates offered per second in the paced phase (0: none).")] = 2000.0,
+    embedded: Annotated[bool, typer.Option(help="Measure the embedded peer (in-process edges) too.")] = True,
+    embedded_scale: Annotated[float, typer.Option(help="The embedded arm's counts, as a fraction of the remote arm's.")] = 1.0,
+    results: Annotated[Optional[Path], typer.Option(help="Write the figures to this JSON file.")] = None,
+    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
+) -> None:
+    """The control plane: one big batch and many single creates over simulated nodes, against in-process edges."""
+    from .bench.cluster import main as run_bench
+
+    raise typer.Exit(run_bench(console=console, nodes=nodes, processes=processes, batch=batch, singles=singles,
+                               in_flight=in_flight, paced_rate=paced_rate, embedded=embedded,
+                               embedded_scale=embedded_scale, results=results, strict=strict))
+
+
 def main() -> None:
     if os.environ.get("DSEC_DEBUG"):
         app()

@@ -443,6 +443,10 @@ class DSecClient(_ProjectMethods):
     async def _stream(
         self, method: str, path: str, model: BaseModel, timeout: float | None
     ) -> Any:
+        if self._wire is not None:
+            async for event in self._stream_wire(method, path, model, timeout):
+                yield event
+            return
         tried: list[str] = []
         while True:
             endpoint, http = self.endpoint, self._client()
@@ -464,6 +468,25 @@ class DSecClient(_ProjectMethods):
             except httpx.TransportError as exc:
                 if not self._fail_over(endpoint, method, exc, tried):
                     raise _unavailable(tried, endpoint, exc) from exc
+
+    async def _stream_wire(self, method: str, path: str, model: BaseModel, timeout: float | None) -> Any:
+        assert self._wire is not None
+        try:
+            async with self._wire.stream(method, path, body=model.model_dump_json().encode(),
+                                         content_type="application/json",
+                                         timeout=timeout if timeout is not None else self._timeout) as response:
+                if response.status_code >= 400:
+                    raise _error_of(Answer(response.status_code, await response.read()))
+                rest = b""
+                async for chunk in response.chunks():
+                    *lines, rest = (rest + chunk).split(b"\n")
+                    for line in lines:
+                        if line.strip():
+                            yield BatchEvent.model_validate_json(line)
+                if rest.strip():
+                    yield BatchEvent.model_validate_json(rest)
+        except WireError as exc:
+            raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc}") from exc
 
     def _fail_over(self, failed: str, method: str, exc: Exception, tried: list[str]) -> bool:
         """After ``exc`` at ``failed``: whether to send the request again, to ``self.endpoint``

@@ -9,8 +9,10 @@ whole), so they go through this client instead: idle keep-alive connections on a
 request's head written out directly (its target and header values checked first), each answer
 read by httptools (the C HTTP parser under uvicorn). h11, which framed both before, took 83 µs
 of the client's CPU an exchange here, a quarter of what a warm create costs the client in all;
-this takes a few. Streamed answers (the NDJSON of a batch create), ``https://`` endpoints and
-custom httpx transports stay on httpx.
+this takes a few. A batch create's NDJSON answer is read as it arrives (``stream``): httpx's
+line iterator and its stream machinery cost the client more than parsing each line.
+``https://`` endpoints and custom httpx transports stay on httpx. (The apiserver reaches its
+nodes through this client too: ``dsec.edge.remote``.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import json
 import re
 import select
 import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode, urlsplit
@@ -70,9 +75,11 @@ class _Connection:
         self.writer = writer
         self.idle_since = 0.0
 
+    def fresh(self, now: float) -> bool:
+        return now - self.idle_since < IDLE_EXPIRY_S
+
     def usable(self, now: float) -> bool:
-        return (now - self.idle_since < IDLE_EXPIRY_S and not self.reader.at_eof()
-                and not self.writer.is_closing())
+        return self.fresh(now) and not self.reader.at_eof() and not self.writer.is_closing()
 
     def peer_closed(self) -> bool:
         """Whether the kernel holds something to read on this idle connection (the server's
@@ -105,8 +112,55 @@ class _Reading:
         self.complete = True
 
 
+class _StreamReading(_Reading):
+    __slots__ = ("head_done",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_done = False
+
+    def on_headers_complete(self) -> None:
+        self.head_done = True
+
+
+class Stream:
+    """An answer read as it arrives (``WireClient.stream``): its status once the head is in,
+    then its body in the pieces it arrives in, each read bounded by the stream's timeout."""
+
+    def __init__(self, conn: _Connection, reading: _StreamReading, timeout: float) -> None:
+        self._conn, self._reading, self._timeout = conn, reading, timeout
+        self.status_code = reading.parser.get_status_code()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        reading = self._reading
+        while True:
+            if reading.parts:
+                data = b"".join(reading.parts)
+                reading.parts.clear()
+                yield data
+            if reading.complete:
+                return
+            try:
+                async with asyncio.timeout(self._timeout):
+                    chunk = await self._conn.reader.read(_READ_SIZE)
+            except TimeoutError:
+                raise WireError(f"the server sent nothing for {self._timeout:g}s") from None
+            except OSError as exc:
+                raise WireError(f"the server broke off its answer: {exc!r}") from exc
+            if not chunk:
+                raise WireError("the server broke off its answer: it closed the connection")
+            try:
+                reading.parser.feed_data(chunk)
+            except httptools.HttpParserError as exc:
+                raise WireError(f"the server broke off its answer: {exc!r}") from exc
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks()])
+
+
 class WireClient:
-    """Requests to one ``http://host:port`` with at most ``max_connections`` open at once.
+    """Requests to one ``http://host:port`` with at most ``max_connections`` in flight at once,
+    and at most ``max_idle`` (default ``max_connections``) kept open between them.
 
     ``check_idle``: before an idle connection is used again, ask the kernel whether the server
     closed it (one poll(2) a request). Then a request sent on it that gets no answer was read
@@ -114,8 +168,8 @@ class WireClient:
     (``ConnectionBroken``, not ``CannotConnect``): for a client that would send it to another
     server."""
 
-    def __init__(self, endpoint: str, headers: dict[str, str], max_connections: int, *,
-                 check_idle: bool = False) -> None:
+    def __init__(self, endpoint: str, headers: dict[str, str], max_connections: int,
+                 max_idle: int | None = None, *, check_idle: bool = False) -> None:
         url = urlsplit(endpoint)
         if url.scheme != "http" or not url.hostname:
             raise ValueError(f"not a plain http endpoint: {endpoint!r}")
@@ -128,10 +182,27 @@ class WireClient:
             if not _TARGET.fullmatch(name) or ":" in name or not _VALUE.fullmatch(value):
                 raise ValueError(f"cannot send the header {name!r}: {value!r} (visible ASCII only)")
         self._head = "".join(f"{name}: {value}\r\n" for name, value in lines)
-        self._idle: list[_Connection] = []
+        # Most recently used last; a burst's extra connections sink to the front, expire there
+        # and are closed (else an apiserver's pool to each of 160 nodes kept every connection
+        # its busiest moment opened: 256 stops in flight to one node at a time ran it out of
+        # file descriptors).
+        self._idle: deque[_Connection] = deque()
+        self._max_idle = max_connections if max_idle is None else max_idle
         self._slots = asyncio.Semaphore(max_connections)
         self._closed = False
         self._check_idle = check_idle
+
+    def _request_bytes(self, method: str, path: str, params: dict[str, str] | None, body: bytes | None,
+                       content_type: str | None) -> bytes:
+        if self._closed:
+            raise WireError("client is closed")
+        target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
+        if not _TARGET.fullmatch(target):
+            raise WireError(f"cannot send {method} {target!r}: not a request target (visible ASCII only)")
+        head = f"{method} {target} HTTP/1.1\r\n{self._head}"
+        if body is not None:
+            head += f"content-type: {content_type or 'application/octet-stream'}\r\ncontent-length: {len(body)}\r\n"
+        return (head + "\r\n").encode() + (body or b"")
 
     async def request(
         self,
@@ -143,15 +214,7 @@ class WireClient:
         content_type: str | None = None,
         timeout: float,
     ) -> Answer:
-        if self._closed:
-            raise WireError("client is closed")
-        target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
-        if not _TARGET.fullmatch(target):
-            raise WireError(f"cannot send {method} {target!r}: not a request target (visible ASCII only)")
-        head = f"{method} {target} HTTP/1.1\r\n{self._head}"
-        if body is not None:
-            head += f"content-type: {content_type or 'application/octet-stream'}\r\ncontent-length: {len(body)}\r\n"
-        request = (head + "\r\n").encode() + (body or b"")
+        request = self._request_bytes(method, path, params, body, content_type)
         async with self._slots:
             try:
                 async with asyncio.timeout(timeout):
@@ -179,10 +242,77 @@ class WireClient:
         except _NoAnswer as exc:
             raise ConnectionBroken(str(exc)) from None
 
+    @asynccontextmanager
+    async def stream(self, method: str, path: str, *, body: bytes | None = None, content_type: str | None = None,
+                     timeout: float) -> AsyncIterator[Stream]:
+        """The answer to one request, read as it arrives (an NDJSON stream): ``async with
+        client.stream(…) as answer``, then ``answer.status_code`` and ``answer.chunks()``.
+        ``timeout`` bounds the wait for the head and for each piece after it. A stream left
+        before its end closes its connection."""
+        request = self._request_bytes(method, path, None, body, content_type)
+        async with self._slots:
+            try:
+                async with asyncio.timeout(timeout):
+                    conn, reading = await self._open_stream(request)
+            except TimeoutError:
+                raise WireError(f"no answer to {method} {path} within {timeout:g}s") from None
+            try:
+                yield Stream(conn, reading, timeout)
+            finally:
+                if reading.complete and reading.keep_alive and not self._closed and len(self._idle) < self._max_idle:
+                    conn.idle_since = time.monotonic()
+                    self._idle.append(conn)
+                else:
+                    conn.close()
+
+    async def _open_stream(self, request: bytes) -> tuple[_Connection, _StreamReading]:
+        conn = self._take()
+        if conn is not None:
+            try:
+                return conn, await self._send_head(conn, request)
+            except _NoAnswer:
+                pass  # closed as the request left (see _exchange)
+        try:
+            reader, writer = await asyncio.open_connection(self._host, self._port)
+        except OSError as exc:
+            raise WireError(f"cannot connect to {self._host}:{self._port}: {exc}") from exc
+        conn = _Connection(reader, writer)
+        try:
+            return conn, await self._send_head(conn, request)
+        except _NoAnswer as exc:
+            raise WireError(str(exc)) from None
+
+    async def _send_head(self, conn: _Connection, request: bytes) -> _StreamReading:
+        """Send ``request`` and read until the answer's head is in (and whatever came with it)."""
+        reading = _StreamReading()
+        answered = False
+        try:
+            conn.writer.write(request)
+            while not reading.head_done:
+                chunk = await conn.reader.read(_READ_SIZE)
+                if not chunk:
+                    if not answered:
+                        raise _NoAnswer("the server closed the connection without answering")
+                    raise WireError("the server broke off its answer: it closed the connection")
+                answered = True
+                reading.parser.feed_data(chunk)
+        except (OSError, httptools.HttpParserError) as exc:
+            conn.close()
+            if not answered:
+                raise _NoAnswer(f"the server closed the connection: {exc!r}") from exc
+            raise WireError(f"the server broke off its answer: {exc!r}") from exc
+        except BaseException:
+            conn.close()
+            raise
+        return reading
+
     def _take(self) -> _Connection | None:
         now = time.monotonic()
-        while self._idle:
-            conn = self._idle.pop()
+        idle = self._idle
+        while idle and not idle[0].fresh(now):
+            idle.popleft().close()
+        while idle:
+            conn = idle.pop()
             if conn.usable(now) and not (self._check_idle and conn.peer_closed()):
                 return conn
             conn.close()
@@ -211,7 +341,7 @@ class WireClient:
         except BaseException:  # cancelled or timed out mid-exchange, or closed: the connection is spent
             conn.close()
             raise
-        if reading.keep_alive and not self._closed:
+        if reading.keep_alive and not self._closed and len(self._idle) < self._max_idle:
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
         else:
@@ -220,7 +350,7 @@ class WireClient:
 
     async def aclose(self) -> None:
         self._closed = True
-        idle, self._idle = self._idle, []
+        idle, self._idle = self._idle, deque()
         for conn in idle:
             conn.close()
         for conn in idle:

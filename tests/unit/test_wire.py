@@ -80,6 +80,24 @@ async def test_keeps_the_connection_and_sends_body_query_and_token() -> None:
     assert headers["host"] == f"127.0.0.1:{srv.port}"
 
 
+async def test_a_burst_leaves_at_most_max_idle_open_and_expired_ones_are_closed(monkeypatch) -> None:
+    async def answer(writer, line, body):
+        await asyncio.sleep(0.05)  # the burst's requests overlap: each needs a connection
+        _json(writer, 200, {})
+        return True
+
+    async with Server(answer) as srv:
+        wire = WireClient(f"http://127.0.0.1:{srv.port}", {}, 64, max_idle=4)
+        await asyncio.gather(*(wire.request("GET", "/x", timeout=5) for _ in range(20)))
+        assert srv.connections == 20 and len(wire._idle) == 4  # the other 16 were closed
+        await wire.request("GET", "/x", timeout=5)
+        assert srv.connections == 20  # one of the kept ones was used
+        monkeypatch.setattr("libdsec._wire.IDLE_EXPIRY_S", 0.0)  # now all of them have expired
+        await wire.request("GET", "/x", timeout=5)
+        assert srv.connections == 21 and len(wire._idle) == 1  # the expired ones closed, the new one kept
+        await wire.aclose()
+
+
 async def test_reads_a_chunked_answer_and_an_error_status() -> None:
     async def answer(writer, line, body):
         if "/fail" in line:
@@ -190,3 +208,43 @@ async def test_nothing_the_caller_passes_can_end_a_line_of_the_head() -> None:
         with pytest.raises(WireError, match="not a request target"):
             await wire.request("GET", path, timeout=1)
     await wire.aclose()
+
+
+async def test_a_stream_is_read_as_it_arrives_and_its_connection_kept_once_read_to_its_end() -> None:
+    go_on = asyncio.Event()
+
+    async def answer(writer, line, body):
+        if "/fail" in line:
+            _json(writer, 409, {"error": "busy"})
+            return True
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n6\r\nline1\n\r\n")
+        await writer.drain()
+        await go_on.wait()  # the first piece is in the caller's hands before the rest is sent
+        if "/broken" in line:
+            return False
+        writer.write(b"6\r\nline2\n\r\n0\r\n\r\n")
+        return True
+
+    async with Server(answer) as srv:
+        wire = WireClient(f"http://127.0.0.1:{srv.port}", {}, 4)
+        async with wire.stream("POST", "/batch", body=b"{}", content_type="application/json", timeout=5) as answer_:
+            assert answer_.status_code == 200
+            pieces = []
+            async for chunk in answer_.chunks():
+                pieces.append(chunk)
+                go_on.set()
+        assert pieces == [b"line1\n", b"line2\n"] and len(wire._idle) == 1
+        async with wire.stream("POST", "/fail", body=b"{}", timeout=5) as answer_:
+            assert (answer_.status_code, await answer_.read()) == (409, b'{"error": "busy"}')
+        go_on.clear()
+        with pytest.raises(WireError, match="broke off"):
+            async with wire.stream("POST", "/broken", body=b"{}", timeout=5) as answer_:
+                async for chunk in answer_.chunks():
+                    go_on.set()
+        go_on.clear()
+        async with wire.stream("POST", "/batch", body=b"{}", timeout=5) as answer_:
+            pass  # left before its end: its connection is closed, not kept
+        assert len(wire._idle) == 0
+        go_on.set()
+        await wire.aclose()
+    assert srv.connections == 2  # the first one served /batch, /fail and /broken

@@ -82,6 +82,13 @@ class _Reservation:
 
 
 @dataclass
+class _KindView:
+    infos: list[NodeInfo]  # the reports it was made from
+    loads: list[placement.NodeLoad]
+    index: dict[str, int]  # node -> its place in loads
+
+
+@dataclass
 class _Share:
     node: str
     count: int
@@ -123,7 +130,9 @@ class Cluster:
         # The edges' reports being gathered for the view: creates that find the view stale at
         # once share one gathering instead of asking every edge once each.
         self._refresh: asyncio.Task[list[NodeInfo]] | None = None
-        self._loads: dict[str, tuple[list[NodeInfo], list[placement.NodeLoad]]] = {}  # by kind, of those reports
+        # By kind: the view placement reads, made from those reports plus what was placed since
+        # (kept up to date as creates are placed, so that a create costs O(k), not O(nodes)).
+        self._loads: dict[str, _KindView] = {}
         # Set by a node provider that bursts (``dsec.nodes.ray_burst``): draining nodes take no
         # new sandboxes (they keep serving theirs); overflow nodes take only what the others
         # have no room for.
@@ -288,13 +297,18 @@ class Cluster:
 
     async def view(self, kind: str = "container") -> list[placement.NodeLoad]:
         """The nodes that serve ``kind``, with their capacity and commitments (all of them when
-        none says it does: then an edge's answer explains)."""
+        none says it does: then an edge's answer explains), plus what this apiserver placed
+        there since. The list is shared and kept current as creates are placed: read it, do
+        not change it."""
         infos = await self._view_infos()
-        loads = self._loads.get(kind)
-        if loads is None or loads[0] is not infos:
+        view = self._loads.get(kind)
+        if view is None or view.infos is not infos:
             serving = [i for i in infos if kind in _kinds(i.runtime)]
-            loads = self._loads[kind] = (infos, [load_of(i) for i in serving or infos])
-        return [self._with_placed(load) for load in loads[1] if load.node not in self.draining]
+            loads = [self._with_placed(load_of(i)) for i in serving or infos]
+            view = self._loads[kind] = _KindView(infos, loads, {load.node: n for n, load in enumerate(loads)})
+        if self.draining:
+            return [load for load in view.loads if load.node not in self.draining]
+        return view.loads
 
     def _with_placed(self, node: placement.NodeLoad) -> placement.NodeLoad:
         """A view entry plus what this apiserver placed there since the view was taken."""
@@ -310,6 +324,12 @@ class Cluster:
         added[0] += d.cpu_cores * count
         added[1] += d.memory_mb * count
         added[2] += count
+        for view in self._loads.values():
+            if (n := view.index.get(node)) is not None:
+                load = view.loads[n]
+                view.loads[n] = replace(load, committed_cpu=load.committed_cpu + d.cpu_cores * count,
+                                        committed_memory_mb=load.committed_memory_mb + d.memory_mb * count,
+                                        sandboxes=load.sandboxes + count)
 
     async def usage(self) -> dict[str, Amount]:
         """What each project's own sandboxes hold, over every node."""
