@@ -22,12 +22,9 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/dsec demo
 
-# The bursting test runs in a pytest process of its own: after other tests in the same process
-# its autoscaling cluster's nodes did not come up (not understood yet; it passes alone).
 test: setup
 	$(BIN)/ruff check --quiet src tests
-	$(BIN)/python -m pytest $(PYTEST_ARGS) --deselect tests/cluster/test_ray_burst.py
-	$(BIN)/python -m pytest $(PYTEST_ARGS) tests/cluster/test_ray_burst.py
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The quick subset (no crun, no mounts): seconds.
 test-quick: venv
