@@ -106,9 +106,10 @@ class Cluster:
         # Nodes that left the cluster (died, or stopped answering): node -> (since, why). Their
         # sandboxes answer SandboxLost until the node comes back (``add_edge``) and re-adopts them.
         self.lost: dict[str, tuple[float, str]] = {}
-        # Stops that could not reach a lost node (the sandboxes of a batch that failed with it):
-        # made when it comes back, as the batch's all-or-none rule owes them. Kept in memory only.
-        self._owed_stops: dict[str, set[str]] = {}
+        # Stops that could not reach a lost node (the sandboxes of a batch that failed with it)
+        # are owed to it, as the batch's all-or-none rule says: kept in the project store (they
+        # outlive this apiserver; another one may be the one the node comes back to) and made
+        # when it comes back (``add_edge``).
         self._tasks: set[asyncio.Task] = set()
         self.projects = projects or open_project_store()
         self.overcommit = overcommit or placement.Overcommit()
@@ -153,40 +154,55 @@ class Cluster:
         self.edges[edge.node] = edge
         self.lost.pop(edge.node, None)
         self._infos = (float("-inf"), [])
-        owed = self._owed_stops.pop(edge.node, None)
-        if owed:
-            log.info("node %s is back: stopping the %d sandboxes of failed batches it held", edge.node, len(owed))
-            self._spawn(self._stop_owed(edge, owed))
+        self._spawn(self._stop_owed(edge))
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _stop_owed(self, edge: EdgeAPI, owed: set[str]) -> None:
-        results = await asyncio.gather(*(edge.stop(sid, reason="batch create failed") for sid in owed),
-                                       return_exceptions=True)
-        again = {sid for sid, r in zip(owed, results) if isinstance(r, NodeUnreachable)}
-        if again:
-            self._owed_stops.setdefault(edge.node, set()).update(again)
+    async def _stop_owed(self, edge: EdgeAPI) -> None:
+        """Make the stops owed to ``edge``'s node; the ones it cannot take now stay owed."""
+        try:
+            owed = sorted(await self.projects.owed_stops(edge.node))
+            if not owed:
+                return
+            log.info("node %s is back: stopping the %d sandboxes of failed batches it held", edge.node, len(owed))
+            results = await asyncio.gather(*(edge.stop(sid, reason="batch create failed") for sid in owed),
+                                           return_exceptions=True)
+            await self.projects.settle_stops(
+                sid for sid, r in zip(owed, results) if not isinstance(r, (NodeUnreachable, SandboxLost)))
+        except Exception as exc:  # noqa: BLE001 - they stay owed: made when the node joins next
+            log.warning("the stops owed to node %s were not all made: %s", edge.node, exc)
+
+    async def _owe(self, node: str, sandbox_ids: list[str], reason: str) -> None:
+        await self.projects.owe_stops(node, sandbox_ids, reason)
+        if (edge := self.edges.get(node)) is not None:  # it came back meanwhile
+            self._spawn(self._stop_owed(edge))
 
     async def stop_ids(self, sandbox_ids: list[str], reason: str) -> None:
-        """``stop_for_batch`` by ids (their nodes looked up; a lost node's are owed to it)."""
-        made = []
+        """``stop_for_batch`` by ids (their nodes looked up; a node not in the cluster now is
+        owed its stops)."""
+        made, owed = [], {}
         for sid in sandbox_ids:
             node = node_of(sid)
             if node in self.edges:
                 made.append((self.edges[node], sid))
-            elif node in self.lost:
-                self._owed_stops.setdefault(node, set()).add(sid)
+            else:
+                owed.setdefault(node, []).append(sid)
+        for node, ids in owed.items():
+            await self._owe(node, ids, reason)
         await self.stop_for_batch(made, reason)
 
     async def stop_for_batch(self, made: list[tuple[EdgeAPI, str]], reason: str) -> None:
         """Stop what an unfinished batch made; a stop its node cannot take now is owed to it."""
         results = await asyncio.gather(*(edge.stop(sid, reason=reason) for edge, sid in made), return_exceptions=True)
+        owed: dict[str, list[str]] = {}
         for (edge, sid), result in zip(made, results):
             if isinstance(result, (NodeUnreachable, SandboxLost)):
-                self._owed_stops.setdefault(edge.node, set()).add(sid)
+                owed.setdefault(edge.node, []).append(sid)
+        for node, ids in owed.items():
+            await self._owe(node, ids, reason)
 
     def remove_edge(self, node: str) -> EdgeAPI | None:
         """A node holding no sandbox left on purpose (a burst node let go); returns its edge."""
