@@ -5,6 +5,7 @@ several nodes with retries when an edge refuses."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import httpx
@@ -241,3 +242,46 @@ async def test_node_info_and_sizes_out_of_range_still_come_from_the_edge(world):
         with pytest.raises(CapacityExceeded, match="cannot admit"):
             await root.run_containers(args(memory_limit_mb=node.memory_total_mb), count=100)
         assert await root.list_sandboxes() == []
+
+
+class CountingReports:
+    """An edge that counts the reports it is asked for."""
+
+    def __init__(self, edge: Edge) -> None:
+        self._edge, self.node, self.reports = edge, edge.node, 0
+
+    async def node_info(self):
+        self.reports += 1
+        await asyncio.sleep(0.005)  # a node across the network takes a while to answer
+        return await self._edge.node_info()
+
+    def __getattr__(self, name):
+        return getattr(self._edge, name)
+
+
+async def test_a_burst_in_a_project_with_a_quota_fills_it_exactly_sharing_the_nodes_reports(tmp_path, store):
+    """200 creates at once against a cap of 50, over 4 nodes: exactly 50 land, the others are
+    refused by the quota, and the quota checks share the nodes' reports (not 4 reports each)."""
+    edges = [CountingReports(e) for e in await start_edges(tmp_path, store, ["n0", "n1", "n2", "n3"])]
+    with open_project_store() as projects:
+        cluster = Cluster(edges, projects=projects, rng=random.Random(0))
+        transport = httpx.ASGITransport(app=create_app(cluster, ROOT_TOKEN), raise_app_exceptions=False)
+        async with DSecClient("http://api", token=ROOT_TOKEN, transport=transport) as root:
+            await root.create_project("team", sandboxes=50)
+            token = await root.create_project_token("team")
+        async with DSecClient("http://api", token=token, transport=transport) as team:
+            for e in edges:
+                e.reports = 0
+            results = await asyncio.gather(*(team.run_container(args()) for _ in range(200)), return_exceptions=True)
+            made = [r for r in results if not isinstance(r, BaseException)]
+            assert len(made) == 50
+            assert all(isinstance(r, QuotaExceeded) for r in results if isinstance(r, BaseException))
+            assert len(await team.list_sandboxes()) == 50
+            # A burst shares gatherings: far fewer than one per create (and per node).
+            assert max(e.reports for e in edges) < 40
+            # Stopped sandboxes free the quota again.
+            await asyncio.gather(*(s.stop() for s in made[:10]))
+            again = await asyncio.gather(*(team.run_container(args()) for _ in range(20)), return_exceptions=True)
+            assert sum(not isinstance(r, BaseException) for r in again) == 10
+        for e in edges:
+            await e._edge.close()

@@ -21,7 +21,8 @@ import logging
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 
@@ -65,12 +66,15 @@ def _kinds(runtime: str) -> frozenset[str]:
 
 class _Reservation:
     """Quota held for creates in flight; released in full at the end, or one sandbox at a
-    time as they land."""
+    time as they land. What landed is noted in ``landed`` as ``(usage gatherings started by
+    then, project, amount)``: a gathering that began before it may not have seen it."""
 
-    def __init__(self, pending: dict[str, Amount], project: str, one: Amount, count: int) -> None:
-        self.pending, self.project, self.one, self.left = pending, project, one, count
+    def __init__(self, pending: dict[str, Amount], landed: deque | None, seq: Callable[[], int], project: str,
+                 one: Amount, count: int) -> None:
+        self.pending, self.landed, self.seq = pending, landed, seq  # landed: None, not noted (no quota)
+        self.project, self.one, self.left = project, one, count
 
-    def release(self, n: int = 1) -> None:
+    def release(self, n: int = 1, landed: bool = True) -> None:
         n = min(n, self.left)
         if n <= 0:
             return
@@ -80,6 +84,8 @@ class _Reservation:
             self.pending.pop(self.project, None)
         else:
             self.pending[self.project] = rest
+        if landed and self.landed is not None:
+            self.landed.append((self.seq(), self.project, self.one.times(n)))
 
 
 @dataclass
@@ -115,8 +121,14 @@ class Cluster:
         self.overcommit = overcommit or placement.Overcommit()
         self.k = k
         self.rng = rng or random.Random()
+        # Quota: what creates in flight hold, and what landed since the usage gatherings that
+        # may not have seen it began; gatherings of usage run one at a time, and the quota
+        # checks that arrive meanwhile share the next one (see _usage_since_now).
         self._pending: dict[str, Amount] = {}
-        self._quota_lock = asyncio.Lock()
+        self._landed: deque[tuple[int, str, Amount]] = deque()
+        self._usage_started = 0
+        self._usage_next: asyncio.Future | None = None
+        self._usage_running: asyncio.Task | None = None
         # Placement may use a view this old (edges refuse what they cannot hold, and the next
         # choice is tried); quota checks always ask the edges afresh.
         self.view_max_age_s = view_max_age_s
@@ -357,19 +369,52 @@ class Cluster:
         tree = self.projects.tree()
         limited = any(tree.holder(project, r) is not None for r in RESOURCES)
         if not limited:
-            yield _Reservation({project: one.times(count)}, project, one, count)
+            yield _Reservation({project: one.times(count)}, None, int, project, one, count)
             return
-        async with self._quota_lock:
-            usage = await self.usage()
-            for p, amount in self._pending.items():
+        reservation = _Reservation(self._pending, self._landed, lambda: self._usage_started, project, one, count)
+        seq, reported = await self._usage_since_now()
+        # From here to the reservation, nothing awaits: no other check comes in between.
+        usage = dict(reported)
+        for p, amount in self._pending.items():
+            usage[p] = usage.get(p, Amount()) + amount
+        for landed_at, p, amount in self._landed:
+            if landed_at >= seq:  # landed after that gathering began: it may not have seen it
                 usage[p] = usage.get(p, Amount()) + amount
-            check_create(tree, usage, project, one.times(count))
-            self._pending[project] = self._pending.get(project, Amount()) + one.times(count)
-        reservation = _Reservation(self._pending, project, one, count)
+        check_create(self.projects.tree(), usage, project, one.times(count))
+        self._pending[project] = self._pending.get(project, Amount()) + one.times(count)
         try:
             yield reservation
         finally:
-            reservation.release(reservation.left)
+            reservation.release(reservation.left, landed=False)
+
+    async def _usage_since_now(self) -> tuple[int, dict[str, Amount]]:
+        """What each project holds, from every node's report, gathered after this call began
+        (quota is checked against the nodes' word, never a cached view), with the gathering's
+        number. Gatherings run one at a time; the checks that arrive while one runs share the
+        next: a burst of creates in a project with a quota costs a gathering or two, not one
+        each, and none waits for another's check."""
+        if self._usage_next is None:
+            self._usage_next = asyncio.get_running_loop().create_future()
+            self._spawn(self._gather_usage(self._usage_next))
+        return await asyncio.shield(self._usage_next)
+
+    async def _gather_usage(self, answer: asyncio.Future) -> None:
+        running = self._usage_running
+        if running is not None:
+            await asyncio.gather(running, return_exceptions=True)
+        self._usage_next = None  # the checks from now on wait for the next one
+        self._usage_started += 1
+        seq = self._usage_started
+        self._usage_running = asyncio.current_task()
+        try:
+            usage = await self.usage()
+        except BaseException as exc:  # noqa: BLE001 - every check waiting on it fails with it
+            answer.set_exception(exc)
+            answer.exception()  # (retrieved: no "never retrieved" warning when none waits)
+            return
+        while self._landed and self._landed[0][0] < seq:  # seen by this one (and all after)
+            self._landed.popleft()
+        answer.set_result((seq, usage))
 
     # -- creates ---------------------------------------------------------------------------
 
@@ -390,7 +435,7 @@ class Cluster:
         return chosen
 
     async def create(self, args: DSecContainerRunArgs, project: str, kind: str = "container") -> SandboxInfo:
-        async with self._reserve(project, args, 1):
+        async with self._reserve(project, args, 1) as reservation:
             view = await self.view(kind)
             tried: list[str] = []
             last: DSecError | None = None
@@ -407,11 +452,14 @@ class Cluster:
                     tried.append(node)
                     continue
                 try:
-                    return await edge.create(args, kind, project)
+                    info = await edge.create(args, kind, project)
                 except (CapacityExceeded, NodeUnreachable) as exc:
                     self._infos = (float("-inf"), [])  # a refusal: look again next time
                     last = exc
                     tried.append(node)
+                    continue
+                reservation.release(1)
+                return info
             raise last or CapacityExceeded(
                 f"cannot admit a sandbox of {args.memory_limit_mb} MB and {args.cpu_cores_limit:g} cores: "
                 f"no node in the cluster has room"
