@@ -9,6 +9,9 @@ as sandboxes come up, in any order. Then:
 - a part that fails before it made anything may be **replaced**: ``replace(part, error)``
   returns the parts that make its sandboxes instead (another node's, when one refused), or
   ``None``, and the batch fails with that error;
+- once every sandbox is in, ``commit(made)`` (if given) makes the batch whole where its parts
+  hold it (the nodes keep a batch's sandboxes for it until then); a commit that fails fails
+  the batch;
 - on any other failure, and when the consumer goes away before the end, the batch is
   **undone**: the parts not started never start; the ones under way are cancelled when
   ``interruptible`` (a part that is itself a batch undoes itself) or else finish (a create
@@ -55,6 +58,7 @@ async def all_or_none(
     concurrency: int | None = None,
     interruptible: bool = False,
     replace: Callable[[Part, BaseException], Awaitable[list[Part] | None]] | None = None,
+    commit: Callable[[list[tuple[Part, str]]], Awaitable[object]] | None = None,
 ) -> AsyncIterator[tuple[int, SandboxInfo]]:
     parts = list(parts)
     total = sum(p.count for p in parts)
@@ -109,6 +113,8 @@ async def all_or_none(
                 raise exc
             for new in again:
                 launch(new)
+        if commit is not None:
+            await commit(made)
         complete = True
     finally:
         if not complete:

@@ -445,6 +445,9 @@ class NodeBatchRequest(NodeCreateRequest):
     (``created`` with the index within this request, then ``done`` or ``error``)."""
 
     count: int = Field(ge=1, le=MAX_SANDBOX_BATCH)
+    # Held for this batch until committed (``POST /node/v1/batches/{batch}:commit``); none:
+    # the node's stream ending whole is the commit.
+    batch: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class NodeStopRequest(_Model):

@@ -70,7 +70,7 @@ async def simulated_nodes(tmp_path: Path, nodes: list[str], edge_config: dict | 
 
 @pytest.fixture(params=["in-process", "remote"])
 async def node(request, tmp_path) -> EdgeAPI:
-    config = {"max_sandboxes": 8, "reaper_interval_s": 0.05}
+    config = {"max_sandboxes": 8, "reaper_interval_s": 0.05, "batch_commit_s": 0.5}
     store = LayerStore(tmp_path / "store")
     tiny_image(store, tmp_path)
     if request.param == "in-process":
@@ -141,6 +141,24 @@ async def test_batch_streams_and_is_all_or_none(node):
         await asyncio.sleep(0.02)
     assert sorted(i.id for i in await node.list()) == sorted(sid for _, sid in got)
     for _, sid in got:
+        await node.stop(sid)
+
+
+async def test_a_held_batch_is_kept_when_committed_and_stopped_when_not(node):
+    kept = [info.id async for _, info in node.create_batch(args(), 3, "container", "root", "b-kept")]
+    await node.commit_batch("b-kept")
+    dropped = [info.id async for _, info in node.create_batch(args(), 2, "container", "root", "b-dropped")]
+    for _ in range(200):  # not committed within batch_commit_s: stopped
+        if sorted(i.id for i in await node.list()) == sorted(kept):
+            break
+        await asyncio.sleep(0.02)
+    assert sorted(i.id for i in await node.list()) == sorted(kept)
+    assert "not committed" in ((await node.get(dropped[0])).reason or "")
+    with pytest.raises(SandboxLost, match="b-dropped"):
+        await node.commit_batch("b-dropped")
+    with pytest.raises(SandboxLost, match="never-made"):
+        await node.commit_batch("never-made")
+    for sid in kept:
         await node.stop(sid)
 
 

@@ -4,6 +4,7 @@ A sandbox whose init died while the server was down is cleaned up and reported f
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec.edge import journal
 from dsec.local import LocalServer, leftovers, persisted_record
 from libdsec import DSecClient, DSecContainerRunArgs, SandboxStateError, SandboxStatus
 
@@ -130,5 +132,36 @@ async def test_sandbox_dead_while_server_down_is_cleaned_up(state_dir, how):
         wait_gone(pid)
         server = LocalServer(state_dir).start()
         await _check_after(server, keep, lose)
+    finally:
+        server.stop()
+
+
+async def test_a_batch_cut_by_a_crash_is_undone_at_restart(state_dir):
+    """kill -9 in the middle of a batch: the sandboxes it had made are held for the batch, which
+    was never committed, so the restarted server stops them (all or none across a crash), and
+    the sandboxes made outside the batch stay."""
+    server = LocalServer(state_dir, extra_args=("--pool-max", "0")).start()
+    try:
+        async with DSecClient(server.endpoint, token=server.token) as client:
+            single = await client.run_container(ARGS)
+            made: list[str] = []
+
+            def progress(done: int, count: int) -> None:
+                made.append(str(done))
+
+            batch = asyncio.create_task(client.run_containers(ARGS, count=200, progress=progress))
+            deadline = time.monotonic() + 120
+            while len(made) < 20 and not batch.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert not batch.done(), "the batch finished before the crash: make it larger"
+            server.kill()
+            with pytest.raises(Exception):  # noqa: B017 - the connection breaks, whatever the error
+                await batch
+        held = [json.loads(r) for r in journal.read(state_dir / "node" / "run" / "records").values()]
+        assert sum(r["batch"] is not None for r in held) >= 20  # outlived the server, held for their batch
+        server = LocalServer(state_dir, extra_args=("--pool-max", "0")).start()
+        async with DSecClient(server.endpoint, token=server.token) as client:
+            assert [s.id for s in await client.list_sandboxes()] == [single.id]
+            await (await client.get_sandbox(single.id)).stop()
     finally:
         server.stop()

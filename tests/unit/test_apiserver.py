@@ -48,13 +48,16 @@ class FakeEdge:
             raise libdsec.ImageNotFound(f"unknown image {args.container_image!r}")
         return self._info()
 
-    async def create_batch(self, args, count, kind="container", project="root"):
+    async def create_batch(self, args, count, kind="container", project="root", batch=None):
         if args.container_image != "busybox":
             raise libdsec.ImageNotFound(f"unknown image {args.container_image!r}")
         for i in range(count):
             if i == 2 and args.memory_limit_mb == 999:
                 raise libdsec.CapacityExceeded("node n0 is full")
             yield i, self._info(f"n0-{i:016x}")
+
+    async def commit_batch(self, batch):
+        pass
 
     async def get(self, sandbox_id):
         self._check(sandbox_id)

@@ -20,6 +20,7 @@ import functools
 import logging
 import random
 import re
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -479,50 +480,70 @@ class Cluster:
             async def replace(part: Part, exc: BaseException) -> list[Part] | None:
                 if not isinstance(exc, (CapacityExceeded, NodeUnreachable)):
                     return None
-                tried.add(part.tag)
+                tried.add(part.tag[0])
                 self._infos = (float("-inf"), [])  # a refusal: look again
                 again = self._pick(await self.view(), args, part.count, tried)
                 if len(again) < part.count or len(tried) >= MAX_NODES_TRIED:
                     return None
-                return self._shares(again, part.count, view, args, project, part.offset)
+                return self._shares(again, part.count, view, args, project, batch, part.offset)
 
             async def undo(made: list[tuple[Part, str]]) -> None:
                 self._infos = (float("-inf"), [])  # what was noted as placed is not there
                 await self.stop_ids([sid for _, sid in made], "batch create failed")
 
-            parts = self._shares(self._pick(view, args, count, ()), count, view, args, project)
+            async def commit(made: list[tuple[Part, str]]) -> None:
+                # Each node holds its share for the batch until this (a node restarted since,
+                # or one that gave up waiting, has stopped it: then the batch fails whole).
+                held = sorted({part.tag for part, _ in made})
+                results = await asyncio.gather(*(self._commit_share(node, held_as) for node, held_as in held),
+                                               return_exceptions=True)
+                for result in results:
+                    if isinstance(result, BaseException):
+                        raise result
+
+            batch = secrets.token_hex(8)
+            parts = self._shares(self._pick(view, args, count, ()), count, view, args, project, batch)
             async with aclosing(all_or_none(parts, undo, undoing=self._tasks, interruptible=True,
-                                            replace=replace)) as events:
+                                            replace=replace, commit=commit)) as events:
                 async for item in events:
                     reservation.release(1)
                     yield item
 
     def _shares(self, nodes: list[str], count: int, view: list[placement.NodeLoad], args: DSecContainerRunArgs,
-                project: str, offset: int = 0) -> list[Part]:
+                project: str, batch: str, offset: int = 0) -> list[Part]:
         """A placement grouped into one part per node. When it placed fewer than ``count``,
         the whole batch goes to the least loaded node, whose edge answers for it."""
         if len(nodes) < count:
             fallback = placement.least_loaded(view, overcommit=self.overcommit) or next(iter(self.edges))
-            return [self._share(fallback, count, offset, args, project)]
+            return [self._share(fallback, count, offset, args, project, batch)]
         counts: dict[str, int] = {}
         for node in nodes:
             counts[node] = counts.get(node, 0) + 1
         shares = []
         for node, n in counts.items():
-            shares.append(self._share(node, n, offset, args, project))
+            shares.append(self._share(node, n, offset, args, project, batch))
             offset += n
         return shares
 
-    def _share(self, node: str, count: int, offset: int, args: DSecContainerRunArgs, project: str) -> Part:
+    def _share(self, node: str, count: int, offset: int, args: DSecContainerRunArgs, project: str,
+               batch: str) -> Part:
         """``count`` of the batch's sandboxes on ``node``, as one batch of its own there."""
+
+        held_as = f"{batch}-{offset}"  # the share's own batch on its node (a node may get two shares)
 
         async def make() -> AsyncIterator[tuple[int, SandboxInfo]]:
             edge = self.edges.get(node)
             if edge is None:  # left the cluster since the view was taken
                 raise NodeUnreachable(f"node {node} left the cluster")
             self._note_placed(node, args, count)
-            async with aclosing(edge.create_batch(args, count, "container", project)) as events:
+            async with aclosing(edge.create_batch(args, count, "container", project, held_as)) as events:
                 async for item in events:
                     yield item
 
-        return Part(offset, count, make, tag=node)
+        return Part(offset, count, make, tag=(node, held_as))
+
+    async def _commit_share(self, node: str, held_as: str) -> None:
+        edge = self.edges.get(node)
+        if edge is None:
+            raise SandboxLost(f"node {node} left the cluster before the batch was whole")
+        await edge.commit_batch(held_as)

@@ -73,9 +73,18 @@ class EdgeAPI(Protocol):
                      project: str = "root") -> SandboxInfo: ...
 
     def create_batch(
-        self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root"
+        self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root",
+        batch: str | None = None,
     ) -> AsyncIterator[tuple[int, SandboxInfo]]:
-        """Yields (index, info) as each comes up; all or none (``dsec.batch``)."""
+        """Yields (index, info) as each comes up; all or none (``dsec.batch``). With ``batch``
+        (an id the caller chose) the sandboxes are held for that batch until
+        ``commit_batch(batch)``: ones never committed — the caller went away, or the node
+        restarted — are stopped, ``batch_commit_s`` after the stream's end at the latest."""
+        ...
+
+    async def commit_batch(self, batch: str) -> None:
+        """The batch is whole: its sandboxes here are the caller's for good. ``SandboxLost``
+        when they are gone (the node restarted, or the wait for the commit ran out)."""
         ...
 
     async def get(self, sandbox_id: str) -> SandboxInfo: ...

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from libdsec import InvalidRequest, SandboxNotFound, SandboxStateError
+from libdsec import InvalidRequest, SandboxLost, SandboxNotFound, SandboxStateError
 from libdsec.protocol import (
     DSecContainerRunArgs,
     DSecFnCallArgs,
@@ -82,6 +82,8 @@ class EdgeConfig:
     # A paused sandbox is stopped after this long paused (its run TTL does not run meanwhile).
     paused_ttl_s: float = 24 * 3600.0
     batch_concurrency: int = 16
+    # A batch's sandboxes not committed this long after their stream ended are stopped.
+    batch_commit_s: float = 60.0
     reaper_interval_s: float = 1.0
     max_file_bytes: int = 64 << 20
     # Warm pool per image: grows to the peak number of creates in flight, within these bounds;
@@ -120,7 +122,10 @@ class Edge:
         self._finished: OrderedDict[str, SandboxInfo] = OrderedDict()
         self.admission = Admission(config, memory_total_mb(), os.cpu_count() or 1)
         self.warm_pool = WarmPool(config, self.backends, self._records.__len__)
-        self.reaper = TTLReaper(config, self._records, self.stop)
+        # Batches whose sandboxes are held here until committed: id -> when they are given up
+        # (None while the batch is still being made).
+        self._batches: dict[str, float | None] = {}
+        self.reaper = TTLReaper(config, self._records, self.stop, self._batches)
         self._undoing: set[asyncio.Task] = set()  # failed batches being undone (close() waits for them)
         self._closed = False
         self.security = EdgeSecurity(self)  # network allowlists, security events
@@ -151,6 +156,12 @@ class Edge:
         if self.fncalls is not None:  # after recover, which removed the workers of an earlier run
             await self.fncalls.start()
         await self.security.start(self._records.values())
+        # The sandboxes of batches never committed: whoever asked for them got none of them.
+        uncommitted = [r for r in self._records.values() if r.batch is not None]
+        if uncommitted:
+            log.info("stopping %d sandboxes of batches not committed when the edge restarted", len(uncommitted))
+            await asyncio.gather(*(self.stop(r.id, reason=f"its batch {r.batch} was not committed when the edge "
+                                             "restarted") for r in uncommitted), return_exceptions=True)
         self.reaper.start()
         self.warm_pool.start()
 
@@ -180,6 +191,9 @@ class Edge:
         return backend
 
     async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
+        return await self._create(args, kind, project)
+
+    async def _create(self, args: DSecContainerRunArgs, kind: str, project: str, batch: str | None = None) -> SandboxInfo:
         if self._closed:
             raise SandboxStateError(f"edge {self.node} is shutting down")
         backend = self._backend(kind)
@@ -192,6 +206,7 @@ class Edge:
         rec = Record(
             id=sandbox_id, kind=kind, handle=Handle(cid="", image=image.name, layers=image.layers),
             args=args, image=image, status=SandboxStatus.creating, created_at=now, last_active=now, project=project,
+            batch=batch,
         )
         self._records[sandbox_id] = rec
         # VMs (whose memory is set at boot) and restores from a snapshot are made to order.
@@ -229,26 +244,50 @@ class Edge:
         return rec.info(self.node)
 
     async def create_batch(
-        self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root"
+        self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root",
+        batch: str | None = None,
     ) -> AsyncIterator[tuple[int, SandboxInfo]]:
         """Create ``count`` sandboxes; yields (index, info) as each comes up. All or none
         (``dsec.batch``): on the first failure (or if the consumer goes away) every sandbox
-        made so far is stopped. The request is checked, whole, when the first is asked for."""
+        made so far is stopped. The request is checked, whole, when the first is asked for.
+        With ``batch``, they are held for it until ``commit_batch`` (see ``EdgeAPI``)."""
         self._backend(kind)
         self.admission.limits(args)
         self.security.check_rules(args.network_rules)
         self.store.resolve(args.image_ref)
         self.admission.fits(args, count)
+        if batch is not None:
+            if batch in self._batches:
+                raise InvalidRequest(f"batch {batch!r} is being made on node {self.node} already")
+            self._batches[batch] = None
 
         async def undo(made: list[tuple[Part, str]]) -> None:
             await asyncio.gather(*(self.stop(sid, reason="batch create failed") for _, sid in made),
                                  return_exceptions=True)
 
-        parts = (single(i, lambda: self.create(args, kind, project)) for i in range(count))
-        async with aclosing(all_or_none(parts, undo, undoing=self._undoing,
-                                        concurrency=self.config.batch_concurrency)) as events:
-            async for item in events:
-                yield item
+        parts = (single(i, lambda: self._create(args, kind, project, batch)) for i in range(count))
+        complete = False
+        try:
+            async with aclosing(all_or_none(parts, undo, undoing=self._undoing,
+                                            concurrency=self.config.batch_concurrency)) as events:
+                async for item in events:
+                    yield item
+            complete = True
+        finally:
+            if batch is not None:
+                if complete and batch in self._batches:
+                    self._batches[batch] = time.time() + self.config.batch_commit_s
+                else:
+                    self._batches.pop(batch, None)
+
+    async def commit_batch(self, batch: str) -> None:
+        if self._batches.pop(batch, "gone") == "gone":
+            raise SandboxLost(f"batch {batch!r} is not held on node {self.node}: its sandboxes there were stopped "
+                              f"(the node restarted, or it was not committed within {self.config.batch_commit_s:g} s)")
+        for rec in self._records.values():
+            if rec.batch == batch:
+                rec.batch = None
+                self._persist(rec)
 
     # -- calls -----------------------------------------------------------------------------
 

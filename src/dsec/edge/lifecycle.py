@@ -130,6 +130,9 @@ class Record:
     create_s: float | None = None
     project: str = "root"
     paused_at: float | None = None
+    # The batch it belongs to until that batch is committed (``Edge.commit_batch``): a sandbox
+    # of a batch never committed is stopped (all or none holds across a crash too).
+    batch: str | None = None
     # Serialises pause and resume (and the implicit resume of a call) on one sandbox.
     transition: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
@@ -150,7 +153,7 @@ class Record:
             "image": {"name": self.image.name, "layers": list(self.image.layers), "env": self.image.env,
                       "workdir": self.image.workdir, "user": self.image.user, "roles": list(self.image.roles)},
             "created_at": self.created_at, "uid": self.uid, "gid": self.gid,
-            "project": self.project, "paused_at": self.paused_at,
+            "project": self.project, "paused_at": self.paused_at, "batch": self.batch,
         })
 
     @classmethod
@@ -166,5 +169,5 @@ class Record:
                         workdir=img["workdir"], user=img["user"], roles=tuple(img.get("roles", ()))),
             status=SandboxStatus.paused if d.get("paused_at") else SandboxStatus.running,
             created_at=d["created_at"], last_active=now, uid=d["uid"], gid=d["gid"],
-            project=d.get("project", "root"), paused_at=d.get("paused_at"),
+            project=d.get("project", "root"), paused_at=d.get("paused_at"), batch=d.get("batch"),
         )

@@ -2,7 +2,8 @@
 
 A running sandbox with no call in flight and none for ``ttl_running_stop`` seconds (its own run
 arg) is stopped; a paused one is exempt from that until it has been paused for the node's
-``paused_ttl_s``. A stop that fails, with any error, is logged (the stop marks the sandbox
+``paused_ttl_s``. The sandboxes of a batch not committed by the time its node gives it up
+(``batches``: batch id -> that time, or None while it is being made) are stopped too. A stop that fails, with any error, is logged (the stop marks the sandbox
 failed) and the reaper goes on.
 ``start()`` runs it, ``close()`` ends it (a second call does nothing).
 """
@@ -25,9 +26,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("dsec.edge")
 
 
-def expired(records: Iterable[Record], now: float, paused_ttl_s: float) -> list[tuple[Record, str]]:
+def expired(records: Iterable[Record], now: float, paused_ttl_s: float,
+            batches: Mapping[str, float | None] | None = None) -> list[tuple[Record, str]]:
     """The sandboxes to stop at ``now``, each with the reason it is stopped for."""
     records = list(records)
+    given_up = {b for b, at in (batches or {}).items() if at is not None and now > at}
+    if given_up:
+        return [(r, f"its batch {r.batch} was not committed in time (the apiserver that asked for it went away)")
+                for r in records if r.batch in given_up] + expired(records, now, paused_ttl_s)
     due = [
         (r, f"idle for over ttl_running_stop={r.args.ttl_running_stop:g}s") for r in records
         if r.status is SandboxStatus.running and r.calls == 0
@@ -45,10 +51,11 @@ class TTLReaper:
     """Stops, through ``stop(sandbox_id, reason)``, what ``expired`` finds in ``records``."""
 
     def __init__(self, config: EdgeConfig, records: Mapping[str, Record],
-                 stop: Callable[[str, str], Awaitable[object]]) -> None:
+                 stop: Callable[[str, str], Awaitable[object]], batches: dict[str, float | None] | None = None) -> None:
         self.config = config
         self.records = records
         self.stop = stop
+        self.batches = batches if batches is not None else {}
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -63,7 +70,11 @@ class TTLReaper:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.config.reaper_interval_s)
-            for rec, reason in expired(self.records.values(), time.time(), self.config.paused_ttl_s):
+            now = time.time()
+            due = expired(self.records.values(), now, self.config.paused_ttl_s, self.batches)
+            for batch in [b for b, at in self.batches.items() if at is not None and now > at]:
+                del self.batches[batch]  # given up: a commit from now on finds it gone
+            for rec, reason in due:
                 try:
                     await self.stop(rec.id, reason)
                 except Exception as exc:  # noqa: BLE001 - a backend's own error must not end the reaper

@@ -151,7 +151,8 @@ class RemoteEdge:
         return await self._post(SandboxInfo, "/sandboxes", body=body, content_type="application/json")
 
     async def create_batch(
-        self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root"
+        self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root",
+        batch: str | None = None,
     ) -> AsyncIterator[tuple[int, SandboxInfo]]:
         """Yields (index, info) as the node streams them; all or none. The stream is read by a
         task of its own: when this is closed early, or fails, the task reads the stream to its
@@ -159,7 +160,8 @@ class RemoteEdge:
         request gone, and may have sent the rest already)."""
         if self._closed:
             raise self._unreachable("is closed on this side")
-        request = NodeBatchRequest(kind=kind, project=project, args=args.model_dump(mode="json"), count=count)
+        request = NodeBatchRequest(kind=kind, project=project, args=args.model_dump(mode="json"), count=count,
+                                   batch=batch)
         queue: asyncio.Queue[tuple[int, SandboxInfo] | BaseException | None] = asyncio.Queue()
         state = {"abandoned": False}
         reader = asyncio.create_task(self._read_batch(request, queue, state))
@@ -179,6 +181,9 @@ class RemoteEdge:
                     undo = asyncio.create_task(self._stop_all(state["made"]))
                     _BATCHES.add(undo)
                     undo.add_done_callback(_BATCHES.discard)
+
+    async def commit_batch(self, batch: str) -> None:
+        await self._call("POST", f"/batches/{batch}:commit")
 
     async def _stop_all(self, made: list[str]) -> None:
         await asyncio.gather(*(self.stop(sid, "batch create failed") for sid in made), return_exceptions=True)

@@ -161,6 +161,10 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
     async def fncall(c: _Call):
         return await c.edge.fncall(c.parse(DSecFnCallArgs))
 
+    async def commit_batch(c: _Call):
+        await c.edge.commit_batch(c.params["batch"])
+        return None
+
     async def fncall_batch(c: _Call):
         return FnCallBatchResult(results=await c.edge.fncall_many(c.parse(FnCallBatchRequest).calls))
 
@@ -175,6 +179,7 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("GET", f"/sandboxes/{sid}/files", read_file), ("PUT", f"/sandboxes/{sid}/files", write_file),
         ("GET", f"/sandboxes/{sid}/security_events", events), ("PUT", f"/sandboxes/{sid}/network_rules", rules),
         ("POST", "/fncall", fncall), ("POST", "/fncall:batch", fncall_batch),
+        ("POST", r"/batches/(?P<batch>[A-Za-z0-9_-]{1,64}):commit", commit_batch),
     ]
     by_method: dict[str, list[tuple[re.Pattern[str], Handler]]] = {}
     for method, path, fn in table:  # in the table's order: the hot routes come first
@@ -375,7 +380,7 @@ class EdgeApp:
         try:
             req = _Call(self.edge, {}, {}, request.body).parse(NodeBatchRequest)
             args = _run_args(req)
-            events = self.edge.create_batch(args, req.count, req.kind.value, req.project)
+            events = self.edge.create_batch(args, req.count, req.kind.value, req.project, req.batch)
             first = await anext(events)
         except StopAsyncIteration:
             body = BatchEvent(event="done").model_dump_json().encode() + b"\n"
