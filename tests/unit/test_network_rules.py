@@ -30,8 +30,15 @@ def test_services_and_domains_become_names_and_flows():
     assert resolve_rules(CONFIG, {}).empty and resolve_rules(CONFIG, {"pypi": False}).empty
 
 
+def test_denying_a_service_the_node_does_not_know_denies_nothing():
+    """The report's Listing 1 passes {"npm": False, …}: on a node that has no npm, that is no error."""
+    assert resolve_rules(CONFIG, {"crates": False}).empty
+    assert resolve_rules(CONFIG, {"crates": False, "pypi": True}).names == {"pypi.mirror.internal"}
+
+
 @pytest.mark.parametrize("rules, match", [
-    ({"crates": True}, "unknown service"),
+    ({"crates": True}, "unknown service 'crates' .*network configuration"),
+    ({"crates": "no"}, "true or false"),
     ({"pypi": ["x"]}, "true or false"),
     ({"domains": "example.internal"}, "list of domain names"),
     ({"domains": [""]}, "list of domain names"),

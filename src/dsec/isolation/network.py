@@ -117,12 +117,16 @@ def resolve_rules(config: NetworkConfig, rules: dict) -> Allowed:
                 for addr in _addresses(config, domain):
                     flows |= {(addr, "tcp", p) for p in config.domain_ports}
             continue
-        service = config.services.get(key)
-        if service is None:
-            known = ", ".join(sorted(config.services)) or "none"
-            raise InvalidRequest(f"network_rules: unknown service {key!r} (this node knows: {known}; or use 'domains')")
         if not isinstance(value, bool):
             raise InvalidRequest(f"network_rules.{key} must be true or false")
+        service = config.services.get(key)
+        if service is None:
+            if not value:  # denying what the node does not offer denies nothing that was allowed
+                continue
+            known = ", ".join(sorted(config.services)) or "none"
+            raise InvalidRequest(
+                f"network_rules: unknown service {key!r} (this node knows: {known}). Services are named in the "
+                f"node's network configuration (docs/SECURITY.md, Network); or allow hosts by name with 'domains'")
         if not value:
             continue
         for host in service.hosts:
