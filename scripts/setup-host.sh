@@ -6,7 +6,8 @@ PACKAGES=(crun gcc libc6-dev erofs-utils busybox-static debootstrap podman uidma
           iproute2 nftables python3 python3-venv python3-pip psmisc ca-certificates
           qemu-system-x86 qemu-utils e2fsprogs bubblewrap
           gcc libc6-dev libseccomp2  # dsec-jail is compiled on first use; its seccomp program made with libseccomp
-          postgresql)  # initdb and postgres: the tests run a server of their own for `dsec serve --db`
+          postgresql  # initdb and postgres: the tests run a server of their own for `dsec serve --db`
+          util-linux-extra procps kmod git)  # fincore (page-cache checks), ps, modprobe zram; git for clones
 
 if [ "$(id -u)" != 0 ]; then
     echo "setup-host: run as root (DSec mounts layers and makes cgroups)" >&2
@@ -36,7 +37,16 @@ fi
 # cold-memory reclaimer does the same for idle pages. Half of RAM, as zram-generator does;
 # left alone when a zram swap is already on, or when zram0 is taken for something else.
 if ! grep -q '^/dev/zram' /proc/swaps; then
-    modprobe zram 2>/dev/null || true
+    if ! modprobe zram 2>/tmp/dsec-modprobe.err && [ ! -e /sys/class/zram-control ]; then
+        if [ "${DSEC_SETUP_NO_ZRAM:-0}" != 1 ]; then
+            echo "setup-host: cannot load the zram module ($(cat /tmp/dsec-modprobe.err)). A paused sandbox's memory" \
+                 "goes out to zram swap, and the tests of it need it: install this kernel's modules" \
+                 "(linux-image-$(uname -r) or linux-modules-extra-$(uname -r)), or set DSEC_SETUP_NO_ZRAM=1" \
+                 "to set up without it (pause then cannot push memory out)" >&2
+            exit 1
+        fi
+        echo "setup-host: no zram (DSEC_SETUP_NO_ZRAM=1): pause cannot push memory out" >&2
+    fi
     if [ ! -e /sys/block/zram0 ] && [ -e /sys/class/zram-control/hot_add ]; then
         cat /sys/class/zram-control/hot_add >/dev/null
     fi

@@ -45,6 +45,7 @@ class LocalServer:
         self.port = self.port or free_port()
         self.proc: subprocess.Popen | None = None
         self.log_path = self.state_dir / "serve.log"
+        self._ended = False  # stopped or killed by us, or its exit already reported
 
     @property
     def endpoint(self) -> str:
@@ -55,6 +56,7 @@ class LocalServer:
         return (self.state_dir / "token").read_text().strip()
 
     def start(self) -> LocalServer:
+        self._ended = False
         self.state_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
@@ -67,6 +69,7 @@ class LocalServer:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._ended = True
                 raise RuntimeError(f"dsec serve exited with {self.proc.returncode}: {self.log_tail()}")
             try:
                 if httpx.get(f"{self.endpoint}/healthz", timeout=1).status_code == 200:
@@ -74,18 +77,33 @@ class LocalServer:
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
-        self.stop()
+        self.kill()
         raise RuntimeError(f"dsec serve did not come up in {self.start_timeout_s}s: {self.log_tail()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else None
+        """Stop the server with ``sig``; returns its exit code. A server that had exited on its
+        own with an error, or that a SIGTERM did not stop cleanly within
+        ``timeout``, raises ``RuntimeError`` with its log's tail, once: a test whose server
+        failed fails."""
+        if self.proc is None:
+            return None
+        ended, self._ended = self._ended, True
+        if self.proc.poll() is not None:
+            code = self.proc.returncode
+            if code != 0 and not ended:
+                raise RuntimeError(f"dsec serve had exited on its own with {code}: {self.log_tail()}")
+            return code
         self.proc.send_signal(sig)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait()
+            self.proc.wait()
+            raise RuntimeError(f"dsec serve did not stop within {timeout:g} s of signal {sig}: {self.log_tail()}") from None
+        # (uvicorn ends a clean shutdown by raising the signal again: -SIGTERM is clean too)
+        if sig == signal.SIGTERM and code not in (0, -signal.SIGTERM):
+            raise RuntimeError(f"dsec serve exited with {code} on SIGTERM: {self.log_tail()}")
+        return code
 
     def kill(self) -> None:
         """Die without any cleanup, as a crash would."""

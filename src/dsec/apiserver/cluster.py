@@ -381,7 +381,7 @@ class Cluster:
         for landed_at, p, amount in self._landed:
             if landed_at >= seq:  # landed after that gathering began: it may not have seen it
                 usage[p] = usage.get(p, Amount()) + amount
-        check_create(self.projects.tree(), usage, project, one.times(count))
+        check_create(tree, usage, project, one.times(count))
         self._pending[project] = self._pending.get(project, Amount()) + one.times(count)
         try:
             yield reservation
