@@ -56,3 +56,56 @@ async def test_the_hole_the_agents_own_sandbox_forges_the_graders_run(client):
         await plant_forged_shell(sandbox)
         graded = await sandbox.run_shell("grep -q 'assert 1 == 2' /testbed/test_x.py && echo '1 failed' && exit 1")
         assert graded.exit_code == 0 and graded.stdout == "1 passed\n"  # forged
+
+
+async def test_a_clean_copy_grades_truly_and_carries_only_the_kept_paths(client):
+    async with await client.run_container(args()) as sandbox:
+        # The agent's work, beneath the kept path: files, links (never followed), a deletion;
+        # and elsewhere a planted loader preload and a note outside the kept path.
+        await sandbox.write_file("/testbed/sub/data.txt", "agent work\n")
+        await sandbox.write_file("/etc/ld.so.preload", "/lib/evil.so\n")
+        await sandbox.write_file("/root/elsewhere.txt", "not kept\n")
+        r = await sandbox.run_shell("set -e; ln -s /etc/shadow /testbed/link; ln /testbed/sub/data.txt /testbed/hard;"
+                                    " echo x > /testbed/gone; rm /testbed/gone; chmod 0751 /testbed/sub")
+        assert r.exit_code == 0, r
+        await plant_forged_shell(sandbox)
+        async with await sandbox.clean_copy(keep=["/testbed"]) as grader:
+            result = grader.clean_copy_result
+            assert result.source == sandbox.id and result.keep == ["/testbed"]
+            assert "/bin/sh" in result.tampered and "/etc/ld.so.preload" in result.tampered
+            assert result.files == 4 and result.bytes == 11 + len("def test(): assert 1 == 2\n")
+            graded = await grader.run_shell("grep -q 'assert 1 == 2' /testbed/test_x.py && echo '1 failed' && exit 1")
+            assert graded.exit_code == 1 and graded.stdout == "1 failed\n"  # the truth
+            check = await grader.run_shell(
+                "cat /testbed/sub/data.txt; readlink /testbed/link; test -e /etc/ld.so.preload || echo no-preload;"
+                " test -e /root/elsewhere.txt || echo not-carried; stat -c %a /testbed/sub;"
+                " stat -c %h /testbed/hard; ls -ld /testbed/sub | cut -c1-10")
+            assert check.stdout.split() == ["agent", "work", "/etc/shadow", "no-preload", "not-carried", "751", "2",
+                                            "drwxr-x--x"], check
+            # The copy is a sandbox of its own: what it does leaves the source alone.
+            await grader.run_shell("echo grader > /testbed/sub/data.txt")
+        assert (await sandbox.read_file("/testbed/sub/data.txt")) == b"agent work\n"
+        events = await sandbox.security_events()
+        tampered = [e for e in events if e.kind == "file.tampered"]
+        assert tampered and "/bin/sh" in tampered[0].detail and "/etc/ld.so.preload" in tampered[0].detail
+
+
+async def test_deleted_and_replaced_directories_and_residue(client):
+    async with await client.run_container(args()) as sandbox:
+        # /etc/network exists in busybox? use a directory the image has: /etc
+        r = await sandbox.run_shell(
+            "set -e; mkdir -p /work/a /work/b; echo 1 > /work/a/f; echo 2 > /work/b/f;"
+            "echo 'ls' > /work/.ash_history; mkdir -p /work/tmp; echo keep > /work/tmp/x")
+        assert r.exit_code == 0, r
+        snap = await sandbox.pack_diff()
+    try:
+        async with await client.run_container(args(container_image=snap.image)) as sandbox:
+            r = await sandbox.run_shell("set -e; rm -rf /work/a; rm -rf /work/b; mkdir /work/b; echo 3 > /work/b/g;"
+                                        "echo hist > /root/.ash_history")
+            assert r.exit_code == 0, r
+            async with await sandbox.clean_copy(keep=["/work", "/root"]) as grader:
+                check = await grader.run_shell("ls /work; ls /work/b; cat /work/b/g; test -e /root/.ash_history || echo scrubbed")
+                assert check.stdout.split() == ["b", "tmp", "g", "3", "scrubbed"], check
+                assert "/root/.ash_history" in grader.clean_copy_result.scrubbed
+    finally:
+        await client.remove_image(snap.image)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from libdsec import InvalidRequest, SandboxNotFound, SandboxStateError
 from libdsec.protocol import (
+    CleanCopyResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
     ExecRequest,
@@ -53,6 +54,7 @@ from libdsec.protocol import (
 
 from ..backends.base import ExecContext, Handle, SandboxBackend, SandboxSpec
 from ..fncall.pool import FnCallPool
+from ..images import carry
 from ..images.store import Image, LayerStore, check_name
 from ..placement import DEFAULT_CPU_OVERCOMMIT, DEFAULT_MEMORY_OVERCOMMIT
 from ..resources import cgroups
@@ -181,10 +183,21 @@ class Edge:
     async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
         if self._closed:
             raise SandboxStateError(f"edge {self.node} is shutting down")
-        backend = self._backend(kind)
+        self._backend(kind)
         limits = self.admission.limits(args)
         self.security.check_rules(args.network_rules)
-        image = self.store.resolve(args.image_ref)
+        self._check_protected(args, kind)
+        return (await self._create(args, kind, project, self.store.resolve(args.image_ref), limits)).info(self.node)
+
+    def _check_protected(self, args: DSecContainerRunArgs, kind: str) -> None:
+        if args.protected_paths and not getattr(self._backend(kind), "protects_paths", False):
+            raise InvalidRequest(f"protected_paths are for container sandboxes; a {kind} sandbox cannot protect paths")
+
+    async def _create(self, args: DSecContainerRunArgs, kind: str, project: str, image: Image, limits,
+                      seed=None) -> Record:
+        """Admit and start a sandbox of ``image``; ``seed(handle)``, if given, runs on it before
+        it counts as running (a clean copy's carried files)."""
+        backend = self._backend(kind)
         sandbox_id = new_sandbox_id(self.node)
         self.admission.admit(sandbox_id, args)
         now = time.time()
@@ -193,20 +206,24 @@ class Edge:
             args=args, image=image, status=SandboxStatus.creating, created_at=now, last_active=now, project=project,
         )
         self._records[sandbox_id] = rec
-        # VMs (whose memory is set at boot) and restores from a snapshot are made to order.
+        # VMs (whose memory is set at boot), restores from a snapshot and sandboxes with paths
+        # of their own made read-only are made to order.
         snapshot = getattr(args, "snapshot", None)
-        pool = self.warm_pool.arrive(kind, image, limits) if getattr(backend, "pooled", True) and snapshot is None else None
+        pooled = getattr(backend, "pooled", True) and snapshot is None and not args.protected_paths
+        pool = self.warm_pool.arrive(kind, image, limits) if pooled else None
         try:
             if pool is not None:
                 rec.handle, has = await self.warm_pool.take(pool, limits)
             else:
                 spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits,
-                                   snapshot=snapshot)
+                                   snapshot=snapshot, protected_paths=tuple(args.protected_paths))
                 rec.handle, has = await backend.create(f"c{secrets.token_hex(8)}", spec), None
             try:
                 if has != limits:
                     await backend.apply_limits(rec.handle, limits)
                 rec.uid, rec.gid = await backend.resolve_user(rec.handle, args.init_user)
+                if seed is not None:
+                    await seed(rec.handle)
                 if args.workdir != "/":
                     await backend.make_dir(rec.handle, args.workdir, rec.uid, rec.gid)
                 await self.security.attach(rec)
@@ -225,7 +242,42 @@ class Edge:
         rec.last_active = time.time()
         rec.create_s = rec.last_active - now
         self._persist(rec)
-        return rec.info(self.node)
+        return rec
+
+    async def clean_copy(self, sandbox_id: str, keep: list[str]) -> CleanCopyResult:
+        """A new running sandbox from the original image's layers with only this sandbox's
+        changes beneath ``keep`` (scrubbed as ``pack_diff`` scrubs; links carried as links),
+        for a verdict nothing the agent did elsewhere can touch. The source is frozen while its
+        changes are read and keeps running; the copy has the source's run args and project."""
+        rec = self._allowed(sandbox_id, Action.clean_copy)
+        if self._closed:
+            raise SandboxStateError(f"edge {self.node} is shutting down")
+        keep = carry.normalize_paths(keep, "keep path")
+        if not keep:
+            raise InvalidRequest("a clean copy needs at least one keep path")
+        if "/" in keep:
+            raise InvalidRequest("keep path '/' would carry all the sandbox's changes, tampering included: "
+                                 "name the directories that hold the work")
+        backend = self.backends[rec.kind]
+        if not hasattr(backend, "carry"):
+            raise InvalidRequest(f"a {rec.kind} sandbox cannot make clean copies (containers can)")
+        return await self._call(rec, self._clean_copy(rec, backend, keep))
+
+    async def _clean_copy(self, rec: Record, backend: SandboxBackend, keep: list[str]) -> CleanCopyResult:
+        start = time.perf_counter()
+        tampered = self.security.check_tampering(rec)
+        await backend.check_kept(rec.handle, keep)
+        carried: list = []
+
+        async def seed(handle: Handle) -> None:
+            lifecycle.check(Action.clean_copy, rec.id, rec.status, rec.reason)  # not paused or stopped meanwhile
+            carried.append(await backend.carry(rec.handle, handle, keep))
+
+        copy = await self._create(rec.args, rec.kind, rec.project, rec.image, self.admission.limits(rec.args), seed=seed)
+        done = carried[0]
+        return CleanCopyResult(sandbox=copy.info(self.node), source=rec.id, keep=keep, files=done.files,
+                               bytes=done.bytes, scrubbed=done.scrubbed, tampered=tampered,
+                               copy_s=time.perf_counter() - start)
 
     def create_batch(
         self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root"
@@ -238,6 +290,7 @@ class Edge:
             self._backend(kind)
             self.admission.limits(args)
             self.security.check_rules(args.network_rules)
+            self._check_protected(args, kind)
             self.store.resolve(args.image_ref)
             self.admission.fits(args, count)
 
@@ -346,6 +399,7 @@ class Edge:
             if self.store.has_image(name):
                 raise InvalidRequest(f"image {name!r} exists already; pick another name")
         backend = self.backends[rec.kind]
+        self.security.check_tampering(rec)
         digest, scrubbed = await self._call(rec, backend.pack_diff(rec.handle))
         image = Image(
             name=name or f"snap-{digest.removeprefix('sha256-')[:16]}",
@@ -413,6 +467,7 @@ class Edge:
             return await self.get(sandbox_id)
         rec.status = SandboxStatus.stopping
         self.admission.unhold(rec.id)
+        self.security.check_tampering(rec)
         try:
             await self.backends[rec.kind].destroy(rec.handle)
         except Exception as exc:
@@ -476,6 +531,7 @@ class Edge:
         log.warning("sandbox %s failed: %s", rec.id, reason)
         rec.status, rec.reason = SandboxStatus.failed, reason
         self.admission.unhold(rec.id)
+        self.security.check_tampering(rec)
         try:
             await self.backends[rec.kind].destroy(rec.handle)
         finally:
