@@ -13,8 +13,9 @@ import asyncio
 import time
 
 import pytest
+from pydantic import ValidationError
 
-from libdsec import DSecContainerRunArgs
+from libdsec import DSecContainerRunArgs, InvalidRequest, SandboxStateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -109,3 +110,91 @@ async def test_deleted_and_replaced_directories_and_residue(client):
                 assert "/root/.ash_history" in grader.clean_copy_result.scrubbed
     finally:
         await client.remove_image(snap.image)
+
+
+async def test_bad_keep_paths_and_states_are_named(client):
+    async with await client.run_container(args()) as sandbox:
+        r = await sandbox.run_shell("set -e; mkdir -p /testbed/in; ln -s /etc /testbed/out; ln -s in /testbed/rel")
+        assert r.exit_code == 0, r
+        with pytest.raises(InvalidRequest, match="keep path '/nope' does not exist in the sandbox"):
+            await sandbox.clean_copy(keep=["/nope"])
+        with pytest.raises(InvalidRequest, match=r"keep path '/testbed/out/passwd' passes through the symbolic link "
+                                                 r"/testbed/out -> /etc"):
+            await sandbox.clean_copy(keep=["/testbed/out/passwd"])
+        with pytest.raises(InvalidRequest, match="passes through the symbolic link /testbed/rel -> in"):
+            await sandbox.clean_copy(keep=["/testbed/rel"])
+        with pytest.raises(InvalidRequest, match="keep path 'testbed' is not an absolute path"):
+            await sandbox.clean_copy(keep=["testbed"])
+        with pytest.raises(InvalidRequest, match=r"keep path '/testbed/\.\./etc' contains '\.\.'"):
+            await sandbox.clean_copy(keep=["/testbed/../etc"])
+        with pytest.raises(InvalidRequest, match="keep path '/' would carry all"):
+            await sandbox.clean_copy(keep=["/"])
+        with pytest.raises(InvalidRequest):
+            await sandbox.clean_copy(keep=[])
+        await sandbox.pause()
+        with pytest.raises(SandboxStateError, match=f"cannot make a clean copy of: sandbox {sandbox.id} is paused"):
+            await sandbox.clean_copy(keep=["/testbed"])
+        await sandbox.resume()
+    with pytest.raises(SandboxStateError, match=f"cannot make a clean copy of: sandbox {sandbox.id} is stopped"):
+        await sandbox.clean_copy(keep=["/testbed"])
+
+
+async def test_tampering_is_recorded_at_stop_and_pack_diff(client):
+    sandbox = await client.run_container(args())
+    await sandbox.run_shell("mkdir -p /usr/lib/python3/site-packages; echo 'import os' > /usr/lib/python3/site-packages/sitecustomize.py;"
+                            " echo x > /root/.profile;"
+                            " echo x > /etc/profile; echo fine > /root/notes.txt")
+    snap = await sandbox.pack_diff()
+    await client.remove_image(snap.image)
+    events = [e for e in await sandbox.security_events() if e.kind == "file.tampered"]
+    assert [e.detail for e in events] == [
+        "system files replaced or added: /etc/profile, /root/.profile, /usr/lib/python3/site-packages/sitecustomize.py"]
+    await sandbox.run_shell("cp /bin/busybox /usr/bin/ls2")
+    await sandbox.stop()
+    events = [e for e in await sandbox.security_events() if e.kind == "file.tampered"]
+    assert [e.detail for e in events][-1] == "system files replaced or added: /usr/bin/ls2"  # seen at stop
+
+
+async def test_the_sync_twin(server):
+    from libdsec import SyncDSecClient
+
+    with SyncDSecClient(server.endpoint, token=server.token) as client:
+        with client.run_container(args()) as sandbox:
+            sandbox.write_file("/testbed/a", "work")
+            with sandbox.clean_copy(["/testbed"]) as grader:
+                assert grader.read_file("/testbed/a") == b"work"
+                assert grader.clean_copy_result.files == 1
+
+
+async def test_protected_paths_hold_for_root_inside(client):
+    with pytest.raises(ValidationError, match="protected path 'etc' is not an absolute path"):
+        args(protected_paths=["etc"])
+    with pytest.raises(ValidationError, match=r"contains '\.\.'"):
+        args(protected_paths=["/etc/../tmp"])
+    with pytest.raises(InvalidRequest, match="protected path '/nope' cannot be protected in image 'busybox'"):
+        await client.run_container(args(protected_paths=["/nope"]))
+    async with await client.run_container(args(protected_paths=["/bin", "/etc", "/usr/bin"])) as sandbox:
+        before = await sandbox.read_file("/bin/sh")
+        attempts = {
+            "write": "echo x > /bin/sh", "remove": "rm -f /bin/sh", "add": "echo x > /bin/new",
+            "chmod": "chmod 777 /bin/sh", "preload": "echo /x.so > /etc/ld.so.preload",
+            "remount": "mount -o remount,rw /bin", "remount-bind": "mount -o remount,bind,rw /bin",
+            "umount": "umount /bin", "lazy-umount": "umount -l /etc",
+            "move-parent": "mkdir -p /x && mount --move /bin /x",
+            "rename": "mv /bin /bin2", "over": "mount -t tmpfs tmpfs /bin",
+            # The path, not only the directory: its parent cannot be moved away and remade.
+            "rename-parent": "mv /usr /usr2 && mkdir -p /usr/bin && echo x > /usr/bin/forged",
+            "remove-parent": "rm -rf /usr; mkdir -p /usr/bin && echo x > /usr/bin/forged",
+        }
+        for what, command in attempts.items():
+            r = await sandbox.run_shell(f"/bin/busybox sh -c '{command}' 2>&1; echo rc=$?")
+            assert "rc=0" not in r.stdout, (what, r)
+        assert await sandbox.read_file("/bin/sh") == before
+        check = await sandbox.run_shell("test -e /bin/new || echo no-new; test -e /etc/ld.so.preload || echo no-preload;"
+                                        " test -e /usr/bin/forged || echo no-forged; test -e /usr/bin/env && echo env-kept;"
+                                        " echo fine > /root/ok && cat /root/ok; grep -c ' /bin ' /proc/mounts")
+        assert check.stdout.split() == ["no-new", "no-preload", "no-forged", "env-kept", "fine", "1"], check
+        # A clean copy keeps the protection: it has the source's run args.
+        async with await sandbox.clean_copy(keep=["/root"]) as grader:
+            r = await grader.run_shell("echo x > /bin/sh 2>&1; echo rc=$?; cat /root/ok")
+            assert "rc=0" not in r.stdout and "fine" in r.stdout, r

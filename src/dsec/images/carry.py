@@ -144,7 +144,7 @@ def check_in_root(root_fd: int, path: str, what: str, sandbox: str) -> None:
             try:
                 st = os.stat(part, dir_fd=fd, follow_symlinks=False)
             except FileNotFoundError:
-                raise InvalidRequest(f"{what} {path!r} does not exist in sandbox {sandbox}") from None
+                raise InvalidRequest(f"{what} {path!r} does not exist in {sandbox}") from None
             except NotADirectoryError:
                 raise InvalidRequest(f"{what} {path!r}: {walked.rsplit('/', 1)[0]} is not a directory") from None
             if stat.S_ISLNK(st.st_mode):
