@@ -141,14 +141,18 @@ def _commit() -> str:
 
 def main(state_dir: Path, console: Console, rounds: int = 20, pack_rounds: int = 5, podman_rounds: int = 5,
          tree_mb: int = 50, files: int = 500, podman: bool = True, goal_ms: float = 100.0) -> int:
-    """Run it, print the table, write ``<state_dir>.json``; 0 when it ran cleanly (and every copy
-    held the tree), 1 otherwise."""
+    """Run it, print the table, write ``<state_dir>.json`` (the layer store is kept beside it, in
+    ``<state_dir>-store``); 0 when it ran cleanly (and every copy held the tree), 1 otherwise."""
     state_dir = Path(state_dir).resolve()
     os.environ.setdefault("DSEC_VMS", "0")
     os.environ.setdefault("DSEC_GUEST_KERNEL_PACKAGE", "dsec-bench-clean-copy-no-guest-kernel")
     started = datetime.now(timezone.utc)
     state_dir.mkdir(parents=True, exist_ok=True)
-    store = LayerStore(state_dir / "store")
+    # The store outlives the server's state dir (removed at its end): the peer runs from its layer.
+    store_dir = state_dir.parent / f"{state_dir.name}-store"
+    store = LayerStore(store_dir)
+    if not (state_dir / "store").is_symlink():
+        (state_dir / "store").symlink_to(store_dir)
     image = store.get_image("busybox") if store.has_image("busybox") else build_busybox(store)
     r: dict = {"commit": _commit(), "started": started.isoformat(timespec="seconds"), "rounds": rounds,
                "tree_mb": tree_mb, "files": files, "load_start": os.getloadavg()[0]}
