@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import secrets
+import shlex
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
@@ -259,9 +260,43 @@ class Edge:
             raise InvalidRequest("keep path '/' would carry all the sandbox's changes, tampering included: "
                                  "name the directories that hold the work")
         backend = self.backends[rec.kind]
-        if not hasattr(backend, "carry"):
-            raise InvalidRequest(f"a {rec.kind} sandbox cannot make clean copies (containers can)")
-        return await self._call(rec, self._clean_copy(rec, backend, keep))
+        if hasattr(backend, "carry"):
+            return await self._call(rec, self._clean_copy(rec, backend, keep))
+        if hasattr(backend, "kept_layer"):
+            return await self._call(rec, self._clean_copy_as_layer(rec, backend, keep))
+        raise InvalidRequest(f"a {rec.kind} sandbox cannot make clean copies")
+
+    async def _clean_copy_as_layer(self, rec: Record, backend: SandboxBackend, keep: list[str]) -> CleanCopyResult:
+        """A VM's clean copy: its writable layer is in the guest, whose agent streams it out; the
+        kept paths become one layer on the image's, and a new VM boots from them."""
+        start = time.perf_counter()
+        await self._check_kept_inside(rec, backend, keep)
+        digest, done, tampered = await backend.kept_layer(rec.handle, keep)
+        self.security.record_tampered(rec, tampered)
+        image = Image(name=rec.image.name, layers=rec.image.layers + (digest,), roles=rec.image.roles + ("snapshot",),
+                      env=rec.image.env, workdir=rec.image.workdir, user=rec.image.user, parent=rec.image.parent)
+        args = rec.args.model_copy(update={"snapshot": None}) if getattr(rec.args, "snapshot", None) else rec.args
+        copy = await self._create(args, rec.kind, rec.project, image, self.admission.limits(args))
+        return CleanCopyResult(sandbox=copy.info(self.node), source=rec.id, keep=keep, files=done.files,
+                               bytes=done.bytes, scrubbed=done.scrubbed, tampered=tampered,
+                               copy_s=time.perf_counter() - start)
+
+    async def _check_kept_inside(self, rec: Record, backend: SandboxBackend, keep: list[str]) -> None:
+        """Each kept path exists, with no link on the way, as a command in the sandbox sees it.
+        Only for the message: an agent that forged the answer gains nothing, since the host
+        reads what it carries from the packed layer and never follows a link there."""
+        for path in keep:
+            script = ('p=""; for c in ' + " ".join(shlex.quote(c) for c in path.split("/") if c) + "; do "
+                      'p="$p/$c"; if [ -L "$p" ]; then echo "LINK $p -> $(readlink "$p")"; exit 0; fi; '
+                      '[ -e "$p" ] || { echo MISSING; exit 0; }; done; echo OK')
+            ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+            result = await backend.exec(rec.handle, ExecRequest(command=script, timeout=60), ctx)
+            said = result.stdout.strip()
+            if said == "MISSING":
+                raise InvalidRequest(f"keep path {path!r} does not exist in the sandbox")
+            if said.startswith("LINK "):
+                raise InvalidRequest(f"keep path {path!r} passes through the symbolic link {said[5:]}: links are "
+                                     f"carried as links, never followed; name a path without links")
 
     async def _clean_copy(self, rec: Record, backend: SandboxBackend, keep: list[str]) -> CleanCopyResult:
         start = time.perf_counter()

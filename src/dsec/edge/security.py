@@ -163,6 +163,10 @@ class EdgeSecurity:
         except OSError as exc:
             log.warning("cannot look for tampering in %s: %s", rec.id, exc)
             return []
+        return self.record_tampered(rec, paths)
+
+    def record_tampered(self, rec: Record, paths: list[str]) -> list[str]:
+        """Record the system files of ``paths`` not recorded before as a ``file.tampered`` event."""
         seen = self._tampered.setdefault(rec.id, set())
         new = [p for p in paths if p not in seen]
         if new:

@@ -365,3 +365,87 @@ def carry(upper: str | os.PathLike, target_root: int, keep: list[str], ids: Call
     finally:
         copier.close()
     return carried
+
+
+# -- a layer of the kept paths (VMs: the upper arrives as a tar) ---------------------------------
+
+
+def kept_layer(upper: str | os.PathLike, dest: str | os.PathLike, keep: list[str]) -> Carried:
+    """Copy the entries of ``upper`` (an overlay upper on the host: whiteouts, opaque marks)
+    beneath each kept path into the empty directory ``dest``, as a layer to stack on the
+    image: whiteouts stay whiteouts, opaque directories stay opaque, and a kept path below an
+    opaque directory becomes opaque itself (what the image had there was hidden, its
+    neighbours were not kept). Residue is left out (``scrub``). Links are copied as links."""
+    carried = Carried()
+    upper, dest = os.fspath(upper), os.fspath(dest)
+
+    def copy(src: str, dst: str, rel: str) -> None:
+        if scrub.is_residue(rel):
+            carried.scrubbed.append("/" + rel)
+            return
+        st = os.lstat(src)
+        mode = st.st_mode
+        if _is_whiteout(st):
+            os.mknod(dst, stat.S_IFCHR | 0o000, 0)
+        elif stat.S_ISDIR(mode):
+            os.mkdir(dst, stat.S_IMODE(mode))
+            fd = os.open(src, _DIR_FLAGS)
+            try:
+                if _opaque(fd):
+                    os.setxattr(dst, _OPAQUE_XATTRS[0], b"y", follow_symlinks=False)
+            finally:
+                os.close(fd)
+            for name in sorted(os.listdir(src)):
+                copy(os.path.join(src, name), os.path.join(dst, name), f"{rel}/{name}")
+        elif stat.S_ISLNK(mode):
+            os.symlink(os.readlink(src), dst)
+            carried.files += 1
+        elif stat.S_ISFIFO(mode):
+            os.mkfifo(dst, stat.S_IMODE(mode))
+        elif stat.S_ISREG(mode):
+            with open(src, "rb") as fin, open(dst, "xb") as fout:
+                left, offset = st.st_size, 0
+                while left > 0:
+                    n = os.sendfile(fout.fileno(), fin.fileno(), offset, min(left, 1 << 30))
+                    if n == 0:
+                        break
+                    offset += n
+                    left -= n
+            carried.files += 1
+            carried.bytes += st.st_size
+        else:
+            return  # sockets, devices
+        os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
+        if not stat.S_ISLNK(mode):
+            os.chmod(dst, stat.S_IMODE(mode))
+        os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+    for path in keep:
+        parts = [p for p in path.split("/") if p]
+        src, dst, replaced, found = upper, dest, False, True
+        for part in parts[:-1]:
+            src, dst = os.path.join(src, part), os.path.join(dst, part)
+            try:
+                st = os.lstat(src)
+            except FileNotFoundError:
+                found = False
+                break
+            if not stat.S_ISDIR(st.st_mode):
+                found = False  # a link or a file where a directory was: nothing of it is kept
+                break
+            fd = os.open(src, _DIR_FLAGS)
+            try:
+                replaced = replaced or _opaque(fd)
+            finally:
+                os.close(fd)
+            if not os.path.isdir(dst):
+                os.mkdir(dst, stat.S_IMODE(st.st_mode))
+                os.chown(dst, st.st_uid, st.st_gid)
+                os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+        src, dst = os.path.join(src, parts[-1]), os.path.join(dst, parts[-1])
+        if not found or not os.path.lexists(src) or os.path.lexists(dst):
+            continue
+        copy(src, dst, "/".join(parts))
+        if replaced and os.path.isdir(dst) and not os.path.islink(dst):
+            os.setxattr(dst, _OPAQUE_XATTRS[0], b"y", follow_symlinks=False)
+    return carried
