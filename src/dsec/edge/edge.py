@@ -192,7 +192,8 @@ class Edge:
 
     def _check_protected(self, args: DSecContainerRunArgs, kind: str) -> None:
         if args.protected_paths and not getattr(self._backend(kind), "protects_paths", False):
-            raise InvalidRequest(f"protected_paths are for container sandboxes; a {kind} sandbox cannot protect paths")
+            raise InvalidRequest(f"a {kind} sandbox on node {self.node} cannot protect paths "
+                                 f"(protected_paths is for container sandboxes)")
 
     async def _create(self, args: DSecContainerRunArgs, kind: str, project: str, image: Image, limits,
                       seed=None) -> Record:
