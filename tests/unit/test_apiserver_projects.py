@@ -241,3 +241,23 @@ async def test_node_info_and_sizes_out_of_range_still_come_from_the_edge(world):
         with pytest.raises(CapacityExceeded, match="cannot admit"):
             await root.run_containers(args(memory_limit_mb=node.memory_total_mb), count=100)
         assert await root.list_sandboxes() == []
+
+
+async def test_a_clean_copy_counts_against_its_sources_project(world):
+    client, _ = world
+    async with client() as root:
+        await root.create_project("grading", sandboxes=2)
+        token = await root.create_project_token("grading")
+        await root.create_project("other")
+        other = await root.create_project_token("other")
+    async with client(token) as team, client(other) as stranger:
+        source = await team.run_container(args())
+        await source.write_file("/testbed/a", "work")
+        copy = await source.clean_copy(["/testbed"])
+        assert copy.info.project == "grading" and await copy.read_file("/testbed/a") == b"work"
+        with pytest.raises(QuotaExceeded, match="sandboxes quota of 'grading' is 2"):
+            await source.clean_copy(["/testbed"])
+        with pytest.raises(SandboxNotFound):  # another project cannot copy it either
+            await libdsec.Sandbox(stranger, source.info).clean_copy(["/testbed"])
+        await copy.stop()
+        await source.stop()
