@@ -166,6 +166,20 @@ async def test_the_sync_twin(server):
                 assert grader.clean_copy_result.files == 1
 
 
+async def test_bad_protected_paths_over_http_name_the_problem(server):
+    import httpx
+
+    async with httpx.AsyncClient(base_url=server.endpoint, headers={"authorization": f"Bearer {server.token}"}) as http:
+        for bad, said in ((["etc"], "protected path 'etc' is not an absolute path"),
+                          (["/etc/../tmp"], "protected path '/etc/../tmp' contains '..'"),
+                          (["/"], "protected path '/' would make the whole root read-only")):
+            r = await http.post("/v1/sandboxes", json={"container_image": "busybox", "protected_paths": bad})
+            assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_request", r.text
+            assert said in r.json()["error"]["message"], r.text
+        r = await http.post("/v1/sandboxes/n0-0123456789abcdef/clean_copy", json={"keep": ["rel"]})
+        assert r.status_code == 422 and "keep path 'rel' is not an absolute path" in r.json()["error"]["message"]
+
+
 async def test_protected_paths_hold_for_root_inside(client):
     with pytest.raises(ValidationError, match="protected path 'etc' is not an absolute path"):
         args(protected_paths=["etc"])
@@ -194,6 +208,8 @@ async def test_protected_paths_hold_for_root_inside(client):
                                         " test -e /usr/bin/forged || echo no-forged; test -e /usr/bin/env && echo env-kept;"
                                         " echo fine > /root/ok && cat /root/ok; grep -c ' /bin ' /proc/mounts")
         assert check.stdout.split() == ["no-new", "no-preload", "no-forged", "env-kept", "fine", "1"], check
+        denied = " ".join(e.detail for e in await sandbox.security_events() if e.kind == "syscall.denied")
+        assert "mount denied" in denied and "umount2 denied" in denied, denied
         # A clean copy keeps the protection: it has the source's run args.
         async with await sandbox.clean_copy(keep=["/root"]) as grader:
             r = await grader.run_shell("echo x > /bin/sh 2>&1; echo rc=$?; cat /root/ok")
