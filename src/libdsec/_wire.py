@@ -75,11 +75,11 @@ class _Connection:
         self.writer = writer
         self.idle_since = 0.0
 
-    def fresh(self, now: float) -> bool:
-        return now - self.idle_since < IDLE_EXPIRY_S
+    def fresh(self, now: float, expiry_s: float) -> bool:
+        return now - self.idle_since < expiry_s
 
-    def usable(self, now: float) -> bool:
-        return self.fresh(now) and not self.reader.at_eof() and not self.writer.is_closing()
+    def usable(self, now: float, expiry_s: float) -> bool:
+        return self.fresh(now, expiry_s) and not self.reader.at_eof() and not self.writer.is_closing()
 
     def peer_closed(self) -> bool:
         """Whether the kernel holds something to read on this idle connection (the server's
@@ -169,7 +169,8 @@ class WireClient:
     server."""
 
     def __init__(self, endpoint: str, headers: dict[str, str], max_connections: int,
-                 max_idle: int | None = None, *, check_idle: bool = False) -> None:
+                 max_idle: int | None = None, *, check_idle: bool = False,
+                 idle_expiry_s: float = IDLE_EXPIRY_S) -> None:
         url = urlsplit(endpoint)
         if url.scheme != "http" or not url.hostname:
             raise ValueError(f"not a plain http endpoint: {endpoint!r}")
@@ -191,6 +192,7 @@ class WireClient:
         self._slots = asyncio.Semaphore(max_connections)
         self._closed = False
         self._check_idle = check_idle
+        self._idle_expiry_s = idle_expiry_s
 
     def _request_bytes(self, method: str, path: str, params: dict[str, str] | None, body: bytes | None,
                        content_type: str | None) -> bytes:
@@ -309,11 +311,12 @@ class WireClient:
     def _take(self) -> _Connection | None:
         now = time.monotonic()
         idle = self._idle
-        while idle and not idle[0].fresh(now):
+        expiry = self._idle_expiry_s
+        while idle and not idle[0].fresh(now, expiry):
             idle.popleft().close()
         while idle:
             conn = idle.pop()
-            if conn.usable(now) and not (self._check_idle and conn.peer_closed()):
+            if conn.usable(now, expiry) and not (self._check_idle and conn.peer_closed()):
                 return conn
             conn.close()
         return None

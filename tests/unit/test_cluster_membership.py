@@ -115,3 +115,29 @@ async def test_a_batch_failing_with_a_lost_node_is_stopped_there_when_it_returns
         await asyncio.sleep(0.01)
     assert await edges[victim].list() == []
     assert await client.list_sandboxes() == []
+
+
+async def test_the_stops_owed_to_a_lost_node_outlive_the_apiserver(world, tmp_path):
+    """An apiserver that restarts while a node is lost still stops, once the node is back, what
+    the failed batch made there (the stops are kept in the project store)."""
+    client, cluster, edges = world
+    made = await client.run_containers(args(), count=6)
+    victim = made[0].info.node
+    on_victim = {s.id for s in made if s.info.node == victim}
+    db = tmp_path / "projects.db"
+    with open_project_store(db) as projects:
+        first = Cluster(list(edges.values()), projects=projects)
+        first.mark_lost(victim, "test")
+        await first.stop_ids([s.id for s in made], "batch create failed")
+        assert {i.id for i in await edges[victim].list()} == on_victim
+    # A new apiserver over the same store; the node joins it.
+    with open_project_store(db) as projects:
+        assert await projects.owed_stops(victim) == on_victim
+        second = Cluster([e for n, e in edges.items() if n != victim], projects=projects)
+        second.add_edge(edges[victim])
+        for _ in range(200):
+            if not await edges[victim].list() and not await projects.owed_stops(victim):
+                break
+            await asyncio.sleep(0.01)
+        assert await edges[victim].list() == []
+        assert await projects.owed_stops(victim) == set()

@@ -92,7 +92,7 @@ async def test_a_burst_leaves_at_most_max_idle_open_and_expired_ones_are_closed(
         assert srv.connections == 20 and len(wire._idle) == 4  # the other 16 were closed
         await wire.request("GET", "/x", timeout=5)
         assert srv.connections == 20  # one of the kept ones was used
-        monkeypatch.setattr("libdsec._wire.IDLE_EXPIRY_S", 0.0)  # now all of them have expired
+        wire._idle_expiry_s = 0.0  # now all of them have expired
         await wire.request("GET", "/x", timeout=5)
         assert srv.connections == 21 and len(wire._idle) == 1  # the expired ones closed, the new one kept
         await wire.aclose()

@@ -29,6 +29,7 @@ from libdsec import CapacityExceeded, DSecError, SandboxLost, SandboxNotFound
 from libdsec.protocol import CleanCopyResult, DSecContainerRunArgs, NodeInfo, SandboxInfo
 
 from .. import placement
+from ..batch import Part, all_or_none
 from ..edge.api import EdgeAPI, NodeUnreachable, node_of
 from .auth import Caller
 from .projects import ProjectStore, open_project_store
@@ -88,13 +89,6 @@ class _KindView:
     index: dict[str, int]  # node -> its place in loads
 
 
-@dataclass
-class _Share:
-    node: str
-    count: int
-    offset: int
-
-
 class Cluster:
     """The edges the apiserver can reach, by node name; placement and quotas for creates."""
 
@@ -112,9 +106,10 @@ class Cluster:
         # Nodes that left the cluster (died, or stopped answering): node -> (since, why). Their
         # sandboxes answer SandboxLost until the node comes back (``add_edge``) and re-adopts them.
         self.lost: dict[str, tuple[float, str]] = {}
-        # Stops that could not reach a lost node (the sandboxes of a batch that failed with it):
-        # made when it comes back, as the batch's all-or-none rule owes them. Kept in memory only.
-        self._owed_stops: dict[str, set[str]] = {}
+        # Stops that could not reach a lost node (the sandboxes of a batch that failed with it)
+        # are owed to it, as the batch's all-or-none rule says: kept in the project store (they
+        # outlive this apiserver; another one may be the one the node comes back to) and made
+        # when it comes back (``add_edge``).
         self._tasks: set[asyncio.Task] = set()
         self.projects = projects or open_project_store()
         self.overcommit = overcommit or placement.Overcommit()
@@ -159,40 +154,55 @@ class Cluster:
         self.edges[edge.node] = edge
         self.lost.pop(edge.node, None)
         self._infos = (float("-inf"), [])
-        owed = self._owed_stops.pop(edge.node, None)
-        if owed:
-            log.info("node %s is back: stopping the %d sandboxes of failed batches it held", edge.node, len(owed))
-            self._spawn(self._stop_owed(edge, owed))
+        self._spawn(self._stop_owed(edge))
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _stop_owed(self, edge: EdgeAPI, owed: set[str]) -> None:
-        results = await asyncio.gather(*(edge.stop(sid, reason="batch create failed") for sid in owed),
-                                       return_exceptions=True)
-        again = {sid for sid, r in zip(owed, results) if isinstance(r, NodeUnreachable)}
-        if again:
-            self._owed_stops.setdefault(edge.node, set()).update(again)
+    async def _stop_owed(self, edge: EdgeAPI) -> None:
+        """Make the stops owed to ``edge``'s node; the ones it cannot take now stay owed."""
+        try:
+            owed = sorted(await self.projects.owed_stops(edge.node))
+            if not owed:
+                return
+            log.info("node %s is back: stopping the %d sandboxes of failed batches it held", edge.node, len(owed))
+            results = await asyncio.gather(*(edge.stop(sid, reason="batch create failed") for sid in owed),
+                                           return_exceptions=True)
+            await self.projects.settle_stops(
+                sid for sid, r in zip(owed, results) if not isinstance(r, (NodeUnreachable, SandboxLost)))
+        except Exception as exc:  # noqa: BLE001 - they stay owed: made when the node joins next
+            log.warning("the stops owed to node %s were not all made: %s", edge.node, exc)
+
+    async def _owe(self, node: str, sandbox_ids: list[str], reason: str) -> None:
+        await self.projects.owe_stops(node, sandbox_ids, reason)
+        if (edge := self.edges.get(node)) is not None:  # it came back meanwhile
+            self._spawn(self._stop_owed(edge))
 
     async def stop_ids(self, sandbox_ids: list[str], reason: str) -> None:
-        """``stop_for_batch`` by ids (their nodes looked up; a lost node's are owed to it)."""
-        made = []
+        """``stop_for_batch`` by ids (their nodes looked up; a node not in the cluster now is
+        owed its stops)."""
+        made, owed = [], {}
         for sid in sandbox_ids:
             node = node_of(sid)
             if node in self.edges:
                 made.append((self.edges[node], sid))
-            elif node in self.lost:
-                self._owed_stops.setdefault(node, set()).add(sid)
+            else:
+                owed.setdefault(node, []).append(sid)
+        for node, ids in owed.items():
+            await self._owe(node, ids, reason)
         await self.stop_for_batch(made, reason)
 
     async def stop_for_batch(self, made: list[tuple[EdgeAPI, str]], reason: str) -> None:
         """Stop what an unfinished batch made; a stop its node cannot take now is owed to it."""
         results = await asyncio.gather(*(edge.stop(sid, reason=reason) for edge, sid in made), return_exceptions=True)
+        owed: dict[str, list[str]] = {}
         for (edge, sid), result in zip(made, results):
             if isinstance(result, (NodeUnreachable, SandboxLost)):
-                self._owed_stops.setdefault(edge.node, set()).add(sid)
+                owed.setdefault(edge.node, []).append(sid)
+        for node, ids in owed.items():
+            await self._owe(node, ids, reason)
 
     def remove_edge(self, node: str) -> EdgeAPI | None:
         """A node holding no sandbox left on purpose (a burst node let go); returns its edge."""
@@ -423,87 +433,60 @@ class Cluster:
         self, args: DSecContainerRunArgs, count: int, project: str
     ) -> AsyncIterator[tuple[int, SandboxInfo]]:
         """Yields (index, info) as sandboxes come up, spread over nodes by placement. All or
-        none: on a failure (or when the consumer goes away early) every sandbox made is
-        stopped. A node that refuses its share before making any of it is replaced."""
+        none (``dsec.batch``): on a failure (or when the consumer goes away early) every
+        sandbox made is stopped. A node that refuses its share before making any of it is
+        replaced."""
         async with self._reserve(project, args, count) as reservation:
             view = await self.view()
-            shares = self._shares(self._pick(view, args, count, ()), count, view)
-            queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
-            tasks: set[asyncio.Task] = set()
-            made: list[tuple[EdgeAPI, str]] = []
             tried: set[str] = set()
-            complete = False
 
-            def launch(share: _Share) -> None:
-                tasks.add(asyncio.create_task(self._run_share(share, args, project, queue)))
+            async def replace(part: Part, exc: BaseException) -> list[Part] | None:
+                if not isinstance(exc, (CapacityExceeded, NodeUnreachable)):
+                    return None
+                tried.add(part.tag)
+                self._infos = (float("-inf"), [])  # a refusal: look again
+                again = self._pick(await self.view(), args, part.count, tried)
+                if len(again) < part.count or len(tried) >= MAX_NODES_TRIED:
+                    return None
+                return self._shares(again, part.count, view, args, project, part.offset)
 
-            for share in shares:
-                launch(share)
-            try:
-                delivered = 0
-                while delivered < count:
-                    kind, payload = await queue.get()
-                    if kind == "created":
-                        index, info, edge = payload
-                        made.append((edge, info.id))
-                        delivered += 1
-                        reservation.release(1)
-                        yield index, info
-                    elif kind == "refused":
-                        share, exc = payload
-                        tried.add(share.node)
-                        self._infos = (float("-inf"), [])  # a refusal: look again
-                        again = self._pick(await self.view(), args, share.count, tried)
-                        if len(again) < share.count or len(tried) >= MAX_NODES_TRIED:
-                            raise exc
-                        for new in self._shares(again, share.count, view, share.offset):
-                            launch(new)
-                    else:
-                        raise payload
-                complete = True
-            finally:
-                if not complete:
-                    self._infos = (float("-inf"), [])  # what was noted as placed is not there
-                    for task in tasks:
-                        task.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    while not queue.empty():
-                        kind, payload = queue.get_nowait()
-                        if kind == "created":
-                            made.append((payload[2], payload[1].id))
-                    await self.stop_for_batch(made, "batch create failed")
+            async def undo(made: list[tuple[Part, str]]) -> None:
+                self._infos = (float("-inf"), [])  # what was noted as placed is not there
+                await self.stop_ids([sid for _, sid in made], "batch create failed")
 
-    def _shares(self, nodes: list[str], count: int, view: list[placement.NodeLoad], offset: int = 0) -> list[_Share]:
-        """Group a placement into one share per node. When it placed fewer than ``count``,
+            parts = self._shares(self._pick(view, args, count, ()), count, view, args, project)
+            async with aclosing(all_or_none(parts, undo, undoing=self._tasks, interruptible=True,
+                                            replace=replace)) as events:
+                async for item in events:
+                    reservation.release(1)
+                    yield item
+
+    def _shares(self, nodes: list[str], count: int, view: list[placement.NodeLoad], args: DSecContainerRunArgs,
+                project: str, offset: int = 0) -> list[Part]:
+        """A placement grouped into one part per node. When it placed fewer than ``count``,
         the whole batch goes to the least loaded node, whose edge answers for it."""
         if len(nodes) < count:
             fallback = placement.least_loaded(view, overcommit=self.overcommit) or next(iter(self.edges))
-            return [_Share(fallback, count, offset)]
+            return [self._share(fallback, count, offset, args, project)]
         counts: dict[str, int] = {}
         for node in nodes:
             counts[node] = counts.get(node, 0) + 1
         shares = []
         for node, n in counts.items():
-            shares.append(_Share(node, n, offset))
+            shares.append(self._share(node, n, offset, args, project))
             offset += n
         return shares
 
-    async def _run_share(self, share: _Share, args: DSecContainerRunArgs, project: str,
-                         queue: asyncio.Queue) -> None:
-        edge = self.edges.get(share.node)
-        if edge is None:  # left the cluster since the view was taken
-            await queue.put(("refused", (share, NodeUnreachable(f"node {share.node} left the cluster"))))
-            return
-        self._note_placed(share.node, args, share.count)
-        made = 0
-        try:
-            async with aclosing(edge.create_batch(args, share.count, "container", project)) as events:
-                async for index, info in events:
-                    made += 1
-                    await queue.put(("created", (share.offset + index, info, edge)))
-        except (CapacityExceeded, NodeUnreachable) as exc:
-            await queue.put(("refused", (share, exc)) if made == 0 else ("failed", exc))
-        except DSecError as exc:
-            await queue.put(("failed", exc))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            await queue.put(("failed", exc))
+    def _share(self, node: str, count: int, offset: int, args: DSecContainerRunArgs, project: str) -> Part:
+        """``count`` of the batch's sandboxes on ``node``, as one batch of its own there."""
+
+        async def make() -> AsyncIterator[tuple[int, SandboxInfo]]:
+            edge = self.edges.get(node)
+            if edge is None:  # left the cluster since the view was taken
+                raise NodeUnreachable(f"node {node} left the cluster")
+            self._note_placed(node, args, count)
+            async with aclosing(edge.create_batch(args, count, "container", project)) as events:
+                async for item in events:
+                    yield item
+
+        return Part(offset, count, make, tag=node)

@@ -13,6 +13,7 @@ import hashlib
 import math
 import re
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -63,6 +64,18 @@ class ProjectStore(Protocol):
 
     async def new_token(self, name: str) -> str:
         """A new token for ``name``; only its digest is stored."""
+        ...
+
+    # Stops owed to nodes: the sandboxes of batches that failed while their node was lost,
+    # kept until the node is back and has stopped them (an apiserver may restart meanwhile,
+    # and another may be the one the node comes back to).
+
+    async def owe_stops(self, node: str, sandbox_ids: Iterable[str], reason: str) -> None: ...
+
+    async def owed_stops(self, node: str) -> set[str]: ...
+
+    async def settle_stops(self, sandbox_ids: Iterable[str]) -> None:
+        """The stops made (or found needless: the sandbox is gone)."""
         ...
 
     def close(self) -> None: ...

@@ -23,7 +23,7 @@ import asyncio
 import json
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -63,6 +63,13 @@ CREATE TABLE IF NOT EXISTS tokens (
     created_at timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX IF NOT EXISTS tokens_by_project ON tokens(project);
+CREATE TABLE IF NOT EXISTS owed_stops (
+    sandbox_id text PRIMARY KEY,
+    node text NOT NULL,
+    reason text NOT NULL,
+    since timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS owed_stops_by_node ON owed_stops(node);
 CREATE TABLE IF NOT EXISTS projects_version (
     one boolean PRIMARY KEY DEFAULT true CHECK (one),
     version bigint NOT NULL
@@ -357,6 +364,33 @@ class PostgresProjectStore:
 
         await self._write(change)
         return token
+
+    # -- stops owed to nodes (no tree lock: they touch nothing the tree's invariants read) ---
+
+    async def _plain(self, work: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+        async def run() -> T:
+            if self._pool is None:
+                raise RuntimeError("the project store is closed")
+            try:
+                async with self._pool.acquire() as conn:
+                    return await work(conn)
+            except _DB_ERRORS as exc:
+                raise BackendError(f"the project database {redacted(self.url)} failed: {_describe(exc)}") from None
+
+        return await self._on_own_loop(run())
+
+    async def owe_stops(self, node: str, sandbox_ids: Iterable[str], reason: str) -> None:
+        rows = [(sid, node, reason) for sid in sandbox_ids]
+        await self._plain(lambda conn: conn.executemany(
+            "INSERT INTO owed_stops (sandbox_id, node, reason) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING", rows))
+
+    async def owed_stops(self, node: str) -> set[str]:
+        rows = await self._plain(lambda conn: conn.fetch("SELECT sandbox_id FROM owed_stops WHERE node = $1", node))
+        return {r[0] for r in rows}
+
+    async def settle_stops(self, sandbox_ids: Iterable[str]) -> None:
+        ids = list(sandbox_ids)
+        await self._plain(lambda conn: conn.execute("DELETE FROM owed_stops WHERE sandbox_id = ANY($1::text[])", ids))
 
 
 def _describe(exc: BaseException) -> str:

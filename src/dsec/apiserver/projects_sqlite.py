@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -37,6 +37,13 @@ CREATE TABLE IF NOT EXISTS tokens (
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS tokens_by_project ON tokens(project);
+CREATE TABLE IF NOT EXISTS owed_stops (
+    sandbox_id TEXT PRIMARY KEY,
+    node TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    since REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS owed_stops_by_node ON owed_stops(node);
 """
 
 
@@ -171,3 +178,27 @@ class SQLiteProjectStore:
 
         self._write(change)
         return token
+
+    # -- stops owed to nodes -----------------------------------------------------------------
+
+    async def owe_stops(self, node: str, sandbox_ids: Iterable[str], reason: str) -> None:
+        rows = [(sid, node, reason, time.time()) for sid in sandbox_ids]
+        self._many("INSERT OR IGNORE INTO owed_stops (sandbox_id, node, reason, since) VALUES (?, ?, ?, ?)", rows)
+
+    async def owed_stops(self, node: str) -> set[str]:
+        with self._lock:
+            return {sid for (sid,) in self._conn().execute("SELECT sandbox_id FROM owed_stops WHERE node = ?", (node,))}
+
+    async def settle_stops(self, sandbox_ids: Iterable[str]) -> None:
+        self._many("DELETE FROM owed_stops WHERE sandbox_id = ?", [(sid,) for sid in sandbox_ids])
+
+    def _many(self, statement: str, rows: list[tuple]) -> None:
+        with self._lock:
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany(statement, rows)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise

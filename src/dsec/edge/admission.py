@@ -13,6 +13,7 @@ here, for the placement view and the quotas.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ MIN_MEMORY_MB = 16
 MIN_CPU = 0.01
 MAX_TTL_S = 7 * 24 * 3600.0
 PIDS_RANGE = (16, 65536)
+HOST_FACTS_MAX_AGE_S = 10.0
 
 
 def cpu_commit(args: DSecContainerRunArgs) -> float:
@@ -57,6 +59,7 @@ class Admission:
         self.held: dict[str, tuple[int, int]] = {}
         self.held_ucores = 0
         self.held_memory_mb = 0
+        self._facts: tuple[float, dict] | None = None
 
     def limits(self, args: DSecContainerRunArgs) -> Limits:
         """The cgroup limits ``args`` ask for, each checked against this node."""
@@ -125,6 +128,16 @@ class Admission:
             self.held_ucores -= held[0]
             self.held_memory_mb -= held[1]
 
+    def _host_facts(self) -> dict:
+        """What the host offers that the view reports: read again once older than
+        ``HOST_FACTS_MAX_AGE_S`` (swap may be added; the rest is fixed while the node runs),
+        not on each of the reports an apiserver asks for every second."""
+        now = time.monotonic()
+        if self._facts is None or now - self._facts[0] > HOST_FACTS_MAX_AGE_S:
+            self._facts = (now, {"swap_total_mb": reclaim.swap_total_bytes() >> 20,
+                                 "sched_idle": cpu_sched.sched_idle(), "core_scheduling": cpu_sched.core_scheduling()})
+        return self._facts[1]
+
     def commitments(self, records: Iterable[Record]) -> dict:
         """Admission figures for the placement view, and what each project holds here."""
         paused = 0
@@ -142,8 +155,7 @@ class Admission:
         return {
             "max_sandboxes": config.max_sandboxes, "cpu_overcommit": config.cpu_overcommit,
             "memory_overcommit": config.memory_overcommit, "committed_cpu": self.held_ucores / 1_000_000,
-            "committed_memory_mb": self.held_memory_mb, "paused": paused, "swap_total_mb": reclaim.swap_total_bytes() >> 20,
-            "sched_idle": cpu_sched.sched_idle(), "core_scheduling": cpu_sched.core_scheduling(),
+            "committed_memory_mb": self.held_memory_mb, "paused": paused, **self._host_facts(),
             "projects": {p: ProjectUsage(sandboxes=n, cpu_cores=round(c, 6), memory_mb=m)
                          for p, (n, c, m) in projects.items()},
         }

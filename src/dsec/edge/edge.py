@@ -30,6 +30,7 @@ import shlex
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -53,6 +54,7 @@ from libdsec.protocol import (
     SnapshotInfo,
 )
 
+from ..batch import Part, all_or_none, single
 from ..backends.base import ExecContext, Handle, SandboxBackend, SandboxSpec
 from ..fncall.pool import FnCallPool
 from ..images import carry
@@ -62,7 +64,6 @@ from ..resources import cgroups
 from . import lifecycle
 from .admission import Admission, memory_total_mb
 from .api import new_sandbox_id
-from .batch import all_or_none
 from .journal import RecordJournal
 from .lifecycle import Action, Record
 from .pool import WarmPool
@@ -315,25 +316,28 @@ class Edge:
                                bytes=done.bytes, scrubbed=done.scrubbed, tampered=tampered,
                                copy_s=time.perf_counter() - start)
 
-    def create_batch(
+    async def create_batch(
         self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root"
     ) -> AsyncIterator[tuple[int, SandboxInfo]]:
         """Create ``count`` sandboxes; yields (index, info) as each comes up. All or none
-        (``batch.all_or_none``): on the first failure (or if the consumer goes away) every
-        sandbox made so far is stopped. The request is checked when the first is asked for."""
+        (``dsec.batch``): on the first failure (or if the consumer goes away) every sandbox
+        made so far is stopped. The request is checked, whole, when the first is asked for."""
+        self._backend(kind)
+        self.admission.limits(args)
+        self.security.check_rules(args.network_rules)
+        self._check_protected(args, kind)
+        self.store.resolve(args.image_ref)
+        self.admission.fits(args, count)
 
-        def check() -> None:
-            self._backend(kind)
-            self.admission.limits(args)
-            self.security.check_rules(args.network_rules)
-            self._check_protected(args, kind)
-            self.store.resolve(args.image_ref)
-            self.admission.fits(args, count)
+        async def undo(made: list[tuple[Part, str]]) -> None:
+            await asyncio.gather(*(self.stop(sid, reason="batch create failed") for _, sid in made),
+                                 return_exceptions=True)
 
-        return all_or_none(
-            count, lambda: self.create(args, kind, project), lambda sid: self.stop(sid, reason="batch create failed"),
-            concurrency=self.config.batch_concurrency, check=check, undoing=self._undoing,
-        )
+        parts = (single(i, lambda: self.create(args, kind, project)) for i in range(count))
+        async with aclosing(all_or_none(parts, undo, undoing=self._undoing,
+                                        concurrency=self.config.batch_concurrency)) as events:
+            async for item in events:
+                yield item
 
     # -- calls -----------------------------------------------------------------------------
 

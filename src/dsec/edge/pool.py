@@ -83,7 +83,9 @@ class WarmPool:
         self._tasks: set[asyncio.Task] = set()  # refills and trims under way
 
     def start(self) -> None:
-        self._filler = asyncio.create_task(self._fill(), name="dsec-pool-filler")
+        # A node that pools nothing runs no filler (and its creates wake none).
+        if self.config.pool_max > 0:
+            self._filler = asyncio.create_task(self._fill(), name="dsec-pool-filler")
 
     def stop_filling(self) -> None:
         self.closed = True
@@ -118,7 +120,8 @@ class WarmPool:
         pool.limits = limits
         demand = pool.demand(pool.last_used)
         pool.want = min(self.config.pool_max, max(pool.want, self.config.pool_min, demand))
-        self.wakeup.set()
+        if self._filler is not None:
+            self.wakeup.set()
         return pool
 
     def leave(self, pool: ImagePool) -> None:
@@ -130,7 +133,8 @@ class WarmPool:
         backend = self.backends[pool.kind]
         while pool.handles:
             handle = pool.handles.popleft()
-            self.wakeup.set()
+            if self._filler is not None:
+                self.wakeup.set()
             has = pool.prepared.pop(handle.cid, None)
             if await backend.is_alive(handle):
                 return handle, has
