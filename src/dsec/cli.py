@@ -307,6 +307,23 @@ def bench_lifecycle(
     ))
 
 
+@bench_app.command("clean-copy")
+def bench_clean_copy(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-clean-copy"),
+    rounds: Annotated[int, typer.Option(help="Measured clean copies.")] = 20,
+    pack_rounds: Annotated[int, typer.Option(help="Measured pack_diff + run.")] = 5,
+    podman_rounds: Annotated[int, typer.Option(help="Measured podman copies (the peer).")] = 5,
+    tree_mb: Annotated[int, typer.Option(help="Size of the kept tree.")] = 50,
+    files: Annotated[int, typer.Option(help="Files in the kept tree.")] = 500,
+    podman: Annotated[bool, typer.Option(help="Measure podman as the peer.")] = True,
+) -> None:
+    """A grader's clean copy of a kept tree against podman run + a tar copy (see docs/BENCHMARKS.md)."""
+    from .bench.clean_copy import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, rounds=rounds, pack_rounds=pack_rounds,
+                               podman_rounds=podman_rounds, tree_mb=tree_mb, files=files, podman=podman))
+
+
 @bench_app.command("cluster-ray")
 def bench_cluster_ray(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark (removed at the end).")] = Path("/var/lib/dsec-bench-ray"),

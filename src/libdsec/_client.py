@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from ._errors import (
     DSecError,
@@ -35,6 +35,8 @@ from .protocol import (
     DEFAULT_COMMAND_TIMEOUT_S,
     MAX_SANDBOX_BATCH,
     BatchEvent,
+    CleanCopyRequest,
+    CleanCopyResult,
     CreateBatchRequest,
     DSecContainerRunArgs,
     DSecFullVMRunArgs,
@@ -90,6 +92,8 @@ class Sandbox:
     def __init__(self, client: DSecClient, info: SandboxInfo) -> None:
         self._client = client
         self.info = info
+        # Set on a sandbox made by ``clean_copy``: what was carried into it.
+        self.clean_copy_result: CleanCopyResult | None = None
 
     @property
     def id(self) -> str:
@@ -153,6 +157,25 @@ class Sandbox:
             "POST", f"/v1/sandboxes/{self.id}/pack_diff", model=PackDiffRequest(name=name, role=role), timeout=600
         )
         return PackDiffResult.model_validate(body)
+
+    async def clean_copy(self, keep: Iterable[str]) -> Sandbox:
+        """A new running sandbox for grading: the original image's layers with only this
+        sandbox's changes beneath ``keep`` (e.g. ``["/testbed"]``), scrubbed as ``pack_diff``
+        scrubs, links carried as links. Nothing the agent did elsewhere (a replaced ``/bin/sh``,
+        ``/etc/ld.so.preload``, a ``sitecustomize.py``) reaches it; what it did beneath the kept
+        paths does, so run the grader's own files from a place the agent could not write. This
+        sandbox is frozen while its changes are read and keeps running; stop the copy when
+        done (``async with``). ``copy.clean_copy_result`` says what was carried; system files the
+        agent replaced or added are also a ``file.tampered`` security event of this sandbox."""
+        try:
+            request = CleanCopyRequest(keep=list(keep))
+        except ValidationError as exc:
+            raise InvalidRequest("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/clean_copy", model=request, timeout=600)
+        result = CleanCopyResult.model_validate(body)
+        copy = Sandbox(self._client, result.sandbox)
+        copy.clean_copy_result = result
+        return copy
 
     async def security_events(self) -> list[SecurityEvent]:
         """Denied actions the platform saw in this sandbox: blocked connections and DNS

@@ -39,6 +39,7 @@ class SyncSandbox:
     """Blocking twin of :class:`libdsec.Sandbox`."""
 
     def __init__(self, runner: _LoopThread, sandbox: Sandbox) -> None:
+        self._runner = runner
         self._run = runner.run
         self._sandbox = sandbox
 
@@ -61,6 +62,13 @@ class SyncSandbox:
 
     def pack_diff(self, name: str | None = None, *, role: str = "snapshot") -> PackDiffResult:
         return self._run(self._sandbox.pack_diff(name, role=role))
+
+    def clean_copy(self, keep) -> SyncSandbox:
+        return SyncSandbox(self._runner, self._run(self._sandbox.clean_copy(keep)))
+
+    @property
+    def clean_copy_result(self):
+        return self._sandbox.clean_copy_result
 
     def security_events(self) -> list:
         return self._run(self._sandbox.security_events())

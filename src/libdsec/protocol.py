@@ -27,6 +27,24 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+MAX_PATHS = 64  # kept paths of a clean copy, protected paths of a sandbox
+
+
+def sandbox_paths(paths: list[str], what: str) -> list[str]:
+    """Absolute paths inside a sandbox, without ``..``: each checked (``ValueError`` naming the
+    bad one) and normalized (``//`` and trailing ``/`` dropped)."""
+    if len(paths) > MAX_PATHS:
+        raise ValueError(f"at most {MAX_PATHS} {what}s, not {len(paths)}")
+    out = []
+    for path in paths:
+        if not path.startswith("/") or "\0" in path:
+            raise ValueError(f"{what} {path!r} is not an absolute path")
+        if ".." in path.split("/"):
+            raise ValueError(f"{what} {path!r} contains '..'")
+        out.append("/" + "/".join(p for p in path.split("/") if p and p != "."))
+    return out
+
+
 class SandboxKind(str, Enum):
     container = "container"
     microvm = "microvm"
@@ -73,6 +91,9 @@ class DSecContainerRunArgs(_Model):
     # toolkits stacked on top (``"python+repo-abc+harness"`` in ``container_image`` is the same).
     workspace: str | None = None
     toolkits: list[str] = Field(default_factory=list)
+    # Paths (absolute, in the image) no process of the sandbox may write, root included:
+    # read-only bind mounts it cannot remount or unmount. Containers only.
+    protected_paths: list[str] = Field(default_factory=list)
 
     @property
     def image_ref(self) -> str:
@@ -99,6 +120,14 @@ class DSecContainerRunArgs(_Model):
             if not name or "=" in name or "\0" in name or "\0" in value:
                 raise ValueError(f"invalid environment variable name or value: {name!r}")
         return env
+
+    @field_validator("protected_paths")
+    @classmethod
+    def _protected(cls, paths: list[str]) -> list[str]:
+        out = sandbox_paths(paths, "protected path")
+        if "/" in out:
+            raise ValueError("protected path '/' would make the whole root read-only: name directories")
+        return out
 
     @field_validator("workdir")
     @classmethod
@@ -196,6 +225,38 @@ class PauseResult(_Model):
     memory_before_bytes: int | None = None
     memory_after_bytes: int | None = None
     pause_s: float
+
+
+class CleanCopyRequest(_Model):
+    """Make a clean copy of a sandbox: a new one from the original image's layers with only the
+    sandbox's changes beneath ``keep`` (absolute paths that exist in it, no link on the way)."""
+
+    keep: list[str] = Field(min_length=1)
+
+    @field_validator("keep")
+    @classmethod
+    def _keep(cls, paths: list[str]) -> list[str]:
+        out = sandbox_paths(paths, "keep path")
+        if "/" in out:
+            raise ValueError("keep path '/' would carry all the sandbox's changes, tampering included: "
+                             "name the directories that hold the work")
+        return out
+
+
+class CleanCopyResult(_Model):
+    """The clean copy (a running sandbox of its own, to be stopped like any other) and what was
+    carried into it: files (links and directories aside) and their bytes, the residue left
+    out (``scrubbed``), and the system files the source had replaced or added (``tampered``,
+    also recorded as a ``file.tampered`` security event of the source)."""
+
+    sandbox: SandboxInfo
+    source: str
+    keep: list[str]
+    files: int
+    bytes: int
+    scrubbed: list[str]
+    tampered: list[str]
+    copy_s: float
 
 
 class ProjectUsage(_Model):
@@ -301,7 +362,9 @@ class SecurityEvent(_Model):
     """A denied action the platform saw in a sandbox (see ``Sandbox.security_events``).
 
     ``kind``: ``network.blocked``, ``dns.refused``, ``syscall.denied``, ``limit.memory``,
-    ``limit.pids``, ``limit.disk``, ``limit.output`` or ``limit.timeout``; ``count``: how many times."""
+    ``limit.pids``, ``limit.disk``, ``limit.output``, ``limit.timeout`` or ``file.tampered``
+    (system files replaced or added: shells, ``PATH`` directories, libraries, start-up hooks);
+    ``count``: how many times."""
 
     kind: str
     detail: str

@@ -206,3 +206,45 @@ async def test_pack_diff(kit):
         await backend.destroy(handle)
     with pytest.raises(SandboxStateError):
         await backend.pack_diff(handle)
+
+
+async def test_clean_copy(kit):
+    """The changes beneath kept paths only, carried into a new sandbox (containers: ``carry``) or
+    made a layer (VMs: ``kept_layer``); residue left out; system files replaced or added seen."""
+    import subprocess
+    import tempfile
+
+    from libdsec import SandboxFileNotFound
+
+    backend, spec = kit
+    source = await backend.create(cid(), spec)
+    made = [source]
+    try:
+        for path, data in (("/root/w/f", b"kept"), ("/root/.ash_history", b"ls"), ("/usr/bin/forged", b"x")):
+            await backend.write_file(source, path, data, 0o755, 0, 0)
+        keep = ["/root/.ash_history", "/root/w"]
+        if hasattr(backend, "carry"):
+            await backend.check_kept(source, keep)
+            target = await backend.create(cid(), spec)
+            made.append(target)
+            carried = await backend.carry(source, target, keep)
+            assert await backend.read_file(target, "/root/w/f", 1 << 20) == b"kept"
+            with pytest.raises(SandboxFileNotFound):
+                await backend.read_file(target, "/usr/bin/forged", 1 << 20)
+            assert "/usr/bin/forged" in backend.tampered(source)
+        else:
+            digest, carried, tampered = await backend.kept_layer(source, keep)
+            assert "/usr/bin/forged" in tampered
+            with tempfile.TemporaryDirectory() as mnt:
+                subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(backend.store.layer_path(digest)), mnt], check=True)
+                try:
+                    assert Path(mnt, "root/w/f").read_bytes() == b"kept"
+                    assert not Path(mnt, "usr").exists() and not Path(mnt, "root/.ash_history").exists()
+                finally:
+                    subprocess.run(["umount", mnt], check=True)
+            if digest in backend.store.unreferenced_layers():
+                backend.store.remove_layer(digest)
+        assert (carried.files, carried.bytes, carried.scrubbed) == (1, 4, ["/root/.ash_history"])
+    finally:
+        for handle in made:
+            await backend.destroy(handle)

@@ -107,6 +107,34 @@ async def test_lifecycle_and_calls(node):
     assert await node.list() == []
 
 
+async def test_clean_copy_and_tampering(node):
+    info = await node.create(args(), "container", "team")
+    await node.write_file(info.id, "/testbed/a.py", b"work", 0o644)
+    await node.write_file(info.id, "/root/.bash_history", b"ls", 0o644)
+    await node.write_file(info.id, "/usr/bin/python3", b"forged", 0o755)
+    result = await node.clean_copy(info.id, ["/testbed/", "/root"])
+    copy = result.sandbox
+    assert copy.id != info.id and copy.status is SandboxStatus.running and copy.project == "team"
+    assert (result.source, result.keep, result.files, result.bytes) == (info.id, ["/root", "/testbed"], 1, 4)
+    assert result.scrubbed == ["/root/.bash_history"] and result.tampered == ["/usr/bin/python3"]
+    assert await node.read_file(copy.id, "/testbed/a.py") == b"work"
+    with pytest.raises(SandboxFileNotFound):
+        await node.read_file(copy.id, "/usr/bin/python3")
+    events = await node.security_events(info.id)
+    assert [(e.kind, e.detail) for e in events] == [("file.tampered", "system files replaced or added: /usr/bin/python3")]
+    with pytest.raises(InvalidRequest, match="keep path '/nope' does not exist"):
+        await node.clean_copy(info.id, ["/nope"])
+    with pytest.raises(InvalidRequest, match="contains '..'"):
+        await node.clean_copy(info.id, ["/testbed/../etc"])
+    await node.pause(info.id)
+    with pytest.raises(SandboxStateError, match=f"cannot make a clean copy of: sandbox {info.id} is paused"):
+        await node.clean_copy(info.id, ["/testbed"])
+    await node.stop(info.id)
+    with pytest.raises(SandboxStateError, match="is stopped"):
+        await node.clean_copy(info.id, ["/testbed"])
+    await node.stop(copy.id)
+
+
 async def test_errors_cross_as_the_same_types(node):
     with pytest.raises(SandboxNotFound, match="no sandbox n0-0123456789abcdef on node n0"):
         await node.get("n0-0123456789abcdef")

@@ -285,3 +285,23 @@ async def test_a_burst_in_a_project_with_a_quota_fills_it_exactly_sharing_the_no
             assert sum(not isinstance(r, BaseException) for r in again) == 10
         for e in edges:
             await e._edge.close()
+
+
+async def test_a_clean_copy_counts_against_its_sources_project(world):
+    client, _ = world
+    async with client() as root:
+        await root.create_project("grading", sandboxes=2)
+        token = await root.create_project_token("grading")
+        await root.create_project("other")
+        other = await root.create_project_token("other")
+    async with client(token) as team, client(other) as stranger:
+        source = await team.run_container(args())
+        await source.write_file("/testbed/a", "work")
+        copy = await source.clean_copy(["/testbed"])
+        assert copy.info.project == "grading" and await copy.read_file("/testbed/a") == b"work"
+        with pytest.raises(QuotaExceeded, match="sandboxes quota of 'grading' is 2"):
+            await source.clean_copy(["/testbed"])
+        with pytest.raises(SandboxNotFound):  # another project cannot copy it either
+            await libdsec.Sandbox(stranger, source.info).clean_copy(["/testbed"])
+        await copy.stop()
+        await source.stop()

@@ -29,6 +29,7 @@ EXPECTED: dict[Action, tuple[SandboxStatus | None, ...]] = {
     Action.read_file:         (None,    running,  running, None,     None,    None),
     Action.write_file:        (None,    running,  running, None,     None,    None),
     Action.pack_diff:         (None,    running,  None,    None,     None,    None),
+    Action.clean_copy:        (None,    running,  None,    None,     None,    None),
     Action.snapshot:          (None,    running,  None,    None,     None,    None),
     Action.set_network_rules: (None,    running,  None,    None,     None,    None),
     Action.pause:             (None,    paused,   None,    None,     None,    None),
@@ -37,7 +38,7 @@ EXPECTED: dict[Action, tuple[SandboxStatus | None, ...]] = {
 }
 VERBS = {
     Action.exec: "exec", Action.read_file: "read a file", Action.write_file: "write a file",
-    Action.pack_diff: "pack", Action.snapshot: "snapshot", Action.set_network_rules: "change network rules",
+    Action.pack_diff: "pack", Action.clean_copy: "make a clean copy of", Action.snapshot: "snapshot", Action.set_network_rules: "change network rules",
     Action.pause: "pause", Action.resume: "resume", Action.stop: "stop",
 }
 SID = "n0-0123456789abcdef"
@@ -105,6 +106,7 @@ def calls(edge: Edge, sandbox_id: str):
         Action.read_file: lambda: edge.read_file(sandbox_id, "/etc/passwd"),
         Action.write_file: lambda: edge.write_file(sandbox_id, "/a", b"x", 0o644),
         Action.pack_diff: lambda: edge.pack_diff(sandbox_id),
+        Action.clean_copy: lambda: edge.clean_copy(sandbox_id, ["/testbed"]),
         Action.snapshot: lambda: edge.snapshot(sandbox_id),
         Action.set_network_rules: lambda: edge.set_network_rules(sandbox_id, {}),
         Action.pause: lambda: edge.pause(sandbox_id),
@@ -158,14 +160,14 @@ async def test_a_stopped_sandbox_refuses_all_but_stop(tmp_path, store):
         await edge.close()
 
 
-async def test_a_paused_sandbox_refuses_a_pack_a_snapshot_and_new_rules(tmp_path, store):
+async def test_a_paused_sandbox_refuses_a_pack_a_clean_copy_a_snapshot_and_new_rules(tmp_path, store):
     edge = Edge(EdgeConfig(node_dir=tmp_path / "node", pool_min=0, pool_max=0), FakeBackend(), store)
     await edge.start()
     try:
         info = await edge.create(args())
         await edge.pause(info.id)
         table = calls(edge, info.id)
-        for action in (Action.pack_diff, Action.snapshot, Action.set_network_rules):
+        for action in (Action.pack_diff, Action.clean_copy, Action.snapshot, Action.set_network_rules):
             with pytest.raises(SandboxStateError, match=f"cannot {VERBS[action]}: sandbox {info.id} is paused"):
                 await table[action]()
         assert (await edge.get(info.id)).status is paused  # none of them resumed it

@@ -33,6 +33,8 @@ from libdsec.protocol import (
     ImageInfo,
     ImageList,
     NodeInfo,
+    CleanCopyRequest,
+    CleanCopyResult,
     PackDiffRequest,
     PackDiffResult,
     PauseResult,
@@ -286,6 +288,10 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", dependencies=auth, responses=_ERRORS)
     async def pack_diff(sandbox_id: str, request: PackDiffRequest) -> PackDiffResult:
         return await cluster.edge_for(sandbox_id).pack_diff(sandbox_id, request.name, request.role)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/clean_copy", dependencies=auth, responses=_ERRORS)
+    async def clean_copy(sandbox_id: str, request: CleanCopyRequest) -> CleanCopyResult:
+        return await cluster.clean_copy(sandbox_id, request.keep)
 
     @app.get("/v1/images", dependencies=auth)
     async def list_images() -> ImageList:

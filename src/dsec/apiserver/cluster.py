@@ -28,7 +28,7 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 
 from libdsec import CapacityExceeded, DSecError, SandboxLost, SandboxNotFound
-from libdsec.protocol import DSecContainerRunArgs, NodeInfo, SandboxInfo
+from libdsec.protocol import CleanCopyResult, DSecContainerRunArgs, NodeInfo, SandboxInfo
 
 from .. import placement
 from ..batch import Part, all_or_none
@@ -465,6 +465,18 @@ class Cluster:
                 f"cannot admit a sandbox of {args.memory_limit_mb} MB and {args.cpu_cores_limit:g} cores: "
                 f"no node in the cluster has room"
             )
+
+    async def clean_copy(self, sandbox_id: str, keep: list[str]) -> CleanCopyResult:
+        """A clean copy is made on its source's node (it reads the source's writable layer)
+        and counts against the source's project like any create."""
+        edge = self.edge_for(sandbox_id)
+        info = await edge.get(sandbox_id)
+        like = DSecContainerRunArgs(container_image=info.image, memory_limit_mb=info.memory_limit_mb,
+                                    cpu_cores_limit=info.cpu_cores_limit, best_effort=info.best_effort)
+        async with self._reserve(info.project, like, 1):
+            result = await edge.clean_copy(sandbox_id, keep)
+            self._note_placed(edge.node, like)
+            return result
 
     async def create_batch(
         self, args: DSecContainerRunArgs, count: int, project: str

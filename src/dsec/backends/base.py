@@ -17,6 +17,14 @@ Lifecycle of a handle, as the edge drives it::
   which are still alive (they are adopted as they are); the edge destroys the rest.
 - ``pack_diff`` turns a running sandbox's changes into a layer in the store (consistent: the
   sandbox is frozen meanwhile; residue scrubbed) and returns its digest and what was scrubbed.
+- ``check_kept``, ``carry`` and ``tampered`` (optional: backends that make clean copies, the
+  container backend): ``check_kept`` says whether paths exist in a running sandbox with no link
+  on the way (``InvalidRequest`` naming the one that does not); ``carry(source, target, keep)``
+  freezes ``source`` and replays its changes beneath ``keep`` into ``target``, a sandbox just
+  made that has run nothing yet, then thaws it; ``tampered`` lists the system files a
+  sandbox's writable layer replaces or adds (see ``dsec.images.carry``), in any state until
+  ``destroy``. A backend with ``protects_paths`` makes ``SandboxSpec.protected_paths``
+  read-only for every process of the sandbox.
 - ``release_unused`` (edge shutdown) frees node-level resources no live sandbox holds.
 - ``apply_limits`` changes limits of a live sandbox (the edge uses it to hand out pre-created
   sandboxes).
@@ -45,6 +53,7 @@ class SandboxSpec:
     limits: Limits | None  # set them all before returning; None: none yet (pre-created for a pool)
     hostname: str = "sandbox"
     snapshot: str | None = None  # restore this memory snapshot (backends that take them)
+    protected_paths: tuple[str, ...] = ()  # read-only for every process inside (protects_paths)
 
 
 @dataclass

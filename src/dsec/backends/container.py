@@ -47,7 +47,7 @@ from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNot
 from libdsec.protocol import ExecRequest, ExecResult
 
 from .. import _sys
-from ..images import scrub
+from ..images import carry, scrub
 from ..images.compose import OverlayPlan, compose
 from ..images.mounts import LayerMounts
 from ..images.store import Image, LayerStore
@@ -444,6 +444,7 @@ class ContainerBackend:
     """crun + overlayfs over shared EROFS layer mounts. See the module docstring."""
 
     kind = "container"
+    protects_paths = True  # SandboxSpec.protected_paths: read-only binds (see _protected_mounts)
     # The v1 controllers of a sandbox's cgroup (see dsec.resources.cgroups).
     cgroup_controllers: tuple[str, ...] = cgroups.SANDBOX_CONTROLLERS
 
@@ -566,6 +567,7 @@ class ContainerBackend:
                  "options": ["nosuid", "noexec", "nodev", "ro"]},
                 {"destination": INIT_PATH, "type": "bind", "source": str(self.init_binary),
                  "options": ["bind", "ro", "nosuid", "nodev"]},
+                *self._protected_mounts(plan, spec, idmap is not None),
             ],
             "linux": {
                 "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")]
@@ -578,6 +580,40 @@ class ContainerBackend:
             },
             **({"annotations": {"run.oci.seccomp_bpf_data": self._seccomp_bpf}} if self._seccomp_bpf else {}),
         }
+
+    def _protected_mounts(self, plan: OverlayPlan, spec: SandboxSpec, relative: bool) -> list[dict]:
+        """A read-only bind of each protected path onto itself (the root must be mounted on the
+        host). Links on the way are resolved inside the root (``/bin`` → ``/usr/bin``), so what
+        is bound is what the path names in the sandbox, never something of the host. Root in
+        the sandbox cannot undo a bind: no CAP_SYS_ADMIN, and seccomp refuses mount, umount and
+        the new mount API."""
+        mounts = []
+        if not spec.protected_paths:
+            return mounts
+        root = os.open(plan.target, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for path in spec.protected_paths:
+                try:
+                    fd = _sys.openat2(root, path, os.O_PATH | os.O_CLOEXEC, 0,
+                                      _sys.RESOLVE_IN_ROOT | _sys.RESOLVE_NO_MAGICLINKS)
+                except OSError as exc:
+                    raise InvalidRequest(f"protected path {path!r} cannot be protected in image "
+                                         f"{spec.image!r}: {exc.strerror}") from None
+                try:
+                    real = os.readlink(f"/proc/self/fd/{fd}")
+                finally:
+                    os.close(fd)
+                inside = os.path.relpath(real, plan.target)
+                if inside.startswith(".."):
+                    raise InvalidRequest(f"protected path {path!r} resolves outside the sandbox's root")
+                inside = "" if inside == "." else inside
+                # Relative to the bundle when crun sets the root up inside the user namespace.
+                source = f"{plan.target.name}/{inside}" if relative else str(plan.target / inside)
+                mounts.append({"destination": "/" + inside, "type": "bind", "source": source,
+                               "options": ["rbind", "ro", "nosuid", "nodev"]})
+        finally:
+            os.close(root)
+        return mounts
 
     def _config_json(self, cid: str, plan: OverlayPlan, spec: SandboxSpec) -> str:
         """``_config`` as JSON, with the seccomp profile (two thirds of it) serialized once."""
@@ -774,6 +810,49 @@ class ContainerBackend:
             if not was_paused:
                 cgroups.thaw(self.cgroup_parent, handle.cid)
         return digest, sorted("/" + p for p in skip)
+
+    # -- clean copies and tampering ------------------------------------------------------------
+
+    def _upper(self, handle: Handle) -> Path:
+        return self._plan(handle.cid, handle.layers, handle.image).upper
+
+    async def check_kept(self, handle: Handle, keep: list[str]) -> None:
+        """Each kept path exists in the running sandbox, with no link on the way."""
+        root = self._root_fd(handle)
+        try:
+            for path in keep:
+                carry.check_in_root(root, path, "keep path", "the sandbox")
+        finally:
+            os.close(root)
+
+    async def carry(self, source: Handle, target: Handle, keep: list[str]) -> carry.Carried:
+        """Freeze ``source``, replay its changes beneath ``keep`` into ``target`` (which has
+        run nothing yet) through ``target``'s own root, thaw ``source``."""
+        if not await self.is_alive(source):
+            raise SandboxStateError(f"cannot make a clean copy: sandbox process of {source.cid} is gone")
+        src = self.id_ranges.of(source.cid) if self.id_ranges else None
+        dst = self.id_ranges.of(target.cid) if self.id_ranges else None
+
+        def ids(host_id: int) -> int:
+            inside = host_id if src is None else host_id - src.base
+            if not 0 <= inside < (src.count if src else 1 << 32):
+                inside = 65534  # not one of the sandbox's ids: nobody
+            return inside if dst is None else dst.host(inside)
+
+        upper = self._upper(source)
+        root = self._root_fd(target)
+        was_paused = not await self._freeze(source)
+        try:
+            return await asyncio.to_thread(carry.carry, upper, root, keep, ids)
+        except OSError as exc:
+            raise BackendError(f"cannot carry the kept paths into the clean copy: {exc}") from exc
+        finally:
+            if not was_paused:
+                cgroups.thaw(self.cgroup_parent, source.cid)
+            os.close(root)
+
+    def tampered(self, handle: Handle) -> list[str]:
+        return carry.tampered(self._upper(handle))
 
     async def destroy(self, handle: Handle) -> None:
         if (channel := self.channels.pop(handle.cid, None)) is not None:

@@ -15,6 +15,8 @@ import time
 from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNotFound, SandboxStateError
 from libdsec.protocol import ExecRequest, ExecResult
 
+from ..images import scrub
+from ..images.carry import Carried, is_system_path
 from ..resources.cgroups import Limits
 from .base import ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
 
@@ -119,6 +121,30 @@ class FakeBackend:
     async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
         self._files(handle)
         raise BackendError("the fake backend keeps no layers: it cannot pack a sandbox")
+
+    # -- clean copies: the files written since create are the writable layer -------------------
+
+    async def check_kept(self, handle: Handle, keep: list[str]) -> None:
+        files = self._files(handle)
+        for path in keep:
+            if path not in files and not any(p.startswith(path + "/") for p in files):
+                raise InvalidRequest(f"keep path {path!r} does not exist in the sandbox")
+
+    async def carry(self, source: Handle, target: Handle, keep: list[str]) -> Carried:
+        files, into = self._files(source), self._files(target)
+        carried = Carried()
+        for path, data in files.items():
+            if any(path == k or path.startswith(k + "/") for k in keep):
+                if scrub.is_residue(path.lstrip("/")):
+                    carried.scrubbed.append(path)
+                    continue
+                into[path] = data
+                carried.files += 1
+                carried.bytes += len(data)
+        return carried
+
+    def tampered(self, handle: Handle) -> list[str]:
+        return sorted(p for p in self.files.get(handle.cid, {}) if p != "/etc/passwd" and is_system_path(p.lstrip("/")))
 
     async def pause(self, handle: Handle) -> None:
         self._files(handle)

@@ -28,6 +28,7 @@ from typing import Protocol
 
 from libdsec import InvalidRequest, SandboxLost
 from libdsec.protocol import (
+    CleanCopyResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
     ExecRequest,
@@ -100,6 +101,11 @@ class EdgeAPI(Protocol):
     async def snapshot(self, sandbox_id: str) -> SnapshotInfo: ...
 
     async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult: ...
+
+    async def clean_copy(self, sandbox_id: str, keep: list[str]) -> CleanCopyResult:
+        """A new sandbox on the same node (the source's project and run args) from the source's
+        image with only its changes beneath ``keep``."""
+        ...
 
     # -- inside a sandbox --------------------------------------------------------------------
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult: ...

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import secrets
+import shlex
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
@@ -36,6 +37,7 @@ from pathlib import Path
 
 from libdsec import InvalidRequest, SandboxLost, SandboxNotFound, SandboxStateError
 from libdsec.protocol import (
+    CleanCopyResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
     ExecRequest,
@@ -55,6 +57,7 @@ from libdsec.protocol import (
 from ..batch import Part, all_or_none, single
 from ..backends.base import ExecContext, Handle, SandboxBackend, SandboxSpec
 from ..fncall.pool import FnCallPool
+from ..images import carry
 from ..images.store import Image, LayerStore, check_name
 from ..placement import DEFAULT_CPU_OVERCOMMIT, DEFAULT_MEMORY_OVERCOMMIT
 from ..resources import cgroups
@@ -191,15 +194,29 @@ class Edge:
         return backend
 
     async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
-        return await self._create(args, kind, project)
+        return await self._create_one(args, kind, project)
 
-    async def _create(self, args: DSecContainerRunArgs, kind: str, project: str, batch: str | None = None) -> SandboxInfo:
+    async def _create_one(self, args: DSecContainerRunArgs, kind: str, project: str,
+                          batch: str | None = None) -> SandboxInfo:
         if self._closed:
             raise SandboxStateError(f"edge {self.node} is shutting down")
-        backend = self._backend(kind)
+        self._backend(kind)
         limits = self.admission.limits(args)
         self.security.check_rules(args.network_rules)
-        image = self.store.resolve(args.image_ref)
+        self._check_protected(args, kind)
+        rec = await self._create(args, kind, project, self.store.resolve(args.image_ref), limits, batch=batch)
+        return rec.info(self.node)
+
+    def _check_protected(self, args: DSecContainerRunArgs, kind: str) -> None:
+        if args.protected_paths and not getattr(self._backend(kind), "protects_paths", False):
+            raise InvalidRequest(f"a {kind} sandbox on node {self.node} cannot protect paths "
+                                 f"(protected_paths is for container sandboxes)")
+
+    async def _create(self, args: DSecContainerRunArgs, kind: str, project: str, image: Image, limits,
+                      seed=None, batch: str | None = None) -> Record:
+        """Admit and start a sandbox of ``image``; ``seed(handle)``, if given, runs on it before
+        it counts as running (a clean copy's carried files); ``batch``: held for that batch."""
+        backend = self._backend(kind)
         sandbox_id = new_sandbox_id(self.node)
         self.admission.admit(sandbox_id, args)
         now = time.time()
@@ -209,20 +226,24 @@ class Edge:
             batch=batch,
         )
         self._records[sandbox_id] = rec
-        # VMs (whose memory is set at boot) and restores from a snapshot are made to order.
+        # VMs (whose memory is set at boot), restores from a snapshot and sandboxes with paths
+        # of their own made read-only are made to order.
         snapshot = getattr(args, "snapshot", None)
-        pool = self.warm_pool.arrive(kind, image, limits) if getattr(backend, "pooled", True) and snapshot is None else None
+        pooled = getattr(backend, "pooled", True) and snapshot is None and not args.protected_paths
+        pool = self.warm_pool.arrive(kind, image, limits) if pooled else None
         try:
             if pool is not None:
                 rec.handle, has = await self.warm_pool.take(pool, limits)
             else:
                 spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits,
-                                   snapshot=snapshot)
+                                   snapshot=snapshot, protected_paths=tuple(args.protected_paths))
                 rec.handle, has = await backend.create(f"c{secrets.token_hex(8)}", spec), None
             try:
                 if has != limits:
                     await backend.apply_limits(rec.handle, limits)
                 rec.uid, rec.gid = await backend.resolve_user(rec.handle, args.init_user)
+                if seed is not None:
+                    await seed(rec.handle)
                 if args.workdir != "/":
                     await backend.make_dir(rec.handle, args.workdir, rec.uid, rec.gid)
                 await self.security.attach(rec)
@@ -241,7 +262,76 @@ class Edge:
         rec.last_active = time.time()
         rec.create_s = rec.last_active - now
         self._persist(rec)
-        return rec.info(self.node)
+        return rec
+
+    async def clean_copy(self, sandbox_id: str, keep: list[str]) -> CleanCopyResult:
+        """A new running sandbox from the original image's layers with only this sandbox's
+        changes beneath ``keep`` (scrubbed as ``pack_diff`` scrubs; links carried as links),
+        for a verdict nothing the agent did elsewhere can touch. The source is frozen while its
+        changes are read and keeps running; the copy has the source's run args and project."""
+        rec = self._allowed(sandbox_id, Action.clean_copy)
+        if self._closed:
+            raise SandboxStateError(f"edge {self.node} is shutting down")
+        keep = carry.normalize_paths(keep, "keep path")
+        if not keep:
+            raise InvalidRequest("a clean copy needs at least one keep path")
+        if "/" in keep:
+            raise InvalidRequest("keep path '/' would carry all the sandbox's changes, tampering included: "
+                                 "name the directories that hold the work")
+        backend = self.backends[rec.kind]
+        if hasattr(backend, "carry"):
+            return await self._call(rec, self._clean_copy(rec, backend, keep))
+        if hasattr(backend, "kept_layer"):
+            return await self._call(rec, self._clean_copy_as_layer(rec, backend, keep))
+        raise InvalidRequest(f"a {rec.kind} sandbox cannot make clean copies")
+
+    async def _clean_copy_as_layer(self, rec: Record, backend: SandboxBackend, keep: list[str]) -> CleanCopyResult:
+        """A VM's clean copy: its writable layer is in the guest, whose agent streams it out; the
+        kept paths become one layer on the image's, and a new VM boots from them."""
+        start = time.perf_counter()
+        await self._check_kept_inside(rec, backend, keep)
+        digest, done, tampered = await backend.kept_layer(rec.handle, keep)
+        self.security.record_tampered(rec, tampered)
+        image = Image(name=rec.image.name, layers=rec.image.layers + (digest,), roles=rec.image.roles + ("snapshot",),
+                      env=rec.image.env, workdir=rec.image.workdir, user=rec.image.user, parent=rec.image.parent)
+        args = rec.args.model_copy(update={"snapshot": None}) if getattr(rec.args, "snapshot", None) else rec.args
+        copy = await self._create(args, rec.kind, rec.project, image, self.admission.limits(args))
+        return CleanCopyResult(sandbox=copy.info(self.node), source=rec.id, keep=keep, files=done.files,
+                               bytes=done.bytes, scrubbed=done.scrubbed, tampered=tampered,
+                               copy_s=time.perf_counter() - start)
+
+    async def _check_kept_inside(self, rec: Record, backend: SandboxBackend, keep: list[str]) -> None:
+        """Each kept path exists, with no link on the way, as a command in the sandbox sees it.
+        Only for the message: an agent that forged the answer gains nothing, since the host
+        reads what it carries from the packed layer and never follows a link there."""
+        for path in keep:
+            script = ('p=""; for c in ' + " ".join(shlex.quote(c) for c in path.split("/") if c) + "; do "
+                      'p="$p/$c"; if [ -L "$p" ]; then echo "LINK $p -> $(readlink "$p")"; exit 0; fi; '
+                      '[ -e "$p" ] || { echo MISSING; exit 0; }; done; echo OK')
+            ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+            result = await backend.exec(rec.handle, ExecRequest(command=script, timeout=60), ctx)
+            said = result.stdout.strip()
+            if said == "MISSING":
+                raise InvalidRequest(f"keep path {path!r} does not exist in the sandbox")
+            if said.startswith("LINK "):
+                raise InvalidRequest(f"keep path {path!r} passes through the symbolic link {said[5:]}: links are "
+                                     f"carried as links, never followed; name a path without links")
+
+    async def _clean_copy(self, rec: Record, backend: SandboxBackend, keep: list[str]) -> CleanCopyResult:
+        start = time.perf_counter()
+        tampered = self.security.check_tampering(rec)
+        await backend.check_kept(rec.handle, keep)
+        carried: list = []
+
+        async def seed(handle: Handle) -> None:
+            lifecycle.check(Action.clean_copy, rec.id, rec.status, rec.reason)  # not paused or stopped meanwhile
+            carried.append(await backend.carry(rec.handle, handle, keep))
+
+        copy = await self._create(rec.args, rec.kind, rec.project, rec.image, self.admission.limits(rec.args), seed=seed)
+        done = carried[0]
+        return CleanCopyResult(sandbox=copy.info(self.node), source=rec.id, keep=keep, files=done.files,
+                               bytes=done.bytes, scrubbed=done.scrubbed, tampered=tampered,
+                               copy_s=time.perf_counter() - start)
 
     async def create_batch(
         self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root",
@@ -254,6 +344,7 @@ class Edge:
         self._backend(kind)
         self.admission.limits(args)
         self.security.check_rules(args.network_rules)
+        self._check_protected(args, kind)
         self.store.resolve(args.image_ref)
         self.admission.fits(args, count)
         if batch is not None:
@@ -265,7 +356,7 @@ class Edge:
             await asyncio.gather(*(self.stop(sid, reason="batch create failed") for _, sid in made),
                                  return_exceptions=True)
 
-        parts = (single(i, lambda: self._create(args, kind, project, batch)) for i in range(count))
+        parts = (single(i, lambda: self._create_one(args, kind, project, batch)) for i in range(count))
         complete = False
         try:
             async with aclosing(all_or_none(parts, undo, undoing=self._undoing,
@@ -389,6 +480,7 @@ class Edge:
             if self.store.has_image(name):
                 raise InvalidRequest(f"image {name!r} exists already; pick another name")
         backend = self.backends[rec.kind]
+        self.security.check_tampering(rec)
         digest, scrubbed = await self._call(rec, backend.pack_diff(rec.handle))
         image = Image(
             name=name or f"snap-{digest.removeprefix('sha256-')[:16]}",
@@ -456,6 +548,7 @@ class Edge:
             return await self.get(sandbox_id)
         rec.status = SandboxStatus.stopping
         self.admission.unhold(rec.id)
+        self.security.check_tampering(rec)
         try:
             await self.backends[rec.kind].destroy(rec.handle)
         except Exception as exc:
@@ -519,6 +612,7 @@ class Edge:
         log.warning("sandbox %s failed: %s", rec.id, reason)
         rec.status, rec.reason = SandboxStatus.failed, reason
         self.admission.unhold(rec.id)
+        self.security.check_tampering(rec)
         try:
             await self.backends[rec.kind].destroy(rec.handle)
         finally:

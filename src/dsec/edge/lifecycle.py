@@ -11,7 +11,8 @@ What a caller asks of a sandbox (an ``Action``) is allowed in these states and l
 
     action                     creating  running   paused     stopping   stopped   failed
     exec, read/write a file    ✗         running   running¹   ✗          ✗         ✗
-    pack, snapshot, net rules  ✗         running   ✗          ✗          ✗         ✗
+    pack, snapshot, net rules,
+    clean copy                 ✗         running   ✗          ✗          ✗         ✗
     pause                      ✗         paused    ✗ already  ✗          ✗         ✗
     resume                     ✗         ✗         running    ✗          ✗         ✗
     stop                       ✗²        stopping  stopping   stopping³  stopped⁴  failed³
@@ -51,6 +52,7 @@ class Action(str, Enum):
     read_file = "read a file"
     write_file = "write a file"
     pack_diff = "pack"
+    clean_copy = "make a clean copy of"
     snapshot = "snapshot"
     set_network_rules = "change network rules"
     pause = "pause"
@@ -66,13 +68,14 @@ TRANSITIONS: dict[SandboxStatus, dict[Action, SandboxStatus]] = {
         Action.read_file: SandboxStatus.running,
         Action.write_file: SandboxStatus.running,
         Action.pack_diff: SandboxStatus.running,
+        Action.clean_copy: SandboxStatus.running,
         Action.snapshot: SandboxStatus.running,
         Action.set_network_rules: SandboxStatus.running,
         Action.pause: SandboxStatus.paused,
         Action.stop: SandboxStatus.stopping,
     },
     SandboxStatus.paused: {
-        # A call resumes a paused sandbox first; a pack, a snapshot or new rules do not.
+        # A call resumes a paused sandbox first; a pack, a clean copy, a snapshot or new rules do not.
         Action.exec: SandboxStatus.running,
         Action.read_file: SandboxStatus.running,
         Action.write_file: SandboxStatus.running,

@@ -44,6 +44,8 @@ from libdsec.protocol import (
     NodeBatchRequest,
     NodeInfo,
     NodeStopRequest,
+    CleanCopyRequest,
+    CleanCopyResult,
     PackDiffRequest,
     PackDiffResult,
     PauseResult,
@@ -250,6 +252,11 @@ class RemoteEdge:
     async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult:
         return await self._post(PackDiffResult, f"/sandboxes/{sandbox_id}/pack_diff",
                                 model=PackDiffRequest(name=name, role=role), timeout=LONG_CALL_TIMEOUT_S)
+
+    async def clean_copy(self, sandbox_id: str, keep: list[str]) -> CleanCopyResult:
+        # Checked by the node (its errors are the ones the seam promises).
+        return await self._post(CleanCopyResult, f"/sandboxes/{sandbox_id}/clean_copy",
+                                model=CleanCopyRequest.model_construct(keep=keep), timeout=LONG_CALL_TIMEOUT_S)
 
     # -- inside a sandbox --------------------------------------------------------------------
 

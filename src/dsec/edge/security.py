@@ -62,6 +62,8 @@ class EdgeSecurity:
         self._kmsg_fd: int | None = None
         self._netlink = False
         self._syscalls = _syscall_names()
+        # System files each live sandbox was seen to have replaced or added (file.tampered).
+        self._tampered: dict[str, set[str]] = {}
 
     # -- start / close -------------------------------------------------------------------------
 
@@ -144,11 +146,37 @@ class EdgeSecurity:
         rec = self.edge._records.get(sandbox_id)
         if rec is not None:
             self.collect(rec)
+            self.check_tampering(rec)
         else:
             self._drain_kmsg()
         return self.events.list(sandbox_id)
 
+    def check_tampering(self, rec: Record) -> list[str]:
+        """The system files the sandbox's writable layer replaces or adds (``carry.tampered``);
+        those not seen before become a ``file.tampered`` event. Backends that cannot tell
+        (VMs: the writable layer is in the guest) answer nothing."""
+        backend = self.edge.backends.get(rec.kind)
+        if not rec.handle.cid or not hasattr(backend, "tampered"):
+            return []
+        try:
+            paths = backend.tampered(rec.handle)
+        except OSError as exc:
+            log.warning("cannot look for tampering in %s: %s", rec.id, exc)
+            return []
+        return self.record_tampered(rec, paths)
+
+    def record_tampered(self, rec: Record, paths: list[str]) -> list[str]:
+        """Record the system files of ``paths`` not recorded before as a ``file.tampered`` event."""
+        seen = self._tampered.setdefault(rec.id, set())
+        new = [p for p in paths if p not in seen]
+        if new:
+            seen.update(new)
+            shown = ", ".join(new[:20]) + (f" and {len(new) - 20} more" if len(new) > 20 else "")
+            self.events.record(rec.id, "file.tampered", f"system files replaced or added: {shown}", len(new))
+        return paths
+
     def forget(self, rec: Record) -> None:
+        self._tampered.pop(rec.id, None)
         self.networks.collect(rec.id)  # what was blocked stays readable after the sandbox ends
         self.networks.detach(rec.id)
 

@@ -52,6 +52,7 @@ from libdsec.protocol import (
     NodeBatchRequest,
     NodeCreateRequest,
     NodeStopRequest,
+    CleanCopyRequest,
     PackDiffRequest,
     SandboxList,
     SecurityEventList,
@@ -137,6 +138,9 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         req = c.parse(PackDiffRequest)
         return await c.edge.pack_diff(c.params["sid"], req.name, req.role)
 
+    async def clean_copy(c: _Call):
+        return await c.edge.clean_copy(c.params["sid"], c.parse(CleanCopyRequest).keep)
+
     async def exec_(c: _Call):
         return await c.edge.exec(c.params["sid"], c.parse(ExecRequest))
 
@@ -176,6 +180,7 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("GET", "/sandboxes", listing),
         ("POST", f"/sandboxes/{sid}/pause", pause), ("POST", f"/sandboxes/{sid}/resume", resume),
         ("POST", f"/sandboxes/{sid}/snapshot", snapshot), ("POST", f"/sandboxes/{sid}/pack_diff", pack_diff),
+        ("POST", f"/sandboxes/{sid}/clean_copy", clean_copy),
         ("GET", f"/sandboxes/{sid}/files", read_file), ("PUT", f"/sandboxes/{sid}/files", write_file),
         ("GET", f"/sandboxes/{sid}/security_events", events), ("PUT", f"/sandboxes/{sid}/network_rules", rules),
         ("POST", "/fncall", fncall), ("POST", "/fncall:batch", fncall_batch),

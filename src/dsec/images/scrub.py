@@ -34,3 +34,8 @@ def residue(upper: Path) -> frozenset[str]:
                 if name in dirnames:
                     dirnames.remove(name)
     return frozenset(found)
+
+
+def is_residue(rel: str) -> bool:
+    """Whether the relative path ``rel`` is residue (its parents not looked at)."""
+    return any(rule.match(rel) for rule in _RULES)

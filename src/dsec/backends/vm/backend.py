@@ -256,6 +256,17 @@ class VMBackend:
         except AgentGone as exc:
             raise self._gone(handle, live, exc) from None
 
+    async def kept_layer(self, handle: Handle, keep: list[str]):
+        """A layer of the VM's changes beneath ``keep`` only, for a clean copy (see
+        ``pack.kept_from_tar``): (digest, what was carried, system files tampered with)."""
+        live = self._get(handle, "make a clean copy of")
+        try:
+            return await pack.pack_upper(live.agent, self.store, keep=keep)
+        except AgentFailure as exc:
+            raise BackendError(f"cannot pack {self.kind} {handle.cid}: {exc.message}") from None
+        except AgentGone as exc:
+            raise self._gone(handle, live, exc) from None
+
     async def destroy(self, handle: Handle) -> None:
         live = self._live.pop(handle.cid, None)
         if live is not None:

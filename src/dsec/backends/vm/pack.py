@@ -37,7 +37,9 @@ import secrets
 import tempfile
 from pathlib import Path
 
-from ...images import scrub
+from libdsec import InvalidRequest
+
+from ...images import carry, scrub
 from ...images.store import LayerStore, extract_tar
 from .agent import AgentChannel
 
@@ -81,9 +83,37 @@ def layer_from_tar(store: LayerStore, tar_path: Path, probe: str, visible: bytes
     return digest, sorted("/" + p for p in skip)
 
 
-async def pack_upper(agent: AgentChannel, store: LayerStore, timeout: float = PACK_TIMEOUT_S) -> tuple[str, list[str]]:
-    """Have the agent stream the upper (see the module docstring) and make a layer of it.
-    Raises ``AgentFailure`` when the agent could not pack and ``AgentGone`` when it went away."""
+def kept_from_tar(store: LayerStore, tar_path: Path, probe: str, visible: bytes,
+                  keep: list[str]) -> tuple[str, carry.Carried, list[str]]:
+    """The agent's tar as an upper, then a layer of only its entries beneath ``keep`` (for a
+    clean copy, ``carry.kept_layer``); returns the layer's digest, what was carried, and the
+    system files the whole upper replaced or added (``carry.tampered``)."""
+    with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work:
+        root, kept = Path(work, "upper"), Path(work, "kept")
+        root.mkdir()
+        kept.mkdir()
+        extract_tar(tar_path, root)
+        for rel in opaque_dirs(root, probe, visible):
+            os.setxattr(root / rel, OPAQUE_XATTR, b"y", follow_symlinks=False)
+        tampered = carry.tampered(root)
+        for path in keep:  # a link on the way, in what the agent changed, is refused as in a container
+            walked = root
+            for part in [p for p in path.split("/") if p]:
+                walked = walked / part
+                if walked.is_symlink():
+                    raise InvalidRequest(f"keep path {path!r} passes through the symbolic link "
+                                         f"/{walked.relative_to(root)} -> {os.readlink(walked)}: links are carried "
+                                         f"as links, never followed; name a path without links")
+        carried = carry.kept_layer(root, kept, keep)
+        digest = store.add_dir(kept)
+    return digest, carried, tampered
+
+
+async def pack_upper(agent: AgentChannel, store: LayerStore, timeout: float = PACK_TIMEOUT_S,
+                     keep: list[str] | None = None):
+    """Have the agent stream the upper (see the module docstring) and make a layer of it (of
+    only the paths in ``keep``, if given: ``kept_from_tar``'s answer). Raises ``AgentFailure``
+    when the agent could not pack and ``AgentGone`` when it went away."""
     probe = f".dsec-probe-{secrets.token_hex(8)}"
     fd, tar_name = tempfile.mkstemp(dir=store.tmp_dir, suffix=".tar")
     tar_path = Path(tar_name)
@@ -91,6 +121,8 @@ async def pack_upper(agent: AgentChannel, store: LayerStore, timeout: float = PA
         with os.fdopen(fd, "wb") as sink:
             visible = await agent.request(f"pack {probe}", timeout=timeout, sink=sink.write)
         assert isinstance(visible, bytes)
+        if keep is not None:
+            return await asyncio.to_thread(kept_from_tar, store, tar_path, probe, visible, keep)
         return await asyncio.to_thread(layer_from_tar, store, tar_path, probe, visible)
     finally:
         tar_path.unlink(missing_ok=True)

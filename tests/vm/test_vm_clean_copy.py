@@ -1,0 +1,68 @@
+"""Clean copies of VMs (issue 17, part 1): the guest's writable layer, streamed out by its agent,
+gives a layer of only the kept paths, and a new VM boots from the image's layers and it. The
+agent's forged /bin/sh and the rest of what it did elsewhere stay behind; tampering is seen."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+
+from libdsec import DSecClient, DSecFullVMRunArgs, DSecMicroVMRunArgs, InvalidRequest
+
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
+
+WORK = (
+    "set -e; mkdir -p /root/work/sub; echo 'def test(): assert 1 == 2' > /root/work/test_x.py;"
+    " echo work > /root/work/sub/data; ln -s /etc/shadow /root/work/link; echo hist > /root/.ash_history;"
+    " rm -rf /usr/sbin; mkdir /usr/sbin; echo new > /usr/sbin/only; rm /bin/vi;"
+    " echo /x.so > /etc/ld.so.preload"
+)
+FORGE = ("rm -f /bin/sh && printf '%s\\n' '#!/bin/busybox ash' \"echo '1 passed'\" 'exit 0' > /bin/sh"
+         " && chmod +x /bin/sh")
+GRADE = "grep -q 'assert 1 == 2' /root/work/test_x.py && echo '1 failed' && exit 1"
+
+
+@pytest.fixture(scope="module")
+def vm_server(tmp_path_factory, test_store):
+    from dsec.local import serving
+
+    from conftest import make_state_dir
+
+    with serving(make_state_dir(tmp_path_factory, test_store, "dsec-vmcopy"), "--pool-max", "0") as srv:
+        yield srv
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(vm_server):
+    async with DSecClient(vm_server.endpoint, token=vm_server.token) as c:
+        yield c
+
+
+@pytest.mark.parametrize("kind", ["microvm", "fullvm"])
+async def test_vm_clean_copy(client, kind):
+    if kind == "microvm":
+        vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128), timeout=180)
+    else:
+        vm = await client.run_vm(DSecFullVMRunArgs(container_image="busybox", memory_limit_mb=128), timeout=240)
+    async with vm:
+        r = await vm.run_shell(WORK)
+        assert r.exit_code == 0, r
+        with pytest.raises(InvalidRequest, match="keep path '/root/nope' does not exist"):
+            await vm.clean_copy(keep=["/root/nope"])
+        with pytest.raises(InvalidRequest, match="passes through the symbolic link /root/work/link"):
+            await vm.clean_copy(keep=["/root/work/link/x"])
+        assert (await vm.run_shell(FORGE)).exit_code == 0
+        assert (await vm.run_shell(GRADE)).stdout == "1 passed\n"  # the hole, in a VM too
+        async with await vm.clean_copy(keep=["/root/work", "/usr/sbin", "/root/.ash_history"]) as grader:
+            result = grader.clean_copy_result
+            assert grader.info.kind.value == kind
+            assert {"/bin/sh", "/etc/ld.so.preload"} <= set(result.tampered)
+            assert result.scrubbed == ["/root/.ash_history"]
+            graded = await grader.run_shell(GRADE)
+            assert (graded.exit_code, graded.stdout) == (1, "1 failed\n")
+            check = await grader.run_shell(
+                "cat /root/work/sub/data; readlink /root/work/link; ls /usr/sbin; test -e /bin/vi && echo vi-kept;"
+                " test -e /etc/ld.so.preload || echo no-preload; test -e /root/.ash_history || echo no-history")
+            assert check.stdout.split() == ["work", "/etc/shadow", "only", "vi-kept", "no-preload", "no-history"], check
+        events = [e for e in await vm.security_events() if e.kind == "file.tampered"]
+        assert events and "/bin/sh" in events[0].detail
