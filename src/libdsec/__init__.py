@@ -20,6 +20,7 @@ from ._errors import (
     Unauthenticated,
 )
 from .protocol import SecurityEvent
+from .protocol import ExecEvent
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
@@ -36,6 +37,7 @@ __all__ = [
     "DSecFnCallArgs",
     "DSecFullVMRunArgs",
     "DSecMicroVMRunArgs",
+    "ExecEvent",
     "ExecResult",
     "FnCallResult",
     "ImageInfo",

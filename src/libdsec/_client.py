@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import json
 import os
 import ssl
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ from .protocol import (
     DSecContainerRunArgs,
     DSecFullVMRunArgs,
     DSecMicroVMRunArgs,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     ImageInfo,
@@ -84,6 +87,17 @@ def default_token() -> str | None:
         return None
 
 
+OutputCallback = Callable[[str], Any]
+
+
+def _exec_request(command: str, timeout: float, env: dict[str, str] | None, workdir: str | None, user: str | None,
+                  stdin: str | None, max_output_bytes: int | None) -> ExecRequest:
+    return ExecRequest(
+        command=command, timeout=timeout, env=env or {}, workdir=workdir, user=user, stdin=stdin,
+        **({"max_output_bytes": max_output_bytes} if max_output_bytes is not None else {}),
+    )
+
+
 class Sandbox:
     """A handle to one sandbox. Use ``async with`` or call ``stop()`` when done."""
 
@@ -112,17 +126,25 @@ class Sandbox:
         user: str | None = None,
         stdin: str | None = None,
         max_output_bytes: int | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
     ) -> ExecResult:
-        """Run ``command`` with ``sh -c`` inside the sandbox; raises CommandTimeout past timeout."""
-        request = ExecRequest(
-            command=command,
-            timeout=timeout,
-            env=env or {},
-            workdir=workdir,
-            user=user,
-            stdin=stdin,
-            **({"max_output_bytes": max_output_bytes} if max_output_bytes is not None else {}),
-        )
+        """Run ``command`` with ``sh -c`` inside the sandbox; raises CommandTimeout past timeout.
+        With ``on_stdout``/``on_stderr`` (plain or async callables) the output is streamed:
+        each gets the text chunks as the command writes them, and the result still comes at
+        the end (its output capped at ``max_output_bytes``; the callbacks see all of it)."""
+        request = _exec_request(command, timeout, env, workdir, user, stdin, max_output_bytes)
+        if on_stdout is not None or on_stderr is not None:
+            callbacks = {"stdout": on_stdout, "stderr": on_stderr}
+            async for event in self._events(request):
+                if event.event == "exit":
+                    assert event.result is not None
+                    return event.result
+                if (callback := callbacks.get(event.event)) is not None:
+                    done = callback(event.data)
+                    if inspect.isawaitable(done):
+                        await done
+            raise ServerError("the command's stream ended without its exit")  # (_events raises first)
         body = await self._client._request(
             "POST",
             f"/v1/sandboxes/{self.id}/exec",
@@ -130,6 +152,39 @@ class Sandbox:
             timeout=timeout + _HTTP_SLACK_S,
         )
         return ExecResult.model_validate(body)
+
+    async def stream_shell(
+        self,
+        command: str,
+        *,
+        timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+        stdin: str | None = None,
+        max_output_bytes: int | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        """``async for event in sandbox.stream_shell(cmd)``: ``stdout``/``stderr`` events
+        (``event.data``, text) as the command writes, then one ``exit`` (``event.result``, as
+        ``run_shell`` returns it). Read slowly and the command slows down (nothing piles up
+        in the server); leave the loop early and the command is killed. Errors (a timeout,
+        the sandbox gone) are raised."""
+        request = _exec_request(command, timeout, env, workdir, user, stdin, max_output_bytes)
+        async for event in self._events(request):
+            yield event
+
+    async def _events(self, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        stream = self._client._stream("POST", f"/v1/sandboxes/{self.id}/exec:stream", request,
+                                      request.timeout + _HTTP_SLACK_S, ExecEvent)
+        async with aclosing(stream):
+            async for event in stream:
+                if event.event == "error":
+                    raise error_from_wire({"error": event.error}, 500)
+                if event.event != "started":
+                    yield event
+                if event.event == "exit":
+                    return
+        raise ServerError("the command's stream ended without its exit")
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
         if isinstance(data, str):
@@ -441,10 +496,11 @@ class DSecClient(_ProjectMethods):
         return await http.request(method, path, **kwargs)
 
     async def _stream(
-        self, method: str, path: str, model: BaseModel, timeout: float | None
+        self, method: str, path: str, model: BaseModel, timeout: float | None,
+        event_model: type[BaseModel] = BatchEvent,
     ) -> Any:
         if self._wire is not None:
-            async for event in self._stream_wire(method, path, model, timeout):
+            async for event in self._stream_wire(method, path, model, timeout, event_model):
                 yield event
             return
         tried: list[str] = []
@@ -463,13 +519,14 @@ class DSecClient(_ProjectMethods):
                         raise _error_of(response)
                     async for line in response.aiter_lines():
                         if line.strip():
-                            yield BatchEvent.model_validate_json(line)
+                            yield event_model.model_validate_json(line)
                 return
             except httpx.TransportError as exc:
                 if not self._fail_over(endpoint, method, exc, tried):
                     raise _unavailable(tried, endpoint, exc) from exc
 
-    async def _stream_wire(self, method: str, path: str, model: BaseModel, timeout: float | None) -> Any:
+    async def _stream_wire(self, method: str, path: str, model: BaseModel, timeout: float | None,
+                           event_model: type[BaseModel] = BatchEvent) -> Any:
         assert self._wire is not None
         try:
             async with self._wire.stream(method, path, body=model.model_dump_json().encode(),
@@ -482,9 +539,9 @@ class DSecClient(_ProjectMethods):
                     *lines, rest = (rest + chunk).split(b"\n")
                     for line in lines:
                         if line.strip():
-                            yield BatchEvent.model_validate_json(line)
+                            yield event_model.model_validate_json(line)
                 if rest.strip():
-                    yield BatchEvent.model_validate_json(rest)
+                    yield event_model.model_validate_json(rest)
         except WireError as exc:
             raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc}") from exc
 

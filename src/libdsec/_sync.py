@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ._client import DSecClient, ProgressCallback, Sandbox
+from .protocol import ExecEvent
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
@@ -29,6 +30,17 @@ class _LoopThread:
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
+    def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
+        """An async iterator as a blocking one; leaving it early closes the async one."""
+        try:
+            while True:
+                try:
+                    yield self.run(anext(agen))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self.run(agen.aclose())  # type: ignore[attr-defined]
+
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
@@ -39,6 +51,7 @@ class SyncSandbox:
     """Blocking twin of :class:`libdsec.Sandbox`."""
 
     def __init__(self, runner: _LoopThread, sandbox: Sandbox) -> None:
+        self._runner = runner
         self._run = runner.run
         self._sandbox = sandbox
 
@@ -52,6 +65,9 @@ class SyncSandbox:
 
     def run_shell(self, command: str, **kwargs: Any) -> ExecResult:
         return self._run(self._sandbox.run_shell(command, **kwargs))
+
+    def stream_shell(self, command: str, **kwargs: Any) -> Iterator[ExecEvent]:
+        return self._runner.iterate(self._sandbox.stream_shell(command, **kwargs))
 
     def write_file(self, path: str, data: bytes | str, **kwargs: Any) -> None:
         self._run(self._sandbox.write_file(path, data, **kwargs))

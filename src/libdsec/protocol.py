@@ -248,6 +248,17 @@ class ExecResult(_Model):
     stderr_bytes: int = 0
 
 
+class ExecEvent(_Model):
+    """One line of a streamed command (``POST …/exec:stream``, NDJSON): ``started`` once it
+    runs, then ``stdout``/``stderr`` text chunks as it writes them, then ``exit`` with the
+    result (its kept output capped as ``run_shell``'s) or ``error`` (a wire error body)."""
+
+    event: Literal["started", "stdout", "stderr", "exit", "error"]
+    data: str = ""
+    result: ExecResult | None = None
+    error: dict | None = None
+
+
 class ImageInfo(_Model):
     name: str
     layers: list[str]

@@ -206,3 +206,77 @@ async def test_pack_diff(kit):
         await backend.destroy(handle)
     with pytest.raises(SandboxStateError):
         await backend.pack_diff(handle)
+
+
+class Chunks:
+    """An ``emit`` that records (kind, bytes, when) and can be held shut."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import time
+
+        self.got: list[tuple[str, bytes, float]] = []
+        self.open = asyncio.Event()
+        self.open.set()
+        self.clock = time.perf_counter
+
+    async def __call__(self, kind: str, data: bytes) -> None:
+        await self.open.wait()
+        self.got.append((kind, data, self.clock()))
+
+    def text(self, kind: str) -> str:
+        return b"".join(d for k, d, _ in self.got if k == kind).decode()
+
+
+async def test_exec_stream_hands_output_on_as_written(kit):
+    import time
+
+    backend, spec = kit
+    handle = await backend.create(cid(), spec)
+    try:
+        chunks = Chunks()
+        start = time.perf_counter()
+        result = await backend.exec_stream(handle, run("echo one; sleep 1; echo two >&2; echo three"), ROOT, chunks)
+        end = time.perf_counter()
+        assert (result.exit_code, result.stdout, result.stderr) == (0, "one\nthree\n", "two\n")
+        assert (chunks.text("stdout"), chunks.text("stderr")) == ("one\nthree\n", "two\n")
+        if type(backend).__name__ != "FakeBackend":  # (the fake's output comes at its end)
+            first = chunks.got[0]
+            assert first[1] == b"one\n" and first[2] - start < end - start - 0.5, (chunks.got, end - start)
+        # Caps apply to what is kept, not to what streams past.
+        chunks = Chunks()
+        result = await backend.exec_stream(handle, run("echo 0123456789", max_output_bytes=4), ROOT, chunks)
+        assert (result.stdout, result.stdout_bytes, chunks.text("stdout")) == ("0123", 11, "0123456789\n")
+    finally:
+        await backend.destroy(handle)
+
+
+async def test_exec_stream_backpressure_and_timeout(kit):
+    """A consumer that does not take the output holds the command (nothing piles up for it)."""
+    import asyncio
+
+    backend, spec = kit
+    if type(backend).__name__ == "FakeBackend":
+        pytest.skip("the fake's commands write no real output")
+    handle = await backend.create(cid(), spec)
+    try:
+        chunks = Chunks()
+        chunks.open.clear()
+        size = 4 << 20  # over every buffer on the way: the pipe's, the guest agent's window
+        call = asyncio.ensure_future(backend.exec_stream(
+            handle, run(f"head -c {size} /dev/zero; echo written >&2", max_output_bytes=1000, timeout=60), ROOT, chunks))
+        await asyncio.sleep(1.5)
+        assert not call.done(), "the command ran to its end with nobody reading"
+        chunks.open.set()
+        result = await call
+        assert result.exit_code == 0 and result.stdout_bytes == size and len(result.stdout) == 1000
+        assert result.stdout_truncated and chunks.text("stderr") == "written\n"
+        assert sum(len(d) for k, d, _ in chunks.got if k == "stdout") == size
+        # A timeout ends a streamed command as it ends any other; what it wrote came through.
+        chunks = Chunks()
+        with pytest.raises(CommandTimeout):
+            await backend.exec_stream(handle, run("echo early; sleep 30", timeout=1), ROOT, chunks)
+        assert chunks.text("stdout") == "early\n"
+        assert (await backend.exec(handle, run("echo after"), ROOT)).stdout == "after\n"
+    finally:
+        await backend.destroy(handle)

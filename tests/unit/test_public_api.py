@@ -15,7 +15,7 @@ from libdsec._errors import ERROR_CODES, error_from_wire
 
 PUBLIC = {
     "BackendError", "CapacityExceeded", "CommandTimeout", "DSecClient", "DSecContainerRunArgs",
-    "DSecError", "ExecResult", "ImageInfo", "ImageNotFound", "InvalidRequest", "LimitOutOfRange",
+    "DSecError", "ExecEvent", "ExecResult", "ImageInfo", "ImageNotFound", "InvalidRequest", "LimitOutOfRange",
     "PackDiffResult", "Sandbox", "SandboxFileNotFound", "SandboxInfo", "SandboxNotFound", "SandboxStateError",
     "SandboxStatus", "ServerError", "ServerUnavailable", "SyncDSecClient", "SyncSandbox",
     "Unauthenticated", "default_token",
@@ -108,6 +108,7 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.BatchEvent: {"event": "done"},
         _models.ExecRequest: {"command": "true"},
         _models.ExecResult: {"exit_code": 0, "stdout": "", "stderr": "", "duration_s": 0.1},
+        _models.ExecEvent: {"event": "stdout", "data": "x"},
         _models.ImageInfo: {"name": "busybox", "layers": ["sha256-00"], "size_bytes": 1},
         _models.ImageList: {"images": []},
         _models.PackDiffRequest: {"name": "snap"},

@@ -28,6 +28,7 @@ from libdsec.protocol import (
     DSecFullVMRunArgs,
     DSecMicroVMRunArgs,
     ErrorResponse,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     ImageInfo,
@@ -95,6 +96,15 @@ class _CatchUnexpected:
             log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
             body = {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
             await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
+async def _ndjson(first: ExecEvent, events: AsyncIterator[ExecEvent]) -> AsyncIterator[str]:
+    """One line an event, each sent once the last left (Starlette awaits the transport's
+    drain); a client that goes away cancels this, which closes ``events``: the command dies."""
+    async with aclosing(events):
+        yield first.model_dump_json() + "\n"
+        async for event in events:
+            yield event.model_dump_json() + "\n"
 
 
 def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
@@ -257,6 +267,18 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=auth, responses=_ERRORS)
     async def exec_command(sandbox_id: str, request: ExecRequest) -> ExecResult:
         return await cluster.edge_for(sandbox_id).exec(sandbox_id, request)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec:stream", dependencies=auth, responses=_ERRORS,
+              response_model=ExecEvent)
+    async def exec_stream(sandbox_id: str, request: ExecRequest) -> StreamingResponse:
+        """The command's ``ExecEvent``s as NDJSON lines, as it writes (``dsec.edge.stream``)."""
+        events = cluster.edge_for(sandbox_id).exec_stream(sandbox_id, request)
+        try:  # errors before the start are a plain error answer
+            first = await anext(events)
+        except BaseException:
+            await events.aclose()
+            raise
+        return StreamingResponse(_ndjson(first, events), media_type="application/x-ndjson")
 
     @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, responses=_ERRORS)
     async def read_file(sandbox_id: str, path: str = Query(min_length=1)) -> Response:

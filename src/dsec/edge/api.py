@@ -30,6 +30,7 @@ from libdsec import InvalidRequest, SandboxLost
 from libdsec.protocol import (
     DSecContainerRunArgs,
     DSecFnCallArgs,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     FnCallResult,
@@ -94,6 +95,13 @@ class EdgeAPI(Protocol):
 
     # -- inside a sandbox --------------------------------------------------------------------
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult: ...
+
+    def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        """``started`` (the node took the command; errors before it are raised), then
+        ``stdout``/``stderr`` chunks as written, then ``exit`` or ``error`` (errors after the
+        start come as that event). Closing the iterator early kills the command. The consumer's
+        pace is the command's: nothing is buffered for a slow one (``dsec.edge.stream``)."""
+        ...
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
 

@@ -37,6 +37,7 @@ from libdsec import InvalidRequest, SandboxNotFound, SandboxStateError
 from libdsec.protocol import (
     DSecContainerRunArgs,
     DSecFnCallArgs,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     FnCallResult,
@@ -65,6 +66,7 @@ from .lifecycle import Action, Record
 from .pool import WarmPool
 from .reaper import TTLReaper
 from .security import EdgeSecurity
+from .stream import stream_exec
 
 log = logging.getLogger("dsec.edge")
 
@@ -287,17 +289,29 @@ class Edge:
             rec.calls -= 1
             rec.last_active = time.time()
 
-    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+    async def _exec_context(self, sandbox_id: str, request: ExecRequest) -> tuple[Record, ExecContext]:
         rec = await self._ready(sandbox_id, Action.exec)
         if request.user is not None:
             uid, gid = await self.backends[rec.kind].resolve_user(rec.handle, request.user)
         else:
             uid, gid = rec.uid, rec.gid
-        ctx = ExecContext(
+        return rec, ExecContext(
             uid=uid, gid=gid, workdir=request.workdir or rec.args.workdir,
             env={**rec.image.env, **rec.args.env, **request.env},
         )
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        rec, ctx = await self._exec_context(sandbox_id, request)
         return await self.security.watch_exec(rec, self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx)))
+
+    async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        """``exec`` whose output comes as it is written (``dsec.edge.stream``)."""
+        rec, ctx = await self._exec_context(sandbox_id, request)
+        backend = self.backends[rec.kind]
+        async for event in stream_exec(
+                lambda emit: self.security.watch_exec(
+                    rec, self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit)))):
+            yield event
 
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:
         """Denied actions seen in the sandbox (see dsec.isolation.events); kept after it ends."""

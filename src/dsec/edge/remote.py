@@ -29,6 +29,7 @@ from libdsec.protocol import (
     BatchEvent,
     DSecContainerRunArgs,
     DSecFnCallArgs,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     FnCallBatchRequest,
@@ -245,6 +246,36 @@ class RemoteEdge:
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         return await self._post(ExecResult, f"/sandboxes/{sandbox_id}/exec", model=request,
                                 timeout=request.timeout + SLACK_S)
+
+    async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        """The node's NDJSON lines as events, read as the consumer asks for them (so TCP's flow
+        control carries its pace to the node). Between two lines the node may be silent for
+        as long as the command is (its timeout plus the slack)."""
+        if self._closed:
+            raise self._unreachable("is closed on this side")
+        path = f"/sandboxes/{sandbox_id}/exec:stream"
+        try:
+            async with self._wire.stream("POST", PREFIX + path, body=request.model_dump_json().encode(),
+                                         content_type="application/json",
+                                         timeout=request.timeout + SLACK_S) as response:
+                if response.status_code >= 400:
+                    raise self._error(response.status_code, await response.read())
+                rest = b""
+                async for chunk in response.chunks():
+                    *lines, rest = (rest + chunk).split(b"\n")
+                    for line in lines:
+                        if not line.strip():
+                            continue
+                        try:
+                            event = ExecEvent.model_validate_json(line)
+                        except pydantic.ValidationError:
+                            raise self._unreachable(f"sent a line that is not an ExecEvent: {line[:200]!r}") from None
+                        yield event
+                        if event.event in ("exit", "error"):
+                            return
+        except WireError as exc:
+            raise self._unreachable(f"broke off a streamed command: {exc}") from None
+        raise self._unreachable("ended a streamed command without its exit")
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         return (await self._call("GET", f"/sandboxes/{sandbox_id}/files", params={"path": path})).content

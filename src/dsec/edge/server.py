@@ -58,6 +58,7 @@ from libdsec.protocol import (
 )
 
 from .api import EdgeAPI
+from .stream import TERMINAL
 
 log = logging.getLogger("dsec.edge.server")
 
@@ -184,6 +185,7 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
 
 _ROUTES = _routes()
 _BATCH = PREFIX + "/sandboxes:batch"
+_EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:stream\Z")
 
 
 def _run_args(req: NodeCreateRequest):
@@ -346,6 +348,9 @@ class EdgeApp:
         if method == "POST" and path == _BATCH:
             await self._batch(request, conn)
             return
+        if method == "POST" and (m := _EXEC_STREAM.match(path)) is not None:
+            await self._exec_stream(m.group("sid"), request, conn)
+            return
         for pattern, handler in _ROUTES.get(method, ()):
             if (m := pattern.match(path)) is not None:
                 break
@@ -431,6 +436,43 @@ class EdgeApp:
             return
         line(end)
         flush()
+        conn.write(b"0\r\n\r\n")
+
+
+    async def _exec_stream(self, sid: str, request: _Request, conn: _Connection) -> None:
+        """A streamed command: NDJSON ``ExecEvent`` lines, each written once the last drained
+        (the caller's pace is the command's); a caller that goes away kills the command."""
+        keep = request.keep_alive
+        try:
+            events = self.edge.exec_stream(sid, _Call(self.edge, {}, {}, request.body).parse(ExecRequest))
+            first = await anext(events)
+        except Exception as exc:  # noqa: BLE001 - an error before the start is a plain answer
+            status, body = _error_answer(exc)
+            conn.write(_head(status, b"application/json", len(body), keep) + body)
+            return
+        conn.write(_head(200, _NDJSON, None, keep))
+        gone = asyncio.ensure_future(conn.gone.wait())
+        async with aclosing(events):
+            try:
+                event = first
+                while True:
+                    data = event.model_dump_json().encode() + b"\n"
+                    conn.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    if event.event in TERMINAL:
+                        break
+                    await conn.drain()
+                    step = asyncio.ensure_future(anext(events))
+                    await asyncio.wait([step, gone], return_when=asyncio.FIRST_COMPLETED)
+                    if not step.done():
+                        step.cancel()
+                        await asyncio.gather(step, return_exceptions=True)
+                        return  # the caller went away: the command is killed
+                    try:
+                        event = step.result()
+                    except StopAsyncIteration:
+                        break
+            finally:
+                gone.cancel()
         conn.write(b"0\r\n\r\n")
 
 

@@ -1,0 +1,79 @@
+"""What an agent does inside a sandbox, through the SDK against a real ``dsec serve``:
+streamed output (callbacks and an iterator), backpressure, leaving a stream early."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from libdsec import CommandTimeout, DSecContainerRunArgs, SandboxNotFound, SyncDSecClient
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+
+def args(**kw) -> DSecContainerRunArgs:
+    return DSecContainerRunArgs(**{"container_image": "busybox", "memory_limit_mb": 64, **kw})
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+async def test_run_shell_with_callbacks_and_stream_shell(client):
+    async with await client.run_container(args()) as sandbox:
+        seen: list[tuple[str, str, float]] = []
+        start = time.perf_counter()
+
+        async def on_stderr(text: str) -> None:
+            seen.append(("err", text, time.perf_counter() - start))
+
+        result = await sandbox.run_shell(
+            "echo first; sleep 1; echo second >&2; echo third", max_output_bytes=8,
+            on_stdout=lambda text: seen.append(("out", text, time.perf_counter() - start)), on_stderr=on_stderr)
+        assert result.exit_code == 0 and result.stdout == "first\nth" and result.stdout_truncated
+        assert "".join(t for k, t, _ in seen if k == "out") == "first\nthird\n"
+        assert "".join(t for k, t, _ in seen if k == "err") == "second\n"
+        assert seen[0][1] == "first\n" and seen[0][2] < 0.8, seen  # as written, not at the end
+
+        events = [e async for e in sandbox.stream_shell("echo a; echo b >&2; exit 4")]
+        assert [(e.event, e.data) for e in events[:-1]] == [("stdout", "a\n"), ("stderr", "b\n")]
+        assert events[-1].event == "exit" and events[-1].result.exit_code == 4
+
+        with pytest.raises(CommandTimeout):
+            async for _ in sandbox.stream_shell("echo x; sleep 30", timeout=1):
+                pass
+
+
+async def test_a_slow_reader_slows_the_command_not_the_server(client, server):
+    async with await client.run_container(args()) as sandbox:
+        before = rss_bytes(server.proc.pid)
+        got = 0
+        began = time.perf_counter()
+        async for event in sandbox.stream_shell("yes", timeout=60, max_output_bytes=1024):
+            got += len(event.data)
+            await asyncio.sleep(0.05)  # ~ a few MB/s at most
+            if time.perf_counter() - began > 4:
+                break  # leaving the loop kills the command
+        grown = rss_bytes(server.proc.pid) - before
+        assert got > 0 and grown < 32 << 20, (got, grown)
+        # `yes` is gone with the stream; the sandbox serves on.
+        for _ in range(50):
+            ps = await sandbox.run_shell("ps -o comm | grep -c '^yes' || true")
+            if ps.stdout.strip() == "0":
+                break
+            await asyncio.sleep(0.1)
+        assert ps.stdout.strip() == "0", ps
+
+
+def test_the_sync_twin_streams(server):
+    with SyncDSecClient(server.endpoint, token=server.token) as client:
+        with client.run_container(args()) as sandbox:
+            events = list(sandbox.stream_shell("echo one; echo two"))
+            assert "".join(e.data for e in events if e.event == "stdout") == "one\ntwo\n"
+            lines: list[str] = []
+            assert sandbox.run_shell("echo cb", on_stdout=lines.append).stdout == "cb\n" and lines == ["cb\n"]
+            with pytest.raises(SandboxNotFound):
+                list(client.get_sandbox(sandbox.id[:-4] + "0000").stream_shell("true"))
