@@ -259,6 +259,54 @@ class ExecEvent(_Model):
     error: dict | None = None
 
 
+class StartProcessRequest(_Model):
+    """A background process: ``sh -c command``, started and left running (``start_shell``)."""
+
+    command: str = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+
+
+class ProcessInfo(_Model):
+    pid: int  # in the sandbox's pid namespace
+    command: str  # (its first 200 characters)
+    running: bool
+    exit_code: int | None = None  # once it ended (128 + N: killed by signal N)
+    stdout_bytes: int = 0  # written so far (all kept, in the sandbox: see docs/INSIDE.md)
+    stderr_bytes: int = 0
+
+
+class ProcessList(_Model):
+    processes: list[ProcessInfo]
+
+
+class ProcessStdinRequest(_Model):
+    data: str = ""
+    close: bool = False  # then close its stdin (after ``data``)
+
+
+class ProcessSignalRequest(_Model):
+    signal: int = Field(ge=1, le=64)
+
+
+class ProcessWaitRequest(_Model):
+    timeout: float = DEFAULT_COMMAND_TIMEOUT_S
+
+    _timeout = field_validator("timeout")(ExecRequest._timeout.__func__)  # type: ignore[attr-defined]
+
+
+class ProcessStreamRequest(_Model):
+    """Stream a background process's output from these offsets until it ends (``ExecEvent``s:
+    ``stdout``/``stderr``, then ``exit`` whose result has only the exit code)."""
+
+    stdout_offset: int = Field(default=0, ge=0)
+    stderr_offset: int = Field(default=0, ge=0)
+    timeout: float = 24 * 3600.0
+
+    _timeout = field_validator("timeout")(ExecRequest._timeout.__func__)  # type: ignore[attr-defined]
+
+
 class ImageInfo(_Model):
     name: str
     layers: list[str]

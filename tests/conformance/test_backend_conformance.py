@@ -280,3 +280,57 @@ async def test_exec_stream_backpressure_and_timeout(kit):
         assert (await backend.exec(handle, run("echo after"), ROOT)).stdout == "after\n"
     finally:
         await backend.destroy(handle)
+
+
+async def test_background_processes(kit):
+    """dsec.edge.processes' scripts on each backend: a process outlives its start, takes stdin
+    and signals, streams its output and is listed with its exit code."""
+    import asyncio
+
+    from dsec.edge import processes
+    from dsec.edge.stream import stream_exec
+
+    backend, spec = kit
+    if type(backend).__name__ == "FakeBackend":
+        pytest.skip("the fake runs no shell")
+    handle = await backend.create(cid(), spec)
+
+    async def manage(script: str, stdin: str | None = None):
+        return await backend.exec(handle, run(script, stdin=stdin, timeout=30), ROOT)
+
+    try:
+        started = await backend.exec(handle, run(processes.start_script("echo hi; read line; echo got $line >&2; sleep 30")), ROOT)
+        pid = processes.started_pid(started)
+        [info] = processes.parse_list((await manage(processes.list_script())).stdout)
+        assert (info.pid, info.running, info.command) == (pid, True, "echo hi; read line; echo got $line >&2; sleep 30")
+        processes.check(await manage(processes.stdin_script(pid, True, True), stdin="there\n"), pid, "write")
+        follow = run(processes.follow_script(pid, 0, 0), max_output_bytes=0, timeout=60)
+        events = stream_exec(lambda emit: backend.exec_stream(handle, follow, ROOT, emit))
+        seen = ""
+        async for event in events:
+            if event.event == "stderr":
+                seen += event.data
+                if "got there" in seen:
+                    break
+        await events.aclose()
+        processes.check(await manage(processes.signal_script(pid, 15)), pid, "signal")
+        processes.check(await manage(processes.wait_script(pid)), pid, "wait")
+        [info] = processes.parse_list((await manage(processes.list_script())).stdout)
+        assert (info.running, info.exit_code, info.stdout_bytes) == (False, 143, 3), info
+        with pytest.raises(libdsec_errors().SandboxStateError, match="has exited"):
+            processes.check(await manage(processes.signal_script(pid, 2)), pid, "signal it")
+        with pytest.raises(libdsec_errors().ProcessNotFound):
+            processes.check(await manage(processes.signal_script(1, 9)), 1, "signal it")
+        # The whole output again from the start, then the exit code.
+        events = [e async for e in stream_exec(lambda emit: backend.exec_stream(handle, follow, ROOT, emit))]
+        assert "".join(e.data for e in events if e.event == "stdout") == "hi\n"
+        assert events[-1].event == "exit" and events[-1].result.exit_code == 143
+        await asyncio.sleep(0)
+    finally:
+        await backend.destroy(handle)
+
+
+def libdsec_errors():
+    import libdsec
+
+    return libdsec

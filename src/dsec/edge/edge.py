@@ -33,13 +33,17 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from libdsec import InvalidRequest, SandboxNotFound, SandboxStateError
+from libdsec import CommandTimeout, InvalidRequest, SandboxNotFound, SandboxStateError
+from libdsec.protocol import DEFAULT_COMMAND_TIMEOUT_S
 from libdsec.protocol import (
     DSecContainerRunArgs,
     DSecFnCallArgs,
     ExecEvent,
     ExecRequest,
     ExecResult,
+    ProcessInfo,
+    ProcessStreamRequest,
+    StartProcessRequest,
     FnCallResult,
     ImageInfo,
     LayerUse,
@@ -66,6 +70,7 @@ from .lifecycle import Action, Record
 from .pool import WarmPool
 from .reaper import TTLReaper
 from .security import EdgeSecurity
+from . import processes
 from .stream import stream_exec
 
 log = logging.getLogger("dsec.edge")
@@ -311,6 +316,59 @@ class Edge:
         async for event in stream_exec(
                 lambda emit: self.security.watch_exec(
                     rec, self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit)))):
+            yield event
+
+    # -- background processes (kept in the sandbox: dsec.edge.processes) ----------------------
+
+    async def _manage(self, sandbox_id: str, command: str, timeout: float = 30.0,
+                      stdin: str | None = None) -> ExecResult:
+        """One of processes' management scripts, run as the sandbox's root."""
+        rec = await self._ready(sandbox_id, Action.exec)
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
+        request = ExecRequest(command=command, timeout=timeout, stdin=stdin)
+        return await self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx))
+
+    async def start_process(self, sandbox_id: str, request: StartProcessRequest) -> ProcessInfo:
+        exec_request = ExecRequest(command=processes.start_script(request.command), timeout=30.0,
+                                   env=request.env, workdir=request.workdir, user=request.user)
+        rec, ctx = await self._exec_context(sandbox_id, exec_request)
+        result = await self._call(rec, self.backends[rec.kind].exec(rec.handle, exec_request, ctx))
+        return ProcessInfo(pid=processes.started_pid(result), command=request.command[:200], running=True)
+
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        return processes.parse_list((await self._manage(sandbox_id, processes.list_script())).stdout)
+
+    async def get_process(self, sandbox_id: str, pid: int) -> ProcessInfo:
+        for info in await self.list_processes(sandbox_id):
+            if info.pid == pid:
+                return info
+        processes.check(ExecResult(exit_code=processes._NO_SUCH, stdout="", stderr="", duration_s=0), pid, "find it")
+        raise AssertionError("unreachable")
+
+    async def signal_process(self, sandbox_id: str, pid: int, signal: int) -> None:
+        processes.check(await self._manage(sandbox_id, processes.signal_script(pid, signal)), pid, f"signal it ({signal})")
+
+    async def process_stdin(self, sandbox_id: str, pid: int, data: str, close: bool) -> None:
+        script = processes.stdin_script(pid, write=bool(data), close=close)
+        processes.check(await self._manage(sandbox_id, script, timeout=DEFAULT_COMMAND_TIMEOUT_S,
+                                           stdin=data if data else None), pid, "write to its stdin")
+
+    async def wait_process(self, sandbox_id: str, pid: int, timeout: float) -> ProcessInfo:
+        try:
+            processes.check(await self._manage(sandbox_id, processes.wait_script(pid), timeout=timeout), pid, "wait for it")
+        except CommandTimeout:
+            raise CommandTimeout(f"process {pid} still runs after {timeout:g}s (it goes on running)") from None
+        return await self.get_process(sandbox_id, pid)
+
+    async def stream_process(self, sandbox_id: str, pid: int, request: ProcessStreamRequest) -> AsyncIterator[ExecEvent]:
+        """Its output from the offsets given until it ends, then ``exit`` (the exit code only)."""
+        await self.get_process(sandbox_id, pid)  # ProcessNotFound before the start
+        rec = await self._ready(sandbox_id, Action.exec)
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
+        follow = ExecRequest(command=processes.follow_script(pid, request.stdout_offset, request.stderr_offset),
+                             timeout=request.timeout, max_output_bytes=0)
+        backend = self.backends[rec.kind]
+        async for event in stream_exec(lambda emit: self._call(rec, backend.exec_stream(rec.handle, follow, ctx, emit))):
             yield event
 
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:

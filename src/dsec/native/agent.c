@@ -18,7 +18,7 @@
  *                                         may come in any order: commands run side by side)
  *   srun CAP WDLEN CMDLEN STDINLEN ENVLEN UID GID
  *                                         as run, but the output streams as it comes: frames
- *                                         "ID out LEN" / "ID err LEN" + LEN bytes, then
+ *                                         "ID sout LEN" / "ID serr LEN" + LEN bytes, then
  *                                         "ID done RC 0 OUTTOTAL 0 ERRTOTAL" (the host keeps
  *                                         what it keeps). At most WINDOW bytes go unacknowledged:
  *                                         past that the job's pipes are not read (its command
@@ -507,7 +507,7 @@ static void drain(struct job *j, struct stream *s, int once)
         s->total += (uint64_t)r;
         if (j->stream) {
             char header[IDLEN + 64];
-            snprintf(header, sizeof header, "%s %s %zd\n", j->id, s == &j->out ? "out" : "err", r);
+            snprintf(header, sizeof header, "%s %s %zd\n", j->id, s == &j->out ? "sout" : "serr", r);
             send_frame(header, chunk, (size_t)r, NULL, 0);
             j->unacked += (uint64_t)r;
             if (j->pid == 0)

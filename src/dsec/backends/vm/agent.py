@@ -48,7 +48,7 @@ class AgentChannel:
         self._pending: dict[str, asyncio.Future] = {}
         # Where the "part" frames of a streamed answer go (``request(..., sink=)``).
         self._sinks: dict[str, Callable[[bytes], object]] = {}
-        # Where the "out"/"err" frames of a streamed command (srun) go: (kind, bytes).
+        # Where the "sout"/"serr" frames of a streamed command (srun) go: (kind, bytes).
         self.streams: dict[str, Callable[[str, bytes], object]] = {}
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()
@@ -99,11 +99,11 @@ class AgentChannel:
                     if sink is not None:
                         sink(body)
                     continue
-                if status in ("out", "err"):
+                if status in ("sout", "serr"):
                     body = await self._reader.readexactly(int(nums[0]))
                     stream = self.streams.get(rid)
                     if stream is not None:
-                        stream("stdout" if status == "out" else "stderr", body)
+                        stream("stdout" if status == "sout" else "stderr", body)
                     continue
                 if status == "ok":
                     body = await self._reader.readexactly(int(nums[0]))

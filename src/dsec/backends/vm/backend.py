@@ -50,7 +50,7 @@ DEFAULT_MEMORY_MB = 256
 
 
 class _Relay:
-    """A streamed command's output (the agent's "out"/"err" frames) handed to ``emit`` in
+    """A streamed command's output (the agent's "sout"/"serr" frames) handed to ``emit`` in
     order, each chunk acked to the agent once ``emit`` returned: the agent sends at most its
     window ahead, so a slow consumer slows the command and holds at most that much here."""
 

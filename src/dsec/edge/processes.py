@@ -1,0 +1,184 @@
+"""Background processes in a sandbox, the same for every kind: kept inside the sandbox itself.
+
+A process started with ``start`` runs in a session of its own, under a small shell supervisor
+that waits for it and records its exit code; its stdin is a FIFO, its stdout and stderr are
+files. All of it lives under ``/tmp/.dsec-proc/`` in the sandbox (a directory a process, named
+``p.XXXXXX``, and a link named by its pid), so it needs nothing from the node:
+
+- a process outlives the request that started it and the client that asked for it;
+- an edge restart leaves it running, its output still written and its exit still recorded, and
+  ``list`` finds it as before (nothing of it is on the node);
+- it dies with the sandbox (it is one of the sandbox's processes).
+
+Its output is kept whole in the sandbox's own disk (under the sandbox's disk limit); a
+background process never blocks on its output for want of a reader. ``follow`` streams it from
+given offsets as it grows (a loop in the sandbox that looks every 10 ms while output flows and
+up to 300 ms apart while it does not), and ends with the process's exit code.
+
+Each operation is one command run through the backend's ``exec`` as the sandbox's root (the
+caller's user for ``start``); the scripts use only POSIX sh and the usual tools (mkfifo,
+mktemp, setsid, tail, head, wc, kill, sleep: busybox has them all). The scripts exit with
+``_NO_SUCH`` / ``_ENDED`` / ``_STDIN_CLOSED`` for the errors they find; ``check`` turns those
+into the error tree.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from libdsec import InvalidRequest, ProcessNotFound, SandboxStateError
+from libdsec.protocol import ExecResult, ProcessInfo
+
+BASE = "/tmp/.dsec-proc"
+_NO_SUCH, _ENDED, _STDIN_CLOSED, _SETUP = 91, 92, 93, 90
+
+# The supervisor: holds the FIFO open for writing (so the process sees end of file only when
+# its stdin is closed on purpose), starts the process in a session of its own, hands back its
+# pid, waits for it and records its exit code (atomically: written, then renamed).
+_SUPERVISOR = r'''
+t=$1
+(exec 3<>"$t/in"; exec sleep 2147483647) </dev/null >/dev/null 2>&1 &
+echo $! > "$t/holder"
+setsid sh -c "$2" < "$t/in" > "$t/out" 2> "$t/err" &
+p=$!
+echo $p > "$t/ready"
+wait $p
+rc=$?
+kill $(cat "$t/holder") 2>/dev/null
+echo $rc > "$t/exit.tmp" && mv "$t/exit.tmp" "$t/exit"
+'''
+
+_START = r'''
+b=%(base)s
+mkdir -p "$b" 2>/dev/null && chmod 1777 "$b" 2>/dev/null
+t=$(mktemp -d "$b/p.XXXXXX") || exit %(setup)d
+mkfifo "$t/in" "$t/ready" || exit %(setup)d
+printf '%%s' %(command)s > "$t/cmd"
+: > "$t/out"; : > "$t/err"
+setsid sh -c %(supervisor)s dsec "$t" %(command)s </dev/null >/dev/null 2>&1 &
+read p < "$t/ready"
+ln -s "${t##*/}" "$b/$p" 2>/dev/null || { rm -f "$b/$p"; ln -s "${t##*/}" "$b/$p"; }
+echo "$p"
+'''
+
+# Find the process's directory or exit _NO_SUCH.
+_FIND = r'''
+l=%(base)s/%(pid)d
+[ -L "$l" ] || exit %(no_such)d
+t=%(base)s/$(readlink "$l")
+'''
+
+_SIGNAL = _FIND + r'''
+[ -e "$t/exit" ] && { echo "$(cat "$t/exit")"; exit %(ended)d; }
+kill -%(signal)d -- -%(pid)d 2>/dev/null || kill -%(signal)d %(pid)d
+'''
+
+_STDIN = _FIND + r'''
+[ -e "$t/exit" ] && { echo "$(cat "$t/exit")"; exit %(ended)d; }
+[ -e "$t/stdin-closed" ] && exit %(stdin_closed)d
+%(write)s
+%(close)s
+'''
+
+_CLOSE = r'''touch "$t/stdin-closed"; kill $(cat "$t/holder") 2>/dev/null; true'''
+
+_WAIT = _FIND + r'''
+while [ ! -e "$t/exit" ]; do sleep 0.05; done
+'''
+
+# One line a process: PID EXIT(- while it runs) OUTBYTES ERRBYTES COMMAND… A process whose
+# supervisor is gone without an exit code (killed from inside) reads as ended, code -1.
+_LIST = r'''
+b=%(base)s
+for l in "$b"/*; do
+  [ -L "$l" ] || continue
+  p=${l##*/}
+  t=$b/$(readlink "$l")
+  x=-
+  if [ -e "$t/exit" ]; then x=$(cat "$t/exit")
+  elif ! kill -0 "$p" 2>/dev/null && [ ! -e "$t/exit" ]; then x=-1; fi
+  printf '%%s %%s %%s %%s ' "$p" "$x" $(wc -c < "$t/out") $(wc -c < "$t/err")
+  head -c 200 "$t/cmd" | tr '\n\t\r' '   '
+  echo
+done
+'''
+
+_FOLLOW = _FIND + r'''
+o=%(out)d; e=%(err)d; k=0
+while :; do
+  last=; [ -e "$t/exit" ] && last=1
+  n=$(wc -c < "$t/out"); m=$(wc -c < "$t/err"); moved=
+  if [ $n -gt $o ]; then tail -c +$((o + 1)) "$t/out" | head -c $((n - o)); o=$n; moved=1; fi
+  if [ $m -gt $e ]; then tail -c +$((e + 1)) "$t/err" | head -c $((m - e)) >&2; e=$m; moved=1; fi
+  if [ -n "$last" ]; then exit $(cat "$t/exit"); fi
+  if [ -n "$moved" ]; then k=0; elif [ $k -lt 5 ]; then k=$((k + 1)); fi
+  case $k in 0) sleep 0.01;; 1) sleep 0.02;; 2) sleep 0.05;; 3) sleep 0.1;; 4) sleep 0.2;; *) sleep 0.3;; esac
+done
+'''
+
+
+def _fill(template: str, **kw) -> str:
+    return template % {"base": BASE, "no_such": _NO_SUCH, "ended": _ENDED, "stdin_closed": _STDIN_CLOSED,
+                       "setup": _SETUP, **kw}
+
+
+def start_script(command: str) -> str:
+    return _fill(_START, command=shlex.quote(command), supervisor=shlex.quote(_SUPERVISOR))
+
+
+def signal_script(pid: int, signal: int) -> str:
+    return _fill(_SIGNAL, pid=pid, signal=signal)
+
+
+def stdin_script(pid: int, write: bool, close: bool) -> str:
+    return _fill(_STDIN, pid=pid, write='cat > "$t/in"' if write else "", close=_CLOSE if close else "")
+
+
+def wait_script(pid: int) -> str:
+    return _fill(_WAIT, pid=pid) + 'exit $(cat "$t/exit")\n'
+
+
+def list_script() -> str:
+    return _fill(_LIST)
+
+
+def follow_script(pid: int, stdout_offset: int, stderr_offset: int) -> str:
+    return _fill(_FOLLOW, pid=pid, out=stdout_offset, err=stderr_offset)
+
+
+def check(result: ExecResult, pid: int, what: str) -> ExecResult:
+    """The error a management script reported, raised; else its result."""
+    if result.exit_code == _NO_SUCH:
+        raise ProcessNotFound(f"cannot {what}: no background process {pid} in this sandbox (start_shell lists "
+                              f"those it started; list_processes shows them)")
+    if result.exit_code == _ENDED:
+        raise SandboxStateError(f"cannot {what}: process {pid} has exited (exit code {result.stdout.strip()})")
+    if result.exit_code == _STDIN_CLOSED:
+        raise SandboxStateError(f"cannot {what}: the stdin of process {pid} is closed")
+    return result
+
+
+def started_pid(result: ExecResult) -> int:
+    text = result.stdout.strip()
+    if result.exit_code != 0 or not text.isdigit():
+        detail = (result.stderr.strip() or result.stdout.strip())[-300:]
+        raise InvalidRequest(f"cannot start the background process (exit code {result.exit_code}): "
+                             f"{detail or 'the sandbox has no /tmp it can write, or no mkfifo/setsid'}")
+    return int(text)
+
+
+def parse_list(text: str) -> list[ProcessInfo]:
+    found = []
+    for line in text.splitlines():
+        fields = line.split(" ", 4)
+        if len(fields) < 4 or not fields[0].isdigit():
+            continue
+        pid, code, out, err = fields[:4]
+        try:
+            exit_code = None if code == "-" else int(code)
+            found.append(ProcessInfo(pid=int(pid), command=(fields[4] if len(fields) > 4 else "").rstrip(),
+                                     running=exit_code is None, exit_code=exit_code,
+                                     stdout_bytes=int(out), stderr_bytes=int(err)))
+        except ValueError:
+            continue  # a half-written entry (a process starting or ending right now)
+    return sorted(found, key=lambda p: p.pid)
