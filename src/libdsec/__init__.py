@@ -1,6 +1,7 @@
 """libdsec: the DSec SDK. ``DSecClient`` (async) and ``SyncDSecClient`` (its blocking twin)."""
 
 from ._client import DSecClient, Sandbox, default_token
+from ._process import Process
 from ._errors import (
     BackendError,
     CapacityExceeded,
@@ -22,12 +23,12 @@ from ._errors import (
     Unauthenticated,
 )
 from .protocol import SecurityEvent
-from .protocol import ExecEvent
+from .protocol import ExecEvent, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
 from ._projects import ProjectInfo, ProjectQuota
-from ._sync import SyncDSecClient, SyncSandbox
+from ._sync import SyncDSecClient, SyncProcess, SyncSandbox
 
 __all__ = [
     "BackendError",
@@ -65,10 +66,10 @@ __all__ = [
     "SecurityEvent",
     "ServerError",
     "ServerUnavailable",
-    "Session",
     "SessionClosed",
     "SnapshotInfo",
     "SyncDSecClient",
+    "SyncProcess",
     "SyncSandbox",
     "Unauthenticated",
     "default_token",

@@ -14,7 +14,6 @@ import json
 import os
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from ._errors import (
     ServerUnavailable,
     error_from_wire,
 )
+from ._process import Process, events_of
 from ._projects import _ProjectMethods
 from ._wire import Answer, CannotConnect, ConnectionBroken, WireClient, WireError
 from .protocol import NetworkRulesRequest, SecurityEvent, SecurityEventList
@@ -50,6 +50,9 @@ from .protocol import (
     PackDiffRequest,
     PackDiffResult,
     PauseResult,
+    ProcessInfo,
+    ProcessList,
+    StartProcessRequest,
     SandboxInfo,
     SandboxList,
     SandboxStatus,
@@ -173,18 +176,37 @@ class Sandbox:
         async for event in self._events(request):
             yield event
 
-    async def _events(self, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        stream = self._client._stream("POST", f"/v1/sandboxes/{self.id}/exec:stream", request,
-                                      request.timeout + _HTTP_SLACK_S, ExecEvent)
-        async with aclosing(stream):
-            async for event in stream:
-                if event.event == "error":
-                    raise error_from_wire({"error": event.error}, 500)
-                if event.event != "started":
-                    yield event
-                if event.event == "exit":
-                    return
-        raise ServerError("the command's stream ended without its exit")
+    def _events(self, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        return events_of(self._client._stream("POST", f"/v1/sandboxes/{self.id}/exec:stream", request,
+                                              request.timeout + _HTTP_SLACK_S, ExecEvent))
+
+    # -- background processes ----------------------------------------------------------------
+
+    async def start_shell(
+        self,
+        command: str,
+        *,
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+    ) -> Process:
+        """Start ``command`` (``sh -c``) in the background and return at once: a ``Process``
+        with its ``pid``. It outlives this call and this client (see ``Process``)."""
+        request = StartProcessRequest(command=command, env=env or {}, workdir=workdir, user=user)
+        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/processes", model=request)
+        return Process(self, ProcessInfo.model_validate(body))
+
+    async def list_processes(self) -> list[ProcessInfo]:
+        """The background processes started in this sandbox, running or ended."""
+        body = await self._client._request("GET", f"/v1/sandboxes/{self.id}/processes")
+        return ProcessList.model_validate(body).processes
+
+    async def connect_process(self, pid: int) -> Process:
+        """A handle on a background process started before (by any client); its ``stream()``
+        gives what it writes from now on. ``ProcessNotFound`` for any other pid."""
+        body = await self._client._request("GET", f"/v1/sandboxes/{self.id}/processes/{int(pid)}")
+        info = ProcessInfo.model_validate(body)
+        return Process(self, info, stdout_offset=info.stdout_bytes, stderr_offset=info.stderr_bytes)
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
         if isinstance(data, str):

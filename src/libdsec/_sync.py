@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ._client import DSecClient, ProgressCallback, Sandbox
-from .protocol import ExecEvent
+from ._process import Process
+from .protocol import ExecEvent, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
@@ -47,6 +48,50 @@ class _LoopThread:
         self.loop.close()
 
 
+class SyncProcess:
+    """Blocking twin of :class:`libdsec.Process`."""
+
+    def __init__(self, runner: _LoopThread, process: Process) -> None:
+        self._runner = runner
+        self._run = runner.run
+        self._process = process
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def info(self) -> ProcessInfo:
+        return self._process.info
+
+    def stream(self, **kwargs: Any) -> Iterator[ExecEvent]:
+        return self._runner.iterate(self._process.stream(**kwargs))
+
+    def send_stdin(self, data: str | bytes) -> None:
+        self._run(self._process.send_stdin(data))
+
+    def close_stdin(self) -> None:
+        self._run(self._process.close_stdin())
+
+    def signal(self, sig: int) -> None:
+        self._run(self._process.signal(sig))
+
+    def kill(self) -> None:
+        self._run(self._process.kill())
+
+    def wait(self, **kwargs: Any) -> ProcessInfo:
+        return self._run(self._process.wait(**kwargs))
+
+    def refresh(self) -> ProcessInfo:
+        return self._run(self._process.refresh())
+
+    def __enter__(self) -> SyncProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._run(self._process.__aexit__(*exc))
+
+
 class SyncSandbox:
     """Blocking twin of :class:`libdsec.Sandbox`."""
 
@@ -68,6 +113,15 @@ class SyncSandbox:
 
     def stream_shell(self, command: str, **kwargs: Any) -> Iterator[ExecEvent]:
         return self._runner.iterate(self._sandbox.stream_shell(command, **kwargs))
+
+    def start_shell(self, command: str, **kwargs: Any) -> SyncProcess:
+        return SyncProcess(self._runner, self._run(self._sandbox.start_shell(command, **kwargs)))
+
+    def list_processes(self) -> list[ProcessInfo]:
+        return self._run(self._sandbox.list_processes())
+
+    def connect_process(self, pid: int) -> SyncProcess:
+        return SyncProcess(self._runner, self._run(self._sandbox.connect_process(pid)))
 
     def write_file(self, path: str, data: bytes | str, **kwargs: Any) -> None:
         self._run(self._sandbox.write_file(path, data, **kwargs))

@@ -258,3 +258,23 @@ async def test_a_streamed_command_crosses_the_seam(node):
         assert (await node.exec(info.id, ExecRequest(command="echo on"))).stdout == "on\n"
     finally:
         await node.stop(info.id)
+
+
+async def test_process_calls_cross_the_seam(node):
+    """(The fake runs no shell: what crosses here is the calls and their errors.)"""
+    from libdsec import ProcessNotFound
+    from libdsec.protocol import ProcessStreamRequest, StartProcessRequest
+
+    info = await node.create(args())
+    try:
+        with pytest.raises(InvalidRequest, match="cannot start the background process"):
+            await node.start_process(info.id, StartProcessRequest(command="sleep 5"))
+        assert await node.list_processes(info.id) == []
+        with pytest.raises(ProcessNotFound, match="no background process 42"):
+            await node.get_process(info.id, 42)
+        with pytest.raises(ProcessNotFound):
+            await anext(node.stream_process(info.id, 42, ProcessStreamRequest()))
+        with pytest.raises(SandboxNotFound):
+            await node.list_processes("n0-0123456789abcdef")
+    finally:
+        await node.stop(info.id)

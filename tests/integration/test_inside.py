@@ -77,3 +77,60 @@ def test_the_sync_twin_streams(server):
             assert sandbox.run_shell("echo cb", on_stdout=lines.append).stdout == "cb\n" and lines == ["cb\n"]
             with pytest.raises(SandboxNotFound):
                 list(client.get_sandbox(sandbox.id[:-4] + "0000").stream_shell("true"))
+
+
+async def test_background_processes(client):
+    import signal
+
+    from libdsec import ProcessNotFound, SandboxStateError
+
+    async with await client.run_container(args()) as sandbox:
+        proc = await sandbox.start_shell("echo ready; while read line; do echo \"got $line\"; done; echo bye >&2; exit 7",
+                                         env={"X": "1"}, workdir="/tmp")
+        assert proc.pid > 1 and proc.info.running
+        await proc.send_stdin("one\n")
+        await proc.send_stdin(b"two\n")
+        seen = ""
+        async for event in proc.stream():
+            seen += event.data
+            if "got two" in seen:
+                break  # the process runs on
+        assert seen == "ready\ngot one\ngot two\n"
+        [listed] = await sandbox.list_processes()
+        assert listed.pid == proc.pid and listed.running and listed.stdout_bytes == len(seen)
+        # Another client finds it and streams what follows.
+        other = await sandbox.connect_process(proc.pid)
+        await proc.close_stdin()
+        rest = [e async for e in other.stream()]
+        assert [(e.event, e.data) for e in rest[:-1]] == [("stderr", "bye\n")]
+        assert rest[-1].event == "exit" and rest[-1].result.exit_code == 7
+        assert (await proc.wait()).exit_code == 7
+        with pytest.raises(SandboxStateError, match="has exited"):
+            await proc.send_stdin("late\n")
+        with pytest.raises(SandboxStateError, match="has exited"):
+            await proc.signal(signal.SIGTERM)
+        # Not a pid DSec started there (pid 1 is the sandbox's init): refused, named.
+        with pytest.raises(ProcessNotFound, match="no background process 1 "):
+            await (await sandbox.connect_process(proc.pid))._sandbox.connect_process(1)
+        # SIGINT reaches it as Ctrl-C would; kill() ends what ignores it.
+        sleeper = await sandbox.start_shell("trap 'echo int; exit 130' INT; while :; do sleep 0.1; done")
+        await asyncio.sleep(0.3)
+        await sleeper.signal(signal.SIGINT)
+        assert (await sleeper.wait(timeout=10)).exit_code == 130
+        stubborn = await sandbox.start_shell("trap '' INT TERM; sleep 1000")
+        with pytest.raises(CommandTimeout, match="still runs"):
+            await stubborn.wait(timeout=0.5)
+        async with stubborn:  # killed on the way out
+            pass
+        assert (await stubborn.wait(timeout=10)).exit_code == 137
+        assert {p.pid for p in await sandbox.list_processes()} == {proc.pid, sleeper.pid, stubborn.pid}
+
+
+def test_the_sync_twin_runs_background_processes(server):
+    with SyncDSecClient(server.endpoint, token=server.token) as client:
+        with client.run_container(args()) as sandbox:
+            with sandbox.start_shell("cat") as proc:
+                proc.send_stdin("echoed\n")
+                proc.close_stdin()
+                assert "".join(e.data for e in proc.stream() if e.event == "stdout") == "echoed\n"
+                assert proc.wait().exit_code == 0

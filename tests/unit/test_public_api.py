@@ -25,6 +25,7 @@ PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
 PUBLIC |= {"SandboxLost"}  # cluster
+PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "SessionClosed", "SyncProcess"}  # inside a sandbox
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -36,6 +37,8 @@ ERRORS = [
     (libdsec.SandboxStateError, "sandbox_state", 409, RuntimeError),
     (libdsec.SandboxLost, "sandbox_lost", 410, ConnectionError),
     (libdsec.SandboxFileNotFound, "file_not_found", 404, FileNotFoundError),
+    (libdsec.ProcessNotFound, "process_not_found", 404, LookupError),
+    (libdsec.SessionClosed, "session_closed", 409, RuntimeError),
     (libdsec.CommandTimeout, "command_timeout", 408, TimeoutError),
     (libdsec.CapacityExceeded, "capacity_exceeded", 503, libdsec.DSecError),
     (libdsec.QuotaExceeded, "quota_exceeded", 429, libdsec.DSecError),
@@ -109,6 +112,13 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.ExecRequest: {"command": "true"},
         _models.ExecResult: {"exit_code": 0, "stdout": "", "stderr": "", "duration_s": 0.1},
         _models.ExecEvent: {"event": "stdout", "data": "x"},
+        _models.StartProcessRequest: {"command": "sleep 1"},
+        _models.ProcessInfo: {"pid": 7, "command": "sleep 1", "running": True},
+        _models.ProcessList: {"processes": []},
+        _models.ProcessStdinRequest: {"data": "x"},
+        _models.ProcessSignalRequest: {"signal": 2},
+        _models.ProcessWaitRequest: {},
+        _models.ProcessStreamRequest: {},
         _models.ImageInfo: {"name": "busybox", "layers": ["sha256-00"], "size_bytes": 1},
         _models.ImageList: {"images": []},
         _models.PackDiffRequest: {"name": "snap"},

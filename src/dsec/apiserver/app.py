@@ -13,7 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -37,9 +37,16 @@ from libdsec.protocol import (
     PackDiffRequest,
     PackDiffResult,
     PauseResult,
+    ProcessInfo,
+    ProcessList,
+    ProcessSignalRequest,
+    ProcessStdinRequest,
+    ProcessStreamRequest,
+    ProcessWaitRequest,
     SandboxInfo,
     SandboxList,
     SnapshotInfo,
+    StartProcessRequest,
 )
 
 from .auth import Authenticator, Caller
@@ -96,6 +103,15 @@ class _CatchUnexpected:
             log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
             body = {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
             await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
+async def _streaming(events: AsyncIterator[ExecEvent]) -> StreamingResponse:
+    try:  # errors before the start are a plain error answer
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+    return StreamingResponse(_ndjson(first, events), media_type="application/x-ndjson")
 
 
 async def _ndjson(first: ExecEvent, events: AsyncIterator[ExecEvent]) -> AsyncIterator[str]:
@@ -272,13 +288,43 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
               response_model=ExecEvent)
     async def exec_stream(sandbox_id: str, request: ExecRequest) -> StreamingResponse:
         """The command's ``ExecEvent``s as NDJSON lines, as it writes (``dsec.edge.stream``)."""
-        events = cluster.edge_for(sandbox_id).exec_stream(sandbox_id, request)
-        try:  # errors before the start are a plain error answer
-            first = await anext(events)
-        except BaseException:
-            await events.aclose()
-            raise
-        return StreamingResponse(_ndjson(first, events), media_type="application/x-ndjson")
+        return await _streaming(cluster.edge_for(sandbox_id).exec_stream(sandbox_id, request))
+
+    # -- background processes ---------------------------------------------------------------
+
+    pid_param = Path(ge=1, le=999_999_999)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes", dependencies=auth, responses=_ERRORS)
+    async def start_process(sandbox_id: str, request: StartProcessRequest) -> ProcessInfo:
+        return await cluster.edge_for(sandbox_id).start_process(sandbox_id, request)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes", dependencies=auth, responses=_ERRORS)
+    async def list_processes(sandbox_id: str) -> ProcessList:
+        return ProcessList(processes=await cluster.edge_for(sandbox_id).list_processes(sandbox_id))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes/{pid}", dependencies=auth, responses=_ERRORS)
+    async def get_process(sandbox_id: str, pid: int = pid_param) -> ProcessInfo:
+        return await cluster.edge_for(sandbox_id).get_process(sandbox_id, pid)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/signal", dependencies=auth, responses=_ERRORS)
+    async def signal_process(sandbox_id: str, request: ProcessSignalRequest, pid: int = pid_param) -> dict:
+        await cluster.edge_for(sandbox_id).signal_process(sandbox_id, pid, request.signal)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin", dependencies=auth, responses=_ERRORS)
+    async def process_stdin(sandbox_id: str, request: ProcessStdinRequest, pid: int = pid_param) -> dict:
+        await cluster.edge_for(sandbox_id).process_stdin(sandbox_id, pid, request.data, request.close)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/wait", dependencies=auth, responses=_ERRORS)
+    async def wait_process(sandbox_id: str, request: ProcessWaitRequest, pid: int = pid_param) -> ProcessInfo:
+        return await cluster.edge_for(sandbox_id).wait_process(sandbox_id, pid, request.timeout)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/stream", dependencies=auth, responses=_ERRORS,
+              response_model=ExecEvent)
+    async def stream_process(sandbox_id: str, request: ProcessStreamRequest, pid: int = pid_param) -> StreamingResponse:
+        """The process's output from the offsets given, as NDJSON ``ExecEvent`` lines, to its end."""
+        return await _streaming(cluster.edge_for(sandbox_id).stream_process(sandbox_id, pid, request))
 
     @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, responses=_ERRORS)
     async def read_file(sandbox_id: str, path: str = Query(min_length=1)) -> Response:

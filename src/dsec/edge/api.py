@@ -39,9 +39,12 @@ from libdsec.protocol import (
     NodeInfo,
     PackDiffResult,
     PauseResult,
+    ProcessInfo,
+    ProcessStreamRequest,
     SandboxInfo,
     SecurityEvent,
     SnapshotInfo,
+    StartProcessRequest,
 )
 
 NODE_NAME = re.compile(r"^[a-z0-9]{1,32}\Z")
@@ -101,6 +104,24 @@ class EdgeAPI(Protocol):
         ``stdout``/``stderr`` chunks as written, then ``exit`` or ``error`` (errors after the
         start come as that event). Closing the iterator early kills the command. The consumer's
         pace is the command's: nothing is buffered for a slow one (``dsec.edge.stream``)."""
+        ...
+
+    # Background processes (``dsec.edge.processes``): ``ProcessNotFound`` for a pid DSec did
+    # not start there; ``SandboxStateError`` for stdin or a signal to one that ended.
+    async def start_process(self, sandbox_id: str, request: StartProcessRequest) -> ProcessInfo: ...
+
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]: ...
+
+    async def get_process(self, sandbox_id: str, pid: int) -> ProcessInfo: ...
+
+    async def signal_process(self, sandbox_id: str, pid: int, signal: int) -> None: ...
+
+    async def process_stdin(self, sandbox_id: str, pid: int, data: str, close: bool) -> None: ...
+
+    async def wait_process(self, sandbox_id: str, pid: int, timeout: float) -> ProcessInfo: ...
+
+    def stream_process(self, sandbox_id: str, pid: int, request: ProcessStreamRequest) -> AsyncIterator[ExecEvent]:
+        """As ``exec_stream``: ``started``, output chunks, then ``exit`` (its code only)."""
         ...
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...

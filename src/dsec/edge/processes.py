@@ -33,16 +33,15 @@ BASE = "/tmp/.dsec-proc"
 _NO_SUCH, _ENDED, _STDIN_CLOSED, _SETUP = 91, 92, 93, 90
 
 # The supervisor: holds the FIFO open for writing (so the process sees end of file only when
-# its stdin is closed on purpose), starts the process in a session of its own, hands back its
-# pid, waits for it and records its exit code (atomically: written, then renamed).
+# its stdin is closed on purpose), runs the process in a session of its own, which hands back
+# its pid, and records its exit code (atomically: written, then renamed). Nothing here is
+# started with `&` but the holder: a shell starts those with SIGINT ignored, for good (the
+# supervisor itself is detached by `setsid setsid`: the second one forks, being a group leader).
 _SUPERVISOR = r'''
 t=$1
 (exec 3<>"$t/in"; exec sleep 2147483647) </dev/null >/dev/null 2>&1 &
 echo $! > "$t/holder"
-setsid sh -c "$2" < "$t/in" > "$t/out" 2> "$t/err" &
-p=$!
-echo $p > "$t/ready"
-wait $p
+setsid sh -c 'echo $$ > "$0/ready"; exec sh -c "$1"' "$t" "$2" < "$t/in" > "$t/out" 2> "$t/err"
 rc=$?
 kill $(cat "$t/holder") 2>/dev/null
 echo $rc > "$t/exit.tmp" && mv "$t/exit.tmp" "$t/exit"
@@ -55,7 +54,7 @@ t=$(mktemp -d "$b/p.XXXXXX") || exit %(setup)d
 mkfifo "$t/in" "$t/ready" || exit %(setup)d
 printf '%%s' %(command)s > "$t/cmd"
 : > "$t/out"; : > "$t/err"
-setsid sh -c %(supervisor)s dsec "$t" %(command)s </dev/null >/dev/null 2>&1 &
+setsid setsid sh -c %(supervisor)s dsec "$t" %(command)s </dev/null >/dev/null 2>&1
 read p < "$t/ready"
 ln -s "${t##*/}" "$b/$p" 2>/dev/null || { rm -f "$b/$p"; ln -s "${t##*/}" "$b/$p"; }
 echo "$p"

@@ -49,11 +49,18 @@ from libdsec.protocol import (
     PackDiffRequest,
     PackDiffResult,
     PauseResult,
+    ProcessInfo,
+    ProcessList,
+    ProcessSignalRequest,
+    ProcessStdinRequest,
+    ProcessStreamRequest,
+    ProcessWaitRequest,
     SandboxInfo,
     SandboxList,
     SecurityEvent,
     SecurityEventList,
     SnapshotInfo,
+    StartProcessRequest,
 )
 
 from .api import NodeUnreachable
@@ -247,17 +254,43 @@ class RemoteEdge:
         return await self._post(ExecResult, f"/sandboxes/{sandbox_id}/exec", model=request,
                                 timeout=request.timeout + SLACK_S)
 
-    async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+    def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        return self._events(f"/sandboxes/{sandbox_id}/exec:stream", request, request.timeout)
+
+    def stream_process(self, sandbox_id: str, pid: int, request: ProcessStreamRequest) -> AsyncIterator[ExecEvent]:
+        return self._events(f"/sandboxes/{sandbox_id}/processes/{pid}/stream", request, request.timeout)
+
+    async def start_process(self, sandbox_id: str, request: StartProcessRequest) -> ProcessInfo:
+        return await self._post(ProcessInfo, f"/sandboxes/{sandbox_id}/processes", model=request)
+
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        return (await self._get(ProcessList, f"/sandboxes/{sandbox_id}/processes")).processes
+
+    async def get_process(self, sandbox_id: str, pid: int) -> ProcessInfo:
+        return await self._get(ProcessInfo, f"/sandboxes/{sandbox_id}/processes/{pid}")
+
+    async def signal_process(self, sandbox_id: str, pid: int, signal: int) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/processes/{pid}/signal",
+                         model=ProcessSignalRequest(signal=signal))
+
+    async def process_stdin(self, sandbox_id: str, pid: int, data: str, close: bool) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/processes/{pid}/stdin",
+                         model=ProcessStdinRequest(data=data, close=close), timeout=LONG_CALL_TIMEOUT_S)
+
+    async def wait_process(self, sandbox_id: str, pid: int, timeout: float) -> ProcessInfo:
+        return await self._post(ProcessInfo, f"/sandboxes/{sandbox_id}/processes/{pid}/wait",
+                                model=ProcessWaitRequest(timeout=timeout), timeout=timeout + SLACK_S)
+
+    async def _events(self, path: str, request: pydantic.BaseModel, timeout: float) -> AsyncIterator[ExecEvent]:
         """The node's NDJSON lines as events, read as the consumer asks for them (so TCP's flow
         control carries its pace to the node). Between two lines the node may be silent for
         as long as the command is (its timeout plus the slack)."""
         if self._closed:
             raise self._unreachable("is closed on this side")
-        path = f"/sandboxes/{sandbox_id}/exec:stream"
         try:
             async with self._wire.stream("POST", PREFIX + path, body=request.model_dump_json().encode(),
                                          content_type="application/json",
-                                         timeout=request.timeout + SLACK_S) as response:
+                                         timeout=timeout + SLACK_S) as response:
                 if response.status_code >= 400:
                     raise self._error(response.status_code, await response.read())
                 rest = b""

@@ -29,7 +29,7 @@ import re
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from urllib.parse import parse_qs
@@ -53,8 +53,14 @@ from libdsec.protocol import (
     NodeCreateRequest,
     NodeStopRequest,
     PackDiffRequest,
+    ProcessList,
+    ProcessSignalRequest,
+    ProcessStdinRequest,
+    ProcessStreamRequest,
+    ProcessWaitRequest,
     SandboxList,
     SecurityEventList,
+    StartProcessRequest,
 )
 
 from .api import EdgeAPI
@@ -92,6 +98,7 @@ class _Call:
 
 def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
     sid = r"(?P<sid>[^/]+)"
+    pid = r"(?P<pid>[0-9]{1,9})"
 
     async def info(c: _Call):
         return await c.edge.node_info()
@@ -141,6 +148,27 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
     async def exec_(c: _Call):
         return await c.edge.exec(c.params["sid"], c.parse(ExecRequest))
 
+    async def start_process(c: _Call):
+        return await c.edge.start_process(c.params["sid"], c.parse(StartProcessRequest))
+
+    async def list_processes(c: _Call):
+        return ProcessList(processes=await c.edge.list_processes(c.params["sid"]))
+
+    async def get_process(c: _Call):
+        return await c.edge.get_process(c.params["sid"], int(c.params["pid"]))
+
+    async def signal_process(c: _Call):
+        await c.edge.signal_process(c.params["sid"], int(c.params["pid"]), c.parse(ProcessSignalRequest).signal)
+        return None
+
+    async def process_stdin(c: _Call):
+        req = c.parse(ProcessStdinRequest)
+        await c.edge.process_stdin(c.params["sid"], int(c.params["pid"]), req.data, req.close)
+        return None
+
+    async def wait_process(c: _Call):
+        return await c.edge.wait_process(c.params["sid"], int(c.params["pid"]), c.parse(ProcessWaitRequest).timeout)
+
     async def read_file(c: _Call):
         return await c.edge.read_file(c.params["sid"], c.arg("path"))
 
@@ -176,6 +204,11 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("GET", f"/sandboxes/{sid}/files", read_file), ("PUT", f"/sandboxes/{sid}/files", write_file),
         ("GET", f"/sandboxes/{sid}/security_events", events), ("PUT", f"/sandboxes/{sid}/network_rules", rules),
         ("POST", "/fncall", fncall), ("POST", "/fncall:batch", fncall_batch),
+        ("POST", f"/sandboxes/{sid}/processes", start_process), ("GET", f"/sandboxes/{sid}/processes", list_processes),
+        ("GET", f"/sandboxes/{sid}/processes/{pid}", get_process),
+        ("POST", f"/sandboxes/{sid}/processes/{pid}/signal", signal_process),
+        ("POST", f"/sandboxes/{sid}/processes/{pid}/stdin", process_stdin),
+        ("POST", f"/sandboxes/{sid}/processes/{pid}/wait", wait_process),
     ]
     by_method: dict[str, list[tuple[re.Pattern[str], Handler]]] = {}
     for method, path, fn in table:  # in the table's order: the hot routes come first
@@ -186,6 +219,7 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
 _ROUTES = _routes()
 _BATCH = PREFIX + "/sandboxes:batch"
 _EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:stream\Z")
+_PROCESS_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes/(?P<pid>[0-9]{1,9})/stream\Z")
 
 
 def _run_args(req: NodeCreateRequest):
@@ -349,7 +383,13 @@ class EdgeApp:
             await self._batch(request, conn)
             return
         if method == "POST" and (m := _EXEC_STREAM.match(path)) is not None:
-            await self._exec_stream(m.group("sid"), request, conn)
+            await self._stream(lambda: self.edge.exec_stream(
+                m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(ExecRequest)), request, conn)
+            return
+        if method == "POST" and (m := _PROCESS_STREAM.match(path)) is not None:
+            await self._stream(lambda: self.edge.stream_process(
+                m.group("sid"), int(m.group("pid")), _Call(self.edge, {}, {}, request.body).parse(ProcessStreamRequest)),
+                request, conn)
             return
         for pattern, handler in _ROUTES.get(method, ()):
             if (m := pattern.match(path)) is not None:
@@ -439,12 +479,12 @@ class EdgeApp:
         conn.write(b"0\r\n\r\n")
 
 
-    async def _exec_stream(self, sid: str, request: _Request, conn: _Connection) -> None:
+    async def _stream(self, open_events: Callable[[], AsyncIterator], request: _Request, conn: _Connection) -> None:
         """A streamed command: NDJSON ``ExecEvent`` lines, each written once the last drained
         (the caller's pace is the command's); a caller that goes away kills the command."""
         keep = request.keep_alive
         try:
-            events = self.edge.exec_stream(sid, _Call(self.edge, {}, {}, request.body).parse(ExecRequest))
+            events = open_events()
             first = await anext(events)
         except Exception as exc:  # noqa: BLE001 - an error before the start is a plain answer
             status, body = _error_answer(exc)
