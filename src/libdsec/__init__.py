@@ -1,7 +1,7 @@
 """libdsec: the DSec SDK. ``DSecClient`` (async) and ``SyncDSecClient`` (its blocking twin)."""
 
 from ._client import DSecClient, Sandbox, default_token
-from ._process import Process
+from ._process import Process, Session
 from ._errors import (
     BackendError,
     CapacityExceeded,
@@ -28,7 +28,7 @@ from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResul
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
 from ._projects import ProjectInfo, ProjectQuota
-from ._sync import SyncDSecClient, SyncProcess, SyncSandbox
+from ._sync import SyncDSecClient, SyncProcess, SyncSandbox, SyncSession
 
 __all__ = [
     "BackendError",
@@ -66,11 +66,13 @@ __all__ = [
     "SecurityEvent",
     "ServerError",
     "ServerUnavailable",
+    "Session",
     "SessionClosed",
     "SnapshotInfo",
     "SyncDSecClient",
     "SyncProcess",
     "SyncSandbox",
+    "SyncSession",
     "Unauthenticated",
     "default_token",
 ]

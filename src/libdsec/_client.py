@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import json
 import os
 import ssl
@@ -28,7 +27,7 @@ from ._errors import (
     ServerUnavailable,
     error_from_wire,
 )
-from ._process import Process, events_of
+from ._process import Process, Session, events_of, run_with_callbacks
 from ._projects import _ProjectMethods
 from ._wire import Answer, CannotConnect, ConnectionBroken, WireClient, WireError
 from .protocol import NetworkRulesRequest, SecurityEvent, SecurityEventList
@@ -49,9 +48,11 @@ from .protocol import (
     NodeInfo,
     PackDiffRequest,
     PackDiffResult,
+    OpenSessionRequest,
     PauseResult,
     ProcessInfo,
     ProcessList,
+    SessionInfo,
     StartProcessRequest,
     SandboxInfo,
     SandboxList,
@@ -138,16 +139,7 @@ class Sandbox:
         the end (its output capped at ``max_output_bytes``; the callbacks see all of it)."""
         request = _exec_request(command, timeout, env, workdir, user, stdin, max_output_bytes)
         if on_stdout is not None or on_stderr is not None:
-            callbacks = {"stdout": on_stdout, "stderr": on_stderr}
-            async for event in self._events(request):
-                if event.event == "exit":
-                    assert event.result is not None
-                    return event.result
-                if (callback := callbacks.get(event.event)) is not None:
-                    done = callback(event.data)
-                    if inspect.isawaitable(done):
-                        await done
-            raise ServerError("the command's stream ended without its exit")  # (_events raises first)
+            return await run_with_callbacks(self._events(request), on_stdout, on_stderr)
         body = await self._client._request(
             "POST",
             f"/v1/sandboxes/{self.id}/exec",
@@ -200,6 +192,22 @@ class Sandbox:
         """The background processes started in this sandbox, running or ended."""
         body = await self._client._request("GET", f"/v1/sandboxes/{self.id}/processes")
         return ProcessList.model_validate(body).processes
+
+    async def open_session(
+        self,
+        *,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+        user: str | None = None,
+        idle_timeout: float = 600.0,
+    ) -> Session:
+        """A shell whose state persists between its commands (see ``Session``): ``async with
+        await sandbox.open_session(workdir="/repo") as session: await session.run_shell(…)``.
+        One no command reached for ``idle_timeout`` seconds ends (a client that vanished
+        leaves nothing behind)."""
+        request = OpenSessionRequest(workdir=workdir, env=env or {}, user=user, idle_timeout=idle_timeout)
+        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/sessions", model=request, timeout=60)
+        return Session(self, SessionInfo.model_validate(body))
 
     async def connect_process(self, pid: int) -> Process:
         """A handle on a background process started before (by any client); its ``stream()``

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import inspect
 import signal as _signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ._errors import SandboxStateError, ServerError, error_from_wire
 from .protocol import (
     DEFAULT_COMMAND_TIMEOUT_S,
     ExecEvent,
+    ExecRequest,
+    ExecResult,
     ProcessInfo,
     ProcessSignalRequest,
     ProcessStdinRequest,
     ProcessStreamRequest,
     ProcessWaitRequest,
+    SessionInfo,
 )
 
 if TYPE_CHECKING:
@@ -112,3 +116,75 @@ class Process:
             await self.kill()
         except SandboxStateError:
             pass  # ended already
+
+
+class Session:
+    """A shell in the sandbox whose state persists between commands (``Sandbox.open_session``):
+    ``cd``, ``export``, ``source env/bin/activate`` hold for the next ``run_shell``. Commands
+    run one at a time. A command past its timeout is interrupted as Ctrl-C would (SIGINT to
+    it; if it ignores that, its processes are killed) and ``CommandTimeout`` is raised; the
+    session goes on. Once its shell ended (``exit``, closed, idle past its ``idle_timeout``)
+    every call raises ``SessionClosed``. ``async with`` closes it; ``close()`` twice is fine."""
+
+    def __init__(self, sandbox: Sandbox, info: SessionInfo) -> None:
+        self._sandbox = sandbox
+        self.info = info
+
+    @property
+    def id(self) -> int:
+        return self.info.id
+
+    def __repr__(self) -> str:
+        return f"<Session {self.id} in {self._sandbox.id}>"
+
+    def _path(self, tail: str) -> str:
+        return f"/v1/sandboxes/{self._sandbox.id}/sessions/{self.id}{tail}"
+
+    async def run_shell(
+        self,
+        command: str,
+        *,
+        timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        max_output_bytes: int | None = None,
+        on_stdout: Callable[[str], Any] | None = None,
+        on_stderr: Callable[[str], Any] | None = None,
+    ) -> ExecResult:
+        """Run ``command`` in the session's shell: exit code, stdout and stderr of that command
+        alone, as ``Sandbox.run_shell`` gives them (and its callbacks, streamed)."""
+        request = ExecRequest(command=command, timeout=timeout,
+                              **({"max_output_bytes": max_output_bytes} if max_output_bytes is not None else {}))
+        client = self._sandbox._client
+        if on_stdout is None and on_stderr is None:
+            body = await client._request("POST", self._path("/exec"), model=request, timeout=timeout + _HTTP_SLACK_S)
+            return ExecResult.model_validate(body)
+        return await run_with_callbacks(
+            events_of(client._stream("POST", self._path("/exec:stream"), request, timeout + _HTTP_SLACK_S, ExecEvent)),
+            on_stdout, on_stderr)
+
+    async def interrupt(self) -> None:
+        """Ctrl-C: SIGINT to the command that runs (the shell reads on)."""
+        await self._sandbox._client._request("POST", self._path("/interrupt"))
+
+    async def close(self) -> None:
+        await self._sandbox._client._request("POST", self._path("/close"))
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def run_with_callbacks(events: AsyncIterator[ExecEvent], on_stdout: Callable[[str], Any] | None,
+                             on_stderr: Callable[[str], Any] | None) -> ExecResult:
+    """Hand each chunk to its callback (plain or async) and return the exit's result."""
+    callbacks = {"stdout": on_stdout, "stderr": on_stderr}
+    async with aclosing(events):
+        async for event in events:
+            if event.event == "exit" and event.result is not None:
+                return event.result
+            if (callback := callbacks.get(event.event)) is not None:
+                done = callback(event.data)
+                if inspect.isawaitable(done):
+                    await done
+    raise ServerError("the command's stream ended without its exit")

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ._client import DSecClient, ProgressCallback, Sandbox
-from ._process import Process
+from ._process import Process, Session
 from .protocol import ExecEvent, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
@@ -92,6 +92,33 @@ class SyncProcess:
         self._run(self._process.__aexit__(*exc))
 
 
+class SyncSession:
+    """Blocking twin of :class:`libdsec.Session`."""
+
+    def __init__(self, runner: _LoopThread, session: Session) -> None:
+        self._run = runner.run
+        self._session = session
+
+    @property
+    def id(self) -> int:
+        return self._session.id
+
+    def run_shell(self, command: str, **kwargs: Any) -> ExecResult:
+        return self._run(self._session.run_shell(command, **kwargs))
+
+    def interrupt(self) -> None:
+        self._run(self._session.interrupt())
+
+    def close(self) -> None:
+        self._run(self._session.close())
+
+    def __enter__(self) -> SyncSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class SyncSandbox:
     """Blocking twin of :class:`libdsec.Sandbox`."""
 
@@ -119,6 +146,9 @@ class SyncSandbox:
 
     def list_processes(self) -> list[ProcessInfo]:
         return self._run(self._sandbox.list_processes())
+
+    def open_session(self, **kwargs: Any) -> SyncSession:
+        return SyncSession(self._runner, self._run(self._sandbox.open_session(**kwargs)))
 
     def connect_process(self, pid: int) -> SyncProcess:
         return SyncProcess(self._runner, self._run(self._sandbox.connect_process(pid)))

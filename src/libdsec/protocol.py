@@ -307,6 +307,20 @@ class ProcessStreamRequest(_Model):
     _timeout = field_validator("timeout")(ExecRequest._timeout.__func__)  # type: ignore[attr-defined]
 
 
+class OpenSessionRequest(_Model):
+    """A shell whose state (cwd, environment, functions, an activated venv) persists from one
+    command to the next. One a session no command came to for ``idle_timeout`` seconds ends."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    idle_timeout: float = Field(default=600.0, ge=1, le=7 * 24 * 3600)
+
+
+class SessionInfo(_Model):
+    id: int  # the pid of its shell (it is listed with the background processes)
+
+
 class ImageInfo(_Model):
     name: str
     layers: list[str]

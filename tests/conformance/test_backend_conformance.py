@@ -313,10 +313,10 @@ async def test_background_processes(kit):
                 if "got there" in seen:
                     break
         await events.aclose()
-        processes.check(await manage(processes.signal_script(pid, 15)), pid, "signal")
+        processes.check(await manage(processes.signal_script(pid, 2)), pid, "signal")  # Ctrl-C reaches it
         processes.check(await manage(processes.wait_script(pid)), pid, "wait")
         [info] = processes.parse_list((await manage(processes.list_script())).stdout)
-        assert (info.running, info.exit_code, info.stdout_bytes) == (False, 143, 3), info
+        assert (info.running, info.exit_code, info.stdout_bytes) == (False, 130, 3), info
         with pytest.raises(libdsec_errors().SandboxStateError, match="has exited"):
             processes.check(await manage(processes.signal_script(pid, 2)), pid, "signal it")
         with pytest.raises(libdsec_errors().ProcessNotFound):
@@ -324,7 +324,7 @@ async def test_background_processes(kit):
         # The whole output again from the start, then the exit code.
         events = [e async for e in stream_exec(lambda emit: backend.exec_stream(handle, follow, ROOT, emit))]
         assert "".join(e.data for e in events if e.event == "stdout") == "hi\n"
-        assert events[-1].event == "exit" and events[-1].result.exit_code == 143
+        assert events[-1].event == "exit" and events[-1].result.exit_code == 130
         await asyncio.sleep(0)
     finally:
         await backend.destroy(handle)
@@ -334,3 +334,39 @@ def libdsec_errors():
     import libdsec
 
     return libdsec
+
+
+async def test_session_scripts(kit):
+    """dsec.edge.processes' session on each backend: state persists, a timeout interrupts."""
+    from dsec.edge import processes
+
+    backend, spec = kit
+    if type(backend).__name__ == "FakeBackend":
+        pytest.skip("the fake runs no shell")
+    handle = await backend.create(cid(), spec)
+
+    async def session_run(pid: int, command: str, timeout: float = 30):
+        nonce = secrets.token_hex(4)
+        request = run(processes.session_run_script(pid, nonce), timeout=timeout,
+                      stdin=processes.session_input(pid, command, nonce))
+        try:
+            return await backend.exec(handle, request, ROOT), nonce
+        except CommandTimeout:
+            return None, nonce
+
+    try:
+        started = await backend.exec(handle, run(processes.start_script(processes.session_command(600))), ROOT)
+        pid = processes.started_pid(started)
+        await session_run(pid, "true")
+        first, _ = await session_run(pid, "cd /tmp && export A=1; echo set")
+        assert (first.exit_code, first.stdout) == (0, "set\n"), first
+        later, _ = await session_run(pid, "pwd; echo $A >&2; exit_code_is() { return $1; }; exit_code_is 4")
+        assert (later.exit_code, later.stdout, later.stderr) == (4, "/tmp\n", "1\n"), later
+        timed_out, nonce = await session_run(pid, "sleep 30", timeout=1)
+        assert timed_out is None
+        after = await backend.exec(handle, run(processes.interrupt_script(pid, nonce), timeout=30), ROOT)
+        assert after.exit_code == 0, after
+        again, _ = await session_run(pid, "pwd")
+        assert again.stdout == "/tmp\n"
+    finally:
+        await backend.destroy(handle)

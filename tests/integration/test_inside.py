@@ -134,3 +134,49 @@ def test_the_sync_twin_runs_background_processes(server):
                 proc.close_stdin()
                 assert "".join(e.data for e in proc.stream() if e.event == "stdout") == "echoed\n"
                 assert proc.wait().exit_code == 0
+
+
+async def test_sessions_keep_their_state(client):
+    from libdsec import SessionClosed
+
+    async with await client.run_container(args()) as sandbox:
+        await sandbox.run_shell("mkdir -p /repo/env/bin && printf 'export VIRTUAL_ENV=/repo/env\\n"
+                                "PATH=/repo/env/bin:$PATH\\n' > /repo/env/bin/activate && "
+                                "printf '#!/bin/sh\\necho venv' > /repo/env/bin/python && chmod +x /repo/env/bin/python")
+        async with await sandbox.open_session(workdir="/tmp", env={"B": "2"}) as session:
+            first = await session.run_shell("pwd; cd /repo && export A=1 && . env/bin/activate; echo $B")
+            assert (first.exit_code, first.stdout) == (0, "/tmp\n2\n")
+            later = await session.run_shell("pwd; echo $A; which python; python; echo oops >&2; false")
+            assert (later.exit_code, later.stdout, later.stderr) == (1, "/repo\n1\n/repo/env/bin/python\nvenv\n", "oops\n")
+            # Syntax errors and a command's stdin do not break the shell.
+            bad = await session.run_shell("if then fi")
+            assert bad.exit_code == 2 and "syntax error" in bad.stderr
+            assert (await session.run_shell("cat; echo read-nothing")).stdout == "read-nothing\n"
+            # Streamed, as run_shell's.
+            lines: list[str] = []
+            streamed = await session.run_shell("echo a; sleep 0.3; echo b", on_stdout=lines.append)
+            assert streamed.stdout == "a\nb\n" and "".join(lines) == "a\nb\n"
+            # Past its timeout: interrupted as Ctrl-C would, and the session goes on.
+            with pytest.raises(CommandTimeout, match="interrupted"):
+                await session.run_shell("sleep 30", timeout=1)
+            assert (await session.run_shell("echo $A; pwd")).stdout == "1\n/repo\n"
+            with pytest.raises(CommandTimeout, match="killed"):
+                await session.run_shell("(trap '' INT; sleep 30)", timeout=1)
+            assert (await session.run_shell("echo alive")).stdout == "alive\n"
+            # interrupt() from elsewhere while a command runs.
+            running = asyncio.ensure_future(session.run_shell("sleep 20; echo late"))
+            await asyncio.sleep(0.5)
+            await session.interrupt()
+            result = await running
+            assert result.exit_code == 130 and "late" not in result.stdout, result
+            # The shell's exit ends the session: a typed error from then on.
+            with pytest.raises(SessionClosed, match=r"its shell exited \(exit code 3\)"):
+                await session.run_shell("exit 3")
+            with pytest.raises(SessionClosed, match="has ended"):
+                await session.run_shell("echo again")
+        # An idle session ends by itself.
+        idle = await sandbox.open_session(idle_timeout=1)
+        await asyncio.sleep(4)
+        with pytest.raises(SessionClosed, match="idle"):
+            await idle.run_shell("true")
+        await idle.close()  # closing a closed one: nothing to do

@@ -25,7 +25,7 @@ PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
 PUBLIC |= {"SandboxLost"}  # cluster
-PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "SessionClosed", "SyncProcess"}  # inside a sandbox
+PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession"}  # inside a sandbox
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -119,6 +119,8 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.ProcessSignalRequest: {"signal": 2},
         _models.ProcessWaitRequest: {},
         _models.ProcessStreamRequest: {},
+        _models.OpenSessionRequest: {},
+        _models.SessionInfo: {"id": 9},
         _models.ImageInfo: {"name": "busybox", "layers": ["sha256-00"], "size_bytes": 1},
         _models.ImageList: {"images": []},
         _models.PackDiffRequest: {"name": "snap"},

@@ -36,6 +36,7 @@ from libdsec.protocol import (
     NodeInfo,
     PackDiffRequest,
     PackDiffResult,
+    OpenSessionRequest,
     PauseResult,
     ProcessInfo,
     ProcessList,
@@ -45,6 +46,7 @@ from libdsec.protocol import (
     ProcessWaitRequest,
     SandboxInfo,
     SandboxList,
+    SessionInfo,
     SnapshotInfo,
     StartProcessRequest,
 )
@@ -292,8 +294,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
 
     # -- background processes ---------------------------------------------------------------
 
-    pid_param = Path(ge=1, le=999_999_999)
-
     @app.post("/v1/sandboxes/{sandbox_id}/processes", dependencies=auth, responses=_ERRORS)
     async def start_process(sandbox_id: str, request: StartProcessRequest) -> ProcessInfo:
         return await cluster.edge_for(sandbox_id).start_process(sandbox_id, request)
@@ -303,28 +303,53 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         return ProcessList(processes=await cluster.edge_for(sandbox_id).list_processes(sandbox_id))
 
     @app.get("/v1/sandboxes/{sandbox_id}/processes/{pid}", dependencies=auth, responses=_ERRORS)
-    async def get_process(sandbox_id: str, pid: int = pid_param) -> ProcessInfo:
+    async def get_process(sandbox_id: str, pid: int = Path(ge=1, le=999_999_999)) -> ProcessInfo:
         return await cluster.edge_for(sandbox_id).get_process(sandbox_id, pid)
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/signal", dependencies=auth, responses=_ERRORS)
-    async def signal_process(sandbox_id: str, request: ProcessSignalRequest, pid: int = pid_param) -> dict:
+    async def signal_process(sandbox_id: str, request: ProcessSignalRequest, pid: int = Path(ge=1, le=999_999_999)) -> dict:
         await cluster.edge_for(sandbox_id).signal_process(sandbox_id, pid, request.signal)
         return {"ok": True}
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin", dependencies=auth, responses=_ERRORS)
-    async def process_stdin(sandbox_id: str, request: ProcessStdinRequest, pid: int = pid_param) -> dict:
+    async def process_stdin(sandbox_id: str, request: ProcessStdinRequest, pid: int = Path(ge=1, le=999_999_999)) -> dict:
         await cluster.edge_for(sandbox_id).process_stdin(sandbox_id, pid, request.data, request.close)
         return {"ok": True}
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/wait", dependencies=auth, responses=_ERRORS)
-    async def wait_process(sandbox_id: str, request: ProcessWaitRequest, pid: int = pid_param) -> ProcessInfo:
+    async def wait_process(sandbox_id: str, request: ProcessWaitRequest, pid: int = Path(ge=1, le=999_999_999)) -> ProcessInfo:
         return await cluster.edge_for(sandbox_id).wait_process(sandbox_id, pid, request.timeout)
 
     @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/stream", dependencies=auth, responses=_ERRORS,
               response_model=ExecEvent)
-    async def stream_process(sandbox_id: str, request: ProcessStreamRequest, pid: int = pid_param) -> StreamingResponse:
+    async def stream_process(sandbox_id: str, request: ProcessStreamRequest, pid: int = Path(ge=1, le=999_999_999)) -> StreamingResponse:
         """The process's output from the offsets given, as NDJSON ``ExecEvent`` lines, to its end."""
         return await _streaming(cluster.edge_for(sandbox_id).stream_process(sandbox_id, pid, request))
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions", dependencies=auth, responses=_ERRORS)
+    async def open_session(sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
+        return await cluster.edge_for(sandbox_id).open_session(sandbox_id, request)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session}/exec", dependencies=auth, responses=_ERRORS)
+    async def session_exec(sandbox_id: str, request: ExecRequest, session: int = Path(ge=1, le=999_999_999)) -> ExecResult:
+        return await cluster.edge_for(sandbox_id).session_exec(sandbox_id, session, request)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session}/exec:stream", dependencies=auth, responses=_ERRORS,
+              response_model=ExecEvent)
+    async def session_exec_stream(sandbox_id: str, request: ExecRequest, session: int = Path(ge=1, le=999_999_999)) -> StreamingResponse:
+        return await _streaming(cluster.edge_for(sandbox_id).session_exec_stream(sandbox_id, session, request))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session}/interrupt", dependencies=auth, responses=_ERRORS)
+    async def interrupt_session(sandbox_id: str, session: int = Path(ge=1, le=999_999_999)) -> dict:
+        await cluster.edge_for(sandbox_id).interrupt_session(sandbox_id, session)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session}/close", dependencies=auth, responses=_ERRORS)
+    async def close_session(sandbox_id: str, session: int = Path(ge=1, le=999_999_999)) -> dict:
+        await cluster.edge_for(sandbox_id).close_session(sandbox_id, session)
+        return {"ok": True}
 
     @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, responses=_ERRORS)
     async def read_file(sandbox_id: str, path: str = Query(min_length=1)) -> Response:

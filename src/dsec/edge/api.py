@@ -38,11 +38,13 @@ from libdsec.protocol import (
     LayerUse,
     NodeInfo,
     PackDiffResult,
+    OpenSessionRequest,
     PauseResult,
     ProcessInfo,
     ProcessStreamRequest,
     SandboxInfo,
     SecurityEvent,
+    SessionInfo,
     SnapshotInfo,
     StartProcessRequest,
 )
@@ -123,6 +125,18 @@ class EdgeAPI(Protocol):
     def stream_process(self, sandbox_id: str, pid: int, request: ProcessStreamRequest) -> AsyncIterator[ExecEvent]:
         """As ``exec_stream``: ``started``, output chunks, then ``exit`` (its code only)."""
         ...
+
+    # Sessions: a shell whose state persists (``SessionClosed`` once it ended; ``ProcessNotFound``
+    # for an id that was never one). A command past its timeout is interrupted as Ctrl-C would.
+    async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo: ...
+
+    async def session_exec(self, sandbox_id: str, session: int, request: ExecRequest) -> ExecResult: ...
+
+    def session_exec_stream(self, sandbox_id: str, session: int, request: ExecRequest) -> AsyncIterator[ExecEvent]: ...
+
+    async def interrupt_session(self, sandbox_id: str, session: int) -> None: ...
+
+    async def close_session(self, sandbox_id: str, session: int) -> None: ...
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
 

@@ -27,13 +27,14 @@ import logging
 import os
 import secrets
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from libdsec import CommandTimeout, InvalidRequest, SandboxNotFound, SandboxStateError
+from libdsec import CommandTimeout, InvalidRequest, ProcessNotFound, SandboxNotFound, SandboxStateError, SessionClosed
 from libdsec.protocol import DEFAULT_COMMAND_TIMEOUT_S
 from libdsec.protocol import (
     DSecContainerRunArgs,
@@ -41,8 +42,10 @@ from libdsec.protocol import (
     ExecEvent,
     ExecRequest,
     ExecResult,
+    OpenSessionRequest,
     ProcessInfo,
     ProcessStreamRequest,
+    SessionInfo,
     StartProcessRequest,
     FnCallResult,
     ImageInfo,
@@ -124,6 +127,8 @@ class Edge:
         self.journal = RecordJournal(self.records_dir)
         self._records: dict[str, Record] = {}
         self._finished: OrderedDict[str, SandboxInfo] = OrderedDict()
+        # One command at a time per session; held only while one runs (no entry outlives it).
+        self._session_locks: weakref.WeakValueDictionary[tuple[str, int], asyncio.Lock] = weakref.WeakValueDictionary()
         self.admission = Admission(config, memory_total_mb(), os.cpu_count() or 1)
         self.warm_pool = WarmPool(config, self.backends, self._records.__len__)
         self.reaper = TTLReaper(config, self._records, self.stop)
@@ -370,6 +375,80 @@ class Edge:
         backend = self.backends[rec.kind]
         async for event in stream_exec(lambda emit: self._call(rec, backend.exec_stream(rec.handle, follow, ctx, emit))):
             yield event
+
+    # -- sessions: a shell whose state persists (a background process: dsec.edge.processes) ---
+
+    async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
+        info = await self.start_process(sandbox_id, StartProcessRequest(
+            command=processes.session_command(request.idle_timeout), env=request.env, workdir=request.workdir,
+            user=request.user))
+        # A first command: the shell is up, and what it said starting is behind the next one.
+        await self.session_exec(sandbox_id, info.pid, ExecRequest(command="true", timeout=30.0))
+        return SessionInfo(id=info.pid)
+
+    async def session_exec(self, sandbox_id: str, session: int, request: ExecRequest) -> ExecResult:
+        return await self._session_call(sandbox_id, session, request, None)
+
+    async def session_exec_stream(self, sandbox_id: str, session: int, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        await self._session_alive(sandbox_id, session)  # errors before the start are raised
+        async for event in stream_exec(lambda emit: self._session_call(sandbox_id, session, request, emit)):
+            yield event
+
+    async def interrupt_session(self, sandbox_id: str, session: int) -> None:
+        """Ctrl-C: SIGINT to what runs in the session (its shell reads on)."""
+        await self._session_alive(sandbox_id, session)
+        await self.signal_process(sandbox_id, session, 2)
+
+    async def close_session(self, sandbox_id: str, session: int) -> None:
+        """End its shell and all it started; closing a closed one does nothing."""
+        try:
+            await self.signal_process(sandbox_id, session, 9)
+        except (SandboxStateError, ProcessNotFound):
+            pass
+
+    async def _session_alive(self, sandbox_id: str, session: int) -> ProcessInfo:
+        try:
+            info = await self.get_process(sandbox_id, session)
+        except ProcessNotFound:
+            raise ProcessNotFound(f"no session {session} in sandbox {sandbox_id}") from None
+        if not info.running:
+            raise SessionClosed(self._session_end(session, info))
+        return info
+
+    def _session_end(self, session: int, info: ProcessInfo) -> str:
+        why = {137: "it was closed, or idle past its idle_timeout"}.get(info.exit_code or 0, "its shell exited")
+        return f"session {session} has ended: {why} (exit code {info.exit_code}); open a new one"
+
+    async def _session_call(self, sandbox_id: str, session: int, request: ExecRequest, emit) -> ExecResult:
+        if request.env or request.workdir or request.user or request.stdin is not None:
+            raise InvalidRequest("a session's command runs in its shell, as that shell is: no env, workdir, user "
+                                 "or stdin of its own (use export, cd, su in the command)")
+        rec = await self._ready(sandbox_id, Action.exec)
+        backend = self.backends[rec.kind]
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
+        nonce = secrets.token_hex(8)
+        run = ExecRequest(command=processes.session_run_script(session, nonce), timeout=request.timeout,
+                          stdin=processes.session_input(session, request.command, nonce),
+                          max_output_bytes=request.max_output_bytes)
+        lock = self._session_locks.get((sandbox_id, session))
+        if lock is None:
+            lock = self._session_locks[(sandbox_id, session)] = asyncio.Lock()
+        async with lock:  # one command at a time: they share the shell
+            call = backend.exec(rec.handle, run, ctx) if emit is None else backend.exec_stream(rec.handle, run, ctx, emit)
+            try:
+                result = await self._call(rec, call)
+            except CommandTimeout:
+                after = await self._manage(sandbox_id, processes.interrupt_script(session, nonce))
+                if after.exit_code == processes._SESSION_DEAD:
+                    raise SessionClosed(self._session_end(session, await self.get_process(sandbox_id, session))) from None
+                raise CommandTimeout(
+                    f"command timed out after {request.timeout:g}s and was interrupted (as Ctrl-C would); "
+                    + {0: "the session goes on",
+                       3: "it ignored that, and its processes were killed; the session goes on"}.get(
+                        after.exit_code, "it ignored that and could not be killed: the session is busy")) from None
+        if result.exit_code in (processes._NO_SUCH, processes._SESSION_DEAD):
+            await self._session_alive(sandbox_id, session)  # (raises: a command's own 91 or 94 passes)
+        return result
 
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:
         """Denied actions seen in the sandbox (see dsec.isolation.events); kept after it ends."""

@@ -41,7 +41,7 @@ _SUPERVISOR = r'''
 t=$1
 (exec 3<>"$t/in"; exec sleep 2147483647) </dev/null >/dev/null 2>&1 &
 echo $! > "$t/holder"
-setsid sh -c 'echo $$ > "$0/ready"; exec sh -c "$1"' "$t" "$2" < "$t/in" > "$t/out" 2> "$t/err"
+setsid sh -c 'echo $$ > "$0/ready"; export DSEC_PROC_DIR="$0"; exec sh -c "$1"' "$t" "$2" < "$t/in" > "$t/out" 2> "$t/err"
 rc=$?
 kill $(cat "$t/holder") 2>/dev/null
 echo $rc > "$t/exit.tmp" && mv "$t/exit.tmp" "$t/exit"
@@ -69,7 +69,7 @@ t=%(base)s/$(readlink "$l")
 
 _SIGNAL = _FIND + r'''
 [ -e "$t/exit" ] && { echo "$(cat "$t/exit")"; exit %(ended)d; }
-kill -%(signal)d -- -%(pid)d 2>/dev/null || kill -%(signal)d %(pid)d
+kill -%(signal)d -%(pid)d 2>/dev/null || kill -%(signal)d -- -%(pid)d 2>/dev/null || kill -%(signal)d %(pid)d
 '''
 
 _STDIN = _FIND + r'''
@@ -181,3 +181,92 @@ def parse_list(text: str) -> list[ProcessInfo]:
         except ValueError:
             continue  # a half-written entry (a process starting or ending right now)
     return sorted(found, key=lambda p: p.pid)
+
+
+# -- sessions: a shell whose state persists, as a background process ----------------------------
+
+_SESSION_DEAD = 94
+
+# The session's process: an idle watchdog (kills the session once no command came for
+# IDLE seconds: a client that vanished leaves nothing behind for long), then an interactive
+# shell reading commands from the FIFO (interactive: a syntax error or a Ctrl-C does not end it;
+# SIGINT ends the command in the foreground and the shell reads on). No prompts.
+_SESSION = r'''
+d=$DSEC_PROC_DIR
+(while sleep %(tick)d; do
+  [ -e "$d/exit" ] && exit
+  if [ -e "$d/last" ]; then
+    now=$(date +%%s); then=$(date -r "$d/last" +%%s) || continue
+    [ $((now - then)) -gt %(idle)d ] && { touch "$d/idled"; kill -9 -$$ || kill -9 -- -$$; exit; }
+  fi
+done) </dev/null >/dev/null 2>&1 &
+echo $! > "$d/watchdog"
+touch "$d/last"
+exec env PS1= PS2= PS4= ENV= sh -i
+'''
+
+# One command in the session: what it wrote before is skipped, the command goes in (from this
+# script's stdin: ``session_input``), and its output follows until its exit code is there.
+_SESSION_RUN = _FIND + r'''
+[ -e "$t/exit" ] && exit %(dead)d
+o=$(wc -c < "$t/out"); e=$(wc -c < "$t/err")
+touch "$t/last"
+cat > "$t/in"
+k=0
+while :; do
+  done=; [ -e "$t/rc.%(nonce)s" ] && done=1
+  dead=; [ -e "$t/exit" ] && dead=1
+  n=$(wc -c < "$t/out"); m=$(wc -c < "$t/err"); moved=
+  if [ $n -gt $o ]; then tail -c +$((o + 1)) "$t/out" | head -c $((n - o)); o=$n; moved=1; fi
+  if [ $m -gt $e ]; then tail -c +$((e + 1)) "$t/err" | head -c $((m - e)) >&2; e=$m; moved=1; fi
+  if [ -n "$done" ]; then rc=$(cat "$t/rc.%(nonce)s"); rm -f "$t/rc.%(nonce)s"; exit $rc; fi
+  [ -n "$dead" ] && exit %(dead)d
+  if [ -n "$moved" ]; then k=0; elif [ $k -lt 5 ]; then k=$((k + 1)); fi
+  case $k in 0) sleep 0.005;; 1) sleep 0.01;; 2) sleep 0.02;; 3) sleep 0.05;; 4) sleep 0.1;; *) sleep 0.2;; esac
+done
+'''
+
+# After a timeout: Ctrl-C (SIGINT to the session's process group: the shell reads on); if the
+# command ignores it, its processes are killed (all of the session's but the shell and its
+# watchdog). Exit 0 once the command's exit code is there (it is removed), 3 if it took the
+# killing, 1 if never.
+_INTERRUPT = _FIND + r'''
+[ -e "$t/exit" ] && exit %(dead)d
+kill -INT -%(pid)d 2>/dev/null || kill -INT -- -%(pid)d 2>/dev/null
+for round in 1 2; do
+  i=0
+  while [ ! -e "$t/rc.%(nonce)s" ] && [ $i -lt 30 ]; do sleep 0.05; i=$((i + 1)); done
+  [ -e "$t/rc.%(nonce)s" ] && { rm -f "$t/rc.%(nonce)s"; [ $round = 1 ] && exit 0; exit 3; }
+  [ -e "$t/exit" ] && exit %(dead)d
+  w=$(cat "$t/watchdog" 2>/dev/null)
+  for s in /proc/[0-9]*/stat; do
+    read -r line < "$s" 2>/dev/null || continue
+    p=${s#/proc/}; p=${p%%/stat}
+    set -- ${line##*) }
+    [ "$4" = %(pid)d ] && [ "$p" != %(pid)d ] && [ "$p" != "$w" ] && [ "$2" != "$w" ] && kill -9 "$p" 2>/dev/null
+  done
+done
+exit 1
+'''
+
+
+def session_command(idle_timeout_s: float) -> str:
+    idle = max(1, int(idle_timeout_s))
+    return _fill(_SESSION, idle=idle, tick=max(1, min(10, idle // 4)))
+
+
+def session_input(pid: int, command: str, nonce: str) -> str:
+    """What the session's shell reads for one command: it runs in the shell itself (``cd`` and
+    ``export`` persist) with /dev/null as its stdin (the FIFO carries only commands), and its
+    exit code goes to a file the run script waits for."""
+    end = f"__DSEC_END_{nonce}"
+    return (f"eval \"$(cat <<'{end}'\n{command}\n{end}\n)\" </dev/null\n"
+            f"echo $? > {BASE}/{pid}/rc.{nonce}\n")
+
+
+def session_run_script(pid: int, nonce: str) -> str:
+    return _fill(_SESSION_RUN, pid=pid, nonce=nonce, dead=_SESSION_DEAD)
+
+
+def interrupt_script(pid: int, nonce: str) -> str:
+    return _fill(_INTERRUPT, pid=pid, nonce=nonce, dead=_SESSION_DEAD)

@@ -48,6 +48,7 @@ from libdsec.protocol import (
     NodeStopRequest,
     PackDiffRequest,
     PackDiffResult,
+    OpenSessionRequest,
     PauseResult,
     ProcessInfo,
     ProcessList,
@@ -59,6 +60,7 @@ from libdsec.protocol import (
     SandboxList,
     SecurityEvent,
     SecurityEventList,
+    SessionInfo,
     SnapshotInfo,
     StartProcessRequest,
 )
@@ -280,6 +282,22 @@ class RemoteEdge:
     async def wait_process(self, sandbox_id: str, pid: int, timeout: float) -> ProcessInfo:
         return await self._post(ProcessInfo, f"/sandboxes/{sandbox_id}/processes/{pid}/wait",
                                 model=ProcessWaitRequest(timeout=timeout), timeout=timeout + SLACK_S)
+
+    async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
+        return await self._post(SessionInfo, f"/sandboxes/{sandbox_id}/sessions", model=request)
+
+    async def session_exec(self, sandbox_id: str, session: int, request: ExecRequest) -> ExecResult:
+        return await self._post(ExecResult, f"/sandboxes/{sandbox_id}/sessions/{session}/exec", model=request,
+                                timeout=request.timeout + SLACK_S)
+
+    def session_exec_stream(self, sandbox_id: str, session: int, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        return self._events(f"/sandboxes/{sandbox_id}/sessions/{session}/exec:stream", request, request.timeout)
+
+    async def interrupt_session(self, sandbox_id: str, session: int) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/sessions/{session}/interrupt")
+
+    async def close_session(self, sandbox_id: str, session: int) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/sessions/{session}/close")
 
     async def _events(self, path: str, request: pydantic.BaseModel, timeout: float) -> AsyncIterator[ExecEvent]:
         """The node's NDJSON lines as events, read as the consumer asks for them (so TCP's flow

@@ -52,6 +52,7 @@ from libdsec.protocol import (
     NodeBatchRequest,
     NodeCreateRequest,
     NodeStopRequest,
+    OpenSessionRequest,
     PackDiffRequest,
     ProcessList,
     ProcessSignalRequest,
@@ -169,6 +170,20 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
     async def wait_process(c: _Call):
         return await c.edge.wait_process(c.params["sid"], int(c.params["pid"]), c.parse(ProcessWaitRequest).timeout)
 
+    async def open_session(c: _Call):
+        return await c.edge.open_session(c.params["sid"], c.parse(OpenSessionRequest))
+
+    async def session_exec(c: _Call):
+        return await c.edge.session_exec(c.params["sid"], int(c.params["pid"]), c.parse(ExecRequest))
+
+    async def interrupt_session(c: _Call):
+        await c.edge.interrupt_session(c.params["sid"], int(c.params["pid"]))
+        return None
+
+    async def close_session(c: _Call):
+        await c.edge.close_session(c.params["sid"], int(c.params["pid"]))
+        return None
+
     async def read_file(c: _Call):
         return await c.edge.read_file(c.params["sid"], c.arg("path"))
 
@@ -209,6 +224,9 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("POST", f"/sandboxes/{sid}/processes/{pid}/signal", signal_process),
         ("POST", f"/sandboxes/{sid}/processes/{pid}/stdin", process_stdin),
         ("POST", f"/sandboxes/{sid}/processes/{pid}/wait", wait_process),
+        ("POST", f"/sandboxes/{sid}/sessions", open_session), ("POST", f"/sandboxes/{sid}/sessions/{pid}/exec", session_exec),
+        ("POST", f"/sandboxes/{sid}/sessions/{pid}/interrupt", interrupt_session),
+        ("POST", f"/sandboxes/{sid}/sessions/{pid}/close", close_session),
     ]
     by_method: dict[str, list[tuple[re.Pattern[str], Handler]]] = {}
     for method, path, fn in table:  # in the table's order: the hot routes come first
@@ -219,6 +237,7 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
 _ROUTES = _routes()
 _BATCH = PREFIX + "/sandboxes:batch"
 _EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:stream\Z")
+_SESSION_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/sessions/(?P<pid>[0-9]{1,9})/exec\:stream\Z")
 _PROCESS_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes/(?P<pid>[0-9]{1,9})/stream\Z")
 
 
@@ -385,6 +404,11 @@ class EdgeApp:
         if method == "POST" and (m := _EXEC_STREAM.match(path)) is not None:
             await self._stream(lambda: self.edge.exec_stream(
                 m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(ExecRequest)), request, conn)
+            return
+        if method == "POST" and (m := _SESSION_STREAM.match(path)) is not None:
+            await self._stream(lambda: self.edge.session_exec_stream(
+                m.group("sid"), int(m.group("pid")), _Call(self.edge, {}, {}, request.body).parse(ExecRequest)),
+                request, conn)
             return
         if method == "POST" and (m := _PROCESS_STREAM.match(path)) is not None:
             await self._stream(lambda: self.edge.stream_process(

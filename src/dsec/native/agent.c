@@ -360,6 +360,10 @@ static void reset_child_signals(void)
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGPIPE, SIG_DFL);
+    /* The guest's init starts the agent in the background of a shell, which ignores these for
+     * it; commands get them as a command would (Ctrl-C, as a session's interrupt sends, works). */
+    signal(SIGINT, SIG_DFL);
+    signal(SIGQUIT, SIG_DFL);
 }
 
 /* The next job's cgroup: a name of the agent's own (the host's ids start again at 1 in a clone
