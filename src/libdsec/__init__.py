@@ -23,7 +23,7 @@ from ._errors import (
     Unauthenticated,
 )
 from .protocol import SecurityEvent
-from .protocol import ExecEvent, ProcessInfo
+from .protocol import ExecEvent, FileEntry, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
@@ -42,6 +42,7 @@ __all__ = [
     "DSecMicroVMRunArgs",
     "ExecEvent",
     "ExecResult",
+    "FileEntry",
     "FnCallResult",
     "ImageInfo",
     "ImageNotFound",

@@ -27,6 +27,7 @@ from ._errors import (
     ServerUnavailable,
     error_from_wire,
 )
+from ._files import SandboxFiles
 from ._process import Process, Session, events_of, run_with_callbacks
 from ._projects import _ProjectMethods
 from ._wire import Answer, CannotConnect, ConnectionBroken, WireClient, WireError
@@ -108,6 +109,7 @@ class Sandbox:
     def __init__(self, client: DSecClient, info: SandboxInfo) -> None:
         self._client = client
         self.info = info
+        self.files = SandboxFiles(self)  # list, stat, remove, make_dir, rename, upload_dir, download_dir
 
     @property
     def id(self) -> str:

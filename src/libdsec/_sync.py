@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ._client import DSecClient, ProgressCallback, Sandbox
+from ._files import SandboxFiles
 from ._process import Process, Session
-from .protocol import ExecEvent, ProcessInfo
+from .protocol import ExecEvent, FileEntry, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
@@ -119,6 +120,35 @@ class SyncSession:
         self.close()
 
 
+class SyncFiles:
+    """Blocking twin of ``Sandbox.files``."""
+
+    def __init__(self, runner: _LoopThread, files: SandboxFiles) -> None:
+        self._run = runner.run
+        self._files = files
+
+    def list(self, path: str) -> list[FileEntry]:
+        return self._run(self._files.list(path))
+
+    def stat(self, path: str) -> FileEntry:
+        return self._run(self._files.stat(path))
+
+    def remove(self, path: str, **kwargs: Any) -> None:
+        self._run(self._files.remove(path, **kwargs))
+
+    def make_dir(self, path: str) -> None:
+        self._run(self._files.make_dir(path))
+
+    def rename(self, src: str, dst: str) -> None:
+        self._run(self._files.rename(src, dst))
+
+    def upload_dir(self, local_dir: Any, path: str) -> None:
+        self._run(self._files.upload_dir(local_dir, path))
+
+    def download_dir(self, path: str, local_dir: Any) -> None:
+        self._run(self._files.download_dir(path, local_dir))
+
+
 class SyncSandbox:
     """Blocking twin of :class:`libdsec.Sandbox`."""
 
@@ -126,6 +156,7 @@ class SyncSandbox:
         self._runner = runner
         self._run = runner.run
         self._sandbox = sandbox
+        self.files = SyncFiles(runner, sandbox.files)
 
     @property
     def id(self) -> str:

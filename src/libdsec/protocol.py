@@ -321,6 +321,43 @@ class SessionInfo(_Model):
     id: int  # the pid of its shell (it is listed with the background processes)
 
 
+class FileEntry(_Model):
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int  # permission bits (0o755 …)
+    mtime: float
+    uid: int
+    gid: int
+    target: str | None = None  # a symlink's target, as it is written (never followed)
+
+
+class FileList(_Model):
+    entries: list[FileEntry]
+
+
+class FileRemoveRequest(_Model):
+    path: str
+    recursive: bool = False
+
+
+class FileRenameRequest(_Model):
+    src: str
+    dst: str
+
+
+class MakeDirRequest(_Model):
+    path: str
+
+
+class TreeDownloadRequest(_Model):
+    """``download_dir``: the tree at ``path`` as a tar, streamed as ``ExecEvent`` stdout lines
+    of base64 text, then ``exit``."""
+
+    path: str
+
+
 class ImageInfo(_Model):
     name: str
     layers: list[str]

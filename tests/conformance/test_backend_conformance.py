@@ -370,3 +370,51 @@ async def test_session_scripts(kit):
         assert again.stdout == "/tmp\n"
     finally:
         await backend.destroy(handle)
+
+
+async def test_file_tree_scripts(kit):
+    """dsec.edge.files' commands on each backend: a tar in, listed, the same tar out."""
+    import base64
+    import io
+    import tarfile
+
+    from dsec.edge import files
+    from dsec.edge.stream import stream_exec
+
+    backend, spec = kit
+    if type(backend).__name__ == "FakeBackend":
+        pytest.skip("the fake runs no shell")
+    handle = await backend.create(cid(), spec)
+
+    async def sh(script: str, stdin: str | None = None):
+        return await backend.exec(handle, run(script, stdin=stdin, timeout=60, max_output_bytes=8 << 20), ROOT)
+
+    try:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name, data in (("a.txt", b"alpha"), ("sub/b.bin", bytes(range(256)) * 40)):
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(data), 0o640
+                tar.addfile(info, io.BytesIO(data))
+            link = tarfile.TarInfo("ln")
+            link.type, link.linkname = tarfile.SYMTYPE, "a.txt"
+            tar.addfile(link)
+        data = buf.getvalue()
+        files.checked_tar(data)
+        tmp = "/tmp/.up.tar"
+        files.check(await sh(files.upload_piece_script(tmp, True), base64.b64encode(data).decode()), "upload", "/t")
+        files.check(await sh(files.unpack_script(tmp, "/tmp/t")), "unpack", "/tmp/t")
+        entries = {e.name: e for e in files.parse_entries(files.check(await sh(files.list_script("/tmp/t")), "list", "/").stdout, "/tmp/t")}
+        assert set(entries) == {"a.txt", "ln", "sub"} and entries["a.txt"].mode == 0o640, entries
+        assert (entries["ln"].type, entries["ln"].target, entries["sub"].type) == ("symlink", "a.txt", "dir")
+        with pytest.raises(SandboxFileNotFound):
+            files.check(await sh(files.stat_script("/tmp/none")), "stat", "/tmp/none")
+        request = run(files.download_script("/tmp/t"), max_output_bytes=0, timeout=60)
+        text = "".join([e.data async for e in stream_exec(lambda emit: backend.exec_stream(handle, request, ROOT, emit))
+                        if e.event == "stdout"])
+        with tarfile.open(fileobj=io.BytesIO(base64.b64decode("".join(text.split()))), mode="r:") as tar:
+            got = {m.name.removeprefix("./"): (tar.extractfile(m).read() if m.isreg() else m.linkname)
+                   for m in tar.getmembers() if m.name not in (".", "./")}
+        assert got == {"a.txt": b"alpha", "sub": "", "sub/b.bin": bytes(range(256)) * 40, "ln": "a.txt"}, got.keys()
+    finally:
+        await backend.destroy(handle)

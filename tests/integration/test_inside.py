@@ -180,3 +180,75 @@ async def test_sessions_keep_their_state(client):
         with pytest.raises(SessionClosed, match="idle"):
             await idle.run_shell("true")
         await idle.close()  # closing a closed one: nothing to do
+
+
+async def test_file_trees(client, tmp_path):
+    import io
+    import os
+    import tarfile
+
+    from libdsec import InvalidRequest, SandboxFileNotFound
+
+    async with await client.run_container(args(init_user="1000")) as sandbox:
+        src = tmp_path / "src"
+        (src / "pkg" / "deep").mkdir(parents=True)
+        (src / "pkg" / "mod.py").write_text("x = 1\n")
+        (src / "run.sh").write_text("#!/bin/sh\necho run\n")
+        os.chmod(src / "run.sh", 0o750)
+        (src / "big.bin").write_bytes(os.urandom(5 << 20))  # over one upload piece
+        os.symlink("pkg/mod.py", src / "link")
+        await sandbox.files.upload_dir(src, "/tmp/up")
+        listed = {e.name: e for e in await sandbox.files.list("/tmp/up")}
+        assert set(listed) == {"big.bin", "link", "pkg", "run.sh"}
+        assert listed["run.sh"].mode == 0o750 and listed["run.sh"].uid == 1000 and listed["run.sh"].type == "file"
+        assert (listed["link"].type, listed["link"].target) == ("symlink", "pkg/mod.py")
+        assert listed["pkg"].type == "dir" and listed["big.bin"].size == 5 << 20
+        assert (await sandbox.run_shell("/tmp/up/run.sh; cat /tmp/up/link")).stdout == "run\nx = 1\n"
+        assert (await sandbox.files.stat("/tmp/up/pkg/mod.py")).size == 6
+        await sandbox.files.rename("/tmp/up/pkg/mod.py", "/tmp/up/pkg/renamed.py")
+        await sandbox.files.make_dir("/tmp/up/a/b/c")
+        assert [e.name for e in await sandbox.files.list("/tmp/up/a/b")] == ["c"]
+        with pytest.raises(InvalidRequest, match="not empty"):
+            await sandbox.files.remove("/tmp/up/a")
+        await sandbox.files.remove("/tmp/up/a", recursive=True)
+        with pytest.raises(SandboxFileNotFound):
+            await sandbox.files.stat("/tmp/up/a")
+        out = tmp_path / "out"
+        await sandbox.files.download_dir("/tmp/up", out)
+        assert (out / "pkg" / "renamed.py").read_text() == "x = 1\n"
+        assert (out / "big.bin").read_bytes() == (src / "big.bin").read_bytes()
+        assert os.readlink(out / "link") == "pkg/mod.py" and (out / "run.sh").stat().st_mode & 0o777 == 0o750
+        # Bad paths and hostile tars: refused, naming the problem; the server serves on.
+        for bad, message in (("relative", "must be absolute"), ("/tmp/../etc", "'..' component"), ("/a\nb", "newline")):
+            with pytest.raises(InvalidRequest, match=message):
+                await sandbox.files.list(bad)
+        with pytest.raises(SandboxFileNotFound):
+            await sandbox.files.list("/no/such")
+        with pytest.raises(InvalidRequest, match="not a directory"):
+            await sandbox.files.list("/tmp/up/run.sh")
+        with pytest.raises(InvalidRequest, match="cannot remove /"):
+            await sandbox.files.remove("/", recursive=True)
+
+        def tar_of(*members: tarfile.TarInfo) -> bytes:
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                for m in members:
+                    tar.addfile(m, io.BytesIO(b"x" * m.size) if m.isreg() else None)
+            return buf.getvalue()
+
+        def member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+            m = tarfile.TarInfo(name)
+            m.type, m.linkname, m.size = kind, link, 1 if kind == tarfile.REGTYPE else 0
+            return m
+
+        for hostile, message in ((member("/etc/evil"), "AbsolutePath"), (member("../evil"), "OutsideDestination"),
+                                 (member("dev", tarfile.CHRTYPE), "SpecialFile"),
+                                 (member("out", tarfile.SYMTYPE, "/etc/passwd"), "AbsoluteLink"),
+                                 (member("up", tarfile.SYMTYPE, "../../x"), "LinkOutsideDestination")):
+            with pytest.raises(InvalidRequest, match=message):
+                await sandbox._client._request("PUT", f"/v1/sandboxes/{sandbox.id}/fs/tree",
+                                               params={"path": "/tmp/hostile"}, content=tar_of(hostile))
+        with pytest.raises(InvalidRequest, match="not a tar"):
+            await sandbox._client._request("PUT", f"/v1/sandboxes/{sandbox.id}/fs/tree",
+                                           params={"path": "/tmp/hostile"}, content=b"garbage" * 100)
+        assert (await sandbox.run_shell("ls /tmp/hostile 2>&1; echo still")).stdout.endswith("still\n")

@@ -25,7 +25,7 @@ PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
 PUBLIC |= {"SandboxLost"}  # cluster
-PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession"}  # inside a sandbox
+PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession", "FileEntry"}  # inside a sandbox
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -120,6 +120,13 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.ProcessWaitRequest: {},
         _models.ProcessStreamRequest: {},
         _models.OpenSessionRequest: {},
+        _models.FileEntry: {"name": "a", "path": "/a", "type": "file", "size": 1, "mode": 420, "mtime": 0.0,
+                            "uid": 0, "gid": 0},
+        _models.FileList: {"entries": []},
+        _models.FileRemoveRequest: {"path": "/a"},
+        _models.FileRenameRequest: {"src": "/a", "dst": "/b"},
+        _models.MakeDirRequest: {"path": "/a"},
+        _models.TreeDownloadRequest: {"path": "/a"},
         _models.SessionInfo: {"id": 9},
         _models.ImageInfo: {"name": "busybox", "layers": ["sha256-00"], "size_bytes": 1},
         _models.ImageList: {"images": []},

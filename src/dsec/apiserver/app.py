@@ -31,8 +31,13 @@ from libdsec.protocol import (
     ExecEvent,
     ExecRequest,
     ExecResult,
+    FileEntry,
+    FileList,
+    FileRemoveRequest,
+    FileRenameRequest,
     ImageInfo,
     ImageList,
+    MakeDirRequest,
     NodeInfo,
     PackDiffRequest,
     PackDiffResult,
@@ -49,6 +54,7 @@ from libdsec.protocol import (
     SessionInfo,
     SnapshotInfo,
     StartProcessRequest,
+    TreeDownloadRequest,
 )
 
 from .auth import Authenticator, Caller
@@ -350,6 +356,43 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     async def close_session(sandbox_id: str, session: int = Path(ge=1, le=999_999_999)) -> dict:
         await cluster.edge_for(sandbox_id).close_session(sandbox_id, session)
         return {"ok": True}
+
+    # -- file trees -------------------------------------------------------------------------
+
+    @app.get("/v1/sandboxes/{sandbox_id}/fs/list", dependencies=auth, responses=_ERRORS)
+    async def list_dir(sandbox_id: str, path: str = Query(min_length=1)) -> FileList:
+        return FileList(entries=await cluster.edge_for(sandbox_id).list_dir(sandbox_id, path))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/fs/stat", dependencies=auth, responses=_ERRORS)
+    async def stat_path(sandbox_id: str, path: str = Query(min_length=1)) -> FileEntry:
+        return await cluster.edge_for(sandbox_id).stat_path(sandbox_id, path)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fs/remove", dependencies=auth, responses=_ERRORS)
+    async def remove_path(sandbox_id: str, request: FileRemoveRequest) -> dict:
+        await cluster.edge_for(sandbox_id).remove_path(sandbox_id, request.path, request.recursive)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fs/mkdir", dependencies=auth, responses=_ERRORS)
+    async def make_dir(sandbox_id: str, request: MakeDirRequest) -> dict:
+        await cluster.edge_for(sandbox_id).make_dir(sandbox_id, request.path)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fs/rename", dependencies=auth, responses=_ERRORS)
+    async def rename_path(sandbox_id: str, request: FileRenameRequest) -> dict:
+        await cluster.edge_for(sandbox_id).rename_path(sandbox_id, request.src, request.dst)
+        return {"ok": True}
+
+    @app.put("/v1/sandboxes/{sandbox_id}/fs/tree", dependencies=auth, responses=_ERRORS)
+    async def upload_tree(request: Request, sandbox_id: str, path: str = Query(min_length=1)) -> dict:
+        edge = cluster.edge_for(sandbox_id)
+        await edge.upload_tree(sandbox_id, path, await request.body())
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fs/tree:download", dependencies=auth, responses=_ERRORS,
+              response_model=ExecEvent)
+    async def download_tree(sandbox_id: str, request: TreeDownloadRequest) -> StreamingResponse:
+        """The tree as a tar, base64 text in NDJSON ``ExecEvent`` stdout lines, then ``exit``."""
+        return await _streaming(cluster.edge_for(sandbox_id).download_tree(sandbox_id, request.path))
 
     @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, responses=_ERRORS)
     async def read_file(sandbox_id: str, path: str = Query(min_length=1)) -> Response:

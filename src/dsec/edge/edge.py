@@ -23,6 +23,7 @@ sandboxes to be adopted.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import secrets
@@ -34,14 +35,15 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from libdsec import CommandTimeout, InvalidRequest, ProcessNotFound, SandboxNotFound, SandboxStateError, SessionClosed
-from libdsec.protocol import DEFAULT_COMMAND_TIMEOUT_S
+from libdsec import CommandTimeout, InvalidRequest, ProcessNotFound, SandboxFileNotFound, SandboxNotFound, SandboxStateError, SessionClosed
+from libdsec.protocol import DEFAULT_COMMAND_TIMEOUT_S, MAX_OUTPUT_BYTES_LIMIT
 from libdsec.protocol import (
     DSecContainerRunArgs,
     DSecFnCallArgs,
     ExecEvent,
     ExecRequest,
     ExecResult,
+    FileEntry,
     OpenSessionRequest,
     ProcessInfo,
     ProcessStreamRequest,
@@ -73,7 +75,7 @@ from .lifecycle import Action, Record
 from .pool import WarmPool
 from .reaper import TTLReaper
 from .security import EdgeSecurity
-from . import processes
+from . import files, processes
 from .stream import stream_exec
 
 log = logging.getLogger("dsec.edge")
@@ -93,6 +95,7 @@ class EdgeConfig:
     batch_concurrency: int = 16
     reaper_interval_s: float = 1.0
     max_file_bytes: int = 64 << 20
+    max_upload_bytes: int = 1 << 30  # a tar for upload_tree (held in memory while checked and sent)
     # Warm pool per image: grows to the peak number of creates in flight, within these bounds;
     # an image unused for pool_idle_s loses its pool.
     pool_min: int = 2
@@ -449,6 +452,64 @@ class Edge:
         if result.exit_code in (processes._NO_SUCH, processes._SESSION_DEAD):
             await self._session_alive(sandbox_id, session)  # (raises: a command's own 91 or 94 passes)
         return result
+
+    # -- file trees (one command each, as the sandbox's user: dsec.edge.files) ---------------
+
+    async def _as_user(self, sandbox_id: str, command: str, stdin: str | None = None,
+                       timeout: float = 120.0) -> ExecResult:
+        request = ExecRequest(command=command, stdin=stdin, timeout=timeout, max_output_bytes=MAX_OUTPUT_BYTES_LIMIT)
+        rec, ctx = await self._exec_context(sandbox_id, request)
+        return await self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx))
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
+        path = files.check_path(path)
+        result = files.check(await self._as_user(sandbox_id, files.list_script(path)), "list", path)
+        return files.parse_entries(result.stdout, path)
+
+    async def stat_path(self, sandbox_id: str, path: str) -> FileEntry:
+        path = files.check_path(path)
+        result = files.check(await self._as_user(sandbox_id, files.stat_script(path)), "stat", path)
+        entries = files.parse_entries(result.stdout, None)
+        if not entries:
+            raise SandboxFileNotFound(f"cannot stat {path}: no such file or directory")
+        return entries[0]
+
+    async def remove_path(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        path = files.check_path(path)
+        if path == "/":
+            raise InvalidRequest("cannot remove /: the sandbox's root stays")
+        files.check(await self._as_user(sandbox_id, files.remove_script(path, recursive)), "remove", path)
+
+    async def make_dir(self, sandbox_id: str, path: str) -> None:
+        path = files.check_path(path)
+        files.check(await self._as_user(sandbox_id, files.make_dir_script(path)), "make directory", path)
+
+    async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None:
+        src, dst = files.check_path(src, "source"), files.check_path(dst, "destination")
+        files.check(await self._as_user(sandbox_id, files.rename_script(src, dst)), "rename", f"{src} to {dst}")
+
+    async def upload_tree(self, sandbox_id: str, path: str, data: bytes) -> None:
+        """Unpack the tar ``data`` at ``path`` (made if missing), as the sandbox's user."""
+        path = files.check_path(path)
+        if len(data) > self.config.max_upload_bytes:
+            raise InvalidRequest(f"tar of {len(data)} bytes is over the {self.config.max_upload_bytes}-byte limit")
+        files.checked_tar(data)
+        tmp = f"/tmp/.dsec-upload-{secrets.token_hex(8)}.tar"
+        for at in range(0, max(len(data), 1), files.UPLOAD_PIECE):
+            piece = base64.b64encode(data[at:at + files.UPLOAD_PIECE]).decode()
+            files.check(await self._as_user(sandbox_id, files.upload_piece_script(tmp, at == 0), stdin=piece),
+                        "upload to", path)
+        files.check(await self._as_user(sandbox_id, files.unpack_script(tmp, path), timeout=600.0), "unpack into", path)
+
+    async def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
+        """``tar c`` of the tree at ``path``, as base64 text in stdout events, then ``exit``."""
+        path = files.check_path(path)
+        await self.stat_path(sandbox_id, path)  # errors before the start are raised
+        request = ExecRequest(command=files.download_script(path), timeout=3600.0, max_output_bytes=0)
+        rec, ctx = await self._exec_context(sandbox_id, request)
+        backend = self.backends[rec.kind]
+        async for event in stream_exec(lambda emit: self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit))):
+            yield event
 
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:
         """Denied actions seen in the sandbox (see dsec.isolation.events); kept after it ends."""

@@ -32,6 +32,10 @@ from libdsec.protocol import (
     ExecEvent,
     ExecRequest,
     ExecResult,
+    FileEntry,
+    FileList,
+    FileRemoveRequest,
+    FileRenameRequest,
     FnCallBatchRequest,
     FnCallBatchResult,
     FnCallResult,
@@ -41,6 +45,7 @@ from libdsec.protocol import (
     LayerGCRequest,
     LayerGCResult,
     LayerUse,
+    MakeDirRequest,
     NetworkRulesRequest,
     NodeBatchRequest,
     NodeCreateRequest,
@@ -63,6 +68,7 @@ from libdsec.protocol import (
     SessionInfo,
     SnapshotInfo,
     StartProcessRequest,
+    TreeDownloadRequest,
 )
 
 from .api import NodeUnreachable
@@ -298,6 +304,29 @@ class RemoteEdge:
 
     async def close_session(self, sandbox_id: str, session: int) -> None:
         await self._call("POST", f"/sandboxes/{sandbox_id}/sessions/{session}/close")
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
+        return (await self._get(FileList, f"/sandboxes/{sandbox_id}/fs/list", params={"path": path})).entries
+
+    async def stat_path(self, sandbox_id: str, path: str) -> FileEntry:
+        return await self._get(FileEntry, f"/sandboxes/{sandbox_id}/fs/stat", params={"path": path})
+
+    async def remove_path(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/fs/remove", model=FileRemoveRequest(path=path, recursive=recursive),
+                         timeout=LONG_CALL_TIMEOUT_S)
+
+    async def make_dir(self, sandbox_id: str, path: str) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/fs/mkdir", model=MakeDirRequest(path=path))
+
+    async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/fs/rename", model=FileRenameRequest(src=src, dst=dst))
+
+    async def upload_tree(self, sandbox_id: str, path: str, data: bytes) -> None:
+        await self._call("PUT", f"/sandboxes/{sandbox_id}/fs/tree", body=data, params={"path": path},
+                         timeout=LONG_CALL_TIMEOUT_S)
+
+    def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
+        return self._events(f"/sandboxes/{sandbox_id}/fs/tree:download", TreeDownloadRequest(path=path), 3600.0)
 
     async def _events(self, path: str, request: pydantic.BaseModel, timeout: float) -> AsyncIterator[ExecEvent]:
         """The node's NDJSON lines as events, read as the consumer asks for them (so TCP's flow

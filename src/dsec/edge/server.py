@@ -43,11 +43,15 @@ from libdsec.protocol import (
     DSecFnCallArgs,
     ExecRequest,
     FnCallBatchRequest,
+    FileList,
+    FileRemoveRequest,
+    FileRenameRequest,
     FnCallBatchResult,
     ImageList,
     ImageRemoveRequest,
     LayerGCRequest,
     LayerGCResult,
+    MakeDirRequest,
     NetworkRulesRequest,
     NodeBatchRequest,
     NodeCreateRequest,
@@ -62,6 +66,7 @@ from libdsec.protocol import (
     SandboxList,
     SecurityEventList,
     StartProcessRequest,
+    TreeDownloadRequest,
 )
 
 from .api import EdgeAPI
@@ -187,6 +192,30 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
     async def read_file(c: _Call):
         return await c.edge.read_file(c.params["sid"], c.arg("path"))
 
+    async def list_dir(c: _Call):
+        return FileList(entries=await c.edge.list_dir(c.params["sid"], c.arg("path")))
+
+    async def stat_path(c: _Call):
+        return await c.edge.stat_path(c.params["sid"], c.arg("path"))
+
+    async def remove_path(c: _Call):
+        req = c.parse(FileRemoveRequest)
+        await c.edge.remove_path(c.params["sid"], req.path, req.recursive)
+        return None
+
+    async def make_dir(c: _Call):
+        await c.edge.make_dir(c.params["sid"], c.parse(MakeDirRequest).path)
+        return None
+
+    async def rename_path(c: _Call):
+        req = c.parse(FileRenameRequest)
+        await c.edge.rename_path(c.params["sid"], req.src, req.dst)
+        return None
+
+    async def upload_tree(c: _Call):
+        await c.edge.upload_tree(c.params["sid"], c.arg("path"), c.body)
+        return None
+
     async def write_file(c: _Call):
         try:
             mode = int(c.query.get("mode", "0o644"), 0)
@@ -224,6 +253,9 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("POST", f"/sandboxes/{sid}/processes/{pid}/signal", signal_process),
         ("POST", f"/sandboxes/{sid}/processes/{pid}/stdin", process_stdin),
         ("POST", f"/sandboxes/{sid}/processes/{pid}/wait", wait_process),
+        ("GET", f"/sandboxes/{sid}/fs/list", list_dir), ("GET", f"/sandboxes/{sid}/fs/stat", stat_path),
+        ("POST", f"/sandboxes/{sid}/fs/remove", remove_path), ("POST", f"/sandboxes/{sid}/fs/mkdir", make_dir),
+        ("POST", f"/sandboxes/{sid}/fs/rename", rename_path), ("PUT", f"/sandboxes/{sid}/fs/tree", upload_tree),
         ("POST", f"/sandboxes/{sid}/sessions", open_session), ("POST", f"/sandboxes/{sid}/sessions/{pid}/exec", session_exec),
         ("POST", f"/sandboxes/{sid}/sessions/{pid}/interrupt", interrupt_session),
         ("POST", f"/sandboxes/{sid}/sessions/{pid}/close", close_session),
@@ -238,6 +270,7 @@ _ROUTES = _routes()
 _BATCH = PREFIX + "/sandboxes:batch"
 _EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:stream\Z")
 _SESSION_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/sessions/(?P<pid>[0-9]{1,9})/exec\:stream\Z")
+_TREE_DOWNLOAD = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\:download\Z")
 _PROCESS_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes/(?P<pid>[0-9]{1,9})/stream\Z")
 
 
@@ -409,6 +442,10 @@ class EdgeApp:
             await self._stream(lambda: self.edge.session_exec_stream(
                 m.group("sid"), int(m.group("pid")), _Call(self.edge, {}, {}, request.body).parse(ExecRequest)),
                 request, conn)
+            return
+        if method == "POST" and (m := _TREE_DOWNLOAD.match(path)) is not None:
+            await self._stream(lambda: self.edge.download_tree(
+                m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(TreeDownloadRequest).path), request, conn)
             return
         if method == "POST" and (m := _PROCESS_STREAM.match(path)) is not None:
             await self._stream(lambda: self.edge.stream_process(
