@@ -348,7 +348,7 @@ async def test_session_scripts(kit):
     async def session_run(pid: int, command: str, timeout: float = 30):
         nonce = secrets.token_hex(4)
         request = run(processes.session_run_script(pid, nonce), timeout=timeout,
-                      stdin=processes.session_input(pid, command, nonce))
+                      stdin=processes.session_input(command))
         try:
             return await backend.exec(handle, request, ROOT), nonce
         except CommandTimeout:

@@ -430,8 +430,9 @@ class Edge:
         backend = self.backends[rec.kind]
         ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
         nonce = secrets.token_hex(8)
-        run = ExecRequest(command=processes.session_run_script(session, nonce), timeout=request.timeout,
-                          stdin=processes.session_input(session, request.command, nonce),
+        run = ExecRequest(command=processes.session_run_script(session, nonce, stream=emit is not None),
+                          timeout=request.timeout,
+                          stdin=processes.session_input(request.command),
                           max_output_bytes=request.max_output_bytes)
         lock = self._session_locks.get((sandbox_id, session))
         if lock is None:

@@ -205,26 +205,44 @@ touch "$d/last"
 exec env PS1= PS2= PS4= ENV= sh -i
 '''
 
-# One command in the session: what it wrote before is skipped, the command goes in (from this
-# script's stdin: ``session_input``), and its output follows until its exit code is there.
-_SESSION_RUN = _FIND + r'''
+# One command in the session: the command goes to a file (copied by this script's shell, from
+# its stdin: no process started for it), the session's shell is told to source it (``.``: in
+# the shell itself, so cd and export persist) with its output to the files o and e (made anew
+# each command) and its exit code to rc.NONCE, written as "CODE END" (a line of its own: a syntax
+# error abandons the rest of its line in an interactive shell); once that is there the
+# output is handed on (streamed as it grows, with ``stream``). Builtins only, but the sleeps.
+_SESSION_RUN = r'''
+t=%(base)s/%(pid)d
+[ -L "$t" ] || exit %(no_such)d
 [ -e "$t/exit" ] && exit %(dead)d
-o=$(wc -c < "$t/out"); e=$(wc -c < "$t/err")
-touch "$t/last"
-cat > "$t/in"
-k=0
+: > "$t/last"
+while IFS= read -r line; do printf '%%s\n' "$line"; done > "$t/c.%(nonce)s"
+printf '. %%s </dev/null >%%s 2>%%s\necho "$? END" > %%s\n' "$t/c.%(nonce)s" "$t/o" "$t/e" "$t/rc.%(nonce)s" > "$t/in"
+k=0; o=0; e=0
 while :; do
-  done=; [ -e "$t/rc.%(nonce)s" ] && done=1
+  rc=; x=; [ -e "$t/rc.%(nonce)s" ] && read rc x < "$t/rc.%(nonce)s"
   dead=; [ -e "$t/exit" ] && dead=1
-  n=$(wc -c < "$t/out"); m=$(wc -c < "$t/err"); moved=
-  if [ $n -gt $o ]; then tail -c +$((o + 1)) "$t/out" | head -c $((n - o)); o=$n; moved=1; fi
-  if [ $m -gt $e ]; then tail -c +$((e + 1)) "$t/err" | head -c $((m - e)) >&2; e=$m; moved=1; fi
-  if [ -n "$done" ]; then rc=$(cat "$t/rc.%(nonce)s"); rm -f "$t/rc.%(nonce)s"; exit $rc; fi
+  if [ "$x" = END ]; then
+    %(tail)s
+    rm -f "$t/rc.%(nonce)s" "$t/c.%(nonce)s"; exit $rc
+  fi
   [ -n "$dead" ] && exit %(dead)d
-  if [ -n "$moved" ]; then k=0; elif [ $k -lt 5 ]; then k=$((k + 1)); fi
-  case $k in 0) sleep 0.005;; 1) sleep 0.01;; 2) sleep 0.02;; 3) sleep 0.05;; 4) sleep 0.1;; *) sleep 0.2;; esac
+  moved=
+  %(follow)s
+  # Every ~2 ms (a sleep's fork and its 1 ms) for the first 100 looks, then slower and slower.
+  if [ -n "$moved" ]; then k=0; elif [ $k -lt 300 ]; then k=$((k + 1)); fi
+  if [ $k -lt 100 ]; then sleep 0.001; elif [ $k -lt 200 ]; then sleep 0.01; elif [ $k -lt 300 ]; then sleep 0.05
+  else sleep 0.2; fi
 done
 '''
+
+_SESSION_WHOLE = '''[ -s "$t/o" ] && cat "$t/o"; [ -s "$t/e" ] && cat "$t/e" >&2'''
+
+_SESSION_FOLLOW = r'''n=$(wc -c < "$t/o" 2>/dev/null || echo 0); m=$(wc -c < "$t/e" 2>/dev/null || echo 0)
+  if [ $n -gt $o ]; then tail -c +$((o + 1)) "$t/o" | head -c $((n - o)); o=$n; moved=1; fi
+  if [ $m -gt $e ]; then tail -c +$((e + 1)) "$t/e" | head -c $((m - e)) >&2; e=$m; moved=1; fi'''
+
+_SESSION_REST = r'''[ -s "$t/o" ] && tail -c +$((o + 1)) "$t/o"; [ -s "$t/e" ] && tail -c +$((e + 1)) "$t/e" >&2'''
 
 # After a timeout: Ctrl-C (SIGINT to the session's process group: the shell reads on); if the
 # command ignores it, its processes are killed (all of the session's but the shell and its
@@ -236,7 +254,7 @@ kill -INT -%(pid)d 2>/dev/null || kill -INT -- -%(pid)d 2>/dev/null
 for round in 1 2; do
   i=0
   while [ ! -e "$t/rc.%(nonce)s" ] && [ $i -lt 30 ]; do sleep 0.05; i=$((i + 1)); done
-  [ -e "$t/rc.%(nonce)s" ] && { rm -f "$t/rc.%(nonce)s"; [ $round = 1 ] && exit 0; exit 3; }
+  [ -e "$t/rc.%(nonce)s" ] && { sleep 0.05; rm -f "$t/rc.%(nonce)s" "$t/c.%(nonce)s"; [ $round = 1 ] && exit 0; exit 3; }
   [ -e "$t/exit" ] && exit %(dead)d
   w=$(cat "$t/watchdog" 2>/dev/null)
   for s in /proc/[0-9]*/stat; do
@@ -255,17 +273,18 @@ def session_command(idle_timeout_s: float) -> str:
     return _fill(_SESSION, idle=idle, tick=max(1, min(10, idle // 4)))
 
 
-def session_input(pid: int, command: str, nonce: str) -> str:
-    """What the session's shell reads for one command: it runs in the shell itself (``cd`` and
-    ``export`` persist) with /dev/null as its stdin (the FIFO carries only commands), and its
-    exit code goes to a file the run script waits for."""
-    end = f"__DSEC_END_{nonce}"
-    return (f"eval \"$(cat <<'{end}'\n{command}\n{end}\n)\" </dev/null\n"
-            f"echo $? > {BASE}/{pid}/rc.{nonce}\n")
+def session_input(command: str) -> str:
+    """The run script's stdin: the command, one line or many, ending in a newline."""
+    return command if command.endswith("\n") else command + "\n"
 
 
-def session_run_script(pid: int, nonce: str) -> str:
-    return _fill(_SESSION_RUN, pid=pid, nonce=nonce, dead=_SESSION_DEAD)
+def session_run_script(pid: int, nonce: str, stream: bool = False) -> str:
+    """Run one command (``session_input`` as stdin); ``stream``: hand its output on as it grows."""
+    if stream:
+        parts = {"follow": _SESSION_FOLLOW, "tail": _SESSION_REST}
+    else:
+        parts = {"follow": ":", "tail": _SESSION_WHOLE}
+    return _fill(_SESSION_RUN, pid=pid, nonce=nonce, dead=_SESSION_DEAD, **parts)
 
 
 def interrupt_script(pid: int, nonce: str) -> str:
