@@ -252,3 +252,28 @@ async def test_file_trees(client, tmp_path):
             await sandbox._client._request("PUT", f"/v1/sandboxes/{sandbox.id}/fs/tree",
                                            params={"path": "/tmp/hostile"}, content=b"garbage" * 100)
         assert (await sandbox.run_shell("ls /tmp/hostile 2>&1; echo still")).stdout.endswith("still\n")
+
+
+async def test_abandoned_sessions_are_cleaned_up(server):
+    """Sessions opened by a client that then vanished end by themselves once idle."""
+    from libdsec import DSecClient
+
+    async with DSecClient(server.endpoint, token=server.token) as client:
+        sandbox = await client.run_container(args(memory_limit_mb=256))
+        try:
+            async with DSecClient(server.endpoint, token=server.token) as vanishing:
+                mine = await vanishing.get_sandbox(sandbox.id)
+                opened = await asyncio.gather(*(mine.open_session(idle_timeout=2) for _ in range(50)))
+                assert len({s.id for s in opened}) == 50
+            # (that client is gone, its sessions never closed)
+            for _ in range(100):
+                listed = await sandbox.list_processes()
+                if listed and not any(p.running for p in listed):
+                    break
+                await asyncio.sleep(0.2)
+            assert len(listed) == 50 and not any(p.running for p in listed), [p for p in listed if p.running]
+            ps = await sandbox.run_shell("ps -o comm | grep -cv -e '^COMMAND' -e '^ps$' -e '^grep$' -e '^sh$' || true")
+            assert int(ps.stdout) <= 2, (await sandbox.run_shell("ps -o pid,comm,args")).stdout  # init (and this one)
+            assert (await sandbox.run_shell("echo serving")).stdout == "serving\n"
+        finally:
+            await sandbox.stop()

@@ -79,7 +79,8 @@ async def _podman_exec_s(name: str, *argv: str, first_byte: bool = False) -> flo
 
 async def _run(server: LocalServer, rig: PeerRig | None, work: Path, opts: dict, console: Console) -> dict:
     r: dict = {}
-    args = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=256, cpu_cores_limit=1)
+    # Disk is half the memory limit: room for the tree and its tar on the way in.
+    args = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=2048, cpu_cores_limit=1)
     async with DSecClient(server.endpoint, token=server.token) as client:
         async with await client.run_container(args) as sandbox:
             await sandbox.run_shell("true")
