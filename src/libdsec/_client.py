@@ -24,6 +24,7 @@ from ._errors import (
     InvalidRequest,
     LimitOutOfRange,
     ServerError,
+    SessionClosed,
     ServerUnavailable,
     error_from_wire,
 )
@@ -210,6 +211,15 @@ class Sandbox:
         request = OpenSessionRequest(workdir=workdir, env=env or {}, user=user, idle_timeout=idle_timeout)
         body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/sessions", model=request, timeout=60)
         return Session(self, SessionInfo.model_validate(body))
+
+    async def connect_session(self, session_id: int) -> Session:
+        """A handle on a session opened before (by any client, before an edge restart too).
+        ``ProcessNotFound`` for an id that was never one; ``SessionClosed`` once it ended."""
+        body = await self._client._request("GET", f"/v1/sandboxes/{self.id}/processes/{int(session_id)}")
+        info = ProcessInfo.model_validate(body)
+        if not info.running:
+            raise SessionClosed(f"session {session_id} has ended (exit code {info.exit_code}); open a new one")
+        return Session(self, SessionInfo(id=info.pid))
 
     async def connect_process(self, pid: int) -> Process:
         """A handle on a background process started before (by any client); its ``stream()``

@@ -143,6 +143,8 @@ async def test_background_processes_outlive_an_edge_restart(state_dir, how):
             sandbox = await client.run_container(ARGS)
             ticker = await sandbox.start_shell("i=0; while :; do echo $i; i=$((i+1)); sleep 0.1; done")
             brief = await sandbox.start_shell("sleep 1; echo done; exit 5")
+            session = await sandbox.open_session()
+            await session.run_shell("cd /tmp && export KEPT=yes")
         port = server.port
         server.stop() if how == "sigterm" else server.kill()
         time.sleep(1.5)  # `brief` ends meanwhile
@@ -158,6 +160,10 @@ async def test_background_processes_outlive_an_edge_restart(state_dir, how):
                 break
             await proc.kill()
             assert (await proc.wait()).exit_code == 137
+            # The session is a background process too: its shell and its state are there.
+            again = await sandbox.connect_session(session.id)
+            assert (await again.run_shell("pwd; echo $KEPT")).stdout == "/tmp\nyes\n"
+            await again.close()
             await sandbox.stop()
     finally:
         server.stop()
