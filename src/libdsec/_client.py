@@ -212,6 +212,14 @@ class Sandbox:
         body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/sessions", model=request, timeout=60)
         return Session(self, SessionInfo.model_validate(body))
 
+    def port_url(self, port: int) -> str:
+        """The URL, through the apiserver, of port ``port`` inside the sandbox: HTTP requests
+        to it (with this client's token as ``authorization: Bearer …``) reach what listens there
+        on 127.0.0.1; ``PortUnreachable`` (502) when nothing does. HTTP only (no WebSocket)."""
+        if not 1 <= int(port) <= 65535:
+            raise InvalidRequest(f"port {port} is outside 1-65535")
+        return f"{self._client.endpoint}/v1/sandboxes/{self.id}/ports/{int(port)}/"
+
     async def connect_session(self, session_id: int) -> Session:
         """A handle on a session opened before (by any client, before an edge restart too).
         ``ProcessNotFound`` for an id that was never one; ``SessionClosed`` once it ended."""

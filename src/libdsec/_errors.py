@@ -11,6 +11,7 @@
     ├── SandboxFileNotFound (FileNotFoundError)
     ├── ProcessNotFound (LookupError)        no background process by that pid in the sandbox
     ├── SessionClosed (SandboxStateError)    the shell session ended (its shell died or was closed)
+    ├── PortUnreachable (ConnectionError)    nothing answered on that port inside the sandbox (502)
     ├── CommandTimeout (TimeoutError)        a command ran past its timeout and was killed
     ├── CapacityExceeded                     no node could admit the sandbox
     ├── QuotaExceeded                        the project's quota (or an ancestor's) is used up
@@ -93,6 +94,11 @@ class SessionClosed(SandboxStateError):
     status = 409
 
 
+class PortUnreachable(DSecError, ConnectionError):
+    code = "port_unreachable"
+    status = 502
+
+
 class CommandTimeout(DSecError, TimeoutError):
     code = "command_timeout"
     status = 408
@@ -141,6 +147,7 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         SandboxFileNotFound,
         ProcessNotFound,
         SessionClosed,
+        PortUnreachable,
         CommandTimeout,
         CapacityExceeded,
         QuotaExceeded,

@@ -181,6 +181,9 @@ class SyncSandbox:
     def open_session(self, **kwargs: Any) -> SyncSession:
         return SyncSession(self._runner, self._run(self._sandbox.open_session(**kwargs)))
 
+    def port_url(self, port: int) -> str:
+        return self._sandbox.port_url(port)
+
     def connect_session(self, session_id: int) -> SyncSession:
         return SyncSession(self._runner, self._run(self._sandbox.connect_session(session_id)))
 

@@ -418,3 +418,38 @@ async def test_file_tree_scripts(kit):
         assert got == {"a.txt": b"alpha", "sub": "", "sub/b.bin": bytes(range(256)) * 40, "ln": "a.txt"}, got.keys()
     finally:
         await backend.destroy(handle)
+
+
+async def test_port_scripts(kit):
+    """dsec.edge.ports' command on each backend: HTTP to a port inside, 502 when none listens."""
+    import asyncio
+    import base64
+
+    from dsec.edge import ports, processes
+    from libdsec import PortUnreachable
+    from libdsec.protocol import PortRequest
+
+    backend, spec = kit
+    if type(backend).__name__ == "FakeBackend":
+        pytest.skip("the fake runs no shell")
+    handle = await backend.create(cid(), spec)
+
+    async def ask(port: int, path: str = "/index.html"):
+        raw = ports.raw_request(PortRequest(port=port, path=path))
+        result = await backend.exec(handle, run(ports.script(port), stdin=base64.b64encode(raw).decode(), timeout=30), ROOT)
+        return ports.parse(result, port)
+
+    try:
+        await backend.exec(handle, run("mkdir -p /tmp/www && echo hello > /tmp/www/index.html"), ROOT)
+        await backend.exec(handle, run(processes.start_script("httpd -f -p 127.0.0.1:8000 -h /tmp/www")), ROOT)
+        for _ in range(50):
+            try:
+                answer = await ask(8000)
+                break
+            except PortUnreachable:
+                await asyncio.sleep(0.2)
+        assert (answer.status, base64.b64decode(answer.body_b64)) == (200, b"hello\n")
+        with pytest.raises(PortUnreachable, match="port 8001"):
+            await ask(8001)
+    finally:
+        await backend.destroy(handle)

@@ -276,5 +276,10 @@ async def test_process_calls_cross_the_seam(node):
             await anext(node.stream_process(info.id, 42, ProcessStreamRequest()))
         with pytest.raises(SandboxNotFound):
             await node.list_processes("n0-0123456789abcdef")
+        from libdsec import PortUnreachable
+        from libdsec.protocol import PortRequest
+
+        with pytest.raises(PortUnreachable, match="port 8000"):  # (502 on the wire)
+            await node.port_request(info.id, PortRequest(port=8000))
     finally:
         await node.stop(info.id)

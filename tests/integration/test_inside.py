@@ -279,3 +279,40 @@ async def test_abandoned_sessions_are_cleaned_up(server):
             assert (await sandbox.run_shell("echo serving")).stdout == "serving\n"
         finally:
             await sandbox.stop()
+
+
+async def test_ports(client, server):
+    import httpx
+
+    async with await client.run_container(args()) as sandbox:
+        await sandbox.run_shell("mkdir -p /tmp/www && echo hello > /tmp/www/index.html")
+        httpd = await sandbox.start_shell("httpd -f -p 127.0.0.1:8000 -h /tmp/www")
+        url = sandbox.port_url(8000)
+        assert url.endswith(f"/v1/sandboxes/{sandbox.id}/ports/8000/")
+        auth = {"authorization": f"Bearer {server.token}"}
+        async with httpx.AsyncClient(timeout=30) as http:
+            for _ in range(50):
+                answer = await http.get(url + "index.html?x=1", headers=auth)
+                if answer.status_code != 502:
+                    break
+                await asyncio.sleep(0.1)  # (httpd starting)
+            assert (answer.status_code, answer.text) == (200, "hello\n")
+            assert (await http.get(url + "missing.html", headers=auth)).status_code == 404
+            # Nothing there: a clear 502, at once; a bad port or no token: refused.
+            gone = await http.get(sandbox.port_url(8001), headers=auth)
+            assert gone.status_code == 502 and gone.json()["error"]["code"] == "port_unreachable"
+            assert "port 8001" in gone.json()["error"]["message"]
+            bad = await http.get(url.replace("/8000/", "/70000/"), headers=auth)
+            assert bad.status_code == 422
+            assert (await http.get(url + "index.html")).status_code == 401
+            ws = await http.get(url, headers={**auth, "upgrade": "websocket", "connection": "upgrade"})
+            assert ws.status_code == 422 and "WebSocket" in ws.text
+        with pytest.raises(libdsec_invalid()):
+            sandbox.port_url(0)
+        await httpd.kill()
+
+
+def libdsec_invalid():
+    from libdsec import InvalidRequest
+
+    return InvalidRequest

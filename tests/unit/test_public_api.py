@@ -25,7 +25,7 @@ PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
 PUBLIC |= {"SandboxLost"}  # cluster
-PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession", "FileEntry"}  # inside a sandbox
+PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession", "FileEntry", "PortUnreachable"}  # inside a sandbox
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -39,6 +39,7 @@ ERRORS = [
     (libdsec.SandboxFileNotFound, "file_not_found", 404, FileNotFoundError),
     (libdsec.ProcessNotFound, "process_not_found", 404, LookupError),
     (libdsec.SessionClosed, "session_closed", 409, RuntimeError),
+    (libdsec.PortUnreachable, "port_unreachable", 502, ConnectionError),
     (libdsec.CommandTimeout, "command_timeout", 408, TimeoutError),
     (libdsec.CapacityExceeded, "capacity_exceeded", 503, libdsec.DSecError),
     (libdsec.QuotaExceeded, "quota_exceeded", 429, libdsec.DSecError),
@@ -127,6 +128,8 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.FileRenameRequest: {"src": "/a", "dst": "/b"},
         _models.MakeDirRequest: {"path": "/a"},
         _models.TreeDownloadRequest: {"path": "/a"},
+        _models.PortRequest: {"port": 8000},
+        _models.PortResponse: {"status": 200},
         _models.SessionInfo: {"id": 9},
         _models.ImageInfo: {"name": "busybox", "layers": ["sha256-00"], "size_bytes": 1},
         _models.ImageList: {"images": []},

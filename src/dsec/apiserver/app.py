@@ -8,6 +8,7 @@ the cluster (one embedded edge here).
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect
 import logging
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ from libdsec.protocol import (
     PackDiffResult,
     OpenSessionRequest,
     PauseResult,
+    PortRequest,
     ProcessInfo,
     ProcessList,
     ProcessSignalRequest,
@@ -331,6 +333,20 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     async def stream_process(sandbox_id: str, request: ProcessStreamRequest, pid: int = Path(ge=1, le=999_999_999)) -> StreamingResponse:
         """The process's output from the offsets given, as NDJSON ``ExecEvent`` lines, to its end."""
         return await _streaming(cluster.edge_for(sandbox_id).stream_process(sandbox_id, pid, request))
+
+    # -- ports: HTTP to a port inside, for the caller's token only ----------------------------
+
+    @app.api_route("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}", dependencies=auth, responses=_ERRORS,
+                   methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+    async def port_proxy(request: Request, sandbox_id: str, path: str, port: int = Path(ge=1, le=65535)) -> Response:
+        """The answer of port ``port`` inside the sandbox to this request (``sandbox.port_url``)."""
+        target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+        headers = [(k, v) for k, v in request.headers.items()]
+        answer = await cluster.edge_for(sandbox_id).port_request(sandbox_id, PortRequest(
+            port=port, method=request.method, path=target, headers=headers,
+            body_b64=base64.b64encode(await request.body()).decode()))
+        return Response(content=base64.b64decode(answer.body_b64), status_code=answer.status,
+                        headers={k: v for k, v in answer.headers if k.lower() != "content-length"})
 
     # -- sessions ---------------------------------------------------------------------------
 

@@ -41,6 +41,8 @@ from libdsec.protocol import (
     PackDiffResult,
     OpenSessionRequest,
     PauseResult,
+    PortRequest,
+    PortResponse,
     ProcessInfo,
     ProcessStreamRequest,
     SandboxInfo,
@@ -140,6 +142,11 @@ class EdgeAPI(Protocol):
     async def close_session(self, sandbox_id: str, session: int) -> None: ...
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
+
+    async def port_request(self, sandbox_id: str, request: PortRequest) -> PortResponse:
+        """One HTTP request to a port inside (``dsec.edge.ports``); ``PortUnreachable`` when
+        nothing answers there."""
+        ...
 
     # File trees (``dsec.edge.files``): as the sandbox's user; ``SandboxFileNotFound`` for a
     # missing path, ``InvalidRequest`` naming what is wrong with a path or a tar member.

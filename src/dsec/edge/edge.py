@@ -45,6 +45,8 @@ from libdsec.protocol import (
     ExecResult,
     FileEntry,
     OpenSessionRequest,
+    PortRequest,
+    PortResponse,
     ProcessInfo,
     ProcessStreamRequest,
     SessionInfo,
@@ -75,7 +77,7 @@ from .lifecycle import Action, Record
 from .pool import WarmPool
 from .reaper import TTLReaper
 from .security import EdgeSecurity
-from . import files, processes
+from . import files, ports, processes
 from .stream import stream_exec
 
 log = logging.getLogger("dsec.edge")
@@ -511,6 +513,14 @@ class Edge:
         backend = self.backends[rec.kind]
         async for event in stream_exec(lambda emit: self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit))):
             yield event
+
+    # -- ports: HTTP to a port inside (one command a request: dsec.edge.ports) ----------------
+
+    async def port_request(self, sandbox_id: str, request: PortRequest) -> PortResponse:
+        raw = ports.raw_request(request)
+        result = await self._manage(sandbox_id, ports.script(request.port), timeout=60.0,
+                                    stdin=base64.b64encode(raw).decode())
+        return ports.parse(result, request.port)
 
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:
         """Denied actions seen in the sandbox (see dsec.isolation.events); kept after it ends."""

@@ -55,6 +55,8 @@ from libdsec.protocol import (
     PackDiffResult,
     OpenSessionRequest,
     PauseResult,
+    PortRequest,
+    PortResponse,
     ProcessInfo,
     ProcessList,
     ProcessSignalRequest,
@@ -288,6 +290,10 @@ class RemoteEdge:
     async def wait_process(self, sandbox_id: str, pid: int, timeout: float) -> ProcessInfo:
         return await self._post(ProcessInfo, f"/sandboxes/{sandbox_id}/processes/{pid}/wait",
                                 model=ProcessWaitRequest(timeout=timeout), timeout=timeout + SLACK_S)
+
+    async def port_request(self, sandbox_id: str, request: PortRequest) -> PortResponse:
+        return await self._post(PortResponse, f"/sandboxes/{sandbox_id}/ports:request", model=request,
+                                timeout=60.0 + SLACK_S)
 
     async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
         return await self._post(SessionInfo, f"/sandboxes/{sandbox_id}/sessions", model=request)

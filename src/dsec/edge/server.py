@@ -58,6 +58,7 @@ from libdsec.protocol import (
     NodeStopRequest,
     OpenSessionRequest,
     PackDiffRequest,
+    PortRequest,
     ProcessList,
     ProcessSignalRequest,
     ProcessStdinRequest,
@@ -175,6 +176,9 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
     async def wait_process(c: _Call):
         return await c.edge.wait_process(c.params["sid"], int(c.params["pid"]), c.parse(ProcessWaitRequest).timeout)
 
+    async def port_request(c: _Call):
+        return await c.edge.port_request(c.params["sid"], c.parse(PortRequest))
+
     async def open_session(c: _Call):
         return await c.edge.open_session(c.params["sid"], c.parse(OpenSessionRequest))
 
@@ -256,6 +260,7 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("GET", f"/sandboxes/{sid}/fs/list", list_dir), ("GET", f"/sandboxes/{sid}/fs/stat", stat_path),
         ("POST", f"/sandboxes/{sid}/fs/remove", remove_path), ("POST", f"/sandboxes/{sid}/fs/mkdir", make_dir),
         ("POST", f"/sandboxes/{sid}/fs/rename", rename_path), ("PUT", f"/sandboxes/{sid}/fs/tree", upload_tree),
+        ("POST", f"/sandboxes/{sid}/ports:request", port_request),
         ("POST", f"/sandboxes/{sid}/sessions", open_session), ("POST", f"/sandboxes/{sid}/sessions/{pid}/exec", session_exec),
         ("POST", f"/sandboxes/{sid}/sessions/{pid}/interrupt", interrupt_session),
         ("POST", f"/sandboxes/{sid}/sessions/{pid}/close", close_session),
@@ -291,7 +296,7 @@ def _error_answer(exc: BaseException) -> tuple[int, bytes]:
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 409: b"Conflict",
             410: b"Gone", 413: b"Payload Too Large", 422: b"Unprocessable Entity", 429: b"Too Many Requests",
-            500: b"Internal Server Error", 503: b"Service Unavailable"}
+            500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
 # Connections with no request for this long are closed (the apiserver's own pools let theirs go
 # after a few seconds; this is for callers that never come back).
 IDLE_TIMEOUT_S = 75.0

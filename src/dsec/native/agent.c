@@ -64,7 +64,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <net/if.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/reboot.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
@@ -1119,6 +1122,20 @@ static int setup_jail(void)
     return 0;
 }
 
+/* The guest's loopback, up: a port inside the sandbox is reached on 127.0.0.1 (dsec.edge.ports),
+ * and programs expect it. */
+static void loopback_up(void)
+{
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "lo");
+    if (fd < 0 || ioctl(fd, SIOCGIFFLAGS, &ifr) < 0 || ((ifr.ifr_flags |= IFF_UP), ioctl(fd, SIOCSIFFLAGS, &ifr) < 0))
+        console("cannot bring lo up: %s", strerror(errno));
+    if (fd >= 0)
+        close(fd);
+}
+
 static int open_port(void)
 {
     DIR *dir = opendir("/sys/class/virtio-ports");
@@ -1153,6 +1170,7 @@ int main(void)
     mkdir(CG, 0755);
     /* The guest kernel's log is the sandbox's own: commands may read it (dmesg) without CAP_SYSLOG. */
     write_file("/proc/sys/kernel/dmesg_restrict", "0");
+    loopback_up();
     if (setup_jail() < 0) {
         console("no pid namespace for commands");
         return 1;
