@@ -373,6 +373,23 @@ def bench_fncall(
                                workers=workers, strict=strict))
 
 
+@bench_app.command("inside")
+def bench_inside(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-inside"),
+    samples: Annotated[int, typer.Option(help="Samples of each DSec latency.")] = 100,
+    podman_samples: Annotated[int, typer.Option(help="Samples of each podman exec latency.")] = 30,
+    slow_s: Annotated[float, typer.Option(help="Seconds `yes` is streamed to the slow reader.")] = 30.0,
+    read_mb_s: Annotated[float, typer.Option(help="The slow reader's pace, MB/s.")] = 1.0,
+    tree_mb: Annotated[int, typer.Option(help="Size of the tree for upload_dir/download_dir.")] = 200,
+    podman: Annotated[bool, typer.Option(help="Measure podman exec as the peer.")] = True,
+) -> None:
+    """Streaming, sessions and file trees inside a container, against podman exec and local tar."""
+    from .bench.inside import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, samples=samples, podman_samples=podman_samples,
+                               slow_s=slow_s, read_mb_s=read_mb_s, tree_mb=tree_mb, podman=podman))
+
+
 @bench_app.command("density")
 def bench_density(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own servers.")] = Path("/var/lib/dsec-bench-density"),

@@ -1,6 +1,7 @@
 """libdsec: the DSec SDK. ``DSecClient`` (async) and ``SyncDSecClient`` (its blocking twin)."""
 
 from ._client import DSecClient, Sandbox, default_token
+from ._process import Process, Session
 from ._errors import (
     BackendError,
     CapacityExceeded,
@@ -9,6 +10,8 @@ from ._errors import (
     ImageNotFound,
     InvalidRequest,
     LimitOutOfRange,
+    PortUnreachable,
+    ProcessNotFound,
     ProjectNotFound,
     QuotaExceeded,
     SandboxFileNotFound,
@@ -16,15 +19,17 @@ from ._errors import (
     SandboxNotFound,
     SandboxStateError,
     ServerError,
+    SessionClosed,
     ServerUnavailable,
     Unauthenticated,
 )
 from .protocol import SecurityEvent
+from .protocol import ExecEvent, FileEntry, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
 from ._projects import ProjectInfo, ProjectQuota
-from ._sync import SyncDSecClient, SyncSandbox
+from ._sync import SyncDSecClient, SyncProcess, SyncSandbox, SyncSession
 
 __all__ = [
     "BackendError",
@@ -36,7 +41,9 @@ __all__ = [
     "DSecFnCallArgs",
     "DSecFullVMRunArgs",
     "DSecMicroVMRunArgs",
+    "ExecEvent",
     "ExecResult",
+    "FileEntry",
     "FnCallResult",
     "ImageInfo",
     "ImageNotFound",
@@ -44,6 +51,10 @@ __all__ = [
     "LimitOutOfRange",
     "PackDiffResult",
     "PauseResult",
+    "PortUnreachable",
+    "Process",
+    "ProcessInfo",
+    "ProcessNotFound",
     "ProjectInfo",
     "ProjectNotFound",
     "ProjectQuota",
@@ -58,9 +69,13 @@ __all__ = [
     "SecurityEvent",
     "ServerError",
     "ServerUnavailable",
+    "Session",
+    "SessionClosed",
     "SnapshotInfo",
     "SyncDSecClient",
+    "SyncProcess",
     "SyncSandbox",
+    "SyncSession",
     "Unauthenticated",
     "default_token",
 ]

@@ -12,7 +12,7 @@ import functools
 import json
 import os
 import ssl
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,12 @@ from ._errors import (
     InvalidRequest,
     LimitOutOfRange,
     ServerError,
+    SessionClosed,
     ServerUnavailable,
     error_from_wire,
 )
+from ._files import SandboxFiles
+from ._process import Process, Session, events_of, run_with_callbacks
 from ._projects import _ProjectMethods
 from ._wire import Answer, CannotConnect, ConnectionBroken, WireClient, WireError
 from .protocol import NetworkRulesRequest, SecurityEvent, SecurityEventList
@@ -41,6 +44,7 @@ from .protocol import (
     DSecContainerRunArgs,
     DSecFullVMRunArgs,
     DSecMicroVMRunArgs,
+    ExecEvent,
     ExecRequest,
     ExecResult,
     ImageInfo,
@@ -48,7 +52,12 @@ from .protocol import (
     NodeInfo,
     PackDiffRequest,
     PackDiffResult,
+    OpenSessionRequest,
     PauseResult,
+    ProcessInfo,
+    ProcessList,
+    SessionInfo,
+    StartProcessRequest,
     SandboxInfo,
     SandboxList,
     SandboxStatus,
@@ -86,6 +95,17 @@ def default_token() -> str | None:
         return None
 
 
+OutputCallback = Callable[[str], Any]
+
+
+def _exec_request(command: str, timeout: float, env: dict[str, str] | None, workdir: str | None, user: str | None,
+                  stdin: str | None, max_output_bytes: int | None) -> ExecRequest:
+    return ExecRequest(
+        command=command, timeout=timeout, env=env or {}, workdir=workdir, user=user, stdin=stdin,
+        **({"max_output_bytes": max_output_bytes} if max_output_bytes is not None else {}),
+    )
+
+
 class Sandbox:
     """A handle to one sandbox. Use ``async with`` or call ``stop()`` when done."""
 
@@ -94,6 +114,7 @@ class Sandbox:
         self.info = info
         # Set on a sandbox made by ``clean_copy``: what was carried into it.
         self.clean_copy_result: CleanCopyResult | None = None
+        self.files = SandboxFiles(self)  # list, stat, remove, make_dir, rename, upload_dir, download_dir
 
     @property
     def id(self) -> str:
@@ -116,17 +137,16 @@ class Sandbox:
         user: str | None = None,
         stdin: str | None = None,
         max_output_bytes: int | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
     ) -> ExecResult:
-        """Run ``command`` with ``sh -c`` inside the sandbox; raises CommandTimeout past timeout."""
-        request = ExecRequest(
-            command=command,
-            timeout=timeout,
-            env=env or {},
-            workdir=workdir,
-            user=user,
-            stdin=stdin,
-            **({"max_output_bytes": max_output_bytes} if max_output_bytes is not None else {}),
-        )
+        """Run ``command`` with ``sh -c`` inside the sandbox; raises CommandTimeout past timeout.
+        With ``on_stdout``/``on_stderr`` (plain or async callables) the output is streamed:
+        each gets the text chunks as the command writes them, and the result still comes at
+        the end (its output capped at ``max_output_bytes``; the callbacks see all of it)."""
+        request = _exec_request(command, timeout, env, workdir, user, stdin, max_output_bytes)
+        if on_stdout is not None or on_stderr is not None:
+            return await run_with_callbacks(self._events(request), on_stdout, on_stderr)
         body = await self._client._request(
             "POST",
             f"/v1/sandboxes/{self.id}/exec",
@@ -134,6 +154,91 @@ class Sandbox:
             timeout=timeout + _HTTP_SLACK_S,
         )
         return ExecResult.model_validate(body)
+
+    async def stream_shell(
+        self,
+        command: str,
+        *,
+        timeout: float = DEFAULT_COMMAND_TIMEOUT_S,
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+        stdin: str | None = None,
+        max_output_bytes: int | None = None,
+    ) -> AsyncIterator[ExecEvent]:
+        """``async for event in sandbox.stream_shell(cmd)``: ``stdout``/``stderr`` events
+        (``event.data``, text) as the command writes, then one ``exit`` (``event.result``, as
+        ``run_shell`` returns it). Read slowly and the command slows down (nothing piles up
+        in the server); leave the loop early and the command is killed. Errors (a timeout,
+        the sandbox gone) are raised."""
+        request = _exec_request(command, timeout, env, workdir, user, stdin, max_output_bytes)
+        async for event in self._events(request):
+            yield event
+
+    def _events(self, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        return events_of(self._client._stream("POST", f"/v1/sandboxes/{self.id}/exec:stream", request,
+                                              request.timeout + _HTTP_SLACK_S, ExecEvent))
+
+    # -- background processes ----------------------------------------------------------------
+
+    async def start_shell(
+        self,
+        command: str,
+        *,
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+    ) -> Process:
+        """Start ``command`` (``sh -c``) in the background and return at once: a ``Process``
+        with its ``pid``. It outlives this call and this client (see ``Process``)."""
+        request = StartProcessRequest(command=command, env=env or {}, workdir=workdir, user=user)
+        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/processes", model=request)
+        return Process(self, ProcessInfo.model_validate(body))
+
+    async def list_processes(self) -> list[ProcessInfo]:
+        """The background processes started in this sandbox, running or ended."""
+        body = await self._client._request("GET", f"/v1/sandboxes/{self.id}/processes")
+        return ProcessList.model_validate(body).processes
+
+    async def open_session(
+        self,
+        *,
+        workdir: str | None = None,
+        env: dict[str, str] | None = None,
+        user: str | None = None,
+        idle_timeout: float = 600.0,
+    ) -> Session:
+        """A shell whose state persists between its commands (see ``Session``): ``async with
+        await sandbox.open_session(workdir="/repo") as session: await session.run_shell(…)``.
+        One no command reached for ``idle_timeout`` seconds ends (a client that vanished
+        leaves nothing behind)."""
+        request = OpenSessionRequest(workdir=workdir, env=env or {}, user=user, idle_timeout=idle_timeout)
+        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/sessions", model=request, timeout=60)
+        return Session(self, SessionInfo.model_validate(body))
+
+    def port_url(self, port: int) -> str:
+        """The URL, through the apiserver, of port ``port`` inside the sandbox: HTTP requests
+        to it (with this client's token as ``authorization: Bearer …``) reach what listens there
+        on 127.0.0.1; ``PortUnreachable`` (502) when nothing does. HTTP only (no WebSocket)."""
+        if not 1 <= int(port) <= 65535:
+            raise InvalidRequest(f"port {port} is outside 1-65535")
+        return f"{self._client.endpoint}/v1/sandboxes/{self.id}/ports/{int(port)}/"
+
+    async def connect_session(self, session_id: int) -> Session:
+        """A handle on a session opened before (by any client, before an edge restart too).
+        ``ProcessNotFound`` for an id that was never one; ``SessionClosed`` once it ended."""
+        body = await self._client._request("GET", f"/v1/sandboxes/{self.id}/processes/{int(session_id)}")
+        info = ProcessInfo.model_validate(body)
+        if not info.running:
+            raise SessionClosed(f"session {session_id} has ended (exit code {info.exit_code}); open a new one")
+        return Session(self, SessionInfo(id=info.pid))
+
+    async def connect_process(self, pid: int) -> Process:
+        """A handle on a background process started before (by any client); its ``stream()``
+        gives what it writes from now on. ``ProcessNotFound`` for any other pid."""
+        body = await self._client._request("GET", f"/v1/sandboxes/{self.id}/processes/{int(pid)}")
+        info = ProcessInfo.model_validate(body)
+        return Process(self, info, stdout_offset=info.stdout_bytes, stderr_offset=info.stderr_bytes)
 
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
         if isinstance(data, str):
@@ -464,10 +569,11 @@ class DSecClient(_ProjectMethods):
         return await http.request(method, path, **kwargs)
 
     async def _stream(
-        self, method: str, path: str, model: BaseModel, timeout: float | None
+        self, method: str, path: str, model: BaseModel, timeout: float | None,
+        event_model: type[BaseModel] = BatchEvent,
     ) -> Any:
         if self._wire is not None:
-            async for event in self._stream_wire(method, path, model, timeout):
+            async for event in self._stream_wire(method, path, model, timeout, event_model):
                 yield event
             return
         tried: list[str] = []
@@ -486,13 +592,14 @@ class DSecClient(_ProjectMethods):
                         raise _error_of(response)
                     async for line in response.aiter_lines():
                         if line.strip():
-                            yield BatchEvent.model_validate_json(line)
+                            yield event_model.model_validate_json(line)
                 return
             except httpx.TransportError as exc:
                 if not self._fail_over(endpoint, method, exc, tried):
                     raise _unavailable(tried, endpoint, exc) from exc
 
-    async def _stream_wire(self, method: str, path: str, model: BaseModel, timeout: float | None) -> Any:
+    async def _stream_wire(self, method: str, path: str, model: BaseModel, timeout: float | None,
+                           event_model: type[BaseModel] = BatchEvent) -> Any:
         assert self._wire is not None
         try:
             async with self._wire.stream(method, path, body=model.model_dump_json().encode(),
@@ -505,9 +612,9 @@ class DSecClient(_ProjectMethods):
                     *lines, rest = (rest + chunk).split(b"\n")
                     for line in lines:
                         if line.strip():
-                            yield BatchEvent.model_validate_json(line)
+                            yield event_model.model_validate_json(line)
                 if rest.strip():
-                    yield BatchEvent.model_validate_json(rest)
+                    yield event_model.model_validate_json(rest)
         except WireError as exc:
             raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc}") from exc
 

@@ -9,6 +9,9 @@
     ├── SandboxStateError (RuntimeError)     the call does not fit the sandbox's state
     ├── SandboxLost (ConnectionError)        the node that held the sandbox is lost (died, unreachable)
     ├── SandboxFileNotFound (FileNotFoundError)
+    ├── ProcessNotFound (LookupError)        no background process by that pid in the sandbox
+    ├── SessionClosed (SandboxStateError)    the shell session ended (its shell died or was closed)
+    ├── PortUnreachable (ConnectionError)    nothing answered on that port inside the sandbox (502)
     ├── CommandTimeout (TimeoutError)        a command ran past its timeout and was killed
     ├── CapacityExceeded                     no node could admit the sandbox
     ├── QuotaExceeded                        the project's quota (or an ancestor's) is used up
@@ -81,6 +84,21 @@ class SandboxFileNotFound(DSecError, FileNotFoundError):
     status = 404
 
 
+class ProcessNotFound(DSecError, LookupError):
+    code = "process_not_found"
+    status = 404
+
+
+class SessionClosed(SandboxStateError):
+    code = "session_closed"
+    status = 409
+
+
+class PortUnreachable(DSecError, ConnectionError):
+    code = "port_unreachable"
+    status = 502
+
+
 class CommandTimeout(DSecError, TimeoutError):
     code = "command_timeout"
     status = 408
@@ -127,6 +145,9 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         SandboxStateError,
         SandboxLost,
         SandboxFileNotFound,
+        ProcessNotFound,
+        SessionClosed,
+        PortUnreachable,
         CommandTimeout,
         CapacityExceeded,
         QuotaExceeded,

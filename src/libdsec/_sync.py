@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ._client import DSecClient, ProgressCallback, Sandbox
+from ._files import SandboxFiles
+from ._process import Process, Session
+from .protocol import ExecEvent, FileEntry, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
@@ -29,10 +32,121 @@ class _LoopThread:
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
+    def iterate(self, agen: AsyncIterator[T]) -> Iterator[T]:
+        """An async iterator as a blocking one; leaving it early closes the async one."""
+        try:
+            while True:
+                try:
+                    yield self.run(anext(agen))
+                except StopAsyncIteration:
+                    return
+        finally:
+            self.run(agen.aclose())  # type: ignore[attr-defined]
+
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
         self.loop.close()
+
+
+class SyncProcess:
+    """Blocking twin of :class:`libdsec.Process`."""
+
+    def __init__(self, runner: _LoopThread, process: Process) -> None:
+        self._runner = runner
+        self._run = runner.run
+        self._process = process
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def info(self) -> ProcessInfo:
+        return self._process.info
+
+    def stream(self, **kwargs: Any) -> Iterator[ExecEvent]:
+        return self._runner.iterate(self._process.stream(**kwargs))
+
+    def send_stdin(self, data: str | bytes) -> None:
+        self._run(self._process.send_stdin(data))
+
+    def close_stdin(self) -> None:
+        self._run(self._process.close_stdin())
+
+    def signal(self, sig: int) -> None:
+        self._run(self._process.signal(sig))
+
+    def kill(self) -> None:
+        self._run(self._process.kill())
+
+    def wait(self, **kwargs: Any) -> ProcessInfo:
+        return self._run(self._process.wait(**kwargs))
+
+    def refresh(self) -> ProcessInfo:
+        return self._run(self._process.refresh())
+
+    def __enter__(self) -> SyncProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._run(self._process.__aexit__(*exc))
+
+
+class SyncSession:
+    """Blocking twin of :class:`libdsec.Session`."""
+
+    def __init__(self, runner: _LoopThread, session: Session) -> None:
+        self._run = runner.run
+        self._session = session
+
+    @property
+    def id(self) -> int:
+        return self._session.id
+
+    def run_shell(self, command: str, **kwargs: Any) -> ExecResult:
+        return self._run(self._session.run_shell(command, **kwargs))
+
+    def interrupt(self) -> None:
+        self._run(self._session.interrupt())
+
+    def close(self) -> None:
+        self._run(self._session.close())
+
+    def __enter__(self) -> SyncSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SyncFiles:
+    """Blocking twin of ``Sandbox.files``."""
+
+    def __init__(self, runner: _LoopThread, files: SandboxFiles) -> None:
+        self._run = runner.run
+        self._files = files
+
+    def list(self, path: str) -> list[FileEntry]:
+        return self._run(self._files.list(path))
+
+    def stat(self, path: str) -> FileEntry:
+        return self._run(self._files.stat(path))
+
+    def remove(self, path: str, **kwargs: Any) -> None:
+        self._run(self._files.remove(path, **kwargs))
+
+    def make_dir(self, path: str) -> None:
+        self._run(self._files.make_dir(path))
+
+    def rename(self, src: str, dst: str) -> None:
+        self._run(self._files.rename(src, dst))
+
+    def upload_dir(self, local_dir: Any, path: str) -> None:
+        self._run(self._files.upload_dir(local_dir, path))
+
+    def download_dir(self, path: str, local_dir: Any) -> None:
+        self._run(self._files.download_dir(path, local_dir))
 
 
 class SyncSandbox:
@@ -42,6 +156,7 @@ class SyncSandbox:
         self._runner = runner
         self._run = runner.run
         self._sandbox = sandbox
+        self.files = SyncFiles(runner, sandbox.files)
 
     @property
     def id(self) -> str:
@@ -53,6 +168,27 @@ class SyncSandbox:
 
     def run_shell(self, command: str, **kwargs: Any) -> ExecResult:
         return self._run(self._sandbox.run_shell(command, **kwargs))
+
+    def stream_shell(self, command: str, **kwargs: Any) -> Iterator[ExecEvent]:
+        return self._runner.iterate(self._sandbox.stream_shell(command, **kwargs))
+
+    def start_shell(self, command: str, **kwargs: Any) -> SyncProcess:
+        return SyncProcess(self._runner, self._run(self._sandbox.start_shell(command, **kwargs)))
+
+    def list_processes(self) -> list[ProcessInfo]:
+        return self._run(self._sandbox.list_processes())
+
+    def open_session(self, **kwargs: Any) -> SyncSession:
+        return SyncSession(self._runner, self._run(self._sandbox.open_session(**kwargs)))
+
+    def port_url(self, port: int) -> str:
+        return self._sandbox.port_url(port)
+
+    def connect_session(self, session_id: int) -> SyncSession:
+        return SyncSession(self._runner, self._run(self._sandbox.connect_session(session_id)))
+
+    def connect_process(self, pid: int) -> SyncProcess:
+        return SyncProcess(self._runner, self._run(self._sandbox.connect_process(pid)))
 
     def write_file(self, path: str, data: bytes | str, **kwargs: Any) -> None:
         self._run(self._sandbox.write_file(path, data, **kwargs))

@@ -309,6 +309,132 @@ class ExecResult(_Model):
     stderr_bytes: int = 0
 
 
+class ExecEvent(_Model):
+    """One line of a streamed command (``POST …/exec:stream``, NDJSON): ``started`` once it
+    runs, then ``stdout``/``stderr`` text chunks as it writes them, then ``exit`` with the
+    result (its kept output capped as ``run_shell``'s) or ``error`` (a wire error body)."""
+
+    event: Literal["started", "stdout", "stderr", "exit", "error"]
+    data: str = ""
+    result: ExecResult | None = None
+    error: dict | None = None
+
+
+class StartProcessRequest(_Model):
+    """A background process: ``sh -c command``, started and left running (``start_shell``)."""
+
+    command: str = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+
+
+class ProcessInfo(_Model):
+    pid: int  # in the sandbox's pid namespace
+    command: str  # (its first 200 characters)
+    running: bool
+    exit_code: int | None = None  # once it ended (128 + N: killed by signal N)
+    stdout_bytes: int = 0  # written so far (all kept, in the sandbox: see docs/INSIDE.md)
+    stderr_bytes: int = 0
+
+
+class ProcessList(_Model):
+    processes: list[ProcessInfo]
+
+
+class ProcessStdinRequest(_Model):
+    data: str = ""
+    close: bool = False  # then close its stdin (after ``data``)
+
+
+class ProcessSignalRequest(_Model):
+    signal: int = Field(ge=1, le=64)
+
+
+class ProcessWaitRequest(_Model):
+    timeout: float = DEFAULT_COMMAND_TIMEOUT_S
+
+    _timeout = field_validator("timeout")(ExecRequest._timeout.__func__)  # type: ignore[attr-defined]
+
+
+class ProcessStreamRequest(_Model):
+    """Stream a background process's output from these offsets until it ends (``ExecEvent``s:
+    ``stdout``/``stderr``, then ``exit`` whose result has only the exit code)."""
+
+    stdout_offset: int = Field(default=0, ge=0)
+    stderr_offset: int = Field(default=0, ge=0)
+    timeout: float = 24 * 3600.0
+
+    _timeout = field_validator("timeout")(ExecRequest._timeout.__func__)  # type: ignore[attr-defined]
+
+
+class OpenSessionRequest(_Model):
+    """A shell whose state (cwd, environment, functions, an activated venv) persists from one
+    command to the next. One a session no command came to for ``idle_timeout`` seconds ends."""
+
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    idle_timeout: float = Field(default=600.0, ge=1, le=7 * 24 * 3600)
+
+
+class SessionInfo(_Model):
+    id: int  # the pid of its shell (it is listed with the background processes)
+
+
+class FileEntry(_Model):
+    name: str
+    path: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int  # permission bits (0o755 …)
+    mtime: float
+    uid: int
+    gid: int
+    target: str | None = None  # a symlink's target, as it is written (never followed)
+
+
+class FileList(_Model):
+    entries: list[FileEntry]
+
+
+class FileRemoveRequest(_Model):
+    path: str
+    recursive: bool = False
+
+
+class FileRenameRequest(_Model):
+    src: str
+    dst: str
+
+
+class MakeDirRequest(_Model):
+    path: str
+
+
+class TreeDownloadRequest(_Model):
+    """``download_dir``: the tree at ``path`` as a tar, streamed as ``ExecEvent`` stdout lines
+    of base64 text, then ``exit``."""
+
+    path: str
+
+
+class PortRequest(_Model):
+    """One HTTP request to a port inside a sandbox (``sandbox.port_url``), node-bound."""
+
+    port: int = Field(ge=1, le=65535)
+    method: str = Field(default="GET", pattern=r"^[A-Z]{1,16}$")
+    path: str = Field(default="/", pattern=r"^/[^\s]*$")
+    headers: list[tuple[str, str]] = Field(default_factory=list)
+    body_b64: str = ""
+
+
+class PortResponse(_Model):
+    status: int
+    headers: list[tuple[str, str]] = Field(default_factory=list)
+    body_b64: str = ""
+
+
 class ImageInfo(_Model):
     name: str
     layers: list[str]

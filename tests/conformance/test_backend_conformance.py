@@ -248,3 +248,250 @@ async def test_clean_copy(kit):
     finally:
         for handle in made:
             await backend.destroy(handle)
+
+
+class Chunks:
+    """An ``emit`` that records (kind, bytes, when) and can be held shut."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import time
+
+        self.got: list[tuple[str, bytes, float]] = []
+        self.open = asyncio.Event()
+        self.open.set()
+        self.clock = time.perf_counter
+
+    async def __call__(self, kind: str, data: bytes) -> None:
+        await self.open.wait()
+        self.got.append((kind, data, self.clock()))
+
+    def text(self, kind: str) -> str:
+        return b"".join(d for k, d, _ in self.got if k == kind).decode()
+
+
+async def test_exec_stream_hands_output_on_as_written(kit):
+    import time
+
+    backend, spec = kit
+    handle = await backend.create(cid(), spec)
+    try:
+        chunks = Chunks()
+        start = time.perf_counter()
+        result = await backend.exec_stream(handle, run("echo one; sleep 1; echo two >&2; echo three"), ROOT, chunks)
+        end = time.perf_counter()
+        assert (result.exit_code, result.stdout, result.stderr) == (0, "one\nthree\n", "two\n")
+        assert (chunks.text("stdout"), chunks.text("stderr")) == ("one\nthree\n", "two\n")
+        if type(backend).__name__ != "FakeBackend":  # (the fake's output comes at its end)
+            first = chunks.got[0]
+            assert first[1] == b"one\n" and first[2] - start < end - start - 0.5, (chunks.got, end - start)
+        # Caps apply to what is kept, not to what streams past.
+        chunks = Chunks()
+        result = await backend.exec_stream(handle, run("echo 0123456789", max_output_bytes=4), ROOT, chunks)
+        assert (result.stdout, result.stdout_bytes, chunks.text("stdout")) == ("0123", 11, "0123456789\n")
+    finally:
+        await backend.destroy(handle)
+
+
+async def test_exec_stream_backpressure_and_timeout(kit):
+    """A consumer that does not take the output holds the command (nothing piles up for it)."""
+    import asyncio
+
+    backend, spec = kit
+    if type(backend).__name__ == "FakeBackend":
+        pytest.skip("the fake's commands write no real output")
+    handle = await backend.create(cid(), spec)
+    try:
+        chunks = Chunks()
+        chunks.open.clear()
+        size = 4 << 20  # over every buffer on the way: the pipe's, the guest agent's window
+        call = asyncio.ensure_future(backend.exec_stream(
+            handle, run(f"head -c {size} /dev/zero; echo written >&2", max_output_bytes=1000, timeout=60), ROOT, chunks))
+        await asyncio.sleep(1.5)
+        assert not call.done(), "the command ran to its end with nobody reading"
+        chunks.open.set()
+        result = await call
+        assert result.exit_code == 0 and result.stdout_bytes == size and len(result.stdout) == 1000
+        assert result.stdout_truncated and chunks.text("stderr") == "written\n"
+        assert sum(len(d) for k, d, _ in chunks.got if k == "stdout") == size
+        # A timeout ends a streamed command as it ends any other; what it wrote came through.
+        chunks = Chunks()
+        with pytest.raises(CommandTimeout):
+            await backend.exec_stream(handle, run("echo early; sleep 30", timeout=1), ROOT, chunks)
+        assert chunks.text("stdout") == "early\n"
+        assert (await backend.exec(handle, run("echo after"), ROOT)).stdout == "after\n"
+    finally:
+        await backend.destroy(handle)
+
+
+async def test_background_processes(kit):
+    """dsec.edge.processes' scripts on each backend: a process outlives its start, takes stdin
+    and signals, streams its output and is listed with its exit code."""
+    import asyncio
+
+    from dsec.edge import processes
+    from dsec.edge.stream import stream_exec
+
+    backend, spec = kit
+    if type(backend).__name__ == "FakeBackend":
+        pytest.skip("the fake runs no shell")
+    handle = await backend.create(cid(), spec)
+
+    async def manage(script: str, stdin: str | None = None):
+        return await backend.exec(handle, run(script, stdin=stdin, timeout=30), ROOT)
+
+    try:
+        started = await backend.exec(handle, run(processes.start_script("echo hi; read line; echo got $line >&2; sleep 30")), ROOT)
+        pid = processes.started_pid(started)
+        [info] = processes.parse_list((await manage(processes.list_script())).stdout)
+        assert (info.pid, info.running, info.command) == (pid, True, "echo hi; read line; echo got $line >&2; sleep 30")
+        processes.check(await manage(processes.stdin_script(pid, True, True), stdin="there\n"), pid, "write")
+        follow = run(processes.follow_script(pid, 0, 0), max_output_bytes=0, timeout=60)
+        events = stream_exec(lambda emit: backend.exec_stream(handle, follow, ROOT, emit))
+        seen = ""
+        async for event in events:
+            if event.event == "stderr":
+                seen += event.data
+                if "got there" in seen:
+                    break
+        await events.aclose()
+        processes.check(await manage(processes.signal_script(pid, 2)), pid, "signal")  # Ctrl-C reaches it
+        processes.check(await manage(processes.wait_script(pid)), pid, "wait")
+        [info] = processes.parse_list((await manage(processes.list_script())).stdout)
+        assert (info.running, info.exit_code, info.stdout_bytes) == (False, 130, 3), info
+        with pytest.raises(libdsec_errors().SandboxStateError, match="has exited"):
+            processes.check(await manage(processes.signal_script(pid, 2)), pid, "signal it")
+        with pytest.raises(libdsec_errors().ProcessNotFound):
+            processes.check(await manage(processes.signal_script(1, 9)), 1, "signal it")
+        # The whole output again from the start, then the exit code.
+        events = [e async for e in stream_exec(lambda emit: backend.exec_stream(handle, follow, ROOT, emit))]
+        assert "".join(e.data for e in events if e.event == "stdout") == "hi\n"
+        assert events[-1].event == "exit" and events[-1].result.exit_code == 130
+        await asyncio.sleep(0)
+    finally:
+        await backend.destroy(handle)
+
+
+def libdsec_errors():
+    import libdsec
+
+    return libdsec
+
+
+async def test_session_scripts(kit):
+    """dsec.edge.processes' session on each backend: state persists, a timeout interrupts."""
+    from dsec.edge import processes
+
+    backend, spec = kit
+    if type(backend).__name__ == "FakeBackend":
+        pytest.skip("the fake runs no shell")
+    handle = await backend.create(cid(), spec)
+
+    async def session_run(pid: int, command: str, timeout: float = 30):
+        nonce = secrets.token_hex(4)
+        request = run(processes.session_run_script(pid, nonce), timeout=timeout,
+                      stdin=processes.session_input(command))
+        try:
+            return await backend.exec(handle, request, ROOT), nonce
+        except CommandTimeout:
+            return None, nonce
+
+    try:
+        started = await backend.exec(handle, run(processes.start_script(processes.session_command(600))), ROOT)
+        pid = processes.started_pid(started)
+        await session_run(pid, "true")
+        first, _ = await session_run(pid, "cd /tmp && export A=1; echo set")
+        assert (first.exit_code, first.stdout) == (0, "set\n"), first
+        later, _ = await session_run(pid, "pwd; echo $A >&2; exit_code_is() { return $1; }; exit_code_is 4")
+        assert (later.exit_code, later.stdout, later.stderr) == (4, "/tmp\n", "1\n"), later
+        timed_out, nonce = await session_run(pid, "sleep 30", timeout=1)
+        assert timed_out is None
+        after = await backend.exec(handle, run(processes.interrupt_script(pid, nonce), timeout=30), ROOT)
+        assert after.exit_code == 0, after
+        again, _ = await session_run(pid, "pwd")
+        assert again.stdout == "/tmp\n"
+    finally:
+        await backend.destroy(handle)
+
+
+async def test_file_tree_scripts(kit):
+    """dsec.edge.files' commands on each backend: a tar in, listed, the same tar out."""
+    import base64
+    import io
+    import tarfile
+
+    from dsec.edge import files
+    from dsec.edge.stream import stream_exec
+
+    backend, spec = kit
+    if type(backend).__name__ == "FakeBackend":
+        pytest.skip("the fake runs no shell")
+    handle = await backend.create(cid(), spec)
+
+    async def sh(script: str, stdin: str | None = None):
+        return await backend.exec(handle, run(script, stdin=stdin, timeout=60, max_output_bytes=8 << 20), ROOT)
+
+    try:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name, data in (("a.txt", b"alpha"), ("sub/b.bin", bytes(range(256)) * 40)):
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(data), 0o640
+                tar.addfile(info, io.BytesIO(data))
+            link = tarfile.TarInfo("ln")
+            link.type, link.linkname = tarfile.SYMTYPE, "a.txt"
+            tar.addfile(link)
+        data = buf.getvalue()
+        files.checked_tar(data)
+        tmp = "/tmp/.up.tar"
+        files.check(await sh(files.upload_piece_script(tmp, True), base64.b64encode(data).decode()), "upload", "/t")
+        files.check(await sh(files.unpack_script(tmp, "/tmp/t")), "unpack", "/tmp/t")
+        entries = {e.name: e for e in files.parse_entries(files.check(await sh(files.list_script("/tmp/t")), "list", "/").stdout, "/tmp/t")}
+        assert set(entries) == {"a.txt", "ln", "sub"} and entries["a.txt"].mode == 0o640, entries
+        assert (entries["ln"].type, entries["ln"].target, entries["sub"].type) == ("symlink", "a.txt", "dir")
+        with pytest.raises(SandboxFileNotFound):
+            files.check(await sh(files.stat_script("/tmp/none")), "stat", "/tmp/none")
+        request = run(files.download_script("/tmp/t"), max_output_bytes=0, timeout=60)
+        text = "".join([e.data async for e in stream_exec(lambda emit: backend.exec_stream(handle, request, ROOT, emit))
+                        if e.event == "stdout"])
+        with tarfile.open(fileobj=io.BytesIO(base64.b64decode("".join(text.split()))), mode="r:") as tar:
+            got = {m.name.removeprefix("./"): (tar.extractfile(m).read() if m.isreg() else m.linkname)
+                   for m in tar.getmembers() if m.name not in (".", "./")}
+        assert got == {"a.txt": b"alpha", "sub": "", "sub/b.bin": bytes(range(256)) * 40, "ln": "a.txt"}, got.keys()
+    finally:
+        await backend.destroy(handle)
+
+
+async def test_port_scripts(kit):
+    """dsec.edge.ports' command on each backend: HTTP to a port inside, 502 when none listens."""
+    import asyncio
+    import base64
+
+    from dsec.edge import ports, processes
+    from libdsec import PortUnreachable
+    from libdsec.protocol import PortRequest
+
+    backend, spec = kit
+    if type(backend).__name__ == "FakeBackend":
+        pytest.skip("the fake runs no shell")
+    handle = await backend.create(cid(), spec)
+
+    async def ask(port: int, path: str = "/index.html"):
+        raw = ports.raw_request(PortRequest(port=port, path=path))
+        result = await backend.exec(handle, run(ports.script(port), stdin=base64.b64encode(raw).decode(), timeout=30), ROOT)
+        return ports.parse(result, port)
+
+    try:
+        await backend.exec(handle, run("mkdir -p /tmp/www && echo hello > /tmp/www/index.html"), ROOT)
+        await backend.exec(handle, run(processes.start_script("httpd -f -p 127.0.0.1:8000 -h /tmp/www")), ROOT)
+        for _ in range(50):
+            try:
+                answer = await ask(8000)
+                break
+            except PortUnreachable:
+                await asyncio.sleep(0.2)
+        assert (answer.status, base64.b64decode(answer.body_b64)) == (200, b"hello\n")
+        with pytest.raises(PortUnreachable, match="port 8001"):
+            await ask(8001)
+    finally:
+        await backend.destroy(handle)

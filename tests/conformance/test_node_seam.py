@@ -283,3 +283,49 @@ async def test_the_node_token_is_required(tmp_path):
         with pytest.raises(Unauthenticated, match="node token"):
             await edge.node_info()
         await edge.close()
+
+
+async def test_a_streamed_command_crosses_the_seam(node):
+    info = await node.create(args())
+    try:
+        events = [e async for e in node.exec_stream(info.id, ExecRequest(command="echo hi; echo oops >&2; exit 3"))]
+        assert [e.event for e in events] == ["started", "stdout", "stderr", "exit"]
+        assert (events[1].data, events[2].data) == ("hi\n", "oops\n")
+        assert events[-1].result.exit_code == 3 and events[-1].result.stdout == "hi\n"
+        # An error after the start is the last event; one before it is raised.
+        events = [e async for e in node.exec_stream(info.id, ExecRequest(command="sleep 5", timeout=0.2))]
+        assert events[-1].event == "error" and events[-1].error["code"] == "command_timeout"
+        with pytest.raises(SandboxNotFound):
+            await anext(node.exec_stream("n0-0123456789abcdef", ExecRequest(command="true")))
+        # Left early: closed, the node serves on.
+        stream = node.exec_stream(info.id, ExecRequest(command="sleep 2"))
+        assert (await anext(stream)).event == "started"
+        await stream.aclose()
+        assert (await node.exec(info.id, ExecRequest(command="echo on"))).stdout == "on\n"
+    finally:
+        await node.stop(info.id)
+
+
+async def test_process_calls_cross_the_seam(node):
+    """(The fake runs no shell: what crosses here is the calls and their errors.)"""
+    from libdsec import ProcessNotFound
+    from libdsec.protocol import ProcessStreamRequest, StartProcessRequest
+
+    info = await node.create(args())
+    try:
+        with pytest.raises(InvalidRequest, match="cannot start the background process"):
+            await node.start_process(info.id, StartProcessRequest(command="sleep 5"))
+        assert await node.list_processes(info.id) == []
+        with pytest.raises(ProcessNotFound, match="no background process 42"):
+            await node.get_process(info.id, 42)
+        with pytest.raises(ProcessNotFound):
+            await anext(node.stream_process(info.id, 42, ProcessStreamRequest()))
+        with pytest.raises(SandboxNotFound):
+            await node.list_processes("n0-0123456789abcdef")
+        from libdsec import PortUnreachable
+        from libdsec.protocol import PortRequest
+
+        with pytest.raises(PortUnreachable, match="port 8000"):  # (502 on the wire)
+            await node.port_request(info.id, PortRequest(port=8000))
+    finally:
+        await node.stop(info.id)

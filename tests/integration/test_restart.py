@@ -165,3 +165,38 @@ async def test_a_batch_cut_by_a_crash_is_undone_at_restart(state_dir):
             await (await client.get_sandbox(single.id)).stop()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+async def test_background_processes_outlive_an_edge_restart(state_dir, how):
+    """They keep running, writing and being listed; their exit is recorded while the edge is down."""
+    server = LocalServer(state_dir).start()
+    try:
+        async with DSecClient(server.endpoint, token=server.token) as client:
+            sandbox = await client.run_container(ARGS)
+            ticker = await sandbox.start_shell("i=0; while :; do echo $i; i=$((i+1)); sleep 0.1; done")
+            brief = await sandbox.start_shell("sleep 1; echo done; exit 5")
+            session = await sandbox.open_session()
+            await session.run_shell("cd /tmp && export KEPT=yes")
+        port = server.port
+        server.stop() if how == "sigterm" else server.kill()
+        time.sleep(1.5)  # `brief` ends meanwhile
+        server = LocalServer(state_dir, port=port).start()
+        async with DSecClient(server.endpoint, token=server.token) as client:
+            sandbox = await client.get_sandbox(sandbox.id)
+            listed = {p.pid: p for p in await sandbox.list_processes()}
+            assert listed[ticker.pid].running and listed[ticker.pid].stdout_bytes > 20, listed
+            assert (listed[brief.pid].running, listed[brief.pid].exit_code) == (False, 5)
+            proc = await sandbox.connect_process(ticker.pid)
+            async for event in proc.stream():
+                assert event.event == "stdout" and event.data.strip().split("\n")[0].isdigit()
+                break
+            await proc.kill()
+            assert (await proc.wait()).exit_code == 137
+            # The session is a background process too: its shell and its state are there.
+            again = await sandbox.connect_session(session.id)
+            assert (await again.run_shell("pwd; echo $KEPT")).stdout == "/tmp\nyes\n"
+            await again.close()
+            await sandbox.stop()
+    finally:
+        server.stop()

@@ -15,7 +15,7 @@ from libdsec._errors import ERROR_CODES, error_from_wire
 
 PUBLIC = {
     "BackendError", "CapacityExceeded", "CommandTimeout", "DSecClient", "DSecContainerRunArgs",
-    "DSecError", "ExecResult", "ImageInfo", "ImageNotFound", "InvalidRequest", "LimitOutOfRange",
+    "DSecError", "ExecEvent", "ExecResult", "ImageInfo", "ImageNotFound", "InvalidRequest", "LimitOutOfRange",
     "PackDiffResult", "Sandbox", "SandboxFileNotFound", "SandboxInfo", "SandboxNotFound", "SandboxStateError",
     "SandboxStatus", "ServerError", "ServerUnavailable", "SyncDSecClient", "SyncSandbox",
     "Unauthenticated", "default_token",
@@ -25,6 +25,7 @@ PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
 PUBLIC |= {"SandboxLost"}  # cluster
+PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession", "FileEntry", "PortUnreachable"}  # inside a sandbox
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -36,6 +37,9 @@ ERRORS = [
     (libdsec.SandboxStateError, "sandbox_state", 409, RuntimeError),
     (libdsec.SandboxLost, "sandbox_lost", 410, ConnectionError),
     (libdsec.SandboxFileNotFound, "file_not_found", 404, FileNotFoundError),
+    (libdsec.ProcessNotFound, "process_not_found", 404, LookupError),
+    (libdsec.SessionClosed, "session_closed", 409, RuntimeError),
+    (libdsec.PortUnreachable, "port_unreachable", 502, ConnectionError),
     (libdsec.CommandTimeout, "command_timeout", 408, TimeoutError),
     (libdsec.CapacityExceeded, "capacity_exceeded", 503, libdsec.DSecError),
     (libdsec.QuotaExceeded, "quota_exceeded", 429, libdsec.DSecError),
@@ -108,6 +112,25 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.BatchEvent: {"event": "done"},
         _models.ExecRequest: {"command": "true"},
         _models.ExecResult: {"exit_code": 0, "stdout": "", "stderr": "", "duration_s": 0.1},
+        _models.ExecEvent: {"event": "stdout", "data": "x"},
+        _models.StartProcessRequest: {"command": "sleep 1"},
+        _models.ProcessInfo: {"pid": 7, "command": "sleep 1", "running": True},
+        _models.ProcessList: {"processes": []},
+        _models.ProcessStdinRequest: {"data": "x"},
+        _models.ProcessSignalRequest: {"signal": 2},
+        _models.ProcessWaitRequest: {},
+        _models.ProcessStreamRequest: {},
+        _models.OpenSessionRequest: {},
+        _models.FileEntry: {"name": "a", "path": "/a", "type": "file", "size": 1, "mode": 420, "mtime": 0.0,
+                            "uid": 0, "gid": 0},
+        _models.FileList: {"entries": []},
+        _models.FileRemoveRequest: {"path": "/a"},
+        _models.FileRenameRequest: {"src": "/a", "dst": "/b"},
+        _models.MakeDirRequest: {"path": "/a"},
+        _models.TreeDownloadRequest: {"path": "/a"},
+        _models.PortRequest: {"port": 8000},
+        _models.PortResponse: {"status": 200},
+        _models.SessionInfo: {"id": 9},
         _models.ImageInfo: {"name": "busybox", "layers": ["sha256-00"], "size_bytes": 1},
         _models.ImageList: {"images": []},
         _models.PackDiffRequest: {"name": "snap"},

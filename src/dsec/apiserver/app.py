@@ -8,12 +8,13 @@ the cluster (one embedded edge here).
 from __future__ import annotations
 
 import asyncio
+import base64
 import inspect
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -28,19 +29,36 @@ from libdsec.protocol import (
     DSecFullVMRunArgs,
     DSecMicroVMRunArgs,
     ErrorResponse,
+    ExecEvent,
     ExecRequest,
     ExecResult,
+    FileEntry,
+    FileList,
+    FileRemoveRequest,
+    FileRenameRequest,
     ImageInfo,
     ImageList,
+    MakeDirRequest,
     NodeInfo,
     CleanCopyRequest,
     CleanCopyResult,
     PackDiffRequest,
     PackDiffResult,
+    OpenSessionRequest,
     PauseResult,
+    PortRequest,
+    ProcessInfo,
+    ProcessList,
+    ProcessSignalRequest,
+    ProcessStdinRequest,
+    ProcessStreamRequest,
+    ProcessWaitRequest,
     SandboxInfo,
     SandboxList,
+    SessionInfo,
     SnapshotInfo,
+    StartProcessRequest,
+    TreeDownloadRequest,
 )
 
 from .auth import Authenticator, Caller
@@ -97,6 +115,24 @@ class _CatchUnexpected:
             log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
             body = {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
             await JSONResponse(body, status_code=500)(scope, receive, send)
+
+
+async def _streaming(events: AsyncIterator[ExecEvent]) -> StreamingResponse:
+    try:  # errors before the start are a plain error answer
+        first = await anext(events)
+    except BaseException:
+        await events.aclose()
+        raise
+    return StreamingResponse(_ndjson(first, events), media_type="application/x-ndjson")
+
+
+async def _ndjson(first: ExecEvent, events: AsyncIterator[ExecEvent]) -> AsyncIterator[str]:
+    """One line an event, each sent once the last left (Starlette awaits the transport's
+    drain); a client that goes away cancels this, which closes ``events``: the command dies."""
+    async with aclosing(events):
+        yield first.model_dump_json() + "\n"
+        async for event in events:
+            yield event.model_dump_json() + "\n"
 
 
 def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
@@ -259,6 +295,122 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=auth, responses=_ERRORS)
     async def exec_command(sandbox_id: str, request: ExecRequest) -> ExecResult:
         return await cluster.edge_for(sandbox_id).exec(sandbox_id, request)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/exec:stream", dependencies=auth, responses=_ERRORS,
+              response_model=ExecEvent)
+    async def exec_stream(sandbox_id: str, request: ExecRequest) -> StreamingResponse:
+        """The command's ``ExecEvent``s as NDJSON lines, as it writes (``dsec.edge.stream``)."""
+        return await _streaming(cluster.edge_for(sandbox_id).exec_stream(sandbox_id, request))
+
+    # -- background processes ---------------------------------------------------------------
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes", dependencies=auth, responses=_ERRORS)
+    async def start_process(sandbox_id: str, request: StartProcessRequest) -> ProcessInfo:
+        return await cluster.edge_for(sandbox_id).start_process(sandbox_id, request)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes", dependencies=auth, responses=_ERRORS)
+    async def list_processes(sandbox_id: str) -> ProcessList:
+        return ProcessList(processes=await cluster.edge_for(sandbox_id).list_processes(sandbox_id))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/processes/{pid}", dependencies=auth, responses=_ERRORS)
+    async def get_process(sandbox_id: str, pid: int = Path(ge=1, le=999_999_999)) -> ProcessInfo:
+        return await cluster.edge_for(sandbox_id).get_process(sandbox_id, pid)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/signal", dependencies=auth, responses=_ERRORS)
+    async def signal_process(sandbox_id: str, request: ProcessSignalRequest, pid: int = Path(ge=1, le=999_999_999)) -> dict:
+        await cluster.edge_for(sandbox_id).signal_process(sandbox_id, pid, request.signal)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/stdin", dependencies=auth, responses=_ERRORS)
+    async def process_stdin(sandbox_id: str, request: ProcessStdinRequest, pid: int = Path(ge=1, le=999_999_999)) -> dict:
+        await cluster.edge_for(sandbox_id).process_stdin(sandbox_id, pid, request.data, request.close)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/wait", dependencies=auth, responses=_ERRORS)
+    async def wait_process(sandbox_id: str, request: ProcessWaitRequest, pid: int = Path(ge=1, le=999_999_999)) -> ProcessInfo:
+        return await cluster.edge_for(sandbox_id).wait_process(sandbox_id, pid, request.timeout)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/processes/{pid}/stream", dependencies=auth, responses=_ERRORS,
+              response_model=ExecEvent)
+    async def stream_process(sandbox_id: str, request: ProcessStreamRequest, pid: int = Path(ge=1, le=999_999_999)) -> StreamingResponse:
+        """The process's output from the offsets given, as NDJSON ``ExecEvent`` lines, to its end."""
+        return await _streaming(cluster.edge_for(sandbox_id).stream_process(sandbox_id, pid, request))
+
+    # -- ports: HTTP to a port inside, for the caller's token only ----------------------------
+
+    @app.api_route("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}", dependencies=auth, responses=_ERRORS,
+                   methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+    async def port_proxy(request: Request, sandbox_id: str, path: str, port: int = Path(ge=1, le=65535)) -> Response:
+        """The answer of port ``port`` inside the sandbox to this request (``sandbox.port_url``)."""
+        target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+        headers = [(k, v) for k, v in request.headers.items()]
+        answer = await cluster.edge_for(sandbox_id).port_request(sandbox_id, PortRequest(
+            port=port, method=request.method, path=target, headers=headers,
+            body_b64=base64.b64encode(await request.body()).decode()))
+        return Response(content=base64.b64decode(answer.body_b64), status_code=answer.status,
+                        headers={k: v for k, v in answer.headers if k.lower() != "content-length"})
+
+    # -- sessions ---------------------------------------------------------------------------
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions", dependencies=auth, responses=_ERRORS)
+    async def open_session(sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
+        return await cluster.edge_for(sandbox_id).open_session(sandbox_id, request)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session}/exec", dependencies=auth, responses=_ERRORS)
+    async def session_exec(sandbox_id: str, request: ExecRequest, session: int = Path(ge=1, le=999_999_999)) -> ExecResult:
+        return await cluster.edge_for(sandbox_id).session_exec(sandbox_id, session, request)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session}/exec:stream", dependencies=auth, responses=_ERRORS,
+              response_model=ExecEvent)
+    async def session_exec_stream(sandbox_id: str, request: ExecRequest, session: int = Path(ge=1, le=999_999_999)) -> StreamingResponse:
+        return await _streaming(cluster.edge_for(sandbox_id).session_exec_stream(sandbox_id, session, request))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session}/interrupt", dependencies=auth, responses=_ERRORS)
+    async def interrupt_session(sandbox_id: str, session: int = Path(ge=1, le=999_999_999)) -> dict:
+        await cluster.edge_for(sandbox_id).interrupt_session(sandbox_id, session)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/sessions/{session}/close", dependencies=auth, responses=_ERRORS)
+    async def close_session(sandbox_id: str, session: int = Path(ge=1, le=999_999_999)) -> dict:
+        await cluster.edge_for(sandbox_id).close_session(sandbox_id, session)
+        return {"ok": True}
+
+    # -- file trees -------------------------------------------------------------------------
+
+    @app.get("/v1/sandboxes/{sandbox_id}/fs/list", dependencies=auth, responses=_ERRORS)
+    async def list_dir(sandbox_id: str, path: str = Query(min_length=1)) -> FileList:
+        return FileList(entries=await cluster.edge_for(sandbox_id).list_dir(sandbox_id, path))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/fs/stat", dependencies=auth, responses=_ERRORS)
+    async def stat_path(sandbox_id: str, path: str = Query(min_length=1)) -> FileEntry:
+        return await cluster.edge_for(sandbox_id).stat_path(sandbox_id, path)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fs/remove", dependencies=auth, responses=_ERRORS)
+    async def remove_path(sandbox_id: str, request: FileRemoveRequest) -> dict:
+        await cluster.edge_for(sandbox_id).remove_path(sandbox_id, request.path, request.recursive)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fs/mkdir", dependencies=auth, responses=_ERRORS)
+    async def make_dir(sandbox_id: str, request: MakeDirRequest) -> dict:
+        await cluster.edge_for(sandbox_id).make_dir(sandbox_id, request.path)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fs/rename", dependencies=auth, responses=_ERRORS)
+    async def rename_path(sandbox_id: str, request: FileRenameRequest) -> dict:
+        await cluster.edge_for(sandbox_id).rename_path(sandbox_id, request.src, request.dst)
+        return {"ok": True}
+
+    @app.put("/v1/sandboxes/{sandbox_id}/fs/tree", dependencies=auth, responses=_ERRORS)
+    async def upload_tree(request: Request, sandbox_id: str, path: str = Query(min_length=1)) -> dict:
+        edge = cluster.edge_for(sandbox_id)
+        await edge.upload_tree(sandbox_id, path, await request.body())
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/fs/tree:download", dependencies=auth, responses=_ERRORS,
+              response_model=ExecEvent)
+    async def download_tree(sandbox_id: str, request: TreeDownloadRequest) -> StreamingResponse:
+        """The tree as a tar, base64 text in NDJSON ``ExecEvent`` stdout lines, then ``exit``."""
+        return await _streaming(cluster.edge_for(sandbox_id).download_tree(sandbox_id, request.path))
 
     @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, responses=_ERRORS)
     async def read_file(sandbox_id: str, path: str = Query(min_length=1)) -> Response:

@@ -10,7 +10,9 @@ Lifecycle of a handle, as the edge drives it::
   nothing behind (no mount, cgroup or process) and raises ``BackendError``.
 - ``exec``, ``read_file`` and ``write_file`` need a running sandbox; on a paused one the edge
   resumes first. A command past its timeout is killed (with everything it started) and
-  ``CommandTimeout`` is raised.
+  ``CommandTimeout`` is raised. ``exec_stream`` is ``exec`` that also hands each chunk of
+  output to ``emit`` as the command writes it, and reads no further until ``emit`` returned
+  (backpressure); the result keeps what ``exec``'s would (caps apply to what is kept only).
 - ``destroy`` is idempotent: a second call, or a call on a sandbox whose processes died, just
   makes sure everything is released.
 - ``recover`` is called once when an edge starts: given the handles it had persisted, it says
@@ -34,6 +36,7 @@ Handles are plain data (``to_json``/``from_json``) so an edge restart can re-ado
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,6 +44,11 @@ from libdsec import InvalidRequest
 from libdsec.protocol import ExecRequest, ExecResult
 
 from ..resources.cgroups import Limits
+
+
+# What a streamed command hands on: ("stdout" | "stderr", bytes). The backend reads no more of
+# that command's output until it returned (the consumer's pace is the command's).
+Emit = Callable[[str, bytes], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,8 @@ class SandboxBackend(Protocol):
     async def apply_limits(self, handle: Handle, limits: Limits) -> None: ...
 
     async def exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult: ...
+
+    async def exec_stream(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit) -> ExecResult: ...
 
     async def read_file(self, handle: Handle, path: str, max_bytes: int) -> bytes: ...
 

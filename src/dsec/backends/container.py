@@ -57,7 +57,7 @@ from ..resources import cgroups, reclaim
 from ..resources import cpu as cpu_sched
 from ..resources.cgroups import Limits
 from .. import native
-from .base import ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
+from .base import Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
 from .initchan import MAX_REQUEST, ChannelClosed, InitChannel, StartFailed, TooLarge, exit_code
 
 log = logging.getLogger("dsec.backends.container")
@@ -378,9 +378,11 @@ class _Capture:
         self.kept = bytearray()
         self.total = 0
 
-    async def drain(self, stream: asyncio.StreamReader) -> None:
+    async def drain(self, stream: asyncio.StreamReader, emit: Emit | None = None, kind: str = "") -> None:
         while chunk := await stream.read(_READ_CHUNK):
             self.feed(chunk)
+            if emit is not None:
+                await emit(kind, chunk)
 
     def feed(self, chunk: bytes) -> None:
         self.total += len(chunk)
@@ -438,6 +440,77 @@ class _PipeReader:
             self.fd = -1
         if not self.done.done():
             self.done.set_result(None)
+
+
+class _PipeStream:
+    """Hands what a command writes to a pipe to ``emit`` chunk by chunk (and into a capture),
+    reading no more while ``emit`` has not returned: a consumer that reads slowly leaves the
+    data in the pipe, and the command blocks on its next write (backpressure, no buffer here).
+    ``done`` is a task that ends at end of file."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, capture: _Capture, kind: str, emit: Emit) -> None:
+        self.loop, self.fd, self.capture, self.kind, self.emit = loop, fd, capture, kind, emit
+        self.done = loop.create_task(self._run())
+        self.done.add_done_callback(lambda _: self._close_fd())  # also when cancelled before it ran
+
+    def _close_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    async def _readable(self) -> None:
+        ready = self.loop.create_future()
+        self.loop.add_reader(self.fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            self.loop.remove_reader(self.fd)
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    data = os.read(self.fd, _READ_CHUNK)
+                except (BlockingIOError, InterruptedError):
+                    await self._readable()
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    return
+                self.capture.feed(data)
+                await self.emit(self.kind, data)
+        finally:
+            self._close_fd()
+
+    def close(self) -> None:
+        self.done.cancel()
+
+
+class _Flow:
+    """``emit`` wrapped: counts the chunks handed on and whether one is being handed now."""
+
+    def __init__(self, emit: Emit) -> None:
+        self.emit, self.moved, self.busy = emit, 0, 0
+
+    async def __call__(self, kind: str, data: bytes) -> None:
+        self.busy += 1
+        try:
+            await self.emit(kind, data)
+        finally:
+            self.busy -= 1
+            self.moved += 1
+
+
+async def _wait_pipes(flow: _Flow | None, tasks: list[asyncio.Future]) -> None:
+    """Wait for the pipes' end of file after the command exited: pipes still flowing to a
+    slow consumer are waited for; pipes idle for ``_PIPE_GRACE_S`` (held open by a background
+    process) are not."""
+    while True:
+        before = flow.moved if flow is not None else 0
+        _, pending = await asyncio.wait(tasks, timeout=_PIPE_GRACE_S)
+        if not pending or flow is None or (not flow.busy and flow.moved == before):
+            return
 
 
 class ContainerBackend:
@@ -982,6 +1055,13 @@ class ContainerBackend:
     # -- exec and files --------------------------------------------------------------------
 
     async def exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult:
+        return await self._exec(handle, request, ctx, None)
+
+    async def exec_stream(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit) -> ExecResult:
+        return await self._exec(handle, request, ctx, emit)
+
+    async def _exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit | None) -> ExecResult:
+        flow = _Flow(emit) if emit is not None else None
         if not await self.is_alive(handle):
             raise SandboxStateError(f"cannot exec: sandbox process of {handle.cid} is gone")
         self._check_dir(handle, ctx.workdir)
@@ -990,16 +1070,17 @@ class ContainerBackend:
             job_id, message = channel.encode(["/bin/sh", "-c", request.command], ctx.env, ctx.workdir, ctx.uid, ctx.gid)
             if len(message) <= MAX_REQUEST:
                 try:
-                    return await self._exec_init(channel, job_id, message, request)
+                    return await self._exec_init(channel, job_id, message, request, flow)
                 except TooLarge:
                     pass  # this command alone goes through crun exec
                 except ChannelClosed:
                     if not await self._alive_after(handle, _INIT_EXIT_GRACE_S):
                         raise SandboxStateError(f"sandbox process of {handle.cid} is gone{self._why_gone(handle)}") from None
                     log.warning("init channel of %s closed; commands go through crun exec", handle.cid)
-        return await self._exec_crun(handle, request, ctx)
+        return await self._exec_crun(handle, request, ctx, flow)
 
-    async def _exec_init(self, channel: InitChannel, job_id: int, message: bytes, request: ExecRequest) -> ExecResult:
+    async def _exec_init(self, channel: InitChannel, job_id: int, message: bytes, request: ExecRequest,
+                         emit: _Flow | None = None) -> ExecResult:
         """Run a command through the sandbox's init: it forks it with our pipes as its stdio."""
         loop = asyncio.get_running_loop()
         cap = request.max_output_bytes
@@ -1007,7 +1088,7 @@ class ContainerBackend:
         ours: list[int] = []
         theirs: list[int] = []
         transports: list[asyncio.BaseTransport] = []
-        pipes: list[_PipeReader] = []
+        pipes: list[_PipeReader | _PipeStream] = []
         try:
             if request.stdin is not None:
                 stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
@@ -1015,12 +1096,12 @@ class ContainerBackend:
                 ours.append(stdin_w)
             else:
                 theirs.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
-            for capture in (out, err):
+            for capture, kind in ((out, "stdout"), (err, "stderr")):
                 r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
                 os.set_blocking(w, True)  # the command's end
                 theirs.append(w)
                 ours.append(r)
-                pipes.append(_PipeReader(loop, r, capture))
+                pipes.append(_PipeReader(loop, r, capture) if emit is None else _PipeStream(loop, r, capture, kind, emit))
                 ours.remove(r)  # the reader owns it now
             start = time.perf_counter()
             try:
@@ -1052,7 +1133,7 @@ class ContainerBackend:
                 raise
             # Output still in the pipes is read at once; a background process that keeps them
             # open is not waited for.
-            await asyncio.wait([p.done for p in pipes], timeout=_PIPE_GRACE_S)
+            await _wait_pipes(emit, [p.done for p in pipes])
         finally:
             for pipe in pipes:
                 pipe.close()
@@ -1062,7 +1143,8 @@ class ContainerBackend:
                 os.close(fd)
         return _Capture.result(exit_code(status), out, err, start)
 
-    async def _exec_crun(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult:
+    async def _exec_crun(self, handle: Handle, request: ExecRequest, ctx: ExecContext,
+                         emit: _Flow | None = None) -> ExecResult:
         """Run a command through `crun exec` (a sandbox adopted after a restart has no channel)."""
         pidfile = self.sandboxes_dir / handle.cid / f"exec-{os.urandom(4).hex()}.pid"
         # crun exec does not take no_new_privs from the container's config: ask for it.
@@ -1083,8 +1165,8 @@ class ContainerBackend:
         )
         cap = request.max_output_bytes
         out, err = _Capture(cap), _Capture(cap)
-        readers = [asyncio.ensure_future(out.drain(proc.stdout)),
-                   asyncio.ensure_future(err.drain(proc.stderr))]
+        readers = [asyncio.ensure_future(out.drain(proc.stdout, emit, "stdout")),
+                   asyncio.ensure_future(err.drain(proc.stderr, emit, "stderr"))]
         timed_out = False
         try:
             if request.stdin is not None:
@@ -1107,7 +1189,7 @@ class ContainerBackend:
                     rc = await _wait_process(proc, 60)
             # Output still in the pipes is read at once; a background process that keeps them
             # open is not waited for.
-            await asyncio.wait(readers, timeout=_PIPE_GRACE_S)
+            await _wait_pipes(emit, readers)
         except BaseException:
             self._kill_exec(pidfile, proc)
             raise

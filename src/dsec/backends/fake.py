@@ -1,7 +1,7 @@
 """An in-memory backend for testing the control plane (edge, apiserver, SDK) without a kernel.
 
 It keeps each sandbox's files in a dict and understands a handful of commands (``echo``,
-``cat``, ``exit N``, ``sleep N``, ``true``, ``false``), joined by ``;``. That is enough for the
+``echo … >&2``, ``cat``, ``exit N``, ``sleep N``, ``true``, ``false``), joined by ``;``. That is enough for the
 edge's lifecycle, TTL and error paths, and for the backend conformance suite; anything else
 answers exit code 127, as a shell would for an unknown command.
 """
@@ -18,7 +18,7 @@ from libdsec.protocol import ExecRequest, ExecResult
 from ..images import scrub
 from ..images.carry import Carried, is_system_path
 from ..resources.cgroups import Limits
-from .base import ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
+from .base import Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
 
 
 class FakeBackend:
@@ -52,6 +52,11 @@ class FakeBackend:
         self.limits[handle.cid] = limits
 
     async def exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult:
+        return await self.exec_stream(handle, request, ctx, None)
+
+    async def exec_stream(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit | None) -> ExecResult:
+        """``exec``; the whole output handed to ``emit`` at the end (the fake's commands take
+        no time to write)."""
         files = self._files(handle)
         start = time.perf_counter()
         out = bytearray()
@@ -64,7 +69,9 @@ class FakeBackend:
                 if not words:
                     continue
                 cmd, args = words[0], words[1:]
-                if cmd == "echo":
+                if cmd == "echo" and args[-1:] == [">&2"]:
+                    err.extend((" ".join(args[:-1]) + "\n").encode())
+                elif cmd == "echo":
                     out.extend((" ".join(args) + "\n").encode())
                 elif cmd == "cat":
                     for path in args:
@@ -90,6 +97,10 @@ class FakeBackend:
             code = await asyncio.wait_for(run(), request.timeout)
         except TimeoutError:
             raise CommandTimeout(f"command timed out after {request.timeout:g}s and was killed") from None
+        if emit is not None:
+            for kind, data in (("stdout", out), ("stderr", err)):
+                if data:
+                    await emit(kind, bytes(data))
         cap = request.max_output_bytes
         return ExecResult(
             exit_code=code, stdout=out[:cap].decode(), stderr=err[:cap].decode(),

@@ -31,17 +31,26 @@ from libdsec.protocol import (
     CleanCopyResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
+    ExecEvent,
     ExecRequest,
     ExecResult,
+    FileEntry,
     FnCallResult,
     ImageInfo,
     LayerUse,
     NodeInfo,
     PackDiffResult,
+    OpenSessionRequest,
     PauseResult,
+    PortRequest,
+    PortResponse,
+    ProcessInfo,
+    ProcessStreamRequest,
     SandboxInfo,
     SecurityEvent,
+    SessionInfo,
     SnapshotInfo,
+    StartProcessRequest,
 )
 
 NODE_NAME = re.compile(r"^[a-z0-9]{1,32}\Z")
@@ -110,7 +119,67 @@ class EdgeAPI(Protocol):
     # -- inside a sandbox --------------------------------------------------------------------
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult: ...
 
+    def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        """``started`` (the node took the command; errors before it are raised), then
+        ``stdout``/``stderr`` chunks as written, then ``exit`` or ``error`` (errors after the
+        start come as that event). Closing the iterator early kills the command. The consumer's
+        pace is the command's: nothing is buffered for a slow one (``dsec.edge.stream``)."""
+        ...
+
+    # Background processes (``dsec.edge.processes``): ``ProcessNotFound`` for a pid DSec did
+    # not start there; ``SandboxStateError`` for stdin or a signal to one that ended.
+    async def start_process(self, sandbox_id: str, request: StartProcessRequest) -> ProcessInfo: ...
+
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]: ...
+
+    async def get_process(self, sandbox_id: str, pid: int) -> ProcessInfo: ...
+
+    async def signal_process(self, sandbox_id: str, pid: int, signal: int) -> None: ...
+
+    async def process_stdin(self, sandbox_id: str, pid: int, data: str, close: bool) -> None: ...
+
+    async def wait_process(self, sandbox_id: str, pid: int, timeout: float) -> ProcessInfo: ...
+
+    def stream_process(self, sandbox_id: str, pid: int, request: ProcessStreamRequest) -> AsyncIterator[ExecEvent]:
+        """As ``exec_stream``: ``started``, output chunks, then ``exit`` (its code only)."""
+        ...
+
+    # Sessions: a shell whose state persists (``SessionClosed`` once it ended; ``ProcessNotFound``
+    # for an id that was never one). A command past its timeout is interrupted as Ctrl-C would.
+    async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo: ...
+
+    async def session_exec(self, sandbox_id: str, session: int, request: ExecRequest) -> ExecResult: ...
+
+    def session_exec_stream(self, sandbox_id: str, session: int, request: ExecRequest) -> AsyncIterator[ExecEvent]: ...
+
+    async def interrupt_session(self, sandbox_id: str, session: int) -> None: ...
+
+    async def close_session(self, sandbox_id: str, session: int) -> None: ...
+
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
+
+    async def port_request(self, sandbox_id: str, request: PortRequest) -> PortResponse:
+        """One HTTP request to a port inside (``dsec.edge.ports``); ``PortUnreachable`` when
+        nothing answers there."""
+        ...
+
+    # File trees (``dsec.edge.files``): as the sandbox's user; ``SandboxFileNotFound`` for a
+    # missing path, ``InvalidRequest`` naming what is wrong with a path or a tar member.
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]: ...
+
+    async def stat_path(self, sandbox_id: str, path: str) -> FileEntry: ...
+
+    async def remove_path(self, sandbox_id: str, path: str, recursive: bool) -> None: ...
+
+    async def make_dir(self, sandbox_id: str, path: str) -> None: ...
+
+    async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None: ...
+
+    async def upload_tree(self, sandbox_id: str, path: str, data: bytes) -> None: ...
+
+    def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
+        """``started``, then the tar as base64 text in ``stdout`` events, then ``exit``."""
+        ...
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None: ...
 

@@ -23,11 +23,13 @@ sandboxes to be adopted.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import secrets
 import shlex
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
 from contextlib import aclosing
@@ -35,13 +37,26 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from libdsec import InvalidRequest, SandboxLost, SandboxNotFound, SandboxStateError
+from libdsec import (
+    CommandTimeout, InvalidRequest, ProcessNotFound, SandboxFileNotFound, SandboxLost, SandboxNotFound,
+    SandboxStateError, SessionClosed,
+)
+from libdsec.protocol import DEFAULT_COMMAND_TIMEOUT_S, MAX_OUTPUT_BYTES_LIMIT
 from libdsec.protocol import (
     CleanCopyResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
+    ExecEvent,
     ExecRequest,
     ExecResult,
+    FileEntry,
+    OpenSessionRequest,
+    PortRequest,
+    PortResponse,
+    ProcessInfo,
+    ProcessStreamRequest,
+    SessionInfo,
+    StartProcessRequest,
     FnCallResult,
     ImageInfo,
     LayerUse,
@@ -69,6 +84,8 @@ from .lifecycle import Action, Record
 from .pool import WarmPool
 from .reaper import TTLReaper
 from .security import EdgeSecurity
+from . import files, ports, processes
+from .stream import stream_exec
 
 log = logging.getLogger("dsec.edge")
 
@@ -89,6 +106,7 @@ class EdgeConfig:
     batch_commit_s: float = 60.0
     reaper_interval_s: float = 1.0
     max_file_bytes: int = 64 << 20
+    max_upload_bytes: int = 1 << 30  # a tar for upload_tree (held in memory while checked and sent)
     # Warm pool per image: grows to the peak number of creates in flight, within these bounds;
     # an image unused for pool_idle_s loses its pool.
     pool_min: int = 2
@@ -123,6 +141,8 @@ class Edge:
         self.journal = RecordJournal(self.records_dir)
         self._records: dict[str, Record] = {}
         self._finished: OrderedDict[str, SandboxInfo] = OrderedDict()
+        # One command at a time per session; held only while one runs (no entry outlives it).
+        self._session_locks: weakref.WeakValueDictionary[tuple[str, int], asyncio.Lock] = weakref.WeakValueDictionary()
         self.admission = Admission(config, memory_total_mb(), os.cpu_count() or 1)
         self.warm_pool = WarmPool(config, self.backends, self._records.__len__)
         # Batches whose sandboxes are held here until committed: id -> when they are given up
@@ -421,17 +441,223 @@ class Edge:
             rec.calls -= 1
             rec.last_active = time.time()
 
-    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+    async def _exec_context(self, sandbox_id: str, request: ExecRequest) -> tuple[Record, ExecContext]:
         rec = await self._ready(sandbox_id, Action.exec)
         if request.user is not None:
             uid, gid = await self.backends[rec.kind].resolve_user(rec.handle, request.user)
         else:
             uid, gid = rec.uid, rec.gid
-        ctx = ExecContext(
+        return rec, ExecContext(
             uid=uid, gid=gid, workdir=request.workdir or rec.args.workdir,
             env={**rec.image.env, **rec.args.env, **request.env},
         )
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        rec, ctx = await self._exec_context(sandbox_id, request)
         return await self.security.watch_exec(rec, self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx)))
+
+    async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        """``exec`` whose output comes as it is written (``dsec.edge.stream``)."""
+        rec, ctx = await self._exec_context(sandbox_id, request)
+        backend = self.backends[rec.kind]
+        async for event in stream_exec(
+                lambda emit: self.security.watch_exec(
+                    rec, self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit)))):
+            yield event
+
+    # -- background processes (kept in the sandbox: dsec.edge.processes) ----------------------
+
+    async def _manage(self, sandbox_id: str, command: str, timeout: float = 30.0,
+                      stdin: str | None = None) -> ExecResult:
+        """One of processes' management scripts, run as the sandbox's root."""
+        rec = await self._ready(sandbox_id, Action.exec)
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
+        request = ExecRequest(command=command, timeout=timeout, stdin=stdin)
+        return await self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx))
+
+    async def start_process(self, sandbox_id: str, request: StartProcessRequest) -> ProcessInfo:
+        exec_request = ExecRequest(command=processes.start_script(request.command), timeout=30.0,
+                                   env=request.env, workdir=request.workdir, user=request.user)
+        rec, ctx = await self._exec_context(sandbox_id, exec_request)
+        result = await self._call(rec, self.backends[rec.kind].exec(rec.handle, exec_request, ctx))
+        return ProcessInfo(pid=processes.started_pid(result), command=request.command[:200], running=True)
+
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        return processes.parse_list((await self._manage(sandbox_id, processes.list_script())).stdout)
+
+    async def get_process(self, sandbox_id: str, pid: int) -> ProcessInfo:
+        for info in await self.list_processes(sandbox_id):
+            if info.pid == pid:
+                return info
+        processes.check(ExecResult(exit_code=processes._NO_SUCH, stdout="", stderr="", duration_s=0), pid, "find it")
+        raise AssertionError("unreachable")
+
+    async def signal_process(self, sandbox_id: str, pid: int, signal: int) -> None:
+        processes.check(await self._manage(sandbox_id, processes.signal_script(pid, signal)), pid, f"signal it ({signal})")
+
+    async def process_stdin(self, sandbox_id: str, pid: int, data: str, close: bool) -> None:
+        script = processes.stdin_script(pid, write=bool(data), close=close)
+        processes.check(await self._manage(sandbox_id, script, timeout=DEFAULT_COMMAND_TIMEOUT_S,
+                                           stdin=data if data else None), pid, "write to its stdin")
+
+    async def wait_process(self, sandbox_id: str, pid: int, timeout: float) -> ProcessInfo:
+        try:
+            processes.check(await self._manage(sandbox_id, processes.wait_script(pid), timeout=timeout), pid, "wait for it")
+        except CommandTimeout:
+            raise CommandTimeout(f"process {pid} still runs after {timeout:g}s (it goes on running)") from None
+        return await self.get_process(sandbox_id, pid)
+
+    async def stream_process(self, sandbox_id: str, pid: int, request: ProcessStreamRequest) -> AsyncIterator[ExecEvent]:
+        """Its output from the offsets given until it ends, then ``exit`` (the exit code only)."""
+        await self.get_process(sandbox_id, pid)  # ProcessNotFound before the start
+        rec = await self._ready(sandbox_id, Action.exec)
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
+        follow = ExecRequest(command=processes.follow_script(pid, request.stdout_offset, request.stderr_offset),
+                             timeout=request.timeout, max_output_bytes=0)
+        backend = self.backends[rec.kind]
+        async for event in stream_exec(lambda emit: self._call(rec, backend.exec_stream(rec.handle, follow, ctx, emit))):
+            yield event
+
+    # -- sessions: a shell whose state persists (a background process: dsec.edge.processes) ---
+
+    async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
+        info = await self.start_process(sandbox_id, StartProcessRequest(
+            command=processes.session_command(request.idle_timeout), env=request.env, workdir=request.workdir,
+            user=request.user))
+        # A first command: the shell is up, and what it said starting is behind the next one.
+        await self.session_exec(sandbox_id, info.pid, ExecRequest(command="true", timeout=30.0))
+        return SessionInfo(id=info.pid)
+
+    async def session_exec(self, sandbox_id: str, session: int, request: ExecRequest) -> ExecResult:
+        return await self._session_call(sandbox_id, session, request, None)
+
+    async def session_exec_stream(self, sandbox_id: str, session: int, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        await self._session_alive(sandbox_id, session)  # errors before the start are raised
+        async for event in stream_exec(lambda emit: self._session_call(sandbox_id, session, request, emit)):
+            yield event
+
+    async def interrupt_session(self, sandbox_id: str, session: int) -> None:
+        """Ctrl-C: SIGINT to what runs in the session (its shell reads on)."""
+        await self._session_alive(sandbox_id, session)
+        await self.signal_process(sandbox_id, session, 2)
+
+    async def close_session(self, sandbox_id: str, session: int) -> None:
+        """End its shell and all it started; closing a closed one does nothing."""
+        try:
+            await self.signal_process(sandbox_id, session, 9)
+        except (SandboxStateError, ProcessNotFound):
+            pass
+
+    async def _session_alive(self, sandbox_id: str, session: int) -> ProcessInfo:
+        try:
+            info = await self.get_process(sandbox_id, session)
+        except ProcessNotFound:
+            raise ProcessNotFound(f"no session {session} in sandbox {sandbox_id}") from None
+        if not info.running:
+            raise SessionClosed(self._session_end(session, info))
+        return info
+
+    def _session_end(self, session: int, info: ProcessInfo) -> str:
+        why = {137: "it was closed, or idle past its idle_timeout"}.get(info.exit_code or 0, "its shell exited")
+        return f"session {session} has ended: {why} (exit code {info.exit_code}); open a new one"
+
+    async def _session_call(self, sandbox_id: str, session: int, request: ExecRequest, emit) -> ExecResult:
+        if request.env or request.workdir or request.user or request.stdin is not None:
+            raise InvalidRequest("a session's command runs in its shell, as that shell is: no env, workdir, user "
+                                 "or stdin of its own (use export, cd, su in the command)")
+        rec = await self._ready(sandbox_id, Action.exec)
+        backend = self.backends[rec.kind]
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
+        nonce = secrets.token_hex(8)
+        run = ExecRequest(command=processes.session_run_script(session, nonce, stream=emit is not None),
+                          timeout=request.timeout,
+                          stdin=processes.session_input(request.command),
+                          max_output_bytes=request.max_output_bytes)
+        lock = self._session_locks.get((sandbox_id, session))
+        if lock is None:
+            lock = self._session_locks[(sandbox_id, session)] = asyncio.Lock()
+        async with lock:  # one command at a time: they share the shell
+            call = backend.exec(rec.handle, run, ctx) if emit is None else backend.exec_stream(rec.handle, run, ctx, emit)
+            try:
+                result = await self._call(rec, call)
+            except CommandTimeout:
+                after = await self._manage(sandbox_id, processes.interrupt_script(session, nonce))
+                if after.exit_code == processes._SESSION_DEAD:
+                    raise SessionClosed(self._session_end(session, await self.get_process(sandbox_id, session))) from None
+                raise CommandTimeout(
+                    f"command timed out after {request.timeout:g}s and was interrupted (as Ctrl-C would); "
+                    + {0: "the session goes on",
+                       3: "it ignored that, and its processes were killed; the session goes on"}.get(
+                        after.exit_code, "it ignored that and could not be killed: the session is busy")) from None
+        if result.exit_code in (processes._NO_SUCH, processes._SESSION_DEAD):
+            await self._session_alive(sandbox_id, session)  # (raises: a command's own 91 or 94 passes)
+        return result
+
+    # -- file trees (one command each, as the sandbox's user: dsec.edge.files) ---------------
+
+    async def _as_user(self, sandbox_id: str, command: str, stdin: str | None = None,
+                       timeout: float = 120.0) -> ExecResult:
+        request = ExecRequest(command=command, stdin=stdin, timeout=timeout, max_output_bytes=MAX_OUTPUT_BYTES_LIMIT)
+        rec, ctx = await self._exec_context(sandbox_id, request)
+        return await self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx))
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
+        path = files.check_path(path)
+        result = files.check(await self._as_user(sandbox_id, files.list_script(path)), "list", path)
+        return files.parse_entries(result.stdout, path)
+
+    async def stat_path(self, sandbox_id: str, path: str) -> FileEntry:
+        path = files.check_path(path)
+        result = files.check(await self._as_user(sandbox_id, files.stat_script(path)), "stat", path)
+        entries = files.parse_entries(result.stdout, None)
+        if not entries:
+            raise SandboxFileNotFound(f"cannot stat {path}: no such file or directory")
+        return entries[0]
+
+    async def remove_path(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        path = files.check_path(path)
+        if path == "/":
+            raise InvalidRequest("cannot remove /: the sandbox's root stays")
+        files.check(await self._as_user(sandbox_id, files.remove_script(path, recursive)), "remove", path)
+
+    async def make_dir(self, sandbox_id: str, path: str) -> None:
+        path = files.check_path(path)
+        files.check(await self._as_user(sandbox_id, files.make_dir_script(path)), "make directory", path)
+
+    async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None:
+        src, dst = files.check_path(src, "source"), files.check_path(dst, "destination")
+        files.check(await self._as_user(sandbox_id, files.rename_script(src, dst)), "rename", f"{src} to {dst}")
+
+    async def upload_tree(self, sandbox_id: str, path: str, data: bytes) -> None:
+        """Unpack the tar ``data`` at ``path`` (made if missing), as the sandbox's user."""
+        path = files.check_path(path)
+        if len(data) > self.config.max_upload_bytes:
+            raise InvalidRequest(f"tar of {len(data)} bytes is over the {self.config.max_upload_bytes}-byte limit")
+        files.checked_tar(data)
+        tmp = f"/tmp/.dsec-upload-{secrets.token_hex(8)}.tar"
+        for at in range(0, max(len(data), 1), files.UPLOAD_PIECE):
+            piece = base64.b64encode(data[at:at + files.UPLOAD_PIECE]).decode()
+            files.check(await self._as_user(sandbox_id, files.upload_piece_script(tmp, at == 0), stdin=piece),
+                        "upload to", path)
+        files.check(await self._as_user(sandbox_id, files.unpack_script(tmp, path), timeout=600.0), "unpack into", path)
+
+    async def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
+        """``tar c`` of the tree at ``path``, as base64 text in stdout events, then ``exit``."""
+        path = files.check_path(path)
+        await self.stat_path(sandbox_id, path)  # errors before the start are raised
+        request = ExecRequest(command=files.download_script(path), timeout=3600.0, max_output_bytes=0)
+        rec, ctx = await self._exec_context(sandbox_id, request)
+        backend = self.backends[rec.kind]
+        async for event in stream_exec(lambda emit: self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit))):
+            yield event
+
+    # -- ports: HTTP to a port inside (one command a request: dsec.edge.ports) ----------------
+
+    async def port_request(self, sandbox_id: str, request: PortRequest) -> PortResponse:
+        raw = ports.raw_request(request)
+        result = await self._manage(sandbox_id, ports.script(request.port), timeout=60.0,
+                                    stdin=base64.b64encode(raw).decode())
+        return ports.parse(result, request.port)
 
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:
         """Denied actions seen in the sandbox (see dsec.isolation.events); kept after it ends."""

@@ -29,8 +29,13 @@ from libdsec.protocol import (
     BatchEvent,
     DSecContainerRunArgs,
     DSecFnCallArgs,
+    ExecEvent,
     ExecRequest,
     ExecResult,
+    FileEntry,
+    FileList,
+    FileRemoveRequest,
+    FileRenameRequest,
     FnCallBatchRequest,
     FnCallBatchResult,
     FnCallResult,
@@ -40,6 +45,7 @@ from libdsec.protocol import (
     LayerGCRequest,
     LayerGCResult,
     LayerUse,
+    MakeDirRequest,
     NetworkRulesRequest,
     NodeBatchRequest,
     NodeInfo,
@@ -48,12 +54,24 @@ from libdsec.protocol import (
     CleanCopyResult,
     PackDiffRequest,
     PackDiffResult,
+    OpenSessionRequest,
     PauseResult,
+    PortRequest,
+    PortResponse,
+    ProcessInfo,
+    ProcessList,
+    ProcessSignalRequest,
+    ProcessStdinRequest,
+    ProcessStreamRequest,
+    ProcessWaitRequest,
     SandboxInfo,
     SandboxList,
     SecurityEvent,
     SecurityEventList,
+    SessionInfo,
     SnapshotInfo,
+    StartProcessRequest,
+    TreeDownloadRequest,
 )
 
 from .api import NodeUnreachable
@@ -263,6 +281,105 @@ class RemoteEdge:
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         return await self._post(ExecResult, f"/sandboxes/{sandbox_id}/exec", model=request,
                                 timeout=request.timeout + SLACK_S)
+
+    def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        return self._events(f"/sandboxes/{sandbox_id}/exec:stream", request, request.timeout)
+
+    def stream_process(self, sandbox_id: str, pid: int, request: ProcessStreamRequest) -> AsyncIterator[ExecEvent]:
+        return self._events(f"/sandboxes/{sandbox_id}/processes/{pid}/stream", request, request.timeout)
+
+    async def start_process(self, sandbox_id: str, request: StartProcessRequest) -> ProcessInfo:
+        return await self._post(ProcessInfo, f"/sandboxes/{sandbox_id}/processes", model=request)
+
+    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
+        return (await self._get(ProcessList, f"/sandboxes/{sandbox_id}/processes")).processes
+
+    async def get_process(self, sandbox_id: str, pid: int) -> ProcessInfo:
+        return await self._get(ProcessInfo, f"/sandboxes/{sandbox_id}/processes/{pid}")
+
+    async def signal_process(self, sandbox_id: str, pid: int, signal: int) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/processes/{pid}/signal",
+                         model=ProcessSignalRequest(signal=signal))
+
+    async def process_stdin(self, sandbox_id: str, pid: int, data: str, close: bool) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/processes/{pid}/stdin",
+                         model=ProcessStdinRequest(data=data, close=close), timeout=LONG_CALL_TIMEOUT_S)
+
+    async def wait_process(self, sandbox_id: str, pid: int, timeout: float) -> ProcessInfo:
+        return await self._post(ProcessInfo, f"/sandboxes/{sandbox_id}/processes/{pid}/wait",
+                                model=ProcessWaitRequest(timeout=timeout), timeout=timeout + SLACK_S)
+
+    async def port_request(self, sandbox_id: str, request: PortRequest) -> PortResponse:
+        return await self._post(PortResponse, f"/sandboxes/{sandbox_id}/ports:request", model=request,
+                                timeout=60.0 + SLACK_S)
+
+    async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
+        return await self._post(SessionInfo, f"/sandboxes/{sandbox_id}/sessions", model=request)
+
+    async def session_exec(self, sandbox_id: str, session: int, request: ExecRequest) -> ExecResult:
+        return await self._post(ExecResult, f"/sandboxes/{sandbox_id}/sessions/{session}/exec", model=request,
+                                timeout=request.timeout + SLACK_S)
+
+    def session_exec_stream(self, sandbox_id: str, session: int, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        return self._events(f"/sandboxes/{sandbox_id}/sessions/{session}/exec:stream", request, request.timeout)
+
+    async def interrupt_session(self, sandbox_id: str, session: int) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/sessions/{session}/interrupt")
+
+    async def close_session(self, sandbox_id: str, session: int) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/sessions/{session}/close")
+
+    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
+        return (await self._get(FileList, f"/sandboxes/{sandbox_id}/fs/list", params={"path": path})).entries
+
+    async def stat_path(self, sandbox_id: str, path: str) -> FileEntry:
+        return await self._get(FileEntry, f"/sandboxes/{sandbox_id}/fs/stat", params={"path": path})
+
+    async def remove_path(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/fs/remove", model=FileRemoveRequest(path=path, recursive=recursive),
+                         timeout=LONG_CALL_TIMEOUT_S)
+
+    async def make_dir(self, sandbox_id: str, path: str) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/fs/mkdir", model=MakeDirRequest(path=path))
+
+    async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/fs/rename", model=FileRenameRequest(src=src, dst=dst))
+
+    async def upload_tree(self, sandbox_id: str, path: str, data: bytes) -> None:
+        await self._call("PUT", f"/sandboxes/{sandbox_id}/fs/tree", body=data, params={"path": path},
+                         timeout=LONG_CALL_TIMEOUT_S)
+
+    def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
+        return self._events(f"/sandboxes/{sandbox_id}/fs/tree:download", TreeDownloadRequest(path=path), 3600.0)
+
+    async def _events(self, path: str, request: pydantic.BaseModel, timeout: float) -> AsyncIterator[ExecEvent]:
+        """The node's NDJSON lines as events, read as the consumer asks for them (so TCP's flow
+        control carries its pace to the node). Between two lines the node may be silent for
+        as long as the command is (its timeout plus the slack)."""
+        if self._closed:
+            raise self._unreachable("is closed on this side")
+        try:
+            async with self._wire.stream("POST", PREFIX + path, body=request.model_dump_json().encode(),
+                                         content_type="application/json",
+                                         timeout=timeout + SLACK_S) as response:
+                if response.status_code >= 400:
+                    raise self._error(response.status_code, await response.read())
+                rest = b""
+                async for chunk in response.chunks():
+                    *lines, rest = (rest + chunk).split(b"\n")
+                    for line in lines:
+                        if not line.strip():
+                            continue
+                        try:
+                            event = ExecEvent.model_validate_json(line)
+                        except pydantic.ValidationError:
+                            raise self._unreachable(f"sent a line that is not an ExecEvent: {line[:200]!r}") from None
+                        yield event
+                        if event.event in ("exit", "error"):
+                            return
+        except WireError as exc:
+            raise self._unreachable(f"broke off a streamed command: {exc}") from None
+        raise self._unreachable("ended a streamed command without its exit")
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         return (await self._call("GET", f"/sandboxes/{sandbox_id}/files", params={"path": path})).content

@@ -29,7 +29,7 @@ import re
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from urllib.parse import parse_qs
@@ -43,22 +43,36 @@ from libdsec.protocol import (
     DSecFnCallArgs,
     ExecRequest,
     FnCallBatchRequest,
+    FileList,
+    FileRemoveRequest,
+    FileRenameRequest,
     FnCallBatchResult,
     ImageList,
     ImageRemoveRequest,
     LayerGCRequest,
     LayerGCResult,
+    MakeDirRequest,
     NetworkRulesRequest,
     NodeBatchRequest,
     NodeCreateRequest,
     NodeStopRequest,
     CleanCopyRequest,
+    OpenSessionRequest,
     PackDiffRequest,
+    PortRequest,
+    ProcessList,
+    ProcessSignalRequest,
+    ProcessStdinRequest,
+    ProcessStreamRequest,
+    ProcessWaitRequest,
     SandboxList,
     SecurityEventList,
+    StartProcessRequest,
+    TreeDownloadRequest,
 )
 
 from .api import EdgeAPI
+from .stream import TERMINAL
 
 log = logging.getLogger("dsec.edge.server")
 
@@ -92,6 +106,7 @@ class _Call:
 
 def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
     sid = r"(?P<sid>[^/]+)"
+    pid = r"(?P<pid>[0-9]{1,9})"
 
     async def info(c: _Call):
         return await c.edge.node_info()
@@ -144,8 +159,70 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
     async def exec_(c: _Call):
         return await c.edge.exec(c.params["sid"], c.parse(ExecRequest))
 
+    async def start_process(c: _Call):
+        return await c.edge.start_process(c.params["sid"], c.parse(StartProcessRequest))
+
+    async def list_processes(c: _Call):
+        return ProcessList(processes=await c.edge.list_processes(c.params["sid"]))
+
+    async def get_process(c: _Call):
+        return await c.edge.get_process(c.params["sid"], int(c.params["pid"]))
+
+    async def signal_process(c: _Call):
+        await c.edge.signal_process(c.params["sid"], int(c.params["pid"]), c.parse(ProcessSignalRequest).signal)
+        return None
+
+    async def process_stdin(c: _Call):
+        req = c.parse(ProcessStdinRequest)
+        await c.edge.process_stdin(c.params["sid"], int(c.params["pid"]), req.data, req.close)
+        return None
+
+    async def wait_process(c: _Call):
+        return await c.edge.wait_process(c.params["sid"], int(c.params["pid"]), c.parse(ProcessWaitRequest).timeout)
+
+    async def port_request(c: _Call):
+        return await c.edge.port_request(c.params["sid"], c.parse(PortRequest))
+
+    async def open_session(c: _Call):
+        return await c.edge.open_session(c.params["sid"], c.parse(OpenSessionRequest))
+
+    async def session_exec(c: _Call):
+        return await c.edge.session_exec(c.params["sid"], int(c.params["pid"]), c.parse(ExecRequest))
+
+    async def interrupt_session(c: _Call):
+        await c.edge.interrupt_session(c.params["sid"], int(c.params["pid"]))
+        return None
+
+    async def close_session(c: _Call):
+        await c.edge.close_session(c.params["sid"], int(c.params["pid"]))
+        return None
+
     async def read_file(c: _Call):
         return await c.edge.read_file(c.params["sid"], c.arg("path"))
+
+    async def list_dir(c: _Call):
+        return FileList(entries=await c.edge.list_dir(c.params["sid"], c.arg("path")))
+
+    async def stat_path(c: _Call):
+        return await c.edge.stat_path(c.params["sid"], c.arg("path"))
+
+    async def remove_path(c: _Call):
+        req = c.parse(FileRemoveRequest)
+        await c.edge.remove_path(c.params["sid"], req.path, req.recursive)
+        return None
+
+    async def make_dir(c: _Call):
+        await c.edge.make_dir(c.params["sid"], c.parse(MakeDirRequest).path)
+        return None
+
+    async def rename_path(c: _Call):
+        req = c.parse(FileRenameRequest)
+        await c.edge.rename_path(c.params["sid"], req.src, req.dst)
+        return None
+
+    async def upload_tree(c: _Call):
+        await c.edge.upload_tree(c.params["sid"], c.arg("path"), c.body)
+        return None
 
     async def write_file(c: _Call):
         try:
@@ -185,6 +262,18 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("GET", f"/sandboxes/{sid}/security_events", events), ("PUT", f"/sandboxes/{sid}/network_rules", rules),
         ("POST", "/fncall", fncall), ("POST", "/fncall:batch", fncall_batch),
         ("POST", r"/batches/(?P<batch>[A-Za-z0-9_-]{1,64}):commit", commit_batch),
+        ("POST", f"/sandboxes/{sid}/processes", start_process), ("GET", f"/sandboxes/{sid}/processes", list_processes),
+        ("GET", f"/sandboxes/{sid}/processes/{pid}", get_process),
+        ("POST", f"/sandboxes/{sid}/processes/{pid}/signal", signal_process),
+        ("POST", f"/sandboxes/{sid}/processes/{pid}/stdin", process_stdin),
+        ("POST", f"/sandboxes/{sid}/processes/{pid}/wait", wait_process),
+        ("GET", f"/sandboxes/{sid}/fs/list", list_dir), ("GET", f"/sandboxes/{sid}/fs/stat", stat_path),
+        ("POST", f"/sandboxes/{sid}/fs/remove", remove_path), ("POST", f"/sandboxes/{sid}/fs/mkdir", make_dir),
+        ("POST", f"/sandboxes/{sid}/fs/rename", rename_path), ("PUT", f"/sandboxes/{sid}/fs/tree", upload_tree),
+        ("POST", f"/sandboxes/{sid}/ports:request", port_request),
+        ("POST", f"/sandboxes/{sid}/sessions", open_session), ("POST", f"/sandboxes/{sid}/sessions/{pid}/exec", session_exec),
+        ("POST", f"/sandboxes/{sid}/sessions/{pid}/interrupt", interrupt_session),
+        ("POST", f"/sandboxes/{sid}/sessions/{pid}/close", close_session),
     ]
     by_method: dict[str, list[tuple[re.Pattern[str], Handler]]] = {}
     for method, path, fn in table:  # in the table's order: the hot routes come first
@@ -194,6 +283,10 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
 
 _ROUTES = _routes()
 _BATCH = PREFIX + "/sandboxes:batch"
+_EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:stream\Z")
+_SESSION_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/sessions/(?P<pid>[0-9]{1,9})/exec\:stream\Z")
+_TREE_DOWNLOAD = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\:download\Z")
+_PROCESS_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes/(?P<pid>[0-9]{1,9})/stream\Z")
 
 
 def _run_args(req: NodeCreateRequest):
@@ -213,7 +306,7 @@ def _error_answer(exc: BaseException) -> tuple[int, bytes]:
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 409: b"Conflict",
             410: b"Gone", 413: b"Payload Too Large", 422: b"Unprocessable Entity", 429: b"Too Many Requests",
-            500: b"Internal Server Error", 503: b"Service Unavailable"}
+            500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
 # Connections with no request for this long are closed (the apiserver's own pools let theirs go
 # after a few seconds; this is for callers that never come back).
 IDLE_TIMEOUT_S = 75.0
@@ -356,6 +449,24 @@ class EdgeApp:
         if method == "POST" and path == _BATCH:
             await self._batch(request, conn)
             return
+        if method == "POST" and (m := _EXEC_STREAM.match(path)) is not None:
+            await self._stream(lambda: self.edge.exec_stream(
+                m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(ExecRequest)), request, conn)
+            return
+        if method == "POST" and (m := _SESSION_STREAM.match(path)) is not None:
+            await self._stream(lambda: self.edge.session_exec_stream(
+                m.group("sid"), int(m.group("pid")), _Call(self.edge, {}, {}, request.body).parse(ExecRequest)),
+                request, conn)
+            return
+        if method == "POST" and (m := _TREE_DOWNLOAD.match(path)) is not None:
+            await self._stream(lambda: self.edge.download_tree(
+                m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(TreeDownloadRequest).path), request, conn)
+            return
+        if method == "POST" and (m := _PROCESS_STREAM.match(path)) is not None:
+            await self._stream(lambda: self.edge.stream_process(
+                m.group("sid"), int(m.group("pid")), _Call(self.edge, {}, {}, request.body).parse(ProcessStreamRequest)),
+                request, conn)
+            return
         for pattern, handler in _ROUTES.get(method, ()):
             if (m := pattern.match(path)) is not None:
                 break
@@ -441,6 +552,43 @@ class EdgeApp:
             return
         line(end)
         flush()
+        conn.write(b"0\r\n\r\n")
+
+
+    async def _stream(self, open_events: Callable[[], AsyncIterator], request: _Request, conn: _Connection) -> None:
+        """A streamed command: NDJSON ``ExecEvent`` lines, each written once the last drained
+        (the caller's pace is the command's); a caller that goes away kills the command."""
+        keep = request.keep_alive
+        try:
+            events = open_events()
+            first = await anext(events)
+        except Exception as exc:  # noqa: BLE001 - an error before the start is a plain answer
+            status, body = _error_answer(exc)
+            conn.write(_head(status, b"application/json", len(body), keep) + body)
+            return
+        conn.write(_head(200, _NDJSON, None, keep))
+        gone = asyncio.ensure_future(conn.gone.wait())
+        async with aclosing(events):
+            try:
+                event = first
+                while True:
+                    data = event.model_dump_json().encode() + b"\n"
+                    conn.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    if event.event in TERMINAL:
+                        break
+                    await conn.drain()
+                    step = asyncio.ensure_future(anext(events))
+                    await asyncio.wait([step, gone], return_when=asyncio.FIRST_COMPLETED)
+                    if not step.done():
+                        step.cancel()
+                        await asyncio.gather(step, return_exceptions=True)
+                        return  # the caller went away: the command is killed
+                    try:
+                        event = step.result()
+                    except StopAsyncIteration:
+                        break
+            finally:
+                gone.cancel()
         conn.write(b"0\r\n\r\n")
 
 

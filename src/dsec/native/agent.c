@@ -16,6 +16,14 @@
  *                                         (STDINLEN -1: none), environment (NUL-separated
  *                                         NAME=VALUE) -> done … when the command ends (answers
  *                                         may come in any order: commands run side by side)
+ *   srun CAP WDLEN CMDLEN STDINLEN ENVLEN UID GID
+ *                                         as run, but the output streams as it comes: frames
+ *                                         "ID sout LEN" / "ID serr LEN" + LEN bytes, then
+ *                                         "ID done RC 0 OUTTOTAL 0 ERRTOTAL" (the host keeps
+ *                                         what it keeps). At most WINDOW bytes go unacknowledged:
+ *                                         past that the job's pipes are not read (its command
+ *                                         blocks on its next write) until the host acks
+ *   ack JOBID N                           (no answer) the host consumed N more bytes of JOBID
  *   kill JOBID                            -> ok 0; the job's command and all it started die
  *   read PATHLEN MAX                      -> ok LEN + the file, or err enoent|invalid
  *   write PATHLEN DATALEN MODE UID GID    -> ok 0 or err invalid
@@ -56,7 +64,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <net/if.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/reboot.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
@@ -76,6 +87,7 @@
 #define PART_BYTES (1 << 20)
 #define LINGER_MS 500      /* how long pipes held open by a background process are waited for */
 #define UNCONNECTED_MS 20  /* the host is not connected: look again this often */
+#define WINDOW (256 << 10) /* bytes of a streamed job's output sent and not acked yet, at most */
 
 struct buf {
     char *data;
@@ -97,6 +109,8 @@ struct job {
     size_t limit;
     struct stream out, err;
     int64_t deadline; /* ms: set when the jail exits */
+    int stream;        /* srun: output goes to the host as it comes */
+    uint64_t unacked;  /* streamed bytes the host has not acked */
 };
 
 struct pack {
@@ -349,6 +363,10 @@ static void reset_child_signals(void)
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
     signal(SIGPIPE, SIG_DFL);
+    /* The guest's init starts the agent in the background of a shell, which ignores these for
+     * it; commands get them as a command would (Ctrl-C, as a session's interrupt sends, works). */
+    signal(SIGINT, SIG_DFL);
+    signal(SIGQUIT, SIG_DFL);
 }
 
 /* The next job's cgroup: a name of the agent's own (the host's ids start again at 1 in a clone
@@ -375,7 +393,7 @@ static struct job *job_by_id(const char *id)
 }
 
 static void start_job(const char *id, long long cap, const char *wd, const char *command, const char *stdin_data,
-                      long long stdin_len, char *env, size_t env_len, const char *user)
+                      long long stdin_len, char *env, size_t env_len, const char *user, int stream)
 {
     struct job *j = NULL;
     for (int i = 0; i < MAX_JOBS && !j; i++)
@@ -460,6 +478,7 @@ static void start_job(const char *id, long long cap, const char *wd, const char 
     snprintf(j->cgroup, sizeof j->cgroup, "%s", cgroup);
     j->pid = pid;
     j->limit = (size_t)cap;
+    j->stream = stream;
     j->out.fd = out[0];
     j->err.fd = err[0];
     return;
@@ -475,9 +494,11 @@ fail:
     rmdir(cgroup);
 }
 
-/* Read what is there (one chunk: a command that writes without end must not starve the loop). */
-static void drain(struct stream *s, size_t limit, int once)
+/* Read what is there (one chunk: a command that writes without end must not starve the loop);
+ * a streamed job's chunks go to the host at once. */
+static void drain(struct job *j, struct stream *s, int once)
 {
+    size_t limit = j->limit;
     char chunk[65536];
     while (s->fd >= 0) {
         ssize_t r = read(s->fd, chunk, sizeof chunk);
@@ -491,6 +512,17 @@ static void drain(struct stream *s, size_t limit, int once)
             return;
         }
         s->total += (uint64_t)r;
+        if (j->stream) {
+            char header[IDLEN + 64];
+            snprintf(header, sizeof header, "%s %s %zd\n", j->id, s == &j->out ? "sout" : "serr", r);
+            send_frame(header, chunk, (size_t)r, NULL, 0);
+            j->unacked += (uint64_t)r;
+            if (j->pid == 0)
+                j->deadline = now_ms() + LINGER_MS;  /* still flowing after the command ended */
+            if (once || j->unacked >= WINDOW)
+                return;
+            continue;
+        }
         if (s->kept.len < limit) {
             size_t k = limit - s->kept.len < (size_t)r ? limit - s->kept.len : (size_t)r;
             buf_add(&s->kept, chunk, k);  /* out of memory: less is kept, the total still counts */
@@ -523,8 +555,10 @@ static void sweep_cgroups(void)
 
 static void finish_job(struct job *j)
 {
-    drain(&j->out, j->limit, 0);
-    drain(&j->err, j->limit, 0);
+    if (!j->stream) {
+        drain(j, &j->out, 0);
+        drain(j, &j->err, 0);
+    }
     struct stream *streams[2] = {&j->out, &j->err};
     for (int k = 0; k < 2; k++)
         if (streams[k]->fd >= 0) {
@@ -884,8 +918,12 @@ static void handle_request(char *line)
         return;  /* noise: what is left of a frame from before the host reconnected */
     long long a, b, c, d;
     if (strcmp(op, "ping") == 0) {
-        send_ok(id, "run", 3);
-    } else if (strcmp(op, "run") == 0) {  /* CAP WDLEN CMDLEN STDINLEN ENVLEN UID GID */
+        send_ok(id, "run srun", 8);
+    } else if (strcmp(op, "ack") == 0) {  /* JOBID N */
+        struct job *j = f[2] ? job_by_id(f[2]) : NULL;
+        if (j && number(f[3], &a) == 0 && a > 0)
+            j->unacked = (uint64_t)a >= j->unacked ? 0 : j->unacked - (uint64_t)a;
+    } else if (strcmp(op, "run") == 0 || strcmp(op, "srun") == 0) {  /* CAP WDLEN CMDLEN STDINLEN ENVLEN UID GID */
         long long e, uid, gid;
         if (number(f[2], &a) < 0 || number(f[3], &b) < 0 || number(f[4], &c) < 0 || number(f[5], &d) < 0 ||
             number(f[6], &e) < 0 || number(f[7], &uid) < 0 || number(f[8], &gid) < 0 ||
@@ -905,7 +943,7 @@ static void handle_request(char *line)
             else if (stat(wd, &st) < 0 || !S_ISDIR(st.st_mode))
                 send_err(id, "notdir", "workdir %s is not a directory in the sandbox", wd);
             else
-                start_job(id, a, wd, command, in, d, env, (size_t)e, user);
+                start_job(id, a, wd, command, in, d, env, (size_t)e, user, op[0] == 's');
         }
         free(wd);
         free(command);
@@ -917,6 +955,8 @@ static void handle_request(char *line)
             char path[96];
             snprintf(path, sizeof path, "%s/cgroup.kill", j->cgroup);
             write_file(path, "1");
+            j->stream = 0;  /* the host waits for the end, not for more output: kept, not streamed */
+            j->unacked = 0;
         }
         send_ok(id, NULL, 0);
     } else if (strcmp(op, "read") == 0) {  /* PATHLEN MAX */
@@ -1082,6 +1122,20 @@ static int setup_jail(void)
     return 0;
 }
 
+/* The guest's loopback, up: a port inside the sandbox is reached on 127.0.0.1 (dsec.edge.ports),
+ * and programs expect it. */
+static void loopback_up(void)
+{
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "lo");
+    if (fd < 0 || ioctl(fd, SIOCGIFFLAGS, &ifr) < 0 || ((ifr.ifr_flags |= IFF_UP), ioctl(fd, SIOCSIFFLAGS, &ifr) < 0))
+        console("cannot bring lo up: %s", strerror(errno));
+    if (fd >= 0)
+        close(fd);
+}
+
 static int open_port(void)
 {
     DIR *dir = opendir("/sys/class/virtio-ports");
@@ -1116,6 +1170,7 @@ int main(void)
     mkdir(CG, 0755);
     /* The guest kernel's log is the sandbox's own: commands may read it (dmesg) without CAP_SYSLOG. */
     write_file("/proc/sys/kernel/dmesg_restrict", "0");
+    loopback_up();
     if (setup_jail() < 0) {
         console("no pid namespace for commands");
         return 1;
@@ -1151,6 +1206,9 @@ int main(void)
             struct job *j = &jobs[i];
             if (!j->used)
                 continue;
+            int held = j->stream && j->unacked >= WINDOW;  /* the host is behind: read no more */
+            if (j->pid == 0 && held)
+                j->deadline = now + LINGER_MS;
             if (j->pid == 0) {
                 if ((j->out.fd < 0 && j->err.fd < 0) || now >= j->deadline) {
                     finish_job(j);
@@ -1161,7 +1219,7 @@ int main(void)
                     timeout = left;
             }
             struct stream *ss[2] = {&j->out, &j->err};
-            for (int k = 0; k < 2; k++)
+            for (int k = 0; k < 2 && !held; k++)
                 if (ss[k]->fd >= 0) {
                     owner[n] = ss[k];
                     fds[n++] = (struct pollfd){ss[k]->fd, POLLIN, 0};
@@ -1204,7 +1262,7 @@ int main(void)
                     struct stream *s = owner[i];
                     for (int k = 0; k < MAX_JOBS; k++)
                         if (jobs[k].used && (s == &jobs[k].out || s == &jobs[k].err))
-                            drain(s, jobs[k].limit, 1);
+                            drain(&jobs[k], s, 1);
                 }
             }
         }

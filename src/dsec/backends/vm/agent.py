@@ -48,6 +48,8 @@ class AgentChannel:
         self._pending: dict[str, asyncio.Future] = {}
         # Where the "part" frames of a streamed answer go (``request(..., sink=)``).
         self._sinks: dict[str, Callable[[bytes], object]] = {}
+        # Where the "sout"/"serr" frames of a streamed command (srun) go: (kind, bytes).
+        self.streams: dict[str, Callable[[str, bytes], object]] = {}
         self._ids = itertools.count(1)
         self._write_lock = asyncio.Lock()
         self._reader_task = asyncio.create_task(self._read_loop(), name="dsec-agent-reader")
@@ -97,6 +99,12 @@ class AgentChannel:
                     if sink is not None:
                         sink(body)
                     continue
+                if status in ("sout", "serr"):
+                    body = await self._reader.readexactly(int(nums[0]))
+                    stream = self.streams.get(rid)
+                    if stream is not None:
+                        stream("stdout" if status == "sout" else "stderr", body)
+                    continue
                 if status == "ok":
                     body = await self._reader.readexactly(int(nums[0]))
                     result: object = body
@@ -111,6 +119,7 @@ class AgentChannel:
                 else:
                     continue
                 self._sinks.pop(rid, None)
+                self.streams.pop(rid, None)
                 fut = self._pending.pop(rid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(result)
@@ -128,6 +137,7 @@ class AgentChannel:
                 fut.set_exception(AgentGone(reason))
         self._pending.clear()
         self._sinks.clear()
+        self.streams.clear()
         self._writer.close()
 
     def new_id(self) -> str:
@@ -148,6 +158,18 @@ class AgentChannel:
             self._shut(f"cannot write to the guest agent: {exc!r}")
             raise AgentGone(self.reason) from exc
         return fut
+
+    async def post(self, header: str) -> None:
+        """Write one request that has no answer (``ack``)."""
+        if self.closed:
+            raise AgentGone(f"the guest agent's channel is closed: {self.reason}")
+        try:
+            async with self._write_lock:
+                self._writer.write(f"{self.new_id()} {header}\n".encode())
+                await self._writer.drain()
+        except OSError as exc:
+            self._shut(f"cannot write to the guest agent: {exc!r}")
+            raise AgentGone(self.reason) from exc
 
     async def request(self, header: str, *payloads: bytes, timeout: float = 30.0,
                       sink: Callable[[bytes], object] | None = None) -> object:

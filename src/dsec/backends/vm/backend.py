@@ -35,7 +35,7 @@ from libdsec.protocol import ExecRequest, ExecResult
 from ...images.store import LayerStore
 from ...resources import cgroups, reclaim
 from ...resources.cgroups import Limits
-from ..base import ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
+from ..base import Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
 from . import machine, pack
 from .agent import AgentChannel, AgentFailure, AgentGone, Done
 from .assets import AssetCache, GuestAssets
@@ -47,6 +47,37 @@ AGENT_BIN = "/dev/.dsec/bin"
 KILL_GRACE_S = 5.0
 MIN_MEMORY_MB = 64
 DEFAULT_MEMORY_MB = 256
+
+
+class _Relay:
+    """A streamed command's output (the agent's "sout"/"serr" frames) handed to ``emit`` in
+    order, each chunk acked to the agent once ``emit`` returned: the agent sends at most its
+    window ahead, so a slow consumer slows the command and holds at most that much here."""
+
+    def __init__(self, agent: AgentChannel, rid: str, cap: int, emit: Emit) -> None:
+        self.agent, self.rid, self.cap, self.emit = agent, rid, cap, emit
+        self.kept = {"stdout": bytearray(), "stderr": bytearray()}
+        self.chunks: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
+        agent.streams[rid] = lambda kind, data: self.chunks.put_nowait((kind, data))
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while (item := await self.chunks.get()) is not None:
+            kind, data = item
+            kept = self.kept[kind]
+            if len(kept) < self.cap:
+                kept += data[: self.cap - len(kept)]
+            await self.emit(kind, data)
+            await self.agent.post(f"ack {self.rid} {len(data)}")
+
+    async def finish(self, timeout: float) -> None:
+        """After the command's end (its frames are all in): hand on what is left."""
+        self.chunks.put_nowait(None)
+        await asyncio.wait_for(asyncio.shield(self.task), max(timeout, 0.001))
+
+    def close(self) -> None:
+        self.agent.streams.pop(self.rid, None)
+        self.task.cancel()
 
 
 @dataclass
@@ -373,6 +404,19 @@ class VMBackend:
         return SandboxStateError(f"{self.kind} {handle.cid} is gone: {exc}")
 
     async def exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult:
+        return await self._exec(handle, request, ctx, None)
+
+    async def exec_stream(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit) -> ExecResult:
+        if "srun" in self._get(handle, "exec").agent.features:
+            return await self._exec(handle, request, ctx, emit)
+        # The agent of a VM restored from an older snapshot: its output comes at the end.
+        result = await self._exec(handle, request, ctx, None)
+        for kind, text in (("stdout", result.stdout), ("stderr", result.stderr)):
+            if text:
+                await emit(kind, text.encode())
+        return result
+
+    async def _exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit | None) -> ExecResult:
         live = self._get(handle, "exec")
         if any("\0" in f"{k}{v}" or "=" in k for k, v in ctx.env.items()) or "\0" in ctx.workdir + request.command:
             raise InvalidRequest("a NUL byte in the command, workdir or environment, or '=' in a variable's name")
@@ -383,7 +427,7 @@ class VMBackend:
         if "run" in agent.features:  # the agent runs the jail with the workdir, user and environment
             command = request.command.encode()
             env = b"".join(f"{k}={v}".encode() + b"\0" for k, v in ctx.env.items())
-            header = (f"run {request.max_output_bytes} {len(workdir)} {len(command)} {stdin_len} {len(env)} "
+            header = (f"{'srun' if emit else 'run'} {request.max_output_bytes} {len(workdir)} {len(command)} {stdin_len} {len(env)} "
                       f"{ctx.uid} {ctx.gid}")
             payloads = (workdir, command, stdin or b"", env)
         else:  # the shell agent of a VM restored from an older snapshot: a script does it
@@ -397,10 +441,13 @@ class VMBackend:
             payloads = (workdir, script, stdin or b"")
         start = time.perf_counter()
         rid = agent.new_id()
+        relay = _Relay(agent, rid, request.max_output_bytes, emit) if emit is not None else None
         try:
             fut = await agent.send(rid, header, *payloads)
             try:
                 result = await asyncio.wait_for(asyncio.shield(fut), request.timeout)
+                if relay is not None:
+                    await relay.finish(request.timeout - (time.perf_counter() - start))
             except TimeoutError:
                 await agent.send(agent.new_id(), f"kill {rid}")
                 try:
@@ -418,9 +465,14 @@ class VMBackend:
             with contextlib.suppress(AgentGone):
                 await agent.send(agent.new_id(), f"kill {rid}")
             raise
+        finally:
+            if relay is not None:
+                relay.close()
         if isinstance(result, AgentFailure):
             raise InvalidRequest(result.message)
         assert isinstance(result, Done)
+        if relay is not None:
+            result.stdout, result.stderr = bytes(relay.kept["stdout"]), bytes(relay.kept["stderr"])
         return ExecResult(
             exit_code=result.exit_code,
             stdout=result.stdout.decode(errors="replace"),
