@@ -772,7 +772,7 @@ class ContainerBackend:
             with contextlib.ExitStack() as stack:
                 idmap = self.id_ranges.of(handle.cid) if self.id_ranges else None
                 if idmap is not None:  # the layer holds the ids as the sandbox saw them
-                    upper = stack.enter_context(userns.shifted_view(idmap, upper, upper.parent / "packview"))
+                    upper = stack.enter_context(userns.shifted_view(idmap, upper, upper.parent / "packview", self.store.tmp_dir))
                 skip = await asyncio.to_thread(scrub.residue, upper)
                 digest = await asyncio.to_thread(self.store.add_dir, upper, skip)
         finally:

@@ -43,6 +43,8 @@ class LayerMounts:
         self._lock = threading.Lock()
         # (layer mount target, id range base) -> fd of its detached idmapped clone
         self._clones: OrderedDict[tuple[str, int], int] = OrderedDict()
+        # Where the clones are attached on kernels whose overlayfs takes no detached layer.
+        self.clones_dir = self.mount_dir / ".idmapped"
 
     @contextlib.contextmanager
     def idmapped(self, layers: tuple[LayerMount, ...], idmap: userns.IdMap) -> Iterator[list[int]]:
@@ -55,17 +57,35 @@ class LayerMounts:
                 key = (str(layer.target), idmap.base)
                 fd = self._clones.get(key)
                 if fd is None:
-                    fd = self._clones[key] = userns.idmapped_clone(layer.target, idmap)
+                    fd = userns.idmapped_clone(layer.target, idmap)
+                    if not userns.detached_layers():
+                        try:
+                            userns.attach_clone(fd, self._clone_path(key))
+                        except BaseException:
+                            os.close(fd)
+                            raise
+                    self._clones[key] = fd
                 else:
                     self._clones.move_to_end(key)
                 fds.append(fd)
             yield fds
             while len(self._clones) > CLONES_KEPT:
-                os.close(self._clones.popitem(last=False)[1])
+                self._drop_clone(next(iter(self._clones)))
+
+    def _clone_path(self, key: tuple[str, int]) -> Path:
+        return self.clones_dir / f"{key[1]}-{Path(key[0]).name}"
+
+    def _drop_clone(self, key: tuple[str, int]) -> None:
+        os.close(self._clones.pop(key))
+        path = self._clone_path(key)
+        if os.path.ismount(path):  # attached (kernels before 6.15); overlays hold their own references
+            _sys.umount(str(path), _sys.MNT_DETACH)
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
     def _close_clones(self, target: Path) -> None:
         for key in [k for k in self._clones if k[0] == str(target)]:
-            os.close(self._clones.pop(key))
+            self._drop_clone(key)
 
     def acquire(self, layers: tuple[LayerMount, ...]) -> None:
         with self._lock:
