@@ -46,7 +46,9 @@ HERE = Path(__file__).parent
 RUN_UNIT = """\
 [Unit]
 Description=DSec host test subsets (tests/hosts/guest_run.sh)
-After=multi-user.target apparmor.service
+# Not After=multi-user.target: the target waits for what it wants, and the two would make a cycle
+# (which systemd breaks by dropping this unit's job).
+After=basic.target apparmor.service systemd-modules-load.service
 Wants=apparmor.service
 
 [Service]

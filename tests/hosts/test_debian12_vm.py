@@ -53,6 +53,24 @@ def _summary(junit: str) -> dict[str, list[str]]:
     return out
 
 
+DIAGNOSE = ("systemctl is-system-running; systemctl list-jobs --no-pager; "
+            "systemctl status --no-pager dsec-hostvm dsec-agent 2>&1 | head -40; "
+            "journalctl -b --no-pager 2>&1 | tail -80")
+
+
+async def _diagnose(backend, handle) -> str:
+    """What systemd says in the guest (through the agent: a confined command, enough to read)."""
+    from dsec.backends.base import ExecContext
+    from libdsec.protocol import ExecRequest
+
+    try:
+        r = await backend.exec(handle, ExecRequest(command=DIAGNOSE, timeout=120),
+                               ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}))
+    except Exception as exc:  # noqa: BLE001 - the guest's own state is what is reported
+        return f"(cannot ask the guest: {exc})"
+    return r.stdout + r.stderr
+
+
 def test_debian12_host_vm(tmp_path_factory, test_store, python_image):
     from dsec.backends.base import SandboxSpec
     from dsec.backends.vm.assets import AssetCache
@@ -89,12 +107,23 @@ def test_debian12_host_vm(tmp_path_factory, test_store, python_image):
             handle = await backend.create("hostvm", spec)
             print(f"\nhostvm: booted to the agent in {time.monotonic() - t0:.0f}s")
             deadline = time.monotonic() + RUN_TIMEOUT_S
+            started = False
             while time.monotonic() < deadline:
                 try:
                     await backend.read_file(handle, f"{RESULTS}/done", 16)
                     break
                 except Exception:  # noqa: BLE001 - not there yet
                     await asyncio.sleep(5)
+                if not started:
+                    try:
+                        await backend.read_file(handle, f"{RESULTS}/host.txt", 16)
+                        started = True
+                    except Exception:  # noqa: BLE001
+                        if time.monotonic() - t0 > 180:  # the runner should have started by now
+                            got["diagnosis"] = (await _diagnose(backend, handle)).encode()
+                            break
+            else:
+                got["diagnosis"] = (await _diagnose(backend, handle)).encode()
             for name in ("host.txt", "times.txt", "pytest.log", "pytest.rc", "junit.xml", "demo.log", "demo.rc",
                          "bench.log", "bench.rc", "bench-lifecycle.json", "done"):
                 try:
@@ -106,6 +135,7 @@ def test_debian12_host_vm(tmp_path_factory, test_store, python_image):
             if handle is not None:
                 await backend.destroy(handle)
             await backend.close()
+            backend.release_unused()
         return got
 
     got = asyncio.run(run())
@@ -113,7 +143,8 @@ def test_debian12_host_vm(tmp_path_factory, test_store, python_image):
         (results / name).write_bytes(data)
     text = {k: v.decode(errors="replace") for k, v in got.items()}
     print(text.get("host.txt", ""), text.get("times.txt", ""), sep="\n")
-    assert "done" in got, f"the guest did not finish within {RUN_TIMEOUT_S:.0f}s; console: {text['console.log'][-3000:]}"
+    assert "done" in got, (f"the guest did not finish (within {RUN_TIMEOUT_S:.0f}s); systemd there says:\n"
+                           f"{text.get('diagnosis', '')[-6000:]}\nconsole: {text['console.log'][-3000:]}")
     host = text["host.txt"]
     assert "cgroup cgroup2fs" in host and "apparmor enabled: Y" in host and "init /usr/lib/systemd/systemd" in host, host
     failures = []

@@ -97,7 +97,8 @@ mount -t devpts -o newinstance,ptmxmode=0666 devpts /newroot/dev/pts
 mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
 mount -t cgroup2 cgroup2 /newroot/sys/fs/cgroup 2>/dev/null
 
-if [ "$mode" = fullvm ] && [ -x /newroot/sbin/init ] && { grep -q dsec /newroot/etc/inittab 2>/dev/null \
+# /sbin/init may be an absolute symlink (Debian's to /lib/systemd/systemd): not -x from here.
+if [ "$mode" = fullvm ] && { [ -x /newroot/sbin/init ] || [ -L /newroot/sbin/init ]; } && { grep -q dsec /newroot/etc/inittab 2>/dev/null \
         || [ -e /newroot/etc/systemd/system/dsec-agent.service ]; }; then
     exec switch_root /newroot /sbin/init
 fi
