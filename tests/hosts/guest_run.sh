@@ -35,8 +35,8 @@ step() {  # step NAME COMMAND…: runs it, timed, output to NAME.log, exit code 
     shift
     t0=$(date +%s)
     echo "dsec-hostvm: $name ..." > /dev/ttyS0  # progress, in the VM's console.log on the host
-    "$@" > "$out/$name.log" 2>&1
-    echo $? > "$out/$name.rc"
+    "$@" 2>&1 | tee "$out/$name.log" | grep --line-buffered -E "(PASSED|FAILED|ERROR|SKIPPED)" > /dev/ttyS0
+    echo "${PIPESTATUS[0]}" > "$out/$name.rc"
     echo "$name $(( $(date +%s) - t0 ))s" >> $out/times.txt
     echo "dsec-hostvm: $name exited $(cat "$out/$name.rc") after $(( $(date +%s) - t0 ))s" > /dev/ttyS0
 }
@@ -44,13 +44,17 @@ step() {  # step NAME COMMAND…: runs it, timed, output to NAME.log, exit code 
 for s in $steps; do
     case $s in
         tests)
+            # Deselected by default: the mirrors test (its network set-up), and the two pause tests
+            # that fill 100+ MB in the sandbox first, which alone takes over their 60 s command
+            # timeout under TCG.
             # shellcheck disable=SC2086
-            step pytest python3 -m pytest -p no:cacheprovider -q -rs --junitxml=$out/junit.xml \
+            # -v: each test's outcome goes to the console too (tail -f the VM's console.log).
+            step pytest python3 -m pytest -p no:cacheprovider -v -rs --durations=20 --junitxml=$out/junit.xml \
                 ${DSEC_HOSTVM_TESTS:-tests/unit/test_apparmor.py tests/hosts/test_apparmor_enforced.py \
                 tests/integration/test_lifecycle.py tests/integration/test_loop_devices.py \
                 tests/resources/test_pause_reclaim.py tests/resources/test_cpu_sched.py \
                 tests/security/test_limits.py tests/security/test_isolation.py tests/fncall/test_fncall_api.py} \
-                -k "${DSEC_HOSTVM_DESELECT:-not connecting_to_the_host}"
+                -k "${DSEC_HOSTVM_DESELECT:-not connecting_to_the_host and not pushes_memory_out and not cold_memory_reclaimer}"
             ;;
         demo)
             mkdir -p /var/lib/dsec-demo && ln -sfn /var/lib/dsec-test/store /var/lib/dsec-demo/store

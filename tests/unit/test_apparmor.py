@@ -18,10 +18,12 @@ DENIED = ('audit: type=1400 audit(1764650000.123:45): apparmor="DENIED" operatio
 def test_profile_text():
     text = apparmor.profile_text()
     assert "profile dsec-sandbox flags=(attach_disconnected,mediate_deleted) {" in text
-    for rule in ("deny mount,", "deny remount,", "deny pivot_root,", "deny @{PROC}/sys/** w,",
-                 "deny /sys/** wkl,", "deny @{PROC}/kpagecgroup rwklx,", "deny /dev/.dsec-init wkl,",
+    for rule in ("audit deny mount,", "audit deny remount,", "audit deny pivot_root,", "audit deny @{PROC}/sys/** w,",
+                 "audit deny /sys/** wkl,", "audit deny @{PROC}/kpagecgroup rwklx,", "audit deny /dev/.dsec-init wkl,",
                  "signal (send, receive) peer=dsec-sandbox,"):
         assert rule in text
+    # A plain deny is not logged: every refusal must become an event.
+    assert not [line for line in text.splitlines() if line.strip().startswith("deny ")]
     assert "#include" not in text  # self-contained: loads whatever /etc/apparmor.d holds
     assert text.count("{") == text.count("}")
 

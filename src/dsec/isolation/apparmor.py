@@ -19,7 +19,7 @@ sandbox's user namespace, so these rules hold whatever the capabilities allow:
 
 Everything else (files of its own root, its network, unix sockets) is left to the other layers.
 
-A refusal is an audit record (``type=1400 … apparmor="DENIED" … profile="dsec-sandbox"``);
+Every deny rule is an ``audit deny`` (AppArmor does not log plain deny rules): a refusal is an audit record (``type=1400 … apparmor="DENIED" … profile="dsec-sandbox"``);
 ``parse_denial`` reads one, and the edge turns it into a security event ``apparmor.denied``
 against the sandbox that holds the process (``dsec.edge.security``).
 
@@ -64,7 +64,7 @@ class AppArmorError(RuntimeError):
 def profile_text(name: str = PROFILE_NAME) -> str:
     """The profile as ``apparmor_parser`` reads it (self-contained: no includes, so it loads
     the same with any ``/etc/apparmor.d``)."""
-    never_read = "".join(f"  deny {path} rwklx,\n" for path in _NEVER_READ)
+    never_read = "".join(f"  audit deny {path} rwklx,\n" for path in _NEVER_READ)
     return f"""\
 # Written by DSec (dsec.isolation.apparmor): the profile of every container sandbox.
 @{{PROC}}=/proc/
@@ -81,19 +81,19 @@ profile {name} flags=(attach_disconnected,mediate_deleted) {{
   ptrace (trace, read, tracedby, readby) peer={name},
 
   # … but no mount of any kind, whatever a capability or a seccomp gap would let through.
-  deny mount,
-  deny remount,
-  deny pivot_root,
+  audit deny mount,
+  audit deny remount,
+  audit deny pivot_root,
 
   # The kernel's knobs and files: no writes under /proc but a process's own, none under /sys.
-  deny @{{PROC}}/* w,
-  deny @{{PROC}}/{{[^1-9],[^1-9][^0-9],[^1-9s][^0-9y][^0-9s],[^1-9][^0-9][^0-9][^0-9/]*}}/** w,
-  deny @{{PROC}}/sys/** w,
-  deny @{{PROC}}/sysrq-trigger rwklx,
-  deny /sys/** wkl,
+  audit deny @{{PROC}}/* w,
+  audit deny @{{PROC}}/{{[^1-9],[^1-9][^0-9],[^1-9s][^0-9y][^0-9s],[^1-9][^0-9][^0-9][^0-9/]*}}/** w,
+  audit deny @{{PROC}}/sys/** w,
+  audit deny @{{PROC}}/sysrq-trigger rwklx,
+  audit deny /sys/** wkl,
 {never_read}
   # The platform's init: run, never replaced.
-  deny {_INIT_PATH} wkl,
+  audit deny {_INIT_PATH} wkl,
 }}
 """
 
