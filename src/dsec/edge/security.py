@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
@@ -53,6 +54,27 @@ def _syscall_names() -> dict[int, str]:
         except (OSError, ValueError):
             continue
     return names
+
+
+@functools.cache
+def _libseccomp_name(nr: int) -> str | None:
+    """A syscall's name from libseccomp (crun's, so on every DSec host), for a host without the
+    kernel's headers (a stock Debian has no linux-libc-dev)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so.2")
+    except OSError:
+        return None
+    lib.seccomp_syscall_resolve_num_arch.restype = ctypes.c_void_p
+    lib.seccomp_syscall_resolve_num_arch.argtypes = (ctypes.c_uint32, ctypes.c_int)
+    ptr = lib.seccomp_syscall_resolve_num_arch(0, nr)  # 0: SCMP_ARCH_NATIVE
+    if not ptr:
+        return None
+    name = ctypes.string_at(ptr).decode()
+    ctypes.CDLL(None).free(ctypes.c_void_p(ptr))
+    return name
 
 
 class EdgeSecurity:
@@ -234,5 +256,5 @@ class EdgeSecurity:
         rec = next((r for r in self.edge._records.values() if r.handle.cid == cid), None)
         if rec is None:
             return
-        name = self._syscalls.get(nr, f"syscall {nr}")
+        name = self._syscalls.get(nr) or _libseccomp_name(nr) or f"syscall {nr}"
         self.events.record(rec.id, "syscall.denied", f"{name} denied to {comm!r}")
