@@ -137,7 +137,12 @@ def suite_leftovers(base: Path, state_dirs: list[Path]) -> list[str]:
     return sorted(set(problems))
 
 
-@pytest.fixture(scope="module")
+# DSEC_TEST_ONE_SERVER=1: the modules' tests share one server for the whole run (a slow guest,
+# tests/hosts, where each start costs half a minute).
+_SERVER_SCOPE = "session" if os.environ.get("DSEC_TEST_ONE_SERVER") == "1" else "module"
+
+
+@pytest.fixture(scope=_SERVER_SCOPE)
 def server(tmp_path_factory, test_store):
     """A ``dsec serve`` for the module's tests; checks on the way out that nothing was left."""
     from dsec.local import serving

@@ -243,7 +243,8 @@ def info() -> None:
             f"({n.cpu_overcommit:g}×, weights) and {n.committed_memory_mb} of "
             f"{int(n.memory_total_mb * n.memory_overcommit)} MB ({n.memory_overcommit:g}×); {n.paused} paused; "
             f"swap {n.swap_total_mb} MB; SCHED_IDLE {'yes' if n.sched_idle else 'no'}; "
-            f"core scheduling {n.core_scheduling}; layers {_LAYER_ATTACH.get(n.layer_attach, n.layer_attach)}")
+            f"core scheduling {n.core_scheduling}; layers {_LAYER_ATTACH.get(n.layer_attach, n.layer_attach)}; "
+            f"AppArmor {n.apparmor}")
 
 
 @app.command()

@@ -167,6 +167,13 @@ def probe_layer_stack(attach: str, idmapped: bool) -> None:
                     clone = userns.idmapped_clone(lower, idmap)
                 except OSError as exc:
                     raise ProbeFailed("idmap", _errno(exc), str(exc)) from None
+                if not userns.detached_layers():  # as LayerMounts.idmapped does there
+                    try:
+                        userns.attach_clone(clone, work / "clone")
+                    except OSError as exc:
+                        os.close(clone)
+                        raise ProbeFailed("idmap", _errno(exc), str(exc)) from None
+                    mounted.append(work / "clone")
                 try:
                     userns.mount_shifted_overlay(idmap, [clone], upper, wd, top, _sys.MS_NODEV)
                 except OSError as exc:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -37,7 +37,9 @@ class LocalServer:
     state_dir: Path
     port: int = 0
     extra_args: tuple[str, ...] = ()
-    start_timeout_s: float = 60.0
+    # DSEC_SERVE_START_TIMEOUT_S: a slow machine's (a TCG guest's) first start builds and
+    # probes for minutes.
+    start_timeout_s: float = field(default_factory=lambda: float(os.environ.get("DSEC_SERVE_START_TIMEOUT_S", "60")))
     env: dict[str, str] | None = None
 
     def __post_init__(self) -> None:

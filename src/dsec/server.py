@@ -28,6 +28,7 @@ from libdsec import BackendError
 from .apiserver.app import Cluster, create_app
 from .apiserver.projects import open_project_store
 from . import hostcheck, native
+from .isolation import apparmor
 from .backends.container import CRUN, ContainerBackend
 from .edge.edge import Edge, EdgeConfig
 from .images.builders import build_busybox
@@ -105,6 +106,10 @@ def prepare_host() -> list[str]:
     if os.geteuid() != 0:
         raise BackendError("dsec serve runs as root (it mounts layers and makes cgroups)")
     notes += hostcheck.check_host()  # EROFS, overlayfs, loop devices, user namespaces
+    try:
+        notes.append(apparmor.ensure_loaded())  # the dsec-sandbox profile, where the host has AppArmor
+    except apparmor.AppArmorError as exc:
+        raise BackendError(str(exc)) from None
     if cgroups.fix_hybrid_hugetlb():
         notes.append("hybrid cgroups: mounted hugetlb on a v1 hierarchy so crun can run")
     notes.append(f"cgroups {cgroups.version()}")

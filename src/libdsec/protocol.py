@@ -472,6 +472,8 @@ class NodeInfo(_Model):
     core_scheduling: str = "unknown"
     # How container layers are attached: "file" (file-backed EROFS) or "loop" (loop devices).
     layer_attach: str = "file"
+    # "enforce" (container sandboxes run under the dsec-sandbox profile), or "unsupported: <why>".
+    apparmor: str = "unknown"
     projects: dict[str, ProjectUsage] = Field(default_factory=dict)
 
 
@@ -488,9 +490,9 @@ class SecurityEvent(_Model):
     """A denied action the platform saw in a sandbox (see ``Sandbox.security_events``).
 
     ``kind``: ``network.blocked``, ``dns.refused``, ``syscall.denied``, ``limit.memory``,
-    ``limit.pids``, ``limit.disk``, ``limit.output``, ``limit.timeout`` or ``file.tampered``
-    (system files replaced or added: shells, ``PATH`` directories, libraries, start-up hooks);
-    ``count``: how many times."""
+    ``limit.pids``, ``limit.disk``, ``limit.output``, ``limit.timeout``, ``file.tampered``
+    (system files replaced or added: shells, ``PATH`` directories, libraries, start-up hooks) or
+    ``apparmor.denied`` (where the host has AppArmor); ``count``: how many times."""
 
     kind: str
     detail: str

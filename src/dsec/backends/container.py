@@ -51,7 +51,7 @@ from ..images import carry, scrub
 from ..images.compose import OverlayPlan, compose
 from ..images.mounts import LayerMounts
 from ..images.store import Image, LayerStore
-from ..isolation import disk, userns
+from ..isolation import apparmor, disk, userns
 from ..isolation.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, seccomp_profile
 from ..resources import cgroups, reclaim
 from ..resources import cpu as cpu_sched
@@ -620,6 +620,7 @@ class ContainerBackend:
                 "rlimits": [{"type": "RLIMIT_NOFILE", "hard": _NOFILE_HARD, "soft": min(1024, _NOFILE_HARD)}],
                 "noNewPrivileges": True,
                 "oomScoreAdj": 500,
+                **({"apparmorProfile": profile} if (profile := apparmor.loaded_profile()) else {}),
             },
             # Relative to the bundle: crun sets the root up from inside the user namespace, whose
             # root may not search the directories above the bundle.
@@ -856,13 +857,17 @@ class ContainerBackend:
 
     async def pause(self, handle: Handle) -> None:
         await self._freeze(handle)
-        # Frozen, nothing in it touches its pages: push them all out (to swap).
+        # Frozen, nothing in it touches its pages: push them all out (to swap, which v2 must
+        # allow it first).
         try:
+            cgroups.lift_swap(self.cgroup_parent, handle.cid, True)
             await asyncio.to_thread(reclaim.push_out, self.cgroup_parent, handle.cid)
         except OSError as exc:
             log.warning("paused %s but could not push its memory out: %s", handle.cid, exc)
 
     async def resume(self, handle: Handle) -> None:
+        with contextlib.suppress(OSError):
+            cgroups.lift_swap(self.cgroup_parent, handle.cid, False)
         cgroups.thaw(self.cgroup_parent, handle.cid)
 
     async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
@@ -876,7 +881,7 @@ class ContainerBackend:
             with contextlib.ExitStack() as stack:
                 idmap = self.id_ranges.of(handle.cid) if self.id_ranges else None
                 if idmap is not None:  # the layer holds the ids as the sandbox saw them
-                    upper = stack.enter_context(userns.shifted_view(idmap, upper, upper.parent / "packview"))
+                    upper = stack.enter_context(userns.shifted_view(idmap, upper, upper.parent / "packview", self.store.tmp_dir))
                 skip = await asyncio.to_thread(scrub.residue, upper)
                 digest = await asyncio.to_thread(self.store.add_dir, upper, skip)
         finally:

@@ -2,7 +2,7 @@
 an OCI runtime with nothing around it) and ``podman run --rm`` (a complete container engine).
 
 The root filesystem is the ``busybox`` image's EROFS layer, mounted read-only once under
-``<work>/rootfs`` (file-backed, as the edge mounts it). crun runs it read-only as its root;
+``<work>/rootfs`` (file-backed or on a loop device, as the edge mounts it on this kernel). crun runs it read-only as its root;
 podman puts an overlay on it (``--rootfs DIR:O``), as the edge does for a sandbox.
 
 Everything made here carries a name this module can find again — crun state under
@@ -24,7 +24,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from .. import _sys
+from .. import _sys, hostcheck
+from ..images import loopdev
 from ..resources import cgroups
 
 CRUN = shutil.which("crun") or "/usr/bin/crun"
@@ -84,7 +85,12 @@ class PeerRig:
         self.cleanup()
         for d in (self.rootfs, self.crun_root, self.bundles):
             d.mkdir(parents=True, exist_ok=True)
-        _sys.mount(str(self.layer_file), str(self.rootfs), "erofs", _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID)
+        flags = _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID
+        if hostcheck.layer_attach() == "file":
+            _sys.mount(str(self.layer_file), str(self.rootfs), "erofs", flags)
+        else:  # a kernel before 6.12: through a loop device, as the edge attaches it there
+            with loopdev.attached(self.layer_file) as device:
+                _sys.mount(device, str(self.rootfs), "erofs", flags)
         spec_dir = self.work / "spec"
         spec_dir.mkdir(exist_ok=True)
         subprocess.run([CRUN, "spec"], cwd=spec_dir, check=True, capture_output=True)

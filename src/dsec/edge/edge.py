@@ -74,6 +74,7 @@ from ..backends.base import ExecContext, Handle, SandboxBackend, SandboxSpec
 from ..fncall.pool import FnCallPool
 from ..images import carry
 from ..images.store import Image, LayerStore, check_name
+from ..isolation import apparmor
 from ..placement import DEFAULT_CPU_OVERCOMMIT, DEFAULT_MEMORY_OVERCOMMIT
 from ..resources import cgroups
 from . import lifecycle
@@ -864,5 +865,6 @@ class Edge:
             sandboxes=len(self._records), memory_total_mb=self.admission.memory_total_mb,
             cpu_cores=self.admission.cpu_cores,
             layer_attach=getattr(self.backends.get("container"), "layer_attach", "file"),
+            apparmor=apparmor.status(),
             **self.admission.commitments(self._records.values()),
         )

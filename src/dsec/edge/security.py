@@ -2,25 +2,29 @@
 
 The edge calls in at a few points of a sandbox's life (``check_rules`` at admission, ``attach``
 once it runs, ``watch_exec`` around each command, ``forget`` when it ends) and serves
-``events`` and ``set_rules``. A reader of the kernel's audit records turns seccomp refusals into events: the
-audit record names the host uid, and each sandbox has a uid range of its own.
+``events`` and ``set_rules``. A reader of the kernel's audit records turns seccomp and AppArmor refusals into events:
+the audit record names the host uid, and each sandbox has a uid range of its own (an AppArmor
+record without one is placed by its pid's cgroup).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import re
 import socket
 import struct
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from libdsec import CommandTimeout, InvalidRequest
 from libdsec.protocol import ExecResult, SecurityEvent
 
+from ..isolation import apparmor
 from ..isolation.events import SecurityEvents
 from ..isolation.network import Allowed, SandboxNetworks
 
@@ -33,6 +37,7 @@ log = logging.getLogger("dsec.edge.security")
 _NETLINK_AUDIT = 9
 _AUDIT_NLGRP_READLOG = 1
 _AUDIT_SECCOMP_TYPE = 1326
+_AUDIT_AVC_TYPE = 1400  # AppArmor's refusals (apparmor="DENIED")
 _AUDIT_SECCOMP = re.compile(r"type=1326 .*?\buid=(\d+) .*?\bpid=(\d+) comm=\"([^\"]*)\".*?\bsyscall=(\d+)")
 
 
@@ -49,6 +54,27 @@ def _syscall_names() -> dict[int, str]:
         except (OSError, ValueError):
             continue
     return names
+
+
+@functools.cache
+def _libseccomp_name(nr: int) -> str | None:
+    """A syscall's name from libseccomp (crun's, so on every DSec host), for a host without the
+    kernel's headers (a stock Debian has no linux-libc-dev)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so.2")
+    except OSError:
+        return None
+    lib.seccomp_syscall_resolve_num_arch.restype = ctypes.c_void_p
+    lib.seccomp_syscall_resolve_num_arch.argtypes = (ctypes.c_uint32, ctypes.c_int)
+    ptr = lib.seccomp_syscall_resolve_num_arch(0, nr)  # 0: SCMP_ARCH_NATIVE
+    if not ptr:
+        return None
+    name = ctypes.string_at(ptr).decode()
+    ctypes.CDLL(None).free(ctypes.c_void_p(ptr))
+    return name
 
 
 class EdgeSecurity:
@@ -186,7 +212,7 @@ class EdgeSecurity:
         """Listen to the kernel's audit records: on the audit netlink socket's read-only
         multicast group (every record, not rate-limited, needs no audit daemon), else on the
         kernel log (where records are rate-limited when no audit daemon runs)."""
-        if self.id_ranges is None or self._kmsg_fd is not None:
+        if (self.id_ranges is None and apparmor.loaded_profile() is None) or self._kmsg_fd is not None:
             return
         try:
             sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC,
@@ -219,15 +245,37 @@ class EdgeSecurity:
                 lines = []
                 while len(data) >= 16:
                     length, kind = struct.unpack_from("=IH", data)
-                    if kind == _AUDIT_SECCOMP_TYPE:
-                        lines.append("type=1326 " + data[16:length].decode(errors="replace"))
+                    if kind in (_AUDIT_SECCOMP_TYPE, _AUDIT_AVC_TYPE):
+                        lines.append(f"type={kind} " + data[16:length].decode(errors="replace"))
                     data = data[max(16, (length + 3) & ~3):]
             else:
                 lines = [data.decode(errors="replace")]
             for line in lines:
-                m = _AUDIT_SECCOMP.search(line)
-                if m:
-                    self._syscall_denied(int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(4)))
+                for record in line.splitlines() if not self._netlink else (line,):
+                    m = _AUDIT_SECCOMP.search(record)
+                    if m:
+                        self._syscall_denied(int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(4)))
+                    elif (denial := apparmor.parse_denial(record)) is not None:
+                        self._apparmor_denied(denial)
+
+    def _owner(self, uid: int | None, pid: int):
+        """The record of the sandbox that a host uid (its id range) or else a pid (its cgroup) is in."""
+        cid = self.id_ranges.owner(uid) if self.id_ranges is not None and uid is not None else None
+        if cid is None and pid > 0:
+            try:
+                cgroup = Path(f"/proc/{pid}/cgroup").read_text()
+            except OSError:
+                cgroup = ""
+            names = {part for row in cgroup.splitlines() for part in row.split(":", 2)[-1].split("/")}
+            cid = next((r.handle.cid for r in self.edge._records.values() if r.handle.cid in names), None)
+        if cid is None:
+            return None
+        return next((r for r in self.edge._records.values() if r.handle.cid == cid), None)
+
+    def _apparmor_denied(self, denial: apparmor.Denial) -> None:
+        rec = self._owner(denial.fsuid, denial.pid)
+        if rec is not None:
+            self.events.record(rec.id, "apparmor.denied", apparmor.describe(denial))
 
     def _syscall_denied(self, uid: int, pid: int, comm: str, nr: int) -> None:
         cid = self.id_ranges.owner(uid) if self.id_ranges is not None else None
@@ -236,5 +284,5 @@ class EdgeSecurity:
         rec = next((r for r in self.edge._records.values() if r.handle.cid == cid), None)
         if rec is None:
             return
-        name = self._syscalls.get(nr, f"syscall {nr}")
+        name = self._syscalls.get(nr) or _libseccomp_name(nr) or f"syscall {nr}"
         self.events.record(rec.id, "syscall.denied", f"{name} denied to {comm!r}")

@@ -43,12 +43,23 @@ class LayerMounts:
         self._lock = threading.Lock()
         # (layer mount target, id range base) -> fd of its detached idmapped clone
         self._clones: OrderedDict[tuple[str, int], int] = OrderedDict()
+        # Where clones are attached for a moment on kernels whose overlayfs takes no detached layer.
+        self.clones_dir = self.mount_dir / ".idmapped"
 
     @contextlib.contextmanager
     def idmapped(self, layers: tuple[LayerMount, ...], idmap: userns.IdMap) -> Iterator[list[int]]:
         """fds of idmapped clones of these (acquired) layer mounts for ``idmap``, valid in the
         ``with`` block (mount the overlay there). Cloning costs ~0.3 ms of kernel work a layer,
-        and an unmount when done with; a clone kept serves every later sandbox of that range."""
+        and an unmount when done with; a clone kept serves every later sandbox of that range.
+
+        Where overlayfs takes no detached layer (before Linux 6.15) each clone is made for this
+        block alone and attached under ``clones_dir`` while the overlay is mounted, then unmounted
+        (the overlay holds a private copy of its layers): nothing stays in the mount table, so a
+        crash leaves at most the clones of one create, which ``release_unused`` sweeps."""
+        if not userns.detached_layers():
+            with self._lock, self._attached_clones(layers, idmap) as fds:
+                yield fds
+            return
         with self._lock:
             fds = []
             for layer in layers:
@@ -62,6 +73,38 @@ class LayerMounts:
             yield fds
             while len(self._clones) > CLONES_KEPT:
                 os.close(self._clones.popitem(last=False)[1])
+
+    @contextlib.contextmanager
+    def _attached_clones(self, layers: tuple[LayerMount, ...], idmap: userns.IdMap) -> Iterator[list[int]]:
+        made: list[tuple[int, Path]] = []
+        try:
+            for layer in layers:
+                fd = userns.idmapped_clone(layer.target, idmap)
+                path = self.clones_dir / f"{idmap.base}-{layer.target.name}-{os.getpid()}-{threading.get_ident()}"
+                try:
+                    userns.attach_clone(fd, path)
+                except BaseException:
+                    os.close(fd)
+                    with contextlib.suppress(OSError):
+                        path.rmdir()
+                    raise
+                made.append((fd, path))
+            yield [fd for fd, _ in made]
+        finally:
+            for fd, path in made:
+                os.close(fd)
+                _unmount_dir(path)
+
+    def _sweep_clones(self) -> None:
+        """Clones a crashed create left attached (kernels before 6.15)."""
+        try:
+            left = list(self.clones_dir.iterdir())
+        except FileNotFoundError:
+            return
+        for path in left:
+            _unmount_dir(path)
+        with contextlib.suppress(OSError):
+            self.clones_dir.rmdir()
 
     def _close_clones(self, target: Path) -> None:
         for key in [k for k in self._clones if k[0] == str(target)]:
@@ -124,8 +167,9 @@ class LayerMounts:
         attaches: an earlier run may have used the other)."""
         removed = []
         with self._lock:
+            self._sweep_clones()
             for target in self.mount_dir.iterdir():
-                if target.name not in self._refs:
+                if target.name not in self._refs and target != self.clones_dir:
                     self._unmount(target)
                     removed.append(target.name)
             if self.layers_dir is not None:
@@ -135,3 +179,11 @@ class LayerMounts:
     def mounted(self) -> dict[str, int]:
         with self._lock:
             return dict(self._refs)
+
+
+def _unmount_dir(path: Path) -> None:
+    if os.path.ismount(path):
+        with contextlib.suppress(OSError):
+            _sys.umount(str(path), _sys.MNT_DETACH)
+    with contextlib.suppress(OSError):
+        path.rmdir()

@@ -14,6 +14,9 @@ What is visible, and where it comes from:
 - ``syscall.denied``: seccomp refusals logged by the kernel (the profile sets
   SECCOMP_FILTER_FLAG_LOG, so an EPERM from a denied syscall is written to the kernel log as an
   audit record); attributed to the sandbox whose cgroup holds the pid when the edge reads it.
+- ``apparmor.denied``: what the host's AppArmor refused under the ``dsec-sandbox`` profile (a
+  file written under /proc or /sys, a read of a kernel file, a mount), from the same audit
+  records (see dsec.isolation.apparmor); only where the host has AppArmor.
 
 Not visible: what a command was denied by plain permissions (EACCES on a read-only or masked
 path, a capability the process lacks) — the kernel reports those only to the caller.

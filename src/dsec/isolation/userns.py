@@ -17,14 +17,19 @@ a host uid names its sandbox (the kernel's seccomp audit records carry it, see
 dsec.isolation.events). Ranges are reused after a sandbox ends; the user namespace fds that
 describe them are made once per range (one ``unshare`` spawn) and the last 256 used are kept,
 and so are the idmapped clones of each layer for a range (``LayerMounts.idmapped``): detached
-mounts, in no mount table, that the overlay takes as its lower layers by their fds.
+mounts, in no mount table, that the overlay takes as its lower layers by their fds. Before
+Linux 6.15 overlayfs takes no detached mount as a layer: there each clone is attached to a
+directory of the node first (``detached_layers``, ``attach_clone``). Before 6.3 a tmpfs cannot be
+idmapped, and ``shifted_view`` copies instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
+import shutil
 import subprocess
 import time
 from collections import OrderedDict
@@ -137,6 +142,34 @@ def _clone(source: Path, userns_fd: int) -> int:
     return fd
 
 
+def _kernel_version() -> tuple[int, int]:
+    release = os.uname().release
+    try:
+        major, minor = release.split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    except ValueError:
+        return (0, 0)
+
+
+@functools.cache
+def detached_layers() -> bool:
+    """Whether overlayfs takes a detached mount (a clone held only by an fd) as a lower layer:
+    from Linux 6.15 ("fs: allow detached mounts in clone_private_mount()"). Before that the
+    overlay refuses it (EINVAL), and each clone is attached to a directory first
+    (``attach_clone``). ``DSEC_IDMAP_CLONES=attached`` takes the older kernels' path anywhere."""
+    setting = os.environ.get("DSEC_IDMAP_CLONES", "auto")
+    if setting in ("attached", "detached"):
+        return setting == "detached"
+    return _kernel_version() >= (6, 15)
+
+
+def attach_clone(fd: int, target: Path) -> None:
+    """Attach the detached mount ``fd`` on the directory ``target`` (made here)."""
+    target.mkdir(parents=True, exist_ok=True)
+    _check(_libc.syscall(_SYS_MOVE_MOUNT, fd, b"", _AT_FDCWD, str(target).encode(), _MOVE_MOUNT_F_EMPTY_PATH),
+           f"move_mount {target}")
+
+
 def idmapped_bind(source: Path, target: Path, userns_fd: int) -> None:
     """Mount an idmapped clone of the mount (or directory) ``source`` on ``target``."""
     fd = _clone(source, userns_fd)
@@ -201,15 +234,49 @@ def mount_shifted_overlay(idmap: IdMap, lower_fds: list[int], upper: Path, work:
 
 
 @contextlib.contextmanager
-def shifted_view(idmap: IdMap, directory: Path, view: Path) -> Iterator[Path]:
-    """``directory`` (host ids base..) mounted on ``view`` with the ids shifted back to 0..."""
+def shifted_view(idmap: IdMap, directory: Path, view: Path, copy_dir: Path | None = None) -> Iterator[Path]:
+    """``directory`` (host ids base..) mounted on ``view`` with the ids shifted back to 0...
+
+    tmpfs (a sandbox's writable layer) can be idmapped only from Linux 6.3. Before that the
+    mount fails (EINVAL), and the view is a copy instead, made under ``copy_dir`` (default: beside
+    ``view``; give one on a disk, not on the sandbox's own capped tmpfs), its ids shifted back
+    one entry at a time, and removed after."""
     nsfd = _userns_fd(idmap.base, 0, idmap.count)
     view.mkdir(parents=True, exist_ok=True)
-    idmapped_bind(directory, view, nsfd)
+    try:
+        idmapped_bind(directory, view, nsfd)
+    except OSError:
+        with contextlib.suppress(OSError):
+            view.rmdir()
+        with _shifted_copy(idmap, directory, copy_dir or view.parent) as copy:
+            yield copy
+        return
     try:
         yield view
     finally:
         _sys.umount(str(view), _sys.MNT_DETACH)
         with contextlib.suppress(OSError):
             view.rmdir()
+
+
+@contextlib.contextmanager
+def _shifted_copy(idmap: IdMap, directory: Path, copy_dir: Path) -> Iterator[Path]:
+    copy_dir.mkdir(parents=True, exist_ok=True)
+    copy = copy_dir / f".shifted-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        # cp -a keeps what the layer needs: whiteouts (0/0 character devices), the overlay's
+        # xattrs (opaque directories), hard links, modes and times.
+        proc = subprocess.run(["cp", "-a", "--", str(directory), str(copy)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise OSError(f"cannot copy {directory} for packing: {proc.stderr.strip()[-300:]}")
+        for path in [copy, *copy.rglob("*")]:
+            st = path.lstat()
+            uid, gid = (i - idmap.base if idmap.base <= i < idmap.base + idmap.count else i for i in (st.st_uid, st.st_gid))
+            if (uid, gid) != (st.st_uid, st.st_gid):
+                os.lchown(path, uid, gid)
+                if not path.is_symlink() and st.st_mode & 0o6000:  # chown clears set-id bits
+                    os.chmod(path, st.st_mode & 0o7777)
+        yield copy
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
 

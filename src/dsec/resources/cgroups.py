@@ -175,6 +175,26 @@ def memory_writes(parent: str, cid: str, memory_bytes: int, fresh: bool) -> list
     return writes
 
 
+def lift_swap(parent: str, cid: str, lifted: bool) -> bool:
+    """On v2, let a (paused) sandbox's memory go to swap, up to its memory limit, or (``lifted``
+    False) stop it again. A sandbox runs with ``memory.swap.max`` 0 there: v2 counts swap apart
+    from memory, so 0 is what holds it to its limit (v1's memory+swap limit equal to the memory
+    limit does the same and still lets a push-out swap, so v1 needs nothing). Pages already in
+    swap stay there after a resume; only new ones are kept from it. Returns whether a file was
+    written (False on v1, or with no swap accounting)."""
+    if not is_v2():
+        return False
+    d = f"{CGROUP_ROOT}/{parent}/{cid}"
+    if not _has(d, "memory.swap.max"):
+        return False
+    value = "0"
+    if lifted:
+        with open(f"{d}/memory.max") as f:
+            value = f.read().strip()
+    _write(f"{d}/memory.swap.max", value)
+    return True
+
+
 def read_key(path: str, key: bytes) -> int | None:
     """The value of ``key`` in a flat-keyed cgroup file (None if it cannot be read). Read after
     every command: plain system calls, not a text file object."""

@@ -98,7 +98,8 @@ class VMBackend:
     pooled = False
 
     def __init__(self, node_dir: Path, store: LayerStore, assets_dir: Path | None = None, *,
-                 accel: str | None = None, boot_timeout_s: float = 60.0, default_memory_mb: int = DEFAULT_MEMORY_MB) -> None:
+                 accel: str | None = None, boot_timeout_s: float = 60.0, default_memory_mb: int = DEFAULT_MEMORY_MB,
+                 tcg_tb_mb: int | None = None) -> None:
         self.node_dir = Path(node_dir)
         self.store = store
         self.vms_dir = self.node_dir / "vms" / self.kind
@@ -108,6 +109,7 @@ class VMBackend:
         self._accel = accel
         self.boot_timeout_s = boot_timeout_s
         self.default_memory_mb = default_memory_mb
+        self.tcg_tb_mb = tcg_tb_mb  # None: machine.TCG_TB_MB
         self._live: dict[str, _Live] = {}
         self.cgroup_parent = f"{cgroups.parent_for(self.node_dir.parent)}-{self.kind}"
 
@@ -149,7 +151,7 @@ class VMBackend:
         """QEMU arguments every VM has; ``serial_bus`` is the virtio-serial device of the machine."""
         return [
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-name", vm_dir.name,
-            *machine.accel_args(accel),
+            *machine.accel_args(accel, self.tcg_tb_mb),
             "-serial", f"file:{vm_dir / 'console.log'}",
             "-chardev", f"socket,id=agent,path={vm_dir / 'agent.sock'},server=on,wait=off",
             "-device", serial_bus,

@@ -7,7 +7,8 @@ disk of its own (``/dev/vdb``: a qcow2 overlay over an empty ext4 template, so i
 few hundred KB); the guest's initramfs mounts an overlay of the two as the root (the base never
 changes; the VM's writes land in ``/dev/vdb``'s ``upper/``), and hands PID 1 to the image's
 ``/sbin/init``. An image whose init is busybox gets an inittab line that keeps the DSec agent
-running (respawned if it dies). An image with no init of its own boots the agent as PID 1.
+running (respawned if it dies); one whose init is systemd (a Debian with ``systemd-sysv``) gets a
+unit, ``dsec-agent.service``, that does the same. An image with no init of its own boots the agent as PID 1.
 
 Why an overlay in the guest rather than one ext4 disk written in place: ``pack_diff`` then has
 the VM's changes as they are, file by file, with deletions as whiteouts and replaced
@@ -35,6 +36,26 @@ INITTAB = """\
 ::sysinit:/bin/hostname sandbox
 ::respawn:/dev/.dsec/agent
 ::shutdown:/bin/sync
+"""
+# An image whose init is systemd gets this unit (enabled early: the host waits for the agent).
+AGENT_UNIT = """\
+# Written by DSec: systemd keeps the DSec guest agent running.
+[Unit]
+Description=DSec guest agent
+DefaultDependencies=no
+After=systemd-remount-fs.service
+
+[Service]
+ExecStart=/dev/.dsec/agent
+Restart=always
+RestartSec=0.2
+# The agent puts each command in a cgroup of its own (/sys/fs/cgroup/dsec/job*, outside
+# systemd's tree), and systemd must leave those alone.
+Delegate=yes
+KillMode=process
+
+[Install]
+WantedBy=sysinit.target
 """
 # The base disk is read-only: a little room for ext4's own metadata is all it needs.
 FREE_SPACE_MB = 32
@@ -77,6 +98,13 @@ def build_base_disk(store, layers: tuple[str, ...], dest: Path) -> None:
         if init.is_symlink() and "busybox" in os.readlink(init):
             (root / "etc").mkdir(exist_ok=True)
             (root / "etc/inittab").write_text(INITTAB)
+        elif init.is_symlink() and "systemd" in os.readlink(init):
+            units = root / "etc/systemd/system"
+            (units / "sysinit.target.wants").mkdir(parents=True, exist_ok=True)
+            (units / "dsec-agent.service").write_text(AGENT_UNIT)
+            wanted = units / "sysinit.target.wants/dsec-agent.service"
+            wanted.unlink(missing_ok=True)
+            wanted.symlink_to("/etc/systemd/system/dsec-agent.service")
         (root / "dev").mkdir(exist_ok=True)
         used = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
         size_mb = used * 13 // 10 // (1 << 20) + FREE_SPACE_MB
@@ -118,7 +146,7 @@ class FullVMBackend(VMBackend):
         return path
 
     async def base_disk(self, layers: tuple[str, ...]) -> Path:
-        key = hashlib.sha256(("\n".join(layers) + INITTAB).encode()).hexdigest()[:24]
+        key = hashlib.sha256(("\n".join(layers) + INITTAB + AGENT_UNIT).encode()).hexdigest()[:24]
         path = self.disks_dir / f"{key}.raw"
         async with self._disk_locks.setdefault(key, asyncio.Lock()):
             if not path.exists():

@@ -101,11 +101,13 @@ def probe_accel(assets: GuestAssets, cache_dir: Path) -> str:
     return accel
 
 
-def accel_args(accel: str) -> list[str]:
+def accel_args(accel: str, tcg_tb_mb: int | None = None) -> list[str]:
+    """``tcg_tb_mb``: the translation cache of this VM (default ``TCG_TB_MB``); a guest that runs
+    a whole userland (a full VM running a test suite) retranslates far less with a few hundred."""
     if accel == "kvm":
         return ["-accel", "kvm", "-cpu", "host"]
     # A bounded translation cache: the default (1 GiB) would be each VM's to fill.
-    return ["-accel", f"tcg,tb-size={TCG_TB_MB}"]
+    return ["-accel", f"tcg,tb-size={tcg_tb_mb or TCG_TB_MB}"]
 
 
 def pid_alive(pid: int) -> bool:

@@ -6,7 +6,7 @@
 #   dsec.mode=fullvm   root = overlay of /dev/vda (the image's ext4 disk, read-only, shared by
 #                      every VM of the image) under an upper on /dev/vdb (the VM's own ext4
 #                      disk); PID 1 becomes the image's own /sbin/init, which starts the agent
-#                      (its inittab says so)
+#                      (a busybox init's inittab, or systemd's dsec-agent.service, says so)
 # Either way the upper's filesystem is moved to <root>/dev/.dsec/rw, where the agent packs it.
 /bin/busybox mkdir -p /bin /proc /sys /dev /newroot /layers /rw
 /bin/busybox --install -s /bin
@@ -97,7 +97,9 @@ mount -t devpts -o newinstance,ptmxmode=0666 devpts /newroot/dev/pts
 mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
 mount -t cgroup2 cgroup2 /newroot/sys/fs/cgroup 2>/dev/null
 
-if [ "$mode" = fullvm ] && [ -x /newroot/sbin/init ] && grep -q dsec /newroot/etc/inittab 2>/dev/null; then
+# /sbin/init may be an absolute symlink (Debian's to /lib/systemd/systemd): not -x from here.
+if [ "$mode" = fullvm ] && { [ -x /newroot/sbin/init ] || [ -L /newroot/sbin/init ]; } && { grep -q dsec /newroot/etc/inittab 2>/dev/null \
+        || [ -e /newroot/etc/systemd/system/dsec-agent.service ]; }; then
     exec switch_root /newroot /sbin/init
 fi
 exec switch_root /newroot /dev/.dsec/busybox sh /dev/.dsec/pid1.sh
