@@ -6,7 +6,8 @@ PACKAGES=(crun gcc libc6-dev erofs-utils busybox-static debootstrap podman uidma
           iproute2 nftables python3 python3-venv python3-pip psmisc ca-certificates
           qemu-system-x86 qemu-utils e2fsprogs bubblewrap
           gcc libc6-dev libseccomp2  # dsec-jail is compiled on first use; its seccomp program made with libseccomp
-          postgresql)  # initdb and postgres: the tests run a server of their own for `dsec serve --db`
+          postgresql  # initdb and postgres: the tests run a server of their own for `dsec serve --db`
+          chromium)   # headless, for the dashboard's test (tests/integration/test_dashboard.py)
 
 if [ "$(id -u)" != 0 ]; then
     echo "setup-host: run as root (DSec mounts layers and makes cgroups)" >&2

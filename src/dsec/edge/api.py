@@ -36,6 +36,7 @@ from libdsec.protocol import (
     ImageInfo,
     LayerUse,
     NodeInfo,
+    NodeStats,
     PackDiffResult,
     PauseResult,
     SandboxInfo,
@@ -105,6 +106,10 @@ class EdgeAPI(Protocol):
 
     # -- the node ----------------------------------------------------------------------------
     async def node_info(self) -> NodeInfo: ...
+
+    async def node_stats(self) -> NodeStats:
+        """What the node counted since its edge started, and holds now (``dsec.edge.stats``)."""
+        ...
 
     async def layer_use(self) -> LayerUse: ...
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from libdsec import InvalidRequest, SandboxNotFound, SandboxStateError
+from libdsec import CapacityExceeded, InvalidRequest, LimitOutOfRange, SandboxNotFound, SandboxStateError
 from libdsec.protocol import (
     DSecContainerRunArgs,
     DSecFnCallArgs,
@@ -44,6 +44,7 @@ from libdsec.protocol import (
     ImageInfo,
     LayerUse,
     NodeInfo,
+    NodeStats,
     PackDiffResult,
     PauseResult,
     SandboxInfo,
@@ -66,6 +67,7 @@ from .lifecycle import Action, Record
 from .pool import WarmPool
 from .reaper import TTLReaper
 from .security import EdgeSecurity
+from .stats import EdgeStats
 
 log = logging.getLogger("dsec.edge")
 
@@ -125,6 +127,7 @@ class Edge:
         self._closed = False
         self.security = EdgeSecurity(self)  # network allowlists, security events
         self.fncalls = fncalls  # the warm pool for stateless calls (dsec.fncall), if served here
+        self.stats = EdgeStats()  # what node_stats reports
 
     # -- start / close ---------------------------------------------------------------------
 
@@ -180,6 +183,23 @@ class Edge:
         return backend
 
     async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
+        if not self.stats.enabled:
+            return await self._create(args, kind, project)
+        try:
+            info = await self._create(args, kind, project)
+        except CapacityExceeded:
+            self.stats.refused("capacity")
+            raise
+        except LimitOutOfRange:
+            self.stats.refused("limit")
+            raise
+        except Exception:
+            self.stats.create_failed(kind)
+            raise
+        self.stats.created(kind, info.create_s or 0.0)
+        return info
+
+    async def _create(self, args: DSecContainerRunArgs, kind: str, project: str) -> SandboxInfo:
         if self._closed:
             raise SandboxStateError(f"edge {self.node} is shutting down")
         backend = self._backend(kind)
@@ -235,10 +255,18 @@ class Edge:
         (``dsec.batch``): on the first failure (or if the consumer goes away) every sandbox
         made so far is stopped. The request is checked, whole, when the first is asked for."""
         self._backend(kind)
-        self.admission.limits(args)
+        try:
+            self.admission.limits(args)
+        except LimitOutOfRange:
+            self.stats.refused("limit", count)
+            raise
         self.security.check_rules(args.network_rules)
         self.store.resolve(args.image_ref)
-        self.admission.fits(args, count)
+        try:
+            self.admission.fits(args, count)
+        except CapacityExceeded:
+            self.stats.refused("capacity", count)
+            raise
 
         async def undo(made: list[tuple[Part, str]]) -> None:
             await asyncio.gather(*(self.stop(sid, reason="batch create failed") for _, sid in made),
@@ -301,7 +329,14 @@ class Edge:
             uid=uid, gid=gid, workdir=request.workdir or rec.args.workdir,
             env={**rec.image.env, **rec.args.env, **request.env},
         )
-        return await self.security.watch_exec(rec, self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx)))
+        call = self.security.watch_exec(rec, self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx)))
+        if not self.stats.enabled:
+            return await call
+        start = time.perf_counter()
+        try:
+            return await call
+        finally:
+            self.stats.command(rec.kind, time.perf_counter() - start)
 
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:
         """Denied actions seen in the sandbox (see dsec.isolation.events); kept after it ends."""
@@ -337,10 +372,15 @@ class Edge:
         return self.fncalls
 
     async def fncall(self, args: DSecFnCallArgs) -> FnCallResult:
-        return await self._fncall_pool().call(args)
+        result = await self._fncall_pool().call(args)
+        self.stats.fncall(result.duration_s, not result.ok)
+        return result
 
     async def fncall_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
-        return await self._fncall_pool().call_many(calls)
+        results = await self._fncall_pool().call_many(calls)
+        for result in results:
+            self.stats.fncall(result.duration_s, not result.ok)
+        return results
 
     async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult:
         """The sandbox's changes as a new image on top of its own (it keeps running)."""
@@ -450,6 +490,7 @@ class Edge:
                 raise SandboxStateError(f"sandbox {sandbox_id} was {rec.status.value} while it was being paused")
             rec.paused_at = time.time()
             self._persist(rec)
+            self.stats.paused()
             return PauseResult(sandbox=rec.info(self.node), memory_before_bytes=before,
                                memory_after_bytes=backend.memory_usage(rec.handle),
                                pause_s=time.perf_counter() - start)
@@ -469,6 +510,7 @@ class Edge:
         rec.status, rec.paused_at = SandboxStatus.running, None
         rec.last_active = time.time()
         self._persist(rec)
+        self.stats.resumed()
 
     def idle_sandboxes(self, idle_s: float) -> list[tuple[str, Handle]]:
         """(kind, handle) of the running sandboxes without a call for ``idle_s`` seconds."""
@@ -507,3 +549,6 @@ class Edge:
             layer_attach=getattr(self.backends.get("container"), "layer_attach", "file"),
             **self.admission.commitments(self._records.values()),
         )
+
+    async def node_stats(self) -> NodeStats:
+        return self.stats.report(await self.node_info(), self._records.values(), self.security.events, self.warm_pool)
