@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from ._client import DSecClient, ProgressCallback, Sandbox
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
-from .protocol import DSecFnCallArgs, FnCallResult
+from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult
 from ._projects import _SyncProjectMethods
 
 T = TypeVar("T")
@@ -155,6 +155,9 @@ class SyncDSecClient(_SyncProjectMethods):
 
     def gc_images(self) -> list[str]:
         return self._loop().run(self._async.gc_images())
+
+    def stats(self) -> ClusterStats:
+        return self._loop().run(self._async.stats())
 
     def fncall(self, args: DSecFnCallArgs, **kwargs: Any) -> FnCallResult:
         return self._loop().run(self._async.fncall(args, **kwargs))

@@ -176,3 +176,27 @@ async def test_dashboard_takes_its_token_once_as_a_cookie(api):
     # The cookie is the dashboard's alone.
     assert (await client.get("/v1/stats")).status_code == 401
     assert (await client.get("/metrics")).status_code == 401
+
+
+async def test_top_frame_shows_the_stats(api):
+    from collections import deque
+
+    from rich.console import Console
+
+    from dsec.cli_top import Summary, frame
+
+    client, _ = api
+    info = (await client.post("/v1/sandboxes", json=args().model_dump())).json()
+    await client.post(f"/v1/sandboxes/{info['id']}/exec", json={"command": "echo hi"})
+    first = ClusterStats.model_validate((await client.get("/v1/stats")).json())
+    await client.post("/v1/sandboxes", json=args().model_dump())
+    second = ClusterStats.model_validate((await client.get("/v1/stats")).json())
+    console = Console(width=200, record=True)
+    console.print(frame(second, deque([Summary.of(first)])))
+    text = console.export_text()
+    assert "nodes 1 up" in text and "sandboxes 2: running 2" in text and "made 2, commands 1" in text
+    assert "create (container)" in text and "command (container)" in text
+    assert "(avg)" not in text  # two readings: a rate over the interval
+    console = Console(width=200, record=True)
+    console.print(frame(second))
+    assert "(avg)" in console.export_text()
