@@ -4,7 +4,8 @@
 
 const INTERVAL_MS = Number(new URLSearchParams(location.search).get("interval")) || 1000;
 const WINDOW_S = 60;          // the latency window ("last 60 s")
-const CHART_S = 300;          // what the charts show
+const CHART_S = 300;          // the most the charts show (less while the page is younger)
+const RATE_S = 5;             // rates are over the readings of the last few seconds
 const history = [];           // {t, creates, commands, states: {state: n}, create: hist, command: hist}
 
 const $ = (id) => document.getElementById(id);
@@ -78,12 +79,14 @@ function chart(svgId, series) {
   const svg = $(svgId);
   const W = 600, H = 140, PAD = 14;
   const now = history.length ? history[history.length - 1].t : 0;
+  const span = Math.min(CHART_S, Math.max(30, history.length ? now - history[0].t : 0));
   let top = 1;
   for (const s of series) for (const [, v] of s.points) top = Math.max(top, v);
-  const x = (t) => W - (now - t) / CHART_S * W;
+  const x = (t) => W - (now - t) / span * W;
   const y = (v) => H - PAD - v / top * (H - 2 * PAD);
   const parts = [`<line x1="0" y1="${H - PAD}" x2="${W}" y2="${H - PAD}" stroke="#d9dde5"/>`,
-                 `<text x="4" y="12" font-size="11" fill="#6b7385">${top.toFixed(top < 10 ? 1 : 0)}</text>`];
+                 `<text x="4" y="12" font-size="11" fill="#6b7385">${top.toFixed(top < 10 ? 1 : 0)}</text>`,
+                 `<text x="${W - 4}" y="12" font-size="11" fill="#6b7385" text-anchor="end">last ${Math.round(span)} s</text>`];
   for (const s of series) {
     if (s.points.length < 2) continue;
     const pts = s.points.map(([t, v]) => `${x(t).toFixed(1)},${y(v).toFixed(1)}`).join(" ");
@@ -129,7 +132,7 @@ function render(stats) {
 
   history.push({ t, creates, commands, states, create: allCreates, command: allCommands, createHists, commandHists });
   while (history.length > 2 && t - history[0].t > CHART_S) history.shift();
-  const last = history[history.length - 2];
+  const last = history.find((h) => t - h.t <= RATE_S && h.t < t) || history[history.length - 2];
   const windowStart = history.find((h) => t - h.t <= WINDOW_S) || history[0];
 
   $("nodes-up").textContent = nodes.length;
