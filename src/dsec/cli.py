@@ -295,6 +295,8 @@ def bench_lifecycle(
                                               "(default: the environment's).")] = "",
     compare_loop: Annotated[bool, typer.Option(help="Each throughput round also with layers on loop devices "
                                                "(the path of kernels before 6.12).")] = False,
+    compare_metrics: Annotated[bool, typer.Option(help="Each throughput round also on a server with metrics off "
+                                                  "(DSEC_METRICS=0), the DSec rounds scraped every second.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
     """Full sandbox lifecycle against podman run --rm and bare crun run (see docs/BENCHMARKS.md)."""
@@ -304,7 +306,9 @@ def bench_lifecycle(
         state_dir=state_dir, console=console, idle_count=idle_count, lifecycles=lifecycles, rounds=rounds,
         concurrency=concurrency,
         latency_rounds=latency_rounds, cold_rounds=cold_rounds, pool_max=pool_max, crun_runs=crun_runs,
-        podman_runs=podman_runs, podman=podman, layer_attach=layer_attach, compare_loop=compare_loop, strict=strict,
+        podman_runs=podman_runs, podman=podman, layer_attach=layer_attach, compare_loop=compare_loop,
+        compare_metrics=compare_metrics,
+        strict=strict,
     ))
 
 
