@@ -200,3 +200,34 @@ async def test_top_frame_shows_the_stats(api):
     console = Console(width=200, record=True)
     console.print(frame(second))
     assert "(avg)" in console.export_text()
+
+
+async def test_a_cluster_reports_every_node(tmp_path, store):
+    edges = [Edge(EdgeConfig(node_dir=tmp_path / name, node=name, pool_min=0, pool_max=0), FakeBackend(), store)
+             for name in ("n1", "n2")]
+    for e in edges:
+        await e.start()
+    projects = open_project_store(tmp_path / "projects.db")
+    try:
+        cluster = Cluster(edges, projects=projects)
+        transport = httpx.ASGITransport(app=create_app(cluster, TOKEN), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://api",
+                                     headers={"authorization": f"Bearer {TOKEN}"}) as client:
+            for e in edges:
+                await e.create(args(), project="team")
+            m = _samples((await client.get("/metrics")).text)
+            for name in ("n1", "n2"):
+                assert m[("dsec_node_up", ("node", name))] == 1
+                assert m[("dsec_node_creates_total", ("kind", "container"), ("node", name))] == 1
+                assert m[("dsec_sandboxes", ("kind", "container"), ("node", name), ("project", "team"),
+                          ("state", "running"))] == 1
+            # None of that passed through the apiserver.
+            assert not any(key[0] == "dsec_api_creates_total" for key in m)
+            cluster.mark_lost("n2", "gone for the test")
+            m = _samples((await client.get("/metrics")).text)
+            assert m[("dsec_node_up", ("node", "n2"))] == 0
+            assert ("dsec_node_creates_total", ("kind", "container"), ("node", "n2")) not in m
+    finally:
+        projects.close()
+        for e in edges:
+            await e.close()

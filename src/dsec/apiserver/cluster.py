@@ -293,11 +293,13 @@ class Cluster:
             self.metrics.command(time.perf_counter() - start)
 
     async def fncall(self, args: DSecFnCallArgs) -> FnCallResult:
-        self.metrics.fncalls += 1
+        if self.metrics.enabled:
+            self.metrics.fncalls += 1
         return await (await self.fncall_edge()).fncall(args)
 
     async def fncall_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
-        self.metrics.fncalls += len(calls)
+        if self.metrics.enabled:
+            self.metrics.fncalls += len(calls)
         return await (await self.fncall_edge()).fncall_many(calls)
 
     async def stats(self) -> ClusterStats:
@@ -564,7 +566,8 @@ class Cluster:
                                             replace=replace)) as events:
                 async for item in events:
                     reservation.release(1)
-                    self.metrics.batch_sandboxes += 1
+                    if self.metrics.enabled:
+                        self.metrics.batch_sandboxes += 1
                     yield item
 
     def _shares(self, nodes: list[str], count: int, view: list[placement.NodeLoad], args: DSecContainerRunArgs,
