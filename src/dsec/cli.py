@@ -15,6 +15,7 @@ from libdsec import DSecClient, DSecContainerRunArgs, DSecError
 from .cli_common import DEFAULT_STATE, StateDir, console, err_console, fail, run_sdk
 
 from .cli_resources import register as register_resource_commands
+from .cli_top import register as register_top
 
 from .cli_images import image_app
 
@@ -295,6 +296,8 @@ def bench_lifecycle(
                                               "(default: the environment's).")] = "",
     compare_loop: Annotated[bool, typer.Option(help="Each throughput round also with layers on loop devices "
                                                "(the path of kernels before 6.12).")] = False,
+    compare_metrics: Annotated[bool, typer.Option(help="Each throughput round also on a server with metrics off "
+                                                  "(DSEC_METRICS=0), the DSec rounds scraped every second.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
     """Full sandbox lifecycle against podman run --rm and bare crun run (see docs/BENCHMARKS.md)."""
@@ -304,7 +307,9 @@ def bench_lifecycle(
         state_dir=state_dir, console=console, idle_count=idle_count, lifecycles=lifecycles, rounds=rounds,
         concurrency=concurrency,
         latency_rounds=latency_rounds, cold_rounds=cold_rounds, pool_max=pool_max, crun_runs=crun_runs,
-        podman_runs=podman_runs, podman=podman, layer_attach=layer_attach, compare_loop=compare_loop, strict=strict,
+        podman_runs=podman_runs, podman=podman, layer_attach=layer_attach, compare_loop=compare_loop,
+        compare_metrics=compare_metrics,
+        strict=strict,
     ))
 
 
@@ -420,6 +425,7 @@ def bench_density(
 
 
 register_resource_commands(app)  # dsec project …, dsec pause, dsec resume
+register_top(app)  # dsec top
 
 
 @bench_app.command("burst")

@@ -32,7 +32,7 @@ from ._files import SandboxFiles
 from ._process import Process, Session, events_of, run_with_callbacks
 from ._projects import _ProjectMethods
 from ._wire import Answer, CannotConnect, ConnectionBroken, WireClient, WireError
-from .protocol import NetworkRulesRequest, SecurityEvent, SecurityEventList
+from .protocol import ClusterStats, NetworkRulesRequest, SecurityEvent, SecurityEventList
 from .protocol import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
 from .protocol import (
     DEFAULT_COMMAND_TIMEOUT_S,
@@ -483,6 +483,11 @@ class DSecClient(_ProjectMethods):
 
     async def node_info(self) -> list[NodeInfo]:
         return [NodeInfo.model_validate(n) for n in await self._request("GET", "/v1/nodes")]
+
+    async def stats(self) -> ClusterStats:
+        """Every node's counters and holdings, and the apiserver's own (root token only): what
+        ``/metrics``, the dashboard and ``dsec top`` show."""
+        return ClusterStats.model_validate_json(await self._request("GET", "/v1/stats", raw=True))
 
     # -- fncall ------------------------------------------------------------------------------
 

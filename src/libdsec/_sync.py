@@ -17,7 +17,7 @@ from ._process import Process, Session
 from .protocol import ExecEvent, FileEntry, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
-from .protocol import DSecFnCallArgs, FnCallResult
+from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult
 from ._projects import _SyncProjectMethods
 
 T = TypeVar("T")
@@ -299,6 +299,9 @@ class SyncDSecClient(_SyncProjectMethods):
 
     def gc_images(self) -> list[str]:
         return self._loop().run(self._async.gc_images())
+
+    def stats(self) -> ClusterStats:
+        return self._loop().run(self._async.stats())
 
     def fncall(self, args: DSecFnCallArgs, **kwargs: Any) -> FnCallResult:
         return self._loop().run(self._async.fncall(args, **kwargs))

@@ -666,3 +666,123 @@ class LayerGCRequest(_Model):
 
 class LayerGCResult(_Model):
     removed: list[str]
+
+
+# -- Observability: what a node has counted, and the cluster's figures ------------------------------
+
+# Upper bounds (seconds) of the latency histograms' buckets; the last bucket is everything above.
+LATENCY_BOUNDS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                                     10.0, 30.0, 60.0)
+
+
+class LatencyHistogram(_Model):
+    """Observations counted per bucket of ``LATENCY_BOUNDS`` (``counts[i]``: above bound i−1 and
+    at most bound i; the last one: above the last bound), as Prometheus buckets them."""
+
+    counts: list[int] = Field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS) + 1))
+    sum_s: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def plus(self, other: LatencyHistogram) -> LatencyHistogram:
+        return LatencyHistogram(counts=[a + b for a, b in zip(self.counts, other.counts)], sum_s=self.sum_s + other.sum_s)
+
+    def minus(self, earlier: LatencyHistogram) -> LatencyHistogram:
+        """What was observed since ``earlier`` (a reading of the same counters)."""
+        return LatencyHistogram(counts=[max(0, a - b) for a, b in zip(self.counts, earlier.counts)],
+                                sum_s=max(0.0, self.sum_s - earlier.sum_s))
+
+    def quantile(self, q: float) -> float | None:
+        """The ``q`` quantile (0..1), interpolated within its bucket as Prometheus'
+        ``histogram_quantile`` does; ``None`` with no observations."""
+        total = self.count
+        if total == 0:
+            return None
+        rank = q * total
+        seen = 0
+        for i, n in enumerate(self.counts):
+            if n and seen + n >= rank:
+                if i == len(LATENCY_BOUNDS):
+                    return LATENCY_BOUNDS[-1]
+                low = LATENCY_BOUNDS[i - 1] if i else 0.0
+                return low + (LATENCY_BOUNDS[i] - low) * max(0.0, rank - seen) / n
+            seen += n
+        return LATENCY_BOUNDS[-1]
+
+
+class SandboxCount(_Model):
+    """How many of a node's sandboxes are in ``status``, of ``kind``, for ``project``."""
+
+    status: SandboxStatus
+    kind: SandboxKind
+    project: str
+    count: int
+
+
+class NodeSecurityEvent(_Model):
+    """A security event with the sandbox it was seen in (a node's recent ones)."""
+
+    sandbox_id: str
+    event: SecurityEvent
+
+
+class NodeStats(_Model):
+    """What a node counted since its edge started (``started_at``), and what it holds now: its
+    report (``info``), its sandboxes by state, kind and project, and the host's CPU and memory
+    in use. Counters only grow while the edge runs; a restarted edge counts from zero again."""
+
+    info: NodeInfo
+    started_at: datetime
+    # Sandboxes made, and creates that failed (refusals apart), by kind.
+    creates: dict[str, int] = Field(default_factory=dict)
+    create_failures: dict[str, int] = Field(default_factory=dict)
+    # Seconds from a create's arrival to its sandbox running, and a command's run, by kind.
+    create_seconds: dict[str, LatencyHistogram] = Field(default_factory=dict)
+    command_seconds: dict[str, LatencyHistogram] = Field(default_factory=dict)
+    # Creates refused by admission: "capacity" (no room) or "limit" (a limit out of range).
+    admission_refusals: dict[str, int] = Field(default_factory=dict)
+    # Creates served from the warm pool, and those that had to make their sandbox.
+    pool_hits: int = 0
+    pool_misses: int = 0
+    fncalls: int = 0
+    fncall_failures: int = 0
+    fncall_seconds: LatencyHistogram = Field(default_factory=LatencyHistogram)
+    pauses: int = 0
+    resumes: int = 0
+    security_events: dict[str, int] = Field(default_factory=dict)
+    recent_security_events: list[NodeSecurityEvent] = Field(default_factory=list)
+    sandboxes: list[SandboxCount] = Field(default_factory=list)
+    # The host: cores busy over the time since the last report (or since boot), memory in use
+    # (MemTotal − MemAvailable).
+    cpu_used_cores: float = 0.0
+    memory_used_mb: int = 0
+
+
+class ApiserverStats(_Model):
+    """What passed through this apiserver since it started: creates by kind and outcome
+    (``ok``; ``refused``: no room or over quota; ``invalid``: a bad request, such as a limit out
+    of range or an unknown image; ``error``), their latency as its callers saw it,
+    commands, and refusals by reason (``capacity``, ``quota``)."""
+
+    started_at: datetime
+    creates: dict[str, dict[str, int]] = Field(default_factory=dict)
+    create_seconds: dict[str, LatencyHistogram] = Field(default_factory=dict)
+    commands: int = 0
+    command_seconds: LatencyHistogram = Field(default_factory=LatencyHistogram)
+    refusals: dict[str, int] = Field(default_factory=dict)
+    fncalls: int = 0
+    batch_sandboxes: int = 0
+
+
+class ClusterStats(_Model):
+    """``GET /v1/stats`` (root only): every reachable node's ``NodeStats``, the nodes that left,
+    and this apiserver's own counters."""
+
+    at: datetime
+    nodes: list[NodeStats]
+    lost_nodes: list[str] = Field(default_factory=list)
+    apiserver: ApiserverStats
+    # The histograms' bucket bounds (``LATENCY_BOUNDS``), for readers that sum or interpolate them.
+    latency_bounds: list[float] = Field(default_factory=lambda: list(LATENCY_BOUNDS))

@@ -329,3 +329,20 @@ async def test_process_calls_cross_the_seam(node):
             await node.port_request(info.id, PortRequest(port=8000))
     finally:
         await node.stop(info.id)
+
+
+async def test_node_stats(node):
+    info = await node.create(args(), "container", "team")
+    await node.exec(info.id, ExecRequest(command="echo hi"))
+    await node.pause(info.id)
+    with pytest.raises(LimitOutOfRange):
+        await node.create(args(memory_limit_mb=1))
+    stats = await node.node_stats()
+    assert stats.info.node == "n0" and stats.info.sandboxes == 1
+    assert stats.creates == {"container": 1} and stats.create_seconds["container"].count == 1
+    assert stats.command_seconds["container"].count == 1
+    assert stats.admission_refusals == {"limit": 1} and stats.pauses == 1
+    assert [(c.status, c.kind.value, c.project, c.count) for c in stats.sandboxes] == [
+        (SandboxStatus.paused, "container", "team", 1)]
+    await node.stop(info.id)
+    assert (await node.node_stats()).sandboxes == []

@@ -104,6 +104,8 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         "memory_limit_mb": 64, "cpu_cores_limit": 1.0, "ttl_running_stop": 60.0,
         "init_user": "root", "workdir": "/",
     }
+    node = {"node": "n0", "cgroup_version": "v1", "runtime": "container", "sandboxes": 0, "memory_total_mb": 1,
+            "cpu_cores": 1}
     return {
         _models.DSecContainerRunArgs: {"container_image": "busybox"},
         _models.CreateBatchRequest: {"args": {"container_image": "busybox"}, "count": 1},
@@ -139,8 +141,7 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
                                   "bytes": 1, "scrubbed": [], "tampered": [], "copy_s": 0.01},
         _models.PackDiffResult: {"image": "snap", "layer": "sha256-00", "layers": ["sha256-00"],
                                  "size_bytes": 1, "scrubbed": []},
-        _models.NodeInfo: {"node": "n0", "cgroup_version": "v1", "runtime": "container",
-                           "sandboxes": 0, "memory_total_mb": 1, "cpu_cores": 1},
+        _models.NodeInfo: node,
         _models.ErrorBody: {"code": "internal", "message": "m"},
         _models.ErrorResponse: {"error": {"code": "internal", "message": "m"}},
         _models.DSecMicroVMRunArgs: {"container_image": "busybox", "snapshot": "s0123456789abcdef"},
@@ -164,6 +165,14 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.ImageRemoveRequest: {},
         _models.LayerGCRequest: {},
         _models.LayerGCResult: {"removed": []},
+        _models.LatencyHistogram: {},
+        _models.SandboxCount: {"status": "running", "kind": "container", "project": "root", "count": 1},
+        _models.NodeSecurityEvent: {"sandbox_id": "n0-0123456789abcdef",
+                                    "event": {"kind": "dns.refused", "detail": "d", "at": "2026-01-01T00:00:00Z"}},
+        _models.NodeStats: {"info": node, "started_at": "2026-01-01T00:00:00Z"},
+        _models.ApiserverStats: {"started_at": "2026-01-01T00:00:00Z"},
+        _models.ClusterStats: {"at": "2026-01-01T00:00:00Z", "nodes": [],
+                               "apiserver": {"started_at": "2026-01-01T00:00:00Z"}},
     }[cls]
 
 

@@ -65,6 +65,7 @@ from .auth import Authenticator, Caller
 from .cluster import Cluster
 from .lean import LeanRoutes
 from .routes_fncall import add_fncall_routes
+from .routes_observe import add_observe_routes
 from .routes_projects import add_project_routes
 
 log = logging.getLogger("dsec.apiserver")
@@ -294,7 +295,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=auth, responses=_ERRORS)
     async def exec_command(sandbox_id: str, request: ExecRequest) -> ExecResult:
-        return await cluster.edge_for(sandbox_id).exec(sandbox_id, request)
+        return await cluster.exec(sandbox_id, request)
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec:stream", dependencies=auth, responses=_ERRORS,
               response_model=ExecEvent)
@@ -470,4 +471,5 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
 
     add_project_routes(app, cluster, authenticated, _ERRORS)
     add_fncall_routes(app, cluster, authenticated, _ERRORS)
+    add_observe_routes(app, cluster, authenticator, _ERRORS)
     return app

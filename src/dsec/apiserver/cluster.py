@@ -27,13 +27,27 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 
-from libdsec import CapacityExceeded, DSecError, SandboxLost, SandboxNotFound
-from libdsec.protocol import CleanCopyResult, DSecContainerRunArgs, NodeInfo, SandboxInfo
+from datetime import datetime, timezone
+
+from libdsec import CapacityExceeded, DSecError, QuotaExceeded, SandboxLost, SandboxNotFound
+from libdsec.protocol import (
+    CleanCopyResult,
+    ClusterStats,
+    DSecContainerRunArgs,
+    DSecFnCallArgs,
+    ExecRequest,
+    ExecResult,
+    FnCallResult,
+    NodeInfo,
+    NodeStats,
+    SandboxInfo,
+)
 
 from .. import placement
 from ..batch import Part, all_or_none
 from ..edge.api import EdgeAPI, NodeUnreachable, node_of
 from .auth import Caller
+from .metrics import ApiMetrics
 from .projects import ProjectStore, open_project_store
 from .quota import RESOURCES, Amount, check_create
 
@@ -146,6 +160,7 @@ class Cluster:
         # have no room for.
         self.draining: frozenset[str] = frozenset()
         self.overflow: frozenset[str] = frozenset()
+        self.metrics = ApiMetrics()  # what passes through this apiserver (dsec.apiserver.metrics)
 
     # -- routing ---------------------------------------------------------------------------
 
@@ -268,6 +283,40 @@ class Cluster:
         answer makes this fail: what it holds must not be removed from under it."""
         uses = await asyncio.gather(*(e.layer_use() for e in self.edges.values()))
         return (frozenset(i for u in uses for i in u.images), frozenset(d for u in uses for d in u.layers))
+
+    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
+        edge = self.edge_for(sandbox_id)
+        if not self.metrics.enabled:
+            return await edge.exec(sandbox_id, request)
+        start = time.perf_counter()
+        try:
+            return await edge.exec(sandbox_id, request)
+        finally:
+            self.metrics.command(time.perf_counter() - start)
+
+    async def fncall(self, args: DSecFnCallArgs) -> FnCallResult:
+        if self.metrics.enabled:
+            self.metrics.fncalls += 1
+        return await (await self.fncall_edge()).fncall(args)
+
+    async def fncall_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
+        if self.metrics.enabled:
+            self.metrics.fncalls += len(calls)
+        return await (await self.fncall_edge()).fncall_many(calls)
+
+    async def stats(self) -> ClusterStats:
+        """Every reachable node's counters and holdings (one that does not answer is left out,
+        and logged), the nodes that left, and this apiserver's own counters."""
+        edges = list(self.edges.values())
+        results = await asyncio.gather(*(e.node_stats() for e in edges), return_exceptions=True)
+        nodes: list[NodeStats] = []
+        for edge, result in zip(edges, results):
+            if isinstance(result, BaseException):
+                log.warning("edge %s gave no stats: %s", edge.node, result)
+            else:
+                nodes.append(result)
+        return ClusterStats(at=datetime.now(timezone.utc), nodes=nodes, lost_nodes=sorted(self.lost),
+                            apiserver=self.metrics.report())
 
     async def fncall_edge(self) -> EdgeAPI:
         """A node that serves fncall, by the last view."""
@@ -436,6 +485,29 @@ class Cluster:
         return chosen
 
     async def create(self, args: DSecContainerRunArgs, project: str, kind: str = "container") -> SandboxInfo:
+        if not self.metrics.enabled:
+            return await self._create(args, project, kind)
+        start = time.perf_counter()
+        outcome = "error"
+        try:
+            info = await self._create(args, project, kind)
+            outcome = "ok"
+            return info
+        except CapacityExceeded:
+            outcome = "refused"
+            self.metrics.refused("capacity")
+            raise
+        except QuotaExceeded:
+            outcome = "refused"
+            self.metrics.refused("quota")
+            raise
+        except DSecError as exc:
+            outcome = "invalid" if exc.status < 500 else "error"
+            raise
+        finally:
+            self.metrics.create(kind, outcome, time.perf_counter() - start)
+
+    async def _create(self, args: DSecContainerRunArgs, project: str, kind: str) -> SandboxInfo:
         async with self._reserve(project, args, 1) as reservation:
             view = await self.view(kind)
             tried: list[str] = []
@@ -519,6 +591,8 @@ class Cluster:
                                             replace=replace, commit=commit)) as events:
                 async for item in events:
                     reservation.release(1)
+                    if self.metrics.enabled:
+                        self.metrics.batch_sandboxes += 1
                     yield item
 
     def _shares(self, nodes: list[str], count: int, view: list[placement.NodeLoad], args: DSecContainerRunArgs,

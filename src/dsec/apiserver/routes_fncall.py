@@ -32,17 +32,14 @@ def add_fncall_routes(app: FastAPI, cluster: Cluster, authenticated, errors: dic
                     "properties": {"calls": {"type": "array", "items": call_schema, "minItems": 1,
                                              "maxItems": MAX_BATCH_COUNT}}}
 
-    async def edge():
-        return await cluster.fncall_edge()
-
     @app.post("/v1/fncall", dependencies=auth, responses=errors, response_model=FnCallResult,
               openapi_extra=_body_schema(call_schema))
     async def fncall(request: Request) -> Response:
         args = parse_body(DSecFnCallArgs, await request.body())
-        return _json(await (await edge()).fncall(args))
+        return _json(await cluster.fncall(args))
 
     @app.post("/v1/fncall:batch", dependencies=auth, responses=errors, response_model=FnCallBatchResult,
               openapi_extra=_body_schema(batch_schema))
     async def fncall_batch(request: Request) -> Response:
         batch = parse_body(FnCallBatchRequest, await request.body())
-        return _json(FnCallBatchResult(results=await (await edge()).fncall_many(batch.calls)))
+        return _json(FnCallBatchResult(results=await cluster.fncall_many(batch.calls)))

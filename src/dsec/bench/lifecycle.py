@@ -26,7 +26,11 @@ What it measures, all on the ``busybox`` image and the same root filesystem (its
 Layers: the servers attach them as ``dsec serve`` would on this host (``DSEC_LAYER_ATTACH``,
 or ``layer_attach``: ``file``, ``loop``); with ``compare_loop`` every throughput round also runs
 a server whose layers are on loop devices (the path of kernels before 6.12), reported beside the
-first DSec figure as ``dsec_loop``, from the same stretches of the host's speed.
+first DSec figure as ``dsec_loop``, from the same stretches of the host's speed. With
+``compare_metrics`` every throughput round also runs a server with its metrics off
+(``DSEC_METRICS=0``: no counting in the apiserver or the edge), reported as ``dsec_nometrics``,
+while the DSec rounds are scraped (``/metrics``) every second as a Prometheus would (one
+scrape every 15 s is its default): what metrics cost a lifecycle, from the same stretches.
 
 The host may be busy with other work: every phase reports the share of the machine that work
 took. Everything runs against 127.0.0.1. The servers are stopped with SIGTERM; every sandbox,
@@ -51,6 +55,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -93,6 +98,7 @@ class Options:
     podman: bool = True            # measure podman at all
     layer_attach: str = ""         # DSEC_LAYER_ATTACH for the servers ("": as the environment says)
     compare_loop: bool = False     # each throughput round also on a server with layers on loop devices
+    compare_metrics: bool = False  # each throughput round also on a server with metrics off (DSEC_METRICS=0)
     strict: bool = False           # exit 2 when a goal is missed
 
 
@@ -176,12 +182,16 @@ class Bench:
         self.parent = cgroups.parent_for(state_dir)
         self.errors: list[str] = []
         self.notes: list[str] = []
+        self.scrapes = 0  # of /metrics during the DSec rounds (compare_metrics)
         self.r: dict[str, Any] = {"dsec": {}, "podman": {}, "crun": {}}
         # Throughput rounds so far, per system: each round's figures, merged into "throughput".
         self._rounds: dict[str, list[dict]] = {"dsec": [], "podman": [], "crun": []}
         if opts.compare_loop:
             self.r["dsec_loop"] = {}
             self._rounds["dsec_loop"] = []
+        if opts.compare_metrics:
+            self.r["dsec_nometrics"] = {}
+            self._rounds["dsec_nometrics"] = []
 
     def _round_done(self, system: str, figures: dict, raw: dict[str, list[float]]) -> None:
         """Record one throughput round of ``system`` and merge all its rounds so far into
@@ -237,10 +247,40 @@ class Bench:
         """``dsec_throughput`` on a server with its layers on loop devices (compare_loop)."""
         await self._throughput(server, client, progress, "dsec_loop")
 
+    async def dsec_nometrics_throughput(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
+        """``dsec_throughput`` on a server with its metrics off (compare_metrics)."""
+        await self._throughput(server, client, progress, "dsec_nometrics")
+
+    async def _scrape(self, server: LocalServer) -> None:
+        """GET /metrics every second, as a Prometheus would (until cancelled)."""
+        async with httpx.AsyncClient(base_url=server.endpoint, timeout=10,
+                                     headers={"authorization": f"Bearer {server.token}"}) as http:
+            while True:
+                answer = await http.get("/metrics")
+                if answer.status_code != 200:
+                    raise BenchError(f"/metrics answered {answer.status_code}: {answer.text[:200]}")
+                self.scrapes += 1
+                await asyncio.sleep(1.0)
+
     async def _throughput(self, server: LocalServer, client: DSecClient, progress: Progress, system: str) -> None:
         """One round: a warm-up on this (new) server, then lifecycles / rounds of them."""
         o = self.opts
-        label = "DSec" if system == "dsec" else "DSec, layers on loop devices"
+        if o.compare_metrics and system == "dsec":
+            scraper = asyncio.create_task(self._scrape(server))
+            try:
+                return await self._throughput_round(server, client, progress, system)
+            finally:
+                scraper.cancel()
+                await asyncio.gather(scraper, return_exceptions=True)
+                if scraper.done() and not scraper.cancelled() and scraper.exception() is not None:
+                    self.errors.append(f"scraping /metrics: {scraper.exception()}")
+        return await self._throughput_round(server, client, progress, system)
+
+    async def _throughput_round(self, server: LocalServer, client: DSecClient, progress: Progress,
+                                system: str) -> None:
+        o = self.opts
+        label = {"dsec": "DSec", "dsec_loop": "DSec, layers on loop devices",
+                 "dsec_nometrics": "DSec, metrics off"}[system]
         task = progress.add_task(f"{label} warm-up: {o.warmup} lifecycles, {o.concurrency} in flight", total=o.warmup)
         _, _, errors = await _workers(o.warmup, o.concurrency, lambda i: self._lifecycle(client), progress, task)
         self.errors += [f"{system} warm-up: {e}" for e in errors]
@@ -655,6 +695,11 @@ def _summarise(r: dict) -> tuple[dict, list[dict]]:
         ratios["throughput_loop_over_dsec"] = _ratio(_get(loop, "throughput", "lifecycles_per_s"), tput)
         ratios["own_cpu_per_lifecycle_loop_over_dsec"] = _ratio(
             _get(loop, "throughput", "cpu", "own_cpu_ms_per_op"), _get(d, "throughput", "cpu", "own_cpu_ms_per_op"))
+    off = r.get("dsec_nometrics", {})
+    if _get(off, "throughput"):
+        ratios["throughput_dsec_over_nometrics"] = _ratio(tput, _get(off, "throughput", "lifecycles_per_s"))
+        ratios["own_cpu_per_lifecycle_dsec_over_nometrics"] = _ratio(
+            _get(d, "throughput", "cpu", "own_cpu_ms_per_op"), _get(off, "throughput", "cpu", "own_cpu_ms_per_op"))
     mem = _get(d, "idle", "host_mib_per_sandbox")
     ratios["idle_memory_dsec_over_podman"] = _ratio(mem, _get(p, "idle", "host_mib_per_container"))
     ratios["idle_memory_dsec_over_crun"] = _ratio(mem, _get(c, "idle", "host_mib_per_container"))
@@ -762,6 +807,10 @@ async def _run(bench: Bench, rig_args: tuple[Path, Path, str], progress: Progres
                     bench.r["dsec_loop"].setdefault("servers", []).append(await bench.with_server(
                         ("--pool-max", str(o.pool_max)), [bench.dsec_loop_throughput], progress,
                         env={"DSEC_LAYER_ATTACH": "loop"}))
+                if o.compare_metrics:
+                    bench.r["dsec_nometrics"].setdefault("servers", []).append(await bench.with_server(
+                        ("--pool-max", str(o.pool_max)), [bench.dsec_nometrics_throughput], progress,
+                        env={"DSEC_METRICS": "0"}))
             bench.r["dsec"]["servers"].append(
                 await bench.with_server(("--pool-max", "0"), [bench.dsec_cold, bench.dsec_idle], progress))
             await bench.phase("crun_create", bench.crun_create(rig, progress))
@@ -843,6 +892,8 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
     res["leftovers"] = {"dsec": left_dsec, "peers": left_peers}
     res["errors"] = bench.errors
     res["notes"] = bench.notes
+    if opts.compare_metrics:
+        res["metrics_scrapes"] = bench.scrapes
     out = state_dir / RESULTS_FILE
     out.write_text(json.dumps(res, indent=1, default=str) + "\n")
 
@@ -867,6 +918,13 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
             f"({_fmt(res['ratios'].get('throughput_loop_over_dsec'), '.2f', '×')} the DSec figure above, same rounds), "
             f"create p50 {lt['create']['p50_ms']:.1f} ms, CPU {lt['cpu']['own_cpu_ms_per_op']:.1f} ms per lifecycle "
             f"({_fmt(res['ratios'].get('own_cpu_per_lifecycle_loop_over_dsec'), '.2f', '×')})")
+    mt = _get(res, "dsec_nometrics", "throughput")
+    if mt and dt:
+        console.print(
+            f"metrics off (DSEC_METRICS=0): {mt['lifecycles_per_s']:.1f} lifecycles/s; with metrics and /metrics "
+            f"scraped every second ({res.get('metrics_scrapes')} scrapes) DSec made "
+            f"{_fmt(res['ratios'].get('throughput_dsec_over_nometrics'), '.3f', '×')} of that, at "
+            f"{_fmt(res['ratios'].get('own_cpu_per_lifecycle_dsec_over_nometrics'), '.3f', '×')} the CPU per lifecycle")
     cold = _get(res, "dsec", "create_cold")
     if cold:
         console.print(f"no pool: inside the edge, create p50/p99 {cold['server_side']['p50_ms']:.1f}/"

@@ -39,6 +39,7 @@ from libdsec.protocol import (
     ImageInfo,
     LayerUse,
     NodeInfo,
+    NodeStats,
     PackDiffResult,
     OpenSessionRequest,
     PauseResult,
@@ -189,6 +190,10 @@ class EdgeAPI(Protocol):
 
     # -- the node ----------------------------------------------------------------------------
     async def node_info(self) -> NodeInfo: ...
+
+    async def node_stats(self) -> NodeStats:
+        """What the node counted since its edge started, and holds now (``dsec.edge.stats``)."""
+        ...
 
     async def layer_use(self) -> LayerUse: ...
 

@@ -38,8 +38,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from libdsec import (
-    CommandTimeout, InvalidRequest, ProcessNotFound, SandboxFileNotFound, SandboxLost, SandboxNotFound,
-    SandboxStateError, SessionClosed,
+    CapacityExceeded, CommandTimeout, InvalidRequest, LimitOutOfRange, ProcessNotFound, SandboxFileNotFound,
+    SandboxLost, SandboxNotFound, SandboxStateError, SessionClosed,
 )
 from libdsec.protocol import DEFAULT_COMMAND_TIMEOUT_S, MAX_OUTPUT_BYTES_LIMIT
 from libdsec.protocol import (
@@ -61,6 +61,7 @@ from libdsec.protocol import (
     ImageInfo,
     LayerUse,
     NodeInfo,
+    NodeStats,
     PackDiffResult,
     PauseResult,
     SandboxInfo,
@@ -87,6 +88,7 @@ from .reaper import TTLReaper
 from .security import EdgeSecurity
 from . import files, ports, processes
 from .stream import stream_exec
+from .stats import EdgeStats
 
 log = logging.getLogger("dsec.edge")
 
@@ -154,6 +156,7 @@ class Edge:
         self._closed = False
         self.security = EdgeSecurity(self)  # network allowlists, security events
         self.fncalls = fncalls  # the warm pool for stateless calls (dsec.fncall), if served here
+        self.stats = EdgeStats()  # what node_stats reports
 
     # -- start / close ---------------------------------------------------------------------
 
@@ -215,7 +218,21 @@ class Edge:
         return backend
 
     async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
-        return await self._create_one(args, kind, project)
+        if not self.stats.enabled:
+            return await self._create_one(args, kind, project)
+        try:
+            info = await self._create_one(args, kind, project)
+        except CapacityExceeded:
+            self.stats.refused("capacity")
+            raise
+        except LimitOutOfRange:
+            self.stats.refused("limit")
+            raise
+        except Exception:
+            self.stats.create_failed(kind)
+            raise
+        self.stats.created(kind, info.create_s or 0.0)
+        return info
 
     async def _create_one(self, args: DSecContainerRunArgs, kind: str, project: str,
                           batch: str | None = None) -> SandboxInfo:
@@ -363,11 +380,19 @@ class Edge:
         made so far is stopped. The request is checked, whole, when the first is asked for.
         With ``batch``, they are held for it until ``commit_batch`` (see ``EdgeAPI``)."""
         self._backend(kind)
-        self.admission.limits(args)
+        try:
+            self.admission.limits(args)
+        except LimitOutOfRange:
+            self.stats.refused("limit", count)
+            raise
         self.security.check_rules(args.network_rules)
         self._check_protected(args, kind)
         self.store.resolve(args.image_ref)
-        self.admission.fits(args, count)
+        try:
+            self.admission.fits(args, count)
+        except CapacityExceeded:
+            self.stats.refused("capacity", count)
+            raise
         if batch is not None:
             if batch in self._batches:
                 raise InvalidRequest(f"batch {batch!r} is being made on node {self.node} already")
@@ -455,7 +480,14 @@ class Edge:
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
         rec, ctx = await self._exec_context(sandbox_id, request)
-        return await self.security.watch_exec(rec, self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx)))
+        call = self.security.watch_exec(rec, self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx)))
+        if not self.stats.enabled:
+            return await call
+        start = time.perf_counter()
+        try:
+            return await call
+        finally:
+            self.stats.command(rec.kind, time.perf_counter() - start)
 
     async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         """``exec`` whose output comes as it is written (``dsec.edge.stream``)."""
@@ -694,10 +726,15 @@ class Edge:
         return self.fncalls
 
     async def fncall(self, args: DSecFnCallArgs) -> FnCallResult:
-        return await self._fncall_pool().call(args)
+        result = await self._fncall_pool().call(args)
+        self.stats.fncall(result.duration_s, not result.ok)
+        return result
 
     async def fncall_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
-        return await self._fncall_pool().call_many(calls)
+        results = await self._fncall_pool().call_many(calls)
+        for result in results:
+            self.stats.fncall(result.duration_s, not result.ok)
+        return results
 
     async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult:
         """The sandbox's changes as a new image on top of its own (it keeps running)."""
@@ -809,6 +846,7 @@ class Edge:
                 raise SandboxStateError(f"sandbox {sandbox_id} was {rec.status.value} while it was being paused")
             rec.paused_at = time.time()
             self._persist(rec)
+            self.stats.paused()
             return PauseResult(sandbox=rec.info(self.node), memory_before_bytes=before,
                                memory_after_bytes=backend.memory_usage(rec.handle),
                                pause_s=time.perf_counter() - start)
@@ -828,6 +866,7 @@ class Edge:
         rec.status, rec.paused_at = SandboxStatus.running, None
         rec.last_active = time.time()
         self._persist(rec)
+        self.stats.resumed()
 
     def idle_sandboxes(self, idle_s: float) -> list[tuple[str, Handle]]:
         """(kind, handle) of the running sandboxes without a call for ``idle_s`` seconds."""
@@ -868,3 +907,6 @@ class Edge:
             apparmor=apparmor.status(),
             **self.admission.commitments(self._records.values()),
         )
+
+    async def node_stats(self) -> NodeStats:
+        return self.stats.report(await self.node_info(), self._records.values(), self.security.events, self.warm_pool)

@@ -81,6 +81,9 @@ class WarmPool:
         self.closed = False
         self._filler: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()  # refills and trims under way
+        # Creates served from a pool, and those that found it empty (for the node's stats).
+        self.hits = 0
+        self.misses = 0
 
     def start(self) -> None:
         # A node that pools nothing runs no filler (and its creates wake none).
@@ -137,8 +140,10 @@ class WarmPool:
                 self.wakeup.set()
             has = pool.prepared.pop(handle.cid, None)
             if await backend.is_alive(handle):
+                self.hits += 1
                 return handle, has
             await backend.destroy(handle)
+        self.misses += 1
         return await new_handle(backend, pool.image, limits), limits
 
     # -- the filler ----------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from libdsec.protocol import (
     NetworkRulesRequest,
     NodeBatchRequest,
     NodeInfo,
+    NodeStats,
     NodeStopRequest,
     CleanCopyRequest,
     CleanCopyResult,
@@ -397,6 +398,9 @@ class RemoteEdge:
 
     async def node_info(self) -> NodeInfo:
         return await self._get(NodeInfo, "/info")
+
+    async def node_stats(self) -> NodeStats:
+        return await self._get(NodeStats, "/stats")
 
     async def layer_use(self) -> LayerUse:
         return await self._get(LayerUse, "/layer_use")

@@ -111,6 +111,9 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
     async def info(c: _Call):
         return await c.edge.node_info()
 
+    async def stats(c: _Call):
+        return await c.edge.node_stats()
+
     async def layer_use(c: _Call):
         return await c.edge.layer_use()
 
@@ -252,7 +255,7 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
     table = [  # the hottest first: a request takes the first of its method's routes that matches
         ("POST", "/sandboxes", create), ("POST", f"/sandboxes/{sid}/stop", stop), ("GET", "/info", info),
         ("GET", f"/sandboxes/{sid}", get), ("POST", f"/sandboxes/{sid}/exec", exec_),
-        ("GET", "/layer_use", layer_use), ("GET", "/images", images), ("POST", "/images:gc", gc),
+        ("GET", "/layer_use", layer_use), ("GET", "/stats", stats), ("GET", "/images", images), ("POST", "/images:gc", gc),
         ("GET", r"/images/(?P<ref>[^/]+)", inspect_image), ("POST", r"/images/(?P<ref>[^/:]+):remove", remove_image),
         ("GET", "/sandboxes", listing),
         ("POST", f"/sandboxes/{sid}/pause", pause), ("POST", f"/sandboxes/{sid}/resume", resume),

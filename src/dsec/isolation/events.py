@@ -34,11 +34,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from libdsec.protocol import SecurityEvent
+from libdsec.protocol import NodeSecurityEvent, SecurityEvent
 
 from ..resources import cgroups
 
 MAX_EVENTS_PER_SANDBOX = 1000
+RECENT_EVENTS = 50  # the node's latest events, over all its sandboxes (for the dashboard)
 
 
 @dataclass
@@ -55,6 +56,9 @@ class SecurityEvents:
         self.cgroup_parent = cgroup_parent
         self.kept = kept
         self._logs: dict[str, _Log] = {}
+        # Events by kind since the edge started (repeats counted), and the latest ones.
+        self.totals: dict[str, int] = {}
+        self._recent: deque[tuple[str, SecurityEvent]] = deque(maxlen=RECENT_EVENTS)
 
     def record(self, sandbox_id: str, kind: str, detail: str, count: int = 1) -> None:
         log = self._logs.get(sandbox_id)
@@ -62,14 +66,28 @@ class SecurityEvents:
             log = self._logs[sandbox_id] = _Log()
             while len(self._logs) > self.kept:
                 self._logs.pop(next(iter(self._logs)))
+        self.totals[kind] = self.totals.get(kind, 0) + count
         now = datetime.fromtimestamp(time.time(), timezone.utc)
         last = log.events[-1] if log.events else None
         if last is not None and last.kind == kind and last.detail == detail:
             # A repeat (a loop of denied syscalls, a retrying connect) counts on the last event.
             last.count += count
             last.at = now
+            if not self._recent or self._recent[-1][1] is not last:
+                self._recent.append((sandbox_id, last))
             return
-        log.events.append(SecurityEvent(kind=kind, detail=detail, count=count, at=now))
+        event = SecurityEvent(kind=kind, detail=detail, count=count, at=now)
+        log.events.append(event)
+        self._recent.append((sandbox_id, event))
+
+    def recent_events(self) -> list[NodeSecurityEvent]:
+        """The latest events over every sandbox, newest last (a repeat moves its event there)."""
+        seen, out = set(), []
+        for sandbox_id, event in reversed(self._recent):
+            if id(event) not in seen:
+                seen.add(id(event))
+                out.append(NodeSecurityEvent(sandbox_id=sandbox_id, event=event))
+        return out[::-1]
 
     def list(self, sandbox_id: str) -> list[SecurityEvent]:
         log = self._logs.get(sandbox_id)
