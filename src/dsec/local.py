@@ -102,8 +102,9 @@ class LocalServer:
             self.proc.kill()
             self.proc.wait()
             raise RuntimeError(f"dsec serve did not stop within {timeout:g} s of signal {sig}: {self.log_tail()}") from None
-        # (uvicorn ends a clean shutdown by raising the signal again: -SIGTERM is clean too)
-        if sig == signal.SIGTERM and code not in (0, -signal.SIGTERM):
+        # (uvicorn ends a clean shutdown by raising the signal again: -SIGTERM is clean too, and
+        # on uvloop it exits with the signal's number)
+        if sig == signal.SIGTERM and code not in (0, -signal.SIGTERM, signal.SIGTERM):
             raise RuntimeError(f"dsec serve exited with {code} on SIGTERM: {self.log_tail()}")
         return code
 
