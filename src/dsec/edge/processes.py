@@ -37,13 +37,20 @@ _NO_SUCH, _ENDED, _STDIN_CLOSED, _SETUP = 91, 92, 93, 90
 # its pid, and records its exit code (atomically: written, then renamed). Nothing here is
 # started with `&` but the holder: a shell starts those with SIGINT ignored, for good (the
 # supervisor itself is detached by `setsid setsid`: the second one forks, being a group leader).
+# The holder is reaped before the exit is recorded, and after a kill (an idle session, a signal)
+# the process's group gets up to a second to be gone (its members die with it; a listing
+# right after the exit sees none of them).
 _SUPERVISOR = r'''
 t=$1
 (exec 3<>"$t/in"; exec sleep 2147483647) </dev/null >/dev/null 2>&1 &
 echo $! > "$t/holder"
-setsid sh -c 'echo $$ > "$0/ready"; export DSEC_PROC_DIR="$0"; exec sh -c "$1"' "$t" "$2" < "$t/in" > "$t/out" 2> "$t/err"
+setsid sh -c 'echo $$ > "$0/pid"; echo $$ > "$0/ready"; export DSEC_PROC_DIR="$0"; exec sh -c "$1"' "$t" "$2" < "$t/in" > "$t/out" 2> "$t/err"
 rc=$?
-kill $(cat "$t/holder") 2>/dev/null
+h=$(cat "$t/holder"); kill $h 2>/dev/null; wait $h 2>/dev/null
+if [ $rc -gt 128 ]; then
+  p=$(cat "$t/pid" 2>/dev/null); i=0
+  while [ -n "$p" ] && kill -0 -$p 2>/dev/null && [ $i -lt 100 ]; do sleep 0.01; i=$((i + 1)); done
+fi
 echo $rc > "$t/exit.tmp" && mv "$t/exit.tmp" "$t/exit"
 '''
 
