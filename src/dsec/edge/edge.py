@@ -31,7 +31,7 @@ import shlex
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -218,17 +218,21 @@ class Edge:
         return backend
 
     async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
+        return await self._counted(kind, self._create_one(args, kind, project))
+
+    async def _counted(self, kind: str, creating: Awaitable[SandboxInfo]) -> SandboxInfo:
+        """A create (alone or one of a batch's), counted: made, refused, or failed (cut short too)."""
         if not self.stats.enabled:
-            return await self._create_one(args, kind, project)
+            return await creating
         try:
-            info = await self._create_one(args, kind, project)
+            info = await creating
         except CapacityExceeded:
             self.stats.refused("capacity")
             raise
         except LimitOutOfRange:
             self.stats.refused("limit")
             raise
-        except Exception:
+        except (Exception, asyncio.CancelledError):
             self.stats.create_failed(kind)
             raise
         self.stats.created(kind, info.create_s or 0.0)
@@ -402,7 +406,8 @@ class Edge:
             await asyncio.gather(*(self.stop(sid, reason="batch create failed") for _, sid in made),
                                  return_exceptions=True)
 
-        parts = (single(i, lambda: self._create_one(args, kind, project, batch)) for i in range(count))
+        parts = (single(i, lambda: self._counted(kind, self._create_one(args, kind, project, batch)))
+                 for i in range(count))
         complete = False
         try:
             async with aclosing(all_or_none(parts, undo, undoing=self._undoing,
