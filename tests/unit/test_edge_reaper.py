@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-
 from dsec.backends.base import Handle
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
