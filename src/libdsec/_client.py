@@ -77,7 +77,8 @@ _REPEATABLE = frozenset({"GET", "HEAD", "PUT", "DELETE"})
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
     """httpx's default TLS context, made once a process: each client making its own loads the
-    CA bundle again, ~20 ms of CPU per client opened (even for a plain http endpoint)."""
+    CA bundle again, a cost per client opened larger than its first requests' (even for a
+    plain http endpoint)."""
     return httpx.create_ssl_context()
 
 ProgressCallback = Callable[[int, int], None]

@@ -1,18 +1,18 @@
 """A lean HTTP/1.1 client for the SDK's own requests to an apiserver over plain ``http://``.
 
-httpx spends about 1.3 ms of CPU on a request here, three to four times what the server
-spends answering it: its connection pool polls every idle connection and rescans every queued
-request each time one is sent or done, and each request passes through URL merging, cookie
-extraction and an auth flow the SDK does not use. The SDK's requests all have one shape (a
-method, a path with an optional query, a JSON or bytes body, one bearer token, an answer read
-whole), so they go through this client instead: idle keep-alive connections on a stack, each
-request's head written out directly (its target and header values checked first), each answer
-read by httptools (the C HTTP parser under uvicorn). h11, which framed both before, took 83 µs
-of the client's CPU an exchange here, a quarter of what a warm create costs the client in all;
-this takes a few. A batch create's NDJSON answer is read as it arrives (``stream``): httpx's
-line iterator and its stream machinery cost the client more than parsing each line.
-``https://`` endpoints and custom httpx transports stay on httpx. (The apiserver reaches its
-nodes through this client too: ``dsec.edge.remote``.)
+httpx spends several times the CPU on a request that the server spends answering it: its connection
+pool polls every idle connection and rescans every queued request each time one is sent or done,
+and each request passes through URL merging, cookie extraction and an auth flow the SDK does not
+use. The SDK's requests all have one shape (a method, a path with an optional query, a JSON or
+bytes body, one bearer token, an answer read whole), so they go through this client instead: idle
+keep-alive connections on a stack, each request's head written out directly (its target and header
+values checked first), each answer read by httptools (the C HTTP parser under uvicorn). h11, which
+framed both before, took a sizeable share of what a warm create costs the client in all; httptools
+a small part of that (docs/BENCHMARKS.md, "Lifecycle", has the client's CPU a lifecycle). A batch
+create's NDJSON answer is read as it arrives (``stream``): httpx's line iterator and its stream
+machinery cost the client more than parsing each line. ``https://`` endpoints and custom httpx
+transports stay on httpx. (The apiserver reaches its nodes through this client too:
+``dsec.edge.remote``.)
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The hottest routes (create, get, exec, stop a sandbox) served without FastAPI's per-request
 machinery, by the same endpoint functions.
 
-A create from the warm pool costs the edge ~0.15 ms of CPU; through FastAPI it cost the
-server's event loop ~0.7 ms, more than half of it the framework's own layers (exception and
+A create from the warm pool costs the edge little CPU; through FastAPI it cost the server's
+event loop several times as much, more than half of it the framework's own layers (exception and
 exit-stack middleware, routing, dependency solving, validation and serialisation wrappers). With
 64 creates in flight the loop answers them one after another, so that is what the p50 of a burst
 is made of. This ASGI middleware, the outermost of the app's own, serves a request for one of

@@ -17,8 +17,8 @@ Per node (``node_dir``): ``layers/<digest>`` (the shared layer mounts) and ``run
 backend mounts, with ``crun/`` (crun's state) and ``sandboxes/<cid>/`` (``config.json``,
 ``upper``, ``work``, ``rootfs``; ``rootfs``, the overlay, is unmounted on the host once the
 sandbox's init runs on its own namespace's copy). A sandbox's writes thus live in memory, charged to the sandbox's
-own memory limit, and making or removing a sandbox costs no disk metadata operations (on this
-machine's disk those alone cost ~1 ms a sandbox). The tmpfs outlives an edge restart, like the
+own memory limit, and making or removing a sandbox costs no disk metadata operations (on a
+disk those are a sizeable part of a create). The tmpfs outlives an edge restart, like the
 sandboxes in it, and is unmounted when the last sandbox is gone.
 """
 
@@ -124,7 +124,7 @@ def _sealed_copy(path: str) -> str:
     when the copy cannot be made). crun guards against a container overwriting the host's
     binary through /proc/self/exe (CVE-2019-5736) by copying itself to a sealed memfd and
     executing that copy, on every run: a bind mount, a second exec and a second load of its
-    libraries, about 1.7 ms of CPU here. Started from a copy sealed like its own, it sees it is
+    libraries. Started from a copy sealed like its own, it sees it is
     one and goes on (crun's cloned_binary.c: a fully sealed memfd may be shared). The copy is
     this process's; a crun upgraded on disk is used from the next server start."""
     fd = -1
