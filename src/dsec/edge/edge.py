@@ -118,7 +118,7 @@ class EdgeConfig:
     pool_fill_concurrency: int = 2
     # While creates keep arriving and the pool still has a quarter of its target, refills wait
     # until none has arrived for this long: starting sandboxes takes the CPU that a burst being
-    # served from the pool needs (docs/BENCHMARKS.md → Lifecycle).
+    # served from the pool needs.
     pool_quiet_s: float = 0.05
     finished_kept: int = 10_000
 
