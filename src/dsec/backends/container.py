@@ -53,7 +53,7 @@ from ..resources import cgroups, reclaim
 from ..resources import cpu as cpu_sched
 from ..resources.cgroups import Limits
 from .. import native
-from .base import Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
+from .base import Capability, Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
 from .capture import Capture, Flow, PipeReader, PipeStream, wait_pipes
 from .procs import (
     children, kill_session_of, kill_tree, pid_in_cgroup, sealed_copy, spawn_wait, wait_exit, wait_process,
@@ -102,7 +102,8 @@ class ContainerBackend:
     """crun + overlayfs over shared EROFS layer mounts. See the module docstring."""
 
     kind = "container"
-    protects_paths = True  # SandboxSpec.protected_paths: read-only binds (see _protected_mounts)
+    # PROTECTED_PATHS: read-only binds (see _protected_mounts); CARRY: check_kept, carry, tampered.
+    capabilities = frozenset({Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY})
     # The v1 controllers of a sandbox's cgroup (see dsec.resources.cgroups).
     cgroup_controllers: tuple[str, ...] = cgroups.SANDBOX_CONTROLLERS
 
@@ -153,6 +154,12 @@ class ContainerBackend:
         """One line for ``dsec info``."""
         how = "file-backed" if self.layer_attach == "file" else "on read-only loop devices"
         return f"{self.kind}: crun, EROFS layers {how}"
+
+    async def warm_up(self) -> None:
+        """Nothing to prepare: layers are mounted at the first create that needs them."""
+
+    async def close(self) -> None:
+        """Nothing held in this process outlives it but what the sandboxes themselves hold."""
 
     def _host_ids(self, handle: Handle, uid: int, gid: int) -> tuple[int, int]:
         """A sandbox's uid/gid as the host sees them (files written from the host)."""

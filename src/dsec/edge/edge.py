@@ -71,7 +71,7 @@ from libdsec.protocol import (
 )
 
 from ..batch import Part, all_or_none, single
-from ..backends.base import ExecContext, Handle, SandboxBackend, SandboxSpec
+from ..backends.base import Capability, ExecContext, Handle, SandboxBackend, SandboxSpec, check_backend
 from ..fncall.pool import FnCallPool
 from ..images import carry
 from ..images.store import Image, LayerStore, check_name
@@ -137,6 +137,8 @@ class Edge:
             backends = [backends]
         # One backend per sandbox kind (container, microvm, …); the first is the default.
         self.backends: dict[str, SandboxBackend] = {b.kind: b for b in backends}
+        for backend in self.backends.values():
+            check_backend(backend)
         self.backend = next(iter(self.backends.values()))
         self.store = store
         self.records_dir = Path(config.records_dir or Path(config.node_dir) / "records")
@@ -250,7 +252,7 @@ class Edge:
         return rec.info(self.node)
 
     def _check_protected(self, args: DSecContainerRunArgs, kind: str) -> None:
-        if args.protected_paths and not getattr(self._backend(kind), "protects_paths", False):
+        if args.protected_paths and Capability.PROTECTED_PATHS not in self._backend(kind).capabilities:
             raise InvalidRequest(f"a {kind} sandbox on node {self.node} cannot protect paths "
                                  f"(protected_paths is for container sandboxes)")
 
@@ -271,7 +273,7 @@ class Edge:
         # VMs (whose memory is set at boot), restores from a snapshot and sandboxes with paths
         # of their own made read-only are made to order.
         snapshot = getattr(args, "snapshot", None)
-        pooled = getattr(backend, "pooled", True) and snapshot is None and not args.protected_paths
+        pooled = Capability.WARM_POOL in backend.capabilities and snapshot is None and not args.protected_paths
         pool = self.warm_pool.arrive(kind, image, limits) if pooled else None
         try:
             if pool is not None:
@@ -321,9 +323,9 @@ class Edge:
             raise InvalidRequest("keep path '/' would carry all the sandbox's changes, tampering included: "
                                  "name the directories that hold the work")
         backend = self.backends[rec.kind]
-        if hasattr(backend, "carry"):
+        if Capability.CARRY in backend.capabilities:
             return await self._call(rec, self._clean_copy(rec, backend, keep))
-        if hasattr(backend, "kept_layer"):
+        if Capability.KEPT_LAYER in backend.capabilities:
             return await self._call(rec, self._clean_copy_as_layer(rec, backend, keep))
         raise InvalidRequest(f"a {rec.kind} sandbox cannot make clean copies")
 
@@ -765,7 +767,7 @@ class Edge:
         run args that name the snapshot. Only backends with memory snapshots (microvm) can."""
         rec = self._allowed(sandbox_id, Action.snapshot)
         backend = self.backends[rec.kind]
-        if not hasattr(backend, "snapshot"):
+        if Capability.SNAPSHOT not in backend.capabilities:
             raise InvalidRequest(f"a {rec.kind} sandbox takes no memory snapshots (use pack_diff)")
         meta = await self._call(rec, backend.snapshot(rec.handle))
         return SnapshotInfo(
@@ -904,7 +906,7 @@ class Edge:
     async def node_info(self) -> NodeInfo:
         return NodeInfo(
             node=self.node, cgroup_version=cgroups.version(),
-            runtime="; ".join([b.describe() if hasattr(b, "describe") else k for k, b in self.backends.items()]
+            runtime="; ".join([b.describe() for b in self.backends.values()]
                               + (["fncall"] if self.fncalls is not None else [])),
             sandboxes=len(self._records), memory_total_mb=self.admission.memory_total_mb,
             cpu_cores=self.admission.cpu_cores,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from libdsec import CommandTimeout, InvalidRequest
 from libdsec.protocol import ExecResult, SecurityEvent
 
+from ..backends.base import Capability
 from ..isolation import apparmor
 from ..isolation.events import SecurityEvents
 from ..isolation.network import Allowed, SandboxNetworks
@@ -182,7 +183,7 @@ class EdgeSecurity:
         those not seen before become a ``file.tampered`` event. Backends that cannot tell
         (VMs: the writable layer is in the guest) answer nothing."""
         backend = self.edge.backends.get(rec.kind)
-        if not rec.handle.cid or not hasattr(backend, "tampered"):
+        if not rec.handle.cid or backend is None or Capability.CARRY not in backend.capabilities:
             return []
         try:
             paths = backend.tampered(rec.handle)
