@@ -22,7 +22,7 @@ def test_each_backend_has_the_hooks_of_what_it_declares(cls):
     for capability in cls.capabilities:
         hook = base._HOOKS.get(capability)
         assert hook is None or issubclass(cls, hook), (cls.__name__, capability)
-    for name in ("describe", "warm_up", "close"):
+    for name in ("describe", "host_view", "warm_up", "close"):
         assert callable(getattr(cls, name)), name
 
 

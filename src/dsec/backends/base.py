@@ -22,7 +22,8 @@ Lifecycle of a handle, as the edge drives it::
 - ``release_unused`` (edge shutdown) frees node-level resources no live sandbox holds.
 - ``apply_limits`` changes limits of a live sandbox (the edge uses it to hand out pre-created
   sandboxes).
-- ``describe`` is one line for ``dsec info``; ``warm_up`` (the server starts it in the
+- ``describe`` is one line for ``dsec info``; ``host_view`` what of its sandboxes the edge's
+  security accounting reads on the host (``HostView``, or None); ``warm_up`` (the server starts it in the
   background) prepares what the first create would otherwise wait for; ``close`` drops what
   the backend holds in this process (sandboxes keep running, to be re-adopted).
 
@@ -52,6 +53,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from libdsec import InvalidRequest
@@ -129,6 +131,18 @@ class ExecContext:
     env: dict[str, str]
 
 
+@dataclass(frozen=True)
+class HostView:
+    """What the edge's security accounting reads of a backend's sandboxes on the host
+    (``SandboxBackend.host_view``: the container backend's; VMs and the fake have none): the
+    parent of their cgroups (OOM and pids events), a directory a sandbox (its disk use), and the
+    uid ranges it hands out, if any (whose sandbox a kernel message names)."""
+
+    cgroup_parent: str
+    sandboxes_dir: Path
+    id_ranges: Any | None
+
+
 class Capability(str, Enum):
     """What a backend can do beyond ``SandboxBackend`` (see the module docstring)."""
 
@@ -144,6 +158,8 @@ class SandboxBackend(Protocol):
     capabilities: frozenset[Capability]
 
     def describe(self) -> str: ...
+
+    def host_view(self) -> HostView | None: ...
 
     async def warm_up(self) -> None: ...
 
@@ -214,7 +230,7 @@ _HOOKS: dict[Capability, type] = {Capability.CARRY: CleanCopies, Capability.KEPT
 def check_backend(backend: SandboxBackend) -> None:
     """``TypeError`` if ``backend`` declares an ability without the hook it needs, or lacks a
     method every backend has."""
-    for name in ("describe", "warm_up", "close"):
+    for name in ("describe", "host_view", "warm_up", "close"):
         if not callable(getattr(backend, name, None)):
             raise TypeError(f"{type(backend).__name__} has no {name}(): every backend has one (dsec.backends.base)")
     for capability in backend.capabilities:

@@ -37,6 +37,7 @@ import shutil
 import signal
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNotFound, SandboxStateError
@@ -53,7 +54,7 @@ from ..resources import cgroups, reclaim
 from ..resources import cpu as cpu_sched
 from ..resources.cgroups import Limits
 from .. import native
-from .base import Capability, Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
+from .base import Capability, Emit, ExecContext, Handle, HostView, SandboxSpec, numeric_user, user_from_passwd
 from .capture import Capture, Flow, PipeReader, PipeStream, wait_pipes
 from .procs import (
     children, kill_session_of, kill_tree, pid_in_cgroup, sealed_copy, spawn_wait, wait_exit, wait_process,
@@ -108,8 +109,13 @@ class ContainerBackend:
     cgroup_controllers: tuple[str, ...] = cgroups.SANDBOX_CONTROLLERS
 
     def __init__(self, node_dir: Path, store: LayerStore, layer_mounts: LayerMounts | None = None,
-                 cgroup_parent: str = cgroups.DEFAULT_PARENT) -> None:
+                 cgroup_parent: str = cgroups.DEFAULT_PARENT,
+                 bundle_hook: Callable[[dict, SandboxSpec], None] | None = None) -> None:
+        """``bundle_hook(config, spec)``: changes each sandbox's OCI config in place before it
+        is written (the FnCall workers' read-only root and mounts); it must leave
+        ``config["linux"]["seccomp"]`` as it found it."""
         self.node_dir = Path(node_dir)
+        self.bundle_hook = bundle_hook
         self.cgroup_parent = cgroup_parent
         self.store = store
         self.run_dir = self.node_dir / "run"
@@ -154,6 +160,9 @@ class ContainerBackend:
         """One line for ``dsec info``."""
         how = "file-backed" if self.layer_attach == "file" else "on read-only loop devices"
         return f"{self.kind}: crun, EROFS layers {how}"
+
+    def host_view(self) -> HostView:
+        return HostView(self.cgroup_parent, self.sandboxes_dir, self.id_ranges)
 
     async def warm_up(self) -> None:
         """Nothing to prepare: layers are mounted at the first create that needs them."""
@@ -284,8 +293,10 @@ class ContainerBackend:
     def _config_json(self, cid: str, plan: OverlayPlan, spec: SandboxSpec) -> str:
         """``_config`` as JSON, with the seccomp profile (two thirds of it) serialized once."""
         config = self._config(cid, plan, spec)
+        if self.bundle_hook is not None:
+            self.bundle_hook(config, spec)
         if config["linux"].get("seccomp") is not self._seccomp:
-            return json.dumps(config)  # a subclass changed it
+            return json.dumps(config)  # the hook changed it
         if self._seccomp_json is None:
             self._seccomp_json = json.dumps(self._seccomp)
         config["linux"]["seccomp"] = _SECCOMP_SLOT

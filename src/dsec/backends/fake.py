@@ -37,6 +37,9 @@ class FakeBackend:
     def describe(self) -> str:
         return f"{self.kind}: the in-memory fake (no sandbox runs)"
 
+    def host_view(self) -> None:
+        return None
+
     async def warm_up(self) -> None:
         pass
 

@@ -135,6 +135,10 @@ class VMBackend:
         except Exception as exc:  # noqa: BLE001 - reported, retried at the first create
             log.warning("%s: cannot prepare VM assets yet: %s", self.kind, exc)
 
+    def host_view(self) -> None:
+        """A VM's processes and files are in its guest: nothing of them for the host's accounting."""
+        return None
+
     def describe(self) -> str:
         """One line for ``dsec info``: the machine and the accelerator (once probed)."""
         return f"{self.kind}: QEMU {machine.qemu_version()}, accel {self._accel or 'not probed yet'}"
