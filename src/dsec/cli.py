@@ -18,10 +18,12 @@ from .cli_resources import register as register_resource_commands
 from .cli_top import register as register_top
 
 from .cli_images import image_app
+from .cli_jobs import job_app
 
 app = typer.Typer(help="DSec: sandboxes for agent training.", no_args_is_help=True, add_completion=False)
 bench_app = typer.Typer(help="Benchmarks, each against a peer measured in the same run.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
+app.add_typer(job_app, name="job")
 app.add_typer(bench_app, name="bench")
 
 
