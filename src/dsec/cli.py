@@ -332,6 +332,19 @@ def bench_clean_copy(
                                podman_rounds=podman_rounds, tree_mb=tree_mb, files=files, podman=podman))
 
 
+@bench_app.command("joblog")
+def bench_joblog(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-joblog"),
+    lifecycles: Annotated[int, typer.Option(help="Measured lifecycles per arm (all rounds).")] = 1200,
+    rounds: Annotated[int, typer.Option(help="Rounds, the two arms in turn.")] = 4,
+    concurrency: Annotated[int, typer.Option(help="Lifecycles in flight.")] = 32,
+) -> None:
+    """Lifecycle throughput with a job log (DSecClient(job=...), keyed creates) beside without."""
+    from .bench.joblog import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir, console, lifecycles=lifecycles, rounds=rounds, concurrency=concurrency))
+
+
 @bench_app.command("cluster-ray")
 def bench_cluster_ray(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark (removed at the end).")] = Path("/var/lib/dsec-bench-ray"),
