@@ -278,3 +278,16 @@ async def test_retention_removes_idle_jobs_and_their_keys(edge, project_db):
         assert await projects.job("old") is None
     async with apiserver(edge, project_db) as client, client(job="old") as c:
         assert (await c.run_container(ARGS, key="e0")).id != first.id  # the key went with its job
+
+
+def test_retention_from_the_environment(monkeypatch):
+    from dsec.apiserver.jobs import DEFAULT_RETENTION_S, retention_from_env
+
+    monkeypatch.delenv("DSEC_JOB_RETENTION_S", raising=False)
+    assert retention_from_env() == DEFAULT_RETENTION_S
+    monkeypatch.setenv("DSEC_JOB_RETENTION_S", "3600")
+    assert retention_from_env() == 3600.0
+    for bad in ("soon", "-1", "0"):
+        monkeypatch.setenv("DSEC_JOB_RETENTION_S", bad)
+        with pytest.raises(libdsec.InvalidRequest, match="DSEC_JOB_RETENTION_S"):
+            retention_from_env()

@@ -10,8 +10,8 @@ are shared by every apiserver over one database).
   its result (or its error): creates (with their key), commands (``exec``), file writes and
   stops. A job belongs to the project that first wrote to it. Entries are written in groups (one
   transaction for those that arrive together), each request answered once its entry is durable.
-- Jobs idle past ``retention_s`` are removed (with their keys), checked at most once a minute
-  when a job is opened.
+- Jobs idle past ``retention_s`` (``DSEC_JOB_RETENTION_S``, 7 days by default) are removed
+  with their keys, checked at most once a minute when a job is first used.
 
 A call that ran but whose entry could not be written answers ``BackendError`` saying so.
 """
@@ -23,6 +23,7 @@ import base64
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
@@ -30,7 +31,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from libdsec import BackendError, DSecError, JobNotFound, SandboxStateError
+from libdsec import BackendError, DSecError, InvalidRequest, JobNotFound, SandboxStateError
 from libdsec.protocol import JobEntry, JobInfo, JobList, JobLog, SandboxInfo
 
 from .auth import Caller
@@ -44,6 +45,20 @@ PRUNE_EVERY_S = 60.0
 PENDING_WAIT_S = 600.0
 # File writes of a job keep their bytes in the log up to this size (replay writes them again).
 MAX_LOGGED_FILE_BYTES = 8 << 20
+
+
+def retention_from_env() -> float:
+    """``DSEC_JOB_RETENTION_S`` (seconds a job may stay idle before it is removed), else 7 days."""
+    text = os.environ.get("DSEC_JOB_RETENTION_S")
+    if text is None:
+        return DEFAULT_RETENTION_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1e10:
+        raise InvalidRequest(f"DSEC_JOB_RETENTION_S={text!r}: give the seconds a job log is kept idle (> 0)")
+    return value
 
 
 def digest_of(kind: str, args: BaseModel, count: int | None = None) -> str:
@@ -70,9 +85,9 @@ def file_request(path: str, mode: int, data: bytes) -> dict:
 class Jobs:
     """Keys and job logs over ``projects`` (see the module docstring)."""
 
-    def __init__(self, projects: ProjectStore, *, retention_s: float = DEFAULT_RETENTION_S) -> None:
+    def __init__(self, projects: ProjectStore, *, retention_s: float | None = None) -> None:
         self.projects = projects
-        self.retention_s = retention_s
+        self.retention_s = retention_from_env() if retention_s is None else retention_s
         self._owners: dict[str, str] = {}  # job → project, as the store said
         self._queue: list[tuple[tuple[str, float, str], asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
