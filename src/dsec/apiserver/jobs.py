@@ -8,8 +8,9 @@ are shared by every apiserver over one database).
   ``KeyReused``; one that arrives while the first is under way waits for it.
 - A request with a job (``x-dsec-job`` header) is recorded, after it ran, in the job's log with
   its result (or its error): creates (with their key), commands (``exec``), file writes and
-  stops. A job belongs to the project that first wrote to it. Entries are written in groups (one
-  transaction for those that arrive together), each request answered once its entry is durable.
+  stops. A job belongs to the project that first wrote to it. Each request is answered once its
+  entry is durable: written at once into a local SQLite file, and in groups into PostgreSQL (one
+  transaction for the entries that arrive while the last one is being written).
 - Jobs idle past ``retention_s`` (``DSEC_JOB_RETENTION_S``, 7 days by default) are removed
   with their keys, checked at most once a minute when a job is first used.
 
@@ -159,9 +160,11 @@ class Jobs:
         row = (caller.job, time.time(), json.dumps(entry, separators=(",", ":")))
         done = asyncio.get_running_loop().create_future()
         self._queue.append((row, done))
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush())
         try:
+            if getattr(self.projects, "writes_inline", False):
+                await self._flush()  # a local file: written at once, in this task (no hop through another)
+            elif self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.create_task(self._flush())
             await asyncio.shield(done)
         except DSecError as exc:
             raise BackendError(f"the call ran, but the job log {caller.job!r} could not record it: {exc}") from None

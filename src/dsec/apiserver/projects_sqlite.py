@@ -88,6 +88,8 @@ def _read_tree(db: sqlite3.Connection) -> Tree:
 class SQLiteProjectStore:
     # How long the tree read last is trusted before asking whether another process changed it.
     recheck_s = 0.5
+    # Writes finish without suspending (a local file): a job log's entries are written at once.
+    writes_inline = True
 
     def __init__(self, path: Path | str = ":memory:") -> None:
         self.path = str(path)
