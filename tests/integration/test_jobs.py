@@ -1,6 +1,6 @@
 """Idempotency keys and the job log against a real ``dsec serve`` (crun sandboxes, the lean
 routes and the SDK's own HTTP client): a keyed create survives an apiserver restart; a resumed
-job does not append twice; ``dsec job ls | show | replay | rm`` from the command line."""
+job does not append twice; ``dsec job ls | show | replay`` from the command line."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from dsec.local import LocalServer, leftovers
-from libdsec import DSecClient, DSecContainerRunArgs, ReplayDiverged, SandboxStatus
+from libdsec import DSecClient, DSecContainerRunArgs, JobNotFound, ReplayDiverged, SandboxStatus
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -60,27 +60,25 @@ async def test_keys_and_job_log_over_a_restart(new_state_dir):
             assert (await plain.run_container(ARGS, key="episode-0")).id == other.id
             await other.stop()
 
+        async with DSecClient(server.endpoint, token=server.token, job="run-42") as client:
+            # A command that answers otherwise each time: the replay reports it.
+            await (await client.get_sandbox(first_id)).run_shell("cat /proc/sys/kernel/random/uuid")
         listed = dsec(server, "job", "ls")
         assert listed.returncode == 0 and "run-42" in listed.stdout, listed
         shown = json.loads(dsec(server, "job", "show", "run-42", "--json").stdout)
-        assert [e["op"] for e in shown["entries"]] == ["create", "exec", "write_file", "exec", "exec", "exec"]
+        assert [e["op"] for e in shown["entries"]] == ["create", "exec", "write_file", "exec", "exec", "exec", "exec"]
         replayed = dsec(server, "job", "replay", "run-42", "--json")
         report = json.loads(replayed.stdout)
-        assert replayed.returncode == 0 and report["replayed"] == 6 and report["divergences"] == [], replayed
+        assert replayed.returncode == 1 and report["replayed"] == 7, replayed
+        [diverged] = report["divergences"]
+        assert diverged["call"] == "exec 'cat /proc/sys/kernel/random/uuid'" and diverged["logged"].startswith("exit 0")
         async with DSecClient(server.endpoint, token=server.token) as plain:
             await (await plain.get_sandbox(first_id)).stop()
             left = [s for s in await plain.list_sandboxes() if s.status is not SandboxStatus.stopped]
-            assert left == []
-        # A replay whose commands now answer otherwise reports each divergence.
-        async with DSecClient(server.endpoint, token=server.token, job="clock") as client:
-            s = await client.run_container(ARGS)
-            await s.run_shell("cat /proc/sys/kernel/random/uuid")
-            await s.stop()
-        diverged = dsec(server, "job", "replay", "clock")
-        assert diverged.returncode == 1 and "1 diverged" in diverged.stdout and "logged: exit 0" in diverged.stdout
-        assert dsec(server, "job", "rm", "run-42").returncode == 0
-        missing = dsec(server, "job", "show", "run-42")
-        assert missing.returncode == 1 and "no job log 'run-42'" in missing.stderr
+            assert left == []  # the replay stopped its own
+            await plain.remove_job("run-42")
+            with pytest.raises(JobNotFound, match="no job log 'run-42'"):
+                await plain.job_log("run-42")
     finally:
         server.stop()
     assert not leftovers(state)
