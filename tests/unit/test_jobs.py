@@ -291,3 +291,15 @@ def test_retention_from_the_environment(monkeypatch):
         monkeypatch.setenv("DSEC_JOB_RETENTION_S", bad)
         with pytest.raises(libdsec.InvalidRequest, match="DSEC_JOB_RETENTION_S"):
             retention_from_env()
+
+
+async def test_two_apiservers_over_one_database_share_keys_and_logs(edge, project_db):
+    async with apiserver(edge, project_db) as first, apiserver(edge, project_db) as second:
+        async with first(job="shared") as a, second(job="shared") as b:
+            made = await asyncio.gather(*(c.run_container(ARGS, key="episode-1") for c in (a, b, a, b)))
+            assert len({s.id for s in made}) == 1 and edge.creates == 1
+            await made[0].run_shell("append from-a")
+            await (await b.get_sandbox(made[0].id)).run_shell("append from-b")
+            seen_by_b = await b.job_log("shared")
+    assert [e.op for e in seen_by_b.entries] == ["create", "exec", "exec"]
+    assert [e.request.get("command") for e in seen_by_b.entries[1:]] == ["append from-a", "append from-b"]
