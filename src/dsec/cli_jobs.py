@@ -27,6 +27,8 @@ def _summary(entry: JobEntry) -> tuple[str, str]:
         asked = request.get("command", "")
     elif entry.op == "write_file":
         asked = f"{request.get('path')} ({request.get('bytes')} bytes)"
+    elif entry.op == "clean_copy":
+        asked = f"keep {','.join(request.get('keep', []))}"
     elif entry.op in ("create", "create_batch"):
         asked = f"{request.get('kind')} {request.get('args', {}).get('container_image')}" + (
             f" x{request['count']}" if "count" in request else "")
@@ -38,6 +40,10 @@ def _summary(entry: JobEntry) -> tuple[str, str]:
         came = f"exit {result.get('exit_code')}"
     elif entry.op == "create" and isinstance(result, dict):
         came = str(result.get("id"))
+    elif entry.op == "clean_copy" and isinstance(result, dict):
+        came = str(result.get("sandbox", {}).get("id"))
+    elif entry.op == "pack_diff" and isinstance(result, dict):
+        came = str(result.get("image"))
     elif entry.op == "create_batch" and isinstance(result, list):
         came = f"{len(result)} sandboxes"
     else:

@@ -3,7 +3,8 @@ replay``), for debugging and for rebuilding state whose sandboxes are gone.
 
 Each logged create makes a new sandbox from the same arguments (the new one stands in for the
 old id in the calls after it), each command runs again with the same request, each file write
-writes the logged bytes again, each stop stops; a command whose exit code, stdout or error
+writes the logged bytes again, each stop stops, each clean copy and pack_diff is made again (a create from a logged snapshot
+image starts from the replay's own); a command whose exit code, stdout or error
 differs from the log is a divergence. The replay's own sandboxes are stopped at the end, and
 its calls are not recorded (its client has no job).
 """
@@ -46,6 +47,7 @@ def _outcome(result: dict | None, error: dict | None) -> str:
 async def replay(client: DSecClient, log: JobLog, *, on_entry: Callable[[JobEntry], None] | None = None) -> ReplayReport:
     """Run ``log``'s calls again through ``client`` (one without a job)."""
     made: dict[str, Sandbox] = {}
+    images: dict[str, str] = {}  # logged pack_diff image → the replay's own
     divergences: list[Divergence] = []
     done = 0
 
@@ -60,6 +62,8 @@ async def replay(client: DSecClient, log: JobLog, *, on_entry: Callable[[JobEntr
             if entry.op in ("create", "create_batch"):
                 kind = request.get("kind", "container")
                 args = _ARGS.get(kind, DSecContainerRunArgs).model_validate(request["args"])
+                if args.container_image in images:
+                    args = args.model_copy(update={"container_image": images[args.container_image]})
                 if entry.op == "create":
                     runner = {"container": client.run_container, "microvm": client.run_microvm,
                               "fullvm": client.run_vm}[kind]
@@ -92,11 +96,25 @@ async def replay(client: DSecClient, log: JobLog, *, on_entry: Callable[[JobEntr
                                                          mode=request["mode"])
             elif entry.op == "stop":
                 await made[entry.sandbox].stop()
+            elif entry.op == "clean_copy":
+                copy = await made[entry.sandbox].clean_copy(keep=request["keep"])
+                if isinstance(entry.result, dict):
+                    made[entry.result["sandbox"]["id"]] = copy
+            elif entry.op == "pack_diff":
+                # (a new image of its own: the creates after it that named the logged one use it)
+                snapshot = await made[entry.sandbox].pack_diff(role=request.get("role", "snapshot"))
+                if isinstance(entry.result, dict):
+                    images[entry.result["image"]] = snapshot.image
             done += 1
     finally:
         for sandbox in made.values():
             try:
                 await sandbox.stop()
+            except DSecError:
+                pass
+        for image in images.values():
+            try:
+                await client.remove_image(image)
             except DSecError:
                 pass
     return ReplayReport(log.job.name, done, divergences)

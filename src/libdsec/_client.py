@@ -269,9 +269,12 @@ class Sandbox:
     async def pack_diff(self, name: str | None = None, *, role: str = "snapshot") -> PackDiffResult:
         """Turn the sandbox's changes into a new image (the sandbox is frozen meanwhile and
         keeps running after). Start new sandboxes from ``result.image`` to restore or branch."""
-        body = await self._client._request(
-            "POST", f"/v1/sandboxes/{self.id}/pack_diff", model=PackDiffRequest(name=name, role=role), timeout=600
-        )
+        request = PackDiffRequest(name=name, role=role)
+        if self._client._replay is not None:
+            answered, result = self._client._replay.call(self.id, "pack_diff", request.model_dump(mode="json"))
+            if answered:
+                return PackDiffResult.model_validate(result)
+        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/pack_diff", model=request, timeout=600)
         return PackDiffResult.model_validate(body)
 
     async def clean_copy(self, keep: Iterable[str]) -> Sandbox:
@@ -287,8 +290,14 @@ class Sandbox:
             request = CleanCopyRequest(keep=list(keep))
         except ValidationError as exc:
             raise InvalidRequest("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
-        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/clean_copy", model=request, timeout=600)
-        result = CleanCopyResult.model_validate(body)
+        answered, logged = (False, None) if self._client._replay is None else \
+            self._client._replay.call(self.id, "clean_copy", request.model_dump(mode="json"))
+        if answered:
+            result = CleanCopyResult.model_validate(logged)
+        else:
+            body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/clean_copy", model=request,
+                                               timeout=600)
+            result = CleanCopyResult.model_validate(body)
         copy = Sandbox(self._client, result.sandbox)
         copy.clean_copy_result = result
         return copy

@@ -4,8 +4,10 @@ The log (read once, when the client opens) is split into its creates — by idem
 the ones without a key in their order — and, for each sandbox, the calls made on it (commands,
 file writes, stop) in their order. A create is answered from the log when its key is there
 (with the same kind and arguments), or, without a key, by the next keyless create logged; a call
-on a sandbox is answered by that sandbox's next logged call when it is the same call (a
-command's timeout aside), its result given back, or its error raised again. When a sandbox's
+on a sandbox (a command, a file write, a clean copy, a pack_diff, its stop) is answered by that
+sandbox's next logged call when it is the same call (a command's timeout aside), its result
+given back, or its error raised again; a clean copy answered so is the copy logged, whose own
+calls follow in the log. When a sandbox's
 calls run out (or a key was never logged) the call goes to the server: the job goes on live,
 on the same sandboxes. A call that is not the one logged at its place raises
 ``ReplayDiverged`` naming both.
@@ -27,6 +29,10 @@ def _describe(op: str, request: dict, key: str | None = None) -> str:
         return text + (f" {extras}" if extras else "")
     if op == "write_file":
         return f"write_file {request.get('path')!r} ({request.get('bytes')} bytes, mode {oct(request.get('mode', 0))})"
+    if op == "clean_copy":
+        return f"clean_copy keep={request.get('keep')}"
+    if op == "pack_diff":
+        return f"pack_diff name={request.get('name')!r} role={request.get('role')!r}"
     if op in ("create", "create_batch"):
         args = request.get("args", {})
         count = f" x{request['count']}" if "count" in request else ""

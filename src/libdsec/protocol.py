@@ -813,14 +813,15 @@ def check_key(key: str) -> str:
     return key
 
 
-JobOp = Literal["create", "create_batch", "exec", "write_file", "stop"]
+JobOp = Literal["create", "create_batch", "exec", "write_file", "stop", "clean_copy", "pack_diff"]
 
 
 class JobEntry(_Model):
     """One call of a job, as its log holds it: ``seq`` orders the job's calls; ``request`` is
     what was asked (the run args and ``kind`` of a create, an ``ExecRequest``, a file write's
-    path, mode, size and SHA-256, with its bytes base64 in ``data_b64``), ``result`` what came
-    back (``SandboxInfo``, a list of them for a batch, ``ExecResult``), or ``error`` (the wire
+    path, mode, size and SHA-256, with its bytes base64 in ``data_b64``, a ``CleanCopyRequest``,
+    a ``PackDiffRequest``), ``result`` what came back (``SandboxInfo``, a list of them for a
+    batch, ``ExecResult``, ``CleanCopyResult``, ``PackDiffResult``), or ``error`` (the wire
     error body's ``error``) when the call failed."""
 
     seq: int

@@ -19,7 +19,15 @@ import libdsec
 from dsec.apiserver.app import Cluster, create_app
 from dsec.apiserver.projects import open_project_store
 from libdsec import DSecClient, DSecContainerRunArgs
-from libdsec.protocol import ExecRequest, ExecResult, NodeInfo, SandboxInfo, SandboxStatus
+from libdsec.protocol import (
+    CleanCopyResult,
+    ExecRequest,
+    ExecResult,
+    NodeInfo,
+    PackDiffResult,
+    SandboxInfo,
+    SandboxStatus,
+)
 
 TOKEN = "s3cret"
 ARGS = DSecContainerRunArgs(container_image="busybox")
@@ -93,6 +101,20 @@ class CountingEdge:
         self._check(sid)
         self.stopped.add(sid)
         return self._info(sid)
+
+    async def clean_copy(self, sid, keep):
+        self._check(sid)
+        self.creates += 1
+        new = f"n0-{next(self.ids):016x}"
+        self.lines[new] = list(self.lines[sid])
+        self.projects[new] = self.projects[sid]
+        return CleanCopyResult(sandbox=self._info(new), source=sid, keep=keep, files=1, bytes=1, scrubbed=[],
+                               tampered=[], copy_s=0.0)
+
+    async def pack_diff(self, sid, name=None, role="snapshot"):
+        self._check(sid)
+        self.packs = getattr(self, "packs", 0) + 1
+        return PackDiffResult(image=name or f"snap-{self.packs}", layer="l", layers=["l"], size_bytes=1, scrubbed=[])
 
     async def node_info(self):
         return NodeInfo(node="n0", cgroup_version="v1", runtime="fake", sandboxes=len(self.lines),
@@ -303,3 +325,29 @@ async def test_two_apiservers_over_one_database_share_keys_and_logs(edge, projec
             seen_by_b = await b.job_log("shared")
     assert [e.op for e in seen_by_b.entries] == ["create", "exec", "exec"]
     assert [e.request.get("command") for e in seen_by_b.entries[1:]] == ["append from-a", "append from-b"]
+
+
+async def graded_episode(c: DSecClient, n: int) -> tuple[str, str, str]:
+    """An episode as SandboxEnv runs it: commands, a pack_diff, the verdict from a clean copy."""
+    sandbox = await c.run_container(ARGS, key=f"graded-{n}")
+    await sandbox.run_shell("append fix")
+    snapshot = await sandbox.pack_diff()
+    async with await sandbox.clean_copy(keep=["/testbed"]) as grader:
+        verdict = await grader.run_shell("cat")
+    await sandbox.stop()
+    return grader.id, snapshot.image, verdict.stdout
+
+
+async def test_resume_fast_forwards_through_clean_copies_and_pack_diffs(edge, project_db):
+    async with apiserver(edge, project_db) as client:
+        async with client(job="graded") as c:
+            first = await graded_episode(c, 0)
+        async with client() as c:
+            log = await c.job_log("graded")
+        creates, execs = edge.creates, edge.execs
+        async with client(job="graded", resume=True) as c:
+            again = await graded_episode(c, 0)
+            assert c.replayed == 7
+        assert (edge.creates, edge.execs) == (creates, execs)
+    assert again == first and first[2] == "fix"
+    assert [e.op for e in log.entries] == ["create", "exec", "pack_diff", "clean_copy", "exec", "stop", "stop"]

@@ -471,13 +471,15 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         await cluster.edge_for(sandbox_id).set_network_rules(sandbox_id, request.network_rules)
         return {"ok": True}
 
-    @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", dependencies=auth, responses=_ERRORS)
-    async def pack_diff(sandbox_id: str, request: PackDiffRequest) -> PackDiffResult:
-        return await cluster.edge_for(sandbox_id).pack_diff(sandbox_id, request.name, request.role)
+    @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", responses=_ERRORS)
+    async def pack_diff(sandbox_id: str, request: PackDiffRequest, caller: Caller = Depends(authenticated)) -> PackDiffResult:
+        return await jobs.recorded(caller, "pack_diff", sandbox_id, request.model_dump(mode="json"),
+                                   lambda: cluster.edge_for(sandbox_id).pack_diff(sandbox_id, request.name, request.role))
 
-    @app.post("/v1/sandboxes/{sandbox_id}/clean_copy", dependencies=auth, responses=_ERRORS)
-    async def clean_copy(sandbox_id: str, request: CleanCopyRequest) -> CleanCopyResult:
-        return await cluster.clean_copy(sandbox_id, request.keep)
+    @app.post("/v1/sandboxes/{sandbox_id}/clean_copy", responses=_ERRORS)
+    async def clean_copy(sandbox_id: str, request: CleanCopyRequest, caller: Caller = Depends(authenticated)) -> CleanCopyResult:
+        return await jobs.recorded(caller, "clean_copy", sandbox_id, request.model_dump(mode="json"),
+                                   lambda: cluster.clean_copy(sandbox_id, request.keep))
 
     @app.get("/v1/images", dependencies=auth)
     async def list_images() -> ImageList:
