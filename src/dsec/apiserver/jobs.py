@@ -90,7 +90,7 @@ class Jobs:
         self.projects = projects
         self.retention_s = retention_from_env() if retention_s is None else retention_s
         self._owners: dict[str, str] = {}  # job → project, as the store said
-        self._queue: list[tuple[tuple[str, float, str], asyncio.Future]] = []
+        self._queue: list[tuple[tuple[str, float, str], tuple[str, str, str] | None, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self._pruned_at = float("-inf")
 
@@ -153,13 +153,15 @@ class Jobs:
     # -- recording -------------------------------------------------------------------------
 
     async def record(self, caller: Caller, op: str, sandbox: str | None, request: dict,
-                     result: Any = None, error: DSecError | None = None) -> None:
+                     result: Any = None, error: DSecError | None = None, settle: str | None = None) -> None:
+        """Append the entry (and settle the caller's key with ``settle``, in the same write)."""
         assert caller.job is not None
         entry = {"op": op, "sandbox": sandbox, "key": caller.key, "request": request, "result": result,
                  "error": error.to_wire()["error"] if error is not None else None}
         row = (caller.job, time.time(), json.dumps(entry, separators=(",", ":")))
         done = asyncio.get_running_loop().create_future()
-        self._queue.append((row, done))
+        settles = (self._scope(caller), caller.key, settle) if settle is not None and caller.key else None
+        self._queue.append((row, settles, done))
         try:
             if getattr(self.projects, "writes_inline", False):
                 await self._flush()  # a local file: written at once, in this task (no hop through another)
@@ -173,15 +175,16 @@ class Jobs:
         while self._queue:
             batch, self._queue = self._queue, []
             try:
-                await self.projects.append_job([row for row, _ in batch])
+                await self.projects.append_job([row for row, _, _ in batch],
+                                               [settle for _, settle, _ in batch if settle is not None])
             except Exception as exc:  # noqa: BLE001 - each waiting request answers it
                 self._owners.clear()  # a job removed meanwhile is made again on next use
                 failure = exc if isinstance(exc, DSecError) else BackendError(f"{type(exc).__name__}: {exc}")
-                for _, done in batch:
+                for _, _, done in batch:
                     if not done.done():
                         done.set_exception(failure)
                 continue
-            for _, done in batch:
+            for _, _, done in batch:
                 if not done.done():
                     done.set_result(None)
 
@@ -240,10 +243,18 @@ class Jobs:
             if caller.key is not None:
                 await self.projects.release_key(self._scope(caller), caller.key)
             raise
-        if caller.key is not None:
-            await self.projects.settle_key(self._scope(caller), caller.key, info.model_dump_json())
-        if caller.job is not None:
-            await self.record(caller, "create", info.id, request, info.model_dump(mode="json"))
+        made = info.model_dump_json()
+        if caller.job is None:
+            assert caller.key is not None
+            await self.projects.settle_key(self._scope(caller), caller.key, made)
+        else:  # the entry and the key's settling in one write
+            try:
+                await self.record(caller, "create", info.id, request, json.loads(made),
+                                  settle=made if caller.key is not None else None)
+            except DSecError:
+                if caller.key is not None:  # (a retry must find the sandbox, not wait on the claim)
+                    await self.projects.settle_key(self._scope(caller), caller.key, made)
+                raise
         return info
 
     async def create_batch(self, caller: Caller, kind: str, args: BaseModel, count: int,

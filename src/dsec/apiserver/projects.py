@@ -117,8 +117,10 @@ class ProjectStore(Protocol):
         """Make the job ``name`` for ``project`` unless it exists; returns its owner."""
         ...
 
-    async def append_job(self, rows: list[tuple[str, float, str]]) -> None:
-        """(job, at, entry JSON) rows, appended in this order."""
+    async def append_job(self, rows: list[tuple[str, float, str]],
+                         settles: list[tuple[str, str, str]] = ()) -> None:
+        """(job, at, entry JSON) rows, appended in this order, and (scope, key, result) keys
+        settled, in one transaction."""
         ...
 
     async def job(self, name: str) -> JobRow | None: ...
@@ -163,6 +165,15 @@ def open_project_store(where: Path | str = ":memory:") -> ProjectStore:
     raise InvalidRequest(
         f"not a project database URL: {where!r} (postgresql://USER@HOST:PORT/DATABASE or sqlite:///PATH)"
     )
+
+
+# A job's last write and its entry count are read from its log (an append writes the log alone).
+JOB_ROW = """SELECT j.name, j.project, j.created_at,
+       coalesce((SELECT l.at FROM job_log l WHERE l.job = j.name ORDER BY l.seq DESC LIMIT 1), j.created_at),
+       (SELECT count(*) FROM job_log l WHERE l.job = j.name)
+  FROM jobs j"""
+JOB_LAST_WRITTEN = ("coalesce((SELECT l.at FROM job_log l WHERE l.job = j.name ORDER BY l.seq DESC LIMIT 1), "
+                    "j.created_at)")
 
 
 # -- the rules every store checks (on the tree it is about to change) --------------------------

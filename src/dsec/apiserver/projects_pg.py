@@ -35,6 +35,8 @@ from libdsec import BackendError, InvalidRequest
 from libdsec._projects import ROOT_PROJECT, ProjectQuota
 
 from .projects import (
+    JOB_LAST_WRITTEN,
+    JOB_ROW,
     JobRow,
     KeyClaim,
     check_removal,
@@ -92,9 +94,7 @@ CREATE TABLE IF NOT EXISTS create_keys (
 CREATE TABLE IF NOT EXISTS jobs (
     name text PRIMARY KEY,
     project text NOT NULL,
-    created_at double precision NOT NULL,
-    updated_at double precision NOT NULL,
-    entries bigint NOT NULL DEFAULT 0
+    created_at double precision NOT NULL
 );
 CREATE TABLE IF NOT EXISTS job_log (
     seq bigserial PRIMARY KEY,
@@ -465,38 +465,33 @@ class PostgresProjectStore:
         now = time.time()
 
         async def work(conn: asyncpg.Connection) -> str:
-            await conn.execute("INSERT INTO jobs (name, project, created_at, updated_at) VALUES ($1, $2, $3, $3) "
+            await conn.execute("INSERT INTO jobs (name, project, created_at) VALUES ($1, $2, $3) "
                                "ON CONFLICT DO NOTHING", name, project, now)
             return await conn.fetchval("SELECT project FROM jobs WHERE name = $1", name)
 
         return await self._in_transaction(work)
 
-    async def append_job(self, rows: list[tuple[str, float, str]]) -> None:
-        counts: dict[str, list] = {}
-        for job, at, _ in rows:
-            counts.setdefault(job, [0, at])
-            counts[job][0] += 1
-            counts[job][1] = at
-
+    async def append_job(self, rows: list[tuple[str, float, str]],
+                         settles: list[tuple[str, str, str]] = ()) -> None:
         async def work(conn: asyncpg.Connection) -> None:
             # One statement keeps the rows in order (seq follows the array's order).
             await conn.execute(
                 "INSERT INTO job_log (job, at, entry) SELECT r.job, r.at, r.entry FROM "
                 "unnest($1::text[], $2::float8[], $3::text[]) WITH ORDINALITY AS r(job, at, entry, n) ORDER BY r.n",
                 [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
-            await conn.executemany("UPDATE jobs SET entries = entries + $1, updated_at = $2 WHERE name = $3",
-                                   [(n, at, job) for job, (n, at) in counts.items()])
+            if settles:
+                await conn.executemany("UPDATE create_keys SET result = $3 WHERE scope = $1 AND key = $2", list(settles))
 
         await self._in_transaction(work)
 
     async def job(self, name: str) -> JobRow | None:
         row = await self._plain(lambda conn: conn.fetchrow(
-            "SELECT name, project, created_at, updated_at, entries FROM jobs WHERE name = $1", name))
+            JOB_ROW + " WHERE j.name = $1", name))
         return JobRow(*row) if row else None
 
     async def jobs(self, project: str | None = None) -> list[JobRow]:
         rows = await self._plain(lambda conn: conn.fetch(
-            "SELECT name, project, created_at, updated_at, entries FROM jobs ORDER BY created_at, name"))
+            JOB_ROW + " ORDER BY j.created_at, j.name"))
         return [JobRow(*r) for r in rows if project is None or r[1] == project]
 
     async def job_entries(self, name: str, after: int = 0, limit: int = 1_000_000) -> list[tuple[int, float, str]]:
@@ -515,7 +510,8 @@ class PostgresProjectStore:
         await self._in_transaction(work)
 
     async def jobs_idle_since(self, before: float) -> list[str]:
-        rows = await self._plain(lambda conn: conn.fetch("SELECT name FROM jobs WHERE updated_at < $1", before))
+        rows = await self._plain(lambda conn: conn.fetch(
+            f"SELECT j.name FROM jobs j WHERE {JOB_LAST_WRITTEN} < $1", before))
         return [r[0] for r in rows]
 
 

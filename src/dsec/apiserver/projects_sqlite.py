@@ -18,6 +18,8 @@ from typing import TypeVar
 from libdsec._projects import ROOT_PROJECT, ProjectQuota
 
 from .projects import (
+    JOB_LAST_WRITTEN,
+    JOB_ROW,
     JobRow,
     KeyClaim,
     check_removal,
@@ -65,9 +67,7 @@ CREATE TABLE IF NOT EXISTS create_keys (
 CREATE TABLE IF NOT EXISTS jobs (
     name TEXT PRIMARY KEY,
     project TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    entries INTEGER NOT NULL DEFAULT 0
+    created_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS job_log (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -252,6 +252,13 @@ class SQLiteProjectStore:
     # -- idempotency keys --------------------------------------------------------------------
 
     async def claim_key(self, scope: str, key: str, digest: str) -> KeyClaim:
+        with self._lock:  # a new key, the common case: one statement
+            inserted = self._conn().execute(
+                "INSERT OR IGNORE INTO create_keys (scope, key, digest, result, claimed_at) VALUES (?, ?, ?, NULL, ?)",
+                (scope, key, digest, time.time())).rowcount
+        if inserted == 1:
+            return KeyClaim("claimed")
+
         def work(db: sqlite3.Connection) -> KeyClaim:
             now = time.time()
             row = db.execute("SELECT digest, result, claimed_at FROM create_keys WHERE scope = ? AND key = ?",
@@ -275,36 +282,34 @@ class SQLiteProjectStore:
     async def open_job(self, name: str, project: str) -> str:
         def work(db: sqlite3.Connection) -> str:
             now = time.time()
-            db.execute("INSERT OR IGNORE INTO jobs (name, project, created_at, updated_at) VALUES (?, ?, ?, ?)",
-                       (name, project, now, now))
+            db.execute("INSERT OR IGNORE INTO jobs (name, project, created_at) VALUES (?, ?, ?)", (name, project, now))
             return db.execute("SELECT project FROM jobs WHERE name = ?", (name,)).fetchone()[0]
 
         return self._transaction(work)
 
-    async def append_job(self, rows: list[tuple[str, float, str]]) -> None:
-        """``rows``: (job, at, entry JSON), in order."""
+    async def append_job(self, rows: list[tuple[str, float, str]],
+                         settles: list[tuple[str, str, str]] = ()) -> None:
+        if len(rows) == 1 and not settles:  # one statement is its own transaction
+            with self._lock:
+                self._conn().execute("INSERT INTO job_log (job, at, entry) VALUES (?, ?, ?)", rows[0])
+            return
+
         def work(db: sqlite3.Connection) -> None:
             db.executemany("INSERT INTO job_log (job, at, entry) VALUES (?, ?, ?)", rows)
-            counts: dict[str, list] = {}
-            for job, at, _ in rows:
-                counts.setdefault(job, [0, at])
-                counts[job][0] += 1
-                counts[job][1] = at
-            db.executemany("UPDATE jobs SET entries = entries + ?, updated_at = ? WHERE name = ?",
-                           [(n, at, job) for job, (n, at) in counts.items()])
+            if settles:
+                db.executemany("UPDATE create_keys SET result = ? WHERE scope = ? AND key = ?",
+                               [(result, scope, key) for scope, key, result in settles])
 
         self._transaction(work)
 
     async def job(self, name: str) -> JobRow | None:
         with self._lock:
-            row = self._conn().execute("SELECT name, project, created_at, updated_at, entries FROM jobs "
-                                       "WHERE name = ?", (name,)).fetchone()
+            row = self._conn().execute(JOB_ROW + " WHERE j.name = ?", (name,)).fetchone()
         return JobRow(*row) if row else None
 
     async def jobs(self, project: str | None = None) -> list[JobRow]:
         with self._lock:
-            rows = self._conn().execute("SELECT name, project, created_at, updated_at, entries FROM jobs "
-                                        "ORDER BY created_at, name").fetchall()
+            rows = self._conn().execute(JOB_ROW + " ORDER BY j.created_at, j.name").fetchall()
         return [JobRow(*r) for r in rows if project is None or r[1] == project]
 
     async def job_entries(self, name: str, after: int = 0, limit: int = 1_000_000) -> list[tuple[int, float, str]]:
@@ -324,4 +329,5 @@ class SQLiteProjectStore:
 
     async def jobs_idle_since(self, before: float) -> list[str]:
         with self._lock:
-            return [n for (n,) in self._conn().execute("SELECT name FROM jobs WHERE updated_at < ?", (before,))]
+            return [n for (n,) in self._conn().execute(f"SELECT j.name FROM jobs j WHERE {JOB_LAST_WRITTEN} < ?",
+                                                       (before,))]
