@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import os
 import ssl
@@ -31,9 +32,11 @@ from ._errors import (
 from ._files import SandboxFiles
 from ._process import Process, Session, events_of, run_with_callbacks
 from ._projects import _ProjectMethods
+from ._replay import Replay
 from ._wire import Answer, CannotConnect, ConnectionBroken, WireClient, WireError
 from .protocol import ClusterStats, NetworkRulesRequest, SecurityEvent, SecurityEventList
 from .protocol import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
+from .protocol import JOB_HEADER, KEY_HEADER, JobInfo, JobList, JobLog, check_job_name, check_key
 from .protocol import (
     DEFAULT_COMMAND_TIMEOUT_S,
     MAX_SANDBOX_BATCH,
@@ -148,6 +151,10 @@ class Sandbox:
         request = _exec_request(command, timeout, env, workdir, user, stdin, max_output_bytes)
         if on_stdout is not None or on_stderr is not None:
             return await run_with_callbacks(self._events(request), on_stdout, on_stderr)
+        if self._client._replay is not None:
+            answered, result = self._client._replay.call(self.id, "exec", request.model_dump(mode="json"))
+            if answered:
+                return ExecResult.model_validate(result)
         body = await self._client._request(
             "POST",
             f"/v1/sandboxes/{self.id}/exec",
@@ -244,6 +251,10 @@ class Sandbox:
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
         if isinstance(data, str):
             data = data.encode()
+        if self._client._replay is not None:
+            request = {"path": path, "mode": mode, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            if self._client._replay.call(self.id, "write_file", request)[0]:
+                return
         await self._client._request(
             "PUT",
             f"/v1/sandboxes/{self.id}/files",
@@ -259,9 +270,12 @@ class Sandbox:
     async def pack_diff(self, name: str | None = None, *, role: str = "snapshot") -> PackDiffResult:
         """Turn the sandbox's changes into a new image (the sandbox is frozen meanwhile and
         keeps running after). Start new sandboxes from ``result.image`` to restore or branch."""
-        body = await self._client._request(
-            "POST", f"/v1/sandboxes/{self.id}/pack_diff", model=PackDiffRequest(name=name, role=role), timeout=600
-        )
+        request = PackDiffRequest(name=name, role=role)
+        if self._client._replay is not None:
+            answered, result = self._client._replay.call(self.id, "pack_diff", request.model_dump(mode="json"))
+            if answered:
+                return PackDiffResult.model_validate(result)
+        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/pack_diff", model=request, timeout=600)
         return PackDiffResult.model_validate(body)
 
     async def clean_copy(self, keep: Iterable[str]) -> Sandbox:
@@ -277,8 +291,14 @@ class Sandbox:
             request = CleanCopyRequest(keep=list(keep))
         except ValidationError as exc:
             raise InvalidRequest("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
-        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/clean_copy", model=request, timeout=600)
-        result = CleanCopyResult.model_validate(body)
+        answered, logged = (False, None) if self._client._replay is None else \
+            self._client._replay.call(self.id, "clean_copy", request.model_dump(mode="json"))
+        if answered:
+            result = CleanCopyResult.model_validate(logged)
+        else:
+            body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/clean_copy", model=request,
+                                               timeout=600)
+            result = CleanCopyResult.model_validate(body)
         copy = Sandbox(self._client, result.sandbox)
         copy.clean_copy_result = result
         return copy
@@ -321,6 +341,11 @@ class Sandbox:
         """Stop and remove the sandbox. Stopping a stopped sandbox does nothing."""
         if self.info.status in (SandboxStatus.stopped,):
             return
+        if self._client._replay is not None:
+            answered, result = self._client._replay.call(self.id, "stop", {})
+            if answered:
+                self.info = SandboxInfo.model_validate(result)
+                return
         body = await self._client._request("DELETE", f"/v1/sandboxes/{self.id}")
         self.info = SandboxInfo.model_validate(body)
 
@@ -353,7 +378,17 @@ class DSecClient(_ProjectMethods):
         timeout: float = 120.0,
         transport: httpx.AsyncBaseTransport | None = None,
         max_connections: int = 256,
+        job: str | None = None,
+        resume: bool = False,
     ) -> None:
+        try:
+            self.job = None if job is None else check_job_name(job)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if resume and job is None:
+            raise InvalidRequest("resume=True needs the job to resume: DSecClient(job=..., resume=True)")
+        self._resume = resume
+        self._replay: Replay | None = None
         self.endpoints = _split_endpoints(endpoint or os.environ.get("DSEC_ENDPOINT") or DEFAULT_ENDPOINT)
         self.endpoint = self.endpoints[0]  # the one in use
         self._token = token
@@ -371,8 +406,17 @@ class DSecClient(_ProjectMethods):
             return self
         token = self._token or default_token()
         headers = {"authorization": f"Bearer {token}"} if token else {}
+        if self.job is not None:
+            headers[JOB_HEADER] = self.job
         self._routes = {endpoint: self._route(endpoint, headers) for endpoint in self.endpoints}
         self._wire, self._http = self._routes[self.endpoint]
+        if self._resume and self._replay is None:
+            assert self.job is not None
+            try:
+                self._replay = Replay(await self.job_log(self.job))
+            except BaseException:
+                await self.close()
+                raise
         return self
 
     def _route(self, endpoint: str, headers: dict[str, str]) -> tuple[WireClient | None, list[httpx.AsyncClient]]:
@@ -416,20 +460,34 @@ class DSecClient(_ProjectMethods):
 
     # -- sandboxes -------------------------------------------------------------------------
 
-    async def run_container(self, args: DSecContainerRunArgs, *, timeout: float | None = None) -> Sandbox:
-        """Create one container sandbox and return once it is running."""
-        body = await self._request("POST", "/v1/sandboxes", model=args, timeout=timeout)
-        return Sandbox(self, SandboxInfo.model_validate(body))
+    async def run_container(self, args: DSecContainerRunArgs, *, key: str | None = None,
+                            timeout: float | None = None) -> Sandbox:
+        """Create one container sandbox and return once it is running.
 
-    async def run_microvm(self, args: DSecMicroVMRunArgs, *, timeout: float | None = None) -> Sandbox:
+        ``key``: an idempotency key of the caller's choosing (e.g. ``"episode-17"``). A create
+        with a key used before in the project (or, with ``job=``, in the job) returns the sandbox
+        made then, also after an apiserver restart, and makes none; with other arguments it
+        raises ``KeyReused``. The same holds for ``run_microvm``, ``run_vm`` and ``run_containers``."""
+        return await self._create("/v1/sandboxes", "container", args, key, timeout)
+
+    async def run_microvm(self, args: DSecMicroVMRunArgs, *, key: str | None = None,
+                          timeout: float | None = None) -> Sandbox:
         """Create one microVM (or restore one from ``args.snapshot``); returns once its guest
         agent answers. The handle is the same as a container's."""
-        body = await self._request("POST", "/v1/microvms", model=args, timeout=timeout)
-        return Sandbox(self, SandboxInfo.model_validate(body))
+        return await self._create("/v1/microvms", "microvm", args, key, timeout)
 
-    async def run_vm(self, args: DSecFullVMRunArgs, *, timeout: float | None = None) -> Sandbox:
+    async def run_vm(self, args: DSecFullVMRunArgs, *, key: str | None = None, timeout: float | None = None) -> Sandbox:
         """Create one full VM booting the image's own init; same handle as a container's."""
-        body = await self._request("POST", "/v1/vms", model=args, timeout=timeout)
+        return await self._create("/v1/vms", "fullvm", args, key, timeout)
+
+    async def _create(self, path: str, kind: str, args: DSecContainerRunArgs, key: str | None,
+                      timeout: float | None) -> Sandbox:
+        headers = _key_headers(key)
+        if self._replay is not None:
+            logged = self._replay.create("create", {"kind": kind, "args": args.model_dump(mode="json")}, key)
+            if logged is not None:
+                return Sandbox(self, SandboxInfo.model_validate(logged))
+        body = await self._request("POST", path, model=args, timeout=timeout, headers=headers)
         return Sandbox(self, SandboxInfo.model_validate(body))
 
     async def run_containers(
@@ -437,19 +495,27 @@ class DSecClient(_ProjectMethods):
         args: DSecContainerRunArgs,
         *,
         count: int,
+        key: str | None = None,
         timeout: float | None = None,
         progress: ProgressCallback | None = None,
     ) -> list[Sandbox]:
         """Create ``count`` sandboxes in one request; all of them, or none (then it raises).
 
-        ``progress(done, count)`` is called as each one comes up.
+        ``progress(done, count)`` is called as each one comes up. ``key``: as ``run_container``'s
+        (a batch with a key used before returns the sandboxes made then).
         """
         if not 1 <= count <= MAX_SANDBOX_BATCH:
             raise LimitOutOfRange(f"count={count} is out of range: 1..{MAX_SANDBOX_BATCH} sandboxes per batch")
+        headers = _key_headers(key)
+        if self._replay is not None:
+            logged = self._replay.create("create_batch", {"kind": "container", "args": args.model_dump(mode="json"),
+                                                          "count": count}, key)
+            if logged is not None:
+                return [Sandbox(self, SandboxInfo.model_validate(info)) for info in logged]
         request = CreateBatchRequest(args=args, count=count)
         sandboxes: list[Sandbox | None] = [None] * count
         done = 0
-        async for event in self._stream("POST", "/v1/sandboxes:batch", request, timeout):
+        async for event in self._stream("POST", "/v1/sandboxes:batch", request, timeout, headers=headers):
             if event.event == "created" and event.sandbox is not None and event.index is not None:
                 sandboxes[event.index] = Sandbox(self, event.sandbox)
                 done += 1
@@ -489,6 +555,26 @@ class DSecClient(_ProjectMethods):
         """Every node's counters and holdings, and the apiserver's own (root token only): what
         ``/metrics``, the dashboard and ``dsec top`` show."""
         return ClusterStats.model_validate_json(await self._request("GET", "/v1/stats", raw=True))
+
+    # -- job logs ----------------------------------------------------------------------------
+
+    async def list_jobs(self) -> list[JobInfo]:
+        """The jobs of this client's project (every job, for the root token)."""
+        return JobList.model_validate(await self._request("GET", "/v1/jobs")).jobs
+
+    async def job_log(self, job: str, *, after: int = 0) -> JobLog:
+        """A job and its log entries (past ``after``, a ``seq``), in order; ``JobNotFound`` when
+        there is none (or it is another project's)."""
+        return JobLog.model_validate(await self._request("GET", f"/v1/jobs/{_job_path(job)}",
+                                                         params={"after": str(after)} if after else None))
+
+    async def remove_job(self, job: str) -> None:
+        await self._request("DELETE", f"/v1/jobs/{_job_path(job)}")
+
+    @property
+    def replayed(self) -> int:
+        """Calls answered from the job's log so far (``resume=True``)."""
+        return 0 if self._replay is None else self._replay.answered
 
     # -- fncall ------------------------------------------------------------------------------
 
@@ -540,6 +626,7 @@ class DSecClient(_ProjectMethods):
         content: bytes | None = None,
         timeout: float | None = None,
         raw: bool = False,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         body, content_type = content, "application/octet-stream"
         if model is not None:
@@ -551,9 +638,9 @@ class DSecClient(_ProjectMethods):
                 if wire is not None:
                     answer: Answer | httpx.Response = await wire.request(
                         method, path, params=params, body=body, content_type=content_type,
-                        timeout=self._timeout if timeout is None else timeout)
+                        timeout=self._timeout if timeout is None else timeout, headers=headers)
                 else:
-                    answer = await self._request_httpx(method, path, params, body, content_type, timeout)
+                    answer = await self._request_httpx(method, path, params, body, content_type, timeout, headers)
             except (WireError, httpx.TransportError) as exc:
                 tried = [] if tried is None else tried
                 if not self._fail_over(endpoint, method, exc, tried):
@@ -563,23 +650,23 @@ class DSecClient(_ProjectMethods):
 
     async def _request_httpx(
         self, method: str, path: str, params: dict[str, str] | None, body: bytes | None, content_type: str,
-        timeout: float | None,
+        timeout: float | None, headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         http = self._client()
-        kwargs: dict[str, Any] = {"params": params}
+        kwargs: dict[str, Any] = {"params": params, "headers": dict(headers or {})}
         if body is not None:
             kwargs["content"] = body
-            kwargs["headers"] = {"content-type": content_type}
+            kwargs["headers"]["content-type"] = content_type
         if timeout is not None:
             kwargs["timeout"] = timeout
         return await http.request(method, path, **kwargs)
 
     async def _stream(
         self, method: str, path: str, model: BaseModel, timeout: float | None,
-        event_model: type[BaseModel] = BatchEvent,
+        event_model: type[BaseModel] = BatchEvent, headers: dict[str, str] | None = None,
     ) -> Any:
         if self._wire is not None:
-            async for event in self._stream_wire(method, path, model, timeout, event_model):
+            async for event in self._stream_wire(method, path, model, timeout, event_model, headers):
                 yield event
             return
         tried: list[str] = []
@@ -590,7 +677,7 @@ class DSecClient(_ProjectMethods):
                     method,
                     path,
                     content=model.model_dump_json(),
-                    headers={"content-type": "application/json"},
+                    headers={**(headers or {}), "content-type": "application/json"},
                     timeout=timeout if timeout is not None else self._timeout,
                 ) as response:
                     if response.status_code >= 400:
@@ -605,11 +692,11 @@ class DSecClient(_ProjectMethods):
                     raise _unavailable(tried, endpoint, exc) from exc
 
     async def _stream_wire(self, method: str, path: str, model: BaseModel, timeout: float | None,
-                           event_model: type[BaseModel] = BatchEvent) -> Any:
+                           event_model: type[BaseModel] = BatchEvent, headers: dict[str, str] | None = None) -> Any:
         assert self._wire is not None
         try:
             async with self._wire.stream(method, path, body=model.model_dump_json().encode(),
-                                         content_type="application/json",
+                                         content_type="application/json", headers=headers,
                                          timeout=timeout if timeout is not None else self._timeout) as response:
                 if response.status_code >= 400:
                     raise _error_of(Answer(response.status_code, await response.read()))
@@ -644,6 +731,22 @@ class DSecClient(_ProjectMethods):
                 self._wire, self._http = self._routes[endpoint]
                 return True
         return False
+
+
+def _key_headers(key: str | None) -> dict[str, str] | None:
+    if key is None:
+        return None
+    try:
+        return {KEY_HEADER: check_key(key)}
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def _job_path(job: str) -> str:
+    try:
+        return check_job_name(job)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def _split_endpoints(endpoints: str) -> tuple[str, ...]:

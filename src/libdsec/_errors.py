@@ -2,7 +2,8 @@
 
     DSecError
     ├── InvalidRequest (ValueError)          malformed request or argument
-    │   └── LimitOutOfRange                  memory / CPU / TTL / count outside what is allowed
+    │   ├── LimitOutOfRange                  memory / CPU / TTL / count outside what is allowed
+    │   └── KeyReused                        an idempotency key used before with other args (409)
     ├── Unauthenticated (PermissionError)    missing or wrong token
     ├── ImageNotFound (LookupError)          no image by that name
     ├── SandboxNotFound (LookupError)        no sandbox by that id (or it is gone)
@@ -16,6 +17,8 @@
     ├── CapacityExceeded                     no node could admit the sandbox
     ├── QuotaExceeded                        the project's quota (or an ancestor's) is used up
     ├── ProjectNotFound (LookupError)        no project by that name (or not visible to the token)
+    ├── JobNotFound (LookupError)            no job log by that name (or it is another project's)
+    ├── ReplayDiverged                       a resumed job's call differs from its log (409)
     ├── BackendError                         the runtime (crun, mounts, …) failed
     ├── ServerUnavailable (ConnectionError)  the SDK could not reach the server
     └── ServerError                          anything else the server reported
@@ -49,6 +52,14 @@ class InvalidRequest(DSecError, ValueError):
 class LimitOutOfRange(InvalidRequest):
     code = "limit_out_of_range"
     status = 422
+
+
+class KeyReused(InvalidRequest):
+    """A create's idempotency ``key`` was used before (in the project, or in the job) for a
+    create with other arguments: the old sandbox is not returned."""
+
+    code = "key_reused"
+    status = 409
 
 
 class Unauthenticated(DSecError, PermissionError):
@@ -119,6 +130,19 @@ class ProjectNotFound(DSecError, LookupError):
     status = 404
 
 
+class JobNotFound(DSecError, LookupError):
+    code = "job_not_found"
+    status = 404
+
+
+class ReplayDiverged(DSecError):
+    """A call of a resumed job (``DSecClient(job=…, resume=True)``) is not the one its log
+    holds at that place: the message names both."""
+
+    code = "replay_diverged"
+    status = 409
+
+
 class BackendError(DSecError):
     code = "backend_error"
     status = 500
@@ -139,6 +163,7 @@ ERROR_CODES: dict[str, type[DSecError]] = {
     for cls in (
         InvalidRequest,
         LimitOutOfRange,
+        KeyReused,
         Unauthenticated,
         ImageNotFound,
         SandboxNotFound,
@@ -152,6 +177,8 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         CapacityExceeded,
         QuotaExceeded,
         ProjectNotFound,
+        JobNotFound,
+        ReplayDiverged,
         BackendError,
         ServerUnavailable,
         ServerError,

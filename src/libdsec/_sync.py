@@ -17,7 +17,7 @@ from ._process import Process, Session
 from .protocol import ExecEvent, FileEntry, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
-from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult, NodeInfo, SandboxStatus
+from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult, JobInfo, JobLog, NodeInfo, SandboxStatus
 from ._projects import _SyncProjectMethods
 from ._twin import twin_of
 
@@ -321,3 +321,16 @@ class SyncDSecClient(_SyncProjectMethods):
 
     def fncall_many(self, calls: Iterable[DSecFnCallArgs], **kwargs: Any) -> list[FnCallResult]:
         return self._loop().run(self._async.fncall_many(calls, **kwargs))
+
+    def list_jobs(self) -> list[JobInfo]:
+        return self._loop().run(self._async.list_jobs())
+
+    def job_log(self, job: str, **kwargs: Any) -> JobLog:
+        return self._loop().run(self._async.job_log(job, **kwargs))
+
+    def remove_job(self, job: str) -> None:
+        self._loop().run(self._async.remove_job(job))
+
+    @property
+    def replayed(self) -> int:
+        return self._async.replayed

@@ -195,13 +195,17 @@ class WireClient:
         self._idle_expiry_s = idle_expiry_s
 
     def _request_bytes(self, method: str, path: str, params: dict[str, str] | None, body: bytes | None,
-                       content_type: str | None) -> bytes:
+                       content_type: str | None, headers: dict[str, str] | None = None) -> bytes:
         if self._closed:
             raise WireError("client is closed")
         target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
         if not _TARGET.fullmatch(target):
             raise WireError(f"cannot send {method} {target!r}: not a request target (visible ASCII only)")
         head = f"{method} {target} HTTP/1.1\r\n{self._head}"
+        for name, value in (headers or {}).items():
+            if not _TARGET.fullmatch(name) or ":" in name or not _VALUE.fullmatch(value):
+                raise WireError(f"cannot send the header {name!r}: {value!r} (visible ASCII only)")
+            head += f"{name}: {value}\r\n"
         if body is not None:
             head += f"content-type: {content_type or 'application/octet-stream'}\r\ncontent-length: {len(body)}\r\n"
         return (head + "\r\n").encode() + (body or b"")
@@ -215,8 +219,9 @@ class WireClient:
         body: bytes | None = None,
         content_type: str | None = None,
         timeout: float,
+        headers: dict[str, str] | None = None,
     ) -> Answer:
-        request = self._request_bytes(method, path, params, body, content_type)
+        request = self._request_bytes(method, path, params, body, content_type, headers)
         async with self._slots:
             try:
                 async with asyncio.timeout(timeout):
@@ -246,12 +251,12 @@ class WireClient:
 
     @asynccontextmanager
     async def stream(self, method: str, path: str, *, body: bytes | None = None, content_type: str | None = None,
-                     timeout: float) -> AsyncIterator[Stream]:
+                     timeout: float, headers: dict[str, str] | None = None) -> AsyncIterator[Stream]:
         """The answer to one request, read as it arrives (an NDJSON stream): ``async with
         client.stream(…) as answer``, then ``answer.status_code`` and ``answer.chunks()``.
         ``timeout`` bounds the wait for the head and for each piece after it. A stream left
         before its end closes its connection."""
-        request = self._request_bytes(method, path, None, body, content_type)
+        request = self._request_bytes(method, path, None, body, content_type, headers)
         async with self._slots:
             try:
                 async with asyncio.timeout(timeout):

@@ -25,6 +25,7 @@ PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
 PUBLIC |= {"SandboxLost"}  # cluster
+PUBLIC |= {"JobNotFound", "KeyReused", "ReplayDiverged"}  # idempotency keys, job logs
 PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession", "FileEntry", "PortUnreachable"}  # inside a sandbox
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
@@ -44,6 +45,9 @@ ERRORS = [
     (libdsec.CapacityExceeded, "capacity_exceeded", 503, libdsec.DSecError),
     (libdsec.QuotaExceeded, "quota_exceeded", 429, libdsec.DSecError),
     (libdsec.ProjectNotFound, "project_not_found", 404, LookupError),
+    (libdsec.KeyReused, "key_reused", 409, ValueError),
+    (libdsec.JobNotFound, "job_not_found", 404, LookupError),
+    (libdsec.ReplayDiverged, "replay_diverged", 409, libdsec.DSecError),
     (libdsec.BackendError, "backend_error", 500, libdsec.DSecError),
     (libdsec.ServerUnavailable, "server_unavailable", 503, ConnectionError),
     (libdsec.ServerError, "internal", 500, libdsec.DSecError),
@@ -113,6 +117,10 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.SandboxList: {"sandboxes": [info]},
         _models.BatchEvent: {"event": "done"},
         _models.ExecRequest: {"command": "true"},
+        _models.JobEntry: {"seq": 1, "at": "2026-01-01T00:00:00Z", "op": "exec", "request": {"command": "true"}},
+        _models.JobInfo: {"name": "run-1", "project": "root", "created_at": "2026-01-01T00:00:00Z", "updated_at": "2026-01-01T00:00:00Z", "entries": 0},
+        _models.JobList: {"jobs": []},
+        _models.JobLog: {"job": {"name": "run-1", "project": "root", "created_at": "2026-01-01T00:00:00Z", "updated_at": "2026-01-01T00:00:00Z", "entries": 0}, "entries": []},
         _models.ExecResult: {"exit_code": 0, "stdout": "", "stderr": "", "duration_s": 0.1},
         _models.ExecEvent: {"event": "stdout", "data": "x"},
         _models.StartProcessRequest: {"command": "sleep 1"},

@@ -47,6 +47,7 @@ from .. import placement
 from ..batch import Part, all_or_none
 from ..edge.api import EdgeAPI, NodeUnreachable, node_of
 from .auth import Caller
+from .jobs import Jobs
 from .metrics import ApiMetrics
 from .projects import ProjectStore, open_project_store
 from .quota import RESOURCES, Amount, check_create
@@ -133,6 +134,7 @@ class Cluster:
         # when it comes back (``add_edge``).
         self._tasks: set[asyncio.Task] = set()
         self.projects = projects or open_project_store()
+        self.jobs = Jobs(self.projects)  # idempotency keys and job logs, kept in the project store
         self.overcommit = overcommit or placement.Overcommit()
         self.k = k
         self.rng = rng or random.Random()
