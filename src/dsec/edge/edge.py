@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from libdsec import (
-    CapacityExceeded, CommandTimeout, InvalidRequest, LimitOutOfRange, Overloaded, ProcessNotFound, SandboxFileNotFound,
+    CapacityExceeded, CommandTimeout, DSecError, InvalidRequest, LimitOutOfRange, Overloaded, ProcessNotFound, SandboxFileNotFound,
     SandboxLost, SandboxNotFound, SandboxStateError, SessionClosed,
 )
 from libdsec.protocol import DEFAULT_COMMAND_TIMEOUT_S, MAX_OUTPUT_BYTES_LIMIT
@@ -191,6 +191,15 @@ class Edge:
             else:
                 rec.status, rec.reason = SandboxStatus.failed, "sandbox was gone when the edge restarted"
                 self._forget(rec)
+        # A crash in the middle of a pause or a pack_diff leaves its sandbox frozen while its
+        # record says running (its calls would hang): thaw each one that is not paused by its
+        # record (a paused one is thawed by its next call). Thawing a running one changes nothing.
+        for rec in self._records.values():
+            if rec.status is SandboxStatus.running:
+                try:
+                    await self.backends[rec.kind].resume(rec.handle)
+                except (DSecError, OSError) as exc:
+                    log.warning("could not thaw re-adopted sandbox %s: %s", rec.id, exc)
         if self.fncalls is not None:  # after recover, which removed the workers of an earlier run
             await self.fncalls.start()
         await self.security.start(self._records.values())
