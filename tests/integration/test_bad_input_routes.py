@@ -84,6 +84,10 @@ async def test_malformed_bodies(http, path, body, names):
 
 
 async def test_quota_and_token_bodies(http, client):
+    for method, path in (("GET", "/v1/projects/no-such"), ("DELETE", "/v1/projects/no-such"),
+                         ("POST", "/v1/projects/no-such/tokens")):
+        r = await http.request(method, path)  # (the root token found a KeyError here: a 500)
+        assert (r.status_code, error_of(r)["code"]) == (404, "project_not_found"), (method, path, r.text)
     r = await http.put("/v1/projects/root/quota", json={"memory_mb": "x"})
     assert "memory_mb" in error_of(r)["message"]
     r = await http.put("/v1/projects/no-such/quota", json={})
