@@ -60,12 +60,25 @@ def serve(
              "dsec_burst); 0: no bursting.")] = 0,
     burst_quiet_s: Annotated[float, typer.Option(
         help="On Ray: let burst nodes go after this long below 50% committed.")] = 60.0,
+    max_creates: Annotated[int, typer.Option(
+        help="Creates this node runs at once; more wait in a bounded queue, past which they get 429.")] = 256,
+    max_commands: Annotated[int, typer.Option(
+        help="Commands this node runs at once (more wait, as for creates).")] = 1024,
+    max_queued: Annotated[int, typer.Option(
+        help="Creates (and 4x as many commands) that may wait for a slot; past that: 429 with Retry-After.")] = 1024,
+    max_queue_wait_s: Annotated[float, typer.Option(
+        help="Longest a create or command waits for a slot before it gets 429.")] = 30.0,
 ) -> None:
     """Run the apiserver and an edge for this machine in one process (or the apiserver of a cluster)."""
     from .server import ServerConfig
     from .server import serve as run_server
 
-    edge = {"max_sandboxes": max_sandboxes, "pool_max": pool_max}
+    edge = {"max_sandboxes": max_sandboxes, "pool_max": pool_max, "max_creates_running": max_creates,
+            "max_commands_running": max_commands, "max_creates_queued": max_queued,
+            "max_commands_queued": 4 * max_queued, "max_queue_wait_s": max_queue_wait_s}
+    if min(max_creates, max_commands) < 1 or max_queued < 0 or max_queue_wait_s <= 0:
+        fail(ValueError("--max-creates and --max-commands must be at least 1, --max-queued at least 0 and "
+                        "--max-queue-wait-s above 0"))
     if pool_max == 0:
         edge["pool_min"] = 0
     if cpu_overcommit is not None:

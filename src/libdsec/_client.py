@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import os
+import random
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
@@ -24,6 +25,7 @@ from ._errors import (
     DSecError,
     InvalidRequest,
     LimitOutOfRange,
+    Overloaded,
     ServerError,
     SessionClosed,
     ServerUnavailable,
@@ -75,6 +77,25 @@ _POOL_SHARDS = 8  # connection pools a client takes turns over (see DSecClient.o
 # Requests that may go to another endpoint after they may have reached a server: the
 # idempotent methods (RFC 9110), reads and stop among them; never a create or an exec (POST).
 _REPEATABLE = frozenset({"GET", "HEAD", "PUT", "DELETE"})
+# The calls that make a sandbox: sent again only when they carry an idempotency key.
+_CREATE_PATHS = frozenset({"/v1/sandboxes", "/v1/microvms", "/v1/vms", "/v1/sandboxes:batch"})
+
+
+def _is_create(method: str, path: str) -> bool:
+    return method == "POST" and (path in _CREATE_PATHS or path.endswith("/clean_copy"))
+
+
+def may_repeat(method: str, path: str, headers: dict[str, str] | None, refused: bool) -> bool:
+    """Whether a call that failed may be sent again, to the same server. ``refused``: it was
+    answered ``Overloaded``, which a node says before any of the call's work began; else its
+    connection broke, and the call may have reached the server. A create is repeated only when
+    it carries an idempotency key, in both cases: its ``Overloaded`` may come from the last of
+    the nodes the apiserver tried, after one that broke off mid-create (and may have made it).
+    Anything else refused is repeated; anything else broken only when idempotent (GET, PUT,
+    DELETE: reads, writing a file, stop)."""
+    if _is_create(method, path):
+        return bool((headers or {}).get(KEY_HEADER))  # the idempotency key (``key=``)
+    return refused or method in _REPEATABLE
 
 
 @functools.cache
@@ -368,6 +389,13 @@ class DSecClient(_ProjectMethods):
     client stays there. A request that may already have reached the server (the connection
     broke after it was sent) moves on only when it is safe to repeat (GET, PUT, DELETE: reads,
     writing a file, stop); a create or an exec then fails with ``ServerUnavailable``.
+
+    Overload and broken connections: a call answered ``Overloaded`` (429: the node was too busy
+    to begin it) or whose connection was reset is sent again, up to ``retries`` times, after a
+    backoff (``retry_backoff_s`` doubling each time, with jitter, at least the server's
+    ``retry_after``, at most ``retry_max_wait_s``), when it is safe to repeat (``may_repeat``:
+    never a create without an idempotency key, never a command whose connection broke). The
+    last failure is raised. ``retries=0``: none is repeated.
     """
 
     def __init__(
@@ -380,7 +408,16 @@ class DSecClient(_ProjectMethods):
         max_connections: int = 256,
         job: str | None = None,
         resume: bool = False,
+        retries: int = 6,
+        retry_backoff_s: float = 0.1,
+        retry_max_wait_s: float = 10.0,
     ) -> None:
+        if retries < 0 or retry_backoff_s < 0 or retry_max_wait_s < 0:
+            raise InvalidRequest(f"retries={retries}, retry_backoff_s={retry_backoff_s} and "
+                                 f"retry_max_wait_s={retry_max_wait_s} must not be negative")
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self.retry_max_wait_s = retry_max_wait_s
         try:
             self.job = None if job is None else check_job_name(job)
         except ValueError as exc:
@@ -632,6 +669,7 @@ class DSecClient(_ProjectMethods):
         if model is not None:
             body, content_type = model.model_dump_json().encode(), "application/json"
         tried: list[str] | None = None
+        attempt = 0
         while True:
             endpoint, wire = self.endpoint, self._wire
             try:
@@ -643,10 +681,31 @@ class DSecClient(_ProjectMethods):
                     answer = await self._request_httpx(method, path, params, body, content_type, timeout, headers)
             except (WireError, httpx.TransportError) as exc:
                 tried = [] if tried is None else tried
-                if not self._fail_over(endpoint, method, exc, tried):
-                    raise _unavailable(tried, endpoint, exc) from exc
-                continue
-            return _body(answer, raw)
+                if self._fail_over(endpoint, method, exc, tried):
+                    continue
+                if _broken(exc) and await self._backoff(attempt, method, path, headers, None):
+                    attempt += 1
+                    tried.clear()
+                    continue
+                raise _unavailable(tried, endpoint, exc) from exc
+            try:
+                return _body(answer, raw)
+            except Overloaded as exc:
+                if not await self._backoff(attempt, method, path, headers, exc):
+                    raise
+                attempt += 1
+
+    async def _backoff(self, attempt: int, method: str, path: str, headers: dict[str, str] | None,
+                       refusal: Overloaded | None) -> bool:
+        """Wait before sending the call again, if it may be (see ``may_repeat``) and has tries
+        left; whether it is to be sent again."""
+        if attempt >= self.retries or not may_repeat(method, path, headers, refusal is not None):
+            return False
+        wait = self.retry_backoff_s * 2 ** attempt * random.uniform(0.5, 1.0)
+        if refusal is not None:  # the server's estimate, spread so the refused do not come back at once
+            wait = max(wait, refusal.retry_after * random.uniform(1.0, 1.5))
+        await asyncio.sleep(min(wait, self.retry_max_wait_s))
+        return True
 
     async def _request_httpx(
         self, method: str, path: str, params: dict[str, str] | None, body: bytes | None, content_type: str,
@@ -670,6 +729,7 @@ class DSecClient(_ProjectMethods):
                 yield event
             return
         tried: list[str] = []
+        attempt = 0
         while True:
             endpoint, http = self.endpoint, self._client()
             try:
@@ -682,7 +742,11 @@ class DSecClient(_ProjectMethods):
                 ) as response:
                     if response.status_code >= 400:
                         await response.aread()
-                        raise _error_of(response)
+                        error = _error_of(response)
+                        if isinstance(error, Overloaded) and await self._backoff(attempt, method, path, headers, error):
+                            attempt += 1
+                            continue
+                        raise error
                     async for line in response.aiter_lines():
                         if line.strip():
                             yield event_model.model_validate_json(line)
@@ -694,22 +758,29 @@ class DSecClient(_ProjectMethods):
     async def _stream_wire(self, method: str, path: str, model: BaseModel, timeout: float | None,
                            event_model: type[BaseModel] = BatchEvent, headers: dict[str, str] | None = None) -> Any:
         assert self._wire is not None
-        try:
-            async with self._wire.stream(method, path, body=model.model_dump_json().encode(),
-                                         content_type="application/json", headers=headers,
-                                         timeout=timeout if timeout is not None else self._timeout) as response:
-                if response.status_code >= 400:
-                    raise _error_of(Answer(response.status_code, await response.read()))
-                rest = b""
-                async for chunk in response.chunks():
-                    *lines, rest = (rest + chunk).split(b"\n")
-                    for line in lines:
-                        if line.strip():
-                            yield event_model.model_validate_json(line)
-                if rest.strip():
-                    yield event_model.model_validate_json(rest)
-        except WireError as exc:
-            raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc}") from exc
+        attempt = 0
+        while True:
+            try:
+                async with self._wire.stream(method, path, body=model.model_dump_json().encode(),
+                                             content_type="application/json", headers=headers,
+                                             timeout=timeout if timeout is not None else self._timeout) as response:
+                    if response.status_code >= 400:
+                        error = _error_of(Answer(response.status_code, await response.read()))
+                        if isinstance(error, Overloaded) and await self._backoff(attempt, method, path, headers, error):
+                            attempt += 1
+                            continue
+                        raise error
+                    rest = b""
+                    async for chunk in response.chunks():
+                        *lines, rest = (rest + chunk).split(b"\n")
+                        for line in lines:
+                            if line.strip():
+                                yield event_model.model_validate_json(line)
+                    if rest.strip():
+                        yield event_model.model_validate_json(rest)
+                    return
+            except WireError as exc:
+                raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc}") from exc
 
     def _fail_over(self, failed: str, method: str, exc: Exception, tried: list[str]) -> bool:
         """After ``exc`` at ``failed``: whether to send the request again, to ``self.endpoint``
@@ -747,6 +818,12 @@ def _job_path(job: str) -> str:
         return check_job_name(job)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
+
+
+def _broken(exc: Exception) -> bool:
+    """A connection that was reset or closed under a request (not one refused, not a timeout)."""
+    return isinstance(exc, (ConnectionBroken, httpx.NetworkError, httpx.RemoteProtocolError)) and not isinstance(
+        exc, httpx.ConnectError)
 
 
 def _split_endpoints(endpoints: str) -> tuple[str, ...]:

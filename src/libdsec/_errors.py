@@ -16,6 +16,7 @@
     ├── CommandTimeout (TimeoutError)        a command ran past its timeout and was killed
     ├── CapacityExceeded                     no node could admit the sandbox
     ├── QuotaExceeded                        the project's quota (or an ancestor's) is used up
+    ├── Overloaded                           the node is busy: try again after ``retry_after`` s (429)
     ├── ProjectNotFound (LookupError)        no project by that name (or not visible to the token)
     ├── JobNotFound (LookupError)            no job log by that name (or it is another project's)
     ├── ReplayDiverged                       a resumed job's call differs from its log (409)
@@ -23,7 +24,8 @@
     ├── ServerUnavailable (ConnectionError)  the SDK could not reach the server
     └── ServerError                          anything else the server reported
 
-Errors cross the wire as ``{"error": {"code": CODE, "message": MSG}}`` with the fixed list of
+Errors cross the wire as ``{"error": {"code": CODE, "message": MSG}}`` (``Overloaded`` adds
+``retry_after``, seconds) with the fixed list of
 codes in ``ERROR_CODES``; each side maps them back with :func:`error_from_wire`.
 """
 
@@ -125,6 +127,22 @@ class QuotaExceeded(DSecError):
     status = 429
 
 
+class Overloaded(DSecError):
+    """More creates or commands at once than the node takes, past its bounded queue: refused
+    before any of the work began, so the same call may be sent again (the SDK does, with
+    backoff) after ``retry_after`` seconds, also sent as the ``Retry-After`` header."""
+
+    code = "overloaded"
+    status = 429
+
+    def __init__(self, message: str = "", retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = max(0.0, float(retry_after))
+
+    def to_wire(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message, "retry_after": round(self.retry_after, 3)}}
+
+
 class ProjectNotFound(DSecError, LookupError):
     code = "project_not_found"
     status = 404
@@ -176,6 +194,7 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         CommandTimeout,
         CapacityExceeded,
         QuotaExceeded,
+        Overloaded,
         ProjectNotFound,
         JobNotFound,
         ReplayDiverged,
@@ -191,5 +210,9 @@ def error_from_wire(body: object, status: int) -> DSecError:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         err = body["error"]
         cls = ERROR_CODES.get(str(err.get("code")), ServerError)
+        if cls is Overloaded:
+            retry_after = err.get("retry_after")
+            return Overloaded(str(err.get("message", "")),
+                              retry_after if isinstance(retry_after, (int, float)) else 1.0)
         return cls(str(err.get("message", "")))
     return ServerError(f"HTTP {status}: {body!r}"[:500])

@@ -481,6 +481,8 @@ class NodeInfo(_Model):
 class ErrorBody(_Model):
     code: str
     message: str
+    # ``overloaded`` (429) only: seconds to wait before sending the same call again.
+    retry_after: float | None = None
 
 
 class ErrorResponse(_Model):

@@ -64,7 +64,7 @@ from libdsec.protocol import (
 
 from .auth import Authenticator, Caller
 from .cluster import Cluster
-from .lean import LeanRoutes
+from .lean import LeanRoutes, error_headers
 from .jobs import file_request
 from .routes_fncall import add_fncall_routes
 from .routes_jobs import add_job_routes
@@ -174,7 +174,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
 
     @app.exception_handler(DSecError)
     async def _dsec_error(request: Request, exc: DSecError) -> JSONResponse:
-        return JSONResponse(exc.to_wire(), status_code=exc.status)
+        return JSONResponse(exc.to_wire(), status_code=exc.status, headers=error_headers(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

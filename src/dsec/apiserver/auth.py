@@ -34,7 +34,8 @@ class Caller:
     def check_sees(self, projects: ProjectStore, project: str) -> None:
         """Raise ``ProjectNotFound`` for a project the caller may not see (or that does not
         exist: the two look the same from outside)."""
-        if not self.sees(projects, project):
+        # (``sees`` lets the root token see any name; here the project must also exist)
+        if not self.sees(projects, project) or (self.is_root and project not in projects.tree()):
             raise ProjectNotFound(f"no project {project!r}")
 
 

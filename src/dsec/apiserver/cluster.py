@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from datetime import datetime, timezone
 
-from libdsec import CapacityExceeded, DSecError, QuotaExceeded, SandboxLost, SandboxNotFound
+from libdsec import CapacityExceeded, DSecError, Overloaded, QuotaExceeded, SandboxLost, SandboxNotFound
 from libdsec.protocol import (
     CleanCopyResult,
     ClusterStats,
@@ -503,6 +503,10 @@ class Cluster:
             outcome = "refused"
             self.metrics.refused("quota")
             raise
+        except Overloaded:
+            outcome = "refused"
+            self.metrics.refused("overload")
+            raise
         except DSecError as exc:
             outcome = "invalid" if exc.status < 500 else "error"
             raise
@@ -528,9 +532,10 @@ class Cluster:
                     continue
                 try:
                     info = await edge.create(args, kind, project)
-                except (CapacityExceeded, NodeUnreachable) as exc:
+                except (CapacityExceeded, NodeUnreachable, Overloaded) as exc:
                     self._infos = (float("-inf"), [])  # a refusal: look again next time
-                    last = exc
+                    if not isinstance(last, Overloaded):  # what to say when no node took it
+                        last = exc
                     tried.append(node)
                     continue
                 reservation.release(1)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import re
 import typing
 from collections.abc import Awaitable, Callable
@@ -31,7 +32,7 @@ from fastapi.params import Depends
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
-from libdsec import DSecError, InvalidRequest
+from libdsec import DSecError, InvalidRequest, Overloaded
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -84,8 +85,17 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
         raise InvalidRequest("malformed request: " + "; ".join(parts)) from None
 
 
-def _error(exc: DSecError) -> tuple[int, bytes]:
-    return exc.status, json.dumps(exc.to_wire(), separators=(",", ":")).encode()
+def error_headers(exc: DSecError) -> dict[str, str]:
+    """An error answer's headers: ``Retry-After`` (whole seconds, at least 1, as HTTP has it;
+    the body's ``retry_after`` is the finer figure) on an ``Overloaded``."""
+    if isinstance(exc, Overloaded):
+        return {"retry-after": str(max(1, math.ceil(exc.retry_after)))}
+    return {}
+
+
+def _error(exc: DSecError) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    headers = [(k.encode(), v.encode()) for k, v in error_headers(exc).items()]
+    return exc.status, json.dumps(exc.to_wire(), separators=(",", ":")).encode(), headers
 
 
 class LeanRoutes:
@@ -128,20 +138,21 @@ class LeanRoutes:
         headers = dict(scope["headers"])
         if plan.body is not None and not headers.get(b"content-type", b"").startswith(b"application/json"):
             return await self.app(scope, receive, send)  # FastAPI says what is wrong with it
-        status, body = await self._serve(plan, match.groupdict(), headers, receive, scope)
+        status, body, extra = await self._serve(plan, match.groupdict(), headers, receive, scope)
         if status < 0:
             return  # the client went away
         await send({"type": "http.response.start", "status": status,
-                    "headers": [*_JSON, (b"content-length", str(len(body)).encode())]})
+                    "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *extra]})
         await send({"type": "http.response.body", "body": body})
 
-    async def _serve(self, plan: _Plan, params: dict, headers: dict, receive, scope) -> tuple[int, bytes]:
+    async def _serve(self, plan: _Plan, params: dict, headers: dict, receive,
+                     scope) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         try:
             data = b""
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    return -1, b""
+                    return -1, b"", []
                 data += message.get("body", b"")
                 if not message.get("more_body", False):
                     break
@@ -155,10 +166,10 @@ class LeanRoutes:
             result = await plan.endpoint(**kwargs)
             if not isinstance(result, plan.response):
                 result = plan.response.model_validate(result)
-            return 200, result.model_dump_json().encode()
+            return 200, result.model_dump_json().encode(), []
         except DSecError as exc:
             return _error(exc)
         except Exception as exc:  # noqa: BLE001 - answered as FastAPI's app would (see app._CatchUnexpected)
             log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
             body = {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
-            return 500, json.dumps(body, separators=(",", ":")).encode()
+            return 500, json.dumps(body, separators=(",", ":")).encode(), []

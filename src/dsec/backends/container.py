@@ -47,7 +47,7 @@ from .. import _sys
 from ..images import carry, scrub
 from ..images.compose import OverlayPlan, compose
 from ..images.mounts import LayerMounts
-from ..images.store import Image, LayerStore
+from ..images.store import Image, LayerBuildError, LayerStore
 from ..isolation import apparmor, disk, userns
 from ..isolation.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, seccomp_profile
 from ..resources import cgroups, reclaim
@@ -487,6 +487,10 @@ class ContainerBackend:
                     upper = stack.enter_context(userns.shifted_view(idmap, upper, upper.parent / "packview", self.store.tmp_dir))
                 skip = await asyncio.to_thread(scrub.residue, upper)
                 digest = await asyncio.to_thread(self.store.add_dir, upper, skip)
+        except LayerBuildError as exc:
+            # The sandbox's own files, packed by the node: a failure here (the store's disk
+            # full, mkfs.erofs failing) is the node's, not a bad request.
+            raise BackendError(f"cannot pack {handle.cid}: {exc}") from None
         finally:
             if not was_paused:
                 cgroups.thaw(self.cgroup_parent, handle.cid)

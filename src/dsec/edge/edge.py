@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from libdsec import (
-    CapacityExceeded, CommandTimeout, InvalidRequest, LimitOutOfRange, ProcessNotFound, SandboxFileNotFound,
+    CapacityExceeded, CommandTimeout, DSecError, InvalidRequest, LimitOutOfRange, Overloaded, ProcessNotFound, SandboxFileNotFound,
     SandboxLost, SandboxNotFound, SandboxStateError, SessionClosed,
 )
 from libdsec.protocol import DEFAULT_COMMAND_TIMEOUT_S, MAX_OUTPUT_BYTES_LIMIT
@@ -79,7 +79,7 @@ from ..isolation import apparmor
 from ..placement import DEFAULT_CPU_OVERCOMMIT, DEFAULT_MEMORY_OVERCOMMIT
 from ..resources import cgroups
 from . import lifecycle
-from .admission import Admission, memory_total_mb
+from .admission import Admission, WorkGate, memory_total_mb
 from .api import new_sandbox_id
 from .journal import RecordJournal
 from .lifecycle import Action, Record
@@ -121,6 +121,13 @@ class EdgeConfig:
     # served from the pool needs.
     pool_quiet_s: float = 0.05
     finished_kept: int = 10_000
+    # Overload (admission.WorkGate): creates and commands running at once, how many more may
+    # wait for a slot and for how long; past that a call gets ``Overloaded`` (429, Retry-After).
+    max_creates_running: int = 256
+    max_creates_queued: int = 1024
+    max_commands_running: int = 1024
+    max_commands_queued: int = 4096
+    max_queue_wait_s: float = 30.0
 
 
 class Edge:
@@ -149,6 +156,10 @@ class Edge:
         # One command at a time per session; held only while one runs (no entry outlives it).
         self._session_locks: weakref.WeakValueDictionary[tuple[str, int], asyncio.Lock] = weakref.WeakValueDictionary()
         self.admission = Admission(config, memory_total_mb(), os.cpu_count() or 1)
+        self.create_gate = WorkGate("creates", config.node, config.max_creates_running, config.max_creates_queued,
+                                    config.max_queue_wait_s)
+        self.command_gate = WorkGate("commands", config.node, config.max_commands_running,
+                                     config.max_commands_queued, config.max_queue_wait_s)
         self.warm_pool = WarmPool(config, self.backends, self._records.__len__)
         # Batches whose sandboxes are held here until committed: id -> when they are given up
         # (None while the batch is still being made).
@@ -182,6 +193,15 @@ class Edge:
             else:
                 rec.status, rec.reason = SandboxStatus.failed, "sandbox was gone when the edge restarted"
                 self._forget(rec)
+        # A crash in the middle of a pause or a pack_diff leaves its sandbox frozen while its
+        # record says running (its calls would hang): thaw each one that is not paused by its
+        # record (a paused one is thawed by its next call). Thawing a running one changes nothing.
+        for rec in self._records.values():
+            if rec.status is SandboxStatus.running:
+                try:
+                    await self.backends[rec.kind].resume(rec.handle)
+                except (DSecError, OSError) as exc:
+                    log.warning("could not thaw re-adopted sandbox %s: %s", rec.id, exc)
         if self.fncalls is not None:  # after recover, which removed the workers of an earlier run
             await self.fncalls.start()
         await self.security.start(self._records.values())
@@ -220,7 +240,11 @@ class Edge:
         return backend
 
     async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
-        return await self._counted(kind, self._create_one(args, kind, project))
+        async def one() -> SandboxInfo:
+            async with self.create_gate.slot():
+                return await self._create_one(args, kind, project)
+
+        return await self._counted(kind, one())
 
     async def _counted(self, kind: str, creating: Awaitable[SandboxInfo]) -> SandboxInfo:
         """A create (alone or one of a batch's), counted: made, refused, or failed (cut short too)."""
@@ -228,6 +252,9 @@ class Edge:
             return await creating
         try:
             info = await creating
+        except Overloaded:
+            self.stats.refused("overload")
+            raise
         except CapacityExceeded:
             self.stats.refused("capacity")
             raise
@@ -396,8 +423,12 @@ class Edge:
         self.store.resolve(args.image_ref)
         try:
             self.admission.fits(args, count)
+            self.create_gate.check()
         except CapacityExceeded:
             self.stats.refused("capacity", count)
+            raise
+        except Overloaded:
+            self.stats.refused("overload", count)
             raise
         if batch is not None:
             if batch in self._batches:
@@ -408,8 +439,11 @@ class Edge:
             await asyncio.gather(*(self.stop(sid, reason="batch create failed") for _, sid in made),
                                  return_exceptions=True)
 
-        parts = (single(i, lambda: self._counted(kind, self._create_one(args, kind, project, batch)))
-                 for i in range(count))
+        async def one() -> SandboxInfo:
+            async with self.create_gate.slot(queue=False):  # the gate was checked for the whole batch
+                return await self._create_one(args, kind, project, batch)
+
+        parts = (single(i, lambda: self._counted(kind, one())) for i in range(count))
         complete = False
         try:
             async with aclosing(all_or_none(parts, undo, undoing=self._undoing,
@@ -486,24 +520,26 @@ class Edge:
         )
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        rec, ctx = await self._exec_context(sandbox_id, request)
-        call = self.security.watch_exec(rec, self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx)))
-        if not self.stats.enabled:
-            return await call
-        start = time.perf_counter()
-        try:
-            return await call
-        finally:
-            self.stats.command(rec.kind, time.perf_counter() - start)
+        async with self.command_gate.slot():
+            rec, ctx = await self._exec_context(sandbox_id, request)
+            call = self.security.watch_exec(rec, self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx)))
+            if not self.stats.enabled:
+                return await call
+            start = time.perf_counter()
+            try:
+                return await call
+            finally:
+                self.stats.command(rec.kind, time.perf_counter() - start)
 
     async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         """``exec`` whose output comes as it is written (``dsec.edge.stream``)."""
-        rec, ctx = await self._exec_context(sandbox_id, request)
-        backend = self.backends[rec.kind]
-        async for event in stream_exec(
-                lambda emit: self.security.watch_exec(
-                    rec, self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit)))):
-            yield event
+        async with self.command_gate.slot():
+            rec, ctx = await self._exec_context(sandbox_id, request)
+            backend = self.backends[rec.kind]
+            async for event in stream_exec(
+                    lambda emit: self.security.watch_exec(
+                        rec, self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit)))):
+                yield event
 
     # -- background processes (kept in the sandbox: dsec.edge.processes) ----------------------
 
@@ -602,6 +638,10 @@ class Edge:
         return f"session {session} has ended: {why} (exit code {info.exit_code}); open a new one"
 
     async def _session_call(self, sandbox_id: str, session: int, request: ExecRequest, emit) -> ExecResult:
+        async with self.command_gate.slot():
+            return await self._session_command(sandbox_id, session, request, emit)
+
+    async def _session_command(self, sandbox_id: str, session: int, request: ExecRequest, emit) -> ExecResult:
         if request.env or request.workdir or request.user or request.stdin is not None:
             raise InvalidRequest("a session's command runs in its shell, as that shell is: no env, workdir, user "
                                  "or stdin of its own (use export, cd, su in the command)")
