@@ -555,7 +555,7 @@ class Edge:
 
     async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
         info = await self.start_process(sandbox_id, StartProcessRequest(
-            command=processes.session_command(request.idle_timeout), env=request.env, workdir=request.workdir,
+            command=processes.session_command(request.idle_timeout, request.shell), env=request.env, workdir=request.workdir,
             user=request.user))
         # A first command: the shell is up, and what it said starting is behind the next one.
         await self.session_exec(sandbox_id, info.pid, ExecRequest(command="true", timeout=30.0))
