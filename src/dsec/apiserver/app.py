@@ -67,6 +67,7 @@ from .lean import LeanRoutes
 from .routes_fncall import add_fncall_routes
 from .routes_observe import add_observe_routes
 from .routes_projects import add_project_routes
+from ..compat.sandboxfusion import add_sandboxfusion_routes
 from ..compat.swerex import add_swerex_routes
 
 log = logging.getLogger("dsec.apiserver")
@@ -474,4 +475,5 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     add_fncall_routes(app, cluster, authenticated, _ERRORS)
     add_observe_routes(app, cluster, authenticator, _ERRORS)
     add_swerex_routes(app, cluster, authenticator)
+    add_sandboxfusion_routes(app, cluster, authenticator)
     return app
