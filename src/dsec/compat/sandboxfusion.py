@@ -55,8 +55,13 @@ TOOLCHAINS: dict[str, Toolchain] = {
     "nodejs": Toolchain(image="lang-nodejs", source="main.js", compile=None, run="node main.js", memory_mb=1024),
     "go": Toolchain(image="lang-go", source="main.go", compile="GOCACHE=/tmp/go-cache go build -o main main.go",
                     run="./main", memory_mb=1024),
-    "java": Toolchain(image="lang-java", source="Main.java", compile="javac Main.java", run="java -ea Main",
-                      memory_mb=2048),
+    # FnCall bounds each process's address space by the call's memory limit: the JVM's own
+    # reservations (heap, class space, code cache) are sized to fit in it.
+    "java": Toolchain(image="lang-java", source="Main.java",
+                      compile="javac -J-Xmx{heap_mb}m -J-XX:CompressedClassSpaceSize=64m -J-XX:ReservedCodeCacheSize=64m "
+                              "-J-XX:+UseSerialGC -J-XX:TieredStopAtLevel=1 Main.java",
+                      run="java -Xmx{heap_mb}m -XX:CompressedClassSpaceSize=64m -XX:ReservedCodeCacheSize=64m "
+                          "-XX:+UseSerialGC -ea Main", memory_mb=2048),
 }
 DIRECT_IMAGE = "python"  # python and bash: FnCall's own languages
 DIRECT_MEMORY_MB = 512
@@ -111,12 +116,13 @@ step() {  # NAME LIMIT COMMAND...
 '''
 
 
-def driver_script(toolchain: Toolchain, compile_timeout: float, run_timeout: float) -> str:
+def driver_script(toolchain: Toolchain, compile_timeout: float, run_timeout: float, memory_mb: int) -> str:
+    sizes = {"heap_mb": max(16, memory_mb // 2)}
     script = _DRIVER % {"meta": META}
     if toolchain.compile is not None:
-        script += (f"step compile {compile_timeout:g} bash -c {shlex.quote(toolchain.compile)} </dev/null "
-                   f">{META}/compile.out 2>{META}/compile.err || exit 0\n")
-    script += f"step run {run_timeout:g} bash -c {shlex.quote(toolchain.run)}\n"
+        script += (f"step compile {compile_timeout:g} bash -c {shlex.quote(toolchain.compile.format(**sizes))} "
+                   f"</dev/null >{META}/compile.out 2>{META}/compile.err || exit 0\n")
+    script += f"step run {run_timeout:g} bash -c {shlex.quote(toolchain.run.format(**sizes))}\n"
     return script
 
 
@@ -152,7 +158,7 @@ def translate(request: RunCodeRequest) -> tuple[DSecFnCallArgs, Toolchain | None
     files[toolchain.source] = request.code.encode()
     fetch += [f"{META}/{name}" for name in ("compile", "compile.out", "compile.err", "run")]
     steps = request.run_timeout + (request.compile_timeout + 1 if toolchain.compile else 0)
-    return DSecFnCallArgs(code=driver_script(toolchain, request.compile_timeout, request.run_timeout),
+    return DSecFnCallArgs(code=driver_script(toolchain, request.compile_timeout, request.run_timeout, memory),
                           language="bash", stdin=request.stdin, files=files, fetch_files=fetch,
                           timeout=min(steps + SLACK_S, 600.0), memory_limit_mb=memory, image=toolchain.image), toolchain
 
