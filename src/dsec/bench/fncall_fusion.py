@@ -1,9 +1,10 @@
 """The SandboxFusion arm of ``dsec bench fncall``: the same program as a python and as a C++ call
 through ``run_code`` with SandboxFusion's own async client (``sandbox_fusion.async_client``, one
 HTTP request a call, as verl sends them), against the same program run per call with ``bwrap``
-(python: ``python3 -c``; C++: ``g++ -std=c++17 -O2`` then the binary, in a fresh tmpfs), in the
-same run, the same calls in flight. Every answer is checked. C++ runs in the ``lang-cpp``
-image (built, once, if the store lacks it: a few minutes) and the host's g++ for the peer."""
+(python: ``python3 -c``; C++: ``g++ -std=c++17 … -lpthread`` as SandboxFusion compiles, then the
+binary, in a fresh tmpfs), in the same run, the same calls in flight. Every answer is checked.
+C++ runs in the ``lang-cpp`` image (built, once, if the store lacks it: a few minutes) and with
+the host's g++ for the peer."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from . import hoststats as host
 PYTHON = "print(sum(range(1000)))"
 CPP = "#include <cstdio>\nint main() { long s = 0; for (int i = 0; i < 1000; i++) s += i; printf(\"%ld\\n\", s); }\n"
 EXPECTED = "499500\n"
-CPP_PEER = "cd /tmp && cat > main.cpp && g++ -std=c++17 -O2 main.cpp -o main && ./main"
+CPP_PEER = "cd /tmp && cat > main.cpp && g++ -std=c++17 main.cpp -o main -lpthread && ./main"
 
 
 class FusionBenchError(RuntimeError):

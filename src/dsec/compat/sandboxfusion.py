@@ -50,7 +50,7 @@ class Toolchain(BaseModel):
 
 
 TOOLCHAINS: dict[str, Toolchain] = {
-    "cpp": Toolchain(image="lang-cpp", source="main.cpp", compile="g++ -std=c++17 -O2 main.cpp -o main",
+    "cpp": Toolchain(image="lang-cpp", source="main.cpp", compile="g++ -std=c++17 main.cpp -o main -lpthread",
                      run="./main", memory_mb=1024),
     "nodejs": Toolchain(image="lang-nodejs", source="main.js", compile=None, run="node main.js", memory_mb=1024),
     "go": Toolchain(image="lang-go", source="main.go", compile="GOCACHE=/tmp/go-cache go build -o main main.go",
