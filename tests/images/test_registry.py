@@ -122,6 +122,11 @@ def push_base_image(registry: str, tmp: Path) -> str:
     return f"{registry}/test/base:v1"
 
 
+@pytest.fixture(scope="module")
+def base_image(registry, tmp_path_factory) -> str:
+    return push_base_image(registry, tmp_path_factory.mktemp("base"))
+
+
 def auth_file(tmp: Path, registry: str) -> Path:
     path = tmp / "auth.json"
     path.write_text(json.dumps({"auths": {registry: {"auth": base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}}}))
@@ -151,27 +156,30 @@ def names(test_store):
             store.remove_image(n, in_use=frozenset())
 
 
-async def test_pull_with_credentials_merges_layers_and_runs(registry, tmp_path, server, client, names):
-    from dsec.images.store import LayerStore
+async def test_pull_with_credentials_merges_layers_and_runs(registry, base_image, tmp_path, server, client, names,
+                                                           monkeypatch):
+    from dsec.images.registry import pull
+    from dsec.images.store import LayerBuildError, LayerStore
 
-    ref = push_base_image(registry, tmp_path)
-    state = server.state_dir
+    ref, state = base_image, server.state_dir
+    store = LayerStore(state / "store")
     merged, split = names("pulled"), names("pulled-split")
 
     # No credentials: the registry's refusal, named.
-    r = dsec_image("pull", merged, ref, "--insecure", "--state-dir", str(state),
-                   env={"REGISTRY_AUTH_FILE": str(tmp_path / "none.json"), "HOME": str(tmp_path)})
-    assert r.returncode != 0 and "unauthorized" in (r.stdout + r.stderr).lower(), r
+    monkeypatch.setenv("REGISTRY_AUTH_FILE", str(tmp_path / "none.json"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(LayerBuildError, match="(?i)unauthorized"):
+        pull(store, merged, ref, insecure=True)
+    monkeypatch.undo()
 
-    # The usual auth file (REGISTRY_AUTH_FILE, as `skopeo login` writes it); the two small layers merged.
+    # The CLI with the usual auth file (REGISTRY_AUTH_FILE, as `skopeo login` writes it): the
+    # two small layers merged into one.
     r = dsec_image("pull", merged, ref, "--insecure", "--state-dir", str(state),
                    env={"REGISTRY_AUTH_FILE": str(auth_file(tmp_path, registry))})
     assert r.returncode == 0 and "1 layer(s)" in r.stdout, r
     # --authfile, layers kept apart.
-    r = dsec_image("pull", split, ref, "--insecure", "--merge-below-mb", "0", "--authfile",
-                   str(auth_file(tmp_path, registry)), "--state-dir", str(state))
-    assert r.returncode == 0 and "2 layer(s)" in r.stdout, r
-    store = LayerStore(state / "store")
+    image = pull(store, split, ref, insecure=True, merge_below=0, authfile=auth_file(tmp_path, registry))
+    assert len(image.layers) == 2
     assert store.get_image(merged).env["FROM_IMAGE"] == "yes" and store.get_image(merged).workdir == "/root"
 
     for image in (merged, split):
@@ -179,17 +187,17 @@ async def test_pull_with_credentials_merges_layers_and_runs(registry, tmp_path, 
             out = await sb.run_shell("cat /hello.txt; ls /etc; echo $FROM_IMAGE")
             assert out.stdout == "hello from the registry\npasswd\nyes\n", (image, out)
 
-    r = dsec_image("pull", names("x"), f"{registry}/test/no-such:v1", "--insecure", "--authfile",
-                   str(auth_file(tmp_path, registry)), "--state-dir", str(state))
-    assert r.returncode != 0 and "pulling" in r.stdout + r.stderr, r
-    r = dsec_image("pull", names("x"), "bad ref!", "--state-dir", str(state))
-    assert r.returncode != 0 and "invalid image reference" in r.stdout + r.stderr, r
+    with pytest.raises(LayerBuildError, match="pulling .*no-such"):
+        pull(store, names("x"), f"{registry}/test/no-such:v1", insecure=True, authfile=auth_file(tmp_path, registry))
+    with pytest.raises(LayerBuildError, match="invalid image reference"):
+        pull(store, names("x"), "-bad ref!")
 
 
-async def test_build_from_a_dockerfile(registry, tmp_path, server, client, names):
-    from dsec.images.store import LayerStore
+async def test_build_from_a_dockerfile(registry, base_image, tmp_path, server, client, names):
+    from dsec.images.registry import build_dockerfile
+    from dsec.images.store import LayerBuildError, LayerStore
 
-    ref = push_base_image(registry, tmp_path)
+    ref = base_image
     context = tmp_path / "ctx"
     context.mkdir()
     (context / "ctx.txt").write_text("from the context\n")
@@ -207,9 +215,9 @@ async def test_build_from_a_dockerfile(registry, tmp_path, server, client, names
         assert "No such file" in out.stdout and out.stdout.splitlines()[-1] == "bar yes", out
     assert LayerStore(server.state_dir / "store").get_image(name).workdir == "/srv"
 
+    store = LayerStore(server.state_dir / "store")
     dockerfile.write_text(f"FROM {ref}\nRUN exit 7\n")
-    r = dsec_image("build", names("broken"), "--dockerfile", str(dockerfile), "--insecure", "--authfile",
-                   str(auth_file(tmp_path, registry)), "--state-dir", str(server.state_dir))
-    assert r.returncode != 0 and "exit" in (r.stdout + r.stderr).lower(), r
-    r = dsec_image("build", names("x"), "--dockerfile", str(tmp_path / "missing"), "--state-dir", str(server.state_dir))
-    assert r.returncode != 0 and "no Dockerfile" in r.stdout + r.stderr, r
+    with pytest.raises(LayerBuildError, match="building .* failed"):
+        build_dockerfile(store, names("broken"), dockerfile, insecure=True, authfile=auth_file(tmp_path, registry))
+    with pytest.raises(LayerBuildError, match="no Dockerfile"):
+        build_dockerfile(store, names("x"), tmp_path / "missing")
