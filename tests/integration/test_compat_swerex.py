@@ -164,6 +164,12 @@ async def test_unknown_sandbox_and_bad_token(server, sandbox):
     assert err.value.status == 401
 
 
+async def test_an_image_without_bash_is_refused_by_name(server, client):
+    async with await client.run_container(DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64)) as sb:
+        with pytest.raises(RuntimeError, match="has the image bash"):
+            await runtime_of(server, sb.id).create_session(CreateBashSessionRequest())
+
+
 async def test_dsec_deployment_starts_and_stops_its_sandbox(server, client, python_image):
     from dsec.compat.swerex_deployment import DSecDeployment
 
