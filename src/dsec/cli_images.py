@@ -178,7 +178,7 @@ def image_import(
 @image_app.command("pull")
 def image_pull(
     name: Annotated[str, typer.Argument(help="Name for the image in DSec.")],
-    ref: Annotated[str, typer.Argument(help="The image in a registry: REGISTRY/NAME[:TAG][@DIGEST].")],
+    ref: Annotated[str, typer.Argument(help="The image in a registry: REGISTRY/NAME:TAG or REGISTRY/NAME@DIGEST.")],
     authfile: Annotated[Optional[Path], typer.Option("--authfile", help="Registry credentials (default: the usual auth file).")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Plain HTTP / unchecked TLS (a registry on this machine).")] = False,
     merge_below_mb: Annotated[int, typer.Option(help="Merge consecutive layers while under this size.")] = 64,
