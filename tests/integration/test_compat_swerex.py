@@ -148,13 +148,20 @@ async def test_execute_read_write_and_upload(server, sandbox, tmp_path):
     assert r.stdout == "one file\nran\n7\n", r
 
 
-async def test_unknown_sandbox_and_bad_token(server, sandbox):
+async def test_unknown_sandbox_and_bad_token(server, client, sandbox):
     gone = runtime_of(server, sandbox.id[:-4] + "0000")
     alive = await gone.is_alive()
     assert not alive.is_alive and "404" in alive.message
     with pytest.raises(aiohttp.ClientResponseError) as err:
         await gone.execute(Command(command="true", shell=True))
     assert err.value.status == 404
+
+    # Another project's token sees no such sandbox.
+    await client.create_project("swerex-other")
+    other = await client.create_project_token("swerex-other")
+    alive = await runtime_of(server, sandbox.id, token=other).is_alive()
+    assert not alive.is_alive and "404" in alive.message
+    await client.remove_project("swerex-other")
 
     bad = runtime_of(server, sandbox.id, token="not-a-token")
     alive = await bad.is_alive()
