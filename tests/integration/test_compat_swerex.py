@@ -67,8 +67,10 @@ async def test_a_bash_session_keeps_state_checks_exit_codes_and_times_out(server
     assert (await run(rt, "false", check="silent")).exit_code == 1
     assert (await run(rt, "false", check="ignore")).exit_code is None
     with pytest.raises(BashIncorrectSyntaxError) as syntax:
-        await run(rt, "if then fi; echo never")
+        await run(rt, "export B=2\nif then fi; echo never")
     assert "syntax error" in syntax.value.extra_info["bash_stderr"]
+    assert (await run(rt, "echo B=$B; ls /no-such 2>&1 >/dev/null | wc -l; (exit 2)", check="silent")).model_dump(
+        include={"output", "exit_code"}) == {"output": "B=\n1\n", "exit_code": 2}  # nothing of it ran
 
     # Past its timeout the command is interrupted; SWE-agent's interrupt then finds the shell free.
     with pytest.raises(CommandTimeoutError):

@@ -5,9 +5,10 @@ against it unmodified.
 Every call is one or a few of DSec's own calls on the sandbox's node (``EdgeAPI``):
 
 - a SWE-ReX bash session is a DSec session with ``shell="bash"`` (``cd``, ``export``, functions
-  persist); a command is first checked with ``bash -n`` (``BashIncorrectSyntaxError``), then run
-  in it with stderr merged into stdout (SWE-ReX reads a terminal); past its timeout DSec
-  interrupts it as Ctrl-C would and the session goes on (``CommandTimeoutError``);
+  persist); a command runs in it as one group with its stderr merged into its stdout (SWE-ReX
+  reads a terminal), so bash parses it whole before any of it runs and what comes on stderr is
+  bash's syntax error (``BashIncorrectSyntaxError``); past its timeout DSec interrupts it as
+  Ctrl-C would and the session goes on (``CommandTimeoutError``);
 - an interactive command (``is_interactive_command``: a REPL, gdb) is a DSec background process
   started in the session's directory and exported environment, under ``script`` (a terminal, as
   SWE-ReX's pexpect gives) when the image has it; what follows goes to its stdin and its output
@@ -278,11 +279,6 @@ class SwerexRuntime:
         return observation
 
     async def _run_normal(self, action: BashAction, state: dict) -> BashObservation:
-        checked = await self._exec("command -v bash >/dev/null || exit 127; bash -n", stdin=action.command + "\n")
-        if checked.exit_code != 0:
-            msg = (f"Error (exit code {checked.exit_code}) while checking bash command \n{action.command!r}\n"
-                   f"---- Stderr ----\n{checked.stderr}\n---- Stdout ----\n{checked.stdout}")
-            raise _swerex("BashIncorrectSyntaxError", msg, {"bash_stdout": checked.stdout, "bash_stderr": checked.stderr})
         try:
             result = await self.edge.session_exec(self.sandbox_id, state["session"], ExecRequest(
                 command=_merged(action.command), timeout=_timeout(action.timeout),
@@ -292,6 +288,12 @@ class SwerexRuntime:
                                                  f"{action.command!r} ({exc.message})") from None
         except SessionClosed as exc:
             raise _swerex("SessionNotInitializedError", f"session {action.session!r}: {exc.message}") from None
+        if result.exit_code == 2 and result.stderr.strip():
+            # The command's own stderr goes to its stdout: what is on stderr is bash's, failing
+            # to parse the command (it parses the whole group first, so nothing of it ran).
+            msg = (f"Error (exit code 2) while checking bash command \n{action.command!r}\n"
+                   f"---- Stderr ----\n{result.stderr}\n---- Stdout ----\n{result.stdout}")
+            raise _swerex("BashIncorrectSyntaxError", msg, {"bash_stdout": result.stdout, "bash_stderr": result.stderr})
         exit_code = None if action.check == "ignore" else result.exit_code
         return BashObservation(output=_clean(result.stdout), exit_code=exit_code, expect_string=PS1)
 
