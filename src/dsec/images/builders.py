@@ -2,7 +2,8 @@
 
 ``busybox`` is made from the host's busybox-static in well under a second. ``python`` is a
 Debian bookworm minbase made by debootstrap with python3, bash and git; it takes about a minute
-and is cached (``ensure_default_images`` skips images that exist).
+and is cached (``ensure_default_images`` skips images that exist). The toolchain images
+(``LANGUAGE_IMAGES``: ``lang-cpp`` …) are built the same way, on demand (``dsec image build NAME``).
 """
 
 from __future__ import annotations
