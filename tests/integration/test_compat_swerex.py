@@ -28,7 +28,7 @@ from swerex.runtime.abstract import (
 )
 from swerex.runtime.remote import RemoteRuntime
 
-from libdsec import DSecContainerRunArgs, SandboxNotFound
+from libdsec import DSecContainerRunArgs, InvalidRequest, SandboxNotFound
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -175,8 +175,10 @@ async def test_unknown_sandbox_and_bad_token(server, client, sandbox):
 
 async def test_an_image_without_bash_is_refused_by_name(server, client):
     async with await client.run_container(DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64)) as sb:
-        with pytest.raises(RuntimeError, match="has the image bash"):
+        with pytest.raises(RuntimeError, match="no bash in the sandbox's image"):
             await runtime_of(server, sb.id).create_session(CreateBashSessionRequest())
+        with pytest.raises(InvalidRequest, match="no bash in the sandbox's image"):  # and the SDK's own call
+            await sb.open_session(shell="bash")
 
 
 async def test_dsec_deployment_starts_and_stops_its_sandbox(server, client, python_image):

@@ -243,8 +243,8 @@ class SwerexRuntime:
         try:
             session = await self.edge.open_session(self.sandbox_id, OpenSessionRequest(
                 shell="bash", idle_timeout=SESSION_IDLE_S))
-        except SessionClosed as exc:
-            raise SwerexError("builtins.RuntimeError", f"cannot start a bash session (has the image bash?): {exc.message}") from None
+        except (SessionClosed, InvalidRequest) as exc:
+            raise SwerexError("builtins.RuntimeError", f"cannot start a bash session: {exc.message}") from None
         await self._save(request.session, {"session": session.id, "program": None, "offset": 0, "pty": False})
         output = ""
         if request.startup_source:
