@@ -8,7 +8,10 @@ PACKAGES=(crun gcc libc6-dev erofs-utils busybox-static debootstrap podman uidma
           gcc libc6-dev libseccomp2  # dsec-jail is compiled on first use; its seccomp program made with libseccomp
           postgresql  # initdb and postgres: the tests run a server of their own for `dsec serve --db`
           util-linux-extra procps kmod git  # fincore (page-cache checks), ps, modprobe zram; git for clones
-          chromium)   # headless, for the dashboard's test (tests/integration/test_dashboard.py)
+          chromium    # headless, for the dashboard's test (tests/integration/test_dashboard.py)
+          skopeo buildah  # dsec image pull (a registry) and dsec image build --dockerfile
+          docker-registry  # a registry on loopback for their tests (tests/images/test_registry.py)
+          g++)        # the C++ peer of dsec bench fncall's SandboxFusion arm
 
 if [ "$(id -u)" != 0 ]; then
     echo "setup-host: run as root (DSec mounts layers and makes cgroups)" >&2

@@ -415,13 +415,18 @@ def bench_fncall(
     in_flight: Annotated[int, typer.Option(help="Calls in flight (DSec and peers).")] = 32,
     workers: Annotated[int, typer.Option(help="--fncall-workers of the server (0: one per core).")] = 0,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
+    fusion: Annotated[bool, typer.Option(help="The SandboxFusion arm: run_code python and cpp against bwrap.")] = True,
+    fusion_calls: Annotated[int, typer.Option(help="run_code python calls (and bwrap peer calls).")] = 300,
+    fusion_cpp_calls: Annotated[int, typer.Option(help="run_code cpp calls (and bwrap g++ peer calls).")] = 30,
+    fusion_cpp_in_flight: Annotated[int, typer.Option(help="cpp calls in flight (each compiles).")] = 2,
 ) -> None:
     """Stateless calls: the warm pool against bwrap python3 -c and python3 -c (docs/BENCHMARKS.md)."""
     from .bench.fncall import main as run_bench
 
     raise typer.Exit(run_bench(state_dir=state_dir, store_dir=store_dir, console=console, calls=calls,
                                latency_calls=latency_calls, peer_calls=peer_calls, in_flight=in_flight,
-                               workers=workers, strict=strict))
+                               workers=workers, strict=strict, fusion=fusion, fusion_calls=fusion_calls,
+                               fusion_cpp_calls=fusion_cpp_calls, fusion_cpp_in_flight=fusion_cpp_in_flight))
 
 
 @bench_app.command("inside")

@@ -79,7 +79,7 @@ def image_inspect(ref: Annotated[str, typer.Argument(help="Image name or composi
 
 @image_app.command("build")
 def image_build(
-    name: Annotated[str, typer.Argument(help="Image name; 'busybox' and 'python' have built-in recipes.")],
+    name: Annotated[str, typer.Argument(help="Image name; busybox, python, lang-cpp, lang-nodejs, lang-go, lang-java have built-in recipes.")],
     from_dir: Annotated[Optional[Path], typer.Option("--from-dir", help="A base layer from a directory.")] = None,
     from_tar: Annotated[Optional[Path], typer.Option("--from-tar", help="A base layer from a tar archive.")] = None,
     debian: Annotated[Optional[str], typer.Option("--debian", help="A Debian base by debootstrap: the suite.")] = None,
@@ -90,17 +90,31 @@ def image_build(
     prefix: Annotated[str, typer.Option("--prefix", help="Where a workspace or toolkit lands in the sandbox.")] = "",
     base: Annotated[Optional[str], typer.Option("--from", help="With --run: the image the steps run on.")] = None,
     run: Annotated[Optional[list[str]], typer.Option("--run", help="A build step (shell command); repeatable; needs dsec serve.")] = None,
+    dockerfile: Annotated[Optional[Path], typer.Option("--dockerfile", help="Build from a Dockerfile (buildah, else podman).")] = None,
+    context: Annotated[Optional[Path], typer.Option("--context", help="With --dockerfile: the build context (default: its directory).")] = None,
+    build_arg: Annotated[Optional[list[str]], typer.Option("--build-arg", help="With --dockerfile: KEY=VALUE; repeatable.")] = None,
+    authfile: Annotated[Optional[Path], typer.Option("--authfile", help="With --dockerfile: registry credentials (default: the usual auth file).")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="With --dockerfile: plain HTTP / unchecked TLS to registries.")] = False,
+    merge_below_mb: Annotated[int, typer.Option(help="With --dockerfile: merge consecutive layers while under this size.")] = 64,
     state_dir: StateDir = DEFAULT_STATE,
 ) -> None:
-    """Build an image from a recipe, a directory, a tar, debootstrap, a workspace or build steps."""
-    from .images import builders, sources
+    """Build an image from a recipe, a directory, a tar, debootstrap, a workspace, build steps or a Dockerfile."""
+    from .images import builders, registry, sources
     from .images.store import Image
 
     store = _store(state_dir)
     try:
         with console.status(f"building {name} …") as status:
             log = lambda msg: status.update(f"building {name}: {msg}")  # noqa: E731
-            if run:
+            if dockerfile is not None:
+                args = dict(a.partition("=")[::2] for a in build_arg or [])
+                if any(not k for k in args) or any("=" not in a for a in build_arg or []):
+                    raise InvalidRequest("--build-arg takes KEY=VALUE")
+                image = registry.build_dockerfile(store, name, dockerfile, context, authfile=authfile, insecure=insecure,
+                                                  build_args=args, merge_below=merge_below_mb << 20, log=log)
+            elif context is not None:
+                raise InvalidRequest("--context goes with --dockerfile")
+            elif run:
                 if not base:
                     raise InvalidRequest("--run needs --from IMAGE: the image the steps run on")
                 image_name = asyncio.run(_build_steps(name, base, run, log))
@@ -159,6 +173,28 @@ def image_import(
     except DSecError as exc:
         fail(exc)
     console.print(f"imported {image.name}: {len(image.layers)} layer(s), {_size(store.image_size(image))}")
+
+
+@image_app.command("pull")
+def image_pull(
+    name: Annotated[str, typer.Argument(help="Name for the image in DSec.")],
+    ref: Annotated[str, typer.Argument(help="The image in a registry: REGISTRY/NAME:TAG or REGISTRY/NAME@DIGEST.")],
+    authfile: Annotated[Optional[Path], typer.Option("--authfile", help="Registry credentials (default: the usual auth file).")] = None,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Plain HTTP / unchecked TLS (a registry on this machine).")] = False,
+    merge_below_mb: Annotated[int, typer.Option(help="Merge consecutive layers while under this size.")] = 64,
+    state_dir: StateDir = DEFAULT_STATE,
+) -> None:
+    """Pull an image from an OCI registry (skopeo) into EROFS layers."""
+    from .images.registry import pull
+
+    store = _store(state_dir)
+    try:
+        with console.status(f"pulling {ref} …") as status:
+            image = pull(store, name, ref, authfile=authfile, insecure=insecure, merge_below=merge_below_mb << 20,
+                         log=lambda msg: status.update(f"pulling {ref}: {msg}"))
+    except DSecError as exc:
+        fail(exc)
+    console.print(f"pulled {image.name}: {len(image.layers)} layer(s), {_size(store.image_size(image))}")
 
 
 @image_app.command("rm")

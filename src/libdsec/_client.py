@@ -236,12 +236,13 @@ class Sandbox:
         env: dict[str, str] | None = None,
         user: str | None = None,
         idle_timeout: float = 600.0,
+        shell: str = "sh",
     ) -> Session:
         """A shell whose state persists between its commands (see ``Session``): ``async with
         await sandbox.open_session(workdir="/repo") as session: await session.run_shell(…)``.
         One no command reached for ``idle_timeout`` seconds ends (a client that vanished
-        leaves nothing behind)."""
-        request = OpenSessionRequest(workdir=workdir, env=env or {}, user=user, idle_timeout=idle_timeout)
+        leaves nothing behind). ``shell``: ``"sh"`` or ``"bash"`` (without rc files)."""
+        request = OpenSessionRequest(workdir=workdir, env=env or {}, user=user, idle_timeout=idle_timeout, shell=shell)
         body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/sessions", model=request, timeout=60)
         return Session(self, SessionInfo.model_validate(body))
 

@@ -377,6 +377,8 @@ class OpenSessionRequest(_Model):
     workdir: str | None = None
     user: str | None = None
     idle_timeout: float = Field(default=600.0, ge=1, le=7 * 24 * 3600)
+    # The shell: POSIX ``sh``, or ``bash`` (an image without it fails the open).
+    shell: Literal["sh", "bash"] = "sh"
 
 
 class SessionInfo(_Model):

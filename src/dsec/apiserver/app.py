@@ -70,6 +70,8 @@ from .routes_fncall import add_fncall_routes
 from .routes_jobs import add_job_routes
 from .routes_observe import add_observe_routes
 from .routes_projects import add_project_routes
+from ..compat.sandboxfusion import add_sandboxfusion_routes
+from ..compat.swerex import add_swerex_routes
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -508,4 +510,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     add_job_routes(app, jobs, authenticated, _ERRORS)
     add_fncall_routes(app, cluster, authenticated, _ERRORS)
     add_observe_routes(app, cluster, authenticator, _ERRORS)
+    add_swerex_routes(app, cluster, authenticator)
+    add_sandboxfusion_routes(app, cluster, authenticator)
     return app

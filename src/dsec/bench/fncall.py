@@ -30,6 +30,10 @@ its server, its workers or its peers) took meanwhile, since this host is shared.
 the steadier figure when others load the machine: the ratio by it is printed too.
 Beside each throughput, the same divided by (1 − that share): what the run would have done with
 the machine to itself, all of it being CPU-bound work. Goals are judged on the raw figures.
+5. The SandboxFusion arm (``dsec.bench.fncall_fusion``; ``--no-fusion`` skips it): python and
+   C++ calls through ``run_code`` with SandboxFusion's own client, against per-call ``bwrap`` of
+   the same program.
+
 Results go to ``<state_dir>/bench-fncall.json``; the server is stopped and what it left behind
 (``dsec.local.leftovers``) is printed.
 """
@@ -55,6 +59,7 @@ from ..images.builders import build_python
 from ..images.store import LayerStore
 from ..local import LocalServer, leftovers
 from ..resources import cgroups
+from . import fncall_fusion
 from . import hoststats as host
 
 CODE = "print(sum(range(1000)))"
@@ -297,6 +302,10 @@ async def _dsec(group: CpuGroup, server: LocalServer, opts: dict, console: Conso
         sequential = max(100, opts["latency_calls"] // 10)
         console.log(f"latency: {sequential} calls one at a time")
         out["sequential"] = await _latency(client, sequential, 1, meter())
+        if opts.get("fusion"):
+            await _wait_quiet(pid, parent)
+            out["fusion"] = await fncall_fusion.measure(f"{server.endpoint}/sandboxfusion/{server.token}", BWRAP,
+                                                        PYTHON3, meter, lambda: _wait_quiet(pid, parent), opts, console)
     return out
 
 
@@ -313,7 +322,7 @@ def _leftovers(state_dir: Path) -> list[str]:
     return [x for x in leftovers(state_dir) if not any(x.startswith(m) for m in mine)]
 
 
-def _ensure_store(state_dir: Path, store_dir: Path | None, console: Console) -> None:
+def _ensure_store(state_dir: Path, store_dir: Path | None, console: Console, fusion: bool = False) -> None:
     store_path = state_dir / "store"
     if store_dir is not None and not store_path.exists():
         store_path.symlink_to(Path(store_dir).resolve())
@@ -321,6 +330,8 @@ def _ensure_store(state_dir: Path, store_dir: Path | None, console: Console) -> 
     if not store.has_image("python"):
         with console.status("building the python image (debootstrap, about a minute) …"):
             build_python(store)
+    if fusion:
+        fncall_fusion.ensure_image(store, console)
 
 
 def _summary(res: dict) -> dict:
@@ -377,6 +388,9 @@ def _table(res: dict) -> Table:
     row(f"DSec fncall, {n} in flight: queued_s", dsec["latency"], dsec["latency"]["queued"])
     row("DSec fncall, 1 in flight: round trip", dsec["sequential"], dsec["sequential"]["round_trip"])
     row("DSec fncall, 1 in flight: worker_s", dsec["sequential"], dsec["sequential"]["worker"])
+    if "fusion" in dsec:
+        for name, figures, latency in fncall_fusion.rows(dsec["fusion"]):
+            row(name, figures, latency)
     return table
 
 
@@ -412,10 +426,11 @@ async def _measure(group: CpuGroup, state_dir: Path, opts: dict, console: Consol
 
 
 def main(state_dir: Path, store_dir: Path | None, console: Console, *, calls: int, latency_calls: int,
-         peer_calls: int, in_flight: int, workers: int, strict: bool) -> int:
+         peer_calls: int, in_flight: int, workers: int, strict: bool, fusion: bool = True,
+         fusion_calls: int = 300, fusion_cpp_calls: int = 30, fusion_cpp_in_flight: int = 2) -> int:
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    _ensure_store(state_dir, store_dir, console)
+    _ensure_store(state_dir, store_dir, console, fusion)
     # A server prepares its VM backends at start (fetching a guest kernel with apt, booting a
     # probe VM). fncall uses no VM: its servers run containers only (DSEC_VMS=0) unless told
     # otherwise, and even then name a kernel package that does not exist, so that step fails at
@@ -424,10 +439,11 @@ def main(state_dir: Path, store_dir: Path | None, console: Console, *, calls: in
     os.environ.setdefault("DSEC_GUEST_KERNEL_PACKAGE", "dsec-bench-fncall-no-guest-kernel")
     os.environ.setdefault("DSEC_VM_ACCEL", "tcg")
     opts = {"calls": calls, "latency_calls": latency_calls, "peer_calls": peer_calls, "in_flight": in_flight,
-            "workers": workers}
+            "workers": workers, "fusion": fusion, "fusion_calls": fusion_calls, "fusion_cpp_calls": fusion_cpp_calls,
+            "fusion_cpp_in_flight": fusion_cpp_in_flight}
     try:
         res = asyncio.run(_run(state_dir, opts, console))
-    except BenchError as exc:
+    except (BenchError, fncall_fusion.FusionBenchError) as exc:
         console.print(f"[red]benchmark failed:[/red] {exc}")
         return 1
     res["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -448,9 +464,14 @@ def main(state_dir: Path, store_dir: Path | None, console: Console, *, calls: in
                   f"{summary['floor_calls_per_s']:.0f} calls/s = {summary['floor_vs_bwrap']:.1f}× bwrap, "
                   f"{floor['own_cpu_ms_per_call']:.2f} ms of CPU a call ({summary['floor_vs_bwrap_by_cpu']:.1f}× by CPU): "
                   "no call through this pool can beat that ratio on this host")
+    if "fusion" in res["dsec"]:
+        fncall_fusion.report(res["dsec"]["fusion"], console)
     for goal, met in summary["goals"].items():
         console.print(f"  {'[green]met[/green]' if met else '[red]missed[/red]'}  {goal}")
-    others = statistics.fmean(r["others_share"] for r in (*res["peers"].values(), *res["dsec"].values()))
+    phases = [*res["peers"].values(), *res["dsec"].values()]
+    if "fusion" in res["dsec"]:
+        phases += [r for r in res["dsec"]["fusion"].values() if "others_share" in r]
+    others = statistics.fmean(r["others_share"] for r in phases if "others_share" in r)
     if others > 0.1:
         console.print(f"[yellow]note:[/yellow] other work took {others:.0%} of the machine during the run")
     for item in res["left_behind"]:

@@ -597,8 +597,10 @@ class Edge:
     # -- sessions: a shell whose state persists (a background process: dsec.edge.processes) ---
 
     async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
+        if request.shell != "sh" and (await self._as_user(sandbox_id, f"command -v {request.shell}")).exit_code != 0:
+            raise InvalidRequest(f"no {request.shell} in the sandbox's image: open the session with shell='sh'")
         info = await self.start_process(sandbox_id, StartProcessRequest(
-            command=processes.session_command(request.idle_timeout), env=request.env, workdir=request.workdir,
+            command=processes.session_command(request.idle_timeout, request.shell), env=request.env, workdir=request.workdir,
             user=request.user))
         # A first command: the shell is up, and what it said starting is behind the next one.
         await self.session_exec(sandbox_id, info.pid, ExecRequest(command="true", timeout=30.0))

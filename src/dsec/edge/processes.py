@@ -209,7 +209,7 @@ d=$DSEC_PROC_DIR
 done) </dev/null >/dev/null 2>&1 &
 echo $! > "$d/watchdog"
 touch "$d/last"
-exec env PS1= PS2= PS4= ENV= sh -i
+exec env PS1= PS2= PS4= ENV= %(shell)s
 '''
 
 # One command in the session: the command goes to a file (copied by this script's shell, from
@@ -275,9 +275,14 @@ exit 1
 '''
 
 
-def session_command(idle_timeout_s: float) -> str:
+# The session's shell: POSIX sh, or bash (no rc files: what to source is the caller's to say;
+# job control off, so what it runs stays in the session's process group for Ctrl-C).
+_SHELLS = {"sh": "sh -i", "bash": "bash --norc --noprofile +m -i"}
+
+
+def session_command(idle_timeout_s: float, shell: str = "sh") -> str:
     idle = max(1, int(idle_timeout_s))
-    return _fill(_SESSION, idle=idle, tick=max(1, min(10, idle // 4)))
+    return _fill(_SESSION, idle=idle, tick=max(1, min(10, idle // 4)), shell=_SHELLS[shell])
 
 
 def session_input(command: str) -> str:

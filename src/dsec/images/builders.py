@@ -2,7 +2,8 @@
 
 ``busybox`` is made from the host's busybox-static in well under a second. ``python`` is a
 Debian bookworm minbase made by debootstrap with python3, bash and git; it takes about a minute
-and is cached (``ensure_default_images`` skips images that exist).
+and is cached (``ensure_default_images`` skips images that exist). The toolchain images
+(``LANGUAGE_IMAGES``: ``lang-cpp`` …) are built the same way, on demand (``dsec image build NAME``).
 """
 
 from __future__ import annotations
@@ -133,14 +134,36 @@ def build_python(store: LayerStore, name: str = "python", log: Log | None = None
     return build_debian(store, name, "bookworm", PYTHON_PACKAGES, log=log)
 
 
-BUILDERS: dict[str, Callable[..., Image]] = {"busybox": build_busybox, "python": build_python}
+# Toolchain images, one a language (SandboxFusion's run_code runs in them on the FnCall pool,
+# which needs python3 in every image): Debian bookworm minbase with python3, bash and the
+# language's packages. Slow to build (debootstrap and mkfs.erofs of a few hundred MB): built once,
+# with ``dsec image build NAME`` or on first use, and kept in the layer store.
+LANGUAGE_IMAGES: dict[str, tuple[str, ...]] = {
+    "lang-cpp": ("g++",),
+    "lang-nodejs": ("nodejs",),
+    "lang-go": ("golang-go",),
+    "lang-java": ("default-jdk-headless",),
+}
+
+
+def build_language(store: LayerStore, name: str, log: Log | None = None) -> Image:
+    """One of ``LANGUAGE_IMAGES``: python3 and bash plus the language's toolchain."""
+    if name not in LANGUAGE_IMAGES:
+        raise LayerBuildError(f"no toolchain image {name!r}: one of {', '.join(LANGUAGE_IMAGES)}")
+    return build_debian(store, name, "bookworm", ("python3", "bash", *LANGUAGE_IMAGES[name]), log=log)
+
+
+BUILDERS: dict[str, Callable[..., Image]] = {
+    "busybox": build_busybox, "python": build_python,
+    **{name: (lambda store, name=name, log=None: build_language(store, name, log=log)) for name in LANGUAGE_IMAGES},
+}
 
 
 def ensure_default_images(store: LayerStore, names: tuple[str, ...] = ("busybox", "python"), log: Log | None = None) -> None:
     for name in names:
         if store.has_image(name):
             continue
-        if name == "python":
-            build_python(store, log=log)
+        if name == "busybox":
+            build_busybox(store)
         else:
-            BUILDERS[name](store)
+            BUILDERS[name](store, log=log)

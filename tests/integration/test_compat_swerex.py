@@ -1,0 +1,206 @@
+"""SWE-ReX's own client (``swerex.runtime.remote.RemoteRuntime``, from the swe-rex package)
+against a real ``dsec serve``: sessions with SWE-ReX's semantics, execute, files, upload, errors,
+and ``DSecDeployment``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import pytest
+from swerex.exceptions import (
+    BashIncorrectSyntaxError,
+    CommandTimeoutError,
+    NonZeroExitCodeError,
+    SessionDoesNotExistError,
+    SessionExistsError,
+)
+from swerex.runtime.abstract import (
+    BashAction,
+    BashInterruptAction,
+    CloseBashSessionRequest,
+    Command,
+    CreateBashSessionRequest,
+    ReadFileRequest,
+    UploadRequest,
+    WriteFileRequest,
+)
+from swerex.runtime.remote import RemoteRuntime
+
+from libdsec import DSecContainerRunArgs, InvalidRequest, SandboxNotFound
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+logging.getLogger("rex-runtime").setLevel(logging.CRITICAL + 1)  # its own logging of the errors we provoke
+
+
+@pytest.fixture
+async def sandbox(client, python_image):
+    async with await client.run_container(DSecContainerRunArgs(container_image=python_image, memory_limit_mb=512)) as sb:
+        yield sb
+
+
+def runtime_of(server, sandbox_id: str, token: str | None = None) -> RemoteRuntime:
+    return RemoteRuntime(host=f"{server.endpoint}/v1/sandboxes/{sandbox_id}/swerex", port=None,
+                         auth_token=token or server.token, timeout=10)
+
+
+async def run(rt: RemoteRuntime, command: str, **kw):
+    return await rt.run_in_session(BashAction(command=command, **kw))
+
+
+async def test_a_bash_session_keeps_state_checks_exit_codes_and_times_out(server, sandbox):
+    rt = runtime_of(server, sandbox.id)
+    assert (await rt.is_alive()).is_alive
+    await sandbox.write_file("/root/rc.sh", "export FROM_RC=yes\nshopt -s extglob\n")
+    await rt.create_session(CreateBashSessionRequest(startup_source=["/root/rc.sh"]))
+    with pytest.raises(SessionExistsError):
+        await rt.create_session(CreateBashSessionRequest())
+
+    assert (await run(rt, "cd /tmp && export A=1 && f() { echo fn$1; }")).exit_code == 0
+    obs = await run(rt, "pwd; echo $A $FROM_RC; f 2; echo to-stderr >&2; [[ abc == a* ]] && echo bash")
+    assert obs.output == "/tmp\n1 yes\nfn2\nto-stderr\nbash\n" and obs.exit_code == 0, obs
+
+    with pytest.raises(NonZeroExitCodeError, match="exit code 3"):
+        await run(rt, "echo out; (exit 3)", error_msg="while testing")
+    assert (await run(rt, "false", check="silent")).exit_code == 1
+    assert (await run(rt, "false", check="ignore")).exit_code is None
+    with pytest.raises(BashIncorrectSyntaxError) as syntax:
+        await run(rt, "export B=2\nif then fi; echo never")
+    assert "syntax error" in syntax.value.extra_info["bash_stderr"]
+    assert (await run(rt, "echo B=$B; ls /no-such 2>&1 >/dev/null | wc -l; (exit 2)", check="silent")).model_dump(
+        include={"output", "exit_code"}) == {"output": "B=\n1\n", "exit_code": 2}  # nothing of it ran
+
+    # Past its timeout the command is interrupted; SWE-agent's interrupt then finds the shell free.
+    with pytest.raises(CommandTimeoutError):
+        await run(rt, "sleep 30", timeout=1)
+    assert (await rt.run_in_session(BashInterruptAction())).exit_code == 0
+    assert (await run(rt, "echo still $A")).output == "still 1\n"
+
+    # An interrupt from elsewhere while a command runs (Ctrl-C): the command ends, the shell stays.
+    running = asyncio.create_task(run(rt, "sleep 30; echo not-reached", check="silent", timeout=60))
+    await asyncio.sleep(1.5)
+    await rt.run_in_session(BashInterruptAction())
+    obs = await asyncio.wait_for(running, 20)
+    assert "not-reached" not in obs.output and obs.exit_code != 0, obs
+    assert (await run(rt, "echo $A; pwd")).output == "1\n/tmp\n"
+
+    await rt.close_session(CloseBashSessionRequest())
+    with pytest.raises(SessionDoesNotExistError):
+        await run(rt, "echo gone")
+    with pytest.raises(SessionDoesNotExistError):
+        await rt.close_session(CloseBashSessionRequest())
+
+
+async def test_an_interactive_program_in_a_session(server, sandbox):
+    rt = runtime_of(server, sandbox.id)
+    await rt.create_session(CreateBashSessionRequest(session="py"))
+    await run(rt, "mkdir -p /srv/w && cd /srv/w && export GREETING=hello", session="py")
+    started = await run(rt, "python3", session="py", is_interactive_command=True, expect=[">>> "], timeout=20)
+    assert started.expect_string == ">>> ", started
+    await run(rt, "import os; x = 6 * 7", session="py", is_interactive_command=True, expect=[">>> "], timeout=10)
+    obs = await run(rt, "print(x, os.getcwd(), os.environ['GREETING'])", session="py",
+                    is_interactive_command=True, expect=[">>> "], timeout=10)
+    assert obs.output == "42 /srv/w hello", obs
+    # A long computation, interrupted (Ctrl-C at its terminal): back at the prompt.
+    with pytest.raises(CommandTimeoutError):
+        await run(rt, "import time; time.sleep(60)", session="py", is_interactive_command=True, expect=[">>> "],
+                  timeout=1)
+    obs = await rt.run_in_session(BashInterruptAction(session="py", expect=[">>> "], timeout=5))
+    assert obs.expect_string == ">>> " and "KeyboardInterrupt" in obs.output, obs
+    obs = await run(rt, "print('after', x)", session="py", is_interactive_command=True, expect=[">>> "], timeout=10)
+    assert obs.output == "after 42", obs
+    await run(rt, "exit()", session="py", is_interactive_quit=True, timeout=10)
+    obs = await run(rt, "echo back in $(pwd)", session="py")
+    assert obs.output == "back in /srv/w\n", obs
+    await rt.close()
+    with pytest.raises(SessionDoesNotExistError):
+        await run(rt, "true", session="py")
+
+
+async def test_execute_read_write_and_upload(server, sandbox, tmp_path):
+    rt = runtime_of(server, sandbox.id)
+    r = await rt.execute(Command(command=["sh", "-c", "echo $0 $X; pwd; echo e >&2", "arg0"], env={"X": "x"}, cwd="/tmp"))
+    assert (r.stdout, r.stderr, r.exit_code) == ("arg0 x\n/tmp\n", "e\n", 0)
+    r = await rt.execute(Command(command="echo a; echo b >&2; exit 2", shell=True, merge_output_streams=True))
+    assert (r.stdout, r.stderr, r.exit_code) == ("a\nb\n", "", 2)
+    with pytest.raises(NonZeroExitCodeError):
+        await rt.execute(Command(command="exit 2", shell=True, check=True))
+    with pytest.raises(CommandTimeoutError):
+        await rt.execute(Command(command="sleep 30", shell=True, timeout=1))
+
+    await rt.write_file(WriteFileRequest(path="/srv/new/dir/a.txt", content="héllo\n"))
+    assert (await rt.read_file(ReadFileRequest(path="/srv/new/dir/a.txt"))).content == "héllo\n"
+    with pytest.raises(FileNotFoundError):
+        await rt.read_file(ReadFileRequest(path="/srv/no-such-file"))
+
+    single = tmp_path / "single.txt"
+    single.write_text("one file")
+    await rt.upload(UploadRequest(source_path=str(single), target_path="/srv/up/one.txt"))
+    tree = tmp_path / "tree"
+    (tree / "pkg/sub").mkdir(parents=True)
+    (tree / "pkg/sub/mod.py").write_text("VALUE = 7\n")
+    (tree / "run.sh").write_text("#!/bin/sh\necho ran\n")
+    (tree / "run.sh").chmod(0o755)
+    await rt.upload(UploadRequest(source_path=str(tree), target_path="/srv/repo"))
+    r = await rt.execute(Command(command="cat /srv/up/one.txt; echo; /srv/repo/run.sh; "
+                                         "cd /srv/repo && python3 -c 'from pkg.sub.mod import VALUE; print(VALUE)'",
+                                 shell=True))
+    assert r.stdout == "one file\nran\n7\n", r
+
+
+async def test_unknown_sandbox_and_bad_token(server, client, sandbox):
+    gone = runtime_of(server, sandbox.id[:-4] + "0000")
+    alive = await gone.is_alive()
+    assert not alive.is_alive and "404" in alive.message
+    with pytest.raises(aiohttp.ClientResponseError) as err:
+        await gone.execute(Command(command="true", shell=True))
+    assert err.value.status == 404
+
+    # Another project's token sees no such sandbox.
+    await client.create_project("swerex-other")
+    other = await client.create_project_token("swerex-other")
+    alive = await runtime_of(server, sandbox.id, token=other).is_alive()
+    assert not alive.is_alive and "404" in alive.message
+    await client.remove_project("swerex-other")
+
+    bad = runtime_of(server, sandbox.id, token="not-a-token")
+    alive = await bad.is_alive()
+    assert not alive.is_alive and "401" in alive.message
+    with pytest.raises(aiohttp.ClientResponseError) as err:
+        await bad.create_session(CreateBashSessionRequest())
+    assert err.value.status == 401
+
+
+async def test_an_image_without_bash_is_refused_by_name(server, client):
+    async with await client.run_container(DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64)) as sb:
+        with pytest.raises(RuntimeError, match="no bash in the sandbox's image"):
+            await runtime_of(server, sb.id).create_session(CreateBashSessionRequest())
+        with pytest.raises(InvalidRequest, match="no bash in the sandbox's image"):  # and the SDK's own call
+            await sb.open_session(shell="bash")
+
+
+async def test_dsec_deployment_starts_and_stops_its_sandbox(server, client, python_image):
+    from dsec.compat.swerex_deployment import DSecDeployment
+
+    steps: list[str] = []
+
+    class Hook:
+        def on_custom_step(self, message: str) -> None:
+            steps.append(message)
+
+    deployment = DSecDeployment(image=python_image, endpoint=server.endpoint, token=server.token, memory_limit_mb=256)
+    deployment.add_hook(Hook())
+    async with deployment:
+        assert (await deployment.is_alive()).is_alive
+        r = await deployment.runtime.execute(Command(command="cat /etc/debian_version", shell=True))
+        assert r.exit_code == 0 and r.stdout.strip()
+        sandbox_id = deployment.sandbox_id
+        assert (await client.get_sandbox(sandbox_id)).status.value == "running"
+    assert "Starting runtime" in steps
+    try:
+        assert (await client.get_sandbox(sandbox_id)).status.value == "stopped"
+    except SandboxNotFound:
+        pass  # (gone from the list already)
+    await deployment.stop()  # a second stop does nothing
