@@ -32,7 +32,7 @@ from ..resources.cgroups import Limits
 from .lifecycle import HOLDING, Record
 
 if TYPE_CHECKING:
-    from .edge import EdgeConfig
+    from .config import EdgeConfig
 
 MIN_MEMORY_MB = 16
 MIN_CPU = 0.01

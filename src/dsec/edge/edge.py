@@ -33,7 +33,6 @@ import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import aclosing
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -76,10 +75,10 @@ from ..fncall.pool import FnCallPool
 from ..images import carry
 from ..images.store import Image, LayerStore, check_name
 from ..isolation import apparmor
-from ..placement import DEFAULT_CPU_OVERCOMMIT, DEFAULT_MEMORY_OVERCOMMIT
 from ..resources import cgroups
 from . import lifecycle
 from .admission import Admission, WorkGate, memory_total_mb
+from .config import EdgeConfig
 from .api import new_sandbox_id
 from .journal import RecordJournal
 from .lifecycle import Action, Record
@@ -92,42 +91,6 @@ from .stats import EdgeStats
 
 log = logging.getLogger("dsec.edge")
 
-
-@dataclass
-class EdgeConfig:
-    node_dir: Path
-    # Where sandbox records live; they must outlive an edge restart, like the sandboxes.
-    records_dir: Path | None = None
-    node: str = "n0"
-    max_sandboxes: int = 4096
-    memory_overcommit: float = DEFAULT_MEMORY_OVERCOMMIT
-    cpu_overcommit: float = DEFAULT_CPU_OVERCOMMIT
-    # A paused sandbox is stopped after this long paused (its run TTL does not run meanwhile).
-    paused_ttl_s: float = 24 * 3600.0
-    batch_concurrency: int = 16
-    # A batch's sandboxes not committed this long after their stream ended are stopped.
-    batch_commit_s: float = 60.0
-    reaper_interval_s: float = 1.0
-    max_file_bytes: int = 64 << 20
-    max_upload_bytes: int = 1 << 30  # a tar for upload_tree (held in memory while checked and sent)
-    # Warm pool per image: grows to the peak number of creates in flight, within these bounds;
-    # an image unused for pool_idle_s loses its pool.
-    pool_min: int = 2
-    pool_max: int = 64
-    pool_idle_s: float = 600.0
-    pool_fill_concurrency: int = 2
-    # While creates keep arriving and the pool still has a quarter of its target, refills wait
-    # until none has arrived for this long: starting sandboxes takes the CPU that a burst being
-    # served from the pool needs.
-    pool_quiet_s: float = 0.05
-    finished_kept: int = 10_000
-    # Overload (admission.WorkGate): creates and commands running at once, how many more may
-    # wait for a slot and for how long; past that a call gets ``Overloaded`` (429, Retry-After).
-    max_creates_running: int = 256
-    max_creates_queued: int = 1024
-    max_commands_running: int = 1024
-    max_commands_queued: int = 4096
-    max_queue_wait_s: float = 30.0
 
 
 class Edge:

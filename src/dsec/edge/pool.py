@@ -34,7 +34,7 @@ from ..images.store import Image
 from ..resources.cgroups import Limits
 
 if TYPE_CHECKING:
-    from .edge import EdgeConfig
+    from .config import EdgeConfig
 
 log = logging.getLogger("dsec.edge")
 

@@ -21,7 +21,7 @@ from libdsec.protocol import SandboxStatus
 from .lifecycle import Record
 
 if TYPE_CHECKING:
-    from .edge import EdgeConfig
+    from .config import EdgeConfig
 
 log = logging.getLogger("dsec.edge")
 
