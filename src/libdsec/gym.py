@@ -2,7 +2,8 @@
 
 One episode is one sandbox. ``reset(seed=…)`` stops the last episode's sandbox (if any),
 creates a new one from ``image`` — or branches from a snapshot image, ``reset(options={"image":
-snapshot.image})`` — runs the task's ``setup`` and returns the first observation (the task's
+snapshot.image})`` — runs the task's ``setup`` (``options={"key": …}``: the create's idempotency
+key, so that a retried reset, or one of a resumed job, gets the same sandbox) and returns the first observation (the task's
 instruction) and info (the image; ``env.sandbox`` is the episode's sandbox). ``step(action)`` runs the action and returns
 ``(observation, reward, terminated, truncated, info)``. An action is a shell command (text), or
 a tool call dict: ``{"tool": "shell", "command": …}``, ``{"tool": "write_file", "path": …,
@@ -129,9 +130,14 @@ class SandboxEnv(gymnasium.Env):
 
     async def _reset(self, options: dict | None) -> tuple[str, dict]:
         await self._close()
-        image = (options or {}).get("image", self.image)
+        options = options or {}
+        unknown = set(options) - {"image", "key"}
+        if unknown:
+            raise InvalidRequest(f"unknown reset options {sorted(unknown)}: 'image' (a snapshot to branch from), "
+                                 "'key' (the create's idempotency key)")
+        image = options.get("image", self.image)
         args = DSecContainerRunArgs(container_image=image, **self.task.run_args)
-        self.sandbox = await self._client.run_container(args)
+        self.sandbox = await self._client.run_container(args, key=options.get("key"))
         self.steps, self._done = 0, False
         if self.task.setup:
             setup = await self.sandbox.run_shell(self.task.setup, workdir=self.task.workdir,

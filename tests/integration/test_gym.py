@@ -79,5 +79,14 @@ async def test_async_twins_run_episodes_side_by_side(server):
 
         rewards = await asyncio.gather(*(episode(env, i % 2 == 0) for i, env in enumerate(envs)))
         assert rewards == [1.0, 0.0, 1.0, 0.0]
+        # A keyed reset retried gets the same sandbox (what a resumed job's reset needs).
+        await envs[0].areset(options={"key": "gym-episode-1"})
+        first = envs[0].sandbox.id
+        await envs[1].areset(options={"key": "gym-episode-1"})
+        assert envs[1].sandbox.id == first
+        await envs[0].aclose()
+        envs[1].sandbox = None  # (the same sandbox: stopped once)
+        with pytest.raises(InvalidRequest, match="unknown reset options"):
+            await envs[2].areset(options={"imgae": "busybox"})
         with pytest.raises(InvalidRequest, match="async DSecClient"):
             envs[0].reset()

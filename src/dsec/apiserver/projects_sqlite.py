@@ -88,8 +88,8 @@ def _read_tree(db: sqlite3.Connection) -> Tree:
 class SQLiteProjectStore:
     # How long the tree read last is trusted before asking whether another process changed it.
     recheck_s = 0.5
-    # Writes finish without suspending (a local file): a job log's entries are written at once.
-    writes_inline = True
+    # The job log's writes have blocking twins (``*_blocking``): the apiserver runs them on a
+    # thread of their own, off its event loop (sqlite3 lets go of the GIL while it writes).
 
     def __init__(self, path: Path | str = ":memory:") -> None:
         self.path = str(path)
@@ -252,6 +252,9 @@ class SQLiteProjectStore:
     # -- idempotency keys --------------------------------------------------------------------
 
     async def claim_key(self, scope: str, key: str, digest: str) -> KeyClaim:
+        return self.claim_key_blocking(scope, key, digest)
+
+    def claim_key_blocking(self, scope: str, key: str, digest: str) -> KeyClaim:
         with self._lock:  # a new key, the common case: one statement
             inserted = self._conn().execute(
                 "INSERT OR IGNORE INTO create_keys (scope, key, digest, result, claimed_at) VALUES (?, ?, ?, NULL, ?)",
@@ -289,6 +292,10 @@ class SQLiteProjectStore:
 
     async def append_job(self, rows: list[tuple[str, float, str]],
                          settles: list[tuple[str, str, str]] = ()) -> None:
+        self.append_job_blocking(rows, settles)
+
+    def append_job_blocking(self, rows: list[tuple[str, float, str]],
+                            settles: list[tuple[str, str, str]] = ()) -> None:
         if len(rows) == 1 and not settles:  # one statement is its own transaction
             with self._lock:
                 self._conn().execute("INSERT INTO job_log (job, at, entry) VALUES (?, ?, ?)", rows[0])
