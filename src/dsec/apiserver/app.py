@@ -21,7 +21,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libdsec import DSecError, InvalidRequest
-from libdsec.protocol import NetworkRulesRequest, SecurityEventList
+from libdsec.protocol import NetworkRulesRequest, SecurityEventList, TTLRequest
 from libdsec.protocol import (
     BatchEvent,
     CreateBatchRequest,
@@ -437,6 +437,10 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     async def set_network_rules(sandbox_id: str, request: NetworkRulesRequest) -> dict:
         await cluster.edge_for(sandbox_id).set_network_rules(sandbox_id, request.network_rules)
         return {"ok": True}
+
+    @app.put("/v1/sandboxes/{sandbox_id}/ttl", dependencies=auth, responses=_ERRORS)
+    async def set_ttl(sandbox_id: str, request: TTLRequest) -> SandboxInfo:
+        return await cluster.edge_for(sandbox_id).set_ttl(sandbox_id, request.ttl_running_stop)
 
     @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", dependencies=auth, responses=_ERRORS)
     async def pack_diff(sandbox_id: str, request: PackDiffRequest) -> PackDiffResult:

@@ -188,6 +188,10 @@ class EdgeAPI(Protocol):
 
     async def set_network_rules(self, sandbox_id: str, rules: dict) -> None: ...
 
+    async def set_ttl(self, sandbox_id: str, ttl_running_stop: float) -> SandboxInfo:
+        """A new idle TTL, counted from now (the call is the sandbox's latest)."""
+        ...
+
     # -- the node ----------------------------------------------------------------------------
     async def node_info(self) -> NodeInfo: ...
 

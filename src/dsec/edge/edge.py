@@ -79,7 +79,7 @@ from ..isolation import apparmor
 from ..placement import DEFAULT_CPU_OVERCOMMIT, DEFAULT_MEMORY_OVERCOMMIT
 from ..resources import cgroups
 from . import lifecycle
-from .admission import Admission, memory_total_mb
+from .admission import MAX_TTL_S, Admission, memory_total_mb
 from .api import new_sandbox_id
 from .journal import RecordJournal
 from .lifecycle import Action, Record
@@ -701,6 +701,16 @@ class Edge:
         rec = self._allowed(sandbox_id, Action.set_network_rules)
         await self.security.set_rules(rec, rules)
         self._persist(rec)
+
+    async def set_ttl(self, sandbox_id: str, ttl_running_stop: float) -> SandboxInfo:
+        rec = self._allowed(sandbox_id, Action.set_ttl)
+        if not 1 <= ttl_running_stop <= MAX_TTL_S:
+            raise LimitOutOfRange(f"ttl_running_stop={ttl_running_stop:g} is out of range: 1..{int(MAX_TTL_S)} seconds "
+                                  f"on node {self.node}")
+        rec.args = rec.args.model_copy(update={"ttl_running_stop": float(ttl_running_stop)})
+        rec.last_active = time.time()
+        self._persist(rec)
+        return rec.info(self.node)
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         rec = await self._ready(sandbox_id, Action.read_file)

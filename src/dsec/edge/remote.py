@@ -47,6 +47,7 @@ from libdsec.protocol import (
     LayerUse,
     MakeDirRequest,
     NetworkRulesRequest,
+    TTLRequest,
     NodeBatchRequest,
     NodeInfo,
     NodeStats,
@@ -393,6 +394,10 @@ class RemoteEdge:
 
     async def set_network_rules(self, sandbox_id: str, rules: dict) -> None:
         await self._call("PUT", f"/sandboxes/{sandbox_id}/network_rules", model=NetworkRulesRequest(network_rules=rules))
+
+    async def set_ttl(self, sandbox_id: str, ttl_running_stop: float) -> SandboxInfo:
+        return self._parse(SandboxInfo, await self._call("PUT", f"/sandboxes/{sandbox_id}/ttl",
+                                                         model=TTLRequest(ttl_running_stop=ttl_running_stop)))
 
     # -- the node ----------------------------------------------------------------------------
 

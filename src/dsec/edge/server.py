@@ -53,6 +53,7 @@ from libdsec.protocol import (
     LayerGCResult,
     MakeDirRequest,
     NetworkRulesRequest,
+    TTLRequest,
     NodeBatchRequest,
     NodeCreateRequest,
     NodeStopRequest,
@@ -242,6 +243,9 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         await c.edge.set_network_rules(c.params["sid"], c.parse(NetworkRulesRequest).network_rules)
         return None
 
+    async def set_ttl(c: _Call):
+        return await c.edge.set_ttl(c.params["sid"], c.parse(TTLRequest).ttl_running_stop)
+
     async def fncall(c: _Call):
         return await c.edge.fncall(c.parse(DSecFnCallArgs))
 
@@ -263,6 +267,7 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("POST", f"/sandboxes/{sid}/clean_copy", clean_copy),
         ("GET", f"/sandboxes/{sid}/files", read_file), ("PUT", f"/sandboxes/{sid}/files", write_file),
         ("GET", f"/sandboxes/{sid}/security_events", events), ("PUT", f"/sandboxes/{sid}/network_rules", rules),
+        ("PUT", f"/sandboxes/{sid}/ttl", set_ttl),
         ("POST", "/fncall", fncall), ("POST", "/fncall:batch", fncall_batch),
         ("POST", r"/batches/(?P<batch>[A-Za-z0-9_-]{1,64}):commit", commit_batch),
         ("POST", f"/sandboxes/{sid}/processes", start_process), ("GET", f"/sandboxes/{sid}/processes", list_processes),
