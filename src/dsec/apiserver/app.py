@@ -61,6 +61,7 @@ from libdsec.protocol import (
     TreeDownloadRequest,
 )
 
+from ..compat.e2b import add_e2b_routes
 from .auth import Authenticator, Caller
 from .cluster import Cluster
 from .lean import LeanRoutes
@@ -476,4 +477,5 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     add_project_routes(app, cluster, authenticated, _ERRORS)
     add_fncall_routes(app, cluster, authenticated, _ERRORS)
     add_observe_routes(app, cluster, authenticator, _ERRORS)
+    add_e2b_routes(app, cluster, authenticator)
     return app

@@ -1,0 +1,1 @@
+"""The protocols users already run, each a thin translation onto DSec's own calls (docs/COMPAT.md)."""
