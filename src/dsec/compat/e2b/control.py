@@ -33,16 +33,19 @@ from ._errors import api_error, error_body
 from .envd import ENVD_VERSION, EnvdTokens
 
 BASE_TEMPLATE = "base"
+# The template a sandbox was asked for, where it is not its image's name (``base``): a label of
+# DSec's own, not shown in E2B's ``metadata`` (which may not use the prefix).
+TEMPLATE_LABEL = "dsec.e2b.template"
+_OWN_LABELS = "dsec."
 BASE_FALLBACK_IMAGE = "python"
 _STATES = {SandboxStatus.running: "running", SandboxStatus.paused: "paused"}
 
 
-def network_rules(allow_out: list[str] | None, deny_out: list[str] | None,
-                  allow_internet_access: bool | None) -> dict[str, bool | list[str]]:
-    """E2B's egress options as DSec ``network_rules``; InvalidRequest for what DSec cannot give."""
-    if allow_internet_access:
-        raise InvalidRequest("allow_internet_access=True: a DSec sandbox reaches only the services and domains "
-                             "its allowlist names (network.allowOut); it has no open internet")
+def network_rules(allow_out: list[str] | None, deny_out: list[str] | None) -> dict[str, bool | list[str]]:
+    """E2B's egress options as DSec ``network_rules``; InvalidRequest for what DSec cannot give.
+
+    E2B's ``allow_internet_access`` changes nothing: DSec has no open internet to give (e2b
+    2.45 sends ``True`` with every create), and ``False`` is what it does anyway."""
     rules: dict[str, bool | list[str]] = {}
     domains: list[str] = []
     for entry in allow_out or []:
@@ -138,9 +141,11 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
 
     def listed(info: SandboxInfo, cls: type[m.ListedSandbox] = m.ListedSandbox, **extra) -> m.ListedSandbox:
         end = info.last_active_at + timedelta(seconds=info.ttl_running_stop)
-        return cls(template_id=info.image, alias=info.image, sandbox_id=info.id, client_id=info.node,
+        template = info.labels.get(TEMPLATE_LABEL, info.image)
+        metadata = {k: v for k, v in info.labels.items() if not k.startswith(_OWN_LABELS)}
+        return cls(template_id=template, alias=template, sandbox_id=info.id, client_id=info.node,
                    started_at=info.created_at, end_at=end, cpu_count=max(1, round(info.cpu_cores_limit)),
-                   memory_mb=info.memory_limit_mb, disk_size_mb=0, metadata=info.labels,
+                   memory_mb=info.memory_limit_mb, disk_size_mb=0, metadata=metadata,
                    state=_STATES.get(info.status, info.status.value), envd_version=ENVD_VERSION, **extra)
 
     @router.post("/sandboxes")
@@ -156,11 +161,14 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         network = body.network or m.NetworkConfig()
         if network.rules or network.egress_proxy:
             raise InvalidRequest("network.rules and network.egressProxy are not supported by DSec's E2B API")
-        rules = network_rules(network.allow_out, network.deny_out, body.allow_internet_access)
+        rules = network_rules(network.allow_out, network.deny_out)
+        if any(k.startswith(_OWN_LABELS) for k in body.metadata):
+            raise InvalidRequest(f"metadata keys starting with {_OWN_LABELS!r} are DSec's own")
         image = await image_of(body.template_id)
+        labels = {**body.metadata, **({TEMPLATE_LABEL: body.template_id} if image != body.template_id else {})}
         try:
             args = DSecContainerRunArgs(container_image=image, ttl_running_stop=float(body.timeout),
-                                        env=body.env_vars, labels=body.metadata, network_rules=rules)
+                                        env=body.env_vars, labels=labels, network_rules=rules)
         except ValidationError as exc:
             raise InvalidRequest(f"malformed request: {exc.errors()[0].get('msg')}") from None
         try:
@@ -236,7 +244,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
             info = await edge.resume(sandbox_id)
         if body.timeout is not None:
             info = await edge.set_ttl(sandbox_id, float(body.timeout))
-        answer = created(info, info.image).model_dump(mode="json")
+        answer = created(info, info.labels.get(TEMPLATE_LABEL, info.image)).model_dump(mode="json")
         return JSONResponse(answer, status_code=201 if resumed else 200)
 
     @router.post("/sandboxes/{sandbox_id}/connect")
@@ -257,7 +265,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         if body.rules:
             raise InvalidRequest("network.rules is not supported by DSec's E2B API")
         await visible(request, sandbox_id)
-        rules = network_rules(body.allow_out, body.deny_out, body.allow_internet_access)
+        rules = network_rules(body.allow_out, body.deny_out)
         await cluster.edge_for(sandbox_id).set_network_rules(sandbox_id, rules)
         return Response(status_code=204)
 

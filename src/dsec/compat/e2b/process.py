@@ -25,7 +25,7 @@ from protobuf import Oneof
 
 from e2b.envd.process import process_pb as pb
 
-from libdsec import DSecError, InvalidRequest
+from libdsec import DSecError, InvalidRequest, SandboxStateError
 from libdsec.protocol import ExecEvent, ProcessStreamRequest, StartProcessRequest
 
 from ._errors import rpc_error
@@ -181,6 +181,8 @@ class ProcessService:
             raise ConnectError(Code.INVALID_ARGUMENT, "stdin must be UTF-8 text for DSec's processes") from None
         try:
             await target.edge.process_stdin(target.sandbox_id, pid, text, False)
+        except SandboxStateError as exc:
+            raise ConnectError(Code.NOT_FOUND, exc.message) from None
         except DSecError as exc:
             raise rpc_error(exc) from None
         return pb.SendInputResponse()
@@ -215,6 +217,8 @@ class ProcessService:
         number = int(request.signal) or signals.SIGKILL
         try:
             await target.edge.signal_process(target.sandbox_id, pid, number)
+        except SandboxStateError as exc:  # it ended: to envd, a process that is gone
+            raise ConnectError(Code.NOT_FOUND, exc.message) from None
         except DSecError as exc:
             raise rpc_error(exc) from None
         return pb.SendSignalResponse()
