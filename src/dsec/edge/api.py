@@ -145,6 +145,11 @@ class EdgeAPI(Protocol):
         """As ``exec_stream``: ``started``, output chunks, then ``exit`` (its code only)."""
         ...
 
+    def start_process_stream(self, sandbox_id: str, request: StartProcessRequest) -> AsyncIterator[ExecEvent]:
+        """``start_process`` then ``stream_process`` from its start, in one call: ``started``
+        carries the pid (its ``data``). Closing the iterator ends the following, not the process."""
+        ...
+
     # Sessions: a shell whose state persists (``SessionClosed`` once it ended; ``ProcessNotFound``
     # for an id that was never one). A command past its timeout is interrupted as Ctrl-C would.
     async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo: ...

@@ -290,6 +290,9 @@ class RemoteEdge:
     def stream_process(self, sandbox_id: str, pid: int, request: ProcessStreamRequest) -> AsyncIterator[ExecEvent]:
         return self._events(f"/sandboxes/{sandbox_id}/processes/{pid}/stream", request, request.timeout)
 
+    def start_process_stream(self, sandbox_id: str, request: StartProcessRequest) -> AsyncIterator[ExecEvent]:
+        return self._events(f"/sandboxes/{sandbox_id}/processes:stream", request, 24 * 3600.0)
+
     async def start_process(self, sandbox_id: str, request: StartProcessRequest) -> ProcessInfo:
         return await self._post(ProcessInfo, f"/sandboxes/{sandbox_id}/processes", model=request)
 

@@ -294,6 +294,7 @@ _BATCH = PREFIX + "/sandboxes:batch"
 _EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:stream\Z")
 _SESSION_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/sessions/(?P<pid>[0-9]{1,9})/exec\:stream\Z")
 _TREE_DOWNLOAD = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\:download\Z")
+_START_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes\:stream\Z")
 _PROCESS_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes/(?P<pid>[0-9]{1,9})/stream\Z")
 
 
@@ -469,6 +470,10 @@ class EdgeApp:
         if method == "POST" and (m := _TREE_DOWNLOAD.match(path)) is not None:
             await self._stream(lambda: self.edge.download_tree(
                 m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(TreeDownloadRequest).path), request, conn)
+            return
+        if method == "POST" and (m := _START_STREAM.match(path)) is not None:
+            await self._stream(lambda: self.edge.start_process_stream(
+                m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(StartProcessRequest)), request, conn)
             return
         if method == "POST" and (m := _PROCESS_STREAM.match(path)) is not None:
             await self._stream(lambda: self.edge.stream_process(

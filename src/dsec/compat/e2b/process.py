@@ -25,7 +25,7 @@ from protobuf import Oneof
 
 from e2b.envd.process import process_pb as pb
 
-from libdsec import DSecError, InvalidRequest, SandboxStateError
+from libdsec import DSecError, SandboxStateError
 from libdsec.protocol import ExecEvent, ProcessStreamRequest, StartProcessRequest
 
 from ._errors import rpc_error
@@ -81,11 +81,11 @@ class ProcessService:
             raise ConnectError(Code.NOT_FOUND, "no process by that tag: tags name PTYs, which DSec has not yet")
         return int(selector.selector.value)
 
-    async def _follow(self, ctx, target, pid: int, offsets: tuple[int, int], started: float) -> AsyncIterator[pb.ProcessEvent]:
+    async def _follow(self, ctx, target, pid: int, events: AsyncIterator[ExecEvent],
+                      started: float) -> AsyncIterator[pb.ProcessEvent]:
+        """The process's output and end, from DSec's stream of it, as envd's events."""
         deadline_ms = ctx.timeout_ms
         deadline = None if not deadline_ms else started + deadline_ms / 1000
-        events = target.edge.stream_process(target.sandbox_id, pid, ProcessStreamRequest(
-            stdout_offset=offsets[0], stderr_offset=offsets[1]))
         ended = False
         try:
             while True:
@@ -99,6 +99,8 @@ class ProcessService:
                 if event.event in ("stdout", "stderr"):
                     data = pb.ProcessEvent.DataEvent(output=Oneof(event.event, event.data.encode()))
                     yield _event(data)
+                elif event.event == "started":
+                    continue
                 elif event.event == "exit" and event.result is not None:
                     ended = True
                     yield _event(_end(event.result.exit_code))
@@ -134,15 +136,20 @@ class ProcessService:
             raise ConnectError(Code.UNIMPLEMENTED, PTY_UNSUPPORTED)
         config = request.process
         command = _command(config, bool(request.stdin))
+        # Started and followed in one command in the sandbox (the pid first).
+        events = target.edge.start_process_stream(target.sandbox_id, StartProcessRequest(
+            command=command, env=dict(config.envs), workdir=config.cwd or None, user=target.user))
         try:
-            info = await target.edge.start_process(target.sandbox_id, StartProcessRequest(
-                command=command, env=dict(config.envs), workdir=config.cwd or None, user=target.user))
-        except InvalidRequest as exc:
-            raise rpc_error(exc) from None
+            first = await anext(events)
         except DSecError as exc:
+            await events.aclose()
             raise rpc_error(exc) from None
-        yield pb.StartResponse(event=_event(pb.ProcessEvent.StartEvent(pid=info.pid)))
-        async for event in self._follow(ctx, target, info.pid, (0, 0), started):
+        if first.event != "started" or not first.data.isdigit():
+            await events.aclose()
+            raise ConnectError(Code.INTERNAL, f"the process did not start: {first.error or first.event}")
+        pid = int(first.data)
+        yield pb.StartResponse(event=_event(pb.ProcessEvent.StartEvent(pid=pid)))
+        async for event in self._follow(ctx, target, pid, events, started):
             yield pb.StartResponse(event=event)
 
     async def connect(self, request: pb.ConnectRequest, ctx) -> AsyncIterator[pb.ConnectResponse]:
@@ -157,7 +164,9 @@ class ProcessService:
         if not info.running:
             yield pb.ConnectResponse(event=_event(_end(info.exit_code or 0)))
             return
-        async for event in self._follow(ctx, target, pid, (info.stdout_bytes, info.stderr_bytes), started):
+        events = target.edge.stream_process(target.sandbox_id, pid, ProcessStreamRequest(
+            stdout_offset=info.stdout_bytes, stderr_offset=info.stderr_bytes))
+        async for event in self._follow(ctx, target, pid, events, started):
             yield pb.ConnectResponse(event=event)
 
     async def list(self, request: pb.ListRequest, ctx) -> pb.ListResponse:
@@ -188,7 +197,7 @@ class ProcessService:
         return pb.SendInputResponse()
 
     async def stream_input(self, request, ctx) -> pb.StreamInputResponse:
-        target = self.envd.target(ctx)
+        self.envd.target(ctx)  # refused before reading the stream
         pid = None
         async for message in request:
             match message.event:
@@ -199,7 +208,6 @@ class ProcessService:
                         raise ConnectError(Code.INVALID_ARGUMENT, "the input stream starts with its process")
                     await self.send_input(pb.SendInputRequest(process=pb.ProcessSelector(selector=Oneof("pid", pid)),
                                                               input=data.input), ctx)
-        del target
         return pb.StreamInputResponse()
 
     async def close_stdin(self, request: pb.CloseStdinRequest, ctx) -> pb.CloseStdinResponse:
