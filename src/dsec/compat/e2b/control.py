@@ -120,7 +120,10 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     async def visible(request: Request, sandbox_id: str) -> tuple[Caller, SandboxInfo]:
         """The caller's sandbox, running or paused; E2B's not-found for any other."""
         caller = caller_of(request)
-        edge = await cluster.edge_for_caller(sandbox_id, caller)
+        try:
+            edge = await cluster.edge_for_caller(sandbox_id, caller)
+        except InvalidRequest:  # not an id DSec makes: to E2B, a sandbox that is not there
+            raise SandboxNotFound(f"sandbox {sandbox_id} not found") from None
         info = await edge.get(sandbox_id)
         if info.status not in _STATES:
             raise SandboxNotFound(f"sandbox {sandbox_id} not found ({info.status.value})")
@@ -184,14 +187,28 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         caller = caller_of(request)
         wanted = set(request.query_params.get("state", "running" if request.url.path.endswith("/e2b/sandboxes")
                                               else "running,paused").split(","))
-        metadata = dict(parse_qsl(request.query_params.get("metadata", ""), keep_blank_values=True))
+        query = request.query_params
+        metadata = dict(parse_qsl(query.get("metadata", ""), keep_blank_values=True))
+        try:
+            after = datetime.fromisoformat(query["startedAfter"]) if query.get("startedAfter") else None
+            limit = int(query.get("limit") or 0) or None
+            offset = int(query.get("nextToken") or 0)
+        except ValueError as exc:
+            raise InvalidRequest(f"malformed query: {exc}") from None
+        if query.get("order", "desc") not in ("asc", "desc"):
+            raise InvalidRequest("order is asc or desc")
         found = []
         for info in await cluster.list_sandboxes():
+            item = listed(info)
             if (_STATES.get(info.status) in wanted and caller.sees(cluster.projects, info.project)
-                    and all(info.labels.get(k) == v for k, v in metadata.items())):
-                found.append(listed(info).model_dump(mode="json"))
-        found.sort(key=lambda s: s["startedAt"], reverse=True)
-        return JSONResponse(found)
+                    and all(item.metadata.get(k) == v for k, v in metadata.items())
+                    and (after is None or info.created_at >= after)
+                    and query.get("template") in (None, "", item.template_id)):
+                found.append(item)
+        found.sort(key=lambda s: s.started_at, reverse=query.get("order", "desc") == "desc")
+        page = found[offset:offset + limit] if limit else found[offset:]
+        headers = {"x-next-token": str(offset + len(page))} if limit and offset + len(page) < len(found) else {}
+        return JSONResponse([s.model_dump(mode="json") for s in page], headers=headers)
 
     @router.get("/sandboxes/{sandbox_id}")
     @_answers
@@ -242,7 +259,9 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
             raise SandboxStateError(f"sandbox {sandbox_id} is already running")
         if resumed:
             info = await edge.resume(sandbox_id)
-        if body.timeout is not None:
+        now = datetime.now(timezone.utc)
+        ends = info.last_active_at + timedelta(seconds=info.ttl_running_stop)
+        if body.timeout is not None and now + timedelta(seconds=body.timeout) > ends:  # E2B only extends
             info = await edge.set_ttl(sandbox_id, float(body.timeout))
         answer = created(info, info.labels.get(TEMPLATE_LABEL, info.image)).model_dump(mode="json")
         return JSONResponse(answer, status_code=201 if resumed else 200)

@@ -21,12 +21,11 @@ import os
 import posixpath
 from dataclasses import dataclass
 
-from connectrpc.code import Code
-from connectrpc.errors import ConnectError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from libdsec import DSecError, InvalidRequest, SandboxFileNotFound
+from libdsec import DSecError, InvalidRequest, SandboxFileNotFound, Unauthenticated
+from libdsec.protocol import SandboxStatus
 
 from ...apiserver.cluster import Cluster
 from ...edge.api import EdgeAPI
@@ -96,8 +95,6 @@ class EnvdContext:
             raise InvalidRequest("no sandbox named: envd calls carry the E2b-Sandbox-Id header "
                                  "(E2B_SANDBOX_URL=<endpoint>/e2b/envd)")
         if not self.tokens.check(sandbox_id, headers.get("x-access-token", "")):
-            from libdsec import Unauthenticated
-
             raise Unauthenticated(f"missing or wrong X-Access-Token for sandbox {sandbox_id}")
         user = username or _basic_user(headers.get("authorization", ""))
         return Target(self.cluster.edge_for(sandbox_id), sandbox_id, user)
@@ -141,13 +138,26 @@ class EnvdApp:
                 return
         request = Request(scope, receive)
         if path == "/health":
-            response = Response(status_code=204)
+            response = await self._health(request)
         elif path == "/files" and request.method in ("GET", "POST"):
             response = await self._files(request)
         else:
             response = JSONResponse({"code": 404, "message": f"{request.method} {path} is not an envd route"},
                                     status_code=404)
         await response(scope, receive, send)
+
+    async def _health(self, request: Request) -> Response:
+        """204 while the sandbox runs; 502, as E2B's proxy answers, once it does not (paused, gone)."""
+        try:
+            target = self.envd.resolve(request.headers)
+            info = await target.edge.get(target.sandbox_id)
+        except Unauthenticated as exc:
+            return _envd_error(exc)
+        except DSecError as exc:
+            return JSONResponse({"code": 502, "message": exc.message}, status_code=502)
+        if info.status is not SandboxStatus.running:
+            return JSONResponse({"code": 502, "message": f"sandbox {info.id} is {info.status.value}"}, status_code=502)
+        return Response(status_code=204)
 
     async def _files(self, request: Request) -> Response:
         try:
@@ -201,7 +211,3 @@ class EnvdApp:
             # envd makes the missing parents of a file it writes
             await target.edge.make_dir(target.sandbox_id, os.path.dirname(path) or "/")
             await target.edge.write_file(target.sandbox_id, path, data, 0o644)
-
-
-def unauthenticated_rpc(message: str) -> ConnectError:
-    return ConnectError(Code.UNAUTHENTICATED, message)

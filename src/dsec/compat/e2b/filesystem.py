@@ -168,6 +168,8 @@ class FilesystemService:
         try:
             await target.edge.remove_path(target.sandbox_id, target.path(request.path), True)
             return pb.RemoveResponse()
+        except SandboxFileNotFound:
+            return pb.RemoveResponse()  # envd's remove is rm -rf's: nothing there is no error
         except DSecError as exc:
             raise _call_errors(exc) from None
 

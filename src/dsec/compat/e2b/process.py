@@ -201,7 +201,7 @@ class ProcessService:
             raise ConnectError(Code.UNIMPLEMENTED, PTY_UNSUPPORTED)
         config = request.process
         command = _command(config, bool(request.stdin))
-        env, workdir = dict(config.envs), config.cwd or None
+        env, workdir = dict(config.envs), target.path(config.cwd or "")  # envd's default: the user's home
         if request.stdin:  # a background process, started and followed in one call (the pid first)
             events = target.edge.start_process_stream(target.sandbox_id, StartProcessRequest(
                 command=command, env=env, workdir=workdir, user=target.user))
