@@ -292,7 +292,14 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     @_answers
     async def metrics(request: Request, sandbox_id: str) -> JSONResponse:
         _, info = await visible(request, sandbox_id)
+        try:
+            start, end = (datetime.fromtimestamp(int(request.query_params[k]), timezone.utc)
+                          if request.query_params.get(k) else None for k in ("start", "end"))
+        except (ValueError, OverflowError):
+            raise InvalidRequest("start and end are Unix times in seconds") from None
         sample = await _metrics(cluster, info)
+        if (start and sample.timestamp < start - timedelta(seconds=1)) or (end and sample.timestamp > end + timedelta(seconds=1)):
+            return JSONResponse([])  # the one sample DSec takes is now
         return JSONResponse([sample.model_dump(mode="json")])
 
     @router.get("/templates")

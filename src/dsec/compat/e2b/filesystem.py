@@ -114,7 +114,16 @@ class FilesystemService:
     async def stat(self, request: pb.StatRequest, ctx) -> pb.StatResponse:
         target = self.envd.target(ctx)
         try:
-            return pb.StatResponse(entry=entry_info(await self._stat(target, target.path(request.path))))
+            entry = await self._stat(target, target.path(request.path))
+            info = entry_info(entry)
+            if entry.type == "symlink" and entry.target:  # envd: the type of what it points to
+                pointed = posixpath.normpath(posixpath.join(posixpath.dirname(entry.path), entry.target))
+                info.symlink_target = pointed
+                try:
+                    info.type = _TYPES.get((await self._stat(target, pointed)).type, pb.FileType.UNSPECIFIED)
+                except SandboxFileNotFound:
+                    pass  # dangling: a symlink it stays
+            return pb.StatResponse(entry=info)
         except DSecError as exc:
             raise _call_errors(exc) from None
 
