@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import json
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 from urllib.parse import parse_qsl
@@ -24,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from libdsec import DSecError, ImageNotFound, InvalidRequest, SandboxNotFound, SandboxStateError
-from libdsec.protocol import DSecContainerRunArgs, SandboxInfo, SandboxStatus
+from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxInfo, SandboxStatus
 
 from ...apiserver.auth import Authenticator, Caller
 from ...apiserver.cluster import Cluster
@@ -89,8 +90,6 @@ async def _json(request: Request) -> object:
     if not raw:
         return None
     try:
-        import json
-
         return json.loads(raw)
     except ValueError:
         raise InvalidRequest("malformed request: the body is not JSON") from None
@@ -332,8 +331,6 @@ _METRICS_SCRIPT = (
 
 
 async def _metrics(cluster: Cluster, info: SandboxInfo) -> m.SandboxMetric:
-    from libdsec.protocol import ExecRequest
-
     result = await cluster.exec(info.id, ExecRequest(command=_METRICS_SCRIPT, timeout=10))
     lines = result.stdout.split("\n")
     try:
