@@ -18,10 +18,12 @@ from .cli_resources import register as register_resource_commands
 from .cli_top import register as register_top
 
 from .cli_images import image_app
+from .cli_jobs import job_app
 
 app = typer.Typer(help="DSec: sandboxes for agent training.", no_args_is_help=True, add_completion=False)
 bench_app = typer.Typer(help="Benchmarks, each against a peer measured in the same run.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
+app.add_typer(job_app, name="job")
 app.add_typer(bench_app, name="bench")
 
 
@@ -58,12 +60,25 @@ def serve(
              "dsec_burst); 0: no bursting.")] = 0,
     burst_quiet_s: Annotated[float, typer.Option(
         help="On Ray: let burst nodes go after this long below 50% committed.")] = 60.0,
+    max_creates: Annotated[int, typer.Option(
+        help="Creates this node runs at once; more wait in a bounded queue, past which they get 429.")] = 256,
+    max_commands: Annotated[int, typer.Option(
+        help="Commands this node runs at once (more wait, as for creates).")] = 1024,
+    max_queued: Annotated[int, typer.Option(
+        help="Creates (and 4x as many commands) that may wait for a slot; past that: 429 with Retry-After.")] = 1024,
+    max_queue_wait_s: Annotated[float, typer.Option(
+        help="Longest a create or command waits for a slot before it gets 429.")] = 30.0,
 ) -> None:
     """Run the apiserver and an edge for this machine in one process (or the apiserver of a cluster)."""
     from .server import ServerConfig
     from .server import serve as run_server
 
-    edge = {"max_sandboxes": max_sandboxes, "pool_max": pool_max}
+    edge = {"max_sandboxes": max_sandboxes, "pool_max": pool_max, "max_creates_running": max_creates,
+            "max_commands_running": max_commands, "max_creates_queued": max_queued,
+            "max_commands_queued": 4 * max_queued, "max_queue_wait_s": max_queue_wait_s}
+    if min(max_creates, max_commands) < 1 or max_queued < 0 or max_queue_wait_s <= 0:
+        fail(ValueError("--max-creates and --max-commands must be at least 1, --max-queued at least 0 and "
+                        "--max-queue-wait-s above 0"))
     if pool_max == 0:
         edge["pool_min"] = 0
     if cpu_overcommit is not None:
@@ -330,6 +345,36 @@ def bench_clean_copy(
 
     raise typer.Exit(run_bench(state_dir=state_dir, console=console, rounds=rounds, pack_rounds=pack_rounds,
                                podman_rounds=podman_rounds, tree_mb=tree_mb, files=files, podman=podman))
+
+
+@bench_app.command("rollout")
+def bench_rollout(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-rollout"),
+    store_dir: Annotated[Optional[Path], typer.Option("--store-dir", help="Layer store with (or to get) the python base and the task set (default: <state-dir>-store).")] = None,
+    episodes: Annotated[int, typer.Option(help="DSec episodes.")] = 1000,
+    podman_episodes: Annotated[int, typer.Option(help="Episodes of the podman exec peer (0: none).")] = 48,
+    concurrency: Annotated[int, typer.Option(help="Episodes in flight (both ways).")] = 16,
+    tasks: Annotated[int, typer.Option(help="Task repositories (workspace layers over the python base).")] = 32,
+    branch_every: Annotated[int, typer.Option(help="A mid-episode pack_diff branch every this many episodes (0: none).")] = 8,
+) -> None:
+    """A SWE-style RL rollout (tasks, scripted policy, branch, clean-copy verdict) against podman exec."""
+    from .bench.rollout import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir, console, store_dir=store_dir, episodes=episodes, concurrency=concurrency,
+                               tasks=tasks, branch_every=branch_every, podman_episodes=podman_episodes))
+
+
+@bench_app.command("joblog")
+def bench_joblog(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-joblog"),
+    lifecycles: Annotated[int, typer.Option(help="Measured lifecycles per arm (all rounds).")] = 1200,
+    rounds: Annotated[int, typer.Option(help="Rounds, the two arms in turn.")] = 4,
+    concurrency: Annotated[int, typer.Option(help="Lifecycles in flight.")] = 32,
+) -> None:
+    """Lifecycle throughput with a job log (DSecClient(job=...), keyed creates) beside without."""
+    from .bench.joblog import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir, console, lifecycles=lifecycles, rounds=rounds, concurrency=concurrency))
 
 
 @bench_app.command("cluster-ray")

@@ -268,7 +268,7 @@ def build_app(config: ServerConfig):
         if cold is not None:
             cold.start()
             log.info("cold-memory reclaimer on: %s", config.cold_memory)
-        warm_ups = [asyncio.create_task(b.warm_up()) for b in edge.backends.values() if hasattr(b, "warm_up")]
+        warm_ups = [asyncio.create_task(b.warm_up()) for b in edge.backends.values()]
         log.info("edge %s ready: %d sandboxes adopted", edge.node, len(await edge.list()))
         # What start-up made (modules, routes, schemas, adopted records) lives as long as the
         # server: out of the collector's sight, a full collection no longer walks it all (one

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import json
 import os
+import random
 import ssl
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
@@ -23,6 +25,7 @@ from ._errors import (
     DSecError,
     InvalidRequest,
     LimitOutOfRange,
+    Overloaded,
     ServerError,
     SessionClosed,
     ServerUnavailable,
@@ -31,9 +34,11 @@ from ._errors import (
 from ._files import SandboxFiles
 from ._process import Process, Session, events_of, run_with_callbacks
 from ._projects import _ProjectMethods
+from ._replay import Replay
 from ._wire import Answer, CannotConnect, ConnectionBroken, WireClient, WireError
 from .protocol import ClusterStats, NetworkRulesRequest, SecurityEvent, SecurityEventList, TTLRequest
 from .protocol import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
+from .protocol import JOB_HEADER, KEY_HEADER, JobInfo, JobList, JobLog, check_job_name, check_key
 from .protocol import (
     DEFAULT_COMMAND_TIMEOUT_S,
     MAX_SANDBOX_BATCH,
@@ -72,12 +77,32 @@ _POOL_SHARDS = 8  # connection pools a client takes turns over (see DSecClient.o
 # Requests that may go to another endpoint after they may have reached a server: the
 # idempotent methods (RFC 9110), reads and stop among them; never a create or an exec (POST).
 _REPEATABLE = frozenset({"GET", "HEAD", "PUT", "DELETE"})
+# The calls that make a sandbox: sent again only when they carry an idempotency key.
+_CREATE_PATHS = frozenset({"/v1/sandboxes", "/v1/microvms", "/v1/vms", "/v1/sandboxes:batch"})
+
+
+def _is_create(method: str, path: str) -> bool:
+    return method == "POST" and (path in _CREATE_PATHS or path.endswith("/clean_copy"))
+
+
+def may_repeat(method: str, path: str, headers: dict[str, str] | None, refused: bool) -> bool:
+    """Whether a call that failed may be sent again, to the same server. ``refused``: it was
+    answered ``Overloaded``, which a node says before any of the call's work began; else its
+    connection broke, and the call may have reached the server. A create is repeated only when
+    it carries an idempotency key, in both cases: its ``Overloaded`` may come from the last of
+    the nodes the apiserver tried, after one that broke off mid-create (and may have made it).
+    Anything else refused is repeated; anything else broken only when idempotent (GET, PUT,
+    DELETE: reads, writing a file, stop)."""
+    if _is_create(method, path):
+        return bool((headers or {}).get(KEY_HEADER))  # the idempotency key (``key=``)
+    return refused or method in _REPEATABLE
 
 
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
     """httpx's default TLS context, made once a process: each client making its own loads the
-    CA bundle again, ~20 ms of CPU per client opened (even for a plain http endpoint)."""
+    CA bundle again, a cost per client opened larger than its first requests' (even for a
+    plain http endpoint)."""
     return httpx.create_ssl_context()
 
 ProgressCallback = Callable[[int, int], None]
@@ -147,6 +172,10 @@ class Sandbox:
         request = _exec_request(command, timeout, env, workdir, user, stdin, max_output_bytes)
         if on_stdout is not None or on_stderr is not None:
             return await run_with_callbacks(self._events(request), on_stdout, on_stderr)
+        if self._client._replay is not None:
+            answered, result = self._client._replay.call(self.id, "exec", request.model_dump(mode="json"))
+            if answered:
+                return ExecResult.model_validate(result)
         body = await self._client._request(
             "POST",
             f"/v1/sandboxes/{self.id}/exec",
@@ -243,6 +272,10 @@ class Sandbox:
     async def write_file(self, path: str, data: bytes | str, *, mode: int = 0o644) -> None:
         if isinstance(data, str):
             data = data.encode()
+        if self._client._replay is not None:
+            request = {"path": path, "mode": mode, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            if self._client._replay.call(self.id, "write_file", request)[0]:
+                return
         await self._client._request(
             "PUT",
             f"/v1/sandboxes/{self.id}/files",
@@ -258,9 +291,12 @@ class Sandbox:
     async def pack_diff(self, name: str | None = None, *, role: str = "snapshot") -> PackDiffResult:
         """Turn the sandbox's changes into a new image (the sandbox is frozen meanwhile and
         keeps running after). Start new sandboxes from ``result.image`` to restore or branch."""
-        body = await self._client._request(
-            "POST", f"/v1/sandboxes/{self.id}/pack_diff", model=PackDiffRequest(name=name, role=role), timeout=600
-        )
+        request = PackDiffRequest(name=name, role=role)
+        if self._client._replay is not None:
+            answered, result = self._client._replay.call(self.id, "pack_diff", request.model_dump(mode="json"))
+            if answered:
+                return PackDiffResult.model_validate(result)
+        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/pack_diff", model=request, timeout=600)
         return PackDiffResult.model_validate(body)
 
     async def clean_copy(self, keep: Iterable[str]) -> Sandbox:
@@ -276,8 +312,14 @@ class Sandbox:
             request = CleanCopyRequest(keep=list(keep))
         except ValidationError as exc:
             raise InvalidRequest("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
-        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/clean_copy", model=request, timeout=600)
-        result = CleanCopyResult.model_validate(body)
+        answered, logged = (False, None) if self._client._replay is None else \
+            self._client._replay.call(self.id, "clean_copy", request.model_dump(mode="json"))
+        if answered:
+            result = CleanCopyResult.model_validate(logged)
+        else:
+            body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/clean_copy", model=request,
+                                               timeout=600)
+            result = CleanCopyResult.model_validate(body)
         copy = Sandbox(self._client, result.sandbox)
         copy.clean_copy_result = result
         return copy
@@ -326,6 +368,11 @@ class Sandbox:
         """Stop and remove the sandbox. Stopping a stopped sandbox does nothing."""
         if self.info.status in (SandboxStatus.stopped,):
             return
+        if self._client._replay is not None:
+            answered, result = self._client._replay.call(self.id, "stop", {})
+            if answered:
+                self.info = SandboxInfo.model_validate(result)
+                return
         body = await self._client._request("DELETE", f"/v1/sandboxes/{self.id}")
         self.info = SandboxInfo.model_validate(body)
 
@@ -348,6 +395,13 @@ class DSecClient(_ProjectMethods):
     client stays there. A request that may already have reached the server (the connection
     broke after it was sent) moves on only when it is safe to repeat (GET, PUT, DELETE: reads,
     writing a file, stop); a create or an exec then fails with ``ServerUnavailable``.
+
+    Overload and broken connections: a call answered ``Overloaded`` (429: the node was too busy
+    to begin it) or whose connection was reset is sent again, up to ``retries`` times, after a
+    backoff (``retry_backoff_s`` doubling each time, with jitter, at least the server's
+    ``retry_after``, at most ``retry_max_wait_s``), when it is safe to repeat (``may_repeat``:
+    never a create without an idempotency key, never a command whose connection broke). The
+    last failure is raised. ``retries=0``: none is repeated.
     """
 
     def __init__(
@@ -358,7 +412,26 @@ class DSecClient(_ProjectMethods):
         timeout: float = 120.0,
         transport: httpx.AsyncBaseTransport | None = None,
         max_connections: int = 256,
+        job: str | None = None,
+        resume: bool = False,
+        retries: int = 6,
+        retry_backoff_s: float = 0.1,
+        retry_max_wait_s: float = 10.0,
     ) -> None:
+        if retries < 0 or retry_backoff_s < 0 or retry_max_wait_s < 0:
+            raise InvalidRequest(f"retries={retries}, retry_backoff_s={retry_backoff_s} and "
+                                 f"retry_max_wait_s={retry_max_wait_s} must not be negative")
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self.retry_max_wait_s = retry_max_wait_s
+        try:
+            self.job = None if job is None else check_job_name(job)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if resume and job is None:
+            raise InvalidRequest("resume=True needs the job to resume: DSecClient(job=..., resume=True)")
+        self._resume = resume
+        self._replay: Replay | None = None
         self.endpoints = _split_endpoints(endpoint or os.environ.get("DSEC_ENDPOINT") or DEFAULT_ENDPOINT)
         self.endpoint = self.endpoints[0]  # the one in use
         self._token = token
@@ -376,8 +449,17 @@ class DSecClient(_ProjectMethods):
             return self
         token = self._token or default_token()
         headers = {"authorization": f"Bearer {token}"} if token else {}
+        if self.job is not None:
+            headers[JOB_HEADER] = self.job
         self._routes = {endpoint: self._route(endpoint, headers) for endpoint in self.endpoints}
         self._wire, self._http = self._routes[self.endpoint]
+        if self._resume and self._replay is None:
+            assert self.job is not None
+            try:
+                self._replay = Replay(await self.job_log(self.job))
+            except BaseException:
+                await self.close()
+                raise
         return self
 
     def _route(self, endpoint: str, headers: dict[str, str]) -> tuple[WireClient | None, list[httpx.AsyncClient]]:
@@ -421,20 +503,34 @@ class DSecClient(_ProjectMethods):
 
     # -- sandboxes -------------------------------------------------------------------------
 
-    async def run_container(self, args: DSecContainerRunArgs, *, timeout: float | None = None) -> Sandbox:
-        """Create one container sandbox and return once it is running."""
-        body = await self._request("POST", "/v1/sandboxes", model=args, timeout=timeout)
-        return Sandbox(self, SandboxInfo.model_validate(body))
+    async def run_container(self, args: DSecContainerRunArgs, *, key: str | None = None,
+                            timeout: float | None = None) -> Sandbox:
+        """Create one container sandbox and return once it is running.
 
-    async def run_microvm(self, args: DSecMicroVMRunArgs, *, timeout: float | None = None) -> Sandbox:
+        ``key``: an idempotency key of the caller's choosing (e.g. ``"episode-17"``). A create
+        with a key used before in the project (or, with ``job=``, in the job) returns the sandbox
+        made then, also after an apiserver restart, and makes none; with other arguments it
+        raises ``KeyReused``. The same holds for ``run_microvm``, ``run_vm`` and ``run_containers``."""
+        return await self._create("/v1/sandboxes", "container", args, key, timeout)
+
+    async def run_microvm(self, args: DSecMicroVMRunArgs, *, key: str | None = None,
+                          timeout: float | None = None) -> Sandbox:
         """Create one microVM (or restore one from ``args.snapshot``); returns once its guest
         agent answers. The handle is the same as a container's."""
-        body = await self._request("POST", "/v1/microvms", model=args, timeout=timeout)
-        return Sandbox(self, SandboxInfo.model_validate(body))
+        return await self._create("/v1/microvms", "microvm", args, key, timeout)
 
-    async def run_vm(self, args: DSecFullVMRunArgs, *, timeout: float | None = None) -> Sandbox:
+    async def run_vm(self, args: DSecFullVMRunArgs, *, key: str | None = None, timeout: float | None = None) -> Sandbox:
         """Create one full VM booting the image's own init; same handle as a container's."""
-        body = await self._request("POST", "/v1/vms", model=args, timeout=timeout)
+        return await self._create("/v1/vms", "fullvm", args, key, timeout)
+
+    async def _create(self, path: str, kind: str, args: DSecContainerRunArgs, key: str | None,
+                      timeout: float | None) -> Sandbox:
+        headers = _key_headers(key)
+        if self._replay is not None:
+            logged = self._replay.create("create", {"kind": kind, "args": args.model_dump(mode="json")}, key)
+            if logged is not None:
+                return Sandbox(self, SandboxInfo.model_validate(logged))
+        body = await self._request("POST", path, model=args, timeout=timeout, headers=headers)
         return Sandbox(self, SandboxInfo.model_validate(body))
 
     async def run_containers(
@@ -442,19 +538,27 @@ class DSecClient(_ProjectMethods):
         args: DSecContainerRunArgs,
         *,
         count: int,
+        key: str | None = None,
         timeout: float | None = None,
         progress: ProgressCallback | None = None,
     ) -> list[Sandbox]:
         """Create ``count`` sandboxes in one request; all of them, or none (then it raises).
 
-        ``progress(done, count)`` is called as each one comes up.
+        ``progress(done, count)`` is called as each one comes up. ``key``: as ``run_container``'s
+        (a batch with a key used before returns the sandboxes made then).
         """
         if not 1 <= count <= MAX_SANDBOX_BATCH:
             raise LimitOutOfRange(f"count={count} is out of range: 1..{MAX_SANDBOX_BATCH} sandboxes per batch")
+        headers = _key_headers(key)
+        if self._replay is not None:
+            logged = self._replay.create("create_batch", {"kind": "container", "args": args.model_dump(mode="json"),
+                                                          "count": count}, key)
+            if logged is not None:
+                return [Sandbox(self, SandboxInfo.model_validate(info)) for info in logged]
         request = CreateBatchRequest(args=args, count=count)
         sandboxes: list[Sandbox | None] = [None] * count
         done = 0
-        async for event in self._stream("POST", "/v1/sandboxes:batch", request, timeout):
+        async for event in self._stream("POST", "/v1/sandboxes:batch", request, timeout, headers=headers):
             if event.event == "created" and event.sandbox is not None and event.index is not None:
                 sandboxes[event.index] = Sandbox(self, event.sandbox)
                 done += 1
@@ -494,6 +598,26 @@ class DSecClient(_ProjectMethods):
         """Every node's counters and holdings, and the apiserver's own (root token only): what
         ``/metrics``, the dashboard and ``dsec top`` show."""
         return ClusterStats.model_validate_json(await self._request("GET", "/v1/stats", raw=True))
+
+    # -- job logs ----------------------------------------------------------------------------
+
+    async def list_jobs(self) -> list[JobInfo]:
+        """The jobs of this client's project (every job, for the root token)."""
+        return JobList.model_validate(await self._request("GET", "/v1/jobs")).jobs
+
+    async def job_log(self, job: str, *, after: int = 0) -> JobLog:
+        """A job and its log entries (past ``after``, a ``seq``), in order; ``JobNotFound`` when
+        there is none (or it is another project's)."""
+        return JobLog.model_validate(await self._request("GET", f"/v1/jobs/{_job_path(job)}",
+                                                         params={"after": str(after)} if after else None))
+
+    async def remove_job(self, job: str) -> None:
+        await self._request("DELETE", f"/v1/jobs/{_job_path(job)}")
+
+    @property
+    def replayed(self) -> int:
+        """Calls answered from the job's log so far (``resume=True``)."""
+        return 0 if self._replay is None else self._replay.answered
 
     # -- fncall ------------------------------------------------------------------------------
 
@@ -545,49 +669,73 @@ class DSecClient(_ProjectMethods):
         content: bytes | None = None,
         timeout: float | None = None,
         raw: bool = False,
+        headers: dict[str, str] | None = None,
     ) -> Any:
         body, content_type = content, "application/octet-stream"
         if model is not None:
             body, content_type = model.model_dump_json().encode(), "application/json"
         tried: list[str] | None = None
+        attempt = 0
         while True:
             endpoint, wire = self.endpoint, self._wire
             try:
                 if wire is not None:
                     answer: Answer | httpx.Response = await wire.request(
                         method, path, params=params, body=body, content_type=content_type,
-                        timeout=self._timeout if timeout is None else timeout)
+                        timeout=self._timeout if timeout is None else timeout, headers=headers)
                 else:
-                    answer = await self._request_httpx(method, path, params, body, content_type, timeout)
+                    answer = await self._request_httpx(method, path, params, body, content_type, timeout, headers)
             except (WireError, httpx.TransportError) as exc:
                 tried = [] if tried is None else tried
-                if not self._fail_over(endpoint, method, exc, tried):
-                    raise _unavailable(tried, endpoint, exc) from exc
-                continue
-            return _body(answer, raw)
+                if self._fail_over(endpoint, method, exc, tried):
+                    continue
+                if _broken(exc) and await self._backoff(attempt, method, path, headers, None):
+                    attempt += 1
+                    tried.clear()
+                    continue
+                raise _unavailable(tried, endpoint, exc) from exc
+            try:
+                return _body(answer, raw)
+            except Overloaded as exc:
+                if not await self._backoff(attempt, method, path, headers, exc):
+                    raise
+                attempt += 1
+
+    async def _backoff(self, attempt: int, method: str, path: str, headers: dict[str, str] | None,
+                       refusal: Overloaded | None) -> bool:
+        """Wait before sending the call again, if it may be (see ``may_repeat``) and has tries
+        left; whether it is to be sent again."""
+        if attempt >= self.retries or not may_repeat(method, path, headers, refusal is not None):
+            return False
+        wait = self.retry_backoff_s * 2 ** attempt * random.uniform(0.5, 1.0)
+        if refusal is not None:  # the server's estimate, spread so the refused do not come back at once
+            wait = max(wait, refusal.retry_after * random.uniform(1.0, 1.5))
+        await asyncio.sleep(min(wait, self.retry_max_wait_s))
+        return True
 
     async def _request_httpx(
         self, method: str, path: str, params: dict[str, str] | None, body: bytes | None, content_type: str,
-        timeout: float | None,
+        timeout: float | None, headers: dict[str, str] | None = None,
     ) -> httpx.Response:
         http = self._client()
-        kwargs: dict[str, Any] = {"params": params}
+        kwargs: dict[str, Any] = {"params": params, "headers": dict(headers or {})}
         if body is not None:
             kwargs["content"] = body
-            kwargs["headers"] = {"content-type": content_type}
+            kwargs["headers"]["content-type"] = content_type
         if timeout is not None:
             kwargs["timeout"] = timeout
         return await http.request(method, path, **kwargs)
 
     async def _stream(
         self, method: str, path: str, model: BaseModel, timeout: float | None,
-        event_model: type[BaseModel] = BatchEvent,
+        event_model: type[BaseModel] = BatchEvent, headers: dict[str, str] | None = None,
     ) -> Any:
         if self._wire is not None:
-            async for event in self._stream_wire(method, path, model, timeout, event_model):
+            async for event in self._stream_wire(method, path, model, timeout, event_model, headers):
                 yield event
             return
         tried: list[str] = []
+        attempt = 0
         while True:
             endpoint, http = self.endpoint, self._client()
             try:
@@ -595,12 +743,16 @@ class DSecClient(_ProjectMethods):
                     method,
                     path,
                     content=model.model_dump_json(),
-                    headers={"content-type": "application/json"},
+                    headers={**(headers or {}), "content-type": "application/json"},
                     timeout=timeout if timeout is not None else self._timeout,
                 ) as response:
                     if response.status_code >= 400:
                         await response.aread()
-                        raise _error_of(response)
+                        error = _error_of(response)
+                        if isinstance(error, Overloaded) and await self._backoff(attempt, method, path, headers, error):
+                            attempt += 1
+                            continue
+                        raise error
                     async for line in response.aiter_lines():
                         if line.strip():
                             yield event_model.model_validate_json(line)
@@ -610,24 +762,31 @@ class DSecClient(_ProjectMethods):
                     raise _unavailable(tried, endpoint, exc) from exc
 
     async def _stream_wire(self, method: str, path: str, model: BaseModel, timeout: float | None,
-                           event_model: type[BaseModel] = BatchEvent) -> Any:
+                           event_model: type[BaseModel] = BatchEvent, headers: dict[str, str] | None = None) -> Any:
         assert self._wire is not None
-        try:
-            async with self._wire.stream(method, path, body=model.model_dump_json().encode(),
-                                         content_type="application/json",
-                                         timeout=timeout if timeout is not None else self._timeout) as response:
-                if response.status_code >= 400:
-                    raise _error_of(Answer(response.status_code, await response.read()))
-                rest = b""
-                async for chunk in response.chunks():
-                    *lines, rest = (rest + chunk).split(b"\n")
-                    for line in lines:
-                        if line.strip():
-                            yield event_model.model_validate_json(line)
-                if rest.strip():
-                    yield event_model.model_validate_json(rest)
-        except WireError as exc:
-            raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc}") from exc
+        attempt = 0
+        while True:
+            try:
+                async with self._wire.stream(method, path, body=model.model_dump_json().encode(),
+                                             content_type="application/json", headers=headers,
+                                             timeout=timeout if timeout is not None else self._timeout) as response:
+                    if response.status_code >= 400:
+                        error = _error_of(Answer(response.status_code, await response.read()))
+                        if isinstance(error, Overloaded) and await self._backoff(attempt, method, path, headers, error):
+                            attempt += 1
+                            continue
+                        raise error
+                    rest = b""
+                    async for chunk in response.chunks():
+                        *lines, rest = (rest + chunk).split(b"\n")
+                        for line in lines:
+                            if line.strip():
+                                yield event_model.model_validate_json(line)
+                    if rest.strip():
+                        yield event_model.model_validate_json(rest)
+                    return
+            except WireError as exc:
+                raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc}") from exc
 
     def _fail_over(self, failed: str, method: str, exc: Exception, tried: list[str]) -> bool:
         """After ``exc`` at ``failed``: whether to send the request again, to ``self.endpoint``
@@ -649,6 +808,28 @@ class DSecClient(_ProjectMethods):
                 self._wire, self._http = self._routes[endpoint]
                 return True
         return False
+
+
+def _key_headers(key: str | None) -> dict[str, str] | None:
+    if key is None:
+        return None
+    try:
+        return {KEY_HEADER: check_key(key)}
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def _job_path(job: str) -> str:
+    try:
+        return check_job_name(job)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def _broken(exc: Exception) -> bool:
+    """A connection that was reset or closed under a request (not one refused, not a timeout)."""
+    return isinstance(exc, (ConnectionBroken, httpx.NetworkError, httpx.RemoteProtocolError)) and not isinstance(
+        exc, httpx.ConnectError)
 
 
 def _split_endpoints(endpoints: str) -> tuple[str, ...]:

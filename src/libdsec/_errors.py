@@ -2,7 +2,8 @@
 
     DSecError
     ├── InvalidRequest (ValueError)          malformed request or argument
-    │   └── LimitOutOfRange                  memory / CPU / TTL / count outside what is allowed
+    │   ├── LimitOutOfRange                  memory / CPU / TTL / count outside what is allowed
+    │   └── KeyReused                        an idempotency key used before with other args (409)
     ├── Unauthenticated (PermissionError)    missing or wrong token
     ├── ImageNotFound (LookupError)          no image by that name
     ├── SandboxNotFound (LookupError)        no sandbox by that id (or it is gone)
@@ -15,12 +16,16 @@
     ├── CommandTimeout (TimeoutError)        a command ran past its timeout and was killed
     ├── CapacityExceeded                     no node could admit the sandbox
     ├── QuotaExceeded                        the project's quota (or an ancestor's) is used up
+    ├── Overloaded                           the node is busy: try again after ``retry_after`` s (429)
     ├── ProjectNotFound (LookupError)        no project by that name (or not visible to the token)
+    ├── JobNotFound (LookupError)            no job log by that name (or it is another project's)
+    ├── ReplayDiverged                       a resumed job's call differs from its log (409)
     ├── BackendError                         the runtime (crun, mounts, …) failed
     ├── ServerUnavailable (ConnectionError)  the SDK could not reach the server
     └── ServerError                          anything else the server reported
 
-Errors cross the wire as ``{"error": {"code": CODE, "message": MSG}}`` with the fixed list of
+Errors cross the wire as ``{"error": {"code": CODE, "message": MSG}}`` (``Overloaded`` adds
+``retry_after``, seconds) with the fixed list of
 codes in ``ERROR_CODES``; each side maps them back with :func:`error_from_wire`.
 """
 
@@ -49,6 +54,14 @@ class InvalidRequest(DSecError, ValueError):
 class LimitOutOfRange(InvalidRequest):
     code = "limit_out_of_range"
     status = 422
+
+
+class KeyReused(InvalidRequest):
+    """A create's idempotency ``key`` was used before (in the project, or in the job) for a
+    create with other arguments: the old sandbox is not returned."""
+
+    code = "key_reused"
+    status = 409
 
 
 class Unauthenticated(DSecError, PermissionError):
@@ -114,9 +127,38 @@ class QuotaExceeded(DSecError):
     status = 429
 
 
+class Overloaded(DSecError):
+    """More creates or commands at once than the node takes, past its bounded queue: refused
+    before any of the work began, so the same call may be sent again (the SDK does, with
+    backoff) after ``retry_after`` seconds, also sent as the ``Retry-After`` header."""
+
+    code = "overloaded"
+    status = 429
+
+    def __init__(self, message: str = "", retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = max(0.0, float(retry_after))
+
+    def to_wire(self) -> dict:
+        return {"error": {"code": self.code, "message": self.message, "retry_after": round(self.retry_after, 3)}}
+
+
 class ProjectNotFound(DSecError, LookupError):
     code = "project_not_found"
     status = 404
+
+
+class JobNotFound(DSecError, LookupError):
+    code = "job_not_found"
+    status = 404
+
+
+class ReplayDiverged(DSecError):
+    """A call of a resumed job (``DSecClient(job=…, resume=True)``) is not the one its log
+    holds at that place: the message names both."""
+
+    code = "replay_diverged"
+    status = 409
 
 
 class BackendError(DSecError):
@@ -139,6 +181,7 @@ ERROR_CODES: dict[str, type[DSecError]] = {
     for cls in (
         InvalidRequest,
         LimitOutOfRange,
+        KeyReused,
         Unauthenticated,
         ImageNotFound,
         SandboxNotFound,
@@ -151,7 +194,10 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         CommandTimeout,
         CapacityExceeded,
         QuotaExceeded,
+        Overloaded,
         ProjectNotFound,
+        JobNotFound,
+        ReplayDiverged,
         BackendError,
         ServerUnavailable,
         ServerError,
@@ -164,5 +210,9 @@ def error_from_wire(body: object, status: int) -> DSecError:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         err = body["error"]
         cls = ERROR_CODES.get(str(err.get("code")), ServerError)
+        if cls is Overloaded:
+            retry_after = err.get("retry_after")
+            return Overloaded(str(err.get("message", "")),
+                              retry_after if isinstance(retry_after, (int, float)) else 1.0)
         return cls(str(err.get("message", "")))
     return ServerError(f"HTTP {status}: {body!r}"[:500])

@@ -125,23 +125,20 @@ class _ProjectMethods:
 class _SyncProjectMethods:
     """Mixed into :class:`libdsec.SyncDSecClient`: the same calls, blocking."""
 
-    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return self._loop().run(getattr(self._async, name)(*args, **kwargs))  # type: ignore[attr-defined]
-
     def list_projects(self) -> list[ProjectInfo]:
-        return self._call("list_projects")
+        return self._loop().run(self._async.list_projects())  # type: ignore[attr-defined]
 
     def get_project(self, name: str) -> ProjectInfo:
-        return self._call("get_project", name)
+        return self._loop().run(self._async.get_project(name))  # type: ignore[attr-defined]
 
     def create_project(self, name: str, **kwargs: Any) -> ProjectInfo:
-        return self._call("create_project", name, **kwargs)
+        return self._loop().run(self._async.create_project(name, **kwargs))  # type: ignore[attr-defined]
 
     def set_project_quota(self, name: str, **kwargs: Any) -> ProjectInfo:
-        return self._call("set_project_quota", name, **kwargs)
+        return self._loop().run(self._async.set_project_quota(name, **kwargs))  # type: ignore[attr-defined]
 
     def remove_project(self, name: str) -> None:
-        self._call("remove_project", name)
+        self._loop().run(self._async.remove_project(name))  # type: ignore[attr-defined]
 
     def create_project_token(self, name: str, *, e2b: bool = False) -> str:
-        return self._call("create_project_token", name, e2b=e2b)
+        return self._loop().run(self._async.create_project_token(name, e2b=e2b))  # type: ignore[attr-defined]

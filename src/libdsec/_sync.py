@@ -17,8 +17,9 @@ from ._process import Process, Session
 from .protocol import ExecEvent, FileEntry, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
-from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult
+from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult, JobInfo, JobLog, NodeInfo, SandboxStatus
 from ._projects import _SyncProjectMethods
+from ._twin import twin_of
 
 T = TypeVar("T")
 
@@ -49,6 +50,7 @@ class _LoopThread:
         self.loop.close()
 
 
+@twin_of(Process)
 class SyncProcess:
     """Blocking twin of :class:`libdsec.Process`."""
 
@@ -93,6 +95,7 @@ class SyncProcess:
         self._run(self._process.__aexit__(*exc))
 
 
+@twin_of(Session)
 class SyncSession:
     """Blocking twin of :class:`libdsec.Session`."""
 
@@ -120,6 +123,7 @@ class SyncSession:
         self.close()
 
 
+@twin_of(SandboxFiles)
 class SyncFiles:
     """Blocking twin of ``Sandbox.files``."""
 
@@ -149,6 +153,7 @@ class SyncFiles:
         self._run(self._files.download_dir(path, local_dir))
 
 
+@twin_of(Sandbox)
 class SyncSandbox:
     """Blocking twin of :class:`libdsec.Sandbox`."""
 
@@ -165,6 +170,10 @@ class SyncSandbox:
     @property
     def info(self) -> SandboxInfo:
         return self._sandbox.info
+
+    @property
+    def status(self) -> SandboxStatus:
+        return self._sandbox.status
 
     def run_shell(self, command: str, **kwargs: Any) -> ExecResult:
         return self._run(self._sandbox.run_shell(command, **kwargs))
@@ -237,6 +246,7 @@ class SyncSandbox:
         self.stop()
 
 
+@twin_of(DSecClient)
 class SyncDSecClient(_SyncProjectMethods):
     """Blocking twin of :class:`libdsec.DSecClient`; same arguments, same errors."""
 
@@ -303,6 +313,9 @@ class SyncDSecClient(_SyncProjectMethods):
     def gc_images(self) -> list[str]:
         return self._loop().run(self._async.gc_images())
 
+    def node_info(self) -> list[NodeInfo]:
+        return self._loop().run(self._async.node_info())
+
     def stats(self) -> ClusterStats:
         return self._loop().run(self._async.stats())
 
@@ -311,3 +324,16 @@ class SyncDSecClient(_SyncProjectMethods):
 
     def fncall_many(self, calls: Iterable[DSecFnCallArgs], **kwargs: Any) -> list[FnCallResult]:
         return self._loop().run(self._async.fncall_many(calls, **kwargs))
+
+    def list_jobs(self) -> list[JobInfo]:
+        return self._loop().run(self._async.list_jobs())
+
+    def job_log(self, job: str, **kwargs: Any) -> JobLog:
+        return self._loop().run(self._async.job_log(job, **kwargs))
+
+    def remove_job(self, job: str) -> None:
+        self._loop().run(self._async.remove_job(job))
+
+    @property
+    def replayed(self) -> int:
+        return self._async.replayed

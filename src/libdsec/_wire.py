@@ -1,18 +1,18 @@
 """A lean HTTP/1.1 client for the SDK's own requests to an apiserver over plain ``http://``.
 
-httpx spends about 1.3 ms of CPU on a request here, three to four times what the server
-spends answering it: its connection pool polls every idle connection and rescans every queued
-request each time one is sent or done, and each request passes through URL merging, cookie
-extraction and an auth flow the SDK does not use. The SDK's requests all have one shape (a
-method, a path with an optional query, a JSON or bytes body, one bearer token, an answer read
-whole), so they go through this client instead: idle keep-alive connections on a stack, each
-request's head written out directly (its target and header values checked first), each answer
-read by httptools (the C HTTP parser under uvicorn). h11, which framed both before, took 83 µs
-of the client's CPU an exchange here, a quarter of what a warm create costs the client in all;
-this takes a few. A batch create's NDJSON answer is read as it arrives (``stream``): httpx's
-line iterator and its stream machinery cost the client more than parsing each line.
-``https://`` endpoints and custom httpx transports stay on httpx. (The apiserver reaches its
-nodes through this client too: ``dsec.edge.remote``.)
+httpx spends several times the CPU on a request that the server spends answering it: its connection
+pool polls every idle connection and rescans every queued request each time one is sent or done,
+and each request passes through URL merging, cookie extraction and an auth flow the SDK does not
+use. The SDK's requests all have one shape (a method, a path with an optional query, a JSON or
+bytes body, one bearer token, an answer read whole), so they go through this client instead: idle
+keep-alive connections on a stack, each request's head written out directly (its target and header
+values checked first), each answer read by httptools (the C HTTP parser under uvicorn). h11, which
+framed both before, took a sizeable share of what a warm create costs the client in all; httptools
+a small part of that (docs/BENCHMARKS.md, "Lifecycle", has the client's CPU a lifecycle). A batch
+create's NDJSON answer is read as it arrives (``stream``): httpx's line iterator and its stream
+machinery cost the client more than parsing each line. ``https://`` endpoints and custom httpx
+transports stay on httpx. (The apiserver reaches its nodes through this client too:
+``dsec.edge.remote``.)
 """
 
 from __future__ import annotations
@@ -195,13 +195,17 @@ class WireClient:
         self._idle_expiry_s = idle_expiry_s
 
     def _request_bytes(self, method: str, path: str, params: dict[str, str] | None, body: bytes | None,
-                       content_type: str | None) -> bytes:
+                       content_type: str | None, headers: dict[str, str] | None = None) -> bytes:
         if self._closed:
             raise WireError("client is closed")
         target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
         if not _TARGET.fullmatch(target):
             raise WireError(f"cannot send {method} {target!r}: not a request target (visible ASCII only)")
         head = f"{method} {target} HTTP/1.1\r\n{self._head}"
+        for name, value in (headers or {}).items():
+            if not _TARGET.fullmatch(name) or ":" in name or not _VALUE.fullmatch(value):
+                raise WireError(f"cannot send the header {name!r}: {value!r} (visible ASCII only)")
+            head += f"{name}: {value}\r\n"
         if body is not None:
             head += f"content-type: {content_type or 'application/octet-stream'}\r\ncontent-length: {len(body)}\r\n"
         return (head + "\r\n").encode() + (body or b"")
@@ -215,8 +219,9 @@ class WireClient:
         body: bytes | None = None,
         content_type: str | None = None,
         timeout: float,
+        headers: dict[str, str] | None = None,
     ) -> Answer:
-        request = self._request_bytes(method, path, params, body, content_type)
+        request = self._request_bytes(method, path, params, body, content_type, headers)
         async with self._slots:
             try:
                 async with asyncio.timeout(timeout):
@@ -246,12 +251,12 @@ class WireClient:
 
     @asynccontextmanager
     async def stream(self, method: str, path: str, *, body: bytes | None = None, content_type: str | None = None,
-                     timeout: float) -> AsyncIterator[Stream]:
+                     timeout: float, headers: dict[str, str] | None = None) -> AsyncIterator[Stream]:
         """The answer to one request, read as it arrives (an NDJSON stream): ``async with
         client.stream(…) as answer``, then ``answer.status_code`` and ``answer.chunks()``.
         ``timeout`` bounds the wait for the head and for each piece after it. A stream left
         before its end closes its connection."""
-        request = self._request_bytes(method, path, None, body, content_type)
+        request = self._request_bytes(method, path, None, body, content_type, headers)
         async with self._slots:
             try:
                 async with asyncio.timeout(timeout):

@@ -7,6 +7,7 @@ unknown fields so a typo in a request is an error, not a silent default.
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime
 from enum import Enum
 from typing import Literal
@@ -507,6 +508,8 @@ class NodeInfo(_Model):
 class ErrorBody(_Model):
     code: str
     message: str
+    # ``overloaded`` (429) only: seconds to wait before sending the same call again.
+    retry_after: float | None = None
 
 
 class ErrorResponse(_Model):
@@ -813,3 +816,67 @@ class ClusterStats(_Model):
     apiserver: ApiserverStats
     # The histograms' bucket bounds (``LATENCY_BOUNDS``), for readers that sum or interpolate them.
     latency_bounds: list[float] = Field(default_factory=lambda: list(LATENCY_BOUNDS))
+
+
+# -- idempotency keys and job logs --------------------------------------------------------------
+
+# Sent as request headers (the create routes' bodies are the run args themselves).
+JOB_HEADER = "x-dsec-job"
+KEY_HEADER = "idempotency-key"
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_KEY = re.compile(r"[A-Za-z0-9._:/@+=-]{1,200}")
+
+
+def check_job_name(name: str) -> str:
+    """``ValueError`` naming what is wrong with a job name."""
+    if not isinstance(name, str) or not _JOB_NAME.fullmatch(name):
+        raise ValueError(f"invalid job name {name!r}: 1 to 128 letters, digits, '.', '_' and '-', "
+                         "starting with a letter or digit")
+    return name
+
+
+def check_key(key: str) -> str:
+    """``ValueError`` naming what is wrong with an idempotency key."""
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ValueError(f"invalid idempotency key {key!r}: 1 to 200 letters, digits and ._:/@+=-")
+    return key
+
+
+JobOp = Literal["create", "create_batch", "exec", "write_file", "stop", "clean_copy", "pack_diff"]
+
+
+class JobEntry(_Model):
+    """One call of a job, as its log holds it: ``seq`` orders the job's calls; ``request`` is
+    what was asked (the run args and ``kind`` of a create, an ``ExecRequest``, a file write's
+    path, mode, size and SHA-256, with its bytes base64 in ``data_b64``, a ``CleanCopyRequest``,
+    a ``PackDiffRequest``), ``result`` what came back (``SandboxInfo``, a list of them for a
+    batch, ``ExecResult``, ``CleanCopyResult``, ``PackDiffResult``), or ``error`` (the wire
+    error body's ``error``) when the call failed."""
+
+    seq: int
+    at: datetime
+    op: JobOp
+    sandbox: str | None = None
+    key: str | None = None
+    request: dict
+    result: dict | list | None = None
+    error: dict | None = None
+
+
+class JobInfo(_Model):
+    name: str
+    project: str
+    created_at: datetime
+    updated_at: datetime
+    entries: int
+
+
+class JobList(_Model):
+    jobs: list[JobInfo]
+
+
+class JobLog(_Model):
+    """``GET /v1/jobs/{job}``: the job and its entries from ``after`` on, in order."""
+
+    job: JobInfo
+    entries: list[JobEntry]

@@ -243,11 +243,6 @@ async def test_sdk_fncall_many_chunks_and_keeps_order():
     assert results[7].error.code == "invalid_request" and not results[7].ok
 
 
-def test_sync_twin_has_the_fncall_methods():
-    for name in ("fncall", "fncall_many"):
-        assert callable(getattr(libdsec.SyncDSecClient, name))
-
-
 # -- the routes, over a fake edge ------------------------------------------------------------
 
 

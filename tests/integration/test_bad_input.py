@@ -29,25 +29,13 @@ from libdsec import (
 )
 from libdsec.protocol import MAX_BATCH_COUNT, MAX_SANDBOX_BATCH
 
-pytestmark = [pytest.mark.slow, pytest.mark.root]
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.usefixtures("no_sandbox_outlives_the_test")]
 
 
 def args(**kw) -> DSecContainerRunArgs:
     return DSecContainerRunArgs(**{"container_image": "busybox", "memory_limit_mb": 64, **kw})
 
 
-async def running_ids(client) -> set[str]:
-    return {s.id for s in await client.list_sandboxes()}
-
-
-@pytest.fixture(autouse=True)
-async def no_sandbox_outlives_the_test(client):
-    before = await running_ids(client)
-    yield
-    deadline = time.monotonic() + 10
-    while (extra := await running_ids(client) - before) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert not extra, f"sandboxes still there after the test: {extra}"
 
 
 @pytest.fixture

@@ -9,15 +9,13 @@ tampering as ``file.tampered`` security events.
 
 from __future__ import annotations
 
-import asyncio
-import time
 
 import pytest
 from pydantic import ValidationError
 
 from libdsec import DSecContainerRunArgs, InvalidRequest, SandboxStateError
 
-pytestmark = [pytest.mark.slow, pytest.mark.root]
+pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.usefixtures("no_sandbox_outlives_the_test")]
 
 # What an agent under RL pressure does instead of fixing the bug: the grader's shell, whatever
 # it is asked, reports success.
@@ -29,18 +27,6 @@ def args(**kw) -> DSecContainerRunArgs:
     return DSecContainerRunArgs(**{"container_image": "busybox", "memory_limit_mb": 64, **kw})
 
 
-async def running_ids(client) -> set[str]:
-    return {s.id for s in await client.list_sandboxes()}
-
-
-@pytest.fixture(autouse=True)
-async def no_sandbox_outlives_the_test(client):
-    before = await running_ids(client)
-    yield
-    deadline = time.monotonic() + 10
-    while (extra := await running_ids(client) - before) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert not extra, f"sandboxes still there after the test: {extra}"
 
 
 async def plant_forged_shell(sandbox) -> None:

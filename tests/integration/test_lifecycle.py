@@ -41,8 +41,12 @@ async def test_batch(client):
         progress=lambda done, total: seen.append(done),
     )
     assert len({s.id for s in sandboxes}) == 12 and seen[-1] == 12
-    results = [await s.run_shell("hostname; cat /proc/1/cmdline | tr '\\0' ' '") for s in sandboxes]
-    assert all(r.exit_code == 0 for r in results)
+    assert all(s.status is SandboxStatus.running for s in sandboxes)
+    # Each a sandbox of its own: its hostname, its own init as pid 1, its own writable layer.
+    for s in sandboxes:
+        await s.write_file("/tmp/me", s.id)
+    results = [await s.run_shell("hostname; cat /proc/1/cmdline | tr '\\0' ' '; echo; cat /tmp/me") for s in sandboxes]
+    assert [(r.exit_code, r.stdout) for r in results] == [(0, f"sandbox\n/dev/.dsec-init \n{s.id}") for s in sandboxes]
     for s in sandboxes:
         await s.stop()
 

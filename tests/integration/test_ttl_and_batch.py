@@ -130,6 +130,12 @@ async def test_batch_over_capacity_is_all_or_nothing(cold):
 async def test_batch_abandoned_by_the_client_is_undone(cold_server, cold):
     """The client goes away right after asking for a batch: the server stops what it made."""
     body = json.dumps({"args": args().model_dump(mode="json"), "count": 3}).encode()
+
+    async def attempts() -> int:  # creates the node began: the ones that ran and the ones undone early
+        node = (await cold.stats()).nodes[0]
+        return sum(node.creates.values()) + sum(node.create_failures.values())
+
+    before = await attempts()
     for _ in range(3):
         reader, writer = await asyncio.open_connection("127.0.0.1", cold_server.port)
         writer.write(b"POST /v1/sandboxes:batch HTTP/1.1\r\nhost: dsec\r\ncontent-type: application/json\r\n"
@@ -139,3 +145,5 @@ async def test_batch_abandoned_by_the_client_is_undone(cold_server, cold):
         writer.close()  # gone before the first sandbox is up
         await writer.wait_closed()
         assert await wait_none_running(cold) == set()
+    # (and the batches did start: were nothing begun, nothing would be running either)
+    assert await attempts() > before

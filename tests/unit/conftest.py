@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from dsec.backends.fake import FakeBackend
+from dsec.edge.edge import Edge, EdgeConfig
 from dsec.images.store import Image, LayerStore
 
 
@@ -25,3 +27,13 @@ def project_db(request, tmp_path):
     if request.param == "sqlite":
         return tmp_path / "projects.db"
     return request.getfixturevalue("postgres").new_database()
+
+
+@pytest.fixture
+async def edge(tmp_path, store):
+    """An edge over the in-memory fake backend, on ``store``: no warm pool, a quick reaper."""
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", reaper_interval_s=0.05, pool_min=0, pool_max=0),
+                FakeBackend(), store)
+    await edge.start()
+    yield edge
+    await edge.close()

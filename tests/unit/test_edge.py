@@ -14,15 +14,6 @@ from libdsec import BackendError, ImageNotFound, InvalidRequest, SandboxNotFound
 from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxStatus
 
 
-@pytest.fixture
-async def edge(tmp_path, store):
-    backend = FakeBackend()
-    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", reaper_interval_s=0.05, pool_min=0, pool_max=0), backend, store)
-    await edge.start()
-    yield edge
-    await edge.close()
-
-
 def args(**kw) -> DSecContainerRunArgs:
     return DSecContainerRunArgs(container_image="tiny", **kw)
 

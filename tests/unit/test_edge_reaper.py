@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from dsec.backends.base import Handle
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
@@ -14,15 +12,6 @@ from dsec.edge.lifecycle import Record
 from dsec.edge.reaper import expired
 from dsec.images.store import Image
 from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxStatus
-
-
-@pytest.fixture
-async def edge(tmp_path, store):
-    backend = FakeBackend()
-    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", reaper_interval_s=0.05, pool_min=0, pool_max=0), backend, store)
-    await edge.start()
-    yield edge
-    await edge.close()
 
 
 def args(**kw) -> DSecContainerRunArgs:

@@ -25,6 +25,8 @@ PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
 PUBLIC |= {"SandboxLost"}  # cluster
+PUBLIC |= {"JobNotFound", "KeyReused", "ReplayDiverged"}  # idempotency keys, job logs
+PUBLIC |= {"Overloaded"}  # overload
 PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession", "FileEntry", "PortUnreachable"}  # inside a sandbox
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
@@ -43,7 +45,11 @@ ERRORS = [
     (libdsec.CommandTimeout, "command_timeout", 408, TimeoutError),
     (libdsec.CapacityExceeded, "capacity_exceeded", 503, libdsec.DSecError),
     (libdsec.QuotaExceeded, "quota_exceeded", 429, libdsec.DSecError),
+    (libdsec.Overloaded, "overloaded", 429, libdsec.DSecError),
     (libdsec.ProjectNotFound, "project_not_found", 404, LookupError),
+    (libdsec.KeyReused, "key_reused", 409, ValueError),
+    (libdsec.JobNotFound, "job_not_found", 404, LookupError),
+    (libdsec.ReplayDiverged, "replay_diverged", 409, libdsec.DSecError),
     (libdsec.BackendError, "backend_error", 500, libdsec.DSecError),
     (libdsec.ServerUnavailable, "server_unavailable", 503, ConnectionError),
     (libdsec.ServerError, "internal", 500, libdsec.DSecError),
@@ -74,10 +80,17 @@ def test_error_round_trips_the_wire(cls, code, status, builtin):
     assert issubclass(cls, libdsec.DSecError) and issubclass(cls, builtin)
     err = cls(f"something about {code}")
     body = err.to_wire()
-    assert body == {"error": {"code": code, "message": f"something about {code}"}}
+    extra = {"retry_after": 1.0} if cls is libdsec.Overloaded else {}
+    assert body == {"error": {"code": code, "message": f"something about {code}", **extra}}
     back = error_from_wire(body, status)
     assert type(back) is cls
     assert back.message == err.message and str(back) == err.message
+
+
+def test_overloaded_carries_its_retry_after_across_the_wire():
+    back = error_from_wire(libdsec.Overloaded("busy", retry_after=0.25).to_wire(), 429)
+    assert isinstance(back, libdsec.Overloaded) and back.retry_after == 0.25
+    assert error_from_wire({"error": {"code": "overloaded", "message": "m", "retry_after": "soon"}}, 429).retry_after == 1.0
 
 
 def test_error_from_wire_with_unknown_or_garbled_bodies():
@@ -113,6 +126,10 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.SandboxList: {"sandboxes": [info]},
         _models.BatchEvent: {"event": "done"},
         _models.ExecRequest: {"command": "true"},
+        _models.JobEntry: {"seq": 1, "at": "2026-01-01T00:00:00Z", "op": "exec", "request": {"command": "true"}},
+        _models.JobInfo: {"name": "run-1", "project": "root", "created_at": "2026-01-01T00:00:00Z", "updated_at": "2026-01-01T00:00:00Z", "entries": 0},
+        _models.JobList: {"jobs": []},
+        _models.JobLog: {"job": {"name": "run-1", "project": "root", "created_at": "2026-01-01T00:00:00Z", "updated_at": "2026-01-01T00:00:00Z", "entries": 0}, "entries": []},
         _models.ExecResult: {"exit_code": 0, "stdout": "", "stderr": "", "duration_s": 0.1},
         _models.ExecEvent: {"event": "stdout", "data": "x"},
         _models.StartProcessRequest: {"command": "sleep 1"},

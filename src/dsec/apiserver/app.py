@@ -21,7 +21,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libdsec import DSecError, InvalidRequest
-from libdsec.protocol import NetworkRulesRequest, SecurityEventList, TTLRequest
+from libdsec.protocol import JOB_HEADER, KEY_HEADER, NetworkRulesRequest, SecurityEventList, TTLRequest
 from libdsec.protocol import (
     BatchEvent,
     CreateBatchRequest,
@@ -55,6 +55,7 @@ from libdsec.protocol import (
     ProcessWaitRequest,
     SandboxInfo,
     SandboxList,
+    SandboxStatus,
     SessionInfo,
     SnapshotInfo,
     StartProcessRequest,
@@ -64,12 +65,16 @@ from libdsec.protocol import (
 from ..compat.e2b import add_e2b_routes
 from .auth import Authenticator, Caller
 from .cluster import Cluster
-from .lean import LeanRoutes
+from .lean import LeanRoutes, error_headers
+from .jobs import file_request
 from .routes_fncall import add_fncall_routes
+from .routes_jobs import add_job_routes
 from .routes_observe import add_observe_routes
 from .routes_projects import add_project_routes
 
 log = logging.getLogger("dsec.apiserver")
+
+_JOB, _KEY = JOB_HEADER.encode(), KEY_HEADER.encode()
 
 _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
            409: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
@@ -145,20 +150,32 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
                   **_NO_TELEMETRY)
 
     authenticator = Authenticator(token, cluster.projects)
+    jobs = cluster.jobs
 
-    async def check(authorization: str, path_params: dict) -> Caller:
-        """The calling project; a sandbox it may not see answers ``SandboxNotFound``."""
-        caller = authenticator.caller(authorization)
+    async def check(headers: dict[bytes, bytes], path_params: dict) -> Caller:
+        """The calling project (and its job and key, if the request names them); a sandbox it
+        may not see answers ``SandboxNotFound``."""
+        job, key = headers.get(_JOB), headers.get(_KEY)
+        caller = authenticator.caller(headers.get(b"authorization", b"").decode("latin-1"),
+                                      None if job is None else job.decode("latin-1"),
+                                      None if key is None else key.decode("latin-1"))
         if "sandbox_id" in path_params and not caller.is_root:
             await cluster.edge_for_caller(path_params["sandbox_id"], caller)
         return caller
 
     async def authenticated(request: Request) -> Caller:
-        return await check(request.headers.get("authorization", ""), request.path_params)
+        return await check(dict(request.headers.raw), request.path_params)
+
+    async def now(info: SandboxInfo) -> SandboxInfo:
+        """A sandbox made before, as its node says it is now (or as it was, once gone)."""
+        try:
+            return await cluster.edge_for(info.id).get(info.id)
+        except DSecError:
+            return info.model_copy(update={"status": SandboxStatus.stopped})
 
     @app.exception_handler(DSecError)
     async def _dsec_error(request: Request, exc: DSecError) -> JSONResponse:
-        return JSONResponse(exc.to_wire(), status_code=exc.status)
+        return JSONResponse(exc.to_wire(), status_code=exc.status, headers=error_headers(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -184,10 +201,14 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
 
     @app.post("/v1/sandboxes", responses=_ERRORS)
     async def create_sandbox(args: DSecContainerRunArgs, caller: Caller = Depends(authenticated)) -> SandboxInfo:
-        return await cluster.create(args, caller.project)
+        """With an ``idempotency-key`` header, a key used before in the project (or the job)
+        returns the sandbox made then; ``x-dsec-job`` records the create in that job's log."""
+        if caller.job is None and caller.key is None:
+            return await cluster.create(args, caller.project)
+        return await create_kind(args, "container", caller)
 
     async def create_kind(args: DSecContainerRunArgs, kind: str, caller: Caller) -> SandboxInfo:
-        return await cluster.create(args, caller.project, kind=kind)
+        return await jobs.create(caller, kind, args, lambda: cluster.create(args, caller.project, kind=kind), now)
 
     @app.post("/v1/microvms", responses=_ERRORS)
     async def create_microvm(args: DSecMicroVMRunArgs, caller: Caller = Depends(authenticated)) -> SandboxInfo:
@@ -204,7 +225,8 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     @app.post("/v1/sandboxes:batch", dependencies=auth, responses=_ERRORS)
     async def create_batch(batch: CreateBatchRequest, request: Request,
                            caller: Caller = Depends(authenticated)) -> StreamingResponse:
-        events = cluster.create_batch(batch.args, batch.count, caller.project)
+        events = jobs.create_batch(caller, "container", batch.args, batch.count,
+                                   lambda: cluster.create_batch(batch.args, batch.count, caller.project), now)
         # The first sandbox is awaited here, so a bad request gets a plain error status.
         try:
             first = await anext(events)
@@ -240,6 +262,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
             await asyncio.gather(batch_task, return_exceptions=True)
             if state["complete"]:
                 await cluster.stop_ids(made, "batch abandoned by its client")
+                await jobs.undo_batch(caller)
 
         def give_up() -> None:
             if not state["delivered"] and not state["undone"]:
@@ -282,9 +305,11 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     async def get_sandbox(sandbox_id: str) -> SandboxInfo:
         return await cluster.edge_for(sandbox_id).get(sandbox_id)
 
-    @app.delete("/v1/sandboxes/{sandbox_id}", dependencies=auth, responses=_ERRORS)
-    async def stop_sandbox(sandbox_id: str) -> SandboxInfo:
-        return await cluster.edge_for(sandbox_id).stop(sandbox_id)
+    @app.delete("/v1/sandboxes/{sandbox_id}", responses=_ERRORS)
+    async def stop_sandbox(sandbox_id: str, caller: Caller = Depends(authenticated)) -> SandboxInfo:
+        if caller.job is None:
+            return await cluster.edge_for(sandbox_id).stop(sandbox_id)
+        return await jobs.recorded(caller, "stop", sandbox_id, {}, lambda: cluster.edge_for(sandbox_id).stop(sandbox_id))
 
     @app.post("/v1/sandboxes/{sandbox_id}/pause", dependencies=auth, responses=_ERRORS)
     async def pause_sandbox(sandbox_id: str) -> PauseResult:
@@ -294,9 +319,12 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     async def resume_sandbox(sandbox_id: str) -> SandboxInfo:
         return await cluster.edge_for(sandbox_id).resume(sandbox_id)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/exec", dependencies=auth, responses=_ERRORS)
-    async def exec_command(sandbox_id: str, request: ExecRequest) -> ExecResult:
-        return await cluster.exec(sandbox_id, request)
+    @app.post("/v1/sandboxes/{sandbox_id}/exec", responses=_ERRORS)
+    async def exec_command(sandbox_id: str, request: ExecRequest, caller: Caller = Depends(authenticated)) -> ExecResult:
+        if caller.job is None:
+            return await cluster.exec(sandbox_id, request)
+        return await jobs.recorded(caller, "exec", sandbox_id, request.model_dump(mode="json"),
+                                   lambda: cluster.exec(sandbox_id, request))
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec:stream", dependencies=auth, responses=_ERRORS,
               response_model=ExecEvent)
@@ -419,16 +447,21 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         data = await cluster.edge_for(sandbox_id).read_file(sandbox_id, path)
         return Response(content=data, media_type="application/octet-stream")
 
-    @app.put("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, responses=_ERRORS)
+    @app.put("/v1/sandboxes/{sandbox_id}/files", responses=_ERRORS)
     async def write_file(request: Request, sandbox_id: str, path: str = Query(min_length=1),
-                         mode: str = Query("0o644")) -> dict:
+                         mode: str = Query("0o644"), caller: Caller = Depends(authenticated)) -> dict:
         try:
             file_mode = int(mode, 0)
         except ValueError:
             raise InvalidRequest(f"invalid file mode {mode!r}: use octal like 0o644") from None
-        edge = cluster.edge_for(sandbox_id)
-        await edge.write_file(sandbox_id, path, await request.body(), file_mode)
-        return {"ok": True}
+        edge, data = cluster.edge_for(sandbox_id), await request.body()
+
+        async def write() -> dict:
+            await edge.write_file(sandbox_id, path, data, file_mode)
+            return {"ok": True}
+
+        request_entry = file_request(path, file_mode, data) if caller.job is not None else {}
+        return await jobs.recorded(caller, "write_file", sandbox_id, request_entry, write)
 
     @app.get("/v1/sandboxes/{sandbox_id}/security_events", dependencies=auth, responses=_ERRORS)
     async def security_events(sandbox_id: str) -> SecurityEventList:
@@ -443,13 +476,15 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     async def set_ttl(sandbox_id: str, request: TTLRequest) -> SandboxInfo:
         return await cluster.edge_for(sandbox_id).set_ttl(sandbox_id, request.ttl_running_stop)
 
-    @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", dependencies=auth, responses=_ERRORS)
-    async def pack_diff(sandbox_id: str, request: PackDiffRequest) -> PackDiffResult:
-        return await cluster.edge_for(sandbox_id).pack_diff(sandbox_id, request.name, request.role)
+    @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", responses=_ERRORS)
+    async def pack_diff(sandbox_id: str, request: PackDiffRequest, caller: Caller = Depends(authenticated)) -> PackDiffResult:
+        return await jobs.recorded(caller, "pack_diff", sandbox_id, request.model_dump(mode="json"),
+                                   lambda: cluster.edge_for(sandbox_id).pack_diff(sandbox_id, request.name, request.role))
 
-    @app.post("/v1/sandboxes/{sandbox_id}/clean_copy", dependencies=auth, responses=_ERRORS)
-    async def clean_copy(sandbox_id: str, request: CleanCopyRequest) -> CleanCopyResult:
-        return await cluster.clean_copy(sandbox_id, request.keep)
+    @app.post("/v1/sandboxes/{sandbox_id}/clean_copy", responses=_ERRORS)
+    async def clean_copy(sandbox_id: str, request: CleanCopyRequest, caller: Caller = Depends(authenticated)) -> CleanCopyResult:
+        return await jobs.recorded(caller, "clean_copy", sandbox_id, request.model_dump(mode="json"),
+                                   lambda: cluster.clean_copy(sandbox_id, request.keep))
 
     @app.get("/v1/images", dependencies=auth)
     async def list_images() -> ImageList:
@@ -475,6 +510,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         return await cluster.node_infos()
 
     add_project_routes(app, cluster, authenticated, _ERRORS)
+    add_job_routes(app, jobs, authenticated, _ERRORS)
     add_fncall_routes(app, cluster, authenticated, _ERRORS)
     add_observe_routes(app, cluster, authenticator, _ERRORS)
     add_e2b_routes(app, cluster, authenticator)

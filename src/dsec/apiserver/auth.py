@@ -6,8 +6,9 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from libdsec import ProjectNotFound, Unauthenticated
+from libdsec import InvalidRequest, ProjectNotFound, Unauthenticated
 from libdsec._projects import ROOT_PROJECT
+from libdsec.protocol import check_job_name, check_key
 
 from .projects import ProjectStore
 
@@ -15,6 +16,9 @@ from .projects import ProjectStore
 @dataclass(frozen=True)
 class Caller:
     project: str
+    # From the request's headers: the job it is recorded in, a create's idempotency key.
+    job: str | None = None
+    key: str | None = None
 
     @property
     def is_root(self) -> bool:
@@ -30,7 +34,8 @@ class Caller:
     def check_sees(self, projects: ProjectStore, project: str) -> None:
         """Raise ``ProjectNotFound`` for a project the caller may not see (or that does not
         exist: the two look the same from outside)."""
-        if not self.sees(projects, project):
+        # (``sees`` lets the root token see any name; here the project must also exist)
+        if not self.sees(projects, project) or (self.is_root and project not in projects.tree()):
             raise ProjectNotFound(f"no project {project!r}")
 
 
@@ -39,13 +44,20 @@ class Authenticator:
         self.root_token = root_token.encode()
         self.projects = projects
 
-    def caller(self, authorization: str) -> Caller:
+    def caller(self, authorization: str, job: str | None = None, key: str | None = None) -> Caller:
         scheme, _, given = authorization.partition(" ")
         given = given.strip()
         if scheme.lower() == "bearer" and given:
             if secrets.compare_digest(given.encode(), self.root_token):
-                return Caller(ROOT_PROJECT)
+                return _with(ROOT_PROJECT, job, key)
             project = self.projects.project_of_token(given)
             if project is not None:
-                return Caller(project)
+                return _with(project, job, key)
         raise Unauthenticated("missing or invalid API token (Authorization: Bearer <token>)")
+
+
+def _with(project: str, job: str | None, key: str | None) -> Caller:
+    try:
+        return Caller(project, None if job is None else check_job_name(job), None if key is None else check_key(key))
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from datetime import datetime, timezone
 
-from libdsec import CapacityExceeded, DSecError, QuotaExceeded, SandboxLost, SandboxNotFound
+from libdsec import CapacityExceeded, DSecError, Overloaded, QuotaExceeded, SandboxLost, SandboxNotFound
 from libdsec.protocol import (
     CleanCopyResult,
     ClusterStats,
@@ -47,6 +47,7 @@ from .. import placement
 from ..batch import Part, all_or_none
 from ..edge.api import EdgeAPI, NodeUnreachable, node_of
 from .auth import Caller
+from .jobs import Jobs
 from .metrics import ApiMetrics
 from .projects import ProjectStore, open_project_store
 from .quota import RESOURCES, Amount, check_create
@@ -133,6 +134,7 @@ class Cluster:
         # when it comes back (``add_edge``).
         self._tasks: set[asyncio.Task] = set()
         self.projects = projects or open_project_store()
+        self.jobs = Jobs(self.projects)  # idempotency keys and job logs, kept in the project store
         self.overcommit = overcommit or placement.Overcommit()
         self.k = k
         self.rng = rng or random.Random()
@@ -501,6 +503,10 @@ class Cluster:
             outcome = "refused"
             self.metrics.refused("quota")
             raise
+        except Overloaded:
+            outcome = "refused"
+            self.metrics.refused("overload")
+            raise
         except DSecError as exc:
             outcome = "invalid" if exc.status < 500 else "error"
             raise
@@ -526,9 +532,10 @@ class Cluster:
                     continue
                 try:
                     info = await edge.create(args, kind, project)
-                except (CapacityExceeded, NodeUnreachable) as exc:
+                except (CapacityExceeded, NodeUnreachable, Overloaded) as exc:
                     self._infos = (float("-inf"), [])  # a refusal: look again next time
-                    last = exc
+                    if not isinstance(last, Overloaded):  # what to say when no node took it
+                        last = exc
                     tried.append(node)
                     continue
                 reservation.release(1)

@@ -1,8 +1,8 @@
 """The hottest routes (create, get, exec, stop a sandbox) served without FastAPI's per-request
 machinery, by the same endpoint functions.
 
-A create from the warm pool costs the edge ~0.15 ms of CPU; through FastAPI it cost the
-server's event loop ~0.7 ms, more than half of it the framework's own layers (exception and
+A create from the warm pool costs the edge little CPU; through FastAPI it cost the server's
+event loop several times as much, more than half of it the framework's own layers (exception and
 exit-stack middleware, routing, dependency solving, validation and serialisation wrappers). With
 64 creates in flight the loop answers them one after another, so that is what the p50 of a burst
 is made of. This ASGI middleware, the outermost of the app's own, serves a request for one of
@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import re
 import typing
 from collections.abc import Awaitable, Callable
@@ -31,7 +32,7 @@ from fastapi.params import Depends
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
-from libdsec import DSecError, InvalidRequest
+from libdsec import DSecError, InvalidRequest, Overloaded
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -84,16 +85,25 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
         raise InvalidRequest("malformed request: " + "; ".join(parts)) from None
 
 
-def _error(exc: DSecError) -> tuple[int, bytes]:
-    return exc.status, json.dumps(exc.to_wire(), separators=(",", ":")).encode()
+def error_headers(exc: DSecError) -> dict[str, str]:
+    """An error answer's headers: ``Retry-After`` (whole seconds, at least 1, as HTTP has it;
+    the body's ``retry_after`` is the finer figure) on an ``Overloaded``."""
+    if isinstance(exc, Overloaded):
+        return {"retry-after": str(max(1, math.ceil(exc.retry_after)))}
+    return {}
+
+
+def _error(exc: DSecError) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    headers = [(k.encode(), v.encode()) for k, v in error_headers(exc).items()]
+    return exc.status, json.dumps(exc.to_wire(), separators=(",", ":")).encode(), headers
 
 
 class LeanRoutes:
     """ASGI middleware: ``app.add_middleware(LeanRoutes, app_ref=app, names=…, check=…,
-    dependency=…)`` after every other one. ``check(authorization, path_params)`` returns the
-    caller (or raises)."""
+    dependency=…)`` after every other one. ``check(headers, path_params)`` (the raw headers,
+    bytes to bytes) returns the caller (or raises)."""
 
-    def __init__(self, app, app_ref: FastAPI, names: frozenset[str], check: Callable[[str, dict], Awaitable],
+    def __init__(self, app, app_ref: FastAPI, names: frozenset[str], check: Callable[[dict, dict], Awaitable],
                  dependency: Callable) -> None:
         self.app = app
         self._app_ref = app_ref
@@ -128,25 +138,26 @@ class LeanRoutes:
         headers = dict(scope["headers"])
         if plan.body is not None and not headers.get(b"content-type", b"").startswith(b"application/json"):
             return await self.app(scope, receive, send)  # FastAPI says what is wrong with it
-        status, body = await self._serve(plan, match.groupdict(), headers, receive, scope)
+        status, body, extra = await self._serve(plan, match.groupdict(), headers, receive, scope)
         if status < 0:
             return  # the client went away
         await send({"type": "http.response.start", "status": status,
-                    "headers": [*_JSON, (b"content-length", str(len(body)).encode())]})
+                    "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *extra]})
         await send({"type": "http.response.body", "body": body})
 
-    async def _serve(self, plan: _Plan, params: dict, headers: dict, receive, scope) -> tuple[int, bytes]:
+    async def _serve(self, plan: _Plan, params: dict, headers: dict, receive,
+                     scope) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         try:
             data = b""
             while True:
                 message = await receive()
                 if message["type"] == "http.disconnect":
-                    return -1, b""
+                    return -1, b"", []
                 data += message.get("body", b"")
                 if not message.get("more_body", False):
                     break
             kwargs = {name: params[name] for name in plan.path_params}
-            caller = await self._check(headers.get(b"authorization", b"").decode("latin-1"), params)
+            caller = await self._check(headers, params)
             if plan.caller_param is not None:
                 kwargs[plan.caller_param] = caller
             if plan.body is not None:
@@ -155,10 +166,10 @@ class LeanRoutes:
             result = await plan.endpoint(**kwargs)
             if not isinstance(result, plan.response):
                 result = plan.response.model_validate(result)
-            return 200, result.model_dump_json().encode()
+            return 200, result.model_dump_json().encode(), []
         except DSecError as exc:
             return _error(exc)
         except Exception as exc:  # noqa: BLE001 - answered as FastAPI's app would (see app._CatchUnexpected)
             log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
             body = {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
-            return 500, json.dumps(body, separators=(",", ":")).encode()
+            return 500, json.dumps(body, separators=(",", ":")).encode(), []

@@ -15,10 +15,10 @@ import re
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
-from libdsec import InvalidRequest, LimitOutOfRange, ProjectNotFound
+from libdsec import InvalidRequest, KeyReused, LimitOutOfRange, ProjectNotFound
 from libdsec._projects import ROOT_PROJECT, ProjectQuota
 
 from .quota import RESOURCES, Project, Tree, check_tree
@@ -26,6 +26,26 @@ from .quota import RESOURCES, Project, Tree, check_tree
 NAME = re.compile(r"^[a-z][a-z0-9-]{0,62}\Z")
 # Bounds on a quota value: past these it is a typo, not a plan.
 QUOTA_MAX = {"sandboxes": 10_000_000, "cpu_cores": 10_000_000.0, "memory_mb": 1 << 40}
+# A key claimed by a create that never settled it (its apiserver died mid-create) is free again
+# after this long: longer than any create takes.
+KEY_STALE_S = 600.0
+
+
+class KeyClaim(NamedTuple):
+    """What ``claim_key`` found: ``claimed`` (the caller makes the sandbox, then settles the
+    key with it or releases it), ``done`` (``result`` is what the first create made) or
+    ``pending`` (another create with that key is under way)."""
+
+    state: Literal["claimed", "done", "pending"]
+    result: str | None = None
+
+
+class JobRow(NamedTuple):
+    name: str
+    project: str
+    created_at: float
+    updated_at: float
+    entries: int
 
 
 class ProjectStore(Protocol):
@@ -79,6 +99,47 @@ class ProjectStore(Protocol):
         """The stops made (or found needless: the sandbox is gone)."""
         ...
 
+    # Idempotency keys of creates, by scope ("project:NAME" or "job:NAME"): a key claimed
+    # holds the digest of the create's arguments, and once settled what it made (JSON).
+
+    async def claim_key(self, scope: str, key: str, digest: str) -> KeyClaim:
+        """``KeyReused`` when the key holds another digest."""
+        ...
+
+    async def settle_key(self, scope: str, key: str, result: str) -> None: ...
+
+    async def release_key(self, scope: str, key: str) -> None:
+        """Free the key (its create failed, or what it made was undone)."""
+        ...
+
+    # Job logs: one ordered log per job (a name unique in the store, owned by one project).
+
+    async def open_job(self, name: str, project: str) -> str:
+        """Make the job ``name`` for ``project`` unless it exists; returns its owner."""
+        ...
+
+    async def append_job(self, rows: list[tuple[str, float, str]],
+                         settles: list[tuple[str, str, str]] = ()) -> None:
+        """(job, at, entry JSON) rows, appended in this order, and (scope, key, result) keys
+        settled, in one transaction."""
+        ...
+
+    async def job(self, name: str) -> JobRow | None: ...
+
+    async def jobs(self, project: str | None = None) -> list[JobRow]: ...
+
+    async def job_entries(self, name: str, after: int = 0, limit: int = 1_000_000) -> list[tuple[int, float, str]]:
+        """(seq, at, entry JSON) of the entries past ``after``, in order."""
+        ...
+
+    async def remove_jobs(self, names: Iterable[str]) -> None:
+        """The jobs, their logs and their keys."""
+        ...
+
+    async def jobs_idle_since(self, before: float) -> list[str]:
+        """The jobs last written before ``before`` (epoch seconds)."""
+        ...
+
     def close(self) -> None: ...
 
     def __enter__(self) -> ProjectStore: ...
@@ -107,7 +168,29 @@ def open_project_store(where: Path | str = ":memory:") -> ProjectStore:
     )
 
 
+# A job's last write and its entry count are read from its log (an append writes the log alone).
+JOB_ROW = """SELECT j.name, j.project, j.created_at,
+       coalesce((SELECT l.at FROM job_log l WHERE l.job = j.name ORDER BY l.seq DESC LIMIT 1), j.created_at),
+       (SELECT count(*) FROM job_log l WHERE l.job = j.name)
+  FROM jobs j"""
+JOB_LAST_WRITTEN = ("coalesce((SELECT l.at FROM job_log l WHERE l.job = j.name ORDER BY l.seq DESC LIMIT 1), "
+                    "j.created_at)")
+
+
 # -- the rules every store checks (on the tree it is about to change) --------------------------
+
+def key_claim(key: str, digest: str, row: tuple[str, str | None, float] | None, now: float) -> KeyClaim:
+    """The claim of ``key`` given its row (digest, result, claimed_at), if it has one."""
+    if row is None:
+        return KeyClaim("claimed")
+    held, result, claimed_at = row
+    if result is None and now - claimed_at > KEY_STALE_S:
+        return KeyClaim("claimed")  # its create died unsettled
+    if held != digest:
+        raise KeyReused(f"idempotency key {key!r} was used for a create with other arguments: "
+                        "use a new key for a new sandbox")
+    return KeyClaim("done", result) if result is not None else KeyClaim("pending")
+
 
 def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()

@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -33,7 +34,19 @@ import asyncpg
 from libdsec import BackendError, InvalidRequest
 from libdsec._projects import ROOT_PROJECT, ProjectQuota
 
-from .projects import check_removal, make_token, plan_create, plan_set_quota, project_in, token_digest
+from .projects import (
+    JOB_LAST_WRITTEN,
+    JOB_ROW,
+    JobRow,
+    KeyClaim,
+    check_removal,
+    key_claim,
+    make_token,
+    plan_create,
+    plan_set_quota,
+    project_in,
+    token_digest,
+)
 from .quota import Project, Tree
 
 log = logging.getLogger("dsec.apiserver.projects")
@@ -70,6 +83,26 @@ CREATE TABLE IF NOT EXISTS owed_stops (
     since timestamptz NOT NULL DEFAULT now()
 );
 CREATE INDEX IF NOT EXISTS owed_stops_by_node ON owed_stops(node);
+CREATE TABLE IF NOT EXISTS create_keys (
+    scope text NOT NULL,
+    key text NOT NULL,
+    digest text NOT NULL,
+    result text,
+    claimed_at double precision NOT NULL,
+    PRIMARY KEY (scope, key)
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    name text PRIMARY KEY,
+    project text NOT NULL,
+    created_at double precision NOT NULL
+);
+CREATE TABLE IF NOT EXISTS job_log (
+    seq bigserial PRIMARY KEY,
+    job text NOT NULL REFERENCES jobs(name) ON DELETE CASCADE,
+    at double precision NOT NULL,
+    entry text NOT NULL
+);
+CREATE INDEX IF NOT EXISTS job_log_by_job ON job_log(job, seq);
 CREATE TABLE IF NOT EXISTS projects_version (
     one boolean PRIMARY KEY DEFAULT true CHECK (one),
     version bigint NOT NULL
@@ -391,6 +424,95 @@ class PostgresProjectStore:
     async def settle_stops(self, sandbox_ids: Iterable[str]) -> None:
         ids = list(sandbox_ids)
         await self._plain(lambda conn: conn.execute("DELETE FROM owed_stops WHERE sandbox_id = ANY($1::text[])", ids))
+
+    async def _in_transaction(self, work: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+        async def run(conn: asyncpg.Connection) -> T:
+            async with conn.transaction():
+                return await work(conn)
+
+        return await self._plain(run)
+
+    # -- idempotency keys (no tree lock: a row lock on the key is enough) ----------------------
+
+    async def claim_key(self, scope: str, key: str, digest: str) -> KeyClaim:
+        async def work(conn: asyncpg.Connection) -> KeyClaim:
+            now = time.time()
+            # Two creates with one key at once: the row's insert (or lock) orders them.
+            await conn.execute("INSERT INTO create_keys (scope, key, digest, result, claimed_at) "
+                               "VALUES ($1, $2, $3, NULL, $4) ON CONFLICT DO NOTHING", scope, key, digest, -1.0)
+            row = await conn.fetchrow("SELECT digest, result, claimed_at FROM create_keys "
+                                      "WHERE scope = $1 AND key = $2 FOR UPDATE", scope, key)
+            fresh = row["claimed_at"] == -1.0
+            claim = KeyClaim("claimed") if fresh else key_claim(key, digest, tuple(row), now)
+            if claim.state == "claimed":
+                await conn.execute("UPDATE create_keys SET digest = $3, result = NULL, claimed_at = $4 "
+                                   "WHERE scope = $1 AND key = $2", scope, key, digest, now)
+            return claim
+
+        return await self._in_transaction(work)
+
+    async def settle_key(self, scope: str, key: str, result: str) -> None:
+        await self._plain(lambda conn: conn.execute(
+            "UPDATE create_keys SET result = $3 WHERE scope = $1 AND key = $2", scope, key, result))
+
+    async def release_key(self, scope: str, key: str) -> None:
+        await self._plain(lambda conn: conn.execute(
+            "DELETE FROM create_keys WHERE scope = $1 AND key = $2", scope, key))
+
+    # -- job logs ------------------------------------------------------------------------------
+
+    async def open_job(self, name: str, project: str) -> str:
+        now = time.time()
+
+        async def work(conn: asyncpg.Connection) -> str:
+            await conn.execute("INSERT INTO jobs (name, project, created_at) VALUES ($1, $2, $3) "
+                               "ON CONFLICT DO NOTHING", name, project, now)
+            return await conn.fetchval("SELECT project FROM jobs WHERE name = $1", name)
+
+        return await self._in_transaction(work)
+
+    async def append_job(self, rows: list[tuple[str, float, str]],
+                         settles: list[tuple[str, str, str]] = ()) -> None:
+        async def work(conn: asyncpg.Connection) -> None:
+            # One statement keeps the rows in order (seq follows the array's order).
+            await conn.execute(
+                "INSERT INTO job_log (job, at, entry) SELECT r.job, r.at, r.entry FROM "
+                "unnest($1::text[], $2::float8[], $3::text[]) WITH ORDINALITY AS r(job, at, entry, n) ORDER BY r.n",
+                [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+            if settles:
+                await conn.executemany("UPDATE create_keys SET result = $3 WHERE scope = $1 AND key = $2", list(settles))
+
+        await self._in_transaction(work)
+
+    async def job(self, name: str) -> JobRow | None:
+        row = await self._plain(lambda conn: conn.fetchrow(
+            JOB_ROW + " WHERE j.name = $1", name))
+        return JobRow(*row) if row else None
+
+    async def jobs(self, project: str | None = None) -> list[JobRow]:
+        rows = await self._plain(lambda conn: conn.fetch(
+            JOB_ROW + " ORDER BY j.created_at, j.name"))
+        return [JobRow(*r) for r in rows if project is None or r[1] == project]
+
+    async def job_entries(self, name: str, after: int = 0, limit: int = 1_000_000) -> list[tuple[int, float, str]]:
+        rows = await self._plain(lambda conn: conn.fetch(
+            "SELECT seq, at, entry FROM job_log WHERE job = $1 AND seq > $2 ORDER BY seq LIMIT $3", name, after, limit))
+        return [tuple(r) for r in rows]
+
+    async def remove_jobs(self, names: Iterable[str]) -> None:
+        names = list(names)
+
+        async def work(conn: asyncpg.Connection) -> None:
+            await conn.execute("DELETE FROM job_log WHERE job = ANY($1::text[])", names)
+            await conn.execute("DELETE FROM jobs WHERE name = ANY($1::text[])", names)
+            await conn.execute("DELETE FROM create_keys WHERE scope = ANY($1::text[])", ["job:" + n for n in names])
+
+        await self._in_transaction(work)
+
+    async def jobs_idle_since(self, before: float) -> list[str]:
+        rows = await self._plain(lambda conn: conn.fetch(
+            f"SELECT j.name FROM jobs j WHERE {JOB_LAST_WRITTEN} < $1", before))
+        return [r[0] for r in rows]
 
 
 def _describe(exc: BaseException) -> str:

@@ -17,7 +17,19 @@ from typing import TypeVar
 
 from libdsec._projects import ROOT_PROJECT, ProjectQuota
 
-from .projects import check_removal, make_token, plan_create, plan_set_quota, project_in, token_digest
+from .projects import (
+    JOB_LAST_WRITTEN,
+    JOB_ROW,
+    JobRow,
+    KeyClaim,
+    check_removal,
+    key_claim,
+    make_token,
+    plan_create,
+    plan_set_quota,
+    project_in,
+    token_digest,
+)
 from .quota import Project, Tree
 
 T = TypeVar("T")
@@ -44,6 +56,26 @@ CREATE TABLE IF NOT EXISTS owed_stops (
     since REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS owed_stops_by_node ON owed_stops(node);
+CREATE TABLE IF NOT EXISTS create_keys (
+    scope TEXT NOT NULL,
+    key TEXT NOT NULL,
+    digest TEXT NOT NULL,
+    result TEXT,
+    claimed_at REAL NOT NULL,
+    PRIMARY KEY (scope, key)
+);
+CREATE TABLE IF NOT EXISTS jobs (
+    name TEXT PRIMARY KEY,
+    project TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS job_log (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    job TEXT NOT NULL REFERENCES jobs(name) ON DELETE CASCADE,
+    at REAL NOT NULL,
+    entry TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS job_log_by_job ON job_log(job, seq);
 """
 
 
@@ -56,6 +88,8 @@ def _read_tree(db: sqlite3.Connection) -> Tree:
 class SQLiteProjectStore:
     # How long the tree read last is trusted before asking whether another process changed it.
     recheck_s = 0.5
+    # Writes finish without suspending (a local file): a job log's entries are written at once.
+    writes_inline = True
 
     def __init__(self, path: Path | str = ":memory:") -> None:
         self.path = str(path)
@@ -202,3 +236,98 @@ class SQLiteProjectStore:
             except BaseException:
                 db.execute("ROLLBACK")
                 raise
+
+    def _transaction(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        with self._lock:
+            db = self._conn()
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                result = work(db)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return result
+
+    # -- idempotency keys --------------------------------------------------------------------
+
+    async def claim_key(self, scope: str, key: str, digest: str) -> KeyClaim:
+        with self._lock:  # a new key, the common case: one statement
+            inserted = self._conn().execute(
+                "INSERT OR IGNORE INTO create_keys (scope, key, digest, result, claimed_at) VALUES (?, ?, ?, NULL, ?)",
+                (scope, key, digest, time.time())).rowcount
+        if inserted == 1:
+            return KeyClaim("claimed")
+
+        def work(db: sqlite3.Connection) -> KeyClaim:
+            now = time.time()
+            row = db.execute("SELECT digest, result, claimed_at FROM create_keys WHERE scope = ? AND key = ?",
+                             (scope, key)).fetchone()
+            claim = key_claim(key, digest, row, now)
+            if claim.state == "claimed":
+                db.execute("INSERT OR REPLACE INTO create_keys (scope, key, digest, result, claimed_at) "
+                           "VALUES (?, ?, ?, NULL, ?)", (scope, key, digest, now))
+            return claim
+
+        return self._transaction(work)
+
+    async def settle_key(self, scope: str, key: str, result: str) -> None:
+        self._many("UPDATE create_keys SET result = ? WHERE scope = ? AND key = ?", [(result, scope, key)])
+
+    async def release_key(self, scope: str, key: str) -> None:
+        self._many("DELETE FROM create_keys WHERE scope = ? AND key = ?", [(scope, key)])
+
+    # -- job logs ----------------------------------------------------------------------------
+
+    async def open_job(self, name: str, project: str) -> str:
+        def work(db: sqlite3.Connection) -> str:
+            now = time.time()
+            db.execute("INSERT OR IGNORE INTO jobs (name, project, created_at) VALUES (?, ?, ?)", (name, project, now))
+            return db.execute("SELECT project FROM jobs WHERE name = ?", (name,)).fetchone()[0]
+
+        return self._transaction(work)
+
+    async def append_job(self, rows: list[tuple[str, float, str]],
+                         settles: list[tuple[str, str, str]] = ()) -> None:
+        if len(rows) == 1 and not settles:  # one statement is its own transaction
+            with self._lock:
+                self._conn().execute("INSERT INTO job_log (job, at, entry) VALUES (?, ?, ?)", rows[0])
+            return
+
+        def work(db: sqlite3.Connection) -> None:
+            db.executemany("INSERT INTO job_log (job, at, entry) VALUES (?, ?, ?)", rows)
+            if settles:
+                db.executemany("UPDATE create_keys SET result = ? WHERE scope = ? AND key = ?",
+                               [(result, scope, key) for scope, key, result in settles])
+
+        self._transaction(work)
+
+    async def job(self, name: str) -> JobRow | None:
+        with self._lock:
+            row = self._conn().execute(JOB_ROW + " WHERE j.name = ?", (name,)).fetchone()
+        return JobRow(*row) if row else None
+
+    async def jobs(self, project: str | None = None) -> list[JobRow]:
+        with self._lock:
+            rows = self._conn().execute(JOB_ROW + " ORDER BY j.created_at, j.name").fetchall()
+        return [JobRow(*r) for r in rows if project is None or r[1] == project]
+
+    async def job_entries(self, name: str, after: int = 0, limit: int = 1_000_000) -> list[tuple[int, float, str]]:
+        with self._lock:
+            return self._conn().execute("SELECT seq, at, entry FROM job_log WHERE job = ? AND seq > ? "
+                                        "ORDER BY seq LIMIT ?", (name, after, limit)).fetchall()
+
+    async def remove_jobs(self, names: Iterable[str]) -> None:
+        names = list(names)
+
+        def work(db: sqlite3.Connection) -> None:
+            db.executemany("DELETE FROM job_log WHERE job = ?", [(n,) for n in names])
+            db.executemany("DELETE FROM jobs WHERE name = ?", [(n,) for n in names])
+            db.executemany("DELETE FROM create_keys WHERE scope = ?", [("job:" + n,) for n in names])
+
+        self._transaction(work)
+
+    async def jobs_idle_since(self, before: float) -> list[str]:
+        with self._lock:
+            return [n for (n,) in self._conn().execute(f"SELECT j.name FROM jobs j WHERE {JOB_LAST_WRITTEN} < ?",
+                                                       (before,))]

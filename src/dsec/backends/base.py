@@ -19,17 +19,31 @@ Lifecycle of a handle, as the edge drives it::
   which are still alive (they are adopted as they are); the edge destroys the rest.
 - ``pack_diff`` turns a running sandbox's changes into a layer in the store (consistent: the
   sandbox is frozen meanwhile; residue scrubbed) and returns its digest and what was scrubbed.
-- ``check_kept``, ``carry`` and ``tampered`` (optional: backends that make clean copies, the
-  container backend): ``check_kept`` says whether paths exist in a running sandbox with no link
-  on the way (``InvalidRequest`` naming the one that does not); ``carry(source, target, keep)``
-  freezes ``source`` and replays its changes beneath ``keep`` into ``target``, a sandbox just
-  made that has run nothing yet, then thaws it; ``tampered`` lists the system files a
-  sandbox's writable layer replaces or adds (see ``dsec.images.carry``), in any state until
-  ``destroy``. A backend with ``protects_paths`` makes ``SandboxSpec.protected_paths``
-  read-only for every process of the sandbox.
 - ``release_unused`` (edge shutdown) frees node-level resources no live sandbox holds.
 - ``apply_limits`` changes limits of a live sandbox (the edge uses it to hand out pre-created
   sandboxes).
+- ``describe`` is one line for ``dsec info``; ``host_view`` what of its sandboxes the edge's
+  security accounting reads on the host (``HostView``, or None); ``warm_up`` (the server starts it in the
+  background) prepares what the first create would otherwise wait for; ``close`` drops what
+  the backend holds in this process (sandboxes keep running, to be re-adopted).
+
+What a backend can do beyond that it declares in ``capabilities`` (``Capability``); the edge
+asks that set and never probes for methods, and ``check_backend`` (run when an edge is made)
+refuses a backend that declares an ability without its hook:
+
+- ``WARM_POOL``: sandboxes may be made ahead of demand, without their caller's limits, and
+  handed out with ``apply_limits`` (not VMs: their memory is fixed when they boot).
+- ``PROTECTED_PATHS``: ``SandboxSpec.protected_paths`` are read-only for every process of the
+  sandbox, root included.
+- ``CARRY`` (``CleanCopies``): ``check_kept`` says whether paths exist in a running sandbox with
+  no link on the way (``InvalidRequest`` naming the one that does not); ``carry(source, target,
+  keep)`` freezes ``source`` and replays its changes beneath ``keep`` into ``target``, a sandbox
+  just made that has run nothing yet, then thaws it; ``tampered`` lists the system files a
+  sandbox's writable layer replaces or adds (see ``dsec.images.carry``), in any state until
+  ``destroy``.
+- ``KEPT_LAYER`` (``KeptLayers``): ``kept_layer`` turns the paths a guest keeps into one layer
+  (a VM's writable layer is in the guest), for clean copies made as a new sandbox on it.
+- ``SNAPSHOT`` (``Snapshots``): ``snapshot`` saves a running sandbox's memory and devices.
 
 Handles are plain data (``to_json``/``from_json``) so an edge restart can re-adopt them.
 """
@@ -38,7 +52,9 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from enum import Enum
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 from libdsec import InvalidRequest
 from libdsec.protocol import ExecRequest, ExecResult
@@ -115,8 +131,39 @@ class ExecContext:
     env: dict[str, str]
 
 
+@dataclass(frozen=True)
+class HostView:
+    """What the edge's security accounting reads of a backend's sandboxes on the host
+    (``SandboxBackend.host_view``: the container backend's; VMs and the fake have none): the
+    parent of their cgroups (OOM and pids events), a directory a sandbox (its disk use), and the
+    uid ranges it hands out, if any (whose sandbox a kernel message names)."""
+
+    cgroup_parent: str
+    sandboxes_dir: Path
+    id_ranges: Any | None
+
+
+class Capability(str, Enum):
+    """What a backend can do beyond ``SandboxBackend`` (see the module docstring)."""
+
+    WARM_POOL = "warm_pool"
+    PROTECTED_PATHS = "protected_paths"
+    CARRY = "carry"
+    KEPT_LAYER = "kept_layer"
+    SNAPSHOT = "snapshot"
+
+
 class SandboxBackend(Protocol):
     kind: str
+    capabilities: frozenset[Capability]
+
+    def describe(self) -> str: ...
+
+    def host_view(self) -> HostView | None: ...
+
+    async def warm_up(self) -> None: ...
+
+    async def close(self) -> None: ...
 
     async def create(self, cid: str, spec: SandboxSpec) -> Handle: ...
 
@@ -149,3 +196,45 @@ class SandboxBackend(Protocol):
     def release_unused(self) -> None: ...
 
     def memory_usage(self, handle: Handle) -> int | None: ...
+
+
+@runtime_checkable
+class CleanCopies(Protocol):
+    """``Capability.CARRY``: clean copies replayed from the host."""
+
+    async def check_kept(self, handle: Handle, keep: list[str]) -> None: ...
+
+    async def carry(self, source: Handle, target: Handle, keep: list[str]) -> Any: ...
+
+    def tampered(self, handle: Handle) -> list[str]: ...
+
+
+@runtime_checkable
+class KeptLayers(Protocol):
+    """``Capability.KEPT_LAYER``: the kept paths of a guest as one layer (digest, seconds, tampered)."""
+
+    async def kept_layer(self, handle: Handle, keep: list[str]) -> Any: ...
+
+
+@runtime_checkable
+class Snapshots(Protocol):
+    """``Capability.SNAPSHOT``: memory snapshots of running sandboxes."""
+
+    async def snapshot(self, handle: Handle) -> dict: ...
+
+
+_HOOKS: dict[Capability, type] = {Capability.CARRY: CleanCopies, Capability.KEPT_LAYER: KeptLayers,
+                                  Capability.SNAPSHOT: Snapshots}
+
+
+def check_backend(backend: SandboxBackend) -> None:
+    """``TypeError`` if ``backend`` declares an ability without the hook it needs, or lacks a
+    method every backend has."""
+    for name in ("describe", "host_view", "warm_up", "close"):
+        if not callable(getattr(backend, name, None)):
+            raise TypeError(f"{type(backend).__name__} has no {name}(): every backend has one (dsec.backends.base)")
+    for capability in backend.capabilities:
+        hook = _HOOKS.get(capability)
+        if hook is not None and not isinstance(backend, hook):
+            raise TypeError(f"{type(backend).__name__} declares {capability.value} but does not implement "
+                            f"{hook.__name__}")

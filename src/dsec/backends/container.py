@@ -17,8 +17,8 @@ Per node (``node_dir``): ``layers/<digest>`` (the shared layer mounts) and ``run
 backend mounts, with ``crun/`` (crun's state) and ``sandboxes/<cid>/`` (``config.json``,
 ``upper``, ``work``, ``rootfs``; ``rootfs``, the overlay, is unmounted on the host once the
 sandbox's init runs on its own namespace's copy). A sandbox's writes thus live in memory, charged to the sandbox's
-own memory limit, and making or removing a sandbox costs no disk metadata operations (on this
-machine's disk those alone cost ~1 ms a sandbox). The tmpfs outlives an edge restart, like the
+own memory limit, and making or removing a sandbox costs no disk metadata operations (on a
+disk those are a sizeable part of a create). The tmpfs outlives an edge restart, like the
 sandboxes in it, and is unmounted when the last sandbox is gone.
 """
 
@@ -27,10 +27,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import ctypes
 import errno
-import fcntl
-import functools
 import json
 import logging
 import os
@@ -50,14 +47,18 @@ from .. import _sys
 from ..images import carry, scrub
 from ..images.compose import OverlayPlan, compose
 from ..images.mounts import LayerMounts
-from ..images.store import Image, LayerStore
+from ..images.store import Image, LayerBuildError, LayerStore
 from ..isolation import apparmor, disk, userns
 from ..isolation.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, seccomp_profile
 from ..resources import cgroups, reclaim
 from ..resources import cpu as cpu_sched
 from ..resources.cgroups import Limits
 from .. import native
-from .base import Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
+from .base import Capability, Emit, ExecContext, Handle, HostView, SandboxSpec, numeric_user, user_from_passwd
+from .capture import Capture, Flow, PipeReader, PipeStream, wait_pipes
+from .procs import (
+    children, kill_session_of, kill_tree, pid_in_cgroup, sealed_copy, spawn_wait, wait_exit, wait_process,
+)
 from .initchan import MAX_REQUEST, ChannelClosed, InitChannel, StartFailed, TooLarge, exit_code
 
 log = logging.getLogger("dsec.backends.container")
@@ -69,8 +70,6 @@ INIT_PATH = "/dev/.dsec-init"
 # an overrun takes a command and not the sandbox (dsec-init sets the same for the commands it
 # starts; this is for those started by `crun exec`).
 COMMAND_OOM_SCORE_ADJ = 1000
-_READ_CHUNK = 1 << 16
-_PIPE_GRACE_S = 0.5
 # How long a command whose init channel closed waits for the init to be seen dead (a killed
 # pid namespace init closes its files well before it counts as exited).
 _INIT_EXIT_GRACE_S = 1.0
@@ -78,267 +77,8 @@ _INIT_EXIT_GRACE_S = 1.0
 _NOFILE_HARD = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every descendant (found through /proc children lists)."""
-    pids, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        pids.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo.extend(int(c) for c in f.read().split())
-        except OSError:
-            continue
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-async def _wait_exit(fd: int, timeout: float, tick: Callable[[], None] = lambda: None) -> bool:
-    """Wait until the process of pidfd ``fd`` has exited (zombie or reaped), at most
-    ``timeout`` seconds; True if it did. Past 0.2 s ``tick`` runs every 50 ms (a pid
-    namespace's init cannot finish dying while a zombie of the namespace waits on us, the
-    subreaper, to be reaped). The caller closes ``fd``."""
-    loop = asyncio.get_running_loop()
-    exited = loop.create_future()
-    loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
-    deadline = time.monotonic() + timeout
-    try:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(exited), min(0.2, timeout))
-        while not exited.done() and time.monotonic() < deadline:
-            tick()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(exited), 0.05)
-        return exited.done()
-    finally:
-        loop.remove_reader(fd)
-
-
-@functools.cache
-def _sealed_copy(path: str) -> str:
-    """A path that runs ``path`` from a sealed in-memory copy of it, made once (``path`` itself
-    when the copy cannot be made). crun guards against a container overwriting the host's
-    binary through /proc/self/exe (CVE-2019-5736) by copying itself to a sealed memfd and
-    executing that copy, on every run: a bind mount, a second exec and a second load of its
-    libraries, about 1.7 ms of CPU here. Started from a copy sealed like its own, it sees it is
-    one and goes on (crun's cloned_binary.c: a fully sealed memfd may be shared). The copy is
-    this process's; a crun upgraded on disk is used from the next server start."""
-    fd = -1
-    try:
-        fd = os.memfd_create("crun", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        with open(path, "rb") as src, os.fdopen(fd, "wb", closefd=False) as dst:
-            shutil.copyfileobj(src, dst)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
-                    fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE)
-    except OSError as exc:
-        if fd >= 0:
-            os.close(fd)
-        log.warning("no sealed copy of %s (%s): it copies itself on every run", path, exc)
-        return path
-    # posix_spawn resolves the path before close-on-exec descriptors close.
-    return f"/proc/self/fd/{fd}"
-
-
-class _OrphanReaper:
-    """``crun run --detach`` forks a process that outlives the crun we started, in a process
-    group crun made: that orphan comes to us, the subreaper (dsec.server), and would stay a
-    zombie, one a sandbox, until the server exits. A tenth of a second after crun runs, the
-    zombie children we have are looked at, oldest first, without reaping them (WNOWAIT): one
-    in a process group neither its own (sandbox inits, sessions we started) nor ours (what we
-    spawned and wait for) is such an orphan, and is reaped. Any other zombie is left to its
-    waiter; should one stay in the way, a sweep of all children newer than the first crun
-    since (in a thread) takes its place."""
-
-    def __init__(self) -> None:
-        self.floor: int | None = None  # the lowest crun pid since the last look
-        self.due = False
-        self.blocked = 0
-
-    def after(self, pid: int) -> None:
-        self.floor = pid if self.floor is None else min(self.floor, pid)
-        if not self.due:
-            self.due = True
-            asyncio.get_running_loop().call_later(0.1, self._look)
-
-    def _look(self) -> None:
-        self.due = False
-        floor, self.floor = self.floor or 0, None
-        if not _reap_waitable_orphans():
-            self.blocked = 0
-            return
-        self.blocked += 1
-        if self.blocked < 5:
-            self.after(floor)  # another zombie in the way: its waiter reaps it soon
-        else:
-            self.blocked = 0
-            asyncio.get_running_loop().run_in_executor(None, _reap_orphans_above, floor)
-
-
-def _children() -> set[int]:
-    """Our child processes, those of every thread (no scan of all /proc)."""
-    children: set[int] = set()
-    for task in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/children") as f:
-            children.update(int(c) for c in f.read().split())
-    return children
-
-
-def _orphan(pid: int, mine: int) -> bool:
-    try:
-        return int(_sys.proc_stat(pid)[2]) not in (pid, mine)
-    except (OSError, IndexError, ValueError):
-        return False
-
-
-def _reap_waitable_orphans() -> bool:
-    """Reap orphaned zombie children (see _OrphanReaper) while they come first; True if
-    another zombie is in the way."""
-    mine = os.getpgrp()
-    while True:
-        try:
-            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return False
-        if info is None:
-            return False
-        if not _orphan(info.si_pid, mine):
-            return True
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(info.si_pid, os.WNOHANG)
-
-
-def _reap_orphans_above(floor: int) -> None:
-    """Reap orphaned zombies newer than ``floor`` among all our children."""
-    mine = os.getpgrp()
-    for pid in _children():
-        if pid <= floor:
-            continue
-        try:
-            fields = _sys.proc_stat(pid)
-            if fields[0] == "Z" and int(fields[2]) not in (pid, mine):
-                os.waitpid(pid, os.WNOHANG)
-        except (OSError, IndexError, ValueError, ChildProcessError):
-            continue
-
-
-_ORPHANS = _OrphanReaper()
 # Where the seccomp profile goes in a config's JSON (see ContainerBackend._config_json).
 _SECCOMP_SLOT = "@dsec-seccomp-profile@"
-
-
-@functools.cache
-def _spawn_env() -> ctypes.Array:
-    """The server's environment for crun, encoded once (the server does not change it)."""
-    return _sys.spawn_env(os.environ)
-
-
-async def _spawn_wait(argv: list[str], stdin: int | None, out: int, timeout: float) -> int | None:
-    """Run ``argv`` with ``stdin`` (None: /dev/null) and stdout and stderr to ``out``; its exit
-    code, or None when it was killed past ``timeout``. posix_spawn (a vfork) and a pidfd:
-    cheaper on the event loop than an asyncio subprocess, which sets up pipes, transports and
-    a child watcher for each of the crun runs every sandbox costs.
-
-    The spawn runs in a thread, without the GIL (``_sys.posix_spawn``): the parent of a vfork
-    waits until the child has exec'd, and on a busy machine that wait was a third of the event
-    loop's time. It is waited for even when the call is cancelled (the child takes ``stdin``
-    and ``out``, which the caller closes once this returns), and what it started is killed."""
-    spawning = asyncio.get_running_loop().run_in_executor(
-        None, _sys.posix_spawn, argv[0], argv, _spawn_env(), stdin, out, out)
-    cancelled = False
-    while not spawning.done():
-        try:
-            await asyncio.shield(spawning)
-        except asyncio.CancelledError:
-            cancelled = True
-    pid = spawning.result()  # or the spawn's OSError
-    reaped = False
-    try:
-        if cancelled:
-            raise asyncio.CancelledError
-        fd = os.pidfd_open(pid)
-        loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-        loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
-        try:
-            await asyncio.wait_for(exited, timeout)
-        except TimeoutError:
-            return None
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
-        _, status = os.waitpid(pid, 0)
-        reaped = True
-        _ORPHANS.after(pid)
-        return os.waitstatus_to_exitcode(status)
-    finally:
-        if not reaped:  # timed out or cancelled: it must not outlive the call, nor stay a zombie
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-
-
-async def _wait_process(proc: asyncio.subprocess.Process, timeout: float) -> int:
-    """``proc``'s exit code once it has exited; TimeoutError past ``timeout``. Unlike
-    ``proc.wait()`` (Python < 3.12), it does not also wait until every process that inherited
-    the pipes (a command's background children) has closed them."""
-    if proc.returncode is None:
-        try:
-            # Not reaped yet (the child watcher reaps on this loop), so the pid is still ours.
-            fd = os.pidfd_open(proc.pid)
-        except ProcessLookupError:
-            fd = -1
-        if fd >= 0:
-            loop = asyncio.get_running_loop()
-            exited = loop.create_future()
-            loop.add_reader(fd, lambda: exited.done() or exited.set_result(None))
-            try:
-                await asyncio.wait_for(exited, timeout)
-            finally:
-                loop.remove_reader(fd)
-                os.close(fd)
-    for turn in range(100_000):  # the child watcher sets the code a loop turn or two later
-        if proc.returncode is not None:
-            return proc.returncode
-        await asyncio.sleep(0 if turn < 20 else 0.001)
-    raise TimeoutError(f"process {proc.pid} exited but was not reaped")
-
-
-def _session(pid: int) -> int:
-    return int(_sys.proc_stat(pid)[3])
-
-
-def _kill_session_of(pidfile: Path, cid: str) -> None:
-    """SIGKILL the session of the command in ``pidfile`` in sandbox ``cid``. crun exec gives
-    each command a session of its own; what the command starts in the background stays in it
-    (unless it calls setsid), even when a double fork takes it out of the process tree."""
-    try:
-        pid = int(pidfile.read_text())
-        sid = _session(pid) if _pid_in_cgroup(pid, cid) else 0
-    except (OSError, ValueError, IndexError):
-        return
-    if sid <= 1:
-        return
-    # Again until none is left: a process may fork while the others are being killed.
-    for _ in range(20):
-        killed = 0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                session = _session(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-            if session == sid and _pid_in_cgroup(int(entry), cid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(entry), signal.SIGKILL)
-                    killed += 1
-        if not killed:
-            return
 
 
 def _compiled_seccomp(state: Path) -> str | None:
@@ -359,171 +99,23 @@ def _runs_init(pid: int) -> bool:
         return False
 
 
-def _pid_in_cgroup(pid: int, cid: str) -> bool:
-    """True while ``pid`` is a live process in sandbox ``cid``'s cgroup (guards pid reuse)."""
-    try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            if f"/{cid}\n" not in f.read():
-                return False
-        return _sys.proc_stat(pid)[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-class _Capture:
-    """Keeps the first ``cap`` bytes of a stream and counts the rest."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.kept = bytearray()
-        self.total = 0
-
-    async def drain(self, stream: asyncio.StreamReader, emit: Emit | None = None, kind: str = "") -> None:
-        while chunk := await stream.read(_READ_CHUNK):
-            self.feed(chunk)
-            if emit is not None:
-                await emit(kind, chunk)
-
-    def feed(self, chunk: bytes) -> None:
-        self.total += len(chunk)
-        if len(self.kept) < self.cap:
-            self.kept += chunk[: self.cap - len(self.kept)]
-
-    @property
-    def text(self) -> str:
-        return self.kept.decode(errors="replace")
-
-    @property
-    def truncated(self) -> bool:
-        return self.total > len(self.kept)
-
-    @staticmethod
-    def result(rc: int, out: _Capture, err: _Capture, start: float) -> ExecResult:
-        return ExecResult(
-            exit_code=rc,
-            stdout=out.text,
-            stderr=err.text,
-            duration_s=time.perf_counter() - start,
-            stdout_truncated=out.truncated,
-            stderr_truncated=err.truncated,
-            stdout_bytes=out.total,
-            stderr_bytes=err.total,
-        )
-
-
-class _PipeReader:
-    """Feeds what a command writes to a pipe (non-blocking, ours to close) into a capture;
-    ``done`` at end of file. A reader on the loop, not a pipe transport: no protocol, file
-    object or extra loop iteration to set it up, for the two pipes of every command."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, capture: _Capture) -> None:
-        self.loop, self.fd, self.capture = loop, fd, capture
-        self.done = loop.create_future()
-        loop.add_reader(fd, self._ready)
-
-    def _ready(self) -> None:
-        try:
-            data = os.read(self.fd, 1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if data:
-            self.capture.feed(data)
-        else:
-            self.close()
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            self.loop.remove_reader(self.fd)
-            os.close(self.fd)
-            self.fd = -1
-        if not self.done.done():
-            self.done.set_result(None)
-
-
-class _PipeStream:
-    """Hands what a command writes to a pipe to ``emit`` chunk by chunk (and into a capture),
-    reading no more while ``emit`` has not returned: a consumer that reads slowly leaves the
-    data in the pipe, and the command blocks on its next write (backpressure, no buffer here).
-    ``done`` is a task that ends at end of file."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, capture: _Capture, kind: str, emit: Emit) -> None:
-        self.loop, self.fd, self.capture, self.kind, self.emit = loop, fd, capture, kind, emit
-        self.done = loop.create_task(self._run())
-        self.done.add_done_callback(lambda _: self._close_fd())  # also when cancelled before it ran
-
-    def _close_fd(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    async def _readable(self) -> None:
-        ready = self.loop.create_future()
-        self.loop.add_reader(self.fd, lambda: ready.done() or ready.set_result(None))
-        try:
-            await ready
-        finally:
-            self.loop.remove_reader(self.fd)
-
-    async def _run(self) -> None:
-        try:
-            while True:
-                try:
-                    data = os.read(self.fd, _READ_CHUNK)
-                except (BlockingIOError, InterruptedError):
-                    await self._readable()
-                    continue
-                except OSError:
-                    data = b""
-                if not data:
-                    return
-                self.capture.feed(data)
-                await self.emit(self.kind, data)
-        finally:
-            self._close_fd()
-
-    def close(self) -> None:
-        self.done.cancel()
-
-
-class _Flow:
-    """``emit`` wrapped: counts the chunks handed on and whether one is being handed now."""
-
-    def __init__(self, emit: Emit) -> None:
-        self.emit, self.moved, self.busy = emit, 0, 0
-
-    async def __call__(self, kind: str, data: bytes) -> None:
-        self.busy += 1
-        try:
-            await self.emit(kind, data)
-        finally:
-            self.busy -= 1
-            self.moved += 1
-
-
-async def _wait_pipes(flow: _Flow | None, tasks: list[asyncio.Future]) -> None:
-    """Wait for the pipes' end of file after the command exited: pipes still flowing to a
-    slow consumer are waited for; pipes idle for ``_PIPE_GRACE_S`` (held open by a background
-    process) are not."""
-    while True:
-        before = flow.moved if flow is not None else 0
-        _, pending = await asyncio.wait(tasks, timeout=_PIPE_GRACE_S)
-        if not pending or flow is None or (not flow.busy and flow.moved == before):
-            return
-
-
 class ContainerBackend:
     """crun + overlayfs over shared EROFS layer mounts. See the module docstring."""
 
     kind = "container"
-    protects_paths = True  # SandboxSpec.protected_paths: read-only binds (see _protected_mounts)
+    # PROTECTED_PATHS: read-only binds (see _protected_mounts); CARRY: check_kept, carry, tampered.
+    capabilities = frozenset({Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY})
     # The v1 controllers of a sandbox's cgroup (see dsec.resources.cgroups).
     cgroup_controllers: tuple[str, ...] = cgroups.SANDBOX_CONTROLLERS
 
     def __init__(self, node_dir: Path, store: LayerStore, layer_mounts: LayerMounts | None = None,
-                 cgroup_parent: str = cgroups.DEFAULT_PARENT) -> None:
+                 cgroup_parent: str = cgroups.DEFAULT_PARENT,
+                 bundle_hook: Callable[[dict, SandboxSpec], None] | None = None) -> None:
+        """``bundle_hook(config, spec)``: changes each sandbox's OCI config in place before it
+        is written (the FnCall workers' read-only root and mounts); it must leave
+        ``config["linux"]["seccomp"]`` as it found it."""
         self.node_dir = Path(node_dir)
+        self.bundle_hook = bundle_hook
         self.cgroup_parent = cgroup_parent
         self.store = store
         self.run_dir = self.node_dir / "run"
@@ -554,7 +146,7 @@ class ContainerBackend:
         self._pidfds: dict[str, int] = {}
         # The host's overlay mounts of sandboxes that have started, to unmount (_detach_started).
         self._started: list[Path] = []
-        self._crun_exe = _sealed_copy(CRUN)
+        self._crun_exe = sealed_copy(CRUN)
         # Root inside is not root outside: each sandbox gets a user namespace and a host uid
         # range of its own (see dsec.isolation.userns); DSEC_USERNS=0 turns it off.
         self.id_ranges = userns.IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
@@ -568,6 +160,15 @@ class ContainerBackend:
         """One line for ``dsec info``."""
         how = "file-backed" if self.layer_attach == "file" else "on read-only loop devices"
         return f"{self.kind}: crun, EROFS layers {how}"
+
+    def host_view(self) -> HostView:
+        return HostView(self.cgroup_parent, self.sandboxes_dir, self.id_ranges)
+
+    async def warm_up(self) -> None:
+        """Nothing to prepare: layers are mounted at the first create that needs them."""
+
+    async def close(self) -> None:
+        """Nothing held in this process outlives it but what the sandboxes themselves hold."""
 
     def _host_ids(self, handle: Handle, uid: int, gid: int) -> tuple[int, int]:
         """A sandbox's uid/gid as the host sees them (files written from the host)."""
@@ -592,7 +193,7 @@ class ContainerBackend:
         else:
             out = os.memfd_create("crun-output", os.MFD_CLOEXEC)
         try:
-            rc = await _spawn_wait([self._crun_exe, *self._crun(*args)[1:]], stdin, out, timeout)
+            rc = await spawn_wait([self._crun_exe, *self._crun(*args)[1:]], stdin, out, timeout)
             if rc is None:
                 return -1, f"crun {args[0]} timed out after {timeout}s"
             return rc, os.pread(out, 1 << 20, 0).decode(errors="replace").strip()
@@ -692,8 +293,10 @@ class ContainerBackend:
     def _config_json(self, cid: str, plan: OverlayPlan, spec: SandboxSpec) -> str:
         """``_config`` as JSON, with the seccomp profile (two thirds of it) serialized once."""
         config = self._config(cid, plan, spec)
+        if self.bundle_hook is not None:
+            self.bundle_hook(config, spec)
         if config["linux"].get("seccomp") is not self._seccomp:
-            return json.dumps(config)  # a subclass changed it
+            return json.dumps(config)  # the hook changed it
         if self._seccomp_json is None:
             self._seccomp_json = json.dumps(self._seccomp)
         config["linux"]["seccomp"] = _SECCOMP_SLOT
@@ -833,7 +436,7 @@ class ContainerBackend:
             poller = select.poll()
             poller.register(fd, select.POLLIN)
             return not poller.poll(0)  # a pidfd turns readable when its process exits
-        return handle.pid > 0 and _pid_in_cgroup(handle.pid, handle.cid)
+        return handle.pid > 0 and pid_in_cgroup(handle.pid, handle.cid)
 
     async def _alive_after(self, handle: Handle, grace: float) -> bool:
         """Whether the init still lives ``grace`` seconds on (or once it is gone, if sooner). A
@@ -842,7 +445,7 @@ class ContainerBackend:
         fd = self._pidfds.get(handle.cid)
         if fd is None:
             return await self.is_alive(handle)
-        return not await _wait_exit(fd, grace, tick=self._reap_orphans)
+        return not await wait_exit(fd, grace, tick=self._reap_orphans)
 
     def _why_gone(self, handle: Handle) -> str:
         kills = cgroups.oom_kills(self.cgroup_parent, handle.cid)
@@ -884,6 +487,10 @@ class ContainerBackend:
                     upper = stack.enter_context(userns.shifted_view(idmap, upper, upper.parent / "packview", self.store.tmp_dir))
                 skip = await asyncio.to_thread(scrub.residue, upper)
                 digest = await asyncio.to_thread(self.store.add_dir, upper, skip)
+        except LayerBuildError as exc:
+            # The sandbox's own files, packed by the node: a failure here (the store's disk
+            # full, mkfs.erofs failing) is the node's, not a bad request.
+            raise BackendError(f"cannot pack {handle.cid}: {exc}") from None
         finally:
             if not was_paused:
                 cgroups.thaw(self.cgroup_parent, handle.cid)
@@ -936,7 +543,7 @@ class ContainerBackend:
         if (channel := self.channels.pop(handle.cid, None)) is not None:
             channel.close()
         fd = self._pidfds.pop(handle.cid, None)
-        if fd is None and handle.pid > 0 and _pid_in_cgroup(handle.pid, handle.cid):
+        if fd is None and handle.pid > 0 and pid_in_cgroup(handle.pid, handle.cid):
             with contextlib.suppress(ProcessLookupError):
                 fd = os.pidfd_open(handle.pid)
         if fd is not None:
@@ -945,7 +552,7 @@ class ContainerBackend:
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
                 cgroups.thaw(self.cgroup_parent, handle.cid)  # a frozen (paused) task dies once thawed
-                if not await _wait_exit(fd, timeout=10, tick=self._reap_orphans):
+                if not await wait_exit(fd, timeout=10, tick=self._reap_orphans):
                     log.warning("the init of %s did not exit within 10s of SIGKILL", handle.cid)
             finally:
                 os.close(fd)
@@ -973,7 +580,7 @@ class ContainerBackend:
         """Reap zombies that were reparented to us (we are the subreaper) from inside our
         sandboxes, e.g. a command whose ``crun exec`` died first. Only processes in our sandbox
         cgroups: asyncio reaps the ``crun`` processes it spawned, which live outside them."""
-        for pid in _children():
+        for pid in children():
             try:
                 if _sys.proc_stat(pid)[0] != "Z":
                     continue
@@ -1066,7 +673,7 @@ class ContainerBackend:
         return await self._exec(handle, request, ctx, emit)
 
     async def _exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit | None) -> ExecResult:
-        flow = _Flow(emit) if emit is not None else None
+        flow = Flow(emit) if emit is not None else None
         if not await self.is_alive(handle):
             raise SandboxStateError(f"cannot exec: sandbox process of {handle.cid} is gone")
         self._check_dir(handle, ctx.workdir)
@@ -1085,15 +692,15 @@ class ContainerBackend:
         return await self._exec_crun(handle, request, ctx, flow)
 
     async def _exec_init(self, channel: InitChannel, job_id: int, message: bytes, request: ExecRequest,
-                         emit: _Flow | None = None) -> ExecResult:
+                         emit: Flow | None = None) -> ExecResult:
         """Run a command through the sandbox's init: it forks it with our pipes as its stdio."""
         loop = asyncio.get_running_loop()
         cap = request.max_output_bytes
-        out, err = _Capture(cap), _Capture(cap)
+        out, err = Capture(cap), Capture(cap)
         ours: list[int] = []
         theirs: list[int] = []
         transports: list[asyncio.BaseTransport] = []
-        pipes: list[_PipeReader | _PipeStream] = []
+        pipes: list[PipeReader | PipeStream] = []
         try:
             if request.stdin is not None:
                 stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
@@ -1106,7 +713,7 @@ class ContainerBackend:
                 os.set_blocking(w, True)  # the command's end
                 theirs.append(w)
                 ours.append(r)
-                pipes.append(_PipeReader(loop, r, capture) if emit is None else _PipeStream(loop, r, capture, kind, emit))
+                pipes.append(PipeReader(loop, r, capture) if emit is None else PipeStream(loop, r, capture, kind, emit))
                 ours.remove(r)  # the reader owns it now
             start = time.perf_counter()
             try:
@@ -1138,7 +745,7 @@ class ContainerBackend:
                 raise
             # Output still in the pipes is read at once; a background process that keeps them
             # open is not waited for.
-            await _wait_pipes(emit, [p.done for p in pipes])
+            await wait_pipes(emit, [p.done for p in pipes])
         finally:
             for pipe in pipes:
                 pipe.close()
@@ -1146,10 +753,10 @@ class ContainerBackend:
                 t.close()
             for fd in theirs + ours:
                 os.close(fd)
-        return _Capture.result(exit_code(status), out, err, start)
+        return Capture.result(exit_code(status), out, err, start)
 
     async def _exec_crun(self, handle: Handle, request: ExecRequest, ctx: ExecContext,
-                         emit: _Flow | None = None) -> ExecResult:
+                         emit: Flow | None = None) -> ExecResult:
         """Run a command through `crun exec` (a sandbox adopted after a restart has no channel)."""
         pidfile = self.sandboxes_dir / handle.cid / f"exec-{os.urandom(4).hex()}.pid"
         # crun exec does not take no_new_privs from the container's config: ask for it.
@@ -1169,7 +776,7 @@ class ContainerBackend:
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
         cap = request.max_output_bytes
-        out, err = _Capture(cap), _Capture(cap)
+        out, err = Capture(cap), Capture(cap)
         readers = [asyncio.ensure_future(out.drain(proc.stdout, emit, "stdout")),
                    asyncio.ensure_future(err.drain(proc.stderr, emit, "stderr"))]
         timed_out = False
@@ -1182,19 +789,19 @@ class ContainerBackend:
                 except (BrokenPipeError, ConnectionResetError):
                     pass
             try:
-                rc = await _wait_process(proc, request.timeout)
+                rc = await wait_process(proc, request.timeout)
             except TimeoutError:
                 timed_out = True
-                _kill_session_of(pidfile, handle.cid)
+                kill_session_of(pidfile, handle.cid)
                 self._kill_exec(pidfile, proc)
                 try:
-                    rc = await _wait_process(proc, 5)
+                    rc = await wait_process(proc, 5)
                 except TimeoutError:
-                    _kill_tree(proc.pid)
-                    rc = await _wait_process(proc, 60)
+                    kill_tree(proc.pid)
+                    rc = await wait_process(proc, 60)
             # Output still in the pipes is read at once; a background process that keeps them
             # open is not waited for.
-            await _wait_pipes(emit, readers)
+            await wait_pipes(emit, readers)
         except BaseException:
             self._kill_exec(pidfile, proc)
             raise
@@ -1208,16 +815,16 @@ class ContainerBackend:
                 f"command timed out after {request.timeout:g}s and was killed"
                 + (f"; last output: {tail!r}" if tail else "")
             )
-        return _Capture.result(rc, out, err, start)
+        return Capture.result(rc, out, err, start)
 
     def _kill_exec(self, pidfile: Path, proc: asyncio.subprocess.Process) -> None:
         """Kill what a command started. ``crun exec`` itself is left to reap its child and
         exit; only if it had not started the command yet is it killed too."""
         try:
-            _kill_tree(int(pidfile.read_text()))
+            kill_tree(int(pidfile.read_text()))
         except (OSError, ValueError):
             if proc.returncode is None:
-                _kill_tree(proc.pid)
+                kill_tree(proc.pid)
 
     def _root_fd(self, handle: Handle) -> int:
         try:

@@ -18,11 +18,13 @@ from libdsec.protocol import ExecRequest, ExecResult
 from ..images import scrub
 from ..images.carry import Carried, is_system_path
 from ..resources.cgroups import Limits
-from .base import Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
+from .base import Capability, Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
 
 
 class FakeBackend:
     """Stands in for the backend of any sandbox kind (``container`` unless told otherwise)."""
+
+    capabilities = frozenset({Capability.WARM_POOL, Capability.CARRY})
 
     def __init__(self, kind: str = "container") -> None:
         self.kind = kind
@@ -31,6 +33,18 @@ class FakeBackend:
         self.limits: dict[str, Limits] = {}
         self.destroyed: list[str] = []
         self.fail_next_create: str | None = None
+
+    def describe(self) -> str:
+        return f"{self.kind}: the in-memory fake (no sandbox runs)"
+
+    def host_view(self) -> None:
+        return None
+
+    async def warm_up(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
     def _files(self, handle: Handle) -> dict[str, bytes]:
         files = self.files.get(handle.cid)

@@ -625,8 +625,20 @@ def _fmt(v: Any, spec: str = ".2f") -> str:
     return f"{v:{spec}}"
 
 
+def _goals(res: dict) -> dict[str, bool | None]:
+    """Each goal met (True), missed (False) or not measured (None): what the table shows and
+    what ``--strict`` exits on, judged once."""
+    idle = res.get("idle") or {}
+    mib_each = (idle.get("attributable_mib_per_sandbox") or {}).get("kernel_plus_charged")
+    share = (res.get("pause_touched") or {}).get("returned_share")
+    return {"idle_count": None if not idle else idle["count"] >= GOAL_IDLE_COUNT,
+            "idle_mib": None if mib_each is None else mib_each <= GOAL_IDLE_MIB,
+            "pause_returned": None if share is None else share >= GOAL_PAUSE_RETURNED}
+
+
 def _report(res: dict, console: Console) -> None:
     idle, crun = res.get("idle") or {}, res.get("crun") or {}
+    goals = _goals(res)
     t = Table(title="dsec bench density")
     for col in ("measure", "DSec", "peer", "goal", "result"):
         t.add_column(col)
@@ -637,9 +649,9 @@ def _report(res: dict, console: Console) -> None:
     mib_each = (idle.get("attributable_mib_per_sandbox") or {}).get("kernel_plus_charged")
     crun_each = (crun.get("attributable_mib_per_container") or {}).get("kernel_plus_charged")
     t.add_row("idle sandboxes held at once", str(idle.get("count", "—")), "", f"≥ {GOAL_IDLE_COUNT}",
-              verdict(None if not idle else idle["count"] >= GOAL_IDLE_COUNT))
+              verdict(goals["idle_count"]))
     t.add_row("MiB per idle sandbox: kernel + cgroup-charged", _fmt(mib_each), f"{_fmt(crun_each)} (bare crun -d)",
-              f"≤ {GOAL_IDLE_MIB:g}", verdict(None if mib_each is None else mib_each <= GOAL_IDLE_MIB))
+              f"≤ {GOAL_IDLE_MIB:g}", verdict(goals["idle_mib"]))
     t.add_row("  host MemAvailable: Δ at the top / slope / Δ at stop",
               f"{_fmt(idle.get('host_mib_per_sandbox'))} / {_fmt(idle.get('host_mib_per_sandbox_slope'))} / "
               f"{_fmt(idle.get('host_mib_per_sandbox_at_stop'))}", f"{_fmt(crun.get('host_mib_per_container'))}", "",
@@ -655,7 +667,7 @@ def _report(res: dict, console: Console) -> None:
                       f"cgroups {p['cgroups_before_mib']:.0f} → {p['cgroups_after_mib']:.0f}, zram keeps "
                       f"{p['zram_kept_mib']:.0f}: {100 * (by_acct or 0):.0f}% back",
                       f"≥ {GOAL_PAUSE_RETURNED:.0%}" if goal else "",
-                      verdict(None if share is None else share >= GOAL_PAUSE_RETURNED) if goal else "info")
+                      verdict(goals["pause_returned"]) if goal else "info")
     c = res.get("cold")
     if c:
         t.add_row(f"cold reclaimer, {c['count']} idle × {c['fill_mib']} MiB text: host MiB",
@@ -734,8 +746,5 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
                   f"({res['duration_s']:.0f} s)")
     if bench.errors or left or peer_left:
         return 1
-    idle = res.get("idle") or {}
-    touched = res.get("pause_touched") or {}
-    missed = (idle.get("count", 0) < GOAL_IDLE_COUNT or (idle.get("host_mib_per_sandbox") or 99) > GOAL_IDLE_MIB
-              or (touched.get("returned_share") or 0) < GOAL_PAUSE_RETURNED)
+    missed = any(ok is not True for ok in _goals(res).values())  # not measured counts as missed
     return 2 if opts.strict and missed else 0

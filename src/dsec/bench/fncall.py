@@ -20,7 +20,8 @@ The snippet is ``print(sum(range(1000)))``; every answer is checked (``499500``)
    (queued + worker) is at least 32 / throughput (Little's law), so the per-call goal (p50 ≤ 2
    ms, p99 ≤ 20 ms) is checked on ``worker_s``; the rest is reported beside it.
 4. Then one HTTP request per call (``fncall``), 32 and 1 in flight: the client's round trips.
-   This path is bound by the client: httpx spends 1–2 ms of CPU a request, the server ≈0.7 ms.
+   This path is bound by the HTTP exchange: a request costs the client and the server more CPU
+   than a trivial call.
 
 CPU: host CPU per call in each phase, the benchmark's own (its cgroup: this process, the peers
 and the server; and the workers' cgroups), DSec's split into client (this process), server and

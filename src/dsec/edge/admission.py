@@ -9,15 +9,21 @@ unholds it when it leaves the states that hold resources (creating, running, pau
 failing or forgotten). The totals are kept as sandboxes come and go, so admitting one costs the
 same at 10 sandboxes as at 10,000. ``commitments`` reports them, and what each project holds
 here, for the placement view and the quotas.
+
+``WorkGate``: how many creates (and commands) run at once, with a bounded queue behind them;
+past it a call is refused with ``Overloaded`` (429, ``Retry-After``) instead of piling up.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
-from libdsec import CapacityExceeded, LimitOutOfRange
+from libdsec import CapacityExceeded, LimitOutOfRange, Overloaded
 from libdsec.protocol import DSecContainerRunArgs, ProjectUsage, SandboxStatus
 
 from ..resources import cpu as cpu_sched
@@ -159,3 +165,86 @@ class Admission:
             "projects": {p: ProjectUsage(sandboxes=n, cpu_cores=round(c, 6), memory_mb=m)
                          for p, (n, c, m) in projects.items()},
         }
+
+
+class WorkGate:
+    """At most ``running`` calls of one kind (creates, commands) at once on this node, and at
+    most ``queued`` more waiting, each for at most ``wait_s`` seconds; past that the call is
+    refused with ``Overloaded`` before any of its work began (so it may be sent again), never
+    left hanging. ``retry_after`` in the refusal is what the calls that hold the slots are
+    expected to need to make room: the mean time a slot was held lately, times the queue in front.
+
+    ``async with gate.slot():`` around the work; ``gate.check()`` refuses at once when the queue
+    is full (a batch, before it starts, whose parts then wait in ``slot(queue=False)``).
+    """
+
+    def __init__(self, what: str, node: str, running: int, queued: int, wait_s: float) -> None:
+        if running < 1 or queued < 0 or wait_s <= 0:
+            raise ValueError(f"{what} gate: running={running} (>= 1), queued={queued} (>= 0), wait_s={wait_s} (> 0)")
+        self.what, self.node = what, node
+        self.running_max, self.queued_max, self.wait_s = running, queued, wait_s
+        self.running = 0
+        self._waiters: deque[asyncio.Future] = deque()
+        self._held_s = 0.05  # moving mean of how long a slot is held
+        self.refused = 0
+
+    @property
+    def queued(self) -> int:
+        return sum(1 for w in self._waiters if not w.done())
+
+    def _retry_after(self) -> float:
+        ahead = self.queued + 1
+        return min(30.0, max(0.05, self._held_s * ahead / self.running_max))
+
+    def _refuse(self, why: str) -> Overloaded:
+        self.refused += 1
+        return Overloaded(f"node {self.node} is overloaded: {why}; retry later", self._retry_after())
+
+    def check(self) -> None:
+        """``Overloaded`` now if a call would find no slot and no room to wait."""
+        if self.running >= self.running_max and self.queued >= self.queued_max:
+            raise self._refuse(f"{self.running} {self.what} running and {self.queued} waiting "
+                               f"(at most {self.running_max} and {self.queued_max})")
+
+    @contextlib.asynccontextmanager
+    async def slot(self, queue: bool = True) -> AsyncIterator[None]:
+        """Hold one slot for the block. ``queue=False``: wait for a slot however long the queue
+        is (the parts of a batch that ``check`` let in), still at most ``wait_s``."""
+        if self.running >= self.running_max or self._waiters:
+            if queue:
+                self.check()
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), self.wait_s)
+            except TimeoutError:
+                if not waiter.done():
+                    waiter.cancel()
+                    raise self._refuse(f"no slot for {self.what} within {self.wait_s:g} s "
+                                       f"({self.running} running, {self.queued} waiting)") from None
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self._release()  # handed a slot just as this call was cancelled: pass it on
+                else:
+                    waiter.cancel()
+                raise
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+        else:
+            self.running += 1
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self._held_s += (time.monotonic() - start - self._held_s) * 0.1
+            self._release()
+
+    def _release(self) -> None:
+        """Hand the slot to the first caller still waiting, else free it."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes on: ``running`` stays
+                return
+        self.running -= 1

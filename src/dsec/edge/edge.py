@@ -31,14 +31,14 @@ import shlex
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 from libdsec import (
-    CapacityExceeded, CommandTimeout, InvalidRequest, LimitOutOfRange, ProcessNotFound, SandboxFileNotFound,
+    CapacityExceeded, CommandTimeout, DSecError, InvalidRequest, LimitOutOfRange, Overloaded, ProcessNotFound, SandboxFileNotFound,
     SandboxLost, SandboxNotFound, SandboxStateError, SessionClosed,
 )
 from libdsec.protocol import DEFAULT_COMMAND_TIMEOUT_S, MAX_OUTPUT_BYTES_LIMIT
@@ -71,7 +71,7 @@ from libdsec.protocol import (
 )
 
 from ..batch import Part, all_or_none, single
-from ..backends.base import ExecContext, Handle, SandboxBackend, SandboxSpec
+from ..backends.base import Capability, ExecContext, Handle, SandboxBackend, SandboxSpec, check_backend
 from ..fncall.pool import FnCallPool
 from ..images import carry
 from ..images.store import Image, LayerStore, check_name
@@ -79,7 +79,7 @@ from ..isolation import apparmor
 from ..placement import DEFAULT_CPU_OVERCOMMIT, DEFAULT_MEMORY_OVERCOMMIT
 from ..resources import cgroups
 from . import lifecycle
-from .admission import MAX_TTL_S, Admission, memory_total_mb
+from .admission import MAX_TTL_S, Admission, WorkGate, memory_total_mb
 from .api import new_sandbox_id
 from .journal import RecordJournal
 from .lifecycle import Action, Record
@@ -118,9 +118,16 @@ class EdgeConfig:
     pool_fill_concurrency: int = 2
     # While creates keep arriving and the pool still has a quarter of its target, refills wait
     # until none has arrived for this long: starting sandboxes takes the CPU that a burst being
-    # served from the pool needs (docs/BENCHMARKS.md → Lifecycle).
+    # served from the pool needs.
     pool_quiet_s: float = 0.05
     finished_kept: int = 10_000
+    # Overload (admission.WorkGate): creates and commands running at once, how many more may
+    # wait for a slot and for how long; past that a call gets ``Overloaded`` (429, Retry-After).
+    max_creates_running: int = 256
+    max_creates_queued: int = 1024
+    max_commands_running: int = 1024
+    max_commands_queued: int = 4096
+    max_queue_wait_s: float = 30.0
 
 
 class Edge:
@@ -137,6 +144,8 @@ class Edge:
             backends = [backends]
         # One backend per sandbox kind (container, microvm, …); the first is the default.
         self.backends: dict[str, SandboxBackend] = {b.kind: b for b in backends}
+        for backend in self.backends.values():
+            check_backend(backend)
         self.backend = next(iter(self.backends.values()))
         self.store = store
         self.records_dir = Path(config.records_dir or Path(config.node_dir) / "records")
@@ -147,6 +156,10 @@ class Edge:
         # One command at a time per session; held only while one runs (no entry outlives it).
         self._session_locks: weakref.WeakValueDictionary[tuple[str, int], asyncio.Lock] = weakref.WeakValueDictionary()
         self.admission = Admission(config, memory_total_mb(), os.cpu_count() or 1)
+        self.create_gate = WorkGate("creates", config.node, config.max_creates_running, config.max_creates_queued,
+                                    config.max_queue_wait_s)
+        self.command_gate = WorkGate("commands", config.node, config.max_commands_running,
+                                     config.max_commands_queued, config.max_queue_wait_s)
         self.warm_pool = WarmPool(config, self.backends, self._records.__len__)
         # Batches whose sandboxes are held here until committed: id -> when they are given up
         # (None while the batch is still being made).
@@ -180,6 +193,15 @@ class Edge:
             else:
                 rec.status, rec.reason = SandboxStatus.failed, "sandbox was gone when the edge restarted"
                 self._forget(rec)
+        # A crash in the middle of a pause or a pack_diff leaves its sandbox frozen while its
+        # record says running (its calls would hang): thaw each one that is not paused by its
+        # record (a paused one is thawed by its next call). Thawing a running one changes nothing.
+        for rec in self._records.values():
+            if rec.status is SandboxStatus.running:
+                try:
+                    await self.backends[rec.kind].resume(rec.handle)
+                except (DSecError, OSError) as exc:
+                    log.warning("could not thaw re-adopted sandbox %s: %s", rec.id, exc)
         if self.fncalls is not None:  # after recover, which removed the workers of an earlier run
             await self.fncalls.start()
         await self.security.start(self._records.values())
@@ -218,17 +240,28 @@ class Edge:
         return backend
 
     async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
+        async def one() -> SandboxInfo:
+            async with self.create_gate.slot():
+                return await self._create_one(args, kind, project)
+
+        return await self._counted(kind, one())
+
+    async def _counted(self, kind: str, creating: Awaitable[SandboxInfo]) -> SandboxInfo:
+        """A create (alone or one of a batch's), counted: made, refused, or failed (cut short too)."""
         if not self.stats.enabled:
-            return await self._create_one(args, kind, project)
+            return await creating
         try:
-            info = await self._create_one(args, kind, project)
+            info = await creating
+        except Overloaded:
+            self.stats.refused("overload")
+            raise
         except CapacityExceeded:
             self.stats.refused("capacity")
             raise
         except LimitOutOfRange:
             self.stats.refused("limit")
             raise
-        except Exception:
+        except (Exception, asyncio.CancelledError):
             self.stats.create_failed(kind)
             raise
         self.stats.created(kind, info.create_s or 0.0)
@@ -246,7 +279,7 @@ class Edge:
         return rec.info(self.node)
 
     def _check_protected(self, args: DSecContainerRunArgs, kind: str) -> None:
-        if args.protected_paths and not getattr(self._backend(kind), "protects_paths", False):
+        if args.protected_paths and Capability.PROTECTED_PATHS not in self._backend(kind).capabilities:
             raise InvalidRequest(f"a {kind} sandbox on node {self.node} cannot protect paths "
                                  f"(protected_paths is for container sandboxes)")
 
@@ -267,7 +300,7 @@ class Edge:
         # VMs (whose memory is set at boot), restores from a snapshot and sandboxes with paths
         # of their own made read-only are made to order.
         snapshot = getattr(args, "snapshot", None)
-        pooled = getattr(backend, "pooled", True) and snapshot is None and not args.protected_paths
+        pooled = Capability.WARM_POOL in backend.capabilities and snapshot is None and not args.protected_paths
         pool = self.warm_pool.arrive(kind, image, limits) if pooled else None
         try:
             if pool is not None:
@@ -317,9 +350,9 @@ class Edge:
             raise InvalidRequest("keep path '/' would carry all the sandbox's changes, tampering included: "
                                  "name the directories that hold the work")
         backend = self.backends[rec.kind]
-        if hasattr(backend, "carry"):
+        if Capability.CARRY in backend.capabilities:
             return await self._call(rec, self._clean_copy(rec, backend, keep))
-        if hasattr(backend, "kept_layer"):
+        if Capability.KEPT_LAYER in backend.capabilities:
             return await self._call(rec, self._clean_copy_as_layer(rec, backend, keep))
         raise InvalidRequest(f"a {rec.kind} sandbox cannot make clean copies")
 
@@ -390,8 +423,12 @@ class Edge:
         self.store.resolve(args.image_ref)
         try:
             self.admission.fits(args, count)
+            self.create_gate.check()
         except CapacityExceeded:
             self.stats.refused("capacity", count)
+            raise
+        except Overloaded:
+            self.stats.refused("overload", count)
             raise
         if batch is not None:
             if batch in self._batches:
@@ -402,7 +439,11 @@ class Edge:
             await asyncio.gather(*(self.stop(sid, reason="batch create failed") for _, sid in made),
                                  return_exceptions=True)
 
-        parts = (single(i, lambda: self._create_one(args, kind, project, batch)) for i in range(count))
+        async def one() -> SandboxInfo:
+            async with self.create_gate.slot(queue=False):  # the gate was checked for the whole batch
+                return await self._create_one(args, kind, project, batch)
+
+        parts = (single(i, lambda: self._counted(kind, one())) for i in range(count))
         complete = False
         try:
             async with aclosing(all_or_none(parts, undo, undoing=self._undoing,
@@ -479,24 +520,26 @@ class Edge:
         )
 
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        rec, ctx = await self._exec_context(sandbox_id, request)
-        call = self.security.watch_exec(rec, self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx)))
-        if not self.stats.enabled:
-            return await call
-        start = time.perf_counter()
-        try:
-            return await call
-        finally:
-            self.stats.command(rec.kind, time.perf_counter() - start)
+        async with self.command_gate.slot():
+            rec, ctx = await self._exec_context(sandbox_id, request)
+            call = self.security.watch_exec(rec, self._call(rec, self.backends[rec.kind].exec(rec.handle, request, ctx)))
+            if not self.stats.enabled:
+                return await call
+            start = time.perf_counter()
+            try:
+                return await call
+            finally:
+                self.stats.command(rec.kind, time.perf_counter() - start)
 
     async def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
         """``exec`` whose output comes as it is written (``dsec.edge.stream``)."""
-        rec, ctx = await self._exec_context(sandbox_id, request)
-        backend = self.backends[rec.kind]
-        async for event in stream_exec(
-                lambda emit: self.security.watch_exec(
-                    rec, self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit)))):
-            yield event
+        async with self.command_gate.slot():
+            rec, ctx = await self._exec_context(sandbox_id, request)
+            backend = self.backends[rec.kind]
+            async for event in stream_exec(
+                    lambda emit: self.security.watch_exec(
+                        rec, self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit)))):
+                yield event
 
     # -- background processes (kept in the sandbox: dsec.edge.processes) ----------------------
 
@@ -623,6 +666,10 @@ class Edge:
         return f"session {session} has ended: {why} (exit code {info.exit_code}); open a new one"
 
     async def _session_call(self, sandbox_id: str, session: int, request: ExecRequest, emit) -> ExecResult:
+        async with self.command_gate.slot():
+            return await self._session_command(sandbox_id, session, request, emit)
+
+    async def _session_command(self, sandbox_id: str, session: int, request: ExecRequest, emit) -> ExecResult:
         if request.env or request.workdir or request.user or request.stdin is not None:
             raise InvalidRequest("a session's command runs in its shell, as that shell is: no env, workdir, user "
                                  "or stdin of its own (use export, cd, su in the command)")
@@ -798,7 +845,7 @@ class Edge:
         run args that name the snapshot. Only backends with memory snapshots (microvm) can."""
         rec = self._allowed(sandbox_id, Action.snapshot)
         backend = self.backends[rec.kind]
-        if not hasattr(backend, "snapshot"):
+        if Capability.SNAPSHOT not in backend.capabilities:
             raise InvalidRequest(f"a {rec.kind} sandbox takes no memory snapshots (use pack_diff)")
         meta = await self._call(rec, backend.snapshot(rec.handle))
         return SnapshotInfo(
@@ -937,7 +984,7 @@ class Edge:
     async def node_info(self) -> NodeInfo:
         return NodeInfo(
             node=self.node, cgroup_version=cgroups.version(),
-            runtime="; ".join([b.describe() if hasattr(b, "describe") else k for k, b in self.backends.items()]
+            runtime="; ".join([b.describe() for b in self.backends.values()]
                               + (["fncall"] if self.fncalls is not None else [])),
             sandboxes=len(self._records), memory_total_mb=self.admission.memory_total_mb,
             cpu_cores=self.admission.cpu_cores,

@@ -8,7 +8,7 @@ within half a second) within ``pool_min``..``pool_max``, and an image unused for
 loses its pool. Refills are made with the limits of the image's latest create, so a create that
 asks the same sets none on its way, and they wait while a burst is being served from the pool
 (unless it runs low), since starting sandboxes takes the CPU the burst needs. Sandboxes of kinds
-whose backend says ``pooled = False`` (VMs, whose memory is set at boot) and restores from a
+whose backend lacks ``Capability.WARM_POOL`` (VMs, whose memory is set at boot) and restores from a
 snapshot are made to order, never pooled.
 
 A create calls ``arrive`` (counts it, returns its image's pool), ``take`` (a sandbox from the

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TypeVar
 
 import pydantic
 
@@ -96,6 +98,8 @@ MAX_IDLE_CONNECTIONS = 32
 # there for the next one (at 4 s, one single create in five opened a connection, paying the
 # connect and accept on both ends).
 IDLE_EXPIRY_S = 30.0
+
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 # Batch streams being read, referenced until done (see RemoteEdge.create_batch).
 _BATCHES: set[asyncio.Task] = set()
@@ -215,33 +219,21 @@ class RemoteEdge:
         made: list[str] = state.setdefault("made", [])
         ok = False
         try:
-            async with self._wire.stream("POST", PREFIX + "/sandboxes:batch", body=request.model_dump_json().encode(),
-                                         content_type="application/json", timeout=BATCH_IDLE_S) as response:
-                if response.status_code >= 400:
-                    raise self._error(response.status_code, await response.read())
-                rest = b""
-                async for chunk in response.chunks():
-                    *lines, rest = (rest + chunk).split(b"\n")
-                    for line in lines:
-                        if not line.strip():
-                            continue
-                        try:
-                            event = BatchEvent.model_validate_json(line)
-                        except pydantic.ValidationError:
-                            raise self._unreachable(f"sent a batch line that is not a BatchEvent: {line[:200]!r}") from None
-                        if event.event == "created" and event.sandbox is not None and event.index is not None:
-                            made.append(event.sandbox.id)
-                            if not state["abandoned"]:
-                                queue.put_nowait((event.index, event.sandbox))
-                        elif event.event == "error":
-                            made.clear()  # the node undid its batch itself
-                            raise error_from_wire({"error": event.error}, 500)
-                        elif event.event == "done":
-                            if len(made) != request.count:
-                                raise self._unreachable(f"ended a batch of {request.count} after {len(made)}")
-                            queue.put_nowait(None)
-                            ok = True
-                            return
+            async with aclosing(self._lines(BatchEvent, "/sandboxes:batch", request, BATCH_IDLE_S)) as events:
+                async for event in events:
+                    if event.event == "created" and event.sandbox is not None and event.index is not None:
+                        made.append(event.sandbox.id)
+                        if not state["abandoned"]:
+                            queue.put_nowait((event.index, event.sandbox))
+                    elif event.event == "error":
+                        made.clear()  # the node undid its batch itself
+                        raise error_from_wire({"error": event.error}, 500)
+                    elif event.event == "done":
+                        if len(made) != request.count:
+                            raise self._unreachable(f"ended a batch of {request.count} after {len(made)}")
+                        queue.put_nowait(None)
+                        ok = True
+                        return
             raise self._unreachable(f"broke off a batch of {request.count} after {len(made)} sandboxes")
         except WireError as exc:
             queue.put_nowait(self._unreachable(f"did not answer a batch of {request.count} (after {len(made)}): {exc}"))
@@ -364,27 +356,34 @@ class RemoteEdge:
         if self._closed:
             raise self._unreachable("is closed on this side")
         try:
-            async with self._wire.stream("POST", PREFIX + path, body=request.model_dump_json().encode(),
-                                         content_type="application/json",
-                                         timeout=timeout + SLACK_S) as response:
-                if response.status_code >= 400:
-                    raise self._error(response.status_code, await response.read())
-                rest = b""
-                async for chunk in response.chunks():
-                    *lines, rest = (rest + chunk).split(b"\n")
-                    for line in lines:
-                        if not line.strip():
-                            continue
-                        try:
-                            event = ExecEvent.model_validate_json(line)
-                        except pydantic.ValidationError:
-                            raise self._unreachable(f"sent a line that is not an ExecEvent: {line[:200]!r}") from None
-                        yield event
-                        if event.event in ("exit", "error"):
-                            return
+            async with aclosing(self._lines(ExecEvent, path, request, timeout + SLACK_S)) as events:
+                async for event in events:
+                    yield event
+                    if event.event in ("exit", "error"):
+                        return
         except WireError as exc:
             raise self._unreachable(f"broke off a streamed command: {exc}") from None
         raise self._unreachable("ended a streamed command without its exit")
+
+    async def _lines(self, model: type[M], path: str, request: pydantic.BaseModel, timeout: float) -> AsyncIterator[M]:
+        """POST ``request`` and read the node's NDJSON answer as ``model``s, one a line, as the
+        consumer asks for them; an error status is the node's typed error. ``timeout``: the
+        longest silence between two lines."""
+        async with self._wire.stream("POST", PREFIX + path, body=request.model_dump_json().encode(),
+                                     content_type="application/json", timeout=timeout) as response:
+            if response.status_code >= 400:
+                raise self._error(response.status_code, await response.read())
+            rest = b""
+            async for chunk in response.chunks():
+                *lines, rest = (rest + chunk).split(b"\n")
+                for line in lines:
+                    if not line.strip():
+                        continue
+                    try:
+                        item = model.model_validate_json(line)
+                    except pydantic.ValidationError:
+                        raise self._unreachable(f"sent a line that is not a {model.__name__}: {line[:200]!r}") from None
+                    yield item
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         return (await self._call("GET", f"/sandboxes/{sandbox_id}/files", params={"path": path})).content

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from libdsec import CommandTimeout, InvalidRequest
 from libdsec.protocol import ExecResult, SecurityEvent
 
+from ..backends.base import Capability
 from ..isolation import apparmor
 from ..isolation.events import SecurityEvents
 from ..isolation.network import Allowed, SandboxNetworks
@@ -81,8 +82,9 @@ class EdgeSecurity:
     def __init__(self, edge: Edge) -> None:
         self.edge = edge
         container = edge.backends.get("container")
-        self.cgroup_parent = getattr(container, "cgroup_parent", None)
-        self.id_ranges = getattr(container, "id_ranges", None)
+        view = container.host_view() if container is not None else None
+        self.cgroup_parent = view.cgroup_parent if view is not None else None
+        self.id_ranges = view.id_ranges if view is not None else None
         self.events = SecurityEvents(self.cgroup_parent)
         self.networks = SandboxNetworks(edge.config.node_dir, record=self.events.record)
         self._kmsg_fd: int | None = None
@@ -162,9 +164,10 @@ class EdgeSecurity:
         nftables set (a process spawn) when events are asked for and when the sandbox ends."""
         self._drain_kmsg()
         self.events.collect_cgroup(rec.id, rec.handle.cid)
-        sandboxes_dir = getattr(self.edge.backends.get(rec.kind), "sandboxes_dir", None)
-        if sandboxes_dir is not None and rec.handle.cid:
-            self.events.collect_disk(rec.id, sandboxes_dir / rec.handle.cid)
+        backend = self.edge.backends.get(rec.kind)
+        view = backend.host_view() if backend is not None else None
+        if view is not None and rec.handle.cid:
+            self.events.collect_disk(rec.id, view.sandboxes_dir / rec.handle.cid)
         if network:
             self.networks.collect(rec.id)
 
@@ -182,7 +185,7 @@ class EdgeSecurity:
         those not seen before become a ``file.tampered`` event. Backends that cannot tell
         (VMs: the writable layer is in the guest) answer nothing."""
         backend = self.edge.backends.get(rec.kind)
-        if not rec.handle.cid or not hasattr(backend, "tampered"):
+        if not rec.handle.cid or backend is None or Capability.CARRY not in backend.capabilities:
             return []
         try:
             paths = backend.tampered(rec.handle)

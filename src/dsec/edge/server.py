@@ -10,8 +10,8 @@ every request of a create passes through here, so it does only what the seam nee
 asyncio protocol parses HTTP/1.1 with httptools (the parser under uvicorn), matches the route,
 parses the body with the operation's model, calls the edge and writes the answer in one
 piece. Under uvicorn the HTTP layer cost a node more CPU than a create on the fake backend
-(and it wrote each answer's head and body apart: a system call each, at ~25 µs for waking the
-reader here). A batch create is answered as an NDJSON stream of ``BatchEvent`` lines, as the
+(and it wrote each answer's head and body apart: a system call each, and a wake-up of the
+reader each). A batch create is answered as an NDJSON stream of ``BatchEvent`` lines, as the
 apiserver answers its own clients, the lines that are ready together in one chunk; a caller
 that goes away mid-stream closes the edge's batch, which then undoes itself (all or none).
 

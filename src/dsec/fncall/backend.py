@@ -22,7 +22,6 @@ from pathlib import Path
 from .. import native
 from ..backends.base import SandboxSpec
 from ..backends.container import ContainerBackend
-from ..images.compose import OverlayPlan
 from ..images.mounts import LayerMounts
 from ..images.store import LayerStore
 from ..resources import cgroups
@@ -47,7 +46,8 @@ class FnCallBackend(ContainerBackend):
                  cgroup_parent: str = cgroups.DEFAULT_PARENT, tmpfs_mb: int = 256, native_loop: bool = True) -> None:
         """``native_loop=False``: the zygotes serve with their Python loop (which they also fall
         back to where the C loop cannot be loaded)."""
-        super().__init__(node_dir, store, layer_mounts=layer_mounts, cgroup_parent=cgroup_parent)
+        super().__init__(node_dir, store, layer_mounts=layer_mounts, cgroup_parent=cgroup_parent,
+                         bundle_hook=self._worker_bundle)
         self.tmpfs_mb = tmpfs_mb
         self.loop_library = native.library("zygote") if native_loop else None
 
@@ -57,8 +57,7 @@ class FnCallBackend(ContainerBackend):
         return cls(backend.node_dir, backend.store, layer_mounts=backend.layer_mounts,
                    cgroup_parent=backend.cgroup_parent, tmpfs_mb=tmpfs_mb, native_loop=native_loop)
 
-    def _config(self, cid: str, plan: OverlayPlan, spec: SandboxSpec) -> dict:
-        config = super()._config(cid, plan, spec)
+    def _worker_bundle(self, config: dict, spec: SandboxSpec) -> None:
         config["root"]["readonly"] = True
         # SysV IPC objects and POSIX message queues would outlive a call: switch them off.
         config["linux"]["sysctl"] = dict(IPC_OFF)
@@ -77,7 +76,6 @@ class FnCallBackend(ContainerBackend):
         if self.loop_library is not None:
             config["mounts"].append({"destination": LOOP_PATH, "type": "bind", "source": str(self.loop_library),
                                      "options": ["bind", "ro", "nosuid", "nodev"]})
-        return config
 
     def zygote_argv(self, cid: str, uid: int, gid: int, env: dict[str, str], preload: tuple[str, ...],
                     nproc: int, fsize: int, nofile: int) -> list[str]:

@@ -44,19 +44,19 @@ integers big-endian, strings UTF-8 with a ``!H`` length before them):
   ``python``, which loop serves; ``HUGE``: bytes of code the zygote moved onto huge pages). EOF
   on the channel ends the zygote.
 
-Speed: on a virtual machine every page a process writes after fork costs a fault (≈2 µs here)
-and every page it maps costs at fork and exit, so the zygote keeps its heap small (only small
-modules; compiled elsewhere, see ``zygote_boot``), does once what every child would otherwise do
-for the first time (it builds the child's ``sys.stdin``/``stdout``/``stderr`` on seekable
-placeholders, as ``python3 -c`` would for files, and runs a warm-up snippet through compile,
-exec, print and traceback; that halves a child's cost), keeps the calls' base environment as
-its own, and keeps its per-call work to a few system calls. Those run in C (``LOOP``), so
-the zygote runs no Python between two forks: a Python loop writes ≈100 pages a call (objects,
-reference counts, frames), each a copy-on-write fault after the fork before; the C loop a few.
-The Python loop below (``Zygote.serve_forever``) does the same where the library cannot be
-loaded (an image with another libc than glibc). With the library the zygote also moves the
-interpreter's code onto transparent huge pages once warm, so a child maps it with no fault
-(≈35 fewer a call; see ``dsec_zygote_code_to_huge_pages``).
+Speed: on a virtual machine every page a process writes after fork costs a fault, and every page it
+maps costs at fork and exit, so the zygote keeps its heap small (only small modules; compiled
+elsewhere, see ``zygote_boot``), does once what every child would otherwise do for the first time
+(it builds the child's ``sys.stdin``/``stdout``/``stderr`` on seekable placeholders, as ``python3
+-c`` would for files, and runs a warm-up snippet through compile, exec, print and traceback; that
+makes each child much cheaper), keeps the calls' base environment as its own, and keeps its
+per-call work to a few system calls. Those run in C (``LOOP``), so the zygote runs no Python
+between two forks: a Python loop writes many pages a call (objects, reference counts, frames), each
+a copy-on-write fault after the fork before; the C loop a few. The Python loop below
+(``Zygote.serve_forever``) does the same where the library cannot be loaded (an image with another
+libc than glibc). With the library the zygote also moves the interpreter's code onto transparent
+huge pages once warm, so a child maps it with no fault (see ``dsec_zygote_code_to_huge_pages``).
+What a call costs is in docs/BENCHMARKS.md, "FnCall".
 """
 
 import os

@@ -1,6 +1,7 @@
 """Image composition as a plan: which shared layer mounts an image needs and the overlay on top.
 
-``compose`` does no I/O beyond reading paths; the edge makes the mounts (``LayerMounts``).
+``compose`` does no I/O beyond reading paths; the backend that runs the sandbox makes the mounts it plans
+(the container backend, through the node's shared ``LayerMounts``).
 """
 
 from __future__ import annotations

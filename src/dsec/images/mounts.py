@@ -49,8 +49,8 @@ class LayerMounts:
     @contextlib.contextmanager
     def idmapped(self, layers: tuple[LayerMount, ...], idmap: userns.IdMap) -> Iterator[list[int]]:
         """fds of idmapped clones of these (acquired) layer mounts for ``idmap``, valid in the
-        ``with`` block (mount the overlay there). Cloning costs ~0.3 ms of kernel work a layer,
-        and an unmount when done with; a clone kept serves every later sandbox of that range.
+        ``with`` block (mount the overlay there). Cloning costs kernel work for each layer, and
+        an unmount when done with; a clone kept serves every later sandbox of that range.
 
         Where overlayfs takes no detached layer (before Linux 6.15) each clone is made for this
         block alone and attached under ``clones_dir`` while the overlay is mounted, then unmounted

@@ -144,7 +144,11 @@ def apply_layer(fileobj, dest: Path) -> None:
                 if (path.exists() or path.is_symlink()) and not (member.isdir() and path.is_dir() and not path.is_symlink()):
                     _remove(path)
                 member.name = name
-                tar.extract(member, dest, numeric_owner=True)
+                try:
+                    tar.extract(member, dest, numeric_owner=True)
+                except KeyError:  # (tarfile: a hard link whose target is neither written nor in the tar)
+                    raise LayerBuildError(f"layer has a hard link {member.name!r} -> {member.linkname!r} to nothing "
+                                          "in the layer") from None
     except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, UnicodeDecodeError) as exc:
         raise LayerBuildError(f"cannot apply layer: {exc}") from exc
     for directory in opaque:

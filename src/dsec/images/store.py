@@ -348,11 +348,20 @@ def _fix_mtimes(dest: Path, members: list[tarfile.TarInfo]) -> None:
                 os.utime(path, (mtime, mtime), follow_symlinks=False)
 
 
+# Deeper or longer member names are refused: no real image has them, and extracting one
+# recursed past Python's limit (a RecursionError, not a refusal).
+MAX_MEMBER_DEPTH = 256
+MAX_MEMBER_NAME = 4095  # PATH_MAX less its NUL
+
+
 def _check_member(member: tarfile.TarInfo, dest: Path) -> None:
     name = member.name
     parts = Path(name).parts
     if name.startswith("/") or ".." in parts:
         raise LayerBuildError(f"tar member {name!r} escapes the layer root")
+    if len(parts) > MAX_MEMBER_DEPTH or len(name.encode()) > MAX_MEMBER_NAME or len(member.linkname) > MAX_MEMBER_NAME:
+        raise LayerBuildError(f"tar member {name[:80]!r}… is too deep or too long (at most {MAX_MEMBER_DEPTH} "
+                              f"directories, {MAX_MEMBER_NAME} bytes)")
     if member.islnk() or member.issym():
         target = member.linkname
         base = dest if member.islnk() else (dest / name).parent

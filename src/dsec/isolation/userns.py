@@ -243,6 +243,8 @@ def shifted_view(idmap: IdMap, directory: Path, view: Path, copy_dir: Path | Non
     one entry at a time, and removed after."""
     nsfd = _userns_fd(idmap.base, 0, idmap.count)
     view.mkdir(parents=True, exist_ok=True)
+    while os.path.ismount(view):  # the view of a pack that a crash cut short
+        _sys.umount(str(view), _sys.MNT_DETACH)
     try:
         idmapped_bind(directory, view, nsfd)
     except OSError:

@@ -10,7 +10,7 @@ crun is told not to manage cgroups (``--cgroup-manager=disabled``). On v1 it wou
 container's cgroup in every hierarchy the host mounts (ten here, with the named and the unified
 ones) and move the container into each; DSec uses four (``SANDBOX_CONTROLLERS``; FnCall's
 workers add ``cpuacct``).
-That was a quarter of crun's CPU per container on this machine (9.7 → 7.2 ms a ``crun run``).
+That was a large share of crun's CPU per container on a v1 host.
 """
 
 from __future__ import annotations
@@ -290,8 +290,8 @@ def make_sandbox_cgroup(parent: str, cid: str, limits: Limits | None,
                         controllers: tuple[str, ...] = SANDBOX_CONTROLLERS) -> None:
     """Make a sandbox's cgroup with its limits (none without ``limits``); nothing is left
     behind when it fails. Only the limits that differ from a fresh cgroup's are written (four
-    writes on v1 for most): ~0.6 ms of kernel work in all, and no wait (no RCU grace period), so
-    the event loop may call it."""
+    writes on v1 for most): little kernel work, and no wait (no RCU grace period), so the event
+    loop may call it."""
     made = []
     try:
         for h in sandbox_hierarchies(controllers):

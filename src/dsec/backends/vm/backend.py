@@ -35,7 +35,7 @@ from libdsec.protocol import ExecRequest, ExecResult
 from ...images.store import LayerStore
 from ...resources import cgroups, reclaim
 from ...resources.cgroups import Limits
-from ..base import Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
+from ..base import Capability, Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
 from . import machine, pack
 from .agent import AgentChannel, AgentFailure, AgentGone, Done
 from .assets import AssetCache, GuestAssets
@@ -93,9 +93,10 @@ class _Live:
 
 class VMBackend:
     kind = "vm"
-    # The edge's warm pool pre-creates sandboxes without limits; a VM's memory is fixed when it
-    # boots, so VMs are made for each request instead.
-    pooled = False
+    # No WARM_POOL: the edge's pool pre-creates sandboxes without limits, and a VM's memory is
+    # fixed when it boots, so VMs are made for each request instead. KEPT_LAYER: clean copies
+    # through the guest agent (kept_layer).
+    capabilities = frozenset({Capability.KEPT_LAYER})
 
     def __init__(self, node_dir: Path, store: LayerStore, assets_dir: Path | None = None, *,
                  accel: str | None = None, boot_timeout_s: float = 60.0, default_memory_mb: int = DEFAULT_MEMORY_MB,
@@ -133,6 +134,10 @@ class VMBackend:
             await self.accel()
         except Exception as exc:  # noqa: BLE001 - reported, retried at the first create
             log.warning("%s: cannot prepare VM assets yet: %s", self.kind, exc)
+
+    def host_view(self) -> None:
+        """A VM's processes and files are in its guest: nothing of them for the host's accounting."""
+        return None
 
     def describe(self) -> str:
         """One line for ``dsec info``: the machine and the accelerator (once probed)."""

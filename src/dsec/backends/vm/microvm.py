@@ -49,7 +49,7 @@ from pathlib import Path
 from libdsec import BackendError, InvalidRequest
 
 from ...resources import ksm
-from ..base import Handle, SandboxSpec
+from ..base import Capability, Handle, SandboxSpec
 from . import machine, ramsplit
 from .backend import VMBackend
 from .qmp import QMP, QMPError
@@ -79,6 +79,7 @@ class SnapshotDamaged(InvalidRequest):
 
 class MicroVMBackend(VMBackend):
     kind = "microvm"
+    capabilities = frozenset({Capability.KEPT_LAYER, Capability.SNAPSHOT})
 
     def __init__(self, node_dir: Path, store, assets_dir: Path | None = None, *, layer_mode: str = "pmem",
                  use_ksm: bool | None = None, **kw) -> None:

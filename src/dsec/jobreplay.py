@@ -1,0 +1,120 @@
+"""Replay a job: its logged calls run again, in log order, on fresh sandboxes (``dsec job
+replay``), for debugging and for rebuilding state whose sandboxes are gone.
+
+Each logged create makes a new sandbox from the same arguments (the new one stands in for the
+old id in the calls after it), each command runs again with the same request, each file write
+writes the logged bytes again, each stop stops, each clean copy and pack_diff is made again (a create from a logged snapshot
+image starts from the replay's own); a command whose exit code, stdout or error
+differs from the log is a divergence. The replay's own sandboxes are stopped at the end, and
+its calls are not recorded (its client has no job).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from libdsec import DSecClient, DSecError, Sandbox
+from libdsec.protocol import DSecContainerRunArgs, DSecFullVMRunArgs, DSecMicroVMRunArgs, JobEntry, JobLog
+
+_ARGS = {"container": DSecContainerRunArgs, "microvm": DSecMicroVMRunArgs, "fullvm": DSecFullVMRunArgs}
+
+
+@dataclass(frozen=True)
+class Divergence:
+    seq: int
+    sandbox: str | None
+    call: str
+    logged: str
+    now: str
+
+
+@dataclass
+class ReplayReport:
+    job: str
+    replayed: int
+    divergences: list[Divergence]
+
+
+def _outcome(result: dict | None, error: dict | None) -> str:
+    if error is not None:
+        return f"error {error.get('code')}: {error.get('message')}"
+    result = result or {}
+    return f"exit {result.get('exit_code')}, stdout {result.get('stdout')!r}"
+
+
+async def replay(client: DSecClient, log: JobLog, *, on_entry: Callable[[JobEntry], None] | None = None) -> ReplayReport:
+    """Run ``log``'s calls again through ``client`` (one without a job)."""
+    made: dict[str, Sandbox] = {}
+    images: dict[str, str] = {}  # logged pack_diff image → the replay's own
+    divergences: list[Divergence] = []
+    done = 0
+
+    def diverged(entry: JobEntry, call: str, logged: str, now: str) -> None:
+        divergences.append(Divergence(entry.seq, entry.sandbox, call, logged, now))
+
+    try:
+        for entry in log.entries:
+            if on_entry is not None:
+                on_entry(entry)
+            request = entry.request
+            if entry.op in ("create", "create_batch"):
+                kind = request.get("kind", "container")
+                args = _ARGS.get(kind, DSecContainerRunArgs).model_validate(request["args"])
+                if args.container_image in images:
+                    args = args.model_copy(update={"container_image": images[args.container_image]})
+                if entry.op == "create":
+                    runner = {"container": client.run_container, "microvm": client.run_microvm,
+                              "fullvm": client.run_vm}[kind]
+                    new = [await runner(args)]
+                    old = [entry.sandbox]
+                else:
+                    new = await client.run_containers(args, count=request["count"])
+                    old = [info["id"] for info in entry.result or []]
+                made.update(zip(old, new))
+            elif entry.sandbox not in made:
+                diverged(entry, entry.op, "a sandbox this job made", f"no create of {entry.sandbox} in the log")
+            elif entry.op == "exec":
+                sandbox = made[entry.sandbox]
+                call = f"exec {request['command']!r}"
+                kwargs = {k: request[k] for k in ("timeout", "env", "workdir", "user", "stdin", "max_output_bytes")
+                          if k in request}
+                try:
+                    result, error = (await sandbox.run_shell(request["command"], **kwargs)).model_dump(mode="json"), None
+                except DSecError as exc:
+                    result, error = None, exc.to_wire()["error"]
+                logged, now = _outcome(entry.result, entry.error), _outcome(result, error)
+                if logged != now:
+                    diverged(entry, call, logged, now)
+            elif entry.op == "write_file":
+                call = f"write_file {request['path']!r}"
+                if "data_b64" not in request:
+                    diverged(entry, call, f"{request['bytes']} bytes", "not replayed: the log kept no bytes this large")
+                else:
+                    await made[entry.sandbox].write_file(request["path"], base64.b64decode(request["data_b64"]),
+                                                         mode=request["mode"])
+            elif entry.op == "stop":
+                await made[entry.sandbox].stop()
+            elif entry.op == "clean_copy":
+                copy = await made[entry.sandbox].clean_copy(keep=request["keep"])
+                if isinstance(entry.result, dict):
+                    made[entry.result["sandbox"]["id"]] = copy
+            elif entry.op == "pack_diff":
+                # (a new image of its own: the creates after it that named the logged one use it)
+                snapshot = await made[entry.sandbox].pack_diff(role=request.get("role", "snapshot"))
+                if isinstance(entry.result, dict):
+                    images[entry.result["image"]] = snapshot.image
+            done += 1
+    finally:
+        for sandbox in made.values():
+            try:
+                await sandbox.stop()
+            except DSecError:
+                pass
+        for image in images.values():
+            try:
+                await client.remove_image(image)
+            except DSecError:
+                pass
+    return ReplayReport(log.job.name, done, divergences)

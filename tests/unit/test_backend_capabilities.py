@@ -1,0 +1,53 @@
+"""Backends declare what they can do (``Capability``); the edge asks, and refuses a backend that
+declares an ability without its hook."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsec.backends import base
+from dsec.backends.base import Capability, check_backend
+from dsec.backends.container import ContainerBackend
+from dsec.backends.fake import FakeBackend
+from dsec.backends.vm.fullvm import FullVMBackend
+from dsec.backends.vm.microvm import MicroVMBackend
+from dsec.edge.edge import Edge, EdgeConfig
+from dsec.fncall.backend import FnCallBackend
+
+BACKENDS = [ContainerBackend, FnCallBackend, MicroVMBackend, FullVMBackend, FakeBackend]
+
+
+@pytest.mark.parametrize("cls", BACKENDS, ids=lambda c: c.__name__)
+def test_each_backend_has_the_hooks_of_what_it_declares(cls):
+    for capability in cls.capabilities:
+        hook = base._HOOKS.get(capability)
+        assert hook is None or issubclass(cls, hook), (cls.__name__, capability)
+    for name in ("describe", "host_view", "warm_up", "close"):
+        assert callable(getattr(cls, name)), name
+
+
+def test_what_each_kind_can_do():
+    assert ContainerBackend.capabilities == {Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY}
+    assert MicroVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.SNAPSHOT}
+    assert FullVMBackend.capabilities == {Capability.KEPT_LAYER}  # no memory snapshots, no warm pool
+
+
+class _Claims(FakeBackend):
+    capabilities = frozenset({Capability.SNAPSHOT})  # but no snapshot()
+
+
+def test_a_backend_that_claims_a_hook_it_lacks_is_refused(tmp_path, store):
+    with pytest.raises(TypeError, match="declares snapshot but does not implement Snapshots"):
+        check_backend(_Claims())
+    with pytest.raises(TypeError, match="declares snapshot"):
+        Edge(EdgeConfig(node_dir=tmp_path / "node"), _Claims(), store)
+
+
+async def test_the_edge_asks_the_capabilities(edge):
+    from libdsec import InvalidRequest
+    from libdsec.protocol import DSecContainerRunArgs
+
+    info = await edge.create(DSecContainerRunArgs(container_image="tiny"))
+    with pytest.raises(InvalidRequest, match="takes no memory snapshots"):
+        await edge.snapshot(info.id)
+    await edge.stop(info.id)

@@ -1,0 +1,88 @@
+"""The sync twin cannot drift: ``twin_of`` checks each blocking class when libdsec is imported."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import libdsec
+from libdsec import _client, _files, _process, _sync
+from libdsec._twin import twin_of
+
+PAIRS = [(_client.DSecClient, _sync.SyncDSecClient), (_client.Sandbox, _sync.SyncSandbox),
+         (_process.Process, _sync.SyncProcess), (_process.Session, _sync.SyncSession),
+         (_files.SandboxFiles, _sync.SyncFiles)]
+
+
+@pytest.mark.parametrize("original, twin", PAIRS, ids=[t.__name__ for _, t in PAIRS])
+def test_every_public_method_has_its_blocking_twin(original, twin):
+    methods = [n for n in dir(original) if not n.startswith("_") and inspect.isfunction(inspect.getattr_static(original, n))]
+    assert methods
+    for name in methods:
+        mine = getattr(twin, name)
+        assert mine.__twin_of__ is inspect.getattr_static(original, name), name
+        assert mine.__doc__ == (mine.__twin_of__.__doc__ if mine.__doc__ is None else mine.__doc__)
+        ours = list(inspect.signature(mine).parameters)
+        assert ours == list(inspect.signature(mine.__twin_of__).parameters), name
+
+
+def test_the_twin_shows_the_real_parameters_and_docs():
+    signature = inspect.signature(libdsec.SyncSandbox.run_shell)
+    assert {"timeout", "env", "workdir", "user", "on_stdout"} <= set(signature.parameters)
+    assert signature.return_annotation in ("ExecResult", libdsec.ExecResult)
+    assert libdsec.SyncSandbox.run_shell.__doc__ == libdsec.Sandbox.run_shell.__doc__
+    assert libdsec.SyncDSecClient.node_info.__doc__ == libdsec.DSecClient.node_info.__doc__
+
+
+class _Async:
+    async def run(self, command, *, timeout=60.0):
+        """Run it."""
+
+    async def stop(self):
+        """Stop it."""
+
+    @property
+    def status(self):
+        return "running"
+
+
+def _twin(**methods):
+    return type("Twin", (), methods)
+
+
+def test_a_missing_method_is_refused():
+    with pytest.raises(TypeError, match=r"Twin.stop is missing"):
+        twin_of(_Async)(_twin(run=lambda self, command, **kw: None, status=property(lambda self: 1)))
+
+
+def test_a_parameter_that_drifted_is_refused():
+    def run(self, command, timeout=30.0):  # another default, and positional
+        pass
+
+    with pytest.raises(TypeError, match=r"parameter 'timeout' does not match"):
+        twin_of(_Async)(_twin(run=run, stop=lambda self: None, status=property(lambda self: 1)))
+
+
+def test_a_parameter_the_twin_cannot_pass_on_is_refused():
+    def run(self):  # no command, and nothing that hands on the rest
+        pass
+
+    with pytest.raises(TypeError, match=r"parameter 'command' is missing"):
+        twin_of(_Async)(_twin(run=run, stop=lambda self: None, status=property(lambda self: 1)))
+
+
+def test_a_property_must_stay_a_property():
+    def status(self):
+        pass
+
+    with pytest.raises(TypeError, match=r"Twin.status must be a property"):
+        twin_of(_Async)(_twin(run=lambda self, command, **kw: None, stop=lambda self: None, status=status))
+
+
+def test_a_matching_twin_gets_the_originals_docs():
+    def run(self, command, **kwargs):
+        pass
+
+    twin = twin_of(_Async)(_twin(run=run, stop=lambda self: None, status=property(lambda self: 1)))
+    assert twin.run.__doc__ == "Run it." and "timeout" in inspect.signature(twin.run).parameters
