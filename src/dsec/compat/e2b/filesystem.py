@@ -121,6 +121,7 @@ class FilesystemService:
                 info.symlink_target = pointed
                 try:
                     info.type = _TYPES.get((await self._stat(target, pointed)).type, pb.FileType.UNSPECIFIED)
+                    info.is_symlink = False  # (the SDK would report SYMLINK over the type; the target says it)
                 except SandboxFileNotFound:
                     pass  # dangling: a symlink it stays
             return pb.StatResponse(entry=info)

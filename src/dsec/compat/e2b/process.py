@@ -102,6 +102,7 @@ class _Streamed:
 
     config: pb.ProcessConfig
     stop: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # its stream closed: the command is gone
     signal: int = signals.SIGKILL
     listeners: list[asyncio.Queue] = field(default_factory=list)
 
@@ -179,6 +180,8 @@ class ProcessService:
                     queue.put_nowait(None)
                 self.streamed.pop((target.sandbox_id, pid), None)
             await events.aclose()
+            if streamed is not None:
+                streamed.ended.set()
             if (streamed is None and not ended and deadline is not None
                     and time.monotonic() >= deadline - 0.05):
                 self._kill_later(target, pid)  # the client gave up at its deadline first
@@ -335,6 +338,10 @@ class ProcessService:
         if (streamed := self.streamed.get((target.sandbox_id, pid))) is not None:
             streamed.signal = number
             streamed.stop.set()  # its Start closes the stream, which ends it
+            try:  # answered once it is gone, as a kill is
+                await asyncio.wait_for(streamed.ended.wait(), 10)
+            except TimeoutError:
+                pass
             return pb.SendSignalResponse()
         try:
             await target.edge.signal_process(target.sandbox_id, pid, number)
