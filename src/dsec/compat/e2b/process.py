@@ -338,9 +338,12 @@ class ProcessService:
         if (streamed := self.streamed.get((target.sandbox_id, pid))) is not None:
             streamed.signal = number
             streamed.stop.set()  # its Start closes the stream, which ends it
-            try:  # answered once it is gone, as a kill is
+            try:  # answered once it is gone (reaped, too), as a kill is
                 await asyncio.wait_for(streamed.ended.wait(), 10)
-            except TimeoutError:
+                await target.edge.exec(target.sandbox_id, ExecRequest(command=(
+                    f"i=0; while kill -0 {pid} 2>/dev/null && [ $i -lt 200 ]; do sleep 0.01; i=$((i + 1)); done"),
+                    timeout=10))
+            except (TimeoutError, DSecError):
                 pass
             return pb.SendSignalResponse()
         try:
