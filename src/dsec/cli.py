@@ -313,6 +313,8 @@ def bench_lifecycle(
                                                "(the path of kernels before 6.12).")] = False,
     compare_metrics: Annotated[bool, typer.Option(help="Each throughput round also on a server with metrics off "
                                                   "(DSEC_METRICS=0), the DSec rounds scraped every second.")] = False,
+    compare_e2b: Annotated[bool, typer.Option(help="Each throughput round also the lifecycle on the python image "
+                                              "through DSec's SDK and through the e2b SDK (DSec's E2B API).")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
     """Full sandbox lifecycle against podman run --rm and bare crun run (see docs/BENCHMARKS.md)."""
@@ -323,7 +325,7 @@ def bench_lifecycle(
         concurrency=concurrency,
         latency_rounds=latency_rounds, cold_rounds=cold_rounds, pool_max=pool_max, crun_runs=crun_runs,
         podman_runs=podman_runs, podman=podman, layer_attach=layer_attach, compare_loop=compare_loop,
-        compare_metrics=compare_metrics,
+        compare_metrics=compare_metrics, compare_e2b=compare_e2b,
         strict=strict,
     ))
 

@@ -108,12 +108,14 @@ def project_rm(name: Annotated[str, typer.Argument(help="Project.")]) -> None:
 
 
 @project_app.command("token")
-def project_token(name: Annotated[str, typer.Argument(help="Project.")]) -> None:
+def project_token(name: Annotated[str, typer.Argument(help="Project.")],
+                  e2b: Annotated[bool, typer.Option("--e2b", help="In E2B's API key form (e2b_ + 40 hex digits), "
+                                                    "for the e2b SDK (E2B_API_KEY).")] = False) -> None:
     """Make a new API token for a project and print it (it is not shown again)."""
 
     async def go():
         async with DSecClient() as client:
-            return await client.create_project_token(name)
+            return await client.create_project_token(name, e2b=e2b)
 
     print(run_sdk(go()))
 

@@ -36,7 +36,7 @@ from ._process import Process, Session, events_of, run_with_callbacks
 from ._projects import _ProjectMethods
 from ._replay import Replay
 from ._wire import Answer, CannotConnect, ConnectionBroken, WireClient, WireError
-from .protocol import ClusterStats, NetworkRulesRequest, SecurityEvent, SecurityEventList
+from .protocol import ClusterStats, NetworkRulesRequest, SecurityEvent, SecurityEventList, TTLRequest
 from .protocol import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
 from .protocol import JOB_HEADER, KEY_HEADER, JobInfo, JobList, JobLog, check_job_name, check_key
 from .protocol import (
@@ -335,6 +335,12 @@ class Sandbox:
         """Replace the sandbox's network allowlist while it runs (e.g. between task stages)."""
         await self._client._request("PUT", f"/v1/sandboxes/{self.id}/network_rules",
                                     model=NetworkRulesRequest(network_rules=network_rules))
+
+    async def set_ttl(self, ttl_running_stop: float) -> SandboxInfo:
+        """A new idle TTL (``ttl_running_stop``), counted from now; paused or running."""
+        self.info = SandboxInfo.model_validate(await self._client._request(
+            "PUT", f"/v1/sandboxes/{self.id}/ttl", model=TTLRequest(ttl_running_stop=ttl_running_stop)))
+        return self.info
 
     async def refresh(self) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(

@@ -11,7 +11,7 @@ use what is left.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -62,6 +62,11 @@ class ProjectCreateRequest(_Model):
     quota: ProjectQuota = Field(default_factory=ProjectQuota)
 
 
+class TokenRequest(_Model):
+    # "e2b": E2B's API key form, ``e2b_`` + 40 hex digits (e2b SDKs refuse any other key).
+    form: Literal["dsec", "e2b"] = "dsec"
+
+
 class ProjectToken(_Model):
     project: str
     token: str
@@ -109,9 +114,11 @@ class _ProjectMethods:
         """Remove a project that has no children and no sandboxes (its tokens go with it)."""
         await self._request("DELETE", f"/v1/projects/{name}")
 
-    async def create_project_token(self: DSecClient, name: str) -> str:
-        """A new API token for ``name``; shown once (the server keeps only its hash)."""
-        body = await self._request("POST", f"/v1/projects/{name}/tokens")
+    async def create_project_token(self: DSecClient, name: str, *, e2b: bool = False) -> str:
+        """A new API token for ``name``; shown once (the server keeps only its hash). ``e2b``:
+        in E2B's API key form (``e2b_`` + 40 hex digits), for e2b SDKs (docs/COMPAT.md)."""
+        body = await self._request("POST", f"/v1/projects/{name}/tokens",
+                                   model=TokenRequest(form="e2b" if e2b else "dsec"))
         return ProjectToken.model_validate(body).token
 
 
@@ -133,5 +140,5 @@ class _SyncProjectMethods:
     def remove_project(self, name: str) -> None:
         self._loop().run(self._async.remove_project(name))  # type: ignore[attr-defined]
 
-    def create_project_token(self, name: str) -> str:
-        return self._loop().run(self._async.create_project_token(name))  # type: ignore[attr-defined]
+    def create_project_token(self, name: str, *, e2b: bool = False) -> str:
+        return self._loop().run(self._async.create_project_token(name, e2b=e2b))  # type: ignore[attr-defined]

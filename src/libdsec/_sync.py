@@ -221,6 +221,9 @@ class SyncSandbox:
     def set_network_rules(self, network_rules: dict) -> None:
         self._run(self._sandbox.set_network_rules(network_rules))
 
+    def set_ttl(self, ttl_running_stop: float) -> SandboxInfo:
+        return self._run(self._sandbox.set_ttl(ttl_running_stop))
+
     def refresh(self) -> SandboxInfo:
         return self._run(self._sandbox.refresh())
 

@@ -28,6 +28,7 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+MAX_LABELS = 64  # labels of a sandbox
 MAX_PATHS = 64  # kept paths of a clean copy, protected paths of a sandbox
 
 
@@ -95,6 +96,8 @@ class DSecContainerRunArgs(_Model):
     # Paths (absolute, in the image) no process of the sandbox may write, root included:
     # read-only bind mounts it cannot remount or unmount. Containers only.
     protected_paths: list[str] = Field(default_factory=list)
+    # Free-form labels of the caller's (E2B's ``metadata``): kept with the sandbox, listed with it.
+    labels: dict[str, str] = Field(default_factory=dict)
 
     @property
     def image_ref(self) -> str:
@@ -122,6 +125,16 @@ class DSecContainerRunArgs(_Model):
                 raise ValueError(f"invalid environment variable name or value: {name!r}")
         return env
 
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        if len(labels) > MAX_LABELS:
+            raise ValueError(f"at most {MAX_LABELS} labels, not {len(labels)}")
+        for name, value in labels.items():
+            if not name or len(name) > 256 or len(value) > 4096:
+                raise ValueError(f"label {name[:40]!r}: a name of 1-256 characters and a value of at most 4096")
+        return labels
+
     @field_validator("protected_paths")
     @classmethod
     def _protected(cls, paths: list[str]) -> list[str]:
@@ -136,6 +149,19 @@ class DSecContainerRunArgs(_Model):
         if not path.startswith("/") or "\0" in path:
             raise ValueError("workdir must be an absolute path")
         return path
+
+
+class TTLRequest(_Model):
+    """A new ``ttl_running_stop`` for a sandbox (counted, as always, from its last call)."""
+
+    ttl_running_stop: float
+
+    @field_validator("ttl_running_stop")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
 
 
 class PackDiffRequest(_Model):
@@ -216,6 +242,7 @@ class SandboxInfo(_Model):
     project: str = "root"
     cpu_cores_cap: float | None = None
     best_effort: bool = False
+    labels: dict[str, str] = Field(default_factory=dict)
 
 
 class PauseResult(_Model):

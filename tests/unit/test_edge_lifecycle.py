@@ -32,6 +32,7 @@ EXPECTED: dict[Action, tuple[SandboxStatus | None, ...]] = {
     Action.clean_copy:        (None,    running,  None,    None,     None,    None),
     Action.snapshot:          (None,    running,  None,    None,     None,    None),
     Action.set_network_rules: (None,    running,  None,    None,     None,    None),
+    Action.set_ttl:           (None,    running,  paused,  None,     None,    None),
     Action.pause:             (None,    paused,   None,    None,     None,    None),
     Action.resume:            (None,    None,     running, None,     None,    None),
     Action.stop:              (None,    stopping, stopping, stopping, stopped, failed),
@@ -39,6 +40,7 @@ EXPECTED: dict[Action, tuple[SandboxStatus | None, ...]] = {
 VERBS = {
     Action.exec: "exec", Action.read_file: "read a file", Action.write_file: "write a file",
     Action.pack_diff: "pack", Action.clean_copy: "make a clean copy of", Action.snapshot: "snapshot", Action.set_network_rules: "change network rules",
+    Action.set_ttl: "change the TTL of",
     Action.pause: "pause", Action.resume: "resume", Action.stop: "stop",
 }
 SID = "n0-0123456789abcdef"
@@ -109,6 +111,7 @@ def calls(edge: Edge, sandbox_id: str):
         Action.clean_copy: lambda: edge.clean_copy(sandbox_id, ["/testbed"]),
         Action.snapshot: lambda: edge.snapshot(sandbox_id),
         Action.set_network_rules: lambda: edge.set_network_rules(sandbox_id, {}),
+        Action.set_ttl: lambda: edge.set_ttl(sandbox_id, 60),
         Action.pause: lambda: edge.pause(sandbox_id),
         Action.resume: lambda: edge.resume(sandbox_id),
         Action.stop: lambda: edge.stop(sandbox_id),

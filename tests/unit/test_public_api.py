@@ -171,6 +171,7 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.SecurityEvent: {"kind": "dns.refused", "detail": "d", "at": "2026-01-01T00:00:00Z"},
         _models.SecurityEventList: {"events": []},
         _models.NetworkRulesRequest: {"network_rules": {"pypi": True}},
+        _models.TTLRequest: {"ttl_running_stop": 60},
         _models.DSecFnCallArgs: {"code": "print(1)"},
         _models.FnCallResult: {"exit_code": 0},
         _models.FnCallBatchRequest: {"calls": [{"code": "print(1)"}]},

@@ -21,7 +21,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from libdsec import DSecError, InvalidRequest
-from libdsec.protocol import JOB_HEADER, KEY_HEADER, NetworkRulesRequest, SecurityEventList
+from libdsec.protocol import JOB_HEADER, KEY_HEADER, NetworkRulesRequest, SecurityEventList, TTLRequest
 from libdsec.protocol import (
     BatchEvent,
     CreateBatchRequest,
@@ -62,6 +62,7 @@ from libdsec.protocol import (
     TreeDownloadRequest,
 )
 
+from ..compat.e2b import add_e2b_routes
 from .auth import Authenticator, Caller
 from .cluster import Cluster
 from .lean import LeanRoutes, error_headers
@@ -473,6 +474,10 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         await cluster.edge_for(sandbox_id).set_network_rules(sandbox_id, request.network_rules)
         return {"ok": True}
 
+    @app.put("/v1/sandboxes/{sandbox_id}/ttl", dependencies=auth, responses=_ERRORS)
+    async def set_ttl(sandbox_id: str, request: TTLRequest) -> SandboxInfo:
+        return await cluster.edge_for(sandbox_id).set_ttl(sandbox_id, request.ttl_running_stop)
+
     @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", responses=_ERRORS)
     async def pack_diff(sandbox_id: str, request: PackDiffRequest, caller: Caller = Depends(authenticated)) -> PackDiffResult:
         return await jobs.recorded(caller, "pack_diff", sandbox_id, request.model_dump(mode="json"),
@@ -512,4 +517,5 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     add_observe_routes(app, cluster, authenticator, _ERRORS)
     add_swerex_routes(app, cluster, authenticator)
     add_sandboxfusion_routes(app, cluster, authenticator)
+    add_e2b_routes(app, cluster, authenticator)
     return app

@@ -82,8 +82,9 @@ class ProjectStore(Protocol):
         """Remove a project without children; its tokens go with it."""
         ...
 
-    async def new_token(self, name: str) -> str:
-        """A new token for ``name``; only its digest is stored."""
+    async def new_token(self, name: str, e2b: bool = False) -> str:
+        """A new token for ``name``; only its digest is stored. ``e2b``: in E2B's API key form
+        (``e2b_`` + 40 hex digits, which e2b SDKs check before they send it)."""
         ...
 
     # Stops owed to nodes: the sandboxes of batches that failed while their node was lost,
@@ -195,8 +196,8 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def make_token() -> str:
-    return "dsp_" + secrets.token_urlsafe(32)
+def make_token(e2b: bool = False) -> str:
+    return "e2b_" + secrets.token_hex(20) if e2b else "dsp_" + secrets.token_urlsafe(32)
 
 
 def check_quota(quota: ProjectQuota) -> ProjectQuota:

@@ -387,9 +387,9 @@ class PostgresProjectStore:
 
         await self._write(change)
 
-    async def new_token(self, name: str) -> str:
+    async def new_token(self, name: str, e2b: bool = False) -> str:
         """A new token for ``name``; only its digest is stored."""
-        token = make_token()
+        token = make_token(e2b)
 
         async def change(conn: asyncpg.Connection, tree: Tree) -> None:
             project_in(tree, name)

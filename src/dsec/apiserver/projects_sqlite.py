@@ -201,9 +201,9 @@ class SQLiteProjectStore:
 
         self._write(change)
 
-    async def new_token(self, name: str) -> str:
+    async def new_token(self, name: str, e2b: bool = False) -> str:
         """A new token for ``name``; only its digest is stored."""
-        token = make_token()
+        token = make_token(e2b)
 
         def change(db: sqlite3.Connection, tree: Tree) -> None:
             project_in(tree, name)

@@ -12,7 +12,7 @@ from fastapi import Depends, FastAPI
 
 from libdsec import InvalidRequest
 from libdsec.protocol import ProjectUsage
-from libdsec._projects import ProjectCreateRequest, ProjectInfo, ProjectList, ProjectQuota, ProjectToken
+from libdsec._projects import ProjectCreateRequest, ProjectInfo, ProjectList, ProjectQuota, ProjectToken, TokenRequest
 
 from .auth import Caller
 from .cluster import Cluster
@@ -87,6 +87,8 @@ def add_project_routes(app: FastAPI, cluster: Cluster, authenticated, errors: di
         return {"removed": name}
 
     @app.post("/v1/projects/{name}/tokens", responses=errors)
-    async def new_token(name: str, caller: Caller = Depends(authenticated)) -> ProjectToken:
+    async def new_token(name: str, request: TokenRequest | None = None,
+                        caller: Caller = Depends(authenticated)) -> ProjectToken:
         caller.check_sees(projects, name)
-        return ProjectToken(project=name, token=await projects.new_token(name))
+        e2b = request is not None and request.form == "e2b"
+        return ProjectToken(project=name, token=await projects.new_token(name, e2b=e2b))

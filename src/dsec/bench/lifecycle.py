@@ -31,6 +31,12 @@ first DSec figure as ``dsec_loop``, from the same stretches of the host's speed.
 (``DSEC_METRICS=0``: no counting in the apiserver or the edge), reported as ``dsec_nometrics``,
 while the DSec rounds are scraped (``/metrics``) every second as a Prometheus would (one
 scrape every 15 s is its default): what metrics cost a lifecycle, from the same stretches.
+With ``compare_e2b`` every throughput round also runs, on a server of its own, the same
+lifecycle on the ``python`` image (E2B runs commands with bash, which busybox lacks) twice, in
+turn: through DSec's SDK (``dsec_python``), and through the official ``e2b`` package against
+DSec's E2B API (``e2b``: ``AsyncSandbox.create`` → ``commands.run("echo hi")`` → ``kill``),
+each sandbox of 512 MB (E2B's create names no size); ``throughput_e2b_over_dsec_python`` is
+what the compatibility layer leaves of DSec's throughput (goal: ≥ 0.75).
 
 The host may be busy with other work: every phase reports the share of the machine that work
 took. Everything runs against 127.0.0.1. The servers are stopped with SIGTERM; every sandbox,
@@ -76,6 +82,7 @@ GOAL_VS_PODMAN = 10.0
 GOAL_CREATE_P50_MS = 30.0
 GOAL_CREATE_P99_MS = 200.0
 GOAL_IDLE_MIB = 4.0
+GOAL_E2B_OVER_DSEC = 0.75  # the E2B layer costs at most 25% of the throughput
 
 
 @dataclass
@@ -99,6 +106,7 @@ class Options:
     layer_attach: str = ""         # DSEC_LAYER_ATTACH for the servers ("": as the environment says)
     compare_loop: bool = False     # each throughput round also on a server with layers on loop devices
     compare_metrics: bool = False  # each throughput round also on a server with metrics off (DSEC_METRICS=0)
+    compare_e2b: bool = False      # each throughput round also DSec's SDK and the e2b SDK, python image
     strict: bool = False           # exit 2 when a goal is missed
 
 
@@ -192,6 +200,10 @@ class Bench:
         if opts.compare_metrics:
             self.r["dsec_nometrics"] = {}
             self._rounds["dsec_nometrics"] = []
+        if opts.compare_e2b:
+            for system in ("dsec_python", "e2b"):
+                self.r[system] = {}
+                self._rounds[system] = []
 
     def _round_done(self, system: str, figures: dict, raw: dict[str, list[float]]) -> None:
         """Record one throughput round of ``system`` and merge all its rounds so far into
@@ -243,6 +255,46 @@ class Bench:
     async def dsec_throughput(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
         await self._throughput(server, client, progress, "dsec")
 
+    async def _python_lifecycle(self, client: DSecClient) -> tuple[float, float, float]:
+        """``_lifecycle`` on the python image, 512 MB: the DSec side of the E2B comparison."""
+        t0 = time.perf_counter()
+        sandbox = await client.run_container(DSecContainerRunArgs(
+            container_image="python", memory_limit_mb=512, cpu_cores_limit=1.0, ttl_running_stop=600), timeout=120)
+        t1 = time.perf_counter()
+        try:
+            result = await sandbox.run_shell("echo hi", timeout=30)
+            t2 = time.perf_counter()
+        finally:
+            await sandbox.stop()
+        t3 = time.perf_counter()
+        if result.exit_code != 0 or result.stdout != "hi\n":
+            raise BenchError(f"echo hi gave exit {result.exit_code}, stdout {result.stdout!r}")
+        return t1 - t0, t2 - t1, t3 - t2
+
+    async def _e2b_lifecycle(self, e2b: dict[str, str]) -> tuple[float, float, float]:
+        """The same through the e2b package: create → commands.run("echo hi") → kill."""
+        from e2b import AsyncSandbox
+
+        t0 = time.perf_counter()
+        sandbox = await AsyncSandbox.create(template="python", timeout=600, **e2b)
+        t1 = time.perf_counter()
+        try:
+            result = await sandbox.commands.run("echo hi", timeout=30)
+            t2 = time.perf_counter()
+        finally:
+            await sandbox.kill()
+        t3 = time.perf_counter()
+        if result.exit_code != 0 or result.stdout != "hi\n":
+            raise BenchError(f"echo hi through e2b gave exit {result.exit_code}, stdout {result.stdout!r}")
+        return t1 - t0, t2 - t1, t3 - t2
+
+    async def e2b_throughput(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
+        """DSec's SDK, then the e2b SDK, on one server, the python image (compare_e2b)."""
+        key = await client.create_project_token("root", e2b=True)
+        e2b = {"api_key": key, "api_url": f"{server.endpoint}/e2b", "sandbox_url": f"{server.endpoint}/e2b/envd"}
+        await self._throughput_round(server, client, progress, "dsec_python", lambda: self._python_lifecycle(client))
+        await self._throughput_round(server, client, progress, "e2b", lambda: self._e2b_lifecycle(e2b))
+
     async def dsec_loop_throughput(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
         """``dsec_throughput`` on a server with its layers on loop devices (compare_loop)."""
         await self._throughput(server, client, progress, "dsec_loop")
@@ -277,12 +329,15 @@ class Bench:
         return await self._throughput_round(server, client, progress, system)
 
     async def _throughput_round(self, server: LocalServer, client: DSecClient, progress: Progress,
-                                system: str) -> None:
+                                system: str, lifecycle: Callable[[], Awaitable[tuple[float, float, float]]] | None = None,
+                                ) -> None:
         o = self.opts
         label = {"dsec": "DSec", "dsec_loop": "DSec, layers on loop devices",
-                 "dsec_nometrics": "DSec, metrics off"}[system]
+                 "dsec_nometrics": "DSec, metrics off", "dsec_python": "DSec SDK, python image",
+                 "e2b": "e2b SDK on DSec's E2B API, python image"}[system]
+        once = lifecycle or (lambda: self._lifecycle(client))
         task = progress.add_task(f"{label} warm-up: {o.warmup} lifecycles, {o.concurrency} in flight", total=o.warmup)
-        _, _, errors = await _workers(o.warmup, o.concurrency, lambda i: self._lifecycle(client), progress, task)
+        _, _, errors = await _workers(o.warmup, o.concurrency, lambda i: once(), progress, task)
         self.errors += [f"{system} warm-up: {e}" for e in errors]
 
         count = _share(o.lifecycles, o.rounds)
@@ -290,8 +345,7 @@ class Bench:
                                  total=count)
         meter = host.Meter(server.proc.pid)
         srv0, me0 = host.process_cpu(server.proc.pid), host.self_cpu()
-        elapsed, results, errors = await _workers(count, o.concurrency, lambda i: self._lifecycle(client),
-                                                  progress, task)
+        elapsed, results, errors = await _workers(count, o.concurrency, lambda i: once(), progress, task)
         done = len(results)
         cpu = meter.stop(done)
         srv = host.process_cpu(server.proc.pid)
@@ -700,6 +754,12 @@ def _summarise(r: dict) -> tuple[dict, list[dict]]:
         ratios["throughput_dsec_over_nometrics"] = _ratio(tput, _get(off, "throughput", "lifecycles_per_s"))
         ratios["own_cpu_per_lifecycle_dsec_over_nometrics"] = _ratio(
             _get(d, "throughput", "cpu", "own_cpu_ms_per_op"), _get(off, "throughput", "cpu", "own_cpu_ms_per_op"))
+    if _get(r.get("e2b", {}), "throughput"):
+        ratios["throughput_e2b_over_dsec_python"] = _ratio(_get(r["e2b"], "throughput", "lifecycles_per_s"),
+                                                           _get(r["dsec_python"], "throughput", "lifecycles_per_s"))
+        ratios["own_cpu_per_lifecycle_e2b_over_dsec_python"] = _ratio(
+            _get(r["e2b"], "throughput", "cpu", "own_cpu_ms_per_op"),
+            _get(r["dsec_python"], "throughput", "cpu", "own_cpu_ms_per_op"))
     mem = _get(d, "idle", "host_mib_per_sandbox")
     ratios["idle_memory_dsec_over_podman"] = _ratio(mem, _get(p, "idle", "host_mib_per_container"))
     ratios["idle_memory_dsec_over_crun"] = _ratio(mem, _get(c, "idle", "host_mib_per_container"))
@@ -715,6 +775,9 @@ def _summarise(r: dict) -> tuple[dict, list[dict]]:
         goal("create p99, warm pool", _get(d, "create_warm", "latency", "p99_ms"), GOAL_CREATE_P99_MS, False, "ms"),
         goal("host memory per idle sandbox", mem, GOAL_IDLE_MIB, False, "MiB"),
     ]
+    if "throughput_e2b_over_dsec_python" in ratios:
+        goals.append(goal("E2B SDK throughput vs DSec SDK", ratios["throughput_e2b_over_dsec_python"],
+                          GOAL_E2B_OVER_DSEC, True, "×"))
     return ratios, goals
 
 
@@ -811,6 +874,9 @@ async def _run(bench: Bench, rig_args: tuple[Path, Path, str], progress: Progres
                     bench.r["dsec_nometrics"].setdefault("servers", []).append(await bench.with_server(
                         ("--pool-max", str(o.pool_max)), [bench.dsec_nometrics_throughput], progress,
                         env={"DSEC_METRICS": "0"}))
+                if o.compare_e2b:
+                    bench.r["e2b"].setdefault("servers", []).append(await bench.with_server(
+                        ("--pool-max", str(o.pool_max)), [bench.e2b_throughput], progress))
             bench.r["dsec"]["servers"].append(
                 await bench.with_server(("--pool-max", "0"), [bench.dsec_cold, bench.dsec_idle], progress))
             await bench.phase("crun_create", bench.crun_create(rig, progress))
@@ -838,6 +904,11 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
                   f"{machine['memory_total_gib']} GiB, kernel {machine['kernel']}, cgroups {machine['cgroups']}")
     store = LayerStore(state_dir / "store")
     image = store.get_image("busybox") if store.has_image("busybox") else build_busybox(store)
+    if opts.compare_e2b and not store.has_image("python"):
+        from ..images.builders import build_python
+
+        console.print("building the python image for the E2B comparison (debootstrap, about a minute)")
+        build_python(store)
     if len(image.layers) != 1:
         console.print(f"[red]error:[/red] the busybox image has {len(image.layers)} layers; expected one")
         return 1
@@ -925,6 +996,17 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
             f"scraped every second ({res.get('metrics_scrapes')} scrapes) DSec made "
             f"{_fmt(res['ratios'].get('throughput_dsec_over_nometrics'), '.3f', '×')} of that, at "
             f"{_fmt(res['ratios'].get('own_cpu_per_lifecycle_dsec_over_nometrics'), '.3f', '×')} the CPU per lifecycle")
+    et, pt = _get(res, "e2b", "throughput"), _get(res, "dsec_python", "throughput")
+    if et and pt:
+        e2b_goal = next(g for g in res["goals"] if g["goal"] == "E2B SDK throughput vs DSec SDK")
+        console.print(
+            f"E2B API (python image, {et['concurrency']} in flight): e2b SDK {et['lifecycles_per_s']:.1f} lifecycles/s "
+            f"against DSec's SDK {pt['lifecycles_per_s']:.1f} in the same rounds: "
+            f"{_fmt(res['ratios'].get('throughput_e2b_over_dsec_python'), '.2f', '×')} (goal ≥{GOAL_E2B_OVER_DSEC:g}) "
+            f"{_verdict(e2b_goal['met'])}; p50 create/exec/stop e2b {et['create']['p50_ms']:.1f}/"
+            f"{et['exec']['p50_ms']:.1f}/{et['stop']['p50_ms']:.1f} ms, DSec {pt['create']['p50_ms']:.1f}/"
+            f"{pt['exec']['p50_ms']:.1f}/{pt['stop']['p50_ms']:.1f} ms; CPU per lifecycle "
+            f"{et['cpu']['own_cpu_ms_per_op']:.1f} against {pt['cpu']['own_cpu_ms_per_op']:.1f} ms")
     cold = _get(res, "dsec", "create_cold")
     if cold:
         console.print(f"no pool: inside the edge, create p50/p99 {cold['server_side']['p50_ms']:.1f}/"

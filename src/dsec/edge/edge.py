@@ -77,7 +77,7 @@ from ..images.store import Image, LayerStore, check_name
 from ..isolation import apparmor
 from ..resources import cgroups
 from . import lifecycle
-from .admission import Admission, WorkGate, memory_total_mb
+from .admission import MAX_TTL_S, Admission, WorkGate, memory_total_mb
 from .config import EdgeConfig
 from .api import new_sandbox_id
 from .journal import RecordJournal
@@ -521,6 +521,33 @@ class Edge:
         result = await self._call(rec, self.backends[rec.kind].exec(rec.handle, exec_request, ctx))
         return ProcessInfo(pid=processes.started_pid(result), command=request.command[:200], running=True)
 
+    async def start_process_stream(self, sandbox_id: str, request: StartProcessRequest) -> AsyncIterator[ExecEvent]:
+        """``start_process`` and ``stream_process`` in one command in the sandbox: ``started``
+        with the pid as its data, the output, then ``exit`` with the process's code."""
+        exec_request = ExecRequest(command=processes.start_follow_script(request.command), timeout=24 * 3600.0,
+                                   env=request.env, workdir=request.workdir, user=request.user, max_output_bytes=0)
+        rec, ctx = await self._exec_context(sandbox_id, exec_request)
+        backend = self.backends[rec.kind]
+        pid_line = ""
+        async for event in stream_exec(lambda emit: self._call(rec, backend.exec_stream(rec.handle, exec_request, ctx, emit))):
+            if event.event == "started":
+                continue
+            if pid_line is not None and event.event == "stdout":
+                pid_line += event.data
+                if "\n" not in pid_line:
+                    continue
+                first, rest = pid_line.split("\n", 1)
+                pid_line = None
+                if not first.strip().isdigit():
+                    raise InvalidRequest(f"cannot start the background process: {first[-300:]!r}")
+                yield ExecEvent(event="started", data=first.strip())
+                if rest:
+                    yield ExecEvent(event="stdout", data=rest)
+                continue
+            if pid_line is not None and event.event == "exit" and event.result is not None:
+                processes.started_pid(event.result)  # the start failed: its error, raised
+            yield event
+
     async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
         return processes.parse_list((await self._manage(sandbox_id, processes.list_script())).stdout)
 
@@ -548,7 +575,8 @@ class Edge:
 
     async def stream_process(self, sandbox_id: str, pid: int, request: ProcessStreamRequest) -> AsyncIterator[ExecEvent]:
         """Its output from the offsets given until it ends, then ``exit`` (the exit code only)."""
-        await self.get_process(sandbox_id, pid)  # ProcessNotFound before the start
+        # ProcessNotFound before the start
+        processes.check(await self._manage(sandbox_id, processes.find_script(pid)), pid, "find it")
         rec = await self._ready(sandbox_id, Action.exec)
         ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
         follow = ExecRequest(command=processes.follow_script(pid, request.stdout_offset, request.stderr_offset),
@@ -713,6 +741,16 @@ class Edge:
         rec = self._allowed(sandbox_id, Action.set_network_rules)
         await self.security.set_rules(rec, rules)
         self._persist(rec)
+
+    async def set_ttl(self, sandbox_id: str, ttl_running_stop: float) -> SandboxInfo:
+        rec = self._allowed(sandbox_id, Action.set_ttl)
+        if not 1 <= ttl_running_stop <= MAX_TTL_S:
+            raise LimitOutOfRange(f"ttl_running_stop={ttl_running_stop:g} is out of range: 1..{int(MAX_TTL_S)} seconds "
+                                  f"on node {self.node}")
+        rec.args = rec.args.model_copy(update={"ttl_running_stop": float(ttl_running_stop)})
+        rec.last_active = time.time()
+        self._persist(rec)
+        return rec.info(self.node)
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         rec = await self._ready(sandbox_id, Action.read_file)

@@ -55,6 +55,7 @@ class Action(str, Enum):
     clean_copy = "make a clean copy of"
     snapshot = "snapshot"
     set_network_rules = "change network rules"
+    set_ttl = "change the TTL of"
     pause = "pause"
     resume = "resume"
     stop = "stop"
@@ -71,6 +72,7 @@ TRANSITIONS: dict[SandboxStatus, dict[Action, SandboxStatus]] = {
         Action.clean_copy: SandboxStatus.running,
         Action.snapshot: SandboxStatus.running,
         Action.set_network_rules: SandboxStatus.running,
+        Action.set_ttl: SandboxStatus.running,
         Action.pause: SandboxStatus.paused,
         Action.stop: SandboxStatus.stopping,
     },
@@ -80,6 +82,7 @@ TRANSITIONS: dict[SandboxStatus, dict[Action, SandboxStatus]] = {
         Action.read_file: SandboxStatus.running,
         Action.write_file: SandboxStatus.running,
         Action.resume: SandboxStatus.running,
+        Action.set_ttl: SandboxStatus.paused,
         Action.stop: SandboxStatus.stopping,
     },
     SandboxStatus.stopping: {Action.stop: SandboxStatus.stopping},  # under way: a second stop waits for its end
@@ -148,6 +151,7 @@ class Record:
             ttl_running_stop=self.args.ttl_running_stop, init_user=self.args.init_user,
             workdir=self.args.workdir, reason=self.reason, create_s=self.create_s, project=self.project,
             cpu_cores_cap=getattr(self.args, "cpu_cores_cap", None), best_effort=getattr(self.args, "best_effort", False),
+            labels=self.args.labels,
         )
 
     def to_json(self) -> str:

@@ -109,7 +109,7 @@ for l in "$b"/*; do
 done
 '''
 
-_FOLLOW = _FIND + r'''
+_FOLLOW_LOOP = r'''
 o=%(out)d; e=%(err)d; k=0
 while :; do
   last=; [ -e "$t/exit" ] && last=1
@@ -121,6 +121,7 @@ while :; do
   case $k in 0) sleep 0.01;; 1) sleep 0.02;; 2) sleep 0.05;; 3) sleep 0.1;; 4) sleep 0.2;; *) sleep 0.3;; esac
 done
 '''
+_FOLLOW = _FIND + _FOLLOW_LOOP
 
 
 def _fill(template: str, **kw) -> str:
@@ -146,6 +147,20 @@ def wait_script(pid: int) -> str:
 
 def list_script() -> str:
     return _fill(_LIST)
+
+
+def start_follow_script(command: str) -> str:
+    """``start_script`` and ``follow_script`` from the start in one command: the pid on the first
+    line of stdout, then the process's output as it writes it, and its exit code as this one's.
+    Ending this command (its reader went away) ends only the following, never the process."""
+    start = _fill(_START, command=shlex.quote(command), supervisor=shlex.quote(_SUPERVISOR))
+    return start + _fill(_FOLLOW_LOOP, out=0, err=0)
+
+
+def find_script(pid: int) -> str:
+    """Exits ``_NO_SUCH`` unless ``pid`` is a process started here (a look at one link: the
+    listing of every process is far dearer once a sandbox has run many)."""
+    return _fill(_FIND, pid=pid)
 
 
 def follow_script(pid: int, stdout_offset: int, stderr_offset: int) -> str:

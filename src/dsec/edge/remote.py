@@ -49,6 +49,7 @@ from libdsec.protocol import (
     LayerUse,
     MakeDirRequest,
     NetworkRulesRequest,
+    TTLRequest,
     NodeBatchRequest,
     NodeInfo,
     NodeStats,
@@ -281,6 +282,9 @@ class RemoteEdge:
     def stream_process(self, sandbox_id: str, pid: int, request: ProcessStreamRequest) -> AsyncIterator[ExecEvent]:
         return self._events(f"/sandboxes/{sandbox_id}/processes/{pid}/stream", request, request.timeout)
 
+    def start_process_stream(self, sandbox_id: str, request: StartProcessRequest) -> AsyncIterator[ExecEvent]:
+        return self._events(f"/sandboxes/{sandbox_id}/processes:stream", request, 24 * 3600.0)
+
     async def start_process(self, sandbox_id: str, request: StartProcessRequest) -> ProcessInfo:
         return await self._post(ProcessInfo, f"/sandboxes/{sandbox_id}/processes", model=request)
 
@@ -392,6 +396,10 @@ class RemoteEdge:
 
     async def set_network_rules(self, sandbox_id: str, rules: dict) -> None:
         await self._call("PUT", f"/sandboxes/{sandbox_id}/network_rules", model=NetworkRulesRequest(network_rules=rules))
+
+    async def set_ttl(self, sandbox_id: str, ttl_running_stop: float) -> SandboxInfo:
+        return self._parse(SandboxInfo, await self._call("PUT", f"/sandboxes/{sandbox_id}/ttl",
+                                                         model=TTLRequest(ttl_running_stop=ttl_running_stop)))
 
     # -- the node ----------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ from libdsec.protocol import (
     LayerGCResult,
     MakeDirRequest,
     NetworkRulesRequest,
+    TTLRequest,
     NodeBatchRequest,
     NodeCreateRequest,
     NodeStopRequest,
@@ -242,6 +243,9 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         await c.edge.set_network_rules(c.params["sid"], c.parse(NetworkRulesRequest).network_rules)
         return None
 
+    async def set_ttl(c: _Call):
+        return await c.edge.set_ttl(c.params["sid"], c.parse(TTLRequest).ttl_running_stop)
+
     async def fncall(c: _Call):
         return await c.edge.fncall(c.parse(DSecFnCallArgs))
 
@@ -263,6 +267,7 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("POST", f"/sandboxes/{sid}/clean_copy", clean_copy),
         ("GET", f"/sandboxes/{sid}/files", read_file), ("PUT", f"/sandboxes/{sid}/files", write_file),
         ("GET", f"/sandboxes/{sid}/security_events", events), ("PUT", f"/sandboxes/{sid}/network_rules", rules),
+        ("PUT", f"/sandboxes/{sid}/ttl", set_ttl),
         ("POST", "/fncall", fncall), ("POST", "/fncall:batch", fncall_batch),
         ("POST", r"/batches/(?P<batch>[A-Za-z0-9_-]{1,64}):commit", commit_batch),
         ("POST", f"/sandboxes/{sid}/processes", start_process), ("GET", f"/sandboxes/{sid}/processes", list_processes),
@@ -289,6 +294,7 @@ _BATCH = PREFIX + "/sandboxes:batch"
 _EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:stream\Z")
 _SESSION_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/sessions/(?P<pid>[0-9]{1,9})/exec\:stream\Z")
 _TREE_DOWNLOAD = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\:download\Z")
+_START_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes\:stream\Z")
 _PROCESS_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes/(?P<pid>[0-9]{1,9})/stream\Z")
 
 
@@ -464,6 +470,10 @@ class EdgeApp:
         if method == "POST" and (m := _TREE_DOWNLOAD.match(path)) is not None:
             await self._stream(lambda: self.edge.download_tree(
                 m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(TreeDownloadRequest).path), request, conn)
+            return
+        if method == "POST" and (m := _START_STREAM.match(path)) is not None:
+            await self._stream(lambda: self.edge.start_process_stream(
+                m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(StartProcessRequest)), request, conn)
             return
         if method == "POST" and (m := _PROCESS_STREAM.match(path)) is not None:
             await self._stream(lambda: self.edge.stream_process(

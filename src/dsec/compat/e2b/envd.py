@@ -1,0 +1,213 @@
+"""envd, E2B's in-sandbox daemon, as DSec's apiserver answers it at ``/e2b/envd``
+(``E2B_SANDBOX_URL``): the Connect RPC services ``process.Process`` and
+``filesystem.Filesystem`` (served by ``connectrpc`` with the e2b package's own generated
+message classes) and envd's HTTP routes ``/files`` and ``/health``.
+
+The SDK names the sandbox in the ``E2b-Sandbox-Id`` header and proves it may use it with
+``X-Access-Token``: the ``envdAccessToken`` the control plane handed out with the sandbox, an
+HMAC of the sandbox id under a key drawn from the apiserver's root token (so any apiserver of
+the cluster checks it without a lookup, and it opens that one sandbox only). The user it acts
+as comes in envd's ``Authorization: Basic`` header (or ``?username=`` on the file routes);
+relative paths are taken from that user's home, as envd does.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import hmac
+import os
+import posixpath
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from libdsec import DSecError, InvalidRequest, SandboxFileNotFound, Unauthenticated
+from libdsec.protocol import SandboxStatus
+
+from ...apiserver.cluster import Cluster
+from ...edge.api import EdgeAPI
+from ._errors import status_of
+
+# The envd protocol version DSec speaks: the SDK turns on its features by it (default user,
+# stdin for commands, close_stdin, octet-stream uploads).
+ENVD_VERSION = "0.5.7"
+
+
+class EnvdTokens:
+    """``envdAccessToken``s: one sandbox each, checked without a lookup."""
+
+    def __init__(self, root_token: bytes) -> None:
+        self._key = hashlib.sha256(b"dsec-e2b-envd\0" + root_token).digest()
+
+    def token(self, sandbox_id: str) -> str:
+        return hmac.new(self._key, sandbox_id.encode(), hashlib.sha256).hexdigest()
+
+    def check(self, sandbox_id: str, given: str) -> bool:
+        return hmac.compare_digest(self.token(sandbox_id).encode(), given.encode())
+
+
+@dataclass(frozen=True)
+class Target:
+    edge: EdgeAPI
+    sandbox_id: str
+    user: str | None  # None: the sandbox's own user
+
+    @property
+    def home(self) -> str:
+        return "/root" if self.user in (None, "root") else f"/home/{self.user}"
+
+    def path(self, path: str) -> str:
+        """``path`` as an absolute path in the sandbox (a relative one from the user's home)."""
+        if not path:
+            return self.home
+        if "\0" in path:
+            raise InvalidRequest(f"path {path!r} contains a NUL byte")
+        full = path if path.startswith("/") else posixpath.join(self.home, path)
+        if ".." in full.split("/"):
+            full = posixpath.normpath(full)
+        return full
+
+
+def _basic_user(authorization: str) -> str | None:
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() != "basic" or not value:
+        return None
+    try:
+        user = base64.b64decode(value.strip()).decode().partition(":")[0]
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidRequest("the Authorization: Basic header is not base64 of 'user:'") from None
+    return user or None
+
+
+class EnvdContext:
+    """What the services share: the cluster and the token check."""
+
+    def __init__(self, cluster: Cluster, tokens: EnvdTokens) -> None:
+        self.cluster = cluster
+        self.tokens = tokens
+
+    def resolve(self, headers, username: str | None = None) -> Target:
+        sandbox_id = headers.get("e2b-sandbox-id", "")
+        if not sandbox_id:
+            raise InvalidRequest("no sandbox named: envd calls carry the E2b-Sandbox-Id header "
+                                 "(E2B_SANDBOX_URL=<endpoint>/e2b/envd)")
+        if not self.tokens.check(sandbox_id, headers.get("x-access-token", "")):
+            raise Unauthenticated(f"missing or wrong X-Access-Token for sandbox {sandbox_id}")
+        user = username or _basic_user(headers.get("authorization", ""))
+        return Target(self.cluster.edge_for(sandbox_id), sandbox_id, user)
+
+    def target(self, ctx) -> Target:
+        """For an RPC: its sandbox and user, or the Connect error that refuses it."""
+        try:
+            return self.resolve(ctx.request_headers)
+        except DSecError as exc:
+            from ._errors import rpc_error
+
+            raise rpc_error(exc) from None
+
+
+def _envd_error(exc: DSecError) -> JSONResponse:
+    status = status_of(exc)
+    return JSONResponse({"code": status, "message": exc.message}, status_code=status)
+
+
+def _entry(path: str) -> dict:
+    return {"name": posixpath.basename(path), "type": "file", "path": path}
+
+
+class EnvdApp:
+    """The ASGI app mounted at ``/e2b/envd``: Connect services by their path, HTTP routes by theirs."""
+
+    def __init__(self, envd: EnvdContext, services: dict[str, object]) -> None:
+        self.envd = envd
+        self.services = services  # "/process.Process/" -> its ASGI app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            return
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        for prefix, app in self.services.items():
+            if path.startswith(prefix):
+                await app(scope, receive, send)
+                return
+        request = Request(scope, receive)
+        if path == "/health":
+            response = await self._health(request)
+        elif path == "/files" and request.method in ("GET", "POST"):
+            response = await self._files(request)
+        else:
+            response = JSONResponse({"code": 404, "message": f"{request.method} {path} is not an envd route"},
+                                    status_code=404)
+        await response(scope, receive, send)
+
+    async def _health(self, request: Request) -> Response:
+        """204 while the sandbox runs; 502, as E2B's proxy answers, once it does not (paused, gone)."""
+        try:
+            target = self.envd.resolve(request.headers)
+            info = await target.edge.get(target.sandbox_id)
+        except Unauthenticated as exc:
+            return _envd_error(exc)
+        except DSecError as exc:
+            return JSONResponse({"code": 502, "message": exc.message}, status_code=502)
+        if info.status is not SandboxStatus.running:
+            return JSONResponse({"code": 502, "message": f"sandbox {info.id} is {info.status.value}"}, status_code=502)
+        return Response(status_code=204)
+
+    async def _files(self, request: Request) -> Response:
+        try:
+            target = self.envd.resolve(request.headers, request.query_params.get("username") or None)
+            if request.method == "GET":
+                return await self._read(request, target)
+            return await self._write(request, target)
+        except DSecError as exc:
+            return _envd_error(exc)
+
+    async def _read(self, request: Request, target: Target) -> Response:
+        path = target.path(request.query_params.get("path", ""))
+        try:
+            data = await target.edge.read_file(target.sandbox_id, path)
+        except SandboxFileNotFound:
+            raise SandboxFileNotFound(f"path '{path}' does not exist") from None
+        return Response(content=data, media_type="application/octet-stream")
+
+    async def _write(self, request: Request, target: Target) -> Response:
+        content_type = request.headers.get("content-type", "")
+        files: list[tuple[str, bytes]] = []
+        if content_type.startswith("multipart/form-data"):
+            form = await request.form()
+            for name, part in form.multi_items():
+                if name != "file" or isinstance(part, str):
+                    continue
+                given = request.query_params.get("path") if len(form.getlist("file")) == 1 else None
+                files.append((given or part.filename or "", await part.read()))
+        else:
+            body = await request.body()
+            if request.headers.get("content-encoding", "") == "gzip":
+                try:
+                    body = gzip.decompress(body)
+                except (OSError, EOFError):
+                    raise InvalidRequest("the body is not gzip, as its Content-Encoding says") from None
+            files.append((request.query_params.get("path", ""), body))
+        if not files or not all(path for path, _ in files):
+            raise InvalidRequest("no file to write: give ?path= and the file's bytes")
+        written = []
+        for given, data in files:
+            path = target.path(given)
+            await self._write_one(target, path, data)
+            written.append(_entry(path))
+        return JSONResponse(written)
+
+    @staticmethod
+    async def _write_one(target: Target, path: str, data: bytes) -> None:
+        try:
+            await target.edge.write_file(target.sandbox_id, path, data, 0o644)
+        except SandboxFileNotFound:
+            # envd makes the missing parents of a file it writes
+            await target.edge.make_dir(target.sandbox_id, os.path.dirname(path) or "/")
+            await target.edge.write_file(target.sandbox_id, path, data, 0o644)

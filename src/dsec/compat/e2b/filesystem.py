@@ -1,0 +1,245 @@
+"""envd's ``filesystem.Filesystem`` service on DSec's file calls (``sandbox.files``: list, stat,
+remove, make_dir, rename — each one command in the sandbox).
+
+Watching a directory is polling: DSec has no watch of its own, so ``WatchDir`` lists the tree
+every ``POLL_S`` and tells what appeared (``CREATE``), went (``REMOVE``) or changed size or
+mtime (``WRITE``) since; the sync SDK's watchers (``CreateWatcher`` / ``GetWatcherEvents``)
+compare against the listing of their previous call. A change undone between two looks is not
+seen, and renames show as a remove and a create. Watchers live in this apiserver's memory
+(at most ``MAX_WATCHERS``), not with the sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+import secrets
+import stat as stat_bits
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from protobuf import Oneof
+from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
+
+from e2b.envd.filesystem import filesystem_pb as pb
+
+from libdsec import DSecError, SandboxFileNotFound
+from libdsec.protocol import FileEntry
+
+from ._errors import rpc_error
+from .envd import EnvdContext, Target
+
+POLL_S = 0.2
+MAX_WATCHERS = 1024
+MAX_WATCHED_DIRS = 256  # directories one recursive look lists at most
+
+_TYPES = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY, "symlink": pb.FileType.SYMLINK}
+_KINDS = {"file": "-", "dir": "d", "symlink": "l", "other": "?"}
+
+
+def _owner(uid: int) -> str:
+    return "root" if uid == 0 else str(uid)
+
+
+def entry_info(entry: FileEntry) -> pb.EntryInfo:
+    seconds = int(entry.mtime)
+    return pb.EntryInfo(
+        name=entry.name, type=_TYPES.get(entry.type, pb.FileType.UNSPECIFIED), path=entry.path, size=entry.size,
+        mode=entry.mode, permissions=_KINDS[entry.type] + stat_bits.filemode(entry.mode)[1:],
+        owner=_owner(entry.uid), group=_owner(entry.gid),
+        modified_time=Timestamp(seconds=seconds, nanos=int((entry.mtime - seconds) * 1e9)),
+        symlink_target=entry.target, is_symlink=entry.type == "symlink")
+
+
+def _call_errors(exc: DSecError) -> ConnectError:
+    return rpc_error(exc)
+
+
+Snapshot = dict[str, tuple[str, int, float]]  # relative name -> (type, size, mtime)
+
+
+@dataclass
+class _Watcher:
+    sandbox_id: str
+    path: str
+    recursive: bool
+    seen: Snapshot
+
+
+async def _look(target: Target, path: str, recursive: bool) -> Snapshot:
+    seen: Snapshot = {}
+    dirs, listed = [path], 0
+    while dirs and listed < MAX_WATCHED_DIRS:
+        here = dirs.pop()
+        listed += 1
+        try:
+            entries = await target.edge.list_dir(target.sandbox_id, here)
+        except SandboxFileNotFound:
+            if here == path:
+                raise
+            continue  # gone between two looks
+        for e in entries:
+            name = posixpath.relpath(e.path, path)
+            seen[name] = (e.type, e.size, e.mtime)
+            if recursive and e.type == "dir":
+                dirs.append(e.path)
+    return seen
+
+
+def _changes(before: Snapshot, after: Snapshot) -> list[pb.FilesystemEvent]:
+    events = [pb.FilesystemEvent(name=n, type=pb.EventType.REMOVE) for n in sorted(before.keys() - after.keys())]
+    for name in sorted(after):
+        if name not in before:
+            events.append(pb.FilesystemEvent(name=name, type=pb.EventType.CREATE))
+            if after[name][0] == "file" and after[name][1] > 0:
+                events.append(pb.FilesystemEvent(name=name, type=pb.EventType.WRITE))
+        elif before[name] != after[name] and after[name][0] != "dir":
+            events.append(pb.FilesystemEvent(name=name, type=pb.EventType.WRITE))
+    return events
+
+
+class FilesystemService:
+    """The ``filesystem.Filesystem`` service (``e2b.envd.filesystem.filesystem_connect``)."""
+
+    def __init__(self, envd: EnvdContext) -> None:
+        self.envd = envd
+        self.watchers: OrderedDict[str, _Watcher] = OrderedDict()
+
+    async def _stat(self, target: Target, path: str) -> FileEntry:
+        return await target.edge.stat_path(target.sandbox_id, path)
+
+    async def stat(self, request: pb.StatRequest, ctx) -> pb.StatResponse:
+        target = self.envd.target(ctx)
+        try:
+            entry = await self._stat(target, target.path(request.path))
+            info = entry_info(entry)
+            if entry.type == "symlink" and entry.target:  # envd: the type of what it points to
+                pointed = posixpath.normpath(posixpath.join(posixpath.dirname(entry.path), entry.target))
+                info.symlink_target = pointed
+                try:
+                    info.type = _TYPES.get((await self._stat(target, pointed)).type, pb.FileType.UNSPECIFIED)
+                    info.is_symlink = False  # (the SDK would report SYMLINK over the type; the target says it)
+                except SandboxFileNotFound:
+                    pass  # dangling: a symlink it stays
+            return pb.StatResponse(entry=info)
+        except DSecError as exc:
+            raise _call_errors(exc) from None
+
+    async def make_dir(self, request: pb.MakeDirRequest, ctx) -> pb.MakeDirResponse:
+        target = self.envd.target(ctx)
+        try:
+            path = target.path(request.path)
+            try:
+                await self._stat(target, path)
+            except SandboxFileNotFound:
+                pass
+            else:
+                raise ConnectError(Code.ALREADY_EXISTS, f"path '{path}' already exists")
+            await target.edge.make_dir(target.sandbox_id, path)
+            return pb.MakeDirResponse(entry=entry_info(await self._stat(target, path)))
+        except DSecError as exc:
+            raise _call_errors(exc) from None
+
+    async def move(self, request: pb.MoveRequest, ctx) -> pb.MoveResponse:
+        target = self.envd.target(ctx)
+        try:
+            src, dst = target.path(request.source), target.path(request.destination)
+            await target.edge.rename_path(target.sandbox_id, src, dst)
+            return pb.MoveResponse(entry=entry_info(await self._stat(target, dst)))
+        except DSecError as exc:
+            raise _call_errors(exc) from None
+
+    async def list_dir(self, request: pb.ListDirRequest, ctx) -> pb.ListDirResponse:
+        target = self.envd.target(ctx)
+        depth = max(1, request.depth or 1)
+        try:
+            path = target.path(request.path)
+            if (await self._stat(target, path)).type != "dir":
+                raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' is not a directory")
+            found: list[pb.EntryInfo] = []
+            level = [path]
+            for _ in range(depth):
+                below = []
+                for here in level:
+                    for e in await target.edge.list_dir(target.sandbox_id, here):
+                        found.append(entry_info(e))
+                        if e.type == "dir":
+                            below.append(e.path)
+                level = below
+            return pb.ListDirResponse(entries=found)
+        except DSecError as exc:
+            raise _call_errors(exc) from None
+
+    async def remove(self, request: pb.RemoveRequest, ctx) -> pb.RemoveResponse:
+        target = self.envd.target(ctx)
+        try:
+            await target.edge.remove_path(target.sandbox_id, target.path(request.path), True)
+            return pb.RemoveResponse()
+        except SandboxFileNotFound:
+            return pb.RemoveResponse()  # envd's remove is rm -rf's: nothing there is no error
+        except DSecError as exc:
+            raise _call_errors(exc) from None
+
+    async def _watched(self, target: Target, path: str) -> str:
+        full = target.path(path)
+        if (await self._stat(target, full)).type != "dir":
+            raise ConnectError(Code.INVALID_ARGUMENT, f"path '{full}' is not a directory")
+        return full
+
+    async def watch_dir(self, request: pb.WatchDirRequest, ctx) -> AsyncIterator[pb.WatchDirResponse]:
+        target = self.envd.target(ctx)
+        try:
+            path = await self._watched(target, request.path)
+            seen = await _look(target, path, request.recursive)
+        except DSecError as exc:
+            raise _call_errors(exc) from None
+        yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))
+        while True:
+            await asyncio.sleep(POLL_S)
+            try:
+                now = await _look(target, path, request.recursive)
+            except SandboxFileNotFound:
+                return  # the directory itself went: envd ends the watch too
+            except DSecError as exc:
+                raise _call_errors(exc) from None
+            for event in _changes(seen, now):
+                yield pb.WatchDirResponse(event=Oneof("filesystem", event))
+            seen = now
+
+    async def create_watcher(self, request: pb.CreateWatcherRequest, ctx) -> pb.CreateWatcherResponse:
+        target = self.envd.target(ctx)
+        try:
+            path = await self._watched(target, request.path)
+            seen = await _look(target, path, request.recursive)
+        except DSecError as exc:
+            raise _call_errors(exc) from None
+        watcher_id = secrets.token_hex(8)
+        self.watchers[watcher_id] = _Watcher(target.sandbox_id, path, request.recursive, seen)
+        while len(self.watchers) > MAX_WATCHERS:
+            self.watchers.popitem(last=False)
+        return pb.CreateWatcherResponse(watcher_id=watcher_id)
+
+    def _watcher(self, target: Target, watcher_id: str) -> _Watcher:
+        watcher = self.watchers.get(watcher_id)
+        if watcher is None or watcher.sandbox_id != target.sandbox_id:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id!r} not found")
+        return watcher
+
+    async def get_watcher_events(self, request: pb.GetWatcherEventsRequest, ctx) -> pb.GetWatcherEventsResponse:
+        target = self.envd.target(ctx)
+        watcher = self._watcher(target, request.watcher_id)
+        try:
+            now = await _look(target, watcher.path, watcher.recursive)
+        except DSecError as exc:
+            raise _call_errors(exc) from None
+        events, watcher.seen = _changes(watcher.seen, now), now
+        return pb.GetWatcherEventsResponse(events=events)
+
+    async def remove_watcher(self, request: pb.RemoveWatcherRequest, ctx) -> pb.RemoveWatcherResponse:
+        target = self.envd.target(ctx)
+        self._watcher(target, request.watcher_id)
+        del self.watchers[request.watcher_id]
+        return pb.RemoveWatcherResponse()

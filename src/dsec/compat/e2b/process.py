@@ -1,0 +1,359 @@
+"""envd's ``process.Process`` service on DSec's commands and background processes.
+
+The SDK starts every command the same way, foreground or not (``background`` only decides when
+its ``run`` returns), so ``Start`` chooses by ``stdin``:
+
+- ``stdin=False`` (the SDK's default): a streamed command (``exec_stream``, DSec's one-call
+  path), its pid told first by the shell that then becomes it. It reads ``/dev/null``. It is
+  listed, killed and connected to through the apiserver that streams it (``streamed``); it ends
+  with the stream that started it (a client gone, ``handle.disconnect()``), as DSec's streamed
+  commands do.
+- ``stdin=True``: a DSec background process (``dsec.edge.processes``) started and followed in
+  one call: it takes stdin (``SendInput``, ``CloseStdin``), outlives its client, and is listed,
+  signalled and connected to (output from now on) through any apiserver.
+
+A stream that ends by its deadline (``commands.run(timeout=…)``) kills its command, as envd
+does. PTYs are not there yet: ``Start`` with a ``pty`` and ``Update`` answer ``UNIMPLEMENTED``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import signal as signals
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from protobuf import Oneof
+
+from e2b.envd.process import process_pb as pb
+
+from libdsec import DSecError, SandboxStateError
+from libdsec.protocol import ExecEvent, ExecRequest, ProcessStreamRequest, StartProcessRequest
+
+from ._errors import rpc_error
+from .envd import EnvdContext
+
+PTY_UNSUPPORTED = ("PTYs are not supported by DSec's E2B API yet (docs/COMPAT.md): "
+                   "use commands.run, whose output streams as it is written")
+# Left to themselves, kills sent because a stream's deadline passed (a task each, held here).
+_KILLS: set[asyncio.Task] = set()
+
+
+def _command(config: pb.ProcessConfig | None, stdin: bool) -> str:
+    if config is None or not config.cmd:
+        raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
+    return "exec " + shlex.join([config.cmd, *config.args]) + ("" if stdin else " </dev/null")
+
+
+def _config_of(command: str) -> pb.ProcessConfig:
+    """A listed process's config, from the command line DSec keeps (envs and cwd are not kept)."""
+    line = command.removeprefix("exec ").removesuffix(" </dev/null")
+    try:
+        parts = shlex.split(line)
+    except ValueError:  # cut at 200 characters mid-quote
+        parts = line.split()
+    return pb.ProcessConfig(cmd=parts[0] if parts else "", args=parts[1:])
+
+
+def _event(value: pb.ProcessEvent.StartEvent | pb.ProcessEvent.DataEvent | pb.ProcessEvent.EndEvent) -> pb.ProcessEvent:
+    field = {pb.ProcessEvent.StartEvent: "start", pb.ProcessEvent.DataEvent: "data", pb.ProcessEvent.EndEvent: "end"}
+    return pb.ProcessEvent(event=Oneof(field[type(value)], value))
+
+
+def _end(exit_code: int) -> pb.ProcessEvent.EndEvent:
+    if exit_code > 128:  # the supervisor's 128 + N for a kill by signal N
+        try:
+            name = signals.Signals(exit_code - 128).name.removeprefix("SIG").lower()
+        except ValueError:
+            name = str(exit_code - 128)
+        return pb.ProcessEvent.EndEvent(exit_code=exit_code, exited=False, status=f"signal: {name}")
+    return pb.ProcessEvent.EndEvent(exit_code=exit_code, exited=True, status=f"exit status {exit_code}")
+
+
+async def _pid_first(events: AsyncIterator[ExecEvent]) -> AsyncIterator[ExecEvent]:
+    """``exec_stream``'s events of ``echo $$; exec CMD`` as ``start_process_stream``'s:
+    ``started`` with the pid, then the command's own output."""
+    line: str | None = ""
+    async with aclosing(events):
+        async for event in events:
+            if line is not None and event.event == "started":
+                continue
+            if line is not None and event.event == "stdout":
+                line += event.data
+                if "\n" not in line:
+                    continue
+                first, rest = line.split("\n", 1)
+                line = None
+                yield ExecEvent(event="started", data=first.strip())
+                if rest:
+                    yield ExecEvent(event="stdout", data=rest)
+                continue
+            yield event
+
+
+@dataclass
+class _Streamed:
+    """A streamed command (``stdin=False``) while its ``Start`` follows it."""
+
+    config: pb.ProcessConfig
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # its stream closed: the command is gone
+    signal: int = signals.SIGKILL
+    listeners: list[asyncio.Queue] = field(default_factory=list)
+
+
+class ProcessService:
+    """The ``process.Process`` service (its generated protocol: ``e2b.envd.process.process_connect``)."""
+
+    def __init__(self, envd: EnvdContext) -> None:
+        self.envd = envd
+        self.streamed: dict[tuple[str, int], _Streamed] = {}
+
+    async def _pid(self, ctx, selector: pb.ProcessSelector | None) -> int:
+        if selector is None or selector.selector is None:
+            raise ConnectError(Code.INVALID_ARGUMENT, "process selector (pid) is required")
+        if selector.selector.field != "pid":
+            raise ConnectError(Code.NOT_FOUND, "no process by that tag: tags name PTYs, which DSec has not yet")
+        return int(selector.selector.value)
+
+    async def _follow(self, ctx, target, pid: int, events: AsyncIterator[ExecEvent],
+                      started: float, streamed: _Streamed | None = None) -> AsyncIterator[pb.ProcessEvent]:
+        """The process's output and end, from DSec's stream of it, as envd's events (and to
+        those connected to a streamed command)."""
+        deadline_ms = ctx.timeout_ms
+        deadline = None if not deadline_ms else started + deadline_ms / 1000
+        ended = False
+        stopped = asyncio.ensure_future(streamed.stop.wait()) if streamed is not None else None
+
+        def tell(event: pb.ProcessEvent) -> pb.ProcessEvent:
+            for queue in streamed.listeners if streamed is not None else ():
+                queue.put_nowait(event)
+            return event
+
+        try:
+            while True:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError
+                step = asyncio.ensure_future(anext(events))
+                done, _ = await asyncio.wait({step} | ({stopped} if stopped else set()), timeout=left,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if step not in done:
+                    step.cancel()
+                    await asyncio.gather(step, return_exceptions=True)
+                    if stopped is not None and stopped in done:  # killed: closing the stream ends it
+                        ended = True
+                        yield tell(_event(_end(128 + streamed.signal)))
+                        return
+                    raise TimeoutError
+                try:
+                    event: ExecEvent = step.result()
+                except StopAsyncIteration:
+                    break
+                if event.event in ("stdout", "stderr"):
+                    data = pb.ProcessEvent.DataEvent(output=Oneof(event.event, event.data.encode()))
+                    yield tell(_event(data))
+                elif event.event == "started":
+                    continue
+                elif event.event == "exit" and event.result is not None:
+                    ended = True
+                    yield tell(_event(_end(event.result.exit_code)))
+                    return
+                elif event.event == "error":
+                    err = event.error or {}
+                    raise ConnectError(Code.INTERNAL, str(err.get("message", "the process's stream failed")))
+        except TimeoutError:
+            if streamed is None:  # (a streamed command dies with its stream)
+                self._kill_later(target, pid)
+            raise ConnectError(Code.DEADLINE_EXCEEDED, f"process {pid} ran past the stream's timeout: killed") from None
+        except DSecError as exc:
+            raise rpc_error(exc) from None
+        finally:
+            if stopped is not None:
+                stopped.cancel()
+                for queue in streamed.listeners:
+                    queue.put_nowait(None)
+                self.streamed.pop((target.sandbox_id, pid), None)
+            await events.aclose()
+            if streamed is not None:
+                streamed.ended.set()
+            if (streamed is None and not ended and deadline is not None
+                    and time.monotonic() >= deadline - 0.05):
+                self._kill_later(target, pid)  # the client gave up at its deadline first
+
+    def _kill_later(self, target, pid: int) -> None:
+        async def kill() -> None:
+            try:
+                await target.edge.signal_process(target.sandbox_id, pid, signals.SIGKILL)
+            except DSecError:
+                pass  # it ended by itself meanwhile
+
+        task = asyncio.get_running_loop().create_task(kill())
+        _KILLS.add(task)
+        task.add_done_callback(_KILLS.discard)
+
+    async def start(self, request: pb.StartRequest, ctx) -> AsyncIterator[pb.StartResponse]:
+        started = time.monotonic()
+        target = self.envd.target(ctx)
+        if request.pty is not None:
+            raise ConnectError(Code.UNIMPLEMENTED, PTY_UNSUPPORTED)
+        config = request.process
+        command = _command(config, bool(request.stdin))
+        env, workdir = dict(config.envs), target.path(config.cwd or "")  # envd's default: the user's home
+        if request.stdin:  # a background process, started and followed in one call (the pid first)
+            events = target.edge.start_process_stream(target.sandbox_id, StartProcessRequest(
+                command=command, env=env, workdir=workdir, user=target.user))
+        else:
+            deadline_s = (ctx.timeout_ms or 0) / 1000
+            events = _pid_first(target.edge.exec_stream(target.sandbox_id, ExecRequest(
+                command="echo $$; " + command, env=env, workdir=workdir, user=target.user, max_output_bytes=0,
+                timeout=min(24 * 3600.0, deadline_s + 5) if deadline_s else 24 * 3600.0)))
+        try:
+            first = await anext(events)
+        except DSecError as exc:
+            await events.aclose()
+            raise rpc_error(exc) from None
+        if first.event != "started" or not first.data.isdigit():
+            await events.aclose()
+            raise ConnectError(Code.INTERNAL, f"the process did not start: {first.error or first.event}")
+        pid = int(first.data)
+        streamed = None
+        if not request.stdin:
+            streamed = self.streamed[(target.sandbox_id, pid)] = _Streamed(config)
+        yield pb.StartResponse(event=_event(pb.ProcessEvent.StartEvent(pid=pid)))
+        async for event in self._follow(ctx, target, pid, events, started, streamed):
+            yield pb.StartResponse(event=event)
+
+    async def connect(self, request: pb.ConnectRequest, ctx) -> AsyncIterator[pb.ConnectResponse]:
+        started = time.monotonic()
+        target = self.envd.target(ctx)
+        pid = await self._pid(ctx, request.process)
+        if (streamed := self.streamed.get((target.sandbox_id, pid))) is not None:
+            async for event in self._listen(ctx, pid, streamed, started):
+                yield pb.ConnectResponse(event=event)
+            return
+        try:
+            info = await target.edge.get_process(target.sandbox_id, pid)
+        except DSecError as exc:
+            raise rpc_error(exc) from None
+        yield pb.ConnectResponse(event=_event(pb.ProcessEvent.StartEvent(pid=pid)))
+        if not info.running:
+            yield pb.ConnectResponse(event=_event(_end(info.exit_code or 0)))
+            return
+        events = target.edge.stream_process(target.sandbox_id, pid, ProcessStreamRequest(
+            stdout_offset=info.stdout_bytes, stderr_offset=info.stderr_bytes))
+        async for event in self._follow(ctx, target, pid, events, started):
+            yield pb.ConnectResponse(event=event)
+
+    async def _listen(self, ctx, pid: int, streamed: _Streamed, started: float) -> AsyncIterator[pb.ProcessEvent]:
+        """A streamed command's events from now on, as its ``Start`` relays them."""
+        queue: asyncio.Queue = asyncio.Queue()
+        streamed.listeners.append(queue)
+        deadline = None if not ctx.timeout_ms else started + ctx.timeout_ms / 1000
+        try:
+            yield _event(pb.ProcessEvent.StartEvent(pid=pid))
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    event = await asyncio.wait_for(queue.get(), left)
+                except TimeoutError:
+                    raise ConnectError(Code.DEADLINE_EXCEEDED, f"process {pid} still runs at the stream's timeout") from None
+                if event is None:  # its stream ended without an end: it is gone with it
+                    yield _event(_end(128 + signals.SIGKILL))
+                    return
+                yield event
+                if event.event is not None and event.event.field == "end":
+                    return
+        finally:
+            streamed.listeners.remove(queue)
+
+    async def list(self, request: pb.ListRequest, ctx) -> pb.ListResponse:
+        target = self.envd.target(ctx)
+        try:
+            found = await target.edge.list_processes(target.sandbox_id)
+        except DSecError as exc:
+            raise rpc_error(exc) from None
+        streamed = [pb.ProcessInfo(config=s.config, pid=pid) for (sid, pid), s in self.streamed.items()
+                    if sid == target.sandbox_id]
+        return pb.ListResponse(processes=[pb.ProcessInfo(config=_config_of(p.command), pid=p.pid)
+                                          for p in found if p.running] + streamed)
+
+    def _no_stdin(self, target, pid: int) -> None:
+        if (target.sandbox_id, pid) in self.streamed:
+            raise ConnectError(Code.FAILED_PRECONDITION, f"process {pid} was started without stdin=True: "
+                               "it reads /dev/null (commands.run(..., stdin=True) takes input)")
+
+    async def send_input(self, request: pb.SendInputRequest, ctx) -> pb.SendInputResponse:
+        target = self.envd.target(ctx)
+        pid = await self._pid(ctx, request.process)
+        self._no_stdin(target, pid)
+        data = request.input.input if request.input is not None else None
+        if data is None or data.field != "stdin":
+            raise ConnectError(Code.UNIMPLEMENTED, PTY_UNSUPPORTED)
+        try:
+            text = bytes(data.value).decode()
+        except UnicodeDecodeError:
+            raise ConnectError(Code.INVALID_ARGUMENT, "stdin must be UTF-8 text for DSec's processes") from None
+        try:
+            await target.edge.process_stdin(target.sandbox_id, pid, text, False)
+        except SandboxStateError as exc:
+            raise ConnectError(Code.NOT_FOUND, exc.message) from None
+        except DSecError as exc:
+            raise rpc_error(exc) from None
+        return pb.SendInputResponse()
+
+    async def stream_input(self, request, ctx) -> pb.StreamInputResponse:
+        self.envd.target(ctx)  # refused before reading the stream
+        pid = None
+        async for message in request:
+            match message.event:
+                case Oneof(field="start", value=start):
+                    pid = await self._pid(ctx, start.process)
+                case Oneof(field="data", value=data):
+                    if pid is None:
+                        raise ConnectError(Code.INVALID_ARGUMENT, "the input stream starts with its process")
+                    await self.send_input(pb.SendInputRequest(process=pb.ProcessSelector(selector=Oneof("pid", pid)),
+                                                              input=data.input), ctx)
+        return pb.StreamInputResponse()
+
+    async def close_stdin(self, request: pb.CloseStdinRequest, ctx) -> pb.CloseStdinResponse:
+        target = self.envd.target(ctx)
+        pid = await self._pid(ctx, request.process)
+        self._no_stdin(target, pid)
+        try:
+            await target.edge.process_stdin(target.sandbox_id, pid, "", True)
+        except DSecError as exc:
+            raise rpc_error(exc) from None
+        return pb.CloseStdinResponse()
+
+    async def send_signal(self, request: pb.SendSignalRequest, ctx) -> pb.SendSignalResponse:
+        target = self.envd.target(ctx)
+        pid = await self._pid(ctx, request.process)
+        number = int(request.signal) or signals.SIGKILL
+        if (streamed := self.streamed.get((target.sandbox_id, pid))) is not None:
+            streamed.signal = number
+            streamed.stop.set()  # its Start closes the stream, which ends it
+            try:  # answered once it is gone (reaped, too), as a kill is
+                await asyncio.wait_for(streamed.ended.wait(), 10)
+                await target.edge.exec(target.sandbox_id, ExecRequest(command=(
+                    f"i=0; while kill -0 {pid} 2>/dev/null && [ $i -lt 200 ]; do sleep 0.01; i=$((i + 1)); done"),
+                    timeout=10))
+            except (TimeoutError, DSecError):
+                pass
+            return pb.SendSignalResponse()
+        try:
+            await target.edge.signal_process(target.sandbox_id, pid, number)
+        except SandboxStateError as exc:  # it ended: to envd, a process that is gone
+            raise ConnectError(Code.NOT_FOUND, exc.message) from None
+        except DSecError as exc:
+            raise rpc_error(exc) from None
+        return pb.SendSignalResponse()
+
+    async def update(self, request: pb.UpdateRequest, ctx) -> pb.UpdateResponse:
+        self.envd.target(ctx)
+        raise ConnectError(Code.UNIMPLEMENTED, PTY_UNSUPPORTED)

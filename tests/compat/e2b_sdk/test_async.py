@@ -1,0 +1,74 @@
+"""The e2b SDK's ``AsyncSandbox`` against DSec."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from e2b import AsyncSandbox, CommandExitException, NotFoundException, SandboxQuery, TimeoutException
+from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
+
+from conftest import TEMPLATE
+
+
+async def test_async_sandbox_lifecycle_commands_and_files():
+    sb = await AsyncSandbox.create(template=TEMPLATE, timeout=120, envs={"X": "1"}, metadata={"async": "yes"})
+    try:
+        out: list[str] = []
+        result = await sb.commands.run("echo $X; echo e >&2", on_stdout=out.append)
+        assert (result.stdout, result.stderr, out) == ("1\n", "e\n", ["1\n"])
+        with pytest.raises(CommandExitException):
+            await sb.commands.run("exit 7")
+        with pytest.raises(TimeoutException):
+            await sb.commands.run("sleep 20", timeout=1)
+
+        background = await sb.commands.run("sleep 60", background=True)
+        assert background.pid in [p.pid for p in await sb.commands.list()]
+        assert await sb.commands.kill(background.pid)
+
+        reader = await sb.commands.run("read a; echo [$a]", background=True, stdin=True)
+        await sb.commands.send_stdin(reader.pid, "typed\n")
+        assert (await reader.wait()).stdout == "[typed]\n"
+
+        await sb.files.write("/root/async.txt", "written")
+        assert await sb.files.read("/root/async.txt") == "written"
+        assert "async.txt" in [e.name for e in await sb.files.list("/root")]
+        assert await sb.files.exists("/root/async.txt")
+        await sb.files.remove("/root/async.txt")
+        assert not await sb.files.exists("/root/async.txt")
+        with pytest.raises(NotFoundException):
+            await sb.files.read("/root/async.txt")
+
+        found = await AsyncSandbox.list(query=SandboxQuery(metadata={"async": "yes"})).next_items()
+        assert [s.sandbox_id for s in found] == [sb.sandbox_id]
+        assert (await sb.get_metrics())[-1].cpu_count >= 1
+    finally:
+        await sb.kill()
+
+
+async def test_async_watch_dir_streams_events():
+    async with await AsyncSandbox.create(template=TEMPLATE, timeout=120) as sb:
+        await sb.files.make_dir("/root/w")
+        seen = []
+        handle = await sb.files.watch_dir("/root/w", on_event=seen.append, recursive=True)
+        try:
+            await sb.files.write("/root/w/one.txt", "1")
+            for _ in range(50):
+                if any(e.name == "one.txt" and e.type == FilesystemEventType.CREATE for e in seen):
+                    break
+                await asyncio.sleep(0.1)
+            assert any(e.name == "one.txt" and e.type == FilesystemEventType.CREATE for e in seen), seen
+        finally:
+            await handle.stop()
+
+
+async def test_async_pause_and_connect():
+    sb = await AsyncSandbox.create(template=TEMPLATE, timeout=120)
+    try:
+        await sb.commands.run("echo state > /root/s")
+        await sb.pause()
+        again = await AsyncSandbox.connect(sb.sandbox_id, timeout=300)
+        assert (await again.commands.run("cat /root/s")).stdout == "state\n"
+        await again.set_timeout(200)
+    finally:
+        await sb.kill()

@@ -1,0 +1,206 @@
+"""The e2b SDK's sync ``Sandbox`` against DSec: every call of the compatibility list, errors too."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+from e2b import (
+    AuthenticationException,
+    CommandExitException,
+    NotFoundException,
+    Sandbox,
+    SandboxException,
+    SandboxQuery,
+    SandboxState,
+    TimeoutException,
+)
+from e2b.sandbox.filesystem.filesystem import FileType
+from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
+
+from conftest import TEMPLATE
+
+
+def test_create_with_template_timeout_envs_metadata_then_list_get_and_kill():
+    tag = uuid.uuid4().hex
+    sb = Sandbox.create(template=TEMPLATE, timeout=120, envs={"GREETING": "hi there"},
+                        metadata={"run": tag, "team": "a"})
+    try:
+        assert sb.commands.run("echo $GREETING").stdout == "hi there\n"
+        info = sb.get_info()
+        assert info.sandbox_id == sb.sandbox_id and info.template_id == TEMPLATE
+        assert info.metadata == {"run": tag, "team": "a"}
+        # E2B's timeout is DSec's idle TTL: it ends 120 s after the last call
+        assert 100 < (info.end_at - info.started_at).total_seconds() < 200
+        found = Sandbox.list(query=SandboxQuery(metadata={"run": tag})).next_items()
+        assert [s.sandbox_id for s in found] == [sb.sandbox_id]
+        assert Sandbox.list(query=SandboxQuery(metadata={"run": "other"})).next_items() == []
+        assert sb.is_running()
+    finally:
+        assert sb.kill() is True
+    assert not Sandbox.list(query=SandboxQuery(metadata={"run": tag})).next_items()
+    assert Sandbox.kill(sb.sandbox_id) is False  # gone: E2B's not found
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(sb.sandbox_id)
+
+
+def test_create_with_no_arguments_uses_the_base_template():
+    with Sandbox.create() as sb:
+        assert sb.get_info().template_id == "base"
+        assert sb.commands.run("python3 -c 'print(6 * 7)'").stdout == "42\n"
+
+
+def test_set_timeout_pause_and_connect_resumes():
+    sb = Sandbox.create(template=TEMPLATE, timeout=60)
+    try:
+        sb.files.write("/root/kept.txt", "before the pause")
+        before = sb.get_info().end_at
+        sb.set_timeout(600)
+        assert (sb.get_info().end_at - before).total_seconds() > 500
+        sb.pause()
+        paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED])).next_items()
+        assert sb.sandbox_id in [s.sandbox_id for s in paused]
+        assert Sandbox.get_info(sb.sandbox_id).state == SandboxState.PAUSED
+        again = Sandbox.connect(sb.sandbox_id)  # resumes it
+        assert again.get_info().state == SandboxState.RUNNING
+        assert again.files.read("/root/kept.txt") == "before the pause"
+        assert again.commands.run("echo back").stdout == "back\n"
+    finally:
+        sb.kill()
+
+
+def test_run_in_the_foreground_with_streamed_output(sandbox):
+    seen: list[tuple[str, str, float]] = []
+    start = time.monotonic()
+    result = sandbox.commands.run(
+        "echo first; sleep 0.6; echo second >&2; echo third",
+        on_stdout=lambda s: seen.append(("out", s, time.monotonic() - start)),
+        on_stderr=lambda s: seen.append(("err", s, time.monotonic() - start)))
+    assert (result.exit_code, result.stdout, result.stderr) == (0, "first\nthird\n", "second\n")
+    assert "".join(s for k, s, _ in seen if k == "out") == "first\nthird\n"
+    assert [s for k, s, _ in seen if k == "err"] == ["second\n"]
+    assert seen[0][1] == "first\n" and seen[0][2] < 0.5, seen  # as it was written
+
+
+def test_envs_cwd_user_and_exit_codes(sandbox):
+    result = sandbox.commands.run("pwd; echo $ONE; whoami", envs={"ONE": "1"}, cwd="/tmp", user="root")
+    assert result.stdout == "/tmp\n1\nroot\n"
+    with pytest.raises(CommandExitException) as e:
+        sandbox.commands.run("echo out; echo err >&2; exit 3")
+    assert (e.value.exit_code, e.value.stdout, e.value.stderr) == (3, "out\n", "err\n")
+    # stdin is /dev/null unless asked for
+    assert sandbox.commands.run("cat; echo done", timeout=10).stdout == "done\n"
+
+
+def test_a_command_past_its_timeout_is_killed(sandbox):
+    start = time.monotonic()
+    with pytest.raises(TimeoutException):
+        sandbox.commands.run("sleep 30; echo never", timeout=1)
+    assert time.monotonic() - start < 10
+    deadline = time.monotonic() + 5
+    while any("sleep 30" in " ".join(p.args) for p in sandbox.commands.list()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any("sleep 30" in " ".join(p.args) for p in sandbox.commands.list())
+
+
+def test_background_list_send_stdin_connect_and_kill(sandbox):
+    reader = sandbox.commands.run("read line; echo got $line", background=True, stdin=True)
+    listed = {p.pid: p for p in sandbox.commands.list()}
+    assert reader.pid in listed and listed[reader.pid].cmd == "/bin/bash"
+    assert listed[reader.pid].args[-1] == "read line; echo got $line"
+    sandbox.commands.send_stdin(reader.pid, "hello\n")
+    assert reader.wait().stdout == "got hello\n"
+
+    later = sandbox.commands.run("sleep 1; echo late", background=True)
+    assert sandbox.commands.connect(later.pid).wait().stdout == "late\n"
+
+    sleeper = sandbox.commands.run("sleep 60", background=True)
+    assert sandbox.commands.kill(sleeper.pid) is True
+    with pytest.raises(CommandExitException):
+        sleeper.wait()
+    assert sleeper.pid not in [p.pid for p in sandbox.commands.list()]
+    assert sandbox.commands.kill(sleeper.pid) is False  # gone
+    with pytest.raises(NotFoundException):
+        sandbox.commands.connect(999_999)
+
+
+def test_files(sandbox):
+    sandbox.files.write("/root/f/a.txt", "alpha")  # the parents are made
+    sandbox.files.write("/root/f/b.bin", b"\x00\x01\xff")
+    assert sandbox.files.read("/root/f/a.txt") == "alpha"
+    assert sandbox.files.read("/root/f/b.bin", format="bytes") == b"\x00\x01\xff"
+    assert sandbox.files.read("f/a.txt") == "alpha"  # relative: from the user's home
+    entries = {e.name: e for e in sandbox.files.list("/root/f")}
+    assert set(entries) == {"a.txt", "b.bin"} and entries["a.txt"].type == FileType.FILE
+    assert entries["a.txt"].size == 5 and entries["a.txt"].path == "/root/f/a.txt"
+    info = sandbox.files.get_info("/root/f")
+    assert info.type == FileType.DIR and info.permissions.startswith("d")
+    assert sandbox.files.exists("/root/f/a.txt") and not sandbox.files.exists("/root/f/none")
+    assert sandbox.files.make_dir("/root/f/sub/deeper") is True
+    assert sandbox.files.make_dir("/root/f/sub/deeper") is False  # there already
+    moved = sandbox.files.rename("/root/f/a.txt", "/root/f/sub/a2.txt")
+    assert moved.path == "/root/f/sub/a2.txt" and not sandbox.files.exists("/root/f/a.txt")
+    deep = {e.path for e in sandbox.files.list("/root/f", depth=3)}
+    assert {"/root/f/sub", "/root/f/sub/a2.txt", "/root/f/sub/deeper"} <= deep
+    sandbox.files.remove("/root/f")
+    assert not sandbox.files.exists("/root/f")
+    with pytest.raises(NotFoundException):
+        sandbox.files.read("/root/f/sub/a2.txt")
+    with pytest.raises(NotFoundException):
+        sandbox.files.get_info("/no/such/file")
+
+
+def test_watch_dir(sandbox):
+    sandbox.files.make_dir("/root/watched")
+    handle = sandbox.files.watch_dir("/root/watched")
+    try:
+        sandbox.files.write("/root/watched/new.txt", "x")
+        events = handle.get_new_events()
+        assert (FilesystemEventType.CREATE, "new.txt") in [(e.type, e.name) for e in events]
+        sandbox.files.remove("/root/watched/new.txt")
+        assert (FilesystemEventType.REMOVE, "new.txt") in [(e.type, e.name) for e in handle.get_new_events()]
+    finally:
+        handle.stop()
+    with pytest.raises(NotFoundException):
+        sandbox.files.watch_dir("/root/not-there")
+
+
+def test_metrics(sandbox):
+    metrics = sandbox.get_metrics()
+    assert len(metrics) >= 1
+    last = metrics[-1]
+    assert last.cpu_count >= 1 and last.mem_total == 512 * 1024 * 1024
+    assert last.disk_total > 0 and 0 <= last.cpu_used_pct <= 100
+
+
+def test_network_options():
+    with Sandbox.create(template=TEMPLATE, allow_internet_access=False) as sb:
+        assert sb.commands.run("echo offline").stdout == "offline\n"
+    # (the SDK raises a create's 400 as a plain SandboxException)
+    with pytest.raises(SandboxException, match="^400: .*not address ranges"):
+        Sandbox.create(template=TEMPLATE, network={"allow_out": ["10.0.0.0/8"]})
+    with pytest.raises(SandboxException, match="^400: .*unknown service 'nosuchmirror'"):
+        Sandbox.create(template=TEMPLATE, network={"allow_out": ["nosuchmirror"]})
+    with Sandbox.create(template=TEMPLATE) as sb:
+        sb.update_network({"deny_out": ["0.0.0.0/0"]})  # what DSec denies anyway
+        with pytest.raises(SandboxException, match="not address ranges"):
+            sb.update_network({"allow_out": ["192.168.0.0/16"]})
+
+
+def test_errors():
+    with pytest.raises(SandboxException, match="template 'no-such-template' not found"):
+        Sandbox.create(template="no-such-template")
+    with pytest.raises(NotFoundException):
+        Sandbox.connect("n0-0000000000000000")
+    with pytest.raises(AuthenticationException):
+        Sandbox.list(api_key="e2b_" + "0" * 40).next_items()
+    assert os.environ["E2B_API_KEY"].startswith("e2b_")
+
+
+def test_pty_answers_not_supported(sandbox):
+    from e2b.sandbox.commands.command_handle import PtySize
+
+    with pytest.raises(SandboxException, match="PTYs are not supported"):
+        sandbox.pty.create(PtySize(rows=24, cols=80))

@@ -1,0 +1,64 @@
+"""The E2B layer's pure parts: network options, envd tokens, command lines, watch diffs."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("e2b")
+
+from e2b.envd.filesystem import filesystem_pb as fpb  # noqa: E402
+
+from dsec.compat.e2b.control import network_rules  # noqa: E402
+from dsec.compat.e2b.envd import EnvdTokens, Target  # noqa: E402
+from dsec.compat.e2b.filesystem import _changes  # noqa: E402
+from dsec.compat.e2b.process import _command, _config_of, _end  # noqa: E402
+from e2b.envd.process import process_pb as ppb  # noqa: E402
+from libdsec import InvalidRequest  # noqa: E402
+
+
+def test_network_options_become_dsec_rules():
+    assert network_rules(None, None) == {}
+    assert network_rules(None, ["0.0.0.0/0"]) == {}  # denied already
+    assert network_rules(["pypi", "example.internal", "10.1.2.3"], ["npm"]) == {
+        "pypi": True, "npm": False, "domains": ["example.internal", "10.1.2.3"]}
+    for bad, why in (("10.0.0.0/8", "address ranges"), ("*.example.com", "wildcards"), ("", "name a domain")):
+        with pytest.raises(InvalidRequest, match=why):
+            network_rules([bad], None)
+
+
+def test_envd_tokens_open_one_sandbox_and_depend_on_the_root_token():
+    tokens = EnvdTokens(b"root-token")
+    a = tokens.token("n0-0123456789abcdef")
+    assert tokens.check("n0-0123456789abcdef", a)
+    assert not tokens.check("n0-fedcba9876543210", a)
+    assert not EnvdTokens(b"another").check("n0-0123456789abcdef", a)
+    assert not tokens.check("n0-0123456789abcdef", "")
+
+
+def test_paths_are_taken_from_the_users_home():
+    root, user = Target(None, "s", None), Target(None, "s", "user")
+    assert root.path("a/b") == "/root/a/b" and user.path("a") == "/home/user/a"
+    assert root.path("/etc/x") == "/etc/x" and root.path("") == "/root"
+    assert root.path("../etc/passwd") == "/etc/passwd"  # normalized, still inside the sandbox
+    with pytest.raises(InvalidRequest, match="NUL"):
+        root.path("a\0b")
+
+
+def test_command_lines_round_trip_for_the_listing():
+    config = ppb.ProcessConfig(cmd="/bin/bash", args=["-l", "-c", "echo 'hi there'; sleep 1"])
+    line = _command(config, stdin=False)
+    assert line.endswith(" </dev/null") and line.startswith("exec ")
+    back = _config_of(line)
+    assert (back.cmd, list(back.args)) == ("/bin/bash", ["-l", "-c", "echo 'hi there'; sleep 1"])
+    assert not _command(config, stdin=True).endswith("</dev/null")
+    assert _end(0).exited and _end(3).exit_code == 3
+    killed = _end(137)
+    assert not killed.exited and killed.status == "signal: kill"
+
+
+def test_watch_diffs():
+    before = {"a": ("file", 1, 1.0), "d": ("dir", 0, 1.0), "gone": ("file", 1, 1.0)}
+    after = {"a": ("file", 2, 2.0), "d": ("dir", 0, 5.0), "new": ("file", 3, 3.0)}
+    events = [(e.type, e.name) for e in _changes(before, after)]
+    assert events == [(fpb.EventType.REMOVE, "gone"), (fpb.EventType.WRITE, "a"),
+                      (fpb.EventType.CREATE, "new"), (fpb.EventType.WRITE, "new")]
