@@ -575,8 +575,11 @@ class Edge:
 
     async def stream_process(self, sandbox_id: str, pid: int, request: ProcessStreamRequest) -> AsyncIterator[ExecEvent]:
         """Its output from the offsets given until it ends, then ``exit`` (the exit code only)."""
-        # ProcessNotFound before the start
-        processes.check(await self._manage(sandbox_id, processes.find_script(pid)), pid, "find it")
+        # ProcessNotFound before the start (also when the look itself could not run)
+        found = processes.check(await self._manage(sandbox_id, processes.find_script(pid)), pid, "find it")
+        if found.exit_code != 0:
+            raise ProcessNotFound(f"cannot find background process {pid} in this sandbox (exit code "
+                                  f"{found.exit_code}: {(found.stderr.strip() or found.stdout.strip())[-200:]})")
         rec = await self._ready(sandbox_id, Action.exec)
         ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
         follow = ExecRequest(command=processes.follow_script(pid, request.stdout_offset, request.stderr_offset),
