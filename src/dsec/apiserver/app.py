@@ -44,6 +44,7 @@ from libdsec.protocol import (
     CleanCopyResult,
     PackDiffRequest,
     PackDiffResult,
+    OpenPtyRequest,
     OpenSessionRequest,
     PauseResult,
     PortRequest,
@@ -55,6 +56,10 @@ from libdsec.protocol import (
     ProcessWaitRequest,
     SandboxInfo,
     SandboxList,
+    PtyInfo,
+    PtyInputRequest,
+    PtyResizeRequest,
+    PtyStreamRequest,
     SessionInfo,
     SnapshotInfo,
     StartProcessRequest,
@@ -350,6 +355,34 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
             body_b64=base64.b64encode(await request.body()).decode()))
         return Response(content=base64.b64decode(answer.body_b64), status_code=answer.status,
                         headers={k: v for k, v in answer.headers if k.lower() != "content-length"})
+
+    # -- PTYs (held by the sandbox's node: dsec.edge.pty) ------------------------------------
+
+    pty_id = Path(ge=1, le=999_999_999)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ptys", dependencies=auth, responses=_ERRORS)
+    async def open_pty(sandbox_id: str, request: OpenPtyRequest) -> PtyInfo:
+        return await cluster.edge_for(sandbox_id).open_pty(sandbox_id, request)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ptys/{pty}/input", dependencies=auth, responses=_ERRORS)
+    async def pty_input(sandbox_id: str, request: PtyInputRequest, pty: int = pty_id) -> dict:
+        await cluster.edge_for(sandbox_id).pty_input(sandbox_id, pty, request.data)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ptys/{pty}/resize", dependencies=auth, responses=_ERRORS)
+    async def resize_pty(sandbox_id: str, request: PtyResizeRequest, pty: int = pty_id) -> dict:
+        await cluster.edge_for(sandbox_id).resize_pty(sandbox_id, pty, request.cols, request.rows)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ptys/{pty}/stream", dependencies=auth, responses=_ERRORS,
+              response_model=ExecEvent)
+    async def pty_stream(sandbox_id: str, request: PtyStreamRequest, pty: int = pty_id) -> StreamingResponse:
+        return await _streaming(cluster.edge_for(sandbox_id).pty_stream(sandbox_id, pty))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ptys/{pty}/close", dependencies=auth, responses=_ERRORS)
+    async def close_pty(sandbox_id: str, pty: int = pty_id) -> dict:
+        await cluster.edge_for(sandbox_id).close_pty(sandbox_id, pty)
+        return {"ok": True}
 
     # -- sessions ---------------------------------------------------------------------------
 

@@ -22,6 +22,10 @@
  *     w ID STATUS                           ended, with its wait status
  * When the host end closes (the server restarted) the init keeps reaping; the server then
  * falls back to `crun exec`.
+ *
+ * `dsec-init --ctty PROG ARG...` (run as a command, not as pid 1) makes its stdin, a terminal the
+ * host opened (a PTY's), the controlling terminal of a session of its own and execs PROG: so
+ * Ctrl-C typed there reaches the foreground job, and job control works.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -34,6 +38,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -353,7 +358,35 @@ static void serve(char *buf, sigset_t *oldmask) {
             close(fds[i]);
 }
 
-int main(void) {
+static int ctty_exec(char **argv) {
+    if (getsid(0) != getpid() && setsid() < 0) {
+        /* A process group leader cannot lead a new session: the command goes on in a child. */
+        pid_t pid = fork();
+        if (pid < 0) {
+            perror("dsec-init: fork");
+            return 126;
+        }
+        if (pid > 0) {
+            int status;
+            while (waitpid(pid, &status, 0) < 0)
+                if (errno != EINTR)
+                    return 126;
+            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        }
+        setsid();
+    }
+    if (ioctl(0, TIOCSCTTY, 0) < 0) {
+        perror("dsec-init: cannot make stdin the controlling terminal");
+        return 126;
+    }
+    execvp(argv[0], argv);
+    fprintf(stderr, "dsec-init: %s: %s\n", argv[0], strerror(errno));
+    return 127;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 2 && strcmp(argv[1], "--ctty") == 0)
+        return ctty_exec(argv + 2);
     sigset_t all, old;
     sigfillset(&all);
     sigprocmask(SIG_BLOCK, &all, &old);
