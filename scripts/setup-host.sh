@@ -8,7 +8,8 @@ PACKAGES=(crun gcc libc6-dev erofs-utils busybox-static debootstrap podman uidma
           gcc libc6-dev libseccomp2  # dsec-jail is compiled on first use; its seccomp program made with libseccomp
           postgresql  # initdb and postgres: the tests run a server of their own for `dsec serve --db`
           util-linux-extra procps kmod git  # fincore (page-cache checks), ps, modprobe zram; git for clones
-          chromium)   # headless, for the dashboard's test (tests/integration/test_dashboard.py)
+          chromium    # headless, for the dashboard's test (tests/integration/test_dashboard.py)
+          tmux)       # drives `dsec shell` as a person would (tests/integration/test_shell.py)
 
 if [ "$(id -u)" != 0 ]; then
     echo "setup-host: run as root (DSec mounts layers and makes cgroups)" >&2
