@@ -246,7 +246,8 @@ class Sandbox:
     def port_url(self, port: int) -> str:
         """The URL, through the apiserver, of port ``port`` inside the sandbox: HTTP requests
         to it (with this client's token as ``authorization: Bearer …``) reach what listens there
-        on 127.0.0.1; ``PortUnreachable`` (502) when nothing does. HTTP only (no WebSocket)."""
+        on 127.0.0.1; ``PortUnreachable`` (502) when nothing does. WebSocket too: the same URL
+        as ``ws://`` (or ``wss://``), message for message, with the same ``authorization``."""
         if not 1 <= int(port) <= 65535:
             raise InvalidRequest(f"port {port} is outside 1-65535")
         return f"{self._client.endpoint}/v1/sandboxes/{self.id}/ports/{int(port)}/"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -60,10 +61,11 @@ class Pty:
         await self._sandbox._client._request("POST", self._path("/resize"), model=request)
         self.info = self.info.model_copy(update={"cols": cols, "rows": rows})
 
-    async def events(self) -> AsyncIterator[ExecEvent]:
-        """The terminal's output as ``ExecEvent``s (``stdout`` text, then ``exit``)."""
+    async def events(self, *, encoding: str = "utf-8") -> AsyncIterator[ExecEvent]:
+        """The terminal's output as ``ExecEvent``s (``stdout`` chunks, then ``exit``): text, or
+        with ``encoding="base64"`` the base64 of the exact bytes."""
         self._check("read it")
-        request = PtyStreamRequest()
+        request = PtyStreamRequest(encoding=encoding)
         client = self._sandbox._client
         async for event in events_of(client._stream("POST", self._path("/stream"), request,
                                                     request.timeout + _HTTP_SLACK_S, ExecEvent)):
@@ -72,9 +74,9 @@ class Pty:
             yield event
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for event in self.events():
+        async for event in self.events(encoding="base64"):
             if event.event == "stdout":
-                yield event.data.encode()
+                yield base64.b64decode(event.data)
 
     async def wait(self) -> int:
         """Read on to the end (what is written is dropped) and return the exit code."""

@@ -116,8 +116,8 @@ class SyncPty:
     def resize(self, cols: int, rows: int) -> None:
         self._run(self._pty.resize(cols, rows))
 
-    def events(self) -> Iterator[ExecEvent]:
-        return self._runner.iterate(self._pty.events())
+    def events(self, **kwargs: Any) -> Iterator[ExecEvent]:
+        return self._runner.iterate(self._pty.events(**kwargs))
 
     def __iter__(self) -> Iterator[bytes]:
         return self._runner.iterate(self._pty.__aiter__())

@@ -411,10 +411,13 @@ class PtyResizeRequest(_Model):
 
 
 class PtyStreamRequest(_Model):
-    """Read the PTY's output (``ExecEvent``s: ``started``, ``stdout`` text as written, UTF-8
-    decoded across chunks, then ``exit`` with the exit code). One stream at a time."""
+    """Read the PTY's output (``ExecEvent``s: ``started``, ``stdout`` chunks as written, then
+    ``exit`` with the exit code). One stream at a time. ``encoding``: each chunk's ``data`` as
+    text (UTF-8 decoded across chunks, invalid bytes replaced) or as the base64 of its bytes,
+    exactly."""
 
     timeout: float = 7 * 24 * 3600.0
+    encoding: Literal["utf-8", "base64"] = "utf-8"
 
     @field_validator("timeout")
     @classmethod

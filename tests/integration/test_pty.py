@@ -148,3 +148,92 @@ def test_dsec_shell_under_tmux(server, tmp_path):
                 assert status.read_text().strip() == "7"
             finally:
                 subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True)
+
+
+# A WebSocket server of the standard library only (the python image has no websockets): echoes
+# text as "echo:TEXT PATH", binary reversed, answers a close with the same code.
+WS_SERVER = r'''
+import base64, hashlib, socket, struct, sys, threading
+
+def serve(conn):
+    f = conn.makefile("rb")
+    request = f.readline().decode().split()
+    headers = {}
+    while (line := f.readline().decode().strip()):
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    key = headers["sec-websocket-key"]
+    accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
+    extra = "Sec-WebSocket-Protocol: chat\r\n" if "chat" in headers.get("sec-websocket-protocol", "") else ""
+    conn.sendall(f"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                 f"Sec-WebSocket-Accept: {accept}\r\n{extra}\r\n".encode())
+
+    def send(opcode, data):
+        n = len(data)
+        head = bytes([0x80 | opcode]) + (bytes([n]) if n < 126 else bytes([126]) + struct.pack(">H", n) if n < 65536
+                                         else bytes([127]) + struct.pack(">Q", n))
+        conn.sendall(head + data)
+
+    while True:
+        b0, b1 = f.read(2)
+        n = b1 & 0x7F
+        n = struct.unpack(">H", f.read(2))[0] if n == 126 else struct.unpack(">Q", f.read(8))[0] if n == 127 else n
+        mask = f.read(4)
+        data = bytes(c ^ mask[i % 4] for i, c in enumerate(f.read(n)))
+        opcode = b0 & 0x0F
+        if opcode == 1:
+            send(1, b"echo:" + data + b" " + request[1].encode())
+        elif opcode == 2:
+            send(2, data[::-1])
+        elif opcode == 9:
+            send(10, data)
+        elif opcode == 8:
+            send(8, data[:2])
+            conn.close()
+            return
+
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+print("ready", flush=True)
+while True:
+    conn, _ = s.accept()
+    threading.Thread(target=serve, args=(conn,), daemon=True).start()
+'''
+
+
+async def test_websocket_through_a_port(client, server, python_image):
+    """A real client library (websockets) to a real WebSocket server inside, through port_url."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    async with await client.run_container(args(container_image=python_image, memory_limit_mb=128)) as sandbox:
+        await sandbox.write_file("/tmp/ws.py", WS_SERVER)
+        proc = await sandbox.start_shell("exec python3 /tmp/ws.py 8001")
+        async for event in proc.stream():
+            assert event.event == "stdout" and "ready" in event.data, event
+            break
+        url = sandbox.port_url(8001).replace("http://", "ws://")
+        auth = {"authorization": f"Bearer {server.token}"}
+        async with connect(url + "chat?room=1", additional_headers=auth, subprotocols=["chat"]) as ws:
+            assert ws.subprotocol == "chat"
+            await ws.send("hello ✓")
+            assert await ws.recv() == "echo:hello ✓ /chat?room=1"
+            blob = bytes(range(256)) * 1024  # every byte value, 256 KiB: through the tunnel unchanged
+            await ws.send(blob)
+            assert await ws.recv() == blob[::-1]
+            for i in range(20):
+                await ws.send(f"m{i}")
+            assert [await ws.recv() for _ in range(20)] == [f"echo:m{i} /chat?room=1" for i in range(20)]
+            await ws.close(code=4001)
+        # Nothing listens there: the handshake is denied, 502, naming the port.
+        with pytest.raises(InvalidStatus) as denied:
+            async with connect(sandbox.port_url(8002).replace("http://", "ws://"), additional_headers=auth):
+                pass
+        assert denied.value.response.status_code == 502 and b"port 8002" in denied.value.response.body
+        with pytest.raises(InvalidStatus) as denied:
+            async with connect(url, additional_headers={"authorization": "Bearer wrong"}):
+                pass
+        assert denied.value.response.status_code == 401
+        await proc.kill()

@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -72,6 +72,7 @@ from .lean import LeanRoutes
 from .routes_fncall import add_fncall_routes
 from .routes_observe import add_observe_routes
 from .routes_projects import add_project_routes
+from .websocket import relay as websocket_relay
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -356,6 +357,19 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         return Response(content=base64.b64decode(answer.body_b64), status_code=answer.status,
                         headers={k: v for k, v in answer.headers if k.lower() != "content-length"})
 
+    @app.websocket("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}")
+    async def port_websocket(websocket: WebSocket, sandbox_id: str, port: str, path: str) -> None:
+        """A WebSocket to port ``port`` inside the sandbox, message for message (``dsec.apiserver.websocket``)."""
+        try:
+            if not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise InvalidRequest(f"port {port} is outside 1-65535")
+            await check(websocket.headers.get("authorization", ""), websocket.path_params)
+            edge = cluster.edge_for(sandbox_id)
+        except DSecError as exc:
+            await websocket.send_denial_response(JSONResponse(exc.to_wire(), status_code=exc.status))
+            return
+        await websocket_relay(websocket, edge, sandbox_id, int(port), path)
+
     # -- PTYs (held by the sandbox's node: dsec.edge.pty) ------------------------------------
 
     pty_id = Path(ge=1, le=999_999_999)
@@ -377,7 +391,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     @app.post("/v1/sandboxes/{sandbox_id}/ptys/{pty}/stream", dependencies=auth, responses=_ERRORS,
               response_model=ExecEvent)
     async def pty_stream(sandbox_id: str, request: PtyStreamRequest, pty: int = pty_id) -> StreamingResponse:
-        return await _streaming(cluster.edge_for(sandbox_id).pty_stream(sandbox_id, pty))
+        return await _streaming(cluster.edge_for(sandbox_id).pty_stream(sandbox_id, pty, request.encoding))
 
     @app.post("/v1/sandboxes/{sandbox_id}/ptys/{pty}/close", dependencies=auth, responses=_ERRORS)
     async def close_pty(sandbox_id: str, pty: int = pty_id) -> dict:

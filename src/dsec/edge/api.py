@@ -167,9 +167,10 @@ class EdgeAPI(Protocol):
 
     async def resize_pty(self, sandbox_id: str, pty: int, cols: int, rows: int) -> None: ...
 
-    def pty_stream(self, sandbox_id: str, pty: int) -> AsyncIterator[ExecEvent]:
-        """``started``, then ``stdout`` text as the command writes it, then ``exit``; one stream
-        at a time. Leaving it early leaves the PTY open."""
+    def pty_stream(self, sandbox_id: str, pty: int, encoding: str = "utf-8") -> AsyncIterator[ExecEvent]:
+        """``started``, then ``stdout`` chunks as the command writes them (``encoding``: text,
+        or base64 of the exact bytes), then ``exit``; one stream at a time. Leaving it early
+        leaves the PTY open."""
         ...
 
     async def close_pty(self, sandbox_id: str, pty: int) -> None: ...

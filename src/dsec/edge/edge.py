@@ -575,8 +575,8 @@ class Edge:
     async def resize_pty(self, sandbox_id: str, pty: int, cols: int, rows: int) -> None:
         await self.ptys.resize(sandbox_id, pty, cols, rows)
 
-    def pty_stream(self, sandbox_id: str, pty: int) -> AsyncIterator[ExecEvent]:
-        return self.ptys.stream(sandbox_id, pty)
+    def pty_stream(self, sandbox_id: str, pty: int, encoding: str = "utf-8") -> AsyncIterator[ExecEvent]:
+        return self.ptys.stream(sandbox_id, pty, encoding)
 
     async def close_pty(self, sandbox_id: str, pty: int) -> None:
         await self.ptys.close(sandbox_id, pty)

@@ -7,8 +7,9 @@ protocols (E2B's pty calls) map onto them one to one:
 - ``open(sandbox, cols, rows, command, env, workdir, user)`` → an id (per node);
 - ``write(id, bytes)``: typed at the terminal (Ctrl-C is ``b"\\x03"``);
 - ``resize(id, cols, rows)``: the command gets SIGWINCH;
-- ``stream(id)``: ``ExecEvent``s — ``started``, ``stdout`` text as the command writes it, then
-  ``exit`` with its exit code (one stream at a time; the terminal is read at the stream's pace);
+- ``stream(id, encoding)``: ``ExecEvent``s — ``started``, ``stdout`` chunks as the command writes
+  them (text, or base64 of the exact bytes), then ``exit`` with its exit code (one stream at a
+  time; the terminal is read at the stream's pace);
 - ``close(id)``: what it started is killed, the terminal released (again: nothing happens).
 
 A PTY is the edge's, not the sandbox's: it lives in this process (the container's master fd,
@@ -21,6 +22,7 @@ stream reading it and no call (a client that went away leaves nothing behind for
 from __future__ import annotations
 
 import asyncio
+import base64
 import codecs
 import contextlib
 import itertools
@@ -81,7 +83,7 @@ class PtyTable:
     async def resize(self, sandbox_id: str, pty_id: int, cols: int, rows: int) -> None:
         await self.get(sandbox_id, pty_id).proc.resize(cols, rows)
 
-    async def stream(self, sandbox_id: str, pty_id: int) -> AsyncIterator[ExecEvent]:
+    async def stream(self, sandbox_id: str, pty_id: int, encoding: str = "utf-8") -> AsyncIterator[ExecEvent]:
         pty = self.get(sandbox_id, pty_id)
         if pty.reading:
             raise SessionClosed(f"PTY {pty_id} is read by another stream already (one at a time)")
@@ -98,9 +100,11 @@ class PtyTable:
                 pty.last_active = time.monotonic()
                 if not data:
                     break
-                if text := decoder.decode(data):
+                if encoding == "base64":
+                    yield ExecEvent(event="stdout", data=base64.b64encode(data).decode())
+                elif text := decoder.decode(data):
                     yield ExecEvent(event="stdout", data=text)
-            if tail := decoder.decode(b"", final=True):
+            if encoding != "base64" and (tail := decoder.decode(b"", final=True)):
                 yield ExecEvent(event="stdout", data=tail)
             pty.exit_code = await pty.proc.wait()
             yield ExecEvent(event="exit", result=ExecResult(exit_code=pty.exit_code, stdout="", stderr="",

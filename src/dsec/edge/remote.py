@@ -329,8 +329,8 @@ class RemoteEdge:
     async def resize_pty(self, sandbox_id: str, pty: int, cols: int, rows: int) -> None:
         await self._call("POST", f"/sandboxes/{sandbox_id}/ptys/{pty}/resize", model=PtyResizeRequest(cols=cols, rows=rows))
 
-    def pty_stream(self, sandbox_id: str, pty: int) -> AsyncIterator[ExecEvent]:
-        request = PtyStreamRequest()
+    def pty_stream(self, sandbox_id: str, pty: int, encoding: str = "utf-8") -> AsyncIterator[ExecEvent]:
+        request = PtyStreamRequest(encoding=encoding)
         return self._events(f"/sandboxes/{sandbox_id}/ptys/{pty}/stream", request, request.timeout)
 
     async def close_pty(self, sandbox_id: str, pty: int) -> None:

@@ -68,6 +68,7 @@ from libdsec.protocol import (
     ProcessWaitRequest,
     PtyInputRequest,
     PtyResizeRequest,
+    PtyStreamRequest,
     SandboxList,
     SecurityEventList,
     StartProcessRequest,
@@ -491,7 +492,9 @@ class EdgeApp:
                 request, conn)
             return
         if method == "POST" and (m := _PTY_STREAM.match(path)) is not None:
-            await self._stream(lambda: self.edge.pty_stream(m.group("sid"), int(m.group("pid"))), request, conn)
+            await self._stream(lambda: self.edge.pty_stream(
+                m.group("sid"), int(m.group("pid")), _Call(self.edge, {}, {}, request.body).parse(PtyStreamRequest).encoding),
+                request, conn)
             return
         for pattern, handler in _ROUTES.get(method, ()):
             if (m := pattern.match(path)) is not None:
