@@ -20,9 +20,10 @@ class Pty:
     """``sh -c command`` on a terminal of the sandbox's, its controlling terminal (so Ctrl-C,
     ``b"\\x03"``, interrupts its foreground job, and full-screen programs work).
 
-    ``async for data in pty`` yields what it writes (bytes) until it ends; then ``exit_code``
-    is set. One reader at a time; nothing is read from the terminal while this loop does not
-    ask (the command writes at its reader's pace). ``write`` types, ``resize`` changes the
+    ``async for data in pty`` yields what it writes (bytes, exactly) until it ends; then
+    ``exit_code`` is set. One reader at a time (a new stream takes over from the one before);
+    nothing is read from the terminal while no loop asks (the command writes at its reader's
+    pace). ``write`` types, ``resize`` changes the
     size (the command gets SIGWINCH). ``close()`` kills what it started and releases the
     terminal; a second ``close()`` does nothing, and a ``write`` or ``resize`` after it raises
     ``SessionClosed``. ``async with`` closes it. The PTY lives on the sandbox's node: a restart
@@ -33,6 +34,7 @@ class Pty:
         self.info = info
         self.exit_code: int | None = None
         self.closed = False
+        self._reader: AsyncIterator[bytes] | None = None
 
     @property
     def id(self) -> int:
@@ -73,10 +75,27 @@ class Pty:
                 self.exit_code = event.result.exit_code
             yield event
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    def __aiter__(self) -> Pty:
+        return self
+
+    async def __anext__(self) -> bytes:
+        """The next bytes it wrote (one stream for every loop over this handle: a loop left
+        early and begun again goes on where it stopped)."""
+        if self._reader is None:
+            self._check("read it")
+            self._reader = self._bytes()
+        return await anext(self._reader)
+
+    async def _bytes(self) -> AsyncIterator[bytes]:
         async for event in self.events(encoding="base64"):
             if event.event == "stdout":
                 yield base64.b64decode(event.data)
+
+    async def aclose(self) -> None:
+        """Stop reading (the PTY stays open; a later loop reads on from a new stream)."""
+        if self._reader is not None:
+            reader, self._reader = self._reader, None
+            await reader.aclose()
 
     async def wait(self) -> int:
         """Read on to the end (what is written is dropped) and return the exit code."""
@@ -89,6 +108,7 @@ class Pty:
         if self.closed:
             return
         self.closed = True
+        await self.aclose()
         await self._sandbox._client._request("POST", self._path("/close"))
 
     async def __aenter__(self) -> Pty:

@@ -120,7 +120,7 @@ class SyncPty:
         return self._runner.iterate(self._pty.events(**kwargs))
 
     def __iter__(self) -> Iterator[bytes]:
-        return self._runner.iterate(self._pty.__aiter__())
+        return self._runner.iterate(self._pty)
 
     def wait(self) -> int:
         return self._run(self._pty.wait())

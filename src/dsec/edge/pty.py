@@ -9,7 +9,8 @@ protocols (E2B's pty calls) map onto them one to one:
 - ``resize(id, cols, rows)``: the command gets SIGWINCH;
 - ``stream(id, encoding)``: ``ExecEvent``s — ``started``, ``stdout`` chunks as the command writes
   them (text, or base64 of the exact bytes), then ``exit`` with its exit code (one stream at a
-  time; the terminal is read at the stream's pace);
+  time: a new one takes over, the one before ends with ``SessionClosed``, and no output is lost
+  between them; the terminal is read at the stream's pace);
 - ``close(id)``: what it started is killed, the terminal released (again: nothing happens).
 
 A PTY is the edge's, not the sandbox's: it lives in this process (the container's master fd,
@@ -46,7 +47,8 @@ class _Pty:
     idle_timeout: float
     opened: float = field(default_factory=time.perf_counter)
     last_active: float = field(default_factory=time.monotonic)
-    reading: bool = False
+    reader: asyncio.Event | None = None  # set: the stream reading it is to end
+    pending: asyncio.Future | None = None  # a read in flight (handed on to the next stream)
     exit_code: int | None = None
 
 
@@ -85,18 +87,26 @@ class PtyTable:
 
     async def stream(self, sandbox_id: str, pty_id: int, encoding: str = "utf-8") -> AsyncIterator[ExecEvent]:
         pty = self.get(sandbox_id, pty_id)
-        if pty.reading:
-            raise SessionClosed(f"PTY {pty_id} is read by another stream already (one at a time)")
-        pty.reading = True
+        if pty.reader is not None:
+            pty.reader.set()  # the stream before ends (its client went, or another takes over)
+        me = pty.reader = asyncio.Event()
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         try:
             yield ExecEvent(event="started")
             while True:
-                try:
-                    data = await pty.proc.read()
-                except Exception as exc:  # noqa: BLE001 - the reader learns why as an event
-                    yield error_event(exc)
+                if pty.pending is None:
+                    pty.pending = asyncio.ensure_future(pty.proc.read())
+                taken_over = asyncio.ensure_future(me.wait())
+                await asyncio.wait([pty.pending, taken_over], return_when=asyncio.FIRST_COMPLETED)
+                taken_over.cancel()
+                if me.is_set():  # the read in flight is the next stream's
+                    yield error_event(SessionClosed(f"PTY {pty_id} is read by another stream now"))
                     return
+                read, pty.pending = pty.pending, None
+                if read.exception() is not None:
+                    yield error_event(read.exception())
+                    return
+                data = read.result()
                 pty.last_active = time.monotonic()
                 if not data:
                     break
@@ -110,13 +120,18 @@ class PtyTable:
             yield ExecEvent(event="exit", result=ExecResult(exit_code=pty.exit_code, stdout="", stderr="",
                                                             duration_s=time.perf_counter() - pty.opened))
         finally:
-            pty.reading = False
+            if pty.reader is me:
+                pty.reader = None
             pty.last_active = time.monotonic()
 
     async def close(self, sandbox_id: str, pty_id: int) -> None:
         if (pty := self._ptys.get(pty_id)) is not None and pty.sandbox_id == sandbox_id:
             del self._ptys[pty_id]
+            if pty.reader is not None:
+                pty.reader.set()
             await pty.proc.close()
+            if pty.pending is not None and not pty.pending.done():
+                pty.pending.cancel()
 
     async def close_sandbox(self, sandbox_id: str) -> None:
         """The sandbox stops: its PTYs end first."""
@@ -130,12 +145,15 @@ class PtyTable:
                 await self._sweeper
         ptys, self._ptys = list(self._ptys.values()), {}
         await asyncio.gather(*(p.proc.close() for p in ptys), return_exceptions=True)
+        for pty in ptys:
+            if pty.pending is not None and not pty.pending.done():
+                pty.pending.cancel()
 
     async def _sweep(self) -> None:
         while self._ptys:
             await asyncio.sleep(SWEEP_S)
             now = time.monotonic()
             for pty_id, pty in list(self._ptys.items()):
-                if not pty.reading and now - pty.last_active > pty.idle_timeout:
+                if pty.reader is None and now - pty.last_active > pty.idle_timeout:
                     with contextlib.suppress(Exception):
                         await self.close(pty.sandbox_id, pty_id)
