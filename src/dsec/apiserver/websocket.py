@@ -29,7 +29,7 @@ from websockets.frames import Opcode
 from websockets.http11 import Response as HandshakeResponse
 from websockets.uri import parse_uri
 
-from libdsec import DSecError, PortUnreachable
+from libdsec import DSecError, PortUnreachable, SandboxStateError
 from libdsec.protocol import OpenPtyRequest
 
 from ..edge.api import EdgeAPI
@@ -100,7 +100,11 @@ async def relay(websocket: WebSocket, edge: EdgeAPI, sandbox_id: str, port: int,
                 pending += chunk
             rest = bytes(pending[pending.index(READY) + 1:])
             inner.send_request(inner.connect())
-            await send_inner()
+            try:
+                await send_inner()
+            except SandboxStateError:  # the relay ended already: it could not connect
+                raise PortUnreachable(f"nothing answered a WebSocket on port {port} in the sandbox "
+                                      "(connection refused)") from None
             response = None
             while response is None:
                 if rest:
