@@ -578,6 +578,22 @@ fail:
     rmdir(cgroup);
 }
 
+/* start_job, once its payloads came whole and its workdir is there. */
+static void start_checked(const char *id, long long cap, const char *wd, const char *command, const char *stdin_data,
+                          long long stdin_len, char *env, size_t env_len, const char *user, int stream,
+                          const struct winsize *pty)
+{
+    struct stat st;
+    if (!wd || !command || !env)
+        send_err(id, "invalid", "cannot start the command: out of memory");
+    else if (job_by_id(id))
+        send_err(id, "invalid", "a command with id %s is running", id);
+    else if (stat(wd, &st) < 0 || !S_ISDIR(st.st_mode))
+        send_err(id, "notdir", "workdir %s is not a directory in the sandbox", wd);
+    else
+        start_job(id, cap, wd, command, stdin_data, stdin_len, env, env_len, user, stream, pty);
+}
+
 /* Read what is there (one chunk: a command that writes without end must not starve the loop);
  * a streamed job's chunks go to the host at once. */
 static void drain(struct job *j, struct stream *s, int once)
@@ -1023,15 +1039,10 @@ static void handle_request(char *line)
         snprintf(user, sizeof user, "%lld:%lld", uid, gid);
         if (take_payload(b, &wd) == 0 && take_payload(c, &command) == 0 && take_payload(d, &in) == 0 &&
             take_payload(e, &env) == 0) {
-            struct stat st;
-            if (!wd || !command || (d >= 0 && !in) || !env)
+            if (d >= 0 && !in)
                 send_err(id, "invalid", "cannot start the command: out of memory");
-            else if (job_by_id(id))
-                send_err(id, "invalid", "a command with id %s is running", id);
-            else if (stat(wd, &st) < 0 || !S_ISDIR(st.st_mode))
-                send_err(id, "notdir", "workdir %s is not a directory in the sandbox", wd);
             else
-                start_job(id, a, wd, command, in, d, env, (size_t)e, user, op[0] == 's', NULL);
+                start_checked(id, a, wd, command, in, d, env, (size_t)e, user, op[0] == 's', NULL);
         }
         free(wd);
         free(command);
@@ -1048,16 +1059,8 @@ static void handle_request(char *line)
         char *wd = NULL, *command = NULL, *env = NULL, user[48];
         snprintf(user, sizeof user, "%lld:%lld", uid, gid);
         if (take_payload(c, &wd) == 0 && take_payload(d, &command) == 0 && take_payload(e, &env) == 0) {
-            struct stat st;
             struct winsize ws = {(unsigned short)b, (unsigned short)a, 0, 0};
-            if (!wd || !command || !env)
-                send_err(id, "invalid", "cannot start the command: out of memory");
-            else if (job_by_id(id))
-                send_err(id, "invalid", "a command with id %s is running", id);
-            else if (stat(wd, &st) < 0 || !S_ISDIR(st.st_mode))
-                send_err(id, "notdir", "workdir %s is not a directory in the sandbox", wd);
-            else
-                start_job(id, 0, wd, command, NULL, -1, env, (size_t)e, user, 1, &ws);
+            start_checked(id, 0, wd, command, NULL, -1, env, (size_t)e, user, 1, &ws);
         }
         free(wd);
         free(command);
