@@ -202,9 +202,9 @@ async def test_background_processes_outlive_an_edge_restart(state_dir, how):
         server.stop()
 
 
-@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
-async def test_ptys_end_with_an_edge_restart(state_dir, how):
-    """A PTY is the edge's: after a restart its id says it ended, and what ran on it is gone."""
+async def test_ptys_end_with_an_edge_restart(state_dir):
+    """A PTY is the edge's: after a restart (SIGKILL: nothing of it could be closed) its id says
+    it ended, and what ran on it is gone."""
     from libdsec import SessionClosed
 
     server = LocalServer(state_dir).start()
@@ -221,7 +221,7 @@ async def test_ptys_end_with_an_edge_restart(state_dir, how):
                 await asyncio.sleep(0.1)
             assert "sleep 1000" in listed, listed
         port = server.port
-        server.stop() if how == "sigterm" else server.kill()
+        server.kill()
         server = LocalServer(state_dir, port=port).start()
         async with DSecClient(server.endpoint, token=server.token) as client:
             sandbox = await client.get_sandbox(sandbox.id)
