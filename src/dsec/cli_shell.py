@@ -71,7 +71,7 @@ async def interactive(sandbox: Sandbox, command: str, *, user: str | None = None
 
         async def send() -> None:
             while (data := await typed.get()) is not None:
-                while not typed.empty():  # what was typed meanwhile goes along
+                while not typed.empty() and len(data) < 65536:  # what was typed meanwhile goes along
                     more = typed.get_nowait()
                     if more is None:
                         typed.put_nowait(None)
@@ -95,7 +95,13 @@ async def interactive(sandbox: Sandbox, command: str, *, user: str | None = None
             if saved is not None:
                 tty.setraw(stdin, termios.TCSANOW)
                 loop.add_signal_handler(signal.SIGWINCH, resized.set)
-            loop.add_reader(stdin, on_input)
+            try:
+                loop.add_reader(stdin, on_input)
+            except PermissionError:  # a file, /dev/null: epoll takes none, and reading never waits
+                for chunk in iter(lambda: os.read(stdin, 65536), b""):
+                    typed.put_nowait(chunk)
+                typed.put_nowait(b"\x04")
+                typed.put_nowait(None)
             tasks = [asyncio.create_task(send()), asyncio.create_task(follow_size())]
             async for data in pty:
                 _write_all(stdout, data)

@@ -237,3 +237,21 @@ async def test_websocket_through_a_port(client, server, python_image):
                 pass
         assert denied.value.response.status_code == 401
         await proc.kill()
+
+
+def test_dsec_shell_with_stdin_not_a_terminal(server, tmp_path):
+    """Piped or from a file: typed as it comes, then Ctrl-D; the exit code is the command's."""
+    env = {**os.environ, "DSEC_ENDPOINT": server.endpoint, "DSEC_TOKEN": server.token}
+    script = tmp_path / "in.sh"
+    script.write_text("echo from-file\nexit 4\n")
+    with SyncDSecClient(server.endpoint, token=server.token) as client:
+        with client.run_container(args()) as sandbox:
+            argv = [sys.executable, "-m", "dsec", "shell", sandbox.id]
+            piped = subprocess.run(argv, input=b"echo from-pipe\nexit 5\n", env=env, capture_output=True, timeout=60)
+            assert piped.returncode == 5 and b"from-pipe\r\n" in piped.stdout, piped
+            with script.open("rb") as f:
+                done = subprocess.run(argv, stdin=f, env=env, capture_output=True, timeout=60)
+            assert done.returncode == 4 and b"from-file\r\n" in done.stdout, done
+            ended = subprocess.run([*argv, "-c", "cat"], stdin=subprocess.DEVNULL, env=env, capture_output=True,
+                                   timeout=60)
+            assert ended.returncode == 0, ended  # end of input: Ctrl-D ends cat

@@ -539,6 +539,13 @@ static void start_job(const char *id, long long cap, const char *wd, const char 
         execve(jail_argv[0], jail_argv, envp);
         _exit(127);
     }
+    {
+        /* In its cgroup before anything else is served (the child puts itself there too): a
+         * kill that comes right after the start finds it. */
+        char pid_text[32];
+        snprintf(pid_text, sizeof pid_text, "%d", pid);
+        write_file(procs, pid_text);
+    }
     close(in);
     if (out[1] >= 0)
         close(out[1]);
