@@ -11,7 +11,8 @@ PACKAGES=(crun gcc libc6-dev erofs-utils busybox-static debootstrap podman uidma
           chromium    # headless, for the dashboard's test (tests/integration/test_dashboard.py)
           skopeo buildah  # dsec image pull (a registry) and dsec image build --dockerfile
           docker-registry  # a registry on loopback for their tests (tests/images/test_registry.py)
-          g++)        # the C++ peer of dsec bench fncall's SandboxFusion arm
+          g++         # the C++ peer of dsec bench fncall's SandboxFusion arm
+          tmux)       # drives `dsec shell` as a person would (tests/integration/test_shell.py)
 
 if [ "$(id -u)" != 0 ]; then
     echo "setup-host: run as root (DSec mounts layers and makes cgroups)" >&2

@@ -15,6 +15,7 @@ from libdsec import DSecClient, DSecContainerRunArgs, DSecError
 from .cli_common import DEFAULT_STATE, StateDir, console, err_console, fail, run_sdk
 
 from .cli_resources import register as register_resource_commands
+from .cli_shell import register as register_shell
 from .cli_top import register as register_top
 
 from .cli_images import image_app
@@ -478,6 +479,7 @@ def bench_density(
 
 register_resource_commands(app)  # dsec project …, dsec pause, dsec resume
 register_top(app)  # dsec top
+register_shell(app)  # dsec shell
 
 
 @bench_app.command("burst")

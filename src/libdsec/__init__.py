@@ -2,6 +2,7 @@
 
 from ._client import DSecClient, Sandbox, default_token
 from ._process import Process, Session
+from ._pty import Pty
 from ._errors import (
     BackendError,
     CapacityExceeded,
@@ -33,7 +34,7 @@ from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResul
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
 from ._projects import ProjectInfo, ProjectQuota
-from ._sync import SyncDSecClient, SyncProcess, SyncSandbox, SyncSession
+from ._sync import SyncDSecClient, SyncProcess, SyncPty, SyncSandbox, SyncSession
 
 __all__ = [
     "BackendError",
@@ -65,6 +66,7 @@ __all__ = [
     "ProjectInfo",
     "ProjectNotFound",
     "ProjectQuota",
+    "Pty",
     "QuotaExceeded",
     "ReplayDiverged",
     "Sandbox",
@@ -82,6 +84,7 @@ __all__ = [
     "SnapshotInfo",
     "SyncDSecClient",
     "SyncProcess",
+    "SyncPty",
     "SyncSandbox",
     "SyncSession",
     "Unauthenticated",

@@ -35,6 +35,7 @@ from ._files import SandboxFiles
 from ._process import Process, Session, events_of, run_with_callbacks
 from ._projects import _ProjectMethods
 from ._replay import Replay
+from ._pty import Pty
 from ._wire import Answer, CannotConnect, ConnectionBroken, WireClient, WireError
 from .protocol import ClusterStats, NetworkRulesRequest, SecurityEvent, SecurityEventList, TTLRequest
 from .protocol import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
@@ -57,10 +58,12 @@ from .protocol import (
     NodeInfo,
     PackDiffRequest,
     PackDiffResult,
+    OpenPtyRequest,
     OpenSessionRequest,
     PauseResult,
     ProcessInfo,
     ProcessList,
+    PtyInfo,
     SessionInfo,
     StartProcessRequest,
     SandboxInfo,
@@ -246,10 +249,35 @@ class Sandbox:
         body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/sessions", model=request, timeout=60)
         return Session(self, SessionInfo.model_validate(body))
 
+    async def open_pty(
+        self,
+        *,
+        cols: int = 80,
+        rows: int = 24,
+        command: str = "/bin/sh",
+        env: dict[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+        idle_timeout: float = 600.0,
+    ) -> Pty:
+        """``command`` (``sh -c``) on a new terminal of ``cols`` x ``rows`` (see ``Pty``):
+        ``async with await sandbox.open_pty() as pty: await pty.write(b"ls\\n")``. ``TERM``
+        is ``xterm-256color`` unless ``env`` or the image says otherwise. A PTY nobody reads
+        or writes for ``idle_timeout`` seconds is closed."""
+        try:
+            request = OpenPtyRequest(cols=cols, rows=rows, command=command, env=env or {}, workdir=workdir, user=user,
+                                     idle_timeout=idle_timeout)
+        except ValidationError as exc:
+            raise InvalidRequest("bad PTY: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                                         for e in exc.errors())) from None
+        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/ptys", model=request, timeout=60)
+        return Pty(self, PtyInfo.model_validate(body))
+
     def port_url(self, port: int) -> str:
         """The URL, through the apiserver, of port ``port`` inside the sandbox: HTTP requests
         to it (with this client's token as ``authorization: Bearer …``) reach what listens there
-        on 127.0.0.1; ``PortUnreachable`` (502) when nothing does. HTTP only (no WebSocket)."""
+        on 127.0.0.1; ``PortUnreachable`` (502) when nothing does. WebSocket too: the same URL
+        as ``ws://`` (or ``wss://``), message for message, with the same ``authorization``."""
         if not 1 <= int(port) <= 65535:
             raise InvalidRequest(f"port {port} is outside 1-65535")
         return f"{self._client.endpoint}/v1/sandboxes/{self.id}/ports/{int(port)}/"

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from ._client import DSecClient, ProgressCallback, Sandbox
 from ._files import SandboxFiles
 from ._process import Process, Session
+from ._pty import Pty
 from .protocol import ExecEvent, FileEntry, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
@@ -93,6 +94,49 @@ class SyncProcess:
 
     def __exit__(self, *exc: object) -> None:
         self._run(self._process.__aexit__(*exc))
+
+
+# aclose stops an async reading loop; a blocking loop closes its reader when it is left.
+@twin_of(Pty, not_here=("aclose",))
+class SyncPty:
+    """Blocking twin of :class:`libdsec.Pty`."""
+
+    def __init__(self, runner: _LoopThread, pty: Pty) -> None:
+        self._runner = runner
+        self._run = runner.run
+        self._pty = pty
+
+    @property
+    def id(self) -> int:
+        return self._pty.id
+
+    @property
+    def exit_code(self) -> int | None:
+        return self._pty.exit_code
+
+    def write(self, data: bytes | str) -> None:
+        self._run(self._pty.write(data))
+
+    def resize(self, cols: int, rows: int) -> None:
+        self._run(self._pty.resize(cols, rows))
+
+    def events(self, **kwargs: Any) -> Iterator[ExecEvent]:
+        return self._runner.iterate(self._pty.events(**kwargs))
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._runner.iterate(self._pty)
+
+    def wait(self) -> int:
+        return self._run(self._pty.wait())
+
+    def close(self) -> None:
+        self._run(self._pty.close())
+
+    def __enter__(self) -> SyncPty:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @twin_of(Session)
@@ -189,6 +233,9 @@ class SyncSandbox:
 
     def open_session(self, **kwargs: Any) -> SyncSession:
         return SyncSession(self._runner, self._run(self._sandbox.open_session(**kwargs)))
+
+    def open_pty(self, **kwargs: Any) -> SyncPty:
+        return SyncPty(self._runner, self._run(self._sandbox.open_pty(**kwargs)))
 
     def port_url(self, port: int) -> str:
         return self._sandbox.port_url(port)

@@ -74,6 +74,7 @@ def twin_of(original: type, *, not_here: tuple[str, ...] = ()) -> Callable[[C], 
             signature = inspect.signature(member)
             mine.__signature__ = signature.replace(return_annotation=inspect.signature(mine).return_annotation)
             mine.__twin_of__ = member
+        twin.__twin_not_here__ = frozenset(not_here)
         return twin
 
     return check

@@ -412,6 +412,58 @@ class SessionInfo(_Model):
     id: int  # the pid of its shell (it is listed with the background processes)
 
 
+MAX_PTY_SIDE = 4096  # columns or rows of a PTY, at most (the kernel's field is 16 bits)
+
+
+class OpenPtyRequest(_Model):
+    """A command on a terminal in the sandbox (``sandbox.open_pty``): ``sh -c command`` with a
+    new terminal of ``cols`` x ``rows`` as its controlling terminal. An open PTY with no
+    stream reading it and no call for ``idle_timeout`` seconds is closed."""
+
+    cols: int = Field(default=80, ge=1, le=MAX_PTY_SIDE)
+    rows: int = Field(default=24, ge=1, le=MAX_PTY_SIDE)
+    command: str = Field(default="/bin/sh", min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    idle_timeout: float = Field(default=600.0, ge=1, le=7 * 24 * 3600)
+
+
+class PtyInfo(_Model):
+    id: int  # the node's, for this sandbox's PTY calls; PTYs end with the node's edge
+    cols: int
+    rows: int
+
+
+class PtyResizeRequest(_Model):
+    cols: int = Field(ge=1, le=MAX_PTY_SIDE)
+    rows: int = Field(ge=1, le=MAX_PTY_SIDE)
+
+
+class PtyStreamRequest(_Model):
+    """Read the PTY's output (``ExecEvent``s: ``started``, ``stdout`` chunks as written, then
+    ``exit`` with the exit code). One stream at a time. ``encoding``: each chunk's ``data`` as
+    text (UTF-8 decoded across chunks, invalid bytes replaced) or as the base64 of its bytes,
+    exactly."""
+
+    timeout: float = 7 * 24 * 3600.0
+    encoding: Literal["utf-8", "base64"] = "utf-8"
+
+    @field_validator("timeout")
+    @classmethod
+    def _timeout(cls, value: float) -> float:
+        if not math.isfinite(value) or value <= 0 or value > 7 * 24 * 3600:
+            raise ValueError("timeout must be between 0 and 604800 seconds")
+        return value
+
+
+class PtyInputRequest(_Model):
+    # bytes as base64 in JSON (a keystroke is any byte: Ctrl-C is 0x03)
+    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+
+    data: bytes = Field(max_length=1 << 20)
+
+
 class FileEntry(_Model):
     name: str
     path: str

@@ -495,3 +495,58 @@ async def test_port_scripts(kit):
             await ask(8001)
     finally:
         await backend.destroy(handle)
+
+
+async def test_pty(kit):
+    """A shell on a terminal of the sandbox's: its size, resized; Ctrl-C stops its foreground
+    job and not the shell; its exit code; nothing typed after its end."""
+    import asyncio
+
+    backend, spec = kit
+    fake = type(backend).__name__ == "FakeBackend"
+    handle = await backend.create(cid(), spec)
+    ctx = ExecContext(uid=0, gid=0, workdir="/", env={**ROOT.env, "TERM": "xterm", "PS1": "$ "})
+    seen = bytearray()
+
+    async def until(pty, needle: bytes, timeout: float = 60) -> None:
+        async with asyncio.timeout(timeout):
+            while needle not in seen:
+                data = await pty.read()
+                assert data, f"the PTY ended before {needle!r}: {bytes(seen)!r}"
+                seen.extend(data)
+
+    try:
+        pty = await backend.open_pty(handle, "/bin/sh", ctx, 80, 24)
+        try:
+            await pty.write(b"stty size\n")
+            await until(pty, b"24 80")
+            await pty.resize(100, 30)
+            await pty.write(b"stty size\n")
+            await until(pty, b"30 100")
+            if not fake:
+                await pty.write(b"tty; echo $((6 * 7))\n")
+                await until(pty, b"42")
+                assert b"/dev/pts/" in seen, bytes(seen)
+                await pty.write(b"sleep 30\n")
+                await asyncio.sleep(1.0)
+                await pty.write(b"\x03")
+                await pty.write(b"echo after $?\n")
+                await until(pty, b"after 130", timeout=20)
+            await pty.write(b"exit 3\n")
+            async with asyncio.timeout(60):
+                while await pty.read():
+                    pass
+            assert await pty.wait() == 3
+            with pytest.raises(SandboxStateError, match="exited"):
+                await pty.write(b"x")
+        finally:
+            await pty.close()
+            await pty.close()  # again: nothing happens
+        # Closed while it runs: what it started is killed.
+        pty = await backend.open_pty(handle, "sleep 300", ctx, 80, 24)
+        await pty.close()
+        assert await pty.wait() != 0
+        with pytest.raises(SandboxStateError, match="closed"):
+            await pty.resize(80, 24)
+    finally:
+        await backend.destroy(handle)

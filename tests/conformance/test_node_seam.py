@@ -331,6 +331,55 @@ async def test_process_calls_cross_the_seam(node):
         await node.stop(info.id)
 
 
+async def test_pty_calls_cross_the_seam(node):
+    """A PTY on the fake's terminal: typed, echoed, resized, read, ended; and its errors."""
+    from libdsec import SessionClosed
+    from libdsec.protocol import OpenPtyRequest
+
+    info = await node.create(args())
+    try:
+        pty = await node.open_pty(info.id, OpenPtyRequest(cols=100, rows=30))
+        assert (pty.cols, pty.rows) == (100, 30)
+        first = node.pty_stream(info.id, pty.id)
+        assert (await anext(first)).event == "started"
+        await node.pty_input(info.id, pty.id, b"echo one\r")
+        text = ""
+        while "echo one" not in text:
+            text += (await anext(first)).data
+        # A second stream takes over (a client that came back); the first ends, saying so.
+        stream = node.pty_stream(info.id, pty.id)
+        assert (await anext(stream)).event == "started"
+        ended = [e async for e in first]
+        assert ended[-1].event == "error" and "another stream" in ended[-1].error["message"], ended
+        await node.pty_input(info.id, pty.id, b"stty size\r")
+        await node.resize_pty(info.id, pty.id, 120, 40)
+        await node.pty_input(info.id, pty.id, b"stty size\recho hi\rexit 7\r")
+        seen = ""
+        async for event in stream:
+            if event.event == "stdout":
+                seen += event.data
+            else:
+                break
+        assert event.event == "exit" and event.result.exit_code == 7
+        assert "30 100\r\n" in seen and "40 120\r\n" in seen and "hi\r\n" in seen
+        with pytest.raises(SandboxStateError, match="exited .exit code 7"):
+            await node.pty_input(info.id, pty.id, b"x")
+        await node.close_pty(info.id, pty.id)
+        await node.close_pty(info.id, pty.id)  # again: nothing happens
+        with pytest.raises(SessionClosed, match="no open PTY"):
+            await node.pty_input(info.id, pty.id, b"x")
+        with pytest.raises(SessionClosed):
+            await anext(node.pty_stream(info.id, pty.id))
+        with pytest.raises(SandboxNotFound):
+            await node.open_pty("n0-0123456789abcdef", OpenPtyRequest())
+        # A sandbox that stops takes its PTYs with it.
+        other = await node.open_pty(info.id, OpenPtyRequest())
+    finally:
+        await node.stop(info.id)
+    with pytest.raises(SessionClosed):
+        await node.resize_pty(info.id, other.id, 80, 24)
+
+
 async def test_node_stats(node):
     info = await node.create(args(), "container", "team")
     await node.exec(info.id, ExecRequest(command="echo hi"))

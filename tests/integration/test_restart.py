@@ -200,3 +200,46 @@ async def test_background_processes_outlive_an_edge_restart(state_dir, how):
             await sandbox.stop()
     finally:
         server.stop()
+
+
+async def test_ptys_end_with_an_edge_restart(state_dir):
+    """A PTY is the edge's: after a restart (SIGKILL: nothing of it could be closed) its id says
+    it ended, and what ran on it is gone."""
+    from libdsec import SessionClosed
+
+    server = LocalServer(state_dir).start()
+    try:
+        async with DSecClient(server.endpoint, token=server.token) as client:
+            sandbox = await client.run_container(ARGS)
+            pty = await sandbox.open_pty()
+            await pty.write(b"exec sleep 1000\n")
+            listed = ""
+            for _ in range(50):
+                listed = (await sandbox.run_shell("ps -o pid,args")).stdout
+                if "sleep 1000" in listed:
+                    break
+                await asyncio.sleep(0.1)
+            assert "sleep 1000" in listed, listed
+        port = server.port
+        server.kill()
+        server = LocalServer(state_dir, port=port).start()
+        async with DSecClient(server.endpoint, token=server.token) as client:
+            sandbox = await client.get_sandbox(sandbox.id)
+            again = type(pty)(sandbox, pty.info)
+            with pytest.raises(SessionClosed, match="restart of the node's edge"):
+                await again.write(b"echo\n")
+            with pytest.raises(SessionClosed):
+                async for _ in again:
+                    pass
+            # Its command got the terminal's hangup: nothing of it is left in the sandbox.
+            for _ in range(50):
+                listed = (await sandbox.run_shell("ps -o pid,args")).stdout
+                if "sleep 1000" not in listed:
+                    break
+                await asyncio.sleep(0.1)
+            assert "sleep 1000" not in listed, listed
+            fresh = await sandbox.open_pty(command="echo fresh")
+            assert b"fresh" in b"".join([d async for d in fresh]) and fresh.exit_code == 0
+            await sandbox.stop()
+    finally:
+        server.stop()

@@ -28,6 +28,7 @@ PUBLIC |= {"SandboxLost"}  # cluster
 PUBLIC |= {"JobNotFound", "KeyReused", "ReplayDiverged"}  # idempotency keys, job logs
 PUBLIC |= {"Overloaded"}  # overload
 PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession", "FileEntry", "PortUnreachable"}  # inside a sandbox
+PUBLIC |= {"Pty", "SyncPty"}  # a terminal in a sandbox
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -189,6 +190,11 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
                                     "event": {"kind": "dns.refused", "detail": "d", "at": "2026-01-01T00:00:00Z"}},
         _models.NodeStats: {"info": node, "started_at": "2026-01-01T00:00:00Z"},
         _models.ApiserverStats: {"started_at": "2026-01-01T00:00:00Z"},
+        _models.OpenPtyRequest: {},
+        _models.PtyInfo: {"id": 1, "cols": 80, "rows": 24},
+        _models.PtyResizeRequest: {"cols": 80, "rows": 24},
+        _models.PtyStreamRequest: {},
+        _models.PtyInputRequest: {"data": "A2Fi"},
         _models.ClusterStats: {"at": "2026-01-01T00:00:00Z", "nodes": [],
                                "apiserver": {"started_at": "2026-01-01T00:00:00Z"}},
     }[cls]

@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -44,6 +44,7 @@ from libdsec.protocol import (
     CleanCopyResult,
     PackDiffRequest,
     PackDiffResult,
+    OpenPtyRequest,
     OpenSessionRequest,
     PauseResult,
     PortRequest,
@@ -56,6 +57,10 @@ from libdsec.protocol import (
     SandboxInfo,
     SandboxList,
     SandboxStatus,
+    PtyInfo,
+    PtyInputRequest,
+    PtyResizeRequest,
+    PtyStreamRequest,
     SessionInfo,
     SnapshotInfo,
     StartProcessRequest,
@@ -73,6 +78,7 @@ from .routes_observe import add_observe_routes
 from .routes_projects import add_project_routes
 from ..compat.sandboxfusion import add_sandboxfusion_routes
 from ..compat.swerex import add_swerex_routes
+from .websocket import relay as websocket_relay
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -381,6 +387,47 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
             body_b64=base64.b64encode(await request.body()).decode()))
         return Response(content=base64.b64decode(answer.body_b64), status_code=answer.status,
                         headers={k: v for k, v in answer.headers if k.lower() != "content-length"})
+
+    @app.websocket("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}")
+    async def port_websocket(websocket: WebSocket, sandbox_id: str, port: str, path: str) -> None:
+        """A WebSocket to port ``port`` inside the sandbox, message for message (``dsec.apiserver.websocket``)."""
+        try:
+            if not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise InvalidRequest(f"port {port} is outside 1-65535")
+            await check(websocket.headers.get("authorization", ""), websocket.path_params)
+            edge = cluster.edge_for(sandbox_id)
+        except DSecError as exc:
+            await websocket.send_denial_response(JSONResponse(exc.to_wire(), status_code=exc.status))
+            return
+        await websocket_relay(websocket, edge, sandbox_id, int(port), path)
+
+    # -- PTYs (held by the sandbox's node: dsec.edge.pty) ------------------------------------
+
+    pty_id = Path(ge=1, le=999_999_999)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ptys", dependencies=auth, responses=_ERRORS)
+    async def open_pty(sandbox_id: str, request: OpenPtyRequest) -> PtyInfo:
+        return await cluster.edge_for(sandbox_id).open_pty(sandbox_id, request)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ptys/{pty}/input", dependencies=auth, responses=_ERRORS)
+    async def pty_input(sandbox_id: str, request: PtyInputRequest, pty: int = pty_id) -> dict:
+        await cluster.edge_for(sandbox_id).pty_input(sandbox_id, pty, request.data)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ptys/{pty}/resize", dependencies=auth, responses=_ERRORS)
+    async def resize_pty(sandbox_id: str, request: PtyResizeRequest, pty: int = pty_id) -> dict:
+        await cluster.edge_for(sandbox_id).resize_pty(sandbox_id, pty, request.cols, request.rows)
+        return {"ok": True}
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ptys/{pty}/stream", dependencies=auth, responses=_ERRORS,
+              response_model=ExecEvent)
+    async def pty_stream(sandbox_id: str, request: PtyStreamRequest, pty: int = pty_id) -> StreamingResponse:
+        return await _streaming(cluster.edge_for(sandbox_id).pty_stream(sandbox_id, pty, request.encoding))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/ptys/{pty}/close", dependencies=auth, responses=_ERRORS)
+    async def close_pty(sandbox_id: str, pty: int = pty_id) -> dict:
+        await cluster.edge_for(sandbox_id).close_pty(sandbox_id, pty)
+        return {"ok": True}
 
     # -- sessions ---------------------------------------------------------------------------
 

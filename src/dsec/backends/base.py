@@ -26,6 +26,10 @@ Lifecycle of a handle, as the edge drives it::
   security accounting reads on the host (``HostView``, or None); ``warm_up`` (the server starts it in the
   background) prepares what the first create would otherwise wait for; ``close`` drops what
   the backend holds in this process (sandboxes keep running, to be re-adopted).
+- ``open_pty`` starts a command on a new terminal of the sandbox's (its controlling terminal,
+  ``cols`` x ``rows``) and returns a ``PtyProcess`` once it runs; the edge holds it (see
+  ``PtyProcess`` for its lifecycle). A PTY is the edge's, not the sandbox's: it ends when the
+  edge goes away, and ``destroy`` ends it with the sandbox.
 
 What a backend can do beyond that it declares in ``capabilities`` (``Capability``); the edge
 asks that set and never probes for methods, and ``check_backend`` (run when an edge is made)
@@ -153,6 +157,28 @@ class Capability(str, Enum):
     SNAPSHOT = "snapshot"
 
 
+class PtyProcess(Protocol):
+    """A command on a terminal (``SandboxBackend.open_pty``).
+
+    ``read`` hands on what the command writes to the terminal as it comes (one reader at a
+    time; nothing more is read from the terminal until it is called again: the command writes
+    at its reader's pace) and returns ``b""`` once the command ended and all of it was read.
+    ``write`` types at the terminal, ``resize`` changes its size (the command gets SIGWINCH):
+    both raise ``SandboxStateError`` once the command ended. ``wait`` returns its exit code
+    (128 + N for signal N). ``close`` kills what the command started and releases the
+    terminal; a second ``close`` does nothing."""
+
+    async def read(self) -> bytes: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def resize(self, cols: int, rows: int) -> None: ...
+
+    async def wait(self) -> int: ...
+
+    async def close(self) -> None: ...
+
+
 class SandboxBackend(Protocol):
     kind: str
     capabilities: frozenset[Capability]
@@ -172,6 +198,8 @@ class SandboxBackend(Protocol):
     async def exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult: ...
 
     async def exec_stream(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit) -> ExecResult: ...
+
+    async def open_pty(self, handle: Handle, command: str, ctx: ExecContext, cols: int, rows: int) -> PtyProcess: ...
 
     async def read_file(self, handle: Handle, path: str, max_bytes: int) -> bytes: ...
 

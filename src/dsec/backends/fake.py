@@ -123,6 +123,15 @@ class FakeBackend:
             stdout_bytes=len(out), stderr_bytes=len(err),
         )
 
+    async def open_pty(self, handle: Handle, command: str, ctx: ExecContext, cols: int, rows: int) -> FakePty:
+        self._files(handle)
+        pty = FakePty(self, handle, ctx, cols, rows)
+        if command.split()[0].rsplit("/", 1)[-1] in ("sh", "bash", "ash"):
+            pty.out.put_nowait(b"$ ")
+        else:
+            pty.task = asyncio.ensure_future(pty.run_line(command, then_exit=True))
+        return pty
+
     async def read_file(self, handle: Handle, path: str, max_bytes: int) -> bytes:
         files = self._files(handle)
         if path not in files:
@@ -204,3 +213,89 @@ class FakeBackend:
     def kill(self, cid: str) -> None:
         """Make a sandbox die as if its processes were killed from outside."""
         self.files.pop(cid, None)
+
+
+class FakePty:
+    """A terminal in cooked mode with the fake's shell: what is typed is echoed (CR as CRLF), a
+    line is run when it ends, ``stty size`` says the size, ``exit N`` ends it, Ctrl-C drops
+    the line."""
+
+    def __init__(self, backend: FakeBackend, handle: Handle, ctx: ExecContext, cols: int, rows: int) -> None:
+        self.backend, self.handle, self.ctx = backend, handle, ctx
+        self.cols, self.rows = cols, rows
+        self.out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.line = bytearray()
+        self.code: int | None = None
+        self.ended = asyncio.Event()
+        self.task: asyncio.Future | None = None
+        self.closed = False
+
+    def _end(self, code: int) -> None:
+        if self.code is None:
+            self.code = code
+            self.out.put_nowait(None)
+            self.ended.set()
+
+    async def run_line(self, line: str, then_exit: bool = False) -> None:
+        if line.strip() == "stty size":
+            self.out.put_nowait(f"{self.rows} {self.cols}\r\n".encode())
+            code = 0
+        elif line.strip().startswith("exit"):
+            self._end(int(line.split()[1]) if len(line.split()) > 1 else 0)
+            return
+        else:
+            result = await self.backend.exec(self.handle, ExecRequest(command=line), self.ctx) if line.strip() else None
+            code = result.exit_code if result else 0
+            for text in (result.stdout, result.stderr) if result else ():
+                if text:
+                    self.out.put_nowait(text.replace("\n", "\r\n").encode())
+        if then_exit:
+            self._end(code)
+        else:
+            self.out.put_nowait(b"$ ")
+
+    async def read(self) -> bytes:
+        data = await self.out.get()
+        if data is None:
+            self.out.put_nowait(None)
+            return b""
+        return data
+
+    def _check(self, what: str) -> None:
+        if self.closed:
+            raise SandboxStateError(f"cannot {what}: the PTY is closed")
+        if self.code is not None:
+            raise SandboxStateError(f"cannot {what}: the PTY's command has exited (exit code {self.code})")
+
+    async def write(self, data: bytes) -> None:
+        self._check("write to the PTY")
+        for byte in data:
+            if byte == 3:  # Ctrl-C
+                self.line.clear()
+                self.out.put_nowait(b"^C\r\n$ ")
+            elif byte in (10, 13):
+                self.out.put_nowait(b"\r\n")
+                line, self.line = self.line.decode(errors="replace"), bytearray()
+                await self.run_line(line)
+                if self.code is not None:
+                    return
+            else:
+                self.line.append(byte)
+                self.out.put_nowait(bytes([byte]))
+
+    async def resize(self, cols: int, rows: int) -> None:
+        self._check("resize the PTY")
+        self.cols, self.rows = cols, rows
+
+    async def wait(self) -> int:
+        await self.ended.wait()
+        assert self.code is not None
+        return self.code
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.task is not None:
+            self.task.cancel()
+        self._end(129)  # as a hangup would

@@ -41,12 +41,14 @@ from libdsec.protocol import (
     NodeInfo,
     NodeStats,
     PackDiffResult,
+    OpenPtyRequest,
     OpenSessionRequest,
     PauseResult,
     PortRequest,
     PortResponse,
     ProcessInfo,
     ProcessStreamRequest,
+    PtyInfo,
     SandboxInfo,
     SecurityEvent,
     SessionInfo,
@@ -161,6 +163,22 @@ class EdgeAPI(Protocol):
     async def interrupt_session(self, sandbox_id: str, session: int) -> None: ...
 
     async def close_session(self, sandbox_id: str, session: int) -> None: ...
+
+    # PTYs (``dsec.edge.pty``): a command on a terminal, held by the node's edge (it ends with
+    # it). ``SessionClosed`` for an id that is not open (closed, ended, or the edge restarted).
+    async def open_pty(self, sandbox_id: str, request: OpenPtyRequest) -> PtyInfo: ...
+
+    async def pty_input(self, sandbox_id: str, pty: int, data: bytes) -> None: ...
+
+    async def resize_pty(self, sandbox_id: str, pty: int, cols: int, rows: int) -> None: ...
+
+    def pty_stream(self, sandbox_id: str, pty: int, encoding: str = "utf-8") -> AsyncIterator[ExecEvent]:
+        """``started``, then ``stdout`` chunks as the command writes them (``encoding``: text,
+        or base64 of the exact bytes), then ``exit``; one stream at a time. Leaving it early
+        leaves the PTY open."""
+        ...
+
+    async def close_pty(self, sandbox_id: str, pty: int) -> None: ...
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
 

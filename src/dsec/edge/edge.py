@@ -49,7 +49,9 @@ from libdsec.protocol import (
     ExecRequest,
     ExecResult,
     FileEntry,
+    OpenPtyRequest,
     OpenSessionRequest,
+    PtyInfo,
     PortRequest,
     PortResponse,
     ProcessInfo,
@@ -86,6 +88,7 @@ from .pool import WarmPool
 from .reaper import TTLReaper
 from .security import EdgeSecurity
 from . import files, ports, processes
+from .pty import PtyTable
 from .stream import stream_exec
 from .stats import EdgeStats
 
@@ -133,6 +136,7 @@ class Edge:
         self.security = EdgeSecurity(self)  # network allowlists, security events
         self.fncalls = fncalls  # the warm pool for stateless calls (dsec.fncall), if served here
         self.stats = EdgeStats()  # what node_stats reports
+        self.ptys = PtyTable()  # commands on terminals: this process's, they end with it
 
     # -- start / close ---------------------------------------------------------------------
 
@@ -183,6 +187,7 @@ class Edge:
         self._closed = True
         self.warm_pool.stop_filling()
         await self.reaper.close()
+        await self.ptys.close_all()
         await asyncio.gather(*self._undoing, return_exceptions=True)
         await self.warm_pool.close()  # after the batches' creates: it destroys what it holds
         if self.fncalls is not None:
@@ -588,6 +593,31 @@ class Edge:
         async for event in stream_exec(lambda emit: self._call(rec, backend.exec_stream(rec.handle, follow, ctx, emit))):
             yield event
 
+    # -- PTYs: commands on a terminal, held by this edge (dsec.edge.pty) ----------------------
+
+    async def open_pty(self, sandbox_id: str, request: OpenPtyRequest) -> PtyInfo:
+        rec, ctx = await self._exec_context(sandbox_id, ExecRequest(
+            command=request.command, env=request.env, workdir=request.workdir, user=request.user))
+        ctx = ExecContext(uid=ctx.uid, gid=ctx.gid, workdir=ctx.workdir, env={"TERM": "xterm-256color", **ctx.env})
+        proc = await self._call(rec, self.backends[rec.kind].open_pty(rec.handle, request.command, ctx,
+                                                                      request.cols, request.rows))
+        pty_id = self.ptys.add(sandbox_id, proc, request.idle_timeout)
+        return PtyInfo(id=pty_id, cols=request.cols, rows=request.rows)
+
+    async def pty_input(self, sandbox_id: str, pty: int, data: bytes) -> None:
+        await self.ptys.write(sandbox_id, pty, data)
+        if (rec := self._records.get(sandbox_id)) is not None:
+            rec.last_active = time.time()  # someone types: the sandbox is in use
+
+    async def resize_pty(self, sandbox_id: str, pty: int, cols: int, rows: int) -> None:
+        await self.ptys.resize(sandbox_id, pty, cols, rows)
+
+    def pty_stream(self, sandbox_id: str, pty: int, encoding: str = "utf-8") -> AsyncIterator[ExecEvent]:
+        return self.ptys.stream(sandbox_id, pty, encoding)
+
+    async def close_pty(self, sandbox_id: str, pty: int) -> None:
+        await self.ptys.close(sandbox_id, pty)
+
     # -- sessions: a shell whose state persists (a background process: dsec.edge.processes) ---
 
     async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
@@ -866,6 +896,7 @@ class Edge:
         rec.status = SandboxStatus.stopping
         self.admission.unhold(rec.id)
         self.security.check_tampering(rec)
+        await self.ptys.close_sandbox(sandbox_id)
         try:
             await self.backends[rec.kind].destroy(rec.handle)
         except Exception as exc:
@@ -932,6 +963,7 @@ class Edge:
         rec.status, rec.reason = SandboxStatus.failed, reason
         self.admission.unhold(rec.id)
         self.security.check_tampering(rec)
+        await self.ptys.close_sandbox(rec.id)
         try:
             await self.backends[rec.kind].destroy(rec.handle)
         finally:

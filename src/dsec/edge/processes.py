@@ -224,6 +224,7 @@ d=$DSEC_PROC_DIR
 done) </dev/null >/dev/null 2>&1 &
 echo $! > "$d/watchdog"
 touch "$d/last"
+mkfifo "$d/done" && exec 4<>"$d/done"
 exec env PS1= PS2= PS4= ENV= %(shell)s
 '''
 
@@ -233,13 +234,17 @@ exec env PS1= PS2= PS4= ENV= %(shell)s
 # each command) and its exit code to rc.NONCE, written as "CODE END" (a line of its own: a syntax
 # error abandons the rest of its line in an interactive shell); once that is there the
 # output is handed on (streamed as it grows, with ``stream``). Builtins only, but the sleeps.
+# Whole (not streamed), the end is not looked for but waited for: the shell also writes
+# "CODE END NONCE" to the FIFO ``done``, which it holds open on fd 4 (never to a command: the
+# source closes it for the command), and this script blocks reading it — no sleep, no fork for
+# a command with no output. (A session from before that FIFO is looked at as before.)
 _SESSION_RUN = r'''
 t=%(base)s/%(pid)d
 [ -L "$t" ] || exit %(no_such)d
 [ -e "$t/exit" ] && exit %(dead)d
 : > "$t/last"
 while IFS= read -r line; do printf '%%s\n' "$line"; done > "$t/c.%(nonce)s"
-printf '. %%s </dev/null >%%s 2>%%s\necho "$? END" > %%s\n' "$t/c.%(nonce)s" "$t/o" "$t/e" "$t/rc.%(nonce)s" > "$t/in"
+%(submit)s
 k=0; o=0; e=0
 while :; do
   rc=; x=; [ -e "$t/rc.%(nonce)s" ] && read rc x < "$t/rc.%(nonce)s"
@@ -305,13 +310,32 @@ def session_input(command: str) -> str:
     return command if command.endswith("\n") else command + "\n"
 
 
+_SUBMIT = r'''printf '. %%s </dev/null >%%s 2>%%s\necho "$? END" > %%s\n' "$t/c.%(nonce)s" "$t/o" "$t/e" "$t/rc.%(nonce)s" > "$t/in"'''
+
+# The whole command's end, waited for on the session's FIFO (its shell holds the writing end:
+# when it dies the read sees end of file); lines of earlier commands whose waiter went away are
+# skipped. Then the files: rc.NONCE is written just before the FIFO's line.
+_SUBMIT_WAIT = r'''if [ -p "$t/done" ]; then
+  printf '. %%s </dev/null >%%s 2>%%s 4>&-\n__dsec_rc=$?; echo "$__dsec_rc END" > %%s; echo "$__dsec_rc END %(nonce)s" >&4\n' "$t/c.%(nonce)s" "$t/o" "$t/e" "$t/rc.%(nonce)s" > "$t/in"
+  while IFS=' ' read -r rc x n; do [ "$n" = %(nonce)s ] && break; done < "$t/done"
+  if [ "$n" = %(nonce)s ]; then
+    %(tail)s
+    rm -f "$t/rc.%(nonce)s" "$t/c.%(nonce)s"; exit $rc
+  fi
+else
+  ''' + _SUBMIT + r'''
+fi'''
+
+
 def session_run_script(pid: int, nonce: str, stream: bool = False) -> str:
     """Run one command (``session_input`` as stdin); ``stream``: hand its output on as it grows."""
     if stream:
         parts = {"follow": _SESSION_FOLLOW, "tail": _SESSION_REST}
+        submit = _SUBMIT % {"nonce": nonce}
     else:
         parts = {"follow": ":", "tail": _SESSION_WHOLE}
-    return _fill(_SESSION_RUN, pid=pid, nonce=nonce, dead=_SESSION_DEAD, **parts)
+        submit = _SUBMIT_WAIT % {"nonce": nonce, "tail": _SESSION_WHOLE}
+    return _fill(_SESSION_RUN, pid=pid, nonce=nonce, dead=_SESSION_DEAD, submit=submit, **parts)
 
 
 def interrupt_script(pid: int, nonce: str) -> str:

@@ -58,6 +58,7 @@ from libdsec.protocol import (
     CleanCopyResult,
     PackDiffRequest,
     PackDiffResult,
+    OpenPtyRequest,
     OpenSessionRequest,
     PauseResult,
     PortRequest,
@@ -72,6 +73,10 @@ from libdsec.protocol import (
     SandboxList,
     SecurityEvent,
     SecurityEventList,
+    PtyInfo,
+    PtyInputRequest,
+    PtyResizeRequest,
+    PtyStreamRequest,
     SessionInfo,
     SnapshotInfo,
     StartProcessRequest,
@@ -309,6 +314,23 @@ class RemoteEdge:
     async def port_request(self, sandbox_id: str, request: PortRequest) -> PortResponse:
         return await self._post(PortResponse, f"/sandboxes/{sandbox_id}/ports:request", model=request,
                                 timeout=60.0 + SLACK_S)
+
+    async def open_pty(self, sandbox_id: str, request: OpenPtyRequest) -> PtyInfo:
+        return await self._post(PtyInfo, f"/sandboxes/{sandbox_id}/ptys", model=request)
+
+    async def pty_input(self, sandbox_id: str, pty: int, data: bytes) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/ptys/{pty}/input", model=PtyInputRequest(data=data),
+                         timeout=LONG_CALL_TIMEOUT_S)
+
+    async def resize_pty(self, sandbox_id: str, pty: int, cols: int, rows: int) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/ptys/{pty}/resize", model=PtyResizeRequest(cols=cols, rows=rows))
+
+    def pty_stream(self, sandbox_id: str, pty: int, encoding: str = "utf-8") -> AsyncIterator[ExecEvent]:
+        request = PtyStreamRequest(encoding=encoding)
+        return self._events(f"/sandboxes/{sandbox_id}/ptys/{pty}/stream", request, request.timeout)
+
+    async def close_pty(self, sandbox_id: str, pty: int) -> None:
+        await self._call("POST", f"/sandboxes/{sandbox_id}/ptys/{pty}/close", timeout=LONG_CALL_TIMEOUT_S)
 
     async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
         return await self._post(SessionInfo, f"/sandboxes/{sandbox_id}/sessions", model=request)

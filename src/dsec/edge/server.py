@@ -58,6 +58,7 @@ from libdsec.protocol import (
     NodeCreateRequest,
     NodeStopRequest,
     CleanCopyRequest,
+    OpenPtyRequest,
     OpenSessionRequest,
     PackDiffRequest,
     PortRequest,
@@ -66,6 +67,9 @@ from libdsec.protocol import (
     ProcessStdinRequest,
     ProcessStreamRequest,
     ProcessWaitRequest,
+    PtyInputRequest,
+    PtyResizeRequest,
+    PtyStreamRequest,
     SandboxList,
     SecurityEventList,
     StartProcessRequest,
@@ -187,6 +191,19 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
     async def port_request(c: _Call):
         return await c.edge.port_request(c.params["sid"], c.parse(PortRequest))
 
+    async def open_pty(c: _Call):
+        return await c.edge.open_pty(c.params["sid"], c.parse(OpenPtyRequest))
+
+    async def pty_input(c: _Call):
+        await c.edge.pty_input(c.params["sid"], int(c.params["pid"]), c.parse(PtyInputRequest).data)
+
+    async def resize_pty(c: _Call):
+        size = c.parse(PtyResizeRequest)
+        await c.edge.resize_pty(c.params["sid"], int(c.params["pid"]), size.cols, size.rows)
+
+    async def close_pty(c: _Call):
+        await c.edge.close_pty(c.params["sid"], int(c.params["pid"]))
+
     async def open_session(c: _Call):
         return await c.edge.open_session(c.params["sid"], c.parse(OpenSessionRequest))
 
@@ -279,6 +296,9 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("POST", f"/sandboxes/{sid}/fs/remove", remove_path), ("POST", f"/sandboxes/{sid}/fs/mkdir", make_dir),
         ("POST", f"/sandboxes/{sid}/fs/rename", rename_path), ("PUT", f"/sandboxes/{sid}/fs/tree", upload_tree),
         ("POST", f"/sandboxes/{sid}/ports:request", port_request),
+        ("POST", f"/sandboxes/{sid}/ptys", open_pty), ("POST", f"/sandboxes/{sid}/ptys/{pid}/input", pty_input),
+        ("POST", f"/sandboxes/{sid}/ptys/{pid}/resize", resize_pty),
+        ("POST", f"/sandboxes/{sid}/ptys/{pid}/close", close_pty),
         ("POST", f"/sandboxes/{sid}/sessions", open_session), ("POST", f"/sandboxes/{sid}/sessions/{pid}/exec", session_exec),
         ("POST", f"/sandboxes/{sid}/sessions/{pid}/interrupt", interrupt_session),
         ("POST", f"/sandboxes/{sid}/sessions/{pid}/close", close_session),
@@ -295,6 +315,7 @@ _EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:
 _SESSION_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/sessions/(?P<pid>[0-9]{1,9})/exec\:stream\Z")
 _TREE_DOWNLOAD = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\:download\Z")
 _START_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes\:stream\Z")
+_PTY_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/ptys/(?P<pid>[0-9]{1,9})/stream\Z")
 _PROCESS_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes/(?P<pid>[0-9]{1,9})/stream\Z")
 
 
@@ -478,6 +499,11 @@ class EdgeApp:
         if method == "POST" and (m := _PROCESS_STREAM.match(path)) is not None:
             await self._stream(lambda: self.edge.stream_process(
                 m.group("sid"), int(m.group("pid")), _Call(self.edge, {}, {}, request.body).parse(ProcessStreamRequest)),
+                request, conn)
+            return
+        if method == "POST" and (m := _PTY_STREAM.match(path)) is not None:
+            await self._stream(lambda: self.edge.pty_stream(
+                m.group("sid"), int(m.group("pid")), _Call(self.edge, {}, {}, request.body).parse(PtyStreamRequest).encoding),
                 request, conn)
             return
         for pattern, handler in _ROUTES.get(method, ()):

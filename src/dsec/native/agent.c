@@ -24,6 +24,19 @@
  *                                         past that the job's pipes are not read (its command
  *                                         blocks on its next write) until the host acks
  *   ack JOBID N                           (no answer) the host consumed N more bytes of JOBID
+ *   pty COLS ROWS WDLEN CMDLEN ENVLEN UID GID
+ *                                         payloads: workdir, command, environment. The command
+ *                                         on a terminal of the guest's (a new pty, COLS x ROWS,
+ *                                         its controlling terminal: dsec-jail --ctty): "ID part
+ *                                         0" once it runs (or err), then its output streams as
+ *                                         srun's does, as "sout" frames, then
+ *                                         "done RC …". A PTY belongs to the host connection
+ *                                         that opened it: when the host goes away (an edge
+ *                                         restart) its commands are killed.
+ *   ptyin JOBID LEN                       payload: bytes typed at the pty -> ok 0 (they are
+ *                                         queued, up to PTY_QUEUE, and written as the terminal
+ *                                         takes them), or err invalid
+ *   ptysz JOBID COLS ROWS                 -> ok 0: the terminal's size (the command gets SIGWINCH)
  *   kill JOBID                            -> ok 0; the job's command and all it started die
  *   read PATHLEN MAX                      -> ok LEN + the file, or err enoent|invalid
  *   write PATHLEN DATALEN MODE UID GID    -> ok 0 or err invalid
@@ -63,6 +76,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <termios.h>
 #include <string.h>
 #include <net/if.h>
 #include <sys/ioctl.h>
@@ -88,6 +102,7 @@
 #define LINGER_MS 500      /* how long pipes held open by a background process are waited for */
 #define UNCONNECTED_MS 20  /* the host is not connected: look again this often */
 #define WINDOW (256 << 10) /* bytes of a streamed job's output sent and not acked yet, at most */
+#define PTY_QUEUE (1 << 20) /* bytes typed at a pty and not taken by it yet, at most */
 
 struct buf {
     char *data;
@@ -111,6 +126,8 @@ struct job {
     int64_t deadline; /* ms: set when the jail exits */
     int stream;        /* srun: output goes to the host as it comes */
     uint64_t unacked;  /* streamed bytes the host has not acked */
+    int tty;           /* pty: the master, for input and the size (out.fd reads it); else -1 */
+    struct buf typed;  /* pty: input not written yet */
 };
 
 struct pack {
@@ -286,6 +303,37 @@ static char inbuf[65536];
 static size_t in_start, in_end;
 static int connected = 1;
 
+/* The host went away: the PTYs it opened are killed (nobody can read or type at them again). */
+static void host_gone(void)
+{
+    connected = 0;
+    for (int i = 0; i < MAX_JOBS; i++)
+        if (jobs[i].used && jobs[i].tty >= 0 && jobs[i].pid) {
+            char path[96];
+            snprintf(path, sizeof path, "%s/cgroup.kill", jobs[i].cgroup);
+            write_file(path, "1");
+            jobs[i].stream = 0;
+            jobs[i].unacked = 0;
+        }
+}
+
+/* Write what was typed at a pty, as far as the terminal takes it now. */
+static void type_out(struct job *j)
+{
+    while (j->typed.len > 0) {
+        ssize_t w = write(j->tty, j->typed.data, j->typed.len);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w < 0) {
+            if (errno != EAGAIN)
+                j->typed.len = 0;  /* the terminal is gone (its command ended) */
+            return;
+        }
+        memmove(j->typed.data, j->typed.data + w, j->typed.len - (size_t)w);
+        j->typed.len -= (size_t)w;
+    }
+}
+
 /* Exactly n bytes from the port into `out` (NULL: read and drop them). -1 when the host went
  * away in the middle (the request is dropped). */
 static int take(char *out, size_t n)
@@ -296,7 +344,7 @@ static int take(char *out, size_t n)
             if (r < 0 && errno == EINTR)
                 continue;
             if (r <= 0) {
-                connected = 0;
+                host_gone();
                 in_start = in_end = 0;
                 return -1;
             }
@@ -393,7 +441,8 @@ static struct job *job_by_id(const char *id)
 }
 
 static void start_job(const char *id, long long cap, const char *wd, const char *command, const char *stdin_data,
-                      long long stdin_len, char *env, size_t env_len, const char *user, int stream)
+                      long long stdin_len, char *env, size_t env_len, const char *user, int stream,
+                      const struct winsize *pty)
 {
     struct job *j = NULL;
     for (int i = 0; i < MAX_JOBS && !j; i++)
@@ -410,8 +459,23 @@ static void start_job(const char *id, long long cap, const char *wd, const char 
     }
     snprintf(cgroup, sizeof cgroup, "%s", spare);
     spare[0] = '\0';
-    int in = -1, out[2] = {-1, -1}, err[2] = {-1, -1};
-    if (stdin_len >= 0) {
+    int in = -1, out[2] = {-1, -1}, err[2] = {-1, -1}, master = -1;
+    char slave[128] = "";
+    if (pty) {
+        master = posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC);
+        const char *name = master >= 0 && grantpt(master) == 0 && unlockpt(master) == 0 ? ptsname(master) : NULL;
+        if (!name || ioctl(master, TIOCSWINSZ, pty) < 0) {
+            send_err(id, "invalid", "cannot open a terminal for the command: %s", strerror(errno));
+            goto fail;
+        }
+        snprintf(slave, sizeof slave, "%s", name);
+        in = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        out[0] = fcntl(master, F_DUPFD_CLOEXEC, 0);  /* the output's reader; `master` writes */
+        if (in < 0 || out[0] < 0) {
+            send_err(id, "invalid", "cannot set up the command's terminal: %s", strerror(errno));
+            goto fail;
+        }
+    } else if (stdin_len >= 0) {
         in = memfd_create("stdin", MFD_CLOEXEC);
         if (in >= 0 && (write_all(in, stdin_data, (size_t)stdin_len) < 0 || lseek(in, 0, SEEK_SET) < 0)) {
             close(in);
@@ -420,7 +484,7 @@ static void start_job(const char *id, long long cap, const char *wd, const char 
     } else {
         in = open("/dev/null", O_RDONLY | O_CLOEXEC);
     }
-    if (in < 0 || pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0) {
+    if (!pty && (in < 0 || pipe2(out, O_CLOEXEC) < 0 || pipe2(err, O_CLOEXEC) < 0)) {
         send_err(id, "invalid", "cannot set up the command's input and output: %s", strerror(errno));
         goto fail;
     }
@@ -444,6 +508,8 @@ static void start_job(const char *id, long long cap, const char *wd, const char 
     jail_argv[argc++] = (char *)wd;
     jail_argv[argc++] = "--user";
     jail_argv[argc++] = (char *)user;
+    if (pty)
+        jail_argv[argc++] = "--ctty";
     jail_argv[argc++] = "--";
     jail_argv[argc++] = "/bin/sh";
     jail_argv[argc++] = "-c";
@@ -462,16 +528,32 @@ static void start_job(const char *id, long long cap, const char *wd, const char 
         snprintf(self, sizeof self, "%d", getpid());
         if (write_file(procs, self) < 0)
             _exit(125);
-        if (dup2(in, 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0)
+        if (pty) {
+            /* A session without a terminal here; the jail's child, in the sandbox's pid
+             * namespace, takes the terminal as its own (--ctty). */
+            int t = setsid() < 0 ? -1 : open(slave, O_RDWR | O_NOCTTY);
+            if (t < 0 || dup2(t, 0) < 0 || dup2(t, 1) < 0 || dup2(t, 2) < 0)
+                _exit(125);
+        } else if (dup2(in, 0) < 0 || dup2(out[1], 1) < 0 || dup2(err[1], 2) < 0)
             _exit(125);
         execve(jail_argv[0], jail_argv, envp);
         _exit(127);
     }
+    {
+        /* In its cgroup before anything else is served (the child puts itself there too): a
+         * kill that comes right after the start finds it. */
+        char pid_text[32];
+        snprintf(pid_text, sizeof pid_text, "%d", pid);
+        write_file(procs, pid_text);
+    }
     close(in);
-    close(out[1]);
-    close(err[1]);
+    if (out[1] >= 0)
+        close(out[1]);
+    if (err[1] >= 0)
+        close(err[1]);
     fcntl(out[0], F_SETFL, O_NONBLOCK);
-    fcntl(err[0], F_SETFL, O_NONBLOCK);
+    if (err[0] >= 0)
+        fcntl(err[0], F_SETFL, O_NONBLOCK);
     memset(j, 0, sizeof *j);
     j->used = 1;
     snprintf(j->id, sizeof j->id, "%s", id);
@@ -481,8 +563,17 @@ static void start_job(const char *id, long long cap, const char *wd, const char 
     j->stream = stream;
     j->out.fd = out[0];
     j->err.fd = err[0];
+    j->tty = master;
+    if (master >= 0) {
+        fcntl(master, F_SETFL, O_NONBLOCK);
+        char header[IDLEN + 16];
+        snprintf(header, sizeof header, "%s part 0\n", id);  /* it runs */
+        send_frame(header, NULL, 0, NULL, 0);
+    }
     return;
 fail:
+    if (master >= 0)
+        close(master);
     for (int k = 0; k < 2; k++) {
         if (out[k] >= 0)
             close(out[k]);
@@ -492,6 +583,22 @@ fail:
     if (in >= 0)
         close(in);
     rmdir(cgroup);
+}
+
+/* start_job, once its payloads came whole and its workdir is there. */
+static void start_checked(const char *id, long long cap, const char *wd, const char *command, const char *stdin_data,
+                          long long stdin_len, char *env, size_t env_len, const char *user, int stream,
+                          const struct winsize *pty)
+{
+    struct stat st;
+    if (!wd || !command || !env)
+        send_err(id, "invalid", "cannot start the command: out of memory");
+    else if (job_by_id(id))
+        send_err(id, "invalid", "a command with id %s is running", id);
+    else if (stat(wd, &st) < 0 || !S_ISDIR(st.st_mode))
+        send_err(id, "notdir", "workdir %s is not a directory in the sandbox", wd);
+    else
+        start_job(id, cap, wd, command, stdin_data, stdin_len, env, env_len, user, stream, pty);
 }
 
 /* Read what is there (one chunk: a command that writes without end must not starve the loop);
@@ -571,6 +678,10 @@ static void finish_job(struct job *j)
     send_frame(header, j->out.kept.data, j->out.kept.len, j->err.kept.data, j->err.kept.len);
     buf_free(&j->out.kept);
     buf_free(&j->err.kept);
+    if (j->tty >= 0)
+        close(j->tty);
+    j->tty = -1;
+    buf_free(&j->typed);
     j->used = 0;
     rmdir(j->cgroup);
     sweep_cgroups();
@@ -918,7 +1029,7 @@ static void handle_request(char *line)
         return;  /* noise: what is left of a frame from before the host reconnected */
     long long a, b, c, d;
     if (strcmp(op, "ping") == 0) {
-        send_ok(id, "run srun", 8);
+        send_ok(id, "run srun pty", 12);
     } else if (strcmp(op, "ack") == 0) {  /* JOBID N */
         struct job *j = f[2] ? job_by_id(f[2]) : NULL;
         if (j && number(f[3], &a) == 0 && a > 0)
@@ -935,20 +1046,68 @@ static void handle_request(char *line)
         snprintf(user, sizeof user, "%lld:%lld", uid, gid);
         if (take_payload(b, &wd) == 0 && take_payload(c, &command) == 0 && take_payload(d, &in) == 0 &&
             take_payload(e, &env) == 0) {
-            struct stat st;
-            if (!wd || !command || (d >= 0 && !in) || !env)
+            if (d >= 0 && !in)
                 send_err(id, "invalid", "cannot start the command: out of memory");
-            else if (job_by_id(id))
-                send_err(id, "invalid", "a command with id %s is running", id);
-            else if (stat(wd, &st) < 0 || !S_ISDIR(st.st_mode))
-                send_err(id, "notdir", "workdir %s is not a directory in the sandbox", wd);
             else
-                start_job(id, a, wd, command, in, d, env, (size_t)e, user, op[0] == 's');
+                start_checked(id, a, wd, command, in, d, env, (size_t)e, user, op[0] == 's', NULL);
         }
         free(wd);
         free(command);
         free(in);
         free(env);
+    } else if (strcmp(op, "pty") == 0) {  /* COLS ROWS WDLEN CMDLEN ENVLEN UID GID */
+        long long e, uid, gid;
+        if (number(f[2], &a) < 0 || number(f[3], &b) < 0 || number(f[4], &c) < 0 || number(f[5], &d) < 0 ||
+            number(f[6], &e) < 0 || number(f[7], &uid) < 0 || number(f[8], &gid) < 0 ||
+            a < 1 || a > 65535 || b < 1 || b > 65535 || c < 0 || d < 0 || e < 0 || uid < 0 || gid < 0) {
+            send_err(id, "invalid", "malformed pty request");
+            return;
+        }
+        char *wd = NULL, *command = NULL, *env = NULL, user[48];
+        snprintf(user, sizeof user, "%lld:%lld", uid, gid);
+        if (take_payload(c, &wd) == 0 && take_payload(d, &command) == 0 && take_payload(e, &env) == 0) {
+            struct winsize ws = {(unsigned short)b, (unsigned short)a, 0, 0};
+            start_checked(id, 0, wd, command, NULL, -1, env, (size_t)e, user, 1, &ws);
+        }
+        free(wd);
+        free(command);
+        free(env);
+    } else if (strcmp(op, "ptyin") == 0) {  /* JOBID LEN */
+        char *data;
+        if (!f[2] || number(f[3], &a) < 0 || a < 0) {
+            send_err(id, "invalid", "malformed ptyin request");
+            return;
+        }
+        if (take_payload(a, &data) < 0)
+            return;
+        struct job *j = job_by_id(f[2]);
+        if (!data)
+            send_err(id, "invalid", "cannot take the input: out of memory");
+        else if (!j || j->tty < 0 || !j->pid)
+            send_err(id, "invalid", "no running pty %s", f[2]);
+        else if (j->typed.len + (size_t)a > PTY_QUEUE)
+            send_err(id, "invalid", "the terminal's input is full: its program has not read the last %zu bytes",
+                     j->typed.len);
+        else if (buf_add(&j->typed, data, (size_t)a) < 0)
+            send_err(id, "invalid", "cannot take the input: out of memory");
+        else {
+            type_out(j);
+            send_ok(id, NULL, 0);
+        }
+        free(data);
+    } else if (strcmp(op, "ptysz") == 0) {  /* JOBID COLS ROWS */
+        struct job *j = f[2] ? job_by_id(f[2]) : NULL;
+        if (number(f[3], &a) < 0 || number(f[4], &b) < 0 || a < 1 || a > 65535 || b < 1 || b > 65535)
+            send_err(id, "invalid", "malformed ptysz request");
+        else if (!j || j->tty < 0 || !j->pid)
+            send_err(id, "invalid", "no running pty %s", f[2] ? f[2] : "");
+        else {
+            struct winsize ws = {(unsigned short)b, (unsigned short)a, 0, 0};
+            if (ioctl(j->tty, TIOCSWINSZ, &ws) < 0)
+                send_err(id, "invalid", "cannot resize the terminal: %s", strerror(errno));
+            else
+                send_ok(id, NULL, 0);
+        }
     } else if (strcmp(op, "kill") == 0) {
         struct job *j = f[2] ? job_by_id(f[2]) : NULL;
         if (j) {
@@ -1029,7 +1188,7 @@ static void serve_port(void)
         if (r < 0)
             return;
         if (r == 0) {  /* the host is not connected (yet, or any more: a restored VM waits here) */
-            connected = 0;
+            host_gone();
             in_start = in_end = 0;
             return;
         }
@@ -1192,8 +1351,8 @@ int main(void)
     reap();  /* children that ended before the signalfd */
     make_spare();
 
-    struct pollfd fds[2 + 2 * MAX_JOBS + MAX_PACKS];
-    void *owner[2 + 2 * MAX_JOBS + MAX_PACKS];
+    struct pollfd fds[2 + 3 * MAX_JOBS + MAX_PACKS];
+    void *owner[2 + 3 * MAX_JOBS + MAX_PACKS];
     for (;;) {
         int n = 0, timeout = -1;
         int64_t now = now_ms();
@@ -1217,6 +1376,10 @@ int main(void)
                 int left = (int)(j->deadline - now);
                 if (timeout < 0 || left < timeout)
                     timeout = left;
+            }
+            if (j->tty >= 0 && j->typed.len > 0 && j->pid) {
+                owner[n] = &j->typed;
+                fds[n++] = (struct pollfd){j->tty, POLLOUT, 0};
             }
             struct stream *ss[2] = {&j->out, &j->err};
             for (int k = 0; k < 2 && !held; k++)
@@ -1260,9 +1423,12 @@ int main(void)
                     }
                 if (!is_pack) {
                     struct stream *s = owner[i];
-                    for (int k = 0; k < MAX_JOBS; k++)
-                        if (jobs[k].used && (s == &jobs[k].out || s == &jobs[k].err))
+                    for (int k = 0; k < MAX_JOBS; k++) {
+                        if (jobs[k].used && owner[i] == (void *)&jobs[k].typed)
+                            type_out(&jobs[k]);
+                        else if (jobs[k].used && (s == &jobs[k].out || s == &jobs[k].err))
                             drain(&jobs[k], s, 1);
+                    }
                 }
             }
         }

@@ -22,6 +22,13 @@
  *     w ID STATUS                           ended, with its wait status
  * When the host end closes (the server restarted) the init keeps reaping; the server then
  * falls back to `crun exec`.
+ *
+ * `dsec-init --ctty PROG ARG...` (run as a command, not as pid 1) makes its stdin, a terminal the
+ * host opened (a PTY's), the controlling terminal of a session of its own and execs PROG: so
+ * Ctrl-C typed there reaches the foreground job, and job control works.
+ * `dsec-init --connect PORT` (a command too) connects to 127.0.0.1:PORT and relays its stdin to
+ * the connection and the connection to its stdout, as `nc` does (images without one: a
+ * WebSocket through a port, dsec.apiserver.websocket); exit 1 if it cannot connect.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -31,9 +38,13 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -353,7 +364,93 @@ static void serve(char *buf, sigset_t *oldmask) {
             close(fds[i]);
 }
 
-int main(void) {
+static int ctty_exec(char **argv) {
+    if (getsid(0) != getpid() && setsid() < 0) {
+        /* A process group leader cannot lead a new session: the command goes on in a child. */
+        pid_t pid = fork();
+        if (pid < 0) {
+            perror("dsec-init: fork");
+            return 126;
+        }
+        if (pid > 0) {
+            int status;
+            while (waitpid(pid, &status, 0) < 0)
+                if (errno != EINTR)
+                    return 126;
+            return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        }
+        setsid();
+    }
+    if (ioctl(0, TIOCSCTTY, 0) < 0) {
+        perror("dsec-init: cannot make stdin the controlling terminal");
+        return 126;
+    }
+    execvp(argv[0], argv);
+    fprintf(stderr, "dsec-init: %s: %s\n", argv[0], strerror(errno));
+    return 127;
+}
+
+static int connect_relay(const char *port_text) {
+    char *end;
+    long port = strtol(port_text, &end, 10);
+    if (*end || port < 1 || port > 65535) {
+        fprintf(stderr, "dsec-init: --connect wants a port, not %s\n", port_text);
+        return 2;
+    }
+    int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (s < 0 || connect(s, (struct sockaddr *)&addr, sizeof addr) < 0) {
+        fprintf(stderr, "dsec-init: cannot connect to 127.0.0.1:%ld: %s\n", port, strerror(errno));
+        return 1;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    char buf[65536];
+    int in_open = 1;
+    for (;;) {
+        struct pollfd p[2] = {{s, POLLIN, 0}, {0, POLLIN, 0}};
+        if (poll(p, in_open ? 2 : 1, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            return 1;
+        }
+        if (p[0].revents) {
+            ssize_t n = read(s, buf, sizeof buf);
+            if (n <= 0)
+                return 0;  /* the other end closed */
+            for (ssize_t done = 0; done < n; ) {
+                ssize_t w = write(1, buf + done, (size_t)(n - done));
+                if (w < 0 && errno == EINTR)
+                    continue;
+                if (w < 0)
+                    return 1;
+                done += w;
+            }
+        }
+        if (in_open && p[1].revents) {
+            ssize_t n = read(0, buf, sizeof buf);
+            if (n <= 0) {
+                shutdown(s, SHUT_WR);
+                in_open = 0;
+                continue;
+            }
+            for (ssize_t done = 0; done < n; ) {
+                ssize_t w = write(s, buf + done, (size_t)(n - done));
+                if (w < 0 && errno == EINTR)
+                    continue;
+                if (w < 0)
+                    return 1;
+                done += w;
+            }
+        }
+    }
+}
+
+int main(int argc, char **argv) {
+    if (argc > 2 && strcmp(argv[1], "--ctty") == 0)
+        return ctty_exec(argv + 2);
+    if (argc == 3 && strcmp(argv[1], "--connect") == 0)
+        return connect_relay(argv[2]);
     sigset_t all, old;
     sigfillset(&all);
     sigprocmask(SIG_BLOCK, &all, &old);

@@ -1,7 +1,7 @@
 /* dsec-jail: confine a command, then exec it. Built static by dsec.isolation.jail.
  *
  *   dsec-jail [--caps N,N,…] [--seccomp FILE] [--rw|--ro|--hide PATH]… [--scope] [--join PID]
- *             [--cwd DIR] [--user UID:GID] [--strict] -- COMMAND [ARG…]
+ *             [--cwd DIR] [--user UID:GID] [--strict] [--ctty] -- COMMAND [ARG…]
  *   dsec-jail [--ro PATH]… --init
  *
  * --init makes a sandbox's pid namespace (and a mount namespace with that namespace's /proc,
@@ -11,6 +11,8 @@
  *   --join     enter the pid and mount namespaces of that init: the command sees, and can
  *              signal, only the processes of the sandbox's commands (not whoever started it).
  *              The jail stays outside and exits with the command's status.
+ *   --ctty     a session of its own whose controlling terminal is stdin (a PTY's: Ctrl-C typed
+ *              there reaches the command's foreground job, inside the sandbox's namespace).
  *   --cwd      change to DIR (in the joined mount namespace); exit status 1 when it cannot.
  *   Landlock   filesystem rules (any --rw/--ro/--hide): a path that no option names gets full
  *              access, a named path gets its mode for itself and everything beneath it (named
@@ -36,6 +38,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/ioctl.h>
 #include <grp.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
@@ -404,13 +407,15 @@ int main(int argc, char **argv)
 {
     const char *caps = NULL, *seccomp = NULL;
     const char *join_pid = NULL, *cwd = NULL, *user = NULL;
-    int scope = 0, init = 0, i;
+    int scope = 0, init = 0, ctty = 0, i;
     for (i = 1; i < argc && strcmp(argv[i], "--") != 0; i++) {
         const char *opt = argv[i];
         if (strcmp(opt, "--scope") == 0) {
             scope = 1;
         } else if (strcmp(opt, "--init") == 0) {
             init = 1;
+        } else if (strcmp(opt, "--ctty") == 0) {
+            ctty = 1;
         } else if (i + 1 < argc && strcmp(opt, "--join") == 0) {
             join_pid = argv[++i];
         } else if (i + 1 < argc && strcmp(opt, "--cwd") == 0) {
@@ -433,7 +438,7 @@ int main(int argc, char **argv)
             named[n_named++].mode = opt[2] == 'r' ? (opt[3] == 'w' ? FULL : READ_ONLY) : HIDDEN;
         } else {
             die("unknown or incomplete option %s (usage: dsec-jail [--caps N,…] [--seccomp FILE] "
-                "[--rw|--ro|--hide PATH]… [--scope] [--join PID] [--cwd DIR] [--user UID:GID] [--strict] -- COMMAND [ARG…], "
+                "[--rw|--ro|--hide PATH]… [--scope] [--join PID] [--cwd DIR] [--user UID:GID] [--strict] [--ctty] -- COMMAND [ARG…], "
                 "or dsec-jail [--ro PATH]… --init)", opt);
         }
     }
@@ -447,6 +452,8 @@ int main(int argc, char **argv)
         read_seccomp(seccomp);
     if (join_pid)
         join(join_pid);
+    if (ctty && (setsid() < 0 || ioctl(0, TIOCSCTTY, 0) < 0))
+        die("cannot make stdin the controlling terminal: %s", strerror(errno));
     if (cwd && chdir(cwd) < 0) {
         fprintf(stderr, "dsec-jail: cannot change to %s: %s\n", cwd, strerror(errno));
         _exit(1);  /* as `cd DIR || exit 1` did */

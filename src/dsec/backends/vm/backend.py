@@ -80,6 +80,74 @@ class _Relay:
         self.task.cancel()
 
 
+class _VMPty:
+    """A VM's PTY (``SandboxBackend.open_pty``): a job of the guest agent's whose output comes
+    as "sout" frames (acked once read: the agent sends at most its window ahead), typed with
+    ``ptyin``, resized with ``ptysz``, ended with ``kill``."""
+
+    def __init__(self, backend: VMBackend, handle: Handle, live: _Live, rid: str) -> None:
+        self.backend, self.handle, self.live, self.agent, self.rid = backend, handle, live, live.agent, rid
+        self.chunks: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.agent.streams[rid] = lambda kind, data: self.chunks.put_nowait(data)
+        self.done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.closed = False
+        self._code: int | None = None
+
+    def release(self) -> None:
+        self.agent.streams.pop(self.rid, None)
+
+    def started(self, done: asyncio.Future) -> None:
+        self.done = done
+        # Its frames all came before its end: the end goes behind them.
+        done.add_done_callback(lambda _: self.chunks.put_nowait(None))
+
+    async def read(self) -> bytes:
+        data = await self.chunks.get()
+        if data is None:
+            self.chunks.put_nowait(None)  # and for every later read
+            return b""
+        with contextlib.suppress(AgentGone):
+            await self.agent.post(f"ack {self.rid} {len(data)}")
+        return data
+
+    async def _call(self, what: str, header: str, *payloads: bytes) -> None:
+        if self.closed:
+            raise SandboxStateError(f"cannot {what}: the PTY is closed")
+        if self.done.done():
+            raise SandboxStateError(f"cannot {what}: the PTY's command has exited (exit code {await self.wait()})")
+        try:
+            await self.agent.request(header, *payloads, timeout=30.0)
+        except AgentFailure as exc:
+            raise SandboxStateError(f"cannot {what}: {exc.message}") from None
+        except AgentGone as exc:
+            raise self.backend._gone(self.handle, self.live, exc) from None
+
+    async def write(self, data: bytes) -> None:
+        await self._call("write to the PTY", f"ptyin {self.rid} {len(data)}", data)
+
+    async def resize(self, cols: int, rows: int) -> None:
+        await self._call("resize the PTY", f"ptysz {self.rid} {cols} {rows}")
+
+    async def wait(self) -> int:
+        try:
+            result = await asyncio.shield(self.done)
+        except Exception:  # noqa: BLE001 - the agent went away: the command with it
+            return -1
+        return result.exit_code if isinstance(result, Done) else -1
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.done.done():
+            with contextlib.suppress(AgentGone):
+                await self.agent.send(self.agent.new_id(), f"kill {self.rid}")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self.done), KILL_GRACE_S)
+        self.release()
+        self.chunks.put_nowait(None)
+
+
 @dataclass
 class _Live:
     """What the backend holds for a running VM (rebuilt on recover)."""
@@ -490,6 +558,39 @@ class VMBackend:
             stdout_bytes=result.stdout_total,
             stderr_bytes=result.stderr_total,
         )
+
+    async def open_pty(self, handle: Handle, command: str, ctx: ExecContext, cols: int, rows: int) -> _VMPty:
+        """The command on a terminal of the guest's: the agent's ``pty`` operation (its output
+        comes as a streamed command's does, acked as it is read)."""
+        live = self._get(handle, "open a PTY")
+        agent = live.agent
+        if "pty" not in agent.features:
+            raise SandboxStateError(f"cannot open a PTY: the guest agent of {handle.cid} is older than PTYs "
+                                    "(a VM restored from a snapshot taken before them)")
+        if any("\0" in f"{k}{v}" or "=" in k for k, v in ctx.env.items()) or "\0" in ctx.workdir + command:
+            raise InvalidRequest("a NUL byte in the command, workdir or environment, or '=' in a variable's name")
+        workdir, cmd = ctx.workdir.encode(), command.encode()
+        env = b"".join(f"{k}={v}".encode() + b"\0" for k, v in ctx.env.items())
+        rid = agent.new_id()
+        pty = _VMPty(self, handle, live, rid)
+        running = asyncio.get_running_loop().create_future()
+        agent._sinks[rid] = lambda _: running.done() or running.set_result(None)  # "part 0": it runs
+        try:
+            pty.started(await agent.send(rid, f"pty {cols} {rows} {len(workdir)} {len(cmd)} {len(env)} {ctx.uid} {ctx.gid}",
+                                         workdir, cmd, env))
+            await asyncio.wait_for(asyncio.wait([running, pty.done], return_when=asyncio.FIRST_COMPLETED), 30.0)
+        except (AgentGone, TimeoutError) as exc:
+            pty.release()
+            raise self._gone(handle, live, AgentGone(str(exc) or "the guest agent did not start the PTY")) from None
+        finally:
+            agent._sinks.pop(rid, None)
+        if not running.done():
+            pty.release()
+            failure = pty.done.exception() or pty.done.result()
+            if isinstance(failure, AgentGone):
+                raise self._gone(handle, live, failure)
+            raise InvalidRequest(f"cannot open a PTY: {getattr(failure, 'message', failure)}")
+        return pty
 
     async def _file_call(self, handle: Handle, action: str, header: str, *payloads: bytes, size: int = 0) -> bytes:
         live = self._get(handle, action)
