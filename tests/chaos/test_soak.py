@@ -18,14 +18,14 @@ async def test_short_soak_holds_flat(new_state_dir):
     state = new_state_dir("dsec-soak")
     server = LocalServer(state, extra_args=("--pool-max", "8"), env={"DSEC_VMS": "0"}).start()
     try:
-        result = await soak(server, state, Console(quiet=True), lifecycles=240, concurrency=8, sample_every=80,
-                            pause_every=10, pack_every=40, fncall_every=5)
+        result = await soak(server, state, Console(quiet=True), lifecycles=120, concurrency=8, sample_every=40,
+                            pause_every=10, pack_every=20, fncall_every=5)
     finally:
         server.stop()
     assert not leftovers(state), leftovers(state)
     assert result["errors"] == []
     samples = result["samples"]
-    assert [s["lifecycles"] for s in samples] == [80, 160, 240]
+    assert [s["lifecycles"] for s in samples] == [40, 80, 120]
     grew = growth(samples)
     assert grew["mounts"] == 0 and grew["sandbox_cgroups"] == 0, samples
     assert grew["server_fds"] <= 16, samples
