@@ -522,6 +522,26 @@ def bench_vm_pause(
                                memory_mb=memory, state_mb=state_mb, strict=strict))
 
 
+@bench_app.command("soak")
+def bench_soak(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-soak"),
+    store_dir: Annotated[Optional[Path], typer.Option("--store", help="A layer store to use (linked as the state dir's store; default: its own, with busybox built).")] = None,
+    lifecycles: Annotated[int, typer.Option(help="Lifecycles in all.")] = 10_000,
+    concurrency: Annotated[int, typer.Option(help="Lifecycles in flight.")] = 16,
+    sample_every: Annotated[int, typer.Option(help="Read the server and the host after every this many.")] = 1000,
+    pause_every: Annotated[int, typer.Option(help="Pause and resume every Nth sandbox (0: none).")] = 10,
+    pack_every: Annotated[int, typer.Option(help="pack_diff every Nth sandbox (0: none).")] = 50,
+    fncall_every: Annotated[int, typer.Option(help="A FnCall with every Nth lifecycle (0: none).")] = 5,
+) -> None:
+    """Lifecycles mixed with pauses, pack_diffs, file writes and FnCalls: server RSS, fds, host memory (slab,
+    page tables), mounts and cgroups from the first thousand to the last."""
+    from .bench.soak import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, lifecycles=lifecycles, concurrency=concurrency,
+                               sample_every=sample_every, pause_every=pause_every, pack_every=pack_every,
+                               fncall_every=fncall_every, store=store_dir))
+
+
 @bench_app.command("cluster")
 def bench_cluster(
     nodes: Annotated[int, typer.Option(help="Simulated nodes (fake backend, each behind its own endpoint).")] = 160,

@@ -810,7 +810,11 @@ class ContainerBackend:
     async def _exec_crun(self, handle: Handle, request: ExecRequest, ctx: ExecContext,
                          emit: Flow | None = None) -> ExecResult:
         """Run a command through `crun exec` (a sandbox adopted after a restart has no channel)."""
-        pidfile = self.sandboxes_dir / handle.cid / f"exec-{os.urandom(4).hex()}.pid"
+        # Beside the bundles, on the node's own tmpfs: in the bundle it sat on the sandbox's capped
+        # disk, and a sandbox that had filled it could run no command (not even an rm).
+        exec_dir = self.run_dir / "exec"
+        exec_dir.mkdir(mode=0o700, exist_ok=True)
+        pidfile = exec_dir / f"{handle.cid}-{os.urandom(4).hex()}.pid"
         # crun exec does not take no_new_privs from the container's config: ask for it.
         argv = ["exec", "--no-new-privs", "--cwd", ctx.workdir, "--user", f"{ctx.uid}:{ctx.gid}", "--pid-file", str(pidfile)]
         for k, v in ctx.env.items():
