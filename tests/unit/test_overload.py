@@ -301,3 +301,28 @@ async def test_the_sdk_retries_reset_connections_only_for_calls_safe_to_repeat()
 def test_retry_settings_are_checked():
     with pytest.raises(libdsec.InvalidRequest, match="must not be negative"):
         libdsec.DSecClient("http://api", retries=-1)
+
+
+async def test_the_sdk_retries_a_create_that_carries_its_idempotency_key():
+    """Refused twice, then made: the same request, with the same key, each time."""
+    keys: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers.get("idempotency-key"))
+        if len(keys) <= 2:
+            return httpx.Response(429, headers={"retry-after": "1"}, json={"error": {
+                "code": "overloaded", "message": "node n0 is overloaded", "retry_after": 0.01}})
+        now = datetime.now(timezone.utc).isoformat()
+        return httpx.Response(200, json={
+            "id": SID, "node": "n0", "image": "busybox", "status": "running", "created_at": now,
+            "last_active_at": now, "memory_limit_mb": 64, "cpu_cores_limit": 1, "ttl_running_stop": 60,
+            "init_user": "root", "workdir": "/"})
+
+    async with libdsec.DSecClient("http://api", token=TOKEN, transport=httpx.MockTransport(handler),
+                                  retry_backoff_s=0.01, retry_max_wait_s=0.05) as client:
+        sandbox = await client.run_container(DSecContainerRunArgs(container_image="busybox"), key="episode-17")
+        assert sandbox.id == SID and keys == ["episode-17"] * 3
+        keys.clear()
+        with pytest.raises(libdsec.Overloaded):
+            await client.run_container(DSecContainerRunArgs(container_image="busybox"))
+        assert keys == [None], "a create without a key is sent once"
