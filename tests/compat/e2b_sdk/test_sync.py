@@ -240,3 +240,15 @@ def test_pty_create_type_resize_connect_and_kill(sandbox):
     assert not sandbox.pty.kill(terminal.pid)
     with pytest.raises(InvalidArgumentException, match="bad PTY size"):
         sandbox.pty.create(PtySize(rows=0, cols=80))
+
+    terminal = sandbox.pty.create(PtySize(rows=24, cols=80), timeout=1)  # the PTY's timeout: killed past it
+    with pytest.raises(TimeoutException):
+        terminal.wait()
+    deadline = time.monotonic() + 5  # (killed as the stream ends: the SDK may have hung up first)
+    while time.monotonic() < deadline:
+        try:
+            sandbox.pty.send_stdin(terminal.pid, b"")
+        except NotFoundException:
+            break
+        time.sleep(0.2)
+    assert not sandbox.pty.kill(terminal.pid)

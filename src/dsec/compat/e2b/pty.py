@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import shlex
 import signal as signals
 import time
@@ -37,6 +38,8 @@ from ._events import end as _end
 from ._events import event as _event
 
 PTY_PID_BASE = 1 << 22  # PID_MAX_LIMIT: no Linux process has this pid or a higher one
+# Kills of PTYs whose stream's deadline passed after its client left (a task each, held here).
+_KILLS: set[asyncio.Task] = set()
 
 
 def is_pty(pid: int) -> bool:
@@ -134,6 +137,7 @@ class PtyService:
     async def _follow(self, target, pid: int, deadline: float | None, kill_at_deadline: bool
                       ) -> AsyncIterator[pb.ProcessEvent]:
         queue = self._join(target, pid)
+        ended = False
         try:
             while True:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -141,20 +145,37 @@ class PtyService:
                     event = await asyncio.wait_for(queue.get(), left)
                 except TimeoutError:
                     if kill_at_deadline:
-                        await self.kill(target, pid, signals.SIGKILL)
+                        ended = True
+                        with contextlib.suppress(ConnectError):  # (it ended meanwhile)
+                            await self.kill(target, pid, signals.SIGKILL)
                         raise ConnectError(Code.DEADLINE_EXCEEDED,
                                            f"PTY {pid} ran past the stream's timeout: killed") from None
                     raise ConnectError(Code.DEADLINE_EXCEEDED, f"PTY {pid} still runs at the stream's timeout") from None
                 if event is None:  # read no more without an end: it is gone
+                    ended = True
                     yield _event(_end(128 + signals.SIGKILL))
                     return
                 if isinstance(event, ConnectError):
+                    ended = True
                     raise event
                 yield event
                 if event.event is not None and event.event.field == "end":
+                    ended = True
                     return
         finally:
             await self._leave(target, pid, queue)
+            if (kill_at_deadline and not ended and deadline is not None
+                    and time.monotonic() >= deadline - 0.05):
+                self._kill_later(target, pid)  # the client gave up at its deadline first
+
+    def _kill_later(self, target, pid: int) -> None:
+        async def kill() -> None:
+            with contextlib.suppress(ConnectError, DSecError):
+                await self.kill(target, pid, signals.SIGKILL)
+
+        task = asyncio.get_running_loop().create_task(kill())
+        _KILLS.add(task)
+        task.add_done_callback(_KILLS.discard)
 
     async def start(self, target, config: pb.ProcessConfig, size: pb.PTY.Size | None,
                     timeout_ms: int | None, started: float) -> AsyncIterator[pb.ProcessEvent]:
