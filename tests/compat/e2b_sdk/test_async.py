@@ -43,10 +43,11 @@ async def test_async_sandbox_lifecycle_commands_and_files():
         terminal = await sb.pty.create(PtySize(rows=24, cols=80), on_data=first.append, envs={"Y": "2"})
         watcher = await sb.pty.connect(terminal.pid, on_data=second.append)  # both see what follows
         await sb.pty.resize(terminal.pid, PtySize(rows=24, cols=120))
-        await sb.pty.send_stdin(terminal.pid, b"echo y=$Y; tput cols; exit\n")
+        await sb.pty.send_stdin(terminal.pid, b"echo y=$Y; tput cols; seq 1 50000 | tail -c 2000000; exit\n")
         assert (await terminal.wait()).exit_code == 0 and (await watcher.wait()).exit_code == 0
-        for seen in (first, second):
-            assert "y=2" in b"".join(seen).decode() and "120" in b"".join(seen).decode(), seen
+        for seen in (first, second):  # (more than the relay queues for a stream: read at their pace)
+            text = b"".join(seen).decode()
+            assert "y=2" in text and "\n120\r" in text and "\n49999\r\n50000\r" in text, text[-500:]
         terminal = await sb.pty.create(PtySize(rows=24, cols=80), on_data=first.append)
         assert await sb.pty.kill(terminal.pid)
         with pytest.raises(CommandExitException):

@@ -40,6 +40,7 @@ from ._events import event as _event
 PTY_PID_BASE = 1 << 22  # PID_MAX_LIMIT: no Linux process has this pid or a higher one
 # Kills of PTYs whose stream's deadline passed after its client left (a task each, held here).
 _KILLS: set[asyncio.Task] = set()
+_QUEUED = 64  # output chunks a stream may have waiting before the PTY is read on
 
 
 def is_pty(pid: int) -> bool:
@@ -74,6 +75,7 @@ class _Relay:
 
     listeners: set[asyncio.Queue] = field(default_factory=set)
     task: asyncio.Task | None = None
+    drained: asyncio.Event = field(default_factory=asyncio.Event)  # a listener took events: read on
     killed: int | None = None  # the signal of the kill that closed it (its streams then end by it)
 
 
@@ -100,6 +102,7 @@ class PtyService:
         if relay is None:
             return
         relay.listeners.discard(queue)
+        relay.drained.set()
         if not relay.listeners and relay.task is not None:  # no one follows it here: stop reading (it stays open)
             del self.relays[key]
             relay.task.cancel()
@@ -115,6 +118,10 @@ class PtyService:
             async for event in events:
                 if event.event == "stdout":
                     tell(_event(pb.ProcessEvent.DataEvent(output=Oneof("pty", base64.b64decode(event.data)))))
+                    # the terminal is read at the pace of the slowest stream following it here
+                    while any(queue.qsize() >= _QUEUED for queue in relay.listeners):
+                        relay.drained.clear()
+                        await relay.drained.wait()
                 elif event.event == "exit" and event.result is not None:
                     tell(_event(_end(event.result.exit_code)))
                     return
@@ -127,7 +134,7 @@ class PtyService:
                                       f"PTY {pid}: {err.get('message', 'its stream failed')}"))
                     return
         except DSecError as exc:
-            tell(_end_of_kill(relay) or _gone(exc, pid))
+            tell(_event(_end(128 + relay.killed)) if relay.killed is not None else _gone(exc, pid))
         finally:
             tell(None)
             await events.aclose()
@@ -151,6 +158,8 @@ class PtyService:
                         raise ConnectError(Code.DEADLINE_EXCEEDED,
                                            f"PTY {pid} ran past the stream's timeout: killed") from None
                     raise ConnectError(Code.DEADLINE_EXCEEDED, f"PTY {pid} still runs at the stream's timeout") from None
+                if (relay := self.relays.get((target.sandbox_id, pid))) is not None:
+                    relay.drained.set()
                 if event is None:  # read no more without an end: it is gone
                     ended = True
                     yield _event(_end(128 + signals.SIGKILL))
@@ -236,8 +245,4 @@ class PtyService:
             raise _gone(exc, pid) from None
         if not running:
             raise ConnectError(Code.NOT_FOUND, f"PTY {pid} has ended already")
-
-
-def _end_of_kill(relay: _Relay) -> pb.ProcessEvent | None:
-    return _event(_end(128 + relay.killed)) if relay.killed is not None else None
 
