@@ -22,6 +22,7 @@ import signal as signals
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
@@ -40,6 +41,7 @@ from ._events import event as _event
 PTY_PID_BASE = 1 << 22  # PID_MAX_LIMIT: no Linux process has this pid or a higher one
 # Kills of PTYs whose stream's deadline passed after its client left (a task each, held here).
 _KILLS: set[asyncio.Task] = set()
+_Sized = TypeVar("_Sized", OpenPtyRequest, PtyResizeRequest)
 _QUEUED = 64  # output chunks a stream may have waiting before the PTY is read on
 
 
@@ -58,7 +60,7 @@ def _gone(exc: DSecError, pid: int) -> ConnectError:
     return rpc_error(exc)
 
 
-def _size(size: pb.PTY.Size | None, model: type[OpenPtyRequest] | type[PtyResizeRequest], **more) -> object:
+def _size(size: pb.PTY.Size | None, model: type[_Sized], **more) -> _Sized:
     if size is None:
         raise ConnectError(Code.INVALID_ARGUMENT, "pty.size (cols, rows) is required")
     try:
