@@ -62,3 +62,22 @@ def test_watch_diffs():
     events = [(e.type, e.name) for e in _changes(before, after)]
     assert events == [(fpb.EventType.REMOVE, "gone"), (fpb.EventType.WRITE, "a"),
                       (fpb.EventType.CREATE, "new"), (fpb.EventType.WRITE, "new")]
+
+
+def test_pty_pids_are_above_any_process_pid_and_sizes_are_checked():
+    from connectrpc.code import Code
+    from connectrpc.errors import ConnectError
+
+    from dsec.compat.e2b.pty import PTY_PID_BASE, _pty_id, _size, is_pty
+    from libdsec.protocol import PtyResizeRequest
+
+    assert PTY_PID_BASE == 4194304  # the kernel's PID_MAX_LIMIT: pid_max is at most this
+    assert is_pty(PTY_PID_BASE + 1) and _pty_id(PTY_PID_BASE + 7) == 7
+    assert not is_pty(PTY_PID_BASE) and not is_pty(999999) and not is_pty(1)
+    assert _size(ppb.PTY.Size(cols=100, rows=30), PtyResizeRequest) == PtyResizeRequest(cols=100, rows=30)
+    for cols, rows in ((0, 24), (80, 0), (5000, 24)):
+        with pytest.raises(ConnectError, match=f"bad PTY size {cols}x{rows}") as bad:
+            _size(ppb.PTY.Size(cols=cols, rows=rows), PtyResizeRequest)
+        assert bad.value.code == Code.INVALID_ARGUMENT
+    with pytest.raises(ConnectError, match="size"):
+        _size(None, PtyResizeRequest)

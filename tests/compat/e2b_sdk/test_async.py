@@ -5,7 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from e2b import AsyncSandbox, CommandExitException, NotFoundException, SandboxQuery, TimeoutException
+from e2b import (
+    AsyncSandbox,
+    CommandExitException,
+    InvalidArgumentException,
+    NotFoundException,
+    SandboxQuery,
+    TimeoutException,
+)
+from e2b.sandbox.commands.command_handle import PtySize
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
 
 from conftest import TEMPLATE
@@ -29,6 +37,25 @@ async def test_async_sandbox_lifecycle_commands_and_files():
         reader = await sb.commands.run("read a; echo [$a]", background=True, stdin=True)
         await sb.commands.send_stdin(reader.pid, "typed\n")
         assert (await reader.wait()).stdout == "[typed]\n"
+
+        first: list[bytes] = []
+        second: list[bytes] = []
+        terminal = await sb.pty.create(PtySize(rows=24, cols=80), on_data=first.append, envs={"Y": "2"})
+        watcher = await sb.pty.connect(terminal.pid, on_data=second.append)  # both see what follows
+        await sb.pty.resize(terminal.pid, PtySize(rows=24, cols=120))
+        await sb.pty.send_stdin(terminal.pid, b"echo y=$Y; tput cols; seq 1 50000 | tail -c 2000000; exit\n")
+        assert (await terminal.wait()).exit_code == 0 and (await watcher.wait()).exit_code == 0
+        for seen in (first, second):  # (more than the relay queues for a stream: read at their pace)
+            text = b"".join(seen).decode()
+            assert "y=2" in text and "\n120\r" in text and "\n49999\r\n50000\r" in text, text[-500:]
+        terminal = await sb.pty.create(PtySize(rows=24, cols=80), on_data=first.append)
+        assert await sb.pty.kill(terminal.pid)
+        with pytest.raises(CommandExitException):
+            await terminal.wait()
+        with pytest.raises(NotFoundException):
+            await sb.pty.send_stdin(terminal.pid, b"exit\n")
+        with pytest.raises(InvalidArgumentException):
+            await sb.pty.create(PtySize(rows=24, cols=0), on_data=first.append)
 
         await sb.files.write("/root/async.txt", "written")
         assert await sb.files.read("/root/async.txt") == "written"

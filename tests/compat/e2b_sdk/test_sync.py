@@ -199,8 +199,56 @@ def test_errors():
     assert os.environ["E2B_API_KEY"].startswith("e2b_")
 
 
-def test_pty_answers_not_supported(sandbox):
+def test_pty_create_type_resize_connect_and_kill(sandbox):
+    from e2b import CommandExitException, InvalidArgumentException, SandboxException
     from e2b.sandbox.commands.command_handle import PtySize
 
-    with pytest.raises(SandboxException, match="PTYs are not supported"):
-        sandbox.pty.create(PtySize(rows=24, cols=80))
+    terminal = sandbox.pty.create(PtySize(rows=30, cols=100), envs={"ABC": "123"}, cwd="/tmp")
+    sandbox.pty.send_stdin(terminal.pid, b"tty; echo $ABC-$PWD; stty size; exit 3\n")
+    output: list[bytes] = []
+    with pytest.raises(CommandExitException) as exited:
+        terminal.wait(on_pty=output.append)
+    text = b"".join(output).decode()
+    assert exited.value.exit_code == 3
+    assert "/dev/pts/" in text and "123-/tmp" in text and "\n30 100\r" in text, text
+
+    terminal = sandbox.pty.create(PtySize(rows=24, cols=80))
+    sandbox.pty.send_stdin(terminal.pid, b"echo one-$((40 + 1))\n")
+    terminal.disconnect()  # the PTY stays open
+    again = sandbox.pty.connect(terminal.pid)
+    assert again.pid == terminal.pid
+    sandbox.pty.resize(terminal.pid, PtySize(rows=40, cols=120))
+    sandbox.pty.send_stdin(terminal.pid, b"echo two-$((40 + 2)); stty size; exit\n")
+    output = []
+    assert again.wait(on_pty=output.append).exit_code == 0
+    text = b"".join(output).decode()  # (one-41 may have been read by the first stream)
+    assert "two-42" in text and "\n40 120\r" in text, text
+
+    terminal = sandbox.pty.create(PtySize(rows=24, cols=80))
+    with pytest.raises(InvalidArgumentException, match="bad PTY size 0x0"):
+        sandbox.pty.resize(terminal.pid, PtySize(rows=0, cols=0))
+    with pytest.raises(SandboxException, match="not a PTY"):
+        sandbox.pty.resize(1, PtySize(rows=24, cols=80))
+    assert sandbox.pty.kill(terminal.pid)
+    with pytest.raises(CommandExitException) as killed:
+        terminal.wait()
+    assert killed.value.exit_code == 137  # SIGKILL
+    with pytest.raises(NotFoundException):
+        sandbox.pty.send_stdin(terminal.pid, b"echo too late\n")
+    with pytest.raises(NotFoundException):
+        sandbox.pty.resize(terminal.pid, PtySize(rows=24, cols=80))
+    assert not sandbox.pty.kill(terminal.pid)
+    with pytest.raises(InvalidArgumentException, match="bad PTY size"):
+        sandbox.pty.create(PtySize(rows=0, cols=80))
+
+    terminal = sandbox.pty.create(PtySize(rows=24, cols=80), timeout=1)  # the PTY's timeout: killed past it
+    with pytest.raises(TimeoutException):
+        terminal.wait()
+    deadline = time.monotonic() + 5  # (killed as the stream ends: the SDK may have hung up first)
+    while time.monotonic() < deadline:
+        try:
+            sandbox.pty.send_stdin(terminal.pid, b"")
+        except NotFoundException:
+            break
+        time.sleep(0.2)
+    assert not sandbox.pty.kill(terminal.pid)

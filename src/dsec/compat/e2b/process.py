@@ -13,7 +13,7 @@ its ``run`` returns), so ``Start`` chooses by ``stdin``:
   signalled and connected to (output from now on) through any apiserver.
 
 A stream that ends by its deadline (``commands.run(timeout=…)``) kills its command, as envd
-does. PTYs are not there yet: ``Start`` with a ``pty`` and ``Update`` answer ``UNIMPLEMENTED``.
+does. ``Start`` with a ``pty``, and the calls naming a PTY's pid, go to DSec's PTYs (``.pty``).
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from libdsec import DSecError, SandboxStateError
 from libdsec.protocol import ExecEvent, ExecRequest, ProcessStreamRequest, StartProcessRequest
 
 from ._errors import rpc_error
+from ._events import end as _end
+from ._events import event as _event
 from .envd import EnvdContext
+from .pty import PtyService, is_pty
 
-PTY_UNSUPPORTED = ("PTYs are not supported by DSec's E2B API yet (docs/COMPAT.md): "
-                   "use commands.run, whose output streams as it is written")
 # Left to themselves, kills sent because a stream's deadline passed (a task each, held here).
 _KILLS: set[asyncio.Task] = set()
 
@@ -58,21 +59,6 @@ def _config_of(command: str) -> pb.ProcessConfig:
     except ValueError:  # cut at 200 characters mid-quote
         parts = line.split()
     return pb.ProcessConfig(cmd=parts[0] if parts else "", args=parts[1:])
-
-
-def _event(value: pb.ProcessEvent.StartEvent | pb.ProcessEvent.DataEvent | pb.ProcessEvent.EndEvent) -> pb.ProcessEvent:
-    field = {pb.ProcessEvent.StartEvent: "start", pb.ProcessEvent.DataEvent: "data", pb.ProcessEvent.EndEvent: "end"}
-    return pb.ProcessEvent(event=Oneof(field[type(value)], value))
-
-
-def _end(exit_code: int) -> pb.ProcessEvent.EndEvent:
-    if exit_code > 128:  # the supervisor's 128 + N for a kill by signal N
-        try:
-            name = signals.Signals(exit_code - 128).name.removeprefix("SIG").lower()
-        except ValueError:
-            name = str(exit_code - 128)
-        return pb.ProcessEvent.EndEvent(exit_code=exit_code, exited=False, status=f"signal: {name}")
-    return pb.ProcessEvent.EndEvent(exit_code=exit_code, exited=True, status=f"exit status {exit_code}")
 
 
 async def _pid_first(events: AsyncIterator[ExecEvent]) -> AsyncIterator[ExecEvent]:
@@ -113,12 +99,13 @@ class ProcessService:
     def __init__(self, envd: EnvdContext) -> None:
         self.envd = envd
         self.streamed: dict[tuple[str, int], _Streamed] = {}
+        self.ptys = PtyService()
 
     async def _pid(self, ctx, selector: pb.ProcessSelector | None) -> int:
         if selector is None or selector.selector is None:
             raise ConnectError(Code.INVALID_ARGUMENT, "process selector (pid) is required")
         if selector.selector.field != "pid":
-            raise ConnectError(Code.NOT_FOUND, "no process by that tag: tags name PTYs, which DSec has not yet")
+            raise ConnectError(Code.NOT_FOUND, "no process by that tag: DSec's processes and PTYs are named by pid")
         return int(selector.selector.value)
 
     async def _follow(self, ctx, target, pid: int, events: AsyncIterator[ExecEvent],
@@ -200,9 +187,11 @@ class ProcessService:
     async def start(self, request: pb.StartRequest, ctx) -> AsyncIterator[pb.StartResponse]:
         started = time.monotonic()
         target = self.envd.target(ctx)
-        if request.pty is not None:
-            raise ConnectError(Code.UNIMPLEMENTED, PTY_UNSUPPORTED)
         config = request.process
+        if request.pty is not None:
+            async for event in self.ptys.start(target, config, request.pty.size, ctx.timeout_ms, started):
+                yield pb.StartResponse(event=event)
+            return
         command = _command(config, bool(request.stdin))
         env, workdir = dict(config.envs), target.path(config.cwd or "")  # envd's default: the user's home
         if request.stdin:  # a background process, started and followed in one call (the pid first)
@@ -233,6 +222,10 @@ class ProcessService:
         started = time.monotonic()
         target = self.envd.target(ctx)
         pid = await self._pid(ctx, request.process)
+        if is_pty(pid):
+            async for event in self.ptys.connect(target, pid, ctx.timeout_ms, started):
+                yield pb.ConnectResponse(event=event)
+            return
         if (streamed := self.streamed.get((target.sandbox_id, pid))) is not None:
             async for event in self._listen(ctx, pid, streamed, started):
                 yield pb.ConnectResponse(event=event)
@@ -291,10 +284,15 @@ class ProcessService:
     async def send_input(self, request: pb.SendInputRequest, ctx) -> pb.SendInputResponse:
         target = self.envd.target(ctx)
         pid = await self._pid(ctx, request.process)
-        self._no_stdin(target, pid)
         data = request.input.input if request.input is not None else None
-        if data is None or data.field != "stdin":
-            raise ConnectError(Code.UNIMPLEMENTED, PTY_UNSUPPORTED)
+        if data is None:
+            raise ConnectError(Code.INVALID_ARGUMENT, "input (stdin or pty bytes) is required")
+        if is_pty(pid):  # a PTY's input is typed at its terminal, whichever field carries it
+            await self.ptys.send_input(target, pid, bytes(data.value))
+            return pb.SendInputResponse()
+        if data.field != "stdin":
+            raise ConnectError(Code.FAILED_PRECONDITION, f"process {pid} is not a PTY: send its input as stdin")
+        self._no_stdin(target, pid)
         try:
             text = bytes(data.value).decode()
         except UnicodeDecodeError:
@@ -324,6 +322,9 @@ class ProcessService:
     async def close_stdin(self, request: pb.CloseStdinRequest, ctx) -> pb.CloseStdinResponse:
         target = self.envd.target(ctx)
         pid = await self._pid(ctx, request.process)
+        if is_pty(pid):
+            raise ConnectError(Code.FAILED_PRECONDITION, f"PTY {pid} has a terminal, not a stdin to close: "
+                               "send Ctrl-D (b'\\x04') to end its input")
         self._no_stdin(target, pid)
         try:
             await target.edge.process_stdin(target.sandbox_id, pid, "", True)
@@ -335,6 +336,9 @@ class ProcessService:
         target = self.envd.target(ctx)
         pid = await self._pid(ctx, request.process)
         number = int(request.signal) or signals.SIGKILL
+        if is_pty(pid):
+            await self.ptys.kill(target, pid, number)
+            return pb.SendSignalResponse()
         if (streamed := self.streamed.get((target.sandbox_id, pid))) is not None:
             streamed.signal = number
             streamed.stop.set()  # its Start closes the stream, which ends it
@@ -355,5 +359,11 @@ class ProcessService:
         return pb.SendSignalResponse()
 
     async def update(self, request: pb.UpdateRequest, ctx) -> pb.UpdateResponse:
-        self.envd.target(ctx)
-        raise ConnectError(Code.UNIMPLEMENTED, PTY_UNSUPPORTED)
+        target = self.envd.target(ctx)
+        pid = await self._pid(ctx, request.process)
+        if request.pty is None:
+            raise ConnectError(Code.INVALID_ARGUMENT, "update: pty (its size) is required")
+        if not is_pty(pid):
+            raise ConnectError(Code.FAILED_PRECONDITION, f"process {pid} is not a PTY: only PTYs are resized")
+        await self.ptys.resize(target, pid, request.pty.size)
+        return pb.UpdateResponse()
