@@ -12,7 +12,8 @@ mkdir -p $out
 [ -r /etc/dsec-hostvm.env ] && . /etc/dsec-hostvm.env
 steps=${DSEC_HOSTVM_STEPS:-tests demo bench}
 cd /opt/dsec || exit 1
-export PYTHONDONTWRITEBYTECODE=1 DSEC_TEST_ONE_SERVER=1 DSEC_VMS=0 DSEC_SERVE_START_TIMEOUT_S=300
+# Bytecode is written (to the VM's own disk): each dsec process would compile DSec again under TCG.
+export DSEC_TEST_ONE_SERVER=1 DSEC_VMS=0 DSEC_SERVE_START_TIMEOUT_S=300
 export DSEC_TEST_STORE=/var/lib/dsec-test/store
 
 # Swap on zram, as scripts/setup-host.sh makes it: pause pushes memory out to it.
