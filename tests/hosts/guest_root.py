@@ -39,7 +39,9 @@ from dsec.images.builders import apt_mirror
 SUITE = "bookworm"
 PACKAGES = (
     "systemd-sysv", "apparmor", "crun", "erofs-utils", "busybox-static", "python3", "kmod",
-    "podman", "containernetworking-plugins", "nftables", "iproute2", "procps", "util-linux", "ca-certificates",
+    # dbus: crun under podman (systemd cgroup manager) needs the system bus ("cannot open sd-bus");
+    # every Debian server has it, minbase does not.
+    "podman", "dbus", "containernetworking-plugins", "nftables", "iproute2", "procps", "util-linux", "ca-certificates",
 )
 REPO = Path(__file__).resolve().parents[2]
 # What DSec and its test subsets import: pyproject's dependencies and its test extra, read from
