@@ -16,8 +16,12 @@ systemd as PID 1 (so pure cgroup v2, systemd's default), AppArmor, crun, erofs-u
   ``/var/lib/dsec-hostvm``. The full-VM backend adds the agent's own unit (``dsec-agent.service``)
   when it builds the disk, as for any image whose init is systemd.
 
-The debootstrap'ed tree is cached by its package list (it takes a few minutes); the rest is laid
-anew on a copy each time, since the checkout changes.
+So that a run lays out only what changes, the guest's disk is one layer, ``base_layer``: the
+debootstrap'ed tree and all of the above but the checkout, cached in a store of its own beside
+the debootstrap tree, by what it is made of (and the full-VM backend's disk of it in a node
+directory there). The checkout and its native programs (``checkout_tar``, a few MB, made each
+run) are written into the booted guest through its agent; the unit's ``start.sh`` waits for
+them and runs ``guest_run.sh`` from them.
 """
 
 from __future__ import annotations
@@ -35,13 +39,32 @@ from dsec.images.builders import apt_mirror
 SUITE = "bookworm"
 PACKAGES = (
     "systemd-sysv", "apparmor", "crun", "erofs-utils", "busybox-static", "python3", "kmod",
-    "podman", "containernetworking-plugins", "nftables", "iproute2", "procps", "util-linux", "ca-certificates",
+    # dbus: crun under podman (systemd cgroup manager) needs the system bus ("cannot open sd-bus");
+    # every Debian server has it, minbase does not.
+    "podman", "dbus", "containernetworking-plugins", "nftables", "iproute2", "procps", "util-linux", "ca-certificates",
 )
 REPO = Path(__file__).resolve().parents[2]
-# What DSec and its test subsets import (ray and the linters stay out: the guest runs no cluster).
-TOP_REQUIREMENTS = ("httpx", "httptools", "sniffio", "pydantic", "fastapi", "uvicorn", "typer", "rich",
-                    "asyncpg", "pytest", "pytest-asyncio")
+# What DSec and its test subsets import: pyproject's dependencies and its test extra, read from
+# it (a dependency added there is in the guest too), but these (the guest runs no cluster and no linter).
+NOT_IN_GUEST = frozenset({"ray", "ruff"})
+
+
+def top_requirements() -> tuple[str, ...]:
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = [re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+             for req in (*project["dependencies"], *project["optional-dependencies"]["test"])]
+    return tuple(n for n in dict.fromkeys(names) if n not in NOT_IN_GUEST)
+
 HERE = Path(__file__).parent
+# The test store's images the guest's tests use (the test fixtures build them on the host first).
+GUEST_IMAGES = ("busybox", "python")
+QUIET_UNITS = (
+    "podman.service", "podman.socket", "podman-restart.service", "podman-auto-update.service",
+    "podman-auto-update.timer", "apt-daily.timer", "apt-daily-upgrade.timer", "dpkg-db-backup.timer",
+    "e2scrub_all.timer", "e2scrub_reap.service", "fstrim.timer",
+)
 
 RUN_UNIT = """\
 [Unit]
@@ -53,7 +76,7 @@ Wants=apparmor.service
 
 [Service]
 Type=oneshot
-ExecStart=/bin/bash /opt/dsec/tests/hosts/guest_run.sh
+ExecStart=/bin/bash /usr/local/lib/dsec-hostvm/start.sh
 StandardOutput=journal+console
 StandardError=journal+console
 TimeoutStartSec=infinity
@@ -61,6 +84,20 @@ Delegate=yes
 
 [Install]
 WantedBy=multi-user.target
+"""
+# The checkout is not in the guest's disk (which is then the same from run to run, and cached):
+# the host writes it through the guest agent once the agent answers, as a tar, and "go" last.
+CHECKOUT_TAR = "/var/lib/dsec-hostvm/checkout.tar"
+START = f"""\
+#!/bin/bash
+# Waits for the host's checkout (test_debian12_vm.py writes it through the agent), unpacks it
+# and runs its tests/hosts/guest_run.sh.
+for _ in $(seq 600); do
+    [ -e /var/lib/dsec-hostvm/go ] && break
+    sleep 1
+done
+tar -xf {CHECKOUT_TAR} -C / || {{ echo "dsec-hostvm: no checkout" > /dev/ttyS0; exit 1; }}
+exec /bin/bash /opt/dsec/tests/hosts/guest_run.sh
 """
 
 
@@ -110,7 +147,7 @@ def _requirement_closure(names: tuple[str, ...]) -> list[md.Distribution]:
 
 def copy_python_packages(dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
-    for dist in _requirement_closure(TOP_REQUIREMENTS):
+    for dist in _requirement_closure(top_requirements()):
         for f in dist.files or ():
             src = Path(dist.locate_file(f)).resolve()
             if not src.is_file() or "__pycache__" in src.parts or not str(f).strip() or str(f).startswith(".."):
@@ -120,8 +157,26 @@ def copy_python_packages(dest: Path) -> None:
             shutil.copy2(src, target)
 
 
-def lay_out(tree: Path, root: Path, kernel_dir: Path, test_store: Path) -> None:
-    """Copy ``tree`` to ``root`` and put the kernel's modules, DSec and the units in it."""
+def copy_images(store: Path, dest: Path, names: tuple[str, ...]) -> None:
+    """The images ``names`` of the store at ``store`` (manifests and EROFS layers), to a new store
+    at ``dest``: the shared test store also holds other tests' images and their builds in progress."""
+    from dsec.images.store import LayerStore
+
+    src = LayerStore(store)
+    for name in names:
+        image = src.get_image(name)
+        for digest in image.layers:
+            target = dest / "layers" / src.layer_path(digest).name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.exists():
+                shutil.copy2(src.layer_path(digest), target)
+        (dest / "images").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src.images_dir / f"{name}.json", dest / "images" / f"{name}.json")
+
+
+def _lay_out_base(tree: Path, root: Path, kernel_dir: Path, test_store: Path) -> None:
+    """Copy ``tree`` to ``root`` and put in it all but DSec's checkout: the kernel's modules, the
+    Python packages, the test images and the units."""
     shutil.rmtree(root, ignore_errors=True)
     _run(["cp", "-a", f"{tree}/.", str(root)])
     (root / ".done").unlink(missing_ok=True)
@@ -129,34 +184,99 @@ def lay_out(tree: Path, root: Path, kernel_dir: Path, test_store: Path) -> None:
     (root / "usr/lib/modules").mkdir(parents=True, exist_ok=True)  # /lib is usr/lib (merged /usr)
     _run(["cp", "-a", str(kernel_dir / "modules"), str(root / "usr/lib/modules" / version)])
     _run(["chroot", str(root), "depmod", version])  # the guest's own kmod
-    opt = root / "opt/dsec"
-    opt.mkdir(parents=True)
-    for part in ("src", "tests"):
-        shutil.copytree(REPO / part, opt / part, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache"))
-    shutil.copy2(REPO / "pyproject.toml", opt / "pyproject.toml")
-    copy_python_packages(opt / "site")
+    copy_python_packages(root / "opt/dsec/site")
+    # Compiled once here, by the guest's own python3: under TCG, compiling fastapi, pydantic and
+    # the rest on each import took minutes per dsec process (servers then missed their start
+    # timeout). A file that does not compile (none DSec imports) is left to the source.
+    subprocess.run(["chroot", str(root), "python3", "-m", "compileall", "-q", "/opt/dsec/site"],
+                   capture_output=True)
     (root / "usr/lib/python3/dist-packages/dsec-hostvm.pth").write_text("/opt/dsec/src\n/opt/dsec/site\n")
-    from dsec import native
-
-    bins = root / str(native.CACHE).lstrip("/")
-    bins.mkdir(parents=True, exist_ok=True)
-    for name in ("agent", "init", "jail"):
-        shutil.copy2(native.binary(name), bins)
-    shutil.copy2(native.library("zygote"), bins)
-    (root / "var/lib/dsec-test").mkdir(parents=True, exist_ok=True)
-    _run(["cp", "-a", str(test_store), str(root / "var/lib/dsec-test/store")])
+    copy_images(test_store, root / "var/lib/dsec-test/store", GUEST_IMAGES)
     units = root / "etc/systemd/system"
     (units / "dsec-hostvm.service").write_text(RUN_UNIT)
+    start = root / "usr/local/lib/dsec-hostvm/start.sh"
+    start.parent.mkdir(parents=True)
+    start.write_text(START)
     wants = units / "multi-user.target.wants"
     wants.mkdir(exist_ok=True)
     (wants / "dsec-hostvm.service").symlink_to("/etc/systemd/system/dsec-hostvm.service")
     (root / "etc/hostname").write_text("dsec-debian12\n")
-    # No getty on a console nobody reads; no network wait (the VM has none).
-    for unit in ("getty@tty1.service", "serial-getty@ttyS0.service", "systemd-networkd-wait-online.service"):
+    # No getty on a console nobody reads; no network wait (the VM has none); none of the timers
+    # and podman's boot units (nothing to restart or update), which would only take TCG's time
+    # in the middle of a measurement (podman's storage is mounted later, by guest_run.sh).
+    for unit in ("getty@tty1.service", "serial-getty@ttyS0.service", "systemd-networkd-wait-online.service",
+                 *QUIET_UNITS):
         (units / unit).unlink(missing_ok=True)
         (units / unit).symlink_to("/dev/null")
     (root / "etc/fstab").write_text("")
     (root / "var/lib/dsec-hostvm").mkdir(parents=True, exist_ok=True)
+
+
+def _base_key(tree: Path, kernel_dir: Path, test_store: Path) -> str:
+    """What the base layer is made of: the debootstrap tree, the kernel, the Python packages'
+    versions, the test images' layers, and this file (the units and the lay-out)."""
+    from dsec.images.store import LayerStore
+
+    store = LayerStore(test_store)
+    parts = [tree.name, kernel_dir.name, Path(__file__).read_text(),
+             *sorted(f"{d.metadata['Name']}=={d.version}" for d in _requirement_closure(top_requirements())),
+             *(digest for name in GUEST_IMAGES for digest in store.get_image(name).layers)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def base_layer(cache: Path, store, kernel_dir: Path, test_store: Path) -> str:
+    """The guest's root without DSec's checkout, as a layer of ``store`` (a store of the cache's own):
+    made once per ``_base_key`` (about a minute, and a few more for the debootstrap tree the
+    first time), then reused. Base layers of older keys are removed from ``store``."""
+    tree = debootstrap_tree(cache)
+    key = _base_key(tree, kernel_dir, test_store)
+    marker = cache / f"base-{key}.layer"
+    if marker.exists() and store.has_layer(digest := marker.read_text().strip()):
+        return digest
+    for left in cache.glob("base-*.tmp"):  # a killed run's
+        shutil.rmtree(left, ignore_errors=True)
+    root = cache / f"base-{key}.tmp"
+    try:
+        _lay_out_base(tree, root, kernel_dir, test_store)
+        digest = store.add_dir(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for old in cache.glob("base-*.layer"):
+        if old != marker:
+            store.remove_layer(old.read_text().strip())
+            old.unlink()
+    marker.write_text(digest + "\n")
+    return digest
+
+
+def checkout_tar(env: dict[str, str]) -> bytes:
+    """This checkout (``src``, ``tests`` and ``pyproject.toml`` under ``/opt/dsec``), the native
+    programs built from it, and ``/etc/dsec-hostvm.env`` (``env``: the runner's settings), as a
+    tar to unpack at the guest's ``/``: a few MB, made anew each run."""
+    import io
+    import tarfile
+
+    from dsec import native
+
+    def clean(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        if "__pycache__" in info.name or info.name.endswith(".pyc") or ".pytest_cache" in info.name:
+            return None
+        info.uid = info.gid = 0
+        info.uname = info.gname = "root"
+        return info
+
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for part in ("src", "tests", "pyproject.toml"):
+            tar.add(REPO / part, f"opt/dsec/{part}", filter=clean)
+        bins = str(native.CACHE).lstrip("/")
+        for path in (*(native.binary(name) for name in ("agent", "init", "jail")), native.library("zygote")):
+            tar.add(path, f"{bins}/{path.name}", filter=clean)
+        data = "".join(f"export {k}={v!r}\n" for k, v in sorted(env.items())).encode()
+        info = tarfile.TarInfo("etc/dsec-hostvm.env")
+        info.size, info.mode = len(data), 0o644
+        tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
 
 
 if __name__ == "__main__":  # python tests/hosts/guest_root.py CACHE: make the debootstrap tree now

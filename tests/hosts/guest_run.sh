@@ -12,12 +12,21 @@ mkdir -p $out
 [ -r /etc/dsec-hostvm.env ] && . /etc/dsec-hostvm.env
 steps=${DSEC_HOSTVM_STEPS:-tests demo bench}
 cd /opt/dsec || exit 1
-export PYTHONDONTWRITEBYTECODE=1 DSEC_TEST_ONE_SERVER=1 DSEC_VMS=0 DSEC_SERVE_START_TIMEOUT_S=300
+# Bytecode is written (to the VM's own disk): each dsec process would compile DSec again under TCG.
+export DSEC_TEST_ONE_SERVER=1 DSEC_VMS=0 DSEC_SERVE_START_TIMEOUT_S=300
 export DSEC_TEST_STORE=/var/lib/dsec-test/store
 
 # Swap on zram, as scripts/setup-host.sh makes it: pause pushes memory out to it.
 if modprobe zram num_devices=1 2>/dev/null && [ -e /dev/zram0 ]; then
     echo 1G > /sys/block/zram0/disksize && mkswap /dev/zram0 >/dev/null && swapon /dev/zram0
+fi
+
+# podman's storage on ext4, as on a stock host's root. This VM's root is an overlay (the full-VM
+# backend's disk: a read-only base under the VM's own), and podman's overlay driver refuses to
+# stack on overlayfs ("'overlay' is not supported over overlayfs, a mount_program is required").
+if ! mountpoint -q /var/lib/containers; then
+    truncate -s 4G /var/lib/containers.ext4 && mkfs.ext4 -q -F /var/lib/containers.ext4 \
+        && mkdir -p /var/lib/containers && mount -o loop /var/lib/containers.ext4 /var/lib/containers
 fi
 
 {
@@ -28,6 +37,7 @@ fi
     echo "lsm $(cat /sys/kernel/security/lsm 2>/dev/null)"
     echo "swap $(awk '/SwapTotal/ {print $2 " kB"}' /proc/meminfo)"
     echo "crun $(crun --version | head -1); podman $(podman --version); python $(python3 --version)"
+    echo "podman storage on $(findmnt -no FSTYPE /var/lib/containers 2>/dev/null || echo 'the root (overlay)')"
 } > $out/host.txt 2>&1
 
 step() {  # step NAME COMMAND…: runs it, timed, output to NAME.log, exit code to NAME.rc
