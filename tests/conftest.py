@@ -39,6 +39,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def environment_kept():
+    """Each test leaves ``os.environ`` as it found it: a benchmark's main run in-process sets its
+    defaults there (``DSEC_VMS=0``, a guest kernel package that does not exist), and every server
+    a later test started would inherit them. (A module's fixture that sets variables for its own
+    servers is set up before this and restores them itself.)"""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def test_store() -> Path:
     from dsec.images.builders import build_busybox

@@ -15,7 +15,7 @@ import pytest
 
 from dsec.local import LocalServer, leftovers
 from libdsec import DSecClient, DSecContainerRunArgs, DSecError, DSecFnCallArgs, QuotaExceeded, SandboxLost
-from libdsec import SandboxStatus
+from libdsec import SandboxStatus, Unauthenticated
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.cluster]
 
@@ -244,6 +244,16 @@ async def test_two_apiservers_serve_one_cluster(world):
         token = await one.create_project_token("pair")
         async with DSecClient(second.endpoint, token=token) as two:
             await wait_for_nodes(root2, {"a1", "a2", "a3"})
+            # The second learns of the token from PostgreSQL's NOTIFY (or its periodic look at
+            # the version): at once on a quiet machine, a moment later on a busy one.
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    await two.list_sandboxes()
+                    break
+                except Unauthenticated:
+                    assert time.monotonic() < deadline, "the second apiserver never learnt the token"
+                    await asyncio.sleep(0.1)
             made = await two.run_containers(ARGS, count=3)
             seen = await (await one.get_sandbox(made[0].id)).refresh()
             assert seen.project == "pair"

@@ -22,8 +22,9 @@ BAD_IDS = ["xyz", "n0-0123", "n0-0123456789ABCDEF", "n0-0123456789abcdeg", "n0_0
 BODIES = {"exec": {"command": "true"}, "exec:stream": {"command": "true"}, "processes": {"command": "true"},
           "signal": {"signal": 15}, "stdin": {"data": ""}, "remove": {"path": "/x"}, "mkdir": {"path": "/x"},
           "rename": {"src": "/a", "dst": "/b"}, "tree:download": {"path": "/x"}, "network_rules": {"network_rules": {}},
-          "clean_copy": {"keep": ["/x"]}}
-PARAMS = {"pid": "7", "session": "7", "port": "80", "path": "x"}
+          "clean_copy": {"keep": ["/x"]}, "input": {"data": ""}, "resize": {"cols": 80, "rows": 24},
+          "ttl": {"ttl_running_stop": 60}}
+PARAMS = {"pid": "7", "session": "7", "pty": "7", "port": "80", "path": "x"}
 
 
 @pytest.fixture

@@ -394,7 +394,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         try:
             if not port.isdigit() or not 1 <= int(port) <= 65535:
                 raise InvalidRequest(f"port {port} is outside 1-65535")
-            await check(websocket.headers.get("authorization", ""), websocket.path_params)
+            await check(dict(websocket.headers.raw), websocket.path_params)
             edge = cluster.edge_for(sandbox_id)
         except DSecError as exc:
             await websocket.send_denial_response(JSONResponse(exc.to_wire(), status_code=exc.status))

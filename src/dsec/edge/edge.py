@@ -132,6 +132,7 @@ class Edge:
         self._batches: dict[str, float | None] = {}
         self.reaper = TTLReaper(config, self._records, self.stop, self._batches)
         self._undoing: set[asyncio.Task] = set()  # failed batches being undone (close() waits for them)
+        self._looking: dict[str, asyncio.Task] = {}  # sandboxes whose death is being confirmed (_look_again)
         self._closed = False
         self.security = EdgeSecurity(self)  # network allowlists, security events
         self.fncalls = fncalls  # the warm pool for stateless calls (dsec.fncall), if served here
@@ -189,6 +190,9 @@ class Edge:
         await self.reaper.close()
         await self.ptys.close_all()
         await asyncio.gather(*self._undoing, return_exceptions=True)
+        for task in list(self._looking.values()):
+            task.cancel()
+        await asyncio.gather(*self._looking.values(), return_exceptions=True)
         await self.warm_pool.close()  # after the batches' creates: it destroys what it holds
         if self.fncalls is not None:
             await self.fncalls.close()
@@ -469,8 +473,11 @@ class Edge:
         try:
             return await coro
         except SandboxStateError:
-            if rec.status is SandboxStatus.running and not await self.backends[rec.kind].is_alive(rec.handle):
-                await self._fail(rec, "sandbox processes died")
+            if rec.status is SandboxStatus.running:
+                if not await self.backends[rec.kind].is_alive(rec.handle):
+                    await self._fail(rec, "sandbox processes died")
+                else:
+                    self._look_again(rec)
             raise
         finally:
             rec.calls -= 1
@@ -957,6 +964,27 @@ class Edge:
         now = time.time()
         return [(r.kind, r.handle) for r in self._records.values()
                 if r.status is SandboxStatus.running and r.calls == 0 and now - r.last_active >= idle_s]
+
+    def _look_again(self, rec: Record) -> None:
+        """A call found the sandbox's processes gone while its init still counts as alive (a
+        killed pid namespace's init takes a moment to finish dying): look again for a few
+        seconds, in the background, and fail it once it is seen dead (the error answered at once)."""
+        if rec.id in self._looking:
+            return
+
+        async def look() -> None:
+            backend = self.backends[rec.kind]
+            for _ in range(30):
+                await asyncio.sleep(0.1)
+                if self._records.get(rec.id) is not rec or rec.status is not SandboxStatus.running:
+                    return
+                if not await backend.is_alive(rec.handle):
+                    await self._fail(rec, "sandbox processes died")
+                    return
+
+        task = asyncio.create_task(look(), name=f"dsec-look-again-{rec.id}")
+        self._looking[rec.id] = task
+        task.add_done_callback(lambda _: self._looking.pop(rec.id, None))
 
     async def _fail(self, rec: Record, reason: str) -> None:
         log.warning("sandbox %s failed: %s", rec.id, reason)
