@@ -27,6 +27,7 @@ async def test_short_soak_holds_flat(new_state_dir):
     samples = result["samples"]
     assert [s["lifecycles"] for s in samples] == [40, 80, 120]
     grew = growth(samples)
-    assert grew["mounts"] == 0 and grew["sandbox_cgroups"] == 0, samples
+    # Flat or fewer (host-wide counts: what an earlier test left settling may go meanwhile).
+    assert grew["mounts"] <= 0 and grew["sandbox_cgroups"] <= 0, samples
     assert grew["server_fds"] <= 16, samples
     assert grew["server_rss_mib"] <= 32, samples
