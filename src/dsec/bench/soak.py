@@ -7,7 +7,8 @@ every ``pack_every``-th is packed (``pack_diff``; the image is removed after), e
 ``fncall_every``-th lifecycle also runs a FnCall. ``concurrency`` lifecycles are in flight.
 After every ``sample_every`` lifecycles (and once the warm pool has settled, 1 s) it reads: the
 server's resident memory and open fds, the host's used memory (MemTotal − MemAvailable),
-``Slab`` and ``PageTables``, and the state dir's mounts and sandbox cgroups.
+``Slab`` and ``PageTables``, and the state dir's mounts (a started overlay awaiting detach not
+counted) and sandbox cgroups.
 
 The peer is the run's own start: each figure at the end is set beside its value after the first
 ``sample_every`` lifecycles (``growth``). A leak shows as a curve that climbs with the count;
@@ -45,9 +46,15 @@ def _server_figures(pid: int) -> tuple[int, int]:
 
 
 def _state_figures(state_dir: Path) -> tuple[int, int]:
+    """The state dir's mounts and sandbox cgroups. A started container's overlay stays mounted on
+    the host until the next create detaches it (``ContainerBackend._detach_started``), so how many
+    there are depends on which creates came last, not on how many ran: one whose sandbox's own
+    bundle mount is still there is not counted (a leaked one would have lost its bundle too)."""
     inside = str(state_dir.resolve()) + "/"
     with open("/proc/self/mountinfo") as f:
-        mounts = sum(1 for line in f if line.split()[4].startswith(inside))
+        points = [line.split()[4] for line in f if line.split()[4].startswith(inside)]
+    bundles = set(points)
+    mounts = sum(1 for p in points if not (p.endswith("/rootfs") and p.removesuffix("/rootfs") in bundles))
     groups = len(cgroups.sandbox_cgroup_dirs(cgroups.parent_for(state_dir)))
     return mounts, groups
 
