@@ -678,7 +678,9 @@ class DSecClient(_ProjectMethods):
         tried: list[str] = []
         attempt = 0
         while True:
-            endpoint, transport = self._now()
+            endpoint, transport = self.endpoint, self._transport  # (the hottest path: no call for it)
+            if transport is None:
+                raise InvalidRequest("client is not open: call `await client.open()` first")
             try:
                 answer = await transport.request(method, path, params=params, body=body, content_type=content_type,
                                                  timeout=self._timeout if timeout is None else timeout,
