@@ -296,26 +296,7 @@ class WireClient:
     async def _send_head(self, conn: _Connection, request: bytes) -> _StreamReading:
         """Send ``request`` and read until the answer's head is in (and whatever came with it)."""
         reading = _StreamReading()
-        answered = False
-        try:
-            conn.writer.write(request)
-            while not reading.head_done:
-                chunk = await conn.reader.read(_READ_SIZE)
-                if not chunk:
-                    if not answered:
-                        raise _NoAnswer("the server closed the connection without answering")
-                    raise ConnectionBroken("the server broke off its answer: it closed the connection")
-                answered = True
-                reading.parser.feed_data(chunk)
-        except (OSError, httptools.HttpParserError) as exc:
-            conn.close()
-            if not answered:
-                raise _NoAnswer(f"the server closed the connection: {exc!r}") from exc
-            failure = ConnectionBroken if isinstance(exc, OSError) else WireError
-            raise failure(f"the server broke off its answer: {exc!r}") from exc
-        except BaseException:
-            conn.close()
-            raise
+        await _write_and_read(conn, request, reading, head_only=True)
         return reading
 
     def _take(self) -> _Connection | None:
@@ -334,26 +315,7 @@ class WireClient:
     async def _send(self, conn: _Connection, request: bytes) -> Answer:
         reading = _Reading()
         parser = reading.parser
-        answered = False
-        try:
-            conn.writer.write(request)
-            while not reading.complete:
-                chunk = await conn.reader.read(_READ_SIZE)
-                if not chunk:
-                    if not answered:
-                        raise _NoAnswer("the server closed the connection without answering")
-                    raise ConnectionBroken("the server broke off its answer: it closed the connection")
-                answered = True
-                parser.feed_data(chunk)
-        except (OSError, httptools.HttpParserError) as exc:
-            conn.close()
-            if not answered:
-                raise _NoAnswer(f"the server closed the connection: {exc!r}") from exc
-            failure = ConnectionBroken if isinstance(exc, OSError) else WireError
-            raise failure(f"the server broke off its answer: {exc!r}") from exc
-        except BaseException:  # cancelled or timed out mid-exchange, or closed: the connection is spent
-            conn.close()
-            raise
+        await _write_and_read(conn, request, reading, head_only=False)
         if reading.keep_alive and not self._closed and len(self._idle) < self._max_idle:
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
@@ -371,6 +333,33 @@ class WireClient:
                 await conn.writer.wait_closed()
             except OSError:
                 pass
+
+
+async def _write_and_read(conn: _Connection, request: bytes, reading: _Reading, head_only: bool) -> None:
+    """Send ``request`` on ``conn`` and feed what comes back to ``reading`` until the answer is
+    in whole (``head_only``: its head, ``_StreamReading``). Nothing back is ``_NoAnswer`` (it may
+    go again on a new connection); a break after that is ``ConnectionBroken``, an answer that is
+    no HTTP a ``WireError``. On any failure, a cancel or a timeout, the connection is closed."""
+    answered = False
+    try:
+        conn.writer.write(request)
+        while not (reading.head_done if head_only else reading.complete):  # type: ignore[attr-defined]
+            chunk = await conn.reader.read(_READ_SIZE)
+            if not chunk:
+                if not answered:
+                    raise _NoAnswer("the server closed the connection without answering")
+                raise ConnectionBroken("the server broke off its answer: it closed the connection")
+            answered = True
+            reading.parser.feed_data(chunk)
+    except (OSError, httptools.HttpParserError) as exc:
+        conn.close()
+        if not answered:
+            raise _NoAnswer(f"the server closed the connection: {exc!r}") from exc
+        failure = ConnectionBroken if isinstance(exc, OSError) else WireError
+        raise failure(f"the server broke off its answer: {exc!r}") from exc
+    except BaseException:  # cancelled or timed out mid-exchange, or closed: the connection is spent
+        conn.close()
+        raise
 
 
 class _NoAnswer(ConnectionBroken):
