@@ -7,6 +7,7 @@ client is made."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 from typing import Any
@@ -187,6 +188,62 @@ async def test_a_server_that_hangs_up_is_retried_alike(transport):
             with pytest.raises(libdsec.ServerUnavailable):
                 await client.run_containers(_args(), count=2, key="batch-1")  # keyed: sent again
     assert (reads, hang_up.requests) == (3, 3 + 1 + 3)
+
+
+class Busy:
+    """Answers ``refusals`` requests with 429 ``overloaded`` (a short ``retry_after``), then
+    each with ``[]``; streams as one NDJSON error line."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals, self.requests = refusals, []
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                self.requests.append(head.split(b" ")[1].decode())
+                if len(self.requests) <= self.refusals:
+                    status, body = "429 Too Many Requests", libdsec.Overloaded("busy here", retry_after=0.01).to_wire()
+                else:
+                    status, body = "200 OK", []
+                data = json.dumps(body).encode()
+                writer.write(f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
+                             f"content-length: {len(data)}\r\n\r\n".encode() + data)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_overloaded_answer_is_retried_alike(transport):
+    busy = Busy(refusals=2)
+    async with busy as endpoint:
+        async with DSecClient(endpoint, token=TOKEN, transport=transport, retries=2, retry_backoff_s=0.01) as client:
+            assert await client.node_info() == []  # two refusals, then the answer
+    assert busy.requests == ["/v1/nodes"] * 3
+    busy = Busy(refusals=10)
+    async with busy as endpoint:
+        async with DSecClient(endpoint, token=TOKEN, transport=transport, retries=2, retry_backoff_s=0.01) as client:
+            with pytest.raises(libdsec.Overloaded, match="busy here"):
+                await client.node_info()
+            with pytest.raises(libdsec.Overloaded, match="busy here"):
+                await client.run_containers(_args(), count=2)  # a create without a key: sent once
+            with pytest.raises(libdsec.Overloaded, match="busy here"):
+                await client.run_containers(_args(), count=2, key="b-1")  # keyed: a stream retried the same
+    assert busy.requests == ["/v1/nodes"] * 3 + ["/v1/sandboxes:batch"] * 4
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
