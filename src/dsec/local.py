@@ -121,18 +121,19 @@ class LocalServer:
     def stop_sandboxes(self) -> None:
         """Stop every sandbox the server lists (those it cannot stop are left; the caller's
         leftovers check sees them)."""
+        asyncio.run(self.stop_sandboxes_async())
+
+    async def stop_sandboxes_async(self) -> None:
+        """``stop_sandboxes`` from a running event loop."""
         from libdsec import DSecClient, DSecError
 
-        async def stop_all() -> None:
+        try:
             async with DSecClient(self.endpoint, token=self.token) as client:
                 for info in await client.list_sandboxes():
                     try:
                         await (await client.get_sandbox(info.id)).stop()
                     except DSecError:
                         pass
-
-        try:
-            asyncio.run(stop_all())
         except (DSecError, OSError):
             pass
 

@@ -8,17 +8,14 @@ ends it (a second ``stop()`` does nothing), and ``async with sandbox`` stops it 
 from __future__ import annotations
 
 import asyncio
-import functools
 import hashlib
 import json
 import os
 import random
-import ssl
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 from pydantic import BaseModel, ValidationError
 
 from ._errors import (
@@ -36,7 +33,8 @@ from ._process import Process, Session, events_of, run_with_callbacks
 from ._projects import _ProjectMethods
 from ._replay import Replay
 from ._pty import Pty
-from ._wire import Answer, CannotConnect, ConnectionBroken, WireClient, WireError
+from ._transport import Answer, Transport, check_choice, make_transport
+from ._wire import CannotConnect, ConnectionBroken, WireError
 from .protocol import ClusterStats, NetworkRulesRequest, SecurityEvent, SecurityEventList, TTLRequest
 from .protocol import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
 from .protocol import JOB_HEADER, KEY_HEADER, JobInfo, JobList, JobLog, check_job_name, check_key
@@ -72,11 +70,13 @@ from .protocol import (
     SnapshotInfo,
 )
 
+if TYPE_CHECKING:
+    import httpx
+
 DEFAULT_ENDPOINT = "http://127.0.0.1:8765"
 DEFAULT_STATE_DIR = "/var/lib/dsec"
 # Slack added to a command's own timeout for the HTTP round trip.
 _HTTP_SLACK_S = 30.0
-_POOL_SHARDS = 8  # connection pools a client takes turns over (see DSecClient.open)
 # Requests that may go to another endpoint after they may have reached a server: the
 # idempotent methods (RFC 9110), reads and stop among them; never a create or an exec (POST).
 _REPEATABLE = frozenset({"GET", "HEAD", "PUT", "DELETE"})
@@ -99,14 +99,6 @@ def may_repeat(method: str, path: str, headers: dict[str, str] | None, refused: 
     if _is_create(method, path):
         return bool((headers or {}).get(KEY_HEADER))  # the idempotency key (``key=``)
     return refused or method in _REPEATABLE
-
-
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """httpx's default TLS context, made once a process: each client making its own loads the
-    CA bundle again, a cost per client opened larger than its first requests' (even for a
-    plain http endpoint)."""
-    return httpx.create_ssl_context()
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -431,6 +423,13 @@ class DSecClient(_ProjectMethods):
     ``retry_after``, at most ``retry_max_wait_s``), when it is safe to repeat (``may_repeat``:
     never a create without an idempotency key, never a command whose connection broke). The
     last failure is raised. ``retries=0``: none is repeated.
+
+    ``transport``: how requests reach an endpoint (``libdsec/_transport.py``). ``"wire"``, the
+    lean HTTP/1.1 client, plain ``http://`` only (the default there: it costs the client a
+    fraction of httpx's CPU a request); ``"httpx"`` (the default for ``https://``); or an httpx
+    transport object such as ``httpx.ASGITransport(app)`` to serve an app in-process. Every
+    transport answers through the same error mapping and the same retries and fail-over;
+    ``transport="wire"`` with an ``https://`` endpoint is refused with ``InvalidRequest``.
     """
 
     def __init__(
@@ -439,7 +438,7 @@ class DSecClient(_ProjectMethods):
         token: str | None = None,
         *,
         timeout: float = 120.0,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: str | httpx.AsyncBaseTransport | None = None,
         max_connections: int = 256,
         job: str | None = None,
         resume: bool = False,
@@ -465,23 +464,23 @@ class DSecClient(_ProjectMethods):
         self.endpoint = self.endpoints[0]  # the one in use
         self._token = token
         self._timeout = timeout
-        self._transport = transport
+        self._choice = check_choice(transport, self.endpoints)
         self._max_connections = max_connections
-        self._http: list[httpx.AsyncClient] | None = None
-        self._wire: WireClient | None = None
-        self._turn = 0
-        # By endpoint: its lean client (plain http://, no custom transport) and httpx pools.
-        self._routes: dict[str, tuple[WireClient | None, list[httpx.AsyncClient]]] = {}
+        self._transport: Transport | None = None  # the one of self.endpoint, once open
+        self._transports: dict[str, Transport] = {}  # by endpoint
 
     async def open(self) -> DSecClient:
-        if self._http is not None:
+        if self._transport is not None:
             return self
         token = self._token or default_token()
         headers = {"authorization": f"Bearer {token}"} if token else {}
         if self.job is not None:
             headers[JOB_HEADER] = self.job
-        self._routes = {endpoint: self._route(endpoint, headers) for endpoint in self.endpoints}
-        self._wire, self._http = self._routes[self.endpoint]
+        several = len(self.endpoints) > 1
+        self._transports = {endpoint: make_transport(self._choice, endpoint, headers, self._max_connections,
+                                                     timeout=self._timeout, several=several)
+                            for endpoint in self.endpoints}
+        self._transport = self._transports[self.endpoint]
         if self._resume and self._replay is None:
             assert self.job is not None
             try:
@@ -491,38 +490,10 @@ class DSecClient(_ProjectMethods):
                 raise
         return self
 
-    def _route(self, endpoint: str, headers: dict[str, str]) -> tuple[WireClient | None, list[httpx.AsyncClient]]:
-        wire = None
-        if self._transport is None and endpoint.startswith("http://"):
-            # Plain requests take the lean client (libdsec/_wire.py: httpx costs the client
-            # more CPU than the server spends answering); httpx keeps the streamed answers.
-            wire = WireClient(endpoint, headers, self._max_connections, check_idle=len(self.endpoints) > 1)
-        # Requests take turns over a few connection pools: httpcore's pool looks at every
-        # connection (a poll(2) for each idle one) and every queued request each time one is
-        # sent or done, so its cost per request grows with the connections in flight; with
-        # 64 in flight one pool cost the client more CPU than the request itself.
-        shards = 1 if self._transport is not None or wire is not None else min(_POOL_SHARDS, self._max_connections)
-        per_shard = -(-self._max_connections // shards)
-        http = [
-            httpx.AsyncClient(
-                base_url=endpoint,
-                headers=headers,
-                timeout=self._timeout,
-                transport=self._transport,
-                verify=_tls_context(),
-                limits=httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard),
-            )
-            for _ in range(shards)
-        ]
-        return wire, http
-
     async def close(self) -> None:
-        routes, self._routes = self._routes, {}
-        self._wire = self._http = None
-        for wire, pools in routes.values():
-            if wire is not None:
-                await wire.aclose()
-            await asyncio.gather(*(http.aclose() for http in pools))
+        transports, self._transports = self._transports, {}
+        self._transport = None
+        await asyncio.gather(*(transport.aclose() for transport in transports.values()))
 
     async def __aenter__(self) -> DSecClient:
         return await self.open()
@@ -681,12 +652,13 @@ class DSecClient(_ProjectMethods):
         return [r for part in await asyncio.gather(*(one(c) for c in chunks)) for r in part]
 
     # -- transport -------------------------------------------------------------------------
+    # One path for every request: the transport of the endpoint in use (``_transport.py``), one
+    # error mapping (``_error_of``), one policy for sending again (``_again``).
 
-    def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
+    def _now(self) -> tuple[str, Transport]:
+        if self._transport is None:
             raise InvalidRequest("client is not open: call `await client.open()` first")
-        self._turn = (self._turn + 1) % len(self._http)
-        return self._http[self._turn]
+        return self.endpoint, self._transport
 
     async def _request(
         self,
@@ -703,32 +675,78 @@ class DSecClient(_ProjectMethods):
         body, content_type = content, "application/octet-stream"
         if model is not None:
             body, content_type = model.model_dump_json().encode(), "application/json"
-        tried: list[str] | None = None
+        tried: list[str] = []
         attempt = 0
         while True:
-            endpoint, wire = self.endpoint, self._wire
+            endpoint, transport = self.endpoint, self._transport  # (the hottest path: no call for it)
+            if transport is None:
+                raise InvalidRequest("client is not open: call `await client.open()` first")
             try:
-                if wire is not None:
-                    answer: Answer | httpx.Response = await wire.request(
-                        method, path, params=params, body=body, content_type=content_type,
-                        timeout=self._timeout if timeout is None else timeout, headers=headers)
-                else:
-                    answer = await self._request_httpx(method, path, params, body, content_type, timeout, headers)
-            except (WireError, httpx.TransportError) as exc:
-                tried = [] if tried is None else tried
-                if self._fail_over(endpoint, method, exc, tried):
-                    continue
-                if _broken(exc) and await self._backoff(attempt, method, path, headers, None):
-                    attempt += 1
-                    tried.clear()
-                    continue
-                raise _unavailable(tried, endpoint, exc) from exc
+                answer = await transport.request(method, path, params=params, body=body, content_type=content_type,
+                                                 timeout=self._timeout if timeout is None else timeout,
+                                                 headers=headers)
+            except WireError as exc:
+                attempt = await self._again(endpoint, method, path, headers, exc, tried, attempt)
+                continue
+            if answer.status_code < 400:
+                return answer.content if raw else answer.json()
+            error = _error_of(answer)
+            attempt = await self._again(endpoint, method, path, headers, error, tried, attempt)
+
+    async def _stream(
+        self, method: str, path: str, model: BaseModel, timeout: float | None,
+        event_model: type[BaseModel] = BatchEvent, headers: dict[str, str] | None = None,
+    ) -> Any:
+        """The NDJSON answer to one request, an event model each line. It is sent again (by
+        ``_again``) only before its first event: after, the failure is raised."""
+        body = model.model_dump_json().encode()
+        tried: list[str] = []
+        attempt = 0
+        while True:
+            endpoint, transport = self._now()
+            yielded = False
             try:
-                return _body(answer, raw)
-            except Overloaded as exc:
-                if not await self._backoff(attempt, method, path, headers, exc):
-                    raise
-                attempt += 1
+                async with transport.stream(method, path, body=body, content_type="application/json",
+                                            timeout=timeout if timeout is not None else self._timeout,
+                                            headers=headers) as response:
+                    if response.status_code >= 400:
+                        error = _error_of(Answer(response.status_code, await response.read()))
+                    else:
+                        rest = b""
+                        async for chunk in response.chunks():
+                            *lines, rest = (rest + chunk).split(b"\n")
+                            for line in lines:
+                                if line.strip():
+                                    yielded = True
+                                    yield event_model.model_validate_json(line)
+                        if rest.strip():
+                            yield event_model.model_validate_json(rest)
+                        return
+            except WireError as exc:
+                if yielded:
+                    raise _unavailable(tried, endpoint, exc) from exc
+                attempt = await self._again(endpoint, method, path, headers, exc, tried, attempt)
+                continue
+            attempt = await self._again(endpoint, method, path, headers, error, tried, attempt)
+
+    async def _again(self, endpoint: str, method: str, path: str, headers: dict[str, str] | None,
+                     failure: Exception, tried: list[str], attempt: int) -> int:
+        """After ``failure`` (a ``WireError``, or the error an answer said): returns the attempt
+        count to send the call again with, or raises. A call that never left (or may be
+        repeated) moves on to the next endpoint (``_fail_over``); one whose connection broke
+        or that was answered ``Overloaded`` is sent again after a backoff (``_backoff``, when
+        ``may_repeat``); anything else is raised, a ``WireError`` as ``ServerUnavailable``."""
+        if isinstance(failure, DSecError):
+            if isinstance(failure, Overloaded) and await self._backoff(attempt, method, path, headers, failure):
+                return attempt + 1
+            raise failure
+        assert isinstance(failure, WireError)
+        if self._fail_over(endpoint, method, failure, tried):
+            return attempt
+        if isinstance(failure, ConnectionBroken) and await self._backoff(attempt, method, path, headers, None):
+            tried.clear()
+            return attempt + 1
+        raise _unavailable(tried, endpoint, failure) from failure
 
     async def _backoff(self, attempt: int, method: str, path: str, headers: dict[str, str] | None,
                        refusal: Overloaded | None) -> bool:
@@ -742,89 +760,14 @@ class DSecClient(_ProjectMethods):
         await asyncio.sleep(min(wait, self.retry_max_wait_s))
         return True
 
-    async def _request_httpx(
-        self, method: str, path: str, params: dict[str, str] | None, body: bytes | None, content_type: str,
-        timeout: float | None, headers: dict[str, str] | None = None,
-    ) -> httpx.Response:
-        http = self._client()
-        kwargs: dict[str, Any] = {"params": params, "headers": dict(headers or {})}
-        if body is not None:
-            kwargs["content"] = body
-            kwargs["headers"]["content-type"] = content_type
-        if timeout is not None:
-            kwargs["timeout"] = timeout
-        return await http.request(method, path, **kwargs)
-
-    async def _stream(
-        self, method: str, path: str, model: BaseModel, timeout: float | None,
-        event_model: type[BaseModel] = BatchEvent, headers: dict[str, str] | None = None,
-    ) -> Any:
-        if self._wire is not None:
-            async for event in self._stream_wire(method, path, model, timeout, event_model, headers):
-                yield event
-            return
-        tried: list[str] = []
-        attempt = 0
-        while True:
-            endpoint, http = self.endpoint, self._client()
-            try:
-                async with http.stream(
-                    method,
-                    path,
-                    content=model.model_dump_json(),
-                    headers={**(headers or {}), "content-type": "application/json"},
-                    timeout=timeout if timeout is not None else self._timeout,
-                ) as response:
-                    if response.status_code >= 400:
-                        await response.aread()
-                        error = _error_of(response)
-                        if isinstance(error, Overloaded) and await self._backoff(attempt, method, path, headers, error):
-                            attempt += 1
-                            continue
-                        raise error
-                    async for line in response.aiter_lines():
-                        if line.strip():
-                            yield event_model.model_validate_json(line)
-                return
-            except httpx.TransportError as exc:
-                if not self._fail_over(endpoint, method, exc, tried):
-                    raise _unavailable(tried, endpoint, exc) from exc
-
-    async def _stream_wire(self, method: str, path: str, model: BaseModel, timeout: float | None,
-                           event_model: type[BaseModel] = BatchEvent, headers: dict[str, str] | None = None) -> Any:
-        assert self._wire is not None
-        attempt = 0
-        while True:
-            try:
-                async with self._wire.stream(method, path, body=model.model_dump_json().encode(),
-                                             content_type="application/json", headers=headers,
-                                             timeout=timeout if timeout is not None else self._timeout) as response:
-                    if response.status_code >= 400:
-                        error = _error_of(Answer(response.status_code, await response.read()))
-                        if isinstance(error, Overloaded) and await self._backoff(attempt, method, path, headers, error):
-                            attempt += 1
-                            continue
-                        raise error
-                    rest = b""
-                    async for chunk in response.chunks():
-                        *lines, rest = (rest + chunk).split(b"\n")
-                        for line in lines:
-                            if line.strip():
-                                yield event_model.model_validate_json(line)
-                    if rest.strip():
-                        yield event_model.model_validate_json(rest)
-                    return
-            except WireError as exc:
-                raise ServerUnavailable(f"cannot reach DSec at {self.endpoint}: {exc}") from exc
-
-    def _fail_over(self, failed: str, method: str, exc: Exception, tried: list[str]) -> bool:
+    def _fail_over(self, failed: str, method: str, exc: WireError, tried: list[str]) -> bool:
         """After ``exc`` at ``failed``: whether to send the request again, to ``self.endpoint``
         (moved on to the next endpoint this request has not tried, unless another request
         moved on first). Only when the request cannot have reached a server, or is safe to repeat."""
-        if len(self._routes) < 2:
+        if len(self._transports) < 2:
             return False
-        never_left = isinstance(exc, (CannotConnect, httpx.ConnectError))
-        broken = isinstance(exc, (ConnectionBroken, httpx.NetworkError, httpx.RemoteProtocolError))
+        never_left = isinstance(exc, CannotConnect)
+        broken = isinstance(exc, ConnectionBroken)
         if not (never_left or (broken and method in _REPEATABLE)):
             return False
         tried.append(failed)
@@ -834,7 +777,7 @@ class DSecClient(_ProjectMethods):
         for endpoint in (*self.endpoints[at + 1:], *self.endpoints[:at]):
             if endpoint not in tried:
                 self.endpoint = endpoint
-                self._wire, self._http = self._routes[endpoint]
+                self._transport = self._transports[endpoint]
                 return True
         return False
 
@@ -855,12 +798,6 @@ def _job_path(job: str) -> str:
         raise InvalidRequest(str(exc)) from None
 
 
-def _broken(exc: Exception) -> bool:
-    """A connection that was reset or closed under a request (not one refused, not a timeout)."""
-    return isinstance(exc, (ConnectionBroken, httpx.NetworkError, httpx.RemoteProtocolError)) and not isinstance(
-        exc, httpx.ConnectError)
-
-
 def _split_endpoints(endpoints: str) -> tuple[str, ...]:
     """``"http://a:1,http://b:2"`` → each endpoint, without a trailing slash."""
     split = tuple(dict.fromkeys(e.strip().rstrip("/") for e in endpoints.split(",") if e.strip()))
@@ -869,19 +806,13 @@ def _split_endpoints(endpoints: str) -> tuple[str, ...]:
     return split
 
 
-def _unavailable(tried: list[str], endpoint: str, exc: Exception) -> ServerUnavailable:
+def _unavailable(tried: list[str], endpoint: str, exc: WireError) -> ServerUnavailable:
     where = ", ".join(dict.fromkeys([*tried, endpoint]))
-    return ServerUnavailable(f"cannot reach DSec at {where}: {exc if isinstance(exc, WireError) else repr(exc)}")
+    return ServerUnavailable(f"cannot reach DSec at {where}: {exc}")
 
 
-def _body(response: httpx.Response | Answer, raw: bool) -> Any:
-    """An answer's body (bytes with ``raw``, else parsed JSON); its error raised."""
-    if response.status_code >= 400:
-        raise _error_of(response)
-    return response.content if raw else response.json()
-
-
-def _error_of(response: httpx.Response | Answer) -> DSecError:
+def _error_of(response: Answer) -> DSecError:
+    """The error an answer says (the one mapping of error answers, ``error_from_wire``)."""
     try:
         body = response.json()
     except (json.JSONDecodeError, UnicodeDecodeError):

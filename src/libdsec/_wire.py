@@ -5,14 +5,15 @@ pool polls every idle connection and rescans every queued request each time one 
 and each request passes through URL merging, cookie extraction and an auth flow the SDK does not
 use. The SDK's requests all have one shape (a method, a path with an optional query, a JSON or
 bytes body, one bearer token, an answer read whole), so they go through this client instead: idle
-keep-alive connections on a stack, each request's head written out directly (its target and header
-values checked first), each answer read by httptools (the C HTTP parser under uvicorn). h11, which
+keep-alive connections on a stack, each request's head written out directly (its header values
+checked first, its path percent-encoded as httpx would where it is not visible ASCII), each answer
+read by httptools (the C HTTP parser under uvicorn). h11, which
 framed both before, took a sizeable share of what a warm create costs the client in all; httptools
 a small part of that (docs/BENCHMARKS.md, "Lifecycle", has the client's CPU a lifecycle). A batch
 create's NDJSON answer is read as it arrives (``stream``): httpx's line iterator and its stream
-machinery cost the client more than parsing each line. ``https://`` endpoints and custom httpx
-transports stay on httpx. (The apiserver reaches its nodes through this client too:
-``dsec.edge.remote``.)
+machinery cost the client more than parsing each line. It is the SDK's ``transport="wire"``
+(``_transport.py``, where httpx is the other); ``https://`` goes through httpx. (The apiserver
+reaches its nodes through this client too: ``dsec.edge.remote``.)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import httptools
 
@@ -39,6 +40,7 @@ _READ_SIZE = 65536
 # and tabs), so that nothing the caller passes can end a line of the request's head.
 _TARGET = re.compile(r"[!-~]+")
 _VALUE = re.compile(r"[\t -~]*")
+_VISIBLE = "".join(map(chr, range(0x21, 0x7F)))
 
 
 class WireError(Exception):
@@ -146,9 +148,9 @@ class Stream:
             except TimeoutError:
                 raise WireError(f"the server sent nothing for {self._timeout:g}s") from None
             except OSError as exc:
-                raise WireError(f"the server broke off its answer: {exc!r}") from exc
+                raise ConnectionBroken(f"the server broke off its answer: {exc!r}") from exc
             if not chunk:
-                raise WireError("the server broke off its answer: it closed the connection")
+                raise ConnectionBroken("the server broke off its answer: it closed the connection")
             try:
                 reading.parser.feed_data(chunk)
             except httptools.HttpParserError as exc:
@@ -200,7 +202,9 @@ class WireClient:
             raise WireError("client is closed")
         target = self._prefix + path + (f"?{urlencode(params)}" if params else "")
         if not _TARGET.fullmatch(target):
-            raise WireError(f"cannot send {method} {target!r}: not a request target (visible ASCII only)")
+            # Spaces, controls and non-ASCII are percent-encoded (UTF-8), as httpx does: the
+            # server sees the same path through either transport.
+            target = self._prefix + quote(path, safe=_VISIBLE) + (f"?{urlencode(params)}" if params else "")
         head = f"{method} {target} HTTP/1.1\r\n{self._head}"
         for name, value in (headers or {}).items():
             if not _TARGET.fullmatch(name) or ":" in name or not _VALUE.fullmatch(value):
@@ -282,35 +286,17 @@ class WireClient:
         try:
             reader, writer = await asyncio.open_connection(self._host, self._port)
         except OSError as exc:
-            raise WireError(f"cannot connect to {self._host}:{self._port}: {exc}") from exc
+            raise CannotConnect(f"cannot connect to {self._host}:{self._port}: {exc}") from exc
         conn = _Connection(reader, writer)
         try:
             return conn, await self._send_head(conn, request)
         except _NoAnswer as exc:
-            raise WireError(str(exc)) from None
+            raise ConnectionBroken(str(exc)) from None
 
     async def _send_head(self, conn: _Connection, request: bytes) -> _StreamReading:
         """Send ``request`` and read until the answer's head is in (and whatever came with it)."""
         reading = _StreamReading()
-        answered = False
-        try:
-            conn.writer.write(request)
-            while not reading.head_done:
-                chunk = await conn.reader.read(_READ_SIZE)
-                if not chunk:
-                    if not answered:
-                        raise _NoAnswer("the server closed the connection without answering")
-                    raise WireError("the server broke off its answer: it closed the connection")
-                answered = True
-                reading.parser.feed_data(chunk)
-        except (OSError, httptools.HttpParserError) as exc:
-            conn.close()
-            if not answered:
-                raise _NoAnswer(f"the server closed the connection: {exc!r}") from exc
-            raise WireError(f"the server broke off its answer: {exc!r}") from exc
-        except BaseException:
-            conn.close()
-            raise
+        await _write_and_read(conn, request, reading, head_only=True)
         return reading
 
     def _take(self) -> _Connection | None:
@@ -329,26 +315,7 @@ class WireClient:
     async def _send(self, conn: _Connection, request: bytes) -> Answer:
         reading = _Reading()
         parser = reading.parser
-        answered = False
-        try:
-            conn.writer.write(request)
-            while not reading.complete:
-                chunk = await conn.reader.read(_READ_SIZE)
-                if not chunk:
-                    if not answered:
-                        raise _NoAnswer("the server closed the connection without answering")
-                    raise ConnectionBroken("the server broke off its answer: it closed the connection")
-                answered = True
-                parser.feed_data(chunk)
-        except (OSError, httptools.HttpParserError) as exc:
-            conn.close()
-            if not answered:
-                raise _NoAnswer(f"the server closed the connection: {exc!r}") from exc
-            failure = ConnectionBroken if isinstance(exc, OSError) else WireError
-            raise failure(f"the server broke off its answer: {exc!r}") from exc
-        except BaseException:  # cancelled or timed out mid-exchange, or closed: the connection is spent
-            conn.close()
-            raise
+        await _write_and_read(conn, request, reading, head_only=False)
         if reading.keep_alive and not self._closed and len(self._idle) < self._max_idle:
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
@@ -366,6 +333,33 @@ class WireClient:
                 await conn.writer.wait_closed()
             except OSError:
                 pass
+
+
+async def _write_and_read(conn: _Connection, request: bytes, reading: _Reading, head_only: bool) -> None:
+    """Send ``request`` on ``conn`` and feed what comes back to ``reading`` until the answer is
+    in whole (``head_only``: its head, ``_StreamReading``). Nothing back is ``_NoAnswer`` (it may
+    go again on a new connection); a break after that is ``ConnectionBroken``, an answer that is
+    no HTTP a ``WireError``. On any failure, a cancel or a timeout, the connection is closed."""
+    answered = False
+    try:
+        conn.writer.write(request)
+        while not (reading.head_done if head_only else reading.complete):  # type: ignore[attr-defined]
+            chunk = await conn.reader.read(_READ_SIZE)
+            if not chunk:
+                if not answered:
+                    raise _NoAnswer("the server closed the connection without answering")
+                raise ConnectionBroken("the server broke off its answer: it closed the connection")
+            answered = True
+            reading.parser.feed_data(chunk)
+    except (OSError, httptools.HttpParserError) as exc:
+        conn.close()
+        if not answered:
+            raise _NoAnswer(f"the server closed the connection: {exc!r}") from exc
+        failure = ConnectionBroken if isinstance(exc, OSError) else WireError
+        raise failure(f"the server broke off its answer: {exc!r}") from exc
+    except BaseException:  # cancelled or timed out mid-exchange, or closed: the connection is spent
+        conn.close()
+        raise
 
 
 class _NoAnswer(ConnectionBroken):

@@ -81,7 +81,5 @@ async def test_a_full_state_dir_fails_pack_diff_clearly_and_nothing_else(small_s
             await sandbox.stop()
     finally:
         if srv.proc is not None and srv.proc.poll() is None:
-            async with DSecClient(srv.endpoint, token=srv.token) as client:
-                for info in await client.list_sandboxes():
-                    await (await client.get_sandbox(info.id)).stop()
+            await srv.stop_sandboxes_async()
         srv.stop()

@@ -61,7 +61,5 @@ async def test_memory_pressure_in_the_sandboxes_parent_fails_the_hog_only(new_st
         assert not leftovers(state), leftovers(state)
     finally:
         if srv.proc is not None and srv.proc.poll() is None:
-            async with DSecClient(srv.endpoint, token=srv.token) as client:
-                for info in await client.list_sandboxes():
-                    await (await client.get_sandbox(info.id)).stop()
+            await srv.stop_sandboxes_async()
         srv.stop()

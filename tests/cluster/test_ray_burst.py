@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.local import LocalServer, free_port, leftovers
+from dsec.local import LocalServer, free_port
 from libdsec import DSecClient, DSecContainerRunArgs
 
 pytestmark = [
@@ -164,19 +164,11 @@ class BurstWorld:
                 nodes[(n.get("Labels") or {}).get("dsec-node", n["NodeID"][:8])] = n.get("Alive", False)
         return nodes
 
-    def node_dirs(self) -> list[Path]:
-        nodes = self.base / "nodes"
-        return sorted(p for p in nodes.iterdir() if p.is_dir()) if nodes.is_dir() else []
 
 
 @pytest.fixture
-def world(tmp_path_factory, test_store):
-    base = tmp_path_factory.mktemp("burst")
-    (base / "ray").mkdir()
-    saved_env = dict(os.environ)
-    os.environ.update({"RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(base / "ray"), "DSEC_VMS": "0",
-                       "RAY_USAGE_STATS_ENABLED": "0"})
-    world = BurstWorld(base, test_store)
+def world(ray_base, test_store):
+    world = BurstWorld(ray_base, test_store)
     import ray
     from ray._private import ray_constants
 
@@ -194,15 +186,7 @@ def world(tmp_path_factory, test_store):
         if ray.is_initialized():
             ray.shutdown()
         ray_constants.ENABLE_RAY_CLUSTER = enable_ray_cluster
-        world.cluster.shutdown()
-        from dsec.server import reset_node
-
-        for node_dir in world.node_dirs():
-            asyncio.run(reset_node(node_dir))
-        left = [x for d in world.node_dirs() for x in leftovers(d)]
-        os.environ.clear()
-        os.environ.update(saved_env)  # the next modules' servers run VMs again, and so on
-        assert not left, f"left behind: {left}"
+        world.cluster.shutdown()  # then ray_base resets the nodes and checks nothing is left
 
 
 async def until(world: BurstWorld, what: str, check, within_s: float):

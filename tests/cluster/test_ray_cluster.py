@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsec.local import LocalServer, leftovers
+from dsec.local import LocalServer
 from libdsec import DSecClient, DSecContainerRunArgs, DSecError, DSecFnCallArgs, QuotaExceeded, SandboxLost
 from libdsec import SandboxStatus, Unauthenticated
 
@@ -56,18 +56,11 @@ class RayWorld:
     def server(self) -> LocalServer:
         return self.servers[0]
 
-    def node_dirs(self) -> list[Path]:
-        return sorted(p for p in (self.base / "nodes").iterdir() if p.is_dir()) if (self.base / "nodes").is_dir() else []
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory, test_store, python_image, postgres):
-    base = tmp_path_factory.mktemp("ray")
-    saved_env = dict(os.environ)
-    os.environ.update({"RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(base / "ray"), "DSEC_VMS": "0",
-                       "RAY_USAGE_STATS_ENABLED": "0"})
-    (base / "ray").mkdir()
-    world = RayWorld(base, test_store)
+def world(ray_base, test_store, python_image, postgres):
+    world = RayWorld(ray_base, test_store)
     try:
         for name in ("a1", "a2", "a3"):
             world.add(name)
@@ -79,16 +72,7 @@ def world(tmp_path_factory, test_store, python_image, postgres):
             world.server.stop_sandboxes()
         for server in world.servers:
             server.stop()
-        world.cluster.shutdown()
-        # Sandboxes of killed nodes outlive their edges (as after a crash): reset each node.
-        from dsec.server import reset_node
-
-        for node_dir in world.node_dirs():
-            asyncio.run(reset_node(node_dir))
-        left = [x for d in world.node_dirs() for x in leftovers(d)]
-        os.environ.clear()
-        os.environ.update(saved_env)  # the next modules' servers run VMs again, and so on
-        assert not left, f"left behind: {left}"
+        world.cluster.shutdown()  # then ray_base resets the nodes and checks nothing is left
 
 
 async def wait_for_nodes(client: DSecClient, names: set[str], within_s: float = 60, exact: bool = False) -> None:

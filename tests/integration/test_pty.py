@@ -58,8 +58,9 @@ async def test_a_shell_on_a_pty(client):
             with pytest.raises(InvalidRequest, match="cols|rows"):
                 await sandbox.open_pty(cols=cols, rows=rows)
         # The server refuses them too, naming the field (a client that skips the SDK's check).
-        answer = await client._request_httpx("POST", f"/v1/sandboxes/{sandbox.id}/ptys", None,
-                                             b'{"cols": 100000, "rows": 24}', "application/json", 10)
+        answer = await client._transport.request("POST", f"/v1/sandboxes/{sandbox.id}/ptys", params=None,
+                                                 body=b'{"cols": 100000, "rows": 24}', content_type="application/json",
+                                                 timeout=10, headers=None)
         assert answer.status_code == 422 and "cols" in answer.text, answer.text
         pty = await sandbox.open_pty()
         await sandbox._client._request("POST", f"/v1/sandboxes/{sandbox.id}/ptys/{pty.id}/close")

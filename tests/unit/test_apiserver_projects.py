@@ -6,6 +6,7 @@ several nodes with retries when an edge refuses."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import httpx
@@ -174,7 +175,8 @@ async def test_remove_projects_and_their_tokens(world):
 async def test_bad_project_requests(world, body):
     client, cluster = world
     async with client() as root:
-        response = await root._client().post("/v1/projects", json=body)
+        response = await root._transport.request("POST", "/v1/projects", params=None, body=json.dumps(body).encode(),
+                                                 content_type="application/json", timeout=10, headers=None)
     assert response.status_code == 422, response.text
     assert response.json()["error"]["code"] in ("invalid_request", "limit_out_of_range")
     assert "x" not in cluster.projects.tree()

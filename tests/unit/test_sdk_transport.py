@@ -10,16 +10,9 @@ import pytest
 
 import libdsec
 from dsec.local import free_port
-from libdsec import DSecClient, DSecContainerRunArgs, SyncDSecClient
+from libdsec import DSecClient, SyncDSecClient
 from libdsec.protocol import MAX_SANDBOX_BATCH
-
-INFO = {
-    "id": "n0-0123456789abcdef", "node": "n0", "image": "busybox", "status": "running",
-    "created_at": "2026-01-01T00:00:00Z", "last_active_at": "2026-01-01T00:00:00Z",
-    "memory_limit_mb": 64, "cpu_cores_limit": 1.0, "ttl_running_stop": 60.0,
-    "init_user": "root", "workdir": "/",
-}
-ARGS = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64)
+from sdk_answers import ARGS, INFO
 
 
 def _client(handler, token: str | None = "t0k3n") -> DSecClient:

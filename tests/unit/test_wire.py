@@ -204,9 +204,13 @@ async def test_nothing_the_caller_passes_can_end_a_line_of_the_head() -> None:
     with pytest.raises(ValueError, match="header"):
         WireClient("http://127.0.0.1:1", {"authorization": "Bearer x\r\nx-evil: 1"}, 4)
     wire = WireClient("http://127.0.0.1:1", {}, 4)
-    for path in ("/v1/sandboxes/a b", "/v1/x\r\nx-evil: 1", "/v1/ü"):
-        with pytest.raises(WireError, match="not a request target"):
-            await wire.request("GET", path, timeout=1)
+    # What is no visible ASCII in a path is percent-encoded (UTF-8), as httpx does it.
+    for path, target in (("/v1/sandboxes/a b", "/v1/sandboxes/a%20b"), ("/v1/x\r\nx-evil: 1", "/v1/x%0D%0Ax-evil:%201"),
+                         ("/v1/ü", "/v1/%C3%BC")):
+        head = wire._request_bytes("GET", path, None, None, None).split(b"\r\n")
+        assert head[0] == f"GET {target} HTTP/1.1".encode() and not any(line.startswith(b"x-evil") for line in head)
+    with pytest.raises(WireError, match="cannot send the header"):
+        await wire.request("GET", "/v1/x", timeout=1, headers={"x-key": "a\r\nx-evil: 1"})
     await wire.aclose()
 
 

@@ -95,7 +95,8 @@ class Jobs:
         self._flusher: asyncio.Task | None = None
         self._pruned_at = float("-inf")
         # A store with blocking writes (SQLite) gets a thread for them: the event loop carries
-        # every request of the apiserver, and a recorded lifecycle's writes cost it ~2 ms there.
+        # every request of the apiserver, and a recorded lifecycle's writes cost it milliseconds
+        # there (docs/BENCHMARKS.md, "Job log").
         self._writer = (ThreadPoolExecutor(1, thread_name_prefix="dsec-joblog")
                         if hasattr(projects, "append_job_blocking") else None)
 

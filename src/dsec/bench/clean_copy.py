@@ -19,7 +19,6 @@ machine; the server runs containers only (no VM warm-up, no download).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import statistics
@@ -37,6 +36,7 @@ from ..images.builders import build_busybox
 from ..images.store import LayerStore
 from ..local import serving
 from .lifecycle_peers import PODMAN, PeerRig, _finish
+from .results import save_results
 
 DIGEST = "cd /testbed && find . -type f | sort | xargs md5sum | md5sum | cut -c1-32"
 
@@ -197,10 +197,6 @@ def main(state_dir: Path, console: Console, rounds: int = 20, pack_rounds: int =
         p50 = r["dsec"]["clean_copy"]["p50_ms"]
         console.print(f"clean_copy p50 {p50:.1f} ms (goal ≤ {goal_ms:g} ms: {'met' if p50 <= goal_ms else 'MISSED'}); "
                       f"the podman way takes {ratio:.1f}× as long")
-    for e in errors:
-        console.print(f"[red]error:[/red] {e}")
-    out = state_dir.parent / f"{state_dir.name}.json"
-    out.write_text(json.dumps(r, indent=1))
-    console.print(f"results in {out}")
+    save_results(console, state_dir, r, errors)
     ok = not errors and all(s.get("checked") for _, s in rows)
     return 0 if ok else 1

@@ -20,7 +20,6 @@ timed (answered from the log, nothing runs). Results go to ``<state_dir>.json``.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import statistics
 import time
@@ -35,6 +34,7 @@ from libdsec import DSecClient, DSecContainerRunArgs
 
 from ..local import serving
 from .clean_copy import _commit
+from .results import save_results
 
 ARGS = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64)
 JOB = "bench-joblog"
@@ -150,9 +150,5 @@ def main(state_dir: Path, console: Console, lifecycles: int = 1200, rounds: int 
                       f"(log read in {res['open_s'] * 1000:.0f} ms)")
         if r["log_entries"] != r["log_entries_expected"] or res["answered"] != r["log_entries_expected"]:
             errors.append("the log does not hold (or answer) every recorded call")
-    for e in errors:
-        console.print(f"[red]error:[/red] {e}")
-    out = state_dir.parent / f"{state_dir.name}.json"
-    out.write_text(json.dumps(r, indent=1))
-    console.print(f"results in {out}")
+    save_results(console, state_dir, r, errors)
     return 0 if not errors else 1

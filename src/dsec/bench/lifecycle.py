@@ -553,16 +553,7 @@ class Bench:
         if not self._rounds["crun"]:
             task = progress.add_task(f"crun run: warm-up {o.concurrency}", total=o.concurrency)
             await _workers(o.concurrency, o.concurrency, once, progress, task)
-        count = _share(o.crun_runs, o.rounds)
-        task = progress.add_task(f"crun run of echo hi: {count}, {o.concurrency} in flight", total=count)
-        meter = host.Meter()
-        elapsed, results, errors = await _workers(count, o.concurrency, once, progress, task)
-        cpu = meter.stop(len(results))
-        self.errors += [f"crun run: {e}" for e in errors]
-        self._round_done("crun", {
-            "lifecycles": len(results), "failed": len(errors), "concurrency": o.concurrency, "seconds": elapsed,
-            "lifecycles_per_s": len(results) / elapsed if elapsed else 0.0, "cpu": cpu,
-        }, {})
+        await self._peer_round("crun", "crun run of echo hi", _share(o.crun_runs, o.rounds), once, progress)
 
     async def podman_throughput(self, rig: PeerRig, progress: Progress) -> None:
         o = self.opts
@@ -579,16 +570,24 @@ class Bench:
             _, _, errors = await _workers(2, 1, once, progress, task, max_errors=0)
             if errors:
                 raise BenchError(f"podman does not run here: {errors[0]}")
-        count = _share(o.podman_runs, o.rounds)
-        task = progress.add_task(f"podman run --rm of echo hi: {count}, {o.concurrency} in flight", total=count)
+        await self._peer_round("podman", "podman run --rm of echo hi", _share(o.podman_runs, o.rounds), once,
+                               progress, keep_latency=True)
+
+    async def _peer_round(self, system: str, what: str, count: int, once: Callable[[int], Awaitable[Any]],
+                          progress: Progress, keep_latency: bool = False) -> None:
+        """One measured throughput round of a peer: ``count`` runs of ``once``, as many in flight
+        as DSec's, its CPU metered, recorded as ``system``'s (with each run's time, if
+        ``keep_latency``)."""
+        o = self.opts
+        task = progress.add_task(f"{what}: {count}, {o.concurrency} in flight", total=count)
         meter = host.Meter()
         elapsed, results, errors = await _workers(count, o.concurrency, once, progress, task)
         cpu = meter.stop(len(results))
-        self.errors += [f"podman run: {e}" for e in errors]
-        self._round_done("podman", {
+        self.errors += [f"{system} run: {e}" for e in errors]
+        self._round_done(system, {
             "lifecycles": len(results), "failed": len(errors), "concurrency": o.concurrency, "seconds": elapsed,
             "lifecycles_per_s": len(results) / elapsed if elapsed else 0.0, "cpu": cpu,
-        }, {"run_latency": results})
+        }, {"run_latency": results} if keep_latency else {})
 
     async def crun_create(self, rig: PeerRig, progress: Progress) -> None:
         """crun run --detach at 64 in flight, same rounds as DSec's warm figure."""

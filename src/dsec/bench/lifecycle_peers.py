@@ -58,6 +58,20 @@ class PeerError(RuntimeError):
     pass
 
 
+async def podman_detached(argv: list[str], log: Path) -> None:
+    """Run ``podman run --detach …`` (``argv``) to its exit; ``PeerError`` with its output if it
+    fails. Its output goes to the file ``log`` (removed after), not a pipe: podman's conmon keeps
+    a pipe open after podman exits."""
+    with open(log, "w+b") as out:
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                                                    stderr=asyncio.subprocess.STDOUT)
+        rc, _, _ = await _finish(proc, "podman run --detach")
+    text = log.read_text(errors="replace")
+    log.unlink(missing_ok=True)
+    if rc != 0:
+        raise PeerError(f"podman run --detach exited {rc}: {text[-300:]}")
+
+
 def _cgroup_leaf_dirs(parent: str) -> list[Path]:
     return cgroups.sandbox_cgroup_dirs(parent)
 
@@ -247,17 +261,7 @@ class PeerRig:
     async def podman_start_idle(self) -> str:
         """``podman run --rm --detach`` of ``sleep``; returns the container's name once it runs."""
         name = self.podman_prefix + self._new_cid("idle")
-        # Output to a file, not a pipe: podman's conmon keeps the pipe open after podman exits.
-        log = self.bundles / f"{name}.log"
-        with open(log, "w+b") as out:
-            proc = await asyncio.create_subprocess_exec(
-                *self.podman_argv(name, *SLEEP_ARGS, detach=True),
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT)
-            rc, _, _ = await _finish(proc, "podman run --detach")
-        text = log.read_text(errors="replace")
-        log.unlink(missing_ok=True)
-        if rc != 0:
-            raise PeerError(f"podman run --detach exited {rc}: {text[-300:]}")
+        await podman_detached(self.podman_argv(name, *SLEEP_ARGS, detach=True), self.bundles / f"{name}.log")
         return name
 
     def podman_pids(self, names: list[str]) -> list[int]:

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import random
 import secrets
@@ -57,7 +56,8 @@ from ..images.builders import build_python
 from ..images.store import Image, LayerStore
 from ..local import serving
 from .clean_copy import _commit
-from .lifecycle_peers import PODMAN, PODMAN_FLAGS, SLEEP_ARGS, _finish
+from .lifecycle_peers import PODMAN, PODMAN_FLAGS, SLEEP_ARGS, _finish, podman_detached
+from .results import save_results
 
 KEEP = ["/testbed"]
 GRADE = "python3 -I -S /grader/grade.py"
@@ -271,17 +271,9 @@ class PodmanRig:
     async def start(self, task: TaskSpec) -> str:
         self._n += 1
         name = f"{self.prefix}{self._n}-{secrets.token_hex(2)}"
-        log = self.work / f"{name}.log"  # (not a pipe: conmon keeps it open)
-        with open(log, "w+b") as out:
-            proc = await asyncio.create_subprocess_exec(
-                PODMAN, "run", "--rm", "--detach", "--name", name, *PODMAN_FLAGS, "--memory", f"{MEMORY_MB}m",
-                "--workdir", "/testbed", "--rootfs", f"{self.rootfs(task)}:O", *SLEEP_ARGS,
-                stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=asyncio.subprocess.STDOUT)
-            rc, _, _ = await _finish(proc, "podman run --detach")
-        text = log.read_text(errors="replace")
-        log.unlink(missing_ok=True)
-        if rc != 0:
-            raise RuntimeError(f"podman run --detach exited {rc}: {text[-300:]}")
+        await podman_detached([PODMAN, "run", "--rm", "--detach", "--name", name, *PODMAN_FLAGS, "--memory",
+                               f"{MEMORY_MB}m", "--workdir", "/testbed", "--rootfs", f"{self.rootfs(task)}:O",
+                               *SLEEP_ARGS], self.work / f"{name}.log")
         return name
 
     async def sh(self, name: str, command: str) -> int:
@@ -429,9 +421,5 @@ def main(state_dir: Path, console: Console, store_dir: Path | None = None, episo
         r["ratio"] = r["dsec"]["episodes_per_s"] / r["podman"]["episodes_per_s"]
         console.print(f"DSec / podman episodes/s: {r['ratio']:.1f}× (goal ≥ 5×: {'met' if r['ratio'] >= 5 else 'MISSED'})")
     r["errors"] = errors
-    for e in errors:
-        console.print(f"[red]error:[/red] {e}")
-    out = state_dir.parent / f"{state_dir.name}.json"
-    out.write_text(json.dumps(r, indent=1))
-    console.print(f"results in {out}")
+    save_results(console, state_dir, r, errors)
     return 0 if not errors else 1

@@ -540,23 +540,14 @@ class Edge:
                                    env=request.env, workdir=request.workdir, user=request.user, max_output_bytes=0)
         rec, ctx = await self._exec_context(sandbox_id, exec_request)
         backend = self.backends[rec.kind]
-        pid_line = ""
-        async for event in stream_exec(lambda emit: self._call(rec, backend.exec_stream(rec.handle, exec_request, ctx, emit))):
+        started = False
+        events = stream_exec(lambda emit: self._call(rec, backend.exec_stream(rec.handle, exec_request, ctx, emit)))
+        async for event in processes.pid_first(events):
             if event.event == "started":
-                continue
-            if pid_line is not None and event.event == "stdout":
-                pid_line += event.data
-                if "\n" not in pid_line:
-                    continue
-                first, rest = pid_line.split("\n", 1)
-                pid_line = None
-                if not first.strip().isdigit():
-                    raise InvalidRequest(f"cannot start the background process: {first[-300:]!r}")
-                yield ExecEvent(event="started", data=first.strip())
-                if rest:
-                    yield ExecEvent(event="stdout", data=rest)
-                continue
-            if pid_line is not None and event.event == "exit" and event.result is not None:
+                if not event.data.isdigit():
+                    raise InvalidRequest(f"cannot start the background process: {event.data[-300:]!r}")
+                started = True
+            elif not started and event.event == "exit" and event.result is not None:
                 processes.started_pid(event.result)  # the start failed: its error, raised
             yield event
 

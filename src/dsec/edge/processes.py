@@ -25,9 +25,11 @@ into the error tree.
 from __future__ import annotations
 
 import shlex
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from libdsec import InvalidRequest, ProcessNotFound, SandboxStateError
-from libdsec.protocol import ExecResult, ProcessInfo
+from libdsec.protocol import ExecEvent, ExecResult, ProcessInfo
 
 BASE = "/tmp/.dsec-proc"
 _NO_SUCH, _ENDED, _STDIN_CLOSED, _SETUP = 91, 92, 93, 90
@@ -186,6 +188,29 @@ def started_pid(result: ExecResult) -> int:
         raise InvalidRequest(f"cannot start the background process (exit code {result.exit_code}): "
                              f"{detail or 'the sandbox has no /tmp it can write, or no mkfifo/setsid'}")
     return int(text)
+
+
+async def pid_first(events: AsyncIterator[ExecEvent]) -> AsyncIterator[ExecEvent]:
+    """The events of a command whose first line of output is its pid (``echo $$; …``, as
+    ``start_follow_script`` and E2B's streamed commands are) as a process stream's: ``started``
+    with that line as its data (the command's own ``started`` dropped), then the rest of its
+    output and its ``exit``. Whether the line is a pid is the caller's to check."""
+    line: str | None = ""
+    async with aclosing(events):
+        async for event in events:
+            if line is not None and event.event == "started":
+                continue
+            if line is not None and event.event == "stdout":
+                line += event.data
+                if "\n" not in line:
+                    continue
+                first, rest = line.split("\n", 1)
+                line = None
+                yield ExecEvent(event="started", data=first.strip())
+                if rest:
+                    yield ExecEvent(event="stdout", data=rest)
+                continue
+            yield event
 
 
 def parse_list(text: str) -> list[ProcessInfo]:

@@ -538,13 +538,7 @@ class Zygote:
             st = os.fstat(fd)
             if _state(st) == self.clean.get(path) and (path != WORKDIR or not os.listxattr(fd)):
                 continue
-            with os.scandir(path) as it:
-                entries = list(it)
-            for entry in entries:
-                if entry.is_dir(follow_symlinks=False):
-                    _rmtree(entry.path)
-                else:
-                    os.unlink(entry.path)
+            _empty(path)
             if path == WORKDIR:
                 for name in os.listxattr(fd):
                     os.removexattr(fd, name)
@@ -608,6 +602,12 @@ def _state(st):
 def _rmtree(path):
     """Remove a directory tree without following symlinks (whoever made it is dead). Too deep a
     tree raises, which ends the zygote: the edge then replaces the worker."""
+    _empty(path)
+    os.rmdir(path)
+
+
+def _empty(path):
+    """Remove what a directory holds, as ``_rmtree`` does, and keep the directory."""
     with os.scandir(path) as it:
         entries = list(it)
     for entry in entries:
@@ -615,7 +615,6 @@ def _rmtree(path):
             _rmtree(entry.path)
         else:
             os.unlink(entry.path)
-    os.rmdir(path)
 
 
 # -- Landlock: what a call may touch -------------------------------------------------------------

@@ -8,7 +8,7 @@ with its own node name and state dir, and serves the node seam on its own HTTP e
 (``dsec.edge.server``) at the node's address; the apiserver calls it there (``RemoteEdge``).
 Ray carries membership, placement of the actors and their health; the data path is the edge's
 own endpoint, which costs the apiserver a fraction of an actor call per request
-(docs/BENCHMARKS.md → Cluster on Ray nodes).
+(docs/BENCHMARKS.md → Cluster).
 
 Membership is polled (``poll_s``): a node that joins gets an edge within seconds; one that Ray
 declares dead is marked lost (its sandboxes answer ``SandboxLost``, stop counting against

@@ -23,7 +23,6 @@ import shlex
 import signal as signals
 import time
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from connectrpc.code import Code
@@ -35,6 +34,7 @@ from e2b.envd.process import process_pb as pb
 from libdsec import DSecError, SandboxStateError
 from libdsec.protocol import ExecEvent, ExecRequest, ProcessStreamRequest, StartProcessRequest
 
+from ...edge.processes import pid_first
 from ._errors import rpc_error
 from ._events import end as _end
 from ._events import event as _event
@@ -59,27 +59,6 @@ def _config_of(command: str) -> pb.ProcessConfig:
     except ValueError:  # cut at 200 characters mid-quote
         parts = line.split()
     return pb.ProcessConfig(cmd=parts[0] if parts else "", args=parts[1:])
-
-
-async def _pid_first(events: AsyncIterator[ExecEvent]) -> AsyncIterator[ExecEvent]:
-    """``exec_stream``'s events of ``echo $$; exec CMD`` as ``start_process_stream``'s:
-    ``started`` with the pid, then the command's own output."""
-    line: str | None = ""
-    async with aclosing(events):
-        async for event in events:
-            if line is not None and event.event == "started":
-                continue
-            if line is not None and event.event == "stdout":
-                line += event.data
-                if "\n" not in line:
-                    continue
-                first, rest = line.split("\n", 1)
-                line = None
-                yield ExecEvent(event="started", data=first.strip())
-                if rest:
-                    yield ExecEvent(event="stdout", data=rest)
-                continue
-            yield event
 
 
 @dataclass
@@ -199,7 +178,7 @@ class ProcessService:
                 command=command, env=env, workdir=workdir, user=target.user))
         else:
             deadline_s = (ctx.timeout_ms or 0) / 1000
-            events = _pid_first(target.edge.exec_stream(target.sandbox_id, ExecRequest(
+            events = pid_first(target.edge.exec_stream(target.sandbox_id, ExecRequest(
                 command="echo $$; " + command, env=env, workdir=workdir, user=target.user, max_output_bytes=0,
                 timeout=min(24 * 3600.0, deadline_s + 5) if deadline_s else 24 * 3600.0)))
         try:
