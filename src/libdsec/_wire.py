@@ -139,6 +139,7 @@ class Stream:
                 reading.parts.clear()
                 yield data
             if reading.complete:
+                reading.parser = None  # as in ``_send``: no cycle left for the collector
                 return
             try:
                 async with asyncio.timeout(self._timeout):
@@ -354,7 +355,9 @@ class WireClient:
             self._idle.append(conn)
         else:
             conn.close()
-        return Answer(parser.get_status_code(), b"".join(reading.parts))
+        status = parser.get_status_code()
+        reading.parser = None  # the parser calls back into ``reading``: no cycle left for the collector
+        return Answer(status, b"".join(reading.parts))
 
     async def aclose(self) -> None:
         self._closed = True
