@@ -139,7 +139,6 @@ class Stream:
                 reading.parts.clear()
                 yield data
             if reading.complete:
-                reading.parser = None  # as in ``_send``: no cycle left for the collector
                 return
             try:
                 async with asyncio.timeout(self._timeout):
@@ -272,6 +271,7 @@ class WireClient:
                     self._idle.append(conn)
                 else:
                     conn.close()
+                reading.parser = None  # a stream left before its end too: no cycle for the collector
 
     async def _open_stream(self, request: bytes) -> tuple[_Connection, _StreamReading]:
         conn = self._take()
