@@ -134,7 +134,13 @@ class Sandbox:
         self.info = info
         # Set on a sandbox made by ``clean_copy``: what was carried into it.
         self.clean_copy_result: CleanCopyResult | None = None
-        self.files = SandboxFiles(self)  # list, stat, remove, make_dir, rename, upload_dir, download_dir
+
+    @property
+    def files(self) -> SandboxFiles:
+        """The sandbox's files: list, stat, remove, make_dir, rename, upload_dir, download_dir.
+        (Made on each use, not kept: a kept one would make every sandbox a reference cycle,
+        left for the garbage collector's full passes to find.)"""
+        return SandboxFiles(self)
 
     @property
     def id(self) -> str:

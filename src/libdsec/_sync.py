@@ -205,7 +205,10 @@ class SyncSandbox:
         self._runner = runner
         self._run = runner.run
         self._sandbox = sandbox
-        self.files = SyncFiles(runner, sandbox.files)
+
+    @property
+    def files(self) -> SyncFiles:
+        return SyncFiles(self._runner, self._sandbox.files)
 
     @property
     def id(self) -> str:

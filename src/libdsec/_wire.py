@@ -275,6 +275,7 @@ class WireClient:
                     self._idle.append(conn)
                 else:
                     conn.close()
+                reading.parser = None  # a stream left before its end too: no cycle for the collector
 
     async def _open_stream(self, request: bytes) -> tuple[_Connection, _StreamReading]:
         conn = self._take()
@@ -321,7 +322,9 @@ class WireClient:
             self._idle.append(conn)
         else:
             conn.close()
-        return Answer(parser.get_status_code(), b"".join(reading.parts))
+        status = parser.get_status_code()
+        reading.parser = None  # the parser calls back into ``reading``: no cycle left for the collector
+        return Answer(status, b"".join(reading.parts))
 
     async def aclose(self) -> None:
         self._closed = True

@@ -252,3 +252,55 @@ async def test_a_stream_is_read_as_it_arrives_and_its_connection_kept_once_read_
         go_on.set()
         await wire.aclose()
     assert srv.connections == 2  # the first one served /batch, /fail and /broken
+
+
+async def test_an_exchange_leaves_no_garbage_cycle() -> None:
+    """Each answer's parser called back into its reading, a reference cycle an exchange that only
+    the collector's full passes freed: a client making thousands of calls then stalled for
+    hundreds of ms at a time. Answers read whole and streamed leave nothing for the collector."""
+    import gc
+
+    async def answer(writer, line, body):
+        _json(writer, 200, {"ok": True})
+        return True
+
+    async with Server(answer) as srv:
+        wire = WireClient(f"http://127.0.0.1:{srv.port}", {}, 4)
+        await wire.request("GET", "/warm", timeout=5)  # first-use allocations out of the way
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(50):
+                assert (await wire.request("GET", "/v1/x", timeout=5)).status_code == 200
+                async with wire.stream("GET", "/v1/s", timeout=5) as stream:
+                    assert json.loads(await stream.read()) == {"ok": True}
+            found = gc.collect()
+        finally:
+            gc.enable()
+        await wire.aclose()
+    assert found < 10, f"{found} objects in reference cycles after 100 exchanges"
+
+
+def test_a_sandbox_handle_is_no_reference_cycle() -> None:
+    import gc
+    from datetime import datetime, timezone
+
+    from libdsec import Sandbox
+    from libdsec.protocol import SandboxInfo, SandboxStatus
+
+    now = datetime.now(timezone.utc)
+    info = SandboxInfo(id="x", kind="container", node="n", image="i", status=SandboxStatus.running, created_at=now,
+                       last_active_at=now, memory_limit_mb=64, cpu_cores_limit=1.0, ttl_running_stop=60.0,
+                       init_user="root", workdir="/")
+    client = DSecClient("http://127.0.0.1:1", token="t")
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(100):
+            sandbox = Sandbox(client, info)
+            assert sandbox.files is not sandbox.files  # made on each use, not kept
+        del sandbox
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert found == 0, f"{found} objects in reference cycles after 100 sandbox handles"

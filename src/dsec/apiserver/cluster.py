@@ -58,8 +58,7 @@ MAX_NODES_TRIED = 4
 
 
 def demand_of(args: DSecContainerRunArgs) -> placement.Demand:
-    best_effort = getattr(args, "best_effort", False)
-    return placement.Demand(cpu_cores=0.0 if best_effort else args.cpu_cores_limit, memory_mb=args.memory_limit_mb)
+    return placement.Demand(cpu_cores=0.0 if args.best_effort else args.cpu_cores_limit, memory_mb=args.memory_limit_mb)
 
 
 def amount_of(args: DSecContainerRunArgs, count: int = 1) -> Amount:
@@ -419,8 +418,7 @@ class Cluster:
     async def _reserve(self, project: str, args: DSecContainerRunArgs, count: int) -> AsyncIterator[_Reservation]:
         one = amount_of(args)
         tree = self.projects.tree()
-        limited = any(tree.holder(project, r) is not None for r in RESOURCES)
-        if not limited:
+        if not tree.limited(project):
             yield _Reservation({project: one.times(count)}, None, int, project, one, count)
             return
         reservation = _Reservation(self._pending, self._landed, lambda: self._usage_started, project, one, count)

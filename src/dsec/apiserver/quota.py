@@ -71,6 +71,7 @@ class Tree:
                 self.children.setdefault(p.parent, []).append(p.name)
         for kids in self.children.values():
             kids.sort()
+        self._limited: dict[str, bool] = {}  # a tree is not changed once made (``with_project`` copies)
 
     def __contains__(self, name: str) -> bool:
         return name in self.projects
@@ -110,6 +111,13 @@ class Tree:
             if self.projects[p].cap(resource) is not None:
                 return p
         return None
+
+    def limited(self, name: str) -> bool:
+        """Whether any cap (its own or an ancestor's) limits ``name``; remembered per tree."""
+        known = self._limited.get(name)
+        if known is None:
+            known = self._limited[name] = any(self.holder(name, r) is not None for r in RESOURCES)
+        return known
 
     def pool(self, holder: str, resource: str) -> set[str]:
         """``holder`` and the descendants that draw from its cap."""

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -49,7 +50,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -285,15 +286,23 @@ class Phases:
 
     async def run(self) -> dict[str, Any]:
         r: dict[str, Any] = {"nodes": self.arm.nodes, "batch_count": self.batch, "singles_count": self.singles}
-        made, r["batch"] = await self.run_batch()
-        r["batch_stop"] = await self.stop_all(made, "stop the batch")
-        made, r["singles"] = await self.run_singles()
-        r["singles_stop"] = await self.stop_all(made, "stop the single creates")
+        with _collector_held():
+            made, r["batch"] = await self.run_batch()
+        with _collector_held():
+            r["batch_stop"] = await self.stop_all(made, "stop the batch")
+        with _collector_held():
+            made, r["singles"] = await self.run_singles()
+        with _collector_held():
+            r["singles_stop"] = await self.stop_all(made, "stop the single creates")
         if self.opts.paced_rate > 0 and self.paced_s > 0:
-            made, r["paced"] = await self.run_paced(self.opts.paced_rate)
-            r["paced_stop"] = await self.stop_all(made, "stop the paced creates")
-            made, r["paced_half"] = await self.run_paced(r["singles"]["per_s"] / 2)
-            r["paced_half_stop"] = await self.stop_all(made, "stop the paced creates")
+            with _collector_held():
+                made, r["paced"] = await self.run_paced(self.opts.paced_rate)
+            with _collector_held():
+                r["paced_stop"] = await self.stop_all(made, "stop the paced creates")
+            with _collector_held():
+                made, r["paced_half"] = await self.run_paced(r["singles"]["per_s"] / 2)
+            with _collector_held():
+                r["paced_half_stop"] = await self.stop_all(made, "stop the paced creates")
         r["left_running"] = len(await self.client.list_sandboxes())
         return r
 
@@ -394,6 +403,23 @@ class Phases:
             raise BenchError(f"paced creates: {len(errors)} errors, the first: {errors[0]}")
         return made, {"rate": rate, "count": total, "seconds": seconds, "achieved_per_s": total / seconds,
                       **_ms(latencies), **meter.stop(total)}
+
+
+@contextlib.contextmanager
+def _collector_held() -> Iterator[None]:
+    """No cyclic garbage collection in this (the client's) process during a phase: the phase's
+    own results (tens of thousands of sandbox handles) grow the heap, and each of the
+    collector's full passes over it stalled every request in flight for up to a few hundred ms,
+    which the latencies then counted against the platform. The SDK leaves no cycles a request
+    (a test checks), so nothing piles up meanwhile; what the phase left is collected after it."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
 
 
 def _ms(latencies: list[float]) -> dict[str, float]:

@@ -83,6 +83,7 @@ GOAL_CREATE_P50_MS = 30.0
 GOAL_CREATE_P99_MS = 200.0
 GOAL_IDLE_MIB = 4.0
 GOAL_E2B_OVER_DSEC = 0.75  # the E2B layer costs at most 25% of the throughput
+E2B_COMMAND_FORM = "/bin/bash -l -c 'echo hi'"  # as envd runs commands.run("echo hi")
 
 
 @dataclass
@@ -201,7 +202,7 @@ class Bench:
             self.r["dsec_nometrics"] = {}
             self._rounds["dsec_nometrics"] = []
         if opts.compare_e2b:
-            for system in ("dsec_python", "e2b"):
+            for system in ("dsec_python", "dsec_login", "e2b"):
                 self.r[system] = {}
                 self._rounds[system] = []
 
@@ -255,20 +256,21 @@ class Bench:
     async def dsec_throughput(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
         await self._throughput(server, client, progress, "dsec")
 
-    async def _python_lifecycle(self, client: DSecClient) -> tuple[float, float, float]:
-        """``_lifecycle`` on the python image, 512 MB: the DSec side of the E2B comparison."""
+    async def _python_lifecycle(self, client: DSecClient, command: str = "echo hi") -> tuple[float, float, float]:
+        """``_lifecycle`` on the python image, 512 MB: the DSec side of the E2B comparison
+        (``command``: E2B's own form of it for the ``dsec_login`` arm)."""
         t0 = time.perf_counter()
         sandbox = await client.run_container(DSecContainerRunArgs(
             container_image="python", memory_limit_mb=512, cpu_cores_limit=1.0, ttl_running_stop=600), timeout=120)
         t1 = time.perf_counter()
         try:
-            result = await sandbox.run_shell("echo hi", timeout=30)
+            result = await sandbox.run_shell(command, timeout=30)
             t2 = time.perf_counter()
         finally:
             await sandbox.stop()
         t3 = time.perf_counter()
         if result.exit_code != 0 or result.stdout != "hi\n":
-            raise BenchError(f"echo hi gave exit {result.exit_code}, stdout {result.stdout!r}")
+            raise BenchError(f"{command} gave exit {result.exit_code}, stdout {result.stdout!r}")
         return t1 - t0, t2 - t1, t3 - t2
 
     async def _e2b_lifecycle(self, e2b: dict[str, str]) -> tuple[float, float, float]:
@@ -293,6 +295,9 @@ class Bench:
         key = await client.create_project_token("root", e2b=True)
         e2b = {"api_key": key, "api_url": f"{server.endpoint}/e2b", "sandbox_url": f"{server.endpoint}/e2b/envd"}
         await self._throughput_round(server, client, progress, "dsec_python", lambda: self._python_lifecycle(client))
+        # What envd runs for commands.run(cmd): a login bash (profile files read, and what they start).
+        await self._throughput_round(server, client, progress, "dsec_login",
+                                     lambda: self._python_lifecycle(client, E2B_COMMAND_FORM))
         await self._throughput_round(server, client, progress, "e2b", lambda: self._e2b_lifecycle(e2b))
 
     async def dsec_loop_throughput(self, server: LocalServer, client: DSecClient, progress: Progress) -> None:
@@ -334,6 +339,7 @@ class Bench:
         o = self.opts
         label = {"dsec": "DSec", "dsec_loop": "DSec, layers on loop devices",
                  "dsec_nometrics": "DSec, metrics off", "dsec_python": "DSec SDK, python image",
+                 "dsec_login": "DSec SDK, python image, E2B's command form",
                  "e2b": "e2b SDK on DSec's E2B API, python image"}[system]
         once = lifecycle or (lambda: self._lifecycle(client))
         task = progress.add_task(f"{label} warm-up: {o.warmup} lifecycles, {o.concurrency} in flight", total=o.warmup)
@@ -759,6 +765,10 @@ def _summarise(r: dict) -> tuple[dict, list[dict]]:
         ratios["own_cpu_per_lifecycle_e2b_over_dsec_python"] = _ratio(
             _get(r["e2b"], "throughput", "cpu", "own_cpu_ms_per_op"),
             _get(r["dsec_python"], "throughput", "cpu", "own_cpu_ms_per_op"))
+        if _get(r.get("dsec_login", {}), "throughput"):
+            # The same work in the sandbox on both sides: what is left is the layer and the e2b client.
+            ratios["throughput_e2b_over_dsec_login"] = _ratio(_get(r["e2b"], "throughput", "lifecycles_per_s"),
+                                                              _get(r["dsec_login"], "throughput", "lifecycles_per_s"))
     mem = _get(d, "idle", "host_mib_per_sandbox")
     ratios["idle_memory_dsec_over_podman"] = _ratio(mem, _get(p, "idle", "host_mib_per_container"))
     ratios["idle_memory_dsec_over_crun"] = _ratio(mem, _get(c, "idle", "host_mib_per_container"))
@@ -1006,6 +1016,15 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
             f"{et['exec']['p50_ms']:.1f}/{et['stop']['p50_ms']:.1f} ms, DSec {pt['create']['p50_ms']:.1f}/"
             f"{pt['exec']['p50_ms']:.1f}/{pt['stop']['p50_ms']:.1f} ms; CPU per lifecycle "
             f"{et['cpu']['own_cpu_ms_per_op']:.1f} against {pt['cpu']['own_cpu_ms_per_op']:.1f} ms")
+        lt = _get(res, "dsec_login", "throughput")
+        if lt:
+            def split(t: dict) -> str:
+                return (f"server {t['server_python_cpu_ms_per_lifecycle']:.1f} + children "
+                        f"{t['server_children_cpu_ms_per_lifecycle']:.1f} + client {t['client_cpu_ms_per_lifecycle']:.1f} ms")
+            console.print(
+                f"  with E2B's command form ({E2B_COMMAND_FORM}) through DSec's SDK: {lt['lifecycles_per_s']:.1f} "
+                f"lifecycles/s, e2b SDK {_fmt(res['ratios'].get('throughput_e2b_over_dsec_login'), '.2f', '×')} of it; "
+                f"CPU a lifecycle: DSec SDK {split(pt)}; E2B's form {split(lt)}; e2b SDK {split(et)}")
     cold = _get(res, "dsec", "create_cold")
     if cold:
         console.print(f"no pool: inside the edge, create p50/p99 {cold['server_side']['p50_ms']:.1f}/"

@@ -43,7 +43,7 @@ HOST_FACTS_MAX_AGE_S = 10.0
 
 def cpu_commit(args: DSecContainerRunArgs) -> float:
     """CPU a sandbox commits on its node: its weight in cores, or none for best effort."""
-    return 0.0 if getattr(args, "best_effort", False) else args.cpu_cores_limit
+    return 0.0 if args.best_effort else args.cpu_cores_limit
 
 
 def memory_total_mb() -> int:
@@ -78,7 +78,7 @@ class Admission:
             raise out_of_range("memory_limit_mb", args.memory_limit_mb, MIN_MEMORY_MB, self.memory_total_mb, "MB")
         if not MIN_CPU <= args.cpu_cores_limit <= self.cpu_cores:
             raise out_of_range("cpu_cores_limit", args.cpu_cores_limit, MIN_CPU, self.cpu_cores, "cores")
-        cap = getattr(args, "cpu_cores_cap", None)
+        cap = args.cpu_cores_cap
         if cap is not None and not max(MIN_CPU, args.cpu_cores_limit) <= cap <= self.cpu_cores:
             low = max(MIN_CPU, args.cpu_cores_limit)
             raise out_of_range("cpu_cores_cap", cap, f"{low:g}", self.cpu_cores, "cores (at least cpu_cores_limit)")
@@ -87,7 +87,7 @@ class Admission:
         if not PIDS_RANGE[0] <= args.pids_limit <= PIDS_RANGE[1]:
             raise out_of_range("pids_limit", args.pids_limit, *PIDS_RANGE, "processes")
         return Limits(memory_mb=args.memory_limit_mb, cpu_cores=args.cpu_cores_limit, pids=args.pids_limit,
-                      cpu_cap=cap, best_effort=getattr(args, "best_effort", False))
+                      cpu_cap=cap, best_effort=args.best_effort)
 
     def admit(self, sandbox_id: str, args: DSecContainerRunArgs) -> None:
         """Take ``sandbox_id`` in, holding what ``args`` commit; ``CapacityExceeded`` if it does not fit."""

@@ -45,6 +45,7 @@ from libdsec.protocol import (
     CleanCopyResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
+    DSecMicroVMRunArgs,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -271,7 +272,7 @@ class Edge:
         self._records[sandbox_id] = rec
         # VMs (whose memory is set at boot), restores from a snapshot and sandboxes with paths
         # of their own made read-only are made to order.
-        snapshot = getattr(args, "snapshot", None)
+        snapshot = args.snapshot if isinstance(args, DSecMicroVMRunArgs) else None
         pooled = Capability.WARM_POOL in backend.capabilities and snapshot is None and not args.protected_paths
         pool = self.warm_pool.arrive(kind, image, limits) if pooled else None
         try:
@@ -901,8 +902,7 @@ class Edge:
             await self._fail(rec, f"stop failed: {exc}")
             raise
         rec.status, rec.reason = SandboxStatus.stopped, reason
-        self._forget(rec)
-        return rec.info(self.node)
+        return self._forget(rec)
 
     # -- pause and resume ------------------------------------------------------------------
 
@@ -988,14 +988,16 @@ class Edge:
         finally:
             self._forget(rec)
 
-    def _forget(self, rec: Record) -> None:
+    def _forget(self, rec: Record) -> SandboxInfo:
+        """Drop the record of an ended sandbox; its last info, kept for later reads, is returned."""
         self.security.forget(rec)
         self._records.pop(rec.id, None)
         self.admission.unhold(rec.id)
         self.journal.drop(rec.id)
-        self._finished[rec.id] = rec.info(self.node)
+        info = self._finished[rec.id] = rec.info(self.node)
         while len(self._finished) > self.config.finished_kept:
             self._finished.popitem(last=False)
+        return info
 
     def _persist(self, rec: Record) -> None:
         self.journal.put(rec.id, rec.to_json())

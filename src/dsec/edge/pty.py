@@ -136,7 +136,8 @@ class PtyTable:
     async def close_sandbox(self, sandbox_id: str) -> None:
         """The sandbox stops: its PTYs end first."""
         mine = [i for i, p in self._ptys.items() if p.sandbox_id == sandbox_id]
-        await asyncio.gather(*(self.close(sandbox_id, i) for i in mine), return_exceptions=True)
+        if mine:  # most sandboxes never open one: no gather (a task per stop) for them
+            await asyncio.gather(*(self.close(sandbox_id, i) for i in mine), return_exceptions=True)
 
     async def close_all(self) -> None:
         if self._sweeper is not None:

@@ -95,6 +95,9 @@ class Allowed:
         return not self.names and not self.flows
 
 
+NOTHING = Allowed(frozenset(), frozenset())  # what no rules (the default) let through
+
+
 def _addresses(config: NetworkConfig, host: str) -> list[str]:
     try:
         return [str(ipaddress.IPv4Address(host))]
@@ -105,6 +108,8 @@ def _addresses(config: NetworkConfig, host: str) -> list[str]:
 def resolve_rules(config: NetworkConfig, rules: dict) -> Allowed:
     """Check ``network_rules`` against the node's configuration; InvalidRequest if they name
     a service this node does not know or have the wrong shape."""
+    if not rules:
+        return NOTHING
     names: set[str] = set()
     flows: set[tuple[str, str, int]] = set()
     for key, value in rules.items():
