@@ -505,7 +505,7 @@ class Edge:
         except SandboxStateError:
             if rec.status is SandboxStatus.running:
                 if not await self.backends[rec.kind].is_alive(rec.handle):
-                    await self._fail(rec, "sandbox processes died")
+                    await self._fail(rec, self._died(rec))
                 else:
                     self._look_again(rec)
             raise
@@ -1009,12 +1009,19 @@ class Edge:
                 if self._records.get(rec.id) is not rec or rec.status is not SandboxStatus.running:
                     return
                 if not await backend.is_alive(rec.handle):
-                    await self._fail(rec, "sandbox processes died")
+                    await self._fail(rec, self._died(rec))
                     return
 
         task = asyncio.create_task(look(), name=f"dsec-look-again-{rec.id}")
         self._looking[rec.id] = task
         task.add_done_callback(lambda _: self._looking.pop(rec.id, None))
+
+    def _died(self, rec: Record) -> str:
+        """The reason a sandbox found dead failed with: what its backend knows of why (a VM's
+        console: its agent OOM-killed, its kernel panicked), if it can tell."""
+        why = getattr(self.backends[rec.kind], "why_gone", None)
+        detail = why(rec.handle) if why is not None else None
+        return "sandbox processes died" + (f": {detail}" if detail else "")
 
     async def _fail(self, rec: Record, reason: str) -> None:
         log.warning("sandbox %s failed: %s", rec.id, reason)
