@@ -123,3 +123,29 @@ async def test_a_kill_during_a_microvm_snapshot_leaves_it_running_and_the_snapsh
     finally:
         await stop_all(srv)
         srv.stop()
+
+
+async def test_a_paused_microvm_is_re_adopted_paused_and_resumes(new_state_dir):
+    """``kill -9`` of the server while a microVM is paused (its vCPUs stopped): after the restart
+    it is still paused, and its next call resumes it and answers."""
+    state = new_state_dir("dsec-vmpause")
+    srv = LocalServer(state, extra_args=("--pool-max", "0")).start()
+    try:
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128),
+                                          timeout=300)
+            await vm.write_file("/root/note", "paused\n")
+            await vm.pause()
+        srv.kill()
+        srv.start()
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            again = await client.get_sandbox(vm.id)
+            assert again.status is SandboxStatus.paused, again.info
+            assert (await again.run_shell("cat /root/note", timeout=60)).stdout == "paused\n"
+            assert (await again.refresh()).status is SandboxStatus.running
+            await again.stop()
+        srv.stop()
+        assert not leftovers(state, settle_s=10)
+    finally:
+        await stop_all(srv)
+        srv.stop()
