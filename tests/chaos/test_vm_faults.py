@@ -55,6 +55,27 @@ async def test_a_killed_qemu_fails_its_microvm_only(new_state_dir):
         srv.stop()
 
 
+async def test_a_microvm_that_dies_with_no_call_is_seen_failed(new_state_dir):
+    """Nobody calls it: the edge's sweep (each reaper round, 1 s) finds its QEMU gone."""
+    state = new_state_dir("dsec-vmsweep")
+    srv = LocalServer(state, extra_args=("--pool-max", "0")).start()
+    try:
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128),
+                                          timeout=300)
+            os.kill(persisted_record(state, vm.id)["handle"]["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while (await vm.refresh()).status is SandboxStatus.running and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            assert vm.status is SandboxStatus.failed and "its QEMU exited" in vm.info.reason, vm.info
+            await vm.stop()
+        srv.stop()
+        assert not leftovers(state, settle_s=10)
+    finally:
+        await stop_all(srv)
+        srv.stop()
+
+
 async def test_an_oom_killed_guest_agent_fails_its_microvm_with_the_reason(new_state_dir):
     """The guest agent killed alone, by the guest's own OOM killer: a command's output is kept by
     the agent up to ``max_output_bytes`` (64 MiB a stream), more than a 128 MB guest can hold. The

@@ -134,7 +134,7 @@ class Edge:
         # Batches whose sandboxes are held here until committed: id -> when they are given up
         # (None while the batch is still being made).
         self._batches: dict[str, float | None] = {}
-        self.reaper = TTLReaper(config, self._records, self.stop, self._batches)
+        self.reaper = TTLReaper(config, self._records, self.stop, self._batches, sweep=self._sweep_gone)
         self._undoing: set[asyncio.Task] = set()  # failed batches being undone (close() waits for them)
         self._looking: dict[str, asyncio.Task] = {}  # sandboxes whose death is being confirmed (_look_again)
         self._closed = False
@@ -1015,6 +1015,16 @@ class Edge:
         task = asyncio.create_task(look(), name=f"dsec-look-again-{rec.id}")
         self._looking[rec.id] = task
         task.add_done_callback(lambda _: self._looking.pop(rec.id, None))
+
+    async def _sweep_gone(self) -> None:
+        """Fail the running sandboxes whose backend can tell, without a call, that they are gone
+        (``why_gone``: a VM whose QEMU exited or whose agent closed its channel; a flag and a
+        signal-0 each, so every reaper round)."""
+        for rec in list(self._records.values()):
+            why = getattr(self.backends[rec.kind], "why_gone", None)
+            if (why is not None and rec.status is SandboxStatus.running and rec.calls == 0
+                    and why(rec.handle) is not None and self._records.get(rec.id) is rec):
+                await self._fail(rec, self._died(rec))
 
     def _died(self, rec: Record) -> str:
         """The reason a sandbox found dead failed with: what its backend knows of why (a VM's
