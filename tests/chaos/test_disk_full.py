@@ -16,7 +16,7 @@ import pytest
 from dsec.edge import journal
 from dsec.local import LocalServer, leftovers
 from dsec.resources import cgroups
-from libdsec import BackendError, DSecClient, DSecContainerRunArgs, DSecError
+from libdsec import BackendError, DSecClient, DSecContainerRunArgs, DSecError, DSecMicroVMRunArgs
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -142,6 +142,33 @@ async def test_creates_with_their_filesystem_full_fail_clearly_and_leave_nothing
                 assert (await sandbox.run_shell("echo room")).stdout == "room\n"
                 await sandbox.stop()
             await keeper.stop()
+    finally:
+        if srv.proc is not None and srv.proc.poll() is None:
+            async with DSecClient(srv.endpoint, token=srv.token) as client:
+                for info in await client.list_sandboxes():
+                    await (await client.get_sandbox(info.id)).stop()
+        srv.stop()
+
+
+async def test_a_microvm_create_on_a_full_state_dir_fails_clearly_and_leaves_nothing(small_state):
+    """A microVM's directory (QEMU's sockets, its console, its machine file) is on the state dir's
+    disk: with that full its create fails with ``BackendError`` naming ENOSPC, not a hang or a
+    boot timeout, and leaves no directory, cgroup or process; with room it boots."""
+    srv = LocalServer(small_state, extra_args=("--pool-max", "0")).start()
+    vms = small_state / "node" / "vms" / "microvm"
+    args = DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128)
+    try:
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            filler = small_state / "filler"
+            fill(str(filler))
+            with pytest.raises(BackendError, match=r"(?i)no space left on device|ENOSPC") as err:
+                await asyncio.wait_for(client.run_microvm(args, timeout=120), 60)
+            assert "ENOSPC" in str(err.value) or "No space left" in str(err.value), err.value
+            assert not vms.is_dir() or list(vms.iterdir()) == [], list(vms.iterdir())
+            assert await client.list_sandboxes() == []
+            os.unlink(filler)
+            async with await client.run_microvm(args, timeout=300) as vm:
+                assert (await vm.run_shell("echo booted")).stdout == "booted\n"
     finally:
         if srv.proc is not None and srv.proc.poll() is None:
             async with DSecClient(srv.endpoint, token=srv.token) as client:

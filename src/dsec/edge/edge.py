@@ -1020,6 +1020,8 @@ class Edge:
         """Fail the running sandboxes whose backend can tell, without a call, that they are gone
         (``why_gone``: a VM whose QEMU exited or whose agent closed its channel; a flag and a
         signal-0 each, so every reaper round)."""
+        if not any(hasattr(b, "why_gone") for b in self.backends.values()):
+            return
         for rec in list(self._records.values()):
             why = getattr(self.backends[rec.kind], "why_gone", None)
             if (why is not None and rec.status is SandboxStatus.running and rec.calls == 0

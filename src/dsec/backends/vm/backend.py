@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import re
 import shlex
@@ -271,9 +272,9 @@ class VMBackend:
             if not self.store.has_layer(digest):
                 raise BackendError(f"layer {digest} of image {spec.image!r} is missing from the store")
         vm_dir = self.vm_dir(cid)
-        vm_dir.mkdir(parents=True)
         pid = 0
         try:
+            vm_dir.mkdir(parents=True)
             argv = await self._prepare(cid, spec, vm_dir)
             procs = await asyncio.to_thread(cgroups.make_memory_cgroup, self.cgroup_parent, cid)
             pid = await machine.launch(argv, vm_dir, cgroup_procs=procs)
@@ -287,6 +288,9 @@ class VMBackend:
             shutil.rmtree(vm_dir, ignore_errors=True)
             if isinstance(exc, (AgentGone, QMPError)):
                 raise BackendError(f"{self.kind} {cid} did not come up: {exc}" + (f"; console: {console}" if console else "")) from exc
+            if isinstance(exc, OSError) and exc.errno is not None:  # a full disk (ENOSPC) above all
+                raise BackendError(f"cannot make {self.kind} {cid}: {exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)})"
+                                   + (f": {exc.filename}" if exc.filename else "")) from exc
             raise
         live.limits = spec.limits
         self._live[cid] = live
