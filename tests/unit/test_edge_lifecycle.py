@@ -107,6 +107,9 @@ def test_the_finished_table_keeps_each_ended_sandbox_compact_and_at_most_kept():
     assert len(finished) == 3 and finished.get(infos[0].id) is None and infos[1].id not in finished
     assert [finished.get(i.id) for i in infos[2:]] == infos[2:]  # each comes back whole
     assert max(len(p) for p in finished._infos.values()) < 200  # not a model object: about 100 bytes
+    assert finished[infos[4].id] == infos[4] and finished.popitem(last=False)[0] == infos[2].id  # as a mapping
+    with pytest.raises(KeyError):
+        finished[infos[2].id]
 
 
 # -- the edge asks the table ------------------------------------------------------------------

@@ -1051,7 +1051,9 @@ class Edge:
         self._records.pop(rec.id, None)
         self.admission.unhold(rec.id)
         self.journal.drop(rec.id)
-        self._finished.add(rec.info(self.node))
+        self._finished[rec.id] = rec.info(self.node)
+        while len(self._finished) > self.config.finished_kept:
+            self._finished.popitem(last=False)
 
     def _persist(self, rec: Record) -> None:
         self.journal.put(rec.id, rec.to_json())

@@ -197,7 +197,10 @@ class Finished:
     late ``get`` answers it and a call on it is refused with the reason. At most ``kept`` of them,
     the oldest forgotten first. Each is kept as its JSON, defaults left out and compressed
     against a typical one: about 100 bytes, where the ``SandboxInfo`` object held 1.5 KB (15 MB
-    for 10,000 ended sandboxes, the soak's steady growth)."""
+    for 10,000 ended sandboxes, the soak's steady growth).
+
+    The edge uses it as the mapping it replaced: ``table[id] = info``, ``get``/``table[id]``,
+    ``in``, ``len``, ``popitem(last=False)`` (the oldest, packed)."""
 
     def __init__(self, kept: int) -> None:
         self.kept = kept
@@ -210,12 +213,26 @@ class Finished:
         while len(self._infos) > self.kept:
             self._infos.popitem(last=False)
 
+    def __setitem__(self, sandbox_id: str, info: SandboxInfo) -> None:
+        if sandbox_id != info.id:
+            raise KeyError(f"the info of {info.id} kept as {sandbox_id}")
+        self.add(info)
+
     def get(self, sandbox_id: str) -> SandboxInfo | None:
         packed = self._infos.get(sandbox_id)
         if packed is None:
             return None
         unpacker = zlib.decompressobj(zdict=_TYPICAL_INFO)
         return SandboxInfo.model_validate_json(unpacker.decompress(packed) + unpacker.flush())
+
+    def __getitem__(self, sandbox_id: str) -> SandboxInfo:
+        info = self.get(sandbox_id)
+        if info is None:
+            raise KeyError(sandbox_id)
+        return info
+
+    def popitem(self, last: bool = True) -> tuple[str, bytes]:
+        return self._infos.popitem(last=last)
 
     def __contains__(self, sandbox_id: object) -> bool:
         return sandbox_id in self._infos
