@@ -532,6 +532,7 @@ def bench_soak(
     pause_every: Annotated[int, typer.Option(help="Pause and resume every Nth sandbox (0: none).")] = 10,
     pack_every: Annotated[int, typer.Option(help="pack_diff every Nth sandbox (0: none).")] = 50,
     fncall_every: Annotated[int, typer.Option(help="A FnCall with every Nth lifecycle (0: none).")] = 5,
+    tracemalloc: Annotated[bool, typer.Option(help="Trace the server's allocations (DSEC_TRACEMALLOC=1, slow) and print what grew after the first sample, by line and stack.")] = False,
 ) -> None:
     """Lifecycles mixed with pauses, pack_diffs, file writes and FnCalls: server RSS, fds, host memory (slab,
     page tables), mounts and cgroups from the first thousand to the last."""
@@ -539,7 +540,7 @@ def bench_soak(
 
     raise typer.Exit(run_bench(state_dir=state_dir, console=console, lifecycles=lifecycles, concurrency=concurrency,
                                sample_every=sample_every, pause_every=pause_every, pack_every=pack_every,
-                               fncall_every=fncall_every, store=store_dir))
+                               fncall_every=fncall_every, store=store_dir, tracemalloc=tracemalloc))
 
 
 @bench_app.command("cluster")

@@ -27,7 +27,7 @@ from libdsec import BackendError
 
 from .apiserver.app import Cluster, create_app
 from .apiserver.projects import open_project_store
-from . import hostcheck, native
+from . import hostcheck, memtrace, native
 from .isolation import apparmor
 from .backends.container import CRUN, ContainerBackend
 from .edge.edge import Edge, EdgeConfig
@@ -290,6 +290,8 @@ def build_app(config: ServerConfig):
 
 def serve(config: ServerConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if memtrace.install_from_env(config.state_dir) is not None:
+        log.info("tracing allocations (DSEC_TRACEMALLOC): SIGUSR2 writes %s", config.state_dir / memtrace.REPORT)
     clustered = config.ray is not None or bool(config.nodes_file)
     app, _ = build_cluster_app(config) if clustered else build_app(config)
     # An embedded server runs the plain asyncio loop, on purpose: it spawns crun with vfork

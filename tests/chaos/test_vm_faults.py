@@ -1,6 +1,8 @@
-"""Chaos under a microVM: its QEMU killed (SIGKILL) while it runs. Its next call fails with a clear
-error naming what happened and it is ``failed``; a container sandbox and another microVM on the
-node are not affected; nothing is left once they are stopped."""
+"""Chaos under a microVM: its QEMU killed (SIGKILL) while it runs, its guest agent killed alone (by
+the guest's OOM killer), and ``kill -9`` of the server in the middle of a snapshot. A dead VM's
+next call fails with a clear error naming what happened and it is ``failed``; the sandboxes
+beside it are not affected; a VM whose server died while its vCPUs were stopped for a snapshot
+is re-adopted and runs, the snapshot whole or absent; nothing is left once they are stopped."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +18,14 @@ from dsec.local import LocalServer, leftovers, persisted_record
 from libdsec import DSecClient, DSecContainerRunArgs, DSecMicroVMRunArgs, SandboxStateError, SandboxStatus
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+
+async def stop_all(srv: LocalServer) -> None:
+    """A test that failed midway leaves no sandbox running."""
+    if srv.proc is not None and srv.proc.poll() is None:
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            for info in await client.list_sandboxes():
+                await (await client.get_sandbox(info.id)).stop()
 
 
 async def test_a_killed_qemu_fails_its_microvm_only(new_state_dir):
@@ -41,4 +52,121 @@ async def test_a_killed_qemu_fails_its_microvm_only(new_state_dir):
         srv.stop()
         assert not leftovers(state, settle_s=10)
     finally:
+        srv.stop()
+
+
+async def test_a_microvm_that_dies_with_no_call_is_seen_failed(new_state_dir):
+    """Nobody calls it: the edge's sweep (each reaper round, 1 s) finds its QEMU gone."""
+    state = new_state_dir("dsec-vmsweep")
+    srv = LocalServer(state, extra_args=("--pool-max", "0")).start()
+    try:
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128),
+                                          timeout=300)
+            os.kill(persisted_record(state, vm.id)["handle"]["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while (await vm.refresh()).status is SandboxStatus.running and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            assert vm.status is SandboxStatus.failed and "its QEMU exited" in vm.info.reason, vm.info
+            await vm.stop()
+        srv.stop()
+        assert not leftovers(state, settle_s=10)
+    finally:
+        await stop_all(srv)
+        srv.stop()
+
+
+async def test_an_oom_killed_guest_agent_fails_its_microvm_with_the_reason(new_state_dir):
+    """The guest agent killed alone, by the guest's own OOM killer: a command's output is kept by
+    the agent up to ``max_output_bytes`` (64 MiB a stream), more than a 128 MB guest can hold. The
+    guest's init powers the VM off when its agent is gone; the host sees the channel close, the
+    call fails, and the sandbox is ``failed`` with the console's account of it. The container
+    beside it is not affected, and nothing is left."""
+    state = new_state_dir("dsec-vmagent")
+    srv = LocalServer(state, extra_args=("--pool-max", "0")).start()
+    try:
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            victim = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128),
+                                              timeout=300)
+            container = await client.run_container(DSecContainerRunArgs(container_image="busybox", memory_limit_mb=32))
+            assert (await victim.run_shell("echo up")).stdout == "up\n"
+            with pytest.raises(SandboxStateError, match=r"(?i)OOM killer killed its agent \(Out of memory: Killed process \d+ \(agent\)"):
+                await victim.run_shell("head -c 62914560 /dev/zero; head -c 62914560 /dev/zero >&2", timeout=120,
+                                       max_output_bytes=64 << 20)
+            info = await victim.refresh()
+            assert info.status is SandboxStatus.failed, info
+            assert "OOM killer killed its agent" in info.reason and "channel" in info.reason, info.reason
+            with pytest.raises(SandboxStateError, match="OOM killer killed its agent"):  # later calls say why too
+                await victim.run_shell("echo again")
+            assert (await container.run_shell("echo fine")).stdout == "fine\n"
+            for sandbox in (victim, container):
+                await sandbox.stop()
+        srv.stop()
+        assert not leftovers(state, settle_s=10)
+    finally:
+        await stop_all(srv)
+        srv.stop()
+
+
+async def test_a_kill_during_a_microvm_snapshot_leaves_it_running_and_the_snapshot_whole_or_absent(new_state_dir):
+    state = new_state_dir("dsec-vmsnap")
+    srv = LocalServer(state, extra_args=("--pool-max", "0")).start()
+    snapshots = Path(state) / "node" / "snapshots"
+    try:
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128),
+                                          timeout=300)
+            await vm.write_file("/root/note", "before the crash\n")
+            saving = asyncio.create_task(vm.snapshot())
+            # The kill comes once QEMU writes the migration stream: its vCPUs are stopped then.
+            deadline = time.monotonic() + 120
+            while not any((d / "stream").exists() for d in snapshots.glob(".s*")):
+                assert time.monotonic() < deadline and not saving.done(), saving
+                await asyncio.sleep(0.002)
+            srv.kill()
+            with pytest.raises(Exception):  # noqa: B017 - the server is gone: how the client says so does not matter
+                await saving
+        srv.start()
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            again = await client.get_sandbox(vm.id)
+            assert again.status is SandboxStatus.running, again.info
+            assert (await again.run_shell("cat /root/note", timeout=60)).stdout == "before the crash\n"
+            assert (await again.run_shell("echo runs")).stdout == "runs\n"
+            left = sorted(d.name for d in snapshots.iterdir()) if snapshots.is_dir() else []
+            assert not [n for n in left if n.startswith(".")], left  # no half-made snapshot
+            for name in left:  # one that finished before the kill is whole
+                assert (snapshots / name / "meta.json").is_file() and (snapshots / name / "state").is_file(), name
+            await again.stop()
+        srv.stop()
+        assert not leftovers(state, settle_s=10)
+        log = srv.log_path.read_text()
+        assert "with its vCPUs stopped" in log, log[-2000:]  # the kill came while they were
+    finally:
+        await stop_all(srv)
+        srv.stop()
+
+
+async def test_a_paused_microvm_is_re_adopted_paused_and_resumes(new_state_dir):
+    """``kill -9`` of the server while a microVM is paused (its vCPUs stopped): after the restart
+    it is still paused, and its next call resumes it and answers."""
+    state = new_state_dir("dsec-vmpause")
+    srv = LocalServer(state, extra_args=("--pool-max", "0")).start()
+    try:
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128),
+                                          timeout=300)
+            await vm.write_file("/root/note", "paused\n")
+            await vm.pause()
+        srv.kill()
+        srv.start()
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            again = await client.get_sandbox(vm.id)
+            assert again.status is SandboxStatus.paused, again.info
+            assert (await again.run_shell("cat /root/note", timeout=60)).stdout == "paused\n"
+            assert (await again.refresh()).status is SandboxStatus.running
+            await again.stop()
+        srv.stop()
+        assert not leftovers(state, settle_s=10)
+    finally:
+        await stop_all(srv)
         srv.stop()

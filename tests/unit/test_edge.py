@@ -46,6 +46,30 @@ async def test_backend_failure_leaves_no_record(edge):
     assert await edge.list() == []
 
 
+async def test_a_record_that_cannot_be_written_fails_the_create_and_leaves_nothing(edge, monkeypatch):
+    import errno
+    import os
+
+    from dsec.edge import edge as edge_module
+    from dsec.edge.journal import RecordJournal
+
+    def disk_full(self, line):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(RecordJournal, "_append", disk_full)
+    with pytest.raises(BackendError, match=r"cannot write the record of sandbox .*No space left on device \(ENOSPC\)"):
+        await edge.create(args())
+    assert await edge.list() == [] and not edge.journal._live
+    assert len(edge.backend.destroyed) == 1 and not edge.backend.files  # what it made is gone
+    monkeypatch.undo()
+    monkeypatch.setattr(edge_module, "MIN_FREE_FOR_CREATE", 1 << 62)  # a disk with less room than that
+    with pytest.raises(BackendError, match=r"no space left on device \(ENOSPC\): \d+ KiB free on the filesystem of"):
+        await edge.create(args())
+    assert await edge.list() == []
+    monkeypatch.undo()
+    assert (await edge.create(args())).status is SandboxStatus.running  # with room again
+
+
 async def test_dead_sandbox_is_marked_failed(edge):
     info = await edge.create(args())
     edge.backend.kill(edge._records[info.id].handle.cid)

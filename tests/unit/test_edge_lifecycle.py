@@ -11,7 +11,7 @@ import pytest
 from dsec.backends.base import Handle
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
-from dsec.edge.lifecycle import TRANSITIONS, Action, Record, check, refusal
+from dsec.edge.lifecycle import TRANSITIONS, Action, Finished, Record, check, refusal
 from dsec.images.store import Image
 from libdsec import SandboxStateError
 from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxStatus
@@ -92,6 +92,24 @@ def test_record_json_round_trip():
         SID, "container", "c1", args, image, running, 1000, "team")
     rec.paused_at = 150.0
     assert Record.from_json(rec.to_json()).status is paused  # a paused one comes back paused
+
+
+def test_the_finished_table_keeps_each_ended_sandbox_compact_and_at_most_kept():
+    image = Image(name="tiny", layers=("sha256-a",), env={}, workdir="/", user="root")
+    finished = Finished(kept=3)
+    infos = []
+    for n in range(5):
+        rec = Record(id=f"n0-{n:016x}", kind="container", handle=Handle(cid=f"c{n}", image="tiny", layers=image.layers),
+                     args=DSecContainerRunArgs(container_image="tiny", memory_limit_mb=64, labels={"job": str(n)}),
+                     image=image, status=stopped, created_at=100.0 + n, last_active=200.0 + n, reason=f"done {n}")
+        infos.append(rec.info("n0"))
+        finished.add(infos[-1])
+    assert len(finished) == 3 and finished.get(infos[0].id) is None and infos[1].id not in finished
+    assert [finished.get(i.id) for i in infos[2:]] == infos[2:]  # each comes back whole
+    assert max(len(p) for p in finished._infos.values()) < 200  # not a model object: about 100 bytes
+    assert finished[infos[4].id] == infos[4] and finished.popitem(last=False)[0] == infos[2].id  # as a mapping
+    with pytest.raises(KeyError):
+        finished[infos[2].id]
 
 
 # -- the edge asks the table ------------------------------------------------------------------

@@ -80,3 +80,35 @@ def test_records_put_again_are_compacted_away(tmp_path):
     assert len((tmp_path / "records.log").read_text().splitlines()) < 300
     j.close()
     assert RecordJournal(tmp_path).load() == {"n0-a": '{"v": 599}'}
+
+
+@pytest.mark.root
+def test_a_full_disk_fails_a_put_and_changes_nothing(tmp_path):
+    import errno
+    import subprocess
+
+    disk = tmp_path / "small"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "small", str(disk)], check=True)
+    try:
+        j = RecordJournal(disk)
+        j.load()
+        kept = {}
+        for n in range(100):  # 700-byte records into 16 KiB: the disk fills within a line
+            text = json.dumps({"n": n, "pad": "x" * 700})
+            try:
+                j.put(f"n0-{n}", text)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+                break
+            kept[f"n0-{n}"] = text
+        else:
+            raise AssertionError("the disk never filled")
+        assert (disk / "records.log").read_bytes().endswith(b"\n")  # the cut line was taken back
+        assert j._live == kept
+        j.drop(next(iter(kept)))  # a drop line is short: it fits in what the cut line left
+        kept.pop(next(iter(kept)))
+        j.close()
+        assert RecordJournal(disk).load() == kept
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -112,3 +112,32 @@ def test_resolver_drops_a_flood():
     for _ in range(resolver.QUERY_BURST + 100):
         proto.datagram_received(_query("pypi.mirror.internal"), ("10.0.0.2", 5353))
     assert resolver.QUERY_BURST <= len(sent) < resolver.QUERY_BURST + 20 and proto.dropped >= 80
+
+
+def test_an_ended_sandbox_leaves_only_its_packed_events_bounded():
+    from dsec.isolation import events as events_module
+
+    events = SecurityEvents(kept=3)
+    for n in range(10):
+        events.counter_delta(f"quiet{n}", "oom_kill", 0)  # a sandbox with counters and no event
+        events.forget(f"quiet{n}")
+    assert events.kept_logs() == (0, 0)  # nothing left of them
+    events.record("loud", "limit.memory", "1 process(es) killed at the memory limit")
+    events.record("loud", "limit.memory", "1 process(es) killed at the memory limit")
+    events.forget("loud")
+    assert [(e.kind, e.count) for e in events.list("loud")] == [("limit.memory", 2)]  # readable after its end
+    events.record("loud", "network.blocked", "connection to 10.0.0.1:80 is not allowed")  # a late one joins it
+    events.forget("loud")
+    assert [e.kind for e in events.list("loud")] == ["limit.memory", "network.blocked"]
+    for n in range(5):
+        events.record(f"s{n}", "limit.timeout", "timed out")
+        events.forget(f"s{n}")
+    assert events.kept_logs() == (0, 3)  # at most `kept` ended logs, the oldest gone first
+    assert events.list("loud") == [] and events.list("s4")[0].kind == "limit.timeout"
+    old, events_module.ENDED_LOGS_BYTES = events_module.ENDED_LOGS_BYTES, 1
+    try:
+        events.record("big", "limit.timeout", "timed out")
+        events.forget("big")
+        assert events.kept_logs() == (0, 0)  # and at most ENDED_LOGS_BYTES in all
+    finally:
+        events_module.ENDED_LOGS_BYTES = old

@@ -24,20 +24,21 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import errno
 import logging
 import os
 import secrets
 import shlex
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Iterable
 from contextlib import aclosing
 from datetime import datetime, timezone
 from pathlib import Path
 
 from libdsec import (
-    CapacityExceeded, CommandTimeout, DSecError, InvalidRequest, LimitOutOfRange, Overloaded, ProcessNotFound, SandboxFileNotFound,
+    BackendError, CapacityExceeded, CommandTimeout, DSecError, InvalidRequest, LimitOutOfRange, Overloaded, ProcessNotFound, SandboxFileNotFound,
     SandboxLost, SandboxNotFound, SandboxStateError, SessionClosed,
 )
 from libdsec.protocol import DEFAULT_COMMAND_TIMEOUT_S, MAX_OUTPUT_BYTES_LIMIT
@@ -95,6 +96,9 @@ from .stats import EdgeStats
 
 log = logging.getLogger("dsec.edge")
 
+# Free space a create wants where records are written (its record, crun's state, the journal's rewrites).
+MIN_FREE_FOR_CREATE = 1 << 20
+
 
 
 class Edge:
@@ -119,7 +123,7 @@ class Edge:
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.journal = RecordJournal(self.records_dir)
         self._records: dict[str, Record] = {}
-        self._finished: OrderedDict[str, SandboxInfo] = OrderedDict()
+        self._finished = lifecycle.Finished(config.finished_kept)
         # One command at a time per session; held only while one runs (no entry outlives it).
         self._session_locks: weakref.WeakValueDictionary[tuple[str, int], asyncio.Lock] = weakref.WeakValueDictionary()
         self.admission = Admission(config, memory_total_mb(), os.cpu_count() or 1)
@@ -131,7 +135,7 @@ class Edge:
         # Batches whose sandboxes are held here until committed: id -> when they are given up
         # (None while the batch is still being made).
         self._batches: dict[str, float | None] = {}
-        self.reaper = TTLReaper(config, self._records, self.stop, self._batches)
+        self.reaper = TTLReaper(config, self._records, self.stop, self._batches, sweep=self._sweep_gone)
         self._undoing: set[asyncio.Task] = set()  # failed batches being undone (close() waits for them)
         self._looking: dict[str, asyncio.Task] = {}  # sandboxes whose death is being confirmed (_look_again)
         self._closed = False
@@ -261,6 +265,7 @@ class Edge:
         """Admit and start a sandbox of ``image``; ``seed(handle)``, if given, runs on it before
         it counts as running (a clean copy's carried files); ``batch``: held for that batch."""
         backend = self._backend(kind)
+        self._check_room()
         sandbox_id = new_sandbox_id(self.node)
         self.admission.admit(sandbox_id, args)
         now = time.time()
@@ -291,9 +296,12 @@ class Edge:
                 if args.workdir != "/":
                     await backend.make_dir(rec.handle, args.workdir, rec.uid, rec.gid)
                 await self.security.attach(rec)
+                self._persist_new(rec)
             except BaseException:
                 self.security.forget(rec)
                 await backend.destroy(rec.handle)
+                with contextlib.suppress(OSError):
+                    self.journal.drop(rec.id)
                 raise
         except BaseException:
             del self._records[sandbox_id]
@@ -305,8 +313,30 @@ class Edge:
         rec.status = SandboxStatus.running
         rec.last_active = time.time()
         rec.create_s = rec.last_active - now
-        self._persist(rec)
         return rec
+
+    def _check_room(self) -> None:
+        """A sandbox is only as durable as its record: with no room for it (on the node's
+        tmpfs, beside crun's state), a create is refused at once, by name, before anything is made."""
+        try:
+            st = os.statvfs(self.records_dir)
+        except OSError:
+            return
+        # What any writer may still use: the root reserve (and ext4's own for its metadata) is
+        # left to the host, as the disk-pressure thresholds of kubelet do.
+        free = st.f_bavail * st.f_frsize
+        if free < MIN_FREE_FOR_CREATE:
+            raise BackendError(f"no space left on device (ENOSPC): {free >> 10} KiB free on the filesystem of "
+                               f"{self.records_dir}, where sandboxes' records are written (a create wants "
+                               f"{MIN_FREE_FOR_CREATE >> 10} KiB); make room there")
+
+    def _persist_new(self, rec: Record) -> None:
+        try:
+            self._persist(rec)
+        except OSError as exc:
+            code = errno.errorcode.get(exc.errno or 0, "")
+            raise BackendError(f"cannot write the record of sandbox {rec.id} to {self.records_dir}: "
+                               f"{exc.strerror or exc}" + (f" ({code})" if code else "")) from exc
 
     async def clean_copy(self, sandbox_id: str, keep: list[str]) -> CleanCopyResult:
         """A new running sandbox from the original image's layers with only this sandbox's
@@ -476,7 +506,7 @@ class Edge:
         except SandboxStateError:
             if rec.status is SandboxStatus.running:
                 if not await self.backends[rec.kind].is_alive(rec.handle):
-                    await self._fail(rec, "sandbox processes died")
+                    await self._fail(rec, self._died(rec))
                 else:
                     self._look_again(rec)
             raise
@@ -877,8 +907,8 @@ class Edge:
         rec = self._records.get(sandbox_id)
         if rec is not None:
             return rec.info(self.node)
-        if sandbox_id in self._finished:
-            return self._finished[sandbox_id]
+        if (info := self._finished.get(sandbox_id)) is not None:
+            return info
         raise SandboxNotFound(f"no sandbox {sandbox_id} on node {self.node}")
 
     async def list(self) -> list[SandboxInfo]:
@@ -970,12 +1000,31 @@ class Edge:
                 if self._records.get(rec.id) is not rec or rec.status is not SandboxStatus.running:
                     return
                 if not await backend.is_alive(rec.handle):
-                    await self._fail(rec, "sandbox processes died")
+                    await self._fail(rec, self._died(rec))
                     return
 
         task = asyncio.create_task(look(), name=f"dsec-look-again-{rec.id}")
         self._looking[rec.id] = task
         task.add_done_callback(lambda _: self._looking.pop(rec.id, None))
+
+    async def _sweep_gone(self) -> None:
+        """Fail the running sandboxes whose backend can tell, without a call, that they are gone
+        (``why_gone``: a VM whose QEMU exited or whose agent closed its channel; a flag and a
+        signal-0 each, so every reaper round)."""
+        if not any(hasattr(b, "why_gone") for b in self.backends.values()):
+            return
+        for rec in list(self._records.values()):
+            why = getattr(self.backends[rec.kind], "why_gone", None)
+            if (why is not None and rec.status is SandboxStatus.running and rec.calls == 0
+                    and why(rec.handle) is not None and self._records.get(rec.id) is rec):
+                await self._fail(rec, self._died(rec))
+
+    def _died(self, rec: Record) -> str:
+        """The reason a sandbox found dead failed with: what its backend knows of why (a VM's
+        console: its agent OOM-killed, its kernel panicked), if it can tell."""
+        why = getattr(self.backends[rec.kind], "why_gone", None)
+        detail = why(rec.handle) if why is not None else None
+        return "sandbox processes died" + (f": {detail}" if detail else "")
 
     async def _fail(self, rec: Record, reason: str) -> None:
         log.warning("sandbox %s failed: %s", rec.id, reason)

@@ -8,7 +8,9 @@ record took four system calls (open, write, close, rename) on every create and o
 stop. The file is rewritten with only the live records when it is opened and whenever lines
 that no longer count (dropped, or put again) outnumber live ones; the rewrite goes to a new file
 renamed over the old, so a crash leaves one whole file or the other. A line cut short (a crash
-in the middle of its write) is skipped on reading, with a warning.
+in the middle of its write) is skipped on reading, with a warning. A write that fails (ENOSPC:
+the disk is full) raises ``OSError`` and changes nothing: what it wrote of its line is cut off
+again, so the next line does not join it; a rewrite that fails is tried again later.
 
 ``RecordJournal(directory)``; ``load()`` once, before any change, returns ``{id: JSON}``
 (``read(directory)`` returns the same without touching the file);
@@ -19,6 +21,7 @@ version are read by ``load()`` and folded into the log.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -70,7 +73,11 @@ class RecordJournal:
                 log.warning("dropping unreadable record %s: %s", path, exc)
         live.update(read(self.directory))
         self._live = live
-        self._rewrite()
+        try:
+            self._rewrite()
+        except OSError as exc:  # a full disk: the log as it is still says all (appends may fail)
+            log.warning("cannot rewrite %s: %s", self.path, exc)
+            return dict(live)
         for path in legacy:
             path.unlink(missing_ok=True)
         return dict(live)
@@ -78,8 +85,16 @@ class RecordJournal:
     def put(self, sandbox_id: str, text: str) -> None:
         if "\n" in text:
             raise ValueError("a record is one line of JSON")
+        before = self._live.get(sandbox_id)
         self._live[sandbox_id] = text
-        self._append(f"+{sandbox_id} {text}\n")
+        try:
+            self._append(f"+{sandbox_id} {text}\n")
+        except OSError:
+            if before is None:
+                del self._live[sandbox_id]
+            else:
+                self._live[sandbox_id] = before
+            raise
 
     def drop(self, sandbox_id: str) -> None:
         if self._live.pop(sandbox_id, None) is None:
@@ -94,10 +109,23 @@ class RecordJournal:
     def _append(self, line: str) -> None:
         if self._fd is None:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        os.write(self._fd, line.encode())
+        data = line.encode()
+        written = 0
+        try:
+            while written < len(data):  # a short write: the disk filled in the middle of the line
+                written += os.write(self._fd, data[written:])
+        except OSError:
+            if written:  # cut what there is of it off again, or the next line would join it
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, os.fstat(self._fd).st_size - written)
+            raise
         self._lines += 1
         if self._lines > 2 * len(self._live) + 256:  # mostly lines that no longer count
-            self._rewrite()
+            try:
+                self._rewrite()
+            except OSError as exc:  # the line is written; the file is only longer than it needs be
+                log.warning("cannot rewrite %s (tried again later): %s", self.path, exc)
+                self._lines = len(self._live)
 
     def _rewrite(self) -> None:
         tmp = self.directory / f".{_NAME}.tmp"
@@ -106,6 +134,9 @@ class RecordJournal:
             data = memoryview("".join(f"+{i} {t}\n" for i, t in self._live.items()).encode())
             while data:
                 data = data[os.write(fd, data):]
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         os.rename(tmp, self.path)

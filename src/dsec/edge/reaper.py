@@ -4,7 +4,8 @@ A running sandbox with no call in flight and none for ``ttl_running_stop`` secon
 arg) is stopped; a paused one is exempt from that until it has been paused for the node's
 ``paused_ttl_s``. The sandboxes of a batch not committed by the time its node gives it up
 (``batches``: batch id -> that time, or None while it is being made) are stopped too. A stop that fails, with any error, is logged (the stop marks the sandbox
-failed) and the reaper goes on.
+failed) and the reaper goes on. Each round also calls ``sweep()``, if given (the edge's look for
+sandboxes that died with no call to find it out: VMs whose QEMU or guest agent is gone).
 ``start()`` runs it, ``close()`` ends it (a second call does nothing).
 """
 
@@ -51,11 +52,13 @@ class TTLReaper:
     """Stops, through ``stop(sandbox_id, reason)``, what ``expired`` finds in ``records``."""
 
     def __init__(self, config: EdgeConfig, records: Mapping[str, Record],
-                 stop: Callable[[str, str], Awaitable[object]], batches: dict[str, float | None] | None = None) -> None:
+                 stop: Callable[[str, str], Awaitable[object]], batches: dict[str, float | None] | None = None,
+                 sweep: Callable[[], Awaitable[object]] | None = None) -> None:
         self.config = config
         self.records = records
         self.stop = stop
         self.batches = batches if batches is not None else {}
+        self.sweep = sweep
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -70,6 +73,11 @@ class TTLReaper:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.config.reaper_interval_s)
+            if self.sweep is not None:
+                try:
+                    await self.sweep()
+                except Exception as exc:  # noqa: BLE001 - as for a stop
+                    log.warning("the sweep for dead sandboxes failed: %s", exc)
             now = time.time()
             due = expired(self.records.values(), now, self.config.paused_ttl_s, self.batches)
             for batch in [b for b, at in self.batches.items() if at is not None and now > at]:

@@ -208,6 +208,7 @@ class EdgeSecurity:
         self._tampered.pop(rec.id, None)
         self.networks.collect(rec.id)  # what was blocked stays readable after the sandbox ends
         self.networks.detach(rec.id)
+        self.events.forget(rec.id)  # its counters go; its events are packed, kept a while
 
     # -- seccomp refusals from the kernel log ----------------------------------------------------
 

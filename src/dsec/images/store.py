@@ -250,6 +250,7 @@ class LayerStore:
             with open(path, "rb") as f:
                 data = json.loads(f.read())
         except FileNotFoundError:
+            self._images.pop(name, None)  # removed by another process sharing the store
             raise ImageNotFound(
                 f"unknown image {name!r}; known: {', '.join(self.image_names()) or 'none'}"
             ) from None
@@ -283,6 +284,7 @@ class LayerStore:
         if users:
             raise InvalidRequest(f"image {name!r} is in use by running sandboxes ({', '.join(users)}); stop them first")
         (self.images_dir / f"{name}.json").unlink()
+        self._images.pop(name, None)  # else its cached manifest stays for ever (a soak packs and removes thousands)
 
     def image_size(self, image: Image) -> int:
         return sum(self.layer_size(d) for d in image.layers)

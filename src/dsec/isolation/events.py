@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
-from dataclasses import dataclass, field
+import zlib
+from collections import OrderedDict, deque
 from datetime import datetime, timezone
 from pathlib import Path
+
+from pydantic import TypeAdapter
 
 from libdsec.protocol import NodeSecurityEvent, SecurityEvent
 
@@ -40,22 +42,26 @@ from ..resources import cgroups
 
 MAX_EVENTS_PER_SANDBOX = 1000
 RECENT_EVENTS = 50  # the node's latest events, over all its sandboxes (for the dashboard)
+# What the logs of ended sandboxes may hold in all, compressed; the oldest go first.
+ENDED_LOGS_BYTES = 8 << 20
 
-
-@dataclass
-class _Log:
-    events: deque = field(default_factory=lambda: deque(maxlen=MAX_EVENTS_PER_SANDBOX))
-    counters: dict[str, int] = field(default_factory=dict)
+_EVENT_LIST = TypeAdapter(list[SecurityEvent])
 
 
 class SecurityEvents:
-    """Per-sandbox event logs of one edge, kept in memory (also for stopped sandboxes, up to
-    ``kept`` of them) so an episode can be reviewed after it ended."""
+    """Per-sandbox event logs of one edge, kept in memory so an episode can be reviewed after it
+    ended. A live sandbox has a log once it has an event, and counters (what its cgroup's OOM and
+    pids counts were when last read) from its first command; ``forget`` at its end drops the
+    counters and packs the log (compressed JSON, kept for at most ``kept`` ended sandboxes and
+    ``ENDED_LOGS_BYTES`` in all). A sandbox with no event leaves nothing behind."""
 
     def __init__(self, cgroup_parent: str | None = None, kept: int = 10_000) -> None:
         self.cgroup_parent = cgroup_parent
         self.kept = kept
-        self._logs: dict[str, _Log] = {}
+        self._logs: dict[str, deque[SecurityEvent]] = {}
+        self._counters: dict[str, dict[str, int]] = {}
+        self._ended: OrderedDict[str, bytes] = OrderedDict()
+        self._ended_bytes = 0
         # Events by kind since the edge started (repeats counted), and the latest ones.
         self.totals: dict[str, int] = {}
         self._recent: deque[tuple[str, SecurityEvent]] = deque(maxlen=RECENT_EVENTS)
@@ -63,12 +69,14 @@ class SecurityEvents:
     def record(self, sandbox_id: str, kind: str, detail: str, count: int = 1) -> None:
         log = self._logs.get(sandbox_id)
         if log is None:
-            log = self._logs[sandbox_id] = _Log()
-            while len(self._logs) > self.kept:
+            log = self._logs[sandbox_id] = deque(maxlen=MAX_EVENTS_PER_SANDBOX)
+            if (packed := self._take_ended(sandbox_id)) is not None:  # an event after its end
+                log.extend(_unpack(packed))
+            while len(self._logs) > self.kept:  # only if forget is never called
                 self._logs.pop(next(iter(self._logs)))
         self.totals[kind] = self.totals.get(kind, 0) + count
         now = datetime.fromtimestamp(time.time(), timezone.utc)
-        last = log.events[-1] if log.events else None
+        last = log[-1] if log else None
         if last is not None and last.kind == kind and last.detail == detail:
             # A repeat (a loop of denied syscalls, a retrying connect) counts on the last event.
             last.count += count
@@ -77,8 +85,26 @@ class SecurityEvents:
                 self._recent.append((sandbox_id, last))
             return
         event = SecurityEvent(kind=kind, detail=detail, count=count, at=now)
-        log.events.append(event)
+        log.append(event)
         self._recent.append((sandbox_id, event))
+
+    def forget(self, sandbox_id: str) -> None:
+        """The sandbox ended: its counters go, its log (if it has events) is packed."""
+        self._counters.pop(sandbox_id, None)
+        log = self._logs.pop(sandbox_id, None)
+        if not log:
+            return
+        packed = zlib.compress(_EVENT_LIST.dump_json(list(log)))
+        self._ended[sandbox_id] = packed
+        self._ended_bytes += len(packed)
+        while self._ended and (len(self._ended) > self.kept or self._ended_bytes > ENDED_LOGS_BYTES):
+            self._ended_bytes -= len(self._ended.popitem(last=False)[1])
+
+    def _take_ended(self, sandbox_id: str) -> bytes | None:
+        packed = self._ended.pop(sandbox_id, None)
+        if packed is not None:
+            self._ended_bytes -= len(packed)
+        return packed
 
     def recent_events(self) -> list[NodeSecurityEvent]:
         """The latest events over every sandbox, newest last (a repeat moves its event there)."""
@@ -91,13 +117,20 @@ class SecurityEvents:
 
     def list(self, sandbox_id: str) -> list[SecurityEvent]:
         log = self._logs.get(sandbox_id)
-        return list(log.events) if log else []
+        if log is not None:
+            return list(log)
+        packed = self._ended.get(sandbox_id)
+        return _unpack(packed) if packed is not None else []
+
+    def kept_logs(self) -> tuple[int, int]:
+        """(live logs, ended logs) held now."""
+        return len(self._logs), len(self._ended)
 
     def counter_delta(self, sandbox_id: str, name: str, value: int) -> int:
         """How much the counter ``name`` grew since it was last seen (first sight: all of it)."""
-        log = self._logs.setdefault(sandbox_id, _Log())
-        before = log.counters.get(name, 0)
-        log.counters[name] = value
+        counters = self._counters.setdefault(sandbox_id, {})
+        before = counters.get(name, 0)
+        counters[name] = value
         return max(0, value - before)
 
     def collect_cgroup(self, sandbox_id: str, cid: str) -> None:
@@ -122,6 +155,10 @@ class SecurityEvents:
         if self.counter_delta(sandbox_id, "disk_full", full):
             size = st.f_blocks * st.f_frsize >> 20
             self.record(sandbox_id, "limit.disk", f"the writable layer is full ({size} MB cap)")
+
+
+def _unpack(packed: bytes) -> list[SecurityEvent]:
+    return _EVENT_LIST.validate_json(zlib.decompress(packed))
 
 
 def _pids_refused(parent: str, cid: str) -> int | None:

@@ -5,7 +5,9 @@ Lifecycle as in ``dsec.backends.base``. ``create`` returns once the guest agent 
 guest that does not boot within ``boot_timeout_s`` (or a QEMU that dies first) is killed, its
 directory removed, and ``BackendError`` raised with the tail of its console. A VM whose QEMU is
 gone, or whose agent closed its channel or stopped answering, is not alive: calls on it raise
-``SandboxStateError`` and the edge marks it failed.
+``SandboxStateError`` and the edge marks it failed. ``why_gone`` says why, from the guest's
+console where it tells: the agent exited (the guest's init then powers off), the guest's OOM
+killer took the agent, the guest kernel panicked.
 
 Per node: ``<node_dir>/vms/<kind>/<cid>/`` holds ``qemu.pid``, ``qmp.sock``, ``agent.sock``,
 ``console.log`` and whatever the kind adds (a disk overlay); ``destroy`` removes it.
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import re
 import shlex
 import shutil
 import time
@@ -44,6 +48,13 @@ from .qmp import QMP, QMPError
 log = logging.getLogger("dsec.backends.vm")
 
 AGENT_BIN = "/dev/.dsec/bin"
+# What a guest's console says when its agent went (guest/pid1.sh, the kernel's OOM killer, a panic).
+_AGENT_EXITED = "dsec: guest agent exited"
+_OOM_KILLED = re.compile(r"Out of memory: Killed process (\d+) \(([^)]*)\)[^\n]*")
+_PANIC = re.compile(r"Kernel panic - not syncing:[^\n]*")
+# QEMU run states of a VM whose vCPUs are stopped but that can run again (``cont``).
+_STOPPED = ("paused", "postmigrate", "finish-migrate")
+_MIGRATING = ("setup", "active", "pre-switchover", "device", "cancelling")
 KILL_GRACE_S = 5.0
 MIN_MEMORY_MB = 64
 DEFAULT_MEMORY_MB = 256
@@ -157,6 +168,8 @@ class _Live:
     agent: AgentChannel
     paused: bool = False
     limits: Limits | None = None
+    # Adopted with its vCPUs stopped: its agent has not answered yet (it is asked on resume).
+    unverified: bool = False
 
 
 class VMBackend:
@@ -259,9 +272,9 @@ class VMBackend:
             if not self.store.has_layer(digest):
                 raise BackendError(f"layer {digest} of image {spec.image!r} is missing from the store")
         vm_dir = self.vm_dir(cid)
-        vm_dir.mkdir(parents=True)
         pid = 0
         try:
+            vm_dir.mkdir(parents=True)
             argv = await self._prepare(cid, spec, vm_dir)
             procs = await asyncio.to_thread(cgroups.make_memory_cgroup, self.cgroup_parent, cid)
             pid = await machine.launch(argv, vm_dir, cgroup_procs=procs)
@@ -275,6 +288,9 @@ class VMBackend:
             shutil.rmtree(vm_dir, ignore_errors=True)
             if isinstance(exc, (AgentGone, QMPError)):
                 raise BackendError(f"{self.kind} {cid} did not come up: {exc}" + (f"; console: {console}" if console else "")) from exc
+            if isinstance(exc, OSError) and exc.errno is not None:  # a full disk (ENOSPC) above all
+                raise BackendError(f"cannot make {self.kind} {cid}: {exc.strerror} ({errno.errorcode.get(exc.errno, exc.errno)})"
+                                   + (f": {exc.filename}" if exc.filename else "")) from exc
             raise
         live.limits = spec.limits
         self._live[cid] = live
@@ -283,9 +299,10 @@ class VMBackend:
     async def _before_agent(self, qmp: QMP, pid: int, spec: SandboxSpec) -> None:
         """Hook: a restored VM loads its state here."""
 
-    async def _attach(self, cid: str, pid: int, vm_dir: Path, timeout: float, spec: SandboxSpec | None = None) -> _Live:
-        """Connect QMP and the agent, and wait until the agent answers (or QEMU dies)."""
-        qmp = await QMP.connect(vm_dir / "qmp.sock")
+    async def _attach(self, cid: str, pid: int, vm_dir: Path, timeout: float, spec: SandboxSpec | None = None,
+                      qmp: QMP | None = None) -> _Live:
+        """Connect QMP (unless given) and the agent, and wait until the agent answers (or QEMU dies)."""
+        qmp = qmp or await QMP.connect(vm_dir / "qmp.sock")
         agent = None
         try:
             # The agent's socket first: a restored guest then finds its host connected, as it
@@ -350,6 +367,12 @@ class VMBackend:
         except QMPError as exc:
             raise BackendError(f"cannot resume {handle.cid}: {exc}") from exc
         live.paused = False
+        if live.unverified:  # adopted stopped: its agent answers now, or it is gone
+            try:
+                await live.agent.wait_ready(10.0)
+            except AgentGone as exc:
+                raise self._gone(handle, live, exc) from None
+            live.unverified = False
 
     async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
         """The VM's writable layer, scrubbed, as a layer in the store (see ``pack``); the VM
@@ -416,10 +439,10 @@ class VMBackend:
                 continue
             if machine.pid_alive(h.pid) and vm_dir.is_dir():
                 try:
-                    self._live[h.cid] = await self._attach(h.cid, h.pid, vm_dir, 10.0)
+                    self._live[h.cid] = await self._reattach(h, vm_dir)
                     alive.append(h)
                     continue
-                except (AgentGone, QMPError) as exc:
+                except (AgentGone, QMPError, OSError) as exc:
                     log.warning("cannot re-adopt %s %s: %s", self.kind, h.cid, exc)
         keep = {h.cid for h in alive}
         for h in handles:
@@ -434,6 +457,32 @@ class VMBackend:
         if not keep:
             cgroups.remove_parent(self.cgroup_parent)
         return alive
+
+    async def _reattach(self, h: Handle, vm_dir: Path) -> _Live:
+        """Reconnect to a VM an earlier edge ran. One whose vCPUs are stopped (by its sandbox's
+        pause, or by a snapshot that a crash cut short: the migration under way is cancelled)
+        cannot answer its agent: it is adopted paused, its agent asked when it is resumed. The
+        edge resumes each re-adopted sandbox its record says is running."""
+        qmp = await QMP.connect(vm_dir / "qmp.sock")
+        try:
+            status = (await qmp.execute("query-status")).get("status")
+            if status == "running":
+                return await self._attach(h.cid, h.pid, vm_dir, 10.0, qmp=qmp)
+            if status not in _STOPPED:
+                raise QMPError(f"its QEMU is {status}")
+            if (await qmp.execute("query-migrate")).get("status") in _MIGRATING:
+                await qmp.execute("migrate_cancel")
+                deadline = time.monotonic() + 10
+                while (await qmp.execute("query-migrate")).get("status") in _MIGRATING:
+                    if time.monotonic() > deadline:
+                        raise QMPError("its snapshot's migration did not cancel within 10s")
+                    await asyncio.sleep(0.05)
+            agent = await AgentChannel.connect(vm_dir / "agent.sock")
+        except BaseException:
+            await qmp.close()
+            raise
+        log.info("re-adopted %s %s with its vCPUs stopped (%s)", self.kind, h.cid, status)
+        return _Live(pid=h.pid, qmp=qmp, agent=agent, paused=True, unverified=True)
 
     async def _remove_remains(self, vm_dir: Path) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -466,8 +515,7 @@ class VMBackend:
         if live is None:
             raise SandboxStateError(f"cannot {action}: {self.kind} {handle.cid} is gone")
         if live.agent.closed or not machine.pid_alive(live.pid):
-            reason = live.agent.reason if live.agent.closed else "its QEMU exited"
-            raise SandboxStateError(f"cannot {action}: {self.kind} {handle.cid} is gone ({reason})")
+            raise SandboxStateError(f"cannot {action}: {self.kind} {handle.cid} is gone ({self.why_gone(handle)})")
         if live.paused and not paused_ok:
             raise SandboxStateError(f"cannot {action}: {self.kind} {handle.cid} is paused")
         return live
@@ -476,7 +524,32 @@ class VMBackend:
         # An agent that stopped answering is as good as dead: close its channel so that the
         # VM reads as not alive and the edge fails it.
         live.agent._shut(str(exc))
-        return SandboxStateError(f"{self.kind} {handle.cid} is gone: {exc}")
+        return SandboxStateError(f"{self.kind} {handle.cid} is gone: {self.why_gone(handle) or exc}")
+
+    def why_gone(self, handle: Handle) -> str | None:
+        """Why a VM that is not alive went, from what is known on the host: its agent's channel,
+        its QEMU, and what the guest wrote on its console last (``None``: it is not gone)."""
+        live = self._live.get(handle.cid)
+        if live is None:
+            return None
+        if not live.agent.closed and machine.pid_alive(live.pid):
+            return None
+        said = live.agent.reason if live.agent.closed else ""
+        if not machine.pid_alive(live.pid):
+            said = "its QEMU exited" + (f" ({said})" if said else "")
+        console = self._console_tail(self.vm_dir(handle.cid), 4000)
+        causes = []
+        oom = list(_OOM_KILLED.finditer(console))
+        agent_oom = [m for m in oom if m.group(2) in ("agent", "dsec-agent")]
+        if agent_oom:
+            causes.append(f"the guest's OOM killer killed its agent ({agent_oom[-1].group(0).strip()[:200]})")
+        elif _AGENT_EXITED in console:
+            causes.append("its guest agent exited")
+        if oom and not agent_oom:
+            causes.append(f"the guest ran out of memory ({oom[-1].group(0).strip()[:200]})")
+        if panic := _PANIC.search(console):
+            causes.append(f"the guest kernel panicked ({panic.group(0).strip()[:200]})")
+        return "; ".join(causes + ([said] if said else [])) or "gone"
 
     async def exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext) -> ExecResult:
         return await self._exec(handle, request, ctx, None)
