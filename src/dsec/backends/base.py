@@ -48,6 +48,10 @@ refuses a backend that declares an ability without its hook:
 - ``KEPT_LAYER`` (``KeptLayers``): ``kept_layer`` turns the paths a guest keeps into one layer
   (a VM's writable layer is in the guest), for clean copies made as a new sandbox on it.
 - ``SNAPSHOT`` (``Snapshots``): ``snapshot`` saves a running sandbox's memory and devices.
+- ``HOST_PATHS`` (``HostPaths``): ``open_path`` opens a path of a running sandbox from the node
+  (every component resolved inside the sandbox, no symlink followed: the paths it is used for
+  are writable by the sandbox's user), for I/O that needs no command in the sandbox: FIFOs a
+  session's shell holds (``dsec.edge.sessions``), files streamed in and out.
 
 Handles are plain data (``to_json``/``from_json``) so an edge restart can re-adopt them.
 """
@@ -155,6 +159,7 @@ class Capability(str, Enum):
     CARRY = "carry"
     KEPT_LAYER = "kept_layer"
     SNAPSHOT = "snapshot"
+    HOST_PATHS = "host_paths"
 
 
 class PtyProcess(Protocol):
@@ -251,8 +256,19 @@ class Snapshots(Protocol):
     async def snapshot(self, handle: Handle) -> dict: ...
 
 
+@runtime_checkable
+class HostPaths(Protocol):
+    """``Capability.HOST_PATHS``: ``open_path(handle, path, flags, mode)`` is an fd of the
+    absolute ``path`` in the running sandbox (``os.open`` flags, always close-on-exec and
+    without following a symlink anywhere on the way: ``OSError`` ELOOP for one), or
+    ``SandboxStateError`` if its processes are gone. A file it creates belongs to the
+    sandbox's root. The fd is the caller's to close."""
+
+    def open_path(self, handle: Handle, path: str, flags: int, mode: int = 0o644) -> int: ...
+
+
 _HOOKS: dict[Capability, type] = {Capability.CARRY: CleanCopies, Capability.KEPT_LAYER: KeptLayers,
-                                  Capability.SNAPSHOT: Snapshots}
+                                  Capability.SNAPSHOT: Snapshots, Capability.HOST_PATHS: HostPaths}
 
 
 def check_backend(backend: SandboxBackend) -> None:

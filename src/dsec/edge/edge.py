@@ -87,7 +87,7 @@ from .lifecycle import Action, Record
 from .pool import WarmPool
 from .reaper import TTLReaper
 from .security import EdgeSecurity
-from . import files, ports, processes
+from . import files, ports, processes, sessions
 from .pty import PtyTable
 from .stream import stream_exec
 from .stats import EdgeStats
@@ -666,6 +666,19 @@ class Edge:
             raise SessionClosed(self._session_end(session, info))
         return info
 
+    async def _session_ended(self, sandbox_id: str, session: int) -> None:
+        """Its shell is gone: ``SessionClosed`` naming why, once its supervisor recorded the exit."""
+        info = None
+        for _ in range(250):
+            try:
+                info = await self.get_process(sandbox_id, session)
+            except ProcessNotFound:
+                raise ProcessNotFound(f"no session {session} in sandbox {sandbox_id}") from None
+            if info.exit_code is not None and info.exit_code != -1:
+                break  # (-1: its shell is gone and the supervisor has not recorded the exit yet)
+            await asyncio.sleep(0.02)
+        raise SessionClosed(self._session_end(session, info))
+
     def _session_end(self, session: int, info: ProcessInfo) -> str:
         why = {137: "it was closed, or idle past its idle_timeout"}.get(info.exit_code or 0, "its shell exited")
         return f"session {session} has ended: {why} (exit code {info.exit_code}); open a new one"
@@ -690,9 +703,18 @@ class Edge:
         if lock is None:
             lock = self._session_locks[(sandbox_id, session)] = asyncio.Lock()
         async with lock:  # one command at a time: they share the shell
-            call = backend.exec(rec.handle, run, ctx) if emit is None else backend.exec_stream(rec.handle, run, ctx, emit)
             try:
-                result = await self._call(rec, call)
+                result = None
+                if emit is None and sessions.applies(backend):
+                    try:
+                        result = await self._call(rec, sessions.run(backend, rec.handle, session, nonce, request))
+                    except sessions.Missing:
+                        raise ProcessNotFound(f"no session {session} in sandbox {sandbox_id}") from None
+                    except sessions.Dead:
+                        await self._session_ended(sandbox_id, session)
+                if result is None:
+                    call = backend.exec(rec.handle, run, ctx) if emit is None else backend.exec_stream(rec.handle, run, ctx, emit)
+                    result = await self._call(rec, call)
             except CommandTimeout:
                 after = await self._manage(sandbox_id, processes.interrupt_script(session, nonce))
                 if after.exit_code == processes._SESSION_DEAD:
