@@ -48,6 +48,10 @@ refuses a backend that declares an ability without its hook:
 - ``KEPT_LAYER`` (``KeptLayers``): ``kept_layer`` turns the paths a guest keeps into one layer
   (a VM's writable layer is in the guest), for clean copies made as a new sandbox on it.
 - ``SNAPSHOT`` (``Snapshots``): ``snapshot`` saves a running sandbox's memory and devices.
+- ``PIPED_STDIN`` (``PipedStdin``): ``exec_piped`` is ``exec_stream`` whose command reads its
+  stdin from an async iterator of bytes, asked for its next chunk only once the last one is in
+  the command's pipe (backpressure from the command to the source); an error of the source's
+  kills the command and is raised.
 - ``HOST_PATHS`` (``HostPaths``): ``open_path`` opens a path of a running sandbox from the node
   (every component resolved inside the sandbox, no symlink followed: the paths it is used for
   are writable by the sandbox's user), for I/O that needs no command in the sandbox: FIFOs a
@@ -58,7 +62,7 @@ Handles are plain data (``to_json``/``from_json``) so an edge restart can re-ado
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -160,6 +164,7 @@ class Capability(str, Enum):
     KEPT_LAYER = "kept_layer"
     SNAPSHOT = "snapshot"
     HOST_PATHS = "host_paths"
+    PIPED_STDIN = "piped_stdin"
 
 
 class PtyProcess(Protocol):
@@ -267,8 +272,17 @@ class HostPaths(Protocol):
     def open_path(self, handle: Handle, path: str, flags: int, mode: int = 0o644) -> int: ...
 
 
+@runtime_checkable
+class PipedStdin(Protocol):
+    """``Capability.PIPED_STDIN``: a command fed a stream as its stdin."""
+
+    async def exec_piped(self, handle: Handle, request: ExecRequest, ctx: ExecContext,
+                         stdin: AsyncIterator[bytes] | None, emit: Emit) -> ExecResult: ...
+
+
 _HOOKS: dict[Capability, type] = {Capability.CARRY: CleanCopies, Capability.KEPT_LAYER: KeptLayers,
-                                  Capability.SNAPSHOT: Snapshots, Capability.HOST_PATHS: HostPaths}
+                                  Capability.SNAPSHOT: Snapshots, Capability.HOST_PATHS: HostPaths,
+                                  Capability.PIPED_STDIN: PipedStdin}
 
 
 def check_backend(backend: SandboxBackend) -> None:

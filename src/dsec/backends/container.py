@@ -167,7 +167,8 @@ class ContainerBackend:
 
     kind = "container"
     # PROTECTED_PATHS: read-only binds (see _protected_mounts); CARRY: check_kept, carry, tampered.
-    capabilities = frozenset({Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY, Capability.HOST_PATHS})
+    capabilities = frozenset({Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY, Capability.HOST_PATHS,
+                              Capability.PIPED_STDIN})
     # The v1 controllers of a sandbox's cgroup (see dsec.resources.cgroups).
     cgroup_controllers: tuple[str, ...] = cgroups.SANDBOX_CONTROLLERS
 

@@ -89,7 +89,7 @@ from .reaper import TTLReaper
 from .security import EdgeSecurity
 from . import files, ports, processes, sessions
 from .pty import PtyTable
-from .stream import stream_exec
+from .stream import stream_bytes, stream_exec
 from .stats import EdgeStats
 
 log = logging.getLogger("dsec.edge")
@@ -763,11 +763,28 @@ class Edge:
         src, dst = files.check_path(src, "source"), files.check_path(dst, "destination")
         files.check(await self._as_user(sandbox_id, files.rename_script(src, dst)), "rename", f"{src} to {dst}")
 
-    async def upload_tree(self, sandbox_id: str, path: str, data: bytes) -> None:
-        """Unpack the tar ``data`` at ``path`` (made if missing), as the sandbox's user."""
+    async def upload_tree(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes]) -> None:
+        """Unpack the tar ``data`` at ``path`` (made if missing), as the sandbox's user: streamed
+        into the sandbox's ``tar x`` where the backend feeds a command a stream, each member
+        checked on its way (``files.TarChecker``); else held, checked, and sent in pieces."""
         path = files.check_path(path)
-        if len(data) > self.config.max_upload_bytes:
-            raise InvalidRequest(f"tar of {len(data)} bytes is over the {self.config.max_upload_bytes}-byte limit")
+        limit = self.config.max_upload_bytes
+        request = ExecRequest(command=files.unpack_stdin_script(path), timeout=3600.0, max_output_bytes=1 << 16)
+        rec, ctx = await self._exec_context(sandbox_id, request)
+        backend = self.backends[rec.kind]
+        if Capability.PIPED_STDIN in backend.capabilities:
+            chunks = _one_chunk(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+            checker = files.TarChecker(limit)
+
+            async def discard(kind: str, out: bytes) -> None:
+                pass
+            result = await self._call(rec, backend.exec_piped(rec.handle, request, ctx, checker.checked(chunks), discard))
+            files.check(result, "unpack into", path)
+            return
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            data = await _gathered(data, limit)
+        if len(data) > limit:
+            raise InvalidRequest(f"tar of {len(data)} bytes is over the {limit}-byte limit")
         files.checked_tar(data)
         tmp = f"/tmp/.dsec-upload-{secrets.token_hex(8)}.tar"
         for at in range(0, max(len(data), 1), files.UPLOAD_PIECE):
@@ -775,6 +792,17 @@ class Edge:
             files.check(await self._as_user(sandbox_id, files.upload_piece_script(tmp, at == 0), stdin=piece),
                         "upload to", path)
         files.check(await self._as_user(sandbox_id, files.unpack_script(tmp, path), timeout=600.0), "unpack into", path)
+
+    async def download_tree_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """``tar c`` of the tree at ``path``, its bytes as they come (the consumer's pace)."""
+        path = files.check_path(path)
+        await self.stat_path(sandbox_id, path)  # errors before the start are raised
+        request = ExecRequest(command=files.download_tar_script(path), timeout=3600.0, max_output_bytes=1 << 16)
+        rec, ctx = await self._exec_context(sandbox_id, request)
+        backend = self.backends[rec.kind]
+        async for chunk in stream_bytes(lambda emit: self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit)),
+                                        lambda result: files.check(result, "download", path)):
+            yield chunk
 
     async def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
         """``tar c`` of the tree at ``path``, as base64 text in stdout events, then ``exit``."""
@@ -1045,3 +1073,16 @@ class Edge:
 
     async def node_stats(self) -> NodeStats:
         return self.stats.report(await self.node_info(), self._records.values(), self.security.events, self.warm_pool)
+
+
+async def _one_chunk(data: bytes) -> AsyncIterator[bytes]:
+    yield bytes(data)
+
+
+async def _gathered(chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    held = bytearray()
+    async for chunk in chunks:
+        held += chunk
+        if len(held) > limit:
+            raise InvalidRequest(f"tar of over {limit} bytes is over the node's {limit}-byte limit")
+    return bytes(held)

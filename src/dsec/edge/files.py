@@ -23,6 +23,7 @@ import stat as _stat
 import tarfile
 
 from libdsec import InvalidRequest, SandboxFileNotFound
+from libdsec._tarcheck import TarChecker, check_member  # noqa: F401 - (TarChecker: the node's too)
 from libdsec.protocol import ExecResult, FileEntry
 
 _NOT_FOUND, _NOT_DIR, _NOT_EMPTY, _IS_DIR = 91, 92, 93, 94
@@ -128,20 +129,20 @@ def parse_entries(text: str, parent: str | None) -> list[FileEntry]:
 
 
 def checked_tar(data: bytes) -> None:
-    """Refuse a tar with a member that could land outside its tree or is not a plain file,
-    directory or link (``InvalidRequest`` naming the member and the problem)."""
+    """Refuse a tar with a member ``check_member`` refuses (``InvalidRequest``)."""
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
             for member in tar:
-                if member.name.startswith("/"):
-                    raise InvalidRequest(f"refused tar member {member.name!r}: AbsolutePath: names in the tar "
-                                         "must be relative to the directory it is unpacked in")
-                if ".." in member.name.split("/"):
-                    raise InvalidRequest(f"refused tar member {member.name!r}: OutsideDestination: it has a '..' component")
-                try:
-                    tarfile.data_filter(member, "/upload")
-                except tarfile.FilterError as exc:
-                    kind = type(exc).__name__.removesuffix("Error")
-                    raise InvalidRequest(f"refused tar member {member.name!r}: {kind}: {exc}") from None
+                check_member(member)
     except tarfile.TarError as exc:
         raise InvalidRequest(f"not a tar archive (uncompressed): {exc}") from None
+
+
+def unpack_stdin_script(path: str) -> str:
+    p = _q(path)
+    return f"mkdir -p -- {p} || exit {_NOT_DIR}\ntar -x -o -f - -C {p}\n"
+
+
+def download_tar_script(path: str) -> str:
+    p = _q(path)
+    return f"[ -e {p} ] || exit {_NOT_FOUND}\n[ -d {p} ] || exit {_NOT_DIR}\ncd -- {p} && tar cf - .\n"

@@ -21,10 +21,11 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TypeVar
+from urllib.parse import urlencode
 
 import pydantic
 
-from libdsec import DSecError
+from libdsec import DSecError, InvalidRequest
 from libdsec._errors import error_from_wire
 from libdsec._wire import Answer, WireClient, WireError
 from libdsec.protocol import (
@@ -84,7 +85,11 @@ from libdsec.protocol import (
 )
 
 from .api import NodeUnreachable
+from .config import EdgeConfig
 from .server import PREFIX
+
+# An upload to a remote node is held whole on its way (its endpoint takes a body whole).
+MAX_UPLOAD_BYTES = EdgeConfig.max_upload_bytes
 
 # Bounds on a call's wait. A node's own work (a create, a stop) takes well under these; long
 # ones (packing a layer, saving a VM's memory) get the long bound; commands their own timeout
@@ -364,12 +369,33 @@ class RemoteEdge:
     async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None:
         await self._call("POST", f"/sandboxes/{sandbox_id}/fs/rename", model=FileRenameRequest(src=src, dst=dst))
 
-    async def upload_tree(self, sandbox_id: str, path: str, data: bytes) -> None:
+    async def upload_tree(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes]) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            # (the node's endpoint takes a body whole: held here, up to the node's own limit)
+            held = bytearray()
+            async for chunk in data:
+                held += chunk
+                if len(held) > MAX_UPLOAD_BYTES:
+                    raise InvalidRequest(f"tar of over {MAX_UPLOAD_BYTES} bytes is over the node's limit")
+            data = bytes(held)
         await self._call("PUT", f"/sandboxes/{sandbox_id}/fs/tree", body=data, params={"path": path},
                          timeout=LONG_CALL_TIMEOUT_S)
 
     def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
         return self._events(f"/sandboxes/{sandbox_id}/fs/tree:download", TreeDownloadRequest(path=path), 3600.0)
+
+    async def download_tree_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        if self._closed:
+            raise self._unreachable("is closed on this side")
+        target = f"{PREFIX}/sandboxes/{sandbox_id}/fs/tree?{urlencode({'path': path})}"
+        try:
+            async with self._wire.stream("GET", target, timeout=3600.0 + SLACK_S) as response:
+                if response.status_code >= 400:
+                    raise self._error(response.status_code, await response.read())
+                async for chunk in response.chunks():
+                    yield chunk
+        except WireError as exc:
+            raise self._unreachable(f"broke off a tree download: {exc}") from None
 
     async def _events(self, path: str, request: pydantic.BaseModel, timeout: float) -> AsyncIterator[ExecEvent]:
         """The node's NDJSON lines as events, read as the consumer asks for them (so TCP's flow

@@ -314,6 +314,7 @@ _BATCH = PREFIX + "/sandboxes:batch"
 _EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:stream\Z")
 _SESSION_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/sessions/(?P<pid>[0-9]{1,9})/exec\:stream\Z")
 _TREE_DOWNLOAD = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\:download\Z")
+_TREE_TAR = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\Z")
 _START_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes\:stream\Z")
 _PTY_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/ptys/(?P<pid>[0-9]{1,9})/stream\Z")
 _PROCESS_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes/(?P<pid>[0-9]{1,9})/stream\Z")
@@ -492,6 +493,11 @@ class EdgeApp:
             await self._stream(lambda: self.edge.download_tree(
                 m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(TreeDownloadRequest).path), request, conn)
             return
+        if method == "GET" and (m := _TREE_TAR.match(path)) is not None:
+            query = parse_qs(request.query.decode("latin-1"))
+            await self._raw_stream(lambda: self.edge.download_tree_tar(m.group("sid"), query.get("path", [""])[-1]),
+                                   request, conn)
+            return
         if method == "POST" and (m := _START_STREAM.match(path)) is not None:
             await self._stream(lambda: self.edge.start_process_stream(
                 m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(StartProcessRequest)), request, conn)
@@ -626,6 +632,50 @@ class EdgeApp:
                         event = step.result()
                     except StopAsyncIteration:
                         break
+            finally:
+                gone.cancel()
+        conn.write(b"0\r\n\r\n")
+
+
+    async def _raw_stream(self, open_chunks: Callable[[], AsyncIterator[bytes]], request: _Request,
+                          conn: _Connection) -> None:
+        """Bytes (a tar), each chunk written once the last drained; an error after the start
+        breaks the connection off without the last chunk (the caller sees an incomplete
+        answer), a caller that goes away ends the command."""
+        keep = request.keep_alive
+        try:
+            chunks = open_chunks()
+            first = await anext(chunks)
+        except StopAsyncIteration:
+            first = b""
+        except Exception as exc:  # noqa: BLE001 - an error before the start is a plain answer
+            status, body = _error_answer(exc)
+            conn.write(_head(status, b"application/json", len(body), keep) + body)
+            return
+        conn.write(_head(200, b"application/x-tar", None, keep))
+        gone = asyncio.ensure_future(conn.gone.wait())
+        async with aclosing(chunks):
+            try:
+                data = first
+                while True:
+                    if data:
+                        conn.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    await conn.drain()
+                    step = asyncio.ensure_future(anext(chunks))
+                    await asyncio.wait([step, gone], return_when=asyncio.FIRST_COMPLETED)
+                    if not step.done():
+                        step.cancel()
+                        await asyncio.gather(step, return_exceptions=True)
+                        return
+                    try:
+                        data = step.result()
+                    except StopAsyncIteration:
+                        break
+                    except Exception:  # noqa: BLE001 - broken off: no end of the answer
+                        log.warning("a tree download broke off", exc_info=True)
+                        if conn.transport is not None:
+                            conn.transport.close()
+                        return
             finally:
                 gone.cancel()
         conn.write(b"0\r\n\r\n")
