@@ -91,6 +91,47 @@ class SandboxFiles:
         except httpx.TransportError as exc:
             raise _unavailable([], client.endpoint, exc) from exc
 
+    async def upload_file(self, local_file: str | os.PathLike, path: str, *, mode: int = 0o644) -> None:
+        """Copy the local file to ``path`` in the sandbox, streamed (of any size: nothing holds
+        it whole on the way into a container); a new file belongs to the sandbox's user."""
+        from ._client import _error_of, _unavailable  # (the client imports this module)
+
+        local = Path(local_file)
+        if not local.is_file():
+            raise FileNotFoundError(f"not a local file: {local}")
+        client = self._sandbox._client
+        try:
+            response = await client._client().request(
+                "PUT", f"/v1/sandboxes/{self._sandbox.id}/files:stream", params={"path": path, "mode": oct(mode)},
+                content=_file_chunks(local), headers={"content-type": "application/octet-stream"},
+                timeout=_TREE_TIMEOUT_S)
+        except httpx.TransportError as exc:
+            raise _unavailable([], client.endpoint, exc) from exc
+        if response.status_code >= 400:
+            raise _error_of(response)
+
+    async def download_file(self, path: str, local_file: str | os.PathLike) -> None:
+        """Copy the sandbox's file at ``path`` to ``local_file``, streamed (of any size)."""
+        from ._client import _error_of, _unavailable  # (the client imports this module)
+
+        local = Path(local_file)
+        client = self._sandbox._client
+        partial = local.with_name(local.name + ".part")
+        try:
+            async with client._client().stream("GET", f"/v1/sandboxes/{self._sandbox.id}/files:stream",
+                                               params={"path": path}, timeout=_TREE_TIMEOUT_S) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise _error_of(response)
+                with open(partial, "wb") as out:
+                    async for chunk in response.aiter_bytes(_CHUNK):
+                        out.write(chunk)
+            os.replace(partial, local)
+        except httpx.TransportError as exc:
+            raise _unavailable([], client.endpoint, exc) from exc
+        finally:
+            partial.unlink(missing_ok=True)
+
 
 _CHUNK = 1 << 20
 
@@ -99,6 +140,12 @@ _CHUNK = 1 << 20
 # files, both ways (docs/BENCHMARKS.md, "Inside a sandbox").
 _TAR = shutil.which("tar")
 _UNLIMITED = 1 << 62
+
+
+async def _file_chunks(local: Path) -> AsyncIterator[bytes]:
+    with open(local, "rb") as f:
+        while chunk := await asyncio.to_thread(f.read, _CHUNK):
+            yield chunk
 
 
 async def _tar_of(local: Path) -> AsyncIterator[bytes]:

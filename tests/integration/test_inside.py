@@ -319,3 +319,56 @@ def libdsec_invalid():
     from libdsec import InvalidRequest
 
     return InvalidRequest
+
+
+async def test_files_larger_than_memory_stream_both_ways(client, server, tmp_path):
+    """A 300 MB file in and out, and a tree with a link out of it: the server holds neither."""
+    import hashlib
+    import os
+
+    from libdsec import InvalidRequest, SandboxFileNotFound
+
+    async with await client.run_container(args(memory_limit_mb=1024)) as sandbox:
+        big = tmp_path / "big.bin"
+        digest = hashlib.sha256()
+        with open(big, "wb") as f:
+            for _ in range(300):
+                piece = os.urandom(1 << 20)
+                digest.update(piece)
+                f.write(piece)
+        before = rss_bytes(server.proc.pid)
+        peak = 0
+
+        async def watch():
+            nonlocal peak
+            while True:
+                peak = max(peak, rss_bytes(server.proc.pid))
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await sandbox.files.upload_file(big, "/tmp/in/big.bin", mode=0o600)
+            listed = await sandbox.files.stat("/tmp/in/big.bin")
+            assert (listed.size, listed.mode) == (300 << 20, 0o600)
+            back = tmp_path / "back.bin"
+            await sandbox.files.download_file("/tmp/in/big.bin", back)
+        finally:
+            watcher.cancel()
+        assert back.stat().st_size == 300 << 20
+        with open(back, "rb") as f:
+            assert hashlib.file_digest(f, "sha256").hexdigest() == digest.hexdigest()
+        grown = (peak - before) >> 20
+        assert grown < 64, f"the server's RSS grew by {grown} MiB for a 300 MiB file"
+        with pytest.raises(SandboxFileNotFound):
+            await sandbox.files.download_file("/tmp/in/none", tmp_path / "none")
+        assert not (tmp_path / "none").exists()
+        with pytest.raises(InvalidRequest, match="is a directory"):
+            await sandbox.files.download_file("/tmp/in", tmp_path / "dir")
+        # A tree streamed up with a link out of it: refused naming the member, as a whole tar is.
+        tree = tmp_path / "tree"
+        tree.mkdir()
+        (tree / "ok.txt").write_text("fine\n")
+        os.symlink("/etc/passwd", tree / "out")
+        with pytest.raises(InvalidRequest, match="refused tar member './out': AbsoluteLink"):
+            await sandbox.files.upload_dir(tree, "/tmp/tree")
+        assert (await sandbox.run_shell("echo serving")).stdout == "serving\n"

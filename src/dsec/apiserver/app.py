@@ -147,6 +147,16 @@ async def _body_chunks(request: Request) -> AsyncIterator[bytes]:
             yield chunk
 
 
+async def _first_chunk(chunks: AsyncIterator[bytes]) -> bytes:
+    try:  # errors before the start are a plain error answer
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return b""
+    except BaseException:
+        await chunks.aclose()
+        raise
+
+
 async def _bytes_after(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     async with aclosing(chunks):
         if first:
@@ -506,13 +516,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         """The tree as an uncompressed tar (``application/x-tar``), streamed as ``tar c`` writes
         it; a failure after the start breaks the answer off (no final chunk)."""
         chunks = cluster.edge_for(sandbox_id).download_tree_tar(sandbox_id, path)
-        try:  # errors before the start are a plain error answer
-            first = await anext(chunks)
-        except StopAsyncIteration:
-            first = b""
-        except BaseException:
-            await chunks.aclose()
-            raise
+        first = await _first_chunk(chunks)
         return StreamingResponse(_bytes_after(first, chunks), media_type="application/x-tar")
 
     @app.post("/v1/sandboxes/{sandbox_id}/fs/tree:download", dependencies=auth, responses=_ERRORS,
@@ -520,6 +524,25 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     async def download_tree(sandbox_id: str, request: TreeDownloadRequest) -> StreamingResponse:
         """The tree as a tar, base64 text in NDJSON ``ExecEvent`` stdout lines, then ``exit``."""
         return await _streaming(cluster.edge_for(sandbox_id).download_tree(sandbox_id, request.path))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files:stream", dependencies=auth, responses=_ERRORS)
+    async def read_file_stream(sandbox_id: str, path: str = Query(min_length=1)) -> StreamingResponse:
+        """The file's bytes streamed (``application/octet-stream``), of any size; a failure
+        after the start breaks the answer off."""
+        chunks = cluster.edge_for(sandbox_id).read_file_stream(sandbox_id, path)
+        first = await _first_chunk(chunks)
+        return StreamingResponse(_bytes_after(first, chunks), media_type="application/octet-stream")
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files:stream", dependencies=auth, responses=_ERRORS)
+    async def write_file_stream(request: Request, sandbox_id: str, path: str = Query(min_length=1),
+                                mode: str = Query("0o644")) -> dict:
+        """The body (streamed, or whole) written to the file as it comes, of any size."""
+        try:
+            file_mode = int(mode, 0)
+        except ValueError:
+            raise InvalidRequest(f"invalid file mode {mode!r}: use octal like 0o644") from None
+        await cluster.edge_for(sandbox_id).write_file_stream(sandbox_id, path, _body_chunks(request), file_mode)
+        return {"ok": True}
 
     @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, responses=_ERRORS)
     async def read_file(sandbox_id: str, path: str = Query(min_length=1)) -> Response:

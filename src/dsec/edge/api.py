@@ -215,6 +215,16 @@ class EdgeAPI(Protocol):
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None: ...
 
+    def read_file_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes at the consumer's pace, no size limit (errors before the first
+        chunk raised from it; a failure later breaks off)."""
+        ...
+
+    async def write_file_stream(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes], mode: int) -> None:
+        """The file written from its chunks as they come (no size limit where the backend feeds
+        a stream, ``max_file_bytes`` where it does not)."""
+        ...
+
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]: ...
 
     async def set_network_rules(self, sandbox_id: str, rules: dict) -> None: ...

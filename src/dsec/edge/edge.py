@@ -856,6 +856,41 @@ class Edge:
         backend = self.backends[rec.kind]
         await self._call(rec, backend.write_file(rec.handle, path, data, mode, rec.uid, rec.gid))
 
+    async def read_file_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes as they are read in the sandbox (``cat`` as its root, at the
+        consumer's pace: no size limit, nothing held); errors before the first chunk raised."""
+        path = files.check_path(path)
+        rec = await self._ready(sandbox_id, Action.read_file)
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
+        request = ExecRequest(command=files.read_script(path), timeout=3600.0, max_output_bytes=1 << 16)
+        backend = self.backends[rec.kind]
+        async for chunk in stream_bytes(lambda emit: self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit)),
+                                        lambda result: files.check(result, "read", path)):
+            yield chunk
+
+    async def write_file_stream(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes], mode: int) -> None:
+        """Write the file from its chunks as they come (a container's ``cat`` fed the stream:
+        no size limit, nothing held); a new file belongs to the sandbox's user, an existing one
+        keeps its owner. Where the backend feeds no stream, held up to ``max_file_bytes``."""
+        path = files.check_path(path)
+        if not 0 <= mode <= 0o7777:
+            raise InvalidRequest(f"invalid file mode {oct(mode)}")
+        rec = await self._ready(sandbox_id, Action.write_file)
+        backend = self.backends[rec.kind]
+        if Capability.PIPED_STDIN not in backend.capabilities:
+            held = data if isinstance(data, (bytes, bytearray, memoryview)) else await _gathered(data, self.config.max_file_bytes)
+            await self.write_file(sandbox_id, path, bytes(held), mode)
+            return
+        chunks = _one_chunk(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
+        request = ExecRequest(command=files.write_script(path, mode, rec.uid, rec.gid), timeout=3600.0,
+                              max_output_bytes=1 << 16)
+
+        async def discard(kind: str, out: bytes) -> None:
+            pass
+        result = await self._call(rec, backend.exec_piped(rec.handle, request, ctx, chunks, discard))
+        files.check(result, "write", path)
+
     # -- fncall: stateless calls in the warm pool (no record, no sandbox id) -------------------
 
     def _fncall_pool(self) -> FnCallPool:

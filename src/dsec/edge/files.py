@@ -97,7 +97,7 @@ def unpack_script(tmp: str, path: str) -> str:
 def check(result: ExecResult, what: str, path: str) -> ExecResult:
     problem = {_NOT_FOUND: "no such file or directory", _NOT_DIR: "not a directory (or cannot be made one)",
                _NOT_EMPTY: "a directory that is not empty (remove it with recursive=True)",
-               _IS_DIR: "the destination is a directory"}.get(result.exit_code)
+               _IS_DIR: "is a directory"}.get(result.exit_code)
     if result.exit_code == _NOT_FOUND:
         raise SandboxFileNotFound(f"cannot {what} {path}: {problem}")
     if problem is not None:
@@ -146,3 +146,20 @@ def unpack_stdin_script(path: str) -> str:
 def download_tar_script(path: str) -> str:
     p = _q(path)
     return f"[ -e {p} ] || exit {_NOT_FOUND}\n[ -d {p} ] || exit {_NOT_DIR}\ncd -- {p} && tar cf - .\n"
+
+
+def read_script(path: str) -> str:
+    p = _q(path)
+    return (f"[ -e {p} ] || exit {_NOT_FOUND}\n[ -d {p} ] && exit {_IS_DIR}\n"
+            f"[ -f {p} ] || {{ echo 'not a regular file' >&2; exit 1; }}\nexec cat -- {p}\n")
+
+
+def write_script(path: str, mode: int, uid: int, gid: int) -> str:
+    """``cat`` from stdin into the file: made with the parents it lacks (owned by the user, as
+    ``write_file`` does), a new file owned by the user, its mode set."""
+    p, parent = _q(path), _q(posixpath.dirname(path) or "/")
+    return (f"[ -d {p} ] && exit {_IS_DIR}\n"
+            f"if [ ! -d {parent} ]; then mkdir -p -- {parent} || exit {_NOT_DIR}; chown {uid}:{gid} {parent}; fi\n"
+            f"new=; [ -e {p} ] || new=1\n"
+            f"cat > {p} || exit 1\nchmod {mode:o} {p} || exit 1\n"
+            f"[ -z \"$new\" ] || chown {uid}:{gid} {p}\n")

@@ -370,14 +370,7 @@ class RemoteEdge:
         await self._call("POST", f"/sandboxes/{sandbox_id}/fs/rename", model=FileRenameRequest(src=src, dst=dst))
 
     async def upload_tree(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes]) -> None:
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            # (the node's endpoint takes a body whole: held here, up to the node's own limit)
-            held = bytearray()
-            async for chunk in data:
-                held += chunk
-                if len(held) > MAX_UPLOAD_BYTES:
-                    raise InvalidRequest(f"tar of over {MAX_UPLOAD_BYTES} bytes is over the node's limit")
-            data = bytes(held)
+        data = await _held(data)  # (the node's endpoint takes a body whole)
         await self._call("PUT", f"/sandboxes/{sandbox_id}/fs/tree", body=data, params={"path": path},
                          timeout=LONG_CALL_TIMEOUT_S)
 
@@ -385,9 +378,22 @@ class RemoteEdge:
         return self._events(f"/sandboxes/{sandbox_id}/fs/tree:download", TreeDownloadRequest(path=path), 3600.0)
 
     async def download_tree_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        async for chunk in self._raw(f"/sandboxes/{sandbox_id}/fs/tree", path, "a tree download"):
+            yield chunk
+
+    async def read_file_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        async for chunk in self._raw(f"/sandboxes/{sandbox_id}/files:stream", path, "a file read"):
+            yield chunk
+
+    async def write_file_stream(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes], mode: int) -> None:
+        data = await _held(data)  # (the node's endpoint takes a body whole)
+        await self._call("PUT", f"/sandboxes/{sandbox_id}/files:stream", body=data,
+                         params={"path": path, "mode": oct(mode)}, timeout=3600.0)
+
+    async def _raw(self, route: str, path: str, what: str) -> AsyncIterator[bytes]:
         if self._closed:
             raise self._unreachable("is closed on this side")
-        target = f"{PREFIX}/sandboxes/{sandbox_id}/fs/tree?{urlencode({'path': path})}"
+        target = f"{PREFIX}{route}?{urlencode({'path': path})}"
         try:
             async with self._wire.stream("GET", target, timeout=3600.0 + SLACK_S) as response:
                 if response.status_code >= 400:
@@ -395,7 +401,7 @@ class RemoteEdge:
                 async for chunk in response.chunks():
                     yield chunk
         except WireError as exc:
-            raise self._unreachable(f"broke off a tree download: {exc}") from None
+            raise self._unreachable(f"broke off {what}: {exc}") from None
 
     async def _events(self, path: str, request: pydantic.BaseModel, timeout: float) -> AsyncIterator[ExecEvent]:
         """The node's NDJSON lines as events, read as the consumer asks for them (so TCP's flow
@@ -484,3 +490,15 @@ class RemoteEdge:
         result = await self._post(FnCallBatchResult, "/fncall:batch", model=FnCallBatchRequest(calls=calls),
                                   timeout=LONG_CALL_TIMEOUT_S + longest)
         return result.results
+
+
+async def _held(data: bytes | AsyncIterator[bytes]) -> bytes:
+    """A body for the node's endpoint, which takes one whole: held here, up to the node's limit."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    held = bytearray()
+    async for chunk in data:
+        held += chunk
+        if len(held) > MAX_UPLOAD_BYTES:
+            raise InvalidRequest(f"a body of over {MAX_UPLOAD_BYTES} bytes is over what a remote node takes")
+    return bytes(held)

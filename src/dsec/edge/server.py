@@ -245,6 +245,14 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         await c.edge.upload_tree(c.params["sid"], c.arg("path"), c.body)
         return None
 
+    async def write_file_stream(c: _Call):
+        try:
+            mode = int(c.query.get("mode", "0o644"), 0)
+        except ValueError:
+            raise InvalidRequest(f"invalid file mode {c.query.get('mode')!r}: use octal like 0o644") from None
+        await c.edge.write_file_stream(c.params["sid"], c.arg("path"), c.body, mode)
+        return None
+
     async def write_file(c: _Call):
         try:
             mode = int(c.query.get("mode", "0o644"), 0)
@@ -283,6 +291,7 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("POST", f"/sandboxes/{sid}/snapshot", snapshot), ("POST", f"/sandboxes/{sid}/pack_diff", pack_diff),
         ("POST", f"/sandboxes/{sid}/clean_copy", clean_copy),
         ("GET", f"/sandboxes/{sid}/files", read_file), ("PUT", f"/sandboxes/{sid}/files", write_file),
+        ("PUT", f"/sandboxes/{sid}/files:stream", write_file_stream),
         ("GET", f"/sandboxes/{sid}/security_events", events), ("PUT", f"/sandboxes/{sid}/network_rules", rules),
         ("PUT", f"/sandboxes/{sid}/ttl", set_ttl),
         ("POST", "/fncall", fncall), ("POST", "/fncall:batch", fncall_batch),
@@ -314,6 +323,7 @@ _BATCH = PREFIX + "/sandboxes:batch"
 _EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:stream\Z")
 _SESSION_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/sessions/(?P<pid>[0-9]{1,9})/exec\:stream\Z")
 _TREE_DOWNLOAD = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\:download\Z")
+_FILE_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/files\:stream\Z")
 _TREE_TAR = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\Z")
 _START_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes\:stream\Z")
 _PTY_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/ptys/(?P<pid>[0-9]{1,9})/stream\Z")
@@ -492,6 +502,11 @@ class EdgeApp:
         if method == "POST" and (m := _TREE_DOWNLOAD.match(path)) is not None:
             await self._stream(lambda: self.edge.download_tree(
                 m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(TreeDownloadRequest).path), request, conn)
+            return
+        if method == "GET" and (m := _FILE_STREAM.match(path)) is not None:
+            query = parse_qs(request.query.decode("latin-1"))
+            await self._raw_stream(lambda: self.edge.read_file_stream(m.group("sid"), query.get("path", [""])[-1]),
+                                   request, conn)
             return
         if method == "GET" and (m := _TREE_TAR.match(path)) is not None:
             query = parse_qs(request.query.decode("latin-1"))
