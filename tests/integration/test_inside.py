@@ -176,7 +176,10 @@ async def test_sessions_keep_their_state(client):
                 await session.run_shell("echo again")
         # An idle session ends by itself.
         idle = await sandbox.open_session(idle_timeout=1)
-        await asyncio.sleep(4)
+        for _ in range(100):  # (its watchdog looks every second: gone 2-3 s after its last command)
+            if not any(p.running for p in await sandbox.list_processes() if p.pid == idle.id):
+                break
+            await asyncio.sleep(0.1)
         with pytest.raises(SessionClosed, match="idle"):
             await idle.run_shell("true")
         await idle.close()  # closing a closed one: nothing to do
