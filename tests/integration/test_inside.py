@@ -375,3 +375,20 @@ async def test_files_larger_than_memory_stream_both_ways(client, server, tmp_pat
         with pytest.raises(InvalidRequest, match="refused tar member './out': AbsoluteLink"):
             await sandbox.files.upload_dir(tree, "/tmp/tree")
         assert (await sandbox.run_shell("echo serving")).stdout == "serving\n"
+
+
+async def test_a_session_whose_files_were_replaced_is_refused_not_followed(client):
+    """The node opens a session's files itself: a link or a file where a FIFO was is refused."""
+    from libdsec import SandboxStateError
+
+    async with await client.run_container(args()) as sandbox:
+        async with await sandbox.open_session() as session:
+            assert (await session.run_shell("echo $DSEC_PROC_DIR")).stdout.startswith("/tmp/.dsec-proc/")
+            await session.run_shell('rm "$DSEC_PROC_DIR/done"; ln -s /etc/passwd "$DSEC_PROC_DIR/done"')
+            with pytest.raises(SandboxStateError, match="not as the session keeps them"):
+                await session.run_shell("echo hi")
+        async with await sandbox.open_session() as other:
+            await other.run_shell('rm "$DSEC_PROC_DIR/done"; : > "$DSEC_PROC_DIR/done"')
+            with pytest.raises(SandboxStateError, match="not what a session keeps there"):
+                await other.run_shell("echo hi")
+        assert (await sandbox.run_shell("echo serving; head -c 4 /etc/passwd")).stdout == "serving\nroot"

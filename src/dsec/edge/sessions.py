@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import stat
 import time
 
-from libdsec import CommandTimeout
+from libdsec import CommandTimeout, DSecError, SandboxStateError
 from libdsec.protocol import ExecRequest, ExecResult
 
 from ..backends.base import Capability, Handle
@@ -62,7 +63,7 @@ def _open(backend, handle: Handle, path: str, flags: int, kind: int | None) -> i
     fd = backend.open_path(handle, path, flags)
     if kind is not None and stat.S_IFMT(os.fstat(fd).st_mode) != kind:
         os.close(fd)
-        raise OSError(f"{path} is not what a session keeps there")
+        raise OSError(errno.EINVAL, f"{path} is not what a session keeps there")
     return fd
 
 
@@ -124,9 +125,20 @@ async def _line_of(fd: int, nonce: str, timeout: float) -> int:
 async def run(backend, handle: Handle, session: int, nonce: str, request: ExecRequest) -> ExecResult | None:
     """Run one whole command in the session's shell from the node; None if that cannot be done
     here (the caller runs it as before). ``Missing``, ``Dead``; ``CommandTimeout`` once
-    ``request.timeout`` passed (the command is still running: the caller interrupts it)."""
+    ``request.timeout`` passed (the command is still running: the caller interrupts it);
+    ``SandboxStateError`` if the session's files were replaced (a link, a file for a FIFO)."""
     if not applies(backend):
         return None
+    try:
+        return await _run(backend, handle, session, nonce, request)
+    except OSError as exc:
+        if isinstance(exc, DSecError):
+            raise
+        raise SandboxStateError(f"session {session}: its files in the sandbox ({BASE}) are not as the session keeps "
+                                f"them ({exc.strerror or exc}); open a new one") from None
+
+
+async def _run(backend, handle: Handle, session: int, nonce: str, request: ExecRequest) -> ExecResult | None:
     start = time.perf_counter()
     base = _open(backend, handle, BASE, os.O_PATH | os.O_DIRECTORY, None)
     try:
