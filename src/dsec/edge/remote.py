@@ -23,9 +23,10 @@ from contextlib import aclosing
 from typing import TypeVar
 from urllib.parse import urlencode
 
+import httpx
 import pydantic
 
-from libdsec import DSecError, InvalidRequest
+from libdsec import DSecError
 from libdsec._errors import error_from_wire
 from libdsec._wire import Answer, WireClient, WireError
 from libdsec.protocol import (
@@ -85,11 +86,7 @@ from libdsec.protocol import (
 )
 
 from .api import NodeUnreachable
-from .config import EdgeConfig
 from .server import PREFIX
-
-# An upload to a remote node is held whole on its way (its endpoint takes a body whole).
-MAX_UPLOAD_BYTES = EdgeConfig.max_upload_bytes
 
 # Bounds on a call's wait. A node's own work (a create, a stop) takes well under these; long
 # ones (packing a layer, saving a VM's memory) get the long bound; commands their own timeout
@@ -124,6 +121,8 @@ class RemoteEdge:
         self.call_timeout_s = call_timeout_s
         headers = {"authorization": f"Bearer {token}"}
         self._wire = WireClient(self.url, headers, MAX_CONNECTIONS, MAX_IDLE_CONNECTIONS, idle_expiry_s=IDLE_EXPIRY_S)
+        self._headers = headers
+        self._streaming: httpx.AsyncClient | None = None  # (streamed request bodies: _put_stream)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -134,6 +133,8 @@ class RemoteEdge:
             return
         self._closed = True
         await self._wire.aclose()
+        if self._streaming is not None:
+            await self._streaming.aclose()
 
     # -- transport ---------------------------------------------------------------------------
 
@@ -370,8 +371,10 @@ class RemoteEdge:
         await self._call("POST", f"/sandboxes/{sandbox_id}/fs/rename", model=FileRenameRequest(src=src, dst=dst))
 
     async def upload_tree(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes]) -> None:
-        data = await _held(data)  # (the node's endpoint takes a body whole)
-        await self._call("PUT", f"/sandboxes/{sandbox_id}/fs/tree", body=data, params={"path": path},
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            await self._put_stream(f"/sandboxes/{sandbox_id}/fs/tree", {"path": path}, data)
+            return
+        await self._call("PUT", f"/sandboxes/{sandbox_id}/fs/tree", body=bytes(data), params={"path": path},
                          timeout=LONG_CALL_TIMEOUT_S)
 
     def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
@@ -386,9 +389,28 @@ class RemoteEdge:
             yield chunk
 
     async def write_file_stream(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes], mode: int) -> None:
-        data = await _held(data)  # (the node's endpoint takes a body whole)
-        await self._call("PUT", f"/sandboxes/{sandbox_id}/files:stream", body=data,
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            await self._put_stream(f"/sandboxes/{sandbox_id}/files:stream", {"path": path, "mode": oct(mode)}, data)
+            return
+        await self._call("PUT", f"/sandboxes/{sandbox_id}/files:stream", body=bytes(data),
                          params={"path": path, "mode": oct(mode)}, timeout=3600.0)
+
+    async def _put_stream(self, route: str, params: dict[str, str], chunks: AsyncIterator[bytes]) -> None:
+        """PUT a body streamed (chunked) as ``chunks`` come: the node hands it on as it arrives
+        and reads no further than its consumer (TCP's flow control is the pace). httpx, not
+        the wire client (which sends a body whole), on a client of its own made on first use."""
+        if self._closed:
+            raise self._unreachable("is closed on this side")
+        if self._streaming is None:
+            self._streaming = httpx.AsyncClient(base_url=self.url, headers=self._headers,
+                                                timeout=httpx.Timeout(3600.0 + SLACK_S, connect=10.0))
+        try:
+            response = await self._streaming.put(PREFIX + route, params=params, content=chunks,
+                                                 headers={"content-type": "application/octet-stream"})
+        except httpx.TransportError as exc:
+            raise self._unreachable(f"broke off a streamed PUT {route}: {exc!r}") from None
+        if response.status_code >= 400:
+            raise self._error(response.status_code, response.content)
 
     async def _raw(self, route: str, path: str, what: str) -> AsyncIterator[bytes]:
         if self._closed:
@@ -491,14 +513,3 @@ class RemoteEdge:
                                   timeout=LONG_CALL_TIMEOUT_S + longest)
         return result.results
 
-
-async def _held(data: bytes | AsyncIterator[bytes]) -> bytes:
-    """A body for the node's endpoint, which takes one whole: held here, up to the node's limit."""
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return bytes(data)
-    held = bytearray()
-    async for chunk in data:
-        held += chunk
-        if len(held) > MAX_UPLOAD_BYTES:
-            raise InvalidRequest(f"a body of over {MAX_UPLOAD_BYTES} bytes is over what a remote node takes")
-    return bytes(held)
