@@ -481,6 +481,13 @@ async def test_file_tree_scripts(kit):
                                               TarChecker(1 << 30).checked(pieces()), discard)
             files.check(result, "unpack into", "/tmp/piped")
             assert (await sh("cat /tmp/piped/a.txt; readlink /tmp/piped/ln")).stdout == "alphaa.txt\n"
+
+            async def megabytes():  # (more than a VM agent queues: its refusals are waited out)
+                for _ in range(80):
+                    yield bytes(range(256)) * 256
+
+            counted = await backend.exec_piped(handle, run("sleep 0.5; wc -c", timeout=60), ROOT, megabytes(), discard)
+            assert (counted.exit_code, counted.stdout.strip()) == (0, str(80 * 65536)), counted
     finally:
         await backend.destroy(handle)
 
