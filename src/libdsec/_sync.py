@@ -196,6 +196,12 @@ class SyncFiles:
     def download_dir(self, path: str, local_dir: Any) -> None:
         self._run(self._files.download_dir(path, local_dir))
 
+    def upload_file(self, local_file: Any, path: str, **kwargs: Any) -> None:
+        self._run(self._files.upload_file(local_file, path, **kwargs))
+
+    def download_file(self, path: str, local_file: Any) -> None:
+        self._run(self._files.download_file(path, local_file))
+
 
 @twin_of(Sandbox)
 class SyncSandbox:

@@ -395,3 +395,22 @@ async def test_node_stats(node):
         (SandboxStatus.paused, "container", "team", 1)]
     await node.stop(info.id)
     assert (await node.node_stats()).sandboxes == []
+
+
+async def test_tree_streams_cross_the_seam(node):
+    """(The fake runs no tar: what crosses here is the calls and their errors.)"""
+    async def chunks():
+        yield b"\0" * 1024
+
+    with pytest.raises(SandboxNotFound):
+        await anext(node.download_tree_tar("n0-0123456789abcdef", "/tmp"))
+    with pytest.raises(SandboxNotFound):
+        await node.upload_tree("n0-0123456789abcdef", "/tmp", chunks())
+    info = await node.create(args())
+    try:
+        with pytest.raises(InvalidRequest, match="must be absolute"):
+            await anext(node.download_tree_tar(info.id, "relative"))
+        with pytest.raises(InvalidRequest, match="must be absolute"):
+            await node.upload_tree(info.id, "relative", chunks())
+    finally:
+        await node.stop(info.id)

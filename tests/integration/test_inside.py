@@ -176,7 +176,10 @@ async def test_sessions_keep_their_state(client):
                 await session.run_shell("echo again")
         # An idle session ends by itself.
         idle = await sandbox.open_session(idle_timeout=1)
-        await asyncio.sleep(4)
+        for _ in range(100):  # (its watchdog looks every second: gone 2-3 s after its last command)
+            if not any(p.running for p in await sandbox.list_processes() if p.pid == idle.id):
+                break
+            await asyncio.sleep(0.1)
         with pytest.raises(SessionClosed, match="idle"):
             await idle.run_shell("true")
         await idle.close()  # closing a closed one: nothing to do
@@ -319,3 +322,73 @@ def libdsec_invalid():
     from libdsec import InvalidRequest
 
     return InvalidRequest
+
+
+async def test_files_larger_than_memory_stream_both_ways(client, server, tmp_path):
+    """A 300 MB file in and out, and a tree with a link out of it: the server holds neither."""
+    import hashlib
+    import os
+
+    from libdsec import InvalidRequest, SandboxFileNotFound
+
+    async with await client.run_container(args(memory_limit_mb=1024)) as sandbox:
+        big = tmp_path / "big.bin"
+        digest = hashlib.sha256()
+        with open(big, "wb") as f:
+            for _ in range(300):
+                piece = os.urandom(1 << 20)
+                digest.update(piece)
+                f.write(piece)
+        before = rss_bytes(server.proc.pid)
+        peak = 0
+
+        async def watch():
+            nonlocal peak
+            while True:
+                peak = max(peak, rss_bytes(server.proc.pid))
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await sandbox.files.upload_file(big, "/tmp/in/big.bin", mode=0o600)
+            listed = await sandbox.files.stat("/tmp/in/big.bin")
+            assert (listed.size, listed.mode) == (300 << 20, 0o600)
+            back = tmp_path / "back.bin"
+            await sandbox.files.download_file("/tmp/in/big.bin", back)
+        finally:
+            watcher.cancel()
+        assert back.stat().st_size == 300 << 20
+        with open(back, "rb") as f:
+            assert hashlib.file_digest(f, "sha256").hexdigest() == digest.hexdigest()
+        grown = (peak - before) >> 20
+        assert grown < 64, f"the server's RSS grew by {grown} MiB for a 300 MiB file"
+        with pytest.raises(SandboxFileNotFound):
+            await sandbox.files.download_file("/tmp/in/none", tmp_path / "none")
+        assert not (tmp_path / "none").exists()
+        with pytest.raises(InvalidRequest, match="is a directory"):
+            await sandbox.files.download_file("/tmp/in", tmp_path / "dir")
+        # A tree streamed up with a link out of it: refused naming the member, as a whole tar is.
+        tree = tmp_path / "tree"
+        tree.mkdir()
+        (tree / "ok.txt").write_text("fine\n")
+        os.symlink("/etc/passwd", tree / "out")
+        with pytest.raises(InvalidRequest, match="refused tar member './out': AbsoluteLink"):
+            await sandbox.files.upload_dir(tree, "/tmp/tree")
+        assert (await sandbox.run_shell("echo serving")).stdout == "serving\n"
+
+
+async def test_a_session_whose_files_were_replaced_is_refused_not_followed(client):
+    """The node opens a session's files itself: a link or a file where a FIFO was is refused."""
+    from libdsec import SandboxStateError
+
+    async with await client.run_container(args()) as sandbox:
+        async with await sandbox.open_session() as session:
+            assert (await session.run_shell("echo $DSEC_PROC_DIR")).stdout.startswith("/tmp/.dsec-proc/")
+            await session.run_shell('rm "$DSEC_PROC_DIR/done"; ln -s /etc/passwd "$DSEC_PROC_DIR/done"')
+            with pytest.raises(SandboxStateError, match="not as the session keeps them"):
+                await session.run_shell("echo hi")
+        async with await sandbox.open_session() as other:
+            await other.run_shell('rm "$DSEC_PROC_DIR/done"; : > "$DSEC_PROC_DIR/done"')
+            with pytest.raises(SandboxStateError, match="not what a session keeps there"):
+                await other.run_shell("echo hi")
+        assert (await sandbox.run_shell("echo serving; head -c 4 /etc/passwd")).stdout == "serving\nroot"

@@ -27,9 +27,11 @@ def test_each_backend_has_the_hooks_of_what_it_declares(cls):
 
 
 def test_what_each_kind_can_do():
-    assert ContainerBackend.capabilities == {Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY}
-    assert MicroVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.SNAPSHOT}
-    assert FullVMBackend.capabilities == {Capability.KEPT_LAYER}  # no memory snapshots, no warm pool
+    assert ContainerBackend.capabilities == {Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY,
+                                             Capability.HOST_PATHS, Capability.PIPED_STDIN}
+    assert MicroVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.SNAPSHOT, Capability.PIPED_STDIN}
+    # no memory snapshots, no warm pool
+    assert FullVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.PIPED_STDIN}
 
 
 class _Claims(FakeBackend):

@@ -141,6 +141,30 @@ async def _streaming(events: AsyncIterator[ExecEvent]) -> StreamingResponse:
     return StreamingResponse(_ndjson(first, events), media_type="application/x-ndjson")
 
 
+async def _body_chunks(request: Request) -> AsyncIterator[bytes]:
+    async for chunk in request.stream():
+        if chunk:
+            yield chunk
+
+
+async def _first_chunk(chunks: AsyncIterator[bytes]) -> bytes:
+    try:  # errors before the start are a plain error answer
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return b""
+    except BaseException:
+        await chunks.aclose()
+        raise
+
+
+async def _bytes_after(first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async with aclosing(chunks):
+        if first:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+
+
 async def _ndjson(first: ExecEvent, events: AsyncIterator[ExecEvent]) -> AsyncIterator[str]:
     """One line an event, each sent once the last left (Starlette awaits the transport's
     drain); a client that goes away cancels this, which closes ``events``: the command dies."""
@@ -481,15 +505,44 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
 
     @app.put("/v1/sandboxes/{sandbox_id}/fs/tree", dependencies=auth, responses=_ERRORS)
     async def upload_tree(request: Request, sandbox_id: str, path: str = Query(min_length=1)) -> dict:
+        """The body is an uncompressed tar, streamed (chunked) or whole: passed on to the
+        sandbox's ``tar x`` as it comes, each member checked first."""
         edge = cluster.edge_for(sandbox_id)
-        await edge.upload_tree(sandbox_id, path, await request.body())
+        await edge.upload_tree(sandbox_id, path, _body_chunks(request))
         return {"ok": True}
+
+    @app.get("/v1/sandboxes/{sandbox_id}/fs/tree", dependencies=auth, responses=_ERRORS)
+    async def download_tree_tar(sandbox_id: str, path: str = Query(min_length=1)) -> StreamingResponse:
+        """The tree as an uncompressed tar (``application/x-tar``), streamed as ``tar c`` writes
+        it; a failure after the start breaks the answer off (no final chunk)."""
+        chunks = cluster.edge_for(sandbox_id).download_tree_tar(sandbox_id, path)
+        first = await _first_chunk(chunks)
+        return StreamingResponse(_bytes_after(first, chunks), media_type="application/x-tar")
 
     @app.post("/v1/sandboxes/{sandbox_id}/fs/tree:download", dependencies=auth, responses=_ERRORS,
               response_model=ExecEvent)
     async def download_tree(sandbox_id: str, request: TreeDownloadRequest) -> StreamingResponse:
         """The tree as a tar, base64 text in NDJSON ``ExecEvent`` stdout lines, then ``exit``."""
         return await _streaming(cluster.edge_for(sandbox_id).download_tree(sandbox_id, request.path))
+
+    @app.get("/v1/sandboxes/{sandbox_id}/files:stream", dependencies=auth, responses=_ERRORS)
+    async def read_file_stream(sandbox_id: str, path: str = Query(min_length=1)) -> StreamingResponse:
+        """The file's bytes streamed (``application/octet-stream``), of any size; a failure
+        after the start breaks the answer off."""
+        chunks = cluster.edge_for(sandbox_id).read_file_stream(sandbox_id, path)
+        first = await _first_chunk(chunks)
+        return StreamingResponse(_bytes_after(first, chunks), media_type="application/octet-stream")
+
+    @app.put("/v1/sandboxes/{sandbox_id}/files:stream", dependencies=auth, responses=_ERRORS)
+    async def write_file_stream(request: Request, sandbox_id: str, path: str = Query(min_length=1),
+                                mode: str = Query("0o644")) -> dict:
+        """The body (streamed, or whole) written to the file as it comes, of any size."""
+        try:
+            file_mode = int(mode, 0)
+        except ValueError:
+            raise InvalidRequest(f"invalid file mode {mode!r}: use octal like 0o644") from None
+        await cluster.edge_for(sandbox_id).write_file_stream(sandbox_id, path, _body_chunks(request), file_mode)
+        return {"ok": True}
 
     @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, responses=_ERRORS)
     async def read_file(sandbox_id: str, path: str = Query(min_length=1)) -> Response:

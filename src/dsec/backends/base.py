@@ -48,13 +48,21 @@ refuses a backend that declares an ability without its hook:
 - ``KEPT_LAYER`` (``KeptLayers``): ``kept_layer`` turns the paths a guest keeps into one layer
   (a VM's writable layer is in the guest), for clean copies made as a new sandbox on it.
 - ``SNAPSHOT`` (``Snapshots``): ``snapshot`` saves a running sandbox's memory and devices.
+- ``PIPED_STDIN`` (``PipedStdin``): ``exec_piped`` is ``exec_stream`` whose command reads its
+  stdin from an async iterator of bytes, asked for its next chunk only once the last one is in
+  the command's pipe (backpressure from the command to the source); an error of the source's
+  kills the command and is raised.
+- ``HOST_PATHS`` (``HostPaths``): ``open_path`` opens a path of a running sandbox from the node
+  (every component resolved inside the sandbox, no symlink followed: the paths it is used for
+  are writable by the sandbox's user), for I/O that needs no command in the sandbox: FIFOs a
+  session's shell holds (``dsec.edge.sessions``), files streamed in and out.
 
 Handles are plain data (``to_json``/``from_json``) so an edge restart can re-adopt them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -155,6 +163,8 @@ class Capability(str, Enum):
     CARRY = "carry"
     KEPT_LAYER = "kept_layer"
     SNAPSHOT = "snapshot"
+    HOST_PATHS = "host_paths"
+    PIPED_STDIN = "piped_stdin"
 
 
 class PtyProcess(Protocol):
@@ -251,8 +261,28 @@ class Snapshots(Protocol):
     async def snapshot(self, handle: Handle) -> dict: ...
 
 
+@runtime_checkable
+class HostPaths(Protocol):
+    """``Capability.HOST_PATHS``: ``open_path(handle, path, flags, mode)`` is an fd of the
+    absolute ``path`` in the running sandbox (``os.open`` flags, always close-on-exec and
+    without following a symlink anywhere on the way: ``OSError`` ELOOP for one), or
+    ``SandboxStateError`` if its processes are gone. A file it creates belongs to the
+    sandbox's root. The fd is the caller's to close."""
+
+    def open_path(self, handle: Handle, path: str, flags: int, mode: int = 0o644) -> int: ...
+
+
+@runtime_checkable
+class PipedStdin(Protocol):
+    """``Capability.PIPED_STDIN``: a command fed a stream as its stdin."""
+
+    async def exec_piped(self, handle: Handle, request: ExecRequest, ctx: ExecContext,
+                         stdin: AsyncIterator[bytes] | None, emit: Emit) -> ExecResult: ...
+
+
 _HOOKS: dict[Capability, type] = {Capability.CARRY: CleanCopies, Capability.KEPT_LAYER: KeptLayers,
-                                  Capability.SNAPSHOT: Snapshots}
+                                  Capability.SNAPSHOT: Snapshots, Capability.HOST_PATHS: HostPaths,
+                                  Capability.PIPED_STDIN: PipedStdin}
 
 
 def check_backend(backend: SandboxBackend) -> None:

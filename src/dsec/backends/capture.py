@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import AsyncIterator, Awaitable
 
 from libdsec.protocol import ExecResult
 
@@ -159,3 +160,59 @@ async def wait_pipes(flow: Flow | None, tasks: list[asyncio.Future]) -> None:
         _, pending = await asyncio.wait(tasks, timeout=PIPE_GRACE_S)
         if not pending or flow is None or (not flow.busy and flow.moved == before):
             return
+
+
+def feed_pipe(loop: asyncio.AbstractEventLoop, fd: int, chunks: AsyncIterator[bytes]) -> asyncio.Task:
+    """A task writing ``chunks`` to the pipe ``fd`` (its own from now: closed when it ends, even
+    cancelled before it ran) as the command reads it: the next chunk is asked for only once the
+    last one is in the pipe (backpressure both ways). A command that stops reading ends the
+    feeding quietly."""
+    held = [fd]
+
+    def close() -> None:
+        if held[0] >= 0:
+            os.close(held[0])
+            held[0] = -1
+
+    async def run() -> None:
+        os.set_blocking(fd, False)
+        try:
+            async for chunk in chunks:
+                view = memoryview(chunk)
+                while view:
+                    try:
+                        view = view[os.write(fd, view):]
+                    except BlockingIOError:
+                        ready = loop.create_future()
+                        loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+                        try:
+                            await ready
+                        finally:
+                            loop.remove_writer(fd)
+                    except (BrokenPipeError, ConnectionResetError):
+                        return
+        finally:
+            close()
+
+    task = loop.create_task(run())
+    task.add_done_callback(lambda _: close())
+    return task
+
+
+async def with_feeder(wait: Awaitable, feeder: asyncio.Future | None):
+    """``await wait`` while ``feeder`` feeds the command's stdin; an error of the feeder's (its
+    source failed: a refused upload, a client gone) is raised at once; the feeder is cancelled
+    once the command ended."""
+    if feeder is None:
+        return await wait
+    waiter = asyncio.ensure_future(wait)
+    try:
+        while True:
+            await asyncio.wait({waiter} if feeder.done() else {waiter, feeder}, return_when=asyncio.FIRST_COMPLETED)
+            if feeder.done() and not feeder.cancelled() and feeder.exception() is not None:
+                raise feeder.exception()
+            if waiter.done():
+                return waiter.result()
+    finally:
+        feeder.cancel()
+        waiter.cancel()

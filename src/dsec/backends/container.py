@@ -37,7 +37,7 @@ import shutil
 import signal
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNotFound, SandboxStateError
@@ -56,7 +56,7 @@ from ..resources.cgroups import Limits
 from .. import native
 from . import terminal
 from .base import Capability, Emit, ExecContext, Handle, HostView, SandboxSpec, numeric_user, user_from_passwd
-from .capture import Capture, Flow, PipeReader, PipeStream, wait_pipes
+from .capture import Capture, Flow, PipeReader, PipeStream, feed_pipe, wait_pipes, with_feeder
 from .procs import (
     children, kill_session_of, kill_tree, pid_in_cgroup, sealed_copy, spawn_wait, wait_exit, wait_process,
 )
@@ -89,6 +89,17 @@ def _compiled_seccomp(state: Path) -> str | None:
     except OSError:
         return None
     return base64.b64encode(program).decode() if program else None
+
+
+async def _feed_stream(writer: asyncio.StreamWriter, chunks: AsyncIterator[bytes]) -> None:
+    try:
+        async for chunk in chunks:
+            writer.write(chunk)
+            await writer.drain()
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the command stopped reading
+    finally:
+        writer.close()
 
 
 def _runs_init(pid: int) -> bool:
@@ -156,7 +167,8 @@ class ContainerBackend:
 
     kind = "container"
     # PROTECTED_PATHS: read-only binds (see _protected_mounts); CARRY: check_kept, carry, tampered.
-    capabilities = frozenset({Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY})
+    capabilities = frozenset({Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY, Capability.HOST_PATHS,
+                              Capability.PIPED_STDIN})
     # The v1 controllers of a sandbox's cgroup (see dsec.resources.cgroups).
     cgroup_controllers: tuple[str, ...] = cgroups.SANDBOX_CONTROLLERS
 
@@ -724,7 +736,13 @@ class ContainerBackend:
     async def exec_stream(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit) -> ExecResult:
         return await self._exec(handle, request, ctx, emit)
 
-    async def _exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit | None) -> ExecResult:
+    async def exec_piped(self, handle: Handle, request: ExecRequest, ctx: ExecContext,
+                         stdin: AsyncIterator[bytes] | None, emit: Emit) -> ExecResult:
+        """``exec_stream`` with the command's stdin fed from ``stdin`` as the command reads it."""
+        return await self._exec(handle, request, ctx, emit, stdin)
+
+    async def _exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit | None,
+                    feed: AsyncIterator[bytes] | None = None) -> ExecResult:
         flow = Flow(emit) if emit is not None else None
         if not await self.is_alive(handle):
             raise SandboxStateError(f"cannot exec: sandbox process of {handle.cid} is gone")
@@ -734,17 +752,17 @@ class ContainerBackend:
             job_id, message = channel.encode(["/bin/sh", "-c", request.command], ctx.env, ctx.workdir, ctx.uid, ctx.gid)
             if len(message) <= MAX_REQUEST:
                 try:
-                    return await self._exec_init(channel, job_id, message, request, flow)
+                    return await self._exec_init(channel, job_id, message, request, flow, feed)
                 except TooLarge:
                     pass  # this command alone goes through crun exec
                 except ChannelClosed:
                     if not await self._alive_after(handle, _INIT_EXIT_GRACE_S):
                         raise SandboxStateError(f"sandbox process of {handle.cid} is gone{self._why_gone(handle)}") from None
                     log.warning("init channel of %s closed; commands go through crun exec", handle.cid)
-        return await self._exec_crun(handle, request, ctx, flow)
+        return await self._exec_crun(handle, request, ctx, flow, feed)
 
     async def _exec_init(self, channel: InitChannel, job_id: int, message: bytes, request: ExecRequest,
-                         emit: Flow | None = None) -> ExecResult:
+                         emit: Flow | None = None, feed: AsyncIterator[bytes] | None = None) -> ExecResult:
         """Run a command through the sandbox's init: it forks it with our pipes as its stdio."""
         loop = asyncio.get_running_loop()
         cap = request.max_output_bytes
@@ -754,7 +772,7 @@ class ContainerBackend:
         transports: list[asyncio.BaseTransport] = []
         pipes: list[PipeReader | PipeStream] = []
         try:
-            if request.stdin is not None:
+            if request.stdin is not None or feed is not None:
                 stdin_r, stdin_w = os.pipe2(os.O_CLOEXEC)
                 theirs.append(stdin_r)
                 ours.append(stdin_w)
@@ -776,13 +794,16 @@ class ContainerBackend:
                 for fd in theirs:
                     os.close(fd)
                 theirs.clear()
-            if request.stdin is not None:
+            feeder = None
+            if feed is not None:
+                feeder = feed_pipe(loop, ours.pop(), feed)
+            elif request.stdin is not None:
                 wt, _ = await loop.connect_write_pipe(asyncio.Protocol, os.fdopen(ours.pop(), "wb", 0))
                 transports.append(wt)
                 wt.write(request.stdin.encode())
                 wt.close()  # after the buffered data is written (or the reader is gone)
             try:
-                status = await asyncio.wait_for(channel.wait(job_id), request.timeout)
+                status = await asyncio.wait_for(with_feeder(channel.wait(job_id), feeder), request.timeout)
             except TimeoutError:
                 channel.kill(job_id)
                 with contextlib.suppress(TimeoutError, ChannelClosed):
@@ -808,7 +829,7 @@ class ContainerBackend:
         return Capture.result(exit_code(status), out, err, start)
 
     async def _exec_crun(self, handle: Handle, request: ExecRequest, ctx: ExecContext,
-                         emit: Flow | None = None) -> ExecResult:
+                         emit: Flow | None = None, feed: AsyncIterator[bytes] | None = None) -> ExecResult:
         """Run a command through `crun exec` (a sandbox adopted after a restart has no channel)."""
         # Beside the bundles, on the node's own tmpfs: in the bundle it sat on the sandbox's capped
         # disk, and a sandbox that had filled it could run no command (not even an rm).
@@ -828,7 +849,7 @@ class ContainerBackend:
         start = time.perf_counter()
         proc = await asyncio.create_subprocess_exec(
             *command,
-            stdin=asyncio.subprocess.PIPE if request.stdin is not None else asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.PIPE if request.stdin is not None or feed is not None else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
         cap = request.max_output_bytes
@@ -836,8 +857,11 @@ class ContainerBackend:
         readers = [asyncio.ensure_future(out.drain(proc.stdout, emit, "stdout")),
                    asyncio.ensure_future(err.drain(proc.stderr, emit, "stderr"))]
         timed_out = False
+        feeder = None
         try:
-            if request.stdin is not None:
+            if feed is not None:
+                feeder = asyncio.ensure_future(_feed_stream(proc.stdin, feed))
+            elif request.stdin is not None:
                 try:
                     proc.stdin.write(request.stdin.encode())
                     await proc.stdin.drain()
@@ -845,7 +869,7 @@ class ContainerBackend:
                 except (BrokenPipeError, ConnectionResetError):
                     pass
             try:
-                rc = await wait_process(proc, request.timeout)
+                rc = await asyncio.wait_for(with_feeder(wait_process(proc, request.timeout + 1), feeder), request.timeout)
             except TimeoutError:
                 timed_out = True
                 kill_session_of(pidfile, handle.cid)
@@ -936,6 +960,22 @@ class ContainerBackend:
             return os.open(f"/proc/{handle.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             raise SandboxStateError(f"sandbox process of {handle.cid} is gone") from exc
+
+    def open_path(self, handle: Handle, path: str, flags: int, mode: int = 0o644) -> int:
+        """A path of the sandbox from the node: resolved in its root, no symlink followed."""
+        root = self._root_fd(handle)
+        try:
+            fd = _sys.openat2(root, path, flags | os.O_NOFOLLOW, mode if flags & os.O_CREAT else 0,
+                              _sys.RESOLVE_IN_ROOT | _sys.RESOLVE_NO_SYMLINKS | _sys.RESOLVE_NO_MAGICLINKS)
+        finally:
+            os.close(root)
+        if flags & os.O_CREAT and flags & os.O_EXCL:
+            try:
+                os.fchown(fd, *self._host_ids(handle, 0, 0))
+            except OSError:
+                os.close(fd)
+                raise
+        return fd
 
     def _check_dir(self, handle: Handle, path: str) -> None:
         root = self._root_fd(handle)

@@ -199,13 +199,31 @@ class EdgeAPI(Protocol):
 
     async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None: ...
 
-    async def upload_tree(self, sandbox_id: str, path: str, data: bytes) -> None: ...
+    async def upload_tree(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes]) -> None:
+        """Unpack a tar (whole, or as its chunks: read only as the sandbox's ``tar x`` takes
+        them) at ``path``; each member is checked before it is passed on."""
+        ...
 
     def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
         """``started``, then the tar as base64 text in ``stdout`` events, then ``exit``."""
         ...
 
+    def download_tree_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """The tar of the tree at ``path``, its bytes as ``tar c`` writes them (at the consumer's
+        pace); errors before the first chunk are raised from it, a failure later breaks off."""
+        ...
+
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None: ...
+
+    def read_file_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes at the consumer's pace, no size limit (errors before the first
+        chunk raised from it; a failure later breaks off)."""
+        ...
+
+    async def write_file_stream(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes], mode: int) -> None:
+        """The file written from its chunks as they come (no size limit where the backend feeds
+        a stream, ``max_file_bytes`` where it does not)."""
+        ...
 
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]: ...
 

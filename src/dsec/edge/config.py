@@ -25,7 +25,7 @@ class EdgeConfig:
     batch_commit_s: float = 60.0
     reaper_interval_s: float = 1.0
     max_file_bytes: int = 64 << 20
-    max_upload_bytes: int = 1 << 30  # a tar for upload_tree (held in memory while checked and sent)
+    max_upload_bytes: int = 1 << 30  # a tar for upload_tree (streamed into a container; held for a VM)
     # Warm pool per image: grows to the peak number of creates in flight, within these bounds;
     # an image unused for pool_idle_s loses its pool.
     pool_min: int = 2

@@ -89,9 +89,9 @@ from .lifecycle import Action, Record
 from .pool import WarmPool
 from .reaper import TTLReaper
 from .security import EdgeSecurity
-from . import files, ports, processes
+from . import files, ports, processes, sessions
 from .pty import PtyTable
-from .stream import stream_exec
+from .stream import stream_bytes, stream_exec
 from .stats import EdgeStats
 
 log = logging.getLogger("dsec.edge")
@@ -688,6 +688,19 @@ class Edge:
             raise SessionClosed(self._session_end(session, info))
         return info
 
+    async def _session_ended(self, sandbox_id: str, session: int) -> None:
+        """Its shell is gone: ``SessionClosed`` naming why, once its supervisor recorded the exit."""
+        info = None
+        for _ in range(250):
+            try:
+                info = await self.get_process(sandbox_id, session)
+            except ProcessNotFound:
+                raise ProcessNotFound(f"no session {session} in sandbox {sandbox_id}") from None
+            if info.exit_code is not None and info.exit_code != -1:
+                break  # (-1: its shell is gone and the supervisor has not recorded the exit yet)
+            await asyncio.sleep(0.02)
+        raise SessionClosed(self._session_end(session, info))
+
     def _session_end(self, session: int, info: ProcessInfo) -> str:
         why = {137: "it was closed, or idle past its idle_timeout"}.get(info.exit_code or 0, "its shell exited")
         return f"session {session} has ended: {why} (exit code {info.exit_code}); open a new one"
@@ -712,9 +725,18 @@ class Edge:
         if lock is None:
             lock = self._session_locks[(sandbox_id, session)] = asyncio.Lock()
         async with lock:  # one command at a time: they share the shell
-            call = backend.exec(rec.handle, run, ctx) if emit is None else backend.exec_stream(rec.handle, run, ctx, emit)
             try:
-                result = await self._call(rec, call)
+                result = None
+                if emit is None and sessions.applies(backend):
+                    try:
+                        result = await self._call(rec, sessions.run(backend, rec.handle, session, nonce, request))
+                    except sessions.Missing:
+                        raise ProcessNotFound(f"no session {session} in sandbox {sandbox_id}") from None
+                    except sessions.Dead:
+                        await self._session_ended(sandbox_id, session)
+                if result is None:
+                    call = backend.exec(rec.handle, run, ctx) if emit is None else backend.exec_stream(rec.handle, run, ctx, emit)
+                    result = await self._call(rec, call)
             except CommandTimeout:
                 after = await self._manage(sandbox_id, processes.interrupt_script(session, nonce))
                 if after.exit_code == processes._SESSION_DEAD:
@@ -763,11 +785,28 @@ class Edge:
         src, dst = files.check_path(src, "source"), files.check_path(dst, "destination")
         files.check(await self._as_user(sandbox_id, files.rename_script(src, dst)), "rename", f"{src} to {dst}")
 
-    async def upload_tree(self, sandbox_id: str, path: str, data: bytes) -> None:
-        """Unpack the tar ``data`` at ``path`` (made if missing), as the sandbox's user."""
+    async def upload_tree(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes]) -> None:
+        """Unpack the tar ``data`` at ``path`` (made if missing), as the sandbox's user: streamed
+        into the sandbox's ``tar x`` where the backend feeds a command a stream, each member
+        checked on its way (``files.TarChecker``); else held, checked, and sent in pieces."""
         path = files.check_path(path)
-        if len(data) > self.config.max_upload_bytes:
-            raise InvalidRequest(f"tar of {len(data)} bytes is over the {self.config.max_upload_bytes}-byte limit")
+        limit = self.config.max_upload_bytes
+        request = ExecRequest(command=files.unpack_stdin_script(path), timeout=3600.0, max_output_bytes=1 << 16)
+        rec, ctx = await self._exec_context(sandbox_id, request)
+        backend = self.backends[rec.kind]
+        if Capability.PIPED_STDIN in backend.capabilities:
+            chunks = _one_chunk(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+            checker = files.TarChecker(limit)
+
+            async def discard(kind: str, out: bytes) -> None:
+                pass
+            result = await self._call(rec, backend.exec_piped(rec.handle, request, ctx, checker.checked(chunks), discard))
+            files.check(result, "unpack into", path)
+            return
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            data = await _gathered(data, limit)
+        if len(data) > limit:
+            raise InvalidRequest(f"tar of {len(data)} bytes is over the {limit}-byte limit")
         files.checked_tar(data)
         tmp = f"/tmp/.dsec-upload-{secrets.token_hex(8)}.tar"
         for at in range(0, max(len(data), 1), files.UPLOAD_PIECE):
@@ -775,6 +814,17 @@ class Edge:
             files.check(await self._as_user(sandbox_id, files.upload_piece_script(tmp, at == 0), stdin=piece),
                         "upload to", path)
         files.check(await self._as_user(sandbox_id, files.unpack_script(tmp, path), timeout=600.0), "unpack into", path)
+
+    async def download_tree_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """``tar c`` of the tree at ``path``, its bytes as they come (the consumer's pace)."""
+        path = files.check_path(path)
+        await self.stat_path(sandbox_id, path)  # errors before the start are raised
+        request = ExecRequest(command=files.download_tar_script(path), timeout=3600.0, max_output_bytes=1 << 16)
+        rec, ctx = await self._exec_context(sandbox_id, request)
+        backend = self.backends[rec.kind]
+        async for chunk in stream_bytes(lambda emit: self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit)),
+                                        lambda result: files.check(result, "download", path)):
+            yield chunk
 
     async def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
         """``tar c`` of the tree at ``path``, as base64 text in stdout events, then ``exit``."""
@@ -827,6 +877,41 @@ class Edge:
             raise InvalidRequest(f"invalid file mode {oct(mode)}")
         backend = self.backends[rec.kind]
         await self._call(rec, backend.write_file(rec.handle, path, data, mode, rec.uid, rec.gid))
+
+    async def read_file_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        """The file's bytes as they are read in the sandbox (``cat`` as its root, at the
+        consumer's pace: no size limit, nothing held); errors before the first chunk raised."""
+        path = files.check_path(path)
+        rec = await self._ready(sandbox_id, Action.read_file)
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
+        request = ExecRequest(command=files.read_script(path), timeout=3600.0, max_output_bytes=1 << 16)
+        backend = self.backends[rec.kind]
+        async for chunk in stream_bytes(lambda emit: self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit)),
+                                        lambda result: files.check(result, "read", path)):
+            yield chunk
+
+    async def write_file_stream(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes], mode: int) -> None:
+        """Write the file from its chunks as they come (a container's ``cat`` fed the stream:
+        no size limit, nothing held); a new file belongs to the sandbox's user, an existing one
+        keeps its owner. Where the backend feeds no stream, held up to ``max_file_bytes``."""
+        path = files.check_path(path)
+        if not 0 <= mode <= 0o7777:
+            raise InvalidRequest(f"invalid file mode {oct(mode)}")
+        rec = await self._ready(sandbox_id, Action.write_file)
+        backend = self.backends[rec.kind]
+        if Capability.PIPED_STDIN not in backend.capabilities:
+            held = data if isinstance(data, (bytes, bytearray, memoryview)) else await _gathered(data, self.config.max_file_bytes)
+            await self.write_file(sandbox_id, path, bytes(held), mode)
+            return
+        chunks = _one_chunk(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={**rec.image.env, **rec.args.env})
+        request = ExecRequest(command=files.write_script(path, mode, rec.uid, rec.gid), timeout=3600.0,
+                              max_output_bytes=1 << 16)
+
+        async def discard(kind: str, out: bytes) -> None:
+            pass
+        result = await self._call(rec, backend.exec_piped(rec.handle, request, ctx, chunks, discard))
+        files.check(result, "write", path)
 
     # -- fncall: stateless calls in the warm pool (no record, no sandbox id) -------------------
 
@@ -1065,3 +1150,16 @@ class Edge:
 
     async def node_stats(self) -> NodeStats:
         return self.stats.report(await self.node_info(), self._records.values(), self.security.events, self.warm_pool)
+
+
+async def _one_chunk(data: bytes) -> AsyncIterator[bytes]:
+    yield bytes(data)
+
+
+async def _gathered(chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    held = bytearray()
+    async for chunk in chunks:
+        held += chunk
+        if len(held) > limit:
+            raise InvalidRequest(f"tar of over {limit} bytes is over the node's {limit}-byte limit")
+    return bytes(held)

@@ -23,6 +23,7 @@ import stat as _stat
 import tarfile
 
 from libdsec import InvalidRequest, SandboxFileNotFound
+from libdsec._tarcheck import TarChecker, check_member  # noqa: F401 - (TarChecker: the node's too)
 from libdsec.protocol import ExecResult, FileEntry
 
 _NOT_FOUND, _NOT_DIR, _NOT_EMPTY, _IS_DIR = 91, 92, 93, 94
@@ -96,7 +97,7 @@ def unpack_script(tmp: str, path: str) -> str:
 def check(result: ExecResult, what: str, path: str) -> ExecResult:
     problem = {_NOT_FOUND: "no such file or directory", _NOT_DIR: "not a directory (or cannot be made one)",
                _NOT_EMPTY: "a directory that is not empty (remove it with recursive=True)",
-               _IS_DIR: "the destination is a directory"}.get(result.exit_code)
+               _IS_DIR: "is a directory"}.get(result.exit_code)
     if result.exit_code == _NOT_FOUND:
         raise SandboxFileNotFound(f"cannot {what} {path}: {problem}")
     if problem is not None:
@@ -128,20 +129,37 @@ def parse_entries(text: str, parent: str | None) -> list[FileEntry]:
 
 
 def checked_tar(data: bytes) -> None:
-    """Refuse a tar with a member that could land outside its tree or is not a plain file,
-    directory or link (``InvalidRequest`` naming the member and the problem)."""
+    """Refuse a tar with a member ``check_member`` refuses (``InvalidRequest``)."""
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
             for member in tar:
-                if member.name.startswith("/"):
-                    raise InvalidRequest(f"refused tar member {member.name!r}: AbsolutePath: names in the tar "
-                                         "must be relative to the directory it is unpacked in")
-                if ".." in member.name.split("/"):
-                    raise InvalidRequest(f"refused tar member {member.name!r}: OutsideDestination: it has a '..' component")
-                try:
-                    tarfile.data_filter(member, "/upload")
-                except tarfile.FilterError as exc:
-                    kind = type(exc).__name__.removesuffix("Error")
-                    raise InvalidRequest(f"refused tar member {member.name!r}: {kind}: {exc}") from None
+                check_member(member)
     except tarfile.TarError as exc:
         raise InvalidRequest(f"not a tar archive (uncompressed): {exc}") from None
+
+
+def unpack_stdin_script(path: str) -> str:
+    p = _q(path)
+    return f"mkdir -p -- {p} || exit {_NOT_DIR}\ntar -x -o -f - -C {p}\n"
+
+
+def download_tar_script(path: str) -> str:
+    p = _q(path)
+    return f"[ -e {p} ] || exit {_NOT_FOUND}\n[ -d {p} ] || exit {_NOT_DIR}\ncd -- {p} && tar cf - .\n"
+
+
+def read_script(path: str) -> str:
+    p = _q(path)
+    return (f"[ -e {p} ] || exit {_NOT_FOUND}\n[ -d {p} ] && exit {_IS_DIR}\n"
+            f"[ -f {p} ] || {{ echo 'not a regular file' >&2; exit 1; }}\nexec cat -- {p}\n")
+
+
+def write_script(path: str, mode: int, uid: int, gid: int) -> str:
+    """``cat`` from stdin into the file: made with the parents it lacks (owned by the user, as
+    ``write_file`` does), a new file owned by the user, its mode set."""
+    p, parent = _q(path), _q(posixpath.dirname(path) or "/")
+    return (f"[ -d {p} ] && exit {_IS_DIR}\n"
+            f"if [ ! -d {parent} ]; then mkdir -p -- {parent} || exit {_NOT_DIR}; chown {uid}:{gid} {parent}; fi\n"
+            f"new=; [ -e {p} ] || new=1\n"
+            f"cat > {p} || exit 1\nchmod {mode:o} {p} || exit 1\n"
+            f"[ -z \"$new\" ] || chown {uid}:{gid} {p}\n")

@@ -21,7 +21,9 @@ import json
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TypeVar
+from urllib.parse import urlencode
 
+import httpx
 import pydantic
 
 from libdsec import DSecError
@@ -119,6 +121,8 @@ class RemoteEdge:
         self.call_timeout_s = call_timeout_s
         headers = {"authorization": f"Bearer {token}"}
         self._wire = WireClient(self.url, headers, MAX_CONNECTIONS, MAX_IDLE_CONNECTIONS, idle_expiry_s=IDLE_EXPIRY_S)
+        self._headers = headers
+        self._streaming: httpx.AsyncClient | None = None  # (streamed request bodies: _put_stream)
         self._closed = False
 
     def __repr__(self) -> str:
@@ -129,6 +133,8 @@ class RemoteEdge:
             return
         self._closed = True
         await self._wire.aclose()
+        if self._streaming is not None:
+            await self._streaming.aclose()
 
     # -- transport ---------------------------------------------------------------------------
 
@@ -364,12 +370,60 @@ class RemoteEdge:
     async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None:
         await self._call("POST", f"/sandboxes/{sandbox_id}/fs/rename", model=FileRenameRequest(src=src, dst=dst))
 
-    async def upload_tree(self, sandbox_id: str, path: str, data: bytes) -> None:
-        await self._call("PUT", f"/sandboxes/{sandbox_id}/fs/tree", body=data, params={"path": path},
+    async def upload_tree(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes]) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            await self._put_stream(f"/sandboxes/{sandbox_id}/fs/tree", {"path": path}, data)
+            return
+        await self._call("PUT", f"/sandboxes/{sandbox_id}/fs/tree", body=bytes(data), params={"path": path},
                          timeout=LONG_CALL_TIMEOUT_S)
 
     def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
         return self._events(f"/sandboxes/{sandbox_id}/fs/tree:download", TreeDownloadRequest(path=path), 3600.0)
+
+    async def download_tree_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        async for chunk in self._raw(f"/sandboxes/{sandbox_id}/fs/tree", path, "a tree download"):
+            yield chunk
+
+    async def read_file_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
+        async for chunk in self._raw(f"/sandboxes/{sandbox_id}/files:stream", path, "a file read"):
+            yield chunk
+
+    async def write_file_stream(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes], mode: int) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            await self._put_stream(f"/sandboxes/{sandbox_id}/files:stream", {"path": path, "mode": oct(mode)}, data)
+            return
+        await self._call("PUT", f"/sandboxes/{sandbox_id}/files:stream", body=bytes(data),
+                         params={"path": path, "mode": oct(mode)}, timeout=3600.0)
+
+    async def _put_stream(self, route: str, params: dict[str, str], chunks: AsyncIterator[bytes]) -> None:
+        """PUT a body streamed (chunked) as ``chunks`` come: the node hands it on as it arrives
+        and reads no further than its consumer (TCP's flow control is the pace). httpx, not
+        the wire client (which sends a body whole), on a client of its own made on first use."""
+        if self._closed:
+            raise self._unreachable("is closed on this side")
+        if self._streaming is None:
+            self._streaming = httpx.AsyncClient(base_url=self.url, headers=self._headers,
+                                                timeout=httpx.Timeout(3600.0 + SLACK_S, connect=10.0))
+        try:
+            response = await self._streaming.put(PREFIX + route, params=params, content=chunks,
+                                                 headers={"content-type": "application/octet-stream"})
+        except httpx.TransportError as exc:
+            raise self._unreachable(f"broke off a streamed PUT {route}: {exc!r}") from None
+        if response.status_code >= 400:
+            raise self._error(response.status_code, response.content)
+
+    async def _raw(self, route: str, path: str, what: str) -> AsyncIterator[bytes]:
+        if self._closed:
+            raise self._unreachable("is closed on this side")
+        target = f"{PREFIX}{route}?{urlencode({'path': path})}"
+        try:
+            async with self._wire.stream("GET", target, timeout=3600.0 + SLACK_S) as response:
+                if response.status_code >= 400:
+                    raise self._error(response.status_code, await response.read())
+                async for chunk in response.chunks():
+                    yield chunk
+        except WireError as exc:
+            raise self._unreachable(f"broke off {what}: {exc}") from None
 
     async def _events(self, path: str, request: pydantic.BaseModel, timeout: float) -> AsyncIterator[ExecEvent]:
         """The node's NDJSON lines as events, read as the consumer asks for them (so TCP's flow
@@ -458,3 +512,4 @@ class RemoteEdge:
         result = await self._post(FnCallBatchResult, "/fncall:batch", model=FnCallBatchRequest(calls=calls),
                                   timeout=LONG_CALL_TIMEOUT_S + longest)
         return result.results
+

@@ -92,7 +92,7 @@ class _Call:
     edge: EdgeAPI
     params: dict[str, str]  # from the path
     query: dict[str, str]
-    body: bytes
+    body: bytes  # (a _BodyStream for the routes of _STREAMED_BODIES)
 
     def parse(self, model: type[pydantic.BaseModel]) -> pydantic.BaseModel:
         try:
@@ -245,6 +245,14 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         await c.edge.upload_tree(c.params["sid"], c.arg("path"), c.body)
         return None
 
+    async def write_file_stream(c: _Call):
+        try:
+            mode = int(c.query.get("mode", "0o644"), 0)
+        except ValueError:
+            raise InvalidRequest(f"invalid file mode {c.query.get('mode')!r}: use octal like 0o644") from None
+        await c.edge.write_file_stream(c.params["sid"], c.arg("path"), c.body, mode)
+        return None
+
     async def write_file(c: _Call):
         try:
             mode = int(c.query.get("mode", "0o644"), 0)
@@ -283,6 +291,7 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("POST", f"/sandboxes/{sid}/snapshot", snapshot), ("POST", f"/sandboxes/{sid}/pack_diff", pack_diff),
         ("POST", f"/sandboxes/{sid}/clean_copy", clean_copy),
         ("GET", f"/sandboxes/{sid}/files", read_file), ("PUT", f"/sandboxes/{sid}/files", write_file),
+        ("PUT", f"/sandboxes/{sid}/files:stream", write_file_stream),
         ("GET", f"/sandboxes/{sid}/security_events", events), ("PUT", f"/sandboxes/{sid}/network_rules", rules),
         ("PUT", f"/sandboxes/{sid}/ttl", set_ttl),
         ("POST", "/fncall", fncall), ("POST", "/fncall:batch", fncall_batch),
@@ -314,6 +323,8 @@ _BATCH = PREFIX + "/sandboxes:batch"
 _EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:stream\Z")
 _SESSION_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/sessions/(?P<pid>[0-9]{1,9})/exec\:stream\Z")
 _TREE_DOWNLOAD = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\:download\Z")
+_FILE_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/files\:stream\Z")
+_TREE_TAR = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\Z")
 _START_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes\:stream\Z")
 _PTY_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/ptys/(?P<pid>[0-9]{1,9})/stream\Z")
 _PROCESS_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes/(?P<pid>[0-9]{1,9})/stream\Z")
@@ -358,6 +369,78 @@ class _Request:
     authorization: bytes
     body: bytes
     keep_alive: bool
+    stream: _BodyStream | None = None
+
+
+# Routes whose request body is handed on as it arrives (a tar, a file of any size), not whole.
+_STREAMED_BODIES = re.compile(re.escape(PREFIX) + r"/sandboxes/[^/]+/(fs/tree|files\:stream)\Z")
+_BODY_HIGH, _BODY_LOW = 1 << 20, 1 << 18
+_DROP_REST_S = 5.0
+
+
+class _BodyStream:
+    """A request body as it arrives: chunks kept here up to ~1 MiB, past which the connection
+    stops reading (TCP's flow control carries the pace to the caller) until the consumer
+    caught up. Iterated once; a caller gone mid-body fails it."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self.conn = conn
+        self.chunks: deque[bytes] = deque()
+        self.held = 0
+        self.complete = False
+        self.failed: BaseException | None = None
+        self.paused = False
+        self.dropping = False
+        self._more = asyncio.Event()
+
+    async def drop_rest(self, timeout: float) -> None:
+        """Drop what is left of the body as it arrives, until its end or ``timeout``."""
+        self.dropping = True
+        self.chunks.clear()
+        self.held = 0
+        if self.paused and self.conn.transport is not None:
+            self.paused = False
+            self.conn.transport.resume_reading()
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not self.complete and self.failed is None:
+            self._more.clear()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._more.wait()
+            except TimeoutError:
+                return
+
+    def feed(self, data: bytes) -> None:
+        if self.dropping:
+            return
+        self.chunks.append(bytes(data))
+        self.held += len(data)
+        self._more.set()
+        if self.held > _BODY_HIGH and not self.paused and self.conn.transport is not None:
+            self.paused = True
+            self.conn.transport.pause_reading()
+
+    def end(self, failure: BaseException | None = None) -> None:
+        self.complete = failure is None
+        self.failed = failure
+        self._more.set()
+
+    async def __aiter__(self):
+        while True:
+            if self.chunks:
+                chunk = self.chunks.popleft()
+                self.held -= len(chunk)
+                if self.paused and self.held < _BODY_LOW and self.conn.transport is not None:
+                    self.paused = False
+                    self.conn.transport.resume_reading()
+                yield chunk
+                continue
+            if self.failed is not None:
+                raise InvalidRequest(f"the request's body broke off: {self.failed}")
+            if self.complete:
+                return
+            self._more.clear()
+            await self._more.wait()
 
 
 class _Connection(asyncio.Protocol):
@@ -378,6 +461,7 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._authorization = b""
         self._body: list[bytes] = []
+        self._stream: _BodyStream | None = None  # the body of the request being read, if streamed
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -386,6 +470,9 @@ class _Connection(asyncio.Protocol):
         self.server.connections.add(self)
 
     def connection_lost(self, exc) -> None:
+        if self._stream is not None:
+            self._stream.end(exc or ConnectionError("the caller closed the connection"))
+            self._stream = None
         self.server.connections.discard(self)
         self.gone.set()
         self._can_write.set()
@@ -416,17 +503,35 @@ class _Connection(asyncio.Protocol):
         if name.lower() == b"authorization":
             self._authorization = value
 
+    def on_headers_complete(self) -> None:
+        url = httptools.parse_url(self._url)
+        method, path = self.parser.get_method().decode("latin-1"), url.path.decode("latin-1")
+        if method == "PUT" and _STREAMED_BODIES.match(path):
+            self._stream = _BodyStream(self)
+            self._enqueue(_Request(method=method, path=path, query=url.query or b"", authorization=self._authorization,
+                                   body=b"", keep_alive=self.parser.should_keep_alive(), stream=self._stream))
+
     def on_body(self, body: bytes) -> None:
-        self._body.append(body)
+        if self._stream is not None:
+            self._stream.feed(body)
+        else:
+            self._body.append(body)
+
+    def _enqueue(self, request: _Request) -> None:
+        self.requests.append(request)
+        if self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._serve())
 
     def on_message_complete(self) -> None:
+        if self._stream is not None:
+            self._stream.end()
+            self._stream = None
+            return
         url = httptools.parse_url(self._url)
-        self.requests.append(_Request(
+        self._enqueue(_Request(
             method=self.parser.get_method().decode("latin-1"), path=url.path.decode("latin-1"),
             query=url.query or b"", authorization=self._authorization, body=b"".join(self._body),
             keep_alive=self.parser.should_keep_alive()))
-        if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._serve())
 
     # -- answering ---------------------------------------------------------------------------
 
@@ -449,6 +554,13 @@ class _Connection(asyncio.Protocol):
             while self.requests and not self.gone.is_set():
                 request = self.requests.popleft()
                 await self.server.app.answer(request, self)
+                if request.stream is not None and not request.stream.complete:
+                    # Answered before its body was all read (an error): the rest is read and
+                    # dropped for a while, so the caller, still sending, gets to read the answer.
+                    await request.stream.drop_rest(_DROP_REST_S)
+                    if self.transport is not None:
+                        self.transport.close()
+                    return
                 if not request.keep_alive:
                     if self.transport is not None:
                         self.transport.close()
@@ -492,6 +604,16 @@ class EdgeApp:
             await self._stream(lambda: self.edge.download_tree(
                 m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(TreeDownloadRequest).path), request, conn)
             return
+        if method == "GET" and (m := _FILE_STREAM.match(path)) is not None:
+            query = parse_qs(request.query.decode("latin-1"))
+            await self._raw_stream(lambda: self.edge.read_file_stream(m.group("sid"), query.get("path", [""])[-1]),
+                                   request, conn)
+            return
+        if method == "GET" and (m := _TREE_TAR.match(path)) is not None:
+            query = parse_qs(request.query.decode("latin-1"))
+            await self._raw_stream(lambda: self.edge.download_tree_tar(m.group("sid"), query.get("path", [""])[-1]),
+                                   request, conn)
+            return
         if method == "POST" and (m := _START_STREAM.match(path)) is not None:
             await self._stream(lambda: self.edge.start_process_stream(
                 m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(StartProcessRequest)), request, conn)
@@ -517,7 +639,8 @@ class EdgeApp:
                  if request.query else {})
         content_type = b"application/json"
         try:
-            result = await handler(_Call(self.edge, m.groupdict(), query, request.body))
+            result = await handler(_Call(self.edge, m.groupdict(), query,
+                                         request.stream if request.stream is not None else request.body))
         except Exception as exc:  # noqa: BLE001 - every error becomes its wire answer
             status, body = _error_answer(exc)
         else:
@@ -528,6 +651,8 @@ class EdgeApp:
                 body, content_type = result, b"application/octet-stream"
             else:
                 body = result.model_dump_json().encode()
+        if request.stream is not None and not request.stream.complete:
+            keep = request.keep_alive = False  # (the rest of its body is not read: the connection ends)
         conn.write(_head(status, content_type, len(body), keep) + body)
 
     async def _batch(self, request: _Request, conn: _Connection) -> None:
@@ -626,6 +751,50 @@ class EdgeApp:
                         event = step.result()
                     except StopAsyncIteration:
                         break
+            finally:
+                gone.cancel()
+        conn.write(b"0\r\n\r\n")
+
+
+    async def _raw_stream(self, open_chunks: Callable[[], AsyncIterator[bytes]], request: _Request,
+                          conn: _Connection) -> None:
+        """Bytes (a tar), each chunk written once the last drained; an error after the start
+        breaks the connection off without the last chunk (the caller sees an incomplete
+        answer), a caller that goes away ends the command."""
+        keep = request.keep_alive
+        try:
+            chunks = open_chunks()
+            first = await anext(chunks)
+        except StopAsyncIteration:
+            first = b""
+        except Exception as exc:  # noqa: BLE001 - an error before the start is a plain answer
+            status, body = _error_answer(exc)
+            conn.write(_head(status, b"application/json", len(body), keep) + body)
+            return
+        conn.write(_head(200, b"application/x-tar", None, keep))
+        gone = asyncio.ensure_future(conn.gone.wait())
+        async with aclosing(chunks):
+            try:
+                data = first
+                while True:
+                    if data:
+                        conn.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    await conn.drain()
+                    step = asyncio.ensure_future(anext(chunks))
+                    await asyncio.wait([step, gone], return_when=asyncio.FIRST_COMPLETED)
+                    if not step.done():
+                        step.cancel()
+                        await asyncio.gather(step, return_exceptions=True)
+                        return
+                    try:
+                        data = step.result()
+                    except StopAsyncIteration:
+                        break
+                    except Exception:  # noqa: BLE001 - broken off: no end of the answer
+                        log.warning("a tree download broke off", exc_info=True)
+                        if conn.transport is not None:
+                            conn.transport.close()
+                        return
             finally:
                 gone.cancel()
         conn.write(b"0\r\n\r\n")

@@ -68,3 +68,36 @@ async def stream_exec(start: Callable[[Emit], Awaitable[ExecResult]]) -> AsyncIt
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
+
+
+async def stream_bytes(start: Callable[[Emit], Awaitable[ExecResult]],
+                       check: Callable[[ExecResult], object]) -> AsyncIterator[bytes]:
+    """A streamed command's stdout as bytes (its stderr is only kept in the result), one chunk
+    waiting here at most; at the end ``check(result)`` may raise (the consumer's stream breaks
+    off: there is no trailer to carry an exit code). Leaving early kills the command."""
+    chunks: asyncio.Queue[bytes | ExecResult | BaseException] = asyncio.Queue(maxsize=1)
+
+    async def emit(kind: str, data: bytes) -> None:
+        if kind == "stdout":
+            await chunks.put(data)
+
+    async def run() -> None:
+        try:
+            await chunks.put(await start(emit))
+        except Exception as exc:  # noqa: BLE001 - reaches the consumer
+            await chunks.put(exc)
+
+    task = asyncio.create_task(run())
+    try:
+        while True:
+            item = await chunks.get()
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, ExecResult):
+                check(item)
+                return
+            yield item
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task

@@ -36,6 +36,13 @@
  *   ptyin JOBID LEN                       payload: bytes typed at the pty -> ok 0 (they are
  *                                         queued, up to PTY_QUEUE, and written as the terminal
  *                                         takes them), or err invalid
+ *   srun with STDINLEN -2                 the command's stdin is a pipe the host feeds: "ID part
+ *                                         0" once it runs, then ptyin to it (queued as a pty's
+ *                                         input is, "err invalid" past PTY_QUEUE: the host waits
+ *                                         and sends again), ptyeof to close it once written;
+ *                                         the job dies with the host's connection, as a pty's
+ *   ptyeof JOBID                          -> ok 0: the job's stdin is closed once its queued
+ *                                         input is written
  *   ptysz JOBID COLS ROWS                 -> ok 0: the terminal's size (the command gets SIGWINCH)
  *   kill JOBID                            -> ok 0; the job's command and all it started die
  *   read PATHLEN MAX                      -> ok LEN + the file, or err enoent|invalid
@@ -127,7 +134,8 @@ struct job {
     int stream;        /* srun: output goes to the host as it comes */
     uint64_t unacked;  /* streamed bytes the host has not acked */
     int tty;           /* pty: the master, for input and the size (out.fd reads it); else -1 */
-    struct buf typed;  /* pty: input not written yet */
+    struct buf typed;  /* pty (or a fed stdin): input not written yet */
+    int eof;           /* a fed stdin: close it once `typed` is written */
 };
 
 struct pack {
@@ -332,6 +340,10 @@ static void type_out(struct job *j)
         memmove(j->typed.data, j->typed.data + w, j->typed.len - (size_t)w);
         j->typed.len -= (size_t)w;
     }
+    if (j->eof && j->tty >= 0) {  /* a fed stdin, all written: its end */
+        close(j->tty);
+        j->tty = -1;
+    }
 }
 
 /* Exactly n bytes from the port into `out` (NULL: read and drop them). -1 when the host went
@@ -474,6 +486,12 @@ static void start_job(const char *id, long long cap, const char *wd, const char 
         if (in < 0 || out[0] < 0) {
             send_err(id, "invalid", "cannot set up the command's terminal: %s", strerror(errno));
             goto fail;
+        }
+    } else if (stdin_len == -2) {  /* fed by the host (ptyin), the write end held as a pty's master */
+        int fed[2];
+        if (pipe2(fed, O_CLOEXEC) == 0) {
+            in = fed[0];
+            master = fed[1];
         }
     } else if (stdin_len >= 0) {
         in = memfd_create("stdin", MFD_CLOEXEC);
@@ -1029,7 +1047,7 @@ static void handle_request(char *line)
         return;  /* noise: what is left of a frame from before the host reconnected */
     long long a, b, c, d;
     if (strcmp(op, "ping") == 0) {
-        send_ok(id, "run srun pty", 12);
+        send_ok(id, "run srun pty sin", 16);
     } else if (strcmp(op, "ack") == 0) {  /* JOBID N */
         struct job *j = f[2] ? job_by_id(f[2]) : NULL;
         if (j && number(f[3], &a) == 0 && a > 0)
@@ -1038,13 +1056,13 @@ static void handle_request(char *line)
         long long e, uid, gid;
         if (number(f[2], &a) < 0 || number(f[3], &b) < 0 || number(f[4], &c) < 0 || number(f[5], &d) < 0 ||
             number(f[6], &e) < 0 || number(f[7], &uid) < 0 || number(f[8], &gid) < 0 ||
-            a < 0 || b < 0 || c < 0 || d < -1 || e < 0 || uid < 0 || gid < 0) {
+            a < 0 || b < 0 || c < 0 || d < -2 || (d == -2 && op[0] != 's') || e < 0 || uid < 0 || gid < 0) {
             send_err(id, "invalid", "malformed run request");
             return;
         }
         char *wd = NULL, *command = NULL, *in = NULL, *env = NULL, user[48];
         snprintf(user, sizeof user, "%lld:%lld", uid, gid);
-        if (take_payload(b, &wd) == 0 && take_payload(c, &command) == 0 && take_payload(d, &in) == 0 &&
+        if (take_payload(b, &wd) == 0 && take_payload(c, &command) == 0 && take_payload(d < 0 ? -1 : d, &in) == 0 &&
             take_payload(e, &env) == 0) {
             if (d >= 0 && !in)
                 send_err(id, "invalid", "cannot start the command: out of memory");
@@ -1095,6 +1113,15 @@ static void handle_request(char *line)
             send_ok(id, NULL, 0);
         }
         free(data);
+    } else if (strcmp(op, "ptyeof") == 0) {  /* JOBID */
+        struct job *j = f[2] ? job_by_id(f[2]) : NULL;
+        if (!j || j->tty < 0 || !j->pid)
+            send_err(id, "invalid", "no running job %s with a fed stdin", f[2] ? f[2] : "");
+        else {
+            j->eof = 1;
+            type_out(j);
+            send_ok(id, NULL, 0);
+        }
     } else if (strcmp(op, "ptysz") == 0) {  /* JOBID COLS ROWS */
         struct job *j = f[2] ? job_by_id(f[2]) : NULL;
         if (number(f[3], &a) < 0 || number(f[4], &b) < 0 || a < 1 || a > 65535 || b < 1 || b > 65535)

@@ -30,6 +30,7 @@ import re
 import shlex
 import shutil
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ from ...resources import cgroups, reclaim
 from ...resources.cgroups import Limits
 from ..base import Capability, Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
 from . import machine, pack
+from ..capture import with_feeder
 from .agent import AgentChannel, AgentFailure, AgentGone, Done
 from .assets import AssetCache, GuestAssets
 from .qmp import QMP, QMPError
@@ -56,6 +58,10 @@ _PANIC = re.compile(r"Kernel panic - not syncing:[^\n]*")
 _STOPPED = ("paused", "postmigrate", "finish-migrate")
 _MIGRATING = ("setup", "active", "pre-switchover", "device", "cancelling")
 KILL_GRACE_S = 5.0
+# A fed stdin goes to the agent in pieces of this size; one it refuses (its queue of 1 MiB is
+# full: the command has not read it yet) is sent again after a wait.
+_FEED_PIECE = 256 << 10
+_FEED_WAIT_S = 0.005
 MIN_MEMORY_MB = 64
 DEFAULT_MEMORY_MB = 256
 
@@ -177,7 +183,7 @@ class VMBackend:
     # No WARM_POOL: the edge's pool pre-creates sandboxes without limits, and a VM's memory is
     # fixed when it boots, so VMs are made for each request instead. KEPT_LAYER: clean copies
     # through the guest agent (kept_layer).
-    capabilities = frozenset({Capability.KEPT_LAYER})
+    capabilities = frozenset({Capability.KEPT_LAYER, Capability.PIPED_STDIN})
 
     def __init__(self, node_dir: Path, store: LayerStore, assets_dir: Path | None = None, *,
                  accel: str | None = None, boot_timeout_s: float = 60.0, default_memory_mb: int = DEFAULT_MEMORY_MB,
@@ -564,13 +570,47 @@ class VMBackend:
                 await emit(kind, text.encode())
         return result
 
-    async def _exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit | None) -> ExecResult:
+    async def exec_piped(self, handle: Handle, request: ExecRequest, ctx: ExecContext,
+                         stdin: AsyncIterator[bytes] | None, emit: Emit) -> ExecResult:
+        """``exec_stream`` fed ``stdin`` as the command reads it: the agent's ``srun`` with a
+        pipe for stdin, filled with ``ptyin`` (the agent queues up to 1 MiB; past that it
+        refuses and the next piece waits for the command to read) and ended with ``ptyeof``.
+        An agent from before (a VM restored from an old snapshot) takes the stdin whole."""
+        features = self._get(handle, "exec").agent.features
+        if stdin is None:
+            return await self.exec_stream(handle, request, ctx, emit)
+        if "sin" not in features:
+            held = bytearray()
+            async for chunk in stdin:
+                held += chunk
+            return await self._exec(handle, request.model_copy(update={"stdin": None}), ctx,
+                                    emit if "srun" in features else None, whole_stdin=bytes(held))
+        return await self._exec(handle, request, ctx, emit, feed=stdin)
+
+    async def _feed(self, agent: AgentChannel, rid: str, started: asyncio.Future, chunks: AsyncIterator[bytes]) -> None:
+        await started  # (the job runs: its "part 0")
+        async for chunk in chunks:
+            for at in range(0, len(chunk), _FEED_PIECE):
+                piece = chunk[at:at + _FEED_PIECE]
+                while True:
+                    try:
+                        await agent.request(f"ptyin {rid} {len(piece)}", piece, timeout=60.0)
+                        break
+                    except AgentFailure as exc:
+                        if "is full" not in exc.message:
+                            return  # the command ended: what is left is not wanted
+                        await asyncio.sleep(_FEED_WAIT_S)  # (the command has not read the last MiB yet)
+        with contextlib.suppress(AgentFailure):
+            await agent.request(f"ptyeof {rid}", timeout=60.0)
+
+    async def _exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit | None,
+                    feed: AsyncIterator[bytes] | None = None, whole_stdin: bytes | None = None) -> ExecResult:
         live = self._get(handle, "exec")
         if any("\0" in f"{k}{v}" or "=" in k for k, v in ctx.env.items()) or "\0" in ctx.workdir + request.command:
             raise InvalidRequest("a NUL byte in the command, workdir or environment, or '=' in a variable's name")
         workdir = ctx.workdir.encode()
-        stdin = request.stdin.encode() if request.stdin is not None else None
-        stdin_len = len(stdin) if stdin is not None else -1
+        stdin = request.stdin.encode() if request.stdin is not None else whole_stdin
+        stdin_len = len(stdin) if stdin is not None else -2 if feed is not None else -1
         agent = live.agent
         if "run" in agent.features:  # the agent runs the jail with the workdir, user and environment
             command = request.command.encode()
@@ -590,10 +630,17 @@ class VMBackend:
         start = time.perf_counter()
         rid = agent.new_id()
         relay = _Relay(agent, rid, request.max_output_bytes, emit) if emit is not None else None
+        feeder = None
+        if feed is not None:
+            started = asyncio.get_running_loop().create_future()
+            agent._sinks[rid] = lambda _: started.done() or started.set_result(None)
         try:
             fut = await agent.send(rid, header, *payloads)
+            if feed is not None:
+                fut.add_done_callback(lambda _: started.done() or started.set_result(None))
+                feeder = asyncio.ensure_future(self._feed(agent, rid, started, feed))
             try:
-                result = await asyncio.wait_for(asyncio.shield(fut), request.timeout)
+                result = await asyncio.wait_for(with_feeder(asyncio.shield(fut), feeder), request.timeout)
                 if relay is not None:
                     await relay.finish(request.timeout - (time.perf_counter() - start))
             except TimeoutError:
@@ -613,7 +660,14 @@ class VMBackend:
             with contextlib.suppress(AgentGone):
                 await agent.send(agent.new_id(), f"kill {rid}")
             raise
+        except BaseException:
+            if feeder is not None and not fut.done():
+                with contextlib.suppress(AgentGone):
+                    await agent.send(agent.new_id(), f"kill {rid}")
+            raise
         finally:
+            if feeder is not None:
+                feeder.cancel()
             if relay is not None:
                 relay.close()
         if isinstance(result, AgentFailure):
