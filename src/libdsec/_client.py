@@ -474,6 +474,8 @@ class DSecClient(_ProjectMethods):
         self._max_connections = max_connections
         self._transport: Transport | None = None  # the one of self.endpoint, once open
         self._transports: dict[str, Transport] = {}  # by endpoint
+        self._headers: dict[str, str] = {}
+        self._body_streams: dict[str, httpx.AsyncClient] = {}  # by endpoint, made at first use
 
     async def open(self) -> DSecClient:
         if self._transport is not None:
@@ -483,6 +485,7 @@ class DSecClient(_ProjectMethods):
         if self.job is not None:
             headers[JOB_HEADER] = self.job
         several = len(self.endpoints) > 1
+        self._headers = headers
         self._transports = {endpoint: make_transport(self._choice, endpoint, headers, self._max_connections,
                                                      timeout=self._timeout, several=several)
                             for endpoint in self.endpoints}
@@ -498,8 +501,10 @@ class DSecClient(_ProjectMethods):
 
     async def close(self) -> None:
         transports, self._transports = self._transports, {}
+        streams, self._body_streams = self._body_streams, {}
         self._transport = None
-        await asyncio.gather(*(transport.aclose() for transport in transports.values()))
+        await asyncio.gather(*(transport.aclose() for transport in transports.values()),
+                             *(http.aclose() for http in streams.values()))
 
     async def __aenter__(self) -> DSecClient:
         return await self.open()
@@ -660,6 +665,24 @@ class DSecClient(_ProjectMethods):
     # -- transport -------------------------------------------------------------------------
     # One path for every request: the transport of the endpoint in use (``_transport.py``), one
     # error mapping (``_error_of``), one policy for sending again (``_again``).
+
+    def _streaming_http(self) -> httpx.AsyncClient:
+        """An httpx client for the calls whose bodies stream both ways (file trees and large
+        files, ``_files.py``): the transports send and take whole bodies. Made at first use,
+        for the endpoint in use, with the client's headers and httpx transport object if it
+        was given one; closed with the client."""
+        self._now()
+        http = self._body_streams.get(self.endpoint)
+        if http is None:
+            import httpx
+
+            from ._transport import _tls_context
+
+            given = None if self._choice is None or isinstance(self._choice, str) else self._choice
+            http = self._body_streams[self.endpoint] = httpx.AsyncClient(
+                base_url=self.endpoint, headers=self._headers, timeout=self._timeout, transport=given,
+                verify=_tls_context())
+        return http
 
     def _now(self) -> tuple[str, Transport]:
         if self._transport is None:

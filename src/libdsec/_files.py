@@ -63,7 +63,7 @@ class SandboxFiles:
         from ._client import _error_of, _unavailable  # (the client imports this module)
 
         client = self._sandbox._client
-        http = client._client()
+        http = client._streaming_http()
         try:
             response = await http.request("PUT", self._path("tree"), params={"path": path}, content=_tar_of(local),
                                           headers={"content-type": "application/x-tar"}, timeout=_TREE_TIMEOUT_S)
@@ -81,7 +81,7 @@ class SandboxFiles:
         from ._client import _error_of, _unavailable  # (the client imports this module)
 
         client = self._sandbox._client
-        http = client._client()
+        http = client._streaming_http()
         try:
             async with http.stream("GET", self._path("tree"), params={"path": path}, timeout=_TREE_TIMEOUT_S) as response:
                 if response.status_code >= 400:
@@ -101,7 +101,7 @@ class SandboxFiles:
             raise FileNotFoundError(f"not a local file: {local}")
         client = self._sandbox._client
         try:
-            response = await client._client().request(
+            response = await client._streaming_http().request(
                 "PUT", f"/v1/sandboxes/{self._sandbox.id}/files:stream", params={"path": path, "mode": oct(mode)},
                 content=_file_chunks(local), headers={"content-type": "application/octet-stream"},
                 timeout=_TREE_TIMEOUT_S)
@@ -118,7 +118,7 @@ class SandboxFiles:
         client = self._sandbox._client
         partial = local.with_name(local.name + ".part")
         try:
-            async with client._client().stream("GET", f"/v1/sandboxes/{self._sandbox.id}/files:stream",
+            async with client._streaming_http().stream("GET", f"/v1/sandboxes/{self._sandbox.id}/files:stream",
                                                params={"path": path}, timeout=_TREE_TIMEOUT_S) as response:
                 if response.status_code >= 400:
                     await response.aread()
