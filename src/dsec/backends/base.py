@@ -52,6 +52,9 @@ refuses a backend that declares an ability without its hook:
   stdin from an async iterator of bytes, asked for its next chunk only once the last one is in
   the command's pipe (backpressure from the command to the source); an error of the source's
   kills the command and is raised.
+- ``WATCHED`` (``Watched``): ``why_gone`` tells without a call into the sandbox whether it
+  is gone and why (a VM: its QEMU exited, its agent's channel closed, what its console said
+  last), cheap enough for every reaper round.
 - ``HOST_PATHS`` (``HostPaths``): ``open_path`` opens a path of a running sandbox from the node
   (every component resolved inside the sandbox, no symlink followed: the paths it is used for
   are writable by the sandbox's user), for I/O that needs no command in the sandbox: FIFOs a
@@ -148,11 +151,13 @@ class HostView:
     """What the edge's security accounting reads of a backend's sandboxes on the host
     (``SandboxBackend.host_view``: the container backend's; VMs and the fake have none): the
     parent of their cgroups (OOM and pids events), a directory a sandbox (its disk use), and the
-    uid ranges it hands out, if any (whose sandbox a kernel message names)."""
+    uid ranges it hands out, if any (whose sandbox a kernel message names); and how its layers
+    are attached (``"file"``: file-backed EROFS, or ``"loop"``), for the node's report."""
 
     cgroup_parent: str
     sandboxes_dir: Path
     id_ranges: Any | None
+    layer_attach: str = "file"
 
 
 class Capability(str, Enum):
@@ -165,6 +170,7 @@ class Capability(str, Enum):
     SNAPSHOT = "snapshot"
     HOST_PATHS = "host_paths"
     PIPED_STDIN = "piped_stdin"
+    WATCHED = "watched"
 
 
 class PtyProcess(Protocol):
@@ -280,9 +286,17 @@ class PipedStdin(Protocol):
                          stdin: AsyncIterator[bytes] | None, emit: Emit) -> ExecResult: ...
 
 
+@runtime_checkable
+class Watched(Protocol):
+    """``Capability.WATCHED``: ``why_gone(handle)`` is ``None`` while the sandbox lives, else
+    why it went (from what the host knows, with no call into it)."""
+
+    def why_gone(self, handle: Handle) -> str | None: ...
+
+
 _HOOKS: dict[Capability, type] = {Capability.CARRY: CleanCopies, Capability.KEPT_LAYER: KeptLayers,
                                   Capability.SNAPSHOT: Snapshots, Capability.HOST_PATHS: HostPaths,
-                                  Capability.PIPED_STDIN: PipedStdin}
+                                  Capability.PIPED_STDIN: PipedStdin, Capability.WATCHED: Watched}
 
 
 def check_backend(backend: SandboxBackend) -> None:

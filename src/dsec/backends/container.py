@@ -226,7 +226,7 @@ class ContainerBackend:
         return f"{self.kind}: crun, EROFS layers {how}"
 
     def host_view(self) -> HostView:
-        return HostView(self.cgroup_parent, self.sandboxes_dir, self.id_ranges)
+        return HostView(self.cgroup_parent, self.sandboxes_dir, self.id_ranges, self.layer_attach)
 
     async def warm_up(self) -> None:
         """Nothing to prepare: layers are mounted at the first create that needs them."""

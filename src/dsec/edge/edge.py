@@ -368,7 +368,8 @@ class Edge:
         self.security.record_tampered(rec, tampered)
         image = Image(name=rec.image.name, layers=rec.image.layers + (digest,), roles=rec.image.roles + ("snapshot",),
                       env=rec.image.env, workdir=rec.image.workdir, user=rec.image.user, parent=rec.image.parent)
-        args = rec.args.model_copy(update={"snapshot": None}) if getattr(rec.args, "snapshot", None) else rec.args
+        args = (rec.args.model_copy(update={"snapshot": None})
+                if isinstance(rec.args, DSecMicroVMRunArgs) and rec.args.snapshot else rec.args)
         copy = await self._create(args, rec.kind, rec.project, image, self.admission.limits(args))
         return CleanCopyResult(sandbox=copy.info(self.node), source=rec.id, keep=keep, files=done.files,
                                bytes=done.bytes, scrubbed=done.scrubbed, tampered=tampered,
@@ -1096,19 +1097,20 @@ class Edge:
         """Fail the running sandboxes whose backend can tell, without a call, that they are gone
         (``why_gone``: a VM whose QEMU exited or whose agent closed its channel; a flag and a
         signal-0 each, so every reaper round)."""
-        if not any(hasattr(b, "why_gone") for b in self.backends.values()):
+        watched = {kind for kind, b in self.backends.items() if Capability.WATCHED in b.capabilities}
+        if not watched:
             return
         for rec in list(self._records.values()):
-            why = getattr(self.backends[rec.kind], "why_gone", None)
-            if (why is not None and rec.status is SandboxStatus.running and rec.calls == 0
-                    and why(rec.handle) is not None and self._records.get(rec.id) is rec):
+            if (rec.kind in watched and rec.status is SandboxStatus.running and rec.calls == 0
+                    and self.backends[rec.kind].why_gone(rec.handle) is not None
+                    and self._records.get(rec.id) is rec):
                 await self._fail(rec, self._died(rec))
 
     def _died(self, rec: Record) -> str:
         """The reason a sandbox found dead failed with: what its backend knows of why (a VM's
         console: its agent OOM-killed, its kernel panicked), if it can tell."""
-        why = getattr(self.backends[rec.kind], "why_gone", None)
-        detail = why(rec.handle) if why is not None else None
+        backend = self.backends[rec.kind]
+        detail = backend.why_gone(rec.handle) if Capability.WATCHED in backend.capabilities else None
         return "sandbox processes died" + (f": {detail}" if detail else "")
 
     async def _fail(self, rec: Record, reason: str) -> None:
@@ -1143,7 +1145,8 @@ class Edge:
                               + (["fncall"] if self.fncalls is not None else [])),
             sandboxes=len(self._records), memory_total_mb=self.admission.memory_total_mb,
             cpu_cores=self.admission.cpu_cores,
-            layer_attach=getattr(self.backends.get("container"), "layer_attach", "file"),
+            layer_attach=next((v.layer_attach for b in self.backends.values() if (v := b.host_view()) is not None),
+                              "file"),
             apparmor=apparmor.status(),
             **self.admission.commitments(self._records.values()),
         )

@@ -183,7 +183,7 @@ class VMBackend:
     # No WARM_POOL: the edge's pool pre-creates sandboxes without limits, and a VM's memory is
     # fixed when it boots, so VMs are made for each request instead. KEPT_LAYER: clean copies
     # through the guest agent (kept_layer).
-    capabilities = frozenset({Capability.KEPT_LAYER, Capability.PIPED_STDIN})
+    capabilities = frozenset({Capability.KEPT_LAYER, Capability.PIPED_STDIN, Capability.WATCHED})
 
     def __init__(self, node_dir: Path, store: LayerStore, assets_dir: Path | None = None, *,
                  accel: str | None = None, boot_timeout_s: float = 60.0, default_memory_mb: int = DEFAULT_MEMORY_MB,

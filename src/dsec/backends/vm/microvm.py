@@ -79,7 +79,7 @@ class SnapshotDamaged(InvalidRequest):
 
 class MicroVMBackend(VMBackend):
     kind = "microvm"
-    capabilities = frozenset({Capability.KEPT_LAYER, Capability.SNAPSHOT, Capability.PIPED_STDIN})
+    capabilities = frozenset({Capability.KEPT_LAYER, Capability.SNAPSHOT, Capability.PIPED_STDIN, Capability.WATCHED})
 
     def __init__(self, node_dir: Path, store, assets_dir: Path | None = None, *, layer_mode: str = "pmem",
                  use_ksm: bool | None = None, **kw) -> None:
