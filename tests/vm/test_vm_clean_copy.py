@@ -66,3 +66,26 @@ async def test_vm_clean_copy(client, kind):
             assert check.stdout.split() == ["work", "/etc/shadow", "only", "vi-kept", "no-preload", "no-history"], check
         events = [e for e in await vm.security_events() if e.kind == "file.tampered"]
         assert events and "/bin/sh" in events[0].detail
+
+
+@pytest.mark.parametrize("kind", ["microvm", "fullvm"])
+async def test_vm_tampering_seen_at_stop(client, kind):
+    """No clean copy, no pack_diff: the stop asks the guest's agent what its writable layer holds
+    in the system paths, and records it (a paused VM is let run for that)."""
+    if kind == "microvm":
+        vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128), timeout=180)
+    else:
+        vm = await client.run_vm(DSecFullVMRunArgs(container_image="busybox", memory_limit_mb=128), timeout=240)
+    async with vm:
+        r = await vm.run_shell(
+            "set -e; echo x > /usr/bin/evil; echo /x.so > /etc/ld.so.preload; rm /bin/vi; echo x > /root/.profile;"
+            " mkdir -p /root/.local/lib/site-packages /root/work /home/u/.local /usr/share/doc;"
+            " echo x > /root/.local/lib/site-packages/hook.pth; echo x > /root/work/sitecustomize.py;"
+            " echo x > /home/u/.bashrc; echo x > /home/u/notes; echo x > /usr/share/doc/readme")
+        assert r.exit_code == 0, r
+        await vm.pause()
+    events = [e for e in await vm.security_events() if e.kind == "file.tampered"]
+    assert len(events) == 1, events
+    assert events[0].detail == ("system files replaced or added: /etc/ld.so.preload, /home/u/.bashrc, "
+                                "/root/.local/lib/site-packages/hook.pth, /root/.profile, /usr/bin/evil")
+    assert events[0].count == 5

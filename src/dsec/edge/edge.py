@@ -903,6 +903,7 @@ class Edge:
         rec.status = SandboxStatus.stopping
         self.admission.unhold(rec.id)
         self.security.check_tampering(rec)
+        await self.security.check_guest_tampering(rec)
         await self.ptys.close_sandbox(sandbox_id)
         try:
             await self.backends[rec.kind].destroy(rec.handle)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shlex
 import shutil
 import time
@@ -32,6 +33,7 @@ from pathlib import Path
 from libdsec import BackendError, CommandTimeout, InvalidRequest, LimitOutOfRange, SandboxFileNotFound, SandboxStateError
 from libdsec.protocol import ExecRequest, ExecResult
 
+from ...images import carry
 from ...images.store import LayerStore
 from ...resources import cgroups, reclaim
 from ...resources.cgroups import Limits
@@ -372,6 +374,28 @@ class VMBackend:
             raise BackendError(f"cannot pack {self.kind} {handle.cid}: {exc.message}") from None
         except AgentGone as exc:
             raise self._gone(handle, live, exc) from None
+
+    async def guest_tampered(self, handle: Handle, timeout: float) -> list[str]:
+        """The system files the guest's writable layer replaces or adds (``carry.system_files``
+        of the paths the agent's ``changed`` lists: it reads only the upper's system trees and
+        homes, names only). A paused VM is let run for it (it is being stopped). Raises
+        ``BackendError`` if the agent cannot tell (an agent older than ``changed``, one that
+        does not answer within ``timeout``: the channel stays usable)."""
+        live = self._get(handle, "look for tampering in", paused_ok=True)
+        if live.paused:
+            try:
+                await live.qmp.execute("cont")
+            except QMPError as exc:
+                raise BackendError(f"cannot resume {handle.cid} to look for tampering: {exc}") from exc
+            live.paused = False
+        try:
+            names = await live.agent.request("changed", timeout=timeout)
+        except AgentFailure as exc:
+            raise BackendError(f"cannot look for tampering in {self.kind} {handle.cid}: {exc.message}") from None
+        except AgentGone as exc:
+            raise BackendError(f"cannot look for tampering in {self.kind} {handle.cid}: {exc}") from None
+        assert isinstance(names, bytes)
+        return carry.system_files(os.fsdecode(n) for n in names.split(b"\0") if n)
 
     async def destroy(self, handle: Handle) -> None:
         live = self._live.pop(handle.cid, None)
