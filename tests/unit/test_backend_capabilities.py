@@ -28,8 +28,8 @@ def test_each_backend_has_the_hooks_of_what_it_declares(cls):
 
 def test_what_each_kind_can_do():
     assert ContainerBackend.capabilities == {Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY}
-    assert MicroVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.SNAPSHOT}
-    assert FullVMBackend.capabilities == {Capability.KEPT_LAYER}  # no memory snapshots, no warm pool
+    assert MicroVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.SNAPSHOT, Capability.PROTECTED_PATHS}
+    assert FullVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.PROTECTED_PATHS}  # no memory snapshots, no warm pool
 
 
 class _Claims(FakeBackend):

@@ -253,7 +253,7 @@ class Edge:
     def _check_protected(self, args: DSecContainerRunArgs, kind: str) -> None:
         if args.protected_paths and Capability.PROTECTED_PATHS not in self._backend(kind).capabilities:
             raise InvalidRequest(f"a {kind} sandbox on node {self.node} cannot protect paths "
-                                 f"(protected_paths is for container sandboxes)")
+                                 f"(protected_paths is for containers and VMs)")
 
     async def _create(self, args: DSecContainerRunArgs, kind: str, project: str, image: Image, limits,
                       seed=None, batch: str | None = None) -> Record:

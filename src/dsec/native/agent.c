@@ -73,6 +73,7 @@
  * memfd holding what the host sent (or /dev/null).
  */
 #define _GNU_SOURCE
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -1331,17 +1332,67 @@ static void reap(void)
     }
 }
 
-/* The sandbox's pid namespace (dsec-jail --init, with this directory read-only in its mount
- * namespace) and the jail's arguments for every command. */
+/* The sandbox's protected paths, from the kernel command line's dsec.protect=HEX (the hex of
+ * the paths, NUL-separated: the host's run arg protected_paths): each that exists is made a
+ * read-only bind mount in the commands' mount namespace (`--ro` of dsec-jail --init), which
+ * root in a command cannot undo (no CAP_SYS_ADMIN; seccomp refuses mount and umount). One that
+ * does not exist is left out, and the host, which checks each before it answers the create,
+ * refuses the sandbox. Up to MAX_PROTECTED paths; returns how many went into `out`. */
+#define MAX_PROTECTED 64
+static int protected_paths(char *out[MAX_PROTECTED])
+{
+    static char cmdline[4096], paths[2048];
+    int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+    ssize_t r = fd >= 0 ? read(fd, cmdline, sizeof cmdline - 1) : -1;
+    if (fd >= 0)
+        close(fd);
+    if (r <= 0)
+        return 0;
+    cmdline[r] = '\0';
+    char *hex = strstr(cmdline, "dsec.protect=");
+    if (!hex)
+        return 0;
+    hex += strlen("dsec.protect=");
+    size_t n = 0;
+    for (; isxdigit((unsigned char)hex[0]) && isxdigit((unsigned char)hex[1]) && n < sizeof paths - 1; hex += 2) {
+        char pair[3] = {hex[0], hex[1], 0};
+        paths[n++] = (char)strtoul(pair, NULL, 16);
+    }
+    paths[n] = '\0';
+    int count = 0;
+    struct stat st;
+    for (size_t at = 0; at < n && count < MAX_PROTECTED; at += strlen(paths + at) + 1)
+        if (paths[at] == '/' && stat(paths + at, &st) == 0)
+            out[count++] = paths + at;
+        else if (paths[at])
+            console("protected path %s does not exist: not protected", paths + at);
+    return count;
+}
+
+/* The sandbox's pid namespace (dsec-jail --init, with this directory and the protected paths
+ * read-only in its mount namespace) and the jail's arguments for every command. */
 static int setup_jail(void)
 {
     int fds[2];
     if (pipe2(fds, O_CLOEXEC) < 0)
         return -1;
+    char *protect[MAX_PROTECTED];
+    int n_protect = protected_paths(protect);
     pid_t pid = fork();
     if (pid == 0) {
+        char *argv[4 + 2 * MAX_PROTECTED];
+        int n = 0;
+        argv[n++] = D "/jail";
+        argv[n++] = "--ro";
+        argv[n++] = D;
+        for (int i = 0; i < n_protect; i++) {
+            argv[n++] = "--ro";
+            argv[n++] = protect[i];
+        }
+        argv[n++] = "--init";
+        argv[n] = NULL;
         dup2(fds[1], 1);
-        execl(D "/jail", D "/jail", "--ro", D, "--init", (char *)NULL);
+        execv(D "/jail", argv);
         _exit(127);
     }
     close(fds[1]);

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import shlex
 import shutil
 import time
@@ -150,6 +151,17 @@ class _VMPty:
         self.chunks.put_nowait(None)
 
 
+# Protected paths go on the guest kernel's command line (x86: 2048 bytes in all), hex-encoded;
+# the guest's jail binds at most 64 paths read-only, its own directory one of them.
+MAX_PROTECTED_PATHS = 63
+MAX_PROTECTED_BYTES = 640
+
+
+def _unescape_mountinfo(field: str) -> str:
+    """A mount point as /proc/PID/mountinfo writes it (space, tab, newline, backslash octal-escaped)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 @dataclass
 class _Live:
     """What the backend holds for a running VM (rebuilt on recover)."""
@@ -166,7 +178,7 @@ class VMBackend:
     # No WARM_POOL: the edge's pool pre-creates sandboxes without limits, and a VM's memory is
     # fixed when it boots, so VMs are made for each request instead. KEPT_LAYER: clean copies
     # through the guest agent (kept_layer).
-    capabilities = frozenset({Capability.KEPT_LAYER})
+    capabilities = frozenset({Capability.KEPT_LAYER, Capability.PROTECTED_PATHS})
 
     def __init__(self, node_dir: Path, store: LayerStore, assets_dir: Path | None = None, *,
                  accel: str | None = None, boot_timeout_s: float = 60.0, default_memory_mb: int = DEFAULT_MEMORY_MB,
@@ -280,7 +292,56 @@ class VMBackend:
             raise
         live.limits = spec.limits
         self._live[cid] = live
-        return Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
+        handle = Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
+        if spec.protected_paths:
+            try:
+                await self._check_protected(handle, spec)
+            except BaseException:
+                await self.destroy(handle)
+                raise
+        return handle
+
+    # -- protected paths ---------------------------------------------------------------------
+
+    def protect_arg(self, spec: SandboxSpec) -> str:
+        """The kernel command line's ``dsec.protect=``: the hex of the protected paths,
+        NUL-separated. The guest agent makes each a read-only bind mount in the commands' mount
+        namespace before the first command (``native/agent.c``, ``dsec-jail --init --ro``)."""
+        if not spec.protected_paths:
+            return ""
+        if len(spec.protected_paths) > MAX_PROTECTED_PATHS:
+            raise InvalidRequest(f"a {self.kind} takes at most {MAX_PROTECTED_PATHS} protected paths, "
+                                 f"not {len(spec.protected_paths)}")
+        hexed = b"\0".join(os.fsencode(p) for p in spec.protected_paths).hex()
+        if len(hexed) > 2 * MAX_PROTECTED_BYTES:
+            raise InvalidRequest(f"the protected paths of a {self.kind} are at most {MAX_PROTECTED_BYTES} bytes "
+                                 f"in all (they go on the guest kernel's command line), not {len(hexed) // 2}")
+        return f" dsec.protect={hexed}"
+
+    async def _check_protected(self, handle: Handle, spec: SandboxSpec) -> None:
+        """Each protected path, as a command sees it, is a read-only mount point: what the
+        agent made of ``dsec.protect``. A path the image lacks is ``InvalidRequest``."""
+        script = "; ".join(
+            f"p={shlex.quote(p)}; if [ -e \"$p\" ]; then printf '%s\\0' \"$(readlink -f -- \"$p\")\"; "
+            f"else printf '\\0'; fi" for p in spec.protected_paths) + "; cat /proc/self/mountinfo"
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        result = await self.exec(handle, ExecRequest(command=script, timeout=60), ctx)
+        parts = result.stdout.split("\0")
+        if result.exit_code != 0 or len(parts) != len(spec.protected_paths) + 1:
+            raise BackendError(f"cannot check the protected paths of {self.kind} {handle.cid}: "
+                               f"exit {result.exit_code}: {result.stderr.strip()[-300:]}")
+        read_only: dict[str, bool] = {}
+        for line in parts[-1].splitlines():  # the last mount at a point is the one seen
+            fields = line.split(" ")
+            if len(fields) > 5:
+                read_only[_unescape_mountinfo(fields[4])] = "ro" in fields[5].split(",")
+        for path, real in zip(spec.protected_paths, parts, strict=False):
+            if not real:
+                raise InvalidRequest(f"protected path {path!r} cannot be protected in image {spec.image!r}: "
+                                     f"No such file or directory")
+            if not read_only.get(real):
+                raise BackendError(f"protected path {path!r} ({real}) is not a read-only mount in "
+                                   f"{self.kind} {handle.cid}: its guest agent does not protect paths")
 
     async def _before_agent(self, qmp: QMP, pid: int, spec: SandboxSpec) -> None:
         """Hook: a restored VM loads its state here."""
