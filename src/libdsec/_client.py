@@ -8,6 +8,7 @@ ends it (a second ``stop()`` does nothing), and ``async with sandbox`` stops it 
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import hashlib
 import json
@@ -26,6 +27,7 @@ from ._errors import (
     InvalidRequest,
     LimitOutOfRange,
     Overloaded,
+    ReplayIncomplete,
     ServerError,
     SessionClosed,
     ServerUnavailable,
@@ -313,6 +315,13 @@ class Sandbox:
         )
 
     async def read_file(self, path: str) -> bytes:
+        if self._client._replay is not None:
+            answered, result = self._client._replay.call(self.id, "read_file", {"path": path})
+            if answered:
+                if "data_b64" not in result:
+                    raise ReplayIncomplete(f"job {self._client.job!r}: the log kept no bytes of the read of {path!r} "
+                                           f"on sandbox {self.id} ({result.get('bytes')} bytes); it cannot answer it")
+                return base64.b64decode(result["data_b64"])
         return await self._client._request(
             "GET", f"/v1/sandboxes/{self.id}/files", params={"path": path}, raw=True
         )
@@ -361,13 +370,19 @@ class Sandbox:
 
     async def set_network_rules(self, network_rules: dict[str, bool | list[str]]) -> None:
         """Replace the sandbox's network allowlist while it runs (e.g. between task stages)."""
-        await self._client._request("PUT", f"/v1/sandboxes/{self.id}/network_rules",
-                                    model=NetworkRulesRequest(network_rules=network_rules))
+        request = NetworkRulesRequest(network_rules=network_rules)
+        if self._client._replay is not None and \
+                self._client._replay.call(self.id, "set_network_rules", request.model_dump(mode="json"))[0]:
+            return
+        await self._client._request("PUT", f"/v1/sandboxes/{self.id}/network_rules", model=request)
 
     async def set_ttl(self, ttl_running_stop: float) -> SandboxInfo:
         """A new idle TTL (``ttl_running_stop``), counted from now; paused or running."""
-        self.info = SandboxInfo.model_validate(await self._client._request(
-            "PUT", f"/v1/sandboxes/{self.id}/ttl", model=TTLRequest(ttl_running_stop=ttl_running_stop)))
+        request = TTLRequest(ttl_running_stop=ttl_running_stop)
+        answered, result = (False, None) if self._client._replay is None else \
+            self._client._replay.call(self.id, "set_ttl", request.model_dump(mode="json"))
+        self.info = SandboxInfo.model_validate(result if answered else await self._client._request(
+            "PUT", f"/v1/sandboxes/{self.id}/ttl", model=request))
         return self.info
 
     async def refresh(self) -> SandboxInfo:
@@ -379,13 +394,19 @@ class Sandbox:
     async def pause(self) -> PauseResult:
         """Freeze the sandbox and push its memory out (to swap); the result says how much
         memory it held before and after. Its next call (or ``resume()``) brings it back."""
-        result = PauseResult.model_validate(await self._client._request("POST", f"/v1/sandboxes/{self.id}/pause"))
+        answered, logged = (False, None) if self._client._replay is None else \
+            self._client._replay.call(self.id, "pause", {})
+        result = PauseResult.model_validate(logged if answered else
+                                            await self._client._request("POST", f"/v1/sandboxes/{self.id}/pause"))
         self.info = result.sandbox
         return result
 
     async def resume(self) -> SandboxInfo:
         """Thaw a paused sandbox (its memory comes back as it is touched)."""
-        self.info = SandboxInfo.model_validate(await self._client._request("POST", f"/v1/sandboxes/{self.id}/resume"))
+        answered, logged = (False, None) if self._client._replay is None else \
+            self._client._replay.call(self.id, "resume", {})
+        self.info = SandboxInfo.model_validate(logged if answered else
+                                               await self._client._request("POST", f"/v1/sandboxes/{self.id}/resume"))
         return self.info
 
     async def snapshot(self) -> SnapshotInfo:
@@ -700,6 +721,8 @@ class DSecClient(_ProjectMethods):
         raw: bool = False,
         headers: dict[str, str] | None = None,
     ) -> Any:
+        if self._replay is not None:  # a resumed job: nothing goes live out of the log's order
+            self._replay.guard(method, path)
         body, content_type = content, "application/octet-stream"
         if model is not None:
             body, content_type = model.model_dump_json().encode(), "application/json"
@@ -759,6 +782,8 @@ class DSecClient(_ProjectMethods):
         self, method: str, path: str, model: BaseModel, timeout: float | None,
         event_model: type[BaseModel] = BatchEvent, headers: dict[str, str] | None = None,
     ) -> Any:
+        if self._replay is not None:
+            self._replay.guard(method, path)
         if self._wire is not None:
             async for event in self._stream_wire(method, path, model, timeout, event_model, headers):
                 yield event
