@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from libdsec import DSecClient, DSecFullVMRunArgs, DSecMicroVMRunArgs, InvalidRequest
+from libdsec import DSecClient, DSecFullVMRunArgs, DSecMicroVMRunArgs, InvalidRequest, SandboxStateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
 
@@ -84,6 +84,10 @@ async def test_vm_tampering_seen_at_stop(client, kind):
             " echo x > /home/u/.bashrc; echo x > /home/u/notes; echo x > /usr/share/doc/readme")
         assert r.exit_code == 0, r
         await vm.pause()
+        with pytest.raises(SandboxStateError, match=f"cannot make a clean copy of: sandbox {vm.id} is paused"):
+            await vm.clean_copy(keep=["/root/work"])
+    with pytest.raises(SandboxStateError, match=f"cannot make a clean copy of: sandbox {vm.id} is stopped"):
+        await vm.clean_copy(keep=["/root/work"])
     events = [e for e in await vm.security_events() if e.kind == "file.tampered"]
     assert len(events) == 1, events
     assert events[0].detail == ("system files replaced or added: /etc/ld.so.preload, /home/u/.bashrc, "

@@ -71,3 +71,9 @@ async def test_vm_protected_path_missing_is_refused(client):
     with pytest.raises(InvalidRequest, match="protected path '/nope' cannot be protected in image 'busybox'"):
         await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128,
                                                     protected_paths=["/etc", "/nope"]), timeout=240)
+    too_long = [f"/etc/{'x' * 60}{i}" for i in range(12)]
+    with pytest.raises(InvalidRequest, match="at most 640 bytes in all"):
+        await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", protected_paths=too_long), timeout=60)
+    with pytest.raises(InvalidRequest, match="at most 63 protected paths"):
+        await client.run_vm(DSecFullVMRunArgs(container_image="busybox", protected_paths=[f"/p{i}" for i in range(64)]),
+                            timeout=60)
