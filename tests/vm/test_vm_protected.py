@@ -18,7 +18,7 @@ ATTEMPTS = [
     "rm -f /bin/sh", "cp /root/mine /bin/sh", "touch /bin/evil", "mkdir /etc/d", "chmod 777 /etc/passwd",
     "mount -o remount,rw /etc", "mount -o remount,rw,bind /etc", "umount /etc", "umount -l /bin",
     "mount -t tmpfs none /etc", "busybox mount --bind /root /etc",
-    "mv /usr /usr2", "echo x > /usr/bin/evil",  # the parent of a protected path cannot be renamed either
+    "mv /usr /usr2", "mv /usr /root/usr2", "echo x > /usr/bin/evil",  # nor the parent of a protected path
 ]
 
 
