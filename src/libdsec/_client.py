@@ -8,10 +8,10 @@ ends it (a second ``stop()`` does nothing), and ``async with sandbox`` stops it 
 from __future__ import annotations
 
 import asyncio
-import base64
 import functools
 import hashlib
 import json
+import base64
 import os
 import random
 import ssl
@@ -210,6 +210,7 @@ class Sandbox:
             yield event
 
     def _events(self, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        self._client._guard("POST", f"/v1/sandboxes/{self.id}/exec:stream")
         return events_of(self._client._stream("POST", f"/v1/sandboxes/{self.id}/exec:stream", request,
                                               request.timeout + _HTTP_SLACK_S, ExecEvent))
 
@@ -669,6 +670,11 @@ class DSecClient(_ProjectMethods):
         """Calls answered from the job's log so far (``resume=True``)."""
         return 0 if self._replay is None else self._replay.answered
 
+    def _guard(self, method: str, path: str) -> None:
+        """A resumed job: nothing goes to the server out of its log's order (``Replay.guard``)."""
+        if self._replay is not None:
+            self._replay.guard(method, path)
+
     # -- fncall ------------------------------------------------------------------------------
 
     async def fncall(self, args: DSecFnCallArgs, *, timeout: float | None = None) -> FnCallResult:
@@ -721,8 +727,7 @@ class DSecClient(_ProjectMethods):
         raw: bool = False,
         headers: dict[str, str] | None = None,
     ) -> Any:
-        if self._replay is not None:  # a resumed job: nothing goes live out of the log's order
-            self._replay.guard(method, path)
+        self._guard(method, path)
         body, content_type = content, "application/octet-stream"
         if model is not None:
             body, content_type = model.model_dump_json().encode(), "application/json"
@@ -782,8 +787,6 @@ class DSecClient(_ProjectMethods):
         self, method: str, path: str, model: BaseModel, timeout: float | None,
         event_model: type[BaseModel] = BatchEvent, headers: dict[str, str] | None = None,
     ) -> Any:
-        if self._replay is not None:
-            self._replay.guard(method, path)
         if self._wire is not None:
             async for event in self._stream_wire(method, path, model, timeout, event_model, headers):
                 yield event

@@ -69,6 +69,7 @@ class SandboxFiles:
         local = Path(local_dir)
         local.mkdir(parents=True, exist_ok=True)
         client = self._sandbox._client
+        client._guard("POST", self._path("tree:download"))
         stream = events_of(client._stream("POST", self._path("tree:download"), TreeDownloadRequest(path=path),
                                           _TREE_TIMEOUT_S, ExecEvent))
         with tempfile.TemporaryFile() as spool:
