@@ -70,8 +70,9 @@ async def test_vm_clean_copy(client, kind):
 
 @pytest.mark.parametrize("kind", ["microvm", "fullvm"])
 async def test_vm_tampering_seen_at_stop(client, kind):
-    """No clean copy, no pack_diff: the stop asks the guest's agent what its writable layer holds
-    in the system paths, and records it (a paused VM is let run for that)."""
+    """No clean copy, no pack_diff: reading the events of a running VM, and its stop, ask the
+    guest's agent what its writable layer holds in the system paths, and record what is new (a
+    paused VM is let run for that at stop)."""
     if kind == "microvm":
         vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128), timeout=180)
     else:
@@ -83,13 +84,16 @@ async def test_vm_tampering_seen_at_stop(client, kind):
             " echo x > /root/.local/lib/site-packages/hook.pth; echo x > /root/work/sitecustomize.py;"
             " echo x > /home/u/.bashrc; echo x > /home/u/notes; echo x > /usr/share/doc/readme")
         assert r.exit_code == 0, r
+        seen = [e for e in await vm.security_events() if e.kind == "file.tampered"]  # read: looked at
+        assert len(seen) == 1 and seen[0].count == 5, seen
+        await vm.run_shell("echo y > /usr/bin/evil2")
         await vm.pause()
         with pytest.raises(SandboxStateError, match=f"cannot make a clean copy of: sandbox {vm.id} is paused"):
             await vm.clean_copy(keep=["/root/work"])
     with pytest.raises(SandboxStateError, match=f"cannot make a clean copy of: sandbox {vm.id} is stopped"):
         await vm.clean_copy(keep=["/root/work"])
     events = [e for e in await vm.security_events() if e.kind == "file.tampered"]
-    assert len(events) == 1, events
+    assert len(events) == 2, events  # each path once: the stop found only what was new
     assert events[0].detail == ("system files replaced or added: /etc/ld.so.preload, /home/u/.bashrc, "
                                 "/root/.local/lib/site-packages/hook.pth, /root/.profile, /usr/bin/evil")
-    assert events[0].count == 5
+    assert (events[1].detail, events[1].count) == ("system files replaced or added: /usr/bin/evil2", 1)

@@ -775,6 +775,9 @@ class Edge:
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:
         """Denied actions seen in the sandbox (see dsec.isolation.events); kept after it ends."""
         await self.get(sandbox_id)  # SandboxNotFound for an id this node never had
+        rec = self._records.get(sandbox_id)
+        if rec is not None and rec.status is SandboxStatus.running:  # (a paused VM is not woken for it)
+            await self.security.check_guest_tampering(rec)
         return self.security.list(sandbox_id)
 
     async def set_network_rules(self, sandbox_id: str, rules: dict) -> None:
