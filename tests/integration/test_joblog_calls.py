@@ -111,6 +111,8 @@ async def test_unrecorded_calls_are_refused_while_the_log_holds_more(server):
         live = await plain.get_sandbox(sandbox.id)
         assert (await live.run_shell("cat /root/log")).stdout == "a\nb\nc\n"  # nothing ran twice
         await live.stop()
+    shown = dsec(server, "job", "show", "calls-2")
+    assert shown.returncode == 0 and "made (no result logged)" in shown.stdout, shown
     replayed = json.loads(dsec(server, "job", "replay", "calls-2", "--json").stdout)
     assert [d["call"] for d in replayed["divergences"]] == [f"POST /v1/sandboxes/{sandbox.id}/processes"]
 
