@@ -154,6 +154,7 @@ class _VMPty:
 # Protected paths go on the guest kernel's command line (x86: 2048 bytes in all), hex-encoded;
 # the guest's jail binds at most 64 paths read-only, its own directory one of them.
 MAX_PROTECTED_PATHS = 63
+GUEST_BUSYBOX = "/dev/.dsec/busybox"
 MAX_PROTECTED_BYTES = 640
 
 
@@ -321,9 +322,11 @@ class VMBackend:
     async def _check_protected(self, handle: Handle, spec: SandboxSpec) -> None:
         """Each protected path, as a command sees it, is a read-only mount point: what the
         agent made of ``dsec.protect``. A path the image lacks is ``InvalidRequest``."""
+        # (The agent's busybox, which commands may run: the image need not have readlink or cat.)
+        bb = f"{GUEST_BUSYBOX} "
         script = "; ".join(
-            f"p={shlex.quote(p)}; if [ -e \"$p\" ]; then printf '%s\\0' \"$(readlink -f -- \"$p\")\"; "
-            f"else printf '\\0'; fi" for p in spec.protected_paths) + "; cat /proc/self/mountinfo"
+            f"p={shlex.quote(p)}; if [ -e \"$p\" ]; then {bb}printf '%s\\0' \"$({bb}readlink -f -- \"$p\")\"; "
+            f"else {bb}printf '\\0'; fi" for p in spec.protected_paths) + f"; {bb}cat /proc/self/mountinfo"
         ctx = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
         result = await self.exec(handle, ExecRequest(command=script, timeout=60), ctx)
         parts = result.stdout.split("\0")
