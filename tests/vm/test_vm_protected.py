@@ -65,6 +65,9 @@ async def test_vm_protected_paths_hold_for_root(client, kind):
         control = await vm.run_shell(script(["echo x > /root/new", "mkdir /root/d", "ln /root/mine /root/hard",
                                              "mv /root/new /root/new2", "rm -f /root/new2"]))
         assert control.stdout.count("DONE:") == 5, control
+        async with await vm.clean_copy(keep=["/root"]) as copy:  # a grader copy has the source's run args
+            assert (await copy.run_shell(script(["touch /etc/x", "rm -f /bin/sh"]))).stdout == ""
+            assert (await copy.run_shell("cat /root/mine")).stdout == "mine\n"
 
 
 async def test_vm_protected_path_missing_is_refused(client):
