@@ -90,6 +90,7 @@ UNRECORDED = {
     ("POST", "/sessions"), ("POST", "/sessions/N/exec"), ("POST", "/sessions/N/exec:stream"),
     ("POST", "/sessions/N/interrupt"), ("POST", "/sessions/N/close"),
     ("POST", "/fs/remove"), ("POST", "/fs/mkdir"), ("POST", "/fs/rename"), ("PUT", "/fs/tree"),
+    ("PUT", "/files:stream"),  # a streamed file write (its bytes are not kept)
 }
 _SANDBOX_CALL = re.compile(r"^/v1/sandboxes/([^/:]+)(/.*)$")
 _NUMBER = re.compile(r"/\d+(?=/|$)")
