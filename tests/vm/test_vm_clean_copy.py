@@ -4,6 +4,8 @@ agent's forged /bin/sh and the rest of what it did elsewhere stay behind; tamper
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import pytest
 import pytest_asyncio
 
@@ -70,9 +72,9 @@ async def test_vm_clean_copy(client, kind):
 
 @pytest.mark.parametrize("kind", ["microvm", "fullvm"])
 async def test_vm_tampering_seen_at_stop(client, kind):
-    """No clean copy, no pack_diff: reading the events of a running VM, and its stop, ask the
-    guest's agent what its writable layer holds in the system paths, and record what is new (a
-    paused VM is let run for that at stop)."""
+    """No clean copy: a pack_diff, reading the events of a running VM and its stop ask the guest's
+    agent what its writable layer holds in the system paths, and record what is new (a paused VM
+    is let run for that at stop)."""
     if kind == "microvm":
         vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128), timeout=180)
     else:
@@ -84,8 +86,11 @@ async def test_vm_tampering_seen_at_stop(client, kind):
             " echo x > /root/.local/lib/site-packages/hook.pth; echo x > /root/work/sitecustomize.py;"
             " echo x > /home/u/.bashrc; echo x > /home/u/notes; echo x > /usr/share/doc/readme")
         assert r.exit_code == 0, r
-        seen = [e for e in await vm.security_events() if e.kind == "file.tampered"]  # read: looked at
-        assert len(seen) == 1 and seen[0].count == 5, seen
+        packed = await vm.pack_diff()
+        after_pack = datetime.now(timezone.utc)
+        await client.remove_image(packed.image)
+        seen = [e for e in await vm.security_events() if e.kind == "file.tampered"]
+        assert len(seen) == 1 and seen[0].count == 5 and seen[0].at <= after_pack, seen  # seen by the pack
         await vm.run_shell("echo y > /usr/bin/evil2")
         await vm.pause()
         with pytest.raises(SandboxStateError, match=f"cannot make a clean copy of: sandbox {vm.id} is paused"):

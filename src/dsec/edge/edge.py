@@ -838,6 +838,7 @@ class Edge:
                 raise InvalidRequest(f"image {name!r} exists already; pick another name")
         backend = self.backends[rec.kind]
         self.security.check_tampering(rec)
+        await self.security.check_guest_tampering(rec)
         digest, scrubbed = await self._call(rec, backend.pack_diff(rec.handle))
         image = Image(
             name=name or f"snap-{digest.removeprefix('sha256-')[:16]}",
