@@ -14,7 +14,7 @@ from libdsec.protocol import JobEntry
 
 from .cli_common import console, run_sdk
 
-job_app = typer.Typer(help="Job logs: every create, command, file write and stop of a job, in order.",
+job_app = typer.Typer(help="Job logs: every create, command, file write and read, pause, resume and stop of a job, in order.",
                       no_args_is_help=True)
 
 JobName = Annotated[str, typer.Argument(help="The job (as in DSecClient(job=...)).")]
@@ -32,6 +32,12 @@ def _summary(entry: JobEntry) -> tuple[str, str]:
     elif entry.op in ("create", "create_batch"):
         asked = f"{request.get('kind')} {request.get('args', {}).get('container_image')}" + (
             f" x{request['count']}" if "count" in request else "")
+    elif entry.op == "read_file":
+        asked = str(request.get("path"))
+    elif entry.op == "unrecorded":
+        asked = str(request.get("call"))
+    elif entry.op in ("set_network_rules", "set_ttl"):
+        asked = str(request.get("network_rules", request.get("ttl_running_stop")))
     else:
         asked = ""
     if entry.error is not None:
@@ -46,6 +52,10 @@ def _summary(entry: JobEntry) -> tuple[str, str]:
         came = str(result.get("image"))
     elif entry.op == "create_batch" and isinstance(result, list):
         came = f"{len(result)} sandboxes"
+    elif entry.op == "read_file" and isinstance(result, dict):
+        came = f"{result.get('bytes')} bytes"
+    elif entry.op == "unrecorded":
+        came = "made (no result logged)"
     else:
         came = "ok"
     return asked[:70], came

@@ -4,14 +4,17 @@ replay``), for debugging and for rebuilding state whose sandboxes are gone.
 Each logged create makes a new sandbox from the same arguments (the new one stands in for the
 old id in the calls after it), each command runs again with the same request, each file write
 writes the logged bytes again, each stop stops, each clean copy and pack_diff is made again (a create from a logged snapshot
-image starts from the replay's own); a command whose exit code, stdout or error
-differs from the log is a divergence. The replay's own sandboxes are stopped at the end, and
+image starts from the replay's own), each read reads again, each pause, resume, network rule
+change and TTL is made again; a command whose exit code, stdout or error differs from the log,
+and a read whose size, bytes or error does, is a divergence, and so is each call the log holds
+only as made (``unrecorded``: a streamed command, a process, a session …), which is not replayed. The replay's own sandboxes are stopped at the end, and
 its calls are not recorded (its client has no job).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -94,6 +97,29 @@ async def replay(client: DSecClient, log: JobLog, *, on_entry: Callable[[JobEntr
                 else:
                     await made[entry.sandbox].write_file(request["path"], base64.b64decode(request["data_b64"]),
                                                          mode=request["mode"])
+            elif entry.op == "read_file":
+                call = f"read_file {request['path']!r}"
+                try:
+                    data, error = await made[entry.sandbox].read_file(request["path"]), None
+                except DSecError as exc:
+                    data, error = None, exc.to_wire()["error"]
+                logged = (_outcome(None, entry.error) if entry.error is not None else
+                          f"{entry.result['bytes']} bytes, sha256 {entry.result['sha256'][:16]}")
+                now = (_outcome(None, error) if error is not None else
+                       f"{len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()[:16]}")
+                if logged != now:
+                    diverged(entry, call, logged, now)
+            elif entry.op == "pause":
+                await made[entry.sandbox].pause()
+            elif entry.op == "resume":
+                await made[entry.sandbox].resume()
+            elif entry.op == "set_network_rules":
+                await made[entry.sandbox].set_network_rules(request["network_rules"])
+            elif entry.op == "set_ttl":
+                await made[entry.sandbox].set_ttl(request["ttl_running_stop"])
+            elif entry.op == "unrecorded":
+                diverged(entry, request.get("call", "?"), "made (the log holds no request body nor result)",
+                         "not replayed")
             elif entry.op == "stop":
                 await made[entry.sandbox].stop()
             elif entry.op == "clean_copy":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import base64
 import os
 import random
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -23,6 +24,7 @@ from ._errors import (
     InvalidRequest,
     LimitOutOfRange,
     Overloaded,
+    ReplayIncomplete,
     ServerError,
     SessionClosed,
     ServerUnavailable,
@@ -206,6 +208,7 @@ class Sandbox:
             yield event
 
     def _events(self, request: ExecRequest) -> AsyncIterator[ExecEvent]:
+        self._client._guard("POST", f"/v1/sandboxes/{self.id}/exec:stream")
         return events_of(self._client._stream("POST", f"/v1/sandboxes/{self.id}/exec:stream", request,
                                               request.timeout + _HTTP_SLACK_S, ExecEvent))
 
@@ -311,6 +314,13 @@ class Sandbox:
         )
 
     async def read_file(self, path: str) -> bytes:
+        if self._client._replay is not None:
+            answered, result = self._client._replay.call(self.id, "read_file", {"path": path})
+            if answered:
+                if "data_b64" not in result:
+                    raise ReplayIncomplete(f"job {self._client.job!r}: the log kept no bytes of the read of {path!r} "
+                                           f"on sandbox {self.id} ({result.get('bytes')} bytes); it cannot answer it")
+                return base64.b64decode(result["data_b64"])
         return await self._client._request(
             "GET", f"/v1/sandboxes/{self.id}/files", params={"path": path}, raw=True
         )
@@ -359,13 +369,19 @@ class Sandbox:
 
     async def set_network_rules(self, network_rules: dict[str, bool | list[str]]) -> None:
         """Replace the sandbox's network allowlist while it runs (e.g. between task stages)."""
-        await self._client._request("PUT", f"/v1/sandboxes/{self.id}/network_rules",
-                                    model=NetworkRulesRequest(network_rules=network_rules))
+        request = NetworkRulesRequest(network_rules=network_rules)
+        if self._client._replay is not None and \
+                self._client._replay.call(self.id, "set_network_rules", request.model_dump(mode="json"))[0]:
+            return
+        await self._client._request("PUT", f"/v1/sandboxes/{self.id}/network_rules", model=request)
 
     async def set_ttl(self, ttl_running_stop: float) -> SandboxInfo:
         """A new idle TTL (``ttl_running_stop``), counted from now; paused or running."""
-        self.info = SandboxInfo.model_validate(await self._client._request(
-            "PUT", f"/v1/sandboxes/{self.id}/ttl", model=TTLRequest(ttl_running_stop=ttl_running_stop)))
+        request = TTLRequest(ttl_running_stop=ttl_running_stop)
+        answered, result = (False, None) if self._client._replay is None else \
+            self._client._replay.call(self.id, "set_ttl", request.model_dump(mode="json"))
+        self.info = SandboxInfo.model_validate(result if answered else await self._client._request(
+            "PUT", f"/v1/sandboxes/{self.id}/ttl", model=request))
         return self.info
 
     async def refresh(self) -> SandboxInfo:
@@ -377,13 +393,19 @@ class Sandbox:
     async def pause(self) -> PauseResult:
         """Freeze the sandbox and push its memory out (to swap); the result says how much
         memory it held before and after. Its next call (or ``resume()``) brings it back."""
-        result = PauseResult.model_validate(await self._client._request("POST", f"/v1/sandboxes/{self.id}/pause"))
+        answered, logged = (False, None) if self._client._replay is None else \
+            self._client._replay.call(self.id, "pause", {})
+        result = PauseResult.model_validate(logged if answered else
+                                            await self._client._request("POST", f"/v1/sandboxes/{self.id}/pause"))
         self.info = result.sandbox
         return result
 
     async def resume(self) -> SandboxInfo:
         """Thaw a paused sandbox (its memory comes back as it is touched)."""
-        self.info = SandboxInfo.model_validate(await self._client._request("POST", f"/v1/sandboxes/{self.id}/resume"))
+        answered, logged = (False, None) if self._client._replay is None else \
+            self._client._replay.call(self.id, "resume", {})
+        self.info = SandboxInfo.model_validate(logged if answered else
+                                               await self._client._request("POST", f"/v1/sandboxes/{self.id}/resume"))
         return self.info
 
     async def snapshot(self) -> SnapshotInfo:
@@ -630,6 +652,11 @@ class DSecClient(_ProjectMethods):
         """Calls answered from the job's log so far (``resume=True``)."""
         return 0 if self._replay is None else self._replay.answered
 
+    def _guard(self, method: str, path: str) -> None:
+        """A resumed job: nothing goes to the server out of its log's order (``Replay.guard``)."""
+        if self._replay is not None:
+            self._replay.guard(method, path)
+
     # -- fncall ------------------------------------------------------------------------------
 
     async def fncall(self, args: DSecFnCallArgs, *, timeout: float | None = None) -> FnCallResult:
@@ -701,6 +728,7 @@ class DSecClient(_ProjectMethods):
         raw: bool = False,
         headers: dict[str, str] | None = None,
     ) -> Any:
+        self._guard(method, path)
         body, content_type = content, "application/octet-stream"
         if model is not None:
             body, content_type = model.model_dump_json().encode(), "application/json"

@@ -20,6 +20,7 @@
     ├── ProjectNotFound (LookupError)        no project by that name (or not visible to the token)
     ├── JobNotFound (LookupError)            no job log by that name (or it is another project's)
     ├── ReplayDiverged                       a resumed job's call differs from its log (409)
+    │   └── ReplayIncomplete                 its log holds, at that place, a call it cannot answer (409)
     ├── BackendError                         the runtime (crun, mounts, …) failed
     ├── ServerUnavailable (ConnectionError)  the SDK could not reach the server
     └── ServerError                          anything else the server reported
@@ -161,6 +162,16 @@ class ReplayDiverged(DSecError):
     status = 409
 
 
+class ReplayIncomplete(ReplayDiverged):
+    """A resumed job cannot be fast-forwarded past this place: the call is of a kind a job log
+    does not record with its result (a streamed command, a background process, a session, a
+    PTY, a file-tree call, a snapshot) while the sandbox's log holds more, or the log's next
+    entry on that sandbox is such a call (it was made, and may have changed the sandbox; running
+    it again could do it twice)."""
+
+    code = "replay_incomplete"
+
+
 class BackendError(DSecError):
     code = "backend_error"
     status = 500
@@ -198,6 +209,7 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         ProjectNotFound,
         JobNotFound,
         ReplayDiverged,
+        ReplayIncomplete,
         BackendError,
         ServerUnavailable,
         ServerError,

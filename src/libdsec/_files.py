@@ -63,6 +63,7 @@ class SandboxFiles:
         from ._client import _error_of, _unavailable  # (the client imports this module)
 
         client = self._sandbox._client
+        client._guard("PUT", self._path("tree"))
         http = client._streaming_http()
         try:
             response = await http.request("PUT", self._path("tree"), params={"path": path}, content=_tar_of(local),
@@ -81,6 +82,7 @@ class SandboxFiles:
         from ._client import _error_of, _unavailable  # (the client imports this module)
 
         client = self._sandbox._client
+        client._guard("GET", self._path("tree"))
         http = client._streaming_http()
         try:
             async with http.stream("GET", self._path("tree"), params={"path": path}, timeout=_TREE_TIMEOUT_S) as response:
@@ -100,6 +102,7 @@ class SandboxFiles:
         if not local.is_file():
             raise FileNotFoundError(f"not a local file: {local}")
         client = self._sandbox._client
+        client._guard("PUT", f"/v1/sandboxes/{self._sandbox.id}/files:stream")
         try:
             response = await client._streaming_http().request(
                 "PUT", f"/v1/sandboxes/{self._sandbox.id}/files:stream", params={"path": path, "mode": oct(mode)},
@@ -116,6 +119,7 @@ class SandboxFiles:
 
         local = Path(local_file)
         client = self._sandbox._client
+        client._guard("GET", f"/v1/sandboxes/{self._sandbox.id}/files:stream")
         partial = local.with_name(local.name + ".part")
         try:
             async with client._streaming_http().stream("GET", f"/v1/sandboxes/{self._sandbox.id}/files:stream",

@@ -68,6 +68,7 @@ class Process:
         ``event.result.exit_code``). Leaving the loop early leaves the process running."""
         request = ProcessStreamRequest(stdout_offset=self._offsets[0], stderr_offset=self._offsets[1], timeout=timeout)
         client = self._sandbox._client
+        client._guard("POST", self._path("/stream"))
         async for event in events_of(client._stream("POST", self._path("/stream"), request,
                                                     timeout + _HTTP_SLACK_S, ExecEvent)):
             if event.event in ("stdout", "stderr"):
@@ -157,6 +158,7 @@ class Session:
         if on_stdout is None and on_stderr is None:
             body = await client._request("POST", self._path("/exec"), model=request, timeout=timeout + _HTTP_SLACK_S)
             return ExecResult.model_validate(body)
+        client._guard("POST", self._path("/exec:stream"))
         return await run_with_callbacks(
             events_of(client._stream("POST", self._path("/exec:stream"), request, timeout + _HTTP_SLACK_S, ExecEvent)),
             on_stdout, on_stderr)

@@ -69,6 +69,7 @@ class Pty:
         self._check("read it")
         request = PtyStreamRequest(encoding=encoding)
         client = self._sandbox._client
+        client._guard("POST", self._path("/stream"))
         async for event in events_of(client._stream("POST", self._path("/stream"), request,
                                                     request.timeout + _HTTP_SLACK_S, ExecEvent)):
             if event.event == "exit" and event.result is not None:

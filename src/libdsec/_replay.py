@@ -11,14 +11,24 @@ calls follow in the log. When a sandbox's
 calls run out (or a key was never logged) the call goes to the server: the job goes on live,
 on the same sandboxes. A call that is not the one logged at its place raises
 ``ReplayDiverged`` naming both.
+
+Reads, pauses, resumes, network rules and TTLs are logged with their results too (a read's
+bytes up to 8 MiB; past that the read goes live and must find the same bytes). The other calls
+on a sandbox (streamed commands, background processes, sessions, PTYs, file-tree calls,
+snapshots) the log holds only as *made* (an ``unrecorded`` entry, written before the call
+runs): one of them cannot be answered, so ``ReplayIncomplete`` is raised when the run asks one
+while the sandbox's log holds more (it would run now, against the sandbox as the log left it),
+and when any call meets such an entry (it was made once and may have changed the sandbox).
+Once a sandbox's log is used up they run live, as all calls do.
 """
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from typing import Any
 
-from ._errors import ReplayDiverged, error_from_wire
+from ._errors import ReplayDiverged, ReplayIncomplete, error_from_wire
 from .protocol import JobEntry, JobLog
 
 
@@ -33,6 +43,12 @@ def _describe(op: str, request: dict, key: str | None = None) -> str:
         return f"clean_copy keep={request.get('keep')}"
     if op == "pack_diff":
         return f"pack_diff name={request.get('name')!r} role={request.get('role')!r}"
+    if op == "read_file":
+        return f"read_file {request.get('path')!r}"
+    if op in ("set_network_rules", "set_ttl"):
+        return f"{op} {request}"
+    if op == "unrecorded":
+        return f"{request.get('call')} (a call a job log does not record with its result)"
     if op in ("create", "create_batch"):
         args = request.get("args", {})
         count = f" x{request['count']}" if "count" in request else ""
@@ -92,6 +108,12 @@ class Replay:
         if not queue:
             return False, None
         entry = queue[0]
+        if entry.op == "unrecorded":
+            raise ReplayIncomplete(
+                f"job {self.job!r}, log entry {entry.seq} on sandbox {sandbox}: the log has "
+                f"{_describe(entry.op, entry.request)}: it was made and may have changed the sandbox, and "
+                f"this resume cannot answer it, nor go past it ({len(queue)} logged calls of the sandbox left); "
+                f"this run asks {_describe(op, request)}")
         if entry.op != op or not _same_call(op, entry.request, request):
             raise ReplayDiverged(
                 f"job {self.job!r}, log entry {entry.seq} on sandbox {sandbox}: the log has "
@@ -102,3 +124,25 @@ class Replay:
             raise error_from_wire({"error": entry.error}, 500)
         return True, entry.result
 
+    def guard(self, method: str, path: str) -> None:
+        """A request about to go to the server (one the log did not answer): refused with
+        ``ReplayIncomplete`` while its sandbox's log holds more (it would run against the
+        sandbox as the log left it, out of order; a call of a recorded kind only gets here once
+        its sandbox's log is used up). The sandbox's own description and its security events
+        (the platform's, not the sandbox's) are read live."""
+        found = _SANDBOX_PATH.match(path)
+        if found is None:
+            return
+        sandbox, rest = found.group(1), found.group(2) or ""
+        queue = self._calls.get(sandbox)
+        if not queue or (method == "GET" and rest in ("", "/security_events")):
+            return
+        entry = queue[0]
+        raise ReplayIncomplete(
+            f"job {self.job!r}: this run asks {method} {rest or '/'} of sandbox {sandbox}, a call a job log does not "
+            f"record with its result, while the log holds {len(queue)} more calls of that sandbox (next, entry "
+            f"{entry.seq}: {_describe(entry.op, entry.request)}); it cannot be fast-forwarded past it. Make it after "
+            f"the logged calls, or record with calls the log answers (run_shell without callbacks, write_file, read_file)")
+
+
+_SANDBOX_PATH = re.compile(r"^/v1/sandboxes/([^/:?]+)(/[^?]*)?")

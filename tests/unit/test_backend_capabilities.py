@@ -30,9 +30,10 @@ def test_what_each_kind_can_do():
     assert ContainerBackend.capabilities == {Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY,
                                              Capability.HOST_PATHS, Capability.PIPED_STDIN}
     assert MicroVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.SNAPSHOT, Capability.PIPED_STDIN,
-                                           Capability.WATCHED}
+                                           Capability.WATCHED, Capability.PROTECTED_PATHS}
     # no memory snapshots, no warm pool
-    assert FullVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.PIPED_STDIN, Capability.WATCHED}
+    assert FullVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.PIPED_STDIN, Capability.WATCHED,
+                                          Capability.PROTECTED_PATHS}
 
 
 class _Claims(FakeBackend):

@@ -55,6 +55,21 @@ def test_tampered_looks_only_where_it_counts(tmp_path):
     assert carry.tampered(tmp_path / "missing") == []
 
 
+def test_system_files_from_names_match_the_walk(tmp_path):
+    """What a VM's agent lists (``changed``: names relative to its upper) gets the rules
+    ``tampered`` applies to a container's upper, home rules included."""
+    names = ["bin/sh", "usr/local/bin/git", "etc/hostname", "root/.bashrc", "root/work/bin/sh", "root/work/x.pth",
+             "root/.local/lib/site-packages/evil.pth", "root/.local/notes", "home/agent/.profile",
+             "home/agent/sub/.profile", "usr/share/doc/hook.pth", "lib", "home/file", "root"]
+    assert carry.system_files(names) == ["/bin/sh", "/home/agent/.profile", "/lib", "/root/.bashrc",
+                                         "/root/.local/lib/site-packages/evil.pth", "/usr/local/bin/git",
+                                         "/usr/share/doc/hook.pth"]
+    upper = tmp_path / "upper"
+    _tree(upper, {n: "x" for n in names if n not in ("lib", "home/file", "root")})
+    assert carry.tampered(upper) == [p for p in carry.system_files(names) if p != "/lib"]
+    assert carry.system_files(["usr/bin/a", "usr/bin/b"], limit=1) == ["/usr/bin/a"]
+
+
 @pytest.mark.root
 def test_carry_replays_changes_without_following_links(tmp_path):
     upper, root = tmp_path / "upper", tmp_path / "root"

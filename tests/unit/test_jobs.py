@@ -97,6 +97,17 @@ class CountingEdge:
         self._check(sid)
         self.files[sid, path] = data
 
+    async def set_network_rules(self, sid, rules):
+        self._check(sid)
+        self.rules = getattr(self, "rules", []) + [rules]
+
+    async def read_file(self, sid, path):
+        self._check(sid)
+        if (sid, path) not in self.files:
+            raise libdsec.SandboxFileNotFound(f"no such file in sandbox: {path}")
+        self.reads = getattr(self, "reads", 0) + 1
+        return self.files[sid, path]
+
     async def stop(self, sid, reason="stopped by request"):
         self._check(sid)
         self.stopped.add(sid)
@@ -351,3 +362,29 @@ async def test_resume_fast_forwards_through_clean_copies_and_pack_diffs(edge, pr
         assert (edge.creates, edge.execs) == (creates, execs)
     assert again == first and first[2] == "fix"
     assert [e.op for e in log.entries] == ["create", "exec", "pack_diff", "clean_copy", "exec", "stop", "stop"]
+
+
+async def test_network_rules_and_reads_are_recorded_and_fast_forwarded(edge, project_db):
+    async def episode(c):
+        sandbox = await c.run_container(ARGS, key="e0")
+        await sandbox.set_network_rules({"domains": ["example.internal"]})
+        await sandbox.write_file("/w", "data")
+        seen = [await sandbox.read_file("/w")]
+        with pytest.raises(libdsec.SandboxFileNotFound):  # an error is logged and raised again
+            await sandbox.read_file("/missing")
+        return seen
+
+    async with apiserver(edge, project_db) as client:
+        async with client(job="net") as c:
+            first = await episode(c)
+            log = await c.job_log("net")
+        assert [e.op for e in log.entries] == ["create", "set_network_rules", "write_file", "read_file", "read_file"]
+        assert log.entries[3].result["sha256"] and log.entries[4].error["code"] == "file_not_found"
+        rules, reads = list(edge.rules), edge.reads
+        async with client(job="net", resume=True) as c:
+            assert await episode(c) == first == [b"data"]
+            assert c.replayed == 5 and edge.rules == rules and edge.reads == reads
+        async with client(job="net", resume=True) as c:
+            sandbox = await c.run_container(ARGS, key="e0")
+            with pytest.raises(libdsec.ReplayDiverged, match="set_network_rules"):
+                await sandbox.set_network_rules({"domains": ["other.internal"]})

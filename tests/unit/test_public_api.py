@@ -25,7 +25,7 @@ PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
 PUBLIC |= {"SandboxLost"}  # cluster
-PUBLIC |= {"JobNotFound", "KeyReused", "ReplayDiverged"}  # idempotency keys, job logs
+PUBLIC |= {"JobNotFound", "KeyReused", "ReplayDiverged", "ReplayIncomplete"}  # idempotency keys, job logs
 PUBLIC |= {"Overloaded"}  # overload
 PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession", "FileEntry", "PortUnreachable"}  # inside a sandbox
 PUBLIC |= {"Pty", "SyncPty"}  # a terminal in a sandbox
@@ -51,6 +51,7 @@ ERRORS = [
     (libdsec.KeyReused, "key_reused", 409, ValueError),
     (libdsec.JobNotFound, "job_not_found", 404, LookupError),
     (libdsec.ReplayDiverged, "replay_diverged", 409, libdsec.DSecError),
+    (libdsec.ReplayIncomplete, "replay_incomplete", 409, libdsec.ReplayDiverged),
     (libdsec.BackendError, "backend_error", 500, libdsec.DSecError),
     (libdsec.ServerUnavailable, "server_unavailable", 503, ConnectionError),
     (libdsec.ServerError, "internal", 500, libdsec.DSecError),

@@ -4,10 +4,12 @@ agent's forged /bin/sh and the rest of what it did elsewhere stay behind; tamper
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import pytest
 import pytest_asyncio
 
-from libdsec import DSecClient, DSecFullVMRunArgs, DSecMicroVMRunArgs, InvalidRequest
+from libdsec import DSecClient, DSecFullVMRunArgs, DSecMicroVMRunArgs, InvalidRequest, SandboxStateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
 
@@ -66,3 +68,37 @@ async def test_vm_clean_copy(client, kind):
             assert check.stdout.split() == ["work", "/etc/shadow", "only", "vi-kept", "no-preload", "no-history"], check
         events = [e for e in await vm.security_events() if e.kind == "file.tampered"]
         assert events and "/bin/sh" in events[0].detail
+
+
+@pytest.mark.parametrize("kind", ["microvm", "fullvm"])
+async def test_vm_tampering_seen_at_stop(client, kind):
+    """No clean copy: a pack_diff, reading the events of a running VM and its stop ask the guest's
+    agent what its writable layer holds in the system paths, and record what is new (a paused VM
+    is let run for that at stop)."""
+    if kind == "microvm":
+        vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128), timeout=180)
+    else:
+        vm = await client.run_vm(DSecFullVMRunArgs(container_image="busybox", memory_limit_mb=128), timeout=240)
+    async with vm:
+        r = await vm.run_shell(
+            "set -e; echo x > /usr/bin/evil; echo /x.so > /etc/ld.so.preload; rm /bin/vi; echo x > /root/.profile;"
+            " mkdir -p /root/.local/lib/site-packages /root/work /home/u/.local /usr/share/doc;"
+            " echo x > /root/.local/lib/site-packages/hook.pth; echo x > /root/work/sitecustomize.py;"
+            " echo x > /home/u/.bashrc; echo x > /home/u/notes; echo x > /usr/share/doc/readme")
+        assert r.exit_code == 0, r
+        packed = await vm.pack_diff()
+        after_pack = datetime.now(timezone.utc)
+        await client.remove_image(packed.image)
+        seen = [e for e in await vm.security_events() if e.kind == "file.tampered"]
+        assert len(seen) == 1 and seen[0].count == 5 and seen[0].at <= after_pack, seen  # seen by the pack
+        await vm.run_shell("echo y > /usr/bin/evil2")
+        await vm.pause()
+        with pytest.raises(SandboxStateError, match=f"cannot make a clean copy of: sandbox {vm.id} is paused"):
+            await vm.clean_copy(keep=["/root/work"])
+    with pytest.raises(SandboxStateError, match=f"cannot make a clean copy of: sandbox {vm.id} is stopped"):
+        await vm.clean_copy(keep=["/root/work"])
+    events = [e for e in await vm.security_events() if e.kind == "file.tampered"]
+    assert len(events) == 2, events  # each path once: the stop found only what was new
+    assert events[0].detail == ("system files replaced or added: /etc/ld.so.preload, /home/u/.bashrc, "
+                                "/root/.local/lib/site-packages/hook.pth, /root/.profile, /usr/bin/evil")
+    assert (events[1].detail, events[1].count) == ("system files replaced or added: /usr/bin/evil2", 1)

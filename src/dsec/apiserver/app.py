@@ -71,7 +71,7 @@ from ..compat.e2b import add_e2b_routes
 from .auth import Authenticator, Caller
 from .cluster import Cluster
 from .lean import LeanRoutes, error_headers
-from .jobs import file_request
+from .jobs import file_request, unrecorded_call
 from .routes_fncall import add_fncall_routes
 from .routes_jobs import add_job_routes
 from .routes_observe import add_observe_routes
@@ -198,6 +198,16 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     async def authenticated(request: Request) -> Caller:
         return await check(dict(request.headers.raw), request.path_params)
 
+    async def authenticated_and_logged(request: Request) -> Caller:
+        """``authenticated``; a call of a job that its log does not record with its result is
+        logged as made, before it runs (``jobs.UNRECORDED``)."""
+        caller = await authenticated(request)
+        if caller.job is not None:
+            unrecorded = unrecorded_call(request.method, request.url.path)
+            if unrecorded is not None:
+                await jobs.mark(caller, *unrecorded)
+        return caller
+
     async def now(info: SandboxInfo) -> SandboxInfo:
         """A sandbox made before, as its node says it is now (or as it was, once gone)."""
         try:
@@ -225,7 +235,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     # Outermost of ours: the hottest routes skip FastAPI's own layers (see lean.py).
     app.add_middleware(LeanRoutes, app_ref=app, names=LEAN_ROUTES, check=check, dependency=authenticated)
 
-    auth = [Depends(authenticated)]
+    auth = [Depends(authenticated_and_logged)]
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict:
@@ -333,7 +343,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         found = [info for info in await cluster.list_sandboxes() if caller.sees(cluster.projects, info.project)]
         return SandboxList(sandboxes=found)
 
-    @app.get("/v1/sandboxes/{sandbox_id}", dependencies=auth, responses=_ERRORS)
+    @app.get("/v1/sandboxes/{sandbox_id}", dependencies=[Depends(authenticated)], responses=_ERRORS)  # (lean)
     async def get_sandbox(sandbox_id: str) -> SandboxInfo:
         return await cluster.edge_for(sandbox_id).get(sandbox_id)
 
@@ -343,13 +353,13 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
             return await cluster.edge_for(sandbox_id).stop(sandbox_id)
         return await jobs.recorded(caller, "stop", sandbox_id, {}, lambda: cluster.edge_for(sandbox_id).stop(sandbox_id))
 
-    @app.post("/v1/sandboxes/{sandbox_id}/pause", dependencies=auth, responses=_ERRORS)
-    async def pause_sandbox(sandbox_id: str) -> PauseResult:
-        return await cluster.edge_for(sandbox_id).pause(sandbox_id)
+    @app.post("/v1/sandboxes/{sandbox_id}/pause", responses=_ERRORS)
+    async def pause_sandbox(sandbox_id: str, caller: Caller = Depends(authenticated)) -> PauseResult:
+        return await jobs.recorded(caller, "pause", sandbox_id, {}, lambda: cluster.edge_for(sandbox_id).pause(sandbox_id))
 
-    @app.post("/v1/sandboxes/{sandbox_id}/resume", dependencies=auth, responses=_ERRORS)
-    async def resume_sandbox(sandbox_id: str) -> SandboxInfo:
-        return await cluster.edge_for(sandbox_id).resume(sandbox_id)
+    @app.post("/v1/sandboxes/{sandbox_id}/resume", responses=_ERRORS)
+    async def resume_sandbox(sandbox_id: str, caller: Caller = Depends(authenticated)) -> SandboxInfo:
+        return await jobs.recorded(caller, "resume", sandbox_id, {}, lambda: cluster.edge_for(sandbox_id).resume(sandbox_id))
 
     @app.post("/v1/sandboxes/{sandbox_id}/exec", responses=_ERRORS)
     async def exec_command(sandbox_id: str, request: ExecRequest, caller: Caller = Depends(authenticated)) -> ExecResult:
@@ -544,9 +554,9 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         await cluster.edge_for(sandbox_id).write_file_stream(sandbox_id, path, _body_chunks(request), file_mode)
         return {"ok": True}
 
-    @app.get("/v1/sandboxes/{sandbox_id}/files", dependencies=auth, responses=_ERRORS)
-    async def read_file(sandbox_id: str, path: str = Query(min_length=1)) -> Response:
-        data = await cluster.edge_for(sandbox_id).read_file(sandbox_id, path)
+    @app.get("/v1/sandboxes/{sandbox_id}/files", responses=_ERRORS)
+    async def read_file(sandbox_id: str, path: str = Query(min_length=1), caller: Caller = Depends(authenticated)) -> Response:
+        data = await jobs.recorded_read(caller, sandbox_id, path, lambda: cluster.edge_for(sandbox_id).read_file(sandbox_id, path))
         return Response(content=data, media_type="application/octet-stream")
 
     @app.put("/v1/sandboxes/{sandbox_id}/files", responses=_ERRORS)
@@ -569,14 +579,18 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     async def security_events(sandbox_id: str) -> SecurityEventList:
         return SecurityEventList(events=await cluster.edge_for(sandbox_id).security_events(sandbox_id))
 
-    @app.put("/v1/sandboxes/{sandbox_id}/network_rules", dependencies=auth, responses=_ERRORS)
-    async def set_network_rules(sandbox_id: str, request: NetworkRulesRequest) -> dict:
-        await cluster.edge_for(sandbox_id).set_network_rules(sandbox_id, request.network_rules)
-        return {"ok": True}
+    @app.put("/v1/sandboxes/{sandbox_id}/network_rules", responses=_ERRORS)
+    async def set_network_rules(sandbox_id: str, request: NetworkRulesRequest, caller: Caller = Depends(authenticated)) -> dict:
+        async def set_rules() -> dict:
+            await cluster.edge_for(sandbox_id).set_network_rules(sandbox_id, request.network_rules)
+            return {"ok": True}
 
-    @app.put("/v1/sandboxes/{sandbox_id}/ttl", dependencies=auth, responses=_ERRORS)
-    async def set_ttl(sandbox_id: str, request: TTLRequest) -> SandboxInfo:
-        return await cluster.edge_for(sandbox_id).set_ttl(sandbox_id, request.ttl_running_stop)
+        return await jobs.recorded(caller, "set_network_rules", sandbox_id, request.model_dump(mode="json"), set_rules)
+
+    @app.put("/v1/sandboxes/{sandbox_id}/ttl", responses=_ERRORS)
+    async def set_ttl(sandbox_id: str, request: TTLRequest, caller: Caller = Depends(authenticated)) -> SandboxInfo:
+        return await jobs.recorded(caller, "set_ttl", sandbox_id, request.model_dump(mode="json"),
+                                   lambda: cluster.edge_for(sandbox_id).set_ttl(sandbox_id, request.ttl_running_stop))
 
     @app.post("/v1/sandboxes/{sandbox_id}/pack_diff", responses=_ERRORS)
     async def pack_diff(sandbox_id: str, request: PackDiffRequest, caller: Caller = Depends(authenticated)) -> PackDiffResult:

@@ -8,7 +8,11 @@ are shared by every apiserver over one database).
   ``KeyReused``; one that arrives while the first is under way waits for it.
 - A request with a job (``x-dsec-job`` header) is recorded, after it ran, in the job's log with
   its result (or its error): creates (with their key), commands (``exec``), file writes and
-  stops. A job belongs to the project that first wrote to it. Each request is answered once its
+  reads, pack_diffs, clean copies, pauses, resumes, network rules, TTLs and stops. The other
+  calls that change a sandbox (``UNRECORDED``: streamed commands, background processes,
+  sessions, PTYs, file-tree calls, snapshots) are logged as *made*, before they run, with no
+  result: a resume cannot answer one, and says so (``ReplayIncomplete``) instead of running it
+  a second time. A job belongs to the project that first wrote to it. Each request is answered once its
   entry is durable; entries are written in groups (one transaction for those that arrive while
   the last group is being written), into SQLite on a thread of their own, off the event loop.
 - Jobs idle past ``retention_s`` (``DSEC_JOB_RETENTION_S``, 7 days by default) are removed
@@ -25,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -75,6 +80,31 @@ def _when(epoch: float) -> datetime:
 def job_info(row: JobRow) -> JobInfo:
     return JobInfo(name=row.name, project=row.project, created_at=_when(row.created_at),
                    updated_at=_when(row.updated_at), entries=row.entries)
+
+
+# The calls on a sandbox logged only as made (method, path after /v1/sandboxes/ID, a number as N).
+UNRECORDED = {
+    ("POST", "/exec:stream"), ("POST", "/snapshot"),
+    ("POST", "/processes"), ("POST", "/processes/N/signal"), ("POST", "/processes/N/stdin"),
+    ("POST", "/ptys"), ("POST", "/ptys/N/input"), ("POST", "/ptys/N/resize"), ("POST", "/ptys/N/close"),
+    ("POST", "/sessions"), ("POST", "/sessions/N/exec"), ("POST", "/sessions/N/exec:stream"),
+    ("POST", "/sessions/N/interrupt"), ("POST", "/sessions/N/close"),
+    ("POST", "/fs/remove"), ("POST", "/fs/mkdir"), ("POST", "/fs/rename"), ("PUT", "/fs/tree"),
+    ("PUT", "/files:stream"),  # a streamed file write (its bytes are not kept)
+}
+_SANDBOX_CALL = re.compile(r"^/v1/sandboxes/([^/:]+)(/.*)$")
+_NUMBER = re.compile(r"/\d+(?=/|$)")
+
+
+def unrecorded_call(method: str, path: str) -> tuple[str, str] | None:
+    """(sandbox id, "METHOD /path") of a call ``UNRECORDED`` holds, else None."""
+    found = _SANDBOX_CALL.match(path)
+    if found is None:
+        return None
+    rest = _NUMBER.sub("/N", found.group(2))
+    if (method, rest) not in UNRECORDED:
+        return None
+    return found.group(1), f"{method} {path}"
 
 
 def file_request(path: str, mode: int, data: bytes) -> dict:
@@ -211,6 +241,28 @@ class Jobs:
         await self.record(caller, op, sandbox, request,
                           answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer)
         return answer
+
+    async def mark(self, caller: Caller, sandbox: str, call: str) -> None:
+        """Log ``call`` (one of ``UNRECORDED``) as made, before it runs."""
+        if caller.job is None:
+            return
+        await self.check(caller)
+        await self.record(caller, "unrecorded", sandbox, {"call": call})
+
+    async def recorded_read(self, caller: Caller, sandbox: str, path: str, call: Callable[[], Awaitable[bytes]]) -> bytes:
+        """A file read, recorded with its size, digest and (up to ``MAX_LOGGED_FILE_BYTES``) bytes."""
+        if caller.job is None:
+            return await call()
+        await self.check(caller)
+        try:
+            data = await call()
+        except DSecError as exc:
+            await self.record(caller, "read_file", sandbox, {"path": path}, error=exc)
+            raise
+        result = file_request(path, 0, data)
+        del result["path"], result["mode"]
+        await self.record(caller, "read_file", sandbox, {"path": path}, result)
+        return data
 
     # -- creates ---------------------------------------------------------------------------
 

@@ -46,7 +46,9 @@ refuses a backend that declares an ability without its hook:
   sandbox's writable layer replaces or adds (see ``dsec.images.carry``), in any state until
   ``destroy``.
 - ``KEPT_LAYER`` (``KeptLayers``): ``kept_layer`` turns the paths a guest keeps into one layer
-  (a VM's writable layer is in the guest), for clean copies made as a new sandbox on it.
+  (a VM's writable layer is in the guest), for clean copies made as a new sandbox on it;
+  ``guest_tampered`` asks the guest for the system files its writable layer replaces or adds
+  (``tampered``'s answer, for a running or paused sandbox; the edge asks it at stop).
 - ``SNAPSHOT`` (``Snapshots``): ``snapshot`` saves a running sandbox's memory and devices.
 - ``PIPED_STDIN`` (``PipedStdin``): ``exec_piped`` is ``exec_stream`` whose command reads its
   stdin from an async iterator of bytes, asked for its next chunk only once the last one is in
@@ -258,6 +260,8 @@ class KeptLayers(Protocol):
     """``Capability.KEPT_LAYER``: the kept paths of a guest as one layer (digest, seconds, tampered)."""
 
     async def kept_layer(self, handle: Handle, keep: list[str]) -> Any: ...
+
+    async def guest_tampered(self, handle: Handle, timeout: float) -> list[str]: ...
 
 
 @runtime_checkable

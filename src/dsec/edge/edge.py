@@ -258,7 +258,7 @@ class Edge:
     def _check_protected(self, args: DSecContainerRunArgs, kind: str) -> None:
         if args.protected_paths and Capability.PROTECTED_PATHS not in self._backend(kind).capabilities:
             raise InvalidRequest(f"a {kind} sandbox on node {self.node} cannot protect paths "
-                                 f"(protected_paths is for container sandboxes)")
+                                 f"(protected_paths is for containers and VMs)")
 
     async def _create(self, args: DSecContainerRunArgs, kind: str, project: str, image: Image, limits,
                       seed=None, batch: str | None = None) -> Record:
@@ -848,6 +848,9 @@ class Edge:
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:
         """Denied actions seen in the sandbox (see dsec.isolation.events); kept after it ends."""
         await self.get(sandbox_id)  # SandboxNotFound for an id this node never had
+        rec = self._records.get(sandbox_id)
+        if rec is not None and rec.status is SandboxStatus.running:  # (a paused VM is not woken for it)
+            await self.security.check_guest_tampering(rec)
         return self.security.list(sandbox_id)
 
     async def set_network_rules(self, sandbox_id: str, rules: dict) -> None:
@@ -943,6 +946,7 @@ class Edge:
                 raise InvalidRequest(f"image {name!r} exists already; pick another name")
         backend = self.backends[rec.kind]
         self.security.check_tampering(rec)
+        await self.security.check_guest_tampering(rec)
         digest, scrubbed = await self._call(rec, backend.pack_diff(rec.handle))
         image = Image(
             name=name or f"snap-{digest.removeprefix('sha256-')[:16]}",
@@ -1011,6 +1015,7 @@ class Edge:
         rec.status = SandboxStatus.stopping
         self.admission.unhold(rec.id)
         self.security.check_tampering(rec)
+        await self.security.check_guest_tampering(rec)
         await self.ptys.close_sandbox(sandbox_id)
         try:
             await self.backends[rec.kind].destroy(rec.handle)

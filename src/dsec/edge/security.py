@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from libdsec import CommandTimeout, InvalidRequest
+from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxStateError
 from libdsec.protocol import ExecResult, SecurityEvent
 
 from ..backends.base import Capability
@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dsec.edge.security")
 
+# How long a stop waits for a VM's agent to list its changed system files (a TCG guest answers
+# in milliseconds; one that does not is stopped without the list).
+GUEST_TAMPER_TIMEOUT_S = 5.0
 _NETLINK_AUDIT = 9
 _AUDIT_NLGRP_READLOG = 1
 _AUDIT_SECCOMP_TYPE = 1326
@@ -190,6 +193,20 @@ class EdgeSecurity:
         try:
             paths = backend.tampered(rec.handle)
         except OSError as exc:
+            log.warning("cannot look for tampering in %s: %s", rec.id, exc)
+            return []
+        return self.record_tampered(rec, paths)
+
+    async def check_guest_tampering(self, rec: Record) -> list[str]:
+        """``check_tampering`` for a sandbox whose writable layer is in its guest (a VM): its
+        agent lists what the layer holds in the system paths (names only), within
+        ``GUEST_TAMPER_TIMEOUT_S``; a guest that cannot tell is logged, not waited for."""
+        backend = self.edge.backends.get(rec.kind)
+        if backend is None or Capability.KEPT_LAYER not in backend.capabilities:
+            return []
+        try:
+            paths = await backend.guest_tampered(rec.handle, GUEST_TAMPER_TIMEOUT_S)
+        except (BackendError, SandboxStateError) as exc:
             log.warning("cannot look for tampering in %s: %s", rec.id, exc)
             return []
         return self.record_tampered(rec, paths)

@@ -25,7 +25,7 @@ import os
 import posixpath
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from libdsec import InvalidRequest
@@ -63,35 +63,60 @@ def is_system_path(rel: str) -> bool:
     return bool(_SYSTEM_DIRS.match(rel) or _SYSTEM_FILES.match(rel) or _PYTHON_HOOK.search(rel))
 
 
+def system_files(rels: Iterable[str], limit: int = 1000) -> list[str]:
+    """Absolute paths of the system files among ``rels``, the files (no directories, no
+    whiteouts) an upper holds, relative to its root: anything in the system trees that
+    ``is_system_path``, a home's (``/root``, ``/home/*``) own start-up files, Python's hooks
+    in its ``.local`` (the rest of a home is the user's). At most ``limit``, sorted."""
+    found = set()
+    for rel in rels:
+        parts = rel.split("/")
+        top = parts[0]
+        if top in ("bin", "sbin", "usr", "etc") or top.startswith("lib"):
+            hit = is_system_path(rel)
+        elif top == "root" or (top == "home" and len(parts) > 2):
+            home = 1 if top == "root" else 2
+            rest = parts[home:]
+            hit = (len(rest) == 1 and bool(_SYSTEM_FILES.match(rel))) or (
+                len(rest) > 1 and rest[0] == ".local" and bool(_PYTHON_HOOK.search(rel)))
+        else:
+            hit = False
+        if hit:
+            found.add("/" + rel)
+    return sorted(found)[:limit]
+
+
 def tampered(upper: str | os.PathLike, limit: int = 1000) -> list[str]:
-    """Absolute paths of the files an upper replaces or adds in system paths (at most ``limit``)."""
+    """Absolute paths of the files an upper replaces or adds in system paths (at most
+    ``limit``): ``system_files`` of what it holds where they can be. Reads only those
+    directories of the upper (an empty upper costs one ``listdir``)."""
     upper = os.fspath(upper)
-    found: list[str] = []
+    rels: list[str] = []
     try:
         top = os.listdir(upper)
     except OSError:
-        return found
+        return rels
 
-    def check(rel: str, full: str, rule: Callable[[str], bool]) -> None:
+    def add(rel: str, full: str) -> None:
         try:
             st = os.lstat(full)
         except OSError:
             return
-        if not stat.S_ISDIR(st.st_mode) and not _is_whiteout(st) and rule(rel):
-            found.append("/" + rel)
+        if not stat.S_ISDIR(st.st_mode) and not _is_whiteout(st):
+            rels.append(rel)
 
-    def walk(rel_top: str, rule: Callable[[str], bool]) -> None:
+    def walk(rel_top: str) -> None:
         for dirpath, dirnames, filenames in os.walk(os.path.join(upper, rel_top)):
             rel_dir = os.path.relpath(dirpath, upper)
             for name in filenames:
-                check(f"{rel_dir}/{name}", os.path.join(dirpath, name), rule)
+                add(f"{rel_dir}/{name}", os.path.join(dirpath, name))
 
     for name in top:
         if name in ("bin", "sbin", "usr", "etc") or name.startswith("lib"):
             if os.path.isdir(os.path.join(upper, name)) and not os.path.islink(os.path.join(upper, name)):
-                walk(name, is_system_path)
+                walk(name)
             else:
-                check(name, os.path.join(upper, name), is_system_path)
+                add(name, os.path.join(upper, name))
     homes = ["root"] if "root" in top else []
     if "home" in top:
         try:
@@ -103,11 +128,11 @@ def tampered(upper: str | os.PathLike, limit: int = 1000) -> list[str]:
             names = os.listdir(os.path.join(upper, home))
         except OSError:
             continue
-        for name in names:  # start-up files only; the rest of a home is the user's
-            check(f"{home}/{name}", os.path.join(upper, home, name), lambda rel: bool(_SYSTEM_FILES.match(rel)))
+        for name in names:
+            add(f"{home}/{name}", os.path.join(upper, home, name))
         if ".local" in names and not os.path.islink(os.path.join(upper, home, ".local")):
-            walk(f"{home}/.local", lambda rel: bool(_PYTHON_HOOK.search(rel)))
-    return sorted(found)[:limit]
+            walk(f"{home}/.local")
+    return system_files(rels, limit)
 
 
 # -- kept paths ----------------------------------------------------------------------------------

@@ -49,6 +49,13 @@
  *   write PATHLEN DATALEN MODE UID GID    -> ok 0 or err invalid
  *   mkdir PATHLEN UID GID                 -> ok 0 or err invalid
  *   shutdown                              -> ok 0, then the VM powers off
+ *   changed                               -> ok LEN + the NUL-separated paths (relative to the
+ *                                            root) of the files the writable layer holds under
+ *                                            bin, sbin, etc, usr and lib*, and of root's and each
+ *                                            home's own entries and their .local trees: where
+ *                                            the host looks for tampering (dsec.images.carry);
+ *                                            directories and whiteouts left out, at most
+ *                                            CHANGED_MAX bytes of names (err invalid if none)
  *   pack TOKEN                            -> "ID part LEN" + LEN bytes, repeated: a tar of the
  *                                            root's writable layer (/dev/.dsec/rw/upper), taken
  *                                            with the commands' cgroups frozen; then ok LEN + the
@@ -73,6 +80,7 @@
  * memfd holding what the host sent (or /dev/null).
  */
 #define _GNU_SOURCE
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -110,6 +118,7 @@
 #define UNCONNECTED_MS 20  /* the host is not connected: look again this often */
 #define WINDOW (256 << 10) /* bytes of a streamed job's output sent and not acked yet, at most */
 #define PTY_QUEUE (1 << 20) /* bytes typed at a pty and not taken by it yet, at most */
+#define CHANGED_MAX (1 << 20) /* bytes of names a "changed" answer holds, at most */
 
 struct buf {
     char *data;
@@ -800,6 +809,100 @@ static void do_write(const char *id, const char *path, const char *data, size_t 
     free(copy);
 }
 
+/* -- changed: where the host looks for tampering ---------------------------------------- */
+
+/* Append the files under the directory `fd` (named `rel`, relative to the upper) to `out`, every
+ * level (`deep`) or its own entries only; links are listed, never followed. Closes `fd`. */
+static void list_files(int fd, const char *rel, int deep, struct buf *out)
+{
+    DIR *dir = fdopendir(fd);
+    if (!dir) {
+        close(fd);
+        return;
+    }
+    struct dirent *e;
+    while ((e = readdir(dir)) && out->len < CHANGED_MAX) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+            continue;
+        char path[4096];
+        if (snprintf(path, sizeof path, "%s/%s", rel, e->d_name) >= (int)sizeof path)
+            continue;
+        struct stat st;
+        if (fstatat(dirfd(dir), e->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+            continue;
+        if (S_ISDIR(st.st_mode)) {
+            int sub = deep ? openat(dirfd(dir), e->d_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC) : -1;
+            if (sub >= 0)
+                list_files(sub, path, 1, out);
+        } else if (!(S_ISCHR(st.st_mode) && st.st_rdev == 0)) {  /* a 0/0 device is a whiteout */
+            buf_add(out, path, strlen(path) + 1);
+        }
+    }
+    closedir(dir);
+}
+
+static void do_changed(const char *id)
+{
+    int up = open(D "/rw/upper", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    DIR *top = up >= 0 ? fdopendir(dup(up)) : NULL;
+    if (!top) {
+        send_err(id, "invalid", "this VM has no writable layer at %s", D "/rw/upper");
+        if (up >= 0)
+            close(up);
+        return;
+    }
+    struct buf out = {0};
+    struct dirent *e;
+    while ((e = readdir(top))) {
+        const char *n = e->d_name;
+        int system = strcmp(n, "bin") == 0 || strcmp(n, "sbin") == 0 || strcmp(n, "etc") == 0 ||
+                     strcmp(n, "usr") == 0 || strncmp(n, "lib", 3) == 0;
+        int fd = system || strcmp(n, "root") == 0 || strcmp(n, "home") == 0
+                     ? openat(up, n, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC) : -1;
+        struct stat st;
+        if (fd < 0 && system && fstatat(up, n, &st, AT_SYMLINK_NOFOLLOW) == 0 && !S_ISDIR(st.st_mode) &&
+            !(S_ISCHR(st.st_mode) && st.st_rdev == 0))
+            buf_add(&out, n, strlen(n) + 1);  /* /bin itself replaced by a file or a link */
+        if (fd < 0)
+            continue;
+        if (system) {
+            list_files(fd, n, 1, &out);
+            continue;
+        }
+        /* root, and each home: its own entries (start-up files), and its .local (Python's hooks). */
+        char homes[64][300];
+        int n_homes = 0;
+        if (strcmp(n, "root") == 0) {
+            snprintf(homes[n_homes++], sizeof homes[0], "root");
+            close(fd);
+        } else {
+            DIR *h = fdopendir(fd);
+            struct dirent *he;
+            while (h && (he = readdir(h)) && n_homes < 64)
+                if (strcmp(he->d_name, ".") != 0 && strcmp(he->d_name, "..") != 0)
+                    snprintf(homes[n_homes++], sizeof homes[0], "home/%.250s", he->d_name);
+            if (h)
+                closedir(h);
+        }
+        for (int i = 0; i < n_homes; i++) {
+            int hf = openat(up, homes[i], O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (hf < 0)
+                continue;
+            int local = openat(hf, ".local", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            list_files(hf, homes[i], 0, &out);
+            if (local >= 0) {
+                char rel[320];
+                snprintf(rel, sizeof rel, "%.300s/.local", homes[i]);
+                list_files(local, rel, 1, &out);
+            }
+        }
+    }
+    closedir(top);
+    close(up);
+    send_ok(id, out.data, out.len);
+    buf_free(&out);
+}
+
 /* -- pack -------------------------------------------------------------------------------- */
 
 /* Run argv (in `cwd`, stdout to `out` unless -1) and wait: its exit status, or -1. */
@@ -1191,6 +1294,8 @@ static void handle_request(char *line)
         free(path);
     } else if (strcmp(op, "pack") == 0) {  /* TOKEN */
         start_pack(id, f[2]);
+    } else if (strcmp(op, "changed") == 0) {
+        do_changed(id);
     } else if (strcmp(op, "shutdown") == 0) {
         send_ok(id, NULL, 0);
         sync();
@@ -1254,17 +1359,67 @@ static void reap(void)
     }
 }
 
-/* The sandbox's pid namespace (dsec-jail --init, with this directory read-only in its mount
- * namespace) and the jail's arguments for every command. */
+/* The sandbox's protected paths, from the kernel command line's dsec.protect=HEX (the hex of
+ * the paths, NUL-separated: the host's run arg protected_paths): each that exists is made a
+ * read-only bind mount in the commands' mount namespace (`--ro` of dsec-jail --init), which
+ * root in a command cannot undo (no CAP_SYS_ADMIN; seccomp refuses mount and umount). One that
+ * does not exist is left out, and the host, which checks each before it answers the create,
+ * refuses the sandbox. Up to MAX_PROTECTED paths; returns how many went into `out`. */
+#define MAX_PROTECTED 64
+static int protected_paths(char *out[MAX_PROTECTED])
+{
+    static char cmdline[4096], paths[2048];
+    int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+    ssize_t r = fd >= 0 ? read(fd, cmdline, sizeof cmdline - 1) : -1;
+    if (fd >= 0)
+        close(fd);
+    if (r <= 0)
+        return 0;
+    cmdline[r] = '\0';
+    char *hex = strstr(cmdline, "dsec.protect=");
+    if (!hex)
+        return 0;
+    hex += strlen("dsec.protect=");
+    size_t n = 0;
+    for (; isxdigit((unsigned char)hex[0]) && isxdigit((unsigned char)hex[1]) && n < sizeof paths - 1; hex += 2) {
+        char pair[3] = {hex[0], hex[1], 0};
+        paths[n++] = (char)strtoul(pair, NULL, 16);
+    }
+    paths[n] = '\0';
+    int count = 0;
+    struct stat st;
+    for (size_t at = 0; at < n && count < MAX_PROTECTED; at += strlen(paths + at) + 1)
+        if (paths[at] == '/' && stat(paths + at, &st) == 0)
+            out[count++] = paths + at;
+        else if (paths[at])
+            console("protected path %s does not exist: not protected", paths + at);
+    return count;
+}
+
+/* The sandbox's pid namespace (dsec-jail --init, with this directory and the protected paths
+ * read-only in its mount namespace) and the jail's arguments for every command. */
 static int setup_jail(void)
 {
     int fds[2];
     if (pipe2(fds, O_CLOEXEC) < 0)
         return -1;
+    char *protect[MAX_PROTECTED];
+    int n_protect = protected_paths(protect);
     pid_t pid = fork();
     if (pid == 0) {
+        char *argv[4 + 2 * MAX_PROTECTED];
+        int n = 0;
+        argv[n++] = D "/jail";
+        argv[n++] = "--ro";
+        argv[n++] = D;
+        for (int i = 0; i < n_protect; i++) {
+            argv[n++] = "--ro";
+            argv[n++] = protect[i];
+        }
+        argv[n++] = "--init";
+        argv[n] = NULL;
         dup2(fds[1], 1);
-        execl(D "/jail", D "/jail", "--ro", D, "--init", (char *)NULL);
+        execv(D "/jail", argv);
         _exit(127);
     }
     close(fds[1]);

@@ -322,13 +322,22 @@ static void start_init(void)
     sigaddset(&chld, SIGCHLD);
     if (sigprocmask(SIG_BLOCK, &chld, NULL) < 0)
         die("sigprocmask: %s", strerror(errno));
+    /* The pid is printed once the mounts are made: no command joins a namespace without them. */
+    int ready[2];
+    if (pipe2(ready, O_CLOEXEC) < 0)
+        die("pipe: %s", strerror(errno));
     pid_t init = fork();
     if (init < 0)
         die("fork: %s", strerror(errno));
     if (init > 0) {
+        char ok;
+        close(ready[1]);
+        if (read(ready[0], &ok, 1) != 1)
+            die("the sandbox's init could not set its mounts up");
         printf("%d\n", init);
         _exit(fflush(stdout) == 0 ? 0 : FAIL_CODE);
     }
+    close(ready[0]);
     if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) < 0)
         die("cannot make the mounts private: %s", strerror(errno));
     if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
@@ -339,6 +348,9 @@ static void start_init(void)
             mount(NULL, path, NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) < 0)
             die("cannot make %s read-only: %s", path, strerror(errno));
     }
+    if (write(ready[1], "1", 1) != 1)
+        _exit(FAIL_CODE);
+    close(ready[1]);
     int null = open("/dev/null", O_RDWR | O_CLOEXEC);
     if (null < 0 || dup2(null, 0) < 0 || dup2(null, 1) < 0 || dup2(null, 2) < 0 || chdir("/") < 0)
         _exit(FAIL_CODE);

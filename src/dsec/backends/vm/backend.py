@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
 import re
 import shlex
 import shutil
@@ -37,6 +38,7 @@ from pathlib import Path
 from libdsec import BackendError, CommandTimeout, InvalidRequest, LimitOutOfRange, SandboxFileNotFound, SandboxStateError
 from libdsec.protocol import ExecRequest, ExecResult
 
+from ...images import carry
 from ...images.store import LayerStore
 from ...resources import cgroups, reclaim
 from ...resources.cgroups import Limits
@@ -165,6 +167,18 @@ class _VMPty:
         self.chunks.put_nowait(None)
 
 
+# Protected paths go on the guest kernel's command line (x86: 2048 bytes in all), hex-encoded;
+# the guest's jail binds at most 64 paths read-only, its own directory one of them.
+MAX_PROTECTED_PATHS = 63
+GUEST_BUSYBOX = "/dev/.dsec/busybox"
+MAX_PROTECTED_BYTES = 640
+
+
+def _unescape_mountinfo(field: str) -> str:
+    """A mount point as /proc/PID/mountinfo writes it (space, tab, newline, backslash octal-escaped)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 @dataclass
 class _Live:
     """What the backend holds for a running VM (rebuilt on recover)."""
@@ -183,7 +197,7 @@ class VMBackend:
     # No WARM_POOL: the edge's pool pre-creates sandboxes without limits, and a VM's memory is
     # fixed when it boots, so VMs are made for each request instead. KEPT_LAYER: clean copies
     # through the guest agent (kept_layer).
-    capabilities = frozenset({Capability.KEPT_LAYER, Capability.PIPED_STDIN, Capability.WATCHED})
+    capabilities = frozenset({Capability.KEPT_LAYER, Capability.PIPED_STDIN, Capability.WATCHED, Capability.PROTECTED_PATHS})
 
     def __init__(self, node_dir: Path, store: LayerStore, assets_dir: Path | None = None, *,
                  accel: str | None = None, boot_timeout_s: float = 60.0, default_memory_mb: int = DEFAULT_MEMORY_MB,
@@ -300,7 +314,58 @@ class VMBackend:
             raise
         live.limits = spec.limits
         self._live[cid] = live
-        return Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
+        handle = Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
+        if spec.protected_paths:
+            try:
+                await self._check_protected(handle, spec)
+            except BaseException:
+                await self.destroy(handle)
+                raise
+        return handle
+
+    # -- protected paths ---------------------------------------------------------------------
+
+    def protect_arg(self, spec: SandboxSpec) -> str:
+        """The kernel command line's ``dsec.protect=``: the hex of the protected paths,
+        NUL-separated. The guest agent makes each a read-only bind mount in the commands' mount
+        namespace before the first command (``native/agent.c``, ``dsec-jail --init --ro``)."""
+        if not spec.protected_paths:
+            return ""
+        if len(spec.protected_paths) > MAX_PROTECTED_PATHS:
+            raise InvalidRequest(f"a {self.kind} takes at most {MAX_PROTECTED_PATHS} protected paths, "
+                                 f"not {len(spec.protected_paths)}")
+        hexed = b"\0".join(os.fsencode(p) for p in spec.protected_paths).hex()
+        if len(hexed) > 2 * MAX_PROTECTED_BYTES:
+            raise InvalidRequest(f"the protected paths of a {self.kind} are at most {MAX_PROTECTED_BYTES} bytes "
+                                 f"in all (they go on the guest kernel's command line), not {len(hexed) // 2}")
+        return f" dsec.protect={hexed}"
+
+    async def _check_protected(self, handle: Handle, spec: SandboxSpec) -> None:
+        """Each protected path, as a command sees it, is a read-only mount point: what the
+        agent made of ``dsec.protect``. A path the image lacks is ``InvalidRequest``."""
+        # (The agent's busybox, which commands may run: the image need not have readlink or cat.)
+        bb = f"{GUEST_BUSYBOX} "
+        script = "; ".join(
+            f"p={shlex.quote(p)}; if [ -e \"$p\" ]; then {bb}printf '%s\\0' \"$({bb}readlink -f -- \"$p\")\"; "
+            f"else {bb}printf '\\0'; fi" for p in spec.protected_paths) + f"; {bb}cat /proc/self/mountinfo"
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        result = await self.exec(handle, ExecRequest(command=script, timeout=60), ctx)
+        parts = result.stdout.split("\0")
+        if result.exit_code != 0 or len(parts) != len(spec.protected_paths) + 1:
+            raise BackendError(f"cannot check the protected paths of {self.kind} {handle.cid}: "
+                               f"exit {result.exit_code}: {result.stderr.strip()[-300:]}")
+        read_only: dict[str, bool] = {}
+        for line in parts[-1].splitlines():  # the last mount at a point is the one seen
+            fields = line.split(" ")
+            if len(fields) > 5:
+                read_only[_unescape_mountinfo(fields[4])] = "ro" in fields[5].split(",")
+        for path, real in zip(spec.protected_paths, parts, strict=False):
+            if not real:
+                raise InvalidRequest(f"protected path {path!r} cannot be protected in image {spec.image!r}: "
+                                     f"No such file or directory")
+            if not read_only.get(real):
+                raise BackendError(f"protected path {path!r} ({real}) is not a read-only mount in "
+                                   f"{self.kind} {handle.cid}: its guest agent does not protect paths")
 
     async def _before_agent(self, qmp: QMP, pid: int, spec: SandboxSpec) -> None:
         """Hook: a restored VM loads its state here."""
@@ -401,6 +466,28 @@ class VMBackend:
             raise BackendError(f"cannot pack {self.kind} {handle.cid}: {exc.message}") from None
         except AgentGone as exc:
             raise self._gone(handle, live, exc) from None
+
+    async def guest_tampered(self, handle: Handle, timeout: float) -> list[str]:
+        """The system files the guest's writable layer replaces or adds (``carry.system_files``
+        of the paths the agent's ``changed`` lists: it reads only the upper's system trees and
+        homes, names only). A paused VM is let run for it (it is being stopped). Raises
+        ``BackendError`` if the agent cannot tell (an agent older than ``changed``, one that
+        does not answer within ``timeout``: the channel stays usable)."""
+        live = self._get(handle, "look for tampering in", paused_ok=True)
+        if live.paused:
+            try:
+                await live.qmp.execute("cont")
+            except QMPError as exc:
+                raise BackendError(f"cannot resume {handle.cid} to look for tampering: {exc}") from exc
+            live.paused = False
+        try:
+            names = await live.agent.request("changed", timeout=timeout)
+        except AgentFailure as exc:
+            raise BackendError(f"cannot look for tampering in {self.kind} {handle.cid}: {exc.message}") from None
+        except AgentGone as exc:
+            raise BackendError(f"cannot look for tampering in {self.kind} {handle.cid}: {exc}") from None
+        assert isinstance(names, bytes)
+        return carry.system_files(os.fsdecode(n) for n in names.split(b"\0") if n)
 
     async def destroy(self, handle: Handle) -> None:
         live = self._live.pop(handle.cid, None)

@@ -173,7 +173,7 @@ class FullVMBackend(VMBackend):
             "-device", "virtio-blk-pci,drive=base",
             "-drive", f"file={disk},if=none,id=disk0,format=qcow2,discard=unmap",
             "-device", "virtio-blk-pci,drive=disk0",
-            *self._kernel_args(assets, accel, "dsec.mode=fullvm"),
+            *self._kernel_args(assets, accel, "dsec.mode=fullvm" + self.protect_arg(spec)),
         ]
 
     def release_unused(self) -> None:

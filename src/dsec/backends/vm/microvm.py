@@ -79,7 +79,7 @@ class SnapshotDamaged(InvalidRequest):
 
 class MicroVMBackend(VMBackend):
     kind = "microvm"
-    capabilities = frozenset({Capability.KEPT_LAYER, Capability.SNAPSHOT, Capability.PIPED_STDIN, Capability.WATCHED})
+    capabilities = frozenset({Capability.KEPT_LAYER, Capability.SNAPSHOT, Capability.PIPED_STDIN, Capability.WATCHED, Capability.PROTECTED_PATHS})
 
     def __init__(self, node_dir: Path, store, assets_dir: Path | None = None, *, layer_mode: str = "pmem",
                  use_ksm: bool | None = None, **kw) -> None:
@@ -183,7 +183,7 @@ class MicroVMBackend(VMBackend):
                 addr += size
             argv += ["-object", tail_obj, "-numa", f"node,nodeid={len(files) + 1},memdev={tail}"]
             extra = " ".join([*memmap, f"dsec.mode=microvm dsec.layers={len(files)}"])
-        extra += " " + GUEST_SHARING_ARGS
+        extra += " " + GUEST_SHARING_ARGS + self.protect_arg(spec)
         argv += ["-M", machine_opts, *self._kernel_args(assets, accel, extra)]
         if spec.snapshot is not None:
             argv += ["-incoming", "defer", "-S"]
@@ -308,6 +308,9 @@ class MicroVMBackend(VMBackend):
     async def create(self, cid: str, spec: SandboxSpec) -> Handle:
         if spec.snapshot is None:
             return await super().create(cid, spec)
+        if spec.protected_paths:
+            raise InvalidRequest("protected_paths cannot be given with a memory snapshot: a restored guest keeps "
+                                 "the mounts it had when the snapshot was taken")
         meta = self.snapshot_meta(spec.snapshot)
         if tuple(meta["layers"]) != tuple(spec.layers):
             raise InvalidRequest(f"snapshot {spec.snapshot} was taken from image {meta['image']!r}, "
