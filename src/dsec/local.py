@@ -169,6 +169,18 @@ def persisted_record(state_dir: Path, sandbox_id: str) -> dict:
     return json.loads(text)
 
 
+def _ancestors() -> set[int]:
+    """This process's pid and its ancestors' (up to init)."""
+    found, pid = set(), os.getpid()
+    while pid > 1 and pid not in found:
+        found.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+    return found
+
+
 def leftovers(state_dir: Path, settle_s: float = 5.0) -> list[str]:
     """What a stopped server left on the host: sandbox processes, mounts, cgroups, bundles.
 
@@ -201,8 +213,9 @@ def _leftovers(state_dir: Path) -> list[str]:
         found += [f"cgroup {d}" for d in cgroups.sandbox_cgroup_dirs(p)]
         found += [f"parent cgroup {h / p}" for h in hierarchies if (h / p).is_dir()]
     inside = str(state_dir) + "/"
+    ours = _ancestors()  # this process and what started it (a `timeout` or shell naming the state dir)
     for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
+        if not pid.isdigit() or int(pid) in ours:
             continue
         try:
             cgroup = Path(f"/proc/{pid}/cgroup").read_text()
