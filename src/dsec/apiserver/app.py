@@ -68,6 +68,7 @@ from libdsec.protocol import (
 )
 
 from ..compat.e2b import add_e2b_routes
+from ..edge.files import file_mode as parse_file_mode
 from .auth import Authenticator, Caller
 from .cluster import Cluster
 from .lean import LeanRoutes, error_headers
@@ -547,10 +548,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     async def write_file_stream(request: Request, sandbox_id: str, path: str = Query(min_length=1),
                                 mode: str = Query("0o644")) -> dict:
         """The body (streamed, or whole) written to the file as it comes, of any size."""
-        try:
-            file_mode = int(mode, 0)
-        except ValueError:
-            raise InvalidRequest(f"invalid file mode {mode!r}: use octal like 0o644") from None
+        file_mode = parse_file_mode(mode)
         await cluster.edge_for(sandbox_id).write_file_stream(sandbox_id, path, _body_chunks(request), file_mode)
         return {"ok": True}
 
@@ -562,10 +560,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     @app.put("/v1/sandboxes/{sandbox_id}/files", responses=_ERRORS)
     async def write_file(request: Request, sandbox_id: str, path: str = Query(min_length=1),
                          mode: str = Query("0o644"), caller: Caller = Depends(authenticated)) -> dict:
-        try:
-            file_mode = int(mode, 0)
-        except ValueError:
-            raise InvalidRequest(f"invalid file mode {mode!r}: use octal like 0o644") from None
+        file_mode = parse_file_mode(mode)
         edge, data = cluster.edge_for(sandbox_id), await request.body()
 
         async def write() -> dict:

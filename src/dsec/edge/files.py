@@ -30,6 +30,15 @@ _NOT_FOUND, _NOT_DIR, _NOT_EMPTY, _IS_DIR = 91, 92, 93, 94
 UPLOAD_PIECE = 3 << 20  # raw bytes a command (4 MiB of base64)
 
 
+def file_mode(text: str) -> int:
+    """A file route's ``mode`` (``0o644``, or any base ``int(text, 0)`` reads), or
+    ``InvalidRequest`` naming it."""
+    try:
+        return int(text, 0)
+    except ValueError:
+        raise InvalidRequest(f"invalid file mode {text!r}: use octal like 0o644") from None
+
+
 def check_path(path: str, what: str = "path") -> str:
     """``path`` as the sandbox will see it, or ``InvalidRequest`` naming what is wrong."""
     if not path.startswith("/"):

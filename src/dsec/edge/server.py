@@ -78,6 +78,7 @@ from libdsec.protocol import (
 
 from .api import EdgeAPI
 from .stream import TERMINAL
+from .files import file_mode
 
 log = logging.getLogger("dsec.edge.server")
 
@@ -246,18 +247,12 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         return None
 
     async def write_file_stream(c: _Call):
-        try:
-            mode = int(c.query.get("mode", "0o644"), 0)
-        except ValueError:
-            raise InvalidRequest(f"invalid file mode {c.query.get('mode')!r}: use octal like 0o644") from None
+        mode = file_mode(c.query.get("mode", "0o644"))
         await c.edge.write_file_stream(c.params["sid"], c.arg("path"), c.body, mode)
         return None
 
     async def write_file(c: _Call):
-        try:
-            mode = int(c.query.get("mode", "0o644"), 0)
-        except ValueError:
-            raise InvalidRequest(f"invalid file mode {c.query.get('mode')!r}: use octal like 0o644") from None
+        mode = file_mode(c.query.get("mode", "0o644"))
         await c.edge.write_file(c.params["sid"], c.arg("path"), c.body, mode)
         return None
 
