@@ -7,9 +7,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 import pytest
-import pytest_asyncio
 
-from libdsec import DSecClient, DSecFullVMRunArgs, DSecMicroVMRunArgs, InvalidRequest, SandboxStateError
+from libdsec import DSecFullVMRunArgs, DSecMicroVMRunArgs, InvalidRequest, SandboxStateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
 
@@ -22,22 +21,6 @@ WORK = (
 FORGE = ("rm -f /bin/sh && printf '%s\\n' '#!/bin/busybox ash' \"echo '1 passed'\" 'exit 0' > /bin/sh"
          " && chmod +x /bin/sh")
 GRADE = "grep -q 'assert 1 == 2' /root/work/test_x.py && echo '1 failed' && exit 1"
-
-
-@pytest.fixture(scope="module")
-def vm_server(tmp_path_factory, test_store):
-    from dsec.local import serving
-
-    from conftest import make_state_dir
-
-    with serving(make_state_dir(tmp_path_factory, test_store, "dsec-vmcopy"), "--pool-max", "0") as srv:
-        yield srv
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(vm_server):
-    async with DSecClient(vm_server.endpoint, token=vm_server.token) as c:
-        yield c
 
 
 @pytest.mark.parametrize("kind", ["microvm", "fullvm"])

@@ -10,10 +10,9 @@ import os
 import signal
 
 import pytest
-import pytest_asyncio
 
 from dsec.resources import reclaim
-from libdsec import DSecClient, DSecContainerRunArgs, DSecFullVMRunArgs, DSecMicroVMRunArgs, SandboxStateError
+from libdsec import DSecContainerRunArgs, DSecFullVMRunArgs, DSecMicroVMRunArgs, SandboxStateError
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
 
@@ -46,12 +45,6 @@ def vm_server(tmp_path_factory, test_store):
     with serving(make_state_dir(tmp_path_factory, test_store, "dsec-vmpack"), "--pool-max", "0") as srv:
         yield srv
     assert set(scratch.glob("*.tar")) <= tars_before, "pack_diff left its tar in the store's tmp/"
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(vm_server):
-    async with DSecClient(vm_server.endpoint, token=vm_server.token) as c:
-        yield c
 
 
 async def runs_with_the_changes(client, image: str, kinds: tuple[str, ...]) -> None:

@@ -5,9 +5,8 @@ there, nor remount or unmount it. A path the image lacks is refused at create.""
 from __future__ import annotations
 
 import pytest
-import pytest_asyncio
 
-from libdsec import DSecClient, DSecFullVMRunArgs, DSecMicroVMRunArgs, InvalidRequest
+from libdsec import DSecFullVMRunArgs, DSecMicroVMRunArgs, InvalidRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
 
@@ -30,22 +29,6 @@ def script(attempts: list[str]) -> str:
 
 def _q(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'"
-
-
-@pytest.fixture(scope="module")
-def vm_server(tmp_path_factory, test_store):
-    from dsec.local import serving
-
-    from conftest import make_state_dir
-
-    with serving(make_state_dir(tmp_path_factory, test_store, "dsec-vmprot"), "--pool-max", "0") as srv:
-        yield srv
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(vm_server):
-    async with DSecClient(vm_server.endpoint, token=vm_server.token) as c:
-        yield c
 
 
 @pytest.mark.parametrize("kind", ["microvm", "fullvm"])
