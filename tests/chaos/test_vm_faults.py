@@ -7,15 +7,17 @@ is re-adopted and runs, the snapshot whole or absent; nothing is left once they 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from dsec.local import LocalServer, leftovers, persisted_record
-from libdsec import DSecClient, DSecContainerRunArgs, DSecMicroVMRunArgs, SandboxStateError, SandboxStatus
+from libdsec import DSecClient, DSecContainerRunArgs, DSecMicroVMRunArgs, Sandbox, SandboxStateError, SandboxStatus
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -28,52 +30,59 @@ async def stop_all(srv: LocalServer) -> None:
                 await (await client.get_sandbox(info.id)).stop()
 
 
-async def test_a_killed_qemu_fails_its_microvm_only(new_state_dir):
-    state = new_state_dir("dsec-vmchaos")
+@contextlib.asynccontextmanager
+async def vm_server(new_state_dir, name: str) -> AsyncIterator[tuple[Path, LocalServer]]:
+    """A server of the test's own (no warm pool): once the test is done and has stopped its
+    sandboxes, it is stopped and nothing may be left; a test that failed midway has its
+    sandboxes stopped first."""
+    state = new_state_dir(name)
     srv = LocalServer(state, extra_args=("--pool-max", "0")).start()
     try:
-        async with DSecClient(srv.endpoint, token=srv.token) as client:
-            vm_args = DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128)
-            victim, other = await asyncio.gather(client.run_microvm(vm_args, timeout=180),
-                                                 client.run_microvm(vm_args, timeout=180))
-            container = await client.run_container(DSecContainerRunArgs(container_image="busybox", memory_limit_mb=32))
-            assert (await victim.run_shell("echo up")).stdout == "up\n"
-            os.kill(persisted_record(state, victim.id)["handle"]["pid"], signal.SIGKILL)
-            with pytest.raises(SandboxStateError, match="(?i)qemu|gone|died|exited|closed"):
-                await victim.run_shell("echo hi", timeout=20)
-            deadline = time.monotonic() + 10
-            while (await victim.refresh()).status is SandboxStatus.running and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            assert victim.status is SandboxStatus.failed, victim.info
-            assert (await other.run_shell("echo fine")).stdout == "fine\n"
-            assert (await container.run_shell("echo fine")).stdout == "fine\n"
-            for sandbox in (victim, other, container):
-                await sandbox.stop()
-        srv.stop()
-        assert not leftovers(state, settle_s=10)
-    finally:
-        srv.stop()
-
-
-async def test_a_microvm_that_dies_with_no_call_is_seen_failed(new_state_dir):
-    """Nobody calls it: the edge's sweep (each reaper round, 1 s) finds its QEMU gone."""
-    state = new_state_dir("dsec-vmsweep")
-    srv = LocalServer(state, extra_args=("--pool-max", "0")).start()
-    try:
-        async with DSecClient(srv.endpoint, token=srv.token) as client:
-            vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128),
-                                          timeout=300)
-            os.kill(persisted_record(state, vm.id)["handle"]["pid"], signal.SIGKILL)
-            deadline = time.monotonic() + 10
-            while (await vm.refresh()).status is SandboxStatus.running and time.monotonic() < deadline:
-                await asyncio.sleep(0.2)
-            assert vm.status is SandboxStatus.failed and "its QEMU exited" in vm.info.reason, vm.info
-            await vm.stop()
+        yield state, srv
         srv.stop()
         assert not leftovers(state, settle_s=10)
     finally:
         await stop_all(srv)
         srv.stop()
+
+
+async def busybox_vm(client: DSecClient, timeout: float = 300) -> Sandbox:
+    return await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128),
+                                    timeout=timeout)
+
+
+async def until_not_running(sandbox: Sandbox, within_s: float, every_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while (await sandbox.refresh()).status is SandboxStatus.running and time.monotonic() < deadline:
+        await asyncio.sleep(every_s)
+
+
+async def test_a_killed_qemu_fails_its_microvm_only(new_state_dir):
+    async with vm_server(new_state_dir, "dsec-vmchaos") as (state, srv):
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            victim, other = await asyncio.gather(busybox_vm(client, 180), busybox_vm(client, 180))
+            container = await client.run_container(DSecContainerRunArgs(container_image="busybox", memory_limit_mb=32))
+            assert (await victim.run_shell("echo up")).stdout == "up\n"
+            os.kill(persisted_record(state, victim.id)["handle"]["pid"], signal.SIGKILL)
+            with pytest.raises(SandboxStateError, match="(?i)qemu|gone|died|exited|closed"):
+                await victim.run_shell("echo hi", timeout=20)
+            await until_not_running(victim, 10, 0.1)
+            assert victim.status is SandboxStatus.failed, victim.info
+            assert (await other.run_shell("echo fine")).stdout == "fine\n"
+            assert (await container.run_shell("echo fine")).stdout == "fine\n"
+            for sandbox in (victim, other, container):
+                await sandbox.stop()
+
+
+async def test_a_microvm_that_dies_with_no_call_is_seen_failed(new_state_dir):
+    """Nobody calls it: the edge's sweep (each reaper round, 1 s) finds its QEMU gone."""
+    async with vm_server(new_state_dir, "dsec-vmsweep") as (state, srv):
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            vm = await busybox_vm(client)
+            os.kill(persisted_record(state, vm.id)["handle"]["pid"], signal.SIGKILL)
+            await until_not_running(vm, 10, 0.2)
+            assert vm.status is SandboxStatus.failed and "its QEMU exited" in vm.info.reason, vm.info
+            await vm.stop()
 
 
 async def test_an_oom_killed_guest_agent_fails_its_microvm_with_the_reason(new_state_dir):
@@ -82,12 +91,9 @@ async def test_an_oom_killed_guest_agent_fails_its_microvm_with_the_reason(new_s
     guest's init powers the VM off when its agent is gone; the host sees the channel close, the
     call fails, and the sandbox is ``failed`` with the console's account of it. The container
     beside it is not affected, and nothing is left."""
-    state = new_state_dir("dsec-vmagent")
-    srv = LocalServer(state, extra_args=("--pool-max", "0")).start()
-    try:
+    async with vm_server(new_state_dir, "dsec-vmagent") as (_, srv):
         async with DSecClient(srv.endpoint, token=srv.token) as client:
-            victim = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128),
-                                              timeout=300)
+            victim = await busybox_vm(client)
             container = await client.run_container(DSecContainerRunArgs(container_image="busybox", memory_limit_mb=32))
             assert (await victim.run_shell("echo up")).stdout == "up\n"
             with pytest.raises(SandboxStateError, match=r"(?i)OOM killer killed its agent \(Out of memory: Killed process \d+ \(agent\)"):
@@ -101,21 +107,13 @@ async def test_an_oom_killed_guest_agent_fails_its_microvm_with_the_reason(new_s
             assert (await container.run_shell("echo fine")).stdout == "fine\n"
             for sandbox in (victim, container):
                 await sandbox.stop()
-        srv.stop()
-        assert not leftovers(state, settle_s=10)
-    finally:
-        await stop_all(srv)
-        srv.stop()
 
 
 async def test_a_kill_during_a_microvm_snapshot_leaves_it_running_and_the_snapshot_whole_or_absent(new_state_dir):
-    state = new_state_dir("dsec-vmsnap")
-    srv = LocalServer(state, extra_args=("--pool-max", "0")).start()
-    snapshots = Path(state) / "node" / "snapshots"
-    try:
+    async with vm_server(new_state_dir, "dsec-vmsnap") as (state, srv):
+        snapshots = Path(state) / "node" / "snapshots"
         async with DSecClient(srv.endpoint, token=srv.token) as client:
-            vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128),
-                                          timeout=300)
+            vm = await busybox_vm(client)
             await vm.write_file("/root/note", "before the crash\n")
             saving = asyncio.create_task(vm.snapshot())
             # The kill comes once QEMU writes the migration stream: its vCPUs are stopped then.
@@ -137,24 +135,16 @@ async def test_a_kill_during_a_microvm_snapshot_leaves_it_running_and_the_snapsh
             for name in left:  # one that finished before the kill is whole
                 assert (snapshots / name / "meta.json").is_file() and (snapshots / name / "state").is_file(), name
             await again.stop()
-        srv.stop()
-        assert not leftovers(state, settle_s=10)
-        log = srv.log_path.read_text()
-        assert "with its vCPUs stopped" in log, log[-2000:]  # the kill came while they were
-    finally:
-        await stop_all(srv)
-        srv.stop()
+    log = srv.log_path.read_text()
+    assert "with its vCPUs stopped" in log, log[-2000:]  # the kill came while they were
 
 
 async def test_a_paused_microvm_is_re_adopted_paused_and_resumes(new_state_dir):
     """``kill -9`` of the server while a microVM is paused (its vCPUs stopped): after the restart
     it is still paused, and its next call resumes it and answers."""
-    state = new_state_dir("dsec-vmpause")
-    srv = LocalServer(state, extra_args=("--pool-max", "0")).start()
-    try:
+    async with vm_server(new_state_dir, "dsec-vmpause") as (_, srv):
         async with DSecClient(srv.endpoint, token=srv.token) as client:
-            vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128),
-                                          timeout=300)
+            vm = await busybox_vm(client)
             await vm.write_file("/root/note", "paused\n")
             await vm.pause()
         srv.kill()
@@ -165,8 +155,3 @@ async def test_a_paused_microvm_is_re_adopted_paused_and_resumes(new_state_dir):
             assert (await again.run_shell("cat /root/note", timeout=60)).stdout == "paused\n"
             assert (await again.refresh()).status is SandboxStatus.running
             await again.stop()
-        srv.stop()
-        assert not leftovers(state, settle_s=10)
-    finally:
-        await stop_all(srv)
-        srv.stop()
