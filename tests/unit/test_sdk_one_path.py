@@ -148,11 +148,9 @@ def test_the_sync_twin_over_both_transports(endpoint):
     assert outputs == ["twin\n", "twin\n"]
 
 
-class HangUp:
-    """Reads each request and closes the connection without an answer; counts them."""
-
-    def __init__(self) -> None:
-        self.requests = 0
+class _LoopbackServer:
+    """A hand-written server on 127.0.0.1 (``async with`` gives its endpoint); ``_serve`` is
+    each connection's."""
 
     async def __aenter__(self) -> str:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -163,11 +161,27 @@ class HangUp:
         await self.server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request read whole (its body by Content-Length); its head is returned."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    await reader.readexactly(length)
+    return head
+
+
+class HangUp(_LoopbackServer):
+    """Reads each request and closes the connection without an answer; counts them."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                           if line.lower().startswith(b"content-length:")), 0)
-            await reader.readexactly(length)
+            await _read_request(reader)
             self.requests += 1
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -190,28 +204,17 @@ async def test_a_server_that_hangs_up_is_retried_alike(transport):
     assert (reads, hang_up.requests) == (3, 3 + 1 + 3)
 
 
-class Busy:
+class Busy(_LoopbackServer):
     """Answers ``refusals`` requests with 429 ``overloaded`` (a short ``retry_after``), then
     each with ``[]``; streams as one NDJSON error line."""
 
     def __init__(self, refusals: int) -> None:
         self.refusals, self.requests = refusals, []
 
-    async def __aenter__(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        await self.server.wait_closed()
-
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
+                head = await _read_request(reader)
                 self.requests.append(head.split(b" ")[1].decode())
                 if len(self.requests) <= self.refusals:
                     status, body = "429 Too Many Requests", libdsec.Overloaded("busy here", retry_after=0.01).to_wire()
