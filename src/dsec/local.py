@@ -127,6 +127,8 @@ class LocalServer:
         """``stop_sandboxes`` from a running event loop."""
         from libdsec import DSecClient, DSecError
 
+        if self.proc is None or self.proc.poll() is not None:
+            return  # not running: nobody to ask (a client would retry its way to giving up)
         try:
             async with DSecClient(self.endpoint, token=self.token) as client:
                 for info in await client.list_sandboxes():

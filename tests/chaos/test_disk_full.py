@@ -141,10 +141,7 @@ async def test_creates_with_their_filesystem_full_fail_clearly_and_leave_nothing
                 await sandbox.stop()
             await keeper.stop()
     finally:
-        if srv.proc is not None and srv.proc.poll() is None:
-            async with DSecClient(srv.endpoint, token=srv.token) as client:
-                for info in await client.list_sandboxes():
-                    await (await client.get_sandbox(info.id)).stop()
+        await srv.stop_sandboxes_async()
         srv.stop()
 
 
@@ -168,8 +165,5 @@ async def test_a_microvm_create_on_a_full_state_dir_fails_clearly_and_leaves_not
             async with await client.run_microvm(args, timeout=300) as vm:
                 assert (await vm.run_shell("echo booted")).stdout == "booted\n"
     finally:
-        if srv.proc is not None and srv.proc.poll() is None:
-            async with DSecClient(srv.endpoint, token=srv.token) as client:
-                for info in await client.list_sandboxes():
-                    await (await client.get_sandbox(info.id)).stop()
+        await srv.stop_sandboxes_async()
         srv.stop()

@@ -22,14 +22,6 @@ from libdsec import DSecClient, DSecContainerRunArgs, DSecMicroVMRunArgs, Sandbo
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
 
-async def stop_all(srv: LocalServer) -> None:
-    """A test that failed midway leaves no sandbox running."""
-    if srv.proc is not None and srv.proc.poll() is None:
-        async with DSecClient(srv.endpoint, token=srv.token) as client:
-            for info in await client.list_sandboxes():
-                await (await client.get_sandbox(info.id)).stop()
-
-
 @contextlib.asynccontextmanager
 async def vm_server(new_state_dir, name: str) -> AsyncIterator[tuple[Path, LocalServer]]:
     """A server of the test's own (no warm pool): once the test is done and has stopped its
@@ -42,7 +34,7 @@ async def vm_server(new_state_dir, name: str) -> AsyncIterator[tuple[Path, Local
         srv.stop()
         assert not leftovers(state, settle_s=10)
     finally:
-        await stop_all(srv)
+        await srv.stop_sandboxes_async()
         srv.stop()
 
 
