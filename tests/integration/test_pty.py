@@ -85,18 +85,21 @@ def rss_bytes(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-async def test_an_idle_pty_costs_the_server_little(client, server):
-    """≤ 1 MiB each beyond the sandbox (docs/INSIDE.md): 20 idle shells, the server's RSS."""
+@pytest.mark.parametrize("what", ["pty", "session"])
+async def test_an_idle_pty_or_session_costs_the_server_little(client, server, what):
+    """≤ 1 MiB each beyond the sandbox (docs/INSIDE.md), for an open PTY and an open session
+    alike: 20 idle shells, the server's RSS."""
     async with await client.run_container(args(memory_limit_mb=128)) as sandbox:
-        warm = await sandbox.open_pty()
+        open_one = sandbox.open_pty if what == "pty" else sandbox.open_session
+        warm = await open_one()
         await warm.close()
         before = rss_bytes(server.proc.pid)
-        ptys = [await sandbox.open_pty() for _ in range(20)]
+        shells = [await open_one() for _ in range(20)]
         await asyncio.sleep(0.5)
         grown = rss_bytes(server.proc.pid) - before
-        for pty in ptys:
-            await pty.close()
-        print(f"server RSS +{grown / 20 / 1024:.0f} KiB per idle PTY")
+        for shell in shells:
+            await shell.close()
+        print(f"server RSS +{grown / 20 / 1024:.0f} KiB per idle {what}")
         assert grown / 20 <= 1 << 20, grown
 
 
