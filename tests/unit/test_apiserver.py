@@ -345,3 +345,66 @@ async def test_the_lean_routes_answer_as_fastapi_does(http, monkeypatch):
                    for q in ("", "?via=fastapi")]
         assert [(a.status_code, a.json()["error"]["code"]) for a in answers] == [(422, "invalid_request")] * 2
         assert all(a.json()["error"]["message"].startswith("malformed request") for a in answers)
+
+
+def _untimed(r: httpx.Response) -> tuple:
+    """Status and body, less E2B's times (the fake edge stamps "now")."""
+    body = r.json() if r.content else None
+    for item in body if isinstance(body, list) else [body]:
+        if isinstance(item, dict):
+            for k in [k for k in item if k.endswith("At")]:
+                del item[k]
+    return r.status_code, body
+
+
+async def test_the_e2b_routes_are_called_as_fastapis_router_would_call_them(edge, http, monkeypatch):
+    """The E2B API's plain routes and envd's mount skip FastAPI's layers (lean.py's plain
+    lane), query strings and all; the catch-all after them is FastAPI's. Each answers as through
+    FastAPI (an app without the plain lane), errors included; an unexpected error is a 500
+    ``internal``."""
+    from dsec.apiserver import lean
+
+    framework = create_app(Cluster([edge]), TOKEN)
+    for middleware in framework.user_middleware:
+        if middleware.cls is lean.LeanRoutes:
+            middleware.kwargs["plain_routes"] = ()
+
+    served = []
+    plain = lean._plain
+
+    def recording(route):
+        found = plain(route)
+        if found is None:
+            return None
+        endpoint = found.endpoint
+
+        async def called(*args, **kwargs):
+            served.append(route.path)
+            return await endpoint(*args, **kwargs)
+
+        return lean._Plain(found.regex, called, found.mount)
+
+    monkeypatch.setattr(lean, "_plain", recording)
+    key = {"x-api-key": TOKEN}
+    cases = [
+        ("POST", "/e2b/sandboxes", {"templateID": "busybox", "timeout": 60}, key, "/e2b/sandboxes"),
+        ("POST", "/e2b/sandboxes", {"templateID": "nope"}, key, "/e2b/sandboxes"),
+        ("POST", "/e2b/sandboxes", {"templateID": "busybox"}, {"x-api-key": "wrong"}, "/e2b/sandboxes"),
+        ("GET", "/e2b/sandboxes?state=running,paused&limit=5", None, key, "/e2b/sandboxes"),
+        ("GET", f"/e2b/sandboxes/{SID}", None, key, "/e2b/sandboxes/{sandbox_id}"),
+        ("DELETE", "/e2b/sandboxes/n0-fedcba9876543210", None, key, "/e2b/sandboxes/{sandbox_id}"),
+        ("GET", "/e2b/envd/health", None, {}, "/e2b/envd"),
+        ("GET", "/e2b/not-an-e2b-route", None, key, None),  # the catch-all: FastAPI's
+    ]
+    router = httpx.AsyncClient(transport=httpx.ASGITransport(app=framework), base_url="http://api")
+    async with router:
+        for method, path, body, headers, route in cases:
+            answer = await http.request(method, path, json=body, headers=headers)
+            assert served == ([route] if route else []), (method, path, served)
+            served.clear()
+            direct = await router.request(method, path, json=body, headers=headers)
+            assert _untimed(answer) == _untimed(direct), (method, path)
+    assert answer.status_code == 404 and "not part of DSec's E2B API" in answer.json()["message"]
+    broke = await http.request("DELETE", f"/e2b/sandboxes/{BOOM}", headers=key)
+    assert broke.status_code == 500 and broke.json()["error"]["code"] == "internal"
+    assert "the fake edge broke" in broke.json()["error"]["message"]

@@ -234,7 +234,9 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     # keep-alive connection, so the client's next call on it fails.
     app.add_middleware(_CatchUnexpected)
     # Outermost of ours: the hottest routes skip FastAPI's own layers (see lean.py).
-    app.add_middleware(LeanRoutes, app_ref=app, names=LEAN_ROUTES, check=check, dependency=authenticated)
+    plain_routes: list = []  # the E2B API's, added below
+    app.add_middleware(LeanRoutes, app_ref=app, names=LEAN_ROUTES, check=check, dependency=authenticated,
+                       plain_routes=plain_routes)
 
     auth = [Depends(authenticated_and_logged)]
 
@@ -626,5 +628,5 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     add_observe_routes(app, cluster, authenticator, _ERRORS)
     add_swerex_routes(app, cluster, authenticator)
     add_sandboxfusion_routes(app, cluster, authenticator)
-    add_e2b_routes(app, cluster, authenticator)
+    plain_routes.extend(add_e2b_routes(app, cluster, authenticator))
     return app

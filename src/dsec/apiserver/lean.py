@@ -14,6 +14,14 @@ goes on to FastAPI unchanged, and the routes stay in the OpenAPI document as the
 
 Errors come out as FastAPI's would: a ``DSecError`` as its wire body and status, a body that
 does not parse as ``invalid_request`` (422) naming the field, anything else as ``internal`` (500).
+
+Plain routes (``plain_routes``: the E2B API's) are those that do all their own work: an
+endpoint taking the request and its string path parameters and answering a ``Response`` of its
+own (its errors included), and ASGI apps mounted at a path. FastAPI adds nothing to them but
+its layers, so they are called here as its router would call them, query strings and all, in
+the order given up to the first one that is not plain (a catch-all, say): from it on, FastAPI
+routes them, as its order says it must. Whoever gives them owns their paths (no route of the
+app before them may match them).
 """
 
 from __future__ import annotations
@@ -22,15 +30,20 @@ import inspect
 import json
 import logging
 import math
+import os
 import re
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import FastAPI
 from fastapi.params import Depends
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+from starlette.convertors import PathConvertor
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Mount
 
 from libdsec import DSecError, InvalidRequest, Overloaded
 
@@ -72,6 +85,29 @@ def _plan(route: APIRoute, dependency: Callable) -> _Plan | None:
     return _Plan(route.path_regex, route.endpoint, tuple(path), caller, body, route.response_model)
 
 
+@dataclass(frozen=True)
+class _Plain:
+    regex: re.Pattern
+    endpoint: Callable[..., Awaitable]  # endpoint(request, **path_params) -> Response; or the app mounted
+    mount: str | None = None  # the path the app is mounted at
+
+
+def _plain(route) -> _Plain | None:
+    """How to serve ``route`` as a plain route (module docstring), or None when it is not one."""
+    if isinstance(route, Mount):
+        return _Plain(route.path_regex, route.app, route.path)
+    if (not isinstance(route, APIRoute) or route.dependencies
+            or any(isinstance(c, PathConvertor) for c in route.param_convertors.values())):
+        return None
+    hints = typing.get_type_hints(route.endpoint)
+    params = list(inspect.signature(route.endpoint).parameters)
+    if not params or hints.get(params[0]) is not Request or hints.get("return") not in (Response, JSONResponse):
+        return None
+    if any(name not in route.param_convertors or hints.get(name) is not str for name in params[1:]):
+        return None
+    return _Plain(route.path_regex, route.endpoint)
+
+
 def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
     """``body`` (raw JSON) as ``model``, or ``InvalidRequest`` naming what is wrong. pydantic
     reads the JSON itself: base64 bytes fields (FnCall's files) are decoded only then."""
@@ -98,21 +134,39 @@ def _error(exc: DSecError) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
     return exc.status, json.dumps(exc.to_wire(), separators=(",", ":")).encode(), headers
 
 
+def internal_error(exc: Exception, scope) -> bytes:
+    """The 500 ``internal`` body for an error nothing expected (logged with its traceback)."""
+    log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
+    body = {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 class LeanRoutes:
     """ASGI middleware: ``app.add_middleware(LeanRoutes, app_ref=app, names=…, check=…,
     dependency=…)`` after every other one. ``check(headers, path_params)`` (the raw headers,
     bytes to bytes) returns the caller (or raises)."""
 
     def __init__(self, app, app_ref: FastAPI, names: frozenset[str], check: Callable[[dict, dict], Awaitable],
-                 dependency: Callable) -> None:
+                 dependency: Callable, plain_routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
         self._app_ref = app_ref
         self._names = names
         self._check = check
         self._dependency = dependency
+        self._plain_routes = plain_routes  # read at the first request (the app adds them after this)
         self._plans: dict[str, list[_Plan]] | None = None
+        self._plain: dict[str, list[_Plain]] = {}  # by method; "*": the mounts
+        self._plain_prefix = "\0"  # what every plain route's path starts with
 
     def _by_method(self) -> dict[str, list[_Plan]]:
+        for route in self._plain_routes:
+            plain = _plain(route)
+            if plain is None:
+                break  # from here on, FastAPI's order decides
+            for method in getattr(route, "methods", None) or ("*",):
+                self._plain.setdefault(method, []).append(plain)
+        if self._plain:
+            self._plain_prefix = os.path.commonprefix([r.path for r in self._plain_routes])
         plans: dict[str, list[_Plan]] = {}
         for route in self._app_ref.routes:
             if isinstance(route, APIRoute) and route.name in self._names:
@@ -125,11 +179,15 @@ class LeanRoutes:
         return plans
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["query_string"]:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if self._plans is None:
             self._plans = self._by_method()
         path = scope["path"]
+        if path.startswith(self._plain_prefix):
+            return await self._serve_plain(scope, receive, send)
+        if scope["query_string"]:
+            return await self.app(scope, receive, send)
         for plan in self._plans.get(scope["method"], ()):
             if (match := plan.regex.match(path)) is not None:
                 break
@@ -170,6 +228,33 @@ class LeanRoutes:
         except DSecError as exc:
             return _error(exc)
         except Exception as exc:  # noqa: BLE001 - answered as FastAPI's app would (see app._CatchUnexpected)
-            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
-            body = {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
-            return 500, json.dumps(body, separators=(",", ":")).encode(), []
+            return 500, internal_error(exc, scope), []
+
+    async def _serve_plain(self, scope, receive, send) -> None:
+        path = scope["path"]
+        for plain in (*self._plain.get(scope["method"], ()), *self._plain.get("*", ())):
+            if (match := plain.regex.match(path)) is not None:
+                break
+        else:
+            return await self.app(scope, receive, send)
+        params = match.groupdict()
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            if plain.mount is not None:  # as Starlette's Mount calls it
+                root = scope.get("root_path", "")
+                await plain.endpoint({**scope, "app_root_path": scope.get("app_root_path", root),
+                                      "root_path": root + plain.mount}, receive, send_tracked)
+                return
+            scope = {**scope, "path_params": params}
+            response = await plain.endpoint(Request(scope, receive, send_tracked), **params)
+            await response(scope, receive, send_tracked)
+        except Exception as exc:
+            if started:
+                raise
+            await Response(internal_error(exc, scope), 500, media_type="application/json")(scope, receive, send)

@@ -12,6 +12,7 @@ message classes the e2b package publishes.
 from __future__ import annotations
 
 from fastapi import FastAPI
+from starlette.routing import BaseRoute
 
 from ...apiserver.auth import Authenticator
 from ...apiserver.cluster import Cluster
@@ -19,15 +20,16 @@ from ...apiserver.cluster import Cluster
 __all__ = ["add_e2b_routes"]
 
 
-def add_e2b_routes(app: FastAPI, cluster: Cluster, authenticator: Authenticator) -> None:
+def add_e2b_routes(app: FastAPI, cluster: Cluster, authenticator: Authenticator) -> list[BaseRoute]:
     """Mount the control plane at ``/e2b`` and envd at ``/e2b/envd``; without the e2b extra,
-    ``/e2b`` answers 501 saying what to install."""
+    ``/e2b`` answers 501 saying what to install. Returns them in FastAPI's order, for the
+    apiserver to call without FastAPI's layers (``apiserver.lean``: they do all their own work)."""
     try:
         from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
         from e2b.envd.process.process_connect import ProcessASGIApplication
     except ImportError as exc:
         _add_missing(app, str(exc))
-        return
+        return []
     from .control import e2b_router
     from .envd import EnvdApp, EnvdContext, EnvdTokens
     from .filesystem import FilesystemService
@@ -38,7 +40,10 @@ def add_e2b_routes(app: FastAPI, cluster: Cluster, authenticator: Authenticator)
     process = ProcessASGIApplication(ProcessService(envd))
     files = FilesystemASGIApplication(FilesystemService(envd))
     app.mount("/e2b/envd", EnvdApp(envd, {process.path + "/": process, files.path + "/": files}))
-    app.include_router(e2b_router(cluster, authenticator, tokens))
+    envd_mount = app.routes[-1]
+    router = e2b_router(cluster, authenticator, tokens)
+    app.include_router(router)
+    return [envd_mount, *router.routes]
 
 
 def _add_missing(app: FastAPI, why: str) -> None:
