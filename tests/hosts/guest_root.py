@@ -184,6 +184,8 @@ def _lay_out_base(tree: Path, root: Path, kernel_dir: Path, test_store: Path) ->
     (root / "usr/lib/modules").mkdir(parents=True, exist_ok=True)  # /lib is usr/lib (merged /usr)
     _run(["cp", "-a", str(kernel_dir / "modules"), str(root / "usr/lib/modules" / version)])
     _run(["chroot", str(root), "depmod", version])  # the guest's own kmod
+    if (kernel_dir / "config").exists():  # as the kernel package installs it (tests judge by it)
+        shutil.copy(kernel_dir / "config", root / "boot" / f"config-{version}")
     copy_python_packages(root / "opt/dsec/site")
     # Compiled once here, by the guest's own python3: under TCG, compiling fastapi, pydantic and
     # the rest on each import took minutes per dsec process (servers then missed their start

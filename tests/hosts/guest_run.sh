@@ -2,7 +2,7 @@
 # Runs once at boot inside the Debian 12 host VM (dsec-hostvm.service, as root with every
 # capability: DSec needs them, and a command sent through the guest agent is confined). Writes
 # to /var/lib/dsec-hostvm: host.txt (what this host is), pytest.log and junit.xml (the test
-# subsets), demo.log, bench.log and bench-lifecycle.json, one <step>.rc each, and last "done".
+# subsets), demo.log, bench.log, bench-lifecycle.json and bench-serve.log (its servers' log), one <step>.rc each, and last "done".
 # test_debian12_vm.py reads them through the agent. DSEC_HOSTVM_STEPS (a word list in
 # /etc/dsec-hostvm.env) picks the steps: tests demo bench.
 set -u
@@ -76,6 +76,7 @@ for s in $steps; do
                 --idle-count 16 --lifecycles 48 --rounds 1 --concurrency 4 --latency-rounds 1 --cold-rounds 1 \
                 --pool-max 8 --crun-runs 24 --podman-runs 12
             cp /var/lib/dsec-bench/bench-lifecycle.json $out/ 2>/dev/null
+            tail -c 4000000 /var/lib/dsec-bench/serve.log > $out/bench-serve.log 2>/dev/null
             ;;
     esac
 done

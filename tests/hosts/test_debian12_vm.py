@@ -170,7 +170,7 @@ def _run_in_vm(tmp_path_factory, test_store, cache: Path, capsys) -> None:
             else:
                 got["diagnosis"] = (await _diagnose(backend, handle)).encode()
             for name in ("host.txt", "times.txt", "pytest.log", "pytest.rc", "junit.xml", "demo.log", "demo.rc",
-                         "bench.log", "bench.rc", "bench-lifecycle.json", "done"):
+                         "bench.log", "bench.rc", "bench-lifecycle.json", "bench-serve.log", "done"):
                 try:
                     got[name] = await backend.read_file(handle, f"{RESULTS}/{name}", 8 << 20)
                 except Exception:  # noqa: BLE001 - a step that did not run

@@ -464,7 +464,11 @@ class Bench:
         o = self.opts
         args = self._args(memory_mb=16)
         if _sandbox_count(self.parent):
-            raise BenchError(f"{_sandbox_count(self.parent)} sandboxes exist before the idle phase")
+            left = sorted({d.name for d in cgroups.sandbox_cgroup_dirs(self.parent)})
+            listed = [f"{s.id} {s.status.value}" for s in await client.list_sandboxes()]
+            said = [line for line in server.log_tail(200_000).splitlines() if any(c in line for c in left)][-10:]
+            raise BenchError(f"{len(left)} sandboxes exist before the idle phase: cgroups {left}; the server "
+                             f"lists {listed or 'none'}; its log says of them: {said or 'nothing'}")
         mem0 = await host.settled_memory(settle_s=2.0)
         cg0 = _cgroup_memory(self.parent)
         sandboxes: list[Sandbox] = []
