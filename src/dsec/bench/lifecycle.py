@@ -527,7 +527,9 @@ class Bench:
 
     async def with_server(self, extra: tuple[str, ...], phases, progress: Progress,
                           env: dict[str, str] | None = None) -> dict:
-        server = LocalServer(self.state_dir, extra_args=extra, env=env)
+        # No FnCall workers: the python image's are prewarmed where the store has it, and they
+        # would take CPU in the rounds and count as idle sandboxes (their cgroups share the parent).
+        server = LocalServer(self.state_dir, extra_args=(*extra, "--fncall-max", "0"), env=env)
         await asyncio.to_thread(server.start)
         try:
             async with _client(server) as client:
@@ -773,6 +775,15 @@ def _summarise(r: dict) -> tuple[dict, list[dict]]:
             # The same work in the sandbox on both sides: what is left is the layer and the e2b client.
             ratios["throughput_e2b_over_dsec_login"] = _ratio(_get(r["e2b"], "throughput", "lifecycles_per_s"),
                                                               _get(r["dsec_login"], "throughput", "lifecycles_per_s"))
+            # What the layer costs the server: lifecycles per CPU second of the server and its
+            # children (the sandboxes' crun and commands), the same work in the sandbox on both
+            # sides, the clients' own CPU left out (the e2b package's is not DSec's layer).
+            def server_ms(arm: str) -> float | None:
+                t = _get(r[arm], "throughput")
+                if not t or "server_python_cpu_ms_per_lifecycle" not in t:
+                    return None
+                return t["server_python_cpu_ms_per_lifecycle"] + t["server_children_cpu_ms_per_lifecycle"]
+            ratios["server_capacity_e2b_over_dsec_login"] = _ratio(server_ms("dsec_login"), server_ms("e2b"))
     mem = _get(d, "idle", "host_mib_per_sandbox")
     ratios["idle_memory_dsec_over_podman"] = _ratio(mem, _get(p, "idle", "host_mib_per_container"))
     ratios["idle_memory_dsec_over_crun"] = _ratio(mem, _get(c, "idle", "host_mib_per_container"))
@@ -791,6 +802,9 @@ def _summarise(r: dict) -> tuple[dict, list[dict]]:
     if "throughput_e2b_over_dsec_python" in ratios:
         goals.append(goal("E2B SDK throughput vs DSec SDK", ratios["throughput_e2b_over_dsec_python"],
                           GOAL_E2B_OVER_DSEC, True, "×"))
+    if ratios.get("server_capacity_e2b_over_dsec_login") is not None:
+        goals.append(goal("E2B layer: server capacity vs DSec SDK, same command",
+                          ratios["server_capacity_e2b_over_dsec_login"], GOAL_E2B_OVER_DSEC, True, "×"))
     return ratios, goals
 
 
@@ -1029,6 +1043,12 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
                 f"  with E2B's command form ({E2B_COMMAND_FORM}) through DSec's SDK: {lt['lifecycles_per_s']:.1f} "
                 f"lifecycles/s, e2b SDK {_fmt(res['ratios'].get('throughput_e2b_over_dsec_login'), '.2f', '×')} of it; "
                 f"CPU a lifecycle: DSec SDK {split(pt)}; E2B's form {split(lt)}; e2b SDK {split(et)}")
+            layer_goal = next((g for g in res["goals"] if g["goal"].startswith("E2B layer")), None)
+            if layer_goal is not None:
+                console.print(
+                    f"  the layer in the server (server + children CPU a lifecycle, same command, clients left "
+                    f"out): {_fmt(layer_goal['value'], '.2f', '×')} DSec's SDK's capacity "
+                    f"(goal ≥{GOAL_E2B_OVER_DSEC:g}) {_verdict(layer_goal['met'])}")
     cold = _get(res, "dsec", "create_cold")
     if cold:
         console.print(f"no pool: inside the edge, create p50/p99 {cold['server_side']['p50_ms']:.1f}/"
