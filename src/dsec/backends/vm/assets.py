@@ -74,9 +74,35 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+_MODULE_SUFFIXES = (".ko", ".ko.xz", ".ko.gz")  # Debian's kernels from 6.12 on ship theirs xz-compressed
+
+
+def module_name(path: Path) -> str:
+    """A module file's module name (``virtio_blk`` of ``virtio_blk.ko.xz``)."""
+    name = path.name
+    for suffix in _MODULE_SUFFIXES[::-1]:
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
+def module_bytes(path: Path) -> bytes:
+    """A module file's ELF, decompressed (busybox's insmod in the initramfs takes plain ones)."""
+    data = path.read_bytes()
+    if path.name.endswith(".xz"):
+        import lzma
+
+        return lzma.decompress(data)
+    if path.name.endswith(".gz"):
+        import gzip
+
+        return gzip.decompress(data)
+    return data
+
+
 def modinfo(path: Path) -> dict[str, list[str]]:
     """The key=value pairs of an ELF64 kernel module's ``.modinfo`` section."""
-    data = path.read_bytes()
+    data = module_bytes(path)
     if data[:4] != b"\x7fELF" or data[4] != 2:
         raise BackendError(f"{path} is not an ELF64 kernel module")
     shoff = struct.unpack_from("<Q", data, 0x28)[0]
@@ -95,9 +121,9 @@ def modinfo(path: Path) -> dict[str, list[str]]:
 
 
 def module_load_order(modules_dir: Path, wanted: tuple[str, ...]) -> list[Path]:
-    """The .ko files for ``wanted`` and everything they depend on, dependencies first.
+    """The module files for ``wanted`` and everything they depend on, dependencies first.
     Modules built into the kernel (in modules.builtin) need no file and are skipped."""
-    files = {p.name.removesuffix(".ko").replace("-", "_"): p for p in modules_dir.rglob("*.ko")}
+    files = {module_name(p).replace("-", "_"): p for suffix in _MODULE_SUFFIXES for p in modules_dir.rglob(f"*{suffix}")}
     order: list[Path] = []
     seen: set[str] = set()
 
@@ -136,8 +162,10 @@ def _cpio_newc(entries: list[tuple[str, int, bytes]]) -> bytes:
 class AssetCache:
     """Guest kernel and initramfs under ``root`` (e.g. ``<state dir>/vm``)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, kernel_package: str | None = None) -> None:
         self.root = Path(root)
+        # The kernel package fetched when ``root`` has no kernel yet (a root keeps the first it got).
+        self.kernel_package = kernel_package or KERNEL_PACKAGE
 
     def ensure(self) -> GuestAssets:
         with _locked(self.root / ".lock"):
@@ -185,15 +213,16 @@ class AssetCache:
 
     def _kernel_package(self) -> str:
         """The versioned kernel package the meta package currently points at."""
-        out = _run(["apt-cache", "depends", KERNEL_PACKAGE])
+        package = self.kernel_package
+        out = _run(["apt-cache", "depends", package])
         for line in out.splitlines():
             m = re.match(r"\s*Depends:\s*(linux-image-\S+)", line)
             if m:
                 return m.group(1)
-        if "linux-image-" in KERNEL_PACKAGE and re.search(r"\d", KERNEL_PACKAGE):
-            return KERNEL_PACKAGE
+        if "linux-image-" in package and re.search(r"\d", package):
+            return package
         raise BackendError(
-            f"cannot resolve {KERNEL_PACKAGE}: run `apt-get update` (apt-cache knows no such package)"
+            f"cannot resolve {package}: run `apt-get update` (apt-cache knows no such package)"
         )
 
     # -- initramfs -------------------------------------------------------------------------
@@ -229,8 +258,8 @@ class AssetCache:
         for name, data in confinement.items():
             entries.append((f"dsec/{name}", 0o100755 if name in programs else 0o100644, data))
         for m in modules:
-            entries.append((f"lib/modules/{m.name}", 0o100644, m.read_bytes()))
-        load = "".join(m.name.removesuffix(".ko") + "\n" for m in modules)
+            entries.append((f"lib/modules/{module_name(m)}.ko", 0o100644, module_bytes(m)))
+        load = "".join(module_name(m) + "\n" for m in modules)
         entries.append(("lib/modules/load", 0o100644, load.encode()))
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(_cpio_newc(entries))
