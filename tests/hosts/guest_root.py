@@ -229,10 +229,10 @@ def _base_key(tree: Path, kernel_dir: Path, test_store: Path) -> str:
 def base_layer(cache: Path, store, kernel_dir: Path, test_store: Path) -> str:
     """The guest's root without DSec's checkout, as a layer of ``store`` (a store of the cache's own):
     made once per ``_base_key`` (about a minute, and a few more for the debootstrap tree the
-    first time), then reused. Base layers of older keys are removed from ``store``."""
+    first time), then reused. This kernel's base layers of older keys are removed from ``store``."""
     tree = debootstrap_tree(cache)
     key = _base_key(tree, kernel_dir, test_store)
-    marker = cache / f"base-{key}.layer"
+    marker = cache / f"base-{kernel_dir.name}-{key}.layer"  # one kept per kernel (one per row of the test)
     if marker.exists() and store.has_layer(digest := marker.read_text().strip()):
         return digest
     for left in cache.glob("base-*.tmp"):  # a killed run's
@@ -244,7 +244,9 @@ def base_layer(cache: Path, store, kernel_dir: Path, test_store: Path) -> str:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for old in cache.glob("base-*.layer"):
-        if old != marker:
+        # this kernel's of other keys, and those named by key alone (before the kernel was in the name)
+        if old != marker and (old.name.startswith(f"base-{kernel_dir.name}-")
+                              or re.fullmatch(r"base-[0-9a-f]+\.layer", old.name)):
             store.remove_layer(old.read_text().strip())
             old.unlink()
     marker.write_text(digest + "\n")
