@@ -71,7 +71,7 @@ from ..compat.e2b import add_e2b_routes
 from ..edge.files import file_mode as parse_file_mode
 from .auth import Authenticator, Caller
 from .cluster import Cluster
-from .lean import LeanRoutes, error_headers
+from .lean import CatchUnexpected, LeanRoutes, error_headers
 from .jobs import file_request, unrecorded_call
 from .routes_fncall import add_fncall_routes
 from .routes_jobs import add_job_routes
@@ -107,30 +107,6 @@ _NO_TELEMETRY = ({"telemetry": {"tracing": False, "metrics": False, "logs": Fals
 
 # Batch creations under way, referenced until done (see the batch route).
 _BATCHES: set[asyncio.Task] = set()
-
-
-class _CatchUnexpected:
-    """ASGI middleware: an unexpected error becomes a 500 ``internal`` error body."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        started = False
-
-        async def send_tracked(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_tracked)
-        except Exception as exc:
-            if scope["type"] != "http" or started:
-                raise
-            log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
-            body = {"error": {"code": "internal", "message": f"{type(exc).__name__}: {exc}"}}
-            await JSONResponse(body, status_code=500)(scope, receive, send)
 
 
 async def _streaming(events: AsyncIterator[ExecEvent]) -> StreamingResponse:
@@ -232,7 +208,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
 
     # Not an exception handler: Starlette re-raises after those, and uvicorn then closes the
     # keep-alive connection, so the client's next call on it fails.
-    app.add_middleware(_CatchUnexpected)
+    app.add_middleware(CatchUnexpected)
     # Outermost of ours: the hottest routes skip FastAPI's own layers (see lean.py).
     plain_routes: list = []  # the E2B API's, added below
     app.add_middleware(LeanRoutes, app_ref=app, names=LEAN_ROUTES, check=check, dependency=authenticated,

@@ -141,6 +141,29 @@ def internal_error(exc: Exception, scope) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+class CatchUnexpected:
+    """ASGI middleware: an unexpected error becomes a 500 ``internal`` error body, if the
+    answer has not started (else it is raised on: the connection is then closed)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:
+            if scope["type"] != "http" or started:
+                raise
+            await Response(internal_error(exc, scope), 500, media_type="application/json")(scope, receive, send)
+
+
 class LeanRoutes:
     """ASGI middleware: ``app.add_middleware(LeanRoutes, app_ref=app, names=…, check=…,
     dependency=…)`` after every other one. ``check(headers, path_params)`` (the raw headers,
@@ -238,23 +261,15 @@ class LeanRoutes:
         else:
             return await self.app(scope, receive, send)
         params = match.groupdict()
-        started = False
 
-        async def send_tracked(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
+        async def call(scope, receive, send) -> None:
             if plain.mount is not None:  # as Starlette's Mount calls it
                 root = scope.get("root_path", "")
                 await plain.endpoint({**scope, "app_root_path": scope.get("app_root_path", root),
-                                      "root_path": root + plain.mount}, receive, send_tracked)
+                                      "root_path": root + plain.mount}, receive, send)
                 return
             scope = {**scope, "path_params": params}
-            response = await plain.endpoint(Request(scope, receive, send_tracked), **params)
-            await response(scope, receive, send_tracked)
-        except Exception as exc:
-            if started:
-                raise
-            await Response(internal_error(exc, scope), 500, media_type="application/json")(scope, receive, send)
+            response = await plain.endpoint(Request(scope, receive, send), **params)
+            await response(scope, receive, send)
+
+        await CatchUnexpected(call)(scope, receive, send)
