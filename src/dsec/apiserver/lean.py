@@ -250,7 +250,7 @@ class LeanRoutes:
             return 200, result.model_dump_json().encode(), []
         except DSecError as exc:
             return _error(exc)
-        except Exception as exc:  # noqa: BLE001 - answered as FastAPI's app would (see app._CatchUnexpected)
+        except Exception as exc:  # noqa: BLE001 - answered as FastAPI's app would (see CatchUnexpected)
             return 500, internal_error(exc, scope), []
 
     async def _serve_plain(self, scope, receive, send) -> None:
