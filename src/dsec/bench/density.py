@@ -607,18 +607,6 @@ class Bench:
             await asyncio.to_thread(server.stop)
 
 
-def _ancestors() -> list[str]:
-    pids, pid = [], os.getppid()
-    while pid > 1:
-        pids.append(str(pid))
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return pids
-
-
 def _fmt(v: Any, spec: str = ".2f") -> str:
     if v is None:
         return "—"
@@ -724,9 +712,7 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
         asyncio.run(_run(bench, store, store.layer_path(busybox.layers[0])))
     except KeyboardInterrupt:
         bench.errors.append("interrupted")
-    # The benchmark itself (and what started it) names the state dir on its command line.
-    mine = {str(os.getpid()), *_ancestors()}
-    left = [item for item in leftovers(state_dir) if not (item.startswith("process ") and item.split()[1] in mine)]
+    left = leftovers(state_dir)  # (not the benchmark itself, nor what started it: see leftovers)
     peer_left = (bench.r.get("crun") or {}).get("leftovers", [])
     res = {
         "benchmark": "dsec bench density", "started_at": started.isoformat(timespec="seconds"),

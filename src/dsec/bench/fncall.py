@@ -309,19 +309,6 @@ async def _dsec(group: CpuGroup, server: LocalServer, opts: dict, console: Conso
     return out
 
 
-def _leftovers(state_dir: Path) -> list[str]:
-    """``dsec.local.leftovers``, less this process and the ones that started it (their command
-    lines may name the state dir, but they are not left behind)."""
-    mine, pid = set(), os.getpid()
-    while pid > 1:
-        mine.add(f"process {pid} ")
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
-    return [x for x in leftovers(state_dir) if not any(x.startswith(m) for m in mine)]
-
-
 def _ensure_store(state_dir: Path, store_dir: Path | None, console: Console, fusion: bool = False) -> None:
     store_path = state_dir / "store"
     if store_dir is not None and not store_path.exists():
@@ -420,7 +407,7 @@ async def _measure(group: CpuGroup, state_dir: Path, opts: dict, console: Consol
         except BaseException:
             console.print(server.log_tail(2000))
             raise
-    res["left_behind"] = _leftovers(state_dir)
+    res["left_behind"] = leftovers(state_dir)
     res["summary"] = _summary(res)
     return res
 

@@ -675,24 +675,6 @@ class Bench:
                                     "meminfo_mib_per_container_by_release": host.per_item_mib(mem1, mem2, k)}
 
 
-def _ancestors() -> set[int]:
-    pids, pid = set(), os.getpid()
-    while pid > 1:
-        pids.add(pid)
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            break
-    return pids
-
-
-def _leftovers(state_dir: Path, settle_s: float = 5.0) -> list[str]:
-    """``dsec.local.leftovers``, less this process and the ones that started it: their command
-    lines may name the state dir, but they are not left behind."""
-    mine = {f"process {pid} " for pid in _ancestors()}
-    return [x for x in leftovers(state_dir, settle_s=settle_s) if not any(x.startswith(m) for m in mine)]
-
-
 def _source() -> dict:
     """Which DSec code ran: its path and, from a git checkout, the commit and whether the tree
     differs from it."""
@@ -941,7 +923,7 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
         return 1
     layer_file = store.layer_path(image.layers[0])
     bench = Bench(state_dir, console, opts)
-    if stale := _leftovers(state_dir, settle_s=0):
+    if stale := leftovers(state_dir, settle_s=0):
         bench.notes.append(f"{len(stale)} items of an earlier run were there at start (the server removes them)")
     # `dsec serve` also starts VM backends, which on a state dir's first start fetch a guest
     # kernel package from the Debian mirror (apt-get download) and boot a probe VM in the
@@ -970,7 +952,7 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
         bench.errors.append("interrupted")
     except Exception as exc:  # noqa: BLE001 - reported, then cleaned up and checked
         bench.errors.append(f"{type(exc).__name__}: {exc}")
-    left_dsec = _leftovers(state_dir)
+    left_dsec = leftovers(state_dir)
     left_peers = bench.r.pop("peer_leftovers", None)
     if left_peers is None:  # the rig never came up, or cleanup raised: look again
         left_peers = PeerRig(state_dir / "peers", layer_file, "x").leftovers()
