@@ -448,20 +448,17 @@ class VMBackend:
     async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
         """The VM's writable layer, scrubbed, as a layer in the store (see ``pack``); the VM
         runs on (its commands are frozen while the agent reads the layer)."""
-        live = self._get(handle, "pack")
-        try:
-            return await pack.pack_upper(live.agent, self.store)
-        except AgentFailure as exc:
-            raise BackendError(f"cannot pack {self.kind} {handle.cid}: {exc.message}") from None
-        except AgentGone as exc:
-            raise self._gone(handle, live, exc) from None
+        return await self._pack_upper(handle, "pack")
 
     async def kept_layer(self, handle: Handle, keep: list[str]):
         """A layer of the VM's changes beneath ``keep`` only, for a clean copy (see
         ``pack.kept_from_tar``): (digest, what was carried, system files tampered with)."""
-        live = self._get(handle, "make a clean copy of")
+        return await self._pack_upper(handle, "make a clean copy of", keep=keep)
+
+    async def _pack_upper(self, handle: Handle, verb: str, **kwargs):
+        live = self._get(handle, verb)
         try:
-            return await pack.pack_upper(live.agent, self.store, keep=keep)
+            return await pack.pack_upper(live.agent, self.store, **kwargs)
         except AgentFailure as exc:
             raise BackendError(f"cannot pack {self.kind} {handle.cid}: {exc.message}") from None
         except AgentGone as exc:
