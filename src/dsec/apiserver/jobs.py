@@ -228,8 +228,9 @@ class Jobs:
                     done.set_result(None)
 
     async def recorded(self, caller: Caller, op: str, sandbox: str, request: dict,
-                       call: Callable[[], Awaitable[Any]]) -> Any:
-        """``call()``'s answer, recorded in the caller's job (if it has one) with ``request``."""
+                       call: Callable[[], Awaitable[Any]], summary: Callable[[Any], Any] | None = None) -> Any:
+        """``call()``'s answer, recorded in the caller's job (if it has one) with ``request``
+        (as ``summary(answer)`` when given, else as the answer's JSON)."""
         if caller.job is None:
             return await call()
         await self.check(caller)
@@ -238,8 +239,11 @@ class Jobs:
         except DSecError as exc:
             await self.record(caller, op, sandbox, request, error=exc)
             raise
-        await self.record(caller, op, sandbox, request,
-                          answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer)
+        if summary is not None:
+            logged = summary(answer)
+        else:
+            logged = answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer
+        await self.record(caller, op, sandbox, request, logged)
         return answer
 
     async def mark(self, caller: Caller, sandbox: str, call: str) -> None:
@@ -251,18 +255,12 @@ class Jobs:
 
     async def recorded_read(self, caller: Caller, sandbox: str, path: str, call: Callable[[], Awaitable[bytes]]) -> bytes:
         """A file read, recorded with its size, digest and (up to ``MAX_LOGGED_FILE_BYTES``) bytes."""
-        if caller.job is None:
-            return await call()
-        await self.check(caller)
-        try:
-            data = await call()
-        except DSecError as exc:
-            await self.record(caller, "read_file", sandbox, {"path": path}, error=exc)
-            raise
-        result = file_request(path, 0, data)
-        del result["path"], result["mode"]
-        await self.record(caller, "read_file", sandbox, {"path": path}, result)
-        return data
+        def summary(data: bytes) -> dict:
+            result = file_request(path, 0, data)
+            del result["path"], result["mode"]
+            return result
+
+        return await self.recorded(caller, "read_file", sandbox, {"path": path}, call, summary)
 
     # -- creates ---------------------------------------------------------------------------
 
