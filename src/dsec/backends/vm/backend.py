@@ -433,17 +433,21 @@ class VMBackend:
 
     async def resume(self, handle: Handle) -> None:
         live = self._get(handle, "resume", paused_ok=True)
-        try:
-            await live.qmp.execute("cont")
-        except QMPError as exc:
-            raise BackendError(f"cannot resume {handle.cid}: {exc}") from exc
-        live.paused = False
+        await self._cont(handle, live)
         if live.unverified:  # adopted stopped: its agent answers now, or it is gone
             try:
                 await live.agent.wait_ready(10.0)
             except AgentGone as exc:
                 raise self._gone(handle, live, exc) from None
             live.unverified = False
+
+    async def _cont(self, handle: Handle, live, why: str = "") -> None:
+        """Let a paused VM run again (QMP ``cont``)."""
+        try:
+            await live.qmp.execute("cont")
+        except QMPError as exc:
+            raise BackendError(f"cannot resume {handle.cid}{why}: {exc}") from exc
+        live.paused = False
 
     async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
         """The VM's writable layer, scrubbed, as a layer in the store (see ``pack``); the VM
@@ -472,11 +476,7 @@ class VMBackend:
         does not answer within ``timeout``: the channel stays usable)."""
         live = self._get(handle, "look for tampering in", paused_ok=True)
         if live.paused:
-            try:
-                await live.qmp.execute("cont")
-            except QMPError as exc:
-                raise BackendError(f"cannot resume {handle.cid} to look for tampering: {exc}") from exc
-            live.paused = False
+            await self._cont(handle, live, " to look for tampering")
         try:
             names = await live.agent.request("changed", timeout=timeout)
         except AgentFailure as exc:
