@@ -10,12 +10,13 @@ lifecycle`` on the loop-device path with podman and crun beside it. This test wa
 through the agent, reads the results back, and fails if any step did. The in-guest counts and
 the bench's figures are printed (with or without ``-s``); everything is left in
 ``<basetemp>/hostvm-results-<kernel>``. A second row boots the newest Debian cloud kernel the packages
-offer (``linux-image-X.Y-cloud-amd64``, 6.12 today) on the same root and runs the test subsets.
+offer (``linux-image-X.Y-cloud-amd64``, 6.12 today) on a root made the same way and runs the test
+subsets.
 
 The debootstrap tree, the guest root's layer and the full-VM disks are cached under
 ``/var/lib/dsec-test/hostvm`` (made by this test on a fresh machine; docs/HOSTS.md). Under TCG
 (this machine's KVM does not boot stock kernels) the guest's steps take about 10 minutes on a
-quiet 2-core machine (tests 4, demo 0.5, bench 5.5): one run in every ``make test``, marked
+quiet 2-core machine (tests 3, demo 0.5, bench 5): one run in every ``make test``, marked
 ``hostvm`` (and ``slow``; ``-m "not hostvm"`` leaves it out). ``DSEC_HOSTVM_STEPS`` (tests
 demo bench) and ``DSEC_HOSTVM_TESTS`` (pytest arguments) narrow it.
 """
@@ -29,6 +30,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -83,8 +85,6 @@ async def _diagnose(backend, handle) -> str:
 def newest_kernel_package() -> str | None:
     """The newest Debian cloud kernel the packages offer, by its meta package
     (``linux-image-6.12-cloud-amd64``), or None when apt knows none."""
-    import subprocess
-
     try:
         names = subprocess.run(["apt-cache", "pkgnames", "linux-image-"], capture_output=True, text=True,
                                timeout=60).stdout.split()
@@ -96,16 +96,14 @@ def newest_kernel_package() -> str | None:
 
 
 # The rows: the Debian 12 kernel every DSec VM boots, with every step; and the newest Debian
-# kernel the packages offer, on the same root, with the test subsets only (the time the job has).
-ROWS = {"kernel-debian12": None, "kernel-newest": "newest"}
-
-
-@pytest.mark.parametrize("row", list(ROWS))
+# kernel the packages offer, on a root made the same way, with the test subsets only (the time
+# the job has).
+@pytest.mark.parametrize("row", ["kernel-debian12", "kernel-newest"])
 def test_debian12_host_vm(row, tmp_path_factory, test_store, python_image, capsys):
     if shutil.which("debootstrap") is None or shutil.which("qemu-system-x86_64") is None:
         pytest.skip("needs debootstrap and qemu-system-x86")
     package, steps = None, None
-    if ROWS[row] == "newest":
+    if row == "kernel-newest":
         package = newest_kernel_package()
         if package is None:
             pytest.skip("apt offers no versioned cloud kernel (linux-image-X.Y-cloud-amd64)")
