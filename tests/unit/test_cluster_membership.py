@@ -132,7 +132,7 @@ async def test_the_stops_owed_to_a_lost_node_outlive_the_apiserver(world, tmp_pa
         assert {i.id for i in await edges[victim].list()} == on_victim
     # A new apiserver over the same store; the node joins it.
     with open_project_store(db) as projects:
-        assert await projects.owed_stops(victim) == on_victim
+        assert set(await projects.owed_stops(victim)) == on_victim
         second = Cluster([e for n, e in edges.items() if n != victim], projects=projects)
         second.add_edge(edges[victim])
         for _ in range(200):
@@ -140,4 +140,42 @@ async def test_the_stops_owed_to_a_lost_node_outlive_the_apiserver(world, tmp_pa
                 break
             await asyncio.sleep(0.01)
         assert await edges[victim].list() == []
-        assert await projects.owed_stops(victim) == set()
+        assert await projects.owed_stops(victim) == {}
+
+
+async def until_gone(edge: Edge, sandbox_ids: set[str]) -> None:
+    for _ in range(200):
+        if not sandbox_ids & {i.id for i in await edge.list()}:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"still on node {edge.node}: {sandbox_ids & {i.id for i in await edge.list()}}")
+
+
+async def test_a_stop_that_cannot_reach_the_node_is_made_when_it_is_back(world):
+    """A stop of a lost node's sandbox, and one whose node breaks off in the middle of it (its
+    answer lost: it may have been made), answer SandboxLost; the stops are kept, and made when
+    the node is back: what its owner stopped does not come back running."""
+    client, cluster, edges = world
+    made = await client.run_containers(args(), count=6)
+    victim = made[0].info.node
+    on_victim = [s for s in made if s.info.node == victim]
+    kept = next(s for s in made if s.info.node != victim)
+    cluster.mark_lost(victim, "test")
+    with pytest.raises(SandboxLost, match=f"the stop is kept, and made when node {victim} is back"):
+        await on_victim[0].stop()
+    # Another node answers; the call breaks off in the middle.
+    broken = kept.info.node
+    cluster.edges[broken] = Unreachable(edges[broken])
+    with pytest.raises(SandboxLost, match=f"did not answer stop; the stop is kept"):
+        await kept.stop()
+    assert set(await cluster.projects.owed_stops(victim)) == {on_victim[0].id}
+    assert set(await cluster.projects.owed_stops(broken)) == {kept.id}
+    cluster.add_edge(edges[victim])
+    cluster.add_edge(edges[broken])
+    await until_gone(edges[victim], {on_victim[0].id})
+    await until_gone(edges[broken], {kept.id})
+    assert await cluster.projects.owed_stops(victim) == {} and await cluster.projects.owed_stops(broken) == {}
+    # The sandboxes not stopped came back running with their node.
+    rest = [s for s in made if s.id not in {on_victim[0].id, kept.id}]
+    assert {i.id for i in await client.list_sandboxes()} == {s.id for s in rest}
+    assert (await rest[0].run_shell("echo back")).stdout == "back\n"

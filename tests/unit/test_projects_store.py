@@ -248,8 +248,8 @@ async def test_stops_owed_to_a_node_are_kept_until_settled_and_seen_by_another_s
     await store.owe_stops("n1", ["n1-a"], "again")  # owed once
     await store.owe_stops("n2", ["n2-a"], "batch create failed")
     with open_project_store(project_db) as other:
-        assert await other.owed_stops("n1") == {"n1-a", "n1-b"}
+        assert await other.owed_stops("n1") == {"n1-a": "batch create failed", "n1-b": "batch create failed"}
         await other.settle_stops(["n1-a", "nothing-owed"])
-    assert await store.owed_stops("n1") == {"n1-b"}
-    assert await store.owed_stops("n2") == {"n2-a"}
-    assert await store.owed_stops("n3") == set()
+    assert await store.owed_stops("n1") == {"n1-b": "batch create failed"}
+    assert await store.owed_stops("n2") == {"n2-a": "batch create failed"}
+    assert await store.owed_stops("n3") == {}

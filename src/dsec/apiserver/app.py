@@ -329,8 +329,8 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     @app.delete("/v1/sandboxes/{sandbox_id}", responses=_ERRORS)
     async def stop_sandbox(sandbox_id: str, caller: Caller = Depends(authenticated)) -> SandboxInfo:
         if caller.job is None:
-            return await cluster.edge_for(sandbox_id).stop(sandbox_id)
-        return await jobs.recorded(caller, "stop", sandbox_id, {}, lambda: cluster.edge_for(sandbox_id).stop(sandbox_id))
+            return await cluster.stop(sandbox_id)
+        return await jobs.recorded(caller, "stop", sandbox_id, {}, lambda: cluster.stop(sandbox_id))
 
     @app.post("/v1/sandboxes/{sandbox_id}/pause", responses=_ERRORS)
     async def pause_sandbox(sandbox_id: str, caller: Caller = Depends(authenticated)) -> PauseResult:

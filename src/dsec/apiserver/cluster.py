@@ -193,11 +193,12 @@ class Cluster:
     async def _stop_owed(self, edge: EdgeAPI) -> None:
         """Make the stops owed to ``edge``'s node; the ones it cannot take now stay owed."""
         try:
-            owed = sorted(await self.projects.owed_stops(edge.node))
-            if not owed:
+            reasons = await self.projects.owed_stops(edge.node)
+            if not reasons:
                 return
-            log.info("node %s is back: stopping the %d sandboxes of failed batches it held", edge.node, len(owed))
-            results = await asyncio.gather(*(edge.stop(sid, reason="batch create failed") for sid in owed),
+            owed = sorted(reasons)
+            log.info("node %s is back: stopping the %d sandboxes it was owed stops for", edge.node, len(owed))
+            results = await asyncio.gather(*(edge.stop(sid, reason=reasons[sid]) for sid in owed),
                                            return_exceptions=True)
             await self.projects.settle_stops(
                 sid for sid, r in zip(owed, results) if not isinstance(r, (NodeUnreachable, SandboxLost)))
@@ -208,6 +209,18 @@ class Cluster:
         await self.projects.owe_stops(node, sandbox_ids, reason)
         if (edge := self.edges.get(node)) is not None:  # it came back meanwhile
             self._spawn(self._stop_owed(edge))
+
+    async def stop(self, sandbox_id: str, reason: str = "stopped by request") -> SandboxInfo:
+        """Its owner's stop. One that cannot reach the sandbox's node (lost, or breaking off in
+        the middle of the call, when the stop may have been made already) answers
+        ``SandboxLost`` and is owed to the node, made when it is back: a sandbox stopped while
+        its node was away does not come back running with it."""
+        try:
+            return await self.edge_for(sandbox_id).stop(sandbox_id, reason)
+        except SandboxLost as exc:
+            node = node_of(sandbox_id)
+            await self._owe(node, [sandbox_id], f"{reason}, while its node was away")
+            raise SandboxLost(f"{exc}; the stop is kept, and made when node {node} is back") from None
 
     async def stop_ids(self, sandbox_ids: list[str], reason: str) -> None:
         """``stop_for_batch`` by ids (their nodes looked up; a node not in the cluster now is

@@ -93,7 +93,9 @@ class ProjectStore(Protocol):
 
     async def owe_stops(self, node: str, sandbox_ids: Iterable[str], reason: str) -> None: ...
 
-    async def owed_stops(self, node: str) -> set[str]: ...
+    async def owed_stops(self, node: str) -> dict[str, str]:
+        """The sandboxes ``node`` is owed stops for, with why they were stopped."""
+        ...
 
     async def settle_stops(self, sandbox_ids: Iterable[str]) -> None:
         """The stops made (or found needless: the sandbox is gone)."""

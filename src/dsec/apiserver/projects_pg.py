@@ -417,9 +417,10 @@ class PostgresProjectStore:
         await self._plain(lambda conn: conn.executemany(
             "INSERT INTO owed_stops (sandbox_id, node, reason) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING", rows))
 
-    async def owed_stops(self, node: str) -> set[str]:
-        rows = await self._plain(lambda conn: conn.fetch("SELECT sandbox_id FROM owed_stops WHERE node = $1", node))
-        return {r[0] for r in rows}
+    async def owed_stops(self, node: str) -> dict[str, str]:
+        rows = await self._plain(lambda conn: conn.fetch(
+            "SELECT sandbox_id, reason FROM owed_stops WHERE node = $1", node))
+        return {r[0]: r[1] for r in rows}
 
     async def settle_stops(self, sandbox_ids: Iterable[str]) -> None:
         ids = list(sandbox_ids)

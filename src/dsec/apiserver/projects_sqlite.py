@@ -219,9 +219,9 @@ class SQLiteProjectStore:
         rows = [(sid, node, reason, time.time()) for sid in sandbox_ids]
         self._many("INSERT OR IGNORE INTO owed_stops (sandbox_id, node, reason, since) VALUES (?, ?, ?, ?)", rows)
 
-    async def owed_stops(self, node: str) -> set[str]:
+    async def owed_stops(self, node: str) -> dict[str, str]:
         with self._lock:
-            return {sid for (sid,) in self._conn().execute("SELECT sandbox_id FROM owed_stops WHERE node = ?", (node,))}
+            return dict(self._conn().execute("SELECT sandbox_id, reason FROM owed_stops WHERE node = ?", (node,)))
 
     async def settle_stops(self, sandbox_ids: Iterable[str]) -> None:
         self._many("DELETE FROM owed_stops WHERE sandbox_id = ?", [(sid,) for sid in sandbox_ids])

@@ -220,7 +220,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     @_answers
     async def kill(request: Request, sandbox_id: str) -> Response:
         await visible(request, sandbox_id)
-        await cluster.edge_for(sandbox_id).stop(sandbox_id, "killed through the E2B API")
+        await cluster.stop(sandbox_id, "killed through the E2B API")
         return Response(status_code=204)
 
     @router.post("/sandboxes/{sandbox_id}/timeout")
