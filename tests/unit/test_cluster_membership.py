@@ -166,7 +166,7 @@ async def test_a_stop_that_cannot_reach_the_node_is_made_when_it_is_back(world):
     # Another node answers; the call breaks off in the middle.
     broken = kept.info.node
     cluster.edges[broken] = Unreachable(edges[broken])
-    with pytest.raises(SandboxLost, match=f"did not answer stop; the stop is kept"):
+    with pytest.raises(SandboxLost, match="did not answer stop; the stop is kept"):
         await kept.stop()
     assert set(await cluster.projects.owed_stops(victim)) == {on_victim[0].id}
     assert set(await cluster.projects.owed_stops(broken)) == {kept.id}
