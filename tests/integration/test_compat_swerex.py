@@ -150,6 +150,38 @@ async def test_execute_read_write_and_upload(server, sandbox, tmp_path):
     assert r.stdout == "one file\nran\n7\n", r
 
 
+async def test_a_call_sent_again_with_its_request_id_runs_once(server, sandbox):
+    """RemoteRuntime sends each call with an ``X-Request-ID`` and its retries with the same: the
+    retry gets the first answer, awaited if the first still runs, and nothing runs twice."""
+    import httpx
+
+    url = f"{server.endpoint}/v1/sandboxes/{sandbox.id}/swerex"
+    body = {"command": "sleep 0.5; echo x >> /tmp/count; wc -l < /tmp/count", "shell": True}
+    async with httpx.AsyncClient(headers={"X-API-Key": server.token}, timeout=30) as http:
+        async def call(request_id: str) -> httpx.Response:
+            return await http.post(f"{url}/execute", json=body, headers={"X-Request-ID": request_id})
+
+        # Two at once (the first one's connection broken, its retry sent), then once more later.
+        first, again = await asyncio.gather(call("r-1"), call("r-1"))
+        later = await call("r-1")
+        assert first.status_code == 200 and first.json()["stdout"] == "1\n", first.text
+        assert again.json() == first.json() == later.json()
+        # Another id is another call; so is one with no id.
+        assert (await call("r-2")).json()["stdout"] == "2\n"
+        plain = await http.post(f"{url}/execute", json=body)
+        assert plain.json()["stdout"] == "3\n"
+        # An error is the call's answer too: a timed-out command is not run again.
+        slow = {"command": "echo y >> /tmp/slow; sleep 30", "shell": True, "timeout": 0.5}
+        answers = [await http.post(f"{url}/execute", json=slow, headers={"X-Request-ID": "r-3"}) for _ in range(2)]
+        assert [a.status_code for a in answers] == [511, 511]
+        assert answers[0].json() == answers[1].json()
+        assert answers[0].json()["swerexception"]["class_path"] == "swerex.exceptions.CommandTimeoutError"
+        assert (await sandbox.read_file("/tmp/slow")) == b"y\n"
+        # The id answers only who may see the sandbox.
+        stranger = await http.post(f"{url}/execute", json=body, headers={"X-Request-ID": "r-1", "X-API-Key": "bad"})
+        assert stranger.status_code == 401
+
+
 async def test_unknown_sandbox_and_bad_token(server, client, sandbox):
     gone = runtime_of(server, sandbox.id[:-4] + "0000")
     alive = await gone.is_alive()

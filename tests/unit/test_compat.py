@@ -91,3 +91,28 @@ def test_sandboxfusion_answers_from_the_driver_notes():
     gone = sf.answer(request, toolchain, FnCallResult(exit_code=-9, memory_exceeded=True))
     assert gone.status == "Failed" and gone.compile_result.status == "Error"
     assert "memory limit" in gone.compile_result.stderr
+
+
+async def test_swerex_replays_keep_the_last_answers_within_their_bounds():
+    from fastapi.responses import JSONResponse
+
+    replays = swerex.Replays(max_answers=2, max_bytes=100)
+    runs: list[str] = []
+
+    def work(name: str, size: int = 1, keep: bool = True):
+        async def run():
+            runs.append(name)
+            return JSONResponse({"v": name * size}), keep
+        return run
+
+    for name in ("a", "b", "c"):
+        await replays.once((name,), work(name))
+    assert (await replays.once(("c",), work("c"))).body == b'{"v":"c"}' and runs == ["a", "b", "c"]
+    await replays.once(("a",), work("a"))  # the oldest was dropped: it runs again
+    assert runs == ["a", "b", "c", "a"] and len(replays) == 2
+    await replays.once(("big",), work("x", size=200))  # larger than all it may keep: not kept
+    await replays.once(("big",), work("x", size=200))
+    assert runs[-2:] == ["x", "x"] and len(replays) == 2
+    await replays.once(("busy",), work("busy", keep=False))  # nothing ran (Overloaded): run again
+    await replays.once(("busy",), work("busy", keep=False))
+    assert runs[-2:] == ["busy", "busy"]

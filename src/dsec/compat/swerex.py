@@ -16,8 +16,12 @@ Every call is one or a few of DSec's own calls on the sandbox's node (``EdgeAPI`
 - ``execute`` is one exec, ``read_file``/``write_file`` DSec's file calls, ``upload`` a file write
   or, for the zip a directory goes as, DSec's tree upload (the zip turned into a tar here).
 
-The apiserver keeps nothing: a session's name, its DSec session and interactive program live in
-a small JSON file in the sandbox (``/tmp/.dsec-swerex/``). Errors reach the client as SWE-ReX's
+The apiserver keeps only the answers for retries: a session's name, its DSec session and
+interactive program live in a small JSON file in the sandbox (``/tmp/.dsec-swerex/``). A call
+sent again with the same ``X-Request-ID`` (``RemoteRuntime`` sends one per call, and the same on
+each of its retries) gets the first one's answer, awaited if it still runs, and runs nothing
+again (``Replays``: the answers are kept in this apiserver's memory, the last ones up to a
+count and a size; SWE-ReX's own server keeps only its last one). Errors reach the client as SWE-ReX's
 server sends them: its own exceptions (and builtins such as ``FileNotFoundError``) as status 511
 with ``{"swerexception": …}``, which ``RemoteRuntime`` raises again; a bad token (401) and an
 unknown sandbox (404) as HTTP errors with ``detail`` (``is_alive`` then answers False).
@@ -34,17 +38,20 @@ import shlex
 import stat
 import tarfile
 import zipfile
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from libdsec import (
     CommandTimeout,
     DSecError,
     InvalidRequest,
+    Overloaded,
     SandboxFileNotFound,
     SandboxNotFound,
     SandboxStateError,
@@ -507,6 +514,51 @@ def zip_to_tar(data: bytes) -> bytes:
     return out.getvalue()
 
 
+# -- answers kept for retries ---------------------------------------------------------------------
+
+class Replays:
+    """The answers of calls by their request ids, for the retries that send them again.
+
+    ``once(key, work)`` runs ``work`` (it answers a ``Response`` and whether to keep it) once
+    per key, in a task of its own (a client that broke off does not cancel it: its retry gets
+    its answer): a call with a key in flight awaits it, one with a key answered gets the same
+    answer. Finished answers are kept up to ``max_answers`` of them and ``max_bytes`` of body,
+    the oldest dropped first; one not kept (nothing ran: ``Overloaded``) is run again."""
+
+    def __init__(self, max_answers: int = 1024, max_bytes: int = 64 << 20) -> None:
+        self.max_answers, self.max_bytes = max_answers, max_bytes
+        self._running: dict[tuple, asyncio.Task[tuple[Response, bool]]] = {}
+        self._answers: OrderedDict[tuple, tuple[int, bytes, str | None]] = OrderedDict()
+        self._bytes = 0
+
+    async def once(self, key: tuple, work: Callable[[], Awaitable[tuple[Response, bool]]]) -> Response:
+        if (kept := self._answers.get(key)) is not None:
+            self._answers.move_to_end(key)
+            return Response(kept[1], status_code=kept[0], media_type=kept[2])
+        task = self._running.get(key)
+        if task is None:
+            task = self._running[key] = asyncio.create_task(work())
+            task.add_done_callback(lambda t: self._done(key, t))
+        response, _ = await asyncio.shield(task)
+        return Response(response.body, status_code=response.status_code, media_type=response.media_type)
+
+    def _done(self, key: tuple, task: asyncio.Task[tuple[Response, bool]]) -> None:
+        del self._running[key]
+        if task.cancelled() or task.exception() is not None:
+            return
+        response, keep = task.result()
+        if not keep or len(response.body) > self.max_bytes:
+            return
+        self._answers[key] = (response.status_code, bytes(response.body), response.media_type)
+        self._bytes += len(response.body)
+        while len(self._answers) > self.max_answers or self._bytes > self.max_bytes:
+            _, (_, body, _) = self._answers.popitem(last=False)
+            self._bytes -= len(body)
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+
 # -- routes: parse, call one SwerexRuntime method, answer as SWE-ReX's server ----------------------
 
 def add_swerex_routes(app: FastAPI, cluster, authenticator) -> None:
@@ -526,19 +578,33 @@ def add_swerex_routes(app: FastAPI, cluster, authenticator) -> None:
         except ValidationError as exc:
             raise _Unparsed(exc) from None
 
+    replays = Replays()
+    app.state.swerex_replays = replays
+
     def route(name: str, model=None):
-        async def handler(request: Request, sandbox_id: str):
+        async def answer(rt: SwerexRuntime, body: bytes) -> tuple[Response, bool]:
+            """The call's answer, and whether a retry may get it (not when nothing ran)."""
             try:
-                rt = await runtime(request, sandbox_id)
                 if model is None:
                     answer = await getattr(rt, name)()
                 else:
-                    answer = await getattr(rt, name)(parsed(model, await request.body()))
+                    answer = await getattr(rt, name)(parsed(model, body))
             except _Unparsed as exc:
-                return JSONResponse({"detail": exc.errors}, status_code=422)
+                return JSONResponse({"detail": exc.errors}, status_code=422), True
+            except (DSecError, SwerexError) as exc:
+                return error_answer(exc), not isinstance(exc, Overloaded)
+            return JSONResponse(answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer), True
+
+        async def handler(request: Request, sandbox_id: str):
+            try:
+                rt = await runtime(request, sandbox_id)  # (a retry is authenticated again)
             except (DSecError, SwerexError) as exc:
                 return error_answer(exc)
-            return answer.model_dump() if isinstance(answer, BaseModel) else answer
+            body = await request.body()
+            request_id = request.headers.get("x-request-id")
+            if not request_id:
+                return (await answer(rt, body))[0]
+            return await replays.once((sandbox_id, name, request_id), lambda: answer(rt, body))
         handler.__name__ = f"swerex_{name}"
         return handler
 
