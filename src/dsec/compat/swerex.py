@@ -21,10 +21,12 @@ interactive program live in a small JSON file in the sandbox (``/tmp/.dsec-swere
 sent again with the same ``X-Request-ID`` (``RemoteRuntime`` sends one per call, and the same on
 each of its retries) gets the first one's answer, awaited if it still runs, and runs nothing
 again (``Replays``: the answers are kept in this apiserver's memory, the last ones up to a
-count and a size; SWE-ReX's own server keeps only its last one). Errors reach the client as SWE-ReX's
-server sends them: its own exceptions (and builtins such as ``FileNotFoundError``) as status 511
-with ``{"swerexception": …}``, which ``RemoteRuntime`` raises again; a bad token (401) and an
-unknown sandbox (404) as HTTP errors with ``detail`` (``is_alive`` then answers False).
+count and a size; SWE-ReX's own server keeps only its last one).
+
+Errors reach the client as SWE-ReX's server sends them: its own exceptions (and builtins such
+as ``FileNotFoundError``) as status 511 with ``{"swerexception": …}``, which ``RemoteRuntime``
+raises again; a bad token (401) and an unknown sandbox (404) as HTTP errors with ``detail``
+(``is_alive`` then answers False).
 """
 
 from __future__ import annotations
