@@ -415,9 +415,7 @@ class Sandbox:
 
     async def stop(self) -> None:
         """Stop and remove the sandbox. Stopping a stopped sandbox does nothing. ``SandboxLost``
-        if its node is away; the message says when the stop is kept, to be made when the node
-        is back (always for the root token; for a project's token when the node broke off in
-        the middle of the stop, since whose a lost node's sandbox is only its node knows)."""
+        if its node is away: the stop is kept, and made when the node is back."""
         if self.info.status in (SandboxStatus.stopped,):
             return
         if self._client._replay is not None:

@@ -15,7 +15,7 @@ from dsec.apiserver.projects import open_project_store
 from dsec.backends.fake import FakeBackend
 from dsec.edge.api import NodeUnreachable
 from dsec.edge.edge import Edge, EdgeConfig
-from libdsec import DSecClient, DSecContainerRunArgs, QuotaExceeded, SandboxLost, SandboxNotFound
+from libdsec import DSecClient, DSecContainerRunArgs, QuotaExceeded, Sandbox, SandboxLost, SandboxNotFound
 
 TOKEN = "root-token"
 
@@ -179,3 +179,38 @@ async def test_a_stop_that_cannot_reach_the_node_is_made_when_it_is_back(world):
     rest = [s for s in made if s.id not in {on_victim[0].id, kept.id}]
     assert {i.id for i in await client.list_sandboxes()} == {s.id for s in rest}
     assert (await rest[0].run_shell("echo back")).stdout == "back\n"
+
+
+async def test_a_projects_stop_of_a_lost_nodes_sandbox_is_made_when_back_if_it_is_theirs(world):
+    """Whose a lost node's sandbox is, only the node knows: a project's stop is owed with the
+    project, and made when the node is back only if the sandbox is that project's."""
+    client, cluster, edges = world
+    for name in ("team", "other"):
+        await client.create_project(name, sandboxes=8)
+    transport = cluster_transport(cluster)
+    async with (DSecClient("http://api", token=await client.create_project_token("team"), transport=transport) as team,
+                DSecClient("http://api", token=await client.create_project_token("other"), transport=transport) as other):
+        made = await team.run_containers(args(), count=6)
+        victim = made[0].info.node
+        mine, not_theirs = [s for s in made if s.info.node == victim][:2]
+        cluster.mark_lost(victim, "test")
+        with pytest.raises(SandboxLost, match=f"made when node {victim} is back .if the sandbox is project team's"):
+            await mine.stop()
+        # Another project names an id it learned: owed too, but the node will not stop it.
+        with pytest.raises(SandboxLost, match="project other's"):
+            await Sandbox(other, not_theirs.info).stop()
+        assert {sid: owed.project for sid, owed in (await cluster.projects.owed_stops(victim)).items()} == {
+            mine.id: "team", not_theirs.id: "other"}
+        # Other calls of a lost node's sandbox owe nothing.
+        with pytest.raises(SandboxLost):
+            await not_theirs.run_shell("true")
+        cluster.add_edge(edges[victim])
+        await until_gone(edges[victim], {mine.id})
+        for _ in range(200):
+            if not await cluster.projects.owed_stops(victim):
+                break
+            await asyncio.sleep(0.01)
+        assert await cluster.projects.owed_stops(victim) == {}
+        assert (await not_theirs.run_shell("echo mine")).stdout == "mine\n"
+        for s in made:
+            await s.stop()

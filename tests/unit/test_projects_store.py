@@ -12,7 +12,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from dsec.apiserver.projects import open_project_store, token_digest
+from dsec.apiserver.projects import OwedStop, open_project_store, token_digest
 from dsec.apiserver.quota import check_tree
 from libdsec import BackendError, InvalidRequest, LimitOutOfRange, ProjectNotFound, QuotaExceeded
 from libdsec._projects import ProjectQuota
@@ -244,12 +244,26 @@ def test_a_bad_postgresql_url_fails_at_open_naming_it(url, error):
 
 
 async def test_stops_owed_to_a_node_are_kept_until_settled_and_seen_by_another_store(store, project_db):
+    failed = OwedStop("batch create failed")
     await store.owe_stops("n1", ["n1-a", "n1-b"], "batch create failed")
     await store.owe_stops("n1", ["n1-a"], "again")  # owed once
     await store.owe_stops("n2", ["n2-a"], "batch create failed")
     with open_project_store(project_db) as other:
-        assert await other.owed_stops("n1") == {"n1-a": "batch create failed", "n1-b": "batch create failed"}
+        assert await other.owed_stops("n1") == {"n1-a": failed, "n1-b": failed}
         await other.settle_stops(["n1-a", "nothing-owed"])
-    assert await store.owed_stops("n1") == {"n1-b": "batch create failed"}
-    assert await store.owed_stops("n2") == {"n2-a": "batch create failed"}
+    assert await store.owed_stops("n1") == {"n1-b": failed}
+    assert await store.owed_stops("n2") == {"n2-a": failed}
     assert await store.owed_stops("n3") == {}
+    await store.owe_stops("n3", ["n3-a"], "stopped while away", project="team")
+    assert await store.owed_stops("n3") == {"n3-a": OwedStop("stopped while away", "team")}
+
+
+def test_an_sqlite_file_from_before_owed_stops_had_a_project_gets_the_column(tmp_path):
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:
+        db.execute("CREATE TABLE owed_stops (sandbox_id TEXT PRIMARY KEY, node TEXT NOT NULL, "
+                   "reason TEXT NOT NULL, since REAL NOT NULL)")
+        db.execute("INSERT INTO owed_stops VALUES ('n1-a', 'n1', 'batch create failed', 0)")
+    for _ in range(2):  # (the second open finds the column there)
+        with open_project_store(path) as store:
+            assert asyncio.run(store.owed_stops("n1")) == {"n1-a": OwedStop("batch create failed", None)}

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from libdsec import DSecError, InvalidRequest
+from libdsec import DSecError, InvalidRequest, SandboxLost
 from libdsec.protocol import JOB_HEADER, KEY_HEADER, NetworkRulesRequest, SecurityEventList, TTLRequest
 from libdsec.protocol import (
     BatchEvent,
@@ -161,19 +161,26 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     authenticator = Authenticator(token, cluster.projects)
     jobs = cluster.jobs
 
-    async def check(headers: dict[bytes, bytes], path_params: dict) -> Caller:
+    async def check(headers: dict[bytes, bytes], path_params: dict, method: str = "GET") -> Caller:
         """The calling project (and its job and key, if the request names them); a sandbox it
-        may not see answers ``SandboxNotFound``."""
+        may not see answers ``SandboxNotFound``, one whose node is lost ``SandboxLost``, and
+        its stop (``DELETE`` of the sandbox) is then owed to the node, to be made if the
+        sandbox is the caller's (``Cluster.owe_unchecked_stop``)."""
         job, key = headers.get(_JOB), headers.get(_KEY)
         caller = authenticator.caller(headers.get(b"authorization", b"").decode("latin-1"),
                                       None if job is None else job.decode("latin-1"),
                                       None if key is None else key.decode("latin-1"))
         if "sandbox_id" in path_params and not caller.is_root:
-            await cluster.edge_for_caller(path_params["sandbox_id"], caller)
+            try:
+                await cluster.edge_for_caller(path_params["sandbox_id"], caller)
+            except SandboxLost as lost:
+                if method == "DELETE" and path_params.keys() == {"sandbox_id"}:  # the stop route
+                    await cluster.owe_unchecked_stop(path_params["sandbox_id"], caller, lost)
+                raise
         return caller
 
     async def authenticated(request: Request) -> Caller:
-        return await check(dict(request.headers.raw), request.path_params)
+        return await check(dict(request.headers.raw), request.path_params, request.method)
 
     async def authenticated_and_logged(request: Request) -> Caller:
         """``authenticated``; a call of a job that its log does not record with its result is

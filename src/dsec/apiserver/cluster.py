@@ -49,7 +49,7 @@ from ..edge.api import EdgeAPI, NodeUnreachable, node_of
 from .auth import Caller
 from .jobs import Jobs
 from .metrics import ApiMetrics
-from .projects import ProjectStore, open_project_store
+from .projects import OwedStop, ProjectStore, open_project_store
 from .quota import RESOURCES, Amount, check_create
 
 log = logging.getLogger("dsec.apiserver.cluster")
@@ -193,20 +193,29 @@ class Cluster:
     async def _stop_owed(self, edge: EdgeAPI) -> None:
         """Make the stops owed to ``edge``'s node; the ones it cannot take now stay owed."""
         try:
-            reasons = await self.projects.owed_stops(edge.node)
-            if not reasons:
+            stops = await self.projects.owed_stops(edge.node)
+            if not stops:
                 return
-            owed = sorted(reasons)
+            owed = sorted(stops)
             log.info("node %s is back: stopping the %d sandboxes it was owed stops for", edge.node, len(owed))
-            results = await asyncio.gather(*(edge.stop(sid, reason=reasons[sid]) for sid in owed),
+            results = await asyncio.gather(*(self._make_owed(edge, sid, stops[sid]) for sid in owed),
                                            return_exceptions=True)
             await self.projects.settle_stops(
                 sid for sid, r in zip(owed, results) if not isinstance(r, (NodeUnreachable, SandboxLost)))
         except Exception as exc:  # noqa: BLE001 - they stay owed: made when the node joins next
             log.warning("the stops owed to node %s were not all made: %s", edge.node, exc)
 
-    async def _owe(self, node: str, sandbox_ids: list[str], reason: str) -> None:
-        await self.projects.owe_stops(node, sandbox_ids, reason)
+    async def _make_owed(self, edge: EdgeAPI, sandbox_id: str, owed: OwedStop) -> None:
+        if owed.project is not None:  # asked by a project while the node was away: is it theirs?
+            info = await edge.get(sandbox_id)
+            if not Caller(owed.project).sees(self.projects, info.project):
+                log.warning("not stopping %s: project %s asked while node %s was away, and it is %s's",
+                            sandbox_id, owed.project, edge.node, info.project)
+                return
+        await edge.stop(sandbox_id, reason=owed.reason)
+
+    async def _owe(self, node: str, sandbox_ids: list[str], reason: str, project: str | None = None) -> None:
+        await self.projects.owe_stops(node, sandbox_ids, reason, project)
         if (edge := self.edges.get(node)) is not None:  # it came back meanwhile
             self._spawn(self._stop_owed(edge))
 
@@ -221,6 +230,15 @@ class Cluster:
             node = node_of(sandbox_id)
             await self._owe(node, [sandbox_id], f"{reason}, while its node was away")
             raise SandboxLost(f"{exc}; the stop is kept, and made when node {node} is back") from None
+
+    async def owe_unchecked_stop(self, sandbox_id: str, caller: Caller, lost: SandboxLost) -> None:
+        """A project's stop of a sandbox whose node is away (``lost``: whose it is, only its
+        node knows): owed to the node with the project, checked when it is back; raises
+        ``SandboxLost``."""
+        node = node_of(sandbox_id)
+        await self._owe(node, [sandbox_id], "stopped by request, while its node was away", caller.project)
+        raise SandboxLost(f"{lost}; the stop is kept, and made when node {node} is back "
+                          f"(if the sandbox is project {caller.project}'s)") from None
 
     async def stop_ids(self, sandbox_ids: list[str], reason: str) -> None:
         """``stop_for_batch`` by ids (their nodes looked up; a node not in the cluster now is

@@ -166,10 +166,10 @@ class CatchUnexpected:
 
 class LeanRoutes:
     """ASGI middleware: ``app.add_middleware(LeanRoutes, app_ref=app, names=…, check=…,
-    dependency=…)`` after every other one. ``check(headers, path_params)`` (the raw headers,
-    bytes to bytes) returns the caller (or raises)."""
+    dependency=…)`` after every other one. ``check(headers, path_params, method)`` (the raw
+    headers, bytes to bytes) returns the caller (or raises)."""
 
-    def __init__(self, app, app_ref: FastAPI, names: frozenset[str], check: Callable[[dict, dict], Awaitable],
+    def __init__(self, app, app_ref: FastAPI, names: frozenset[str], check: Callable[[dict, dict, str], Awaitable],
                  dependency: Callable, plain_routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
         self._app_ref = app_ref
@@ -238,7 +238,7 @@ class LeanRoutes:
                 if not message.get("more_body", False):
                     break
             kwargs = {name: params[name] for name in plan.path_params}
-            caller = await self._check(headers, params)
+            caller = await self._check(headers, params, scope["method"])
             if plan.caller_param is not None:
                 kwargs[plan.caller_param] = caller
             if plan.body is not None:

@@ -40,6 +40,14 @@ class KeyClaim(NamedTuple):
     result: str | None = None
 
 
+class OwedStop(NamedTuple):
+    """A stop owed to a node: why, and (when its asker could not be checked against the
+    sandbox's project while the node was away) the project that asked, to be checked then."""
+
+    reason: str
+    project: str | None = None
+
+
 class JobRow(NamedTuple):
     name: str
     project: str
@@ -87,14 +95,18 @@ class ProjectStore(Protocol):
         (``e2b_`` + 40 hex digits, which e2b SDKs check before they send it)."""
         ...
 
-    # Stops owed to nodes: the sandboxes of batches that failed while their node was lost,
-    # kept until the node is back and has stopped them (an apiserver may restart meanwhile,
-    # and another may be the one the node comes back to).
+    # Stops owed to nodes: the sandboxes of batches that failed while their node was lost, and
+    # those their owners stopped while it was away, kept until the node is back and has
+    # stopped them (an apiserver may restart meanwhile, and another may be the one the node
+    # comes back to).
 
-    async def owe_stops(self, node: str, sandbox_ids: Iterable[str], reason: str) -> None: ...
+    async def owe_stops(self, node: str, sandbox_ids: Iterable[str], reason: str,
+                        project: str | None = None) -> None:
+        """Owe the stops (a sandbox owed one already stays owed as it was)."""
+        ...
 
-    async def owed_stops(self, node: str) -> dict[str, str]:
-        """The sandboxes ``node`` is owed stops for, with why they were stopped."""
+    async def owed_stops(self, node: str) -> dict[str, OwedStop]:
+        """The sandboxes ``node`` is owed stops for."""
         ...
 
     async def settle_stops(self, sandbox_ids: Iterable[str]) -> None:

@@ -39,6 +39,7 @@ from .projects import (
     JOB_ROW,
     JobRow,
     KeyClaim,
+    OwedStop,
     check_removal,
     key_claim,
     make_token,
@@ -82,6 +83,7 @@ CREATE TABLE IF NOT EXISTS owed_stops (
     reason text NOT NULL,
     since timestamptz NOT NULL DEFAULT now()
 );
+ALTER TABLE owed_stops ADD COLUMN IF NOT EXISTS project text;
 CREATE INDEX IF NOT EXISTS owed_stops_by_node ON owed_stops(node);
 CREATE TABLE IF NOT EXISTS create_keys (
     scope text NOT NULL,
@@ -412,15 +414,17 @@ class PostgresProjectStore:
 
         return await self._on_own_loop(run())
 
-    async def owe_stops(self, node: str, sandbox_ids: Iterable[str], reason: str) -> None:
-        rows = [(sid, node, reason) for sid in sandbox_ids]
+    async def owe_stops(self, node: str, sandbox_ids: Iterable[str], reason: str,
+                        project: str | None = None) -> None:
+        rows = [(sid, node, reason, project) for sid in sandbox_ids]
         await self._plain(lambda conn: conn.executemany(
-            "INSERT INTO owed_stops (sandbox_id, node, reason) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING", rows))
+            "INSERT INTO owed_stops (sandbox_id, node, reason, project) VALUES ($1, $2, $3, $4) "
+            "ON CONFLICT DO NOTHING", rows))
 
-    async def owed_stops(self, node: str) -> dict[str, str]:
+    async def owed_stops(self, node: str) -> dict[str, OwedStop]:
         rows = await self._plain(lambda conn: conn.fetch(
-            "SELECT sandbox_id, reason FROM owed_stops WHERE node = $1", node))
-        return {r[0]: r[1] for r in rows}
+            "SELECT sandbox_id, reason, project FROM owed_stops WHERE node = $1", node))
+        return {r[0]: OwedStop(r[1], r[2]) for r in rows}
 
     async def settle_stops(self, sandbox_ids: Iterable[str]) -> None:
         ids = list(sandbox_ids)

@@ -22,6 +22,7 @@ from .projects import (
     JOB_ROW,
     JobRow,
     KeyClaim,
+    OwedStop,
     check_removal,
     key_claim,
     make_token,
@@ -53,7 +54,8 @@ CREATE TABLE IF NOT EXISTS owed_stops (
     sandbox_id TEXT PRIMARY KEY,
     node TEXT NOT NULL,
     reason TEXT NOT NULL,
-    since REAL NOT NULL
+    since REAL NOT NULL,
+    project TEXT
 );
 CREATE INDEX IF NOT EXISTS owed_stops_by_node ON owed_stops(node);
 CREATE TABLE IF NOT EXISTS create_keys (
@@ -85,6 +87,19 @@ def _read_tree(db: sqlite3.Connection) -> Tree:
                 for n, p, s, c, m in rows)
 
 
+def _add_column(db: sqlite3.Connection, table: str, column: str) -> None:
+    """``ALTER TABLE table ADD COLUMN column`` unless it is there (another process may add it
+    at the same moment)."""
+    name = column.split()[0]
+    if name in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
+        return
+    try:
+        db.execute(f"ALTER TABLE {table} ADD COLUMN {column}")
+    except sqlite3.OperationalError as exc:
+        if "duplicate column" not in str(exc):
+            raise
+
+
 class SQLiteProjectStore:
     # How long the tree read last is trusted before asking whether another process changed it.
     recheck_s = 0.5
@@ -100,6 +115,7 @@ class SQLiteProjectStore:
             self._db.execute("PRAGMA journal_mode = WAL")
             self._db.execute("PRAGMA synchronous = NORMAL")
         self._db.executescript(_SCHEMA)
+        _add_column(self._db, "owed_stops", "project TEXT")  # (a file made before it had one)
         self._db.execute(
             "INSERT OR IGNORE INTO projects (name, parent, created_at) VALUES (?, NULL, ?)", (ROOT_PROJECT, time.time())
         )
@@ -215,13 +231,16 @@ class SQLiteProjectStore:
 
     # -- stops owed to nodes -----------------------------------------------------------------
 
-    async def owe_stops(self, node: str, sandbox_ids: Iterable[str], reason: str) -> None:
-        rows = [(sid, node, reason, time.time()) for sid in sandbox_ids]
-        self._many("INSERT OR IGNORE INTO owed_stops (sandbox_id, node, reason, since) VALUES (?, ?, ?, ?)", rows)
+    async def owe_stops(self, node: str, sandbox_ids: Iterable[str], reason: str,
+                        project: str | None = None) -> None:
+        rows = [(sid, node, reason, time.time(), project) for sid in sandbox_ids]
+        self._many("INSERT OR IGNORE INTO owed_stops (sandbox_id, node, reason, since, project) "
+                   "VALUES (?, ?, ?, ?, ?)", rows)
 
-    async def owed_stops(self, node: str) -> dict[str, str]:
+    async def owed_stops(self, node: str) -> dict[str, OwedStop]:
         with self._lock:
-            return dict(self._conn().execute("SELECT sandbox_id, reason FROM owed_stops WHERE node = ?", (node,)))
+            rows = self._conn().execute("SELECT sandbox_id, reason, project FROM owed_stops WHERE node = ?", (node,))
+            return {sid: OwedStop(reason, project) for sid, reason, project in rows}
 
     async def settle_stops(self, sandbox_ids: Iterable[str]) -> None:
         self._many("DELETE FROM owed_stops WHERE sandbox_id = ?", [(sid,) for sid in sandbox_ids])
