@@ -214,3 +214,21 @@ async def test_a_projects_stop_of_a_lost_nodes_sandbox_is_made_when_back_if_it_i
         assert (await not_theirs.run_shell("echo mine")).stdout == "mine\n"
         for s in made:
             await s.stop()
+
+
+async def test_an_e2b_kill_of_a_lost_nodes_sandbox_is_owed_the_same_way(world):
+    client, cluster, edges = world
+    await client.create_project("team", sandboxes=8)
+    key = await client.create_project_token("team")
+    async with DSecClient("http://api", token=key, transport=cluster_transport(cluster)) as team:
+        made = await team.run_containers(args(), count=3)
+    victim = made[0].info.node
+    cluster.mark_lost(victim, "test")
+    async with httpx.AsyncClient(transport=cluster_transport(cluster), base_url="http://api") as http:
+        answer = await http.delete(f"/e2b/sandboxes/{made[0].id}", headers={"X-API-Key": key})
+    assert answer.status_code == 410 and "the stop is kept" in answer.text, answer.text
+    assert (await cluster.projects.owed_stops(victim))[made[0].id].project == "team"
+    cluster.add_edge(edges[victim])
+    await until_gone(edges[victim], {made[0].id})
+    for s in made[1:]:
+        await Sandbox(client, s.info).stop()

@@ -237,8 +237,8 @@ class Cluster:
         ``SandboxLost``."""
         node = node_of(sandbox_id)
         await self._owe(node, [sandbox_id], "stopped by request, while its node was away", caller.project)
-        raise SandboxLost(f"{lost}; the stop is kept, and made when node {node} is back "
-                          f"(if the sandbox is project {caller.project}'s)") from None
+        whose = "" if caller.is_root else f" (if the sandbox is project {caller.project}'s)"
+        raise SandboxLost(f"{lost}; the stop is kept, and made when node {node} is back{whose}") from None
 
     async def stop_ids(self, sandbox_ids: list[str], reason: str) -> None:
         """``stop_for_batch`` by ids (their nodes looked up; a node not in the cluster now is

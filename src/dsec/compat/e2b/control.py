@@ -24,7 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from libdsec import DSecError, ImageNotFound, InvalidRequest, SandboxNotFound, SandboxStateError
+from libdsec import DSecError, ImageNotFound, InvalidRequest, SandboxLost, SandboxNotFound, SandboxStateError
 from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxInfo, SandboxStatus
 
 from ...apiserver.auth import Authenticator, Caller
@@ -219,7 +219,10 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     @router.delete("/sandboxes/{sandbox_id}")
     @_answers
     async def kill(request: Request, sandbox_id: str) -> Response:
-        await visible(request, sandbox_id)
+        try:
+            await visible(request, sandbox_id)
+        except SandboxLost as lost:  # (whose it is, its node checks when it is back)
+            await cluster.owe_unchecked_stop(sandbox_id, caller_of(request), lost)
         await cluster.stop(sandbox_id, "killed through the E2B API")
         return Response(status_code=204)
 
