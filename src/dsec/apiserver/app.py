@@ -161,11 +161,11 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     authenticator = Authenticator(token, cluster.projects)
     jobs = cluster.jobs
 
-    async def check(headers: dict[bytes, bytes], path_params: dict, method: str = "GET") -> Caller:
+    async def check(headers: dict[bytes, bytes], path_params: dict, route: str = "") -> Caller:
         """The calling project (and its job and key, if the request names them); a sandbox it
         may not see answers ``SandboxNotFound``, one whose node is lost ``SandboxLost``, and
-        its stop (``DELETE`` of the sandbox) is then owed to the node, to be made if the
-        sandbox is the caller's (``Cluster.owe_unchecked_stop``)."""
+        its stop (the route ``stop_sandbox``) is then owed to the node, to be made if the
+        sandbox is the caller's (``Cluster.keep_stop``)."""
         job, key = headers.get(_JOB), headers.get(_KEY)
         caller = authenticator.caller(headers.get(b"authorization", b"").decode("latin-1"),
                                       None if job is None else job.decode("latin-1"),
@@ -174,13 +174,13 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
             try:
                 await cluster.edge_for_caller(path_params["sandbox_id"], caller)
             except SandboxLost as lost:
-                if method == "DELETE" and path_params.keys() == {"sandbox_id"}:  # the stop route
-                    await cluster.owe_unchecked_stop(path_params["sandbox_id"], caller, lost)
+                if route == "stop_sandbox":
+                    await cluster.keep_stop(path_params["sandbox_id"], lost, caller=caller)
                 raise
         return caller
 
     async def authenticated(request: Request) -> Caller:
-        return await check(dict(request.headers.raw), request.path_params, request.method)
+        return await check(dict(request.headers.raw), request.path_params, request.scope["route"].name)
 
     async def authenticated_and_logged(request: Request) -> Caller:
         """``authenticated``; a call of a job that its log does not record with its result is

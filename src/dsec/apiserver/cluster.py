@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
+from typing import NoReturn
 
 from datetime import datetime, timezone
 
@@ -221,23 +222,23 @@ class Cluster:
 
     async def stop(self, sandbox_id: str, reason: str = "stopped by request") -> SandboxInfo:
         """Its owner's stop. One that cannot reach the sandbox's node (lost, or breaking off in
-        the middle of the call, when the stop may have been made already) answers
-        ``SandboxLost`` and is owed to the node, made when it is back: a sandbox stopped while
-        its node was away does not come back running with it."""
+        the middle of the call, when the stop may have been made already) is kept
+        (``keep_stop``): a sandbox stopped while its node was away does not come back running
+        with it."""
         try:
             return await self.edge_for(sandbox_id).stop(sandbox_id, reason)
-        except SandboxLost as exc:
-            node = node_of(sandbox_id)
-            await self._owe(node, [sandbox_id], f"{reason}, while its node was away")
-            raise SandboxLost(f"{exc}; the stop is kept, and made when node {node} is back") from None
+        except SandboxLost as lost:
+            await self.keep_stop(sandbox_id, lost, reason)
 
-    async def owe_unchecked_stop(self, sandbox_id: str, caller: Caller, lost: SandboxLost) -> None:
-        """A project's stop of a sandbox whose node is away (``lost``: whose it is, only its
-        node knows): owed to the node with the project, checked when it is back; raises
-        ``SandboxLost``."""
+    async def keep_stop(self, sandbox_id: str, lost: SandboxLost, reason: str = "stopped by request",
+                        caller: Caller | None = None) -> NoReturn:
+        """Owe the stop of a sandbox whose node is away (``lost``) to the node, and raise
+        ``SandboxLost`` saying so. ``caller``: a project whose stop could not be checked
+        against the sandbox (whose it is, only its node knows), checked when it is back."""
         node = node_of(sandbox_id)
-        await self._owe(node, [sandbox_id], "stopped by request, while its node was away", caller.project)
-        whose = "" if caller.is_root else f" (if the sandbox is project {caller.project}'s)"
+        project = None if caller is None or caller.is_root else caller.project
+        await self._owe(node, [sandbox_id], f"{reason}, while its node was away", project)
+        whose = "" if project is None else f" (if the sandbox is project {project}'s)"
         raise SandboxLost(f"{lost}; the stop is kept, and made when node {node} is back{whose}") from None
 
     async def stop_ids(self, sandbox_ids: list[str], reason: str) -> None:

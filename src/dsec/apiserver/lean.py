@@ -54,6 +54,7 @@ _JSON = [(b"content-type", b"application/json")]
 
 @dataclass(frozen=True)
 class _Plan:
+    name: str
     regex: re.Pattern
     endpoint: Callable[..., Awaitable]
     path_params: tuple[str, ...]
@@ -82,7 +83,7 @@ def _plan(route: APIRoute, dependency: Callable) -> _Plan | None:
             body = (name, kind)
         else:
             return None
-    return _Plan(route.path_regex, route.endpoint, tuple(path), caller, body, route.response_model)
+    return _Plan(route.name, route.path_regex, route.endpoint, tuple(path), caller, body, route.response_model)
 
 
 @dataclass(frozen=True)
@@ -166,8 +167,8 @@ class CatchUnexpected:
 
 class LeanRoutes:
     """ASGI middleware: ``app.add_middleware(LeanRoutes, app_ref=app, names=…, check=…,
-    dependency=…)`` after every other one. ``check(headers, path_params, method)`` (the raw
-    headers, bytes to bytes) returns the caller (or raises)."""
+    dependency=…)`` after every other one. ``check(headers, path_params, route_name)`` (the
+    raw headers, bytes to bytes) returns the caller (or raises)."""
 
     def __init__(self, app, app_ref: FastAPI, names: frozenset[str], check: Callable[[dict, dict, str], Awaitable],
                  dependency: Callable, plain_routes: Sequence[BaseRoute] = ()) -> None:
@@ -238,7 +239,7 @@ class LeanRoutes:
                 if not message.get("more_body", False):
                     break
             kwargs = {name: params[name] for name in plan.path_params}
-            caller = await self._check(headers, params, scope["method"])
+            caller = await self._check(headers, params, plan.name)
             if plan.caller_param is not None:
                 kwargs[plan.caller_param] = caller
             if plan.body is not None:

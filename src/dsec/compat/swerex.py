@@ -581,7 +581,6 @@ def add_swerex_routes(app: FastAPI, cluster, authenticator) -> None:
             raise _Unparsed(exc) from None
 
     replays = Replays()
-    app.state.swerex_replays = replays
 
     def route(name: str, model=None):
         async def answer(rt: SwerexRuntime, body: bytes) -> tuple[Response, bool]:

@@ -222,7 +222,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         try:
             await visible(request, sandbox_id)
         except SandboxLost as lost:  # (whose it is, its node checks when it is back)
-            await cluster.owe_unchecked_stop(sandbox_id, caller_of(request), lost)
+            await cluster.keep_stop(sandbox_id, lost, "killed through the E2B API", caller_of(request))
         await cluster.stop(sandbox_id, "killed through the E2B API")
         return Response(status_code=204)
 
