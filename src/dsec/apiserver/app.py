@@ -396,8 +396,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
 
     # -- ports: HTTP to a port inside, for the caller's token only ----------------------------
 
-    @app.api_route("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}", dependencies=auth, responses=_ERRORS,
-                   methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
     async def port_proxy(request: Request, sandbox_id: str, path: str, port: int = Path(ge=1, le=65535)) -> Response:
         """The answer of port ``port`` inside the sandbox to this request (``sandbox.port_url``)."""
         target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
@@ -407,6 +405,11 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
             body_b64=base64.b64encode(await request.body()).decode()))
         return Response(content=base64.b64decode(answer.body_b64), status_code=answer.status,
                         headers={k: v for k, v in answer.headers if k.lower() != "content-length"})
+
+    # One route a method, each with its operation id (one route of several methods gives them all one).
+    for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
+        app.add_api_route("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}", port_proxy, methods=[method],
+                          dependencies=auth, responses=_ERRORS, name=f"port_proxy_{method.lower()}")
 
     @app.websocket("/v1/sandboxes/{sandbox_id}/ports/{port}/{path:path}")
     async def port_websocket(websocket: WebSocket, sandbox_id: str, port: str, path: str) -> None:
@@ -602,8 +605,9 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         return {"removed": await cluster.any_edge().gc_layers(layers)}
 
     @app.get("/v1/nodes", dependencies=auth)
-    async def nodes() -> list[NodeInfo]:
-        return await cluster.node_infos()
+    async def nodes(all: bool = False) -> list[NodeInfo]:
+        """The nodes serving; with ``all=true``, also those lost or whose edge did not start."""
+        return await cluster.node_infos() + (cluster.unready_infos() if all else [])
 
     add_project_routes(app, cluster, authenticated, _ERRORS)
     add_job_routes(app, jobs, authenticated, _ERRORS)
