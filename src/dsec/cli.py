@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, DSecError
@@ -243,14 +244,15 @@ _LAYER_ATTACH = {"file": "file-backed", "loop": "on read-only loop devices"}
 
 @app.command()
 def info() -> None:
-    """Show the nodes of the cluster and what they run."""
+    """Show the nodes of the cluster and what they run, and why any is not serving."""
 
     async def go():
         async with DSecClient() as client:
-            return await client.node_info()
+            return await client.node_info(include_unready=True)
 
+    everything = run_sdk(go())
+    nodes = [n for n in everything if n.state == "ready"]
     table = Table("NODE", "RUNTIME", "CGROUPS", "SANDBOXES", "CPU CORES", "MEMORY")
-    nodes = run_sdk(go())
     for n in nodes:
         table.add_row(n.node, n.runtime, n.cgroup_version, str(n.sandboxes), str(n.cpu_cores), f"{n.memory_total_mb} MB")
     console.print(table)
@@ -262,6 +264,13 @@ def info() -> None:
             f"swap {n.swap_total_mb} MB; SCHED_IDLE {'yes' if n.sched_idle else 'no'}; "
             f"core scheduling {n.core_scheduling}; layers {_LAYER_ATTACH.get(n.layer_attach, n.layer_attach)}; "
             f"AppArmor {n.apparmor}")
+    for n in everything:
+        if n.state != "ready":
+            what = "lost" if n.state == "lost" else "its edge did not start"
+            console.print(f"[red]{n.node}: {what}: {escape(n.problem)}[/red]")
+    if not nodes:
+        console.print("[red]no node is serving: creates are refused until one is[/red]")
+        raise typer.Exit(1)
 
 
 @app.command()

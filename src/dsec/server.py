@@ -186,6 +186,25 @@ async def reset_node(state_dir: Path) -> int:
     return count
 
 
+def link_store(state_dir: Path, store_dir: Path) -> None:
+    """``state_dir/store`` is the layer store at ``store_dir`` (made when missing: a first start,
+    or the default ``STATE_DIR/store``). A link left to another store by an earlier start with
+    another ``--store-dir`` is pointed at this one; a real directory there is the store itself."""
+    store_dir = Path(os.path.abspath(store_dir))
+    store_dir.mkdir(parents=True, exist_ok=True)
+    link = state_dir / "store"
+    if link.is_symlink():
+        if Path(os.readlink(link)) == store_dir:
+            return
+        link.unlink()
+    elif link.exists():
+        if link.resolve() != store_dir.resolve():
+            raise BackendError(f"{link} is a directory of its own, not a link to the store at {store_dir}: "
+                               "move it away, or give this node the store it holds")
+        return
+    link.symlink_to(store_dir)
+
+
 async def build_node_edge(config: ServerConfig, store_dir: Path) -> Edge:
     """A started edge on ``config.state_dir`` (this process holds its lock from now on), reading
     layers from ``store_dir``: a node of a cluster (``dsec.nodes.ray.EdgeHost``)."""
@@ -193,9 +212,7 @@ async def build_node_edge(config: ServerConfig, store_dir: Path) -> Edge:
     for note in prepare_host():
         log.info(note)
     lock_node(config.state_dir)
-    link = config.state_dir / "store"
-    if not link.exists() and not link.is_symlink():
-        link.symlink_to(store_dir)
+    link_store(config.state_dir, store_dir)
     use_pidfd_child_watcher()
     edge = build_edge(config, open_store(config.state_dir))
     await edge.start()
@@ -213,9 +230,11 @@ def build_cluster_app(config: ServerConfig):
         from .nodes.burst import BurstSettings
         from .nodes.ray import RayNodes
 
+        # Absolute: the edges start in Ray's workers, whose working directory is Ray's.
         provider = RayNodes(config.ray, secrets.token_urlsafe(32),
-                            node_state_dir=config.node_state_dir or config.state_dir / "nodes",
-                            store_dir=config.store_dir or config.state_dir / "store", edge=config.edge,
+                            node_state_dir=Path(os.path.abspath(config.node_state_dir or config.state_dir / "nodes")),
+                            store_dir=Path(os.path.abspath(config.store_dir or config.state_dir / "store")),
+                            edge=config.edge,
                             fncall=config.fncall,
                             burst=BurstSettings(**config.burst) if config.burst is not None else None)
         provider.connect()  # here, so that no cluster at the address is a clear error at start
@@ -231,6 +250,10 @@ def build_cluster_app(config: ServerConfig):
     async def lifespan(app):
         await provider.start(cluster)
         log.info("apiserver ready over %d nodes: %s", len(cluster.edges), ", ".join(sorted(cluster.edges)))
+        for node, (_, why) in sorted(cluster.failed.items()):
+            log.error("node %s: its edge did not start (tried again, less and less often): %s", node, why)
+        if not cluster.edges:
+            log.error("no node is serving: creates are refused until one is (%s)", cluster.no_node_ready())
         gc.freeze()
         try:
             yield

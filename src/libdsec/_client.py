@@ -625,8 +625,11 @@ class DSecClient(_ProjectMethods):
         """Remove layers no image refers to and no sandbox holds; returns their digests."""
         return (await self._request("POST", "/v1/images:gc"))["removed"]
 
-    async def node_info(self) -> list[NodeInfo]:
-        return [NodeInfo.model_validate(n) for n in await self._request("GET", "/v1/nodes")]
+    async def node_info(self, include_unready: bool = False) -> list[NodeInfo]:
+        """The nodes serving, with what they hold; with ``include_unready``, also a line for each
+        node that is not (``state`` "lost" or "failed", and why in ``problem``)."""
+        nodes = await self._request("GET", "/v1/nodes", params={"all": "true"} if include_unready else None)
+        return [NodeInfo.model_validate(n) for n in nodes]
 
     async def stats(self) -> ClusterStats:
         """Every node's counters and holdings, and the apiserver's own (root token only): what

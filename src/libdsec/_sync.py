@@ -369,8 +369,8 @@ class SyncDSecClient(_SyncProjectMethods):
     def gc_images(self) -> list[str]:
         return self._loop().run(self._async.gc_images())
 
-    def node_info(self) -> list[NodeInfo]:
-        return self._loop().run(self._async.node_info())
+    def node_info(self, include_unready: bool = False) -> list[NodeInfo]:
+        return self._loop().run(self._async.node_info(include_unready))
 
     def stats(self) -> ClusterStats:
         return self._loop().run(self._async.stats())

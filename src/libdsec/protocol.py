@@ -557,6 +557,16 @@ class NodeInfo(_Model):
     # "enforce" (container sandboxes run under the dsec-sandbox profile), or "unsupported: <why>".
     apparmor: str = "unknown"
     projects: dict[str, ProjectUsage] = Field(default_factory=dict)
+    # "ready" (serving), or, listed only when asked (``node_info(include_unready=True)``): "lost"
+    # (it left the cluster) or "failed" (found, but its edge did not start), with why in ``problem``.
+    state: Literal["ready", "lost", "failed"] = "ready"
+    problem: str = ""
+
+    @classmethod
+    def unready(cls, node: str, state: str, problem: str) -> NodeInfo:
+        """The line of a node that is not serving: nothing is known of it but why."""
+        return cls(node=node, cgroup_version="", runtime="", sandboxes=0, memory_total_mb=0, cpu_cores=0,
+                   state=state, problem=problem)
 
 
 class ErrorBody(_Model):

@@ -128,6 +128,11 @@ class Cluster:
         # Nodes that left the cluster (died, or stopped answering): node -> (since, why). Their
         # sandboxes answer SandboxLost until the node comes back (``add_edge``) and re-adopts them.
         self.lost: dict[str, tuple[float, str]] = {}
+        # Nodes a provider found whose edge did not start (``note_failed``): node -> (since, why).
+        # Said where a user looks (``/v1/nodes?all=true``, ``dsec info``, a create's refusal).
+        self.failed: dict[str, tuple[float, str]] = {}
+        # What a provider tells a user with no node at all (how nodes join it).
+        self.join_hint = ""
         # Stops that could not reach a lost node (the sandboxes of a batch that failed with it)
         # are owed to it, as the batch's all-or-none rule says: kept in the project store (they
         # outlive this apiserver; another one may be the one the node comes back to) and made
@@ -183,6 +188,7 @@ class Cluster:
         """A node joined (or came back, with the sandboxes it re-adopted)."""
         self.edges[edge.node] = edge
         self.lost.pop(edge.node, None)
+        self.failed.pop(edge.node, None)
         self._infos = (float("-inf"), [])
         self._spawn(self._stop_owed(edge))
 
@@ -272,6 +278,36 @@ class Cluster:
         self._loads.clear()
         return edge
 
+    def note_failed(self, node: str, why: str) -> None:
+        """A node was found but its edge did not start (the provider tries again)."""
+        self.failed[node] = (time.monotonic(), why)
+
+    def forget_failed(self, node: str) -> None:
+        """A node whose edge never started left."""
+        self.failed.pop(node, None)
+
+    def no_node_ready(self) -> CapacityExceeded:
+        """The refusal of a call no node can take because none is ready, naming why: none
+        joined, every one is lost, or their edges did not start."""
+        why = []
+        if self.failed:
+            why.append("the edge did not start on " + "; ".join(
+                f"{node} ({reason})" for node, (_, reason) in sorted(self.failed.items())))
+        if self.lost:
+            why.append("lost: " + "; ".join(
+                f"{node} ({reason}, {time.monotonic() - since:.0f} s ago)"
+                for node, (since, reason) in sorted(self.lost.items())))
+        if not why:
+            return CapacityExceeded("no node has joined the cluster" + (f": {self.join_hint}" if self.join_hint else ""))
+        return CapacityExceeded("no node is ready: " + "; ".join(why))
+
+    def unready_infos(self) -> list[NodeInfo]:
+        """A line for each node that is not serving (lost, or whose edge did not start)."""
+        now = time.monotonic()
+        return [NodeInfo.unready(node, state, f"{reason} ({now - since:.0f} s ago)")
+                for state, table in (("lost", self.lost), ("failed", self.failed))
+                for node, (since, reason) in sorted(table.items()) if node not in self.edges]
+
     def mark_lost(self, node: str, why: str) -> EdgeAPI | None:
         """A node left: its sandboxes are lost (and stop counting against quotas, which are
         summed from the nodes' own reports); new creates go elsewhere. Returns its edge (for
@@ -297,7 +333,7 @@ class Cluster:
     def any_edge(self) -> EdgeAPI:
         """A node to ask about the layer store (every node reads the same one)."""
         if not self.edges:
-            raise CapacityExceeded("no node in the cluster")
+            raise self.no_node_ready()
         return self.rng.choice(list(self.edges.values()))
 
     async def list_sandboxes(self) -> list[SandboxInfo]:
@@ -356,7 +392,7 @@ class Cluster:
         serving = [i.node for i in await self._view_infos()
                    if "fncall" in _kinds(i.runtime) and i.node in self.edges and i.node not in self.draining]
         if not serving:
-            raise CapacityExceeded("no node in the cluster serves fncall")
+            raise self.no_node_ready() if not self.edges else CapacityExceeded("no node in the cluster serves fncall")
         return self.edges[self.rng.choice(serving)]
 
     # -- the view --------------------------------------------------------------------------
@@ -544,6 +580,8 @@ class Cluster:
             self.metrics.create(kind, outcome, time.perf_counter() - start)
 
     async def _create(self, args: DSecContainerRunArgs, project: str, kind: str) -> SandboxInfo:
+        if not self.edges:
+            raise self.no_node_ready()
         async with self._reserve(project, args, 1) as reservation:
             view = await self.view(kind)
             tried: list[str] = []
@@ -570,6 +608,9 @@ class Cluster:
                     continue
                 reservation.release(1)
                 return info
+            if last is None and not view:
+                raise CapacityExceeded(f"no node answered the apiserver's last look ({len(self.edges)} in the cluster: "
+                                       f"{', '.join(sorted(self.edges))}); try again")
             raise last or CapacityExceeded(
                 f"cannot admit a sandbox of {args.memory_limit_mb} MB and {args.cpu_cores_limit:g} cores: "
                 f"no node in the cluster has room"
@@ -594,6 +635,8 @@ class Cluster:
         none (``dsec.batch``): on a failure (or when the consumer goes away early) every
         sandbox made is stopped. A node that refuses its share before making any of it is
         replaced."""
+        if not self.edges:
+            raise self.no_node_ready()
         async with self._reserve(project, args, count) as reservation:
             view = await self.view()
             tried: set[str] = set()
@@ -637,7 +680,9 @@ class Cluster:
         """A placement grouped into one part per node. When it placed fewer than ``count``,
         the whole batch goes to the least loaded node, whose edge answers for it."""
         if len(nodes) < count:
-            fallback = placement.least_loaded(view, overcommit=self.overcommit) or next(iter(self.edges))
+            fallback = placement.least_loaded(view, overcommit=self.overcommit) or next(iter(self.edges), None)
+            if fallback is None:  # every node left since the batch began
+                raise self.no_node_ready()
             return [self._share(fallback, count, offset, args, project, batch)]
         counts: dict[str, int] = {}
         for node in nodes:

@@ -17,8 +17,17 @@ on the same state dir, which re-adopts the sandboxes still running there.
 
 Names: a node's ``dsec-node`` label (``ray start --labels '{"dsec-node": "a1"}'``), else one made
 from its Ray node name (its address by default), so that a machine keeps its name across
-restarts. Actors are named ``dsec-edge-<name>`` in the ``dsec`` namespace and detached: a second
-apiserver finds the same edges, and an apiserver that restarts finds them still running.
+restarts. Several unlabelled nodes of one machine (two ``ray start`` on one host, or
+``ray.cluster_utils.Cluster``) would share that name: each then gets it with the start of its Ray
+node id, a name of its own while it lives (label them for names that outlive a restart). Actors
+are named ``dsec-edge-<name>`` in the ``dsec`` namespace and detached: a second apiserver finds
+the same edges, and an apiserver that restarts finds them still running (an edge already running
+on a node keeps its name).
+
+A node whose edge does not start (or whose label clashes with another's) is tried again after
+1, 2, 4, … s (at most a minute apart), and meanwhile said where a user looks: the cluster's
+``failed`` nodes (``/v1/nodes?all=true``, ``dsec info``), the apiserver's log at start, and the
+refusal of a create when no node is serving.
 
 Bursting (``burst=BurstSettings(…)``; ``dsec.nodes.ray_burst``): after each poll, more nodes are
 asked of Ray's autoscaler when the cluster is busy, and burst nodes drained and let go when quiet.
@@ -50,20 +59,38 @@ log = logging.getLogger("dsec.nodes.ray")
 RESOURCE = "dsec_edge"
 LABEL = "dsec-node"
 NAMESPACE = "dsec"
+ACTOR_PREFIX = "dsec-edge-"
+ID_CHARS = 8  # of a Ray node id, in the names of unlabelled nodes that share a machine
+JOIN_HINT = (f"start nodes for DSec with `ray start --address HEAD:6379 --resources '{{\"{RESOURCE}\": 1}}'` "
+             f"(and `--labels '{{\"{LABEL}\": \"n1\"}}'` to name each)")
+RETRY_MAX_S = 60.0  # a node whose edge did not start is tried again after 1, 2, 4, … s, up to this
 
 
 def node_name(ray_node: dict) -> str:
-    """The DSec name of a Ray node (see the module docstring)."""
-    label = (ray_node.get("Labels") or {}).get(LABEL)
+    """The DSec name a Ray node takes when it is alone under it: its label, else one made from its
+    Ray node name (see the module docstring)."""
+    label = labelled(ray_node)
     if label:
-        if not NODE_NAME.match(label):
-            raise BackendError(f"Ray node {ray_node.get('NodeID', '?')[:12]}: label {LABEL}={label!r} is not a "
-                               "DSec node name (lowercase letters and digits, at most 32)")
         return label
     name = re.sub(r"[^a-z0-9]", "", str(ray_node.get("NodeName", "")).lower())
     if NODE_NAME.match(name) and not name.isdigit():
         return name
     return "r" + hashlib.sha256(str(ray_node.get("NodeName", ray_node.get("NodeID"))).encode()).hexdigest()[:12]
+
+
+def labelled(ray_node: dict) -> str | None:
+    """The node's ``dsec-node`` label; ``BackendError`` when it is no DSec node name."""
+    label = (ray_node.get("Labels") or {}).get(LABEL)
+    if label and not NODE_NAME.match(label):
+        raise BackendError(f"Ray node {ray_node.get('NodeID', '?')[:12]}: label {LABEL}={label!r} is not a "
+                           "DSec node name (lowercase letters and digits, at most 32)")
+    return label or None
+
+
+def own_name(base: str, ray_id: str) -> str:
+    """The name of an unlabelled node that shares ``base`` with another (several Ray nodes on one
+    machine): ``base`` and the start of its Ray node id, unique while the node lives."""
+    return base[:32 - ID_CHARS] + ray_id[:ID_CHARS].lower()
 
 
 def _probe(address: str) -> None:
@@ -166,6 +193,12 @@ class EdgeHost:
     async def ping(self) -> str:
         return self.name
 
+    async def where(self) -> str:
+        """The Ray node id this actor (and so this edge) lives on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 @dataclass
 class _Member:
@@ -196,9 +229,12 @@ class RayNodes:
         self._burst: RayBurst | None = None
         # Burst nodes let go (by Ray node id): no edge again until the autoscaler removes them.
         self._released: set[str] = set()
+        # Nodes whose edge did not start, by Ray node id: (name, attempts, when to try again).
+        self._failing: dict[str, tuple[str, int, float]] = {}
 
     async def start(self, cluster: Cluster) -> None:
         self._cluster = cluster
+        cluster.join_hint = JOIN_HINT
         if self.burst is not None:
             self._burst = RayBurst(self.burst, cluster, self.let_go, view_max_age_s=self.poll_s)
         if self._actor_class is None:
@@ -255,23 +291,94 @@ class RayNodes:
         nodes = await asyncio.to_thread(ray.nodes)
         alive = {n["NodeID"]: n for n in nodes if n.get("Alive") and (n.get("Resources") or {}).get(RESOURCE, 0) > 0}
         self._released &= alive.keys()
+        for ray_id in self._failing.keys() - alive.keys():
+            name = self._failing.pop(ray_id)[0]
+            if self._cluster is not None and not any(m.name == name for m in self._members.values()):
+                self._cluster.forget_failed(name)
         for ray_id, member in list(self._members.items()):
             if ray_id not in alive:
                 self._lose(member, "its Ray node died or left the cluster")
-        for ray_id, ray_node in alive.items():
-            if ray_id in self._members or ray_id in self._released:
-                continue
-            try:
-                name = node_name(ray_node)
-            except BackendError as exc:
-                log.warning("%s", exc)
-                continue
+        now = time.monotonic()
+        new = {ray_id: n for ray_id, n in alive.items() if ray_id not in self._members
+               and ray_id not in self._released and now >= self._failing.get(ray_id, ("", 0, 0.0))[2]}
+        if not new:
+            return
+        for ray_id, name in (await self._names(new, alive)).items():
             if any(m.name == name for m in self._members.values()):
-                log.warning("Ray node %s is named %s like another node: not used", ray_id[:12], name)
+                other = next(m.ray_id for m in self._members.values() if m.name == name)
+                self._failed(ray_id, f"{name}-{ray_id[:ID_CHARS]}",
+                             f"Ray node {ray_id[:12]} is labelled {LABEL}={name} like Ray node {other[:12]}: "
+                             "give each node a label of its own")
                 continue
+            ray_node = alive[ray_id]
             member = self._members[ray_id] = _Member(ray_id, name,
                                                      burst=ray_node["Resources"].get(BURST_RESOURCE, 0) > 0)
             member.starting = asyncio.create_task(self._join(member), name=f"dsec-join-{name}")
+
+    async def _names(self, new: dict[str, dict], alive: dict[str, dict]) -> dict[str, str]:
+        """The DSec names of the ``new`` Ray nodes (by id). A label names a node; an edge actor
+        already running on a node (started by an earlier or another apiserver) keeps its name;
+        else the name made from the Ray node's name, when no other node alive shares it (a
+        machine keeps its name across restarts), or that name and the start of its node id when
+        several do (Ray nodes on one machine)."""
+        names: dict[str, str] = {}
+        unlabelled = {}
+        for ray_id, ray_node in new.items():
+            try:
+                label = labelled(ray_node)
+            except BackendError as exc:
+                self._failed(ray_id, f"ray{ray_id[:ID_CHARS].lower()}", str(exc))
+                continue
+            if label:
+                names[ray_id] = label
+            else:
+                unlabelled[ray_id] = ray_node
+        if not unlabelled:
+            return names
+        running = await self._running_edges()
+        bases: dict[str, int] = {}
+        for ray_node in alive.values():
+            base = node_name(ray_node)
+            bases[base] = bases.get(base, 0) + 1
+        taken = {m.name for m in self._members.values()} | set(names.values())
+        for ray_id, ray_node in unlabelled.items():
+            base = node_name(ray_node)
+            name = running.get(ray_id) or (base if bases[base] == 1 and base not in taken else own_name(base, ray_id))
+            names[ray_id] = name
+            taken.add(name)
+        return names
+
+    async def _running_edges(self) -> dict[str, str]:
+        """Ray node id -> name of the edge actors already running that no member holds."""
+        import ray
+
+        held = {m.name for m in self._members.values()}
+        found: dict[str, str] = {}
+        try:
+            actors = await asyncio.to_thread(ray.util.list_named_actors)
+        except Exception as exc:  # noqa: BLE001 - names are then made afresh
+            log.warning("cannot list Ray's named actors: %s", exc)
+            return found
+        for actor_name in actors:
+            name = actor_name[len(ACTOR_PREFIX):] if actor_name.startswith(ACTOR_PREFIX) else None
+            if not name or name in held:
+                continue
+            try:
+                actor = await asyncio.to_thread(ray.get_actor, actor_name, namespace=NAMESPACE)
+                found[await asyncio.wait_for(actor.where.remote(), 10)] = name
+            except Exception as exc:  # noqa: BLE001 - gone meanwhile, or older than where()
+                log.info("edge actor %s: no node id (%s)", actor_name, exc)
+        return found
+
+    def _failed(self, ray_id: str, name: str, why: str) -> None:
+        """A node whose edge did not start (or cannot be named): said where a user looks, and
+        tried again after a while that doubles each time."""
+        _, attempts, _ = self._failing.get(ray_id, (name, 0, 0.0))
+        self._failing[ray_id] = (name, attempts + 1, time.monotonic() + min(RETRY_MAX_S, 2.0 ** attempts))
+        if attempts == 0:
+            log.warning("node %s: %s", name, why)
+        if self._cluster is not None:
+            self._cluster.note_failed(name, why)
 
     def _lose(self, member: _Member, why: str) -> None:
         self._members.pop(member.ray_id, None)
@@ -329,14 +436,27 @@ class RayNodes:
             url, token = await asyncio.wait_for(actor.start.remote(), self.start_timeout_s)
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # noqa: BLE001 - the node stays out; logged, retried when it rejoins
-            log.warning("node %s: its edge did not start: %s", member.name, exc)
+        except Exception as exc:  # noqa: BLE001 - the node stays out, said so, and is tried again
             self._members.pop(member.ray_id, None)
+            why = (f"its edge did not answer within {self.start_timeout_s:g} s (its log: "
+                   f"{self.node_state_dir / member.name / 'edged.log'} on that node)"
+                   if isinstance(exc, TimeoutError) else reason(exc))
+            self._failed(member.ray_id, member.name, why)
             return
         finally:
             member.starting = None
         if self._members.get(member.ray_id) is not member:
             return
+        self._failing.pop(member.ray_id, None)
         member.edge = RemoteEdge(member.name, url, token)
         self._cluster.add_edge(member.edge)
         log.info("node %s joined: edge at %s", member.name, url)
+
+
+def reason(exc: BaseException) -> str:
+    """What a failed edge start says, without Ray's wrapping (a task error's traceback) or the
+    edge log's earlier lines: its last line that says ``error:``, else its message."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause) or type(cause).__name__
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    return (errors[-1].removeprefix("error: ") if errors else text.strip())[-1000:]
