@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, DSecError
 from .cli_common import DEFAULT_STATE, StateDir, console, err_console, fail, run_sdk
@@ -106,8 +106,8 @@ def run(
     image: Annotated[str, typer.Argument(help="Image name.")],
     memory: Annotated[int, typer.Option("--memory", "-m", help="Memory limit in MB.")] = 512,
     cpus: Annotated[float, typer.Option("--cpus", help="CPU cores limit.")] = 1.0,
-    user: Annotated[str, typer.Option("--user", "-u", help="User to run as.")] = "root",
-    workdir: Annotated[str, typer.Option("--workdir", "-w")] = "/",
+    user: Annotated[Optional[str], typer.Option("--user", "-u", help="User to run as (default: the image's).")] = None,
+    workdir: Annotated[Optional[str], typer.Option("--workdir", "-w", help="Default: the image's.")] = None,
     env: Annotated[Optional[list[str]], typer.Option("--env", "-e", help="KEY=VALUE")] = None,
     timeout: Annotated[float, typer.Option(help="Command timeout in seconds.")] = 60.0,
     cpu_cap: Annotated[Optional[float], typer.Option(help="Hard CPU cap in cores (--cpus is a weight).")] = None,
@@ -140,7 +140,7 @@ def create(
     memory: Annotated[int, typer.Option("--memory", "-m", help="Memory limit in MB.")] = 512,
     cpus: Annotated[float, typer.Option("--cpus", help="CPU cores limit.")] = 1.0,
     ttl: Annotated[float, typer.Option(help="Stop a sandbox after this many seconds without a call.")] = 1800.0,
-    user: Annotated[str, typer.Option("--user", "-u", help="User to run as.")] = "root",
+    user: Annotated[Optional[str], typer.Option("--user", "-u", help="User to run as (default: the image's).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the whole batch.")] = 3600.0,
 ) -> None:
     """Create sandboxes and leave them running: one batch request (all or none), spread over the
@@ -204,7 +204,8 @@ def ps() -> None:
         async with DSecClient() as client:
             return await client.list_sandboxes()
 
-    table = Table("ID", "IMAGE", "STATUS", "MEMORY", "CPUS", "CREATED", "LAST ACTIVE")
+    table = Table(Column("ID", no_wrap=True, min_width=20), "IMAGE", "STATUS", "MEMORY", "CPUS", "CREATED",
+                  "LAST ACTIVE")  # (ids whole: they are pasted into dsec stop)
     for s in run_sdk(go()):
         table.add_row(s.id, s.image, s.status.value, f"{s.memory_limit_mb} MB", f"{s.cpu_cores_limit:g}",
                       s.created_at.strftime("%H:%M:%S"), s.last_active_at.strftime("%H:%M:%S"))
@@ -213,16 +214,23 @@ def ps() -> None:
 
 @app.command()
 def stop(ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")]) -> None:
-    """Stop sandboxes."""
+    """Stop sandboxes (each on its own: one that fails does not keep the others running)."""
 
-    async def go():
+    async def go() -> int:
+        failed = 0
         async with DSecClient() as client:
             for sandbox_id in ids:
-                sandbox = await client.get_sandbox(sandbox_id)
-                await sandbox.stop()
-                console.print(f"{sandbox_id} {sandbox.status.value}")
+                try:
+                    info = await client.stop_sandbox(sandbox_id)
+                except DSecError as exc:
+                    err_console.print(f"{sandbox_id}: {type(exc).__name__}: {escape(str(exc))}")
+                    failed += 1
+                else:
+                    console.print(f"{sandbox_id} {info.status.value}")
+        return failed
 
-    run_sdk(go())
+    if run_sdk(go()):
+        raise typer.Exit(1)
 
 
 @app.command()

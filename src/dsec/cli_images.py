@@ -1,8 +1,11 @@
 """``dsec image …``: the layer store from the command line.
 
-Most commands work on the local store directly (no server needed); ``build --from … --run …``
+Most commands work on the local store directly (no server needed): ``STATE_DIR/store``, or the
+one ``dsec image --store-dir DIR …`` names (a cluster's shared store). ``build --from … --run …``
 runs its steps in a sandbox, so it needs ``dsec serve``. Removing an image or collecting layers
-takes into account what this node's sandboxes (and its warm pool) hold.
+takes into account what the sandboxes (and warm pools) of the nodes under the state dir hold:
+the embedded node's and a cluster's nodes on this machine; a cluster's other machines are seen
+only through the server (``DSecClient.remove_image`` and ``gc_images`` ask every node).
 """
 
 from __future__ import annotations
@@ -19,30 +22,40 @@ from libdsec import DSecClient, DSecContainerRunArgs, DSecError, InvalidRequest
 from .cli_common import DEFAULT_STATE, StateDir, console, fail
 
 image_app = typer.Typer(help="Build, import and manage images (layers in the local store).", no_args_is_help=True)
+_store_dir: Path | None = None
 
+
+@image_app.callback()
+def _options(store_dir: Annotated[Optional[Path], typer.Option(
+        "--store-dir", help="The layer store (default: STATE_DIR/store), e.g. a cluster's shared one.")] = None) -> None:
+    global _store_dir
+    _store_dir = store_dir
 
 
 def _store(state_dir: Path):
     from .images.store import LayerStore
 
-    return LayerStore(state_dir / "store")
+    return LayerStore(_store_dir or state_dir / "store")
 
 
 def node_usage(state_dir: Path) -> tuple[frozenset[str], frozenset[str]]:
-    """(image refs, layer digests) the local node's sandboxes hold, read from its records and
-    its layer mounts (which the warm pool holds too)."""
-    node = state_dir / "node"
+    """(image refs, layer digests) the sandboxes of the nodes under ``state_dir`` hold (the
+    embedded node's, ``node/``, and a cluster's on this machine, ``nodes/NAME/node/``), read
+    from their records and their layer mounts (which the warm pools hold too)."""
+    from .edge import journal
+
     refs, layers = set(), set()
-    for record in (node / "run" / "records").glob("*.json"):
-        try:
-            image = json.loads(record.read_text())["image"]
-        except (OSError, ValueError, KeyError):
-            continue
-        refs.add(image["name"])
-        layers.update(image["layers"])
-    mounts = node / "layers"
-    if mounts.is_dir():
-        layers.update(p.name for p in mounts.iterdir())
+    for node in [state_dir / "node", *sorted((state_dir / "nodes").glob("*/node"))]:
+        for text in journal.read(node / "run" / "records").values():
+            try:
+                image = json.loads(text)["image"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            refs.add(image["name"])
+            layers.update(image["layers"])
+        mounts = node / "layers"
+        if mounts.is_dir():
+            layers.update(p.name for p in mounts.iterdir())
     return frozenset(refs), frozenset(layers)
 
 
@@ -85,7 +98,7 @@ def image_build(
     debian: Annotated[Optional[str], typer.Option("--debian", help="A Debian base by debootstrap: the suite.")] = None,
     packages: Annotated[str, typer.Option("--packages", help="With --debian: packages to include, comma-separated.")] = "",
     workspace_dir: Annotated[Optional[Path], typer.Option("--workspace-dir", help="A workspace layer from a directory.")] = None,
-    workspace_git: Annotated[Optional[str], typer.Option("--workspace-git", help="A workspace layer from a local git repository: PATH[@REF].")] = None,
+    workspace_git: Annotated[Optional[str], typer.Option("--workspace-git", help="A workspace layer from a local git repository: PATH\\[@REF].")] = None,
     toolkit_dir: Annotated[Optional[Path], typer.Option("--toolkit-dir", help="A toolkit layer from a directory.")] = None,
     prefix: Annotated[str, typer.Option("--prefix", help="Where a workspace or toolkit lands in the sandbox.")] = "",
     base: Annotated[Optional[str], typer.Option("--from", help="With --run: the image the steps run on.")] = None,

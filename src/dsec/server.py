@@ -317,6 +317,7 @@ def serve(config: ServerConfig) -> None:
         log.info("tracing allocations (DSEC_TRACEMALLOC): SIGUSR2 writes %s", config.state_dir / memtrace.REPORT)
     clustered = config.ray is not None or bool(config.nodes_file)
     app, _ = build_cluster_app(config) if clustered else build_app(config)
+    log.info("serving on http://%s:%d (state in %s)", config.host, config.port, config.state_dir)
     # An embedded server runs the plain asyncio loop, on purpose: it spawns crun with vfork
     # (≈0.6 ms), where uvloop forks the whole server (≈4 ms), and every sandbox call spawns
     # crun. A cluster's apiserver spawns nothing: it only forwards, on uvloop.

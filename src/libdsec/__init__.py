@@ -8,6 +8,7 @@ from ._errors import (
     CapacityExceeded,
     CommandTimeout,
     DSecError,
+    ImageBuildFailed,
     ImageNotFound,
     InvalidRequest,
     JobNotFound,
@@ -31,7 +32,7 @@ from ._errors import (
 )
 from .protocol import SecurityEvent
 from .protocol import ExecEvent, FileEntry, ProcessInfo
-from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
+from .protocol import BuildResult, DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
 from ._projects import ProjectInfo, ProjectQuota
@@ -39,6 +40,7 @@ from ._sync import SyncDSecClient, SyncProcess, SyncPty, SyncSandbox, SyncSessio
 
 __all__ = [
     "BackendError",
+    "BuildResult",
     "CapacityExceeded",
     "CommandTimeout",
     "DSecClient",
@@ -51,6 +53,7 @@ __all__ = [
     "ExecResult",
     "FileEntry",
     "FnCallResult",
+    "ImageBuildFailed",
     "ImageInfo",
     "ImageNotFound",
     "InvalidRequest",

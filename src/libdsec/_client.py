@@ -30,6 +30,7 @@ from ._errors import (
     ServerUnavailable,
     error_from_wire,
 )
+from ._build import build_request
 from ._files import SandboxFiles
 from ._process import Process, Session, events_of, run_with_callbacks
 from ._projects import _ProjectMethods
@@ -44,6 +45,7 @@ from .protocol import (
     DEFAULT_COMMAND_TIMEOUT_S,
     MAX_SANDBOX_BATCH,
     BatchEvent,
+    BuildResult,
     CleanCopyRequest,
     CleanCopyResult,
     CreateBatchRequest,
@@ -608,6 +610,16 @@ class DSecClient(_ProjectMethods):
         body = await self._request("GET", f"/v1/sandboxes/{sandbox_id}")
         return Sandbox(self, SandboxInfo.model_validate(body))
 
+    async def stop_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        """Stop the sandbox ``sandbox_id`` with no look-up first, by ``Sandbox.stop``'s rules: a
+        stopped one stays as it is; ``SandboxLost`` when its node is away (the stop is kept, and
+        made when the node is back)."""
+        if self._replay is not None:
+            answered, result = self._replay.call(sandbox_id, "stop", {})
+            if answered:
+                return SandboxInfo.model_validate(result)
+        return SandboxInfo.model_validate(await self._request("DELETE", f"/v1/sandboxes/{sandbox_id}"))
+
     async def list_sandboxes(self) -> list[SandboxInfo]:
         return SandboxList.model_validate(await self._request("GET", "/v1/sandboxes")).sandboxes
 
@@ -624,6 +636,39 @@ class DSecClient(_ProjectMethods):
     async def gc_images(self) -> list[str]:
         """Remove layers no image refers to and no sandbox holds; returns their digests."""
         return (await self._request("POST", "/v1/images:gc"))["removed"]
+
+    async def build_image(
+        self,
+        name: str,
+        dockerfile: str | os.PathLike | None = None,
+        context: str | os.PathLike | None = None,
+        *,
+        dockerfile_text: str | None = None,
+        build_args: dict[str, str] | None = None,
+        no_cache: bool = False,
+        on_log: Callable[[str], None] | None = None,
+        memory_limit_mb: int = 2048,
+        cpu_cores_limit: float = 1.0,
+        timeout: float = 3600.0,
+    ) -> BuildResult:
+        """Build image ``name`` on the server from the Dockerfile at ``dockerfile`` (its context:
+        its directory, or ``context``) or from ``dockerfile_text``. ``FROM`` names a DSec image,
+        else a registry reference; RUN, COPY, ADD, ENV, ARG, WORKDIR, USER and SHELL are built
+        by DSec itself (docs/INTEGRATIONS.md says what maps). The result is cached by content:
+        a build of the same Dockerfile, args, copied files and base returns at once
+        (``result.cached``), on any node of the store. ``on_log(line)`` gets the build's log as
+        it runs. A step that fails raises ``ImageBuildFailed`` naming it, with the log's end."""
+        request = await asyncio.to_thread(
+            build_request, name, dockerfile, dockerfile_text, context, build_args=dict(build_args or {}),
+            no_cache=no_cache, memory_limit_mb=memory_limit_mb, cpu_cores_limit=cpu_cores_limit, timeout=timeout)
+        async for event in self._stream("POST", "/v1/images:build", request, timeout + 60, event_model=ExecEvent):
+            if event.event == "stdout" and on_log is not None:
+                on_log(event.data.removesuffix("\n"))
+            elif event.event == "error":
+                raise error_from_wire({"error": event.error or {}}, 500)
+            elif event.event == "exit" and event.result is not None:
+                return BuildResult.model_validate_json(event.result.stdout)
+        raise ServerError("the build's answer ended without its result")
 
     async def node_info(self, include_unready: bool = False) -> list[NodeInfo]:
         """The nodes serving, with what they hold; with ``include_unready``, also a line for each

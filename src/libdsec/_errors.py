@@ -3,7 +3,8 @@
     DSecError
     ├── InvalidRequest (ValueError)          malformed request or argument
     │   ├── LimitOutOfRange                  memory / CPU / TTL / count outside what is allowed
-    │   └── KeyReused                        an idempotency key used before with other args (409)
+    │   ├── KeyReused                        an idempotency key used before with other args (409)
+    │   └── ImageBuildFailed                 a Dockerfile build failed: the step, and its log's end
     ├── Unauthenticated (PermissionError)    missing or wrong token
     ├── ImageNotFound (LookupError)          no image by that name
     ├── SandboxNotFound (LookupError)        no sandbox by that id (or it is gone)
@@ -63,6 +64,14 @@ class KeyReused(InvalidRequest):
 
     code = "key_reused"
     status = 409
+
+
+class ImageBuildFailed(InvalidRequest):
+    """A Dockerfile cannot be built, or one of its steps failed: the message names the line
+    and carries the end of the build's log."""
+
+    code = "image_build_failed"
+    status = 422
 
 
 class Unauthenticated(DSecError, PermissionError):
@@ -193,6 +202,7 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         InvalidRequest,
         LimitOutOfRange,
         KeyReused,
+        ImageBuildFailed,
         Unauthenticated,
         ImageNotFound,
         SandboxNotFound,

@@ -7,15 +7,16 @@ async client there, so the two clients cannot drift apart.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ._client import DSecClient, ProgressCallback, Sandbox
 from ._files import SandboxFiles
 from ._process import Process, Session
 from ._pty import Pty
-from .protocol import ExecEvent, FileEntry, ProcessInfo
+from .protocol import BuildResult, ExecEvent, FileEntry, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult, JobInfo, JobLog, NodeInfo, SandboxStatus
@@ -350,6 +351,9 @@ class SyncDSecClient(_SyncProjectMethods):
         made = runner.run(self._async.run_containers(args, count=count, progress=progress, **kwargs))
         return [SyncSandbox(runner, s) for s in made]
 
+    def stop_sandbox(self, sandbox_id: str) -> SandboxInfo:
+        return self._loop().run(self._async.stop_sandbox(sandbox_id))
+
     def get_sandbox(self, sandbox_id: str) -> SyncSandbox:
         runner = self._loop()
         return SyncSandbox(runner, runner.run(self._async.get_sandbox(sandbox_id)))
@@ -368,6 +372,15 @@ class SyncDSecClient(_SyncProjectMethods):
 
     def gc_images(self) -> list[str]:
         return self._loop().run(self._async.gc_images())
+
+    def build_image(self, name: str, dockerfile: str | os.PathLike | None = None,
+                    context: str | os.PathLike | None = None, *, dockerfile_text: str | None = None,
+                    build_args: dict[str, str] | None = None, no_cache: bool = False,
+                    on_log: Callable[[str], None] | None = None, memory_limit_mb: int = 2048,
+                    cpu_cores_limit: float = 1.0, timeout: float = 3600.0) -> BuildResult:
+        return self._loop().run(self._async.build_image(
+            name, dockerfile, context, dockerfile_text=dockerfile_text, build_args=build_args, no_cache=no_cache,
+            on_log=on_log, memory_limit_mb=memory_limit_mb, cpu_cores_limit=cpu_cores_limit, timeout=timeout))
 
     def node_info(self, include_unready: bool = False) -> list[NodeInfo]:
         return self._loop().run(self._async.node_info(include_unready))

@@ -79,9 +79,11 @@ class DSecContainerRunArgs(_Model):
     ttl_running_stop: float = 1800.0
     # Named mirror services (or "domains") mapped to allowed or not. Default: no network.
     network_rules: dict[str, bool | list[str]] = Field(default_factory=dict)
-    init_user: str = "root"
+    # The user and directory the sandbox's commands run as and in. None: the image's (a
+    # Dockerfile's USER and WORKDIR; root and / for an image that sets neither).
+    init_user: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
-    workdir: str = "/"
+    workdir: str | None = None
     pids_limit: int = 1024
     # ``cpu_cores_limit`` is a weight (the sandbox's share when the node is busy), not a cap;
     # this is an optional hard cap in cores on top of it.
@@ -145,8 +147,8 @@ class DSecContainerRunArgs(_Model):
 
     @field_validator("workdir")
     @classmethod
-    def _absolute(cls, path: str) -> str:
-        if not path.startswith("/") or "\0" in path:
+    def _absolute(cls, path: str | None) -> str | None:
+        if path is not None and (not path.startswith("/") or "\0" in path):
             raise ValueError("workdir must be an absolute path")
         return path
 
@@ -335,6 +337,38 @@ class ExecResult(_Model):
     # Bytes the command wrote in all, kept or not.
     stdout_bytes: int = 0
     stderr_bytes: int = 0
+
+
+MAX_BUILD_CONTEXT_BYTES = 64 << 20
+
+
+class BuildImageRequest(_Model):
+    """``POST /v1/images:build``: image ``name`` from a Dockerfile (``client.build_image``).
+    ``context_b64``: the build context as a tar archive (plain or gzip), base64. The answer is
+    NDJSON ``ExecEvent``s: ``started``, the build's log as ``stdout`` lines, then ``exit``
+    whose ``result.stdout`` is the ``BuildResult`` as JSON, or ``error``."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")
+    dockerfile: str = Field(min_length=1, max_length=1 << 20)
+    context_b64: str = Field(default="", max_length=(MAX_BUILD_CONTEXT_BYTES * 4) // 3 + 4)
+    build_args: dict[str, str] = Field(default_factory=dict)
+    # Build again even when an image of the same content key is in the store.
+    no_cache: bool = False
+    memory_limit_mb: int = Field(default=2048, ge=16, le=1 << 20)
+    cpu_cores_limit: float = Field(default=1.0, gt=0, le=1024)
+    timeout: float = Field(default=3600.0, gt=0, le=24 * 3600)
+
+
+class BuildResult(_Model):
+    """A Dockerfile build: the image, whether it came from the cache (an image of the same
+    content key was in the store: nothing ran), and that key (sha256 of the Dockerfile's steps,
+    the build args they read, the bytes of the files they copy and the base image's layers)."""
+
+    image: str
+    cached: bool
+    key: str
+    layers: int = 0
+    duration_s: float = 0.0
 
 
 class ExecEvent(_Model):
@@ -723,6 +757,13 @@ class NodeCreateRequest(_Model):
 
     def run_args(self) -> DSecContainerRunArgs:
         return run_args_of(self.kind.value, self.args)
+
+
+class NodeBuildRequest(_Model):
+    """A Dockerfile build on a node, for ``project`` (its build sandbox counts there)."""
+
+    project: str = "root"
+    build: BuildImageRequest
 
 
 class NodeBatchRequest(NodeCreateRequest):

@@ -29,6 +29,7 @@ PUBLIC |= {"JobNotFound", "KeyReused", "ReplayDiverged", "ReplayIncomplete"}  # 
 PUBLIC |= {"Overloaded"}  # overload
 PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession", "FileEntry", "PortUnreachable"}  # inside a sandbox
 PUBLIC |= {"Pty", "SyncPty"}  # a terminal in a sandbox
+PUBLIC |= {"BuildResult", "ImageBuildFailed"}  # images built from Dockerfiles
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -49,6 +50,7 @@ ERRORS = [
     (libdsec.Overloaded, "overloaded", 429, libdsec.DSecError),
     (libdsec.ProjectNotFound, "project_not_found", 404, LookupError),
     (libdsec.KeyReused, "key_reused", 409, ValueError),
+    (libdsec.ImageBuildFailed, "image_build_failed", 422, ValueError),
     (libdsec.JobNotFound, "job_not_found", 404, LookupError),
     (libdsec.ReplayDiverged, "replay_diverged", 409, libdsec.DSecError),
     (libdsec.ReplayIncomplete, "replay_incomplete", 409, libdsec.ReplayDiverged),
@@ -196,6 +198,9 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.PtyResizeRequest: {"cols": 80, "rows": 24},
         _models.PtyStreamRequest: {},
         _models.PtyInputRequest: {"data": "A2Fi"},
+        _models.BuildImageRequest: {"name": "task", "dockerfile": "FROM python\n"},
+        _models.BuildResult: {"image": "task", "cached": False, "key": "0" * 64},
+        _models.NodeBuildRequest: {"build": {"name": "task", "dockerfile": "FROM python\n"}},
         _models.ClusterStats: {"at": "2026-01-01T00:00:00Z", "nodes": [],
                                "apiserver": {"started_at": "2026-01-01T00:00:00Z"}},
     }[cls]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from libdsec import ImageNotFound, InvalidRequest
+from libdsec import BackendError, ImageNotFound, InvalidRequest
 from dsec.images.store import Image, LayerBuildError, LayerStore, check_name, extract_tar, tree_digest
 
 pytestmark = pytest.mark.skipif(shutil.which("mkfs.erofs") is None, reason="needs erofs-utils")
@@ -272,3 +272,29 @@ def test_images_round_trip(store, tmp_path):
     with pytest.raises(ImageNotFound):
         store.remove_image("tool")
     assert _store_contents(store)[1] == []
+
+
+def test_a_store_behind_a_link_to_nothing_yet_is_made(tmp_path):
+    """A node's ``store`` link to a shared store not made yet (a first start; ``dsec reset``
+    of such a node): the store is made where the link points."""
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "store").symlink_to(tmp_path / "shared" / "store")
+    store = LayerStore(tmp_path / "state" / "store")
+    assert (tmp_path / "shared" / "store" / "layers").is_dir() and store.image_names() == []
+
+
+def test_link_store_makes_the_store_and_points_an_old_link_at_the_new_one(tmp_path):
+    from dsec.server import link_store
+
+    state = tmp_path / "node"
+    state.mkdir()
+    link_store(state, tmp_path / "first")  # missing: made, then linked
+    assert (tmp_path / "first").is_dir() and (state / "store").resolve() == (tmp_path / "first").resolve()
+    link_store(state, tmp_path / "second")  # an earlier start's link is pointed at this store
+    assert (state / "store").resolve() == (tmp_path / "second").resolve()
+    link_store(state, tmp_path / "second")  # and left alone when it is right
+    own = tmp_path / "own"
+    (own / "store").mkdir(parents=True)  # a state dir whose store is a directory of its own
+    link_store(own, own / "store")
+    with pytest.raises(BackendError, match="is a directory of its own"):
+        link_store(own, tmp_path / "elsewhere")

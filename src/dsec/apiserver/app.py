@@ -24,6 +24,7 @@ from libdsec import DSecError, InvalidRequest, SandboxLost
 from libdsec.protocol import JOB_HEADER, KEY_HEADER, NetworkRulesRequest, SecurityEventList, TTLRequest
 from libdsec.protocol import (
     BatchEvent,
+    BuildImageRequest,
     CreateBatchRequest,
     DSecContainerRunArgs,
     DSecFullVMRunArgs,
@@ -598,6 +599,11 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
         images, _ = await cluster.layer_use()
         await cluster.any_edge().remove_image(name, images)
         return {"removed": name}
+
+    @app.post("/v1/images:build", responses=_ERRORS, response_model=ExecEvent)
+    async def build_image(request: BuildImageRequest, caller: Caller = Depends(authenticated)) -> StreamingResponse:
+        """An image from a Dockerfile, its log as NDJSON ``ExecEvent`` lines (``dsec.edge.build``)."""
+        return await _streaming(cluster.any_edge().build_image(request, caller.project))
 
     @app.post("/v1/images:gc", dependencies=auth)
     async def gc_layers() -> dict:

@@ -28,6 +28,7 @@ from typing import Protocol
 
 from libdsec import InvalidRequest, SandboxLost
 from libdsec.protocol import (
+    BuildImageRequest,
     CleanCopyResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
@@ -250,6 +251,12 @@ class EdgeAPI(Protocol):
     async def remove_image(self, name: str, in_use: frozenset[str]) -> None: ...
 
     async def gc_layers(self, in_use: frozenset[str]) -> list[str]: ...
+
+    def build_image(self, request: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
+        """An image from a Dockerfile (``dsec.edge.build``): ``started``, the build's log as
+        ``stdout`` events, then ``exit`` (its ``BuildResult`` as JSON in ``result.stdout``) or
+        ``error``. A Dockerfile or context it cannot take raises before ``started``."""
+        ...
 
     # -- stateless calls (FnCall) ------------------------------------------------------------
     async def fncall(self, args: DSecFnCallArgs) -> FnCallResult: ...

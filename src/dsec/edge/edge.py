@@ -43,6 +43,7 @@ from libdsec import (
 )
 from libdsec.protocol import DEFAULT_COMMAND_TIMEOUT_S, MAX_OUTPUT_BYTES_LIMIT
 from libdsec.protocol import (
+    BuildImageRequest,
     CleanCopyResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
@@ -89,6 +90,7 @@ from .lifecycle import Action, Record
 from .pool import WarmPool
 from .reaper import TTLReaper
 from .security import EdgeSecurity
+from .build import ImageBuilder
 from . import files, ports, processes, sessions
 from .pty import PtyTable
 from .stream import stream_bytes, stream_exec
@@ -140,6 +142,7 @@ class Edge:
         self._looking: dict[str, asyncio.Task] = {}  # sandboxes whose death is being confirmed (_look_again)
         self._closed = False
         self.security = EdgeSecurity(self)  # network allowlists, security events
+        self.builder = ImageBuilder(self, store)  # Dockerfile builds, through this edge's own calls
         self.fncalls = fncalls  # the warm pool for stateless calls (dsec.fncall), if served here
         self.stats = EdgeStats()  # what node_stats reports
         self.ptys = PtyTable()  # commands on terminals: this process's, they end with it
@@ -266,6 +269,9 @@ class Edge:
         it counts as running (a clean copy's carried files); ``batch``: held for that batch."""
         backend = self._backend(kind)
         self._check_room()
+        if args.init_user is None or args.workdir is None:  # the image's, as a Dockerfile's USER and WORKDIR
+            args = args.model_copy(update={"init_user": args.init_user or image.user,
+                                           "workdir": args.workdir or image.workdir})
         sandbox_id = new_sandbox_id(self.node)
         self.admission.admit(sandbox_id, args)
         now = time.time()
@@ -992,6 +998,9 @@ class Edge:
 
     async def gc_layers(self, in_use: frozenset[str]) -> list[str]:
         return self.store.gc(in_use=frozenset(in_use))
+
+    def build_image(self, request: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
+        return self.builder.build(request, project)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         rec = self._records.get(sandbox_id)

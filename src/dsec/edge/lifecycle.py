@@ -153,8 +153,8 @@ class Record:
             created_at=datetime.fromtimestamp(self.created_at, timezone.utc),
             last_active_at=datetime.fromtimestamp(self.last_active, timezone.utc),
             memory_limit_mb=self.args.memory_limit_mb, cpu_cores_limit=self.args.cpu_cores_limit,
-            ttl_running_stop=self.args.ttl_running_stop, init_user=self.args.init_user,
-            workdir=self.args.workdir, reason=self.reason, create_s=self.create_s, project=self.project,
+            ttl_running_stop=self.args.ttl_running_stop, init_user=self.args.init_user or self.image.user,
+            workdir=self.args.workdir or self.image.workdir, reason=self.reason, create_s=self.create_s, project=self.project,
             cpu_cores_cap=self.args.cpu_cores_cap, best_effort=self.args.best_effort,
             labels=self.args.labels,
         )

@@ -31,6 +31,8 @@ from libdsec._errors import error_from_wire
 from libdsec._wire import Answer, WireClient, WireError
 from libdsec.protocol import (
     BatchEvent,
+    BuildImageRequest,
+    NodeBuildRequest,
     DSecContainerRunArgs,
     DSecFnCallArgs,
     ExecEvent,
@@ -376,6 +378,9 @@ class RemoteEdge:
             return
         await self._call("PUT", f"/sandboxes/{sandbox_id}/fs/tree", body=bytes(data), params={"path": path},
                          timeout=LONG_CALL_TIMEOUT_S)
+
+    def build_image(self, request: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
+        return self._events("/images:build", NodeBuildRequest(project=project, build=request), request.timeout)
 
     def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
         return self._events(f"/sandboxes/{sandbox_id}/fs/tree:download", TreeDownloadRequest(path=path), 3600.0)

@@ -40,6 +40,7 @@ import pydantic
 from libdsec import DSecError, InvalidRequest
 from libdsec.protocol import (
     BatchEvent,
+    NodeBuildRequest,
     DSecFnCallArgs,
     ExecRequest,
     FnCallBatchRequest,
@@ -315,6 +316,7 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
 
 _ROUTES = _routes()
 _BATCH = PREFIX + "/sandboxes:batch"
+_BUILD = PREFIX + "/images:build"
 _EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:stream\Z")
 _SESSION_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/sessions/(?P<pid>[0-9]{1,9})/exec\:stream\Z")
 _TREE_DOWNLOAD = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\:download\Z")
@@ -576,6 +578,10 @@ class EdgeApp:
         self.edge = edge
         self._auth = f"Bearer {token}".encode()
 
+    def _build(self, request: _Request) -> AsyncIterator:
+        build = _Call(self.edge, {}, {}, request.body).parse(NodeBuildRequest)
+        return self.edge.build_image(build.build, build.project)
+
     async def answer(self, request: _Request, conn: _Connection) -> None:
         keep = request.keep_alive
         if not hmac.compare_digest(request.authorization, self._auth):
@@ -585,6 +591,9 @@ class EdgeApp:
         method, path = request.method, request.path
         if method == "POST" and path == _BATCH:
             await self._batch(request, conn)
+            return
+        if method == "POST" and path == _BUILD:
+            await self._stream(lambda: self._build(request), request, conn)
             return
         if method == "POST" and (m := _EXEC_STREAM.match(path)) is not None:
             await self._stream(lambda: self.edge.exec_stream(

@@ -128,6 +128,8 @@ class LayerStore:
         self.layers_dir = self.root / "layers"
         self.images_dir = self.root / "images"
         self.tmp_dir = self.root / "tmp"
+        if self.root.is_symlink() and not self.root.exists():  # a link to a store not made yet
+            Path(os.path.realpath(self.root)).mkdir(parents=True, exist_ok=True)
         for d in (self.layers_dir, self.images_dir, self.tmp_dir):
             d.mkdir(parents=True, exist_ok=True)
         # Manifests read, by name: (inode, mtime, size) when read, and the image. Every create

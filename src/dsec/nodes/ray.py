@@ -193,6 +193,10 @@ class EdgeHost:
     async def ping(self) -> str:
         return self.name
 
+    async def dirs(self) -> tuple[str, str]:
+        """(state dir, store dir) this edge was made with (by whichever apiserver made it)."""
+        return str(self.state_dir), str(self.store_dir)
+
     async def where(self) -> str:
         """The Ray node id this actor (and so this edge) lives on."""
         import ray
@@ -433,6 +437,15 @@ class RayNodes:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(member.ray_id, soft=False),
             ).remote(member.name, str(self.node_state_dir / member.name), str(self.store_dir), self.token,
                      self.edge_overrides, self.fncall)
+            state_dir, store_dir = str(self.node_state_dir / member.name), str(self.store_dir)
+            made_with = tuple(await asyncio.wait_for(actor.dirs.remote(), self.start_timeout_s))
+            if made_with != (state_dir, store_dir):
+                raise BackendError(
+                    f"its edge was started by an earlier apiserver with its state in {made_with[0]} and the store "
+                    f"{made_with[1]}, not {state_dir} and {store_dir}: start this apiserver with that "
+                    "--node-state-dir and --store-dir, or end that edge first (ray.kill(ray.get_actor("
+                    f"'dsec-edge-{member.name}', namespace='dsec')); its sandboxes are adopted by the next edge "
+                    "on its state dir)")
             url, token = await asyncio.wait_for(actor.start.remote(), self.start_timeout_s)
         except asyncio.CancelledError:
             raise
