@@ -1,0 +1,1 @@
+"""DSec as a provider for the harnesses people run."""
