@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,6 +73,20 @@ def python_image(test_store: Path) -> str:
     if not store.has_image("python"):
         build_python(store)
     return "python"
+
+
+@pytest.fixture(scope="session")
+def swe_agent_image(tmp_path_factory, test_store: Path) -> str:
+    """The image SWE-agent's tasks assume (``python``, ``less``, ``git``), built as a user builds
+    it (``dsec image build swe-agent``): about a minute, once per store."""
+    from dsec.images.store import LayerStore
+
+    if not LayerStore(test_store).has_image("swe-agent"):
+        state = make_state_dir(tmp_path_factory, test_store, "swe-agent-build")
+        built = subprocess.run([sys.executable, "-m", "dsec", "image", "build", "swe-agent", "--state-dir", str(state)],
+                               capture_output=True, text=True)
+        assert built.returncode == 0, built.stdout + built.stderr
+    return "swe-agent"
 
 
 def make_state_dir(tmp_path_factory: pytest.TempPathFactory, store: Path, name: str) -> Path:

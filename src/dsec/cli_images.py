@@ -92,7 +92,7 @@ def image_inspect(ref: Annotated[str, typer.Argument(help="Image name or composi
 
 @image_app.command("build")
 def image_build(
-    name: Annotated[str, typer.Argument(help="Image name; busybox, python, lang-cpp, lang-nodejs, lang-go, lang-java have built-in recipes.")],
+    name: Annotated[str, typer.Argument(help="Image name; busybox, python, swe-agent, lang-cpp, lang-nodejs, lang-go, lang-java have built-in recipes.")],
     from_dir: Annotated[Optional[Path], typer.Option("--from-dir", help="A base layer from a directory.")] = None,
     from_tar: Annotated[Optional[Path], typer.Option("--from-tar", help="A base layer from a tar archive.")] = None,
     debian: Annotated[Optional[str], typer.Option("--debian", help="A Debian base by debootstrap: the suite.")] = None,

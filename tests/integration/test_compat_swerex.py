@@ -1,6 +1,6 @@
 """SWE-ReX's own client (``swerex.runtime.remote.RemoteRuntime``, from the swe-rex package)
 against a real ``dsec serve``: sessions with SWE-ReX's semantics, execute, files, upload, errors,
-and ``DSecDeployment``."""
+``DSecDeployment``, and the ``swe-agent`` image with what SWE-agent's commands assume."""
 
 from __future__ import annotations
 
@@ -38,6 +38,12 @@ logging.getLogger("rex-runtime").setLevel(logging.CRITICAL + 1)  # its own loggi
 @pytest.fixture
 async def sandbox(client, python_image):
     async with await client.run_container(DSecContainerRunArgs(container_image=python_image, memory_limit_mb=512)) as sb:
+        yield sb
+
+
+@pytest.fixture
+async def swe_agent_sandbox(client, swe_agent_image):
+    async with await client.run_container(DSecContainerRunArgs(container_image=swe_agent_image, memory_limit_mb=512)) as sb:
         yield sb
 
 
@@ -117,6 +123,84 @@ async def test_an_interactive_program_in_a_session(server, sandbox):
     await rt.close()
     with pytest.raises(SessionDoesNotExistError):
         await run(rt, "true", session="py")
+
+
+async def test_the_swe_agent_image_has_python_less_and_git(swe_agent_sandbox):
+    r = await swe_agent_sandbox.run_shell("python --version; less --version | head -1; git --version; command -v bash")
+    lines = r.stdout.splitlines()
+    assert r.exit_code == 0 and len(lines) == 4, r
+    assert lines[0].startswith("Python 3.") and lines[1].startswith("less ") and lines[2].startswith("git version ")
+
+
+async def test_commands_as_swe_agent_sends_them(server, swe_agent_sandbox):
+    """Blank and comment-only commands, heredocs, python's REPL, and an interactive program past
+    its timeout, as SWE-ReX's own tests send them."""
+    rt = runtime_of(server, swe_agent_sandbox.id)
+    await rt.create_session(CreateBashSessionRequest())
+    for nothing in ("", "\n", "\n\n \n", "# echo 'hello world'", "  # one\n\n# two"):
+        obs = await run(rt, nothing)
+        assert (obs.output, obs.exit_code) == ("", 0), (nothing, obs)
+
+    obs = await run(rt, "python <<EOF\nprint('hello world')\nprint('x' * 3)\nEOF")
+    assert obs.output == "hello world\nxxx\n", obs
+    obs = await run(rt, "cat <<'END' > /tmp/lit.txt\n$((6 * 7)) `echo no`\nEND\ncat /tmp/lit.txt <<EOF\nignored\nEOF\n"
+                        "cat <<EOF\n$((6 * 7))\nEOF")
+    assert obs.output == "$((6 * 7)) `echo no`\n42\n", obs
+
+    # An interactive program that never says what is expected: a timeout, then SWE-agent's
+    # interrupt ends it and the shell is back.
+    with pytest.raises(CommandTimeoutError):
+        await run(rt, "python", is_interactive_command=True, expect=["WONTHITTHIS"], timeout=0.5)
+    await rt.run_in_session(BashInterruptAction())
+    assert (await run(rt, "echo shell; python -c 'print(1)'")).output == "shell\n1\n"
+
+    await run(rt, "python", is_interactive_command=True, expect=[">>> "], timeout=10)
+    obs = await run(rt, "print('hello world')", is_interactive_command=True, expect=[">>> "], timeout=10)
+    assert obs.output == "hello world", obs
+    await run(rt, "quit()\n", is_interactive_quit=True, timeout=10)
+    assert (await run(rt, "echo 'hello\nworld'")).output == "hello\nworld\n"
+    await rt.close_session(CloseBashSessionRequest())
+
+
+async def test_files_as_swe_rex_reads_and_writes_them(server, client):
+    """Paths relative to the sandbox's working directory (as ``execute``'s), the errors Python's
+    own file calls raise, a large file, and an empty command."""
+    async with await client.run_container(DSecContainerRunArgs(container_image="busybox", memory_limit_mb=128,
+                                                               workdir="/srv/task")) as sb:
+        rt = runtime_of(server, sb.id)
+        await rt.write_file(WriteFileRequest(path="notes/a.txt", content="relative"))
+        assert (await rt.read_file(ReadFileRequest(path="notes/a.txt"))).content == "relative"
+        assert (await rt.execute(Command(command="cat /srv/task/notes/a.txt", shell=True))).stdout == "relative"
+        big = "x" * (1 << 20) + "\n"
+        await rt.write_file(WriteFileRequest(path="/tmp/big.txt", content=big))
+        assert (await rt.read_file(ReadFileRequest(path="/tmp/big.txt"))).content == big
+
+        with pytest.raises(FileNotFoundError):
+            await rt.read_file(ReadFileRequest(path="notes/none.txt"))
+        with pytest.raises(IsADirectoryError):
+            await rt.read_file(ReadFileRequest(path="/tmp"))
+        with pytest.raises(IsADirectoryError):
+            await rt.write_file(WriteFileRequest(path="notes", content="x"))
+        with pytest.raises(NotADirectoryError):
+            await rt.read_file(ReadFileRequest(path="notes/a.txt/b"))
+        with pytest.raises(FileExistsError):  # (its parent would be made: there is a file)
+            await rt.write_file(WriteFileRequest(path="notes/a.txt/b", content="x"))
+
+        await sb.write_file("/tmp/latin.txt", b"caf\xe9")
+        with pytest.raises(ValueError):
+            await rt.read_file(ReadFileRequest(path="/tmp/latin.txt"))
+        assert (await rt.read_file(ReadFileRequest(path="/tmp/latin.txt", encoding="latin-1"))).content == "café"
+        assert (await rt.read_file(ReadFileRequest(path="/tmp/latin.txt", errors="replace"))).content == "caf\ufffd"
+        with pytest.raises(LookupError):
+            await rt.read_file(ReadFileRequest(path="/tmp/latin.txt", encoding="no-such-codec"))
+
+        for nothing in ("", "\n"):
+            r = await rt.execute(Command(command=nothing, shell=True, check=True))
+            assert (r.stdout, r.stderr, r.exit_code) == ("", "", 0)
+    async with await client.run_container(DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64,
+                                                               init_user="agent")) as sb:
+        with pytest.raises(PermissionError):  # (the sandbox's user cannot make its parent)
+            await runtime_of(server, sb.id).write_file(WriteFileRequest(path="/root/new/a.txt", content="x"))
 
 
 async def test_execute_read_write_and_upload(server, sandbox, tmp_path):
@@ -213,7 +297,7 @@ async def test_an_image_without_bash_is_refused_by_name(server, client):
             await sb.open_session(shell="bash")
 
 
-async def test_dsec_deployment_starts_and_stops_its_sandbox(server, client, python_image):
+async def test_dsec_deployment_starts_and_stops_its_sandbox(server, client, swe_agent_image):
     from dsec.compat.swerex_deployment import DSecDeployment
 
     steps: list[str] = []
@@ -222,12 +306,15 @@ async def test_dsec_deployment_starts_and_stops_its_sandbox(server, client, pyth
         def on_custom_step(self, message: str) -> None:
             steps.append(message)
 
-    deployment = DSecDeployment(image=python_image, endpoint=server.endpoint, token=server.token, memory_limit_mb=256)
+    deployment = DSecDeployment(image=swe_agent_image, endpoint=server.endpoint, token=server.token, memory_limit_mb=256)
     deployment.add_hook(Hook())
     async with deployment:
         assert (await deployment.is_alive()).is_alive
         r = await deployment.runtime.execute(Command(command="cat /etc/debian_version", shell=True))
         assert r.exit_code == 0 and r.stdout.strip()
+        await deployment.runtime.create_session(CreateBashSessionRequest())
+        obs = await run(deployment.runtime, "# SWE-agent's first look\npython <<'EOF'\nimport sys; print(sys.version_info[0])\nEOF")
+        assert obs.output == "3\n", obs
         sandbox_id = deployment.sandbox_id
         assert (await client.get_sandbox(sandbox_id)).status.value == "running"
     assert "Starting runtime" in steps

@@ -13,8 +13,10 @@ Every call is one or a few of DSec's own calls on the sandbox's node (``EdgeAPI`
   started in the session's directory and exported environment, under ``script`` (a terminal, as
   SWE-ReX's pexpect gives) when the image has it; what follows goes to its stdin and its output
   is read until one of ``expect`` appears, or it ends; ``BashInterruptAction`` sends it Ctrl-C;
-- ``execute`` is one exec, ``read_file``/``write_file`` DSec's file calls, ``upload`` a file write
-  or, for the zip a directory goes as, DSec's tree upload (the zip turned into a tar here).
+- ``execute`` is one exec, ``read_file``/``write_file`` DSec's file calls (a relative path taken
+  from the sandbox's working directory; failures raised as Python's own file calls raise them),
+  ``upload`` a file write or, for the zip a directory goes as, DSec's tree upload (the zip turned
+  into a tar here).
 
 The apiserver keeps only the answers for retries: a session's name, its DSec session and
 interactive program live in a small JSON file in the sandbox (``/tmp/.dsec-swerex/``). A call
@@ -32,8 +34,10 @@ raises again; a bad token (401) and an unknown sandbox (404) as HTTP errors with
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import json
+import os
 import posixpath
 import re
 import shlex
@@ -198,8 +202,27 @@ def _timeout(value: float | None) -> float:
 
 
 def _merged(command: str) -> str:
-    """``command`` in the current shell with its stderr into its stdout."""
-    return "{ " + command + "\n} 2>&1"
+    """``command`` in the current shell with its stderr into its stdout (``:`` first: a command
+    of only blanks and comments is none, and bash refuses an empty group)."""
+    return "{ :; " + command + "\n} 2>&1"
+
+
+# What Python's own file calls raise for the errno a DSec file call's message names.
+_OS_ERRORS = {errno.EEXIST: "FileExistsError", errno.EISDIR: "IsADirectoryError",
+              errno.ENOTDIR: "NotADirectoryError", errno.EACCES: "PermissionError",
+              errno.ENOENT: "FileNotFoundError"}
+
+
+def _os_error(exc: DSecError, path: str) -> SwerexError | DSecError:
+    """``exc`` of a file call on ``path`` as the ``OSError`` SWE-ReX's local runtime raises
+    (others as they are). The last errno text in the message is the cause: ``not a directory (or
+    cannot be made one) (mkdir: …: Permission denied)``."""
+    if isinstance(exc, SandboxFileNotFound):
+        return SwerexError("builtins.FileNotFoundError", f"[Errno 2] No such file or directory: {path!r}")
+    at, code = max((exc.message.lower().rfind(os.strerror(code).lower()), code) for code in _OS_ERRORS)
+    if at < 0:
+        return exc
+    return SwerexError(f"builtins.{_OS_ERRORS[code]}", f"[Errno {code}] {os.strerror(code)}: {path!r}")
 
 
 class SwerexRuntime:
@@ -428,6 +451,7 @@ class SwerexRuntime:
             line = shlex.join(command.command)
         else:
             line = command.command if command.shell else shlex.quote(command.command)
+        line = line or ":"  # (as `sh -c ''`: nothing, exit 0)
         if command.merge_output_streams:
             line = _merged(line)
         try:
@@ -442,15 +466,22 @@ class SwerexRuntime:
             raise _swerex("NonZeroExitCodeError", f"{command.error_msg}: {msg}" if command.error_msg else msg)
         return response
 
+    async def _path(self, path: str) -> str:
+        """``path``, a relative one taken from the sandbox's working directory (``execute``'s)."""
+        if path.startswith("/"):
+            return path
+        return posixpath.join((await self.edge.get(self.sandbox_id)).workdir, path)
+
     async def read_file(self, request: ReadFileRequest) -> dict:
         try:
-            data = await self.edge.read_file(self.sandbox_id, request.path)
-        except SandboxFileNotFound:
-            raise SwerexError("builtins.FileNotFoundError",
-                              f"[Errno 2] No such file or directory: {request.path!r}") from None
+            data = await self.edge.read_file(self.sandbox_id, await self._path(request.path))
+        except DSecError as exc:
+            raise _os_error(exc, request.path) from None
         try:
             content = data.decode(request.encoding or "utf-8", request.errors or "strict")
-        except (LookupError, UnicodeDecodeError) as exc:
+        except LookupError as exc:
+            raise SwerexError("builtins.LookupError", str(exc)) from None
+        except UnicodeDecodeError as exc:  # (a ValueError: SWE-ReX's client cannot make this one again)
             raise SwerexError("builtins.ValueError", f"cannot decode {request.path}: {exc}") from None
         return {"content": content}
 
@@ -459,16 +490,20 @@ class SwerexRuntime:
         return {}
 
     async def _write(self, path: str, data: bytes) -> None:
-        parent = posixpath.dirname(path)
-        if parent and parent != "/":
-            await self.edge.make_dir(self.sandbox_id, parent)
-        await self.edge.write_file(self.sandbox_id, path, data, 0o644)
+        """``data`` into the file at ``path``, its parent made first (as SWE-ReX's local runtime)."""
+        target = await self._path(path)
+        try:
+            if (parent := posixpath.dirname(target)) != "/":
+                await self.edge.make_dir(self.sandbox_id, parent)
+            await self.edge.write_file(self.sandbox_id, target, data, 0o644)
+        except DSecError as exc:
+            raise _os_error(exc, path) from None
 
     async def upload(self, data: bytes, target_path: str, unzip: bool) -> dict:
         if not unzip:
             await self._write(target_path, data)
         else:
-            await self.edge.upload_tree(self.sandbox_id, target_path, zip_to_tar(data))
+            await self.edge.upload_tree(self.sandbox_id, await self._path(target_path), zip_to_tar(data))
         return {}
 
     async def close(self) -> dict:

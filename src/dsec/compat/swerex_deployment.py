@@ -31,7 +31,7 @@ class DSecDeploymentConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    image: str = "python"
+    image: str = "swe-agent"  # `python`, `less`, `git`, as SWE-agent's tasks assume (`dsec image build swe-agent`)
     endpoint: str | None = None  # DSEC_ENDPOINT, else the local default
     token: str | None = None  # DSEC_TOKEN, else the local state dir's
     memory_limit_mb: int = 2048

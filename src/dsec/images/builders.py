@@ -2,8 +2,9 @@
 
 ``busybox`` is made from the host's busybox-static in well under a second. ``python`` is a
 Debian bookworm minbase made by debootstrap with python3, bash and git; it takes about a minute
-and is cached (``ensure_default_images`` skips images that exist). The toolchain images
-(``LANGUAGE_IMAGES``: ``lang-cpp`` …) are built the same way, on demand (``dsec image build NAME``).
+and is cached (``ensure_default_images`` skips images that exist). ``swe-agent`` (``python`` plus
+what SWE-agent's commands assume) and the toolchain images (``LANGUAGE_IMAGES``: ``lang-cpp`` …)
+are built the same way, on demand (``dsec image build NAME``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from .store import Image, LayerBuildError, LayerStore
 BUSYBOX_BIN = Path("/bin/busybox")
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PYTHON_PACKAGES = ("python3", "bash", "git", "ca-certificates")
+# SWE-agent's commands and SWE-ReX's tests call `python` (python-is-python3 links it) and page with `less`.
+SWE_AGENT_PACKAGES = (*PYTHON_PACKAGES, "python-is-python3", "less")
 
 Log = Callable[[str], None]
 
@@ -134,6 +137,11 @@ def build_python(store: LayerStore, name: str = "python", log: Log | None = None
     return build_debian(store, name, "bookworm", PYTHON_PACKAGES, log=log)
 
 
+def build_swe_agent(store: LayerStore, name: str = "swe-agent", log: Log | None = None) -> Image:
+    """The ``python`` image's packages plus a ``python`` on PATH and ``less``."""
+    return build_debian(store, name, "bookworm", SWE_AGENT_PACKAGES, log=log)
+
+
 # Toolchain images, one a language (SandboxFusion's run_code runs in them on the FnCall pool,
 # which needs python3 in every image): Debian bookworm minbase with python3, bash and the
 # language's packages. Slow to build (debootstrap and mkfs.erofs of a few hundred MB): built once,
@@ -154,7 +162,7 @@ def build_language(store: LayerStore, name: str, log: Log | None = None) -> Imag
 
 
 BUILDERS: dict[str, Callable[..., Image]] = {
-    "busybox": build_busybox, "python": build_python,
+    "busybox": build_busybox, "python": build_python, "swe-agent": build_swe_agent,
     **{name: (lambda store, name=name, log=None: build_language(store, name, log=log)) for name in LANGUAGE_IMAGES},
 }
 
