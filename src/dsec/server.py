@@ -120,7 +120,9 @@ def prepare_host() -> list[str]:
 def open_store(state_dir: Path) -> LayerStore:
     store = LayerStore(state_dir / "store")
     if not store.has_image("busybox") and shutil.which("busybox"):
-        build_busybox(store)
+        with store.locked("busybox"):  # the nodes of a new shared store start at once: one builds it
+            if not store.has_image("busybox"):
+                build_busybox(store)
     return store
 
 

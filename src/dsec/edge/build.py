@@ -147,9 +147,9 @@ class ImageBuilder:
     async def _locked_run(self, request: BuildImageRequest, plan: dockerfile.BuildPlan, base: Image, key: str,
                           work: Path, project: str, log: Log) -> BuildResult:
         """The run, under the store's lock file for the key (another node's build of it waits)."""
-        locks = self.store.tmp_dir.parent / "build-locks"
+        locks = self.store.root / "locks"  # (as LayerStore.locked's, polled: this loop must not block)
         locks.mkdir(exist_ok=True)
-        fd = os.open(locks / key[:32], os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(locks / f"build-{key[:32]}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             while True:
                 try:

@@ -11,6 +11,7 @@ half-written one is never visible.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -21,6 +22,8 @@ import subprocess
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -287,6 +290,19 @@ class LayerStore:
             raise InvalidRequest(f"image {name!r} is in use by running sandboxes ({', '.join(users)}); stop them first")
         (self.images_dir / f"{name}.json").unlink()
         self._images.pop(name, None)  # else its cached manifest stays for ever (a soak packs and removes thousands)
+
+    @contextmanager
+    def locked(self, name: str) -> Iterator[None]:
+        """Hold the store's lock ``name`` (a lock file under ``locks/``; every process and node
+        sharing the store sees it) for as long as the block runs."""
+        locks = self.root / "locks"
+        locks.mkdir(exist_ok=True)
+        fd = os.open(locks / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
     def image_size(self, image: Image) -> int:
         return sum(self.layer_size(d) for d in image.layers)
