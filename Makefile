@@ -24,11 +24,13 @@ demo: setup
 
 test: setup
 	$(BIN)/ruff check --quiet src tests
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The quick subset (no crun, no mounts): seconds.
 test-quick: venv
 	$(BIN)/ruff check --quiet src tests
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: setup

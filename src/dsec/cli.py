@@ -288,7 +288,7 @@ def reset(
 ) -> None:
     """Stop every sandbox of this node's state dir and release its mounts and cgroups (after a
     crash; never while `dsec serve` runs on it)."""
-    from .server import reset_node
+    from .node import reset_node
 
     if not yes and not typer.confirm(f"stop every sandbox under {state_dir}?"):
         raise typer.Exit(1)

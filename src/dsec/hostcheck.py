@@ -1,6 +1,6 @@
 """What this host's kernel offers DSec, checked once at start, and how layers are attached here.
 
-``check_host`` (called by dsec.server.prepare_host) refuses to start, with a message naming what
+``check_host`` (called by dsec.node.prepare_host) refuses to start, with a message naming what
 is missing and what to install or enable, where a sandbox could not be made: rather that than a
 failure at the first create. It checks, in order:
 

@@ -9,33 +9,22 @@ manifests; may be shared between nodes) and ``node/`` (this node's mounts, sandb
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import gc
 import logging
 import os
-import resource
 import secrets
-import shutil
-import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
 
-from libdsec import BackendError
-
-from .apiserver.app import Cluster, create_app
+from .apiserver.app import Cluster
 from .apiserver.projects import open_project_store
-from . import hostcheck, memtrace, native
-from .isolation import apparmor
-from .backends.container import CRUN, ContainerBackend
-from .edge.edge import Edge, EdgeConfig
-from .images.builders import build_busybox
-from .images.store import LayerStore
-from ._sys import set_child_subreaper
+from .app import create_app
+from . import memtrace
+from .node import NodeConfig, build_edge, lock_node, open_store, prepare_host, use_pidfd_child_watcher
 from .placement import Overcommit
-from .resources import cgroups
 from .resources.coldmem import ColdMemoryReclaimer
 
 log = logging.getLogger("dsec.server")
@@ -69,6 +58,10 @@ class ServerConfig:
     burst: dict | None = None
 
 
+def node_config(config: ServerConfig) -> NodeConfig:
+    return NodeConfig(state_dir=config.state_dir, node=config.node, edge=config.edge, fncall=config.fncall)
+
+
 def load_or_create_token(state_dir: Path) -> str:
     path = state_dir / "token"
     try:
@@ -79,146 +72,6 @@ def load_or_create_token(state_dir: Path) -> str:
         with os.fdopen(fd, "w") as f:
             f.write(token + "\n")
         return token
-
-
-def use_pidfd_child_watcher() -> None:
-    """Python < 3.12 waits for each child in a thread of its own; a pidfd watcher does not."""
-    if sys.version_info < (3, 12) and hasattr(asyncio, "PidfdChildWatcher"):
-        watcher = asyncio.PidfdChildWatcher()
-        watcher.attach_loop(asyncio.get_running_loop())
-        asyncio.set_child_watcher(watcher)
-
-
-def prepare_host() -> list[str]:
-    """Check the runtime and fix what the host needs; returns notes for the log."""
-    notes = []
-    if not os.path.exists(CRUN):
-        raise BackendError(f"{CRUN} not found: run `make demo` or install crun")
-    try:
-        native.binary("init")
-        native.library("zygote")  # the FnCall zygotes' per-call loop
-    except native.NativeBuildError as exc:
-        raise BackendError(str(exc)) from None
-    # One socket (the init channel) per sandbox, and pipes per running command: thousands.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    if os.geteuid() != 0:
-        raise BackendError("dsec serve runs as root (it mounts layers and makes cgroups)")
-    notes += hostcheck.check_host()  # EROFS, overlayfs, loop devices, user namespaces
-    try:
-        notes.append(apparmor.ensure_loaded())  # the dsec-sandbox profile, where the host has AppArmor
-    except apparmor.AppArmorError as exc:
-        raise BackendError(str(exc)) from None
-    if cgroups.fix_hybrid_hugetlb():
-        notes.append("hybrid cgroups: mounted hugetlb on a v1 hierarchy so crun can run")
-    notes.append(f"cgroups {cgroups.version()}")
-    set_child_subreaper()
-    return notes
-
-
-def open_store(state_dir: Path) -> LayerStore:
-    store = LayerStore(state_dir / "store")
-    if not store.has_image("busybox") and shutil.which("busybox"):
-        with store.locked("busybox"):  # the nodes of a new shared store start at once: one builds it
-            if not store.has_image("busybox"):
-                build_busybox(store)
-    return store
-
-
-def build_edge(config: ServerConfig, store: LayerStore) -> Edge:
-    node_dir = config.state_dir / "node"
-    backend = ContainerBackend(node_dir, store, cgroup_parent=cgroups.parent_for(config.state_dir))
-    try:
-        return _edge_over(backend, config, store)
-    except BaseException:
-        backend.release_unused()  # the node's tmpfs, if no sandbox of an earlier run is in it
-        raise
-
-
-def _edge_over(backend: ContainerBackend, config: ServerConfig, store: LayerStore) -> Edge:
-    node_dir = backend.node_dir
-    edge_config = EdgeConfig(node_dir=node_dir, records_dir=backend.run_dir / "records", node=config.node, **config.edge)
-    from .backends.vm import vm_backends
-
-    fncalls = None
-    if config.fncall is not None:
-        from .fncall import FnCallConfig, FnCallPool
-        from .fncall.backend import FnCallBackend
-
-        fncall_config = FnCallConfig(**config.fncall)
-        fncalls = FnCallPool(FnCallBackend.beside(backend, tmpfs_mb=fncall_config.tmpfs_mb), store, fncall_config)
-    # DSEC_VMS=0: containers only (no guest kernel to fetch, no accelerator probe at start).
-    vms = vm_backends(node_dir, store, config.state_dir / "vm") if os.environ.get("DSEC_VMS", "1") != "0" else []
-    return Edge(edge_config, [backend, *vms], store, fncalls=fncalls)
-
-
-def lock_node(state_dir: Path) -> int:
-    """Hold the node dir's lock for the life of the process: one server (or reset) at a time."""
-    node_dir = Path(state_dir) / "node"
-    node_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(node_dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise BackendError(f"another dsec serve is running on {state_dir}") from None
-    return fd
-
-
-async def reset_node(state_dir: Path) -> int:
-    """Remove every sandbox, mount and cgroup a node's state dir holds (no server running)."""
-    lock = lock_node(state_dir)
-    node_dir = Path(state_dir) / "node"
-    backend = ContainerBackend(node_dir, LayerStore(Path(state_dir) / "store"),
-                               cgroup_parent=cgroups.parent_for(state_dir))
-    count = sum(1 for _ in backend.sandboxes_dir.iterdir())
-    await backend.recover([])
-    if (node_dir / "vms").is_dir():  # the VMs of a node that ran them (their QEMUs, dirs, cgroups)
-        from .backends.vm import vm_backends
-
-        for vms in vm_backends(node_dir, backend.store, Path(state_dir) / "vm"):
-            count += sum(1 for d in vms.vms_dir.iterdir() if not d.name.startswith("."))
-            await vms.recover([])
-    records = backend.run_dir / "records"
-    if records.is_dir():
-        shutil.rmtree(records)
-    backend.release_unused()
-    os.close(lock)
-    return count
-
-
-def link_store(state_dir: Path, store_dir: Path) -> None:
-    """``state_dir/store`` is the layer store at ``store_dir`` (made when missing: a first start,
-    or the default ``STATE_DIR/store``). A link left to another store by an earlier start with
-    another ``--store-dir`` is pointed at this one; a real directory there is the store itself."""
-    store_dir = Path(os.path.abspath(store_dir))
-    store_dir.mkdir(parents=True, exist_ok=True)
-    link = state_dir / "store"
-    if link.is_symlink():
-        if Path(os.readlink(link)) == store_dir:
-            return
-        link.unlink()
-    elif link.exists():
-        if link.resolve() != store_dir.resolve():
-            raise BackendError(f"{link} is a directory of its own, not a link to the store at {store_dir}: "
-                               "move it away, or give this node the store it holds")
-        return
-    link.symlink_to(store_dir)
-
-
-async def build_node_edge(config: ServerConfig, store_dir: Path) -> Edge:
-    """A started edge on ``config.state_dir`` (this process holds its lock from now on), reading
-    layers from ``store_dir``: a node of a cluster (``dsec.nodes.ray.EdgeHost``)."""
-    config.state_dir.mkdir(parents=True, exist_ok=True)
-    for note in prepare_host():
-        log.info(note)
-    lock_node(config.state_dir)
-    link_store(config.state_dir, store_dir)
-    use_pidfd_child_watcher()
-    edge = build_edge(config, open_store(config.state_dir))
-    await edge.start()
-    return edge
 
 
 def build_cluster_app(config: ServerConfig):
@@ -275,7 +128,7 @@ def build_app(config: ServerConfig):
     lock_node(config.state_dir)  # kept open (and locked) until the process exits
     token = load_or_create_token(config.state_dir)
     store = open_store(config.state_dir)
-    edge = build_edge(config, store)
+    edge = build_edge(node_config(config), store)
     overcommit = Overcommit(cpu=edge.config.cpu_overcommit, memory=edge.config.memory_overcommit)
     cold = None
     if config.cold_memory:

@@ -26,7 +26,7 @@ def ray_base(tmp_path_factory):
     try:
         yield base
     finally:
-        from dsec.server import reset_node
+        from dsec.node import reset_node
 
         nodes = base / "nodes"
         node_dirs = sorted(p for p in nodes.iterdir() if p.is_dir()) if nodes.is_dir() else []

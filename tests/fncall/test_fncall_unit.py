@@ -14,7 +14,8 @@ import pytest
 
 import libdsec
 from dsec import native
-from dsec.apiserver.app import Cluster, create_app
+from dsec.apiserver.app import Cluster
+from dsec.app import create_app
 from dsec.fncall import zygote
 from dsec.fncall.pool import FnCallConfig, FnCallPool, _workdir_path
 from dsec.fncall.worker import CallLimits, encode_request

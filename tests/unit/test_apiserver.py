@@ -14,7 +14,8 @@ import pytest
 import uvicorn
 
 import libdsec
-from dsec.apiserver.app import Cluster, create_app
+from dsec.apiserver.app import Cluster
+from dsec.app import create_app
 from dsec.local import free_port
 from libdsec.protocol import ExecRequest, ExecResult, NodeInfo, SandboxInfo, SandboxStatus
 

@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 import libdsec
-from dsec.apiserver.app import Cluster, create_app
+from dsec.apiserver.app import Cluster
+from dsec.app import create_app
 from dsec.apiserver.projects import open_project_store
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig

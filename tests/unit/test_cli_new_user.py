@@ -14,7 +14,8 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from dsec.apiserver.app import Cluster, create_app
+from dsec.apiserver.app import Cluster
+from dsec.app import create_app
 from dsec.apiserver.projects import open_project_store
 from dsec.backends.fake import FakeBackend
 from dsec.cli import app

@@ -8,7 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from dsec.apiserver.app import Cluster, create_app
+from dsec.apiserver.app import Cluster
+from dsec.app import create_app
 from dsec.apiserver.projects import open_project_store
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 import libdsec
-from dsec.apiserver.app import Cluster, create_app
+from dsec.apiserver.app import Cluster
+from dsec.app import create_app
 from dsec.apiserver.projects import open_project_store
 from libdsec import DSecClient, DSecContainerRunArgs
 from libdsec.protocol import (

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dsec.apiserver.cluster import Cluster
-from dsec.apiserver.app import create_app
+from dsec.app import create_app
 from dsec.apiserver.projects import open_project_store
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 import libdsec
-from dsec.apiserver.app import Cluster, create_app
+from dsec.apiserver.app import Cluster
+from dsec.app import create_app
 from dsec.edge.admission import WorkGate
 from libdsec._client import may_repeat
 from libdsec.protocol import KEY_HEADER

@@ -17,7 +17,8 @@ import pytest
 import uvicorn
 
 import libdsec
-from dsec.apiserver.app import Cluster, create_app
+from dsec.apiserver.app import Cluster
+from dsec.app import create_app
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
 from dsec.local import free_port

@@ -284,7 +284,7 @@ def test_a_store_behind_a_link_to_nothing_yet_is_made(tmp_path):
 
 
 def test_link_store_makes_the_store_and_points_an_old_link_at_the_new_one(tmp_path):
-    from dsec.server import link_store
+    from dsec.node import link_store
 
     state = tmp_path / "node"
     state.mkdir()

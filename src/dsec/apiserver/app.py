@@ -11,7 +11,7 @@ import asyncio
 import base64
 import inspect
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 
 from fastapi import Depends, FastAPI, Path, Query, Request, WebSocket
@@ -68,7 +68,6 @@ from libdsec.protocol import (
     TreeDownloadRequest,
 )
 
-from ..compat.e2b import add_e2b_routes
 from ..edge.files import file_mode as parse_file_mode
 from .auth import Authenticator, Caller
 from .cluster import Cluster
@@ -78,8 +77,6 @@ from .routes_fncall import add_fncall_routes
 from .routes_jobs import add_job_routes
 from .routes_observe import add_observe_routes
 from .routes_projects import add_project_routes
-from ..compat.sandboxfusion import add_sandboxfusion_routes
-from ..compat.swerex import add_swerex_routes
 from .websocket import relay as websocket_relay
 
 log = logging.getLogger("dsec.apiserver")
@@ -152,7 +149,14 @@ async def _ndjson(first: ExecEvent, events: AsyncIterator[ExecEvent]) -> AsyncIt
             yield event.model_dump_json() + "\n"
 
 
-def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
+# Routes of another API added to the app (``dsec.app``: the compatibility layers): called with the
+# app, the cluster and the authenticator, in order, after DSec's own; each returns the routes it
+# added that the lean lane serves (``LeanRoutes``' plain routes), or None.
+RouteAdder = Callable[[FastAPI, Cluster, Authenticator], "list | None"]
+
+
+def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence[RouteAdder] = ()) -> FastAPI:
+    """DSec's own API over ``cluster``; ``extensions`` add other APIs' routes after it."""
     app = FastAPI(title="DSec", version="0.1.0", lifespan=lifespan,
                   description="Sandboxes for agent training: containers from shared EROFS layers.",
                   # No OpenTelemetry (the platform's metrics are its own): FastAPI would otherwise
@@ -619,7 +623,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
     add_job_routes(app, jobs, authenticated, _ERRORS)
     add_fncall_routes(app, cluster, authenticated, _ERRORS)
     add_observe_routes(app, cluster, authenticator, _ERRORS)
-    add_swerex_routes(app, cluster, authenticator)
-    add_sandboxfusion_routes(app, cluster, authenticator)
-    plain_routes.extend(add_e2b_routes(app, cluster, authenticator))
+    for add in extensions:
+        plain_routes.extend(add(app, cluster, authenticator) or ())
     return app

@@ -586,7 +586,7 @@ def main(console: Console, **options: Any) -> int:
 async def _serve_embedded(names: list[str], state: Path, port: int, edge_config: dict) -> None:
     import uvicorn
 
-    from ..apiserver.app import create_app
+    from ..app import create_app
     from ..apiserver.cluster import Cluster
     from ..apiserver.projects import open_project_store
     from ..backends.fake import FakeBackend

@@ -233,7 +233,7 @@ def main(state_dir: Path, console: Console, lifecycles: int = 300, rounds: int =
             server.stop()
         if ray is not None:
             ray.cluster.shutdown()
-        from ..server import reset_node
+        from ..node import reset_node
 
         for node_dir in sorted((base / "nodes").glob("*")) if (base / "nodes").is_dir() else []:
             asyncio.run(reset_node(node_dir))

@@ -24,10 +24,10 @@ import sys
 from pathlib import Path
 
 from ..edge.server import NodeServer
-from ..server import ServerConfig, build_node_edge
+from ..node import NodeConfig, build_node_edge
 
 
-async def run(config: ServerConfig, store_dir: Path, host: str, token: str) -> None:
+async def run(config: NodeConfig, store_dir: Path, host: str, token: str) -> None:
     edge = await build_node_edge(config, store_dir)
     server = NodeServer(edge, token, host=host)
     try:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = sys.stdin.readline().strip()
     extra = json.loads(ns.config)
-    config = ServerConfig(state_dir=ns.state_dir, node=ns.node, edge=extra.get("edge", {}),
+    config = NodeConfig(state_dir=ns.state_dir, node=ns.node, edge=extra.get("edge", {}),
                           fncall=extra.get("fncall", {}))
     try:
         asyncio.run(run(config, ns.store, ns.host, token))
