@@ -139,6 +139,10 @@ def register(app: typer.Typer) -> None:
                 if once:
                     console.print(frame(await client.stats()))
                     return
+                if not console.is_terminal:  # piped: a frame after another (Live draws nothing there)
+                    while True:
+                        console.print(frame(await client.stats()))
+                        await asyncio.sleep(max(0.1, interval))
                 history: deque[Summary] = deque()
                 with Live(console=console, auto_refresh=False, screen=False) as live:
                     while True:

@@ -165,10 +165,12 @@ class Edge:
             if rec.handle.cid in alive:
                 self._records[rec.id] = rec
                 self.admission.hold(rec.id, rec.args)
-                log.info("re-adopted running sandbox %s", rec.id)
+                log.debug("re-adopted running sandbox %s", rec.id)
             else:
                 rec.status, rec.reason = SandboxStatus.failed, "sandbox was gone when the edge restarted"
                 self._forget(rec)
+        if self._records:
+            log.info("re-adopted %d running sandboxes", len(self._records))
         # A crash in the middle of a pause or a pack_diff leaves its sandbox frozen while its
         # record says running (its calls would hang): thaw each one that is not paused by its
         # record (a paused one is thawed by its next call). Thawing a running one changes nothing.
