@@ -348,6 +348,24 @@ def bench_lifecycle(
     ))
 
 
+@bench_app.command("harness")
+def bench_harness(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-harness"),
+    files: Annotated[int, typer.Option(help="Source files in the task's context.")] = 200,
+    build_rounds: Annotated[int, typer.Option(help="Builds with nothing cached, each way.")] = 3,
+    rebuild_rounds: Annotated[int, typer.Option(help="Builds with nothing changed, each way.")] = 5,
+    start_rounds: Annotated[int, typer.Option(help="DSec starts to a first answer.")] = 30,
+    podman_start_rounds: Annotated[int, typer.Option(help="podman run + exec to a first answer.")] = 10,
+    podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
+) -> None:
+    """A task's environment as a harness uses it: Dockerfile build, rebuild, start to first answer, against podman."""
+    from .bench.harness import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, files=files, build_rounds=build_rounds,
+                               rebuild_rounds=rebuild_rounds, start_rounds=start_rounds,
+                               podman_start_rounds=podman_start_rounds, podman=podman))
+
+
 @bench_app.command("clean-copy")
 def bench_clean_copy(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-clean-copy"),
