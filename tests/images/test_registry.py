@@ -221,3 +221,31 @@ async def test_build_from_a_dockerfile(registry, base_image, tmp_path, server, c
         build_dockerfile(store, names("broken"), dockerfile, insecure=True, authfile=auth_file(tmp_path, registry))
     with pytest.raises(LayerBuildError, match="no Dockerfile"):
         build_dockerfile(store, names("x"), tmp_path / "missing")
+
+
+async def test_a_dockerfile_built_by_dsec_from_a_registry_image(registry, base_image, tmp_path, client, new_state_dir,
+                                                                names):
+    """``client.build_image`` with ``FROM`` a registry reference: pulled by the node (plain HTTP
+    to a registry on its loopback) with the server's usual auth file, kept in the store for the
+    next build; without credentials the registry's refusal is named."""
+    from dsec.local import LocalServer
+    from libdsec import DSecClient, ImageNotFound
+
+    dockerfile = f"FROM {base_image}\nRUN cat /hello.txt > /copied && echo $FROM_IMAGE >> /copied\n"
+    with pytest.raises(ImageNotFound, match=rf"FROM {base_image}: .*(?i:unauthorized)"):
+        await client.build_image(names("nocreds"), dockerfile_text=dockerfile)
+    server = LocalServer(new_state_dir("dsec-creds"), extra_args=("--pool-max", "2"),
+                         env={"REGISTRY_AUTH_FILE": str(auth_file(tmp_path, registry))}).start()
+    try:
+        async with DSecClient(server.endpoint, token=server.token) as creds:
+            name = names("from-registry")
+            built = await creds.build_image(name, dockerfile_text=dockerfile)
+            assert not built.cached
+            async with await creds.run_container(DSecContainerRunArgs(container_image=name, memory_limit_mb=64)) as sb:
+                assert (await sb.run_shell("cat /copied")).stdout == "hello from the registry\nyes\n"
+            again = await creds.build_image(names("from-registry-again"), dockerfile_text=dockerfile)
+            assert again.cached and again.key == built.key
+            await creds.remove_image(f"dockerfile-{built.key[:32]}")
+            await creds.remove_image(f"from-{hashlib.sha256(base_image.encode()).hexdigest()[:24]}")  # the pulled base
+    finally:
+        server.stop()

@@ -187,7 +187,8 @@ class ImageBuilder:
             raise ImageNotFound(f"FROM {ref}: no such image in the store, and no registry reference")
         log(f"FROM {ref}: not in the store; pulling it")
         try:
-            return await asyncio.to_thread(registry.pull, self.store, pulled, ref, log=log)
+            return await asyncio.to_thread(registry.pull, self.store, pulled, ref, log=log,
+                                           insecure=_on_loopback(ref))
         except DSecError as exc:
             raise ImageNotFound(f"FROM {ref}: no image of that name in the store (dsec image ls), and pulling it "
                                 f"from a registry failed: {exc}") from None
@@ -268,6 +269,15 @@ class ImageBuilder:
         result = await self.edge.exec(sid, ExecRequest(command=command, timeout=600))
         if result.exit_code != 0:
             raise ImageBuildFailed(f"{what} failed: {(result.stderr or result.stdout)[-1000:]}")
+
+
+def _on_loopback(ref: str) -> bool:
+    """A registry on this node's loopback (``localhost:5000/…``, ``127.0.0.1:…``) is spoken to in
+    plain HTTP, as such a registry serves; any other with TLS checked. Credentials are the
+    server's usual auth file (``REGISTRY_AUTH_FILE``, …: docs/COMPAT.md)."""
+    host = ref.split("/", 1)[0] if "/" in ref else ""
+    host = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return host in ("localhost", "[::1]", "::1") or host.startswith("127.")
 
 
 def unpack_context(context_b64: str, dest: Path) -> None:
