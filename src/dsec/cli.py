@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 from rich.table import Column, Table
 
-from libdsec import DSecClient, DSecContainerRunArgs, DSecError
+from libdsec import DSecClient, DSecContainerRunArgs, DSecError, InvalidRequest
 from .cli_common import DEFAULT_STATE, StateDir, console, err_console, fail, run_sdk
 
 from .cli_resources import register as register_resource_commands
@@ -364,6 +364,24 @@ def bench_harness(
     raise typer.Exit(run_bench(state_dir=state_dir, console=console, files=files, build_rounds=build_rounds,
                                rebuild_rounds=rebuild_rounds, start_rounds=start_rounds,
                                podman_start_rounds=podman_start_rounds, podman=podman))
+
+
+@bench_app.command("tti")
+def bench_tti(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-tti"),
+    iterations: Annotated[int, typer.Option(help="Sandboxes a mode (sequential, staggered, burst).")] = 100,
+    stagger_ms: Annotated[float, typer.Option(help="Between two launches of the staggered mode.")] = 200.0,
+    systems: Annotated[str, typer.Option(help="Comma-separated: dsec, e2b, podman.")] = "dsec,e2b,podman",
+) -> None:
+    """Time to interactive (create → first command's answer) in ComputeSDK's method: DSec's SDK, the e2b SDK on DSec, podman."""
+    from .bench.tti import main as run_bench
+
+    chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
+    unknown = set(chosen) - {"dsec", "e2b", "podman"}
+    if unknown:
+        fail(InvalidRequest(f"--systems: unknown {', '.join(sorted(unknown))} (dsec, e2b, podman)"))
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, iterations=iterations, stagger_ms=stagger_ms,
+                               systems=chosen))
 
 
 @bench_app.command("clean-copy")
