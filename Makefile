@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 
-.PHONY: setup host venv demo test test-quick bench clean
+.PHONY: setup host venv demo test test-quick docs bench clean
 
 setup: host venv
 
@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/dsec demo
 
-test: setup
+test: setup docs
 	$(BIN)/ruff check --quiet src tests
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -32,6 +32,10 @@ test-quick: venv
 	$(BIN)/ruff check --quiet src tests
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The SDK's API reference, from its docstrings (build/docs/libdsec.html); a warning fails it.
+docs: venv
+	$(BIN)/python -W error -m pdoc --docformat restructuredtext -o build/docs libdsec
 
 bench: setup
 	$(BIN)/dsec bench lifecycle

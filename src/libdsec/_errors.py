@@ -49,11 +49,15 @@ class DSecError(Exception):
 
 
 class InvalidRequest(DSecError, ValueError):
+    """Malformed request or argument."""
+
     code = "invalid_request"
     status = 422
 
 
 class LimitOutOfRange(InvalidRequest):
+    """Memory / CPU / TTL / count outside what is allowed."""
+
     code = "limit_out_of_range"
     status = 422
 
@@ -75,21 +79,29 @@ class ImageBuildFailed(InvalidRequest):
 
 
 class Unauthenticated(DSecError, PermissionError):
+    """Missing or wrong token."""
+
     code = "unauthenticated"
     status = 401
 
 
 class ImageNotFound(DSecError, LookupError):
+    """No image by that name."""
+
     code = "image_not_found"
     status = 404
 
 
 class SandboxNotFound(DSecError, LookupError):
+    """No sandbox by that id (or it is gone)."""
+
     code = "sandbox_not_found"
     status = 404
 
 
 class SandboxStateError(DSecError, RuntimeError):
+    """The call does not fit the sandbox's state."""
+
     code = "sandbox_state"
     status = 409
 
@@ -108,31 +120,43 @@ class SandboxFileNotFound(DSecError, FileNotFoundError):
 
 
 class ProcessNotFound(DSecError, LookupError):
+    """No background process by that pid in the sandbox."""
+
     code = "process_not_found"
     status = 404
 
 
 class SessionClosed(SandboxStateError):
+    """The shell session ended (its shell died or was closed)."""
+
     code = "session_closed"
     status = 409
 
 
 class PortUnreachable(DSecError, ConnectionError):
+    """Nothing answered on that port inside the sandbox (502)."""
+
     code = "port_unreachable"
     status = 502
 
 
 class CommandTimeout(DSecError, TimeoutError):
+    """A command ran past its timeout and was killed."""
+
     code = "command_timeout"
     status = 408
 
 
 class CapacityExceeded(DSecError):
+    """No node could admit the sandbox."""
+
     code = "capacity_exceeded"
     status = 503
 
 
 class QuotaExceeded(DSecError):
+    """The project's quota (or an ancestor's) is used up."""
+
     code = "quota_exceeded"
     status = 429
 
@@ -154,11 +178,15 @@ class Overloaded(DSecError):
 
 
 class ProjectNotFound(DSecError, LookupError):
+    """No project by that name (or not visible to the token)."""
+
     code = "project_not_found"
     status = 404
 
 
 class JobNotFound(DSecError, LookupError):
+    """No job log by that name (or it is another project's)."""
+
     code = "job_not_found"
     status = 404
 
@@ -182,16 +210,22 @@ class ReplayIncomplete(ReplayDiverged):
 
 
 class BackendError(DSecError):
+    """The runtime (crun, mounts, …) failed."""
+
     code = "backend_error"
     status = 500
 
 
 class ServerUnavailable(DSecError, ConnectionError):
+    """The SDK could not reach the server."""
+
     code = "server_unavailable"
     status = 503
 
 
 class ServerError(DSecError):
+    """Anything else the server reported."""
+
     code = "internal"
     status = 500
 

@@ -12,7 +12,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
-from ._client import DSecClient, ProgressCallback, Sandbox
+from ._client import DSecClient, OutputCallback, ProgressCallback, Sandbox  # noqa: F401 - (twins' signatures name them)
 from ._files import SandboxFiles
 from ._process import Process, Session
 from ._pty import Pty
