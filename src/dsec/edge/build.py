@@ -123,6 +123,8 @@ class ImageBuilder:
         for note in plan.notes:
             log(f"note: {note}")
         base = await self._base(plan.base, log)
+        # Read again now that the base is known: its ENV is what $NAME in the Dockerfile sees.
+        plan = await asyncio.to_thread(dockerfile.plan, request.dockerfile, work, request.build_args, base.env)
         key = hashlib.sha256(f"{plan.key}\0{','.join(base.layers)}".encode()).hexdigest()
         if not request.no_cache:
             cached = self._cached(key, request.name, log)

@@ -30,6 +30,7 @@ from pathlib import Path
 from libdsec import ImageBuildFailed
 
 MAX_DOCKERFILE_BYTES = 1 << 20
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # docker's, for a base with none
 IGNORED = frozenset({"CMD", "ENTRYPOINT", "EXPOSE", "LABEL", "VOLUME", "STOPSIGNAL", "HEALTHCHECK", "MAINTAINER"})
 _VARIABLE = re.compile(r"\\\$|\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?::(?P<op>[-+])(?P<word>[^}]*))?\}"
                        r"|(?P<plain>[A-Za-z_][A-Za-z0-9_]*))")
@@ -78,9 +79,12 @@ class BuildPlan:
     key: str = ""  # hex sha256 of everything the result depends on but the base's layers
 
 
-def plan(text: str, context: Path, build_args: dict[str, str] | None = None) -> BuildPlan:
+def plan(text: str, context: Path, build_args: dict[str, str] | None = None,
+         base_env: dict[str, str] | None = None) -> BuildPlan:
     """The plan of the Dockerfile ``text`` over the build ``context`` (``DockerfileError``
-    naming the line for anything DSec does not build)."""
+    naming the line for anything DSec does not build). ``base_env``: the FROM image's ENV,
+    which ``$NAME`` in the Dockerfile's own words sees as docker's builder does (``ENV
+    PATH=/opt/venv/bin:$PATH``); PATH is docker's default when the base sets none."""
     from dockerfile_parse import DockerfileParser
 
     if len(text.encode()) > MAX_DOCKERFILE_BYTES:
@@ -95,6 +99,7 @@ def plan(text: str, context: Path, build_args: dict[str, str] | None = None) -> 
     args: dict[str, str] = {}  # ARGs in scope, with their values (RUN steps see them as env)
     global_args: dict[str, str] = {}  # those declared before FROM: for FROM, and as defaults after
     env: dict[str, str] = {}
+    inherited = {"PATH": DEFAULT_PATH, **(base_env or {})} if base_env is not None else {}
     result: BuildPlan | None = None
     workdir, user, shell = "/", "root", ["/bin/sh", "-c"]
     used_args: dict[str, str] = {}
@@ -104,7 +109,7 @@ def plan(text: str, context: Path, build_args: dict[str, str] | None = None) -> 
         where = f"line {line} ({item['content'].strip()[:80]!r})"
 
         def expand(word: str) -> str:
-            return _expand(word, {**args, **env}, used_args, where)
+            return _expand(word, {**args, **inherited, **env}, used_args, where)
 
         if instruction == "COMMENT":
             continue

@@ -1,0 +1,2 @@
+#!/bin/bash
+cp /etc/app-version /app/version.txt

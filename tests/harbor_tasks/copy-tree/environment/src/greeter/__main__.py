@@ -1,0 +1,2 @@
+from greeter import NAME
+print(f'hello, {NAME}')

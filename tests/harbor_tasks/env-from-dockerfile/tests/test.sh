@@ -1,0 +1,7 @@
+#!/bin/bash
+reward() {
+  mkdir -p /logs/verifier
+  if [ "$1" = 0 ]; then echo 1 > /logs/verifier/reward.txt; echo PASS; else echo 0 > /logs/verifier/reward.txt; echo FAIL; fi
+}
+[ "$GREETING" = "hello from the image" ] && [ "$LANGUAGE_LEVEL" = 3 ] && [ "$(cat /app/greeting.txt)" = "$GREETING" ]
+reward $?

@@ -1,0 +1,2 @@
+def six():
+    return 6

@@ -1,0 +1,2 @@
+def seven():
+    return 7

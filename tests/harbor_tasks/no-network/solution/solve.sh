@@ -1,0 +1,2 @@
+#!/bin/bash
+echo isolated > /app/net.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+ls -1 /opt/names | sort > /app/names.txt

@@ -1,0 +1,7 @@
+#!/bin/bash
+reward() {
+  mkdir -p /logs/verifier
+  if [ "$1" = 0 ]; then echo 1 > /logs/verifier/reward.txt; echo PASS; else echo 0 > /logs/verifier/reward.txt; echo FAIL; fi
+}
+[ -f "/opt/names/with space.txt" ] && [ -f /opt/names/ünïcödé.txt ] && [ -f "/opt/names/-dash.txt" ]
+reward $?

@@ -1,0 +1,2 @@
+#!/bin/bash
+echo "$TASK_MODE" > /app/mode.txt

@@ -1,0 +1,8 @@
+#!/bin/bash
+reward() {
+  mkdir -p /logs/verifier
+  if [ "$1" = 0 ]; then echo 1 > /logs/verifier/reward.txt; echo PASS; else echo 0 > /logs/verifier/reward.txt; echo FAIL; fi
+}
+echo "to stderr" >&2
+[ "$TASK_MODE" = graded ] && [ "$VERIFIER_FLAG" = on ]
+reward $?

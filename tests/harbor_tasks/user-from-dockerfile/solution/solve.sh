@@ -1,0 +1,2 @@
+#!/bin/bash
+whoami > ~/notes.txt

@@ -1,0 +1,2 @@
+#!/bin/bash
+[ -x /opt/venv/bin/python ] || python3 -m venv --without-pip /opt/venv

@@ -1,0 +1,193 @@
+"""Harbor's own CLI and agents on DSec (``dsec.integrations.harbor.DSecEnvironment``) against a
+real ``dsec serve``: ``harbor run --env dsec.integrations.harbor:DSecEnvironment`` with its
+``oracle`` agent over the task set in ``tests/harbor_tasks`` (every task passes), with its
+``nop`` agent (exactly the three tasks that need their solution fail), bad task inputs (each a
+clear error in the trial's result, nothing left running), and the environment driven call by
+call (``harbor/lifecycle_probe.py``).
+
+Harbor needs Python 3.12: a virtualenv with ``harbor==HARBOR_VERSION`` and this package is made
+once under the test store's directory (keyed by Harbor's version) from the first Python >= 3.12
+on PATH or under /root/.pyenv/versions; the tests skip, naming why, when there is none. Harbor
+runs with this tree's sources first on its path, so the venv's copy of dsec never goes stale."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+HARBOR_VERSION = "0.25.0"
+ENVIRONMENT = "dsec.integrations.harbor:DSecEnvironment"
+REPO = Path(__file__).resolve().parents[2]
+TASKS = REPO / "tests" / "harbor_tasks"
+PROBE = Path(__file__).parent / "harbor" / "lifecycle_probe.py"
+# The tasks whose tests fail without their solution (tests/harbor_tasks/README.md).
+NEED_THEIR_SOLUTION = {"fix-broken-build", "fix-failing-test", "produce-report"}
+
+
+def find_python312() -> str | None:
+    candidates = [shutil.which(name) for name in ("python3.14", "python3.13", "python3.12", "python3")]
+    candidates += sorted((str(p) for p in Path("/root/.pyenv/versions").glob("*/bin/python3")), reverse=True)
+    for python in filter(None, candidates):
+        probe = subprocess.run([python, "-c", "import sys; print(sys.version_info >= (3, 12))"],
+                               capture_output=True, text=True)
+        if probe.stdout.strip() == "True":
+            return python
+    return None
+
+
+@pytest.fixture(scope="session")
+def harbor_venv(test_store) -> Path:
+    """The virtualenv's directory (made once; pip reads only the package indexes)."""
+    venv = Path(test_store).parent / f"harbor-venv-{HARBOR_VERSION}"
+    if (venv / ".complete").exists():
+        return venv
+    python = find_python312()
+    if python is None:
+        pytest.skip("Harbor needs Python >= 3.12: none on PATH or under /root/.pyenv/versions")
+    # Made at its own path (a venv's scripts name it); the marker, last, says it is whole.
+    shutil.rmtree(venv, ignore_errors=True)
+    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    installed = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"harbor=={HARBOR_VERSION}", str(REPO)],
+                               capture_output=True, text=True)
+    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+    (venv / ".complete").write_text(f"harbor=={HARBOR_VERSION}\n")
+    return venv
+
+
+@pytest.fixture(scope="module")
+def harbor(harbor_venv, server, python_image, tmp_path_factory):
+    """``harbor(agent, tasks_dir, *args)``: one ``harbor run`` on the module's server, its
+    trials' results by task name."""
+    home = tmp_path_factory.mktemp("harbor-home")
+    env = {**os.environ, "HOME": str(home), "HARBOR_TELEMETRY": "0", "DSEC_ENDPOINT": server.endpoint,
+           "DSEC_TOKEN": server.token, "PYTHONPATH": str(REPO / "src"), "COLUMNS": "2000"}
+
+    def run(agent: str, tasks: Path, *args: str, refused: bool = False) -> dict[str, dict]:
+        """With ``refused``: the run is expected to end before any trial, its output as the
+        one result ``{"refused": text}``."""
+        jobs = tmp_path_factory.mktemp(f"harbor-jobs-{agent}")
+        started = time.monotonic()
+        done = subprocess.run([str(harbor_venv / "bin" / "harbor"), "run", "-p", str(tasks), "-a", agent,
+                               "--env", ENVIRONMENT, "-o", str(jobs), "-y", "-n", "4", *args],
+                              capture_output=True, text=True, env=env, timeout=1800)
+        results = {}
+        for path in jobs.glob("*/*/result.json"):
+            result = json.loads(path.read_text())
+            results[result["task_name"]] = result
+        print(f"harbor run -a {agent}: {len(results)} trials in {time.monotonic() - started:.1f}s")
+        if refused:
+            assert done.returncode != 0 and not results, done.stdout[-3000:]
+            return {"refused": " ".join((done.stdout + done.stderr).replace("│", " ").split())}
+        assert results, done.stdout[-3000:] + done.stderr[-3000:]
+        return results
+
+    return run
+
+
+def reward(result: dict) -> float | None:
+    return ((result.get("verifier_result") or {}).get("rewards") or {}).get("reward")
+
+
+def failure(result: dict) -> str:
+    info = result.get("exception_info") or {}
+    return f"{info.get('exception_type')}: {info.get('exception_message')}"
+
+
+async def test_the_oracle_agent_passes_every_task(harbor, client):
+    tasks = sorted(p.name for p in TASKS.iterdir() if (p / "task.toml").exists())
+    assert len(tasks) >= 20
+    results = harbor("oracle", TASKS)
+    assert sorted(results) == tasks
+    assert {name: (reward(r), r["exception_info"]) for name, r in results.items()} == \
+        {name: (1.0, None) for name in tasks}
+    assert await client.list_sandboxes() == []
+    # Each task's image was built once, under a name of its own, and a second run takes them
+    # from the cache.
+    names = {image.name for image in (await client.list_images()).images}
+    assert all(any(name.startswith(f"harbor-{task}-") for name in names) for task in tasks)
+    again = harbor("oracle", TASKS / "fix-broken-build")
+    assert reward(again["fix-broken-build"]) == 1.0
+
+
+async def test_the_nop_agent_fails_exactly_the_tasks_that_need_their_solution(harbor, client):
+    results = harbor("nop", TASKS)
+    assert {name: reward(r) for name, r in results.items() if reward(r) != 1.0} == \
+        {name: 0.0 for name in NEED_THEIR_SOLUTION}
+    assert all(r["exception_info"] is None for r in results.values())
+    assert await client.list_sandboxes() == []
+
+
+def bad_task(root: Path, name: str, dockerfile: str, toml_extra: str = "", files: dict[str, str] | None = None) -> None:
+    task = root / name
+    shutil.copytree(TASKS / "workdir-default", task)
+    (task / "environment" / "Dockerfile").write_text(dockerfile)
+    (task / "task.toml").write_text((task / "task.toml").read_text() + toml_extra)
+    for rel, text in (files or {}).items():
+        (task / rel).write_text(text)
+
+
+async def test_bad_builds_are_clear_errors_of_their_trials_and_leave_nothing_running(harbor, client, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    bad_task(bad, "does-not-parse", "FRUM python\nRUN true\n")
+    bad_task(bad, "from-nobody-serves", "FROM localhost:1/x\n")
+    bad_task(bad, "failing-step", "FROM python\nRUN echo before && exit 3\n")
+    results = harbor("oracle", bad)
+    assert sorted(results) == ["does-not-parse", "failing-step", "from-nobody-serves"]
+    expected = {
+        "does-not-parse": r"SandboxBuildFailedError: .*Dockerfile.*line 1 .*FRUM",
+        "from-nobody-serves": r"SandboxBuildFailedError: .*FROM localhost:1/x",
+        "failing-step": r"SandboxBuildFailedError: .*RUN echo before && exit 3",
+    }
+    for name, pattern in expected.items():
+        assert re.search(pattern, failure(results[name]), re.DOTALL), (name, failure(results[name]))
+        assert reward(results[name]) is None
+    assert await client.list_sandboxes() == []
+
+
+@pytest.mark.parametrize(("name", "toml_extra", "files", "pattern"), [
+    ("asks-for-gpus", "gpus = 1\n", {}, r"RuntimeError: Task 'asks-for-gpus' asks for 1 GPU\(s\): DSec sandboxes have no GPUs"),
+    ("compose", "", {"environment/docker-compose.yaml": "services:\n  db:\n    image: x\n"},
+     r"ValueError: DSec runs a trial in one sandbox: task 'compose' has environment/docker-compose\.yaml"),
+])
+async def test_what_dsec_cannot_run_is_refused_before_anything_starts(harbor, client, tmp_path, name, toml_extra,
+                                                                       files, pattern):
+    """Harbor makes a trial's environment before it starts anything, and ends the job on an
+    error there, as with its docker environment's own refusals (GPUs on podman, Windows)."""
+    bad_task(tmp_path, name, "FROM python\n", toml_extra=toml_extra, files=files)
+    refused = harbor("oracle", tmp_path / name, refused=True)["refused"]
+    assert re.search(pattern, refused), refused[-2000:]
+    assert await client.list_sandboxes() == []
+    # nothing built (the store is the machine's test store: only this task's names are ours)
+    assert not [i.name for i in (await client.list_images()).images if i.name.startswith(f"harbor-{name}-")]
+
+
+async def test_the_environment_call_by_call(harbor_venv, server, python_image, client, tmp_path):
+    """exec (cwd, env, user, streamed, timeout), files both ways, is_dir/is_file, a network
+    policy switch, stop twice, exec after stop."""
+    done = subprocess.run([str(harbor_venv / "bin" / "python"), str(PROBE), str(TASKS / "workdir-default"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "DSEC_ENDPOINT": server.endpoint, "DSEC_TOKEN": server.token,
+                               "PYTHONPATH": str(REPO / "src"), "HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # docker's: bash -c in the image's WORKDIR as its USER, stderr on stdout, the exit code kept
+    assert out["exec"] == ["/srv/project/nested\nroot\n1\nerr\n", None, 3]
+    assert out["exec_cwd_user"] == ["/tmp\nnobody\n", 0]
+    assert out["streamed"] == [["stdout"], "one\ntwo\n"]
+    assert out["timeout"] == "Command timed out after 1 seconds"
+    assert out["uploaded"].startswith("hi\n") and "a.sh b.txt dir file.sh sub" in out["uploaded"]
+    assert out["is"] == [True, False, True, False, False]
+    assert out["downloaded"] == ["b\n", ["a.sh", "sub", "sub/b.txt"]]
+    assert out["network_switched"] and out["stopped_twice"]
+    assert out["exec_after_stop"] == "SandboxStateError: this DSec environment was stopped: it has no sandbox to use"
+    assert await client.list_sandboxes() == []
