@@ -62,6 +62,21 @@ RUN python3 -m compileall -q src && echo "{nonce}" > /app/.built
 BUILD_FLAGS = ("--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024")
 
 
+def python_store(state_dir: Path, store_dir: Path | None, console: Console) -> LayerStore:
+    """The layer store of a bench's server on ``state_dir`` (``store_dir``, else
+    ``<state_dir>-store``: it outlives the run), with the ``python`` image in it; the server
+    serves containers only."""
+    os.environ.setdefault("DSEC_VMS", "0")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    store = LayerStore(store_dir or state_dir.parent / f"{state_dir.name}-store")
+    if not (state_dir / "store").is_symlink():
+        (state_dir / "store").symlink_to(store.root)
+    if not store.has_image("python"):
+        console.print("building the python image (debootstrap, about a minute the first time) …")
+        build_python(store)
+    return store
+
+
 def _task(root: Path, files: int, nonce: str, base: str) -> Path:
     """A task environment: ``files`` Python modules (about 2 KB each) under src/, a test, the
     Dockerfile FROM ``base``."""
@@ -197,16 +212,8 @@ def main(state_dir: Path, console: Console, files: int = 200, build_rounds: int 
     """Run it, print the table and the goals, write ``<state_dir>.json``; 0 when it ran cleanly.
     The layer store (``store_dir``, else ``<state_dir>-store``) outlives the run."""
     state_dir = Path(state_dir).resolve()
-    os.environ.setdefault("DSEC_VMS", "0")
     started = datetime.now(timezone.utc)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    store_dir = store_dir or state_dir.parent / f"{state_dir.name}-store"
-    store = LayerStore(store_dir)
-    if not (state_dir / "store").is_symlink():
-        (state_dir / "store").symlink_to(store_dir)
-    if not store.has_image("python"):
-        console.print("building the python image (debootstrap, about a minute the first time) …")
-        build_python(store)
+    store = python_store(state_dir, store_dir, console)
     o = {"files": files, "build_rounds": build_rounds, "rebuild_rounds": rebuild_rounds,
          "start_rounds": start_rounds, "podman_start_rounds": podman_start_rounds}
     r: dict = {"commit": _commit(), "started": started.isoformat(timespec="seconds"), **o,

@@ -38,11 +38,9 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs
 
-from ..images.builders import build_python
-from ..images.store import LayerStore
 from ..local import serving
 from .clean_copy import _commit
-from .harness import _import_into_podman
+from .harness import _import_into_podman, python_store
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS
 from .results import save_results
 
@@ -104,40 +102,38 @@ async def run_mode(mode: str, n: int, stagger_s: float, once: Callable[[], Await
     return summary(times, failures, n)
 
 
+async def _interactive(create, run, kill) -> tuple[float, Callable]:
+    """One TTI: ``create()`` a sandbox, ``run(sandbox)`` the command (its output); returns the
+    seconds to the answer and the kill (not timed). A wrong answer is a failure."""
+    start = time.perf_counter()
+    sandbox = await create()
+    try:
+        out = await run(sandbox)
+    except BaseException:
+        await kill(sandbox)
+        raise
+    tti = time.perf_counter() - start
+    if out != "benchmark\n":
+        await kill(sandbox)
+        raise RuntimeError(f"{COMMAND!r} answered {out!r}")
+    return tti, lambda: kill(sandbox)
+
+
 def _dsec_once(client: DSecClient, args: DSecContainerRunArgs):
-    async def once():
-        start = time.perf_counter()
-        sandbox = await client.run_container(args)
-        try:
-            result = await sandbox.run_shell(COMMAND)
-        except BaseException:
-            await sandbox.stop()
-            raise
-        tti = time.perf_counter() - start
-        if result.stdout != "benchmark\n":
-            await sandbox.stop()
-            raise RuntimeError(f"{COMMAND!r} answered {result.stdout!r}")
-        return tti, sandbox.stop
-    return once
+    async def run(sandbox):
+        return (await sandbox.run_shell(COMMAND)).stdout
+
+    return lambda: _interactive(lambda: client.run_container(args), run, lambda sandbox: sandbox.stop())
 
 
 def _e2b_once(e2b: dict[str, str]):
     from e2b import AsyncSandbox
 
-    async def once():
-        start = time.perf_counter()
-        sandbox = await AsyncSandbox.create(template="python", timeout=600, **e2b)
-        try:
-            result = await sandbox.commands.run(COMMAND)
-        except BaseException:
-            await sandbox.kill()
-            raise
-        tti = time.perf_counter() - start
-        if result.stdout != "benchmark\n":
-            await sandbox.kill()
-            raise RuntimeError(f"{COMMAND!r} answered {result.stdout!r}")
-        return tti, sandbox.kill
-    return once
+    async def run(sandbox):
+        return (await sandbox.commands.run(COMMAND)).stdout
+
+    return lambda: _interactive(lambda: AsyncSandbox.create(template="python", timeout=600, **e2b), run,
+                                lambda sandbox: sandbox.kill())
 
 
 def _podman_once(image: str):
@@ -149,26 +145,24 @@ def _podman_once(image: str):
             raise RuntimeError(f"podman {args[0]}: {err.decode(errors='replace')[-300:]}")
         return out
 
-    async def once():
+    async def create() -> str:
         name = f"dsec-bench-tti-{secrets.token_hex(4)}"
-        start = time.perf_counter()
         try:
             await podman("run", "-d", "--rm", *PODMAN_FLAGS, "-m", "512m", "--name", name, image, "sleep", "infinity")
-            out = await podman("exec", name, "sh", "-c", COMMAND)
         except BaseException:
-            await asyncio.create_subprocess_exec(PODMAN, "rm", "-f", "-t", "0", name,
-                                                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            await kill(name)
             raise
-        tti = time.perf_counter() - start
+        return name
 
-        async def kill():
-            await podman("rm", "-f", "-t", "0", name)
+    async def run(name: str) -> str:
+        return (await podman("exec", name, "sh", "-c", COMMAND)).decode()
 
-        if out != b"benchmark\n":
-            await kill()
-            raise RuntimeError(f"{COMMAND!r} answered {out!r}")
-        return tti, kill
-    return once
+    async def kill(name: str) -> None:
+        proc = await asyncio.create_subprocess_exec(PODMAN, "rm", "-f", "-t", "0", name,
+                                                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        await proc.wait()
+
+    return lambda: _interactive(create, run, kill)
 
 
 def main(state_dir: Path, console: Console, iterations: int = 100, stagger_ms: float = 200.0,
@@ -176,16 +170,8 @@ def main(state_dir: Path, console: Console, iterations: int = 100, stagger_ms: f
     """Run it, print the tables, write ``<state_dir>.json``; 0 when every system ran (a system
     missing on this machine is skipped and named)."""
     state_dir = Path(state_dir).resolve()
-    os.environ.setdefault("DSEC_VMS", "0")
     started = datetime.now(timezone.utc)
-    state_dir.mkdir(parents=True, exist_ok=True)
-    store_dir = store_dir or state_dir.parent / f"{state_dir.name}-store"
-    store = LayerStore(store_dir)
-    if not (state_dir / "store").is_symlink():
-        (state_dir / "store").symlink_to(store_dir)
-    if not store.has_image("python"):
-        console.print("building the python image (debootstrap, about a minute the first time) …")
-        build_python(store)
+    store = python_store(state_dir, store_dir, console)
     r: dict = {"commit": _commit(), "started": started.isoformat(timespec="seconds"), "iterations": iterations,
                "stagger_ms": stagger_ms, "load_start": os.getloadavg()[0], "skipped": {}}
     console.print(f"[bold]dsec bench tti[/bold]: {iterations} sandboxes a mode, commit {r['commit']}, "
