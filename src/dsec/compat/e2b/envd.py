@@ -59,6 +59,12 @@ class Target:
     def home(self) -> str:
         return "/root" if self.user in (None, "root") else f"/home/{self.user}"
 
+    @property
+    def cwd(self) -> str | None:
+        """Where a command starts with no ``cwd``: the user's home; for the sandbox's own user,
+        its working directory (an E2B template's, ``/home/user`` in ``base``)."""
+        return None if self.user is None else self.home
+
     def path(self, path: str) -> str:
         """``path`` as an absolute path in the sandbox (a relative one from the user's home)."""
         if not path:
