@@ -32,12 +32,19 @@ def test_envd_tokens_open_one_sandbox_and_depend_on_the_root_token():
     assert tokens.check("n0-0123456789abcdef", a)
     assert not tokens.check("n0-fedcba9876543210", a)
     assert not EnvdTokens(b"another").check("n0-0123456789abcdef", a)
+    named = tokens.token("n0-0123456789abcdef", "user")  # a sandbox whose own user is not root
+    assert named.startswith("user.") and tokens.check("n0-0123456789abcdef", named) == "user"
+    assert tokens.check("n0-0123456789abcdef", a) == "root"
+    assert tokens.check("n0-0123456789abcdef", "root." + named.partition(".")[2]) is None  # the MAC covers the user
+    assert tokens.check("n0-fedcba9876543210", named) is None
     assert not tokens.check("n0-0123456789abcdef", "")
 
 
 def test_paths_are_taken_from_the_users_home():
     root, user = Target(None, "s", None), Target(None, "s", "user")
     assert root.path("a/b") == "/root/a/b" and user.path("a") == "/home/user/a"
+    own = Target(None, "s", None, own_user="user")  # E2B's base: no user named, the sandbox's own
+    assert own.path("a") == "/home/user/a" and own.cwd is None and user.cwd == "/home/user"
     assert root.path("/etc/x") == "/etc/x" and root.path("") == "/root"
     assert root.path("../etc/passwd") == "/etc/passwd"  # normalized, still inside the sandbox
     with pytest.raises(InvalidRequest, match="NUL"):

@@ -57,6 +57,18 @@ def e2b(server, python_image, e2b_base_image):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+    with SyncDSecClient(server.endpoint, token=server.token) as client:  # the templates built (the store is shared)
+        for image in client.list_images().images:
+            if image.name in NAMED:
+                client.remove_image(image.name)
+
+
+NAMED: set[str] = set()
+
+
+def new_name() -> str:
+    NAMED.add(name := f"tpl-{uuid.uuid4().hex[:10]}")
+    return name
 
 
 def run(sb: Sandbox, command: str, **kwargs) -> str:
@@ -75,6 +87,14 @@ def test_the_base_template_is_e2bs(e2b):
         assert run(sb, "python3 -c 'print(6 * 7)'") == "42"
         sb.files.write("/home/user/note.txt", "from the SDK")
         assert run(sb, "cat ~/note.txt") == "from the SDK"
+        # envd's paths with no user named are the sandbox's user's: relative ones from its home
+        info = sb.files.write("sub/relative.txt", "here")
+        assert info.path == "/home/user/sub/relative.txt"
+        assert run(sb, "stat -c %U:%G ~/sub/relative.txt ~/note.txt") == "user:user\nuser:user"
+        assert [e.name for e in sb.files.list("sub")] == ["relative.txt"]
+        assert sb.files.read("sub/relative.txt") == "here"
+        assert run(sb, "pwd", cwd="sub") == "/home/user/sub"
+        assert run(sb, "whoami", user="root") == "root"
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +121,7 @@ def served_template(context: Path):
 
 
 def test_a_template_built_with_the_sdk_runs_its_files_and_start_command(e2b, context):
-    name = f"tpl-{uuid.uuid4().hex[:10]}"
+    name = new_name()
     assert not Template.alias_exists(name)
     logs = []
     started = time.monotonic()
@@ -152,7 +172,7 @@ def test_a_template_built_with_the_sdk_runs_its_files_and_start_command(e2b, con
 
 
 def test_a_template_from_a_dsec_image_and_a_failing_step(e2b, tmp_path):
-    name = f"tpl-{uuid.uuid4().hex[:10]}"
+    name = new_name()
     template = (AsyncTemplate(file_context_path=tmp_path)
                 .from_image("python")
                 .run_cmd(f"python3 -c 'print(6 * 7)' > /root/answer  # {name}")
@@ -167,15 +187,16 @@ def test_a_template_from_a_dsec_image_and_a_failing_step(e2b, tmp_path):
                .from_image("python")
                .run_cmd("echo fine")
                .run_cmd("echo about to fail; exit 3"))
+    bad = new_name()
     with pytest.raises(BuildException, match=r"build step 2 \('RUN echo about to fail; exit 3'\) failed with exit code 3"):
-        Template.build(failing, alias=f"{name}-bad", on_build_logs=logs.append)
+        Template.build(failing, alias=bad, on_build_logs=logs.append)
     text = "\n".join(str(entry) for entry in logs)
     assert "about to fail" in text, text
-    assert not Template.alias_exists(f"{name}-bad")
+    assert not Template.alias_exists(bad)
 
     offline = Template(file_context_path=tmp_path).from_image("python").apt_install("cowsay")
     with pytest.raises(BuildException, match=r"build step 1 .*apt-get update.* failed with exit code"):
-        Template.build(offline, alias=f"{name}-apt")
+        Template.build(offline, alias=new_name())
 
 
 def test_upload_links_are_single_use_and_expire(e2b, server):

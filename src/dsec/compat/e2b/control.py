@@ -155,7 +155,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
 
     def created(info: SandboxInfo, template: str) -> m.Sandbox:
         return m.Sandbox(template_id=template, sandbox_id=info.id, alias=template, client_id=info.node,
-                         envd_version=ENVD_VERSION, envd_access_token=tokens.token(info.id))
+                         envd_version=ENVD_VERSION, envd_access_token=tokens.token(info.id, info.init_user))
 
     def listed(info: SandboxInfo, cls: type[m.ListedSandbox] = m.ListedSandbox, **extra) -> m.ListedSandbox:
         end = info.last_active_at + timedelta(seconds=info.ttl_running_stop)
@@ -235,7 +235,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     @_answers
     async def get_sandbox(request: Request, sandbox_id: str) -> JSONResponse:
         _, info = await visible(request, sandbox_id)
-        detail = listed(info, m.SandboxDetail, envd_access_token=tokens.token(info.id))
+        detail = listed(info, m.SandboxDetail, envd_access_token=tokens.token(info.id, info.init_user))
         return JSONResponse(detail.model_dump(mode="json"))
 
     @router.delete("/sandboxes/{sandbox_id}")
