@@ -87,7 +87,10 @@ def image_inspect(ref: Annotated[str, typer.Argument(help="Image name or composi
     for i, (digest, role, size) in enumerate(zip(info.layers, info.roles, info.layer_sizes)):
         table.add_row(str(i), role, digest, _size(size))
     console.print(table)
-    console.print(f"env: {info.env}\nworkdir: {info.workdir}\nuser: {info.user}" + (f"\nparent: {info.parent}" if info.parent else ""))
+    console.print(f"env: {info.env}\nworkdir: {info.workdir}\nuser: {info.user}" + (f"\nparent: {info.parent}" if info.parent else "")
+                  + ("\nsetuid: yes (sudo works in its container sandboxes)" if info.setuid else "")
+                  + (f"\nstart command: {info.start_cmd}" if info.start_cmd else "")
+                  + (f"\nready command: {info.ready_cmd}" if info.ready_cmd else ""), markup=False)
 
 
 @image_app.command("build")

@@ -357,6 +357,10 @@ class BuildImageRequest(_Model):
     memory_limit_mb: int = Field(default=2048, ge=16, le=1 << 20)
     cpu_cores_limit: float = Field(default=1.0, gt=0, le=1024)
     timeout: float = Field(default=3600.0, gt=0, le=24 * 3600)
+    # Kept with the image (part of its cache key): what its sandboxes run as they start, and
+    # the command that says they are ready (an E2B template's start and ready commands).
+    start_cmd: str | None = Field(default=None, max_length=1 << 16)
+    ready_cmd: str | None = Field(default=None, max_length=1 << 16)
 
 
 class BuildResult(_Model):
@@ -561,6 +565,9 @@ class ImageInfo(_Model):
     env: dict[str, str] = Field(default_factory=dict)
     workdir: str = "/"
     user: str = "root"
+    setuid: bool = False  # sandboxes may gain privileges through setuid programs (sudo)
+    start_cmd: str | None = None  # run in the background as a sandbox starts (an E2B template's)
+    ready_cmd: str | None = None  # then run until it exits 0 (E2B's create waits for it)
 
 
 class ImageList(_Model):

@@ -32,12 +32,19 @@ def test_envd_tokens_open_one_sandbox_and_depend_on_the_root_token():
     assert tokens.check("n0-0123456789abcdef", a)
     assert not tokens.check("n0-fedcba9876543210", a)
     assert not EnvdTokens(b"another").check("n0-0123456789abcdef", a)
+    named = tokens.token("n0-0123456789abcdef", "user")  # a sandbox whose own user is not root
+    assert named.startswith("user.") and tokens.check("n0-0123456789abcdef", named) == "user"
+    assert tokens.check("n0-0123456789abcdef", a) == "root"
+    assert tokens.check("n0-0123456789abcdef", "root." + named.partition(".")[2]) is None  # the MAC covers the user
+    assert tokens.check("n0-fedcba9876543210", named) is None
     assert not tokens.check("n0-0123456789abcdef", "")
 
 
 def test_paths_are_taken_from_the_users_home():
     root, user = Target(None, "s", None), Target(None, "s", "user")
     assert root.path("a/b") == "/root/a/b" and user.path("a") == "/home/user/a"
+    own = Target(None, "s", None, own_user="user")  # E2B's base: no user named, the sandbox's own
+    assert own.path("a") == "/home/user/a" and own.cwd is None and user.cwd == "/home/user"
     assert root.path("/etc/x") == "/etc/x" and root.path("") == "/root"
     assert root.path("../etc/passwd") == "/etc/passwd"  # normalized, still inside the sandbox
     with pytest.raises(InvalidRequest, match="NUL"):
@@ -81,3 +88,60 @@ def test_pty_pids_are_above_any_process_pid_and_sizes_are_checked():
         assert bad.value.code == Code.INVALID_ARGUMENT
     with pytest.raises(ConnectError, match="size"):
         _size(None, PtyResizeRequest)
+
+
+def test_template_steps_become_a_dockerfile_dsec_builds(tmp_path):
+    import io
+    import tarfile
+
+    from dsec.compat.e2b import _models as m
+    from dsec.compat.e2b.templates import StepRefused, translate
+    from dsec.images import dockerfile
+
+    upload = io.BytesIO()
+    (tmp_path / "src" / "app").mkdir(parents=True)
+    (tmp_path / "src" / "app" / "a.py").write_text("print(1)")
+    with tarfile.open(fileobj=upload, mode="w:gz") as tar:
+        for name in ("app", "app/a.py"):
+            tar.add(tmp_path / "src" / name, arcname=name, recursive=False)
+    spec = m.parse(m.TemplateBuildStart, {"fromTemplate": "base", "steps": [
+        {"type": "RUN", "args": ["cat <<EOF > $HOME/x\nhi\nEOF"]},
+        {"type": "COPY", "args": ["app", "app/", "", "0755"], "filesHash": "a" * 64},
+        {"type": "ENV", "args": ["A", "1 $x 'q'"]},
+        {"type": "WORKDIR", "args": ["sub"]},
+        {"type": "USER", "args": ["root"]},
+        {"type": "RUN", "args": ["id", "user"]},
+    ]})
+    plan = translate(spec, "e2b-base", "user", "/home/user", lambda h: upload.getvalue())
+    context = tmp_path / "context"
+    tarfile.open(fileobj=io.BytesIO(plan.context)).extractall(context)
+    built = dockerfile.plan(plan.dockerfile, context)
+    runs = [s for s in built.steps if isinstance(s, dockerfile.Run) and not s.text.startswith("WORKDIR")]
+    assert runs[0].command == "/bin/sh -c " + __import__("shlex").quote("cat <<EOF > $HOME/x\nhi\nEOF")
+    assert (runs[0].user, runs[0].workdir) == ("user", "/home/user")  # the base's user and directory
+    copy = next(s for s in built.steps if isinstance(s, dockerfile.Copy))
+    assert (copy.sources, copy.dest, copy.chown) == (("s2/app",), "/home/user/app", "user")
+    assert (runs[1].command, runs[1].user) == ("/bin/sh -c 'chmod 0755 -- /home/user/app/a.py'", "root")
+    assert (runs[2].user, runs[2].workdir) == ("user", "/home/user/sub")  # RUN's own user, then back
+    assert built.env == {"A": "1 $x 'q'"} and built.user == "root" and built.workdir == "/home/user/sub"
+    assert plan.steps[len(plan.dockerfile.splitlines())] == "6" and plan.steps[1] == "base"
+    with pytest.raises(StepRefused, match="step 1: the files of COPY x were not uploaded"):
+        translate(m.parse(m.TemplateBuildStart, {"steps": [{"type": "COPY", "args": ["x", "/x"], "filesHash": "b" * 64}]}),
+                  "python", "root", "/", lambda h: None)
+    with pytest.raises(StepRefused, match="MCP is not a step"):
+        translate(m.parse(m.TemplateBuildStart, {"steps": [{"type": "MCP", "args": []}]}), "python", "root", "/",
+                  lambda h: None)
+
+
+def test_upload_links_are_signed_single_use_and_expire():
+    from dsec.compat.e2b.templates import LinkRefused, UploadLinks
+
+    links = UploadLinks(b"root-token")
+    token = links.token("team", "t", "c" * 64)
+    assert links.take(token) == ("team", "t", "c" * 64)
+    with pytest.raises(LinkRefused, match="used already"):
+        links.take(token)
+    with pytest.raises(LinkRefused, match="expired"):
+        links.take(links.token("team", "t", "c" * 64, now=1.0))
+    with pytest.raises(LinkRefused, match="not an upload link"):
+        UploadLinks(b"another root").take(links.token("team", "t", "c" * 64))

@@ -95,6 +95,9 @@ class SandboxSpec:
     hostname: str = "sandbox"
     snapshot: str | None = None  # restore this memory snapshot (backends that take them)
     protected_paths: tuple[str, ...] = ()  # read-only for every process inside (protects_paths)
+    # The image's setuid: its processes may gain privileges through setuid programs (sudo), up
+    # to the sandbox's root. Only the container backend leaves no_new_privs off for it.
+    setuid: bool = False
 
 
 @dataclass

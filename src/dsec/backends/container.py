@@ -283,7 +283,7 @@ class ContainerBackend:
                 "cwd": "/",
                 "capabilities": {k: CAPABILITIES for k in ("bounding", "effective", "permitted")},
                 "rlimits": [{"type": "RLIMIT_NOFILE", "hard": _NOFILE_HARD, "soft": min(1024, _NOFILE_HARD)}],
-                "noNewPrivileges": True,
+                "noNewPrivileges": not spec.setuid,
                 "oomScoreAdj": 500,
                 **({"apparmorProfile": profile} if (profile := apparmor.loaded_profile()) else {}),
             },

@@ -17,6 +17,7 @@ import binascii
 import fcntl
 import hashlib
 import io
+import json
 import os
 import re
 import shlex
@@ -125,7 +126,7 @@ class ImageBuilder:
         base = await self._base(plan.base, log)
         # Read again now that the base is known: its ENV is what $NAME in the Dockerfile sees.
         plan = await asyncio.to_thread(dockerfile.plan, request.dockerfile, work, request.build_args, base.env)
-        key = hashlib.sha256(f"{plan.key}\0{','.join(base.layers)}".encode()).hexdigest()
+        key = hashlib.sha256(f"{plan.key}\0{','.join(base.layers)}{_commands(request)}".encode()).hexdigest()
         if not request.no_cache:
             cached = self._cached(key, request.name, log)
             if cached is not None:
@@ -199,14 +200,17 @@ class ImageBuilder:
                    project: str, log: Log) -> BuildResult:
         deadline = time.monotonic() + request.timeout
         env = {**base.env, **plan.env}
-        config = dict(env=env, workdir=plan.workdir or base.workdir, user=plan.user or base.user)
+        config = dict(env=env, workdir=plan.workdir or base.workdir, user=plan.user or base.user,
+                      setuid=base.setuid, start_cmd=request.start_cmd, ready_cmd=request.ready_cmd)
         if not plan.steps:  # only config: the base's layers under a new config
             image = replace(base, name=cache_name(key), parent=base.name, **config)
             self.store.put_image(image)
             self._name(image, request.name)
             return BuildResult(image=request.name, cached=False, key=key, layers=len(image.layers))
+        # As root in /: each step names its own user and directory (the base's USER may not be root).
         args = DSecContainerRunArgs(container_image=base.name, memory_limit_mb=request.memory_limit_mb,
-                                    cpu_cores_limit=request.cpu_cores_limit, ttl_running_stop=request.timeout + 600)
+                                    cpu_cores_limit=request.cpu_cores_limit, ttl_running_stop=request.timeout + 600,
+                                    init_user="root", workdir="/")
         info = await self.edge.create(args, "container", project)
         sid = info.id
         log(f"building in sandbox {sid} over {base.name}")
@@ -218,7 +222,13 @@ class ImageBuilder:
                     raise ImageBuildFailed(f"the build took over {request.timeout:g} s (at line {step.line}); "
                                            f"its log ends:\n{log.tail}")
                 if isinstance(step, dockerfile.Copy):
-                    await self._copy(sid, step, work)
+                    try:
+                        await self._copy(sid, step, work)
+                    except ImageBuildFailed:
+                        raise
+                    except DSecError as exc:
+                        raise ImageBuildFailed(f"line {step.line} ({step.text[:120]!r}) could not run: {exc.message}; "
+                                               f"the build's log ends:\n{log.tail}") from None
                 else:
                     await self._exec(sid, step, base.env, left, log)
             log("packing the changes")
@@ -280,6 +290,13 @@ def _on_loopback(ref: str) -> bool:
     host = ref.split("/", 1)[0] if "/" in ref else ""
     host = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
     return host in ("localhost", "[::1]", "::1") or host.startswith("127.")
+
+
+def _commands(request: BuildImageRequest) -> str:
+    """The start and ready commands' part of the key (none: nothing, as before they existed)."""
+    if request.start_cmd is None and request.ready_cmd is None:
+        return ""
+    return "\0" + json.dumps([request.start_cmd, request.ready_cmd])
 
 
 def unpack_context(context_b64: str, dest: Path) -> None:

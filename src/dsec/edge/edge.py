@@ -293,7 +293,7 @@ class Edge:
                 rec.handle, has = await self.warm_pool.take(pool, limits)
             else:
                 spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits,
-                                   snapshot=snapshot, protected_paths=tuple(args.protected_paths))
+                                   snapshot=snapshot, protected_paths=tuple(args.protected_paths), setuid=image.setuid)
                 rec.handle, has = await backend.create(f"c{secrets.token_hex(8)}", spec), None
             try:
                 if has != limits:
@@ -375,7 +375,8 @@ class Edge:
         digest, done, tampered = await backend.kept_layer(rec.handle, keep)
         self.security.record_tampered(rec, tampered)
         image = Image(name=rec.image.name, layers=rec.image.layers + (digest,), roles=rec.image.roles + ("snapshot",),
-                      env=rec.image.env, workdir=rec.image.workdir, user=rec.image.user, parent=rec.image.parent)
+                      env=rec.image.env, workdir=rec.image.workdir, user=rec.image.user, parent=rec.image.parent,
+                      setuid=rec.image.setuid, start_cmd=rec.image.start_cmd, ready_cmd=rec.image.ready_cmd)
         args = (rec.args.model_copy(update={"snapshot": None})
                 if isinstance(rec.args, DSecMicroVMRunArgs) and rec.args.snapshot else rec.args)
         copy = await self._create(args, rec.kind, rec.project, image, self.admission.limits(args))

@@ -65,7 +65,7 @@ class ImagePool:
 
 async def new_handle(backend: SandboxBackend, image: Image, limits: Limits | None) -> Handle:
     """A new sandbox of ``image``, with ``limits`` set (None: none yet)."""
-    spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits)
+    spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits, setuid=image.setuid)
     return await backend.create(f"c{secrets.token_hex(8)}", spec)
 
 

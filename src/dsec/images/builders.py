@@ -3,12 +3,14 @@
 ``busybox`` is made from the host's busybox-static in well under a second. ``python`` is a
 Debian bookworm minbase made by debootstrap with python3, bash and git; it takes about a minute
 and is cached (``ensure_default_images`` skips images that exist). ``swe-agent`` (``python`` plus
-what SWE-agent's commands assume) and the toolchain images (``LANGUAGE_IMAGES``: ``lang-cpp`` …)
-are built the same way, on demand (``dsec image build NAME``).
+what SWE-agent's commands assume), ``e2b-base`` (E2B's ``base`` template: user ``user`` with
+passwordless sudo) and the toolchain images (``LANGUAGE_IMAGES``: ``lang-cpp`` …) are built the
+same way, on demand (``dsec image build NAME``).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -23,6 +25,9 @@ DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 PYTHON_PACKAGES = ("python3", "bash", "git", "ca-certificates")
 # SWE-agent's commands and SWE-ReX's tests call `python` (python-is-python3 links it) and page with `less`.
 SWE_AGENT_PACKAGES = (*PYTHON_PACKAGES, "python-is-python3", "less")
+# E2B's base template: what its SDK's tests and its ReadyCmd helpers call (curl, sudo, `ss` of
+# iproute2 for wait_for_port, `pgrep` of procps for wait_for_process).
+E2B_BASE_PACKAGES = (*PYTHON_PACKAGES, "curl", "sudo", "iproute2", "procps")
 
 Log = Callable[[str], None]
 
@@ -89,10 +94,14 @@ def apt_mirror(suite: str = "bookworm") -> str | None:
 
 def build_debian(
     store: LayerStore, name: str, suite: str = "bookworm", packages: tuple[str, ...] = (),
-    log: Log | None = None, workdir: str = "/root",
+    log: Log | None = None, workdir: str = "/root", account: str = "agent", sudoer: bool = False,
+    user: str = "root", setuid: bool = False,
 ) -> Image:
     """A Debian base made by debootstrap (minbase + ``packages``), from the machine's own apt
-    mirror (or debootstrap's default); about a minute for bookworm with python3."""
+    mirror (or debootstrap's default); about a minute for bookworm with python3. ``account``
+    is a user of uid 1000 with a home of its own (its ``/etc/skel`` files), given passwordless
+    sudo when ``sudoer``; ``user`` and ``workdir`` are the image's (a sandbox's defaults);
+    ``setuid``: its sandboxes may gain privileges through setuid programs (sudo)."""
     if shutil.which("debootstrap") is None:
         raise LayerBuildError("debootstrap not found: install it (make demo does)")
     if not re.fullmatch(r"[a-z]+", suite):
@@ -118,18 +127,37 @@ def build_debian(
             shutil.rmtree(root / junk, ignore_errors=True)
             (root / junk).mkdir(parents=True, exist_ok=True)
         (root / "tmp").chmod(0o1777)
-        with open(root / "etc/passwd", "a") as f:
-            f.write("agent:x:1000:1000:agent:/home/agent:/bin/bash\n")
-        with open(root / "etc/group", "a") as f:
-            f.write("agent:x:1000:\n")
-        (root / "home/agent").mkdir(parents=True, exist_ok=True)
-        shutil.chown(root / "home/agent", 1000, 1000)
+        _add_account(root, account, sudoer)
         if log:
             log("mkfs.erofs")
         digest = store.add_dir(root)
     return store.put_image(
-        Image(name=name, layers=(digest,), env={"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}, workdir=workdir)
+        Image(name=name, layers=(digest,), env={"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}, workdir=workdir,
+              user=user, setuid=setuid)
     )
+
+
+def _add_account(root: Path, account: str, sudoer: bool) -> None:
+    """``account`` (uid and gid 1000, bash, ``/home/ACCOUNT`` with /etc/skel's files, all its own)."""
+    with open(root / "etc/passwd", "a") as f:
+        f.write(f"{account}:x:1000:1000:{account}:/home/{account}:/bin/bash\n")
+    with open(root / "etc/group", "a") as f:
+        f.write(f"{account}:x:1000:\n")
+    if (root / "etc/shadow").exists():
+        with open(root / "etc/shadow", "a") as f:
+            f.write(f"{account}:*:19000:0:99999:7:::\n")
+    home = root / "home" / account
+    home.mkdir(parents=True, exist_ok=True)
+    skel = root / "etc/skel"
+    if skel.is_dir():
+        shutil.copytree(skel, home, symlinks=True, dirs_exist_ok=True)
+    for path in (home, *home.rglob("*")):
+        os.lchown(path, 1000, 1000)
+    if sudoer:
+        sudoers = root / "etc/sudoers.d" / account
+        sudoers.parent.mkdir(parents=True, exist_ok=True)
+        sudoers.write_text(f"{account} ALL=(ALL:ALL) NOPASSWD: ALL\n")
+        sudoers.chmod(0o440)
 
 
 def build_python(store: LayerStore, name: str = "python", log: Log | None = None) -> Image:
@@ -140,6 +168,13 @@ def build_python(store: LayerStore, name: str = "python", log: Log | None = None
 def build_swe_agent(store: LayerStore, name: str = "swe-agent", log: Log | None = None) -> Image:
     """The ``python`` image's packages plus a ``python`` on PATH and ``less``."""
     return build_debian(store, name, "bookworm", SWE_AGENT_PACKAGES, log=log)
+
+
+def build_e2b_base(store: LayerStore, name: str = "e2b-base", log: Log | None = None) -> Image:
+    """E2B's ``base`` template: python3, bash, git, curl, sudo, iproute2 and procps; sandboxes
+    start as ``user`` (uid 1000, passwordless sudo) in ``/home/user``, which it owns."""
+    return build_debian(store, name, "bookworm", E2B_BASE_PACKAGES, log=log, workdir="/home/user", account="user",
+                        sudoer=True, user="user", setuid=True)
 
 
 # Toolchain images, one a language (SandboxFusion's run_code runs in them on the FnCall pool,
@@ -162,7 +197,7 @@ def build_language(store: LayerStore, name: str, log: Log | None = None) -> Imag
 
 
 BUILDERS: dict[str, Callable[..., Image]] = {
-    "busybox": build_busybox, "python": build_python, "swe-agent": build_swe_agent,
+    "busybox": build_busybox, "python": build_python, "swe-agent": build_swe_agent, "e2b-base": build_e2b_base,
     **{name: (lambda store, name=name, log=None: build_language(store, name, log=log)) for name in LANGUAGE_IMAGES},
 }
 

@@ -55,6 +55,13 @@ class Image:
     user: str = "root"
     roles: tuple[str, ...] = ()
     parent: str | None = None
+    # Its sandboxes may gain privileges through setuid programs (sudo): no no_new_privs, where
+    # the backend can leave it off (a container's; its root is still the sandbox's own).
+    setuid: bool = False
+    # What a sandbox of it runs when it starts (in the background), and the command that says
+    # it is ready (exit 0): an E2B template's start and ready commands.
+    start_cmd: str | None = None
+    ready_cmd: str | None = None
 
     def __post_init__(self) -> None:
         if not self.roles:
@@ -65,7 +72,10 @@ class Image:
     def to_json(self) -> str:
         return json.dumps(
             {"name": self.name, "layers": list(self.layers), "roles": list(self.roles), "env": self.env,
-             "workdir": self.workdir, "user": self.user, "parent": self.parent, "created_at": time.time()},
+             "workdir": self.workdir, "user": self.user, "parent": self.parent, "created_at": time.time(),
+             **({"setuid": True} if self.setuid else {}),
+             **({"start_cmd": self.start_cmd} if self.start_cmd else {}),
+             **({"ready_cmd": self.ready_cmd} if self.ready_cmd else {})},
             indent=1,
         )
 
@@ -75,7 +85,8 @@ class Image:
             name=name, layers=self.layers + other.layers, roles=self.roles + other.roles,
             env={**self.env, **other.env},
             workdir=other.workdir if other.workdir != "/" else self.workdir,
-            user=other.user if other.user != "root" else self.user,
+            user=other.user if other.user != "root" else self.user, setuid=self.setuid or other.setuid,
+            start_cmd=other.start_cmd or self.start_cmd, ready_cmd=other.ready_cmd or self.ready_cmd,
         )
 
 
@@ -262,7 +273,8 @@ class LayerStore:
         image = Image(
             name=data["name"], layers=tuple(data["layers"]), env=data.get("env", {}),
             workdir=data.get("workdir", "/"), user=data.get("user", "root"),
-            roles=tuple(data.get("roles", ())), parent=data.get("parent"),
+            roles=tuple(data.get("roles", ())), parent=data.get("parent"), setuid=bool(data.get("setuid", False)),
+            start_cmd=data.get("start_cmd"), ready_cmd=data.get("ready_cmd"),
         )
         self._images[name] = (key, image)
         return image
@@ -311,7 +323,7 @@ class LayerStore:
         sizes = [self.layer_size(d) for d in image.layers]
         return ImageInfo(name=image.name, layers=list(image.layers), roles=list(image.roles), layer_sizes=sizes,
                          parent=image.parent, size_bytes=sum(sizes), env=image.env, workdir=image.workdir,
-                         user=image.user)
+                         user=image.user, setuid=image.setuid, start_cmd=image.start_cmd, ready_cmd=image.ready_cmd)
 
     def unreferenced_layers(self) -> list[str]:
         used = {d for n in self.image_names() for d in self.get_image(n).layers}

@@ -2,6 +2,7 @@
 ``E2B_API_KEY=<a DSec token>`` and the official ``e2b`` SDK works unmodified (docs/COMPAT.md).
 
 - ``control``: E2B's REST control plane (sandboxes, timeouts, pause/connect, metrics, templates);
+- ``templates``: E2B's template builder (builds, upload links, build status) on DSec's image builds;
 - ``envd``: the data plane's ASGI app (its HTTP file routes, the sandbox-id routing and tokens);
 - ``process`` / ``filesystem``: envd's Connect RPC services, on DSec's processes and file calls.
 

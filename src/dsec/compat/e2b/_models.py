@@ -4,9 +4,13 @@ are refused by the routes, naming them."""
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from libdsec import InvalidRequest
 
 
 class _Request(BaseModel):
@@ -15,6 +19,26 @@ class _Request(BaseModel):
 
 class _Answer(BaseModel):
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+
+def parse(model: type[BaseModel], body: object):
+    """``body`` as ``model``, or InvalidRequest naming the first field that is wrong."""
+    try:
+        return model.model_validate(body if body is not None else {})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ())) or "body"
+        raise InvalidRequest(f"malformed request: {where}: {err.get('msg', 'invalid')}") from None
+
+
+async def read_json(request: Request) -> object:
+    raw = await request.body()
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise InvalidRequest("malformed request: the body is not JSON") from None
 
 
 DEFAULT_TIMEOUT_S = 300  # E2B's default sandbox timeout
@@ -113,3 +137,77 @@ class Template(_Answer):
     disk_size_mb: int = Field(0, alias="diskSizeMB")
     envd_version: str = Field(alias="envdVersion")
     build_status: str = Field("ready", alias="buildStatus")
+
+
+# -- templates (E2B's template builder: docs/COMPAT.md) -------------------------------------
+
+
+class TemplateBuildRequest(_Request):
+    """``POST /v3/templates`` (``name``; ``alias`` from older SDKs)."""
+
+    name: str | None = None
+    alias: str | None = None
+    tags: list[str] | None = None
+    cpu_count: int | None = Field(None, alias="cpuCount", ge=1)
+    memory_mb: int | None = Field(None, alias="memoryMB", ge=16)
+
+
+class TemplateStep(_Request):
+    type: str
+    args: list[str] = Field(default_factory=list)
+    force: bool | None = False
+    files_hash: str | None = Field(None, alias="filesHash", pattern=r"^[0-9a-f]{64}$")
+    force_upload: bool | None = Field(None, alias="forceUpload")
+
+
+class TemplateBuildStart(_Request):
+    """``POST /v2/templates/{templateID}/builds/{buildID}``: what to build."""
+
+    from_image: str | None = Field(None, alias="fromImage")
+    from_template: str | None = Field(None, alias="fromTemplate")
+    from_image_registry: dict | None = Field(None, alias="fromImageRegistry")
+    force: bool | None = False
+    steps: list[TemplateStep] = Field(default_factory=list)
+    start_cmd: str | None = Field(None, alias="startCmd")
+    ready_cmd: str | None = Field(None, alias="readyCmd")
+
+
+class TemplateBuildCreated(_Answer):
+    template_id: str = Field(alias="templateID")
+    build_id: str = Field(alias="buildID")
+    public: bool = False
+    names: list[str]
+    tags: list[str]
+    aliases: list[str]
+
+
+class TemplateFileUpload(_Answer):
+    present: bool
+    url: str | None = None
+
+
+class BuildLogEntry(_Answer):
+    timestamp: datetime
+    message: str
+    level: str = "info"
+    step: str | None = None
+
+
+class BuildStatusReason(_Answer):
+    message: str
+    step: str | None = None
+    log_entries: list[BuildLogEntry] = Field(default_factory=list, alias="logEntries")
+
+
+class TemplateBuildInfo(_Answer):
+    template_id: str = Field(alias="templateID")
+    build_id: str = Field(alias="buildID")
+    status: str
+    logs: list[str] = Field(default_factory=list)
+    log_entries: list[BuildLogEntry] = Field(default_factory=list, alias="logEntries")
+    reason: BuildStatusReason | None = None
+
+
+class TemplateAlias(_Answer):
+    template_id: str = Field(alias="templateID")
+    public: bool = False

@@ -2,7 +2,10 @@
 
 Each route parses E2B's request into one DSec call on the cluster and answers in E2B's shape:
 
-- templates are DSec images (``base``: an image of that name, else ``python``);
+- templates are DSec images (``base``: the image ``DSEC_E2B_BASE_IMAGE`` names, else ``e2b-base``,
+  ``base`` or ``python``, the first the store has); one with a start command (an E2B template
+  built with ``set_start_cmd``) runs it as a sandbox starts and the create answers once its
+  ready command exits 0; ``templates`` builds them (E2B's template builder);
 - an E2B timeout is the sandbox's ``ttl_running_stop`` (DSec's TTL is idle time: a sandbox in
   use lives on; ``endAt`` is its last call plus the TTL); ``metadata`` is its ``labels``;
 - ``network.allowOut`` names domains (a name with a dot, or an IPv4 address) and DSec's mirror
@@ -13,32 +16,37 @@ Errors are E2B's ``{"code": STATUS, "message"}`` bodies.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import ipaddress
-import json
+import os
+import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-from libdsec import DSecError, ImageNotFound, InvalidRequest, SandboxLost, SandboxNotFound, SandboxStateError
-from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxInfo, SandboxStatus
+from libdsec import BackendError, DSecError, ImageNotFound, InvalidRequest, SandboxLost, SandboxNotFound, SandboxStateError
+from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxInfo, SandboxStatus, StartProcessRequest
 
 from ...apiserver.auth import Authenticator, Caller
 from ...apiserver.cluster import Cluster
 from . import _models as m
 from ._errors import api_error, error_body
 from .envd import ENVD_VERSION, EnvdTokens
+from .templates import add_template_routes
 
 BASE_TEMPLATE = "base"
 # The template a sandbox was asked for, where it is not its image's name (``base``): a label of
 # DSec's own, not shown in E2B's ``metadata`` (which may not use the prefix).
 TEMPLATE_LABEL = "dsec.e2b.template"
 _OWN_LABELS = "dsec."
-BASE_FALLBACK_IMAGE = "python"
+BASE_IMAGES = ("e2b-base", "base", "python")  # what ``base`` is, the first the store has
+READY_TIMEOUT_S = 120.0
 _STATES = {SandboxStatus.running: "running", SandboxStatus.paused: "paused"}
 
 
@@ -76,25 +84,6 @@ def network_rules(allow_out: list[str] | None, deny_out: list[str] | None) -> di
     return rules
 
 
-def _parse(model: type[BaseModel], body: object):
-    try:
-        return model.model_validate(body if body is not None else {})
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(x) for x in err.get("loc", ())) or "body"
-        raise InvalidRequest(f"malformed request: {where}: {err.get('msg', 'invalid')}") from None
-
-
-async def _json(request: Request) -> object:
-    raw = await request.body()
-    if not raw:
-        return None
-    try:
-        return json.loads(raw)
-    except ValueError:
-        raise InvalidRequest("malformed request: the body is not JSON") from None
-
-
 def _answers(route: Callable[..., Awaitable[object]]) -> Callable[..., Awaitable[object]]:
     """DSec's errors in E2B's error bodies (the apiserver's own handlers answer DSec's shape)."""
 
@@ -128,18 +117,45 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
             raise SandboxNotFound(f"sandbox {sandbox_id} not found ({info.status.value})")
         return caller, info
 
+    chosen_base = os.environ.get("DSEC_E2B_BASE_IMAGE", "").strip()
+
     async def image_of(template: str) -> str:
         if template != BASE_TEMPLATE:
             return template
-        try:
-            await cluster.any_edge().inspect_image(BASE_TEMPLATE)
-            return BASE_TEMPLATE
-        except ImageNotFound:
-            return BASE_FALLBACK_IMAGE
+        if chosen_base:
+            return chosen_base
+        for name in BASE_IMAGES[:-1]:
+            try:
+                await cluster.any_edge().inspect_image(name)
+                return name
+            except ImageNotFound:
+                pass
+        return BASE_IMAGES[-1]
+
+    async def started(info: SandboxInfo, template: str) -> None:
+        """A template's start command started (in the background), then its ready command run
+        until it exits 0; past ``READY_TIMEOUT_S`` the sandbox is stopped and the create fails."""
+        edge = cluster.edge_for(info.id)
+        image = await edge.inspect_image(info.image)
+        if image.start_cmd:
+            await edge.start_process(info.id, StartProcessRequest(command=image.start_cmd))
+        if not image.ready_cmd:
+            return
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            left = deadline - time.monotonic()
+            result = await edge.exec(info.id, ExecRequest(command=image.ready_cmd, timeout=max(1.0, min(30.0, left))))
+            if result.exit_code == 0:
+                return
+            if left <= 0:  # (the create stops the sandbox)
+                raise BackendError(f"template '{template}': its ready command ({image.ready_cmd!r}) did not succeed "
+                                   f"within {READY_TIMEOUT_S:g} s (exit code {result.exit_code}: "
+                                   f"{(result.stderr or result.stdout)[-500:]!r}); the sandbox was stopped")
+            await asyncio.sleep(0.1)
 
     def created(info: SandboxInfo, template: str) -> m.Sandbox:
         return m.Sandbox(template_id=template, sandbox_id=info.id, alias=template, client_id=info.node,
-                         envd_version=ENVD_VERSION, envd_access_token=tokens.token(info.id))
+                         envd_version=ENVD_VERSION, envd_access_token=tokens.token(info.id, info.init_user))
 
     def listed(info: SandboxInfo, cls: type[m.ListedSandbox] = m.ListedSandbox, **extra) -> m.ListedSandbox:
         end = info.last_active_at + timedelta(seconds=info.ttl_running_stop)
@@ -155,7 +171,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     @_answers
     async def create(request: Request) -> JSONResponse:
         caller = caller_of(request)
-        body = _parse(m.NewSandbox, await _json(request))
+        body = m.parse(m.NewSandbox, await m.read_json(request))
         for name, value in (("autoPause", body.auto_pause), ("mcp", body.mcp), ("iam", body.iam),
                             ("volumeMounts", body.volume_mounts)):
             if value:
@@ -177,6 +193,12 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
             info = await cluster.create(args, caller.project)
         except ImageNotFound:
             raise ImageNotFound(f"template '{body.template_id}' not found") from None
+        try:
+            await started(info, body.template_id)
+        except BaseException:
+            with contextlib.suppress(DSecError):
+                await cluster.stop(info.id, "its template's start failed")
+            raise
         return JSONResponse(created(info, body.template_id).model_dump(mode="json"), status_code=201)
 
     @router.get("/sandboxes")
@@ -213,7 +235,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     @_answers
     async def get_sandbox(request: Request, sandbox_id: str) -> JSONResponse:
         _, info = await visible(request, sandbox_id)
-        detail = listed(info, m.SandboxDetail, envd_access_token=tokens.token(info.id))
+        detail = listed(info, m.SandboxDetail, envd_access_token=tokens.token(info.id, info.init_user))
         return JSONResponse(detail.model_dump(mode="json"))
 
     @router.delete("/sandboxes/{sandbox_id}")
@@ -229,7 +251,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     @router.post("/sandboxes/{sandbox_id}/timeout")
     @_answers
     async def set_timeout(request: Request, sandbox_id: str) -> Response:
-        body = _parse(m.TimeoutRequest, await _json(request))
+        body = m.parse(m.TimeoutRequest, await m.read_json(request))
         await visible(request, sandbox_id)
         await cluster.edge_for(sandbox_id).set_ttl(sandbox_id, float(max(1, body.timeout)))
         return Response(status_code=204)
@@ -238,7 +260,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     @_answers
     async def refresh(request: Request, sandbox_id: str) -> Response:
         _, info = await visible(request, sandbox_id)
-        body = await _json(request) or {}
+        body = await m.read_json(request) or {}
         duration = body.get("duration") if isinstance(body, dict) else None
         await cluster.edge_for(sandbox_id).set_ttl(sandbox_id, float(duration or info.ttl_running_stop))
         return Response(status_code=204)
@@ -253,7 +275,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         return Response(status_code=204)
 
     async def connect_to(request: Request, sandbox_id: str, resume_only: bool) -> JSONResponse:
-        body = _parse(m.ConnectRequest, await _json(request))
+        body = m.parse(m.ConnectRequest, await m.read_json(request))
         _, info = await visible(request, sandbox_id)
         edge = cluster.edge_for(sandbox_id)
         resumed = info.status is SandboxStatus.paused
@@ -282,7 +304,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     @router.put("/sandboxes/{sandbox_id}/network")
     @_answers
     async def update_network(request: Request, sandbox_id: str) -> Response:
-        body = _parse(m.NetworkUpdate, await _json(request))
+        body = m.parse(m.NetworkUpdate, await m.read_json(request))
         if body.rules:
             raise InvalidRequest("network.rules is not supported by DSec's E2B API")
         await visible(request, sandbox_id)
@@ -312,6 +334,8 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         names = [i.name for i in images] + ([BASE_TEMPLATE] if all(i.name != BASE_TEMPLATE for i in images) else [])
         return JSONResponse([m.Template(template_id=n, build_id=n, aliases=[n], names=[n],
                                         envd_version=ENVD_VERSION).model_dump(mode="json") for n in names])
+
+    add_template_routes(router, cluster, caller_of, image_of, authenticator.root_token, _answers)
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def unsupported(request: Request, path: str) -> JSONResponse:

@@ -37,16 +37,24 @@ ENVD_VERSION = "0.5.7"
 
 
 class EnvdTokens:
-    """``envdAccessToken``s: one sandbox each, checked without a lookup."""
+    """``envdAccessToken``s: one sandbox each, checked without a lookup. A sandbox whose own
+    user is not root has it named in its token (``USER.MAC``, the MAC over both), so envd's
+    calls that name no user are taken from that user's home (``/home/user`` in E2B's base)."""
 
     def __init__(self, root_token: bytes) -> None:
         self._key = hashlib.sha256(b"dsec-e2b-envd\0" + root_token).digest()
 
-    def token(self, sandbox_id: str) -> str:
-        return hmac.new(self._key, sandbox_id.encode(), hashlib.sha256).hexdigest()
+    def token(self, sandbox_id: str, user: str = "root") -> str:
+        if user == "root":
+            return hmac.new(self._key, sandbox_id.encode(), hashlib.sha256).hexdigest()
+        mac = hmac.new(self._key, f"{sandbox_id}\0{user}".encode(), hashlib.sha256).hexdigest()
+        return f"{user}.{mac}"
 
-    def check(self, sandbox_id: str, given: str) -> bool:
-        return hmac.compare_digest(self.token(sandbox_id).encode(), given.encode())
+    def check(self, sandbox_id: str, given: str) -> str | None:
+        """The sandbox's own user the token names (``root`` when none), or None: not its token."""
+        user, _, _ = given.rpartition(".")
+        user = user or "root"
+        return user if hmac.compare_digest(self.token(sandbox_id, user).encode(), given.encode()) else None
 
 
 @dataclass(frozen=True)
@@ -54,10 +62,18 @@ class Target:
     edge: EdgeAPI
     sandbox_id: str
     user: str | None  # None: the sandbox's own user
+    own_user: str = "root"  # the sandbox's own user (its envd token names it)
 
     @property
     def home(self) -> str:
-        return "/root" if self.user in (None, "root") else f"/home/{self.user}"
+        user = self.user or self.own_user
+        return "/root" if user == "root" else f"/home/{user.partition(':')[0]}"
+
+    @property
+    def cwd(self) -> str | None:
+        """Where a command starts with no ``cwd``: the user's home; for the sandbox's own user,
+        its working directory (an E2B template's, ``/home/user`` in ``base``)."""
+        return None if self.user is None else self.home
 
     def path(self, path: str) -> str:
         """``path`` as an absolute path in the sandbox (a relative one from the user's home)."""
@@ -94,10 +110,11 @@ class EnvdContext:
         if not sandbox_id:
             raise InvalidRequest("no sandbox named: envd calls carry the E2b-Sandbox-Id header "
                                  "(E2B_SANDBOX_URL=<endpoint>/e2b/envd)")
-        if not self.tokens.check(sandbox_id, headers.get("x-access-token", "")):
+        own_user = self.tokens.check(sandbox_id, headers.get("x-access-token", ""))
+        if own_user is None:
             raise Unauthenticated(f"missing or wrong X-Access-Token for sandbox {sandbox_id}")
         user = username or _basic_user(headers.get("authorization", ""))
-        return Target(self.cluster.edge_for(sandbox_id), sandbox_id, user)
+        return Target(self.cluster.edge_for(sandbox_id), sandbox_id, user, own_user)
 
     def target(self, ctx) -> Target:
         """For an RPC: its sandbox and user, or the Connect error that refuses it."""

@@ -172,7 +172,7 @@ class ProcessService:
                 yield pb.StartResponse(event=event)
             return
         command = _command(config, bool(request.stdin))
-        env, workdir = dict(config.envs), target.path(config.cwd or "")  # envd's default: the user's home
+        env, workdir = dict(config.envs), target.path(config.cwd) if config.cwd else target.cwd
         if request.stdin:  # a background process, started and followed in one call (the pid first)
             events = target.edge.start_process_stream(target.sandbox_id, StartProcessRequest(
                 command=command, env=env, workdir=workdir, user=target.user))

@@ -193,7 +193,7 @@ class PtyService:
         if config is None or not config.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is required")
         request = _size(size, OpenPtyRequest, command="exec " + shlex.join([config.cmd, *config.args]),
-                        env=dict(config.envs), workdir=target.path(config.cwd or ""), user=target.user)
+                        env=dict(config.envs), workdir=target.path(config.cwd) if config.cwd else target.cwd, user=target.user)
         try:
             info = await target.edge.open_pty(target.sandbox_id, request)
         except DSecError as exc:
