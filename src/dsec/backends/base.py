@@ -67,6 +67,7 @@ Handles are plain data (``to_json``/``from_json``) so an edge restart can re-ado
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -173,6 +174,7 @@ class Capability(str, Enum):
     HOST_PATHS = "host_paths"
     PIPED_STDIN = "piped_stdin"
     WATCHED = "watched"
+    PORTS = "ports"
 
 
 class PtyProcess(Protocol):
@@ -298,9 +300,21 @@ class Watched(Protocol):
     def why_gone(self, handle: Handle) -> str | None: ...
 
 
+@runtime_checkable
+class Ports(Protocol):
+    """``Capability.PORTS``: ``connect_port(handle, port)`` is a TCP connection to
+    127.0.0.1:``port`` inside the running sandbox (its own network namespace, or the VM's), as
+    an asyncio (reader, writer) pair carrying bytes both ways; the writer's ``write_eof`` half-
+    closes it. ``PortUnreachable`` when nothing listens there, ``SandboxStateError`` if the
+    sandbox's processes are gone. The pair is the caller's to close."""
+
+    async def connect_port(self, handle: Handle, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]: ...
+
+
 _HOOKS: dict[Capability, type] = {Capability.CARRY: CleanCopies, Capability.KEPT_LAYER: KeptLayers,
                                   Capability.SNAPSHOT: Snapshots, Capability.HOST_PATHS: HostPaths,
-                                  Capability.PIPED_STDIN: PipedStdin, Capability.WATCHED: Watched}
+                                  Capability.PIPED_STDIN: PipedStdin, Capability.WATCHED: Watched,
+                                  Capability.PORTS: Ports}
 
 
 def check_backend(backend: SandboxBackend) -> None:
