@@ -61,6 +61,9 @@ refuses a backend that declares an ability without its hook:
   (every component resolved inside the sandbox, no symlink followed: the paths it is used for
   are writable by the sandbox's user), for I/O that needs no command in the sandbox: FIFOs a
   session's shell holds (``dsec.edge.sessions``), files streamed in and out.
+- ``PORTS`` (``Ports``): ``connect_port`` is a TCP connection from the node to a port inside
+  the sandbox, needing nothing of its image (``dsec.backends.portconn``): ``port_url``, the
+  sandbox's host names and their WebSockets go over it.
 
 Handles are plain data (``to_json``/``from_json``) so an edge restart can re-adopt them.
 """
