@@ -8,6 +8,7 @@ from fastapi import FastAPI
 
 from .apiserver.app import Cluster
 from .apiserver.app import create_app as create_api
+from .apiserver.ports import DEFAULT_DOMAIN
 from .compat.e2b import add_e2b_routes
 from .compat.sandboxfusion import add_sandboxfusion_routes
 from .compat.swerex import add_swerex_routes
@@ -15,5 +16,5 @@ from .compat.swerex import add_swerex_routes
 COMPAT = (add_swerex_routes, add_sandboxfusion_routes, add_e2b_routes)
 
 
-def create_app(cluster: Cluster, token: str, lifespan=None) -> FastAPI:
-    return create_api(cluster, token, lifespan=lifespan, extensions=COMPAT)
+def create_app(cluster: Cluster, token: str, lifespan=None, domain: str = DEFAULT_DOMAIN) -> FastAPI:
+    return create_api(cluster, token, lifespan=lifespan, extensions=COMPAT, domain=domain)

@@ -36,6 +36,9 @@ def serve(
     state_dir: StateDir = DEFAULT_STATE,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8765,
+    domain: Annotated[str, typer.Option(
+        help="Sandboxes' ports by host name: PORT-SANDBOXID.DOMAIN reaches that port (wildcard DNS to this "
+             "server; *.localhost is loopback already). Empty: off.")] = "localhost",
     node: Annotated[str, typer.Option(help="This node's name (lowercase letters and digits).")] = "n0",
     max_sandboxes: Annotated[int, typer.Option(help="Most sandboxes this node admits.")] = 4096,
     pool_max: Annotated[int, typer.Option(help="Most pre-created sandboxes kept per image (0: no warm pool).")] = 64,
@@ -92,7 +95,8 @@ def serve(
         fncall = {"workers_min": fncall_workers, "workers_max": fncall_max} if fncall_max > 0 else None
         if ray is not None and nodes_file is not None:
             fail(ValueError("--ray and --nodes-file: one or the other"))
-        run_server(ServerConfig(state_dir=state_dir, host=host, port=port, node=node, edge=edge, cold_memory=cold,
+        run_server(ServerConfig(state_dir=state_dir, host=host, port=port, domain=domain, node=node, edge=edge,
+                                cold_memory=cold,
                                 fncall=fncall, ray=ray, nodes_file=nodes_file, node_state_dir=node_state_dir,
                                 store_dir=store_dir, db=db,
                                 burst={"max_nodes": burst_max, "quiet_s": burst_quiet_s} if burst_max > 0 else None))
@@ -500,6 +504,20 @@ def bench_inside(
 
     raise typer.Exit(run_bench(state_dir=state_dir, console=console, samples=samples, podman_samples=podman_samples,
                                slow_s=slow_s, read_mb_s=read_mb_s, tree_mb=tree_mb, podman=podman))
+
+
+@bench_app.command("ports")
+def bench_ports(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-ports"),
+    seconds: Annotated[float, typer.Option(help="Seconds of each requests/s load.")] = 5.0,
+    concurrency: Annotated[int, typer.Option(help="Keep-alive connections of the load, one request in flight on each.")] = 8,
+    samples: Annotated[int, typer.Option(help="Samples of each latency.")] = 200,
+) -> None:
+    """HTTP and WebSocket to a port inside a sandbox (port_url, host name) against the port reached directly."""
+    from .bench.ports import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, seconds=seconds, concurrency=concurrency,
+                               samples=samples))
 
 
 @bench_app.command("density")

@@ -20,6 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from .apiserver.app import Cluster
+from .apiserver.ports import DEFAULT_DOMAIN
 from .apiserver.projects import open_project_store
 from .app import create_app
 from . import memtrace
@@ -39,6 +40,8 @@ class ServerConfig:
     state_dir: Path = DEFAULT_STATE_DIR
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
+    # Ports by host name: PORT-SANDBOXID.<domain> (dsec.apiserver.ports); "" turns them off.
+    domain: str = DEFAULT_DOMAIN
     node: str = "n0"
     edge: dict = field(default_factory=dict)  # EdgeConfig overrides
     fncall: dict | None = field(default_factory=dict)  # FnCallConfig overrides; None: no fncall pool
@@ -116,7 +119,7 @@ def build_cluster_app(config: ServerConfig):
             await provider.close()
             projects.close()
 
-    return create_app(cluster, token, lifespan=lifespan), cluster
+    return create_app(cluster, token, lifespan=lifespan, domain=config.domain), cluster
 
 
 def build_app(config: ServerConfig):
@@ -163,7 +166,7 @@ def build_app(config: ServerConfig):
             projects.close()
 
     cluster = Cluster([edge], projects=projects, overcommit=overcommit)
-    return create_app(cluster, token, lifespan=lifespan), edge
+    return create_app(cluster, token, lifespan=lifespan, domain=config.domain), edge
 
 
 def serve(config: ServerConfig) -> None:

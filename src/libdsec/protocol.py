@@ -539,22 +539,6 @@ class TreeDownloadRequest(_Model):
     path: str
 
 
-class PortRequest(_Model):
-    """One HTTP request to a port inside a sandbox (``sandbox.port_url``), node-bound."""
-
-    port: int = Field(ge=1, le=65535)
-    method: str = Field(default="GET", pattern=r"^[A-Z]{1,16}$")
-    path: str = Field(default="/", pattern=r"^/[^\s]*$")
-    headers: list[tuple[str, str]] = Field(default_factory=list)
-    body_b64: str = ""
-
-
-class PortResponse(_Model):
-    status: int
-    headers: list[tuple[str, str]] = Field(default_factory=list)
-    body_b64: str = ""
-
-
 class ImageInfo(_Model):
     name: str
     layers: list[str]

@@ -322,13 +322,53 @@ async def test_process_calls_cross_the_seam(node):
             await anext(node.stream_process(info.id, 42, ProcessStreamRequest()))
         with pytest.raises(SandboxNotFound):
             await node.list_processes("n0-0123456789abcdef")
-        from libdsec import PortUnreachable
-        from libdsec.protocol import PortRequest
-
-        with pytest.raises(PortUnreachable, match="port 8000"):  # (502 on the wire)
-            await node.port_request(info.id, PortRequest(port=8000))
     finally:
         await node.stop(info.id)
+
+
+async def test_a_port_connection_crosses_the_seam(node):
+    """``connect_port``: a byte stream both ways, each side's end passed on (a half-close), many
+    at once; nothing listening, a bad port, a stopped sandbox: their errors. (The fake's ports
+    are the node's loopback's: the test serves one.)"""
+    import socket
+
+    from libdsec import PortUnreachable
+
+    async def reverse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        data = await reader.read()  # to the end of what was sent
+        writer.write(data[::-1])
+        await writer.drain()
+        writer.close()
+
+    listener = await asyncio.start_server(reverse, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    info = await node.create(args())
+    try:
+        async def once(size: int) -> None:
+            reader, writer = await node.connect_port(info.id, port)
+            blob = os.urandom(size)
+            writer.write(blob)
+            writer.write_eof()
+            assert await asyncio.wait_for(reader.read(), 30) == blob[::-1]
+            writer.close()
+
+        await asyncio.gather(once(3 << 20), *(once(100) for _ in range(20)))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            free = s.getsockname()[1]
+        with pytest.raises(PortUnreachable, match=f"port {free}"):  # (502 on the wire)
+            await node.connect_port(info.id, free)
+        with pytest.raises(InvalidRequest, match="outside 1-65535"):
+            await node.connect_port(info.id, 70000)
+        await node.stop(info.id)
+        with pytest.raises((SandboxStateError, SandboxNotFound)):
+            await node.connect_port(info.id, port)
+        with pytest.raises(SandboxNotFound):
+            await node.connect_port("n0-0123456789abcdef", port)
+    finally:
+        await node.stop(info.id)
+        listener.close()
+        await listener.wait_closed()
 
 
 async def test_pty_calls_cross_the_seam(node):

@@ -151,8 +151,6 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.FileRenameRequest: {"src": "/a", "dst": "/b"},
         _models.MakeDirRequest: {"path": "/a"},
         _models.TreeDownloadRequest: {"path": "/a"},
-        _models.PortRequest: {"port": 8000},
-        _models.PortResponse: {"status": 200},
         _models.SessionInfo: {"id": 9},
         _models.ImageInfo: {"name": "busybox", "layers": ["sha256-00"], "size_bytes": 1},
         _models.ImageList: {"images": []},

@@ -8,11 +8,10 @@ the cluster (one embedded edge here).
 from __future__ import annotations
 
 import asyncio
-import base64
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 
 from fastapi import Depends, FastAPI, Path, Query, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
@@ -48,7 +47,6 @@ from libdsec.protocol import (
     OpenPtyRequest,
     OpenSessionRequest,
     PauseResult,
-    PortRequest,
     ProcessInfo,
     ProcessList,
     ProcessSignalRequest,
@@ -77,6 +75,7 @@ from .routes_fncall import add_fncall_routes
 from .routes_jobs import add_job_routes
 from .routes_observe import add_observe_routes
 from .routes_projects import add_project_routes
+from .ports import DEFAULT_DOMAIN, PortProxy, PortRoutes
 from .websocket import relay as websocket_relay
 
 log = logging.getLogger("dsec.apiserver")
@@ -149,15 +148,42 @@ async def _ndjson(first: ExecEvent, events: AsyncIterator[ExecEvent]) -> AsyncIt
             yield event.model_dump_json() + "\n"
 
 
+class _Proxied(Response):
+    """A response that is a port's answer, streamed (``PortProxy.serve``)."""
+
+    def __init__(self, serve) -> None:
+        super().__init__()
+        self._serve = serve
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self._serve(scope, receive, send)
+
+
 # Routes of another API added to the app (``dsec.app``: the compatibility layers): called with the
 # app, the cluster and the authenticator, in order, after DSec's own; each returns the routes it
 # added that the lean lane serves (``LeanRoutes``' plain routes), or None.
 RouteAdder = Callable[[FastAPI, Cluster, Authenticator], "list | None"]
 
 
-def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence[RouteAdder] = ()) -> FastAPI:
-    """DSec's own API over ``cluster``; ``extensions`` add other APIs' routes after it."""
-    app = FastAPI(title="DSec", version="0.1.0", lifespan=lifespan,
+def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence[RouteAdder] = (),
+               domain: str = DEFAULT_DOMAIN) -> FastAPI:
+    """DSec's own API over ``cluster``; ``extensions`` add other APIs' routes after it. A
+    request whose Host is ``PORT-SANDBOXID.<domain>`` goes to that port (``ports.HostNames``);
+    an empty ``domain`` turns host names off."""
+    ports = PortProxy(cluster)
+
+    @asynccontextmanager
+    async def lifespan_with_ports(app):
+        try:
+            if lifespan is None:
+                yield
+            else:
+                async with lifespan(app) as state:
+                    yield state
+        finally:
+            await ports.aclose()
+
+    app = FastAPI(title="DSec", version="0.1.0", lifespan=lifespan_with_ports,
                   description="Sandboxes for agent training: containers from shared EROFS layers.",
                   # No OpenTelemetry (the platform's metrics are its own): FastAPI would otherwise
                   # ask the global providers whether to trace, on every request.
@@ -225,6 +251,9 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
     plain_routes: list = []  # the E2B API's, added below
     app.add_middleware(LeanRoutes, app_ref=app, names=LEAN_ROUTES, check=check, dependency=authenticated,
                        plain_routes=plain_routes)
+    # Outermost: a sandbox's host name is served whatever its path (E2B's proxy does the same),
+    # and port_url's requests skip the framework (ports.PortRoutes).
+    app.add_middleware(PortRoutes, domain=domain, proxy=ports, check=check, job_header=_JOB)
 
     auth = [Depends(authenticated_and_logged)]
 
@@ -399,17 +428,15 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
         """The process's output from the offsets given, as NDJSON ``ExecEvent`` lines, to its end."""
         return await _streaming(cluster.edge_for(sandbox_id).stream_process(sandbox_id, pid, request))
 
-    # -- ports: HTTP to a port inside, for the caller's token only ----------------------------
+    # -- ports: HTTP and WebSocket to a port inside, for the caller's token only (ports.py) ----
 
     async def port_proxy(request: Request, sandbox_id: str, path: str, port: int = Path(ge=1, le=65535)) -> Response:
-        """The answer of port ``port`` inside the sandbox to this request (``sandbox.port_url``)."""
-        target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
-        headers = [(k, v) for k, v in request.headers.items()]
-        answer = await cluster.edge_for(sandbox_id).port_request(sandbox_id, PortRequest(
-            port=port, method=request.method, path=target, headers=headers,
-            body_b64=base64.b64encode(await request.body()).decode()))
-        return Response(content=base64.b64decode(answer.body_b64), status_code=answer.status,
-                        headers={k: v for k, v in answer.headers if k.lower() != "content-length"})
+        """The answer of port ``port`` inside the sandbox to this request (``sandbox.port_url``),
+        streamed both ways."""
+        # (Served by ports.PortRoutes in front of the framework, unless the request is a job's.)
+        target = ("/" + path + (f"?{request.url.query}" if request.url.query else "")).encode("latin-1")
+        return _Proxied(lambda scope, receive, send: ports.serve(scope, receive, send, sandbox_id, port, target,
+                                                                 f"127.0.0.1:{port}".encode()))
 
     # One route a method, each with its operation id (one route of several methods gives them all one).
     for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"):
@@ -427,7 +454,8 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
         except DSecError as exc:
             await websocket.send_denial_response(JSONResponse(exc.to_wire(), status_code=exc.status))
             return
-        await websocket_relay(websocket, edge, sandbox_id, int(port), path)
+        target = "/" + path + (f"?{websocket.url.query}" if websocket.url.query else "")
+        await websocket_relay(websocket, edge, sandbox_id, int(port), target)
 
     # -- PTYs (held by the sandbox's node: dsec.edge.pty) ------------------------------------
 

@@ -61,12 +61,16 @@ refuses a backend that declares an ability without its hook:
   (every component resolved inside the sandbox, no symlink followed: the paths it is used for
   are writable by the sandbox's user), for I/O that needs no command in the sandbox: FIFOs a
   session's shell holds (``dsec.edge.sessions``), files streamed in and out.
+- ``PORTS`` (``Ports``): ``connect_port`` is a TCP connection from the node to a port inside
+  the sandbox, needing nothing of its image (``dsec.backends.portconn``): ``port_url``, the
+  sandbox's host names and their WebSockets go over it.
 
 Handles are plain data (``to_json``/``from_json``) so an edge restart can re-adopt them.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -176,6 +180,7 @@ class Capability(str, Enum):
     HOST_PATHS = "host_paths"
     PIPED_STDIN = "piped_stdin"
     WATCHED = "watched"
+    PORTS = "ports"
 
 
 class PtyProcess(Protocol):
@@ -301,9 +306,21 @@ class Watched(Protocol):
     def why_gone(self, handle: Handle) -> str | None: ...
 
 
+@runtime_checkable
+class Ports(Protocol):
+    """``Capability.PORTS``: ``connect_port(handle, port)`` is a TCP connection to
+    127.0.0.1:``port`` inside the running sandbox (its own network namespace, or the VM's), as
+    an asyncio (reader, writer) pair carrying bytes both ways; the writer's ``write_eof`` half-
+    closes it. ``PortUnreachable`` when nothing listens there, ``SandboxStateError`` if the
+    sandbox's processes are gone. The pair is the caller's to close."""
+
+    async def connect_port(self, handle: Handle, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]: ...
+
+
 _HOOKS: dict[Capability, type] = {Capability.CARRY: CleanCopies, Capability.KEPT_LAYER: KeptLayers,
                                   Capability.SNAPSHOT: Snapshots, Capability.HOST_PATHS: HostPaths,
-                                  Capability.PIPED_STDIN: PipedStdin, Capability.WATCHED: Watched}
+                                  Capability.PIPED_STDIN: PipedStdin, Capability.WATCHED: Watched,
+                                  Capability.PORTS: Ports}
 
 
 def check_backend(backend: SandboxBackend) -> None:

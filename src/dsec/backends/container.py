@@ -54,7 +54,7 @@ from ..resources import cgroups, reclaim
 from ..resources import cpu as cpu_sched
 from ..resources.cgroups import Limits
 from .. import native
-from . import terminal
+from . import portconn, terminal
 from .base import Capability, Emit, ExecContext, Handle, HostView, SandboxSpec, numeric_user, user_from_passwd
 from .capture import Capture, Flow, PipeReader, PipeStream, feed_pipe, wait_pipes, with_feeder
 from .procs import (
@@ -168,7 +168,7 @@ class ContainerBackend:
     kind = "container"
     # PROTECTED_PATHS: read-only binds (see _protected_mounts); CARRY: check_kept, carry, tampered.
     capabilities = frozenset({Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY, Capability.HOST_PATHS,
-                              Capability.PIPED_STDIN})
+                              Capability.PIPED_STDIN, Capability.PORTS})
     # The v1 controllers of a sandbox's cgroup (see dsec.resources.cgroups).
     cgroup_controllers: tuple[str, ...] = cgroups.SANDBOX_CONTROLLERS
 
@@ -501,6 +501,12 @@ class ContainerBackend:
             poller.register(fd, select.POLLIN)
             return not poller.poll(0)  # a pidfd turns readable when its process exits
         return handle.pid > 0 and pid_in_cgroup(handle.pid, handle.cid)
+
+    async def connect_port(self, handle: Handle, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """127.0.0.1:``port`` in the sandbox's network namespace (``dsec.backends.portconn``)."""
+        if handle.pid <= 0 or not pid_in_cgroup(handle.pid, handle.cid):
+            raise SandboxStateError(f"cannot connect to port {port}: sandbox {handle.cid}'s processes are gone")
+        return await portconn.connect_in_netns(handle.pid, port)
 
     async def _alive_after(self, handle: Handle, grace: float) -> bool:
         """Whether the init still lives ``grace`` seconds on (or once it is gone, if sooner). A

@@ -12,7 +12,7 @@ import asyncio
 import shlex
 import time
 
-from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNotFound, SandboxStateError
+from libdsec import BackendError, CommandTimeout, InvalidRequest, PortUnreachable, SandboxFileNotFound, SandboxStateError
 from libdsec.protocol import ExecRequest, ExecResult
 
 from ..images import scrub
@@ -24,7 +24,7 @@ from .base import Capability, Emit, ExecContext, Handle, SandboxSpec, numeric_us
 class FakeBackend:
     """Stands in for the backend of any sandbox kind (``container`` unless told otherwise)."""
 
-    capabilities = frozenset({Capability.WARM_POOL, Capability.CARRY})
+    capabilities = frozenset({Capability.WARM_POOL, Capability.CARRY, Capability.PORTS})
 
     def __init__(self, kind: str = "container") -> None:
         self.kind = kind
@@ -190,6 +190,15 @@ class FakeBackend:
 
     async def is_alive(self, handle: Handle) -> bool:
         return handle.cid in self.files
+
+    async def connect_port(self, handle: Handle, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A fake sandbox has no network of its own: its ports are the node's loopback's (so a
+        test can serve one and reach it through the edge and the node seam)."""
+        self._files(handle)
+        try:
+            return await asyncio.open_connection("127.0.0.1", port)
+        except ConnectionRefusedError:
+            raise PortUnreachable(f"nothing listens on port {port} in the sandbox (connection refused)") from None
 
     async def destroy(self, handle: Handle) -> None:
         if self.files.pop(handle.cid, None) is not None:

@@ -21,6 +21,7 @@ nothing.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import secrets
 from collections.abc import AsyncIterator
@@ -45,8 +46,6 @@ from libdsec.protocol import (
     OpenPtyRequest,
     OpenSessionRequest,
     PauseResult,
-    PortRequest,
-    PortResponse,
     ProcessInfo,
     ProcessStreamRequest,
     PtyInfo,
@@ -183,9 +182,11 @@ class EdgeAPI(Protocol):
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
 
-    async def port_request(self, sandbox_id: str, request: PortRequest) -> PortResponse:
-        """One HTTP request to a port inside (``dsec.edge.ports``); ``PortUnreachable`` when
-        nothing answers there."""
+    async def connect_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A TCP connection to 127.0.0.1:``port`` inside the sandbox, as asyncio streams that
+        carry bytes both ways until either side closes (``write_eof`` half-closes); the pair is
+        the caller's to close. ``PortUnreachable`` when nothing listens there, ``InvalidRequest``
+        for a port outside 1-65535. A paused sandbox is resumed first, as for a command."""
         ...
 
     # File trees (``dsec.edge.files``): as the sandbox's user; ``SandboxFileNotFound`` for a

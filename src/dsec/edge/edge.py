@@ -38,7 +38,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from libdsec import (
-    BackendError, CapacityExceeded, CommandTimeout, DSecError, InvalidRequest, LimitOutOfRange, Overloaded, ProcessNotFound, SandboxFileNotFound,
+    BackendError, CapacityExceeded, CommandTimeout, DSecError, InvalidRequest, LimitOutOfRange, Overloaded, PortUnreachable,
+    ProcessNotFound, SandboxFileNotFound,
     SandboxLost, SandboxNotFound, SandboxStateError, SessionClosed,
 )
 from libdsec.protocol import DEFAULT_COMMAND_TIMEOUT_S, MAX_OUTPUT_BYTES_LIMIT
@@ -55,8 +56,6 @@ from libdsec.protocol import (
     OpenPtyRequest,
     OpenSessionRequest,
     PtyInfo,
-    PortRequest,
-    PortResponse,
     ProcessInfo,
     ProcessStreamRequest,
     SessionInfo,
@@ -91,7 +90,7 @@ from .pool import WarmPool
 from .reaper import TTLReaper
 from .security import EdgeSecurity
 from .build import ImageBuilder
-from . import files, ports, processes, sessions
+from . import files, processes, sessions
 from .pty import PtyTable
 from .stream import stream_bytes, stream_exec
 from .stats import EdgeStats
@@ -846,13 +845,16 @@ class Edge:
         async for event in stream_exec(lambda emit: self._call(rec, backend.exec_stream(rec.handle, request, ctx, emit))):
             yield event
 
-    # -- ports: HTTP to a port inside (one command a request: dsec.edge.ports) ----------------
+    # -- ports: a TCP connection to a port inside (dsec.backends.portconn) --------------------
 
-    async def port_request(self, sandbox_id: str, request: PortRequest) -> PortResponse:
-        raw = ports.raw_request(request)
-        result = await self._manage(sandbox_id, ports.script(request.port), timeout=60.0,
-                                    stdin=base64.b64encode(raw).decode())
-        return ports.parse(result, request.port)
+    async def connect_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if not 1 <= port <= 65535:
+            raise InvalidRequest(f"port {port} is outside 1-65535")
+        rec = await self._ready(sandbox_id, Action.exec)
+        backend = self.backends[rec.kind]
+        if Capability.PORTS not in backend.capabilities:
+            raise PortUnreachable(f"a {rec.kind} sandbox's ports cannot be reached from the node")
+        return await self._call(rec, backend.connect_port(rec.handle, port))
 
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:
         """Denied actions seen in the sandbox (see dsec.isolation.events); kept after it ends."""

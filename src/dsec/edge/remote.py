@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TypeVar
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 import httpx
 import pydantic
@@ -65,8 +66,6 @@ from libdsec.protocol import (
     OpenPtyRequest,
     OpenSessionRequest,
     PauseResult,
-    PortRequest,
-    PortResponse,
     ProcessInfo,
     ProcessList,
     ProcessSignalRequest,
@@ -88,7 +87,9 @@ from libdsec.protocol import (
 )
 
 from .api import NodeUnreachable
-from .server import PREFIX
+from .server import PORT_UPGRADE, PREFIX
+
+PORT_READ_LIMIT = 256 << 10
 
 # Bounds on a call's wait. A node's own work (a create, a stop) takes well under these; long
 # ones (packing a layer, saving a VM's memory) get the long bound; commands their own timeout
@@ -112,6 +113,18 @@ M = TypeVar("M", bound=pydantic.BaseModel)
 
 # Batch streams being read, referenced until done (see RemoteEdge.create_batch).
 _BATCHES: set[asyncio.Task] = set()
+
+
+def _status_and_length(head: bytes) -> tuple[int, int]:
+    """The status and content-length of an answer's head (``ValueError`` if it is none)."""
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length":
+            length = int(value)
+    return status, length
 
 
 class RemoteEdge:
@@ -319,9 +332,36 @@ class RemoteEdge:
         return await self._post(ProcessInfo, f"/sandboxes/{sandbox_id}/processes/{pid}/wait",
                                 model=ProcessWaitRequest(timeout=timeout), timeout=timeout + SLACK_S)
 
-    async def port_request(self, sandbox_id: str, request: PortRequest) -> PortResponse:
-        return await self._post(PortResponse, f"/sandboxes/{sandbox_id}/ports:request", model=request,
-                                timeout=60.0 + SLACK_S)
+    async def connect_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A connection of its own to the node, upgraded (``upgrade: dsec-port``) to the raw
+        byte stream of the port's connection on the node (``dsec.edge.server``)."""
+        if self._closed:
+            raise self._unreachable("is closed on this side")
+        url = urlsplit(self.url)
+        path = f"{PREFIX}/sandboxes/{quote(sandbox_id, safe='')}/ports/{int(port)}:connect"
+        head = (f"POST {path} HTTP/1.1\r\nhost: {url.netloc}\r\nauthorization: {self._headers['authorization']}\r\n"
+                f"connection: upgrade\r\nupgrade: {PORT_UPGRADE}\r\ncontent-length: 0\r\n\r\n").encode("latin-1")
+        writer = None
+        try:
+            async with asyncio.timeout(self.call_timeout_s):
+                reader, writer = await asyncio.open_connection(url.hostname, url.port or 80, limit=PORT_READ_LIMIT)
+                writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                writer.write(head)
+                answer = await reader.readuntil(b"\r\n\r\n")
+                status, length = _status_and_length(answer)
+                if status == 101:
+                    return reader, writer
+                content = await reader.readexactly(length) if length else b""
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+            if writer is not None:
+                writer.close()
+            raise self._unreachable(f"did not connect to port {port} of {sandbox_id}: {exc!r}") from None
+        except BaseException:
+            if writer is not None:
+                writer.close()
+            raise
+        writer.close()
+        raise self._error(status, content)
 
     async def open_pty(self, sandbox_id: str, request: OpenPtyRequest) -> PtyInfo:
         return await self._post(PtyInfo, f"/sandboxes/{sandbox_id}/ptys", model=request)

@@ -62,7 +62,6 @@ from libdsec.protocol import (
     OpenPtyRequest,
     OpenSessionRequest,
     PackDiffRequest,
-    PortRequest,
     ProcessList,
     ProcessSignalRequest,
     ProcessStdinRequest,
@@ -190,9 +189,6 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
     async def wait_process(c: _Call):
         return await c.edge.wait_process(c.params["sid"], int(c.params["pid"]), c.parse(ProcessWaitRequest).timeout)
 
-    async def port_request(c: _Call):
-        return await c.edge.port_request(c.params["sid"], c.parse(PortRequest))
-
     async def open_pty(c: _Call):
         return await c.edge.open_pty(c.params["sid"], c.parse(OpenPtyRequest))
 
@@ -300,7 +296,6 @@ def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
         ("GET", f"/sandboxes/{sid}/fs/list", list_dir), ("GET", f"/sandboxes/{sid}/fs/stat", stat_path),
         ("POST", f"/sandboxes/{sid}/fs/remove", remove_path), ("POST", f"/sandboxes/{sid}/fs/mkdir", make_dir),
         ("POST", f"/sandboxes/{sid}/fs/rename", rename_path), ("PUT", f"/sandboxes/{sid}/fs/tree", upload_tree),
-        ("POST", f"/sandboxes/{sid}/ports:request", port_request),
         ("POST", f"/sandboxes/{sid}/ptys", open_pty), ("POST", f"/sandboxes/{sid}/ptys/{pid}/input", pty_input),
         ("POST", f"/sandboxes/{sid}/ptys/{pid}/resize", resize_pty),
         ("POST", f"/sandboxes/{sid}/ptys/{pid}/close", close_pty),
@@ -324,6 +319,9 @@ _FILE_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/files\
 _TREE_TAR = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\Z")
 _START_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes\:stream\Z")
 _PTY_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/ptys/(?P<pid>[0-9]{1,9})/stream\Z")
+_PORT_CONNECT = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/ports/(?P<port>[0-9]{1,5})\:connect\Z")
+PORT_UPGRADE = "dsec-port"
+_PORT_CHUNK = 256 << 10
 _PROCESS_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes/(?P<pid>[0-9]{1,9})/stream\Z")
 
 
@@ -367,6 +365,7 @@ class _Request:
     body: bytes
     keep_alive: bool
     stream: _BodyStream | None = None
+    upgrade: bool = False
 
 
 # Routes whose request body is handed on as it arrives (a tar, a file of any size), not whole.
@@ -459,6 +458,8 @@ class _Connection(asyncio.Protocol):
         self._authorization = b""
         self._body: list[bytes] = []
         self._stream: _BodyStream | None = None  # the body of the request being read, if streamed
+        self._upgrade = False
+        self.raw: asyncio.StreamReader | None = None  # after an upgrade: the caller's bytes
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -467,6 +468,8 @@ class _Connection(asyncio.Protocol):
         self.server.connections.add(self)
 
     def connection_lost(self, exc) -> None:
+        if self.raw is not None:
+            self.raw.feed_eof()
         if self._stream is not None:
             self._stream.end(exc or ConnectionError("the caller closed the connection"))
             self._stream = None
@@ -481,17 +484,34 @@ class _Connection(asyncio.Protocol):
         self._can_write.set()
 
     def data_received(self, data: bytes) -> None:
+        if self.raw is not None:
+            self.raw.feed_data(data)
+            return
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(400, "upgrades are not served")
+        except httptools.HttpParserUpgrade as exc:
+            if not (self.requests and self.requests[-1].upgrade):
+                self._fail(400, "upgrades are not served")
+                return
+            # The bytes after the head are the raw stream's (dsec-port: the caller's side of a
+            # port's connection); TCP's flow control paces the caller (the reader pauses us).
+            self.raw = asyncio.StreamReader(limit=_PORT_CHUNK)
+            self.raw.set_transport(self.transport)
+            if rest := data[exc.args[0]:]:
+                self.raw.feed_data(rest)
         except httptools.HttpParserError as exc:
             self._fail(400, f"malformed HTTP request: {exc}")
+
+    def eof_received(self) -> bool:
+        if self.raw is not None:
+            self.raw.feed_eof()
+            return True  # half-closed: the answer's side goes on
+        return False
 
     # -- httptools callbacks -----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._url, self._authorization, self._body = b"", b"", []
+        self._url, self._authorization, self._body, self._upgrade = b"", b"", [], False
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -503,6 +523,7 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         url = httptools.parse_url(self._url)
         method, path = self.parser.get_method().decode("latin-1"), url.path.decode("latin-1")
+        self._upgrade = self.parser.should_upgrade()
         if method == "PUT" and _STREAMED_BODIES.match(path):
             self._stream = _BodyStream(self)
             self._enqueue(_Request(method=method, path=path, query=url.query or b"", authorization=self._authorization,
@@ -528,7 +549,7 @@ class _Connection(asyncio.Protocol):
         self._enqueue(_Request(
             method=self.parser.get_method().decode("latin-1"), path=url.path.decode("latin-1"),
             query=url.query or b"", authorization=self._authorization, body=b"".join(self._body),
-            keep_alive=self.parser.should_keep_alive()))
+            keep_alive=self.parser.should_keep_alive() and not self._upgrade, upgrade=self._upgrade))
 
     # -- answering ---------------------------------------------------------------------------
 
@@ -589,6 +610,9 @@ class EdgeApp:
             conn.write(_head(401, b"application/json", len(body), keep) + body)
             return
         method, path = request.method, request.path
+        if request.upgrade:
+            await self._port(request, conn)
+            return
         if method == "POST" and path == _BATCH:
             await self._batch(request, conn)
             return
@@ -658,6 +682,23 @@ class EdgeApp:
         if request.stream is not None and not request.stream.complete:
             keep = request.keep_alive = False  # (the rest of its body is not read: the connection ends)
         conn.write(_head(status, content_type, len(body), keep) + body)
+
+    async def _port(self, request: _Request, conn: _Connection) -> None:
+        """``POST …/ports/PORT:connect`` with ``upgrade: dsec-port``: 101, then the connection
+        carries the raw bytes of a connection to that port inside the sandbox, both ways, each
+        side's end of sending passed on (a half-close), until both ended or either broke."""
+        m = _PORT_CONNECT.match(request.path)
+        try:
+            if request.method != "POST" or m is None:
+                raise InvalidRequest(f"no node route to upgrade: {request.method} {request.path}")
+            reader, writer = await self.edge.connect_port(m.group("sid"), int(m.group("port")))
+        except Exception as exc:  # noqa: BLE001 - every error becomes its wire answer
+            status, body = _error_answer(exc)
+            conn.write(_head(status, b"application/json", len(body), False) + body)
+            return
+        conn.write(b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: %s\r\n\r\n"
+                   % PORT_UPGRADE.encode())
+        await relay_port(conn, reader, writer)
 
     async def _batch(self, request: _Request, conn: _Connection) -> None:
         keep = request.keep_alive
@@ -805,6 +846,41 @@ class EdgeApp:
 
 
 _NDJSON = b"application/x-ndjson"
+
+
+async def relay_port(conn: _Connection, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """The caller's raw bytes (``conn.raw``) to the port and the port's to the caller, until
+    both sides ended sending, either broke, or the caller went away; then both are closed."""
+    async def to_port() -> None:
+        while data := await conn.raw.read(_PORT_CHUNK):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+
+    async def to_caller() -> None:
+        while data := await reader.read(_PORT_CHUNK):
+            conn.write(data)
+            await conn.drain()
+        if conn.transport is not None and not conn.transport.is_closing() and conn.transport.can_write_eof():
+            conn.transport.write_eof()
+
+    tasks = [asyncio.ensure_future(to_port()), asyncio.ensure_future(to_caller())]
+    gone = asyncio.ensure_future(conn.gone.wait())
+    try:
+        pending = set(tasks)
+        while pending and not gone.done():
+            done, pending = await asyncio.wait(pending | {gone}, return_when=asyncio.FIRST_COMPLETED)
+            pending.discard(gone)
+            if any(t.exception() is not None for t in done if t is not gone):
+                break
+    finally:
+        for task in (*tasks, gone):
+            task.cancel()
+        await asyncio.gather(*tasks, gone, return_exceptions=True)
+        writer.close()
+        if conn.transport is not None:
+            conn.transport.close()
 
 
 class NodeServer:

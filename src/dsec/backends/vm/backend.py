@@ -42,6 +42,7 @@ from ...images import carry
 from ...images.store import LayerStore
 from ...resources import cgroups, reclaim
 from ...resources.cgroups import Limits
+from .. import portconn
 from ..base import Capability, Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
 from . import machine, pack
 from ..capture import with_feeder
@@ -197,7 +198,8 @@ class VMBackend:
     # No WARM_POOL: the edge's pool pre-creates sandboxes without limits, and a VM's memory is
     # fixed when it boots, so VMs are made for each request instead. KEPT_LAYER: clean copies
     # through the guest agent (kept_layer).
-    capabilities = frozenset({Capability.KEPT_LAYER, Capability.PIPED_STDIN, Capability.WATCHED, Capability.PROTECTED_PATHS})
+    capabilities = frozenset({Capability.KEPT_LAYER, Capability.PIPED_STDIN, Capability.WATCHED, Capability.PROTECTED_PATHS,
+                              Capability.PORTS})
 
     def __init__(self, node_dir: Path, store: LayerStore, assets_dir: Path | None = None, *,
                  accel: str | None = None, boot_timeout_s: float = 60.0, default_memory_mb: int = DEFAULT_MEMORY_MB,
@@ -769,6 +771,13 @@ class VMBackend:
             stdout_bytes=result.stdout_total,
             stderr_bytes=result.stderr_total,
         )
+
+    async def connect_port(self, handle: Handle, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """127.0.0.1:``port`` in the guest: a terminal of the agent's running the guest's busybox
+        ``nc`` in raw mode (``dsec.backends.portconn.pty_tunnel``)."""
+        ctx = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        pty = await self.open_pty(handle, portconn.tunnel_command(GUEST_BUSYBOX, port), ctx, 80, 24)
+        return await portconn.pty_tunnel(pty, port)
 
     async def open_pty(self, handle: Handle, command: str, ctx: ExecContext, cols: int, rows: int) -> _VMPty:
         """The command on a terminal of the guest's: the agent's ``pty`` operation (its output
