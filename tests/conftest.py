@@ -12,6 +12,9 @@ import pytest
 
 # Layers are content-addressed, so one store can be shared by every test run on a machine; the
 # python image (debootstrap, about a minute) is then built once.
+# Harbor tasks are data (their tests run inside sandboxes), not this suite's tests.
+collect_ignore = ["harbor_tasks"]
+
 TEST_STORE = Path(os.environ.get("DSEC_TEST_STORE", "/var/lib/dsec-test/store"))
 # Every test server shares one VM kernel cache (else each fresh state dir downloads a kernel
 # and probes the accelerator in the background when its server starts).
