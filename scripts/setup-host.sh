@@ -12,7 +12,8 @@ PACKAGES=(crun gcc libc6-dev erofs-utils busybox-static debootstrap podman uidma
           skopeo buildah  # dsec image pull (a registry) and dsec image build --dockerfile
           docker-registry  # a registry on loopback for their tests (tests/images/test_registry.py)
           g++         # the C++ peer of dsec bench fncall's SandboxFusion arm
-          tmux)       # drives `dsec shell` as a person would (tests/integration/test_shell.py)
+          tmux        # drives `dsec shell` as a person would (tests/integration/test_shell.py)
+          docker.io)  # dockerd for Harbor's docker environment, the peer (dsec.bench.harbor_peer starts its own)
 
 if [ "$(id -u)" != 0 ]; then
     echo "setup-host: run as root (DSec mounts layers and makes cgroups)" >&2
@@ -27,6 +28,11 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "setup-host: installing ${missing[*]}"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    # The tests start a dockerd of their own (no bridge, no iptables rules); a system one, which
+    # installing docker.io starts where systemd runs, would add docker0 and its NAT rules.
+    if [[ " ${missing[*]} " == *" docker.io "* ]] && [ -d /run/systemd/system ]; then
+        systemctl disable --now docker.service docker.socket >/dev/null 2>&1 || true
+    fi
 fi
 
 # Hybrid cgroups (v1 controllers, hugetlb alone on the v2 tree): crun refuses to run until

@@ -361,13 +361,18 @@ def bench_harness(
     start_rounds: Annotated[int, typer.Option(help="DSec starts to a first answer.")] = 30,
     podman_start_rounds: Annotated[int, typer.Option(help="podman run + exec to a first answer.")] = 10,
     podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
+    harbor: Annotated[bool, typer.Option(help="Harbor oracle trials per minute, DSec's environment against Harbor's docker one.")] = True,
+    harbor_venv: Annotated[Path, typer.Option(help="A venv with Harbor 0.25.0 (tests/integration/test_harbor.py makes it).")] = Path("/var/lib/dsec-test/harbor-venv-0.25.0"),
+    harbor_concurrency: Annotated[int, typer.Option(help="harbor run -n, both ways.")] = 4,
 ) -> None:
-    """A task's environment as a harness uses it: Dockerfile build, rebuild, start to first answer, against podman."""
+    """A task's environment as a harness uses it: Dockerfile build, rebuild, start to first answer, against podman;
+    Harbor oracle trials per minute on DSec against Harbor's docker environment."""
     from .bench.harness import main as run_bench
 
     raise typer.Exit(run_bench(state_dir=state_dir, console=console, files=files, build_rounds=build_rounds,
                                rebuild_rounds=rebuild_rounds, start_rounds=start_rounds,
-                               podman_start_rounds=podman_start_rounds, podman=podman))
+                               podman_start_rounds=podman_start_rounds, podman=podman, harbor=harbor,
+                               harbor_venv=harbor_venv, harbor_concurrency=harbor_concurrency))
 
 
 @bench_app.command("tti")

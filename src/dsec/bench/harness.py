@@ -17,14 +17,23 @@ source tree copied in, one command run over it, ``ENV`` and ``WORKDIR``; no ``ap
   ``start_rounds`` one after another (after two: the first, printed apart, finds no sandbox of
   the image in the warm pool), the sandbox stopped untimed after each; against ``podman run -d``
   of the built image then ``podman exec``. Goal: DSec p50 ≤ 150 ms.
+- **Harbor oracle trials per minute**: Harbor's own CLI (``harbor run -a oracle -n N``, from the
+  venv ``tests/integration/test_harbor.py`` makes) over the Harbor tasks of ``tests/harbor_tasks``
+  whose network policy is public, once on DSec's environment
+  (``dsec.integrations.harbor:DSecEnvironment``, this benchmark's server) and once on Harbor's
+  docker environment (``dsec.bench.harbor_peer``: a dockerd of its own, DSec's ``python`` image
+  imported, ``--no-delete`` so its builds stay cached); each after one warm-up run of the same
+  (every image built, pools warm); trials over the ``harbor run``'s wall time. Every trial must
+  reward 1. Goal: DSec ≥ 5× the peer.
 
-Everything runs on this machine; the server runs containers only. Podman missing: its arms are
-skipped, said so, and the rest runs.
+Everything runs on this machine; the server runs containers only. Podman, Harbor's venv or
+dockerd missing: their arms are skipped, said so, and the rest runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import shutil
@@ -44,6 +53,7 @@ from libdsec import DSecClient, DSecContainerRunArgs
 from ..images.builders import build_python
 from ..images.store import LayerStore
 from ..local import serving
+from . import harbor_peer
 from .clean_copy import _commit
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS
 from .results import save_results
@@ -206,18 +216,81 @@ def _podman_arms(store: LayerStore, task: Path, work: Path, o: dict) -> dict:
     return {"build": _stats(builds), "rebuild": _stats(rebuilds), "start": _stats(starts)}
 
 
+HARBOR_VENV = Path("/var/lib/dsec-test/harbor-venv-0.25.0")
+HARBOR_TASKS = Path(__file__).resolve().parents[3] / "tests" / "harbor_tasks"
+HARBOR_GOAL = 5.0
+
+
+def _harbor_skipped(venv: Path, tasks: Path) -> str | None:
+    if not (venv / "bin" / "harbor").exists():
+        return f"no Harbor venv at {venv} (tests/integration/test_harbor.py makes it; --harbor-venv names another)"
+    if not tasks.is_dir():
+        return f"no Harbor tasks at {tasks} (a source checkout's tests/harbor_tasks)"
+    return harbor_peer.missing()
+
+
+def _harbor_run(o: dict, env: dict, environment: tuple[str, ...], names: list[str], work: Path) -> dict:
+    """One ``harbor run -a oracle`` of ``names``: its wall time, trials per minute, the rewards."""
+    jobs = Path(tempfile.mkdtemp(prefix="jobs-", dir=work))
+    include = [arg for name in names for arg in ("-i", name)]
+    t = time.perf_counter()
+    done = subprocess.run([str(o["harbor_venv"] / "bin" / "harbor"), "run", "-p", str(o["harbor_tasks"]),
+                           "-a", "oracle", *environment, "-o", str(jobs), "-y", "-n", str(o["harbor_concurrency"]),
+                           *include], capture_output=True, text=True, env=env, timeout=3600)
+    took = time.perf_counter() - t
+    rewards = {}
+    for path in jobs.glob("*/*/result.json"):
+        result = json.loads(path.read_text())
+        rewards[result["task_name"]] = ((result.get("verifier_result") or {}).get("rewards") or {}).get("reward")
+    shutil.rmtree(jobs, ignore_errors=True)
+    if sorted(rewards) != sorted(names) or any(v != 1.0 for v in rewards.values()):
+        raise RuntimeError(f"harbor run {' '.join(environment)}: rewards {rewards} "
+                           f"(exit {done.returncode}): {(done.stdout + done.stderr)[-1500:]}")
+    return {"seconds": took, "trials": len(rewards), "trials_per_min": 60 * len(rewards) / took}
+
+
+def _harbor_arm(server, store: LayerStore, cache_dir: Path, o: dict, console: Console) -> dict:
+    names = sorted(o["harbor_task_names"] or harbor_peer.public_tasks(o["harbor_tasks"]))
+    work = Path(tempfile.mkdtemp(prefix="dsec-bench-harbor-"))
+    env = {**os.environ, "HOME": str(work), "HARBOR_TELEMETRY": "0", "DSEC_ENDPOINT": server.endpoint,
+           "DSEC_TOKEN": server.token, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "COLUMNS": "2000"}
+    r: dict = {"tasks": len(names), "concurrency": o["harbor_concurrency"]}
+    try:
+        ours = ("--env", "dsec.integrations.harbor:DSecEnvironment")
+        console.print(f"Harbor: {len(names)} tasks, -n {o['harbor_concurrency']}, on DSec (a warm-up run, then the measured one) …")
+        _harbor_run(o, env, ours, names, work)
+        r["dsec"] = _harbor_run(o, env, ours, names, work)
+        console.print("Harbor: the same on its docker environment (a dockerd of the benchmark's own) …")
+        with harbor_peer.docker_peer(store, cache_dir) as peer:
+            theirs = (*peer.harbor_args, "--no-delete")
+            _harbor_run(o, {**env, **peer.env}, theirs, names, work)
+            r["docker"] = _harbor_run(o, {**env, **peer.env}, theirs, names, work)
+            r["docker"]["dockerd_dir"] = str(peer.root)  # (gone after the run)
+        r["ratio"] = r["dsec"]["trials_per_min"] / r["docker"]["trials_per_min"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return r
+
+
 def main(state_dir: Path, console: Console, files: int = 200, build_rounds: int = 3, rebuild_rounds: int = 5,
          start_rounds: int = 30, podman_start_rounds: int = 10, podman: bool = True,
-         store_dir: Path | None = None) -> int:
+         store_dir: Path | None = None, harbor: bool = True, harbor_venv: Path = HARBOR_VENV,
+         harbor_tasks: Path = HARBOR_TASKS, harbor_concurrency: int = 4,
+         harbor_task_names: tuple[str, ...] = ()) -> int:
     """Run it, print the table and the goals, write ``<state_dir>.json``; 0 when it ran cleanly.
     The layer store (``store_dir``, else ``<state_dir>-store``) outlives the run."""
     state_dir = Path(state_dir).resolve()
     started = datetime.now(timezone.utc)
     store = python_store(state_dir, store_dir, console)
     o = {"files": files, "build_rounds": build_rounds, "rebuild_rounds": rebuild_rounds,
-         "start_rounds": start_rounds, "podman_start_rounds": podman_start_rounds}
+         "start_rounds": start_rounds, "podman_start_rounds": podman_start_rounds,
+         "harbor_concurrency": harbor_concurrency}
     r: dict = {"commit": _commit(), "started": started.isoformat(timespec="seconds"), **o,
                "load_start": os.getloadavg()[0]}
+    o.update(harbor_venv=Path(harbor_venv), harbor_tasks=Path(harbor_tasks), harbor_task_names=tuple(harbor_task_names))
+    harbor_skipped = "--no-harbor" if not harbor else _harbor_skipped(o["harbor_venv"], o["harbor_tasks"])
+    if harbor_skipped:
+        r["harbor_skipped"] = harbor_skipped
     console.print(f"[bold]dsec bench harness[/bold]: a task of {files} source files, commit {r['commit']}, "
                   f"load {r['load_start']:.1f}")
     errors: list[str] = []
@@ -225,14 +298,22 @@ def main(state_dir: Path, console: Console, files: int = 200, build_rounds: int 
     task = _task(work / "task", files, secrets.token_hex(8), "python")
 
     async def run() -> None:
-        with serving(state_dir, "--pool-max", "4", "--fncall-max", "0") as server:
-            async with DSecClient(server.endpoint, token=server.token) as client:
-                r["dsec"] = await _dsec(client, task, o, console)
+        with serving(state_dir, "--pool-max", str(max(4, harbor_concurrency)), "--fncall-max", "0") as server:
+            try:
+                async with DSecClient(server.endpoint, token=server.token) as client:
+                    r["dsec"] = await _dsec(client, task, o, console)
+            except Exception as exc:  # noqa: BLE001 - reported
+                errors.append(f"DSec: {type(exc).__name__}: {exc}")
+            if not harbor_skipped:
+                try:
+                    r["harbor"] = await asyncio.to_thread(_harbor_arm, server, store, store_dir.parent, o, console)
+                except Exception as exc:  # noqa: BLE001 - reported
+                    errors.append(f"Harbor: {type(exc).__name__}: {exc}")
 
     try:
         asyncio.run(run())
     except Exception as exc:  # noqa: BLE001 - reported
-        errors.append(f"DSec: {type(exc).__name__}: {exc}")
+        errors.append(f"DSec's server: {type(exc).__name__}: {exc}")
     if not podman:
         r["podman_skipped"] = "--no-podman"
     elif not os.path.exists(PODMAN):
@@ -271,4 +352,17 @@ def _report(console: Console, r: dict) -> None:
                       f"{d['first_start_ms']:.0f} ms; p90 of the others {d['start']['p90_ms']:.0f} ms")
     if "podman_skipped" in r:
         console.print(f"podman skipped: {r['podman_skipped']}")
+    h = r.get("harbor")
+    if h and "docker" in h:
+        table = Table(title=f"Harbor oracle trials per minute: {h['tasks']} tasks, harbor run -n {h['concurrency']}, "
+                            "images built (after a warm-up run each way)")
+        for col in ("arm", "DSec", "Harbor docker", "DSec / docker", "goal"):
+            table.add_column(col)
+        goals["harbor"] = h["ratio"] >= HARBOR_GOAL
+        table.add_row("trials / min", f"{h['dsec']['trials_per_min']:.1f}", f"{h['docker']['trials_per_min']:.1f}",
+                      f"{h['ratio']:.1f}×", f"DSec ≥ {HARBOR_GOAL:.0f}× docker: {'met' if goals['harbor'] else 'MISSED'}")
+        table.add_row("wall s", f"{h['dsec']['seconds']:.1f}", f"{h['docker']['seconds']:.1f}", "", "")
+        console.print(table)
+    if "harbor_skipped" in r:
+        console.print(f"Harbor oracle trials per minute skipped: {r['harbor_skipped']}")
     r["goals"] = goals
