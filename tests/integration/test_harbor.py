@@ -139,7 +139,8 @@ def docker_peer(test_store, python_image):
     from dsec.images.store import LayerStore
 
     try:
-        with docker_peer(LayerStore(test_store), Path(test_store).parent) as peer:
+        # (main stopped after 1 s, not 10: this test checks what the peer answers, not its speed)
+        with docker_peer(LayerStore(test_store), Path(test_store).parent, quick_stop=True) as peer:
             yield peer
     except PeerUnavailable as exc:
         pytest.skip(f"Harbor's docker environment cannot run here: {exc}")

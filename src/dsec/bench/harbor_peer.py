@@ -143,9 +143,11 @@ def _unmount_under(root: Path) -> None:
 
 
 @contextmanager
-def docker_peer(store: LayerStore, cache_dir: Path) -> Iterator[DockerPeer]:
+def docker_peer(store: LayerStore, cache_dir: Path, quick_stop: bool = False) -> Iterator[DockerPeer]:
     """A dockerd of the peer's own with the ``python`` image imported and Compose v2 as its plugin;
-    on the way out everything it made is gone. ``PeerUnavailable`` says why when it cannot be."""
+    on the way out everything it made is gone. ``PeerUnavailable`` says why when it cannot be.
+    ``quick_stop``: ``main`` is stopped after 1 s, not docker's 10 (its ``sleep infinity`` as pid 1
+    ignores SIGTERM): for tests of what the peer answers, never for its speed."""
     why = missing()
     if why:
         raise PeerUnavailable(why)
@@ -154,7 +156,7 @@ def docker_peer(store: LayerStore, cache_dir: Path) -> Iterator[DockerPeer]:
     root = Path(tempfile.mkdtemp(prefix="dsec-docker-", dir="/tmp"))
     (root / "config" / "cli-plugins").mkdir(parents=True)
     shutil.copy2(compose, root / "config" / "cli-plugins" / "docker-compose")
-    (root / "no-network.yaml").write_text(OVERLAY)
+    (root / "no-network.yaml").write_text(OVERLAY + ("    stop_grace_period: 1s\n" if quick_stop else ""))
     peer = DockerPeer(root, env={"DOCKER_HOST": f"unix://{root}/docker.sock", "DOCKER_CONFIG": str(root / "config"),
                                  "COMPOSE_BAKE": "false"},  # (no buildx: compose builds with the daemon's BuildKit)
                       harbor_args=("--env", "docker", "--extra-docker-compose", str(root / "no-network.yaml")))

@@ -111,7 +111,10 @@ def build_debian(
             raise LayerBuildError(f"invalid package name {package!r}")
     with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work:
         root = Path(work, "rootfs")
-        cmd = ["debootstrap", "--variant=minbase"]
+        # Packages downloaded once per store: the next Debian image takes them from here.
+        cache = store.root / "debootstrap-cache" / suite
+        cache.mkdir(parents=True, exist_ok=True)
+        cmd = ["debootstrap", "--variant=minbase", f"--cache-dir={cache}"]
         if packages:
             cmd.append(f"--include={','.join(packages)}")
         cmd += [suite, str(root)]
