@@ -306,7 +306,7 @@ def main(state_dir: Path, console: Console, files: int = 200, build_rounds: int 
                 errors.append(f"DSec: {type(exc).__name__}: {exc}")
             if not harbor_skipped:
                 try:
-                    r["harbor"] = await asyncio.to_thread(_harbor_arm, server, store, store_dir.parent, o, console)
+                    r["harbor"] = await asyncio.to_thread(_harbor_arm, server, store, store.root.parent, o, console)
                 except Exception as exc:  # noqa: BLE001 - reported
                     errors.append(f"Harbor: {type(exc).__name__}: {exc}")
 
