@@ -82,7 +82,8 @@ class ImageBuilder:
         work = Path(tempfile.mkdtemp(prefix="build-", dir=self.store.tmp_dir))
         try:
             await asyncio.to_thread(unpack_context, request.context_b64, work)
-            plan = await asyncio.to_thread(dockerfile.plan, request.dockerfile, work, request.build_args)
+            # A first look (no key: the copied files are read once, below, when the base is known).
+            plan = await asyncio.to_thread(dockerfile.plan, request.dockerfile, work, request.build_args, None, False)
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, work, True)
             raise

@@ -80,11 +80,13 @@ class BuildPlan:
 
 
 def plan(text: str, context: Path, build_args: dict[str, str] | None = None,
-         base_env: dict[str, str] | None = None) -> BuildPlan:
+         base_env: dict[str, str] | None = None, keyed: bool = True) -> BuildPlan:
     """The plan of the Dockerfile ``text`` over the build ``context`` (``DockerfileError``
     naming the line for anything DSec does not build). ``base_env``: the FROM image's ENV,
     which ``$NAME`` in the Dockerfile's own words sees as docker's builder does (``ENV
-    PATH=/opt/venv/bin:$PATH``); PATH is docker's default when the base sets none."""
+    PATH=/opt/venv/bin:$PATH``); PATH is docker's default when the base sets none. Without
+    ``keyed`` the copied files are not read for the key (a first look, to check the Dockerfile
+    and learn its base)."""
     from dockerfile_parse import DockerfileParser
 
     if len(text.encode()) > MAX_DOCKERFILE_BYTES:
@@ -168,7 +170,8 @@ def plan(text: str, context: Path, build_args: dict[str, str] | None = None,
     unknown = sorted(set(build_args) - declared)
     if unknown:
         result.notes.append(f"build args not declared by an ARG, ignored: {', '.join(unknown)}")
-    result.key = _key(result, used_args, context)
+    if keyed:
+        result.key = _key(result, used_args, context)
     return result
 
 
