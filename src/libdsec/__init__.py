@@ -3,6 +3,7 @@
 from ._client import DSecClient, Sandbox, default_token
 from ._process import Process, Session
 from ._pty import Pty
+from ._watch import DirWatch
 from ._errors import (
     BackendError,
     CapacityExceeded,
@@ -31,12 +32,12 @@ from ._errors import (
     Unauthenticated,
 )
 from .protocol import SecurityEvent
-from .protocol import ExecEvent, FileEntry, ProcessInfo
+from .protocol import ExecEvent, FileEntry, FsEvent, ProcessInfo
 from .protocol import BuildResult, DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
 from ._projects import ProjectInfo, ProjectQuota
-from ._sync import SyncDSecClient, SyncProcess, SyncPty, SyncSandbox, SyncSession
+from ._sync import SyncDSecClient, SyncProcess, SyncDirWatch, SyncPty, SyncSandbox, SyncSession
 
 __all__ = [
     "BackendError",
@@ -52,6 +53,7 @@ __all__ = [
     "ExecEvent",
     "ExecResult",
     "FileEntry",
+    "FsEvent",
     "FnCallResult",
     "ImageBuildFailed",
     "ImageInfo",
@@ -71,6 +73,7 @@ __all__ = [
     "ProjectNotFound",
     "ProjectQuota",
     "Pty",
+    "DirWatch",
     "QuotaExceeded",
     "ReplayDiverged",
     "ReplayIncomplete",
@@ -90,6 +93,7 @@ __all__ = [
     "SyncDSecClient",
     "SyncProcess",
     "SyncPty",
+    "SyncDirWatch",
     "SyncSandbox",
     "SyncSession",
     "Unauthenticated",

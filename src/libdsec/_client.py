@@ -36,8 +36,10 @@ from ._process import Process, Session, events_of, run_with_callbacks
 from ._projects import _ProjectMethods
 from ._replay import Replay
 from ._pty import Pty
+from ._watch import DirWatch
 from ._transport import Answer, Transport, check_choice, make_transport
 from ._wire import CannotConnect, ConnectionBroken, WireError
+from .protocol import OpenWatchRequest, WatchInfo
 from .protocol import ClusterStats, NetworkRulesRequest, SecurityEvent, SecurityEventList, TTLRequest
 from .protocol import DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
 from .protocol import JOB_HEADER, KEY_HEADER, JobInfo, JobList, JobLog, check_job_name, check_key
@@ -275,6 +277,16 @@ class Sandbox:
                                                          for e in exc.errors())) from None
         body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/ptys", model=request, timeout=60)
         return Pty(self, PtyInfo.model_validate(body))
+
+    async def watch_dir(self, path: str, *, recursive: bool = False) -> DirWatch:
+        """Watch the directory ``path`` (and with ``recursive`` the tree below it) for changes,
+        told by the node's inotify as they happen (see ``DirWatch``): ``async with await
+        sandbox.watch_dir("/work") as watch: print(await watch.events(wait=5))``.
+        ``SandboxFileNotFound`` if it is not there, ``InvalidRequest`` if it is not a directory
+        (or the sandbox is a VM: containers only)."""
+        request = OpenWatchRequest(path=path, recursive=recursive)
+        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/watches", model=request, timeout=60)
+        return DirWatch(self, WatchInfo.model_validate(body))
 
     def port_url(self, port: int) -> str:
         """The URL, through the apiserver, of port ``port`` inside the sandbox: HTTP requests

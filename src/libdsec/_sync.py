@@ -16,7 +16,8 @@ from ._client import DSecClient, OutputCallback, ProgressCallback, Sandbox  # no
 from ._files import SandboxFiles
 from ._process import Process, Session
 from ._pty import Pty
-from .protocol import BuildResult, ExecEvent, FileEntry, ProcessInfo
+from ._watch import DirWatch
+from .protocol import BuildResult, ExecEvent, FileEntry, FsEvent, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
 from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult, JobInfo, JobLog, NodeInfo, SandboxStatus
@@ -95,6 +96,43 @@ class SyncProcess:
 
     def __exit__(self, *exc: object) -> None:
         self._run(self._process.__aexit__(*exc))
+
+
+@twin_of(DirWatch)
+class SyncDirWatch:
+    """Blocking twin of :class:`libdsec.DirWatch`."""
+
+    def __init__(self, runner: _LoopThread, watch: DirWatch) -> None:
+        self._runner = runner
+        self._run = runner.run
+        self._watch = watch
+
+    @property
+    def id(self) -> int:
+        return self._watch.id
+
+    @property
+    def ended(self) -> bool:
+        return self._watch.ended
+
+    @property
+    def dropped(self) -> int:
+        return self._watch.dropped
+
+    def events(self, **kwargs: Any) -> list[FsEvent]:
+        return self._run(self._watch.events(**kwargs))
+
+    def __iter__(self) -> Iterator[FsEvent]:
+        return self._runner.iterate(aiter(self._watch))
+
+    def close(self) -> None:
+        self._run(self._watch.close())
+
+    def __enter__(self) -> SyncDirWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 # aclose stops an async reading loop; a blocking loop closes its reader when it is left.
@@ -246,6 +284,9 @@ class SyncSandbox:
 
     def open_pty(self, **kwargs: Any) -> SyncPty:
         return SyncPty(self._runner, self._run(self._sandbox.open_pty(**kwargs)))
+
+    def watch_dir(self, path: str, **kwargs: Any) -> SyncDirWatch:
+        return SyncDirWatch(self._runner, self._run(self._sandbox.watch_dir(path, **kwargs)))
 
     def port_url(self, port: int) -> str:
         return self._sandbox.port_url(port)

@@ -523,6 +523,41 @@ class FileRemoveRequest(_Model):
     recursive: bool = False
 
 
+MAX_WATCH_WAIT_S = 60.0
+
+
+class OpenWatchRequest(_Model):
+    """Watch a directory of the sandbox (``sandbox.watch_dir``): what changes in it, and with
+    ``recursive`` in the tree below it, is told as ``FsEvent``s (inotify: no polling)."""
+
+    path: str
+    recursive: bool = False
+
+
+class WatchInfo(_Model):
+    id: int  # the node's, for this sandbox's watch calls; watches end with the node's edge
+    path: str
+    recursive: bool
+
+
+class FsEvent(_Model):
+    """A change in a watched directory, as E2B's envd tells it: ``create`` (a name made or moved
+    in), ``write``, ``remove``, ``rename`` (a name moved away), ``chmod`` (mode or owner)."""
+
+    type: Literal["create", "write", "remove", "rename", "chmod"]
+    name: str  # relative to the watched directory
+
+
+class WatchEventsRequest(_Model):
+    wait: float = Field(default=0.0, ge=0.0, le=MAX_WATCH_WAIT_S)  # for a first event, when none is held
+
+
+class WatchEvents(_Model):
+    events: list[FsEvent]
+    dropped: int = 0  # events lost because nobody read them in time (the oldest go first)
+    ended: bool = False  # the directory went (removed or moved) or the sandbox stopped: the watch is closed
+
+
 class FileRenameRequest(_Model):
     src: str
     dst: str

@@ -46,6 +46,7 @@ from libdsec.protocol import (
     PackDiffResult,
     OpenPtyRequest,
     OpenSessionRequest,
+    OpenWatchRequest,
     PauseResult,
     ProcessInfo,
     ProcessList,
@@ -64,6 +65,9 @@ from libdsec.protocol import (
     SnapshotInfo,
     StartProcessRequest,
     TreeDownloadRequest,
+    WatchEvents,
+    WatchEventsRequest,
+    WatchInfo,
 )
 
 from ..edge.files import file_mode as parse_file_mode
@@ -483,6 +487,24 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
     @app.post("/v1/sandboxes/{sandbox_id}/ptys/{pty}/close", dependencies=auth, responses=_ERRORS)
     async def close_pty(sandbox_id: str, pty: int = pty_id) -> dict:
         await cluster.edge_for(sandbox_id).close_pty(sandbox_id, pty)
+        return {"ok": True}
+
+    # -- directory watches (held by the sandbox's node: dsec.edge.watches) ---------------------
+
+    watch_id = Path(ge=1, le=999_999_999)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/watches", dependencies=auth, responses=_ERRORS)
+    async def open_watch(sandbox_id: str, request: OpenWatchRequest) -> WatchInfo:
+        return await cluster.edge_for(sandbox_id).open_watch(sandbox_id, request)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/watches/{watch}/events", dependencies=auth, responses=_ERRORS)
+    async def watch_events(sandbox_id: str, request: WatchEventsRequest, watch: int = watch_id) -> WatchEvents:
+        """The changes since the last call; ``wait``: seconds to wait for a first one."""
+        return await cluster.edge_for(sandbox_id).watch_events(sandbox_id, watch, request.wait)
+
+    @app.post("/v1/sandboxes/{sandbox_id}/watches/{watch}/close", dependencies=auth, responses=_ERRORS)
+    async def close_watch(sandbox_id: str, watch: int = watch_id) -> dict:
+        await cluster.edge_for(sandbox_id).close_watch(sandbox_id, watch)
         return {"ok": True}
 
     # -- sessions ---------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from libdsec.protocol import (
     NodeStats,
     PackDiffResult,
     OpenPtyRequest,
+    OpenWatchRequest,
     OpenSessionRequest,
     PauseResult,
     ProcessInfo,
@@ -54,6 +55,8 @@ from libdsec.protocol import (
     SessionInfo,
     SnapshotInfo,
     StartProcessRequest,
+    WatchEvents,
+    WatchInfo,
 )
 
 NODE_NAME = re.compile(r"^[a-z0-9]{1,32}\Z")
@@ -179,6 +182,16 @@ class EdgeAPI(Protocol):
         ...
 
     async def close_pty(self, sandbox_id: str, pty: int) -> None: ...
+
+    # Directory watches (``dsec.edge.watches``): inotify from the node, for sandboxes whose
+    # files the node reaches (containers); ``SessionClosed`` for a watch that is not open.
+    async def open_watch(self, sandbox_id: str, request: OpenWatchRequest) -> WatchInfo: ...
+
+    async def watch_events(self, sandbox_id: str, watch: int, wait: float = 0.0) -> WatchEvents:
+        """The events since the last call, waiting up to ``wait`` seconds for a first one."""
+        ...
+
+    async def close_watch(self, sandbox_id: str, watch: int) -> None: ...
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
 

@@ -54,8 +54,11 @@ from libdsec.protocol import (
     ExecResult,
     FileEntry,
     OpenPtyRequest,
+    OpenWatchRequest,
     OpenSessionRequest,
     PtyInfo,
+    WatchEvents,
+    WatchInfo,
     ProcessInfo,
     ProcessStreamRequest,
     SessionInfo,
@@ -92,6 +95,7 @@ from .security import EdgeSecurity
 from .build import ImageBuilder
 from . import files, processes, sessions
 from .pty import PtyTable
+from .watches import Watches
 from .stream import stream_bytes, stream_exec
 from .stats import EdgeStats
 
@@ -145,6 +149,7 @@ class Edge:
         self.fncalls = fncalls  # the warm pool for stateless calls (dsec.fncall), if served here
         self.stats = EdgeStats()  # what node_stats reports
         self.ptys = PtyTable()  # commands on terminals: this process's, they end with it
+        self.watches = Watches()  # directory watches (inotify): this process's, they end with it
 
     # -- start / close ---------------------------------------------------------------------
 
@@ -198,6 +203,7 @@ class Edge:
         self.warm_pool.stop_filling()
         await self.reaper.close()
         await self.ptys.close_all()
+        self.watches.close_all()
         await asyncio.gather(*self._undoing, return_exceptions=True)
         for task in list(self._looking.values()):
             task.cancel()
@@ -656,6 +662,26 @@ class Edge:
     async def close_pty(self, sandbox_id: str, pty: int) -> None:
         await self.ptys.close(sandbox_id, pty)
 
+    # -- directory watches: inotify from the node (dsec.edge.watches) ------------------------
+
+    async def open_watch(self, sandbox_id: str, request: OpenWatchRequest) -> WatchInfo:
+        path = files.check_path(request.path)
+        rec = await self._ready(sandbox_id, Action.read_file)
+        backend = self.backends[rec.kind]
+        if Capability.HOST_PATHS not in backend.capabilities:
+            raise InvalidRequest(f"a {rec.kind} sandbox's directories cannot be watched from the node")
+
+        def open_dir(where: str) -> int:
+            return backend.open_path(rec.handle, where, os.O_RDONLY | os.O_DIRECTORY)
+        rec.last_active = time.time()
+        return self.watches.open(sandbox_id, path, request.recursive, open_dir)
+
+    async def watch_events(self, sandbox_id: str, watch: int, wait: float = 0.0) -> WatchEvents:
+        return await self.watches.events(sandbox_id, watch, wait)
+
+    async def close_watch(self, sandbox_id: str, watch: int) -> None:
+        self.watches.close(sandbox_id, watch)
+
     # -- sessions: a shell whose state persists (a background process: dsec.edge.processes) ---
 
     async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
@@ -1031,6 +1057,7 @@ class Edge:
         self.security.check_tampering(rec)
         await self.security.check_guest_tampering(rec)
         await self.ptys.close_sandbox(sandbox_id)
+        self.watches.close_sandbox(sandbox_id)
         try:
             await self.backends[rec.kind].destroy(rec.handle)
         except Exception as exc:
@@ -1138,6 +1165,7 @@ class Edge:
         self.admission.unhold(rec.id)
         self.security.check_tampering(rec)
         await self.ptys.close_sandbox(rec.id)
+        self.watches.close_sandbox(rec.id)
         try:
             await self.backends[rec.kind].destroy(rec.handle)
         finally:

@@ -157,10 +157,23 @@ def test_watch_dir(sandbox):
     handle = sandbox.files.watch_dir("/root/watched")
     try:
         sandbox.files.write("/root/watched/new.txt", "x")
-        events = handle.get_new_events()
-        assert (FilesystemEventType.CREATE, "new.txt") in [(e.type, e.name) for e in events]
-        sandbox.files.remove("/root/watched/new.txt")
-        assert (FilesystemEventType.REMOVE, "new.txt") in [(e.type, e.name) for e in handle.get_new_events()]
+        events = handle.get_new_events()  # as envd's inotify tells a new file written: three
+        assert [(e.type, e.name) for e in events] == [
+            (FilesystemEventType.CREATE, "new.txt"), (FilesystemEventType.CHMOD, "new.txt"),
+            (FilesystemEventType.WRITE, "new.txt")]
+        sandbox.files.rename("/root/watched/new.txt", "/root/watched/old.txt")
+        sandbox.files.remove("/root/watched/old.txt")
+        assert [(e.type, e.name) for e in handle.get_new_events()] == [
+            (FilesystemEventType.RENAME, "new.txt"), (FilesystemEventType.CREATE, "old.txt"),
+            (FilesystemEventType.REMOVE, "old.txt")]
+    finally:
+        handle.stop()
+    # Recursive: a folder made after the watch is watched too.
+    handle = sandbox.files.watch_dir("/root/watched", recursive=True)
+    try:
+        sandbox.files.make_dir("/root/watched/nested")
+        sandbox.files.write("/root/watched/nested/f.txt", "y")
+        assert (FilesystemEventType.WRITE, "nested/f.txt") in [(e.type, e.name) for e in handle.get_new_events()]
     finally:
         handle.stop()
     with pytest.raises(NotFoundException):

@@ -1,17 +1,21 @@
 """envd's ``filesystem.Filesystem`` service on DSec's file calls (``sandbox.files``: list, stat,
 remove, make_dir, rename — each one command in the sandbox).
 
-Watching a directory is polling: DSec has no watch of its own, so ``WatchDir`` lists the tree
-every ``POLL_S`` and tells what appeared (``CREATE``), went (``REMOVE``) or changed size or
-mtime (``WRITE``) since; the sync SDK's watchers (``CreateWatcher`` / ``GetWatcherEvents``)
-compare against the listing of their previous call. A change undone between two looks is not
-seen, and renames show as a remove and a create. Watchers live in this apiserver's memory
-(at most ``MAX_WATCHERS``), not with the sandbox.
+A container's directory is watched by its node's inotify (``dsec.edge.watches``): the events
+are envd's own (three for a new file written, renames as renames). The sync SDK's watchers
+(``CreateWatcher`` / ``GetWatcherEvents``) are then the node's watch, its id ``n<id>``: any
+apiserver answers for it, and an edge restart ends it (``NOT_FOUND``). A VM's files the node
+cannot watch: there ``WatchDir`` lists the tree every ``POLL_S`` and tells what appeared
+(``CREATE``), went (``REMOVE``) or changed size or mtime (``WRITE``), and a watcher compares
+against the listing of its previous call (a change undone between two looks is not seen,
+renames show as a remove and a create); those watchers live in this apiserver's memory (at
+most ``MAX_WATCHERS``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import posixpath
 import secrets
 import stat as stat_bits
@@ -26,13 +30,15 @@ from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from e2b.envd.filesystem import filesystem_pb as pb
 
-from libdsec import DSecError, SandboxFileNotFound
-from libdsec.protocol import FileEntry
+from libdsec import DSecError, SandboxFileNotFound, SessionClosed
+from libdsec.protocol import FileEntry, FsEvent, OpenWatchRequest, WatchInfo
 
 from ._errors import rpc_error
 from .envd import EnvdContext, Target
 
 POLL_S = 0.2
+NODE_WAIT_S = 20.0  # one long wait on the node for a watch's next events
+_NODE_WATCH = "n"  # the sync SDK's watcher ids that name a node's watch
 MAX_WATCHERS = 1024
 MAX_WATCHED_DIRS = 256  # directories one recursive look lists at most
 
@@ -52,6 +58,14 @@ def entry_info(entry: FileEntry) -> pb.EntryInfo:
         owner=_owner(entry.uid), group=_owner(entry.gid),
         modified_time=Timestamp(seconds=seconds, nanos=int((entry.mtime - seconds) * 1e9)),
         symlink_target=entry.target, is_symlink=entry.type == "symlink")
+
+
+_EVENT_TYPES = {"create": pb.EventType.CREATE, "write": pb.EventType.WRITE, "remove": pb.EventType.REMOVE,
+                "rename": pb.EventType.RENAME, "chmod": pb.EventType.CHMOD}
+
+
+def _event(event: FsEvent) -> pb.FilesystemEvent:
+    return pb.FilesystemEvent(name=event.name, type=_EVENT_TYPES[event.type])
 
 
 def _call_errors(exc: DSecError) -> ConnectError:
@@ -189,20 +203,42 @@ class FilesystemService:
             raise ConnectError(Code.INVALID_ARGUMENT, f"path '{full}' is not a directory")
         return full
 
+    async def _node_watch(self, target: Target, path: str, recursive: bool) -> WatchInfo | None:
+        """The node's inotify watch of ``path`` (a container's), or None where the node cannot
+        watch (a VM's files): then the listing is polled."""
+        if (await target.edge.get(target.sandbox_id)).kind != "container":
+            return None
+        return await target.edge.open_watch(target.sandbox_id, OpenWatchRequest(path=path, recursive=recursive))
+
     async def watch_dir(self, request: pb.WatchDirRequest, ctx) -> AsyncIterator[pb.WatchDirResponse]:
         target = self.envd.target(ctx)
         try:
             path = await self._watched(target, request.path)
-            seen = await _look(target, path, request.recursive)
+            watch = await self._node_watch(target, path, request.recursive)
+            seen = await _look(target, path, request.recursive) if watch is None else {}
         except DSecError as exc:
             raise _call_errors(exc) from None
         yield pb.WatchDirResponse(event=Oneof("start", pb.WatchDirResponse.StartEvent()))
+        if watch is not None:
+            try:
+                while True:
+                    try:
+                        answer = await target.edge.watch_events(target.sandbox_id, watch.id, NODE_WAIT_S)
+                    except DSecError as exc:
+                        raise _call_errors(exc) from None
+                    for event in answer.events:
+                        yield pb.WatchDirResponse(event=Oneof("filesystem", _event(event)))
+                    if answer.ended:
+                        return  # the directory itself went: envd ends the watch too
+            finally:
+                with contextlib.suppress(DSecError):
+                    await target.edge.close_watch(target.sandbox_id, watch.id)
         while True:
             await asyncio.sleep(POLL_S)
             try:
                 now = await _look(target, path, request.recursive)
             except SandboxFileNotFound:
-                return  # the directory itself went: envd ends the watch too
+                return
             except DSecError as exc:
                 raise _call_errors(exc) from None
             for event in _changes(seen, now):
@@ -213,6 +249,9 @@ class FilesystemService:
         target = self.envd.target(ctx)
         try:
             path = await self._watched(target, request.path)
+            watch = await self._node_watch(target, path, request.recursive)
+            if watch is not None:  # held by the node: any apiserver answers for it
+                return pb.CreateWatcherResponse(watcher_id=f"{_NODE_WATCH}{watch.id}")
             seen = await _look(target, path, request.recursive)
         except DSecError as exc:
             raise _call_errors(exc) from None
@@ -228,11 +267,22 @@ class FilesystemService:
             raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id!r} not found")
         return watcher
 
+    @staticmethod
+    def _node_watch_id(watcher_id: str) -> int | None:
+        number = watcher_id.removeprefix(_NODE_WATCH)
+        return int(number) if watcher_id.startswith(_NODE_WATCH) and number.isdigit() and len(number) < 10 else None
+
     async def get_watcher_events(self, request: pb.GetWatcherEventsRequest, ctx) -> pb.GetWatcherEventsResponse:
         target = self.envd.target(ctx)
-        watcher = self._watcher(target, request.watcher_id)
+        node_watch = self._node_watch_id(request.watcher_id)
         try:
+            if node_watch is not None:
+                answer = await target.edge.watch_events(target.sandbox_id, node_watch, 0.0)
+                return pb.GetWatcherEventsResponse(events=[_event(e) for e in answer.events])
+            watcher = self._watcher(target, request.watcher_id)
             now = await _look(target, watcher.path, watcher.recursive)
+        except SessionClosed:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id!r} not found") from None
         except DSecError as exc:
             raise _call_errors(exc) from None
         events, watcher.seen = _changes(watcher.seen, now), now
@@ -240,6 +290,15 @@ class FilesystemService:
 
     async def remove_watcher(self, request: pb.RemoveWatcherRequest, ctx) -> pb.RemoveWatcherResponse:
         target = self.envd.target(ctx)
+        node_watch = self._node_watch_id(request.watcher_id)
+        if node_watch is not None:
+            try:
+                await target.edge.close_watch(target.sandbox_id, node_watch)
+            except SessionClosed:
+                raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id!r} not found") from None
+            except DSecError as exc:
+                raise _call_errors(exc) from None
+            return pb.RemoveWatcherResponse()
         self._watcher(target, request.watcher_id)
         del self.watchers[request.watcher_id]
         return pb.RemoveWatcherResponse()
