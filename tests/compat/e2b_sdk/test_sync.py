@@ -265,3 +265,38 @@ def test_pty_create_type_resize_connect_and_kill(sandbox):
             break
         time.sleep(0.2)
     assert not sandbox.pty.kill(terminal.pid)
+
+
+def test_signed_file_urls_need_no_key_and_expire(sandbox):
+    """download_url / upload_url as E2B's own tests use them: fetched with no key, the
+    signature checked against the sandbox's envd token; expired or altered, a 401."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    import httpx
+
+    sandbox.files.write("/root/signed.txt", "This file will be fetched.")
+    for url in (sandbox.download_url("/root/signed.txt"), sandbox.download_url("/root/signed.txt", None, 120)):
+        with urllib.request.urlopen(url) as answer:
+            assert answer.status == 200 and answer.read() == b"This file will be fetched."
+    expired = sandbox.download_url("/root/signed.txt", use_signature_expiration=-120)
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(expired)
+    assert caught.value.code == 401
+    assert json.loads(caught.value.read()) == {"code": 401, "message": "signature is already expired"}
+    altered = sandbox.download_url("/root/signed.txt").replace("signed.txt", "other.txt")
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(altered)
+    assert caught.value.code == 401 and json.loads(caught.value.read())["message"] == "invalid signature"
+    # An upload link: a multipart POST, no key.
+    answer = httpx.post(sandbox.upload_url("/root/uploaded.txt"), files={"file": ("uploaded.txt", b"up it goes")})
+    assert answer.status_code == 200, answer.text
+    assert sandbox.files.read("/root/uploaded.txt") == "up it goes"
+    # A read link does not write.
+    answer = httpx.post(sandbox.download_url("/root/uploaded.txt"), files={"file": ("x", b"no")})
+    assert answer.status_code == 401
+    # No signature at all: refused, naming what is missing.
+    bare = sandbox.download_url("/root/uploaded.txt").split("&signature=")[0]
+    answer = httpx.get(bare)
+    assert answer.status_code == 401 and "signature" in answer.json()["message"]

@@ -40,11 +40,15 @@ def add_e2b_routes(app: FastAPI, cluster: Cluster, authenticator: Authenticator)
     envd = EnvdContext(cluster, tokens)
     process = ProcessASGIApplication(ProcessService(envd))
     files = FilesystemASGIApplication(FilesystemService(envd))
-    app.mount("/e2b/envd", EnvdApp(envd, {process.path + "/": process, files.path + "/": files}))
+    envd_app = EnvdApp(envd, {process.path + "/": process, files.path + "/": files})
+    app.mount("/e2b/envd", envd_app)
     envd_mount = app.routes[-1]
+    # The SDK's signed file URLs: /files joined to E2B_SANDBOX_URL, its path dropped.
+    app.add_api_route("/files", envd_app.signed_files, methods=["GET", "POST"], include_in_schema=False)
+    signed_files = app.routes[-1]
     router = e2b_router(cluster, authenticator, tokens)
     app.include_router(router)
-    return [envd_mount, *router.routes]
+    return [envd_mount, signed_files, *router.routes]
 
 
 def _add_missing(app: FastAPI, why: str) -> None:

@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import os
 import posixpath
+import time
 from dataclasses import dataclass
 
 from starlette.requests import Request
@@ -49,6 +50,14 @@ class EnvdTokens:
             return hmac.new(self._key, sandbox_id.encode(), hashlib.sha256).hexdigest()
         mac = hmac.new(self._key, f"{sandbox_id}\0{user}".encode(), hashlib.sha256).hexdigest()
         return f"{user}.{mac}"
+
+    @staticmethod
+    def signature(path: str, operation: str, user: str, token: str, expiration: int | None) -> str:
+        """A file URL's signature as the e2b SDK makes it (``e2b.sandbox.signature``): ``v1_``
+        and the unpadded base64 of SHA-256 over the path, ``read`` or ``write``, the user ('' for
+        the sandbox's own), the envd token and the expiration (when there is one)."""
+        raw = f"{path}:{operation}:{user}:{token}" + ("" if expiration is None else f":{expiration}")
+        return "v1_" + base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
 
     def check(self, sandbox_id: str, given: str) -> str | None:
         """The sandbox's own user the token names (``root`` when none), or None: not its token."""
@@ -116,6 +125,32 @@ class EnvdContext:
         user = username or _basic_user(headers.get("authorization", ""))
         return Target(self.cluster.edge_for(sandbox_id), sandbox_id, user, own_user)
 
+    async def signed(self, request: Request) -> Target:
+        """The sandbox and user of a signed file URL (``download_url`` / ``upload_url``), which
+        needs no key: its ``signature`` is checked against the sandbox's envd token. The SDK
+        joins ``/files`` to ``E2B_SANDBOX_URL`` (its path dropped), so the URL may name no
+        sandbox: then it is the running sandbox whose token signed it."""
+        query = request.query_params
+        given, path, user = query.get("signature", ""), query.get("path", ""), query.get("username", "")
+        expiration = query.get("signature_expiration")
+        if expiration is not None:
+            if not expiration.lstrip("-").isdigit():
+                raise InvalidRequest(f"signature_expiration {expiration!r} is not a Unix time")
+            if int(expiration) < time.time():
+                raise Unauthenticated("signature is already expired")
+        operation = "read" if request.method == "GET" else "write"
+        named = request.headers.get("e2b-sandbox-id")
+        if named:
+            candidates = [await self.cluster.edge_for(named).get(named)]
+        else:
+            candidates = [info for info in await self.cluster.list_sandboxes() if info.status is SandboxStatus.running]
+        for info in candidates:
+            token = self.tokens.token(info.id, info.init_user)
+            wanted = self.tokens.signature(path, operation, user, token, None if expiration is None else int(expiration))
+            if hmac.compare_digest(wanted.encode(), given.encode()):
+                return Target(self.cluster.edge_for(info.id), info.id, user or None, info.init_user)
+        raise Unauthenticated("invalid signature")
+
     def target(self, ctx) -> Target:
         """For an RPC: its sandbox and user, or the Connect error that refuses it."""
         try:
@@ -178,12 +213,25 @@ class EnvdApp:
 
     async def _files(self, request: Request) -> Response:
         try:
-            target = self.envd.resolve(request.headers, request.query_params.get("username") or None)
+            if "signature" in request.query_params and "x-access-token" not in request.headers:
+                target = await self.envd.signed(request)
+            else:
+                target = self.envd.resolve(request.headers, request.query_params.get("username") or None)
             if request.method == "GET":
                 return await self._read(request, target)
             return await self._write(request, target)
         except DSecError as exc:
             return _envd_error(exc)
+
+    async def signed_files(self, request: Request) -> Response:
+        """``/files`` at the apiserver's root: where the SDK's signed file URLs land (see
+        ``EnvdContext.signed``); a request with no signature is refused as envd refuses it."""
+        if request.method not in ("GET", "POST"):
+            return JSONResponse({"code": 405, "message": f"{request.method} /files: GET or POST"}, status_code=405)
+        if "signature" not in request.query_params:
+            return _envd_error(Unauthenticated("a file URL needs its signature (sandbox.download_url / upload_url), "
+                                               "or envd's X-Access-Token and E2b-Sandbox-Id at /e2b/envd/files"))
+        return await self._files(request)
 
     async def _read(self, request: Request, target: Target) -> Response:
         path = target.path(request.query_params.get("path", ""))
