@@ -220,11 +220,18 @@ async def test_ptys_end_with_an_edge_restart(state_dir):
                     break
                 await asyncio.sleep(0.1)
             assert "sleep 1000" in listed, listed
+            watch = await sandbox.watch_dir("/tmp")  # (a directory watch is the edge's too)
         port = server.port
         server.kill()
         server = LocalServer(state_dir, port=port).start()
         async with DSecClient(server.endpoint, token=server.token) as client:
             sandbox = await client.get_sandbox(sandbox.id)
+            old_watch = type(watch)(sandbox, watch.info)
+            with pytest.raises(SessionClosed, match="edge restarted"):
+                await old_watch.events()
+            async with await sandbox.watch_dir("/tmp") as fresh_watch:
+                await sandbox.run_shell("touch /tmp/after")
+                assert [(e.type, e.name) for e in await fresh_watch.events()] == [("create", "after")]
             again = type(pty)(sandbox, pty.info)
             with pytest.raises(SessionClosed, match="restart of the node's edge"):
                 await again.write(b"echo\n")

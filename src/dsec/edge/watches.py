@@ -31,6 +31,7 @@ import asyncio
 import errno
 import os
 import posixpath
+import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,7 +86,8 @@ class Watches:
         self._inotify: Inotify | None = None
         self._users: dict[Watch, list[_Watch]] = {}  # kernel watch -> the watches that use it
         self._open: dict[tuple[str, int], _Watch] = {}
-        self._next = 0
+        # Ids start anywhere: a watch id kept from before an edge restart names no new watch.
+        self._next = secrets.randbelow(900_000_000)
 
     # -- the calls ---------------------------------------------------------------------------
 
