@@ -39,7 +39,6 @@ from libdsec.protocol import (
     FileEntry,
     FnCallResult,
     ImageInfo,
-    LayerUse,
     NodeInfo,
     NodeStats,
     PackDiffResult,
@@ -55,6 +54,8 @@ from libdsec.protocol import (
     SnapshotInfo,
     StartProcessRequest,
 )
+
+from .protocol import LayerUse
 
 NODE_NAME = re.compile(r"^[a-z0-9]{1,32}\Z")
 SANDBOX_ID = re.compile(r"^([a-z0-9]{1,32})-([0-9a-f]{16})\Z")
@@ -229,7 +230,7 @@ class EdgeAPI(Protocol):
 
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]: ...
 
-    async def set_network_rules(self, sandbox_id: str, rules: dict) -> None: ...
+    async def set_network_rules(self, sandbox_id: str, network_rules: dict) -> None: ...
 
     async def set_ttl(self, sandbox_id: str, ttl_running_stop: float) -> SandboxInfo:
         """A new idle TTL, counted from now (the call is the sandbox's latest)."""
@@ -253,7 +254,7 @@ class EdgeAPI(Protocol):
 
     async def gc_layers(self, in_use: frozenset[str]) -> list[str]: ...
 
-    def build_image(self, request: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
+    def build_image(self, build: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
         """An image from a Dockerfile (``dsec.edge.build``): ``started``, the build's log as
         ``stdout`` events, then ``exit`` (its ``BuildResult`` as JSON in ``result.stdout``) or
         ``error``. A Dockerfile or context it cannot take raises before ``started``."""
