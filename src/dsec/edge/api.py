@@ -9,9 +9,12 @@ interface: never the node's layer store, cgroups or records. Two implementations
 - ``dsec.edge.remote.RemoteEdge``: an edge in another process or on another machine, reached
   over HTTP (``dsec.edge.server`` serves it there).
 
-Both pass one conformance suite (``tests/conformance/test_node_seam.py``). Requests and answers
-are the models of ``libdsec.protocol`` (one per operation); errors are the SDK's error tree, and
-cross the wire as its codes. A node that cannot be reached makes a sandbox call fail with
+Both pass one conformance suite (``tests/conformance/test_node_seam.py``). Each operation is
+declared once in ``dsec.edge.ops`` (its path, models, shapes and timeout), from which the
+server's routes and ``RemoteEdge``'s methods are made; its arguments here are named as its path
+parameters and its request model's fields. Requests and answers are the models of
+``libdsec.protocol`` (one per operation) or, for calls only nodes take, ``dsec.edge.protocol``;
+errors are the SDK's error tree, and cross the wire as its codes. A node that cannot be reached makes a sandbox call fail with
 ``SandboxLost`` (and a create fail with ``NodeUnreachable``, on which placement tries another).
 
 Lifecycle: a node is usable once its owner started it (``Edge.start()``; a ``RemoteEdge`` once
