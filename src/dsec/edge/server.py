@@ -3,8 +3,9 @@
 One route per seam operation under ``/node/v1``, made from its entry in the table of
 ``dsec.edge.ops`` (one generic call: path parameters, query and body parsed by their types and
 the operation's model, then the edge's method by its name; the answer written by its shape).
-Bodies and answers are the models of ``libdsec.protocol`` and ``dsec.edge.protocol``; errors as ``{"error": {"code", "message"}}`` with the error tree's codes
-and statuses (``dsec.edge.remote.RemoteEdge`` maps them back). Every request carries the
+Bodies and answers are the models of ``libdsec.protocol`` and ``dsec.edge.protocol``; errors
+are ``{"error": {"code", "message"}}`` with the error tree's codes and statuses
+(``dsec.edge.remote.RemoteEdge`` maps them back). Every request carries the
 cluster's node token (``authorization: Bearer …``), which only apiservers hold.
 
 No framework and no ASGI server: the routes are a fixed table the apiserver alone calls, and
@@ -50,6 +51,7 @@ from .protocol import NodeBatchRequest, NodeCreateRequest
 from .stream import TERMINAL
 
 log = logging.getLogger("dsec.edge.server")
+
 _OK = b'{"ok":true}'
 PORT_UPGRADE = "dsec-port"
 _PORT_CHUNK = 256 << 10
