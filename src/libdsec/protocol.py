@@ -758,10 +758,8 @@ class FnCallBatchResult(_BytesModel):
     results: list[FnCallResult]
 
 
-# -- The node seam: apiserver → edge (dsec.edge.api.EdgeAPI) -------------------------------------
-# Requests and answers of the calls the apiserver makes on a node, for the operations that have
-# no SDK model of their own; the others (ExecRequest, PackDiffRequest, NetworkRulesRequest, the
-# fncall models, and every answer) are the SDK's. Errors cross as ``ErrorResponse``.
+# -- Run args by sandbox kind ---------------------------------------------------------------------
+# (The node seam's own models, for calls the SDK never makes, are ``dsec.edge.protocol``'s.)
 
 
 def run_args_of(kind: str, args: dict | DSecContainerRunArgs) -> DSecContainerRunArgs:
@@ -772,61 +770,6 @@ def run_args_of(kind: str, args: dict | DSecContainerRunArgs) -> DSecContainerRu
     if isinstance(args, model) and type(args) is model:
         return args
     return model.model_validate(args if isinstance(args, dict) else args.model_dump())
-
-
-class NodeCreateRequest(_Model):
-    """Create one sandbox of ``kind`` for ``project`` (``args``: that kind's run args)."""
-
-    kind: SandboxKind = SandboxKind.container
-    project: str = "root"
-    args: dict
-
-    def run_args(self) -> DSecContainerRunArgs:
-        return run_args_of(self.kind.value, self.args)
-
-
-class NodeBuildRequest(_Model):
-    """A Dockerfile build on a node, for ``project`` (its build sandbox counts there)."""
-
-    project: str = "root"
-    build: BuildImageRequest
-
-
-class NodeBatchRequest(NodeCreateRequest):
-    """Create ``count`` sandboxes, all or none; answered as an NDJSON stream of ``BatchEvent``
-    (``created`` with the index within this request, then ``done`` or ``error``)."""
-
-    count: int = Field(ge=1, le=MAX_SANDBOX_BATCH)
-    # Held for this batch until committed (``POST /node/v1/batches/{batch}:commit``); none:
-    # the node's stream ending whole is the commit.
-    batch: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
-
-
-class NodeStopRequest(_Model):
-    reason: str = Field(default="stopped by request", max_length=1000)
-
-
-class LayerUse(_Model):
-    """What a node's sandboxes (pooled ones included) hold of the layer store."""
-
-    images: list[str] = Field(default_factory=list)
-    layers: list[str] = Field(default_factory=list)
-
-
-class ImageRemoveRequest(_Model):
-    """Remove image ``name`` unless one of ``in_use`` (every node's image refs) holds it."""
-
-    in_use: list[str] = Field(default_factory=list)
-
-
-class LayerGCRequest(_Model):
-    """Remove the layers no image names and no node holds (``in_use``: every node's digests)."""
-
-    in_use: list[str] = Field(default_factory=list)
-
-
-class LayerGCResult(_Model):
-    removed: list[str]
 
 
 # -- Observability: what a node has counted, and the cluster's figures ------------------------------

@@ -13,6 +13,8 @@ import libdsec
 from libdsec import _errors, protocol as _models
 from libdsec._errors import ERROR_CODES, error_from_wire
 
+from dsec.edge import protocol as _node
+
 PUBLIC = {
     "BackendError", "CapacityExceeded", "CommandTimeout", "DSecClient", "DSecContainerRunArgs",
     "DSecError", "ExecEvent", "ExecResult", "ImageInfo", "ImageNotFound", "InvalidRequest", "LimitOutOfRange",
@@ -110,6 +112,9 @@ def test_error_from_wire_with_unknown_or_garbled_bodies():
 WIRE_MODELS = [
     cls for cls in vars(_models).values()
     if isinstance(cls, type) and issubclass(cls, _models._Model) and not cls.__name__.startswith("_")
+] + [  # the node seam's own models (dsec.edge.protocol)
+    cls for cls in vars(_node).values()
+    if isinstance(cls, type) and issubclass(cls, _node._Model) and not cls.__name__.startswith("_")
 ]
 
 
@@ -178,13 +183,13 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.FnCallResult: {"exit_code": 0},
         _models.FnCallBatchRequest: {"calls": [{"code": "print(1)"}]},
         _models.FnCallBatchResult: {"results": [{"exit_code": 0}]},
-        _models.NodeCreateRequest: {"args": {"container_image": "busybox"}},
-        _models.NodeBatchRequest: {"args": {"container_image": "busybox"}, "count": 2},
-        _models.NodeStopRequest: {},
-        _models.LayerUse: {},
-        _models.ImageRemoveRequest: {},
-        _models.LayerGCRequest: {},
-        _models.LayerGCResult: {"removed": []},
+        _node.NodeCreateRequest: {"args": {"container_image": "busybox"}},
+        _node.NodeBatchRequest: {"args": {"container_image": "busybox"}, "count": 2},
+        _node.NodeStopRequest: {},
+        _node.LayerUse: {},
+        _node.ImageRemoveRequest: {},
+        _node.LayerGCRequest: {},
+        _node.LayerGCResult: {"removed": []},
         _models.LatencyHistogram: {},
         _models.SandboxCount: {"status": "running", "kind": "container", "project": "root", "count": 1},
         _models.NodeSecurityEvent: {"sandbox_id": "n0-0123456789abcdef",
@@ -198,7 +203,7 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.PtyInputRequest: {"data": "A2Fi"},
         _models.BuildImageRequest: {"name": "task", "dockerfile": "FROM python\n"},
         _models.BuildResult: {"image": "task", "cached": False, "key": "0" * 64},
-        _models.NodeBuildRequest: {"build": {"name": "task", "dockerfile": "FROM python\n"}},
+        _node.NodeBuildRequest: {"build": {"name": "task", "dockerfile": "FROM python\n"}},
         _models.ClusterStats: {"at": "2026-01-01T00:00:00Z", "nodes": [],
                                "apiserver": {"started_at": "2026-01-01T00:00:00Z"}},
     }[cls]

@@ -9,9 +9,12 @@ interface: never the node's layer store, cgroups or records. Two implementations
 - ``dsec.edge.remote.RemoteEdge``: an edge in another process or on another machine, reached
   over HTTP (``dsec.edge.server`` serves it there).
 
-Both pass one conformance suite (``tests/conformance/test_node_seam.py``). Requests and answers
-are the models of ``libdsec.protocol`` (one per operation); errors are the SDK's error tree, and
-cross the wire as its codes. A node that cannot be reached makes a sandbox call fail with
+Both pass one conformance suite (``tests/conformance/test_node_seam.py``). Each operation is
+declared once in ``dsec.edge.ops`` (its path, models, shapes and timeout), from which the
+server's routes and ``RemoteEdge``'s methods are made; its arguments here are named as its path
+parameters and its request model's fields. Requests and answers are the models of
+``libdsec.protocol`` (one per operation) or, for calls only nodes take, ``dsec.edge.protocol``;
+errors are the SDK's error tree, and cross the wire as its codes. A node that cannot be reached makes a sandbox call fail with
 ``SandboxLost`` (and a create fail with ``NodeUnreachable``, on which placement tries another).
 
 Lifecycle: a node is usable once its owner started it (``Edge.start()``; a ``RemoteEdge`` once
@@ -39,7 +42,6 @@ from libdsec.protocol import (
     FileEntry,
     FnCallResult,
     ImageInfo,
-    LayerUse,
     NodeInfo,
     NodeStats,
     PackDiffResult,
@@ -58,6 +60,8 @@ from libdsec.protocol import (
     WatchEvents,
     WatchInfo,
 )
+
+from .protocol import LayerUse
 
 NODE_NAME = re.compile(r"^[a-z0-9]{1,32}\Z")
 SANDBOX_ID = re.compile(r"^([a-z0-9]{1,32})-([0-9a-f]{16})\Z")
@@ -242,7 +246,7 @@ class EdgeAPI(Protocol):
 
     async def security_events(self, sandbox_id: str) -> list[SecurityEvent]: ...
 
-    async def set_network_rules(self, sandbox_id: str, rules: dict) -> None: ...
+    async def set_network_rules(self, sandbox_id: str, network_rules: dict) -> None: ...
 
     async def set_ttl(self, sandbox_id: str, ttl_running_stop: float) -> SandboxInfo:
         """A new idle TTL, counted from now (the call is the sandbox's latest)."""
@@ -266,7 +270,7 @@ class EdgeAPI(Protocol):
 
     async def gc_layers(self, in_use: frozenset[str]) -> list[str]: ...
 
-    def build_image(self, request: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
+    def build_image(self, build: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
         """An image from a Dockerfile (``dsec.edge.build``): ``started``, the build's log as
         ``stdout`` events, then ``exit`` (its ``BuildResult`` as JSON in ``result.stdout``) or
         ``error``. A Dockerfile or context it cannot take raises before ``started``."""

@@ -65,7 +65,6 @@ from libdsec.protocol import (
     StartProcessRequest,
     FnCallResult,
     ImageInfo,
-    LayerUse,
     NodeInfo,
     NodeStats,
     PackDiffResult,
@@ -84,6 +83,7 @@ from ..images.store import Image, LayerStore, check_name
 from ..isolation import apparmor
 from ..resources import cgroups
 from . import lifecycle
+from .protocol import LayerUse
 from .admission import MAX_TTL_S, Admission, WorkGate, memory_total_mb
 from .config import EdgeConfig
 from .api import new_sandbox_id
@@ -890,9 +890,9 @@ class Edge:
             await self.security.check_guest_tampering(rec)
         return self.security.list(sandbox_id)
 
-    async def set_network_rules(self, sandbox_id: str, rules: dict) -> None:
+    async def set_network_rules(self, sandbox_id: str, network_rules: dict) -> None:
         rec = self._allowed(sandbox_id, Action.set_network_rules)
-        await self.security.set_rules(rec, rules)
+        await self.security.set_rules(rec, network_rules)
         self._persist(rec)
 
     async def set_ttl(self, sandbox_id: str, ttl_running_stop: float) -> SandboxInfo:
@@ -1030,8 +1030,8 @@ class Edge:
     async def gc_layers(self, in_use: frozenset[str]) -> list[str]:
         return self.store.gc(in_use=frozenset(in_use))
 
-    def build_image(self, request: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
-        return self.builder.build(request, project)
+    def build_image(self, build: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
+        return self.builder.build(build, project)
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         rec = self._records.get(sandbox_id)

@@ -1,6 +1,12 @@
 """``RemoteEdge``: a node in another process or on another machine, behind its own endpoint
 (``dsec.edge.server``), as an ``EdgeAPI``.
 
+Its methods are made from the node's operation table (``dsec.edge.ops``) when this module is
+imported: one per operation, its path, body, answer and timeout taken from the entry. Written
+here by hand are those that do more than one call: a create (its body serialised once: the
+hottest call), a batch create's stream, a port's connection, streamed uploads, a clean copy
+(checked by the node alone), a build and a fncall batch (their timeouts).
+
 Answers come back as the seam's models and errors as the error tree (the wire codes). A node
 that cannot be reached — refused, reset, no answer in time, or an answer that is not the node
 protocol — raises ``NodeUnreachable`` naming the node: a ``SandboxLost`` to whoever called on a
@@ -17,9 +23,10 @@ nothing); a call after it raises ``NodeUnreachable``.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TypeVar
 from urllib.parse import quote, urlencode, urlsplit
@@ -30,64 +37,25 @@ import pydantic
 from libdsec import DSecError
 from libdsec._errors import error_from_wire
 from libdsec._wire import Answer, WireClient, WireError
+from libdsec.ops import Operation as Op, path_format
 from libdsec.protocol import (
     BatchEvent,
     BuildImageRequest,
-    NodeBuildRequest,
+    CleanCopyRequest,
+    CleanCopyResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
     ExecEvent,
-    ExecRequest,
-    ExecResult,
-    FileEntry,
-    FileList,
-    FileRemoveRequest,
-    FileRenameRequest,
     FnCallBatchRequest,
     FnCallBatchResult,
     FnCallResult,
-    ImageInfo,
-    ImageList,
-    ImageRemoveRequest,
-    LayerGCRequest,
-    LayerGCResult,
-    LayerUse,
-    MakeDirRequest,
-    NetworkRulesRequest,
-    TTLRequest,
-    NodeBatchRequest,
-    NodeInfo,
-    NodeStats,
-    NodeStopRequest,
-    CleanCopyRequest,
-    CleanCopyResult,
-    PackDiffRequest,
-    PackDiffResult,
-    OpenPtyRequest,
-    OpenSessionRequest,
-    PauseResult,
-    ProcessInfo,
-    ProcessList,
-    ProcessSignalRequest,
-    ProcessStdinRequest,
-    ProcessStreamRequest,
-    ProcessWaitRequest,
     SandboxInfo,
-    SandboxList,
-    SecurityEvent,
-    SecurityEventList,
-    PtyInfo,
-    PtyInputRequest,
-    PtyResizeRequest,
-    PtyStreamRequest,
-    SessionInfo,
-    SnapshotInfo,
-    StartProcessRequest,
-    TreeDownloadRequest,
 )
 
-from .api import NodeUnreachable
-from .server import PORT_UPGRADE, PREFIX
+from .api import EdgeAPI, NodeUnreachable
+from .ops import NODE_OPS, PREFIX, arguments, spread_fields
+from .protocol import NodeBatchRequest, NodeBuildRequest
+from .server import PORT_UPGRADE
 
 PORT_READ_LIMIT = 256 << 10
 
@@ -187,20 +155,14 @@ class RemoteEdge:
         except pydantic.ValidationError as exc:
             raise self._unreachable(f"answered what is not a {model.__name__}: {exc.errors()[0].get('msg')}") from None
 
-    async def _get(self, answer_model, path: str, **kw):
-        return self._parse(answer_model, await self._call("GET", path, **kw))
-
-    async def _post(self, answer_model, path: str, **kw):
-        return self._parse(answer_model, await self._call("POST", path, **kw))
-
-    # -- sandboxes ---------------------------------------------------------------------------
+    # -- written by hand (the others are made from the table, below) -----------------------
 
     async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
         # A NodeCreateRequest's JSON, with the run args serialised once (not dumped to a dict,
         # validated into the request and dumped again): the hottest call of the seam.
         body = b'{"kind":%s,"project":%s,"args":%s}' % (
             json.dumps(kind).encode(), json.dumps(project).encode(), args.model_dump_json().encode())
-        return await self._post(SandboxInfo, "/sandboxes", body=body, content_type="application/json")
+        return self._parse(SandboxInfo, await self._call("POST", "/sandboxes", body=body, content_type="application/json"))
 
     async def create_batch(
         self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root",
@@ -234,9 +196,6 @@ class RemoteEdge:
                     _BATCHES.add(undo)
                     undo.add_done_callback(_BATCHES.discard)
 
-    async def commit_batch(self, batch: str) -> None:
-        await self._call("POST", f"/batches/{batch}:commit")
-
     async def _stop_all(self, made: list[str]) -> None:
         await asyncio.gather(*(self.stop(sid, "batch create failed") for sid in made), return_exceptions=True)
         made.clear()
@@ -269,68 +228,34 @@ class RemoteEdge:
             if made and (state["abandoned"] or not ok):
                 await self._stop_all(made)
 
-    async def get(self, sandbox_id: str) -> SandboxInfo:
-        return await self._get(SandboxInfo, f"/sandboxes/{sandbox_id}")
-
-    async def list(self) -> list[SandboxInfo]:
-        return (await self._get(SandboxList, "/sandboxes")).sandboxes
-
-    async def stop(self, sandbox_id: str, reason: str = "stopped by request") -> SandboxInfo:
-        return await self._post(SandboxInfo, f"/sandboxes/{sandbox_id}/stop", model=NodeStopRequest(reason=reason))
-
-    async def pause(self, sandbox_id: str) -> PauseResult:
-        return await self._post(PauseResult, f"/sandboxes/{sandbox_id}/pause", timeout=LONG_CALL_TIMEOUT_S)
-
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
-        return await self._post(SandboxInfo, f"/sandboxes/{sandbox_id}/resume", timeout=LONG_CALL_TIMEOUT_S)
-
-    async def snapshot(self, sandbox_id: str) -> SnapshotInfo:
-        return await self._post(SnapshotInfo, f"/sandboxes/{sandbox_id}/snapshot", timeout=LONG_CALL_TIMEOUT_S)
-
-    async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult:
-        return await self._post(PackDiffResult, f"/sandboxes/{sandbox_id}/pack_diff",
-                                model=PackDiffRequest(name=name, role=role), timeout=LONG_CALL_TIMEOUT_S)
-
     async def clean_copy(self, sandbox_id: str, keep: list[str]) -> CleanCopyResult:
         # Checked by the node (its errors are the ones the seam promises).
-        return await self._post(CleanCopyResult, f"/sandboxes/{sandbox_id}/clean_copy",
-                                model=CleanCopyRequest.model_construct(keep=keep), timeout=LONG_CALL_TIMEOUT_S)
+        return self._parse(CleanCopyResult, await self._call(
+            "POST", f"/sandboxes/{sandbox_id}/clean_copy", model=CleanCopyRequest.model_construct(keep=keep),
+            timeout=LONG_CALL_TIMEOUT_S))
 
-    # -- inside a sandbox --------------------------------------------------------------------
+    def build_image(self, build: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
+        return self._events("/images:build", NodeBuildRequest(project=project, build=build), build.timeout + SLACK_S)
 
-    async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult:
-        return await self._post(ExecResult, f"/sandboxes/{sandbox_id}/exec", model=request,
-                                timeout=request.timeout + SLACK_S)
+    async def fncall_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
+        longest = max((c.timeout for c in calls), default=0.0)
+        answer = await self._call("POST", "/fncall:batch", model=FnCallBatchRequest(calls=calls),
+                                  timeout=LONG_CALL_TIMEOUT_S + longest)
+        return self._parse(FnCallBatchResult, answer).results
 
-    def exec_stream(self, sandbox_id: str, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        return self._events(f"/sandboxes/{sandbox_id}/exec:stream", request, request.timeout)
+    async def upload_tree(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes]) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            await self._put_stream(f"/sandboxes/{sandbox_id}/fs/tree", {"path": path}, data)
+            return
+        await self._call("PUT", f"/sandboxes/{sandbox_id}/fs/tree", body=bytes(data), params={"path": path},
+                         timeout=LONG_CALL_TIMEOUT_S)
 
-    def stream_process(self, sandbox_id: str, pid: int, request: ProcessStreamRequest) -> AsyncIterator[ExecEvent]:
-        return self._events(f"/sandboxes/{sandbox_id}/processes/{pid}/stream", request, request.timeout)
-
-    def start_process_stream(self, sandbox_id: str, request: StartProcessRequest) -> AsyncIterator[ExecEvent]:
-        return self._events(f"/sandboxes/{sandbox_id}/processes:stream", request, 24 * 3600.0)
-
-    async def start_process(self, sandbox_id: str, request: StartProcessRequest) -> ProcessInfo:
-        return await self._post(ProcessInfo, f"/sandboxes/{sandbox_id}/processes", model=request)
-
-    async def list_processes(self, sandbox_id: str) -> list[ProcessInfo]:
-        return (await self._get(ProcessList, f"/sandboxes/{sandbox_id}/processes")).processes
-
-    async def get_process(self, sandbox_id: str, pid: int) -> ProcessInfo:
-        return await self._get(ProcessInfo, f"/sandboxes/{sandbox_id}/processes/{pid}")
-
-    async def signal_process(self, sandbox_id: str, pid: int, signal: int) -> None:
-        await self._call("POST", f"/sandboxes/{sandbox_id}/processes/{pid}/signal",
-                         model=ProcessSignalRequest(signal=signal))
-
-    async def process_stdin(self, sandbox_id: str, pid: int, data: str, close: bool) -> None:
-        await self._call("POST", f"/sandboxes/{sandbox_id}/processes/{pid}/stdin",
-                         model=ProcessStdinRequest(data=data, close=close), timeout=LONG_CALL_TIMEOUT_S)
-
-    async def wait_process(self, sandbox_id: str, pid: int, timeout: float) -> ProcessInfo:
-        return await self._post(ProcessInfo, f"/sandboxes/{sandbox_id}/processes/{pid}/wait",
-                                model=ProcessWaitRequest(timeout=timeout), timeout=timeout + SLACK_S)
+    async def write_file_stream(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes], mode: int) -> None:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            await self._put_stream(f"/sandboxes/{sandbox_id}/files:stream", {"path": path, "mode": oct(mode)}, data)
+            return
+        await self._call("PUT", f"/sandboxes/{sandbox_id}/files:stream", body=bytes(data),
+                         params={"path": path, "mode": oct(mode)}, timeout=3600.0)
 
     async def connect_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A connection of its own to the node, upgraded (``upgrade: dsec-port``) to the raw
@@ -363,83 +288,6 @@ class RemoteEdge:
         writer.close()
         raise self._error(status, content)
 
-    async def open_pty(self, sandbox_id: str, request: OpenPtyRequest) -> PtyInfo:
-        return await self._post(PtyInfo, f"/sandboxes/{sandbox_id}/ptys", model=request)
-
-    async def pty_input(self, sandbox_id: str, pty: int, data: bytes) -> None:
-        await self._call("POST", f"/sandboxes/{sandbox_id}/ptys/{pty}/input", model=PtyInputRequest(data=data),
-                         timeout=LONG_CALL_TIMEOUT_S)
-
-    async def resize_pty(self, sandbox_id: str, pty: int, cols: int, rows: int) -> None:
-        await self._call("POST", f"/sandboxes/{sandbox_id}/ptys/{pty}/resize", model=PtyResizeRequest(cols=cols, rows=rows))
-
-    def pty_stream(self, sandbox_id: str, pty: int, encoding: str = "utf-8") -> AsyncIterator[ExecEvent]:
-        request = PtyStreamRequest(encoding=encoding)
-        return self._events(f"/sandboxes/{sandbox_id}/ptys/{pty}/stream", request, request.timeout)
-
-    async def close_pty(self, sandbox_id: str, pty: int) -> None:
-        await self._call("POST", f"/sandboxes/{sandbox_id}/ptys/{pty}/close", timeout=LONG_CALL_TIMEOUT_S)
-
-    async def open_session(self, sandbox_id: str, request: OpenSessionRequest) -> SessionInfo:
-        return await self._post(SessionInfo, f"/sandboxes/{sandbox_id}/sessions", model=request)
-
-    async def session_exec(self, sandbox_id: str, session: int, request: ExecRequest) -> ExecResult:
-        return await self._post(ExecResult, f"/sandboxes/{sandbox_id}/sessions/{session}/exec", model=request,
-                                timeout=request.timeout + SLACK_S)
-
-    def session_exec_stream(self, sandbox_id: str, session: int, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        return self._events(f"/sandboxes/{sandbox_id}/sessions/{session}/exec:stream", request, request.timeout)
-
-    async def interrupt_session(self, sandbox_id: str, session: int) -> None:
-        await self._call("POST", f"/sandboxes/{sandbox_id}/sessions/{session}/interrupt")
-
-    async def close_session(self, sandbox_id: str, session: int) -> None:
-        await self._call("POST", f"/sandboxes/{sandbox_id}/sessions/{session}/close")
-
-    async def list_dir(self, sandbox_id: str, path: str) -> list[FileEntry]:
-        return (await self._get(FileList, f"/sandboxes/{sandbox_id}/fs/list", params={"path": path})).entries
-
-    async def stat_path(self, sandbox_id: str, path: str) -> FileEntry:
-        return await self._get(FileEntry, f"/sandboxes/{sandbox_id}/fs/stat", params={"path": path})
-
-    async def remove_path(self, sandbox_id: str, path: str, recursive: bool) -> None:
-        await self._call("POST", f"/sandboxes/{sandbox_id}/fs/remove", model=FileRemoveRequest(path=path, recursive=recursive),
-                         timeout=LONG_CALL_TIMEOUT_S)
-
-    async def make_dir(self, sandbox_id: str, path: str) -> None:
-        await self._call("POST", f"/sandboxes/{sandbox_id}/fs/mkdir", model=MakeDirRequest(path=path))
-
-    async def rename_path(self, sandbox_id: str, src: str, dst: str) -> None:
-        await self._call("POST", f"/sandboxes/{sandbox_id}/fs/rename", model=FileRenameRequest(src=src, dst=dst))
-
-    async def upload_tree(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes]) -> None:
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            await self._put_stream(f"/sandboxes/{sandbox_id}/fs/tree", {"path": path}, data)
-            return
-        await self._call("PUT", f"/sandboxes/{sandbox_id}/fs/tree", body=bytes(data), params={"path": path},
-                         timeout=LONG_CALL_TIMEOUT_S)
-
-    def build_image(self, request: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
-        return self._events("/images:build", NodeBuildRequest(project=project, build=request), request.timeout)
-
-    def download_tree(self, sandbox_id: str, path: str) -> AsyncIterator[ExecEvent]:
-        return self._events(f"/sandboxes/{sandbox_id}/fs/tree:download", TreeDownloadRequest(path=path), 3600.0)
-
-    async def download_tree_tar(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
-        async for chunk in self._raw(f"/sandboxes/{sandbox_id}/fs/tree", path, "a tree download"):
-            yield chunk
-
-    async def read_file_stream(self, sandbox_id: str, path: str) -> AsyncIterator[bytes]:
-        async for chunk in self._raw(f"/sandboxes/{sandbox_id}/files:stream", path, "a file read"):
-            yield chunk
-
-    async def write_file_stream(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes], mode: int) -> None:
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            await self._put_stream(f"/sandboxes/{sandbox_id}/files:stream", {"path": path, "mode": oct(mode)}, data)
-            return
-        await self._call("PUT", f"/sandboxes/{sandbox_id}/files:stream", body=bytes(data),
-                         params={"path": path, "mode": oct(mode)}, timeout=3600.0)
-
     async def _put_stream(self, route: str, params: dict[str, str], chunks: AsyncIterator[bytes]) -> None:
         """PUT a body streamed (chunked) as ``chunks`` come: the node hands it on as it arrives
         and reads no further than its consumer (TCP's flow control is the pace). httpx, not
@@ -457,12 +305,13 @@ class RemoteEdge:
         if response.status_code >= 400:
             raise self._error(response.status_code, response.content)
 
-    async def _raw(self, route: str, path: str, what: str) -> AsyncIterator[bytes]:
+    async def _raw(self, route: str, params: dict[str, str], timeout: float, what: str) -> AsyncIterator[bytes]:
+        """The answer's bytes as they come; ``timeout``: the longest silence between two pieces."""
         if self._closed:
             raise self._unreachable("is closed on this side")
-        target = f"{PREFIX}{route}?{urlencode({'path': path})}"
+        target = f"{PREFIX}{route}?{urlencode(params)}"
         try:
-            async with self._wire.stream("GET", target, timeout=3600.0 + SLACK_S) as response:
+            async with self._wire.stream("GET", target, timeout=timeout) as response:
                 if response.status_code >= 400:
                     raise self._error(response.status_code, await response.read())
                 async for chunk in response.chunks():
@@ -473,11 +322,11 @@ class RemoteEdge:
     async def _events(self, path: str, request: pydantic.BaseModel, timeout: float) -> AsyncIterator[ExecEvent]:
         """The node's NDJSON lines as events, read as the consumer asks for them (so TCP's flow
         control carries its pace to the node). Between two lines the node may be silent for
-        as long as the command is (its timeout plus the slack)."""
+        ``timeout`` (as long as the command is: its timeout plus the slack)."""
         if self._closed:
             raise self._unreachable("is closed on this side")
         try:
-            async with aclosing(self._lines(ExecEvent, path, request, timeout + SLACK_S)) as events:
+            async with aclosing(self._lines(ExecEvent, path, request, timeout)) as events:
                 async for event in events:
                     yield event
                     if event.event in ("exit", "error"):
@@ -506,55 +355,74 @@ class RemoteEdge:
                         raise self._unreachable(f"sent a line that is not a {model.__name__}: {line[:200]!r}") from None
                     yield item
 
-    async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return (await self._call("GET", f"/sandboxes/{sandbox_id}/files", params={"path": path})).content
 
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int) -> None:
-        await self._call("PUT", f"/sandboxes/{sandbox_id}/files", body=data, params={"path": path, "mode": oct(mode)})
+_QUERY_FORMATS: dict[str, Callable[[object], str]] = {"str": str, "int": str, "mode": oct}
 
-    async def security_events(self, sandbox_id: str) -> list[SecurityEvent]:
-        return (await self._get(SecurityEventList, f"/sandboxes/{sandbox_id}/security_events")).events
 
-    async def set_network_rules(self, sandbox_id: str, rules: dict) -> None:
-        await self._call("PUT", f"/sandboxes/{sandbox_id}/network_rules", model=NetworkRulesRequest(network_rules=rules))
+def _method(op: Op) -> Callable:
+    """``RemoteEdge``'s method for ``op``: its arguments bound as ``EdgeAPI``'s, the request
+    made as the entry says, the answer read by its shape. Everything but the call's own values
+    is worked out here, once."""
+    signature = inspect.signature(getattr(EdgeAPI, op.name))
+    names = arguments(op)
+    defaults = {n: p.default for n, p in signature.parameters.items() if p.default is not p.empty}
+    path, verb, model, arg = path_format(op.path), op.method, op.request, op.request_arg
+    answer_model, unwrap, as_bytes = op.answer, op.unwrap, op.answers == "bytes"
+    queries = tuple((n, _QUERY_FORMATS[kind]) for n, kind in op.query_params)
+    fields = spread_fields(op) if op.spread else None
+    raw = op.body_shape in ("bytes", "stream")
+    own = op.timeout == "own"
+    # "call": the client's own bound (None); seconds: plus the slack (a stream's longest silence).
+    fixed = {"call": None, "long": LONG_CALL_TIMEOUT_S, "own": None}.get(op.timeout) if isinstance(op.timeout, str) \
+        else op.timeout + SLACK_S
 
-    async def set_ttl(self, sandbox_id: str, ttl_running_stop: float) -> SandboxInfo:
-        return self._parse(SandboxInfo, await self._call("PUT", f"/sandboxes/{sandbox_id}/ttl",
-                                                         model=TTLRequest(ttl_running_stop=ttl_running_stop)))
+    def bind(args: tuple, kwargs: dict) -> dict:
+        if not kwargs and len(args) == len(names):
+            return dict(zip(names, args))
+        values = {**defaults, **dict(zip(names, args)), **kwargs}
+        if len(args) > len(names) or len(values) != len(names):
+            raise TypeError(f"{op.name}() takes ({', '.join(names)}), not {args!r} {kwargs!r}")
+        return values
 
-    # -- the node ----------------------------------------------------------------------------
+    def request_of(values: dict) -> pydantic.BaseModel | None:
+        if model is None:
+            return None
+        return model(**{f: values[f] for f in fields}) if fields is not None else values[arg]
 
-    async def node_info(self) -> NodeInfo:
-        return await self._get(NodeInfo, "/info")
+    def timeout_of(request) -> float | None:
+        return max(request.timeout, 0) + SLACK_S if own else fixed
 
-    async def node_stats(self) -> NodeStats:
-        return await self._get(NodeStats, "/stats")
+    if op.answers == "lines":
+        def method(self, *args, **kwargs):
+            values = bind(args, kwargs)
+            request = request_of(values)
+            return self._events(path.format_map(values), request, timeout_of(request))
+    elif op.answers == "chunks":
+        def method(self, *args, **kwargs):
+            values = bind(args, kwargs)
+            return self._raw(path.format_map(values), {n: f(values[n]) for n, f in queries}, timeout_of(None),
+                             op.name)
+    else:
+        async def method(self, *args, **kwargs):
+            values = bind(args, kwargs)
+            request = request_of(values)
+            answer = await self._call(verb, path.format_map(values), model=request,
+                                      body=values[arg] if raw else None,
+                                      params={n: f(values[n]) for n, f in queries} if queries else None,
+                                      timeout=timeout_of(request))
+            if as_bytes:
+                return answer.content
+            if answer_model is None:
+                return None
+            result = self._parse(answer_model, answer)
+            return getattr(result, unwrap) if unwrap is not None else result
+    method.__name__, method.__qualname__ = op.name, f"RemoteEdge.{op.name}"
+    method.__signature__ = signature
+    method.__doc__ = getattr(EdgeAPI, op.name).__doc__
+    return method
 
-    async def layer_use(self) -> LayerUse:
-        return await self._get(LayerUse, "/layer_use")
 
-    async def list_images(self) -> list[ImageInfo]:
-        return (await self._get(ImageList, "/images")).images
-
-    async def inspect_image(self, ref: str) -> ImageInfo:
-        return await self._get(ImageInfo, f"/images/{ref}")
-
-    async def remove_image(self, name: str, in_use: frozenset[str]) -> None:
-        await self._call("POST", f"/images/{name}:remove", model=ImageRemoveRequest(in_use=sorted(in_use)))
-
-    async def gc_layers(self, in_use: frozenset[str]) -> list[str]:
-        result = await self._post(LayerGCResult, "/images:gc", model=LayerGCRequest(in_use=sorted(in_use)),
-                                  timeout=LONG_CALL_TIMEOUT_S)
-        return result.removed
-
-    # -- stateless calls ---------------------------------------------------------------------
-
-    async def fncall(self, args: DSecFnCallArgs) -> FnCallResult:
-        return await self._post(FnCallResult, "/fncall", model=args, timeout=max(args.timeout, 0) + SLACK_S)
-
-    async def fncall_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
-        longest = max((c.timeout for c in calls), default=0.0)
-        result = await self._post(FnCallBatchResult, "/fncall:batch", model=FnCallBatchRequest(calls=calls),
-                                  timeout=LONG_CALL_TIMEOUT_S + longest)
-        return result.results
-
+for _op in NODE_OPS:  # the operations not written by hand above
+    if _op.name not in vars(RemoteEdge):
+        setattr(RemoteEdge, _op.name, _method(_op))
+del _op

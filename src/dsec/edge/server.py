@@ -1,8 +1,11 @@
 """A node's own HTTP endpoint: the node seam (``EdgeAPI``) served to apiservers elsewhere.
 
-One route per seam operation under ``/node/v1``, bodies and answers the models of
-``libdsec.protocol``, errors as ``{"error": {"code", "message"}}`` with the error tree's codes
-and statuses (``dsec.edge.remote.RemoteEdge`` maps them back). Every request carries the
+One route per seam operation under ``/node/v1``, made from its entry in the table of
+``dsec.edge.ops`` (one generic call: path parameters, query and body parsed by their types and
+the operation's model, then the edge's method by its name; the answer written by its shape).
+Bodies and answers are the models of ``libdsec.protocol`` and ``dsec.edge.protocol``; errors
+are ``{"error": {"code", "message"}}`` with the error tree's codes and statuses
+(``dsec.edge.remote.RemoteEdge`` maps them back). Every request carries the
 cluster's node token (``authorization: Bearer …``), which only apiservers hold.
 
 No framework and no ASGI server: the routes are a fixed table the apiserver alone calls, and
@@ -29,7 +32,7 @@ import re
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from urllib.parse import parse_qs
@@ -38,291 +41,75 @@ import httptools
 import pydantic
 
 from libdsec import DSecError, InvalidRequest
-from libdsec.protocol import (
-    BatchEvent,
-    NodeBuildRequest,
-    DSecFnCallArgs,
-    ExecRequest,
-    FnCallBatchRequest,
-    FileList,
-    FileRemoveRequest,
-    FileRenameRequest,
-    FnCallBatchResult,
-    ImageList,
-    ImageRemoveRequest,
-    LayerGCRequest,
-    LayerGCResult,
-    MakeDirRequest,
-    NetworkRulesRequest,
-    TTLRequest,
-    NodeBatchRequest,
-    NodeCreateRequest,
-    NodeStopRequest,
-    CleanCopyRequest,
-    OpenPtyRequest,
-    OpenSessionRequest,
-    PackDiffRequest,
-    ProcessList,
-    ProcessSignalRequest,
-    ProcessStdinRequest,
-    ProcessStreamRequest,
-    ProcessWaitRequest,
-    PtyInputRequest,
-    PtyResizeRequest,
-    PtyStreamRequest,
-    SandboxList,
-    SecurityEventList,
-    StartProcessRequest,
-    TreeDownloadRequest,
-)
+from libdsec.ops import PARAM_TYPES, Operation as Op, path_regex
+from libdsec.protocol import BatchEvent
 
 from .api import EdgeAPI
-from .stream import TERMINAL
 from .files import file_mode
+from .ops import NODE_OPS, PREFIX, spread_fields
+from .protocol import NodeBatchRequest, NodeCreateRequest
+from .stream import TERMINAL
 
 log = logging.getLogger("dsec.edge.server")
 
-PREFIX = "/node/v1"
 _OK = b'{"ok":true}'
-
-Handler = Callable[["_Call"], Awaitable[object]]
-
-
-@dataclass(slots=True)
-class _Call:
-    edge: EdgeAPI
-    params: dict[str, str]  # from the path
-    query: dict[str, str]
-    body: bytes  # (a _BodyStream for the routes of _STREAMED_BODIES)
-
-    def parse(self, model: type[pydantic.BaseModel]) -> pydantic.BaseModel:
-        try:
-            return model.model_validate_json(self.body or b"{}")
-        except pydantic.ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ())) or "body"
-            raise InvalidRequest(f"malformed {model.__name__}: {where}: {first.get('msg')}") from None
-
-    def arg(self, name: str) -> str:
-        value = self.query.get(name)
-        if not value:
-            raise InvalidRequest(f"missing query parameter {name!r}")
-        return value
-
-
-def _routes() -> dict[str, list[tuple[re.Pattern[str], Handler]]]:
-    sid = r"(?P<sid>[^/]+)"
-    pid = r"(?P<pid>[0-9]{1,9})"
-
-    async def info(c: _Call):
-        return await c.edge.node_info()
-
-    async def stats(c: _Call):
-        return await c.edge.node_stats()
-
-    async def layer_use(c: _Call):
-        return await c.edge.layer_use()
-
-    async def images(c: _Call):
-        return ImageList(images=await c.edge.list_images())
-
-    async def inspect_image(c: _Call):
-        return await c.edge.inspect_image(c.params["ref"])
-
-    async def remove_image(c: _Call):
-        await c.edge.remove_image(c.params["ref"], frozenset(c.parse(ImageRemoveRequest).in_use))
-        return None
-
-    async def gc(c: _Call):
-        return LayerGCResult(removed=await c.edge.gc_layers(frozenset(c.parse(LayerGCRequest).in_use)))
-
-    async def create(c: _Call):
-        req = c.parse(NodeCreateRequest)
-        return await c.edge.create(_run_args(req), req.kind.value, req.project)
-
-    async def listing(c: _Call):
-        return SandboxList(sandboxes=await c.edge.list())
-
-    async def get(c: _Call):
-        return await c.edge.get(c.params["sid"])
-
-    async def stop(c: _Call):
-        return await c.edge.stop(c.params["sid"], c.parse(NodeStopRequest).reason)
-
-    async def pause(c: _Call):
-        return await c.edge.pause(c.params["sid"])
-
-    async def resume(c: _Call):
-        return await c.edge.resume(c.params["sid"])
-
-    async def snapshot(c: _Call):
-        return await c.edge.snapshot(c.params["sid"])
-
-    async def pack_diff(c: _Call):
-        req = c.parse(PackDiffRequest)
-        return await c.edge.pack_diff(c.params["sid"], req.name, req.role)
-
-    async def clean_copy(c: _Call):
-        return await c.edge.clean_copy(c.params["sid"], c.parse(CleanCopyRequest).keep)
-
-    async def exec_(c: _Call):
-        return await c.edge.exec(c.params["sid"], c.parse(ExecRequest))
-
-    async def start_process(c: _Call):
-        return await c.edge.start_process(c.params["sid"], c.parse(StartProcessRequest))
-
-    async def list_processes(c: _Call):
-        return ProcessList(processes=await c.edge.list_processes(c.params["sid"]))
-
-    async def get_process(c: _Call):
-        return await c.edge.get_process(c.params["sid"], int(c.params["pid"]))
-
-    async def signal_process(c: _Call):
-        await c.edge.signal_process(c.params["sid"], int(c.params["pid"]), c.parse(ProcessSignalRequest).signal)
-        return None
-
-    async def process_stdin(c: _Call):
-        req = c.parse(ProcessStdinRequest)
-        await c.edge.process_stdin(c.params["sid"], int(c.params["pid"]), req.data, req.close)
-        return None
-
-    async def wait_process(c: _Call):
-        return await c.edge.wait_process(c.params["sid"], int(c.params["pid"]), c.parse(ProcessWaitRequest).timeout)
-
-    async def open_pty(c: _Call):
-        return await c.edge.open_pty(c.params["sid"], c.parse(OpenPtyRequest))
-
-    async def pty_input(c: _Call):
-        await c.edge.pty_input(c.params["sid"], int(c.params["pid"]), c.parse(PtyInputRequest).data)
-
-    async def resize_pty(c: _Call):
-        size = c.parse(PtyResizeRequest)
-        await c.edge.resize_pty(c.params["sid"], int(c.params["pid"]), size.cols, size.rows)
-
-    async def close_pty(c: _Call):
-        await c.edge.close_pty(c.params["sid"], int(c.params["pid"]))
-
-    async def open_session(c: _Call):
-        return await c.edge.open_session(c.params["sid"], c.parse(OpenSessionRequest))
-
-    async def session_exec(c: _Call):
-        return await c.edge.session_exec(c.params["sid"], int(c.params["pid"]), c.parse(ExecRequest))
-
-    async def interrupt_session(c: _Call):
-        await c.edge.interrupt_session(c.params["sid"], int(c.params["pid"]))
-        return None
-
-    async def close_session(c: _Call):
-        await c.edge.close_session(c.params["sid"], int(c.params["pid"]))
-        return None
-
-    async def read_file(c: _Call):
-        return await c.edge.read_file(c.params["sid"], c.arg("path"))
-
-    async def list_dir(c: _Call):
-        return FileList(entries=await c.edge.list_dir(c.params["sid"], c.arg("path")))
-
-    async def stat_path(c: _Call):
-        return await c.edge.stat_path(c.params["sid"], c.arg("path"))
-
-    async def remove_path(c: _Call):
-        req = c.parse(FileRemoveRequest)
-        await c.edge.remove_path(c.params["sid"], req.path, req.recursive)
-        return None
-
-    async def make_dir(c: _Call):
-        await c.edge.make_dir(c.params["sid"], c.parse(MakeDirRequest).path)
-        return None
-
-    async def rename_path(c: _Call):
-        req = c.parse(FileRenameRequest)
-        await c.edge.rename_path(c.params["sid"], req.src, req.dst)
-        return None
-
-    async def upload_tree(c: _Call):
-        await c.edge.upload_tree(c.params["sid"], c.arg("path"), c.body)
-        return None
-
-    async def write_file_stream(c: _Call):
-        mode = file_mode(c.query.get("mode", "0o644"))
-        await c.edge.write_file_stream(c.params["sid"], c.arg("path"), c.body, mode)
-        return None
-
-    async def write_file(c: _Call):
-        mode = file_mode(c.query.get("mode", "0o644"))
-        await c.edge.write_file(c.params["sid"], c.arg("path"), c.body, mode)
-        return None
-
-    async def events(c: _Call):
-        return SecurityEventList(events=await c.edge.security_events(c.params["sid"]))
-
-    async def rules(c: _Call):
-        await c.edge.set_network_rules(c.params["sid"], c.parse(NetworkRulesRequest).network_rules)
-        return None
-
-    async def set_ttl(c: _Call):
-        return await c.edge.set_ttl(c.params["sid"], c.parse(TTLRequest).ttl_running_stop)
-
-    async def fncall(c: _Call):
-        return await c.edge.fncall(c.parse(DSecFnCallArgs))
-
-    async def commit_batch(c: _Call):
-        await c.edge.commit_batch(c.params["batch"])
-        return None
-
-    async def fncall_batch(c: _Call):
-        return FnCallBatchResult(results=await c.edge.fncall_many(c.parse(FnCallBatchRequest).calls))
-
-    table = [  # the hottest first: a request takes the first of its method's routes that matches
-        ("POST", "/sandboxes", create), ("POST", f"/sandboxes/{sid}/stop", stop), ("GET", "/info", info),
-        ("GET", f"/sandboxes/{sid}", get), ("POST", f"/sandboxes/{sid}/exec", exec_),
-        ("GET", "/layer_use", layer_use), ("GET", "/stats", stats), ("GET", "/images", images), ("POST", "/images:gc", gc),
-        ("GET", r"/images/(?P<ref>[^/]+)", inspect_image), ("POST", r"/images/(?P<ref>[^/:]+):remove", remove_image),
-        ("GET", "/sandboxes", listing),
-        ("POST", f"/sandboxes/{sid}/pause", pause), ("POST", f"/sandboxes/{sid}/resume", resume),
-        ("POST", f"/sandboxes/{sid}/snapshot", snapshot), ("POST", f"/sandboxes/{sid}/pack_diff", pack_diff),
-        ("POST", f"/sandboxes/{sid}/clean_copy", clean_copy),
-        ("GET", f"/sandboxes/{sid}/files", read_file), ("PUT", f"/sandboxes/{sid}/files", write_file),
-        ("PUT", f"/sandboxes/{sid}/files:stream", write_file_stream),
-        ("GET", f"/sandboxes/{sid}/security_events", events), ("PUT", f"/sandboxes/{sid}/network_rules", rules),
-        ("PUT", f"/sandboxes/{sid}/ttl", set_ttl),
-        ("POST", "/fncall", fncall), ("POST", "/fncall:batch", fncall_batch),
-        ("POST", r"/batches/(?P<batch>[A-Za-z0-9_-]{1,64}):commit", commit_batch),
-        ("POST", f"/sandboxes/{sid}/processes", start_process), ("GET", f"/sandboxes/{sid}/processes", list_processes),
-        ("GET", f"/sandboxes/{sid}/processes/{pid}", get_process),
-        ("POST", f"/sandboxes/{sid}/processes/{pid}/signal", signal_process),
-        ("POST", f"/sandboxes/{sid}/processes/{pid}/stdin", process_stdin),
-        ("POST", f"/sandboxes/{sid}/processes/{pid}/wait", wait_process),
-        ("GET", f"/sandboxes/{sid}/fs/list", list_dir), ("GET", f"/sandboxes/{sid}/fs/stat", stat_path),
-        ("POST", f"/sandboxes/{sid}/fs/remove", remove_path), ("POST", f"/sandboxes/{sid}/fs/mkdir", make_dir),
-        ("POST", f"/sandboxes/{sid}/fs/rename", rename_path), ("PUT", f"/sandboxes/{sid}/fs/tree", upload_tree),
-        ("POST", f"/sandboxes/{sid}/ptys", open_pty), ("POST", f"/sandboxes/{sid}/ptys/{pid}/input", pty_input),
-        ("POST", f"/sandboxes/{sid}/ptys/{pid}/resize", resize_pty),
-        ("POST", f"/sandboxes/{sid}/ptys/{pid}/close", close_pty),
-        ("POST", f"/sandboxes/{sid}/sessions", open_session), ("POST", f"/sandboxes/{sid}/sessions/{pid}/exec", session_exec),
-        ("POST", f"/sandboxes/{sid}/sessions/{pid}/interrupt", interrupt_session),
-        ("POST", f"/sandboxes/{sid}/sessions/{pid}/close", close_session),
-    ]
-    by_method: dict[str, list[tuple[re.Pattern[str], Handler]]] = {}
-    for method, path, fn in table:  # in the table's order: the hot routes come first
-        by_method.setdefault(method, []).append((re.compile(re.escape(PREFIX) + path.replace(":", r"\:") + r"\Z"), fn))
-    return by_method
-
-
-_ROUTES = _routes()
-_BATCH = PREFIX + "/sandboxes:batch"
-_BUILD = PREFIX + "/images:build"
-_EXEC_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/exec\:stream\Z")
-_SESSION_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/sessions/(?P<pid>[0-9]{1,9})/exec\:stream\Z")
-_TREE_DOWNLOAD = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\:download\Z")
-_FILE_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/files\:stream\Z")
-_TREE_TAR = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/fs/tree\Z")
-_START_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes\:stream\Z")
-_PTY_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/ptys/(?P<pid>[0-9]{1,9})/stream\Z")
-_PORT_CONNECT = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/ports/(?P<port>[0-9]{1,5})\:connect\Z")
 PORT_UPGRADE = "dsec-port"
 _PORT_CHUNK = 256 << 10
-_PROCESS_STREAM = re.compile(re.escape(PREFIX) + r"/sandboxes/(?P<sid>[^/]+)/processes/(?P<pid>[0-9]{1,9})/stream\Z")
+
+# Edge method arguments made from a request, by the request's parts. A function per operation,
+# made here once; a request costs it what its own parsing costs.
+Call = Callable[[EdgeAPI, dict, bytes, object], object]
+
+
+def _parse(model: type[pydantic.BaseModel], body: bytes) -> pydantic.BaseModel:
+    try:
+        return model.model_validate_json(body or b"{}")
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "body"
+        raise InvalidRequest(f"malformed {model.__name__}: {where}: {first.get('msg')}") from None
+
+
+def _required(name: str, value: str | None) -> str:
+    if not value:
+        raise InvalidRequest(f"missing query parameter {name!r}")
+    return value
+
+
+_QUERY_TYPES: dict[str, Callable[[str, str | None], object]] = {
+    "str": _required,
+    "int": lambda name, value: int(_required(name, value)),
+    "mode": lambda name, value: file_mode("0o644" if value is None else value),
+}
+
+
+def _caller(op: Op) -> Call:
+    """The call of ``op``'s method for one request: (edge, path parameters, query, body) to
+    what the method returns (an awaitable, or an async iterator for a stream)."""
+    name, model, arg = op.name, op.request, op.request_arg
+    converted = tuple((n, PARAM_TYPES[kind][1]) for n, kind in op.params if PARAM_TYPES[kind][1] is not str)
+    queries = tuple((n, _QUERY_TYPES[kind]) for n, kind in op.query_params)
+    fields = spread_fields(op)
+    raw = op.body_shape in ("bytes", "stream")
+
+    def call(edge: EdgeAPI, kw: dict, query: bytes, body) -> object:
+        for n, convert in converted:
+            kw[n] = convert(kw[n])
+        if queries:
+            values = {k: v[-1] for k, v in parse_qs(query.decode("latin-1")).items()} if query else {}
+            for n, convert in queries:
+                kw[n] = convert(n, values.get(n))
+        if model is not None:
+            request = _parse(model, body)
+            if fields:
+                for f in fields:
+                    kw[f] = getattr(request, f)
+            else:
+                kw[arg] = request
+        elif raw:
+            kw[arg] = body
+        return getattr(edge, name)(**kw)
+    return call
 
 
 def _run_args(req: NodeCreateRequest):
@@ -330,6 +117,55 @@ def _run_args(req: NodeCreateRequest):
         return req.run_args()
     except (pydantic.ValidationError, ValueError) as exc:
         raise InvalidRequest(f"malformed run args for a {req.kind.value}: {exc}") from None
+
+
+def _create(edge: EdgeAPI, kw: dict, query: bytes, body) -> object:
+    req = _parse(NodeCreateRequest, body)
+    return edge.create(_run_args(req), req.kind.value, req.project)
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    op: Op
+    call: Call
+    answer: str  # the EdgeApp method that writes its answer
+
+
+def _route(op: Op) -> _Route:
+    answer = {"lines": "_lines", "chunks": "_chunks", "upgrade": "_port"}.get(op.answers, "_one")
+    if op.name == "create_batch":
+        answer = "_batch"
+    return _Route(op, _create if op.name == "create" else _caller(op), answer)
+
+
+# The routes, in the table's order (the hot ones first): those without parameters by their
+# path, the others tried in turn. Upgrades are matched apart (only an upgrade request may take
+# one); so are the routes whose request body is handed on as it arrives (a tar, a file of any
+# size), as soon as the request's head is read.
+_PLAIN: dict[tuple[str, str], _Route] = {}
+_MATCHED: dict[str, list[tuple[re.Pattern[str], _Route]]] = {}
+_UPGRADES: list[tuple[re.Pattern[str], _Route]] = []
+_STREAMED_BODIES: dict[str, list[re.Pattern[str]]] = {}
+for _op in NODE_OPS:
+    _pattern = path_regex(_op.path, PREFIX)
+    if _op.answers == "upgrade":
+        _UPGRADES.append((_pattern, _route(_op)))
+    elif not _op.params:
+        _PLAIN[(_op.method, PREFIX + _op.path)] = _route(_op)
+    else:
+        _MATCHED.setdefault(_op.method, []).append((_pattern, _route(_op)))
+    if _op.body_shape == "stream":
+        _STREAMED_BODIES.setdefault(_op.method, []).append(_pattern)
+del _op, _pattern
+
+
+def _match(method: str, path: str) -> tuple[_Route, dict[str, str]] | None:
+    if (route := _PLAIN.get((method, path))) is not None:
+        return route, {}
+    for pattern, route in _MATCHED.get(method, ()):
+        if (m := pattern.match(path)) is not None:
+            return route, m.groupdict()
+    return None
 
 
 def _error_answer(exc: BaseException) -> tuple[int, bytes]:
@@ -368,8 +204,6 @@ class _Request:
     upgrade: bool = False
 
 
-# Routes whose request body is handed on as it arrives (a tar, a file of any size), not whole.
-_STREAMED_BODIES = re.compile(re.escape(PREFIX) + r"/sandboxes/[^/]+/(fs/tree|files\:stream)\Z")
 _BODY_HIGH, _BODY_LOW = 1 << 20, 1 << 18
 _DROP_REST_S = 5.0
 
@@ -524,7 +358,7 @@ class _Connection(asyncio.Protocol):
         url = httptools.parse_url(self._url)
         method, path = self.parser.get_method().decode("latin-1"), url.path.decode("latin-1")
         self._upgrade = self.parser.should_upgrade()
-        if method == "PUT" and _STREAMED_BODIES.match(path):
+        if any(p.match(path) for p in _STREAMED_BODIES.get(method, ())):
             self._stream = _BodyStream(self)
             self._enqueue(_Request(method=method, path=path, query=url.query or b"", authorization=self._authorization,
                                    body=b"", keep_alive=self.parser.should_keep_alive(), stream=self._stream))
@@ -599,10 +433,6 @@ class EdgeApp:
         self.edge = edge
         self._auth = f"Bearer {token}".encode()
 
-    def _build(self, request: _Request) -> AsyncIterator:
-        build = _Call(self.edge, {}, {}, request.body).parse(NodeBuildRequest)
-        return self.edge.build_image(build.build, build.project)
-
     async def answer(self, request: _Request, conn: _Connection) -> None:
         keep = request.keep_alive
         if not hmac.compare_digest(request.authorization, self._auth):
@@ -613,62 +443,20 @@ class EdgeApp:
         if request.upgrade:
             await self._port(request, conn)
             return
-        if method == "POST" and path == _BATCH:
-            await self._batch(request, conn)
-            return
-        if method == "POST" and path == _BUILD:
-            await self._stream(lambda: self._build(request), request, conn)
-            return
-        if method == "POST" and (m := _EXEC_STREAM.match(path)) is not None:
-            await self._stream(lambda: self.edge.exec_stream(
-                m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(ExecRequest)), request, conn)
-            return
-        if method == "POST" and (m := _SESSION_STREAM.match(path)) is not None:
-            await self._stream(lambda: self.edge.session_exec_stream(
-                m.group("sid"), int(m.group("pid")), _Call(self.edge, {}, {}, request.body).parse(ExecRequest)),
-                request, conn)
-            return
-        if method == "POST" and (m := _TREE_DOWNLOAD.match(path)) is not None:
-            await self._stream(lambda: self.edge.download_tree(
-                m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(TreeDownloadRequest).path), request, conn)
-            return
-        if method == "GET" and (m := _FILE_STREAM.match(path)) is not None:
-            query = parse_qs(request.query.decode("latin-1"))
-            await self._raw_stream(lambda: self.edge.read_file_stream(m.group("sid"), query.get("path", [""])[-1]),
-                                   request, conn)
-            return
-        if method == "GET" and (m := _TREE_TAR.match(path)) is not None:
-            query = parse_qs(request.query.decode("latin-1"))
-            await self._raw_stream(lambda: self.edge.download_tree_tar(m.group("sid"), query.get("path", [""])[-1]),
-                                   request, conn)
-            return
-        if method == "POST" and (m := _START_STREAM.match(path)) is not None:
-            await self._stream(lambda: self.edge.start_process_stream(
-                m.group("sid"), _Call(self.edge, {}, {}, request.body).parse(StartProcessRequest)), request, conn)
-            return
-        if method == "POST" and (m := _PROCESS_STREAM.match(path)) is not None:
-            await self._stream(lambda: self.edge.stream_process(
-                m.group("sid"), int(m.group("pid")), _Call(self.edge, {}, {}, request.body).parse(ProcessStreamRequest)),
-                request, conn)
-            return
-        if method == "POST" and (m := _PTY_STREAM.match(path)) is not None:
-            await self._stream(lambda: self.edge.pty_stream(
-                m.group("sid"), int(m.group("pid")), _Call(self.edge, {}, {}, request.body).parse(PtyStreamRequest).encoding),
-                request, conn)
-            return
-        for pattern, handler in _ROUTES.get(method, ()):
-            if (m := pattern.match(path)) is not None:
-                break
-        else:
+        if (found := _match(method, path)) is None:
             body = json.dumps({"error": {"code": "invalid_request", "message": f"no node route {method} {path}"}}).encode()
             conn.write(_head(404, b"application/json", len(body), keep) + body)
             return
-        query = ({k: v[-1] for k, v in parse_qs(request.query.decode("latin-1")).items()}
-                 if request.query else {})
+        route, params = found
+        await getattr(self, route.answer)(route, params, request, conn)
+
+    async def _one(self, route: _Route, params: dict, request: _Request, conn: _Connection) -> None:
+        """An answer in one piece: the answer model's JSON (``{"ok":true}`` for none), or bytes."""
+        keep = request.keep_alive
         content_type = b"application/json"
         try:
-            result = await handler(_Call(self.edge, m.groupdict(), query,
-                                         request.stream if request.stream is not None else request.body))
+            result = await route.call(self.edge, params, request.query,
+                                      request.stream if request.stream is not None else request.body)
         except Exception as exc:  # noqa: BLE001 - every error becomes its wire answer
             status, body = _error_answer(exc)
         else:
@@ -677,6 +465,8 @@ class EdgeApp:
                 body = _OK
             elif isinstance(result, bytes):
                 body, content_type = result, b"application/octet-stream"
+            elif route.op.unwrap is not None:
+                body = route.op.answer(**{route.op.unwrap: result}).model_dump_json().encode()
             else:
                 body = result.model_dump_json().encode()
         if request.stream is not None and not request.stream.complete:
@@ -687,11 +477,13 @@ class EdgeApp:
         """``POST …/ports/PORT:connect`` with ``upgrade: dsec-port``: 101, then the connection
         carries the raw bytes of a connection to that port inside the sandbox, both ways, each
         side's end of sending passed on (a half-close), until both ended or either broke."""
-        m = _PORT_CONNECT.match(request.path)
         try:
-            if request.method != "POST" or m is None:
+            for pattern, route in _UPGRADES:
+                if request.method == route.op.method and (m := pattern.match(request.path)) is not None:
+                    break
+            else:
                 raise InvalidRequest(f"no node route to upgrade: {request.method} {request.path}")
-            reader, writer = await self.edge.connect_port(m.group("sid"), int(m.group("port")))
+            reader, writer = await route.call(self.edge, m.groupdict(), request.query, request.body)
         except Exception as exc:  # noqa: BLE001 - every error becomes its wire answer
             status, body = _error_answer(exc)
             conn.write(_head(status, b"application/json", len(body), False) + body)
@@ -700,10 +492,12 @@ class EdgeApp:
                    % PORT_UPGRADE.encode())
         await relay_port(conn, reader, writer)
 
-    async def _batch(self, request: _Request, conn: _Connection) -> None:
+    async def _batch(self, route: _Route, params: dict, request: _Request, conn: _Connection) -> None:
+        """A batch create: NDJSON ``BatchEvent`` lines, those ready together in one chunk; a
+        caller that goes away mid-stream closes the edge's batch, which undoes itself."""
         keep = request.keep_alive
         try:
-            req = _Call(self.edge, {}, {}, request.body).parse(NodeBatchRequest)
+            req = _parse(NodeBatchRequest, request.body)
             args = _run_args(req)
             events = self.edge.create_batch(args, req.count, req.kind.value, req.project, req.batch)
             first = await anext(events)
@@ -764,12 +558,12 @@ class EdgeApp:
         conn.write(b"0\r\n\r\n")
 
 
-    async def _stream(self, open_events: Callable[[], AsyncIterator], request: _Request, conn: _Connection) -> None:
+    async def _lines(self, route: _Route, params: dict, request: _Request, conn: _Connection) -> None:
         """A streamed command: NDJSON ``ExecEvent`` lines, each written once the last drained
         (the caller's pace is the command's); a caller that goes away kills the command."""
         keep = request.keep_alive
         try:
-            events = open_events()
+            events = route.call(self.edge, params, request.query, request.body)
             first = await anext(events)
         except Exception as exc:  # noqa: BLE001 - an error before the start is a plain answer
             status, body = _error_answer(exc)
@@ -801,14 +595,13 @@ class EdgeApp:
         conn.write(b"0\r\n\r\n")
 
 
-    async def _raw_stream(self, open_chunks: Callable[[], AsyncIterator[bytes]], request: _Request,
-                          conn: _Connection) -> None:
+    async def _chunks(self, route: _Route, params: dict, request: _Request, conn: _Connection) -> None:
         """Bytes (a tar), each chunk written once the last drained; an error after the start
         breaks the connection off without the last chunk (the caller sees an incomplete
         answer), a caller that goes away ends the command."""
         keep = request.keep_alive
         try:
-            chunks = open_chunks()
+            chunks = route.call(self.edge, params, request.query, request.body)
             first = await anext(chunks)
         except StopAsyncIteration:
             first = b""
