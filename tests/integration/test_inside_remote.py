@@ -71,8 +71,17 @@ async def test_trees_and_files_stream_through_a_remote_node(new_state_dir, test_
                     tar.addfile(link)
                 with pytest.raises(InvalidRequest, match="refused tar member 'out': AbsoluteLink"):
                     await node.upload_tree(info.id, "/tmp/evil", _chunks(evil.getvalue() + bytes(1 << 20)))
-                from libdsec.protocol import ExecRequest
+                from libdsec.protocol import ExecRequest, OpenWatchRequest
                 assert (await node.exec(info.id, ExecRequest(command="echo on"))).stdout == "on\n"
+                # A directory watch through the node's endpoint, waiting on the node for its events.
+                watch = await node.open_watch(info.id, OpenWatchRequest(path="/tmp/f", recursive=True))
+                waiting = asyncio.create_task(node.watch_events(info.id, watch.id, 10.0))
+                await asyncio.sleep(0.2)
+                await node.exec(info.id, ExecRequest(command="mkdir /tmp/f/sub && echo x > /tmp/f/sub/new"))
+                told = [(e.type, e.name) for e in (await waiting).events]
+                told += [(e.type, e.name) for e in (await node.watch_events(info.id, watch.id)).events]
+                assert told[0] == ("create", "sub") and ("write", "sub/new") in told, told
+                await node.close_watch(info.id, watch.id)
             finally:
                 await node.stop(info.id)
         finally:

@@ -19,6 +19,7 @@ from dsec.edge.remote import LONG_CALL_TIMEOUT_S, SLACK_S, RemoteEdge
 from dsec.edge.server import EdgeApp, NodeServer, _Request
 from libdsec import SandboxStateError
 from libdsec.ops import Operation, format_path, path_regex
+from libdsec.protocol import MAX_WATCH_WAIT_S, OpenWatchRequest
 from libdsec.protocol import (
     BuildImageRequest,
     DSecContainerRunArgs,
@@ -100,6 +101,7 @@ BODIES = {
     "set_network_rules": {"network_rules": {"pypi": True}}, "set_ttl": {"ttl_running_stop": 60},
     "fncall": {"code": "print(1)"}, "fncall_many": {"calls": [{"code": "print(1)"}]},
     "build_image": {"build": {"name": "task", "dockerfile": "FROM python\n"}}, "clean_copy": {"keep": ["/a"]},
+    "open_watch": {"path": "/a"},
 }
 
 
@@ -169,7 +171,9 @@ def remote_arguments(op: Operation) -> dict:
         "calls": [DSecFnCallArgs(code="print(1)", timeout=9)], "batch": "b1", "count": 2, "kind": "container",
         "request": {ExecRequest: ExecRequest(command="true", timeout=5), StartProcessRequest: StartProcessRequest(
             command="true"), ProcessStreamRequest: ProcessStreamRequest(timeout=6), OpenPtyRequest: OpenPtyRequest(),
-            OpenSessionRequest: OpenSessionRequest()}.get(op.request),
+            OpenSessionRequest: OpenSessionRequest(),
+            OpenWatchRequest: OpenWatchRequest(path="/a", recursive=True)}.get(op.request),
+        "watch": 4, "wait": 2.5,
     }
     return {n: values[n] for n in arguments(op)}
 
@@ -213,6 +217,7 @@ TIMEOUTS = {
     "start_process_stream": 24 * 3600.0 + SLACK_S, "pty_stream": 7 * 24 * 3600.0 + SLACK_S,
     "download_tree": 3600.0 + SLACK_S, "build_image": 100 + SLACK_S,
     "download_tree_tar": 3600.0 + SLACK_S, "read_file_stream": 3600.0 + SLACK_S,
+    "watch_events": MAX_WATCH_WAIT_S + SLACK_S,
 }
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 
 from libdsec.ops import Operation as Op
+from libdsec.protocol import MAX_WATCH_WAIT_S, OpenWatchRequest, WatchEvents, WatchEventsRequest, WatchInfo
 from libdsec.protocol import (
     BatchEvent,
     CleanCopyRequest,
@@ -123,6 +124,10 @@ NODE_OPS: tuple[Op, ...] = (
        answers="lines", timeout="own"),
     Op("close_pty", "POST", SB + "/ptys/{pty:int}/close", timeout="long"),
     Op("connect_port", "POST", SB + "/ports/{port:port}:connect", answers="upgrade"),
+    Op("open_watch", "POST", SB + "/watches", OpenWatchRequest, answer=WatchInfo),
+    Op("watch_events", "POST", SB + "/watches/{watch:int}/events", WatchEventsRequest, spread=True,
+       answer=WatchEvents, timeout=MAX_WATCH_WAIT_S),
+    Op("close_watch", "POST", SB + "/watches/{watch:int}/close"),
     # -- files -------------------------------------------------------------------------------
     Op("read_file", "GET", SB + "/files", query=("path",), answers="bytes"),
     Op("write_file", "PUT", SB + "/files", request_arg="data", body="bytes", query=("path", "mode:mode")),
