@@ -32,6 +32,7 @@ PUBLIC |= {"Overloaded"}  # overload
 PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession", "FileEntry", "PortUnreachable"}  # inside a sandbox
 PUBLIC |= {"Pty", "SyncPty"}  # a terminal in a sandbox
 PUBLIC |= {"BuildResult", "ImageBuildFailed"}  # images built from Dockerfiles
+PUBLIC |= {"DirWatch", "FsEvent", "SyncDirWatch"}  # directory watches
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -133,6 +134,11 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.CreateBatchRequest: {"args": {"container_image": "busybox"}, "count": 1},
         _models.SandboxInfo: info,
         _models.SandboxList: {"sandboxes": [info]},
+        _models.OpenWatchRequest: {"path": "/w"},
+        _models.WatchInfo: {"id": 1, "path": "/w", "recursive": False},
+        _models.FsEvent: {"type": "create", "name": "a"},
+        _models.WatchEventsRequest: {},
+        _models.WatchEvents: {"events": [{"type": "write", "name": "a"}]},
         _models.BatchEvent: {"event": "done"},
         _models.ExecRequest: {"command": "true"},
         _models.JobEntry: {"seq": 1, "at": "2026-01-01T00:00:00Z", "op": "exec", "request": {"command": "true"}},
