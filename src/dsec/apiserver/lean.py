@@ -180,7 +180,7 @@ class LeanRoutes:
         self._plain_routes = plain_routes  # read at the first request (the app adds them after this)
         self._plans: dict[str, list[_Plan]] | None = None
         self._plain: dict[str, list[_Plain]] = {}  # by method; "*": the mounts
-        self._plain_prefix = "\0"  # what every plain route's path starts with
+        self._plain_prefixes: tuple[str, ...] = ()  # what every plain route's path starts with
 
     def _by_method(self) -> dict[str, list[_Plan]]:
         for route in self._plain_routes:
@@ -189,8 +189,11 @@ class LeanRoutes:
                 break  # from here on, FastAPI's order decides
             for method in getattr(route, "methods", None) or ("*",):
                 self._plain.setdefault(method, []).append(plain)
-        if self._plain:
-            self._plain_prefix = os.path.commonprefix([r.path for r in self._plain_routes])
+        if self._plain:  # one prefix a first path segment ("/e2b/…", "/files")
+            groups: dict[str, list[str]] = {}
+            for route in self._plain_routes:
+                groups.setdefault(route.path.split("/")[1], []).append(route.path)
+            self._plain_prefixes = tuple(os.path.commonprefix(paths) for paths in groups.values())
         plans: dict[str, list[_Plan]] = {}
         for route in self._app_ref.routes:
             if isinstance(route, APIRoute) and route.name in self._names:
@@ -208,7 +211,7 @@ class LeanRoutes:
         if self._plans is None:
             self._plans = self._by_method()
         path = scope["path"]
-        if path.startswith(self._plain_prefix):
+        if path.startswith(self._plain_prefixes):
             return await self._serve_plain(scope, receive, send)
         if scope["query_string"]:
             return await self.app(scope, receive, send)
