@@ -72,7 +72,7 @@ def harbor(harbor_venv, server, python_image, tmp_path_factory):
     trials' results by task name."""
     home = tmp_path_factory.mktemp("harbor-home")
     env = {**os.environ, "HOME": str(home), "HARBOR_TELEMETRY": "0", "DSEC_ENDPOINT": server.endpoint,
-           "DSEC_TOKEN": server.token, "PYTHONPATH": str(REPO / "src"), "COLUMNS": "2000"}
+           "DSEC_TOKEN": server.token, "PYTHONPATH": f"{REPO / 'src'}:{REPO / 'libdsec' / 'src'}", "COLUMNS": "2000"}
 
     def run(agent: str, tasks: Path, *args: str, refused: bool = False, peer=None) -> dict[str, dict]:
         """With ``refused``: the run is expected to end before any trial, its output as the
@@ -216,7 +216,7 @@ async def test_the_environment_call_by_call(harbor_venv, server, python_image, c
     done = subprocess.run([str(harbor_venv / "bin" / "python"), str(PROBE), str(TASKS / "workdir-default"), str(tmp_path)],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "DSEC_ENDPOINT": server.endpoint, "DSEC_TOKEN": server.token,
-                               "PYTHONPATH": str(REPO / "src"), "HOME": str(tmp_path)})
+                               "PYTHONPATH": f"{REPO / 'src'}:{REPO / 'libdsec' / 'src'}", "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     # docker's: bash -c in the image's WORKDIR as its USER, stderr on stdout, the exit code kept

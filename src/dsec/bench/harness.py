@@ -249,11 +249,20 @@ def _harbor_run(o: dict, env: dict, environment: tuple[str, ...], names: list[st
     return {"seconds": took, "trials": len(rewards), "trials_per_min": 60 * len(rewards) / took}
 
 
+def _sources_path() -> str:
+    """PYTHONPATH for Harbor's own venv: the directories this process imports dsec and libdsec
+    from (two distributions, each in its own source tree in a checkout)."""
+    import dsec
+    import libdsec
+
+    return os.pathsep.join(dict.fromkeys(str(Path(m.__file__).resolve().parents[1]) for m in (dsec, libdsec)))
+
+
 def _harbor_arm(server, store: LayerStore, cache_dir: Path, o: dict, console: Console) -> dict:
     names = sorted(o["harbor_task_names"] or harbor_peer.public_tasks(o["harbor_tasks"]))
     work = Path(tempfile.mkdtemp(prefix="dsec-bench-harbor-"))
     env = {**os.environ, "HOME": str(work), "HARBOR_TELEMETRY": "0", "DSEC_ENDPOINT": server.endpoint,
-           "DSEC_TOKEN": server.token, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "COLUMNS": "2000"}
+           "DSEC_TOKEN": server.token, "PYTHONPATH": _sources_path(), "COLUMNS": "2000"}
     r: dict = {"tasks": len(names), "concurrency": o["harbor_concurrency"]}
     try:
         ours = ("--env", "dsec.integrations.harbor:DSecEnvironment")
