@@ -21,7 +21,7 @@ source tree copied in, one command run over it, ``ENV`` and ``WORKDIR``; no ``ap
   venv ``tests/integration/test_harbor.py`` makes) over the Harbor tasks of ``tests/harbor_tasks``
   whose network policy is public, once on DSec's environment
   (``dsec.integrations.harbor:DSecEnvironment``, this benchmark's server) and once on Harbor's
-  docker environment (``dsec.bench.harbor_peer``: a dockerd of its own, DSec's ``python`` image
+  docker environment (``dsec_bench.harbor_peer``: a dockerd of its own, DSec's ``python`` image
   imported, ``--no-delete`` so its builds stay cached); each after one warm-up run of the same
   (every image built, pools warm); trials over the ``harbor run``'s wall time. Every trial must
   reward 1. Goal: DSec ≥ 5× the peer.
@@ -50,9 +50,9 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs
 
-from ..images.builders import build_python
-from ..images.store import LayerStore
-from ..local import serving
+from dsec.images.builders import build_python
+from dsec.images.store import LayerStore
+from dsec.local import serving
 from . import harbor_peer
 from .clean_copy import _commit
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS
