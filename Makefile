@@ -13,23 +13,25 @@ host:
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# The three distributions of this checkout, editable: libdsec (the SDK), dsec (the server, at the
+# root) and dsec-bench (the benchmarks; `dsec bench …`).
+$(VENV)/.installed: pyproject.toml libdsec/pyproject.toml bench/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e './libdsec[gym]' -e '.[test]' -e './bench[peers]'
 	touch $@
 
 demo: setup
 	$(BIN)/dsec demo
 
 test: setup docs
-	$(BIN)/ruff check --quiet src tests
+	$(BIN)/ruff check --quiet src libdsec bench tests
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The quick subset (no crun, no mounts): seconds.
 test-quick: venv
-	$(BIN)/ruff check --quiet src tests
+	$(BIN)/ruff check --quiet src libdsec bench tests
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
@@ -41,4 +43,4 @@ bench: setup
 	$(BIN)/dsec bench lifecycle
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info libdsec/src/*.egg-info bench/src/*.egg-info .pytest_cache

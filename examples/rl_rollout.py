@@ -4,9 +4,9 @@
     sudo python examples/rl_rollout.py --episodes 64 --concurrency 8
 
 Builds the task set (32 git repositories with a failing test, each a workspace layer over the
-``python`` base, in the local layer store: ``dsec.bench.rollout.build_task_set``), then runs
+``python`` base, in the local layer store: ``dsec_bench.rollout.build_task_set``), then runs
 episodes through ``libdsec.gym.SandboxEnv``'s async twins, ``concurrency`` at a time: reset on the
-task image, the scripted policy's commands and patch (``dsec.bench.rollout.plan``: right in some
+task image, the scripted policy's commands and patch (``dsec_bench.rollout.plan``: right in some
 episodes, wrong in others), submit; the reward comes from the task's grader run in a clean copy
 (only ``/testbed`` carried over).
 
@@ -25,7 +25,7 @@ from pathlib import Path
 from libdsec import DSecClient
 from libdsec.gym import SandboxEnv, Task
 
-from dsec.bench.rollout import GRADE, KEEP, MEMORY_MB, build_task_set, plan
+from dsec_bench.rollout import GRADE, KEEP, MEMORY_MB, build_task_set, plan
 from dsec.images.store import LayerStore
 
 

@@ -13,7 +13,7 @@ PACKAGES=(crun gcc libc6-dev erofs-utils busybox-static debootstrap podman uidma
           docker-registry  # a registry on loopback for their tests (tests/images/test_registry.py)
           g++         # the C++ peer of dsec bench fncall's SandboxFusion arm
           tmux        # drives `dsec shell` as a person would (tests/integration/test_shell.py)
-          docker.io)  # dockerd for Harbor's docker environment, the peer (dsec.bench.harbor_peer starts its own)
+          docker.io)  # dockerd for Harbor's docker environment, the peer (dsec_bench.harbor_peer starts its own)
 
 if [ "$(id -u)" != 0 ]; then
     echo "setup-host: run as root (DSec mounts layers and makes cgroups)" >&2

@@ -1,4 +1,5 @@
-"""The ``dsec`` command line: serve, run, ps, stop, image …, info, demo, bench …"""
+"""The ``dsec`` command line: serve, run, ps, stop, image …, info, demo; ``bench …`` once the
+``dsec-bench`` distribution is installed (``cli_plugins``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import typer
 from rich.markup import escape
 from rich.table import Column, Table
 
-from libdsec import DSecClient, DSecContainerRunArgs, DSecError, InvalidRequest
+from libdsec import DSecClient, DSecContainerRunArgs, DSecError
 from .cli_common import DEFAULT_STATE, StateDir, console, err_console, fail, run_sdk
+from .cli_plugins import register as register_plugins
 
 from .cli_resources import register as register_resource_commands
 from .cli_shell import register as register_shell
@@ -23,10 +25,9 @@ from .cli_images import image_app
 from .cli_jobs import job_app
 
 app = typer.Typer(help="DSec: sandboxes for agent training.", no_args_is_help=True, add_completion=False)
-bench_app = typer.Typer(help="Benchmarks, each against a peer measured in the same run.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
 app.add_typer(job_app, name="job")
-app.add_typer(bench_app, name="bench")
+register_plugins(app)
 
 
 
@@ -300,7 +301,7 @@ def reset(
     console.print(f"reset {state_dir}: {removed} sandbox(es) removed")
 
 
-# -- the main job and benchmarks --------------------------------------------------------------
+# -- the main job -----------------------------------------------------------------------------
 
 
 @app.command()
@@ -316,328 +317,9 @@ def demo(
     raise typer.Exit(run_demo(count=count, image=image, state_dir=state_dir, port=port, console=console))
 
 
-@bench_app.command("lifecycle")
-def bench_lifecycle(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench"),
-    idle_count: Annotated[int, typer.Option(help="Idle sandboxes held at once for the memory figure.")] = 1000,
-    lifecycles: Annotated[int, typer.Option(help="Measured DSec lifecycles (all rounds).")] = 1200,
-    rounds: Annotated[int, typer.Option(help="Throughput rounds: crun, podman and DSec in turn, each round.")] = 2,
-    concurrency: Annotated[int, typer.Option(help="Lifecycles in flight (DSec and peers).")] = 32,
-    latency_rounds: Annotated[int, typer.Option(help="Rounds of 64 creates with a warm pool (and for crun).")] = 5,
-    cold_rounds: Annotated[int, typer.Option(help="Rounds of 64 creates without a pool.")] = 3,
-    pool_max: Annotated[int, typer.Option(help="--pool-max of the warm server.")] = 64,
-    crun_runs: Annotated[int, typer.Option(help="Measured bare crun lifecycles (all rounds).")] = 800,
-    podman_runs: Annotated[int, typer.Option(help="Measured podman lifecycles (all rounds).")] = 96,
-    podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
-    layer_attach: Annotated[str, typer.Option(help="DSEC_LAYER_ATTACH of the servers: auto, file or loop "
-                                              "(default: the environment's).")] = "",
-    compare_loop: Annotated[bool, typer.Option(help="Each throughput round also with layers on loop devices "
-                                               "(the path of kernels before 6.12).")] = False,
-    compare_metrics: Annotated[bool, typer.Option(help="Each throughput round also on a server with metrics off "
-                                                  "(DSEC_METRICS=0), the DSec rounds scraped every second.")] = False,
-    compare_e2b: Annotated[bool, typer.Option(help="Each throughput round also the lifecycle on the python image "
-                                              "through DSec's SDK and through the e2b SDK (DSec's E2B API).")] = False,
-    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
-) -> None:
-    """Full sandbox lifecycle against podman run --rm and bare crun run (see docs/BENCHMARKS.md)."""
-    from .bench.lifecycle import main as run_bench
-
-    raise typer.Exit(run_bench(
-        state_dir=state_dir, console=console, idle_count=idle_count, lifecycles=lifecycles, rounds=rounds,
-        concurrency=concurrency,
-        latency_rounds=latency_rounds, cold_rounds=cold_rounds, pool_max=pool_max, crun_runs=crun_runs,
-        podman_runs=podman_runs, podman=podman, layer_attach=layer_attach, compare_loop=compare_loop,
-        compare_metrics=compare_metrics, compare_e2b=compare_e2b,
-        strict=strict,
-    ))
-
-
-@bench_app.command("harness")
-def bench_harness(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-harness"),
-    files: Annotated[int, typer.Option(help="Source files in the task's context.")] = 200,
-    build_rounds: Annotated[int, typer.Option(help="Builds with nothing cached, each way.")] = 3,
-    rebuild_rounds: Annotated[int, typer.Option(help="Builds with nothing changed, each way.")] = 5,
-    start_rounds: Annotated[int, typer.Option(help="DSec starts to a first answer.")] = 30,
-    podman_start_rounds: Annotated[int, typer.Option(help="podman run + exec to a first answer.")] = 10,
-    podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
-    harbor: Annotated[bool, typer.Option(help="Harbor oracle trials per minute, DSec's environment against Harbor's docker one.")] = True,
-    harbor_venv: Annotated[Path, typer.Option(help="A venv with Harbor 0.25.0 (tests/integration/test_harbor.py makes it).")] = Path("/var/lib/dsec-test/harbor-venv-0.25.0"),
-    harbor_concurrency: Annotated[int, typer.Option(help="harbor run -n, both ways.")] = 4,
-) -> None:
-    """A task's environment as a harness uses it: Dockerfile build, rebuild, start to first answer, against podman;
-    Harbor oracle trials per minute on DSec against Harbor's docker environment."""
-    from .bench.harness import main as run_bench
-
-    raise typer.Exit(run_bench(state_dir=state_dir, console=console, files=files, build_rounds=build_rounds,
-                               rebuild_rounds=rebuild_rounds, start_rounds=start_rounds,
-                               podman_start_rounds=podman_start_rounds, podman=podman, harbor=harbor,
-                               harbor_venv=harbor_venv, harbor_concurrency=harbor_concurrency))
-
-
-@bench_app.command("tti")
-def bench_tti(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-tti"),
-    iterations: Annotated[int, typer.Option(help="Sandboxes a mode (sequential, staggered, burst).")] = 100,
-    stagger_ms: Annotated[float, typer.Option(help="Between two launches of the staggered mode.")] = 200.0,
-    systems: Annotated[str, typer.Option(help="Comma-separated: dsec, e2b, podman.")] = "dsec,e2b,podman",
-) -> None:
-    """Time to interactive (create → first command's answer) in ComputeSDK's method: DSec's SDK, the e2b SDK on DSec, podman."""
-    from .bench.tti import main as run_bench
-
-    chosen = tuple(s.strip() for s in systems.split(",") if s.strip())
-    unknown = set(chosen) - {"dsec", "e2b", "podman"}
-    if unknown:
-        fail(InvalidRequest(f"--systems: unknown {', '.join(sorted(unknown))} (dsec, e2b, podman)"))
-    raise typer.Exit(run_bench(state_dir=state_dir, console=console, iterations=iterations, stagger_ms=stagger_ms,
-                               systems=chosen))
-
-
-@bench_app.command("clean-copy")
-def bench_clean_copy(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-clean-copy"),
-    rounds: Annotated[int, typer.Option(help="Measured clean copies.")] = 20,
-    pack_rounds: Annotated[int, typer.Option(help="Measured pack_diff + run.")] = 5,
-    podman_rounds: Annotated[int, typer.Option(help="Measured podman copies (the peer).")] = 5,
-    tree_mb: Annotated[int, typer.Option(help="Size of the kept tree.")] = 50,
-    files: Annotated[int, typer.Option(help="Files in the kept tree.")] = 500,
-    podman: Annotated[bool, typer.Option(help="Measure podman as the peer.")] = True,
-) -> None:
-    """A grader's clean copy of a kept tree against podman run + a tar copy (see docs/BENCHMARKS.md)."""
-    from .bench.clean_copy import main as run_bench
-
-    raise typer.Exit(run_bench(state_dir=state_dir, console=console, rounds=rounds, pack_rounds=pack_rounds,
-                               podman_rounds=podman_rounds, tree_mb=tree_mb, files=files, podman=podman))
-
-
-@bench_app.command("rollout")
-def bench_rollout(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-rollout"),
-    store_dir: Annotated[Optional[Path], typer.Option("--store-dir", help="Layer store with (or to get) the python base and the task set (default: <state-dir>-store).")] = None,
-    episodes: Annotated[int, typer.Option(help="DSec episodes.")] = 1000,
-    podman_episodes: Annotated[int, typer.Option(help="Episodes of the podman exec peer (0: none).")] = 48,
-    concurrency: Annotated[int, typer.Option(help="Episodes in flight (both ways).")] = 16,
-    tasks: Annotated[int, typer.Option(help="Task repositories (workspace layers over the python base).")] = 32,
-    branch_every: Annotated[int, typer.Option(help="A mid-episode pack_diff branch every this many episodes (0: none).")] = 8,
-) -> None:
-    """A SWE-style RL rollout (tasks, scripted policy, branch, clean-copy verdict) against podman exec."""
-    from .bench.rollout import main as run_bench
-
-    raise typer.Exit(run_bench(state_dir, console, store_dir=store_dir, episodes=episodes, concurrency=concurrency,
-                               tasks=tasks, branch_every=branch_every, podman_episodes=podman_episodes))
-
-
-@bench_app.command("joblog")
-def bench_joblog(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-joblog"),
-    lifecycles: Annotated[int, typer.Option(help="Measured lifecycles per arm (all rounds).")] = 1200,
-    rounds: Annotated[int, typer.Option(help="Rounds, the two arms in turn.")] = 4,
-    concurrency: Annotated[int, typer.Option(help="Lifecycles in flight.")] = 32,
-) -> None:
-    """Lifecycle throughput with a job log (DSecClient(job=...), keyed creates) beside without."""
-    from .bench.joblog import main as run_bench
-
-    raise typer.Exit(run_bench(state_dir, console, lifecycles=lifecycles, rounds=rounds, concurrency=concurrency))
-
-
-@bench_app.command("cluster-ray")
-def bench_cluster_ray(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark (removed at the end).")] = Path("/var/lib/dsec-bench-ray"),
-    lifecycles: Annotated[int, typer.Option(help="Measured lifecycles per side (all rounds).")] = 400,
-    rounds: Annotated[int, typer.Option(help="Rounds, embedded and Ray in turn.")] = 2,
-    concurrency: Annotated[int, typer.Option(help="Lifecycles (and creates under the node kill) in flight.")] = 16,
-) -> None:
-    """Real crun containers on 3 Ray nodes of this machine vs embedded, and a node killed under load."""
-    from .bench.ray_nodes import main as run_bench
-
-    raise typer.Exit(run_bench(state_dir, console, lifecycles=lifecycles, rounds=rounds, concurrency=concurrency))
-
-
-@bench_app.command("microvm")
-def bench_microvm(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's VMs.")] = Path("/var/lib/dsec-bench-vm"),
-    store_dir: Annotated[Path, typer.Option("--store", help="Layer store with the image.")] = Path("/var/lib/dsec/store"),
-    image: Annotated[str, typer.Option(help="Image (python if the store has it, else busybox).")] = "python",
-    idle: Annotated[int, typer.Option(help="Idle microVMs per side for the memory figure.")] = 20,
-    many: Annotated[int, typer.Option(help="Idle microVMs held at once.")] = 50,
-    memory: Annotated[int, typer.Option(help="Guest memory in MB.")] = 256,
-    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
-) -> None:
-    """MicroVMs: snapshot restore vs cold boot, pmem/DAX + KSM vs private layers, density (docs/BENCHMARKS.md)."""
-    from .bench.microvm import main as run_bench
-
-    raise typer.Exit(run_bench(state_dir=state_dir, store_dir=store_dir, console=console, image=image,
-                               idle=idle, many=many, memory_mb=memory, strict=strict))
-
-
-@bench_app.command("fncall")
-def bench_fncall(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-fncall"),
-    store_dir: Annotated[Optional[Path], typer.Option("--store", help="Layer store with the python image (default: the state dir's; built if missing).")] = None,
-    calls: Annotated[int, typer.Option(help="Calls for the throughput figure (fncall_many).")] = 6000,
-    latency_calls: Annotated[int, typer.Option(help="Calls for the latency figures (one request each).")] = 3000,
-    peer_calls: Annotated[int, typer.Option(help="Calls per peer (python3 -c, bwrap).")] = 300,
-    in_flight: Annotated[int, typer.Option(help="Calls in flight (DSec and peers).")] = 32,
-    workers: Annotated[int, typer.Option(help="--fncall-workers of the server (0: one per core).")] = 0,
-    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
-    fusion: Annotated[bool, typer.Option(help="The SandboxFusion arm: run_code python and cpp against bwrap.")] = True,
-    fusion_calls: Annotated[int, typer.Option(help="run_code python calls (and bwrap peer calls).")] = 300,
-    fusion_cpp_calls: Annotated[int, typer.Option(help="run_code cpp calls (and bwrap g++ peer calls).")] = 30,
-    fusion_cpp_in_flight: Annotated[int, typer.Option(help="cpp calls in flight (each compiles).")] = 2,
-) -> None:
-    """Stateless calls: the warm pool against bwrap python3 -c and python3 -c (docs/BENCHMARKS.md)."""
-    from .bench.fncall import main as run_bench
-
-    raise typer.Exit(run_bench(state_dir=state_dir, store_dir=store_dir, console=console, calls=calls,
-                               latency_calls=latency_calls, peer_calls=peer_calls, in_flight=in_flight,
-                               workers=workers, strict=strict, fusion=fusion, fusion_calls=fusion_calls,
-                               fusion_cpp_calls=fusion_cpp_calls, fusion_cpp_in_flight=fusion_cpp_in_flight))
-
-
-@bench_app.command("inside")
-def bench_inside(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-inside"),
-    samples: Annotated[int, typer.Option(help="Samples of each DSec latency.")] = 100,
-    podman_samples: Annotated[int, typer.Option(help="Samples of each podman exec latency.")] = 30,
-    slow_s: Annotated[float, typer.Option(help="Seconds `yes` is streamed to the slow reader.")] = 30.0,
-    read_mb_s: Annotated[float, typer.Option(help="The slow reader's pace, MB/s.")] = 1.0,
-    tree_mb: Annotated[int, typer.Option(help="Size of the tree for upload_dir/download_dir.")] = 200,
-    podman: Annotated[bool, typer.Option(help="Measure podman exec as the peer.")] = True,
-) -> None:
-    """Streaming, sessions and file trees inside a container, against podman exec and local tar."""
-    from .bench.inside import main as run_bench
-
-    raise typer.Exit(run_bench(state_dir=state_dir, console=console, samples=samples, podman_samples=podman_samples,
-                               slow_s=slow_s, read_mb_s=read_mb_s, tree_mb=tree_mb, podman=podman))
-
-
-@bench_app.command("ports")
-def bench_ports(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-ports"),
-    seconds: Annotated[float, typer.Option(help="Seconds of each requests/s load.")] = 5.0,
-    concurrency: Annotated[int, typer.Option(help="Keep-alive connections of the load, one request in flight on each.")] = 8,
-    samples: Annotated[int, typer.Option(help="Samples of each latency.")] = 200,
-) -> None:
-    """HTTP and WebSocket to a port inside a sandbox (port_url, host name) against the port reached directly."""
-    from .bench.ports import main as run_bench
-
-    raise typer.Exit(run_bench(state_dir=state_dir, console=console, seconds=seconds, concurrency=concurrency,
-                               samples=samples))
-
-
-@bench_app.command("density")
-def bench_density(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own servers.")] = Path("/var/lib/dsec-bench-density"),
-    count: Annotated[int, typer.Option(help="Idle sandboxes to hold at once.")] = 3200,
-    step: Annotated[int, typer.Option(help="Time single creates every STEP sandboxes.")] = 400,
-    peer_count: Annotated[int, typer.Option(help="Idle bare crun containers (the floor).")] = 400,
-    pause_count: Annotated[int, typer.Option(help="Sandboxes paused after touching --pause-mb each.")] = 100,
-    pause_mb: Annotated[int, typer.Option(help="MiB each paused (or idling) sandbox touches.")] = 64,
-    text_count: Annotated[int, typer.Option(help="Sandboxes paused with agent-like text.")] = 100,
-    random_count: Annotated[int, typer.Option(help="Sandboxes paused with random (incompressible) data.")] = 10,
-    cold_count: Annotated[int, typer.Option(help="Idle running sandboxes for the cold-memory reclaimer.")] = 20,
-    time_limit_s: Annotated[float, typer.Option(help="Bound on the whole run.")] = 2400.0,
-    quick: Annotated[bool, typer.Option(help="Developer size: 400 sandboxes, 20 paused, 6 cold.")] = False,
-    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
-) -> None:
-    """Idle sandboxes per node and their memory vs bare crun, create latency as the node fills,
-    memory returned by pause, the cold-memory reclaimer, placement decisions/s."""
-    from .bench.density import main as run_bench
-
-    if quick:
-        count, step, peer_count, pause_count, text_count, random_count, cold_count = 400, 100, 100, 20, 10, 4, 6
-    raise typer.Exit(run_bench(
-        state_dir=state_dir, console=console, count=count, step=step, peer_count=peer_count, pause_count=pause_count,
-        pause_mb=pause_mb, text_count=text_count, random_count=random_count, cold_count=cold_count,
-        time_limit_s=time_limit_s, strict=strict,
-    ))
-
-
 register_resource_commands(app)  # dsec project …, dsec pause, dsec resume
 register_top(app)  # dsec top
 register_shell(app)  # dsec shell
-
-
-@bench_app.command("burst")
-def bench_burst(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark (its disk is measured).")] = Path("/var/lib/dsec-bench-burst"),
-    count: Annotated[int, typer.Option("--count", "-n", help="Sandboxes (N), all started at once.")] = 256,
-    images: Annotated[int, typer.Option("--images", "-m", help="Distinct task images (M) over one shared base.")] = 32,
-    quick: Annotated[bool, typer.Option(help="Developer size: N=32, M=4.")] = False,
-    base: Annotated[str, typer.Option(help="Shared base: python-pkgs (python + Python packages) or python.")] = "python-pkgs",
-    concurrency: Annotated[int, typer.Option(help="Peer creates and tasks in flight.")] = 32,
-    pull_concurrency: Annotated[int, typer.Option(help="Images unpacked/imported at once (eager, podman).")] = 2,
-    podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
-    podman_max: Annotated[int, typer.Option(help="Cap the podman arm at this many sandboxes (0: all).")] = 0,
-    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
-) -> None:
-    """A burst of N sandboxes from M task images: on demand (DSec) vs unpack-then-run vs podman."""
-    from .bench.burst import main as run_bench
-
-    raise typer.Exit(run_bench(
-        state_dir=state_dir, console=console, command=shlex.join(["dsec", *sys.argv[1:]]), count=count,
-        images=images, quick=quick, base=base, concurrency=concurrency, pull_concurrency=pull_concurrency,
-        podman=podman, podman_max=podman_max, strict=strict,
-    ))
-
-
-@bench_app.command("vm-pause")
-def bench_vm_pause(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's VMs.")] = Path("/var/lib/dsec-bench-vm-pause"),
-    store_dir: Annotated[Path, typer.Option("--store", help="Layer store with the image.")] = Path("/var/lib/dsec/store"),
-    image: Annotated[str, typer.Option(help="Image (busybox is built if the store lacks it).")] = "busybox",
-    count: Annotated[int, typer.Option("--count", "-n", help="Idle microVMs to pause.")] = 8,
-    memory: Annotated[int, typer.Option(help="Guest memory in MB.")] = 256,
-    state_mb: Annotated[int, typer.Option(help="MiB of text each VM writes to its filesystem first.")] = 32,
-    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
-) -> None:
-    """Host memory of N paused idle microVMs: DSec's pause (stop + push-out) vs QMP stop alone."""
-    from .bench.vm_pause import main as run_bench
-
-    raise typer.Exit(run_bench(state_dir=state_dir, store_dir=store_dir, console=console, image=image, count=count,
-                               memory_mb=memory, state_mb=state_mb, strict=strict))
-
-
-@bench_app.command("soak")
-def bench_soak(
-    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-soak"),
-    store_dir: Annotated[Optional[Path], typer.Option("--store", help="A layer store to use (linked as the state dir's store; default: its own, with busybox built).")] = None,
-    lifecycles: Annotated[int, typer.Option(help="Lifecycles in all.")] = 10_000,
-    concurrency: Annotated[int, typer.Option(help="Lifecycles in flight.")] = 16,
-    sample_every: Annotated[int, typer.Option(help="Read the server and the host after every this many.")] = 1000,
-    pause_every: Annotated[int, typer.Option(help="Pause and resume every Nth sandbox (0: none).")] = 10,
-    pack_every: Annotated[int, typer.Option(help="pack_diff every Nth sandbox (0: none).")] = 50,
-    fncall_every: Annotated[int, typer.Option(help="A FnCall with every Nth lifecycle (0: none).")] = 5,
-    tracemalloc: Annotated[bool, typer.Option(help="Trace the server's allocations (DSEC_TRACEMALLOC=1, slow) and print what grew after the first sample, by line and stack.")] = False,
-) -> None:
-    """Lifecycles mixed with pauses, pack_diffs, file writes and FnCalls: server RSS, fds, host memory (slab,
-    page tables), mounts and cgroups from the first thousand to the last."""
-    from .bench.soak import main as run_bench
-
-    raise typer.Exit(run_bench(state_dir=state_dir, console=console, lifecycles=lifecycles, concurrency=concurrency,
-                               sample_every=sample_every, pause_every=pause_every, pack_every=pack_every,
-                               fncall_every=fncall_every, store=store_dir, tracemalloc=tracemalloc))
-
-
-@bench_app.command("cluster")
-def bench_cluster(
-    nodes: Annotated[int, typer.Option(help="Simulated nodes (fake backend, each behind its own endpoint).")] = 160,
-    processes: Annotated[int, typer.Option(help="Processes the simulated nodes are dealt out among.")] = 4,
-    batch: Annotated[int, typer.Option(help="Sandboxes in the one batch.")] = 32_000,
-    singles: Annotated[int, typer.Option(help="Single creates (closed loop).")] = 32_000,
-    in_flight: Annotated[int, typer.Option(help="Single creates and stops outstanding at once.")] = 256,
-    paced_rate: Annotated[float, typer.Option(help="Single creates offered per second in the paced phase (0: none).")] = 2000.0,
-    embedded: Annotated[bool, typer.Option(help="Measure the embedded peer (in-process edges) too.")] = True,
-    embedded_scale: Annotated[float, typer.Option(help="The embedded arm's counts, as a fraction of the remote arm's.")] = 1.0,
-    results: Annotated[Optional[Path], typer.Option(help="Write the figures to this JSON file.")] = None,
-    strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
-) -> None:
-    """The control plane: one big batch and many single creates over simulated nodes, against in-process edges."""
-    from .bench.cluster import main as run_bench
-
-    raise typer.Exit(run_bench(console=console, nodes=nodes, processes=processes, batch=batch, singles=singles,
-                               in_flight=in_flight, paced_rate=paced_rate, embedded=embedded,
-                               embedded_scale=embedded_scale, results=results, strict=strict))
 
 
 def main() -> None:

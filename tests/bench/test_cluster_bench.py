@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from dsec.bench.cluster import main
+from dsec_bench.cluster import main
 
 
 def _processes_naming(text: str) -> list[int]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dsec.bench import harness
+from dsec_bench import harness
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 

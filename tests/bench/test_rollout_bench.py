@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dsec.bench import joblog, rollout
+from dsec_bench import joblog, rollout
 from dsec.images.store import LayerStore
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]

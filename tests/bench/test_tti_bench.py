@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dsec.bench import tti
+from dsec_bench import tti
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 

@@ -10,7 +10,7 @@ import re
 import pytest
 from rich.console import Console
 
-from dsec.bench.soak import growth, soak
+from dsec_bench.soak import growth, soak
 from dsec.local import LocalServer, leftovers
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]

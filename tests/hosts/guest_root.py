@@ -6,7 +6,7 @@ systemd as PID 1 (so pure cgroup v2, systemd's default), AppArmor, crun, erofs-u
 
 - the guest kernel's modules (the Debian cloud kernel DSec boots every VM with, see
   ``dsec.backends.vm.assets``), with their ``modules.dep`` made by ``depmod`` here;
-- DSec itself: this checkout's ``src``, ``tests`` and ``pyproject.toml`` under ``/opt/dsec``, and
+- DSec itself: this checkout's ``src``, ``libdsec``, ``bench``, ``tests`` and ``pyproject.toml`` under ``/opt/dsec``, and
   the Python packages DSec and its tests import, copied from the venv that runs this (same
   CPython minor version as bookworm's python3: 3.11);
 - the native programs (``dsec.native``), built here: the guest needs no C compiler;
@@ -47,14 +47,18 @@ REPO = Path(__file__).resolve().parents[2]
 # What DSec and its test subsets import: pyproject's dependencies and its test extra, read from
 # it (a dependency added there is in the guest too), but these (the guest runs no cluster and no linter).
 NOT_IN_GUEST = frozenset({"ray", "ruff"})
+# The distributions of this checkout (their sources go in with it; their dependencies are read).
+CHECKOUT_PROJECTS = ("libdsec/pyproject.toml", "pyproject.toml", "bench/pyproject.toml")
 
 
 def top_requirements() -> tuple[str, ...]:
     import tomllib
 
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    names = [re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
-             for req in (*project["dependencies"], *project["optional-dependencies"]["test"])]
+    reqs: list[str] = []
+    for path in CHECKOUT_PROJECTS:
+        project = tomllib.loads((REPO / path).read_text())["project"]
+        reqs += [*project["dependencies"], *project.get("optional-dependencies", {}).get("test", ())]
+    names = [re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0].lower().replace("_", "-") for req in reqs]
     return tuple(n for n in dict.fromkeys(names) if n not in NOT_IN_GUEST)
 
 HERE = Path(__file__).parent
@@ -192,7 +196,7 @@ def _lay_out_base(tree: Path, root: Path, kernel_dir: Path, test_store: Path) ->
     # timeout). A file that does not compile (none DSec imports) is left to the source.
     subprocess.run(["chroot", str(root), "python3", "-m", "compileall", "-q", "/opt/dsec/site"],
                    capture_output=True)
-    (root / "usr/lib/python3/dist-packages/dsec-hostvm.pth").write_text("/opt/dsec/src\n/opt/dsec/site\n")
+    (root / "usr/lib/python3/dist-packages/dsec-hostvm.pth").write_text("/opt/dsec/src\n/opt/dsec/libdsec/src\n/opt/dsec/bench/src\n/opt/dsec/site\n")
     copy_images(test_store, root / "var/lib/dsec-test/store", GUEST_IMAGES)
     units = root / "etc/systemd/system"
     (units / "dsec-hostvm.service").write_text(RUN_UNIT)
@@ -254,7 +258,7 @@ def base_layer(cache: Path, store, kernel_dir: Path, test_store: Path) -> str:
 
 
 def checkout_tar(env: dict[str, str]) -> bytes:
-    """This checkout (``src``, ``tests`` and ``pyproject.toml`` under ``/opt/dsec``), the native
+    """This checkout (``src``, ``libdsec``, ``bench``, ``tests`` and ``pyproject.toml`` under ``/opt/dsec``), the native
     programs built from it, and ``/etc/dsec-hostvm.env`` (``env``: the runner's settings), as a
     tar to unpack at the guest's ``/``: a few MB, made anew each run."""
     import io
@@ -271,7 +275,7 @@ def checkout_tar(env: dict[str, str]) -> bytes:
 
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w") as tar:
-        for part in ("src", "tests", "pyproject.toml"):
+        for part in ("src", "libdsec", "bench", "tests", "pyproject.toml"):
             tar.add(REPO / part, f"opt/dsec/{part}", filter=clean)
         bins = str(native.CACHE).lstrip("/")
         for path in (*(native.binary(name) for name in ("agent", "init", "jail")), native.library("zygote")):

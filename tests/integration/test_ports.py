@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from dsec.bench.ports import APP_SERVER
+from dsec_bench.ports import APP_SERVER
 from libdsec import DSecContainerRunArgs
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]

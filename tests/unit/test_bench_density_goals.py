@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsec.bench import density
+from dsec_bench import density
 
 
 def result(count=1000, mib_each=2.0, host_mib=9.0, share=0.9) -> dict:

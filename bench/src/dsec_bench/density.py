@@ -49,11 +49,11 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, Sandbox
 
-from .. import _sys, placement
-from ..images.builders import build_busybox
-from ..images.store import Image, LayerStore
-from ..local import LocalServer, leftovers
-from ..resources import cgroups, reclaim
+from dsec import _sys, placement
+from dsec.images.builders import build_busybox
+from dsec.images.store import Image, LayerStore
+from dsec.local import LocalServer, leftovers
+from dsec.resources import cgroups, reclaim
 
 RESULTS_FILE = "bench-density.json"
 GOAL_IDLE_COUNT = 3200

@@ -35,9 +35,9 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, DSecError, DSecFnCallArgs
 
-from ..local import LocalServer
-from ..memtrace import REPORT
-from ..resources import cgroups
+from dsec.local import LocalServer
+from dsec.memtrace import REPORT
+from dsec.resources import cgroups
 from .hoststats import meminfo
 
 MiB = 1 << 20

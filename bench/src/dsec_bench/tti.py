@@ -38,7 +38,7 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs
 
-from ..local import serving
+from dsec.local import serving
 from .clean_copy import _commit
 from .harness import _import_into_podman, python_store
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS

@@ -32,7 +32,7 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs
 
-from ..local import serving
+from dsec.local import serving
 from .clean_copy import _commit
 from .results import save_results
 

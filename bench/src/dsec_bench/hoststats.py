@@ -70,7 +70,7 @@ def pss_bytes(pids: list[int]) -> int:
 
 def cgroup_pids(parent: str) -> list[int]:
     """Processes in the cgroups under ``parent`` (the memory hierarchy on v1)."""
-    from ..resources import cgroups
+    from dsec.resources import cgroups
 
     base = cgroups.CGROUP_ROOT / parent if cgroups.is_v2() else cgroups.CGROUP_ROOT / "memory" / parent
     pids: list[int] = []
@@ -184,7 +184,7 @@ def _first_line(cmd: list[str]) -> str:
 
 
 def machine() -> dict:
-    from ..resources import cgroups
+    from dsec.resources import cgroups
 
     info = meminfo()
     return {

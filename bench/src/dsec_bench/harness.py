@@ -21,7 +21,7 @@ source tree copied in, one command run over it, ``ENV`` and ``WORKDIR``; no ``ap
   venv ``tests/integration/test_harbor.py`` makes) over the Harbor tasks of ``tests/harbor_tasks``
   whose network policy is public, once on DSec's environment
   (``dsec.integrations.harbor:DSecEnvironment``, this benchmark's server) and once on Harbor's
-  docker environment (``dsec.bench.harbor_peer``: a dockerd of its own, DSec's ``python`` image
+  docker environment (``dsec_bench.harbor_peer``: a dockerd of its own, DSec's ``python`` image
   imported, ``--no-delete`` so its builds stay cached); each after one warm-up run of the same
   (every image built, pools warm); trials over the ``harbor run``'s wall time. Every trial must
   reward 1. Goal: DSec ≥ 5× the peer.
@@ -50,9 +50,9 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs
 
-from ..images.builders import build_python
-from ..images.store import LayerStore
-from ..local import serving
+from dsec.images.builders import build_python
+from dsec.images.store import LayerStore
+from dsec.local import serving
 from . import harbor_peer
 from .clean_copy import _commit
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS
@@ -249,11 +249,20 @@ def _harbor_run(o: dict, env: dict, environment: tuple[str, ...], names: list[st
     return {"seconds": took, "trials": len(rewards), "trials_per_min": 60 * len(rewards) / took}
 
 
+def _sources_path() -> str:
+    """PYTHONPATH for Harbor's own venv: the directories this process imports dsec and libdsec
+    from (two distributions, each in its own source tree in a checkout)."""
+    import dsec
+    import libdsec
+
+    return os.pathsep.join(dict.fromkeys(str(Path(m.__file__).resolve().parents[1]) for m in (dsec, libdsec)))
+
+
 def _harbor_arm(server, store: LayerStore, cache_dir: Path, o: dict, console: Console) -> dict:
     names = sorted(o["harbor_task_names"] or harbor_peer.public_tasks(o["harbor_tasks"]))
     work = Path(tempfile.mkdtemp(prefix="dsec-bench-harbor-"))
     env = {**os.environ, "HOME": str(work), "HARBOR_TELEMETRY": "0", "DSEC_ENDPOINT": server.endpoint,
-           "DSEC_TOKEN": server.token, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "COLUMNS": "2000"}
+           "DSEC_TOKEN": server.token, "PYTHONPATH": _sources_path(), "COLUMNS": "2000"}
     r: dict = {"tasks": len(names), "concurrency": o["harbor_concurrency"]}
     try:
         ours = ("--env", "dsec.integrations.harbor:DSecEnvironment")

@@ -74,12 +74,12 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, Sandbox
 
-from .. import _sys
-from ..images.builders import build_python
-from ..images.sources import workspace_from_dir
-from ..images.store import Image, LayerStore
-from ..local import LocalServer, leftovers
-from ..resources import cgroups
+from dsec import _sys
+from dsec.images.builders import build_python
+from dsec.images.sources import workspace_from_dir
+from dsec.images.store import Image, LayerStore
+from dsec.local import LocalServer, leftovers
+from dsec.resources import cgroups
 
 RESULTS_FILE = "bench-burst.json"
 CRUN = shutil.which("crun") or "/usr/bin/crun"

@@ -31,10 +31,10 @@ from rich.table import Table
 
 from libdsec.protocol import ExecRequest
 
-from ..backends.base import ExecContext
-from ..backends.vm import machine
-from ..backends.vm.microvm import MicroVMBackend
-from ..resources import reclaim
+from dsec.backends.base import ExecContext
+from dsec.backends.vm import machine
+from dsec.backends.vm.microvm import MicroVMBackend
+from dsec.resources import reclaim
 from .hoststats import settled_memory
 from .microvm import vm_spec
 

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, DSecError, SandboxLost
 
-from ..local import LocalServer, leftovers
+from dsec.local import LocalServer, leftovers
 
 ARGS = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=32, cpu_cores_limit=0.1)
 NODES = ("b1", "b2", "b3")
@@ -69,8 +69,8 @@ async def _data_path(server: LocalServer, calls: int, in_flight: int) -> dict:
 
     from libdsec.protocol import SandboxInfo
 
-    from ..edge.remote import RemoteEdge
-    from ..nodes.ray import NAMESPACE
+    from dsec.edge.remote import RemoteEdge
+    from dsec.nodes.ray import NAMESPACE
 
     async with DSecClient(server.endpoint, token=server.token) as client:
         sandbox = await client.run_container(ARGS)
@@ -220,7 +220,7 @@ def main(state_dir: Path, console: Console, lifecycles: int = 300, rounds: int =
         result["ray"] = max(rates["ray"])
         import ray as ray_module
 
-        from ..nodes.ray import join
+        from dsec.nodes.ray import join
 
         join(ray.cluster.address)
         result["data_path"] = asyncio.run(_data_path(clustered, 2000, 64))
@@ -233,7 +233,7 @@ def main(state_dir: Path, console: Console, lifecycles: int = 300, rounds: int =
             server.stop()
         if ray is not None:
             ray.cluster.shutdown()
-        from ..node import reset_node
+        from dsec.node import reset_node
 
         for node_dir in sorted((base / "nodes").glob("*")) if (base / "nodes").is_dir() else []:
             asyncio.run(reset_node(node_dir))

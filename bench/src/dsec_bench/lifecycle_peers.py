@@ -24,9 +24,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from .. import _sys, hostcheck
-from ..images import loopdev
-from ..resources import cgroups
+from dsec import _sys, hostcheck
+from dsec.images import loopdev
+from dsec.resources import cgroups
 
 CRUN = shutil.which("crun") or "/usr/bin/crun"
 PODMAN = shutil.which("podman") or "/usr/bin/podman"

@@ -61,7 +61,7 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, Sandbox
 
-from ..local import free_port
+from dsec.local import free_port
 from . import hoststats as host
 
 GOAL_BATCH_PER_S = 5000.0
@@ -185,8 +185,8 @@ class Arm:
         await asyncio.gather(*(_end(p) for p in self.procs.values()), return_exceptions=True)
 
     async def _start(self) -> None:
-        from ..edge.simnodes import tiny_image
-        from ..images.store import LayerStore
+        from dsec.edge.simnodes import tiny_image
+        from dsec.images.store import LayerStore
 
         tiny_image(LayerStore(self.work / "store"), self.work)
         edge_config = json.dumps({"max_sandboxes": self.opts.max_sandboxes})
@@ -197,7 +197,7 @@ class Arm:
         if self.name == "embedded":
             log = self.work / "embedded.log"
             proc = self.procs["apiserver"] = await _spawn(
-                "dsec.bench.cluster", "embedded", "--state", str(api_dir), "--port", str(port),
+                "dsec_bench.cluster", "embedded", "--state", str(api_dir), "--port", str(port),
                 "--edge-config", edge_config, *names, log=log)
             await _wait_healthy(self.endpoint, proc, log)
         else:
@@ -580,20 +580,20 @@ def main(console: Console, **options: Any) -> int:
     return code
 
 
-# -- the embedded peer's server (``python -m dsec.bench.cluster embedded …``) ---------------
+# -- the embedded peer's server (``python -m dsec_bench.cluster embedded …``) ---------------
 
 
 async def _serve_embedded(names: list[str], state: Path, port: int, edge_config: dict) -> None:
     import uvicorn
 
-    from ..app import create_app
-    from ..apiserver.cluster import Cluster
-    from ..apiserver.projects import open_project_store
-    from ..backends.fake import FakeBackend
-    from ..edge.edge import Edge, EdgeConfig
-    from ..edge.simnodes import tiny_image
-    from ..images.store import LayerStore
-    from ..server import load_or_create_token
+    from dsec.app import create_app
+    from dsec.apiserver.cluster import Cluster
+    from dsec.apiserver.projects import open_project_store
+    from dsec.backends.fake import FakeBackend
+    from dsec.edge.edge import Edge, EdgeConfig
+    from dsec.edge.simnodes import tiny_image
+    from dsec.images.store import LayerStore
+    from dsec.server import load_or_create_token
 
     state.mkdir(parents=True, exist_ok=True)
     store = LayerStore(state.parent / "store")
@@ -616,7 +616,7 @@ async def _serve_embedded(names: list[str], state: Path, port: int, edge_config:
 
 
 def _embedded_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dsec.bench.cluster embedded")
+    parser = argparse.ArgumentParser(prog="python -m dsec_bench.cluster embedded")
     parser.add_argument("--state", type=Path, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--edge-config", default="{}")
@@ -627,5 +627,5 @@ def _embedded_main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["embedded"]:
-        sys.exit("usage: python -m dsec.bench.cluster embedded --state DIR --port PORT NODE…  (see dsec bench cluster)")
+        sys.exit("usage: python -m dsec_bench.cluster embedded --state DIR --port PORT NODE…  (see dsec bench cluster)")
     _embedded_main(sys.argv[2:])

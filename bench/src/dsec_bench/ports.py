@@ -32,9 +32,9 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs
 
-from ..images.builders import build_python
-from ..images.store import LayerStore
-from ..local import LocalServer, leftovers
+from dsec.images.builders import build_python
+from dsec.images.store import LayerStore
+from dsec.local import LocalServer, leftovers
 
 RESULTS_FILE = "bench-ports.json"
 

@@ -32,9 +32,9 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs
 
-from ..images.builders import build_busybox
-from ..images.store import LayerStore
-from ..local import serving
+from dsec.images.builders import build_busybox
+from dsec.images.store import LayerStore
+from dsec.local import serving
 from .lifecycle_peers import PODMAN, PeerRig, _finish
 from .results import save_results
 

@@ -50,11 +50,11 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, Sandbox
 
-from .. import _sys, hostcheck
-from ..images import loopdev
-from ..images.builders import build_python
-from ..images.store import Image, LayerStore
-from ..local import serving
+from dsec import _sys, hostcheck
+from dsec.images import loopdev
+from dsec.images.builders import build_python
+from dsec.images.store import Image, LayerStore
+from dsec.local import serving
 from .clean_copy import _commit
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS, SLEEP_ARGS, _finish, podman_detached
 from .results import save_results

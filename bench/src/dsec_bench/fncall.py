@@ -30,7 +30,7 @@ its server, its workers or its peers) took meanwhile, since this host is shared.
 the steadier figure when others load the machine: the ratio by it is printed too.
 Beside each throughput, the same divided by (1 − that share): what the run would have done with
 the machine to itself, all of it being CPU-bound work. Goals are judged on the raw figures.
-5. The SandboxFusion arm (``dsec.bench.fncall_fusion``; ``--no-fusion`` skips it): python and
+5. The SandboxFusion arm (``dsec_bench.fncall_fusion``; ``--no-fusion`` skips it): python and
    C++ calls through ``run_code`` with SandboxFusion's own client, against per-call ``bwrap`` of
    the same program.
 
@@ -55,10 +55,10 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecFnCallArgs
 
-from ..images.builders import build_python
-from ..images.store import LayerStore
-from ..local import LocalServer, leftovers
-from ..resources import cgroups
+from dsec.images.builders import build_python
+from dsec.images.store import LayerStore
+from dsec.local import LocalServer, leftovers
+from dsec.resources import cgroups
 from . import fncall_fusion
 from . import hoststats as host
 

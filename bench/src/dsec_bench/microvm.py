@@ -30,12 +30,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ..backends.base import ExecContext, SandboxSpec
-from ..backends.vm import machine
-from ..backends.vm.microvm import MicroVMBackend
-from ..images.builders import build_busybox
-from ..images.store import LayerStore
-from ..resources import ksm
+from dsec.backends.base import ExecContext, SandboxSpec
+from dsec.backends.vm import machine
+from dsec.backends.vm.microvm import MicroVMBackend
+from dsec.images.builders import build_busybox
+from dsec.images.store import LayerStore
+from dsec.resources import ksm
 from libdsec.protocol import ExecRequest
 
 ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"})
@@ -122,7 +122,7 @@ async def _destroy(backend: MicroVMBackend, handles) -> None:
 def vm_spec(store_dir: Path, image: str, memory_mb: int, console: Console) -> tuple[LayerStore, str, SandboxSpec]:
     """The store, the image the benchmark boots (busybox, built if need be, when ``image`` is not
     there) and the spec of its VMs."""
-    from ..resources.cgroups import Limits
+    from dsec.resources.cgroups import Limits
 
     store = LayerStore(store_dir)
     if not store.has_image(image):

@@ -30,9 +30,9 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs
 
-from ..images.builders import build_busybox
-from ..images.store import LayerStore
-from ..local import LocalServer, leftovers
+from dsec.images.builders import build_busybox
+from dsec.images.store import LayerStore
+from dsec.local import LocalServer, leftovers
 from .lifecycle_peers import PODMAN, PeerRig
 
 RESULTS_FILE = "bench-inside.json"

@@ -15,9 +15,9 @@ from typing import Any
 
 from rich.console import Console
 
-from ..compat.sandboxfusion import TOOLCHAINS
-from ..images.builders import build_language
-from ..images.store import LayerStore
+from dsec.compat.sandboxfusion import TOOLCHAINS
+from dsec.images.builders import build_language
+from dsec.images.store import LayerStore
 from . import hoststats as host
 
 PYTHON = "print(sum(range(1000)))"

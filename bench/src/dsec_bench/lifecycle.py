@@ -68,10 +68,10 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, Sandbox
 
-from ..images.builders import build_busybox
-from ..images.store import LayerStore
-from ..local import LocalServer, leftovers
-from ..resources import cgroups
+from dsec.images.builders import build_busybox
+from dsec.images.store import LayerStore
+from dsec.local import LocalServer, leftovers
+from dsec.resources import cgroups
 from . import hoststats as host
 from .lifecycle_peers import PeerRig
 
@@ -914,7 +914,7 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
     store = LayerStore(state_dir / "store")
     image = store.get_image("busybox") if store.has_image("busybox") else build_busybox(store)
     if opts.compare_e2b and not store.has_image("python"):
-        from ..images.builders import build_python
+        from dsec.images.builders import build_python
 
         console.print("building the python image for the E2B comparison (debootstrap, about a minute)")
         build_python(store)
