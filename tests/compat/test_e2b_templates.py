@@ -92,6 +92,14 @@ def test_the_base_template_is_e2bs(e2b):
         assert info.path == "/home/user/sub/relative.txt"
         assert run(sb, "stat -c %U:%G ~/sub/relative.txt ~/note.txt") == "user:user\nuser:user"
         assert [e.name for e in sb.files.list("sub")] == ["relative.txt"]
+        # Owners by name, as envd names them; a deep listing in envd's walk order.
+        info = sb.files.get_info("sub/relative.txt")
+        assert (info.owner, info.group) == ("user", "user")
+        assert (sb.files.get_info("/etc/passwd").owner, sb.files.get_info("/etc").group) == ("root", "root")
+        for d in ("tree/b", "tree/a/z", "tree/a/y", "tree/a-1"):
+            sb.files.make_dir(d)
+        assert [e.path.removeprefix("/home/user/tree/") for e in sb.files.list("tree", depth=2)] == [
+            "a", "a/y", "a/z", "a-1", "b"]
         assert sb.files.read("sub/relative.txt") == "here"
         assert run(sb, "pwd", cwd="sub") == "/home/user/sub"
         assert run(sb, "whoami", user="root") == "root"

@@ -46,16 +46,31 @@ _TYPES = {"file": pb.FileType.FILE, "dir": pb.FileType.DIRECTORY, "symlink": pb.
 _KINDS = {"file": "-", "dir": "d", "symlink": "l", "other": "?"}
 
 
-def _owner(uid: int) -> str:
-    return "root" if uid == 0 else str(uid)
+Names = tuple[dict[int, str], dict[int, str]]  # the sandbox's users and groups by id
+_NO_NAMES: Names = ({0: "root"}, {0: "root"})
+MAX_NAMED_SANDBOXES = 1024
 
 
-def entry_info(entry: FileEntry) -> pb.EntryInfo:
+def _ids(text: str) -> dict[int, str]:
+    """``name:x:ID:…`` lines (/etc/passwd, /etc/group) as {id: name}, the first name an id has."""
+    named: dict[int, str] = {}
+    for line in text.splitlines():
+        fields = line.split(":")
+        if len(fields) > 2 and fields[2].isdigit():
+            named.setdefault(int(fields[2]), fields[0])
+    return named
+
+
+def _owner(ids: dict[int, str], number: int) -> str:
+    return ids.get(number) or ("root" if number == 0 else str(number))
+
+
+def entry_info(entry: FileEntry, names: Names = _NO_NAMES) -> pb.EntryInfo:
     seconds = int(entry.mtime)
     return pb.EntryInfo(
         name=entry.name, type=_TYPES.get(entry.type, pb.FileType.UNSPECIFIED), path=entry.path, size=entry.size,
         mode=entry.mode, permissions=_KINDS[entry.type] + stat_bits.filemode(entry.mode)[1:],
-        owner=_owner(entry.uid), group=_owner(entry.gid),
+        owner=_owner(names[0], entry.uid), group=_owner(names[1], entry.gid),
         modified_time=Timestamp(seconds=seconds, nanos=int((entry.mtime - seconds) * 1e9)),
         symlink_target=entry.target, is_symlink=entry.type == "symlink")
 
@@ -121,6 +136,23 @@ class FilesystemService:
     def __init__(self, envd: EnvdContext) -> None:
         self.envd = envd
         self.watchers: OrderedDict[str, _Watcher] = OrderedDict()
+        self._named: OrderedDict[str, Names] = OrderedDict()  # sandbox id -> its users' and groups' names
+
+    async def _names(self, target: Target) -> Names:
+        """The sandbox's user and group names (its /etc/passwd and /etc/group, read once a
+        sandbox), as envd names a file's owner and group."""
+        names = self._named.get(target.sandbox_id)
+        if names is None:
+            try:
+                users = (await target.edge.read_file(target.sandbox_id, "/etc/passwd")).decode(errors="replace")
+                groups = (await target.edge.read_file(target.sandbox_id, "/etc/group")).decode(errors="replace")
+                names = (_ids(users), _ids(groups))
+            except DSecError:
+                names = _NO_NAMES
+            self._named[target.sandbox_id] = names
+            while len(self._named) > MAX_NAMED_SANDBOXES:
+                self._named.popitem(last=False)
+        return names
 
     async def _stat(self, target: Target, path: str) -> FileEntry:
         return await target.edge.stat_path(target.sandbox_id, path)
@@ -129,7 +161,7 @@ class FilesystemService:
         target = self.envd.target(ctx)
         try:
             entry = await self._stat(target, target.path(request.path))
-            info = entry_info(entry)
+            info = entry_info(entry, await self._names(target))
             if entry.type == "symlink" and entry.target:  # envd: the type of what it points to
                 pointed = posixpath.normpath(posixpath.join(posixpath.dirname(entry.path), entry.target))
                 info.symlink_target = pointed
@@ -153,7 +185,7 @@ class FilesystemService:
             else:
                 raise ConnectError(Code.ALREADY_EXISTS, f"path '{path}' already exists")
             await target.edge.make_dir(target.sandbox_id, path)
-            return pb.MakeDirResponse(entry=entry_info(await self._stat(target, path)))
+            return pb.MakeDirResponse(entry=entry_info(await self._stat(target, path), await self._names(target)))
         except DSecError as exc:
             raise _call_errors(exc) from None
 
@@ -162,7 +194,7 @@ class FilesystemService:
         try:
             src, dst = target.path(request.source), target.path(request.destination)
             await target.edge.rename_path(target.sandbox_id, src, dst)
-            return pb.MoveResponse(entry=entry_info(await self._stat(target, dst)))
+            return pb.MoveResponse(entry=entry_info(await self._stat(target, dst), await self._names(target)))
         except DSecError as exc:
             raise _call_errors(exc) from None
 
@@ -173,17 +205,19 @@ class FilesystemService:
             path = target.path(request.path)
             if (await self._stat(target, path)).type != "dir":
                 raise ConnectError(Code.INVALID_ARGUMENT, f"path '{path}' is not a directory")
-            found: list[pb.EntryInfo] = []
+            names = await self._names(target)
+            found: list[FileEntry] = []
             level = [path]
             for _ in range(depth):
                 below = []
                 for here in level:
                     for e in await target.edge.list_dir(target.sandbox_id, here):
-                        found.append(entry_info(e))
+                        found.append(e)
                         if e.type == "dir":
                             below.append(e.path)
                 level = below
-            return pb.ListDirResponse(entries=found)
+            # envd's walk: each directory followed by what is in it, by name
+            return pb.ListDirResponse(entries=[entry_info(e, names) for e in sorted(found, key=lambda e: e.path.split("/"))])
         except DSecError as exc:
             raise _call_errors(exc) from None
 
