@@ -300,3 +300,16 @@ def test_signed_file_urls_need_no_key_and_expire(sandbox):
     bare = sandbox.download_url("/root/uploaded.txt").split("&signature=")[0]
     answer = httpx.get(bare)
     assert answer.status_code == 401 and "signature" in answer.json()["message"]
+
+
+def test_a_command_killed_with_its_sandbox_says_the_sandbox_went():
+    """envd's stream breaks off when its sandbox is killed, and the SDK's health probe then says
+    the sandbox is gone (not a command that exited with code 1)."""
+    sb = Sandbox.create(template=TEMPLATE, timeout=60)
+    cmd = sb.commands.run("sleep 60", background=True)
+    sb.kill()
+    with pytest.raises(TimeoutException) as caught:
+        cmd.wait()
+    # (the newer SDKs ask the sandbox's health and say it was killed; 2.45 reads any broken
+    # stream as the sandbox's timeout)
+    assert "killed" in str(caught.value) or "likely due to sandbox timeout" in str(caught.value)

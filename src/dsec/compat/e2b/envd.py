@@ -206,9 +206,11 @@ class EnvdApp:
         except Unauthenticated as exc:
             return _envd_error(exc)
         except DSecError as exc:
-            return JSONResponse({"code": 502, "message": exc.message}, status_code=502)
+            return JSONResponse({"code": 502, "message": f"The sandbox was not found: {exc.message}"}, status_code=502)
         if info.status is not SandboxStatus.running:
-            return JSONResponse({"code": 502, "message": f"sandbox {info.id} is {info.status.value}"}, status_code=502)
+            # (E2B's proxy words: the SDK tells a sandbox gone by "was not found")
+            return JSONResponse({"code": 502, "message": f"The sandbox {info.id} was not found running: it is "
+                                                         f"{info.status.value}"}, status_code=502)
         return Response(status_code=204)
 
     async def _files(self, request: Request) -> Response:

@@ -32,7 +32,7 @@ from protobuf import Oneof
 from e2b.envd.process import process_pb as pb
 
 from libdsec import DSecError, SandboxStateError
-from libdsec.protocol import ExecEvent, ExecRequest, ProcessStreamRequest, StartProcessRequest
+from libdsec.protocol import ExecEvent, ExecRequest, ProcessStreamRequest, SandboxStatus, StartProcessRequest
 
 from ...edge.processes import pid_first
 from ._errors import rpc_error
@@ -70,6 +70,20 @@ class _Streamed:
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # its stream closed: the command is gone
     signal: int = signals.SIGKILL
     listeners: list[asyncio.Queue] = field(default_factory=list)
+
+
+def _sandbox_gone(target) -> ConnectError:
+    """A command's stream when its sandbox was killed under it: envd's stream breaks off, and
+    the SDK asks the sandbox's health why (``SandboxNotRunningException``)."""
+    return ConnectError(Code.UNAVAILABLE, f"the connection to sandbox {target.sandbox_id} ended before the stream "
+                                          "completed")
+
+
+async def _still_running(target) -> bool:
+    try:
+        return (await target.edge.get(target.sandbox_id)).status is SandboxStatus.running
+    except DSecError:
+        return False
 
 
 class ProcessService:
@@ -127,10 +141,14 @@ class ProcessService:
                 elif event.event == "started":
                     continue
                 elif event.event == "exit" and event.result is not None:
+                    if event.result.exit_code != 0 and not await _still_running(target):
+                        raise _sandbox_gone(target)
                     ended = True
                     yield tell(_event(_end(event.result.exit_code)))
                     return
                 elif event.event == "error":
+                    if not await _still_running(target):
+                        raise _sandbox_gone(target)
                     err = event.error or {}
                     raise ConnectError(Code.INTERNAL, str(err.get("message", "the process's stream failed")))
         except TimeoutError:
@@ -138,6 +156,8 @@ class ProcessService:
                 self._kill_later(target, pid)
             raise ConnectError(Code.DEADLINE_EXCEEDED, f"process {pid} ran past the stream's timeout: killed") from None
         except DSecError as exc:
+            if not await _still_running(target):
+                raise _sandbox_gone(target) from None
             raise rpc_error(exc) from None
         finally:
             if stopped is not None:
