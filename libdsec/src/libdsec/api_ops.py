@@ -25,7 +25,7 @@ log's rule, the node's route and ``RemoteEdge``'s method follow.
 
 from __future__ import annotations
 
-from .ops import Operation as Op, format_path
+from .ops import Operation as Op, path_format
 from .protocol import (
     CleanCopyRequest,
     CleanCopyResult,
@@ -148,13 +148,16 @@ PUBLIC_OPS: tuple[Op, ...] = (
 )
 
 PUBLIC_OPS_BY_NAME: dict[str, Op] = {op.name: op for op in PUBLIC_OPS}
+# Each operation's method and path as a format string, made once (a call formats it only).
+_ROUTES: dict[str, tuple[str, str]] = {op.name: (op.method, PREFIX + path_format(op.path)) for op in PUBLIC_OPS}
 
 
 def api_path(name: str, **arguments: object) -> str:
-    """The path (under ``/v1``) of operation ``name`` for these path arguments."""
-    return PREFIX + format_path(PUBLIC_OPS_BY_NAME[name].path, **arguments)
+    """The path of operation ``name`` for these path arguments: ``api_path("exec", sandbox_id=…)``."""
+    return _ROUTES[name][1].format_map(arguments)
 
 
 def api_route(name: str, **arguments: object) -> tuple[str, str]:
     """(method, path) of operation ``name`` for these path arguments: ``_request(*api_route(…))``."""
-    return PUBLIC_OPS_BY_NAME[name].method, api_path(name, **arguments)
+    method, path = _ROUTES[name]
+    return method, path.format_map(arguments)

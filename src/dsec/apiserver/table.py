@@ -75,6 +75,7 @@ class _Route:
     ints: tuple[str, ...]  # the path parameters that are ids (1 … 999999999)
     queries: tuple[tuple[str, str], ...]
     fields: tuple[str, ...]  # a spread request's fields that are the method's arguments
+    order: tuple[str, ...]  # the method's arguments given, in its order (passed by position)
     on_cluster: bool
     by_sandbox: bool
 
@@ -82,7 +83,13 @@ class _Route:
 def _route(op: Op) -> _Route:
     names = _arguments(op)
     fields = tuple(f for f in op.request.model_fields if f in names) if op.spread and op.request else ()
-    return _Route(op, tuple(n for n, kind in op.params if kind == "int"), op.query_params, fields,
+    given = {n for n, _ in op.params} | {n for n, _ in op.query_params} | set(fields)
+    if (op.request is not None and not op.spread) or op.body_shape in ("bytes", "stream"):
+        given.add(op.request_arg)
+    order = names[:len(given)]
+    if set(order) != given:
+        raise ValueError(f"{op.name}: the table gives {sorted(given)}, the method takes {names}")
+    return _Route(op, tuple(n for n, kind in op.params if kind == "int"), op.query_params, fields, order,
                   op.name in CLUSTER_CALLS, "sandbox_id" in dict(op.params))
 
 
@@ -210,23 +217,27 @@ class TableRoutes:
         kw, request = self._parse(route, params, scope, headers, body, receive)
         target = self.cluster if route.on_cluster else (
             self.cluster.edge_for(sandbox_id) if route.by_sandbox else self.cluster.any_edge())
-        method = getattr(target, op.name)
+        bound = getattr(target, op.name)
+        args = [kw[name] for name in route.order]
+
+        def method():  # (by position: the edge's own names for them are its affair)
+            return bound(*args)
 
         if op.answers == "lines":
-            events = method(**kw)
+            events = method()
             return StreamingResponse(ndjson(await first_piece(events), events), media_type="application/x-ndjson")
         if op.answers == "chunks":
-            chunks = method(**kw)
+            chunks = method()
             return StreamingResponse(_chunks(await first_piece(chunks), chunks), media_type=MEDIA.get(op.name, _OCTETS))
         if op.answers == "bytes":
             if op.journal == "read":
-                data = await self.jobs.recorded_read(caller, sandbox_id, kw["path"], lambda: method(**kw))
+                data = await self.jobs.recorded_read(caller, sandbox_id, kw["path"], method)
             else:
-                data = await method(**kw)
+                data = await method()
             return Response(data, media_type=_OCTETS)
 
         async def call() -> Any:
-            result = await method(**kw)
+            result = await method()
             if op.unwrap is not None:
                 return op.answer(**{op.unwrap: result})
             return {"ok": True} if op.answer is None else result
