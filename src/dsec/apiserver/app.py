@@ -159,7 +159,8 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = "invalid_request" if exc.status_code < 500 else "internal"
-        return JSONResponse({"error": {"code": code, "message": f"{exc.detail}: {request.method} {request.url.path}"}},
+        detail = "Not Found: no such operation" if exc.status_code == 404 else exc.detail
+        return JSONResponse({"error": {"code": code, "message": f"{detail}: {request.method} {request.url.path}"}},
                             status_code=exc.status_code)
 
     # Not an exception handler: Starlette re-raises after those, and uvicorn then closes the
