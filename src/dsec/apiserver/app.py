@@ -1,5 +1,10 @@
-"""HTTP routes. Each handler only parses: it turns a request into one typed call on the edge that
-the sandbox id names, and errors come back as ``{"error": {"code", "message"}}``.
+"""The public API's app. Each handler only parses: it turns a request into one typed call on the
+edge that the sandbox id names, and errors come back as ``{"error": {"code", "message"}}``.
+
+The calls that are one call on a node are the public table's (``libdsec.api_ops``), served by
+``table.TableRoutes`` in front of FastAPI; the routes here are the others: creates (with their
+idempotency keys and job logs), the batch create's stream, the port proxy, image removal, builds
+and gc, the node list, and (``routes_*.py``) projects, jobs, FnCall and the cluster's views.
 
 The apiserver keeps no sandbox state: sandbox ids name their node, and the node list comes from
 the cluster (one embedded edge here).
