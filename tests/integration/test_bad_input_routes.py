@@ -23,8 +23,8 @@ BODIES = {"exec": {"command": "true"}, "exec:stream": {"command": "true"}, "proc
           "signal": {"signal": 15}, "stdin": {"data": ""}, "remove": {"path": "/x"}, "mkdir": {"path": "/x"},
           "rename": {"src": "/a", "dst": "/b"}, "tree:download": {"path": "/x"}, "network_rules": {"network_rules": {}},
           "clean_copy": {"keep": ["/x"]}, "input": {"data": ""}, "resize": {"cols": 80, "rows": 24},
-          "ttl": {"ttl_running_stop": 60}}
-PARAMS = {"pid": "7", "session": "7", "pty": "7", "port": "80", "path": "x"}
+          "ttl": {"ttl_running_stop": 60}, "watches": {"path": "/x"}}
+PARAMS = {"pid": "7", "session": "7", "pty": "7", "watch": "7", "port": "80", "path": "x"}
 
 
 @pytest.fixture

@@ -316,16 +316,77 @@ _LEAN_CASES = [
     ("POST", "/v1/sandboxes", {"container_image": "busybox", "memory_limit_mb": "lots"}),
     ("POST", "/v1/sandboxes", {"container_image": "busybox", "memroy_limit_mb": 64}),
     ("POST", "/v1/sandboxes", {"memory_limit_mb": 64}),
-    ("GET", f"/v1/sandboxes/{SID}", None),
-    ("GET", "/v1/sandboxes/n0-fedcba9876543210", None),
-    ("GET", "/v1/sandboxes/n0-0123", None),
-    ("GET", f"/v1/sandboxes/{BOOM}", None),
-    ("POST", f"/v1/sandboxes/{SID}/exec", {"command": "echo hi", "env": {"A": "1"}, "timeout": 5}),
-    ("POST", f"/v1/sandboxes/{SID}/exec", {"command": ["ls"]}),
-    ("POST", "/v1/sandboxes/n0-fedcba9876543210/exec", {"command": "ls"}),
-    ("DELETE", f"/v1/sandboxes/{SID}", None),
-    ("DELETE", "/v1/sandboxes/xyz", None),
 ]
+
+
+def _info(sandbox_id: str = SID, status: SandboxStatus = SandboxStatus.running) -> dict:
+    body = FakeEdge()._info(sandbox_id, status).model_dump(mode="json")
+    return {k: v for k, v in body.items() if not k.endswith("_at")}
+
+
+def _error(status: int, message: str, code: str = "invalid_request") -> tuple:
+    return status, {"error": {"code": code, "message": message}}
+
+
+_MALFORMED_ID = "malformed sandbox id {!r}: expected <node>-<16 hex digits>"
+_NOT_FOUND = _error(404, "no sandbox n0-fedcba9876543210 on node n0", "sandbox_not_found")
+# The table's operations (get, exec, stop the hottest) as FastAPI's own routes answered them
+# (its answers taken at 39084e2, when each had a route of its own, over the same fake edge).
+_TABLE_CASES = [
+    ("GET", f"/v1/sandboxes/{SID}", None, (200, _info())),
+    ("GET", "/v1/sandboxes/n0-fedcba9876543210", None, _NOT_FOUND),
+    ("GET", "/v1/sandboxes/n0-0123", None, _error(422, _MALFORMED_ID.format("n0-0123"))),
+    ("GET", f"/v1/sandboxes/{BOOM}", None, _error(500, "RuntimeError: the fake edge broke", "internal")),
+    ("POST", f"/v1/sandboxes/{SID}/exec", {"command": "echo hi", "env": {"A": "1"}, "timeout": 5},
+     (200, {"exit_code": 0, "stdout": "echo hi", "stderr": "", "duration_s": 0.0, "stdout_truncated": False,
+            "stderr_truncated": False, "stdout_bytes": 0, "stderr_bytes": 0})),
+    ("POST", f"/v1/sandboxes/{SID}/exec", {"command": ["ls"]},
+     _error(422, "malformed request: command: Input should be a valid string")),
+    ("POST", "/v1/sandboxes/n0-fedcba9876543210/exec", {"command": "ls"}, _NOT_FOUND),
+    ("DELETE", f"/v1/sandboxes/{SID}", None, (200, _info(status=SandboxStatus.stopped))),
+    ("DELETE", "/v1/sandboxes/xyz", None, _error(422, _MALFORMED_ID.format("xyz"))),
+    ("GET", f"/v1/sandboxes/{SID}/processes/0", None,
+     _error(422, "malformed request: path.pid: Input should be greater than or equal to 1")),
+    ("GET", f"/v1/sandboxes/{SID}/processes/abc", None,
+     _error(422, "malformed request: path.pid: Input should be a valid integer, unable to parse string as an integer")),
+    ("POST", f"/v1/sandboxes/{SID}/processes/0/signal", {"signal": "x"},
+     _error(422, "malformed request: path.pid: Input should be greater than or equal to 1; signal: Input should be a "
+                 "valid integer, unable to parse string as an integer")),
+    ("GET", f"/v1/sandboxes/{SID}/fs/list?path=", None,
+     _error(422, "malformed request: path: String should have at least 1 character")),
+    ("GET", f"/v1/sandboxes/{SID}/fs/list", None, _error(422, "malformed request: path: Field required")),
+    ("POST", f"/v1/sandboxes/{SID}/ptys/1/resize", None, _error(422, "malformed request: body: Field required")),
+    ("POST", f"/v1/sandboxes/{SID}/sessions", None, _error(422, "malformed request: body: Field required")),
+]
+
+
+async def test_the_table_routes_answer_as_fastapi_did(http, monkeypatch):
+    """The public table's operations are served by one handler in front of FastAPI
+    (apiserver/table.py), errors and all as FastAPI's routes for them answered; a wrong method
+    is still FastAPI's 405."""
+    from dsec.apiserver.table import TableRoutes
+
+    served = []
+    serve = TableRoutes._serve
+
+    async def counting(self, route, *args):
+        served.append(route.op.name)
+        return await serve(self, route, *args)
+
+    monkeypatch.setattr(TableRoutes, "_serve", counting)
+    for method, path, body, answer in _TABLE_CASES:
+        r = await http.request(method, path, json=body)
+        assert served and served.pop(), (method, path)
+        assert _comparable(r) == answer, (method, path)
+    r = await http.post(f"/v1/sandboxes/{SID}/exec", content=b"{not json", headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "invalid_request")
+    assert r.json()["error"]["message"].startswith("malformed request")
+    r = await http.post(f"/v1/sandboxes/{SID}/fs/mkdir", content=b"abc", headers={"content-type": "text/plain"})
+    assert _comparable(r) == _error(422, "malformed request: body: Input should be a valid dictionary or object to "
+                                         "extract fields from")
+    served.clear()
+    r = await http.get(f"/v1/sandboxes/{SID}/exec")
+    assert not served and _comparable(r) == _error(405, f"Method Not Allowed: GET /v1/sandboxes/{SID}/exec")
 
 
 def _comparable(r: httpx.Response) -> tuple:
@@ -336,8 +397,9 @@ def _comparable(r: httpx.Response) -> tuple:
 
 
 async def test_the_lean_routes_answer_as_fastapi_does(http, monkeypatch):
-    """The hottest routes skip FastAPI's layers (apiserver/lean.py); a query string sends the
-    same request through FastAPI. Both answer alike, errors and all."""
+    """A create skips FastAPI's layers (apiserver/lean.py); a query string sends the same
+    request through FastAPI. Both answer alike, errors and all. (The other hot routes, get, exec
+    and stop, are the public table's: test_the_table_routes_answer_as_fastapi_did.)"""
     from dsec.apiserver.lean import LeanRoutes
 
     served = []
@@ -355,7 +417,7 @@ async def test_the_lean_routes_answer_as_fastapi_does(http, monkeypatch):
         assert not served, (method, path)
         assert _comparable(lean) == _comparable(framework), (method, path)
     # A JSON body that does not parse: both say it is malformed, each in its words.
-    for method, path in (("POST", "/v1/sandboxes"), ("POST", f"/v1/sandboxes/{SID}/exec")):
+    for method, path in (("POST", "/v1/sandboxes"),):
         answers = [await http.request(method, path + q, content=b"{not json", headers={"content-type": "application/json"})
                    for q in ("", "?via=fastapi")]
         assert [(a.status_code, a.json()["error"]["code"]) for a in answers] == [(422, "invalid_request")] * 2

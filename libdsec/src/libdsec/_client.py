@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
+from .api_ops import api_route
 from ._errors import (
     DSecError,
     InvalidRequest,
@@ -184,8 +185,7 @@ class Sandbox:
             if answered:
                 return ExecResult.model_validate(result)
         body = await self._client._request(
-            "POST",
-            f"/v1/sandboxes/{self.id}/exec",
+            *api_route("exec", sandbox_id=self.id),
             model=request,
             timeout=timeout + _HTTP_SLACK_S,
         )
@@ -212,8 +212,9 @@ class Sandbox:
             yield event
 
     def _events(self, request: ExecRequest) -> AsyncIterator[ExecEvent]:
-        self._client._guard("POST", f"/v1/sandboxes/{self.id}/exec:stream")
-        return events_of(self._client._stream("POST", f"/v1/sandboxes/{self.id}/exec:stream", request,
+        route = api_route("exec_stream", sandbox_id=self.id)
+        self._client._guard(*route)
+        return events_of(self._client._stream(*route, request,
                                               request.timeout + _HTTP_SLACK_S, ExecEvent))
 
     # -- background processes ----------------------------------------------------------------
@@ -229,12 +230,12 @@ class Sandbox:
         """Start ``command`` (``sh -c``) in the background and return at once: a ``Process``
         with its ``pid``. It outlives this call and this client (see ``Process``)."""
         request = StartProcessRequest(command=command, env=env or {}, workdir=workdir, user=user)
-        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/processes", model=request)
+        body = await self._client._request(*api_route("start_process", sandbox_id=self.id), model=request)
         return Process(self, ProcessInfo.model_validate(body))
 
     async def list_processes(self) -> list[ProcessInfo]:
         """The background processes started in this sandbox, running or ended."""
-        body = await self._client._request("GET", f"/v1/sandboxes/{self.id}/processes")
+        body = await self._client._request(*api_route("list_processes", sandbox_id=self.id))
         return ProcessList.model_validate(body).processes
 
     async def open_session(
@@ -251,7 +252,7 @@ class Sandbox:
         One no command reached for ``idle_timeout`` seconds ends (a client that vanished
         leaves nothing behind). ``shell``: ``"sh"`` or ``"bash"`` (without rc files)."""
         request = OpenSessionRequest(workdir=workdir, env=env or {}, user=user, idle_timeout=idle_timeout, shell=shell)
-        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/sessions", model=request, timeout=60)
+        body = await self._client._request(*api_route("open_session", sandbox_id=self.id), model=request, timeout=60)
         return Session(self, SessionInfo.model_validate(body))
 
     async def open_pty(
@@ -275,7 +276,7 @@ class Sandbox:
         except ValidationError as exc:
             raise InvalidRequest("bad PTY: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
                                                          for e in exc.errors())) from None
-        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/ptys", model=request, timeout=60)
+        body = await self._client._request(*api_route("open_pty", sandbox_id=self.id), model=request, timeout=60)
         return Pty(self, PtyInfo.model_validate(body))
 
     async def watch_dir(self, path: str, *, recursive: bool = False) -> DirWatch:
@@ -285,7 +286,7 @@ class Sandbox:
         ``SandboxFileNotFound`` if it is not there, ``InvalidRequest`` if it is not a directory
         (or the sandbox is a VM: containers only)."""
         request = OpenWatchRequest(path=path, recursive=recursive)
-        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/watches", model=request, timeout=60)
+        body = await self._client._request(*api_route("open_watch", sandbox_id=self.id), model=request, timeout=60)
         return DirWatch(self, WatchInfo.model_validate(body))
 
     def port_url(self, port: int) -> str:
@@ -300,7 +301,7 @@ class Sandbox:
     async def connect_session(self, session_id: int) -> Session:
         """A handle on a session opened before (by any client, before an edge restart too).
         ``ProcessNotFound`` for an id that was never one; ``SessionClosed`` once it ended."""
-        body = await self._client._request("GET", f"/v1/sandboxes/{self.id}/processes/{int(session_id)}")
+        body = await self._client._request(*api_route("get_process", sandbox_id=self.id, pid=int(session_id)))
         info = ProcessInfo.model_validate(body)
         if not info.running:
             raise SessionClosed(f"session {session_id} has ended (exit code {info.exit_code}); open a new one")
@@ -309,7 +310,7 @@ class Sandbox:
     async def connect_process(self, pid: int) -> Process:
         """A handle on a background process started before (by any client); its ``stream()``
         gives what it writes from now on. ``ProcessNotFound`` for any other pid."""
-        body = await self._client._request("GET", f"/v1/sandboxes/{self.id}/processes/{int(pid)}")
+        body = await self._client._request(*api_route("get_process", sandbox_id=self.id, pid=int(pid)))
         info = ProcessInfo.model_validate(body)
         return Process(self, info, stdout_offset=info.stdout_bytes, stderr_offset=info.stderr_bytes)
 
@@ -321,8 +322,7 @@ class Sandbox:
             if self._client._replay.call(self.id, "write_file", request)[0]:
                 return
         await self._client._request(
-            "PUT",
-            f"/v1/sandboxes/{self.id}/files",
+            *api_route("write_file", sandbox_id=self.id),
             params={"path": path, "mode": oct(mode)},
             content=data,
         )
@@ -336,7 +336,7 @@ class Sandbox:
                                            f"on sandbox {self.id} ({result.get('bytes')} bytes); it cannot answer it")
                 return base64.b64decode(result["data_b64"])
         return await self._client._request(
-            "GET", f"/v1/sandboxes/{self.id}/files", params={"path": path}, raw=True
+            *api_route("read_file", sandbox_id=self.id), params={"path": path}, raw=True
         )
 
     async def pack_diff(self, name: str | None = None, *, role: str = "snapshot") -> PackDiffResult:
@@ -347,7 +347,7 @@ class Sandbox:
             answered, result = self._client._replay.call(self.id, "pack_diff", request.model_dump(mode="json"))
             if answered:
                 return PackDiffResult.model_validate(result)
-        body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/pack_diff", model=request, timeout=600)
+        body = await self._client._request(*api_route("pack_diff", sandbox_id=self.id), model=request, timeout=600)
         return PackDiffResult.model_validate(body)
 
     async def clean_copy(self, keep: Iterable[str]) -> Sandbox:
@@ -368,7 +368,7 @@ class Sandbox:
         if answered:
             result = CleanCopyResult.model_validate(logged)
         else:
-            body = await self._client._request("POST", f"/v1/sandboxes/{self.id}/clean_copy", model=request,
+            body = await self._client._request(*api_route("clean_copy", sandbox_id=self.id), model=request,
                                                timeout=600)
             result = CleanCopyResult.model_validate(body)
         copy = Sandbox(self._client, result.sandbox)
@@ -378,7 +378,7 @@ class Sandbox:
     async def security_events(self) -> list[SecurityEvent]:
         """Denied actions the platform saw in this sandbox: blocked connections and DNS
         names, denied syscalls, limit hits, output caps (also after it stopped)."""
-        body = await self._client._request("GET", f"/v1/sandboxes/{self.id}/security_events")
+        body = await self._client._request(*api_route("security_events", sandbox_id=self.id))
         return SecurityEventList.model_validate(body).events
 
     async def set_network_rules(self, network_rules: dict[str, bool | list[str]]) -> None:
@@ -387,7 +387,7 @@ class Sandbox:
         if self._client._replay is not None and \
                 self._client._replay.call(self.id, "set_network_rules", request.model_dump(mode="json"))[0]:
             return
-        await self._client._request("PUT", f"/v1/sandboxes/{self.id}/network_rules", model=request)
+        await self._client._request(*api_route("set_network_rules", sandbox_id=self.id), model=request)
 
     async def set_ttl(self, ttl_running_stop: float) -> SandboxInfo:
         """A new idle TTL (``ttl_running_stop``), counted from now; paused or running."""
@@ -395,12 +395,12 @@ class Sandbox:
         answered, result = (False, None) if self._client._replay is None else \
             self._client._replay.call(self.id, "set_ttl", request.model_dump(mode="json"))
         self.info = SandboxInfo.model_validate(result if answered else await self._client._request(
-            "PUT", f"/v1/sandboxes/{self.id}/ttl", model=request))
+            *api_route("set_ttl", sandbox_id=self.id), model=request))
         return self.info
 
     async def refresh(self) -> SandboxInfo:
         self.info = SandboxInfo.model_validate(
-            await self._client._request("GET", f"/v1/sandboxes/{self.id}")
+            await self._client._request(*api_route("get", sandbox_id=self.id))
         )
         return self.info
 
@@ -410,7 +410,7 @@ class Sandbox:
         answered, logged = (False, None) if self._client._replay is None else \
             self._client._replay.call(self.id, "pause", {})
         result = PauseResult.model_validate(logged if answered else
-                                            await self._client._request("POST", f"/v1/sandboxes/{self.id}/pause"))
+                                            await self._client._request(*api_route("pause", sandbox_id=self.id)))
         self.info = result.sandbox
         return result
 
@@ -419,13 +419,13 @@ class Sandbox:
         answered, logged = (False, None) if self._client._replay is None else \
             self._client._replay.call(self.id, "resume", {})
         self.info = SandboxInfo.model_validate(logged if answered else
-                                               await self._client._request("POST", f"/v1/sandboxes/{self.id}/resume"))
+                                               await self._client._request(*api_route("resume", sandbox_id=self.id)))
         return self.info
 
     async def snapshot(self) -> SnapshotInfo:
         """Save a microVM's memory and device state (it keeps running); pass the result's
         ``id`` as ``DSecMicroVMRunArgs(snapshot=…)`` to start a copy where it was."""
-        return SnapshotInfo.model_validate(await self._client._request("POST", f"/v1/sandboxes/{self.id}/snapshot"))
+        return SnapshotInfo.model_validate(await self._client._request(*api_route("snapshot", sandbox_id=self.id)))
 
     async def stop(self) -> None:
         """Stop and remove the sandbox. Stopping a stopped sandbox does nothing. ``SandboxLost``
@@ -437,7 +437,7 @@ class Sandbox:
             if answered:
                 self.info = SandboxInfo.model_validate(result)
                 return
-        body = await self._client._request("DELETE", f"/v1/sandboxes/{self.id}")
+        body = await self._client._request(*api_route("stop", sandbox_id=self.id))
         self.info = SandboxInfo.model_validate(body)
 
     async def __aenter__(self) -> Sandbox:
@@ -619,7 +619,7 @@ class DSecClient(_ProjectMethods):
         return [s for s in sandboxes if s is not None]
 
     async def get_sandbox(self, sandbox_id: str) -> Sandbox:
-        body = await self._request("GET", f"/v1/sandboxes/{sandbox_id}")
+        body = await self._request(*api_route("get", sandbox_id=sandbox_id))
         return Sandbox(self, SandboxInfo.model_validate(body))
 
     async def stop_sandbox(self, sandbox_id: str) -> SandboxInfo:
@@ -630,17 +630,17 @@ class DSecClient(_ProjectMethods):
             answered, result = self._replay.call(sandbox_id, "stop", {})
             if answered:
                 return SandboxInfo.model_validate(result)
-        return SandboxInfo.model_validate(await self._request("DELETE", f"/v1/sandboxes/{sandbox_id}"))
+        return SandboxInfo.model_validate(await self._request(*api_route("stop", sandbox_id=sandbox_id)))
 
     async def list_sandboxes(self) -> list[SandboxInfo]:
         return SandboxList.model_validate(await self._request("GET", "/v1/sandboxes")).sandboxes
 
     async def list_images(self) -> ImageList:
-        return ImageList.model_validate(await self._request("GET", "/v1/images"))
+        return ImageList.model_validate(await self._request(*api_route("list_images")))
 
     async def inspect_image(self, ref: str) -> ImageInfo:
         """An image by name, or a composition such as ``python+repo-abc+harness``."""
-        return ImageInfo.model_validate(await self._request("GET", f"/v1/images/{ref}"))
+        return ImageInfo.model_validate(await self._request(*api_route("inspect_image", ref=ref)))
 
     async def remove_image(self, name: str) -> None:
         await self._request("DELETE", f"/v1/images/{name}")

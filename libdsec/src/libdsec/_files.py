@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 
+from .api_ops import api_route
 from ._tarcheck import TarChecker
 
 from .protocol import FileEntry, FileList, FileRemoveRequest, FileRenameRequest, MakeDirRequest
@@ -30,27 +31,27 @@ class SandboxFiles:
     def __init__(self, sandbox: Sandbox) -> None:
         self._sandbox = sandbox
 
-    def _path(self, tail: str) -> str:
-        return f"/v1/sandboxes/{self._sandbox.id}/fs/{tail}"
+    def _route(self, name: str) -> tuple[str, str]:
+        return api_route(name, sandbox_id=self._sandbox.id)
 
     async def list(self, path: str) -> list[FileEntry]:
-        body = await self._sandbox._client._request("GET", self._path("list"), params={"path": path})
+        body = await self._sandbox._client._request(*self._route("list_dir"), params={"path": path})
         return FileList.model_validate(body).entries
 
     async def stat(self, path: str) -> FileEntry:
-        body = await self._sandbox._client._request("GET", self._path("stat"), params={"path": path})
+        body = await self._sandbox._client._request(*self._route("stat_path"), params={"path": path})
         return FileEntry.model_validate(body)
 
     async def remove(self, path: str, *, recursive: bool = False) -> None:
-        await self._sandbox._client._request("POST", self._path("remove"),
+        await self._sandbox._client._request(*self._route("remove_path"),
                                              model=FileRemoveRequest(path=path, recursive=recursive), timeout=600)
 
     async def make_dir(self, path: str) -> None:
         """Make ``path`` and the directories above it that are missing."""
-        await self._sandbox._client._request("POST", self._path("mkdir"), model=MakeDirRequest(path=path))
+        await self._sandbox._client._request(*self._route("make_dir"), model=MakeDirRequest(path=path))
 
     async def rename(self, src: str, dst: str) -> None:
-        await self._sandbox._client._request("POST", self._path("rename"), model=FileRenameRequest(src=src, dst=dst))
+        await self._sandbox._client._request(*self._route("rename_path"), model=FileRenameRequest(src=src, dst=dst))
 
     async def upload_dir(self, local_dir: str | os.PathLike, path: str) -> None:
         """Copy the local tree ``local_dir`` to ``path`` in the sandbox (made if missing): as
@@ -63,10 +64,10 @@ class SandboxFiles:
         from ._client import _error_of, _unavailable  # (the client imports this module)
 
         client = self._sandbox._client
-        client._guard("PUT", self._path("tree"))
+        client._guard(*self._route("upload_tree"))
         http = client._streaming_http()
         try:
-            response = await http.request("PUT", self._path("tree"), params={"path": path}, content=_tar_of(local),
+            response = await http.request(*self._route("upload_tree"), params={"path": path}, content=_tar_of(local),
                                           headers={"content-type": "application/x-tar"}, timeout=_TREE_TIMEOUT_S)
         except httpx.TransportError as exc:
             raise _unavailable([], client.endpoint, exc) from exc
@@ -82,10 +83,10 @@ class SandboxFiles:
         from ._client import _error_of, _unavailable  # (the client imports this module)
 
         client = self._sandbox._client
-        client._guard("GET", self._path("tree"))
+        client._guard(*self._route("download_tree_tar"))
         http = client._streaming_http()
         try:
-            async with http.stream("GET", self._path("tree"), params={"path": path}, timeout=_TREE_TIMEOUT_S) as response:
+            async with http.stream(*self._route("download_tree_tar"), params={"path": path}, timeout=_TREE_TIMEOUT_S) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     raise _error_of(response)
@@ -102,10 +103,10 @@ class SandboxFiles:
         if not local.is_file():
             raise FileNotFoundError(f"not a local file: {local}")
         client = self._sandbox._client
-        client._guard("PUT", f"/v1/sandboxes/{self._sandbox.id}/files:stream")
+        client._guard(*self._route("write_file_stream"))
         try:
             response = await client._streaming_http().request(
-                "PUT", f"/v1/sandboxes/{self._sandbox.id}/files:stream", params={"path": path, "mode": oct(mode)},
+                *self._route("write_file_stream"), params={"path": path, "mode": oct(mode)},
                 content=_file_chunks(local), headers={"content-type": "application/octet-stream"},
                 timeout=_TREE_TIMEOUT_S)
         except httpx.TransportError as exc:
@@ -119,10 +120,10 @@ class SandboxFiles:
 
         local = Path(local_file)
         client = self._sandbox._client
-        client._guard("GET", f"/v1/sandboxes/{self._sandbox.id}/files:stream")
+        client._guard(*self._route("read_file_stream"))
         partial = local.with_name(local.name + ".part")
         try:
-            async with client._streaming_http().stream("GET", f"/v1/sandboxes/{self._sandbox.id}/files:stream",
+            async with client._streaming_http().stream(*self._route("read_file_stream"),
                                                params={"path": path}, timeout=_TREE_TIMEOUT_S) as response:
                 if response.status_code >= 400:
                     await response.aread()

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
+from .api_ops import api_route
 from ._errors import SandboxStateError, ServerError, error_from_wire
 from .protocol import (
     DEFAULT_COMMAND_TIMEOUT_S,
@@ -59,8 +60,8 @@ class Process:
     def __repr__(self) -> str:
         return f"<Process {self.pid} in {self._sandbox.id} {'running' if self.info.running else self.info.exit_code}>"
 
-    def _path(self, tail: str = "") -> str:
-        return f"/v1/sandboxes/{self._sandbox.id}/processes/{self.pid}{tail}"
+    def _route(self, name: str) -> tuple[str, str]:
+        return api_route(name, sandbox_id=self._sandbox.id, pid=self.pid)
 
     async def stream(self, *, timeout: float = 24 * 3600.0) -> AsyncIterator[ExecEvent]:
         """Its output from where this handle last read (the start, for ``start_shell``; the
@@ -68,8 +69,8 @@ class Process:
         ``event.result.exit_code``). Leaving the loop early leaves the process running."""
         request = ProcessStreamRequest(stdout_offset=self._offsets[0], stderr_offset=self._offsets[1], timeout=timeout)
         client = self._sandbox._client
-        client._guard("POST", self._path("/stream"))
-        async for event in events_of(client._stream("POST", self._path("/stream"), request,
+        client._guard(*self._route("stream_process"))
+        async for event in events_of(client._stream(*self._route("stream_process"), request,
                                                     timeout + _HTTP_SLACK_S, ExecEvent)):
             if event.event in ("stdout", "stderr"):
                 self._offsets[event.event == "stderr"] += len(event.data.encode())
@@ -87,12 +88,12 @@ class Process:
         await self._stdin(ProcessStdinRequest(close=True))
 
     async def _stdin(self, request: ProcessStdinRequest) -> None:
-        await self._sandbox._client._request("POST", self._path("/stdin"), model=request,
+        await self._sandbox._client._request(*self._route("process_stdin"), model=request,
                                              timeout=DEFAULT_COMMAND_TIMEOUT_S + _HTTP_SLACK_S)
 
     async def signal(self, sig: int) -> None:
         """Send ``sig`` to it and its process group (``signal.SIGINT`` as Ctrl-C would)."""
-        await self._sandbox._client._request("POST", self._path("/signal"), model=ProcessSignalRequest(signal=int(sig)))
+        await self._sandbox._client._request(*self._route("signal_process"), model=ProcessSignalRequest(signal=int(sig)))
 
     async def kill(self) -> None:
         await self.signal(_signal.SIGKILL)
@@ -100,13 +101,13 @@ class Process:
     async def wait(self, *, timeout: float = DEFAULT_COMMAND_TIMEOUT_S) -> ProcessInfo:
         """Its info once it ended (``exit_code``); ``CommandTimeout`` if it still runs after
         ``timeout`` (it goes on running)."""
-        body = await self._sandbox._client._request("POST", self._path("/wait"), model=ProcessWaitRequest(timeout=timeout),
+        body = await self._sandbox._client._request(*self._route("wait_process"), model=ProcessWaitRequest(timeout=timeout),
                                                     timeout=timeout + _HTTP_SLACK_S)
         self.info = ProcessInfo.model_validate(body)
         return self.info
 
     async def refresh(self) -> ProcessInfo:
-        self.info = ProcessInfo.model_validate(await self._sandbox._client._request("GET", self._path()))
+        self.info = ProcessInfo.model_validate(await self._sandbox._client._request(*self._route("get_process")))
         return self.info
 
     async def __aenter__(self) -> Process:
@@ -138,8 +139,8 @@ class Session:
     def __repr__(self) -> str:
         return f"<Session {self.id} in {self._sandbox.id}>"
 
-    def _path(self, tail: str) -> str:
-        return f"/v1/sandboxes/{self._sandbox.id}/sessions/{self.id}{tail}"
+    def _route(self, name: str) -> tuple[str, str]:
+        return api_route(name, sandbox_id=self._sandbox.id, session=self.id)
 
     async def run_shell(
         self,
@@ -156,19 +157,19 @@ class Session:
                               **({"max_output_bytes": max_output_bytes} if max_output_bytes is not None else {}))
         client = self._sandbox._client
         if on_stdout is None and on_stderr is None:
-            body = await client._request("POST", self._path("/exec"), model=request, timeout=timeout + _HTTP_SLACK_S)
+            body = await client._request(*self._route("session_exec"), model=request, timeout=timeout + _HTTP_SLACK_S)
             return ExecResult.model_validate(body)
-        client._guard("POST", self._path("/exec:stream"))
+        client._guard(*self._route("session_exec_stream"))
         return await run_with_callbacks(
-            events_of(client._stream("POST", self._path("/exec:stream"), request, timeout + _HTTP_SLACK_S, ExecEvent)),
+            events_of(client._stream(*self._route("session_exec_stream"), request, timeout + _HTTP_SLACK_S, ExecEvent)),
             on_stdout, on_stderr)
 
     async def interrupt(self) -> None:
         """Ctrl-C: SIGINT to the command that runs (the shell reads on)."""
-        await self._sandbox._client._request("POST", self._path("/interrupt"))
+        await self._sandbox._client._request(*self._route("interrupt_session"))
 
     async def close(self) -> None:
-        await self._sandbox._client._request("POST", self._path("/close"))
+        await self._sandbox._client._request(*self._route("close_session"))
 
     async def __aenter__(self) -> Session:
         return self

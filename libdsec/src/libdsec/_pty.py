@@ -6,6 +6,7 @@ import base64
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from .api_ops import api_route
 from ._errors import SessionClosed
 from ._process import events_of
 from .protocol import ExecEvent, PtyInfo, PtyInputRequest, PtyResizeRequest, PtyStreamRequest
@@ -44,8 +45,8 @@ class Pty:
         state = "closed" if self.closed else "running" if self.exit_code is None else f"exit {self.exit_code}"
         return f"<Pty {self.id} in {self._sandbox.id} {self.info.cols}x{self.info.rows} {state}>"
 
-    def _path(self, tail: str) -> str:
-        return f"/v1/sandboxes/{self._sandbox.id}/ptys/{self.id}{tail}"
+    def _route(self, name: str) -> tuple[str, str]:
+        return api_route(name, sandbox_id=self._sandbox.id, pty=self.id)
 
     def _check(self, what: str) -> None:
         if self.closed:
@@ -55,12 +56,12 @@ class Pty:
         """Type ``data`` at the terminal (a ``str`` as UTF-8)."""
         self._check("write to it")
         payload = data.encode() if isinstance(data, str) else bytes(data)
-        await self._sandbox._client._request("POST", self._path("/input"), model=PtyInputRequest(data=payload))
+        await self._sandbox._client._request(*self._route("pty_input"), model=PtyInputRequest(data=payload))
 
     async def resize(self, cols: int, rows: int) -> None:
         self._check("resize it")
         request = PtyResizeRequest(cols=cols, rows=rows)
-        await self._sandbox._client._request("POST", self._path("/resize"), model=request)
+        await self._sandbox._client._request(*self._route("resize_pty"), model=request)
         self.info = self.info.model_copy(update={"cols": cols, "rows": rows})
 
     async def events(self, *, encoding: str = "utf-8") -> AsyncIterator[ExecEvent]:
@@ -69,8 +70,8 @@ class Pty:
         self._check("read it")
         request = PtyStreamRequest(encoding=encoding)
         client = self._sandbox._client
-        client._guard("POST", self._path("/stream"))
-        async for event in events_of(client._stream("POST", self._path("/stream"), request,
+        client._guard(*self._route("pty_stream"))
+        async for event in events_of(client._stream(*self._route("pty_stream"), request,
                                                     request.timeout + _HTTP_SLACK_S, ExecEvent)):
             if event.event == "exit" and event.result is not None:
                 self.exit_code = event.result.exit_code
@@ -110,7 +111,7 @@ class Pty:
             return
         self.closed = True
         await self.aclose()
-        await self._sandbox._client._request("POST", self._path("/close"))
+        await self._sandbox._client._request(*self._route("close_pty"))
 
     async def __aenter__(self) -> Pty:
         return self

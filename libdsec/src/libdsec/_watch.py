@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from .api_ops import api_route
 from ._errors import SessionClosed
 from .protocol import MAX_WATCH_WAIT_S, FsEvent, WatchEvents, WatchEventsRequest, WatchInfo
 
@@ -44,8 +45,8 @@ class DirWatch:
         state = "closed" if self.closed else "ended" if self.ended else "watching"
         return f"<DirWatch {self.id} of {self.info.path} in {self._sandbox.id} {state}>"
 
-    def _path(self, tail: str) -> str:
-        return f"/v1/sandboxes/{self._sandbox.id}/watches/{self.id}{tail}"
+    def _route(self, name: str) -> tuple[str, str]:
+        return api_route(name, sandbox_id=self._sandbox.id, watch=self.id)
 
     async def events(self, *, wait: float = 0.0) -> list[FsEvent]:
         """The events since the last call, waiting up to ``wait`` seconds (at most 60) for a
@@ -55,7 +56,7 @@ class DirWatch:
         if self.ended:
             return []
         request = WatchEventsRequest(wait=wait)
-        body = await self._sandbox._client._request("POST", self._path("/events"), model=request,
+        body = await self._sandbox._client._request(*self._route("watch_events"), model=request,
                                                     timeout=request.wait + _HTTP_SLACK_S)
         answer = WatchEvents.model_validate(body)
         self.dropped += answer.dropped
@@ -77,7 +78,7 @@ class DirWatch:
         self.closed = True
         if not self.ended:
             try:
-                await self._sandbox._client._request("POST", self._path("/close"))
+                await self._sandbox._client._request(*self._route("close_watch"))
             except SessionClosed:
                 pass  # it ended on the node meanwhile
 

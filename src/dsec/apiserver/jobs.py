@@ -9,8 +9,9 @@ are shared by every apiserver over one database).
 - A request with a job (``x-dsec-job`` header) is recorded, after it ran, in the job's log with
   its result (or its error): creates (with their key), commands (``exec``), file writes and
   reads, pack_diffs, clean copies, pauses, resumes, network rules, TTLs and stops. The other
-  calls that change a sandbox (``UNRECORDED``: streamed commands, background processes,
-  sessions, PTYs, file-tree calls, snapshots) are logged as *made*, before they run, with no
+  calls that change a sandbox (``journal="made"`` in the public table, ``libdsec.api_ops``:
+  streamed commands, background processes, sessions, PTYs, file-tree calls, snapshots) are
+  logged as *made*, before they run, with no
   result: a resume cannot answer one, and says so (``ReplayIncomplete``) instead of running it
   a second time. A job belongs to the project that first wrote to it. Each request is answered once its
   entry is durable; entries are written in groups (one transaction for those that arrive while
@@ -29,7 +30,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -80,31 +80,6 @@ def _when(epoch: float) -> datetime:
 def job_info(row: JobRow) -> JobInfo:
     return JobInfo(name=row.name, project=row.project, created_at=_when(row.created_at),
                    updated_at=_when(row.updated_at), entries=row.entries)
-
-
-# The calls on a sandbox logged only as made (method, path after /v1/sandboxes/ID, a number as N).
-UNRECORDED = {
-    ("POST", "/exec:stream"), ("POST", "/snapshot"),
-    ("POST", "/processes"), ("POST", "/processes/N/signal"), ("POST", "/processes/N/stdin"),
-    ("POST", "/ptys"), ("POST", "/ptys/N/input"), ("POST", "/ptys/N/resize"), ("POST", "/ptys/N/close"),
-    ("POST", "/sessions"), ("POST", "/sessions/N/exec"), ("POST", "/sessions/N/exec:stream"),
-    ("POST", "/sessions/N/interrupt"), ("POST", "/sessions/N/close"),
-    ("POST", "/fs/remove"), ("POST", "/fs/mkdir"), ("POST", "/fs/rename"), ("PUT", "/fs/tree"),
-    ("PUT", "/files:stream"),  # a streamed file write (its bytes are not kept)
-}
-_SANDBOX_CALL = re.compile(r"^/v1/sandboxes/([^/:]+)(/.*)$")
-_NUMBER = re.compile(r"/\d+(?=/|$)")
-
-
-def unrecorded_call(method: str, path: str) -> tuple[str, str] | None:
-    """(sandbox id, "METHOD /path") of a call ``UNRECORDED`` holds, else None."""
-    found = _SANDBOX_CALL.match(path)
-    if found is None:
-        return None
-    rest = _NUMBER.sub("/N", found.group(2))
-    if (method, rest) not in UNRECORDED:
-        return None
-    return found.group(1), f"{method} {path}"
 
 
 def file_request(path: str, mode: int, data: bytes) -> dict:
@@ -247,7 +222,7 @@ class Jobs:
         return answer
 
     async def mark(self, caller: Caller, sandbox: str, call: str) -> None:
-        """Log ``call`` (one of ``UNRECORDED``) as made, before it runs."""
+        """Log ``call`` (an operation whose journal is ``made``) as made, before it runs."""
         if caller.job is None:
             return
         await self.check(caller)

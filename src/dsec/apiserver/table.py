@@ -1,0 +1,336 @@
+"""The public table's routes (``libdsec.api_ops.PUBLIC_OPS``), served by one generic handler.
+
+``TableRoutes`` is ASGI middleware in front of FastAPI: a request whose method and path are an
+operation of the table is served here, whole — the caller checked (the app's ``check``), the
+path parameters, query and body parsed by their types and the operation's model, the job log's
+rule applied (the entry's ``journal``), then one call: the ``EdgeAPI`` method of the
+operation's name, on the sandbox's node (``Cluster.edge_for``; any node for an image call), or
+the ``Cluster`` method of that name for the few the cluster wraps (``CLUSTER_CALLS``). The
+answer is written by the operation's shape: one JSON body, raw bytes, NDJSON lines or byte
+chunks (for a stream, what fails before its first piece is a plain error answer). Whatever is
+not in the table goes on to FastAPI unchanged.
+
+Errors are FastAPI's, as its routes for these operations gave them: a ``DSecError`` as its wire
+body and status; input that does not parse as 422 ``invalid_request``, "malformed request: "
+and each problem with where it is (``path.pid``, a query parameter's name, a body field), the
+caller checked first; anything else as 500 ``internal``.
+
+The OpenAPI document still describes every operation: ``add_schema_routes`` registers, from
+the table, FastAPI routes that are there for the document (and a wrong method's 405) only.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Annotated, Any
+from urllib.parse import parse_qsl
+
+from fastapi import FastAPI, Path, Query
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from starlette.responses import Response, StreamingResponse
+
+from libdsec import DSecError, InvalidRequest
+from libdsec.api_ops import PREFIX, PUBLIC_OPS
+from libdsec.ops import Operation as Op, path_format, path_regex
+
+from ..edge.api import EdgeAPI
+from ..edge.files import file_mode
+from .cluster import Cluster
+from .jobs import Jobs, file_request
+from .lean import _error, internal_error
+
+# The operations the cluster wraps (metrics, a stop kept for a node that is away, a copy made
+# on another node); the others are the edge's method of the same name.
+CLUSTER_CALLS = frozenset({"exec", "stop", "clean_copy"})
+# A chunked answer's media type, when not raw bytes.
+MEDIA = {"download_tree_tar": "application/x-tar"}
+_OCTETS = "application/octet-stream"
+_JSON = [(b"content-type", b"application/json")]
+_OK = b'{"ok":true}'
+
+_ID = TypeAdapter(Annotated[int, Field(ge=1, le=999_999_999)])
+_QUERY = TypeAdapter(Annotated[str, Field(min_length=1)])
+Check = Callable[[dict, dict, str], Awaitable[Any]]
+
+
+def _problems(exc: ValidationError, where: str = "") -> list[str]:
+    out = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in (where, *err.get("loc", ())) if x != "")
+        out.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+    return out
+
+
+def _arguments(op: Op) -> tuple[str, ...]:
+    target = Cluster if op.name in CLUSTER_CALLS else EdgeAPI
+    return tuple(p for p in inspect.signature(getattr(target, op.name)).parameters if p != "self")
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    op: Op
+    ints: tuple[str, ...]  # the path parameters that are ids (1 … 999999999)
+    queries: tuple[tuple[str, str], ...]
+    fields: tuple[str, ...]  # a spread request's fields that are the method's arguments
+    order: tuple[str, ...]  # the method's arguments given, in its order (passed by position)
+    on_cluster: bool
+    by_sandbox: bool
+
+
+def _route(op: Op) -> _Route:
+    names = _arguments(op)
+    fields = tuple(f for f in op.request.model_fields if f in names) if op.spread and op.request else ()
+    given = {n for n, _ in op.params} | {n for n, _ in op.query_params} | set(fields)
+    if (op.request is not None and not op.spread) or op.body_shape in ("bytes", "stream"):
+        given.add(op.request_arg)
+    order = names[:len(given)]
+    if set(order) != given:
+        raise ValueError(f"{op.name}: the table gives {sorted(given)}, the method takes {names}")
+    return _Route(op, tuple(n for n, kind in op.params if kind == "int"), op.query_params, fields, order,
+                  op.name in CLUSTER_CALLS, "sandbox_id" in dict(op.params))
+
+
+# Matched by method, in the table's order (the hottest first); a parameter is any one segment
+# (its type is checked after the caller, as FastAPI did, so "0" is a 422 naming it, not a 404).
+_BY_METHOD: dict[str, list[tuple[Any, _Route]]] = {}
+for _op in PUBLIC_OPS:
+    _loose = _op.path.replace(":int}", "}")
+    _BY_METHOD.setdefault(_op.method, []).append((path_regex(_loose, PREFIX), _route(_op)))
+del _op, _loose
+
+
+def match(method: str, path: str) -> tuple[_Route, dict[str, str]] | None:
+    for regex, route in _BY_METHOD.get(method, ()):
+        if (m := regex.match(path)) is not None:
+            return route, m.groupdict()
+    return None
+
+
+async def _body(receive) -> bytes | None:
+    """The request's whole body, or None if the client went away."""
+    data = b""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        data += message.get("body", b"")
+        if not message.get("more_body", False):
+            return data
+
+
+async def _body_chunks(receive) -> AsyncIterator[bytes]:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise InvalidRequest("the request's body broke off: the client went away")
+        if chunk := message.get("body", b""):
+            yield chunk
+        if not message.get("more_body", False):
+            return
+
+
+def _json_body(model: type[BaseModel], body: bytes, content_type: bytes, problems: list[str]) -> BaseModel | None:
+    """``body`` as ``model``, as FastAPI read it: JSON when the content type says so (or says
+    nothing), else the bytes, which no model takes."""
+    if not body:
+        problems.append("body: Field required")
+        return None
+    if content_type and not (content_type.startswith(b"application/json") or b"+json" in content_type):
+        problems.append("body: Input should be a valid dictionary or object to extract fields from")
+        return None
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        problems.extend(_problems(exc))
+        return None
+
+
+async def first_piece(events: AsyncIterator) -> Any:
+    """The first piece of a stream (None for none); errors before it are a plain answer."""
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        return None
+    except BaseException:
+        await events.aclose()
+        raise
+
+
+async def ndjson(first: BaseModel | None, events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+    """One line an event, each sent once the last left; a client that goes away cancels this,
+    which closes ``events`` (a command streamed dies with it)."""
+    async with aclosing(events):
+        if first is not None:
+            yield first.model_dump_json() + "\n"
+        async for event in events:
+            yield event.model_dump_json() + "\n"
+
+
+async def _chunks(first: bytes | None, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async with aclosing(chunks):
+        if first:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+
+
+class TableRoutes:
+    """ASGI middleware: ``app.add_middleware(TableRoutes, cluster=…, check=…, jobs=…)``.
+    ``check(headers, path_params, operation)`` (the raw headers, bytes to bytes) returns the
+    caller (or raises)."""
+
+    def __init__(self, app, cluster: Cluster, check: Check, jobs: Jobs) -> None:
+        self.app, self.cluster, self.check, self.jobs = app, cluster, check, jobs
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or (found := match(scope["method"], scope["path"])) is None:
+            return await self.app(scope, receive, send)
+        route, params = found
+        try:
+            answer = await self._serve(route, params, scope, receive)
+        except DSecError as exc:
+            answer = _error(exc)
+        except Exception as exc:  # noqa: BLE001 - answered as FastAPI's app would (see lean.CatchUnexpected)
+            answer = 500, internal_error(exc, scope), []
+        if answer is None:
+            return  # the client went away
+        if isinstance(answer, Response):
+            return await answer(scope, receive, send)
+        status, body, headers = answer
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *headers]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _serve(self, route: _Route, params: dict, scope, receive):
+        op = route.op
+        headers = dict(scope["headers"])
+        body = b""
+        if op.body_shape in ("json", "bytes") and (body := await _body(receive)) is None:
+            return None
+        caller = await self.check(headers, params, op.name)
+        sandbox_id = params.get("sandbox_id")
+        if op.journal == "made" and caller.job is not None:
+            await self.jobs.mark(caller, sandbox_id, f"{op.method} {scope['path']}")
+        kw, request = self._parse(route, params, scope, headers, body, receive)
+        target = self.cluster if route.on_cluster else (
+            self.cluster.edge_for(sandbox_id) if route.by_sandbox else self.cluster.any_edge())
+        bound = getattr(target, op.name)
+        args = [kw[name] for name in route.order]
+
+        def method():  # (by position: the edge's own names for them are its affair)
+            return bound(*args)
+
+        if op.answers == "lines":
+            events = method()
+            return StreamingResponse(ndjson(await first_piece(events), events), media_type="application/x-ndjson")
+        if op.answers == "chunks":
+            chunks = method()
+            return StreamingResponse(_chunks(await first_piece(chunks), chunks), media_type=MEDIA.get(op.name, _OCTETS))
+        if op.answers == "bytes":
+            if op.journal == "read":
+                data = await self.jobs.recorded_read(caller, sandbox_id, kw["path"], method)
+            else:
+                data = await method()
+            return Response(data, media_type=_OCTETS)
+
+        async def call() -> Any:
+            result = await method()
+            if op.unwrap is not None:
+                return op.answer(**{op.unwrap: result})
+            return {"ok": True} if op.answer is None else result
+
+        if op.journal == "recorded":
+            if caller.job is None:
+                entry = {}
+            elif request is not None:
+                entry = request.model_dump(mode="json")
+            elif op.body_shape == "bytes":
+                entry = file_request(kw["path"], kw["mode"], kw[op.request_arg])
+            else:
+                entry = {}
+            result = await self.jobs.recorded(caller, op.name, sandbox_id, entry, call)
+        else:
+            result = await call()
+        return 200, (_OK if isinstance(result, dict) else result.model_dump_json().encode()), []
+
+    @staticmethod
+    def _parse(route: _Route, params: dict, scope, headers: dict, body: bytes,
+               receive) -> tuple[dict, BaseModel | None]:
+        """The method's arguments (and the request's model, if it has one), or
+        ``InvalidRequest`` naming every problem, as FastAPI listed them (up to five)."""
+        op, problems = route.op, []
+        kw: dict[str, Any] = dict(params)
+        for name in route.ints:
+            try:
+                kw[name] = _ID.validate_python(params[name])
+            except ValidationError as exc:
+                problems.extend(_problems(exc, f"path.{name}"))
+        if route.queries:
+            query = dict(parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True))
+            for name, kind in route.queries:
+                if kind == "mode":
+                    kw[name] = query.get(name, "0o644")
+                    continue
+                try:
+                    kw[name] = _QUERY.validate_python(query[name]) if name in query else None
+                    if kw[name] is None:
+                        problems.append(f"{name}: Field required")
+                except ValidationError as exc:
+                    problems.extend(_problems(exc, name))
+        request = None
+        if op.request is not None:
+            request = _json_body(op.request, body, headers.get(b"content-type", b""), problems)
+        if problems:
+            raise InvalidRequest("malformed request: " + "; ".join(problems[:5]))
+        for name, kind in route.queries:
+            if kind == "mode":
+                kw[name] = file_mode(kw[name])
+        if request is not None:
+            if route.fields:
+                for f in route.fields:
+                    kw[f] = getattr(request, f)
+            elif not op.spread:
+                kw[op.request_arg] = request
+        elif op.body_shape == "bytes":
+            kw[op.request_arg] = body
+        elif op.body_shape == "stream":
+            kw[op.request_arg] = _body_chunks(receive)
+        return kw, request
+
+
+def add_schema_routes(app: FastAPI, responses: dict) -> None:
+    """Routes for the OpenAPI document (and a wrong method's 405), one an operation of the
+    table: its path parameters, query, body model and answer model. ``TableRoutes`` serves
+    the requests, so none of them is called."""
+    for op in PUBLIC_OPS:
+        app.add_api_route(PREFIX + path_format(op.path), _schema_endpoint(op), methods=[op.method], name=op.name,
+                          responses=responses, response_model=_answer_model(op))
+
+
+def _answer_model(op: Op) -> Any:
+    if op.answers in ("bytes", "chunks"):
+        return None
+    return dict if op.answer is None else op.answer
+
+
+def _schema_endpoint(op: Op) -> Callable:
+    parameters = []
+    for name, kind in op.params:
+        default = Path(ge=1, le=999_999_999) if kind == "int" else Path()
+        parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                            annotation=int if kind == "int" else str))
+    for name, kind in op.query_params:
+        default = Query("0o644") if kind == "mode" else Query(min_length=1)
+        parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=str))
+    if op.request is not None:
+        parameters.append(inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=op.request))
+
+    async def endpoint(**_: Any) -> None:
+        raise RuntimeError(f"{op.name} is served by TableRoutes, in front of this route")
+
+    endpoint.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    endpoint.__name__ = op.name
+    return endpoint
