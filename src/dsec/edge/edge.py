@@ -171,7 +171,7 @@ class Edge:
                 self.admission.hold(rec.id, rec.args)
                 log.debug("re-adopted running sandbox %s", rec.id)
             else:
-                rec.status, rec.reason = SandboxStatus.failed, "sandbox was gone when the edge restarted"
+                lifecycle.move(rec, SandboxStatus.failed, "sandbox was gone when the edge restarted")
                 self._forget(rec)
         if self._records:
             log.info("re-adopted %d running sandboxes", len(self._records))
@@ -323,7 +323,7 @@ class Edge:
         finally:
             if pool is not None:
                 self.warm_pool.leave(pool)
-        rec.status = SandboxStatus.running
+        lifecycle.move(rec, SandboxStatus.running)
         rec.last_active = time.time()
         rec.create_s = rec.last_active - now
         return rec
@@ -1048,11 +1048,12 @@ class Edge:
         rec = self._records.get(sandbox_id)
         if rec is None:
             return await self.get(sandbox_id)  # already stopped: nothing to do
-        if lifecycle.check(Action.stop, sandbox_id, rec.status, rec.reason) is rec.status:
+        to = lifecycle.check(Action.stop, sandbox_id, rec.status, rec.reason)
+        if to is rec.status:
             while self._records.get(sandbox_id) is rec:  # a stop or a failure under way: wait for its end
                 await asyncio.sleep(0.01)
             return await self.get(sandbox_id)
-        rec.status = SandboxStatus.stopping
+        lifecycle.move(rec, to)
         self.admission.unhold(rec.id)
         self.security.check_tampering(rec)
         await self.security.check_guest_tampering(rec)
@@ -1063,7 +1064,7 @@ class Edge:
         except Exception as exc:
             await self._fail(rec, f"stop failed: {exc}")
             raise
-        rec.status, rec.reason = SandboxStatus.stopped, reason
+        lifecycle.move(rec, SandboxStatus.stopped, reason)
         return self._forget(rec)
 
     # -- pause and resume ------------------------------------------------------------------
@@ -1072,19 +1073,19 @@ class Edge:
         """Freeze the sandbox and push its memory out; says what it held before and after."""
         rec = self._get(sandbox_id, Action.pause)
         async with rec.transition:
-            lifecycle.check(Action.pause, sandbox_id, rec.status, rec.reason)
+            to = lifecycle.check(Action.pause, sandbox_id, rec.status, rec.reason)
             if rec.calls:
                 raise SandboxStateError(f"cannot pause: sandbox {sandbox_id} has {rec.calls} calls in flight")
             backend = self.backends[rec.kind]
             before = backend.memory_usage(rec.handle)
             start = time.perf_counter()
             # Calls that arrive from here on find it paused and wait (on the lock) to resume it.
-            rec.status = SandboxStatus.paused
+            lifecycle.move(rec, to)
             try:
                 await backend.pause(rec.handle)
             except BaseException:
                 if rec.status is SandboxStatus.paused:
-                    rec.status = SandboxStatus.running
+                    lifecycle.move(rec, SandboxStatus.running)
                 raise
             if rec.status is not SandboxStatus.paused:  # stopped meanwhile
                 raise SandboxStateError(f"sandbox {sandbox_id} was {rec.status.value} while it was being paused")
@@ -1107,7 +1108,8 @@ class Edge:
         await self.backends[rec.kind].resume(rec.handle)
         if rec.status is not SandboxStatus.paused:  # stopped meanwhile: it stays so, unwritten
             raise SandboxStateError(f"sandbox {rec.id} was {rec.status.value} while it was being resumed")
-        rec.status, rec.paused_at = SandboxStatus.running, None
+        lifecycle.move(rec, SandboxStatus.running)
+        rec.paused_at = None
         rec.last_active = time.time()
         self._persist(rec)
         self.stats.resumed()
@@ -1160,8 +1162,10 @@ class Edge:
         return "sandbox processes died" + (f": {detail}" if detail else "")
 
     async def _fail(self, rec: Record, reason: str) -> None:
+        if rec.status in (SandboxStatus.stopped, SandboxStatus.failed):
+            return  # its end came first (a stop, or another call that found it dead), and is under way
         log.warning("sandbox %s failed: %s", rec.id, reason)
-        rec.status, rec.reason = SandboxStatus.failed, reason
+        lifecycle.move(rec, SandboxStatus.failed, reason)
         self.admission.unhold(rec.id)
         self.security.check_tampering(rec)
         await self.ptys.close_sandbox(rec.id)
