@@ -144,7 +144,7 @@ class Edge:
         self._undoing: set[asyncio.Task] = set()  # failed batches being undone (close() waits for them)
         self._looking: dict[str, asyncio.Task] = {}  # sandboxes whose death is being confirmed (_look_again)
         self._closed = False
-        self.security = EdgeSecurity(self)  # network allowlists, security events
+        self.security = EdgeSecurity(self.backends, config.node_dir, self._records)  # network allowlists, security events
         self.builder = ImageBuilder(self, store)  # Dockerfile builds, through this edge's own calls
         self.fncalls = fncalls  # the warm pool for stateless calls (dsec.fncall), if served here
         self.stats = EdgeStats()  # what node_stats reports
