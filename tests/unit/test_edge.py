@@ -50,7 +50,7 @@ async def test_a_record_that_cannot_be_written_fails_the_create_and_leaves_nothi
     import errno
     import os
 
-    from dsec.edge import edge as edge_module
+    from dsec.edge import create as create_module
     from dsec.edge.journal import RecordJournal
 
     def disk_full(self, line):
@@ -62,7 +62,7 @@ async def test_a_record_that_cannot_be_written_fails_the_create_and_leaves_nothi
     assert await edge.list() == [] and not edge.journal._live
     assert len(edge.backend.destroyed) == 1 and not edge.backend.files  # what it made is gone
     monkeypatch.undo()
-    monkeypatch.setattr(edge_module, "MIN_FREE_FOR_CREATE", 1 << 62)  # a disk with less room than that
+    monkeypatch.setattr(create_module, "MIN_FREE_FOR_CREATE", 1 << 62)  # a disk with less room than that
     with pytest.raises(BackendError, match=r"no space left on device \(ENOSPC\): \d+ KiB free on the filesystem of"):
         await edge.create(args())
     assert await edge.list() == []
