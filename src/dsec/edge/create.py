@@ -35,6 +35,7 @@ from libdsec.protocol import (
     ExecRequest,
     PackDiffResult,
     SandboxInfo,
+    SandboxKind,
     SandboxStatus,
     SnapshotInfo,
 )
@@ -45,7 +46,7 @@ from ..images import carry
 from ..images.store import Image, check_name
 from . import lifecycle
 from .api import new_sandbox_id
-from .lifecycle import Action, Record
+from .lifecycle import KINDS, Action, Record
 from .table import SandboxTable
 
 # Free space a create wants where records are written (its record, crun's state, the journal's rewrites).
@@ -62,22 +63,26 @@ class Creates(SandboxTable):
 
     # -- create -------------------------------------------------------------------------------
 
-    def _backend(self, kind: str) -> SandboxBackend:
+    def _backend(self, kind: SandboxKind) -> SandboxBackend:
         backend = self.backends.get(kind)
         if backend is None:
+            named = kind.value if isinstance(kind, SandboxKind) else kind
             raise InvalidRequest(
-                f"sandbox kind {kind!r} is not served by node {self.node} (it serves {', '.join(self.backends)})"
+                f"sandbox kind {named!r} is not served by node {self.node} (it serves {', '.join(self.backends)})"
             )
         return backend
 
-    async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
+    async def create(self, args: DSecContainerRunArgs, kind: SandboxKind = SandboxKind.container,
+                     project: str = "root") -> SandboxInfo:
+        kind = KINDS.get(kind, kind)  # (a kind named by its string: the enum)
+
         async def one() -> SandboxInfo:
             async with self.create_gate.slot():
                 return await self._create_one(args, kind, project)
 
         return await self._counted(kind, one())
 
-    async def _counted(self, kind: str, creating: Awaitable[SandboxInfo]) -> SandboxInfo:
+    async def _counted(self, kind: SandboxKind, creating: Awaitable[SandboxInfo]) -> SandboxInfo:
         """A create (alone or one of a batch's), counted: made, refused, or failed (cut short too)."""
         if not self.stats.enabled:
             return await creating
@@ -98,7 +103,7 @@ class Creates(SandboxTable):
         self.stats.created(kind, info.create_s or 0.0)
         return info
 
-    async def _create_one(self, args: DSecContainerRunArgs, kind: str, project: str,
+    async def _create_one(self, args: DSecContainerRunArgs, kind: SandboxKind, project: str,
                           batch: str | None = None) -> SandboxInfo:
         if self._closed:
             raise SandboxStateError(f"edge {self.node} is shutting down")
@@ -109,12 +114,12 @@ class Creates(SandboxTable):
         rec = await self._create(args, kind, project, self.store.resolve(args.image_ref), limits, batch=batch)
         return rec.info(self.node)
 
-    def _check_protected(self, args: DSecContainerRunArgs, kind: str) -> None:
+    def _check_protected(self, args: DSecContainerRunArgs, kind: SandboxKind) -> None:
         if args.protected_paths and Capability.PROTECTED_PATHS not in self._backend(kind).capabilities:
-            raise InvalidRequest(f"a {kind} sandbox on node {self.node} cannot protect paths "
+            raise InvalidRequest(f"a {kind.value} sandbox on node {self.node} cannot protect paths "
                                  f"(protected_paths is for containers and VMs)")
 
-    async def _create(self, args: DSecContainerRunArgs, kind: str, project: str, image: Image, limits,
+    async def _create(self, args: DSecContainerRunArgs, kind: SandboxKind, project: str, image: Image, limits,
                       seed=None, batch: str | None = None) -> Record:
         """Admit and start a sandbox of ``image``; ``seed(handle)``, if given, runs on it before
         it counts as running (a clean copy's carried files); ``batch``: held for that batch."""
@@ -198,13 +203,14 @@ class Creates(SandboxTable):
     # -- batches: all or none (dsec.batch), held until committed ------------------------------
 
     async def create_batch(
-        self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root",
-        batch: str | None = None,
+        self, args: DSecContainerRunArgs, count: int, kind: SandboxKind = SandboxKind.container,
+        project: str = "root", batch: str | None = None,
     ) -> AsyncIterator[tuple[int, SandboxInfo]]:
         """Create ``count`` sandboxes; yields (index, info) as each comes up. All or none
         (``dsec.batch``): on the first failure (or if the consumer goes away) every sandbox
         made so far is stopped. The request is checked, whole, when the first is asked for.
         With ``batch``, they are held for it until ``commit_batch`` (see ``EdgeAPI``)."""
+        kind = KINDS.get(kind, kind)  # (a kind named by its string: the enum)
         self._backend(kind)
         try:
             self.admission.limits(args)
@@ -281,7 +287,7 @@ class Creates(SandboxTable):
             return await self._call(rec, self._clean_copy(rec, backend, keep))
         if Capability.KEPT_LAYER in backend.capabilities:
             return await self._call(rec, self._clean_copy_as_layer(rec, backend, keep))
-        raise InvalidRequest(f"a {rec.kind} sandbox cannot make clean copies")
+        raise InvalidRequest(f"a {rec.kind.value} sandbox cannot make clean copies")
 
     async def _clean_copy_as_layer(self, rec: Record, backend: SandboxBackend, keep: list[str]) -> CleanCopyResult:
         """A VM's clean copy: its writable layer is in the guest, whose agent streams it out; the
@@ -359,7 +365,7 @@ class Creates(SandboxTable):
         rec = self._allowed(sandbox_id, Action.snapshot)
         backend = self.backends[rec.kind]
         if Capability.SNAPSHOT not in backend.capabilities:
-            raise InvalidRequest(f"a {rec.kind} sandbox takes no memory snapshots (use pack_diff)")
+            raise InvalidRequest(f"a {rec.kind.value} sandbox takes no memory snapshots (use pack_diff)")
         meta = await self._call(rec, backend.snapshot(rec.handle))
         return SnapshotInfo(
             id=meta["id"], sandbox_id=rec.id, kind=rec.kind, node=self.node, image=rec.image.name,

@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from libdsec import DSecError
-from libdsec.protocol import SandboxStatus
+from libdsec.protocol import SandboxKind, SandboxStatus
 
 from ..backends.base import SandboxBackend, check_backend
 from ..fncall.pool import FnCallPool
@@ -80,7 +80,7 @@ class Edge(Creates, Inside, NodeCalls):
         if hasattr(backends, "kind"):
             backends = [backends]
         # One backend per sandbox kind (container, microvm, …); the first is the default.
-        self.backends: dict[str, SandboxBackend] = {b.kind: b for b in backends}
+        self.backends: dict[SandboxKind, SandboxBackend] = {SandboxKind(b.kind): b for b in backends}
         for backend in self.backends.values():
             check_backend(backend)
         self.backend = next(iter(self.backends.values()))

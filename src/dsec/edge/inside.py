@@ -300,7 +300,7 @@ class Inside(SandboxTable):
         rec = await self._ready(sandbox_id, Action.read_file)
         backend = self.backends[rec.kind]
         if Capability.HOST_PATHS not in backend.capabilities:
-            raise InvalidRequest(f"a {rec.kind} sandbox's directories cannot be watched from the node")
+            raise InvalidRequest(f"a {rec.kind.value} sandbox's directories cannot be watched from the node")
 
         def open_dir(where: str) -> int:
             return backend.open_path(rec.handle, where, os.O_RDONLY | os.O_DIRECTORY)
@@ -456,7 +456,7 @@ class Inside(SandboxTable):
         rec = await self._ready(sandbox_id, Action.exec)
         backend = self.backends[rec.kind]
         if Capability.PORTS not in backend.capabilities:
-            raise PortUnreachable(f"a {rec.kind} sandbox's ports cannot be reached from the node")
+            raise PortUnreachable(f"a {rec.kind.value} sandbox's ports cannot be reached from the node")
         return await self._call(rec, backend.connect_port(rec.handle, port))
 
 

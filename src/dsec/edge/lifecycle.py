@@ -49,10 +49,15 @@ from enum import Enum
 import pydantic_core
 
 from libdsec import SandboxStateError
-from libdsec.protocol import RUN_ARGS_BY_KIND, DSecContainerRunArgs, SandboxInfo, SandboxStatus
+from libdsec.protocol import RUN_ARGS_BY_KIND, DSecContainerRunArgs, SandboxInfo, SandboxKind, SandboxStatus
 
 from ..backends.base import Handle
 from ..images.store import Image
+
+# A sandbox kind, named by its wire value or as the enum, to the enum the edge keeps (a kind
+# that is neither stays as it came, to be refused by name).
+KINDS: dict[str, SandboxKind] = {kind.value: kind for kind in SandboxKind}
+
 
 class Action(str, Enum):
     """What a caller may ask of a sandbox; the value is its verb in a refusal."""
@@ -164,7 +169,7 @@ class Record:
     """The edge's record of one sandbox; its JSON (``to_json``) is what the journal keeps."""
 
     id: str
-    kind: str
+    kind: SandboxKind
     handle: Handle
     args: DSecContainerRunArgs
     image: Image
@@ -213,7 +218,7 @@ class Record:
         img = d["image"]
         now = time.time()
         return cls(
-            id=d["id"], kind=d.get("kind", "container"), handle=Handle.from_json(d["handle"]),
+            id=d["id"], kind=SandboxKind(d.get("kind", "container")), handle=Handle.from_json(d["handle"]),
             args=RUN_ARGS_BY_KIND.get(d.get("kind", "container"), DSecContainerRunArgs).model_validate(d["args"]),
             image=Image(name=img["name"], layers=tuple(img["layers"]), env=img["env"],
                         workdir=img["workdir"], user=img["user"], roles=tuple(img.get("roles", ()))),

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxStateError
-from libdsec.protocol import ExecResult, SecurityEvent
+from libdsec.protocol import ExecResult, SandboxKind, SecurityEvent
 
 from ..backends.base import Capability
 from ..isolation import apparmor
@@ -88,11 +88,11 @@ class EdgeSecurity:
     """``backends``: the node's, by sandbox kind; ``records``: its live sandboxes by id (the
     edge's table, read here to place an event and to list a sandbox's)."""
 
-    def __init__(self, backends: Mapping[str, SandboxBackend], node_dir: str | Path,
+    def __init__(self, backends: Mapping[SandboxKind, SandboxBackend], node_dir: str | Path,
                  records: Mapping[str, Record]) -> None:
         self.backends = backends
         self.records = records
-        container = backends.get("container")
+        container = backends.get(SandboxKind.container)
         view = container.host_view() if container is not None else None
         self.cgroup_parent = view.cgroup_parent if view is not None else None
         self.id_ranges = view.id_ranges if view is not None else None
@@ -134,8 +134,9 @@ class EdgeSecurity:
         allowed = self.networks.check(rec.args.network_rules)
         if allowed.empty:
             return
-        if rec.kind != "container":
-            raise InvalidRequest(f"network allowlists are for container sandboxes; {rec.kind} sandboxes have no network")
+        if rec.kind is not SandboxKind.container:
+            raise InvalidRequest(f"network allowlists are for container sandboxes; {rec.kind.value} sandboxes have no "
+                                 "network")
         backend = self.backends[rec.kind]
 
         async def write_resolv_conf(data: bytes) -> None:

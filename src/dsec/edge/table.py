@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 from libdsec import LimitOutOfRange, SandboxNotFound, SandboxStateError
-from libdsec.protocol import PauseResult, SandboxInfo, SandboxStatus, SecurityEvent
+from libdsec.protocol import PauseResult, SandboxInfo, SandboxKind, SandboxStatus, SecurityEvent
 
 from ..backends.base import Capability, Handle
 from . import lifecycle
@@ -52,7 +52,7 @@ class SandboxTable:
     # Made by Edge.__init__.
     node: str
     config: EdgeConfig
-    backends: dict[str, SandboxBackend]
+    backends: dict[SandboxKind, SandboxBackend]
     store: LayerStore
     records_dir: Path
     journal: RecordJournal
@@ -265,7 +265,7 @@ class SandboxTable:
         self._persist(rec)
         self.stats.resumed()
 
-    def idle_sandboxes(self, idle_s: float) -> list[tuple[str, Handle]]:
+    def idle_sandboxes(self, idle_s: float) -> list[tuple[SandboxKind, Handle]]:
         """(kind, handle) of the running sandboxes without a call for ``idle_s`` seconds."""
         now = time.time()
         return [(r.kind, r.handle) for r in self._records.values()
