@@ -11,7 +11,7 @@ import pytest
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
 from libdsec import BackendError, ImageNotFound, InvalidRequest, SandboxNotFound, SandboxStateError
-from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxStatus
+from libdsec.protocol import DSecContainerRunArgs, DSecMicroVMRunArgs, ExecRequest, SandboxKind, SandboxStatus
 
 
 def args(**kw) -> DSecContainerRunArgs:
@@ -39,6 +39,40 @@ async def test_unknown_image_and_network(edge):
         await edge.create(args(network_rules={"pypi": True}))
 
 
+async def test_a_kind_is_the_one_enum_named_by_it_or_by_its_string(tmp_path, store):
+    """The edge keeps a sandbox's kind as ``SandboxKind`` however it was named; its record on
+    disk says the wire value; a kind the node does not serve is refused by that name."""
+    config = EdgeConfig(node_dir=tmp_path / "node", pool_min=0, pool_max=0)
+    backends = [FakeBackend(), FakeBackend("microvm")]
+    edge = Edge(config, backends, store)
+    await edge.start()
+    try:
+        assert set(edge.backends) == {SandboxKind.container, SandboxKind.microvm}
+        assert all(type(kind) is SandboxKind for kind in edge.backends)
+        vm_args = DSecMicroVMRunArgs(container_image="tiny")
+        for named in (SandboxKind.microvm, "microvm"):
+            info = await edge.create(vm_args, named)
+            assert info.kind is SandboxKind.microvm and edge._records[info.id].kind is SandboxKind.microvm
+            assert '"kind":"microvm"' in edge._records[info.id].to_json()
+        info = await edge.create(args(), "container")
+        assert edge._records[info.id].kind is SandboxKind.container
+        assert [i async for _, i in edge.create_batch(args(), 1, "container")][0].kind is SandboxKind.container
+        assert {kind for kind, _ in edge.idle_sandboxes(0)} <= set(SandboxKind)
+        with pytest.raises(InvalidRequest, match=r"sandbox kind 'fullvm' is not served by node n0 \(it serves "
+                                                 r"container, microvm\)"):
+            await edge.create(args(), SandboxKind.fullvm)
+        with pytest.raises(InvalidRequest, match="sandbox kind 'vm' is not served"):
+            await edge.create(args(), "vm")
+    finally:
+        await edge.close()
+    again = Edge(config, backends, store)  # re-adopts them: their kinds read back as the enum
+    await again.start()
+    try:
+        assert len(again._records) == 4 and {type(r.kind) for r in again._records.values()} == {SandboxKind}
+    finally:
+        await again.close()
+
+
 async def test_backend_failure_leaves_no_record(edge):
     edge.backend.fail_next_create = "crun exploded"
     with pytest.raises(BackendError, match="exploded"):
@@ -50,7 +84,7 @@ async def test_a_record_that_cannot_be_written_fails_the_create_and_leaves_nothi
     import errno
     import os
 
-    from dsec.edge import edge as edge_module
+    from dsec.edge import create as create_module
     from dsec.edge.journal import RecordJournal
 
     def disk_full(self, line):
@@ -62,7 +96,7 @@ async def test_a_record_that_cannot_be_written_fails_the_create_and_leaves_nothi
     assert await edge.list() == [] and not edge.journal._live
     assert len(edge.backend.destroyed) == 1 and not edge.backend.files  # what it made is gone
     monkeypatch.undo()
-    monkeypatch.setattr(edge_module, "MIN_FREE_FOR_CREATE", 1 << 62)  # a disk with less room than that
+    monkeypatch.setattr(create_module, "MIN_FREE_FOR_CREATE", 1 << 62)  # a disk with less room than that
     with pytest.raises(BackendError, match=r"no space left on device \(ENOSPC\): \d+ KiB free on the filesystem of"):
         await edge.create(args())
     assert await edge.list() == []

@@ -11,7 +11,7 @@ import pytest
 from dsec.backends.base import Handle
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
-from dsec.edge.lifecycle import TRANSITIONS, Action, Finished, Record, check, refusal
+from dsec.edge.lifecycle import MOVES, TRANSITIONS, Action, Finished, IllegalMove, Record, check, move, refusal
 from dsec.images.store import Image
 from libdsec import SandboxStateError
 from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxStatus
@@ -78,6 +78,48 @@ def test_a_refusal_says_why_the_sandbox_ended():
     )
     with pytest.raises(SandboxStateError, match=f"cannot pause: sandbox {SID} is failed: sandbox processes died"):
         check(Action.pause, SID, failed, "sandbox processes died")
+
+
+# Every move a record's state may make, written out again: where actions lead, and the edge's steps.
+LEGAL_MOVES = {
+    creating: {running},
+    running: {paused, stopping, failed},
+    paused: {running, stopping, failed},
+    stopping: {stopped, failed},
+    stopped: set(),
+    failed: set(),
+}
+
+
+def a_record(status: SandboxStatus) -> Record:
+    image = Image(name="tiny", layers=("sha256-a",), env={}, workdir="/", user="root")
+    return Record(id=SID, kind="container", handle=Handle(cid="c1", image="tiny", layers=image.layers),
+                  args=DSecContainerRunArgs(container_image="tiny"), image=image, status=status,
+                  created_at=100.0, last_active=100.0)
+
+
+def test_the_moves_are_the_actions_and_the_edges_own_steps():
+    assert {status: set(to) for status, to in MOVES.items()} == LEGAL_MOVES
+
+
+@pytest.mark.parametrize("to", STATES, ids=lambda s: s.value)
+@pytest.mark.parametrize("start", STATES, ids=lambda s: s.value)
+def test_a_move_the_lifecycle_has_is_made_and_any_other_raises(start, to):
+    rec = a_record(start)
+    if to in LEGAL_MOVES[start]:
+        move(rec, to, "why")
+        assert (rec.status, rec.reason) == (to, "why")
+    else:
+        with pytest.raises(IllegalMove, match=f"cannot move from {start.value} to {to.value}"):
+            move(rec, to, "why")
+        assert (rec.status, rec.reason) == (start, None)  # unchanged
+
+
+def test_a_move_without_a_reason_keeps_the_one_it_had():
+    rec = a_record(running)
+    rec.reason = "kept"
+    move(rec, stopping)
+    assert (rec.status, rec.reason) == (stopping, "kept")
 
 
 def test_record_json_round_trip():

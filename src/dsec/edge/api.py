@@ -53,6 +53,7 @@ from libdsec.protocol import (
     ProcessStreamRequest,
     PtyInfo,
     SandboxInfo,
+    SandboxKind,
     SecurityEvent,
     SessionInfo,
     SnapshotInfo,
@@ -89,12 +90,14 @@ class EdgeAPI(Protocol):
     node: str
 
     # -- sandboxes ---------------------------------------------------------------------------
-    async def create(self, args: DSecContainerRunArgs, kind: str = "container",
-                     project: str = "root") -> SandboxInfo: ...
+    async def create(self, args: DSecContainerRunArgs, kind: SandboxKind = SandboxKind.container,
+                     project: str = "root") -> SandboxInfo:
+        """A sandbox of ``kind`` (the enum; its string, ``"microvm"``, names it as well)."""
+        ...
 
     def create_batch(
-        self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root",
-        batch: str | None = None,
+        self, args: DSecContainerRunArgs, count: int, kind: SandboxKind = SandboxKind.container,
+        project: str = "root", batch: str | None = None,
     ) -> AsyncIterator[tuple[int, SandboxInfo]]:
         """Yields (index, info) as each comes up; all or none (``dsec.batch``). With ``batch``
         (an id the caller chose) the sandboxes are held for that batch until

@@ -37,6 +37,7 @@ from libdsec.protocol import (
     ExecEvent,
     ExecRequest,
     ExecResult,
+    SandboxKind,
 )
 
 from ..images import dockerfile, registry
@@ -212,7 +213,7 @@ class ImageBuilder:
         args = DSecContainerRunArgs(container_image=base.name, memory_limit_mb=request.memory_limit_mb,
                                     cpu_cores_limit=request.cpu_cores_limit, ttl_running_stop=request.timeout + 600,
                                     init_user="root", workdir="/")
-        info = await self.edge.create(args, "container", project)
+        info = await self.edge.create(args, SandboxKind.container, project)
         sid = info.id
         log(f"building in sandbox {sid} over {base.name}")
         try:

@@ -23,12 +23,16 @@ What a caller asks of a sandbox (an ``Action``) is allowed in these states and l
 ``check(action, …)`` is the table's one gate: it answers the state the action leads to, or
 raises ``SandboxStateError("cannot <verb>: sandbox <id> is <state>")``. Every edge method that
 acts on a sandbox asks it first. Reading a sandbox (its info, its security events) is allowed in
-every state. The other steps are the edge's own, not asked for: creating → running when its
-create completes (a create that fails leaves no record), stopping → stopped when its backend has
-destroyed it, running → failed when its processes are found dead, stopping → failed when the
-destroy fails (and, on an edge restart, failed for a sandbox found gone). The edge drops the
-record of a stopped or failed sandbox once it is cleaned up, and keeps its last info in the
-``Finished`` table (bounded: the oldest go first).
+every state. The other steps are the edge's own, not asked for (``STEPS``): creating → running
+when its create completes (a create that fails leaves no record), stopping → stopped when its
+backend has destroyed it, running → failed when its processes are found dead, stopping → failed
+when the destroy fails, paused → running when a pause fails (and, on an edge restart, failed for
+a sandbox found gone). The edge drops the record of a stopped or failed sandbox once it is
+cleaned up, and keeps its last info in the ``Finished`` table (bounded: the oldest go first).
+
+``move(rec, to, reason)`` is the one place a record's state changes: a move that is neither an
+action's nor one of the edge's steps raises ``IllegalMove`` (a fault of the edge, never the
+caller's: ``check`` refused what a caller may not do before anything moved).
 """
 
 from __future__ import annotations
@@ -45,10 +49,15 @@ from enum import Enum
 import pydantic_core
 
 from libdsec import SandboxStateError
-from libdsec.protocol import RUN_ARGS_BY_KIND, DSecContainerRunArgs, SandboxInfo, SandboxStatus
+from libdsec.protocol import RUN_ARGS_BY_KIND, DSecContainerRunArgs, SandboxInfo, SandboxKind, SandboxStatus
 
 from ..backends.base import Handle
 from ..images.store import Image
+
+# A sandbox kind, named by its wire value or as the enum, to the enum the edge keeps (a kind
+# that is neither stays as it came, to be refused by name).
+KINDS: dict[str, SandboxKind] = {kind.value: kind for kind in SandboxKind}
+
 
 class Action(str, Enum):
     """What a caller may ask of a sandbox; the value is its verb in a refusal."""
@@ -122,12 +131,45 @@ def check(action: Action, sandbox_id: str, status: SandboxStatus, reason: str | 
     return to
 
 
+# The edge's own steps, asked for by no caller (see above).
+STEPS: dict[SandboxStatus, frozenset[SandboxStatus]] = {
+    SandboxStatus.creating: frozenset({SandboxStatus.running}),  # its create completed
+    SandboxStatus.running: frozenset({SandboxStatus.failed}),  # found dead
+    SandboxStatus.paused: frozenset({SandboxStatus.running,  # its pause failed: undone
+                                     SandboxStatus.failed}),  # found gone on an edge restart
+    SandboxStatus.stopping: frozenset({SandboxStatus.stopped,  # destroyed
+                                       SandboxStatus.failed}),  # its destroy failed
+    SandboxStatus.stopped: frozenset(),
+    SandboxStatus.failed: frozenset(),
+}
+
+# Every move a state may make: to where an action leads (but itself: nothing moves) or a step.
+MOVES: dict[SandboxStatus, frozenset[SandboxStatus]] = {
+    status: frozenset(to for to in TRANSITIONS[status].values() if to is not status) | STEPS[status]
+    for status in SandboxStatus
+}
+
+
+class IllegalMove(RuntimeError):
+    """The edge moved a sandbox where its lifecycle does not go (a fault in the edge)."""
+
+
+def move(rec: Record, to: SandboxStatus, reason: str | None = None) -> None:
+    """Move ``rec`` to ``to`` (and, if given, say why: ``reason``); ``IllegalMove`` if its
+    lifecycle has no such move from where it is."""
+    if to not in MOVES[rec.status]:
+        raise IllegalMove(f"sandbox {rec.id} cannot move from {rec.status.value} to {to.value}")
+    rec.status = to
+    if reason is not None:
+        rec.reason = reason
+
+
 @dataclass
 class Record:
     """The edge's record of one sandbox; its JSON (``to_json``) is what the journal keeps."""
 
     id: str
-    kind: str
+    kind: SandboxKind
     handle: Handle
     args: DSecContainerRunArgs
     image: Image
@@ -176,7 +218,7 @@ class Record:
         img = d["image"]
         now = time.time()
         return cls(
-            id=d["id"], kind=d.get("kind", "container"), handle=Handle.from_json(d["handle"]),
+            id=d["id"], kind=SandboxKind(d.get("kind", "container")), handle=Handle.from_json(d["handle"]),
             args=RUN_ARGS_BY_KIND.get(d.get("kind", "container"), DSecContainerRunArgs).model_validate(d["args"]),
             image=Image(name=img["name"], layers=tuple(img["layers"]), env=img["env"],
                         workdir=img["workdir"], user=img["user"], roles=tuple(img.get("roles", ()))),

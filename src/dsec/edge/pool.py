@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from libdsec.protocol import SandboxKind
+
 from ..backends.base import Handle, SandboxBackend, SandboxSpec
 from ..images.store import Image
 from ..resources.cgroups import Limits
@@ -41,7 +43,7 @@ log = logging.getLogger("dsec.edge")
 
 @dataclass
 class ImagePool:
-    kind: str = "container"
+    kind: SandboxKind = SandboxKind.container
     image: Image | None = None
     handles: deque[Handle] = field(default_factory=deque)
     want: int = 0
@@ -114,7 +116,7 @@ class WarmPool:
 
     # -- a create ------------------------------------------------------------------------------
 
-    def arrive(self, kind: str, image: Image, limits: Limits) -> ImagePool:
+    def arrive(self, kind: SandboxKind, image: Image, limits: Limits) -> ImagePool:
         """A create of ``image`` with ``limits`` starts: its pool, sized for the demand it shows."""
         pool = self.pools[(kind, image.layers)]
         pool.kind, pool.image = kind, image

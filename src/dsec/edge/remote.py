@@ -50,6 +50,7 @@ from libdsec.protocol import (
     FnCallBatchResult,
     FnCallResult,
     SandboxInfo,
+    SandboxKind,
 )
 
 from .api import EdgeAPI, NodeUnreachable
@@ -157,7 +158,8 @@ class RemoteEdge:
 
     # -- written by hand (the others are made from the table, below) -----------------------
 
-    async def create(self, args: DSecContainerRunArgs, kind: str = "container", project: str = "root") -> SandboxInfo:
+    async def create(self, args: DSecContainerRunArgs, kind: SandboxKind = SandboxKind.container,
+                     project: str = "root") -> SandboxInfo:
         # A NodeCreateRequest's JSON, with the run args serialised once (not dumped to a dict,
         # validated into the request and dumped again): the hottest call of the seam.
         body = b'{"kind":%s,"project":%s,"args":%s}' % (
@@ -165,8 +167,8 @@ class RemoteEdge:
         return self._parse(SandboxInfo, await self._call("POST", "/sandboxes", body=body, content_type="application/json"))
 
     async def create_batch(
-        self, args: DSecContainerRunArgs, count: int, kind: str = "container", project: str = "root",
-        batch: str | None = None,
+        self, args: DSecContainerRunArgs, count: int, kind: SandboxKind = SandboxKind.container,
+        project: str = "root", batch: str | None = None,
     ) -> AsyncIterator[tuple[int, SandboxInfo]]:
         """Yields (index, info) as the node streams them; all or none. The stream is read by a
         task of its own: when this is closed early, or fails, the task reads the stream to its

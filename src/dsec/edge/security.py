@@ -2,9 +2,12 @@
 
 The edge calls in at a few points of a sandbox's life (``check_rules`` at admission, ``attach``
 once it runs, ``watch_exec`` around each command, ``forget`` when it ends) and serves
-``events`` and ``set_rules``. A reader of the kernel's audit records turns seccomp and AppArmor refusals into events:
-the audit record names the host uid, and each sandbox has a uid range of its own (an AppArmor
-record without one is placed by its pid's cgroup).
+``events`` and ``set_rules``. It is given what it reads (the node's backends by kind, its
+directory, and the table of live records, read and never changed) and knows nothing of the edge.
+
+A reader of the kernel's audit records turns seccomp and AppArmor refusals into events: the
+audit record names the host uid, and each sandbox has a uid range of its own (an AppArmor record
+without one is placed by its pid's cgroup).
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ import os
 import re
 import socket
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxStateError
-from libdsec.protocol import ExecResult, SecurityEvent
+from libdsec.protocol import ExecResult, SandboxKind, SecurityEvent
 
 from ..backends.base import Capability
 from ..isolation import apparmor
@@ -30,7 +33,7 @@ from ..isolation.events import SecurityEvents
 from ..isolation.network import Allowed, SandboxNetworks
 
 if TYPE_CHECKING:
-    from .edge import Edge
+    from ..backends.base import SandboxBackend
     from .lifecycle import Record
 
 log = logging.getLogger("dsec.edge.security")
@@ -82,14 +85,19 @@ def _libseccomp_name(nr: int) -> str | None:
 
 
 class EdgeSecurity:
-    def __init__(self, edge: Edge) -> None:
-        self.edge = edge
-        container = edge.backends.get("container")
+    """``backends``: the node's, by sandbox kind; ``records``: its live sandboxes by id (the
+    edge's table, read here to place an event and to list a sandbox's)."""
+
+    def __init__(self, backends: Mapping[SandboxKind, SandboxBackend], node_dir: str | Path,
+                 records: Mapping[str, Record]) -> None:
+        self.backends = backends
+        self.records = records
+        container = backends.get(SandboxKind.container)
         view = container.host_view() if container is not None else None
         self.cgroup_parent = view.cgroup_parent if view is not None else None
         self.id_ranges = view.id_ranges if view is not None else None
         self.events = SecurityEvents(self.cgroup_parent)
-        self.networks = SandboxNetworks(edge.config.node_dir, record=self.events.record)
+        self.networks = SandboxNetworks(node_dir, record=self.events.record)
         self._kmsg_fd: int | None = None
         self._netlink = False
         self._syscalls = _syscall_names()
@@ -126,9 +134,10 @@ class EdgeSecurity:
         allowed = self.networks.check(rec.args.network_rules)
         if allowed.empty:
             return
-        if rec.kind != "container":
-            raise InvalidRequest(f"network allowlists are for container sandboxes; {rec.kind} sandboxes have no network")
-        backend = self.edge.backends[rec.kind]
+        if rec.kind is not SandboxKind.container:
+            raise InvalidRequest(f"network allowlists are for container sandboxes; {rec.kind.value} sandboxes have no "
+                                 "network")
+        backend = self.backends[rec.kind]
 
         async def write_resolv_conf(data: bytes) -> None:
             await backend.write_file(rec.handle, "/etc/resolv.conf", data, 0o644, 0, 0)
@@ -167,7 +176,7 @@ class EdgeSecurity:
         nftables set (a process spawn) when events are asked for and when the sandbox ends."""
         self._drain_kmsg()
         self.events.collect_cgroup(rec.id, rec.handle.cid)
-        backend = self.edge.backends.get(rec.kind)
+        backend = self.backends.get(rec.kind)
         view = backend.host_view() if backend is not None else None
         if view is not None and rec.handle.cid:
             self.events.collect_disk(rec.id, view.sandboxes_dir / rec.handle.cid)
@@ -175,7 +184,7 @@ class EdgeSecurity:
             self.networks.collect(rec.id)
 
     def list(self, sandbox_id: str) -> list[SecurityEvent]:
-        rec = self.edge._records.get(sandbox_id)
+        rec = self.records.get(sandbox_id)
         if rec is not None:
             self.collect(rec)
             self.check_tampering(rec)
@@ -187,7 +196,7 @@ class EdgeSecurity:
         """The system files the sandbox's writable layer replaces or adds (``carry.tampered``);
         those not seen before become a ``file.tampered`` event. Backends that cannot tell
         (VMs: the writable layer is in the guest) answer nothing."""
-        backend = self.edge.backends.get(rec.kind)
+        backend = self.backends.get(rec.kind)
         if not rec.handle.cid or backend is None or Capability.CARRY not in backend.capabilities:
             return []
         try:
@@ -201,7 +210,7 @@ class EdgeSecurity:
         """``check_tampering`` for a sandbox whose writable layer is in its guest (a VM): its
         agent lists what the layer holds in the system paths (names only), within
         ``GUEST_TAMPER_TIMEOUT_S``; a guest that cannot tell is logged, not waited for."""
-        backend = self.edge.backends.get(rec.kind)
+        backend = self.backends.get(rec.kind)
         if backend is None or Capability.KEPT_LAYER not in backend.capabilities:
             return []
         try:
@@ -288,10 +297,10 @@ class EdgeSecurity:
             except OSError:
                 cgroup = ""
             names = {part for row in cgroup.splitlines() for part in row.split(":", 2)[-1].split("/")}
-            cid = next((r.handle.cid for r in self.edge._records.values() if r.handle.cid in names), None)
+            cid = next((r.handle.cid for r in self.records.values() if r.handle.cid in names), None)
         if cid is None:
             return None
-        return next((r for r in self.edge._records.values() if r.handle.cid == cid), None)
+        return next((r for r in self.records.values() if r.handle.cid == cid), None)
 
     def _apparmor_denied(self, denial: apparmor.Denial) -> None:
         rec = self._owner(denial.fsuid, denial.pid)
@@ -302,7 +311,7 @@ class EdgeSecurity:
         cid = self.id_ranges.owner(uid) if self.id_ranges is not None else None
         if cid is None:
             return
-        rec = next((r for r in self.edge._records.values() if r.handle.cid == cid), None)
+        rec = next((r for r in self.records.values() if r.handle.cid == cid), None)
         if rec is None:
             return
         name = self._syscalls.get(nr) or _libseccomp_name(nr) or f"syscall {nr}"

@@ -121,7 +121,7 @@ def _run_args(req: NodeCreateRequest):
 
 def _create(edge: EdgeAPI, kw: dict, query: bytes, body) -> object:
     req = _parse(NodeCreateRequest, body)
-    return edge.create(_run_args(req), req.kind.value, req.project)
+    return edge.create(_run_args(req), req.kind, req.project)
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,7 +499,7 @@ class EdgeApp:
         try:
             req = _parse(NodeBatchRequest, request.body)
             args = _run_args(req)
-            events = self.edge.create_batch(args, req.count, req.kind.value, req.project, req.batch)
+            events = self.edge.create_batch(args, req.count, req.kind, req.project, req.batch)
             first = await anext(events)
         except StopAsyncIteration:
             body = BatchEvent(event="done").model_dump_json().encode() + b"\n"

@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterable
 from datetime import datetime, timezone
 
-from libdsec.protocol import LATENCY_BOUNDS, LatencyHistogram, NodeInfo, NodeStats, SandboxCount
+from libdsec.protocol import LATENCY_BOUNDS, LatencyHistogram, NodeInfo, NodeStats, SandboxCount, SandboxKind
 
 from ..isolation.events import SecurityEvents
 from .lifecycle import Record
@@ -86,10 +86,11 @@ class EdgeStats:
     def __init__(self, enabled: bool | None = None) -> None:
         self.enabled = metrics_enabled() if enabled is None else enabled
         self.started_at = datetime.now(timezone.utc)
-        self.creates: Counter[str] = Counter()
-        self.create_failures: Counter[str] = Counter()
-        self.create_seconds: dict[str, Histogram] = {}
-        self.command_seconds: dict[str, Histogram] = {}
+        # By sandbox kind (the report's keys are the kinds' strings).
+        self.creates: Counter[SandboxKind] = Counter()
+        self.create_failures: Counter[SandboxKind] = Counter()
+        self.create_seconds: dict[SandboxKind, Histogram] = {}
+        self.command_seconds: dict[SandboxKind, Histogram] = {}
         self.refusals: Counter[str] = Counter()
         self.fncalls = 0
         self.fncall_failures = 0
@@ -100,7 +101,7 @@ class EdgeStats:
 
     # -- what the edge calls ---------------------------------------------------------------------
 
-    def created(self, kind: str, seconds: float) -> None:
+    def created(self, kind: SandboxKind, seconds: float) -> None:
         """A sandbox of ``kind`` runs, ``seconds`` after its create arrived."""
         if not self.enabled:
             return
@@ -114,11 +115,11 @@ class EdgeStats:
         if self.enabled:
             self.refusals[reason] += count
 
-    def create_failed(self, kind: str) -> None:
+    def create_failed(self, kind: SandboxKind) -> None:
         if self.enabled:
             self.create_failures[kind] += 1
 
-    def command(self, kind: str, seconds: float) -> None:
+    def command(self, kind: SandboxKind, seconds: float) -> None:
         if not self.enabled:
             return
         hist = self.command_seconds.get(kind)

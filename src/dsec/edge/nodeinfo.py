@@ -1,0 +1,102 @@
+"""The node's own calls: ``NodeCalls``, the part of ``dsec.edge.edge.Edge`` that answers for the
+node rather than one sandbox: what it has and holds (``node_info``, ``layer_use``), what it
+counted (``node_stats``), its layer store (images, their removal, layer GC, Dockerfile builds
+through ``build.ImageBuilder``), and stateless function calls in the fncall warm pool
+(``dsec.fncall``), which keep no record and have no sandbox id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from libdsec import InvalidRequest, SandboxStateError
+from libdsec.protocol import (
+    BuildImageRequest,
+    DSecFnCallArgs,
+    ExecEvent,
+    FnCallResult,
+    ImageInfo,
+    NodeInfo,
+    NodeStats,
+)
+
+from ..isolation import apparmor
+from ..resources import cgroups
+from .protocol import LayerUse
+from .table import SandboxTable
+
+if TYPE_CHECKING:
+    from ..fncall.pool import FnCallPool
+    from .build import ImageBuilder
+
+
+class NodeCalls(SandboxTable):
+    """The node's own calls (see the module)."""
+
+    # Made by Edge.__init__.
+    fncalls: FnCallPool | None
+    builder: ImageBuilder
+
+    # -- the node: what it has and holds, what it counted -------------------------------------
+
+    async def node_info(self) -> NodeInfo:
+        return NodeInfo(
+            node=self.node, cgroup_version=cgroups.version(),
+            runtime="; ".join([b.describe() for b in self.backends.values()]
+                              + (["fncall"] if self.fncalls is not None else [])),
+            sandboxes=len(self._records), memory_total_mb=self.admission.memory_total_mb,
+            cpu_cores=self.admission.cpu_cores,
+            layer_attach=next((v.layer_attach for b in self.backends.values() if (v := b.host_view()) is not None),
+                              "file"),
+            apparmor=apparmor.status(),
+            **self.admission.commitments(self._records.values()),
+        )
+
+    async def node_stats(self) -> NodeStats:
+        return self.stats.report(await self.node_info(), self._records.values(), self.security.events, self.warm_pool)
+
+    async def layer_use(self) -> LayerUse:
+        """The image refs and layer digests this node's sandboxes hold, pooled ones included."""
+        recs = list(self._records.values())
+        refs = {r.image.name for r in recs}
+        layers = {d for r in recs for d in r.image.layers}
+        layers |= self.warm_pool.layers()
+        return LayerUse(images=sorted(refs), layers=sorted(layers))
+
+    # -- the layer store, as this node sees it ------------------------------------------------
+
+    async def list_images(self) -> list[ImageInfo]:
+        return [self.store.describe(self.store.get_image(name)) for name in self.store.image_names()]
+
+    async def inspect_image(self, ref: str) -> ImageInfo:
+        return self.store.describe(self.store.resolve(ref))
+
+    async def remove_image(self, name: str, in_use: frozenset[str]) -> None:
+        self.store.remove_image(name, in_use=frozenset(in_use))
+
+    async def gc_layers(self, in_use: frozenset[str]) -> list[str]:
+        return self.store.gc(in_use=frozenset(in_use))
+
+    def build_image(self, build: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
+        return self.builder.build(build, project)
+
+    # -- fncall: stateless calls in the warm pool (no record, no sandbox id) ------------------
+
+    def _fncall_pool(self) -> FnCallPool:
+        if self.fncalls is None:
+            raise InvalidRequest(f"node {self.node} does not serve fncall")
+        if self._closed:
+            raise SandboxStateError(f"edge {self.node} is shutting down")
+        return self.fncalls
+
+    async def fncall(self, args: DSecFnCallArgs) -> FnCallResult:
+        result = await self._fncall_pool().call(args)
+        self.stats.fncall(result.duration_s, not result.ok)
+        return result
+
+    async def fncall_many(self, calls: list[DSecFnCallArgs]) -> list[FnCallResult]:
+        results = await self._fncall_pool().call_many(calls)
+        for result in results:
+            self.stats.fncall(result.duration_s, not result.ok)
+        return results
