@@ -43,24 +43,24 @@ from pathlib import Path
 from libdsec import BackendError, CommandTimeout, InvalidRequest, SandboxFileNotFound, SandboxStateError
 from libdsec.protocol import ExecRequest, ExecResult
 
-from .. import _sys
-from ..images import carry, scrub
-from ..images.compose import OverlayPlan, compose
-from ..images.mounts import LayerMounts
-from ..images.store import Image, LayerBuildError, LayerStore
-from ..isolation import apparmor, disk, userns
-from ..isolation.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, seccomp_profile
-from ..resources import cgroups, reclaim
-from ..resources import cpu as cpu_sched
-from ..resources.cgroups import Limits
-from .. import native
-from . import portconn, terminal
-from .base import Capability, Emit, ExecContext, Handle, HostView, SandboxSpec, numeric_user, user_from_passwd
-from .capture import Capture, Flow, PipeReader, PipeStream, feed_pipe, wait_pipes, with_feeder
-from .procs import (
+from ... import _sys
+from ...images import carry, scrub
+from ...images.compose import OverlayPlan, compose
+from ...images.mounts import LayerMounts
+from ...images.store import Image, LayerBuildError, LayerStore
+from ...isolation import apparmor, disk, userns
+from ...isolation.profile import CAPABILITIES, MASKED_PATHS, READONLY_PATHS, seccomp_profile
+from ...resources import cgroups, reclaim
+from ...resources import cpu as cpu_sched
+from ...resources.cgroups import Limits
+from ... import native
+from .. import portconn, terminal
+from ..base import Capability, Emit, ExecContext, Handle, HostView, SandboxSpec, numeric_user, user_from_passwd
+from ..capture import Capture, Flow, PipeReader, PipeStream, feed_pipe, wait_pipes, with_feeder
+from ..procs import (
     children, kill_session_of, kill_tree, pid_in_cgroup, sealed_copy, spawn_wait, wait_exit, wait_process,
 )
-from .initchan import MAX_REQUEST, ChannelClosed, InitChannel, StartFailed, TooLarge, exit_code
+from ..initchan import MAX_REQUEST, ChannelClosed, InitChannel, StartFailed, TooLarge, exit_code
 
 log = logging.getLogger("dsec.backends.container")
 
