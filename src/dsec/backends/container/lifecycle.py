@@ -2,8 +2,10 @@
 edge restart.
 
 ``create`` takes its steps in order (an id range, the cgroup, the root filesystem, the init's
-channel, the config, ``crun run``, the init in its cgroup) and undoes them when one fails.
-``destroy`` kills the init (its pid namespace goes with it) and removes the cgroup, the root and crun's state, without
+channel, the config, ``crun run``, the init in its cgroup) and pushes each step's undo on one
+stack as the step succeeds; a failure at any step (a cancellation too) undoes what was done,
+in reverse, and the stack is dropped once the sandbox is whole. ``destroy`` kills the init
+(its pid namespace goes with it) and removes the cgroup, the root and crun's state, without
 spawning crun while it can. ``recover`` adopts the sandboxes still alive and removes the
 remains of everything else the backend owns.
 """
@@ -67,7 +69,7 @@ class Lifecycle:
     _pidfds: dict[str, int]
 
     def _mount_rootfs(self, plan: OverlayPlan, limits: Limits | None) -> None:
-        """Create's mount step (``RootFilesystems.mount``). Blocks."""
+        """Create's mount step (``RootFilesystems.mount``): whole, or not at all. Blocks."""
         self.rootfs.mount(plan, limits)
 
     async def create(self, cid: str, spec: SandboxSpec) -> Handle:
@@ -77,32 +79,30 @@ class Lifecycle:
         plan = self.rootfs.plan(cid, spec.layers, spec.image)
         bundle = plan.target.parent
         pidfile = bundle / "init.pid"
-        idmap = None
-        if self.id_ranges is not None:
-            idmap = self.id_ranges.take(cid)  # here, on the event loop: ranges are handed out in order
-        try:
-            cgroups.make_sandbox_cgroup(self.cgroup_parent, cid, spec.limits, self.cgroup_controllers)
-        except OSError as exc:
+        async with contextlib.AsyncExitStack() as undo:
+            idmap = None
             if self.id_ranges is not None:
-                self.id_ranges.release(cid)
-            raise BackendError(f"cannot make the cgroup of {cid}: {exc}") from exc
-        try:
-            # Mounting (idmapped layer clones, the overlay, a tmpfs) blocks: off the event loop.
-            await asyncio.to_thread(self._mount_rootfs, plan, spec.limits)
-        except OSError as exc:
-            if self.id_ranges is not None:
-                self.id_ranges.release(cid)
-            cgroups.remove_cgroup(self.cgroup_parent, cid)
-            shutil.rmtree(bundle, ignore_errors=True)
-            raise BackendError(f"cannot mount the root filesystem of {cid}: {exc}") from exc
-        host_end, init_end = InitChannel.pair()
-        try:
-            (bundle / "config.json").write_text(self.oci.json(plan, spec, idmap))
+                idmap = self.id_ranges.take(cid)  # here, on the event loop: ranges are handed out in order
+                undo.callback(self.id_ranges.release, cid)
             try:
+                cgroups.make_sandbox_cgroup(self.cgroup_parent, cid, spec.limits, self.cgroup_controllers)
+            except OSError as exc:
+                raise BackendError(f"cannot make the cgroup of {cid}: {exc}") from exc
+            # (A thread: the init, once killed, may hold the cgroup for a moment.)
+            undo.push_async_callback(asyncio.to_thread, self._remove_cgroup, cid)
+            try:
+                # Mounting (idmapped layer clones, the overlay, a tmpfs) blocks: off the event loop.
+                await asyncio.to_thread(self._mount_rootfs, plan, spec.limits)
+            except OSError as exc:
+                raise BackendError(f"cannot mount the root filesystem of {cid}: {exc}") from exc
+            undo.callback(self.rootfs.release, plan)
+            host_end, init_end = InitChannel.pair()
+            undo.callback(host_end.close)
+            with init_end:  # the init's, once crun has handed it over
+                (bundle / "config.json").write_text(self.oci.json(plan, spec, idmap))
+                undo.push_async_callback(self._run_crun, "delete", "--force", cid)
                 rc, out = await self._run_crun("run", "--detach", "--bundle", str(bundle), "--pid-file", str(pidfile),
                                                cid, log=bundle / "crun.log", stdin=init_end.fileno())
-            finally:
-                init_end.close()
             if rc != 0:
                 raise BackendError(f"crun could not start {cid}: {out[-800:]}")
             self.oci.learn_compiled(self.crun_root / cid)
@@ -119,12 +119,7 @@ class Lifecycle:
                 if time.monotonic() > deadline:
                     raise BackendError(f"the init of {cid} did not start within 10s")
                 await asyncio.sleep(0.002)
-        except BaseException:
-            host_end.close()
-            await self._run_crun("delete", "--force", cid)
-            cgroups.remove_cgroup(self.cgroup_parent, cid)
-            self.rootfs.release(plan)
-            raise
+            undo.pop_all()  # the sandbox is whole
         self.rootfs.started(plan)
         self.channels[cid] = InitChannel(host_end)
         with contextlib.suppress(OSError):  # gone already: is_alive reads /proc and says so
@@ -224,6 +219,8 @@ class Lifecycle:
         cgroups would not go (crun delete is tried then)."""
         removed = self._remove_cgroup(handle.cid)
         self.rootfs.release(self.rootfs.plan(handle.cid, handle.layers, handle.image))
+        if self.id_ranges is not None:
+            self.id_ranges.release(handle.cid)
         self.rootfs.plans.pop(handle.cid, None)
         shutil.rmtree(self.crun_root / handle.cid, ignore_errors=True)
         return removed

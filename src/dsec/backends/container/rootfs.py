@@ -2,8 +2,8 @@
 bundle's tmpfs (the writable layer, sized by the disk limit), the shared layer mounts under it
 (idmapped for a sandbox with a user namespace) and the overlay itself.
 
-One ``RootFilesystems`` per backend. A root is planned (``plan``, pure), mounted (``mount``, in a
-thread: it blocks), handed to the sandbox's init, then unmounted from
+One ``RootFilesystems`` per backend. A root is planned (``plan``, pure), mounted whole or not
+at all (``mount``, in a thread: it blocks), handed to the sandbox's init, then unmounted from
 the host once the init runs on its own namespace's copy (``started``, done with the next
 ``mount``), and finally released (``release``: the layers, the bundle's tmpfs and directory).
 ``remove_remains`` clears what a sandbox of a crashed edge left.
@@ -46,26 +46,27 @@ class RootFilesystems:
         return plan
 
     def mount(self, plan: OverlayPlan, limits: Limits | None) -> None:
-        """Make the bundle and mount the root. Blocks: call it from a thread."""
+        """Make the bundle and mount the root; on a failure, undo what was done and raise.
+        Blocks: call it from a thread."""
         self.detach_started()
-        # The bundle (and so the writable layer) is a tmpfs of its own: its size is the
-        # sandbox's disk limit (ENOSPC past it), set again with the memory limit.
-        disk.mount_bundle(plan.target.parent,
-                          disk.INITIAL_BYTES if limits is None else disk.cap_for(limits.memory_bytes))
-        for d in (plan.upper, plan.work, plan.target):
-            d.mkdir(parents=True, exist_ok=True)
-        self.layer_mounts.acquire(plan.layers)
-        try:
+        bundle = plan.target.parent
+        with contextlib.ExitStack() as undo:
+            undo.callback(shutil.rmtree, bundle, ignore_errors=True)
+            # The bundle (and so the writable layer) is a tmpfs of its own: its size is the
+            # sandbox's disk limit (ENOSPC past it), set again with the memory limit.
+            disk.mount_bundle(bundle, disk.INITIAL_BYTES if limits is None else disk.cap_for(limits.memory_bytes))
+            undo.callback(disk.unmount_bundle, bundle)
+            for d in (plan.upper, plan.work, plan.target):
+                d.mkdir(parents=True, exist_ok=True)
+            self.layer_mounts.acquire(plan.layers)
+            undo.callback(self.layer_mounts.release, plan.layers)
             if self.id_ranges is None:
                 _sys.mount("overlay", str(plan.target), "overlay", _sys.MS_NODEV, plan.options)
             else:
-                idmap = self.id_ranges.take(plan.target.parent.name)
+                idmap = self.id_ranges.take(bundle.name)
                 with self.layer_mounts.idmapped(tuple(reversed(plan.layers)), idmap) as lowers:
                     userns.mount_shifted_overlay(idmap, lowers, plan.upper, plan.work, plan.target, _sys.MS_NODEV)
-        except BaseException:
-            self.layer_mounts.release(plan.layers)
-            disk.unmount_bundle(plan.target.parent)
-            raise
+            undo.pop_all()
 
     def started(self, plan: OverlayPlan) -> None:
         """The sandbox's init runs on its own namespace's copy of the overlay: the host's copy
@@ -85,7 +86,7 @@ class RootFilesystems:
                 _sys.umount(str(self._started.pop()), _sys.MNT_DETACH)
 
     def release(self, plan: OverlayPlan) -> None:
-        """Unmount a root mounted by ``mount``, remove its bundle, give back its id range. Blocks."""
+        """Unmount a root mounted by ``mount`` and remove its bundle. Blocks."""
         # The bundle's tmpfs stays mounted until here (the overlay may be gone from the host
         # already, see started): while it is, the sandbox still holds its layers.
         mounted = os.path.ismount(plan.target.parent)
@@ -95,8 +96,6 @@ class RootFilesystems:
             self.layer_mounts.release(plan.layers)
         disk.unmount_bundle(plan.target.parent)
         shutil.rmtree(plan.target.parent, ignore_errors=True)
-        if self.id_ranges is not None:
-            self.id_ranges.release(plan.target.parent.name)
 
     def remove_remains(self, cid: str) -> None:
         """Unmount and remove the bundle of sandbox ``cid`` of an earlier edge (its layers are
