@@ -54,7 +54,7 @@ def _server_figures(pid: int) -> tuple[int, int]:
 
 def _state_figures(state_dir: Path) -> tuple[int, int]:
     """The state dir's mounts and sandbox cgroups. A started container's overlay stays mounted on
-    the host until the next create detaches it (``ContainerBackend._detach_started``), so how many
+    the host until the next create detaches it (``RootFilesystems.detach_started``), so how many
     there are depends on which creates came last, not on how many ran: one whose sandbox's own
     bundle mount is still there is not counted (a leaked one would have lost its bundle too)."""
     inside = str(state_dir.resolve()) + "/"

@@ -1,0 +1,310 @@
+"""A container sandbox's life: create, limits, pause and resume, destroy, and recovery after an
+edge restart.
+
+``create`` takes its steps in order (an id range, the cgroup, the root filesystem, the init's
+channel, the config, ``crun run``, the init in its cgroup) and pushes each step's undo on one
+stack as the step succeeds; a failure at any step (a cancellation too) undoes what was done,
+in reverse, and the stack is dropped once the sandbox is whole. ``destroy`` kills the init
+(its pid namespace goes with it) and removes the cgroup, the root and crun's state, without
+spawning crun while it can. ``recover`` adopts the sandboxes still alive and removes the
+remains of everything else the backend owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import select
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from libdsec import BackendError
+
+from ... import _sys
+from ...images.compose import OverlayPlan
+from ...images.mounts import LayerMounts
+from ...images.store import LayerStore
+from ...isolation import disk, userns
+from ...resources import cgroups, reclaim
+from ...resources import cpu as cpu_sched
+from ...resources.cgroups import Limits
+from ..base import Handle, SandboxSpec
+from ..initchan import InitChannel
+from ..procs import children, pid_in_cgroup, wait_exit
+from .oci import INIT_PATH, BundleConfigs
+from .rootfs import RootFilesystems
+
+log = logging.getLogger("dsec.backends.container")
+
+
+def _runs_init(pid: int) -> bool:
+    """True once ``pid`` runs the sandbox's init (not crun still setting up its namespaces)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0] == INIT_PATH.encode()
+    except OSError:
+        return False
+
+
+class Lifecycle:
+    """``ContainerBackend``'s lifecycle calls: the state they use is made in the backend's
+    ``__init__``, and crun is run by its ``_run_crun``."""
+
+    cgroup_parent: str
+    cgroup_controllers: tuple[str, ...]
+    store: LayerStore
+    run_dir: Path
+    crun_root: Path
+    sandboxes_dir: Path
+    layer_mounts: LayerMounts
+    id_ranges: userns.IdRanges | None
+    rootfs: RootFilesystems
+    oci: BundleConfigs
+    channels: dict[str, InitChannel]
+    _pidfds: dict[str, int]
+
+    def _mount_rootfs(self, plan: OverlayPlan, limits: Limits | None) -> None:
+        """Create's mount step (``RootFilesystems.mount``): whole, or not at all. Blocks."""
+        self.rootfs.mount(plan, limits)
+
+    async def create(self, cid: str, spec: SandboxSpec) -> Handle:
+        for digest in spec.layers:
+            if not self.store.has_layer(digest):
+                raise BackendError(f"layer {digest} of image {spec.image!r} is missing from the store")
+        plan = self.rootfs.plan(cid, spec.layers, spec.image)
+        bundle = plan.target.parent
+        pidfile = bundle / "init.pid"
+        async with contextlib.AsyncExitStack() as undo:
+            idmap = None
+            if self.id_ranges is not None:
+                idmap = self.id_ranges.take(cid)  # here, on the event loop: ranges are handed out in order
+                undo.callback(self.id_ranges.release, cid)
+            try:
+                cgroups.make_sandbox_cgroup(self.cgroup_parent, cid, spec.limits, self.cgroup_controllers)
+            except OSError as exc:
+                raise BackendError(f"cannot make the cgroup of {cid}: {exc}") from exc
+            # (A thread: the init, once killed, may hold the cgroup for a moment.)
+            undo.push_async_callback(asyncio.to_thread, self._remove_cgroup, cid)
+            try:
+                # Mounting (idmapped layer clones, the overlay, a tmpfs) blocks: off the event loop.
+                await asyncio.to_thread(self._mount_rootfs, plan, spec.limits)
+            except OSError as exc:
+                raise BackendError(f"cannot mount the root filesystem of {cid}: {exc}") from exc
+            undo.callback(self.rootfs.release, plan)
+            host_end, init_end = InitChannel.pair()
+            undo.callback(host_end.close)
+            with init_end:  # the init's, once crun has handed it over
+                (bundle / "config.json").write_text(self.oci.json(plan, spec, idmap))
+                undo.push_async_callback(self._run_crun, "delete", "--force", cid)
+                rc, out = await self._run_crun("run", "--detach", "--bundle", str(bundle), "--pid-file", str(pidfile),
+                                               cid, log=bundle / "crun.log", stdin=init_end.fileno())
+            if rc != 0:
+                raise BackendError(f"crun could not start {cid}: {out[-800:]}")
+            self.oci.learn_compiled(self.crun_root / cid)
+            pid = int(pidfile.read_text())
+            # The init waits for its first command: nothing runs before it is in its cgroup.
+            try:
+                cgroups.enter(self.cgroup_parent, cid, pid, self.cgroup_controllers)
+            except OSError as exc:  # ESRCH: the init is gone already
+                raise BackendError(f"cannot move the init of {cid} into its cgroup: {exc}") from exc
+            # `crun run --detach` may return while the first process is still crun setting up
+            # the namespaces; a `crun exec` then fails (setns: EPERM). Wait for the init.
+            deadline = time.monotonic() + 10
+            while not _runs_init(pid):
+                if time.monotonic() > deadline:
+                    raise BackendError(f"the init of {cid} did not start within 10s")
+                await asyncio.sleep(0.002)
+            undo.pop_all()  # the sandbox is whole
+        self.rootfs.started(plan)
+        self.channels[cid] = InitChannel(host_end)
+        with contextlib.suppress(OSError):  # gone already: is_alive reads /proc and says so
+            self._pidfds[cid] = os.pidfd_open(pid)
+        handle = Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
+        self.rootfs.plans[cid] = plan
+        # The cgroup got its limits and the bundle its size; SCHED_IDLE for a best-effort
+        # sandbox's init is what is left (its commands get it in exec).
+        if spec.limits is not None and spec.limits.best_effort:
+            with contextlib.suppress(ProcessLookupError):
+                cpu_sched.set_idle(pid, True)
+        return handle
+
+    async def apply_limits(self, handle: Handle, limits: Limits) -> None:
+        try:
+            cgroups.apply_limits(self.cgroup_parent, handle.cid, limits)
+            # The init too (a best-effort sandbox's commands get SCHED_IDLE in exec).
+            with contextlib.suppress(ProcessLookupError):
+                cpu_sched.set_idle(handle.pid, limits.best_effort)
+            disk.resize_bundle(self.sandboxes_dir / handle.cid, disk.cap_for(limits.memory_bytes))
+        except OSError as exc:
+            raise BackendError(f"cannot set limits of {handle.cid}: {exc}") from exc
+
+    async def is_alive(self, handle: Handle) -> bool:
+        fd = self._pidfds.get(handle.cid)
+        if fd is not None:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            return not poller.poll(0)  # a pidfd turns readable when its process exits
+        return handle.pid > 0 and pid_in_cgroup(handle.pid, handle.cid)
+
+    async def _alive_after(self, handle: Handle, grace: float) -> bool:
+        """Whether the init still lives ``grace`` seconds on (or once it is gone, if sooner). A
+        pid namespace's init that was killed closes its files first, then waits for all else in
+        the namespace to die before it counts as exited: its channel closes well before that."""
+        fd = self._pidfds.get(handle.cid)
+        if fd is None:
+            return await self.is_alive(handle)
+        return not await wait_exit(fd, grace, tick=self._reap_orphans)
+
+    def _why_gone(self, handle: Handle) -> str:
+        kills = cgroups.oom_kills(self.cgroup_parent, handle.cid)
+        return f" ({kills} out-of-memory kill(s) in its cgroup)" if kills else ""
+
+    async def _freeze(self, handle: Handle) -> bool:
+        """Freeze the sandbox; False if it was frozen already."""
+        try:
+            return await asyncio.to_thread(cgroups.freeze, self.cgroup_parent, handle.cid)
+        except (OSError, TimeoutError) as exc:
+            raise BackendError(f"cannot freeze {handle.cid}: {exc}") from exc
+
+    async def pause(self, handle: Handle) -> None:
+        await self._freeze(handle)
+        # Frozen, nothing in it touches its pages: push them all out (to swap, which v2 must
+        # allow it first).
+        try:
+            cgroups.lift_swap(self.cgroup_parent, handle.cid, True)
+            await asyncio.to_thread(reclaim.push_out, self.cgroup_parent, handle.cid)
+        except OSError as exc:
+            log.warning("paused %s but could not push its memory out: %s", handle.cid, exc)
+
+    async def resume(self, handle: Handle) -> None:
+        with contextlib.suppress(OSError):
+            cgroups.lift_swap(self.cgroup_parent, handle.cid, False)
+        cgroups.thaw(self.cgroup_parent, handle.cid)
+
+    async def destroy(self, handle: Handle) -> None:
+        if (channel := self.channels.pop(handle.cid, None)) is not None:
+            channel.close()
+        fd = self._pidfds.pop(handle.cid, None)
+        if fd is None and handle.pid > 0 and pid_in_cgroup(handle.pid, handle.cid):
+            with contextlib.suppress(ProcessLookupError):
+                fd = os.pidfd_open(handle.pid)
+        if fd is not None:
+            try:
+                # Killing the pid namespace's init takes every process of the sandbox with it.
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                cgroups.thaw(self.cgroup_parent, handle.cid)  # a frozen (paused) task dies once thawed
+                if not await wait_exit(fd, timeout=10, tick=self._reap_orphans):
+                    log.warning("the init of %s did not exit within 10s of SIGKILL", handle.cid)
+            finally:
+                os.close(fd)
+        # When we are the init's subreaper (see dsec.server), reap it now: a zombie still
+        # counts in a v1 cgroup, which cannot be removed until it is reaped.
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(handle.pid, os.WNOHANG)
+        # What `crun delete` does for a dead container, without spawning it: drop its cgroups
+        # and its state directory; then the root filesystem. Off the event loop: rmdir of a
+        # cgroup in each v1 hierarchy and the unmounts are kernel work the loop need not wait on.
+        if not await asyncio.to_thread(self._teardown, handle):
+            await self._run_crun("delete", "--force", handle.cid)
+            await asyncio.to_thread(self._remove_cgroup, handle.cid)
+
+    def _teardown(self, handle: Handle) -> bool:
+        """Remove a dead sandbox's cgroups, root filesystem and crun state; False if its
+        cgroups would not go (crun delete is tried then)."""
+        removed = self._remove_cgroup(handle.cid)
+        self.rootfs.release(self.rootfs.plan(handle.cid, handle.layers, handle.image))
+        if self.id_ranges is not None:
+            self.id_ranges.release(handle.cid)
+        self.rootfs.plans.pop(handle.cid, None)
+        shutil.rmtree(self.crun_root / handle.cid, ignore_errors=True)
+        return removed
+
+    def _reap_orphans(self) -> None:
+        """Reap zombies that were reparented to us (we are the subreaper) from inside our
+        sandboxes, e.g. a command whose ``crun exec`` died first. Only processes in our sandbox
+        cgroups: asyncio reaps the ``crun`` processes it spawned, which live outside them."""
+        for pid in children():
+            try:
+                if _sys.proc_stat(pid)[0] != "Z":
+                    continue
+                with open(f"/proc/{pid}/cgroup") as f:
+                    if f"/{self.cgroup_parent}/" not in f.read():
+                        continue
+                os.waitpid(pid, os.WNOHANG)
+            except (OSError, IndexError, ValueError, ChildProcessError):
+                continue
+
+    def _remove_cgroup(self, cid: str, timeout: float = 5.0) -> bool:
+        """rmdir the sandbox's cgroups; exiting processes may hold them for a moment. Blocks:
+        call it from a thread."""
+        deadline = time.monotonic() + timeout
+        reaped = False
+        while True:
+            try:
+                cgroups.remove_cgroup(self.cgroup_parent, cid)
+                return True
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    log.warning("cannot remove cgroup of %s: %s", cid, exc)
+                    return False
+            if not reaped:
+                self._reap_orphans()
+                reaped = True
+                continue
+            time.sleep(0.005)
+
+    async def recover(self, handles: list[Handle]) -> list[Handle]:
+        """Adopt the live ones; remove the remains of everything else this backend owns."""
+        alive = []
+        for h in handles:
+            if await self.is_alive(h) and os.path.ismount(self.sandboxes_dir / h.cid):
+                alive.append(h)
+                if self.id_ranges is not None:
+                    self.id_ranges.adopt(h.cid, h.pid)
+        self.layer_mounts.adopt([self.rootfs.plan(h.cid, h.layers, h.image).layers for h in alive])
+        keep = {h.cid for h in alive}
+        for h in handles:
+            if h.cid not in keep:
+                await self._remove_remains(h.cid)
+        for d in self.sandboxes_dir.iterdir():
+            if d.name not in keep:
+                await self._remove_remains(d.name)
+        for state in self.crun_root.iterdir():
+            if state.is_dir() and state.name not in keep:
+                await self._remove_remains(state.name)
+        for d in cgroups.sandbox_cgroup_dirs(self.cgroup_parent):
+            if d.name not in keep:
+                await self._remove_remains(d.name)
+        self.layer_mounts.release_unused()
+        return alive
+
+    async def _remove_remains(self, cid: str) -> None:
+        cgroups.thaw(self.cgroup_parent, cid)
+        await self._run_crun("kill", cid, "KILL")
+        await self._run_crun("delete", "--force", cid)
+        try:
+            if killed := await asyncio.to_thread(cgroups.kill_all, self.cgroup_parent, cid):
+                log.warning("killed %d process(es) left in the cgroup of %s", killed, cid)
+        except TimeoutError as exc:
+            log.warning("%s", exc)
+        await asyncio.to_thread(self._remove_cgroup, cid)  # (a zombie of ours is reaped first)
+        self.rootfs.remove_remains(cid)
+        if self.id_ranges is not None:
+            self.id_ranges.release(cid)
+
+    def release_unused(self) -> None:
+        """After the last sandbox is gone: unmount unused layers, drop empty parent cgroups."""
+        self.layer_mounts.release_unused()
+        if not any(self.sandboxes_dir.iterdir()):
+            cgroups.remove_parent(self.cgroup_parent)
+            if os.path.ismount(self.run_dir):
+                _sys.umount(str(self.run_dir), _sys.MNT_DETACH)
+
+    def memory_usage(self, handle: Handle) -> int | None:
+        return cgroups.memory_usage_bytes(self.cgroup_parent, handle.cid)

@@ -1,0 +1,96 @@
+"""What a container sandbox wrote, read from the node in its writable layer (the overlay's
+upper, in the bundle's tmpfs): packed into a layer of the store (``pack_diff``), replayed
+beneath kept paths into a clean copy (``carry``), looked through for tampering.
+
+The sandbox is frozen while its layer is read, and thawed after unless it was paused already.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from pathlib import Path
+
+from libdsec import BackendError, SandboxStateError
+
+from ...images import carry, scrub
+from ...images.store import LayerBuildError, LayerStore
+from ...isolation import userns
+from ...resources import cgroups
+from ..base import Handle
+from .rootfs import RootFilesystems
+
+
+class WritableLayer:
+    """``ContainerBackend``'s calls on a sandbox's writable layer (the state they use is the
+    backend's; freezing and liveness are its lifecycle's)."""
+
+    cgroup_parent: str
+    store: LayerStore
+    id_ranges: userns.IdRanges | None
+    rootfs: RootFilesystems
+
+    def _upper(self, handle: Handle) -> Path:
+        return self.rootfs.plan(handle.cid, handle.layers, handle.image).upper
+
+    async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
+        """Freeze the sandbox, turn its writable layer (minus residue) into a layer in the
+        store, thaw it. Whiteouts and opaque directories travel as overlay markers."""
+        if not await self.is_alive(handle):
+            raise SandboxStateError(f"cannot pack: sandbox process of {handle.cid} is gone")
+        upper = self._upper(handle)
+        was_paused = not await self._freeze(handle)
+        try:
+            with contextlib.ExitStack() as stack:
+                idmap = self.id_ranges.of(handle.cid) if self.id_ranges else None
+                if idmap is not None:  # the layer holds the ids as the sandbox saw them
+                    upper = stack.enter_context(userns.shifted_view(idmap, upper, upper.parent / "packview", self.store.tmp_dir))
+                skip = await asyncio.to_thread(scrub.residue, upper)
+                digest = await asyncio.to_thread(self.store.add_dir, upper, skip)
+        except LayerBuildError as exc:
+            # The sandbox's own files, packed by the node: a failure here (the store's disk
+            # full, mkfs.erofs failing) is the node's, not a bad request.
+            raise BackendError(f"cannot pack {handle.cid}: {exc}") from None
+        finally:
+            if not was_paused:
+                cgroups.thaw(self.cgroup_parent, handle.cid)
+        return digest, sorted("/" + p for p in skip)
+
+    async def check_kept(self, handle: Handle, keep: list[str]) -> None:
+        """Each kept path exists in the running sandbox, with no link on the way."""
+        root = self._root_fd(handle)
+        try:
+            for path in keep:
+                carry.check_in_root(root, path, "keep path", "the sandbox")
+        finally:
+            os.close(root)
+
+    async def carry(self, source: Handle, target: Handle, keep: list[str]) -> carry.Carried:
+        """Freeze ``source``, replay its changes beneath ``keep`` into ``target`` (which has
+        run nothing yet) through ``target``'s own root, thaw ``source``."""
+        if not await self.is_alive(source):
+            raise SandboxStateError(f"cannot make a clean copy: sandbox process of {source.cid} is gone")
+        src = self.id_ranges.of(source.cid) if self.id_ranges else None
+        dst = self.id_ranges.of(target.cid) if self.id_ranges else None
+
+        def ids(host_id: int) -> int:
+            inside = host_id if src is None else host_id - src.base
+            if not 0 <= inside < (src.count if src else 1 << 32):
+                inside = 65534  # not one of the sandbox's ids: nobody
+            return inside if dst is None else dst.host(inside)
+
+        upper = self._upper(source)
+        root = self._root_fd(target)
+        was_paused = not await self._freeze(source)
+        try:
+            return await asyncio.to_thread(carry.carry, upper, root, keep, ids)
+        except OSError as exc:
+            raise BackendError(f"cannot carry the kept paths into the clean copy: {exc}") from exc
+        finally:
+            if not was_paused:
+                cgroups.thaw(self.cgroup_parent, source.cid)
+            os.close(root)
+
+    def tampered(self, handle: Handle) -> list[str]:
+        return carry.tampered(self._upper(handle))
