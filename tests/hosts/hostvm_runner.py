@@ -71,26 +71,47 @@ def _stale_vm(vm_dir: Path) -> None:
 
 
 class Priority:
-    """The VM's threads at the runner's nice value until the suite waits for them (``foreground``
-    touched), then at 0; a QEMU's threads started later inherit their starter's."""
+    """The VM at a low CPU priority until the suite waits for it (``foreground`` touched), then at
+    the normal one. Its QEMU runs in a session of its own, so with the scheduler's autogroups
+    (``kernel.sched_autogroup_enabled``) its threads' nice values weigh only against each other:
+    the session's autogroup gets the nice value (``/proc/PID/autogroup``), and the threads too
+    (for a kernel without autogroups); on cgroup v2, where the QEMU's cgroup parent has the cpu
+    controller, that parent's ``cpu.weight`` goes from 100 to 10 (about nice 10's share)."""
 
     def __init__(self, control: Path):
         self.flag = control / "foreground"
         self.raised = False
+        self.lowered_pid = None
 
-    def check(self, vm_dir: Path) -> None:
-        if self.raised or not self.flag.exists():
+    def check(self, vm_dir: Path, cgroup_dir: Path) -> None:
+        if self.raised:
             return
-        self.raised = True
-        os.setpriority(os.PRIO_PROCESS, 0, 0)  # this runner's next row, and what it starts
         try:
             pid = int((vm_dir / "qemu.pid").read_text())
+        except (OSError, ValueError):
+            return
+        if self.flag.exists():
+            self.raised = True
+            os.setpriority(os.PRIO_PROCESS, 0, 0)  # this runner's next row, and what it starts
+            self._set(pid, cgroup_dir, 0, "100")
+        elif self.lowered_pid != pid:
+            self.lowered_pid = pid
+            self._set(pid, cgroup_dir, BACKGROUND_NICE, "10")
+
+    @staticmethod
+    def _set(pid: int, cgroup_dir: Path, nice: int, weight: str) -> None:
+        for path, value in ((Path(f"/proc/{pid}/autogroup"), str(nice)), (cgroup_dir / "cpu.weight", weight)):
+            try:
+                path.write_text(value)
+            except OSError:
+                pass  # no autogroups, or no cpu controller there
+        try:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 try:
-                    os.setpriority(os.PRIO_PROCESS, int(tid), 0)
+                    os.setpriority(os.PRIO_PROCESS, int(tid), nice)
                 except OSError:
                     pass  # a thread that has just ended
-        except (OSError, ValueError):
+        except OSError:
             pass
 
 
@@ -123,8 +144,11 @@ async def _boot_and_collect(row: dict, cache: Path, node_dir: Path, assets_dir: 
         await backend.write_file(handle, f"{RESULTS}/go", b"", 0o600, 0, 0)
         deadline = time.monotonic() + RUN_TIMEOUT_S
         started = False
+        from dsec.resources import cgroups
+
+        cgroup_dir = cgroups.CGROUP_ROOT / backend.cgroup_parent
         while time.monotonic() < deadline:
-            priority.check(vm_dir)
+            priority.check(vm_dir, cgroup_dir)
             try:
                 await backend.read_file(handle, f"{RESULTS}/done", 16)
                 break
