@@ -22,7 +22,8 @@ demo bench) and ``DSEC_HOSTVM_TESTS`` (pytest arguments) narrow it.
 
 The VMs do not hold the suite up: the root conftest's ``hostvm_background`` starts both rows at
 the run's first test, one after the other, in a process of their own (``hostvm_runner.py``, at
-``nice`` 10: they take the CPU the other tests leave idle), and these tests, moved to the end of
+``nice`` 5: they take the CPU the other tests leave idle; the runner's deadlines count
+from the moment the suite waits at the latest), and these tests, moved to the end of
 the run, wait for their row (the VMs back at the normal priority from then on) and judge what it
 left.
 """
