@@ -27,7 +27,7 @@ demo: setup
 test: setup docs
 	$(BIN)/ruff check --quiet src libdsec bench tests
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS)
 
 # The quick subset (no crun, no mounts): seconds.
 test-quick: venv

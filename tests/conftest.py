@@ -35,6 +35,8 @@ def pytest_collection_finish(session):
 
 
 def pytest_collection_modifyitems(config, items):
+    # The hostvm tests last: they wait for the VMs that ``hostvm_background`` started at the first test.
+    items.sort(key=lambda item: item.get_closest_marker("hostvm") is not None)
     if os.geteuid() == 0:
         return
     skip = pytest.mark.skip(reason="needs root (crun, mounts, cgroups)")
@@ -166,6 +168,27 @@ def suite_leftovers(base: Path, state_dirs: list[Path]) -> list[str]:
         if names & parents or root.startswith(f"{base}/") or f"{base}/" in cmdline or f"{vm_assets}/" in cmdline:
             problems.append(f"process {pid} {cmdline.strip()[:150]!r} (root {root})")
     return sorted(set(problems))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hostvm_background(request, nothing_left_after_the_suite):
+    """The VMs of the run's ``hostvm`` tests (tests/hosts/test_debian12_vm.py: about 12 minutes of
+    TCG), started at its first test and run in the background while the other tests run
+    (``BackgroundRows``); those tests come last and wait for their row. None when the run has
+    none (``-m "not hostvm"``, the quick set, not root). Whatever still runs at the end (a run
+    stopped early) is stopped, its VM destroyed, before the suite's leftover check."""
+    items = [item for item in request.session.items if item.get_closest_marker("hostvm")]
+    if not items or os.geteuid() != 0:
+        yield None
+        return
+    test_store = request.getfixturevalue("test_store")
+    request.getfixturevalue("python_image")  # (the guest's root holds the test images)
+    rows = list(dict.fromkeys(item.callspec.params["row"] for item in items))
+    background = items[0].module.BackgroundRows.start(rows, request.getfixturevalue("tmp_path_factory"), test_store)
+    try:
+        yield background
+    finally:
+        background.stop()
 
 
 # DSEC_TEST_ONE_SERVER=1: the modules' tests share one server for the whole run (a slow guest,

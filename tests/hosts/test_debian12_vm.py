@@ -19,33 +19,40 @@ The debootstrap tree, the guest root's layer and the full-VM disks are cached un
 quiet 2-core machine (tests 3, demo 0.5, bench 5): one run in every ``make test``, marked
 ``hostvm`` (and ``slow``; ``-m "not hostvm"`` leaves it out). ``DSEC_HOSTVM_STEPS`` (tests
 demo bench) and ``DSEC_HOSTVM_TESTS`` (pytest arguments) narrow it.
+
+The VMs do not hold the suite up: the root conftest's ``hostvm_background`` starts both rows at
+the run's first test, one after the other, in a process of their own (``hostvm_runner.py``, at
+``nice`` 5: they take the CPU the other tests leave idle; the runner's deadlines count
+from the moment the suite waits at the latest), and these tests, moved to the end of
+the run, wait for their row (the VMs back at the normal priority from then on) and judge what it
+left.
 """
 
 from __future__ import annotations
 
-import asyncio
-import fcntl
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+from hostvm_runner import BACKGROUND_NICE, RUN_TIMEOUT_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.hostvm]
 
-GUEST_MEMORY_MB = 6144
-GUEST_CPUS = 2.0
-# A whole userland under TCG: the default 32 MiB translation cache retranslates all the time.
-TCG_TB_MB = 512
-BOOT_TIMEOUT_S = 600.0
-# What the guest's steps may take: about 10 minutes on a quiet 2-core machine, twice that loaded.
-RUN_TIMEOUT_S = 30 * 60.0
-RESULTS = "/var/lib/dsec-hostvm"
+HERE = Path(__file__).parent
+# The rows: the Debian 12 kernel every DSec VM boots, with every step; and the newest Debian
+# kernel the packages offer, on a root made the same way, with the test subsets only (the time
+# the job has).
+ROWS = ("kernel-debian12", "kernel-newest")
+# What a row may take from the run's start, base layer and boot included (the runner's own
+# deadlines, hostvm_runner.RUN_TIMEOUT_S and BOOT_TIMEOUT_S, end it well before).
+WAIT_S = 3 * 3600.0
 
 
 def _summary(junit: str) -> dict[str, list[str]]:
@@ -64,24 +71,6 @@ def _summary(junit: str) -> dict[str, list[str]]:
     return out
 
 
-DIAGNOSE = ("systemctl is-system-running; systemctl list-jobs --no-pager; "
-            "systemctl status --no-pager dsec-hostvm dsec-agent 2>&1 | head -40; "
-            "journalctl -b --no-pager 2>&1 | tail -80")
-
-
-async def _diagnose(backend, handle) -> str:
-    """What systemd says in the guest (through the agent: a confined command, enough to read)."""
-    from dsec.backends.base import ExecContext
-    from libdsec.protocol import ExecRequest
-
-    try:
-        r = await backend.exec(handle, ExecRequest(command=DIAGNOSE, timeout=120),
-                               ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}))
-    except Exception as exc:  # noqa: BLE001 - the guest's own state is what is reported
-        return f"(cannot ask the guest: {exc})"
-    return r.stdout + r.stderr
-
-
 def newest_kernel_package() -> str | None:
     """The newest Debian cloud kernel the packages offer, by its meta package
     (``linux-image-6.12-cloud-amd64``), or None when apt knows none."""
@@ -95,123 +84,84 @@ def newest_kernel_package() -> str | None:
     return max(found)[1] if found else None
 
 
-# The rows: the Debian 12 kernel every DSec VM boots, with every step; and the newest Debian
-# kernel the packages offer, on a root made the same way, with the test subsets only (the time
-# the job has).
-@pytest.mark.parametrize("row", ["kernel-debian12", "kernel-newest"])
-def test_debian12_host_vm(row, tmp_path_factory, test_store, python_image, capsys):
-    if shutil.which("debootstrap") is None or shutil.which("qemu-system-x86_64") is None:
-        pytest.skip("needs debootstrap and qemu-system-x86")
-    package, steps = None, None
-    if row == "kernel-newest":
-        package = newest_kernel_package()
-        if package is None:
-            pytest.skip("apt offers no versioned cloud kernel (linux-image-X.Y-cloud-amd64)")
-        steps = "tests"
-    cache = Path(test_store).parent / "hostvm"
-    cache.mkdir(parents=True, exist_ok=True)
-    lock = open(cache / ".lock", "w")  # one run at a time on the cache (a second one waits)
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
-        _run_in_vm(tmp_path_factory, test_store, cache, capsys, package, steps)
-    finally:
-        lock.close()
+class BackgroundRows:
+    """The rows' VMs, run by ``hostvm_runner.py`` in a process of its own from the suite's first
+    test on (the root conftest's ``hostvm_background`` starts it with ``start``); ``wait(row)``
+    is a row's outcome, ``stop()`` ends what still runs (its VM destroyed)."""
 
+    def __init__(self, control: Path, proc: subprocess.Popen | None, skipped: dict[str, str]):
+        self.control, self.proc, self.skipped = control, proc, skipped
 
-def _stale_vm(vm_dir: Path) -> None:
-    """Remove what a killed run of this test left of its VM: its QEMU (by the pid file, checked
-    against the process's command line) and its directory."""
-    try:
-        pid = int((vm_dir / "qemu.pid").read_text())
-        if str(vm_dir) in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
-            os.kill(pid, signal.SIGKILL)
-            while Path(f"/proc/{pid}").exists():
-                time.sleep(0.1)
-    except (OSError, ValueError):
-        pass
-    shutil.rmtree(vm_dir, ignore_errors=True)
+    @classmethod
+    def start(cls, rows: list[str], tmp_path_factory, test_store: Path) -> BackgroundRows:
+        from guest_root import checkout_tar
 
+        control = tmp_path_factory.mktemp("hostvm-control")
+        if shutil.which("debootstrap") is None or shutil.which("qemu-system-x86_64") is None:
+            return cls(control, None, dict.fromkeys(rows, "needs debootstrap and qemu-system-x86"))
+        skipped, todo = {}, []
+        for row in rows:
+            package, steps = None, None
+            if row == "kernel-newest":
+                package = newest_kernel_package()
+                if package is None:
+                    skipped[row] = "apt offers no versioned cloud kernel (linux-image-X.Y-cloud-amd64)"
+                    continue
+                steps = "tests"
+            env = {k: os.environ[k] for k in ("DSEC_HOSTVM_STEPS", "DSEC_HOSTVM_TESTS") if k in os.environ}
+            if steps is not None:
+                env.setdefault("DSEC_HOSTVM_STEPS", steps)
+            checkout = control / f"{row}-checkout.tar"
+            checkout.write_bytes(checkout_tar(env))
+            todo.append({"row": row, "package": package, "checkout": str(checkout), "test_store": str(test_store),
+                         "results_base": str(tmp_path_factory.getbasetemp())})
+        if not todo:
+            return cls(control, None, skipped)
+        (control / "rows.json").write_text(json.dumps(todo))
+        import dsec
 
-def _run_in_vm(tmp_path_factory, test_store, cache: Path, capsys, package: str | None, steps: str | None) -> None:
-    from dsec.backends.base import SandboxSpec
-    from dsec.backends.vm.assets import AssetCache
-    from dsec.backends.vm.fullvm import FullVMBackend
-    from dsec.images.store import LayerStore
-    from dsec.resources.cgroups import Limits
-    from guest_root import CHECKOUT_TAR, base_layer, checkout_tar
+        src = str(Path(dsec.__file__).resolve().parents[1])
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "hostvm_runner.py"), str(control)],
+            stdin=subprocess.DEVNULL, stdout=open(control / "runner.log", "wb"), stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (src, os.environ.get("PYTHONPATH"))))},
+            preexec_fn=lambda: os.nice(BACKGROUND_NICE))
+        return cls(control, proc, skipped)
 
-    # Another kernel: assets of its own (a root keeps the kernel it first got) and a node of its
-    # own (each keeps the disk of its root); the debootstrap tree and the layer store are shared.
-    assets_dir = Path(os.environ["DSEC_VM_ASSETS"] + (f"-{package}" if package else ""))
-    node_dir = cache / (f"node-{package}" if package else "node")
-    assets = AssetCache(assets_dir, kernel_package=package).ensure()
-    t0 = time.monotonic()
-    store = LayerStore(cache / "store")
-    layers = (base_layer(cache, store, assets.kernel.parent, Path(test_store)),)
-    env = {k: os.environ[k] for k in ("DSEC_HOSTVM_STEPS", "DSEC_HOSTVM_TESTS") if k in os.environ}
-    if steps is not None:
-        env.setdefault("DSEC_HOSTVM_STEPS", steps)
-    checkout = checkout_tar(env)
-    print(f"\nhostvm: guest root on {assets.kernel_version} ready in {time.monotonic() - t0:.0f}s")
-    results = Path(tmp_path_factory.getbasetemp()) / f"hostvm-results-{assets.kernel_version}"
-    results.mkdir(exist_ok=True)
+    def wait(self, row: str) -> dict:
+        """The row's outcome (``hostvm_runner``'s), once it is over; the VMs run at the normal
+        priority from now on (the suite waits for them)."""
+        if row in self.skipped:
+            pytest.skip(self.skipped[row])
+        (self.control / "foreground").touch()
+        outcome = self.control / f"{row}.json"
+        deadline = time.monotonic() + WAIT_S
+        while not outcome.exists():
+            over = self.proc is None or self.proc.poll() is not None or time.monotonic() > deadline
+            if over and not outcome.exists():  # (a runner that has just written it and ended is fine)
+                log = (self.control / "runner.log").read_text(errors="replace")[-5000:]
+                raise AssertionError(f"the hostvm runner ended (or overran) before row {row} was over: {log}")
+            time.sleep(2)
+        return json.loads(outcome.read_text())
 
-    async def run() -> dict[str, bytes]:
-        # The node's disks (the guest root's, about a GB, and the empty one each VM's own starts
-        # as) stay in the cache for the next run; a base disk of other layers is removed.
-        backend = FullVMBackend(node_dir, store, assets_dir, boot_timeout_s=BOOT_TIMEOUT_S, tcg_tb_mb=TCG_TB_MB)
-        spec = SandboxSpec(image="debian12-host", layers=layers, env={},
-                           limits=Limits(memory_mb=GUEST_MEMORY_MB, cpu_cores=GUEST_CPUS, pids=4096))
-        got: dict[str, bytes] = {}
-        handle = None
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)  # (a VM running is destroyed first)
         try:
-            t0 = time.monotonic()
-            _stale_vm(backend.vm_dir("hostvm"))
-            disk = await backend.base_disk(layers)
-            for old in backend.disks_dir.glob("*.raw"):
-                if old != disk and not old.name.startswith("upper-"):
-                    old.unlink()
-            handle = await backend.create("hostvm", spec)
-            print(f"hostvm: booted to the agent in {time.monotonic() - t0:.0f}s")
-            t0 = time.monotonic()
-            await backend.write_file(handle, CHECKOUT_TAR, checkout, 0o600, 0, 0)
-            await backend.write_file(handle, f"{RESULTS}/go", b"", 0o600, 0, 0)
-            deadline = time.monotonic() + RUN_TIMEOUT_S
-            started = False
-            while time.monotonic() < deadline:
-                try:
-                    await backend.read_file(handle, f"{RESULTS}/done", 16)
-                    break
-                except Exception:  # noqa: BLE001 - not there yet
-                    await asyncio.sleep(5)
-                if not started:
-                    try:
-                        await backend.read_file(handle, f"{RESULTS}/host.txt", 1 << 16)  # a few hundred bytes
-                        started = True
-                    except Exception:  # noqa: BLE001
-                        # The runner should have started by now (7 minutes after boot: a loaded host is slow).
-                        if time.monotonic() - t0 > 420:
-                            got["diagnosis"] = (await _diagnose(backend, handle)).encode()
-                            break
-            else:
-                got["diagnosis"] = (await _diagnose(backend, handle)).encode()
-            for name in ("host.txt", "times.txt", "pytest.log", "pytest.rc", "junit.xml", "demo.log", "demo.rc",
-                         "bench.log", "bench.rc", "bench-lifecycle.json", "bench-serve.log", "done"):
-                try:
-                    got[name] = await backend.read_file(handle, f"{RESULTS}/{name}", 8 << 20)
-                except Exception:  # noqa: BLE001 - a step that did not run
-                    pass
-            got["console.log"] = (backend.vm_dir("hostvm") / "console.log").read_bytes()[-200_000:]
-        finally:
-            if handle is not None:
-                await backend.destroy(handle)
-            await backend.close()
-            backend.release_unused()
-        return got
+            self.proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
-    got = asyncio.run(run())
-    for name, data in got.items():
-        (results / name).write_bytes(data)
+
+@pytest.mark.parametrize("row", ROWS)
+def test_debian12_host_vm(row, hostvm_background, capsys):
+    ran = hostvm_background.wait(row)
+    print("\n" + "\n".join(ran.get("progress", [])))
+    assert "error" not in ran, f"the row's VM could not run: {ran['error'][-6000:]}"
+    results = Path(ran["results"])
+    got = {p.name: p.read_bytes() for p in results.iterdir()}
     text = {k: v.decode(errors="replace") for k, v in got.items()}
     print(text.get("host.txt", ""), text.get("times.txt", ""), sep="\n")
     assert "done" in got, (f"the guest did not finish (within {RUN_TIMEOUT_S:.0f}s); systemd there says:\n"
