@@ -101,7 +101,8 @@ BODIES = {
     "set_network_rules": {"network_rules": {"pypi": True}}, "set_ttl": {"ttl_running_stop": 60},
     "fncall": {"code": "print(1)"}, "fncall_many": {"calls": [{"code": "print(1)"}]},
     "build_image": {"build": {"name": "task", "dockerfile": "FROM python\n"}}, "clean_copy": {"keep": ["/a"]},
-    "open_watch": {"path": "/a"},
+    "open_watch": {"path": "/a"}, "get_xattrs": {"paths": ["/a"], "prefix": "user.x."},
+    "set_xattrs": {"path": "/a", "prefix": "user.x.", "values": {"k": "v"}},
 }
 
 
@@ -173,7 +174,7 @@ def remote_arguments(op: Operation) -> dict:
             command="true"), ProcessStreamRequest: ProcessStreamRequest(timeout=6), OpenPtyRequest: OpenPtyRequest(),
             OpenSessionRequest: OpenSessionRequest(),
             OpenWatchRequest: OpenWatchRequest(path="/a", recursive=True)}.get(op.request),
-        "watch": 4, "wait": 2.5,
+        "watch": 4, "wait": 2.5, "paths": ["/a", "/b"], "prefix": "user.x.", "values": {"k": "v"},
     }
     return {n: values[n] for n in arguments(op)}
 

@@ -43,7 +43,7 @@ from libdsec.protocol import (
 )
 
 from ..backends.base import Capability, ExecContext
-from . import files, processes, sessions
+from . import files, processes, sessions, xattrs
 from .lifecycle import Action, Record
 from .stream import stream_bytes, stream_exec
 from .table import SandboxTable
@@ -312,6 +312,39 @@ class Inside(SandboxTable):
 
     async def close_watch(self, sandbox_id: str, watch: int) -> None:
         self.watches.close(sandbox_id, watch)
+
+    # -- extended attributes, from the node (dsec.edge.xattrs) --------------------------------
+
+    async def _path_opener(self, sandbox_id: str, action: Action):
+        rec = await self._ready(sandbox_id, action)
+        backend = self.backends[rec.kind]
+        if Capability.HOST_PATHS not in backend.capabilities:
+            raise InvalidRequest(f"a {rec.kind.value} sandbox's file attributes cannot be reached from the node")
+        rec.last_active = time.time()
+        return lambda where: backend.open_path(rec.handle, where, os.O_PATH)
+
+    async def get_xattrs(self, sandbox_id: str, paths: list[str], prefix: str) -> list[dict[str, str]]:
+        """Each path's attributes under ``prefix`` (``{}`` for a path that is not there, or is
+        a symlink)."""
+        prefix = xattrs.check_prefix(prefix)
+        checked = [files.check_path(p) for p in paths]
+        opener = await self._path_opener(sandbox_id, Action.read_file)
+
+        def read_all() -> list[dict[str, str]]:
+            found = []
+            for path in checked:
+                try:
+                    found.append(xattrs.read(opener, path, prefix))
+                except (SandboxFileNotFound, InvalidRequest):
+                    found.append({})  # (not there, or a symlink: none)
+            return found
+        return await asyncio.to_thread(read_all)
+
+    async def set_xattrs(self, sandbox_id: str, path: str, prefix: str, values: dict[str, str]) -> None:
+        """Make ``values`` the attributes of ``path`` under ``prefix`` (others there go)."""
+        prefix, path = xattrs.check_prefix(prefix), files.check_path(path)
+        opener = await self._path_opener(sandbox_id, Action.write_file)
+        await asyncio.to_thread(xattrs.write, opener, path, prefix, values)
 
     # -- files and file trees (a command each, as the sandbox's user or root: dsec.edge.files) ---
 

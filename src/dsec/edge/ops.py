@@ -65,6 +65,9 @@ from libdsec.protocol import (
 
 from .api import EdgeAPI
 from .protocol import (
+    GetXattrsRequest,
+    SetXattrsRequest,
+    XattrsList,
     ImageRemoveRequest,
     LayerGCRequest,
     LayerGCResult,
@@ -128,6 +131,8 @@ NODE_OPS: tuple[Op, ...] = (
     Op("watch_events", "POST", SB + "/watches/{watch:int}/events", WatchEventsRequest, spread=True,
        answer=WatchEvents, timeout=MAX_WATCH_WAIT_S),
     Op("close_watch", "POST", SB + "/watches/{watch:int}/close"),
+    Op("get_xattrs", "POST", SB + "/xattrs:get", GetXattrsRequest, spread=True, answer=XattrsList, unwrap="values"),
+    Op("set_xattrs", "POST", SB + "/xattrs:set", SetXattrsRequest, spread=True),
     # -- files -------------------------------------------------------------------------------
     Op("read_file", "GET", SB + "/files", query=("path",), answers="bytes"),
     Op("write_file", "PUT", SB + "/files", request_arg="data", body="bytes", query=("path", "mode:mode")),

@@ -76,3 +76,25 @@ class LayerGCRequest(_Model):
 
 class LayerGCResult(_Model):
     removed: list[str]
+
+
+MAX_XATTR_PATHS = 10_000
+
+
+class GetXattrsRequest(_Model):
+    """The attributes under ``prefix`` of each of ``paths`` (``dsec.edge.xattrs``)."""
+
+    paths: list[str] = Field(max_length=MAX_XATTR_PATHS)
+    prefix: str
+
+
+class XattrsList(_Model):
+    values: list[dict[str, str]]  # one a path, in order
+
+
+class SetXattrsRequest(_Model):
+    """Make ``values`` the attributes of ``path`` under ``prefix``."""
+
+    path: str
+    prefix: str
+    values: dict[str, str]

@@ -313,3 +313,40 @@ def test_a_command_killed_with_its_sandbox_says_the_sandbox_went():
     # (the newer SDKs ask the sandbox's health and say it was killed; 2.45 reads any broken
     # stream as the sandbox's timeout)
     assert "killed" in str(caught.value) or "likely due to sandbox timeout" in str(caught.value)
+
+
+def test_file_metadata_and_watch_entries(sandbox):
+    """envd 0.6.x's file metadata (``user.e2b.*`` attributes: written with a file, shown by
+    get_info, list and rename, cleared by a write without it, set by hand inside) and the entry
+    a watch event carries with ``include_entry``. e2b 2.45 has neither: nothing to try there."""
+    import inspect
+
+    if "metadata" not in inspect.signature(sandbox.files.write).parameters:
+        return  # (the older SDK: DSec's envd version makes it refuse these itself)
+    from e2b.exceptions import InvalidArgumentException
+
+    info = sandbox.files.write("/root/meta.txt", "m", metadata={"author": "mish", "purpose": "upload"})
+    assert info.metadata == {"author": "mish", "purpose": "upload"}
+    assert sandbox.files.get_info("/root/meta.txt").metadata == {"author": "mish", "purpose": "upload"}
+    listed = {e.name: e.metadata for e in sandbox.files.list("/root")}
+    assert listed["meta.txt"] == {"author": "mish", "purpose": "upload"}
+    assert sandbox.files.rename("/root/meta.txt", "/root/moved.txt").metadata == {"author": "mish", "purpose": "upload"}
+    octet = sandbox.files.write("/root/octet.txt", "o", metadata={"k": "v"}, use_octet_stream=True)
+    assert octet.metadata == {"k": "v"} and sandbox.files.get_info("/root/octet.txt").metadata == {"k": "v"}
+    assert sandbox.files.write("/root/moved.txt", "again").metadata is None  # a write without it clears it
+    assert sandbox.files.get_info("/root/moved.txt").metadata is None
+    sandbox.commands.run("python3 -c \"import os; os.setxattr('/root/moved.txt', 'user.e2b.by', b'hand')\"")
+    assert sandbox.files.get_info("/root/moved.txt").metadata == {"by": "hand"}
+    with pytest.raises(InvalidArgumentException):
+        sandbox.files.write("/root/bad.txt", "x", metadata={"bad key": "v"})  # (the SDK's own check)
+    assert not sandbox.files.exists("/root/bad.txt")
+    sandbox.files.make_dir("/root/w2")
+    handle = sandbox.files.watch_dir("/root/w2", include_entry=True)
+    try:
+        sandbox.files.write("/root/w2/f.txt", "x", metadata={"t": "1"})
+        writes = [e for e in handle.get_new_events() if e.type == FilesystemEventType.WRITE and e.name == "f.txt"]
+        assert writes and writes[0].entry is not None
+        assert (writes[0].entry.path, writes[0].entry.type, writes[0].entry.metadata) == (
+            "/root/w2/f.txt", FileType.FILE, {"t": "1"})
+    finally:
+        handle.stop()

@@ -19,6 +19,7 @@ import hashlib
 import hmac
 import os
 import posixpath
+import re
 import time
 from dataclasses import dataclass
 
@@ -34,7 +35,13 @@ from ._errors import status_of
 
 # The envd protocol version DSec speaks: the SDK turns on its features by it (default user,
 # stdin for commands, close_stdin, octet-stream uploads).
-ENVD_VERSION = "0.5.7"
+ENVD_VERSION = "0.6.4"
+# A file's metadata (``files.write(…, metadata=)``, envd ≥ 0.6.2): extended attributes of this
+# namespace (``dsec.edge.xattrs``), sent as ``X-Metadata-<key>`` headers.
+METADATA_XATTRS = "user.e2b."
+_METADATA_HEADER = "x-metadata-"
+_METADATA_KEY = re.compile(r"\A[A-Za-z0-9!#$%&'*+\-.^_`|~]+\Z")
+_METADATA_VALUE = re.compile(r"\A[\x20-\x7e]*\Z")
 
 
 class EnvdTokens:
@@ -166,8 +173,35 @@ def _envd_error(exc: DSecError) -> JSONResponse:
     return JSONResponse({"code": status, "message": exc.message}, status_code=status)
 
 
-def _entry(path: str) -> dict:
-    return {"name": posixpath.basename(path), "type": "file", "path": path}
+def _entry(path: str, metadata: dict[str, str]) -> dict:
+    entry = {"name": posixpath.basename(path), "type": "file", "path": path}
+    if metadata:
+        entry["metadata"] = metadata
+    return entry
+
+
+def upload_metadata(headers) -> dict[str, str]:
+    """The ``X-Metadata-<key>`` headers of an upload as {key: value} (keys lowercased, as
+    envd's), or ``InvalidRequest`` naming the first that is not a header token or printable
+    US-ASCII."""
+    metadata = {}
+    for name, value in headers.items():
+        if name.lower().startswith(_METADATA_HEADER):
+            key = name[len(_METADATA_HEADER):].lower()
+            if not _METADATA_KEY.match(key) or not _METADATA_VALUE.match(value):
+                raise InvalidRequest(f"invalid metadata {key!r}: keys are HTTP tokens, values printable US-ASCII")
+            metadata[key] = value
+    return metadata
+
+
+async def set_metadata(target: Target, path: str, metadata: dict[str, str]) -> None:
+    """Make ``metadata`` the file's (its old metadata goes). A VM's files have none: setting
+    some there is refused, none is nothing to do."""
+    try:
+        await target.edge.set_xattrs(target.sandbox_id, path, METADATA_XATTRS, metadata)
+    except InvalidRequest:
+        if metadata:
+            raise
 
 
 class EnvdApp:
@@ -244,6 +278,7 @@ class EnvdApp:
         return Response(content=data, media_type="application/octet-stream")
 
     async def _write(self, request: Request, target: Target) -> Response:
+        metadata = upload_metadata(request.headers)  # (checked before anything is written)
         content_type = request.headers.get("content-type", "")
         files: list[tuple[str, bytes]] = []
         if content_type.startswith("multipart/form-data"):
@@ -267,7 +302,8 @@ class EnvdApp:
         for given, data in files:
             path = target.path(given)
             await self._write_one(target, path, data)
-            written.append(_entry(path))
+            await set_metadata(target, path, metadata)
+            written.append(_entry(path, metadata))
         return JSONResponse(written)
 
     @staticmethod

@@ -30,11 +30,11 @@ from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 
 from e2b.envd.filesystem import filesystem_pb as pb
 
-from libdsec import DSecError, SandboxFileNotFound, SessionClosed
+from libdsec import DSecError, InvalidRequest, SandboxFileNotFound, SessionClosed
 from libdsec.protocol import FileEntry, FsEvent, OpenWatchRequest, WatchInfo
 
 from ._errors import rpc_error
-from .envd import EnvdContext, Target
+from .envd import METADATA_XATTRS, EnvdContext, Target
 
 POLL_S = 0.2
 NODE_WAIT_S = 20.0  # one long wait on the node for a watch's next events
@@ -65,9 +65,9 @@ def _owner(ids: dict[int, str], number: int) -> str:
     return ids.get(number) or ("root" if number == 0 else str(number))
 
 
-def entry_info(entry: FileEntry, names: Names = _NO_NAMES) -> pb.EntryInfo:
+def entry_info(entry: FileEntry, names: Names = _NO_NAMES, metadata: dict[str, str] | None = None) -> pb.EntryInfo:
     seconds = int(entry.mtime)
-    return pb.EntryInfo(
+    return pb.EntryInfo(metadata=metadata or {},
         name=entry.name, type=_TYPES.get(entry.type, pb.FileType.UNSPECIFIED), path=entry.path, size=entry.size,
         mode=entry.mode, permissions=_KINDS[entry.type] + stat_bits.filemode(entry.mode)[1:],
         owner=_owner(names[0], entry.uid), group=_owner(names[1], entry.gid),
@@ -136,7 +136,9 @@ class FilesystemService:
     def __init__(self, envd: EnvdContext) -> None:
         self.envd = envd
         self.watchers: OrderedDict[str, _Watcher] = OrderedDict()
-        self._named: OrderedDict[str, Names] = OrderedDict()  # sandbox id -> its users' and groups' names
+        self._named: OrderedDict[str, Names] = OrderedDict()
+        # (sandbox, watcher id) -> the path of a node watch whose events carry their entries
+        self.entries: OrderedDict[tuple[str, str], str] = OrderedDict()  # sandbox id -> its users' and groups' names
 
     async def _names(self, target: Target) -> Names:
         """The sandbox's user and group names (its /etc/passwd and /etc/group, read once a
@@ -154,6 +156,19 @@ class FilesystemService:
                 self._named.popitem(last=False)
         return names
 
+    async def _metadata(self, target: Target, paths: list[str]) -> list[dict[str, str]]:
+        """Each path's metadata (envd ≥ 0.6.2: ``user.e2b.*`` attributes); none on a VM."""
+        if not paths:
+            return []
+        try:
+            return await target.edge.get_xattrs(target.sandbox_id, paths, METADATA_XATTRS)
+        except InvalidRequest:
+            return [{} for _ in paths]
+
+    async def _info(self, target: Target, entry: FileEntry) -> pb.EntryInfo:
+        """``entry`` as envd tells it: owners by name, its metadata."""
+        return entry_info(entry, await self._names(target), (await self._metadata(target, [entry.path]))[0])
+
     async def _stat(self, target: Target, path: str) -> FileEntry:
         return await target.edge.stat_path(target.sandbox_id, path)
 
@@ -161,7 +176,7 @@ class FilesystemService:
         target = self.envd.target(ctx)
         try:
             entry = await self._stat(target, target.path(request.path))
-            info = entry_info(entry, await self._names(target))
+            info = await self._info(target, entry)
             if entry.type == "symlink" and entry.target:  # envd: the type of what it points to
                 pointed = posixpath.normpath(posixpath.join(posixpath.dirname(entry.path), entry.target))
                 info.symlink_target = pointed
@@ -185,7 +200,7 @@ class FilesystemService:
             else:
                 raise ConnectError(Code.ALREADY_EXISTS, f"path '{path}' already exists")
             await target.edge.make_dir(target.sandbox_id, path)
-            return pb.MakeDirResponse(entry=entry_info(await self._stat(target, path), await self._names(target)))
+            return pb.MakeDirResponse(entry=await self._info(target, await self._stat(target, path)))
         except DSecError as exc:
             raise _call_errors(exc) from None
 
@@ -194,7 +209,7 @@ class FilesystemService:
         try:
             src, dst = target.path(request.source), target.path(request.destination)
             await target.edge.rename_path(target.sandbox_id, src, dst)
-            return pb.MoveResponse(entry=entry_info(await self._stat(target, dst), await self._names(target)))
+            return pb.MoveResponse(entry=await self._info(target, await self._stat(target, dst)))
         except DSecError as exc:
             raise _call_errors(exc) from None
 
@@ -217,7 +232,9 @@ class FilesystemService:
                             below.append(e.path)
                 level = below
             # envd's walk: each directory followed by what is in it, by name
-            return pb.ListDirResponse(entries=[entry_info(e, names) for e in sorted(found, key=lambda e: e.path.split("/"))])
+            found.sort(key=lambda e: e.path.split("/"))
+            metadata = await self._metadata(target, [e.path for e in found])
+            return pb.ListDirResponse(entries=[entry_info(e, names, m) for e, m in zip(found, metadata)])
         except DSecError as exc:
             raise _call_errors(exc) from None
 
@@ -261,7 +278,8 @@ class FilesystemService:
                     except DSecError as exc:
                         raise _call_errors(exc) from None
                     for event in answer.events:
-                        yield pb.WatchDirResponse(event=Oneof("filesystem", _event(event)))
+                        told = await self._told(target, path, event, request.include_entry)
+                        yield pb.WatchDirResponse(event=Oneof("filesystem", told))
                     if answer.ended:
                         return  # the directory itself went: envd ends the watch too
             finally:
@@ -285,7 +303,12 @@ class FilesystemService:
             path = await self._watched(target, request.path)
             watch = await self._node_watch(target, path, request.recursive)
             if watch is not None:  # held by the node: any apiserver answers for it
-                return pb.CreateWatcherResponse(watcher_id=f"{_NODE_WATCH}{watch.id}")
+                watcher_id = f"{_NODE_WATCH}{watch.id}"
+                if request.include_entry:  # (this apiserver adds the entries: it keeps the path)
+                    self.entries[(target.sandbox_id, watcher_id)] = path
+                    while len(self.entries) > MAX_WATCHERS:
+                        self.entries.popitem(last=False)
+                return pb.CreateWatcherResponse(watcher_id=watcher_id)
             seen = await _look(target, path, request.recursive)
         except DSecError as exc:
             raise _call_errors(exc) from None
@@ -301,6 +324,16 @@ class FilesystemService:
             raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id!r} not found")
         return watcher
 
+    async def _told(self, target: Target, path: str | None, event: FsEvent, include_entry: bool) -> pb.FilesystemEvent:
+        """A node's watch event as envd's, with the entry it names where asked and it still is."""
+        told = _event(event)
+        if include_entry and path is not None and event.type != "remove":
+            try:
+                told.entry = await self._info(target, await self._stat(target, posixpath.join(path, event.name)))
+            except DSecError:
+                pass  # gone since: envd's entries are best-effort too
+        return told
+
     @staticmethod
     def _node_watch_id(watcher_id: str) -> int | None:
         number = watcher_id.removeprefix(_NODE_WATCH)
@@ -312,7 +345,9 @@ class FilesystemService:
         try:
             if node_watch is not None:
                 answer = await target.edge.watch_events(target.sandbox_id, node_watch, 0.0)
-                return pb.GetWatcherEventsResponse(events=[_event(e) for e in answer.events])
+                path = self.entries.get((target.sandbox_id, request.watcher_id))
+                return pb.GetWatcherEventsResponse(events=[await self._told(target, path, e, path is not None)
+                                                           for e in answer.events])
             watcher = self._watcher(target, request.watcher_id)
             now = await _look(target, watcher.path, watcher.recursive)
         except SessionClosed:
@@ -326,6 +361,7 @@ class FilesystemService:
         target = self.envd.target(ctx)
         node_watch = self._node_watch_id(request.watcher_id)
         if node_watch is not None:
+            self.entries.pop((target.sandbox_id, request.watcher_id), None)
             try:
                 await target.edge.close_watch(target.sandbox_id, node_watch)
             except SessionClosed:
