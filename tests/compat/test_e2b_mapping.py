@@ -101,13 +101,14 @@ def test_template_steps_become_a_dockerfile_dsec_builds(tmp_path):
     upload = io.BytesIO()
     (tmp_path / "src" / "app").mkdir(parents=True)
     (tmp_path / "src" / "app" / "a.py").write_text("print(1)")
-    with tarfile.open(fileobj=upload, mode="w:gz") as tar:
-        for name in ("app", "app/a.py"):
+    (tmp_path / "src" / "app" / "ünï cödé.py").write_text("print(2)")  # (a pax header's path, as the SDK tars it)
+    with tarfile.open(fileobj=upload, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for name in ("app", "app/a.py", "app/ünï cödé.py"):
             tar.add(tmp_path / "src" / name, arcname=name, recursive=False)
     spec = m.parse(m.TemplateBuildStart, {"fromTemplate": "base", "steps": [
         {"type": "RUN", "args": ["cat <<EOF > $HOME/x\nhi\nEOF"]},
         {"type": "COPY", "args": ["app", "app/", "", "0755"], "filesHash": "a" * 64},
-        {"type": "ENV", "args": ["A", "1 $x 'q'"]},
+        {"type": "ENV", "args": ["A", "1 $x 'q'", "B", "\\$y \"quoted\""]},
         {"type": "WORKDIR", "args": ["sub"]},
         {"type": "USER", "args": ["root"]},
         {"type": "RUN", "args": ["id", "user"]},
@@ -115,15 +116,21 @@ def test_template_steps_become_a_dockerfile_dsec_builds(tmp_path):
     plan = translate(spec, "e2b-base", "user", "/home/user", lambda h: upload.getvalue())
     context = tmp_path / "context"
     tarfile.open(fileobj=io.BytesIO(plan.context)).extractall(context)
+    assert sorted(p.name for p in (context / "s2" / "app").iterdir()) == ["a.py", "ünï cödé.py"]
+    assert sorted(p.name for p in context.iterdir()) == ["s2"]  # nothing outside its step's folder
     built = dockerfile.plan(plan.dockerfile, context)
     runs = [s for s in built.steps if isinstance(s, dockerfile.Run) and not s.text.startswith("WORKDIR")]
     assert runs[0].command == "/bin/sh -c " + __import__("shlex").quote("cat <<EOF > $HOME/x\nhi\nEOF")
     assert (runs[0].user, runs[0].workdir) == ("user", "/home/user")  # the base's user and directory
     copy = next(s for s in built.steps if isinstance(s, dockerfile.Copy))
     assert (copy.sources, copy.dest, copy.chown) == (("s2/app",), "/home/user/app", "user")
-    assert (runs[1].command, runs[1].user) == ("/bin/sh -c 'chmod 0755 -- /home/user/app/a.py'", "root")
+    chmod = "chmod 0755 -- " + __import__("shlex").join(["/home/user/app/a.py", "/home/user/app/ünï cödé.py"])
+    assert (runs[1].command, runs[1].user) == ("/bin/sh -c " + __import__("shlex").quote(chmod), "root")
     assert (runs[2].user, runs[2].workdir) == ("user", "/home/user/sub")  # RUN's own user, then back
-    assert built.env == {"A": "1 $x 'q'"} and built.user == "root" and built.workdir == "/home/user/sub"
+    # ENV as E2B builds it, Docker's: $x (unset) expanded, \$ a literal $ (the SDK's from_dockerfile
+    # leaves `ENV PATH=/x:$PATH` for the build to expand)
+    assert built.env == {"A": "1  'q'", "B": '$y "quoted"'} and built.user == "root"
+    assert built.workdir == "/home/user/sub"
     assert plan.steps[len(plan.dockerfile.splitlines())] == "6" and plan.steps[1] == "base"
     with pytest.raises(StepRefused, match="step 1: the files of COPY x were not uploaded"):
         translate(m.parse(m.TemplateBuildStart, {"steps": [{"type": "COPY", "args": ["x", "/x"], "filesHash": "b" * 64}]}),

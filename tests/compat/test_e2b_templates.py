@@ -123,7 +123,8 @@ def served_template(context: Path):
             .copy("tool.sh", "/usr/local/bin/tool", mode=0o755)
             .run_cmd("echo built by $(whoami) > /home/user/built.txt")
             .run_cmd("touch /opt/by-root", user="root")
-            .set_envs({"GREETING": "hello there", "PRICE": "$5"})
+            .set_envs({"GREETING": "hello there", "PRICE": "\\$5"})
+            .set_envs({"MESSAGE": "$GREETING!"})
             .set_workdir("/home/user/app")
             .set_start_cmd("python3 -m http.server 8000", wait_for_port(8000)))
 
@@ -148,6 +149,8 @@ def test_a_template_built_with_the_sdk_runs_its_files_and_start_command(e2b, con
             "user:644\nuser:755\nroot:644"  # (copies belong to the current user, as E2B's)
         assert run(sb, "tool") == "tool ran as user"
         assert run(sb, 'echo "$GREETING costs $PRICE"') == "hello there costs $5"
+        # ENV as E2B builds it (Docker's): $NAME expanded, \$ a literal $
+        assert run(sb, 'echo "$MESSAGE"') == "hello there!"
         assert sb.get_info().template_id == name
 
     # The same template again: the files are present (no upload), the build is the cache's.

@@ -165,6 +165,15 @@ def _json_words(words: list[str], literal_dollars: bool = True) -> str:
     return text.replace("$", "\\$") if literal_dollars else text
 
 
+# E2B's own user, which every template has (the SDK's steps end as it: ``set_user("user")``).
+TEMPLATE_USER = "user"
+_ADD_TEMPLATE_USER = (
+    "grep -q '^user:' /etc/passwd || { "
+    "grep -q '^user:' /etc/group || echo 'user:x:1000:' >> /etc/group; "
+    "echo 'user:x:1000:1000::/home/user:/bin/sh' >> /etc/passwd; "
+    "mkdir -p /home/user && chown 1000:1000 /home/user; }")
+
+
 def translate(spec: m.TemplateBuildStart, base: str, base_user: str, base_workdir: str,
               files: Callable[[str], bytes | None]) -> Translation:
     """The Dockerfile of E2B's steps over ``base`` (its user and working directory to start
@@ -182,6 +191,11 @@ def translate(spec: m.TemplateBuildStart, base: str, base_user: str, base_workdi
             lines.append((f"USER {user}", step))
 
     lines.append((f"FROM {base}", "base"))
+    if user != TEMPLATE_USER:
+        # Every E2B template has E2B's user (their build system adds it to any image): an
+        # image that lacks it gets it, made with nothing but a shell (no useradd needed).
+        lines.append(("USER root", "base"))
+        lines.append((f"RUN {_json_words(['/bin/sh', '-c', _ADD_TEMPLATE_USER], literal_dollars=False)}", "base"))
     lines.append((f"USER {user}", "base"))
     if workdir != "/":
         lines.append((f"WORKDIR {_json_words([workdir])[2:-2]}", "base"))
@@ -220,7 +234,9 @@ def translate(spec: m.TemplateBuildStart, base: str, base_user: str, base_workdi
                     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key) or "\n" in value:
                         raise StepRefused(name, f"step {n}: ENV {key!r}: a name of letters, digits and _, "
                                                 "and a value of one line")
-                    pairs.append(f"{key}={shlex.quote(value.replace('$', chr(92) + '$'))}")
+                    # As E2B builds them (and as the SDK's from_dockerfile relies on, for
+                    # `ENV PATH=/x:$PATH`): Docker's ENV, $NAME expanded, \$ a literal $.
+                    pairs.append(f'{key}="{value.replace(chr(34), chr(92) + chr(34))}"')
                 lines.append((f"ENV {' '.join(pairs)}", name))
             elif kind == "WORKDIR":
                 if not args or not args[0] or "\n" in args[0]:
@@ -253,6 +269,9 @@ def _add_files(out: tarfile.TarFile, prefix: str, data: bytes, step: str) -> lis
                     continue
                 content = tar.extractfile(member) if member.isreg() else None
                 member.name = f"{prefix}/{name}" if name != "." else prefix
+                # (a pax header's path, there for a name that is not ASCII, wins over the name:
+                # it would put the file back where it was)
+                member.pax_headers.pop("path", None)
                 out.addfile(member, content)
                 names.append(name)
     except tarfile.TarError as exc:
