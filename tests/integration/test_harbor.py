@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from libdsec import SyncDSecClient
+
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
 HARBOR_VERSION = "0.25.0"
@@ -52,7 +54,8 @@ def find_python312() -> str | None:
 def harbor_venv(test_store) -> Path:
     """The virtualenv's directory (made once; pip reads only the package indexes)."""
     venv = Path(test_store).parent / f"harbor-venv-{HARBOR_VERSION}"
-    if (venv / ".complete").exists():
+    wanted = f"harbor[e2b]=={HARBOR_VERSION}\n"  # (its e2b environment too: E2B's SDK on DSec's E2B API)
+    if (venv / ".complete").exists() and (venv / ".complete").read_text() == wanted:
         return venv
     python = find_python312()
     if python is None:
@@ -60,10 +63,11 @@ def harbor_venv(test_store) -> Path:
     # Made at its own path (a venv's scripts name it); the marker, last, says it is whole.
     shutil.rmtree(venv, ignore_errors=True)
     subprocess.run([python, "-m", "venv", str(venv)], check=True)
-    installed = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"harbor=={HARBOR_VERSION}", str(REPO)],
+    installed = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", f"harbor[e2b]=={HARBOR_VERSION}",
+                                str(REPO / "libdsec"), str(REPO)],
                                capture_output=True, text=True)
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
-    (venv / ".complete").write_text(f"harbor=={HARBOR_VERSION}\n")
+    (venv / ".complete").write_text(wanted)
     return venv
 
 
@@ -72,19 +76,29 @@ def harbor(harbor_venv, server, python_image, tmp_path_factory):
     """``harbor(agent, tasks_dir, *args)``: one ``harbor run`` on the module's server, its
     trials' results by task name."""
     home = tmp_path_factory.mktemp("harbor-home")
+    # (LiteLLM, which Harbor imports, would fetch its model price list from the internet)
     env = {**os.environ, "HOME": str(home), "HARBOR_TELEMETRY": "0", "DSEC_ENDPOINT": server.endpoint,
-           "DSEC_TOKEN": server.token, "PYTHONPATH": f"{REPO / 'src'}:{REPO / 'libdsec' / 'src'}", "COLUMNS": "2000"}
+           "DSEC_TOKEN": server.token, "PYTHONPATH": f"{REPO / 'src'}:{REPO / 'libdsec' / 'src'}", "COLUMNS": "2000",
+           "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    with SyncDSecClient(server.endpoint, token=server.token) as client:
+        e2b_key = client.create_project_token("root", e2b=True)
+    e2b = {"E2B_API_URL": f"{server.endpoint}/e2b", "E2B_SANDBOX_URL": f"{server.endpoint}/e2b/envd",
+           "E2B_DOMAIN": server.endpoint.removeprefix("http://"), "E2B_API_KEY": e2b_key}
 
-    def run(agent: str, tasks: Path, *args: str, refused: bool = False, peer=None) -> dict[str, dict]:
+    def run(agent: str, tasks: Path, *args: str, refused: bool = False, peer=None,
+            via_e2b: bool = False) -> dict[str, dict]:
         """With ``refused``: the run is expected to end before any trial, its output as the
         one result ``{"refused": text}``. With ``peer`` (a ``DockerPeer``): Harbor's own docker
-        environment on it instead of DSec's."""
+        environment on it instead of DSec's. With ``via_e2b``: Harbor's own ``e2b`` environment,
+        on DSec's E2B API (its templates built anew each run: the build cache makes that quick)."""
         jobs = tmp_path_factory.mktemp(f"harbor-jobs-{agent}")
         started = time.monotonic()
-        environment = peer.harbor_args if peer else ("--env", ENVIRONMENT)
+        environment = (peer.harbor_args if peer else ("--env", "e2b", "--force-build") if via_e2b
+                       else ("--env", ENVIRONMENT))
+        extra = peer.env if peer else e2b if via_e2b else {}
         done = subprocess.run([str(harbor_venv / "bin" / "harbor"), "run", "-p", str(tasks), "-a", agent,
                                *environment, "-o", str(jobs), "-y", "-n", "4", *args],
-                              capture_output=True, text=True, env={**env, **(peer.env if peer else {})}, timeout=1800)
+                              capture_output=True, text=True, env={**env, **extra}, timeout=1800)
         results = {}
         for path in jobs.glob("*/*/result.json"):
             result = json.loads(path.read_text())
@@ -123,6 +137,30 @@ async def test_the_oracle_agent_passes_every_task(harbor, client):
     assert all(any(name.startswith(f"harbor-{task}-") for name in names) for task in tasks)
     again = harbor("oracle", TASKS / "fix-broken-build")
     assert reward(again["fix-broken-build"]) == 1.0
+
+
+# The tasks Harbor's e2b environment cannot pass, by the e2b SDK's and Harbor's own rules (docs/COMPAT.md).
+E2B_CANNOT = {
+    "add-tarball": "the SDK's from_dockerfile copies an ADD archive without unpacking it",
+    "shell-instruction": "the SDK drops SHELL: a bash step runs under /bin/sh",
+    "user-from-dockerfile": "Harbor's e2b environment runs commands as root",
+    "venv-offline": "the SDK's commands run in bash -l, whose /etc/profile resets PATH",
+}
+
+
+async def test_harbors_e2b_environment_runs_the_tasks_on_dsecs_e2b_api(harbor, client):
+    """``harbor run --env e2b``: each task's template built by E2B's builder from its
+    Dockerfile, its sandbox started and driven by the e2b SDK, on DSec; the oracle passes every
+    task but those the SDK's and Harbor's own rules fail, each failing as those rules say."""
+    results = harbor("oracle", TASKS, via_e2b=True)
+    tasks = {path.name for path in TASKS.iterdir() if (path / "task.toml").exists()}
+    assert set(results) == tasks
+    passed = {name for name, result in results.items() if reward(result) == 1.0}
+    assert passed == tasks - set(E2B_CANNOT), {name: failure(results[name]) for name in tasks - passed}
+    assert "RUN [ -s /app/log.txt ]" in failure(results["shell-instruction"])
+    for name in set(E2B_CANNOT) - {"shell-instruction"}:
+        assert reward(results[name]) == 0.0, failure(results[name])  # its tests ran, and failed
+    assert not [s for s in await client.list_sandboxes() if s.status.value == "running"]
 
 
 async def test_the_nop_agent_fails_exactly_the_tasks_that_need_their_solution(harbor, client):
