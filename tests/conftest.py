@@ -23,6 +23,9 @@ os.environ.setdefault("DSEC_VM_ASSETS", str(TEST_STORE.parent / "vm"))
 # host has it (a test run must not change the host, and merging pages would move the memory
 # figures the VM tests read). Its settings are tested against a stand-in sysfs (test_ksm.py).
 os.environ.setdefault("DSEC_VM_KSM", "0")
+# LiteLLM (which Harbor and the harnesses import) fetches its model price list from the
+# internet at import unless told to use the copy it ships: every test's traffic stays here.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
 # Every directory's conftest.py is imported as the module ``conftest`` and the last one wins
