@@ -152,7 +152,8 @@ def bench_cluster_ray(
     rounds: Annotated[int, typer.Option(help="Rounds, embedded and Ray in turn.")] = 2,
     concurrency: Annotated[int, typer.Option(help="Lifecycles (and creates under the node kill) in flight.")] = 16,
 ) -> None:
-    """Real crun containers on 3 Ray nodes of this machine vs embedded, and a node killed under load."""
+    """Real crun containers on 3 Ray nodes of this machine vs embedded (the median round of each), and a node killed
+    under load."""
     from .ray_nodes import main as run_bench
 
     raise typer.Exit(run_bench(state_dir, console, lifecycles=lifecycles, rounds=rounds, concurrency=concurrency))
@@ -332,7 +333,8 @@ def bench_cluster(
     results: Annotated[Optional[Path], typer.Option(help="Write the figures to this JSON file.")] = None,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
-    """The control plane: one big batch and many single creates over simulated nodes, against in-process edges."""
+    """The control plane on the fake backend: one big batch and many single creates over simulated nodes, against
+    in-process edges (both arms on the fake backend: no containers are made)."""
     from .cluster import main as run_bench
 
     raise typer.Exit(run_bench(console=console, nodes=nodes, processes=processes, batch=batch, singles=singles,
