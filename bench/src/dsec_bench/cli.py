@@ -190,14 +190,20 @@ def bench_fncall(
     fusion_calls: Annotated[int, typer.Option(help="run_code python calls (and bwrap peer calls).")] = 300,
     fusion_cpp_calls: Annotated[int, typer.Option(help="run_code cpp calls (and bwrap g++ peer calls).")] = 30,
     fusion_cpp_in_flight: Annotated[int, typer.Option(help="cpp calls in flight (each compiles).")] = 2,
+    quick: Annotated[bool, typer.Option(help="Developer size: 600 calls, 300 for latency, 40 a peer, no SandboxFusion arm.")] = False,
 ) -> None:
-    """Stateless calls: the warm pool against bwrap python3 -c and python3 -c (docs/BENCHMARKS.md)."""
+    """Stateless calls: the warm pool against bwrap python3 -c and python3 -c, latency at the client (docs/BENCHMARKS.md)."""
     from .fncall import main as run_bench
+
+    sequential_min = 100
+    if quick:
+        calls, latency_calls, peer_calls, fusion, sequential_min = 600, 300, 40, False, 50
 
     raise typer.Exit(run_bench(state_dir=state_dir, store_dir=store_dir, console=console, calls=calls,
                                latency_calls=latency_calls, peer_calls=peer_calls, in_flight=in_flight,
                                workers=workers, strict=strict, fusion=fusion, fusion_calls=fusion_calls,
-                               fusion_cpp_calls=fusion_cpp_calls, fusion_cpp_in_flight=fusion_cpp_in_flight))
+                               fusion_cpp_calls=fusion_cpp_calls, fusion_cpp_in_flight=fusion_cpp_in_flight,
+                               sequential_min=sequential_min))
 
 
 @app.command("inside")
