@@ -240,26 +240,26 @@ def bench_ports(
 @app.command("density")
 def bench_density(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own servers.")] = Path("/var/lib/dsec-bench-density"),
-    count: Annotated[int, typer.Option(help="Idle sandboxes to hold at once.")] = 3200,
+    max_count: Annotated[int, typer.Option(help="A safety cap on the idle sandboxes (0: none: fill until a limit is hit).")] = 0,
     step: Annotated[int, typer.Option(help="Time single creates every STEP sandboxes.")] = 400,
     peer_count: Annotated[int, typer.Option(help="Idle bare crun containers (the floor).")] = 400,
-    pause_count: Annotated[int, typer.Option(help="Sandboxes paused after touching --pause-mb each.")] = 100,
-    pause_mb: Annotated[int, typer.Option(help="MiB each paused (or idling) sandbox touches.")] = 64,
+    pause_count: Annotated[int, typer.Option(help="Sandboxes paused after writing --pause-mb of heap-like content each.")] = 100,
+    pause_mb: Annotated[int, typer.Option(help="MiB each paused (or idling) sandbox writes.")] = 64,
     text_count: Annotated[int, typer.Option(help="Sandboxes paused with agent-like text.")] = 100,
     random_count: Annotated[int, typer.Option(help="Sandboxes paused with random (incompressible) data.")] = 10,
     cold_count: Annotated[int, typer.Option(help="Idle running sandboxes for the cold-memory reclaimer.")] = 20,
     time_limit_s: Annotated[float, typer.Option(help="Bound on the whole run.")] = 2400.0,
-    quick: Annotated[bool, typer.Option(help="Developer size: 400 sandboxes, 20 paused, 6 cold.")] = False,
+    quick: Annotated[bool, typer.Option(help="Developer size: at most 400 sandboxes, 20 paused, 6 cold.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
-    """Idle sandboxes per node and their memory vs bare crun, create latency as the node fills,
-    memory returned by pause, the cold-memory reclaimer, placement decisions/s."""
+    """How many idle sandboxes fit on this node and what each costs the host vs bare crun, create latency as
+    the node fills, memory returned by pause (heap-like content), the cold-memory reclaimer, placement decisions/s."""
     from .density import main as run_bench
 
     if quick:
-        count, step, peer_count, pause_count, text_count, random_count, cold_count = 400, 100, 100, 20, 10, 4, 6
+        max_count, step, peer_count, pause_count, text_count, random_count, cold_count = 400, 100, 100, 20, 10, 4, 6
     raise typer.Exit(run_bench(
-        state_dir=state_dir, console=console, count=count, step=step, peer_count=peer_count, pause_count=pause_count,
+        state_dir=state_dir, console=console, max_count=max_count, step=step, peer_count=peer_count, pause_count=pause_count,
         pause_mb=pause_mb, text_count=text_count, random_count=random_count, cold_count=cold_count,
         time_limit_s=time_limit_s, strict=strict,
     ))
@@ -273,12 +273,13 @@ def bench_burst(
     quick: Annotated[bool, typer.Option(help="Developer size: N=32, M=4.")] = False,
     base: Annotated[str, typer.Option(help="Shared base: python-pkgs (python + Python packages) or python.")] = "python-pkgs",
     concurrency: Annotated[int, typer.Option(help="Peer creates and tasks in flight.")] = 32,
-    pull_concurrency: Annotated[int, typer.Option(help="Images unpacked/imported at once (eager, podman).")] = 2,
+    pull_concurrency: Annotated[int, typer.Option(help="Images pulled at once after the first (eager, podman).")] = 2,
     podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
     podman_max: Annotated[int, typer.Option(help="Cap the podman arm at this many sandboxes (0: all).")] = 0,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
-    """A burst of N sandboxes from M task images: on demand (DSec) vs unpack-then-run vs podman."""
+    """A burst of N sandboxes from M task images: on demand (DSec) vs pulling the layered images from a loopback
+    registry into a layer-sharing store, then crun (eager) or podman run."""
     from .burst import main as run_bench
 
     raise typer.Exit(run_bench(
