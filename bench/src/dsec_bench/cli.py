@@ -248,6 +248,7 @@ def bench_density(
     text_count: Annotated[int, typer.Option(help="Sandboxes paused with agent-like text.")] = 100,
     random_count: Annotated[int, typer.Option(help="Sandboxes paused with random (incompressible) data.")] = 10,
     cold_count: Annotated[int, typer.Option(help="Idle running sandboxes for the cold-memory reclaimer.")] = 20,
+    cold_wait_s: Annotated[float, typer.Option(help="Seconds the cold-memory reclaimer is given.")] = 40.0,
     time_limit_s: Annotated[float, typer.Option(help="Bound on the whole run.")] = 2400.0,
     quick: Annotated[bool, typer.Option(help="Developer size: at most 400 sandboxes, 20 paused, 6 cold.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
@@ -261,7 +262,7 @@ def bench_density(
     raise typer.Exit(run_bench(
         state_dir=state_dir, console=console, max_count=max_count, step=step, peer_count=peer_count, pause_count=pause_count,
         pause_mb=pause_mb, text_count=text_count, random_count=random_count, cold_count=cold_count,
-        time_limit_s=time_limit_s, strict=strict,
+        cold_wait_s=cold_wait_s, time_limit_s=time_limit_s, strict=strict,
     ))
 
 
@@ -347,3 +348,32 @@ def bench_cluster(
     raise typer.Exit(run_bench(console=console, nodes=nodes, processes=processes, batch=batch, singles=singles,
                                in_flight=in_flight, paced_rate=paced_rate, embedded=embedded,
                                embedded_scale=embedded_scale, results=results, strict=strict))
+
+
+@app.command("all")
+def bench_all(
+    quick: Annotated[bool, typer.Option(help="Each benchmark's quick mode, the whole within 20 minutes (without: the "
+                                        "full runs, hours).")] = False,
+    state_root: Annotated[Path, typer.Option(help="Where each benchmark's state dir, log and results go.")] = Path("/var/lib/dsec-bench-all"),
+    doc: Annotated[Optional[Path], typer.Option(help="The BENCHMARKS.md whose glance table is rewritten (default: "
+                                                "docs/BENCHMARKS.md of the checkout this runs from).")] = None,
+    write: Annotated[bool, typer.Option(help="Rewrite the glance table (--no-write: print it only).")] = True,
+    only: Annotated[str, typer.Option(help="Comma-separated: run only these benchmarks.")] = "",
+    skip: Annotated[str, typer.Option(help="Comma-separated: leave these out.")] = "",
+    seed_store: Annotated[Optional[Path], typer.Option(help="A layer store whose python and busybox images are linked "
+                                                       "into each benchmark's store, so none is built again.")] = None,
+) -> None:
+    """Every benchmark, then docs/BENCHMARKS.md's glance table rewritten from what they measured."""
+    from .refresh import QUICK, main as run_all
+
+    names = {b.name for b in QUICK}
+    only_list = [x.strip() for x in only.split(",") if x.strip()]
+    skip_list = [x.strip() for x in skip.split(",") if x.strip()]
+    if unknown := set(only_list + skip_list) - names:
+        fail(InvalidRequest(f"unknown benchmarks: {', '.join(sorted(unknown))} ({', '.join(sorted(names))})"))
+    if doc is None and write:
+        doc = Path(__file__).resolve().parents[3] / "docs" / "BENCHMARKS.md"
+        if not doc.exists():
+            fail(InvalidRequest(f"no {doc}: name the document with --doc, or --no-write"))
+    raise typer.Exit(run_all(console, state_root=state_root, doc=doc if write else None, quick=quick, only=only_list,
+                             skip=skip_list, seed=seed_store))

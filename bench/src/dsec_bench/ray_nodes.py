@@ -16,6 +16,7 @@ embedded ``dsec serve`` in the same run; then a node killed under load.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import time
@@ -261,6 +262,8 @@ def main(state_dir: Path, console: Console, lifecycles: int = 300, rounds: int =
     table.add_row("creates after the kill (failed)", f"{result['creates_after_kill']} ({result['failed_creates']})",
                   "", "", "", "")
     console.print(table)
+    result["ratio"] = ratio
+    (base.parent / f"{base.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
     if left:
         console.print(f"[red]left behind: {left}[/]")
         return 1
