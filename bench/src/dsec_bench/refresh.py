@@ -368,9 +368,13 @@ def _run_one(b: Bench, state_root: Path, quick: bool, timeout_s: float, missing_
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             return Outcome(b, "timed out", time.monotonic() - t0, None, f"over its {timeout_s:.0f} s")
-        except BaseException:
+        except BaseException:  # Ctrl-C or SIGTERM here: the child (its own session) cleans up on SIGINT
             os.killpg(proc.pid, signal.SIGINT)
-            proc.wait(300)
+            try:
+                proc.wait(300)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             raise
     seconds = time.monotonic() - t0
     outcome = Outcome(b, "ran" if code in (0, 2) else "failed", seconds, code, "; ".join(notes))
@@ -464,6 +468,11 @@ def main(console: Console, *, state_root: Path, doc: Path | None, quick: bool, o
     started, t0 = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), time.monotonic()
     load0 = os.getloadavg()[0]
     outcomes: list[Outcome] = []
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         for b in chosen:
             lacking = [(what, how) for what, how in b.needs if not have(what)]
@@ -481,6 +490,8 @@ def main(console: Console, *, state_root: Path, doc: Path | None, quick: bool, o
     except KeyboardInterrupt:
         console.print("[red]interrupted[/red]: the running benchmark cleaned up; the document is unchanged")
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     total = time.monotonic() - t0
     table = glance_table(outcomes)
     preface = (f"_Quick runs (`dsec bench all --quick`) at commit {_commit()}, {started}, {total / 60:.1f} min in all, "
