@@ -752,7 +752,7 @@ class Bench:
 
     def eager_setup(self) -> None:
         run = self.eager_dir / "run"
-        for d in (self.eager_dir / "images", self.eager_dir / "snapshots", run):
+        for d in (self.eager_dir / "snapshots", run):
             d.mkdir(parents=True, exist_ok=True)
         if not os.path.ismount(run):
             _sys.mount("dsec-burst-run", str(run), "tmpfs", _sys.MS_NODEV | _sys.MS_NOSUID, "mode=0700")
