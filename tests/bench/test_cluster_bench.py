@@ -31,6 +31,7 @@ def test_both_arms_run_every_phase_and_clean_up(tmp_path: Path) -> None:
                 results=results)
     res = json.loads(results.read_text())
     assert code == 0, res["errors"]
+    assert res["backend"] == "fake backend"  # both arms: it is cited wherever a figure is
     for name in ("remote", "embedded"):
         arm = res["arms"][name]
         assert arm["batch"]["per_s"] > 0 and 1.0 <= arm["batch"]["spread"] < 2.0

@@ -152,7 +152,8 @@ def bench_cluster_ray(
     rounds: Annotated[int, typer.Option(help="Rounds, embedded and Ray in turn.")] = 2,
     concurrency: Annotated[int, typer.Option(help="Lifecycles (and creates under the node kill) in flight.")] = 16,
 ) -> None:
-    """Real crun containers on 3 Ray nodes of this machine vs embedded, and a node killed under load."""
+    """Real crun containers on 3 Ray nodes of this machine vs embedded (the median round of each), and a node killed
+    under load."""
     from .ray_nodes import main as run_bench
 
     raise typer.Exit(run_bench(state_dir, console, lifecycles=lifecycles, rounds=rounds, concurrency=concurrency))
@@ -189,14 +190,20 @@ def bench_fncall(
     fusion_calls: Annotated[int, typer.Option(help="run_code python calls (and bwrap peer calls).")] = 300,
     fusion_cpp_calls: Annotated[int, typer.Option(help="run_code cpp calls (and bwrap g++ peer calls).")] = 30,
     fusion_cpp_in_flight: Annotated[int, typer.Option(help="cpp calls in flight (each compiles).")] = 2,
+    quick: Annotated[bool, typer.Option(help="Developer size: 600 calls, 300 for latency, 40 a peer, no SandboxFusion arm.")] = False,
 ) -> None:
-    """Stateless calls: the warm pool against bwrap python3 -c and python3 -c (docs/BENCHMARKS.md)."""
+    """Stateless calls: the warm pool against bwrap python3 -c and python3 -c, latency at the client (docs/BENCHMARKS.md)."""
     from .fncall import main as run_bench
+
+    sequential_min = 100
+    if quick:
+        calls, latency_calls, peer_calls, fusion, sequential_min = 600, 300, 40, False, 50
 
     raise typer.Exit(run_bench(state_dir=state_dir, store_dir=store_dir, console=console, calls=calls,
                                latency_calls=latency_calls, peer_calls=peer_calls, in_flight=in_flight,
                                workers=workers, strict=strict, fusion=fusion, fusion_calls=fusion_calls,
-                               fusion_cpp_calls=fusion_cpp_calls, fusion_cpp_in_flight=fusion_cpp_in_flight))
+                               fusion_cpp_calls=fusion_cpp_calls, fusion_cpp_in_flight=fusion_cpp_in_flight,
+                               sequential_min=sequential_min))
 
 
 @app.command("inside")
@@ -233,28 +240,29 @@ def bench_ports(
 @app.command("density")
 def bench_density(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own servers.")] = Path("/var/lib/dsec-bench-density"),
-    count: Annotated[int, typer.Option(help="Idle sandboxes to hold at once.")] = 3200,
+    max_count: Annotated[int, typer.Option(help="A safety cap on the idle sandboxes (0: none: fill until a limit is hit).")] = 0,
     step: Annotated[int, typer.Option(help="Time single creates every STEP sandboxes.")] = 400,
     peer_count: Annotated[int, typer.Option(help="Idle bare crun containers (the floor).")] = 400,
-    pause_count: Annotated[int, typer.Option(help="Sandboxes paused after touching --pause-mb each.")] = 100,
-    pause_mb: Annotated[int, typer.Option(help="MiB each paused (or idling) sandbox touches.")] = 64,
+    pause_count: Annotated[int, typer.Option(help="Sandboxes paused after writing --pause-mb of heap-like content each.")] = 100,
+    pause_mb: Annotated[int, typer.Option(help="MiB each paused (or idling) sandbox writes.")] = 64,
     text_count: Annotated[int, typer.Option(help="Sandboxes paused with agent-like text.")] = 100,
     random_count: Annotated[int, typer.Option(help="Sandboxes paused with random (incompressible) data.")] = 10,
     cold_count: Annotated[int, typer.Option(help="Idle running sandboxes for the cold-memory reclaimer.")] = 20,
+    cold_wait_s: Annotated[float, typer.Option(help="Seconds the cold-memory reclaimer is given.")] = 40.0,
     time_limit_s: Annotated[float, typer.Option(help="Bound on the whole run.")] = 2400.0,
-    quick: Annotated[bool, typer.Option(help="Developer size: 400 sandboxes, 20 paused, 6 cold.")] = False,
+    quick: Annotated[bool, typer.Option(help="Developer size: at most 400 sandboxes, 20 paused, 6 cold.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
-    """Idle sandboxes per node and their memory vs bare crun, create latency as the node fills,
-    memory returned by pause, the cold-memory reclaimer, placement decisions/s."""
+    """How many idle sandboxes fit on this node and what each costs the host vs bare crun, create latency as
+    the node fills, memory returned by pause (heap-like content), the cold-memory reclaimer, placement decisions/s."""
     from .density import main as run_bench
 
     if quick:
-        count, step, peer_count, pause_count, text_count, random_count, cold_count = 400, 100, 100, 20, 10, 4, 6
+        max_count, step, peer_count, pause_count, text_count, random_count, cold_count = 400, 100, 100, 20, 10, 4, 6
     raise typer.Exit(run_bench(
-        state_dir=state_dir, console=console, count=count, step=step, peer_count=peer_count, pause_count=pause_count,
+        state_dir=state_dir, console=console, max_count=max_count, step=step, peer_count=peer_count, pause_count=pause_count,
         pause_mb=pause_mb, text_count=text_count, random_count=random_count, cold_count=cold_count,
-        time_limit_s=time_limit_s, strict=strict,
+        cold_wait_s=cold_wait_s, time_limit_s=time_limit_s, strict=strict,
     ))
 
 
@@ -266,12 +274,13 @@ def bench_burst(
     quick: Annotated[bool, typer.Option(help="Developer size: N=32, M=4.")] = False,
     base: Annotated[str, typer.Option(help="Shared base: python-pkgs (python + Python packages) or python.")] = "python-pkgs",
     concurrency: Annotated[int, typer.Option(help="Peer creates and tasks in flight.")] = 32,
-    pull_concurrency: Annotated[int, typer.Option(help="Images unpacked/imported at once (eager, podman).")] = 2,
+    pull_concurrency: Annotated[int, typer.Option(help="Images pulled at once after the first (eager, podman).")] = 2,
     podman: Annotated[bool, typer.Option(help="Measure podman as a peer.")] = True,
     podman_max: Annotated[int, typer.Option(help="Cap the podman arm at this many sandboxes (0: all).")] = 0,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
-    """A burst of N sandboxes from M task images: on demand (DSec) vs unpack-then-run vs podman."""
+    """A burst of N sandboxes from M task images: on demand (DSec) vs pulling the layered images from a loopback
+    registry into a layer-sharing store, then crun (eager) or podman run."""
     from .burst import main as run_bench
 
     raise typer.Exit(run_bench(
@@ -332,9 +341,39 @@ def bench_cluster(
     results: Annotated[Optional[Path], typer.Option(help="Write the figures to this JSON file.")] = None,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
-    """The control plane: one big batch and many single creates over simulated nodes, against in-process edges."""
+    """The control plane on the fake backend: one big batch and many single creates over simulated nodes, against
+    in-process edges (both arms on the fake backend: no containers are made)."""
     from .cluster import main as run_bench
 
     raise typer.Exit(run_bench(console=console, nodes=nodes, processes=processes, batch=batch, singles=singles,
                                in_flight=in_flight, paced_rate=paced_rate, embedded=embedded,
                                embedded_scale=embedded_scale, results=results, strict=strict))
+
+
+@app.command("all")
+def bench_all(
+    quick: Annotated[bool, typer.Option(help="Each benchmark's quick mode, the whole within 20 minutes (without: the "
+                                        "full runs, hours).")] = False,
+    state_root: Annotated[Path, typer.Option(help="Where each benchmark's state dir, log and results go.")] = Path("/var/lib/dsec-bench-all"),
+    doc: Annotated[Optional[Path], typer.Option(help="The BENCHMARKS.md whose glance table is rewritten (default: "
+                                                "docs/BENCHMARKS.md of the checkout this runs from).")] = None,
+    write: Annotated[bool, typer.Option(help="Rewrite the glance table (--no-write: print it only).")] = True,
+    only: Annotated[str, typer.Option(help="Comma-separated: run only these benchmarks.")] = "",
+    skip: Annotated[str, typer.Option(help="Comma-separated: leave these out.")] = "",
+    seed_store: Annotated[Optional[Path], typer.Option(help="A layer store whose python and busybox images are linked "
+                                                       "into each benchmark's store, so none is built again.")] = None,
+) -> None:
+    """Every benchmark, then docs/BENCHMARKS.md's glance table rewritten from what they measured."""
+    from .refresh import QUICK, main as run_all
+
+    names = {b.name for b in QUICK}
+    only_list = [x.strip() for x in only.split(",") if x.strip()]
+    skip_list = [x.strip() for x in skip.split(",") if x.strip()]
+    if unknown := set(only_list + skip_list) - names:
+        fail(InvalidRequest(f"unknown benchmarks: {', '.join(sorted(unknown))} ({', '.join(sorted(names))})"))
+    if doc is None and write:
+        doc = Path(__file__).resolve().parents[3] / "docs" / "BENCHMARKS.md"
+        if not doc.exists():
+            fail(InvalidRequest(f"no {doc}: name the document with --doc, or --no-write"))
+    raise typer.Exit(run_all(console, state_root=state_root, doc=doc if write else None, quick=quick, only=only_list,
+                             skip=skip_list, seed=seed_store))

@@ -5,16 +5,25 @@ the cold-memory reclaimer saves, and how fast placement decides. One run, peers 
    sandbox per call and in batches of 1,000 (a pure function: no I/O).
 2. The floor: ``peer_count`` idle bare ``crun run -d`` containers of a sleeping busybox on the
    same EROFS layer (read-only root, crun's default namespaces): host memory per container.
-3. Idle density: a ``dsec serve`` (no warm pool, default overcommit) is filled with idle busybox
-   sandboxes (16 MB limit, default CPU weight) in batches of ``batch``, up to ``count``. Every
-   ``step`` sandboxes, ``probe`` single creates are timed: the create latency table as the count
-   grows. Host memory per sandbox = Δ(MemTotal − MemAvailable) / count once they settle.
-4. Pause: ``pause_count`` sandboxes each touch ``pause_mb`` MiB — every 4 KiB page written, as a
-   memory-touch test does — in their writable layer (tmpfs: swap-backed memory charged to the
-   sandbox), then all are paused: host memory before and after, and what share came back. The
-   same with agent-like text (logs, source, JSON), which zram's lzo-rle compresses about 2×,
-   and with random bytes on ``random_count`` sandboxes, which it cannot compress at all (those
-   show what a disk-backed swap would have to take). Then all are resumed and checked.
+3. Idle density, how many fit: a ``dsec serve`` (no warm pool, default overcommit) is filled
+   with idle busybox sandboxes (16 MB limit, default CPU weight) in batches of ``batch`` until a
+   limit is hit: the server refuses a create (its admission: committed memory at its
+   overcommit, ``max_sandboxes``), the host's MemAvailable falls under a reserve (a tenth of
+   RAM, so the host keeps answering), the time limit, or ``max_count`` (a safety cap for tests
+   and quick runs; 0: none). After a refused batch it goes on one at a time, so the count is
+   the limit's to one sandbox. What stopped it is reported. Every ``step`` sandboxes, ``probe``
+   single creates are timed: the create latency table as the count grows. Host memory per
+   sandbox = Δ(MemTotal − MemAvailable) / count once they settle: what the host loses, the
+   judged figure (kernel + cgroup-charged pages are printed beside it).
+4. Pause: ``pause_count`` sandboxes each write ``pause_mb`` MiB of heap-like content (text,
+   pointer-like structures and random bytes mixed, as a process heap holds: ``heap_like``) to
+   their writable layer (tmpfs: swap-backed memory charged to the sandbox), then all are
+   paused: the host's MemTotal − MemAvailable before and after, and what share came back (the
+   judged figure). The same with agent-like text alone (logs, source, JSON), which zram's
+   lzo-rle compresses about 2×, and with random bytes on ``random_count`` sandboxes, which zram
+   cannot compress at all: only a disk-backed swap (a swap file behind zswap) takes those.
+   Then all are resumed and checked. The host's swap set-up is read (``swap_setup``) and each
+   figure says which set-up it needs.
 5. Cold memory: ``cold_count`` running sandboxes write the same text and idle, on a server with
    the cold-memory reclaimer on; host memory right after and ``cold_wait_s`` later.
 
@@ -61,12 +70,19 @@ GOAL_IDLE_MIB = 2.0
 GOAL_PAUSE_RETURNED = 0.80
 CRUN = shutil.which("crun") or "/usr/bin/crun"
 FILL_PATH = "/fill.txt"
-TOUCH_PATH = "/touch.bin"
+HEAP_PATH = "/heap.bin"
+# The idle fill stops when MemAvailable would fall under this share of RAM: the host (and the
+# other work on it) must keep answering; a limit hit there is the host's.
+HOST_RESERVE_SHARE = 0.10
+# Which swap set-up each figure needs (the report prints it beside the figure).
+NEEDS_NONE = "none (no swap used)"
+NEEDS_ANY_SWAP = "any swap: zram (≈2× on text) or disk"
+NEEDS_DISK_SWAP = "random bytes need a disk-backed swap (a swap file behind zswap); zram alone keeps them"
 
 
 @dataclass
 class Options:
-    count: int = 3200
+    max_count: int = 0            # a safety cap on the idle fill (0: none, fill until a limit)
     step: int = 400
     batch: int = 100
     probe: int = 16
@@ -98,6 +114,37 @@ def meminfo() -> dict[str, int]:
 def used() -> int:
     m = meminfo()
     return m["MemTotal"] - m["MemAvailable"]
+
+
+def swap_setup() -> dict[str, Any]:
+    """The host's swap: zram devices (and their compressor), disk-backed swap (files or
+    partitions), zswap in front of them; ``text`` says it in a line."""
+    devices = []
+    try:
+        for line in Path("/proc/swaps").read_text().splitlines()[1:]:
+            name, kind, size_kib = line.split()[:3]
+            devices.append({"name": name, "type": kind, "size_gib": round(int(size_kib) / 2**20, 1),
+                            "zram": "/zram" in name})
+    except (OSError, ValueError):
+        pass
+    zram = [d for d in devices if d["zram"]]
+    disk = [d for d in devices if not d["zram"]]
+    algorithm = None
+    if zram:
+        try:
+            text = Path(f"/sys/block/{Path(zram[0]['name']).name}/comp_algorithm").read_text()
+            algorithm = text[text.index("[") + 1:text.index("]")]
+        except (OSError, ValueError):
+            pass
+    try:
+        zswap = Path("/sys/module/zswap/parameters/enabled").read_text().strip() in ("Y", "1")
+    except OSError:
+        zswap = False
+    parts = [f"zram {sum(d['size_gib'] for d in zram):g} GiB ({algorithm or '?'})" if zram else "no zram",
+             f"disk swap {sum(d['size_gib'] for d in disk):g} GiB" if disk else "no disk swap",
+             "zswap on" if zswap else "zswap off"]
+    return {"devices": devices, "zram": bool(zram), "zram_algorithm": algorithm, "disk": bool(disk), "zswap": zswap,
+            "text": ", ".join(parts)}
 
 
 async def settled_used(settle_s: float = 3.0, samples: int = 5) -> int:
@@ -221,25 +268,40 @@ def agent_text(size: int, seed: int = 7) -> bytes:
     return "".join(parts).encode()[:size]
 
 
-def touched_pages(size: int) -> bytes:
-    """Every 4 KiB page written once (its number at its start, zeros after): what a program
-    that touches memory leaves behind."""
-    page = 4096
-    return b"".join(f"page {i:08d}\n".encode().ljust(page, b"\0") for i in range(size // page))
+def heap_like(size: int, seed: int = 11) -> bytes:
+    """Deterministic content like a process heap's, in blocks of 64 KiB: half text (strings:
+    the agent-like text above), a quarter structures (8-byte words: pointers into one 4 GiB
+    region, small integers, zero padding) and a quarter random bytes (hashes, compressed or
+    encrypted buffers, which no compressor shrinks). zram returns only part of such a page."""
+    rng = random.Random(seed)
+    block = 64 << 10
+    blocks = -(-size // block)
+    text = agent_text(blocks * block // 2, seed)
+    out = bytearray()
+    for i in range(blocks):
+        out += text[i * block // 2:(i + 1) * block // 2]
+        words = []
+        for _ in range(block // 4 // 8):
+            kind = rng.randrange(4)
+            value = (0x00007F3A00000000 | rng.getrandbits(32)) if kind < 2 else rng.randrange(4096) if kind == 2 else 0
+            words.append(value.to_bytes(8, "little"))
+        out += b"".join(words)
+        out += rng.randbytes(block // 4)
+    return bytes(out[:size])
 
 
 def fill_image(store: LayerStore, base: Image, size_mb: int, work: Path) -> Image:
     """``base`` plus a layer holding the fills (so each sandbox copies one into its own memory
     in a fraction of a second, instead of generating it): FILL_PATH (agent-like text) and
-    TOUCH_PATH (touched pages)."""
-    name = f"density-fill-{size_mb}"
+    HEAP_PATH (heap-like content)."""
+    name = f"density-fill-heap-{size_mb}"
     if store.has_image(name):
         return store.get_image(name)
     src = work / "fill-layer"
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
     (src / FILL_PATH.lstrip("/")).write_bytes(agent_text(size_mb << 20))
-    (src / TOUCH_PATH.lstrip("/")).write_bytes(touched_pages(size_mb << 20))
+    (src / HEAP_PATH.lstrip("/")).write_bytes(heap_like(size_mb << 20))
     digest = store.add_dir(src)
     shutil.rmtree(src, ignore_errors=True)
     return store.put_image(Image(name=name, layers=(*base.layers, digest), env=dict(base.env)))
@@ -442,22 +504,35 @@ class Bench:
                 base_meminfo = meminfo()
                 parts0 = attributable(self.parent)
                 t_start = time.perf_counter()
-                while len(sandboxes) < o.count:
+                reserve = int(HOST_RESERVE_SHARE * base_meminfo["MemTotal"])
+                batch = o.batch
+                stopped_by = ""
+                while not stopped_by:
                     # Enough time left to stop what is there and run the other phases?
-                    if self.left() < 420 + len(sandboxes) * 0.05:
-                        self.notes.append(f"idle phase stopped at {len(sandboxes)} sandboxes: time limit")
+                    if o.max_count and len(sandboxes) >= o.max_count:
+                        stopped_by = f"cap: --max-count {o.max_count}"
+                    elif self.left() < 420 + len(sandboxes) * 0.05:
+                        stopped_by = "time limit"
+                    elif (avail := meminfo()["MemAvailable"]) < reserve:
+                        stopped_by = (f"limit: host memory (MemAvailable {mib(avail):,.0f} MiB under the reserve of "
+                                      f"{mib(reserve):,.0f} MiB)")
+                    if stopped_by:
                         break
-                    if len(sandboxes) % o.step == 0:
-                        table.append(await self.probe(client, args, sandboxes, base))
-                        points.append((len(sandboxes), used()))
-                    n = min(o.batch, o.count - len(sandboxes), o.step - len(sandboxes) % o.step)
                     try:
+                        if len(sandboxes) % o.step == 0:
+                            table.append(await self.probe(client, args, sandboxes, base))
+                            points.append((len(sandboxes), used()))
+                        n = min(batch, o.step - len(sandboxes) % o.step,
+                                *([o.max_count - len(sandboxes)] if o.max_count else []))
                         sandboxes += await client.run_containers(args, count=n, timeout=600)
-                    except Exception as exc:  # noqa: BLE001 - the count reached is the result
-                        self.errors.append(f"idle batch at {len(sandboxes)}: {type(exc).__name__}: {exc}"[:300])
-                        break
-                if len(sandboxes) >= o.count:
+                    except Exception as exc:  # noqa: BLE001 - a refusal is the limit, the result
+                        if batch > 1:  # near the limit: on one at a time, to find it to one sandbox
+                            batch = 1
+                            continue
+                        stopped_by = f"limit: the server refused a create ({type(exc).__name__}: {exc})"[:300]
+                if o.max_count and len(sandboxes) >= o.max_count:
                     table.append(await self.probe(client, args, sandboxes, base))  # at the top
+                self.say(f"idle fill stopped at {len(sandboxes)} sandboxes: {stopped_by}")
                 fill_s = time.perf_counter() - t_start
                 count = len(sandboxes)
                 after = await settled_used(5.0)
@@ -475,7 +550,8 @@ class Bench:
                              for k in ("AnonPages", "Shmem", "Slab", "SUnreclaim", "KernelStack", "PageTables", "Percpu")
                              if k in after_meminfo}
                 self.r["idle"] = {
-                    "count": count, "fill_s": fill_s, "created_per_s": count / fill_s,
+                    "count": count, "stopped_by": stopped_by, "limit_hit": stopped_by.startswith("limit:"),
+                    "fill_s": fill_s, "created_per_s": count / fill_s,
                     "host_mib_per_sandbox": mib((after - base) / max(count, 1)),
                     "host_mib_per_sandbox_slope": mib(slope(points)),
                     "cgroup_charged_mib_per_sandbox": mib(charged / max(count, 1)),
@@ -547,9 +623,9 @@ class Bench:
         await asyncio.to_thread(server.start)
         try:
             async with DSecClient(server.endpoint, token=server.token, max_connections=64) as client:
-                self.r["pause_touched"] = await self.pause_group(
-                    client, image.name, o.pause_count, f"cat {TOUCH_PATH} > /root/fill && md5sum /root/fill | cut -c1-32",
-                    "touched pages")
+                self.r["pause_heap"] = await self.pause_group(
+                    client, image.name, o.pause_count, f"cat {HEAP_PATH} > /root/fill && md5sum /root/fill | cut -c1-32",
+                    "heap-like: text, structures, random bytes")
                 if o.text_count and self.left() > 300:
                     self.r["pause_text"] = await self.pause_group(
                         client, image.name, o.text_count,
@@ -617,9 +693,15 @@ def _goals(res: dict) -> dict[str, bool | None]:
     """Each goal met (True), missed (False) or not measured (None): what the table shows and
     what ``--strict`` exits on, judged once."""
     idle = res.get("idle") or {}
-    mib_each = (idle.get("attributable_mib_per_sandbox") or {}).get("kernel_plus_charged")
-    share = (res.get("pause_touched") or {}).get("returned_share")
-    return {"idle_count": None if not idle else idle["count"] >= GOAL_IDLE_COUNT,
+    mib_each = idle.get("host_mib_per_sandbox")
+    share = (res.get("pause_heap") or {}).get("returned_share")
+    if not idle:
+        fit = None
+    elif idle["count"] >= GOAL_IDLE_COUNT:
+        fit = True  # at least that many fit, whatever stopped the fill
+    else:
+        fit = False if idle.get("limit_hit") else None  # a cap or the clock: the limit was not found
+    return {"idle_count": fit,
             "idle_mib": None if mib_each is None else mib_each <= GOAL_IDLE_MIB,
             "pause_returned": None if share is None else share >= GOAL_PAUSE_RETURNED}
 
@@ -627,8 +709,8 @@ def _goals(res: dict) -> dict[str, bool | None]:
 def _report(res: dict, console: Console) -> None:
     idle, crun = res.get("idle") or {}, res.get("crun") or {}
     goals = _goals(res)
-    t = Table(title="dsec bench density")
-    for col in ("measure", "DSec", "peer", "goal", "result"):
+    t = Table(title=f"dsec bench density — swap here: {(res.get('machine') or {}).get('swap', {}).get('text', '?')}")
+    for col in ("measure", "DSec", "peer", "goal", "result", "swap set-up it needs"):
         t.add_column(col)
 
     def verdict(ok: bool | None) -> str:
@@ -636,37 +718,38 @@ def _report(res: dict, console: Console) -> None:
 
     mib_each = (idle.get("attributable_mib_per_sandbox") or {}).get("kernel_plus_charged")
     crun_each = (crun.get("attributable_mib_per_container") or {}).get("kernel_plus_charged")
-    t.add_row("idle sandboxes held at once", str(idle.get("count", "—")), "", f"≥ {GOAL_IDLE_COUNT}",
-              verdict(goals["idle_count"]))
-    t.add_row("MiB per idle sandbox: kernel + cgroup-charged", _fmt(mib_each), f"{_fmt(crun_each)} (bare crun -d)",
-              f"≤ {GOAL_IDLE_MIB:g}", verdict(goals["idle_mib"]))
-    t.add_row("  host MemAvailable: Δ at the top / slope / Δ at stop",
-              f"{_fmt(idle.get('host_mib_per_sandbox'))} / {_fmt(idle.get('host_mib_per_sandbox_slope'))} / "
-              f"{_fmt(idle.get('host_mib_per_sandbox_at_stop'))}", f"{_fmt(crun.get('host_mib_per_container'))}", "",
-              "info")
-    for key, label in (("pause_touched", "touched pages"), ("pause_text", "agent-like text"),
-                       ("pause_random", "random bytes")):
+    t.add_row("idle sandboxes that fit (filled until a limit)", str(idle.get("count", "—")),
+              idle.get("stopped_by", ""), f"≥ {GOAL_IDLE_COUNT}", verdict(goals["idle_count"]), NEEDS_NONE)
+    t.add_row("MiB per idle sandbox the host loses: Δ(MemTotal − MemAvailable)", _fmt(idle.get("host_mib_per_sandbox")),
+              f"{_fmt(crun.get('host_mib_per_container'))} (bare crun -d)", f"≤ {GOAL_IDLE_MIB:g}",
+              verdict(goals["idle_mib"]), NEEDS_NONE)
+    t.add_row("  slope over the fill / Δ at stop; kernel + cgroup-charged",
+              f"{_fmt(idle.get('host_mib_per_sandbox_slope'))} / {_fmt(idle.get('host_mib_per_sandbox_at_stop'))}; "
+              f"{_fmt(mib_each)}", f"{_fmt(crun_each)}", "", "info", NEEDS_NONE)
+    for key, label, needs in (("pause_heap", "heap-like", NEEDS_DISK_SWAP), ("pause_text", "agent-like text", NEEDS_ANY_SWAP),
+                              ("pause_random", "random bytes", NEEDS_DISK_SWAP)):
         p = res.get(key)
         if p:
             share, by_acct = p["returned_share"], p["returned_share_by_accounting"]
-            goal = key == "pause_touched"
+            goal = key == "pause_heap"
             t.add_row(f"pause {p['count']} × {p['fill_mib']} MiB ({label}): host MiB before → after",
                       f"{p['host_used_before_mib']:.0f} → {p['host_used_after_mib']:.0f} ({100 * (share or 0):.0f}% back)",
                       f"cgroups {p['cgroups_before_mib']:.0f} → {p['cgroups_after_mib']:.0f}, zram keeps "
                       f"{p['zram_kept_mib']:.0f}: {100 * (by_acct or 0):.0f}% back",
                       f"≥ {GOAL_PAUSE_RETURNED:.0%}" if goal else "",
-                      verdict(goals["pause_returned"]) if goal else "info")
+                      verdict(goals["pause_returned"]) if goal else "info", needs)
     c = res.get("cold")
     if c:
         t.add_row(f"cold reclaimer, {c['count']} idle × {c['fill_mib']} MiB text: host MiB",
                   f"{c['host_used_before_mib']:.0f} → {c['host_used_after_mib']:.0f} "
                   f"({100 * (c['saved_share'] or 0):.0f}% saved)",
                   f"cgroups {c['cgroups_before_mib']:.0f} → {c['cgroups_after_mib']:.0f}, zram keeps "
-                  f"{c['zram_kept_mib']:.0f}: {100 * (c['saved_share_by_accounting'] or 0):.0f}% saved", "", "info")
+                  f"{c['zram_kept_mib']:.0f}: {100 * (c['saved_share_by_accounting'] or 0):.0f}% saved", "", "info",
+                  NEEDS_ANY_SWAP)
     pl = res.get("placement")
     if pl:
         t.add_row(f"placement decisions/s, {pl['nodes']} nodes", f"{pl['single_decisions_per_s']:,.0f} single",
-                  f"{pl['batched_decisions_per_s']:,.0f} in batches", "", "info")
+                  f"{pl['batched_decisions_per_s']:,.0f} in batches", "", "info", "")
     console.print(t)
     if idle.get("latency_table"):
         lt = Table(title="create latency as the node fills (single creates, one at a time)")
@@ -707,7 +790,7 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
         bench.notes.append(f"{len(stale)} items of an earlier run were there at start (the server removes them)")
     console.print(f"[bold]dsec bench density[/bold]: state in {state_dir}; {os.cpu_count()} cores, "
                   f"{meminfo()['MemTotal'] / 2**30:.1f} GiB, swap {meminfo()['SwapTotal'] / 2**30:.1f} GiB, "
-                  f"cgroups {cgroups.version()}; time limit {opts.time_limit_s:.0f} s")
+                  f"cgroups {cgroups.version()}; swap: {swap_setup()['text']}; time limit {opts.time_limit_s:.0f} s")
     try:
         asyncio.run(_run(bench, store, store.layer_path(busybox.layers[0])))
     except KeyboardInterrupt:
@@ -719,7 +802,8 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
         "duration_s": round(time.perf_counter() - t0, 1), "options": asdict(opts),
         "machine": {"cores": os.cpu_count(), "memory_total_gib": round(meminfo()["MemTotal"] / 2**30, 1),
                     "swap_total_gib": round(meminfo()["SwapTotal"] / 2**30, 1), "kernel": os.uname().release,
-                    "cgroups": cgroups.version(), "loadavg_at_end": open("/proc/loadavg").read().split()[:3]},
+                    "cgroups": cgroups.version(), "loadavg_at_end": open("/proc/loadavg").read().split()[:3],
+                    "swap": swap_setup()},
         **bench.r, "leftovers": left + peer_left, "errors": bench.errors, "notes": bench.notes,
     }
     (state_dir / RESULTS_FILE).write_text(json.dumps(res, indent=1, default=str) + "\n")

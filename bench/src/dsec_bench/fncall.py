@@ -12,16 +12,17 @@ The snippet is ``print(sum(range(1000)))``; every answer is checked (``499500``)
    Then the same with a call of ``pass``: the pool's floor, what a call costs with no work of its
    own (the HTTP share, the worker's fork, the child's set-up and exit). Its ratio to the peers
    bounds what any call through a fork-per-call pool can reach on the host.
-3. DSec latency at ``in_flight`` (32) calls in flight, measured per call with the server's own
-   figures for each call: ``worker_s`` (its turn in a worker: request to answer, fork, run, exit
-   and clean-up included) and ``queued_s`` (its wait for a free worker). The 32 calls are kept in
-   flight by 4 ``fncall_many`` requests of 8 (a request is sent as soon as one returns), so the
-   HTTP cost is shared as in (2). With 32 calls in flight on 2 cores a call's time in the server
-   (queued + worker) is at least 32 / throughput (Little's law), so the per-call goal (p50 ≤ 2
-   ms, p99 ≤ 20 ms) is checked on ``worker_s``; the rest is reported beside it.
-4. Then one HTTP request per call (``fncall``), 32 and 1 in flight: the client's round trips.
-   This path is bound by the HTTP exchange: a request costs the client and the server more CPU
-   than a trivial call.
+3. DSec latency, measured at the client, end to end (the SDK's call to its answer: HTTP, the
+   server's queue, the worker's fork, run and exit), in two forms: batched (``fncall_many``, 8
+   calls a request; a call's latency is its request's round trip, since all 8 are answered
+   together) and one call a request (``fncall``). Each at ``in_flight`` (32) calls in flight (4
+   requests of 8, or 32 requests) and at one request in flight. The goal (p50 ≤ 2 ms, p99 ≤ 20
+   ms) is judged on the client's figure with one request in flight, both forms: with 32 calls
+   in flight on 2 cores a call's round trip is at least 32 / throughput (Little's law), so that
+   figure is the queue the load keeps and is reported beside it, not judged. The server's own
+   figures for each call, ``worker_s`` (its turn in a worker) and ``queued_s`` (its wait for a
+   free worker), are printed as the breakdown. One request a call is bound by the HTTP exchange:
+   a request costs the client and the server more CPU than a trivial call.
 
 CPU: host CPU per call in each phase, the benchmark's own (its cgroup: this process, the peers
 and the server; and the workers' cgroups), DSec's split into client (this process), server and
@@ -236,8 +237,11 @@ async def _latency(client: DSecClient, count: int, in_flight: int, meter: Meter)
 
 
 async def _latency_batched(client: DSecClient, count: int, in_flight: int, per_request: int, meter: Meter) -> dict:
+    """``in_flight`` calls kept in flight as requests of ``per_request``; each call's latency at
+    the client is its request's round trip (the SDK's call to the answer, all of it)."""
     args = DSecFnCallArgs(code=CODE)
     results = []
+    round_trips: list[float] = []
     left = count
 
     async def loop() -> None:
@@ -245,12 +249,16 @@ async def _latency_batched(client: DSecClient, count: int, in_flight: int, per_r
         while left > 0:
             n = min(per_request, left)
             left -= n
-            results.extend(await client.fncall_many([args] * n, per_request=n))
+            start = time.perf_counter()
+            answered = await client.fncall_many([args] * n, per_request=n)
+            round_trips.extend([time.perf_counter() - start] * len(answered))
+            results.extend(answered)
 
     await asyncio.gather(*(loop() for _ in range(max(1, in_flight // per_request))))
     cpu = meter.stop(count)
     _check(results)
     return {"calls": count, "in_flight": in_flight, "per_request": per_request,
+            "round_trip": host.latency_summary(round_trips),
             "worker": host.latency_summary([r.worker_s for r in results]),
             "queued": host.latency_summary([r.queued_s for r in results]),
             "in_server": host.latency_summary([r.queued_s + r.worker_s for r in results]),
@@ -299,9 +307,12 @@ async def _dsec(group: CpuGroup, server: LocalServer, opts: dict, console: Conso
         console.log(f"latency: {opts['latency_calls']} calls, {opts['in_flight']} in flight, one request each")
         out["latency"] = await _latency(client, opts["latency_calls"], opts["in_flight"], meter())
         await _wait_quiet(pid, parent)
-        sequential = max(100, opts["latency_calls"] // 10)
+        sequential = max(opts.get("sequential_min", 100), opts["latency_calls"] // 10)
         console.log(f"latency: {sequential} calls one at a time")
         out["sequential"] = await _latency(client, sequential, 1, meter())
+        await _wait_quiet(pid, parent)
+        console.log(f"latency: {sequential} calls, 8 a request, one request at a time")
+        out["sequential_batched"] = await _latency_batched(client, sequential, 8, 8, meter())
         if opts.get("fusion"):
             await _wait_quiet(pid, parent)
             out["fusion"] = await fncall_fusion.measure(f"{server.endpoint}/sandboxfusion/{server.token}", BWRAP,
@@ -324,7 +335,8 @@ def _ensure_store(state_dir: Path, store_dir: Path | None, console: Console, fus
 def _summary(res: dict) -> dict:
     tp = res["dsec"]["throughput"]["calls_per_s"]
     bwrap = res["peers"]["bwrap"]["calls_per_s"]
-    worker = res["dsec"]["latency_batched"]["worker"]
+    single = res["dsec"]["sequential"]["round_trip"]
+    batched = res["dsec"]["sequential_batched"]["round_trip"]
     alone = res["dsec"]["throughput"]["calls_per_s_alone"]
     floor = res["dsec"]["floor"]
     return {
@@ -341,10 +353,10 @@ def _summary(res: dict) -> dict:
         "goals": {
             f"≥ {GOAL_CALLS_PER_S:g} calls/s": tp >= GOAL_CALLS_PER_S,
             f"≥ {GOAL_VS_BWRAP:g}× bwrap": tp / bwrap >= GOAL_VS_BWRAP,
-            f"p50 ≤ {GOAL_P50_MS:g} ms at {res['options']['in_flight']} in flight (worker_s)":
-                worker["p50_ms"] <= GOAL_P50_MS,
-            f"p99 ≤ {GOAL_P99_MS:g} ms at {res['options']['in_flight']} in flight (worker_s)":
-                worker["p99_ms"] <= GOAL_P99_MS,
+            f"p50 ≤ {GOAL_P50_MS:g} ms at the client, a call a request, 1 in flight": single["p50_ms"] <= GOAL_P50_MS,
+            f"p99 ≤ {GOAL_P99_MS:g} ms at the client, a call a request, 1 in flight": single["p99_ms"] <= GOAL_P99_MS,
+            f"p50 ≤ {GOAL_P50_MS:g} ms at the client, 8 calls a request, 1 in flight": batched["p50_ms"] <= GOAL_P50_MS,
+            f"p99 ≤ {GOAL_P99_MS:g} ms at the client, 8 calls a request, 1 in flight": batched["p99_ms"] <= GOAL_P99_MS,
         },
     }
 
@@ -367,14 +379,18 @@ def _table(res: dict) -> Table:
     row("DSec fncall_many (500/request): worker_s", dsec["throughput"], dsec["throughput"]["worker"])
     row(f"DSec fncall_many, {FLOOR_CODE!r} (the floor): worker_s", dsec["floor"], dsec["floor"]["worker"])
     lb = dsec["latency_batched"]
+    row(f"DSec {n} in flight (8/request): at the client", lb, lb["round_trip"])
     row(f"DSec {n} in flight (8/request): worker_s", lb, lb["worker"])
     row(f"DSec {n} in flight (8/request): queued_s", lb, lb["queued"])
     row(f"DSec {n} in flight (8/request): in server", lb, lb["in_server"])
-    row(f"DSec fncall, {n} in flight: round trip", dsec["latency"], dsec["latency"]["round_trip"])
+    row(f"DSec fncall, {n} in flight: at the client", dsec["latency"], dsec["latency"]["round_trip"])
     row(f"DSec fncall, {n} in flight: worker_s", dsec["latency"], dsec["latency"]["worker"])
     row(f"DSec fncall, {n} in flight: queued_s", dsec["latency"], dsec["latency"]["queued"])
-    row("DSec fncall, 1 in flight: round trip", dsec["sequential"], dsec["sequential"]["round_trip"])
+    row("DSec fncall, 1 in flight: at the client (judged)", dsec["sequential"], dsec["sequential"]["round_trip"])
     row("DSec fncall, 1 in flight: worker_s", dsec["sequential"], dsec["sequential"]["worker"])
+    sb = dsec["sequential_batched"]
+    row("DSec fncall_many, 8/request, 1 in flight: at the client (judged)", sb, sb["round_trip"])
+    row("DSec fncall_many, 8/request, 1 in flight: worker_s", sb, sb["worker"])
     if "fusion" in dsec:
         for name, figures, latency in fncall_fusion.rows(dsec["fusion"]):
             row(name, figures, latency)
@@ -414,7 +430,8 @@ async def _measure(group: CpuGroup, state_dir: Path, opts: dict, console: Consol
 
 def main(state_dir: Path, store_dir: Path | None, console: Console, *, calls: int, latency_calls: int,
          peer_calls: int, in_flight: int, workers: int, strict: bool, fusion: bool = True,
-         fusion_calls: int = 300, fusion_cpp_calls: int = 30, fusion_cpp_in_flight: int = 2) -> int:
+         fusion_calls: int = 300, fusion_cpp_calls: int = 30, fusion_cpp_in_flight: int = 2,
+         sequential_min: int = 100) -> int:
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     _ensure_store(state_dir, store_dir, console, fusion)
@@ -427,7 +444,7 @@ def main(state_dir: Path, store_dir: Path | None, console: Console, *, calls: in
     os.environ.setdefault("DSEC_VM_ACCEL", "tcg")
     opts = {"calls": calls, "latency_calls": latency_calls, "peer_calls": peer_calls, "in_flight": in_flight,
             "workers": workers, "fusion": fusion, "fusion_calls": fusion_calls, "fusion_cpp_calls": fusion_cpp_calls,
-            "fusion_cpp_in_flight": fusion_cpp_in_flight}
+            "fusion_cpp_in_flight": fusion_cpp_in_flight, "sequential_min": sequential_min}
     try:
         res = asyncio.run(_run(state_dir, opts, console))
     except (BenchError, fncall_fusion.FusionBenchError) as exc:

@@ -9,7 +9,7 @@ What it measures, all on the ``busybox`` image and the same root filesystem (its
    For each, the CPU time a lifecycle costs: that of the processes the benchmark runs (client,
    server and its crun children; the peers' commands), and the host's as a whole. In
    ``rounds`` (2): crun, podman, then DSec (a new server each round), again and again, each
-   doing its share of the runs; a system's figure is over all its rounds (runs ÷ seconds). The
+   doing its share of the runs; a system's figure is the median of its rounds' rates. The
    host's speed swings by tens of percent within minutes here, and a ratio of two figures
    taken minutes apart carried those swings; interleaved, every system sees the same stretches.
 2. Create latency with 64 creates in flight: rounds in which 64 workers create at once (timed)
@@ -74,6 +74,7 @@ from dsec.local import LocalServer, leftovers
 from dsec.resources import cgroups
 from . import hoststats as host
 from .lifecycle_peers import PeerRig
+from .results import median_of_rounds
 
 RESULTS_FILE = "bench-lifecycle.json"
 
@@ -208,15 +209,18 @@ class Bench:
 
     def _round_done(self, system: str, figures: dict, raw: dict[str, list[float]]) -> None:
         """Record one throughput round of ``system`` and merge all its rounds so far into
-        ``r[system]["throughput"]``: counts and seconds summed, CPU per lifecycle weighted by
-        lifecycles, shares of the machine by wall time, latencies over every lifecycle."""
+        ``r[system]["throughput"]``: the rate is the median round's (the pooled one beside it),
+        counts and seconds summed, CPU per lifecycle weighted by lifecycles, shares of the
+        machine by wall time, latencies over every lifecycle."""
         rounds = self._rounds[system]
         rounds.append({**figures, "raw": raw})
         n = sum(r["lifecycles"] for r in rounds)
         secs = sum(r["seconds"] for r in rounds)
         merged: dict[str, Any] = {k: v for k, v in figures.items() if k not in ("cpu", "raw")}
+        # Judged on the median round (every round kept below); the pooled rate beside it.
         merged.update(lifecycles=n, failed=sum(r["failed"] for r in rounds), seconds=secs,
-                      lifecycles_per_s=n / secs if secs else 0.0)
+                      lifecycles_per_s=median_of_rounds([r["lifecycles_per_s"] for r in rounds]),
+                      lifecycles_per_s_pooled=n / secs if secs else 0.0)
         cpu: dict[str, float] = {"wall_s": sum(r["cpu"]["wall_s"] for r in rounds)}
         for key in ("host_cpu_ms_per_op", "own_cpu_ms_per_op"):
             cpu[key] = sum(r["cpu"][key] * r["lifecycles"] for r in rounds) / max(n, 1)
