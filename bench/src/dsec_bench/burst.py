@@ -988,12 +988,21 @@ class Bench:
                   self._runroot(self.eager_dir / "containers")):
             if d.exists():
                 found.append(f"directory {d}")
+        # (the peer's containers were killed: their processes may take a moment to be gone)
+        deadline = time.monotonic() + 10
+        while (pids := self._pids_in_cgroup()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        found += [f"process {pid} in cgroup {self.cgroup_parent}" for pid in pids]
+        return found
+
+    def _pids_in_cgroup(self) -> list[str]:
+        pids = []
         for pid in os.listdir("/proc"):
             if pid.isdigit():
                 with contextlib.suppress(OSError):
                     if f"/{self.cgroup_parent}/" in Path(f"/proc/{pid}/cgroup").read_text():
-                        found.append(f"process {pid} in cgroup {self.cgroup_parent}")
-        return found
+                        pids.append(pid)
+        return pids
 
     def cleanup_inputs(self) -> None:
         if self.registry is not None:
