@@ -297,14 +297,8 @@ class Inside(SandboxTable):
 
     async def open_watch(self, sandbox_id: str, request: OpenWatchRequest) -> WatchInfo:
         path = files.check_path(request.path)
-        rec = await self._ready(sandbox_id, Action.read_file)
-        backend = self.backends[rec.kind]
-        if Capability.HOST_PATHS not in backend.capabilities:
-            raise InvalidRequest(f"a {rec.kind.value} sandbox's directories cannot be watched from the node")
-
-        def open_dir(where: str) -> int:
-            return backend.open_path(rec.handle, where, os.O_RDONLY | os.O_DIRECTORY)
-        rec.last_active = time.time()
+        open_dir = await self._path_opener(sandbox_id, Action.read_file, os.O_RDONLY | os.O_DIRECTORY,
+                                           "directories cannot be watched")
         return self.watches.open(sandbox_id, path, request.recursive, open_dir)
 
     async def watch_events(self, sandbox_id: str, watch: int, wait: float = 0.0) -> WatchEvents:
@@ -315,20 +309,23 @@ class Inside(SandboxTable):
 
     # -- extended attributes, from the node (dsec.edge.xattrs) --------------------------------
 
-    async def _path_opener(self, sandbox_id: str, action: Action):
+    async def _path_opener(self, sandbox_id: str, action: Action, flags: int, refused: str):
+        """Opens paths of the sandbox from the node (``HostPaths.open_path`` with ``flags``), for
+        a sandbox whose state allows ``action``; a kind the node cannot reach so is told it
+        (``refused``: what cannot be done)."""
         rec = await self._ready(sandbox_id, action)
         backend = self.backends[rec.kind]
         if Capability.HOST_PATHS not in backend.capabilities:
-            raise InvalidRequest(f"a {rec.kind.value} sandbox's file attributes cannot be reached from the node")
+            raise InvalidRequest(f"a {rec.kind.value} sandbox's {refused} from the node")
         rec.last_active = time.time()
-        return lambda where: backend.open_path(rec.handle, where, os.O_PATH)
+        return lambda where: backend.open_path(rec.handle, where, flags)
 
     async def get_xattrs(self, sandbox_id: str, paths: list[str], prefix: str) -> list[dict[str, str]]:
         """Each path's attributes under ``prefix`` (``{}`` for a path that is not there, or is
         a symlink)."""
         prefix = xattrs.check_prefix(prefix)
         checked = [files.check_path(p) for p in paths]
-        opener = await self._path_opener(sandbox_id, Action.read_file)
+        opener = await self._path_opener(sandbox_id, Action.read_file, os.O_PATH, "file attributes cannot be reached")
 
         def read_all() -> list[dict[str, str]]:
             found = []
@@ -343,7 +340,7 @@ class Inside(SandboxTable):
     async def set_xattrs(self, sandbox_id: str, path: str, prefix: str, values: dict[str, str]) -> None:
         """Make ``values`` the attributes of ``path`` under ``prefix`` (others there go)."""
         prefix, path = xattrs.check_prefix(prefix), files.check_path(path)
-        opener = await self._path_opener(sandbox_id, Action.write_file)
+        opener = await self._path_opener(sandbox_id, Action.write_file, os.O_PATH, "file attributes cannot be reached")
         await asyncio.to_thread(xattrs.write, opener, path, prefix, values)
 
     # -- files and file trees (a command each, as the sandbox's user or root: dsec.edge.files) ---
