@@ -77,7 +77,7 @@ for s in $steps; do
             mkdir -p /var/lib/dsec-bench && ln -sfn /var/lib/dsec-test/store /var/lib/dsec-bench/store
             step bench python3 -m dsec_bench lifecycle --state-dir /var/lib/dsec-bench --layer-attach loop \
                 --idle-count 16 --lifecycles 48 --rounds 1 --concurrency 4 --latency-rounds 1 --cold-rounds 1 \
-                --pool-max 8 --crun-runs 24 --podman-runs 12
+                --pool-max 8 --crun-runs 24 --podman-runs 12 --throughput-only
             cp /var/lib/dsec-bench/bench-lifecycle.json $out/ 2>/dev/null
             tail -c 4000000 /var/lib/dsec-bench/serve.log > $out/bench-serve.log 2>/dev/null
             ;;

@@ -5,8 +5,8 @@ the package every DSec VM boots) and a root made by ``guest_root`` (debootstrap'
 systemd, pure cgroup v2, AppArmor on, the Python packages DSec imports, the test images). Once
 the guest agent answers, this test writes the checkout into the guest (``guest_root.checkout_tar``)
 and the guest's ``dsec-hostvm.service`` runs its ``guest_run.sh``: the container, loop-device,
-pause/reclaim, CPU, security and FnCall test subsets, a small ``dsec demo`` and ``dsec bench
-lifecycle`` on the loop-device path with podman and crun beside it. This test waits for it
+pause/reclaim, CPU, security and FnCall test subsets, a small ``dsec demo`` and the throughput
+rounds of ``dsec bench lifecycle`` on the loop-device path with podman and crun beside it. This test waits for it
 through the agent, reads the results back, and fails if any step did. The in-guest counts and
 the bench's figures are printed (with or without ``-s``); everything is left in
 ``<basetemp>/hostvm-results-<kernel>``. A second row boots the newest Debian cloud kernel the packages
@@ -16,12 +16,13 @@ subsets.
 The debootstrap tree, the guest root's layer and the full-VM disks are cached under
 ``/var/lib/dsec-test/hostvm`` (made by this test on a fresh machine; docs/HOSTS.md). Under TCG
 (this machine's KVM does not boot stock kernels) the guest's steps take about 10 minutes on a
-quiet 2-core machine (tests 3, demo 0.5, bench 5): one run in every ``make test``, marked
+quiet 2-core machine (tests 3, demo 0.5, bench 1): one run in every ``make test``, marked
 ``hostvm`` (and ``slow``; ``-m "not hostvm"`` leaves it out). ``DSEC_HOSTVM_STEPS`` (tests
 demo bench) and ``DSEC_HOSTVM_TESTS`` (pytest arguments) narrow it.
 
 The VMs do not hold the suite up: the root conftest's ``hostvm_background`` starts both rows at
-the run's first test, one after the other, in a process of their own (``hostvm_runner.py``, at
+the run's first test, one after the other (the newest kernel's first: the Debian 12 row's bench,
+which waits for the suite to wait, comes last), in a process of their own (``hostvm_runner.py``, at
 ``nice`` 5: they take the CPU the other tests leave idle; the runner's deadlines count
 from the moment the suite waits at the latest), and these tests, moved to the end of
 the run, wait for their row (the VMs back at the normal priority from then on) and judge what it
@@ -46,10 +47,11 @@ from hostvm_runner import BACKGROUND_NICE, RUN_TIMEOUT_S
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.hostvm]
 
 HERE = Path(__file__).parent
-# The rows: the Debian 12 kernel every DSec VM boots, with every step; and the newest Debian
-# kernel the packages offer, on a root made the same way, with the test subsets only (the time
-# the job has).
-ROWS = ("kernel-debian12", "kernel-newest")
+# The rows, in the order they run: the newest Debian kernel the packages offer, on a root made
+# the same way, with the test subsets only (the time the job has); and the Debian 12 kernel every
+# DSec VM boots, with every step. Its bench runs only once the suite waits (nothing else beside
+# it), so that row goes last: nothing else is left for the suite's end.
+ROWS = ("kernel-newest", "kernel-debian12")
 # What a row may take from the run's start, base layer and boot included (the runner's own
 # deadlines, hostvm_runner.RUN_TIMEOUT_S and BOOT_TIMEOUT_S, end it well before).
 WAIT_S = 3 * 3600.0

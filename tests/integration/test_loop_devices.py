@@ -73,13 +73,16 @@ def _no_devices(state: Path, within_s: float = 10.0) -> dict[str, str]:
 
 
 def _layer_mount_sources(state: Path) -> dict[str, str]:
-    """The node's layer mounts: target -> source device."""
+    """The node's layer mounts: target -> source device. Not the idmapped clones a create
+    attaches under ``.idmapped/`` for a moment on kernels before 6.15 (the warm pool may be
+    refilling while this looks): they are the same devices, and gone once its overlay is up."""
     layers = str((state / "node" / "layers").resolve()) + "/"
+    clones = layers + ".idmapped/"
     found = {}
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            if fields[4].startswith(layers):
+            if fields[4].startswith(layers) and not fields[4].startswith(clones):
                 found[fields[4]] = fields[fields.index("-") + 2]
     return found
 

@@ -42,6 +42,8 @@ def bench_lifecycle(
                                                   "(DSEC_METRICS=0), the DSec rounds scraped every second.")] = False,
     compare_e2b: Annotated[bool, typer.Option(help="Each throughput round also the lifecycle on the python image "
                                               "through DSec's SDK and through the e2b SDK (DSec's E2B API).")] = False,
+    throughput_only: Annotated[bool, typer.Option(help="Only the throughput rounds: no create latency "
+                                                  "and no idle memory phases.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
     """Full sandbox lifecycle against podman run --rm and bare crun run (see docs/BENCHMARKS.md)."""
@@ -52,7 +54,7 @@ def bench_lifecycle(
         concurrency=concurrency,
         latency_rounds=latency_rounds, cold_rounds=cold_rounds, pool_max=pool_max, crun_runs=crun_runs,
         podman_runs=podman_runs, podman=podman, layer_attach=layer_attach, compare_loop=compare_loop,
-        compare_metrics=compare_metrics, compare_e2b=compare_e2b,
+        compare_metrics=compare_metrics, compare_e2b=compare_e2b, throughput_only=throughput_only,
         strict=strict,
     ))
 

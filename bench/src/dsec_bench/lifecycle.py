@@ -109,6 +109,7 @@ class Options:
     compare_loop: bool = False     # each throughput round also on a server with layers on loop devices
     compare_metrics: bool = False  # each throughput round also on a server with metrics off (DSEC_METRICS=0)
     compare_e2b: bool = False      # each throughput round also DSec's SDK and the e2b SDK, python image
+    throughput_only: bool = False  # only the throughput rounds (no create latency, no idle memory)
     strict: bool = False           # exit 2 when a goal is missed
 
 
@@ -875,7 +876,7 @@ async def _run(bench: Bench, rig_args: tuple[Path, Path, str], progress: Progres
                     except Exception as exc:  # noqa: BLE001 - reported; the podman phases are skipped
                         bench.errors.append(f"phase podman_throughput: {type(exc).__name__}: {exc}"[:600])
                         o.podman = False
-                last = i == o.rounds - 1
+                last = i == o.rounds - 1 and not o.throughput_only
                 bench.r["dsec"]["servers"].append(await bench.with_server(
                     ("--pool-max", str(o.pool_max)), [bench.dsec_throughput] + ([bench.dsec_warm] if last else []),
                     progress))
@@ -890,6 +891,8 @@ async def _run(bench: Bench, rig_args: tuple[Path, Path, str], progress: Progres
                 if o.compare_e2b:
                     bench.r["e2b"].setdefault("servers", []).append(await bench.with_server(
                         ("--pool-max", str(o.pool_max)), [bench.e2b_throughput], progress))
+            if o.throughput_only:
+                return
             bench.r["dsec"]["servers"].append(
                 await bench.with_server(("--pool-max", "0"), [bench.dsec_cold, bench.dsec_idle], progress))
             await bench.phase("crun_create", bench.crun_create(rig, progress))
