@@ -29,7 +29,6 @@ import base64
 import hashlib
 import json
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,15 +37,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from libdsec import BackendError, DSecError, InvalidRequest, JobNotFound, SandboxStateError
+from libdsec import BackendError, DSecError, JobNotFound, SandboxStateError
 from libdsec.protocol import JobEntry, JobInfo, JobList, JobLog, SandboxInfo
 
+from .. import settings
 from .auth import Caller
 from .projects import JobRow, ProjectStore
 
 log = logging.getLogger("dsec.apiserver.jobs")
 
-DEFAULT_RETENTION_S = 7 * 86400.0
+DEFAULT_RETENTION_S: float = settings.Settings.job_retention_s
 PRUNE_EVERY_S = 60.0
 # A create that finds its key claimed by one under way waits this long for it at most.
 PENDING_WAIT_S = 600.0
@@ -56,16 +56,7 @@ MAX_LOGGED_FILE_BYTES = 8 << 20
 
 def retention_from_env() -> float:
     """``DSEC_JOB_RETENTION_S`` (seconds a job may stay idle before it is removed), else 7 days."""
-    text = os.environ.get("DSEC_JOB_RETENTION_S")
-    if text is None:
-        return DEFAULT_RETENTION_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < 1e10:
-        raise InvalidRequest(f"DSEC_JOB_RETENTION_S={text!r}: give the seconds a job log is kept idle (> 0)")
-    return value
+    return settings.current().job_retention_s
 
 
 def digest_of(kind: str, args: BaseModel, count: int | None = None) -> str:

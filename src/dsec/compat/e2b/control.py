@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
-import os
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
@@ -33,6 +32,7 @@ from pydantic import ValidationError
 from libdsec import BackendError, DSecError, ImageNotFound, InvalidRequest, SandboxLost, SandboxNotFound, SandboxStateError
 from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxInfo, SandboxStatus, StartProcessRequest
 
+from ... import settings
 from ...apiserver.auth import Authenticator, Caller
 from ...apiserver.cluster import Cluster
 from . import _models as m
@@ -117,7 +117,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
             raise SandboxNotFound(f"sandbox {sandbox_id} not found ({info.status.value})")
         return caller, info
 
-    chosen_base = os.environ.get("DSEC_E2B_BASE_IMAGE", "").strip()
+    chosen_base = settings.current().e2b_base_image
 
     async def image_of(template: str) -> str:
         if template != BASE_TEMPLATE:
