@@ -48,6 +48,7 @@ def test_on_timeout_pause_without_auto_resume_waits_for_connect(e2b_env, server)
         info = sb.get_info()
         assert info.lifecycle == {"on_timeout": "pause", "auto_resume": False}
         sb.files.write("/root/kept.txt", "before the timeout")
+        boot_id = sb.files.read("/proc/sys/kernel/random/boot_id")  # (a /proc/sys file reads too)
         wait_state(sb, SandboxState.PAUSED)  # paused, not killed
         assert not sb.is_running()
         with pytest.raises(Exception, match="auto_resume=False"):  # a call does not wake it
@@ -56,6 +57,7 @@ def test_on_timeout_pause_without_auto_resume_waits_for_connect(e2b_env, server)
         again = sb.connect(timeout=300)
         assert again.get_info().state == SandboxState.RUNNING and again.is_running()
         assert again.files.read("/root/kept.txt") == "before the timeout"
+        assert again.files.read("/proc/sys/kernel/random/boot_id") == boot_id  # resumed, not booted afresh
     finally:
         sb.kill()
 
