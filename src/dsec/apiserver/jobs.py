@@ -54,6 +54,10 @@ PENDING_WAIT_S = 600.0
 MAX_LOGGED_FILE_BYTES = 8 << 20
 
 
+# How the entries of the calls that make sandboxes begin (``record`` writes "op" first).
+_MAKING = ('{"op":"create"', '{"op":"create_batch"', '{"op":"clean_copy"')
+
+
 def retention_from_env() -> float:
     """``DSEC_JOB_RETENTION_S`` (seconds a job may stay idle before it is removed), else 7 days."""
     return settings.current().job_retention_s
@@ -146,6 +150,26 @@ class Jobs:
         entries = [JobEntry(seq=seq, at=_when(at), **json.loads(entry))
                    for seq, at, entry in await self.projects.job_entries(name, after)]
         return JobLog(job=job_info(row), entries=entries)
+
+    async def sandboxes_made(self, caller: Caller, name: str) -> list[str]:
+        """The ids of the sandboxes the job made (its creates, batches and clean copies), in
+        order; ``JobNotFound`` for a job the caller may not see."""
+        await self._visible(caller, name)
+        ids: list[str] = []
+        for _, _, text in await self.projects.job_entries(name):
+            if not text.startswith(_MAKING):  # (most entries are commands: not parsed)
+                continue
+            entry = json.loads(text)
+            result = entry.get("result")
+            if entry.get("error") is not None or result is None:
+                continue
+            if entry["op"] == "create":
+                ids.append(result["id"])
+            elif entry["op"] == "create_batch":
+                ids.extend(info["id"] for info in result)
+            elif entry["op"] == "clean_copy":
+                ids.append(result["sandbox"]["id"])
+        return list(dict.fromkeys(ids))
 
     async def remove(self, caller: Caller, name: str) -> None:
         await self._visible(caller, name)
