@@ -29,12 +29,14 @@ from ._errors import (
     ServerError,
     SessionClosed,
     ServerUnavailable,
+    SnapshotConflict,
+    SnapshotNotFound,
     Unauthenticated,
 )
 from .protocol import SecurityEvent
 from .protocol import ExecEvent, FileEntry, FsEvent, ProcessInfo
 from .protocol import BuildResult, DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
-from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
+from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, Snapshot, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
 from ._projects import ProjectInfo, ProjectQuota
 from ._sync import SyncDSecClient, SyncProcess, SyncDirWatch, SyncPty, SyncSandbox, SyncSession
@@ -89,7 +91,10 @@ __all__ = [
     "ServerUnavailable",
     "Session",
     "SessionClosed",
+    "Snapshot",
+    "SnapshotConflict",
     "SnapshotInfo",
+    "SnapshotNotFound",
     "SyncDSecClient",
     "SyncDirWatch",
     "SyncProcess",

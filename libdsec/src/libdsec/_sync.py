@@ -19,7 +19,7 @@ from ._pty import Pty
 from ._watch import DirWatch
 from .protocol import BuildResult, ExecEvent, FileEntry, FsEvent, ProcessInfo
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
-from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
+from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, Snapshot, SnapshotMode
 from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult, JobInfo, JobLog, NodeInfo, SandboxStatus
 from ._projects import _SyncProjectMethods
 from ._twin import twin_of
@@ -331,8 +331,8 @@ class SyncSandbox:
     def resume(self) -> SandboxInfo:
         return self._run(self._sandbox.resume())
 
-    def snapshot(self) -> SnapshotInfo:
-        return self._run(self._sandbox.snapshot())
+    def snapshot(self, mode: SnapshotMode | None = None, *, name: str | None = None) -> Snapshot:
+        return self._run(self._sandbox.snapshot(mode, name=name))
 
     def stop(self) -> None:
         self._run(self._sandbox.stop())
@@ -410,6 +410,15 @@ class SyncDSecClient(_SyncProjectMethods):
 
     def remove_image(self, name: str) -> None:
         self._loop().run(self._async.remove_image(name))
+
+    def list_snapshots(self) -> list[Snapshot]:
+        return self._loop().run(self._async.list_snapshots())
+
+    def get_snapshot(self, ref: str) -> Snapshot:
+        return self._loop().run(self._async.get_snapshot(ref))
+
+    def remove_snapshot(self, ref: str) -> Snapshot:
+        return self._loop().run(self._async.remove_snapshot(ref))
 
     def gc_images(self) -> list[str]:
         return self._loop().run(self._async.gc_images())

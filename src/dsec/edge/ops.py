@@ -57,7 +57,9 @@ from libdsec.protocol import (
     SandboxList,
     SecurityEventList,
     SessionInfo,
-    SnapshotInfo,
+    Snapshot,
+    SnapshotList,
+    SnapshotRequest,
     StartProcessRequest,
     TreeDownloadRequest,
     TTLRequest,
@@ -76,6 +78,7 @@ from .protocol import (
     NodeBuildRequest,
     NodeCreateRequest,
     NodeStopRequest,
+    SnapshotRemoveRequest,
 )
 
 PREFIX = "/node/v1"
@@ -94,7 +97,7 @@ NODE_OPS: tuple[Op, ...] = (
     Op("list", "GET", "/sandboxes", answer=SandboxList, unwrap="sandboxes"),
     Op("pause", "POST", SB + "/pause", answer=PauseResult, timeout="long"),
     Op("resume", "POST", SB + "/resume", answer=SandboxInfo, timeout="long"),
-    Op("snapshot", "POST", SB + "/snapshot", answer=SnapshotInfo, timeout="long"),
+    Op("snapshot", "POST", SB + "/snapshot", SnapshotRequest, spread=True, answer=Snapshot, timeout="long"),
     Op("pack_diff", "POST", SB + "/pack_diff", PackDiffRequest, spread=True, answer=PackDiffResult, timeout="long"),
     Op("clean_copy", "POST", SB + "/clean_copy", CleanCopyRequest, spread=True, answer=CleanCopyResult,
        timeout="long"),
@@ -158,6 +161,11 @@ NODE_OPS: tuple[Op, ...] = (
        timeout="long"),
     Op("build_image", "POST", "/images:build", NodeBuildRequest, spread=True, answer=ExecEvent, answers="lines",
        timeout="own"),
+    # -- snapshots (kept in the layer store) -----------------------------------------------------
+    Op("list_snapshots", "GET", "/snapshots", answer=SnapshotList, unwrap="snapshots"),
+    Op("get_snapshot", "GET", "/snapshots/{ref:name}", answer=Snapshot),
+    Op("remove_snapshot", "POST", "/snapshots/{ref:name}:remove", SnapshotRemoveRequest, spread=True,
+       answer=Snapshot),
     # -- stateless calls -------------------------------------------------------------------------
     Op("fncall", "POST", "/fncall", DSecFnCallArgs, request_arg="args", answer=FnCallResult, timeout="own"),
     Op("fncall_many", "POST", "/fncall:batch", FnCallBatchRequest, spread=True, answer=FnCallBatchResult,
