@@ -1,12 +1,15 @@
-"""Named snapshots of a real microVM (QEMU) through the server: a full one resumes its
-processes, a filesystem one boots afresh with its files; each outlives the VM, starts only
-microVMs, and cannot be removed while a VM started from it runs."""
+"""Named snapshots of real VMs (QEMU) through the server: a microVM's full one resumes its
+processes, a filesystem one boots afresh with its files (a full VM's are filesystem ones); each
+outlives the VM, starts sandboxes of its own kind only, and cannot be removed while a VM started
+from it runs."""
 
 from __future__ import annotations
 
 import pytest
 
-from libdsec import DSecContainerRunArgs, DSecMicroVMRunArgs, InvalidRequest, SnapshotConflict, SnapshotNotFound
+from libdsec import (
+    DSecContainerRunArgs, DSecFullVMRunArgs, DSecMicroVMRunArgs, InvalidRequest, SnapshotConflict, SnapshotNotFound,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
 
@@ -42,3 +45,22 @@ async def test_microvm_full_and_filesystem_snapshots(client):
             await client.remove_snapshot(snap.id)
     with pytest.raises(SnapshotNotFound):
         await client.get_snapshot(full.id)
+
+
+async def test_fullvm_snapshot_is_a_filesystem_one(client):
+    """A full VM keeps no memory snapshot: its default (and only) mode is filesystem, and a full
+    VM booted from it has the files."""
+    vm = await client.run_vm(DSecFullVMRunArgs(container_image="busybox", memory_limit_mb=128), timeout=180)
+    try:
+        assert (await vm.run_shell("echo kept > /root/kept.txt")).exit_code == 0
+        with pytest.raises(InvalidRequest, match="a fullvm sandbox takes no full snapshots"):
+            await vm.snapshot("full")
+        snap = await vm.snapshot()
+        assert (snap.mode, snap.kind) == ("filesystem", "fullvm")
+    finally:
+        await vm.stop()
+    try:
+        async with await client.run_vm(DSecFullVMRunArgs(snapshot=snap.id, memory_limit_mb=128), timeout=180) as booted:
+            assert await booted.read_file("/root/kept.txt") == b"kept\n"
+    finally:
+        await client.remove_snapshot(snap.id)
