@@ -68,6 +68,7 @@ class Snapshots(SandboxTable):
             if mode == "full":
                 meta = await self._call(rec, backend.snapshot(rec.handle))
                 memory, layer, size, memory_mb = meta["id"], None, meta["size_bytes"], meta["memory_mb"]
+                self.catalog.note_memory(snap_id, self.node, rec.kind.value, memory)
                 layers, roles = rec.image.layers, rec.image.roles
             else:
                 self.security.check_tampering(rec)
@@ -100,7 +101,10 @@ class Snapshots(SandboxTable):
         self.catalog.abandon(snap_id, name)
 
     def _drop_memory(self, kind: SandboxKind | str, memory: str) -> None:
-        backend = self.backends.get(SandboxKind(kind))
+        try:
+            backend = self.backends.get(SandboxKind(kind))
+        except ValueError:  # a kind this node does not know: nothing of it is here
+            return
         delete = getattr(backend, "delete_snapshot", None)
         if delete is not None:
             with contextlib.suppress(OSError, DSecError):
@@ -110,13 +114,14 @@ class Snapshots(SandboxTable):
         """On start: what snapshots this node was taking when it stopped (a crash) had made."""
         for snap_id in self.catalog.pending_of(self.node):
             log.info("removing snapshot %s, cut short when the edge stopped", snap_id)
+            if (made := self.catalog.pending_memory(snap_id)) is not None:
+                self._drop_memory(*made)
             for name in self.catalog.names_of(snap_id):
                 self.catalog.abandon(snap_id, name)
             with contextlib.suppress(OSError, DSecError):
                 self.store.remove_image(snapshots.image_name(snap_id))
             self.catalog.abandon(snap_id, None)
-        # (The memory of a full snapshot cut short has no id here: the backend removes its
-        # unfinished files in recover, and a finished one's id was never handed out.)
+        # (Memory files still being written when it stopped: the backend's recover removes them.)
 
     async def list_snapshots(self) -> list[Snapshot]:
         return [kept.snapshot for kept in self.catalog.list()]

@@ -5,7 +5,8 @@ outlives its sandbox and the node's restarts, and every node sharing the store f
 
     <store>/snapshots/<id>.json         its record (the model, and where its memory lies)
     <store>/snapshots/names/<name>      its name, claimed with O_EXCL: holds the id
-    <store>/snapshots/pending/<id>      a snapshot being taken: holds the node taking it
+    <store>/snapshots/pending/<id>      a snapshot being taken: the node and process taking
+                                        it (and its memory's kind and id, once made)
 
 Taking one is ``begin`` (the id reserved and the name claimed, both atomically on the
 shared store), the work, then ``commit`` (the record written by rename, the pending mark
@@ -66,7 +67,7 @@ class SnapshotCatalog:
         """A new snapshot id, marked pending for ``node``, with ``name`` claimed for it
         (``SnapshotConflict`` naming it if another snapshot has it)."""
         snap_id = "s" + secrets.token_hex(8)
-        (self.pending_dir / snap_id).write_text(node)
+        (self.pending_dir / snap_id).write_text(_taker(node))
         if name is not None:
             try:
                 self._claim(name, snap_id)
@@ -102,6 +103,20 @@ class SnapshotCatalog:
             return held or None
         return None
 
+    def note_memory(self, snap_id: str, node: str, kind: str, memory: str) -> None:
+        """Mark a pending snapshot's memory as made (``kind``'s backend, id ``memory``): a crash
+        before ``commit`` leaves it to be removed (``pending_memory``)."""
+        (self.pending_dir / snap_id).write_text(f"{_taker(node)}\n{kind} {memory}")
+
+    def pending_memory(self, snap_id: str) -> tuple[str, str] | None:
+        """(kind, memory id) of a pending snapshot whose memory was made, else None."""
+        try:
+            lines = (self.pending_dir / snap_id).read_text().split("\n")
+        except OSError:
+            return None
+        kind, _, memory = (lines[1] if len(lines) > 1 else "").partition(" ")
+        return (kind, memory) if memory else None
+
     def commit(self, kept: Kept) -> None:
         """Write the record (atomically: it is found whole or not at all); no longer pending."""
         body = {"snapshot": kept.snapshot.model_dump(mode="json"), "memory": kept.memory}
@@ -120,14 +135,17 @@ class SnapshotCatalog:
         (self.pending_dir / snap_id).unlink(missing_ok=True)
 
     def pending_of(self, node: str) -> list[str]:
-        """The ids ``node`` began and neither committed nor abandoned (it crashed meanwhile)."""
+        """The ids ``node`` began and neither committed nor abandoned, in a process that is gone
+        (it crashed meanwhile). A live process's are its own: several servers on one machine
+        may share a store and a node name (tests do)."""
         out = []
         for mark in self.pending_dir.iterdir():
             try:
-                if mark.read_text().strip() == node:
-                    out.append(mark.name)
+                taker, _, pid = mark.read_text().split("\n")[0].strip().partition(" ")
             except OSError:
                 continue
+            if taker == node and not _alive(pid):
+                out.append(mark.name)
         return out
 
     def names_of(self, snap_id: str) -> list[str]:
@@ -181,6 +199,24 @@ class SnapshotCatalog:
         if snap_id != image and SNAPSHOT_ID.match(snap_id) and (self.dir / f"{snap_id}.json").exists():
             return snap_id
         return None
+
+
+def _taker(node: str) -> str:
+    """Who takes a snapshot: the node, and this process (``pending_of``)."""
+    return f"{node} {os.getpid()}"
+
+
+def _alive(pid: str) -> bool:
+    """Whether process ``pid`` (of a pending mark) runs, other than this one."""
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _plain(ref: str) -> bool:

@@ -1,6 +1,6 @@
 """Named snapshots on the edge, over the fake backend: the catalogue in the layer store, starts
 from a snapshot, and every refusal naming its problem. (A real container's and a real microVM's
-snapshots: tests/integration/test_snapshots.py, tests/vm/test_vm_snapshots_named.py.)"""
+snapshots: tests/integration/test_named_snapshots.py, tests/vm/test_vm_snapshots.py.)"""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import pytest
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
 from dsec.images import snapshots
+from dsec.images.store import Image
 from libdsec import (
-    DSecContainerRunArgs, ImageNotFound, InvalidRequest, SandboxStatus, SnapshotConflict, SnapshotNotFound,
+    DSecContainerRunArgs, DSecMicroVMRunArgs, ImageNotFound, InvalidRequest, SandboxStatus, SnapshotConflict,
+    SnapshotNotFound,
 )
 from libdsec.protocol import Snapshot, SnapshotRequest
 
@@ -137,17 +139,98 @@ async def test_a_full_snapshot_restores_only_on_its_node(tmp_path, store):
         catalog.remove(catalog.get(snap_id))
 
 
-async def test_a_snapshot_cut_short_by_a_crash_is_cleared_at_start(tmp_path, store):
+async def test_a_snapshot_cut_short_by_a_crash_is_cleared_at_start(tmp_path, store, monkeypatch):
+    dropped = []
+    monkeypatch.setattr(FakeBackend, "delete_snapshot", lambda self, memory: dropped.append(memory), raising=False)
     catalog = snapshots.SnapshotCatalog(store)
     snap_id = catalog.begin("n0", "half-made")  # then the edge died: no record was written
+    catalog.note_memory(snap_id, "n0", "container", "s00000000000000bb")  # after its memory was saved
+    other = catalog.begin("n7", None)  # another node's, being taken: not this node's to clear
     with pytest.raises(SnapshotConflict, match="'half-made' is taken"):
         catalog.begin("n0", "half-made")
     edge = edge_on(tmp_path, store)
     await edge.start()
     try:
         assert catalog.pending_of("n0") == [] and catalog.names_of(snap_id) == []
+        assert dropped == ["s00000000000000bb"] and catalog.pending_of("n7") == [other]
+        catalog.abandon(other, None)
         with pytest.raises(SnapshotNotFound):
             await edge.get_snapshot("half-made")
         catalog.abandon(catalog.begin("n0", "half-made"), "half-made")  # the name is free again
     finally:
         await edge.close()
+
+
+def keep_full_snapshot(store, node: str, kind: str = "microvm", project: str = "root") -> str:
+    """A full snapshot's record as the node that took it keeps it (its memory is a fake's)."""
+    catalog = snapshots.SnapshotCatalog(store)
+    snap_id = catalog.begin(node, None)
+    tiny = store.get_image("tiny")
+    store.put_image(Image(name=snapshots.image_name(snap_id), layers=tiny.layers, env=tiny.env))
+    catalog.commit(snapshots.Kept(Snapshot(
+        id=snap_id, mode="full", kind=kind, sandbox_id=f"{node}-0123456789abcdef", node=node, project=project,
+        image=snapshots.image_name(snap_id), source_image="tiny", size_bytes=1, save_s=0.1,
+        created_at="2026-01-01T00:00:00Z"), "s00000000000000aa"))
+    return snap_id
+
+
+async def test_a_create_from_a_full_snapshot_is_placed_on_the_node_holding_its_memory(tmp_path, store):
+    import random
+
+    from dsec.apiserver.cluster import Cluster
+
+    edges = [Edge(EdgeConfig(node_dir=tmp_path / name, node=name, pool_min=0, pool_max=0), FakeBackend("microvm"),
+                  store) for name in ("n0", "n1", "n2")]
+    for edge in edges:
+        await edge.start()
+    snap_id = keep_full_snapshot(store, "n1")
+    try:
+        cluster = Cluster(edges, rng=random.Random(0))
+        made = [await cluster.create(DSecMicroVMRunArgs(snapshot=snap_id), "root", kind="microvm") for _ in range(6)]
+        assert {info.node for info in made} == {"n1"} and {info.snapshot for info in made} == {snap_id}
+        for info in made:
+            await cluster.stop(info.id)
+        away = Cluster([edges[0], edges[2]], rng=random.Random(0))
+        with pytest.raises(SnapshotConflict, match="its memory is on node n1, which is not in the cluster now"):
+            await away.create(DSecMicroVMRunArgs(snapshot=snap_id), "root", kind="microvm")
+        with pytest.raises(SnapshotNotFound, match="no snapshot 'gone-one'"):
+            await cluster.create(DSecMicroVMRunArgs(snapshot="gone-one"), "root", kind="microvm")
+    finally:
+        await edges[1].remove_snapshot(snap_id, [])
+        for edge in edges:
+            await edge.close()
+
+
+async def test_the_catalogue_routes_show_a_project_its_own_snapshots(tmp_path, store):
+    import httpx
+
+    from dsec.apiserver.app import create_app
+    from dsec.apiserver.cluster import Cluster
+    from dsec.apiserver.projects import open_project_store
+    from libdsec import DSecClient
+
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "n0", pool_min=0, pool_max=0), FakeBackend("microvm"), store)
+    await edge.start()
+    projects = open_project_store()
+    transport = httpx.ASGITransport(app=create_app(Cluster([edge], projects=projects), "root-token"),
+                                    raise_app_exceptions=False)
+    snap_id = keep_full_snapshot(store, "n0")
+    try:
+        async with DSecClient("http://api", token="root-token", transport=transport) as root:
+            await root.create_project("team")
+            token = await root.create_project_token("team")
+            assert [s.id for s in await root.list_snapshots()] == [snap_id]
+            async with DSecClient("http://api", token=token, transport=transport) as team:
+                assert await team.list_snapshots() == []
+                with pytest.raises(SnapshotNotFound):
+                    await team.get_snapshot(snap_id)
+                with pytest.raises(SnapshotNotFound):
+                    await team.remove_snapshot(snap_id)
+                with pytest.raises(InvalidRequest, match="invalid snapshot reference"):
+                    await team.get_snapshot("a/b")
+            assert (await root.remove_snapshot(snap_id)).id == snap_id
+            with pytest.raises(SnapshotNotFound):
+                await root.get_snapshot(snap_id)
+    finally:
+        await edge.close()
+        projects.close()
