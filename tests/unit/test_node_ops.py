@@ -259,3 +259,19 @@ async def test_remote_edge_keeps_each_calls_timeout(monkeypatch):
         assert seen[op.name] == TIMEOUTS.get(op.name), op.name
     await remote.close()
     assert remote_module.BATCH_IDLE_S == 120.0 and NODE_OPS_BY_NAME["create_batch"].answers == "lines"
+
+
+def test_every_public_call_is_a_node_call_on_the_same_path_with_the_same_models():
+    from libdsec.api_ops import PUBLIC_OPS
+
+    from dsec.edge.ops import NODE_FORMS
+
+    for op in PUBLIC_OPS:
+        node = NODE_OPS_BY_NAME[op.name]
+        if op.name in NODE_FORMS:
+            assert node is NODE_FORMS[op.name]
+            continue
+        assert (node.method, node.path, node.request, node.answer, node.answers, node.body, node.query,
+                node.spread, node.timeout) == (op.method, op.path, op.request, op.answer, op.answers, op.body,
+                                               op.query, op.spread, op.timeout), op.name
+        assert node.lifecycle is None and node.journal is None, op.name  # the edge's method checks its own

@@ -38,6 +38,7 @@ from .protocol import ExecEvent, FileEntry, FsEvent, ProcessInfo
 from .protocol import BuildResult, DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, Snapshot, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
+from ._pausing import SandboxGroupResult, SandboxOutcome
 from ._projects import ProjectInfo, ProjectQuota
 from ._sync import SyncDSecClient, SyncProcess, SyncDirWatch, SyncPty, SyncSandbox, SyncSession
 
@@ -81,9 +82,11 @@ __all__ = [
     "ReplayIncomplete",
     "Sandbox",
     "SandboxFileNotFound",
+    "SandboxGroupResult",
     "SandboxInfo",
     "SandboxLost",
     "SandboxNotFound",
+    "SandboxOutcome",
     "SandboxStateError",
     "SandboxStatus",
     "SecurityEvent",

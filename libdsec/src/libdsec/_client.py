@@ -34,6 +34,7 @@ from ._errors import (
 from ._build import build_request
 from ._files import SandboxFiles
 from ._process import Process, Session, events_of, run_with_callbacks
+from ._pausing import _GroupMethods
 from ._projects import _ProjectMethods
 from ._replay import Replay
 from ._pty import Pty
@@ -467,7 +468,7 @@ class Sandbox:
         await self.stop()
 
 
-class DSecClient(_ProjectMethods):
+class DSecClient(_ProjectMethods, _GroupMethods):
     """Async client for a DSec apiserver.
 
     ``endpoint`` defaults to DSEC_ENDPOINT or http://127.0.0.1:8765; ``token`` to DSEC_TOKEN or

@@ -18,9 +18,10 @@ batch create, the port proxy, image removal and builds, the snapshot catalogue, 
 FnCall, the cluster's views) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
 that this table, the apiserver's routes, the SDK and the node seam name the same operations.
 
-Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (with
-its entry in ``dsec.edge.ops``), and the SDK's method; the route, its OpenAPI entry, the job
-log's rule, the node's route and ``RemoteEdge``'s method follow.
+Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (and
+its line on ``EdgeAPI``, the node seam's typed interface), and the SDK's method with its sync
+twin; the route, its OpenAPI entry, the job log's rule, the node's entry (``dsec.edge.ops``
+makes it from this one), its route and ``RemoteEdge``'s method follow.
 """
 
 from __future__ import annotations

@@ -94,8 +94,14 @@ class DSecContainerRunArgs(_Model):
     container_image: str = Field(default="", max_length=256)
     memory_limit_mb: int = 512
     cpu_cores_limit: float = 1.0
-    # Seconds without a call after which the sandbox is stopped.
+    # Seconds without a call after which the sandbox is stopped (or paused: ``on_ttl``).
     ttl_running_stop: float = 1800.0
+    # What its idle TTL does: stop it, or pause it (a paused sandbox then ends after the node's
+    # ``paused_ttl_s``, as any paused one does).
+    on_ttl: Literal["stop", "pause"] = "stop"
+    # A call to the sandbox while it is paused resumes it first; False: such a call is refused
+    # (``SandboxStateError``, 409) until it is resumed explicitly.
+    auto_resume: bool = True
     # Named mirror services (or "domains") mapped to allowed or not. Default: no network.
     network_rules: dict[str, bool | list[str]] = Field(default_factory=dict)
     # The user and directory the sandbox's commands run as and in. None: the image's (a
@@ -311,6 +317,8 @@ class SandboxInfo(_Model):
     cpu_cores_cap: float | None = None
     best_effort: bool = False
     labels: dict[str, str] = Field(default_factory=dict)
+    on_ttl: Literal["stop", "pause"] = "stop"
+    auto_resume: bool = True
     # The snapshot (id) it was started from, if any.
     snapshot: str | None = None
 

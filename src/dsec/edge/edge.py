@@ -106,7 +106,8 @@ class Edge(Creates, Snapshots, Inside, NodeCalls):
         # Batches whose sandboxes are held here until committed: id -> when they are given up
         # (None while the batch is still being made).
         self._batches: dict[str, float | None] = {}
-        self.reaper = TTLReaper(config, self._records, self.stop, self._batches, sweep=self._sweep_gone)
+        self.reaper = TTLReaper(config, self._records, self.stop, self._batches, sweep=self._sweep_gone,
+                                pause=self.pause)
         self._undoing: set[asyncio.Task] = set()  # failed batches being undone (close() waits for them)
         self._looking: dict[str, asyncio.Task] = {}  # sandboxes whose death is being confirmed (_look_again)
         self._closed = False

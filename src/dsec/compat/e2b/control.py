@@ -9,6 +9,9 @@ Each route parses E2B's request into one DSec call on the cluster and answers in
   (or name) is a template too (``snapshots``: create, list and delete them);
 - an E2B timeout is the sandbox's ``ttl_running_stop`` (DSec's TTL is idle time: a sandbox in
   use lives on; ``endAt`` is its last call plus the TTL); ``metadata`` is its ``labels``;
+- ``lifecycle``: ``on_timeout="pause"`` (``autoPause``) is ``on_ttl="pause"``, ``auto_resume``
+  (``autoResume.enabled``) is ``auto_resume`` (unset: True, DSec's default); a paused
+  sandbox keeps its memory, so a filesystem-only pause is refused;
 - ``network.allowOut`` names domains (a name with a dot, or an IPv4 address) and DSec's mirror
   services (a name without a dot) for its allowlist; ``denyOut`` is what DSec denies anyway.
 
@@ -21,7 +24,6 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
-import os
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
@@ -34,6 +36,7 @@ from pydantic import ValidationError
 from libdsec import BackendError, DSecError, ImageNotFound, InvalidRequest, SandboxLost, SandboxNotFound, SandboxStateError
 from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxInfo, SandboxStatus, StartProcessRequest
 
+from ... import settings
 from ...apiserver.auth import Authenticator, Caller
 from ...apiserver.cluster import Cluster
 from . import _models as m
@@ -43,6 +46,8 @@ from .snapshots import add_snapshot_routes, start_of
 from .templates import add_template_routes
 
 BASE_TEMPLATE = "base"
+_NO_FILESYSTEM_PAUSE = ("a filesystem-only pause (mode 'filesystem', keep_memory=False) is not supported by DSec's "
+                        "E2B API: a paused DSec sandbox keeps its memory (docs/COMPAT.md)")
 # The template a sandbox was asked for, where it is not its image's name (``base``): a label of
 # DSec's own, not shown in E2B's ``metadata`` (which may not use the prefix).
 TEMPLATE_LABEL = "dsec.e2b.template"
@@ -119,7 +124,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
             raise SandboxNotFound(f"sandbox {sandbox_id} not found ({info.status.value})")
         return caller, info
 
-    chosen_base = os.environ.get("DSEC_E2B_BASE_IMAGE", "").strip()
+    chosen_base = settings.current().e2b_base_image
 
     async def image_of(template: str) -> str:
         if template != BASE_TEMPLATE:
@@ -174,10 +179,11 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     async def create(request: Request) -> JSONResponse:
         caller = caller_of(request)
         body = m.parse(m.NewSandbox, await m.read_json(request))
-        for name, value in (("autoPause", body.auto_pause), ("mcp", body.mcp), ("iam", body.iam),
-                            ("volumeMounts", body.volume_mounts)):
+        for name, value in (("mcp", body.mcp), ("iam", body.iam), ("volumeMounts", body.volume_mounts)):
             if value:
                 raise InvalidRequest(f"{name} is not supported by DSec's E2B API (docs/COMPAT.md)")
+        if body.auto_pause and body.auto_pause_memory is False:
+            raise InvalidRequest(_NO_FILESYSTEM_PAUSE)
         network = body.network or m.NetworkConfig()
         if network.rules or network.egress_proxy:
             raise InvalidRequest("network.rules and network.egressProxy are not supported by DSec's E2B API")
@@ -190,6 +196,8 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         try:
             args = DSecContainerRunArgs(container_image=image, ttl_running_stop=float(body.timeout),
                                         env=body.env_vars, labels=labels, network_rules=rules,
+                                        on_ttl="pause" if body.auto_pause else "stop",
+                                        auto_resume=True if body.auto_resume is None else body.auto_resume.enabled,
                                         snapshot=None if snapshot is None else snapshot.id)
         except ValidationError as exc:
             raise InvalidRequest(f"malformed request: {exc.errors()[0].get('msg')}") from None
@@ -239,7 +247,9 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     @_answers
     async def get_sandbox(request: Request, sandbox_id: str) -> JSONResponse:
         _, info = await visible(request, sandbox_id)
-        detail = listed(info, m.SandboxDetail, envd_access_token=tokens.token(info.id, info.init_user))
+        detail = listed(info, m.SandboxDetail, envd_access_token=tokens.token(info.id, info.init_user),
+                        lifecycle=m.Lifecycle(on_timeout="pause" if info.on_ttl == "pause" else "kill",
+                                              auto_resume=info.auto_resume))
         return JSONResponse(detail.model_dump(mode="json"))
 
     @router.delete("/sandboxes/{sandbox_id}")
@@ -272,6 +282,8 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     @router.post("/sandboxes/{sandbox_id}/pause")
     @_answers
     async def pause(request: Request, sandbox_id: str) -> Response:
+        if m.parse(m.PauseRequest, await m.read_json(request)).memory is False:
+            raise InvalidRequest(_NO_FILESYSTEM_PAUSE)
         _, info = await visible(request, sandbox_id)
         if info.status is SandboxStatus.paused:
             return error_body(409, f"sandbox {sandbox_id} is already paused")
