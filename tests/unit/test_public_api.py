@@ -34,6 +34,7 @@ PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClose
 PUBLIC |= {"Pty", "SyncPty"}  # a terminal in a sandbox
 PUBLIC |= {"BuildResult", "ImageBuildFailed"}  # images built from Dockerfiles
 PUBLIC |= {"DirWatch", "FsEvent", "SyncDirWatch"}  # directory watches
+PUBLIC |= {"Snapshot", "SnapshotConflict", "SnapshotNotFound"}  # named snapshots
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -42,6 +43,8 @@ ERRORS = [
     (libdsec.Unauthenticated, "unauthenticated", 401, PermissionError),
     (libdsec.ImageNotFound, "image_not_found", 404, LookupError),
     (libdsec.SandboxNotFound, "sandbox_not_found", 404, LookupError),
+    (libdsec.SnapshotNotFound, "snapshot_not_found", 404, LookupError),
+    (libdsec.SnapshotConflict, "snapshot_conflict", 409, libdsec.DSecError),
     (libdsec.SandboxStateError, "sandbox_state", 409, RuntimeError),
     (libdsec.SandboxLost, "sandbox_lost", 410, ConnectionError),
     (libdsec.SandboxFileNotFound, "file_not_found", 404, FileNotFoundError),
@@ -199,6 +202,9 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _node.LayerUse: {},
         _node.ImageRemoveRequest: {},
         _node.LayerGCRequest: {},
+        _node.SnapshotRemoveRequest: {"users": []},
+        _models.SnapshotRequest: {"mode": "filesystem", "name": "base-ready"},
+        _models.SnapshotList: {"snapshots": []},
         _node.LayerGCResult: {"removed": []},
         _models.LatencyHistogram: {},
         _models.SandboxCount: {"status": "running", "kind": "container", "project": "root", "count": 1},

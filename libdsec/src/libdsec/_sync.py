@@ -21,7 +21,7 @@ from ._pty import Pty
 from ._watch import DirWatch
 from .protocol import BuildResult, ExecEvent, FileEntry, FsEvent, ProcessInfo  # noqa: F401
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo  # noqa: F401,E501
-from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo  # noqa: F401
+from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, Snapshot, SnapshotInfo, SnapshotMode  # noqa: F401
 from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult, JobInfo, JobLog, NodeInfo, SandboxStatus  # noqa: F401
 from ._projects import _SyncProjectMethods
 from ._twin import twin_of

@@ -229,3 +229,15 @@ class TemplateBuildInfo(_Answer):
 class TemplateAlias(_Answer):
     template_id: str = Field(alias="templateID")
     public: bool = False
+
+
+class SnapshotRequest(_Request):
+    """``POST /sandboxes/{id}/snapshots``: ``memory`` false is a filesystem-only snapshot."""
+
+    name: str | None = None
+    memory: bool | None = None
+
+
+class SnapshotInfo(_Answer):
+    snapshot_id: str = Field(alias="snapshotID")
+    names: list[str] = Field(default_factory=list)

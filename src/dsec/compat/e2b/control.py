@@ -5,7 +5,8 @@ Each route parses E2B's request into one DSec call on the cluster and answers in
 - templates are DSec images (``base``: the image ``DSEC_E2B_BASE_IMAGE`` names, else ``e2b-base``,
   ``base`` or ``python``, the first the store has); one with a start command (an E2B template
   built with ``set_start_cmd``) runs it as a sandbox starts and the create answers once its
-  ready command exits 0; ``templates`` builds them (E2B's template builder);
+  ready command exits 0; ``templates`` builds them (E2B's template builder); a snapshot's id
+  (or name) is a template too (``snapshots``: create, list and delete them);
 - an E2B timeout is the sandbox's ``ttl_running_stop`` (DSec's TTL is idle time: a sandbox in
   use lives on; ``endAt`` is its last call plus the TTL); ``metadata`` is its ``labels``;
 - ``lifecycle``: ``on_timeout="pause"`` (``autoPause``) is ``on_ttl="pause"``, ``auto_resume``
@@ -41,6 +42,7 @@ from ...apiserver.cluster import Cluster
 from . import _models as m
 from ._errors import api_error, error_body
 from .envd import ENVD_VERSION, EnvdTokens
+from .snapshots import add_snapshot_routes, start_of
 from .templates import add_template_routes
 
 BASE_TEMPLATE = "base"
@@ -188,13 +190,15 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         rules = network_rules(network.allow_out, network.deny_out)
         if any(k.startswith(_OWN_LABELS) for k in body.metadata):
             raise InvalidRequest(f"metadata keys starting with {_OWN_LABELS!r} are DSec's own")
-        image = await image_of(body.template_id)
+        snapshot = await start_of(cluster, body.template_id)
+        image = "" if snapshot is not None else await image_of(body.template_id)
         labels = {**body.metadata, **({TEMPLATE_LABEL: body.template_id} if image != body.template_id else {})}
         try:
             args = DSecContainerRunArgs(container_image=image, ttl_running_stop=float(body.timeout),
                                         env=body.env_vars, labels=labels, network_rules=rules,
                                         on_ttl="pause" if body.auto_pause else "stop",
-                                        auto_resume=True if body.auto_resume is None else body.auto_resume.enabled)
+                                        auto_resume=True if body.auto_resume is None else body.auto_resume.enabled,
+                                        snapshot=None if snapshot is None else snapshot.id)
         except ValidationError as exc:
             raise InvalidRequest(f"malformed request: {exc.errors()[0].get('msg')}") from None
         try:
@@ -348,6 +352,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
                                         envd_version=ENVD_VERSION).model_dump(mode="json") for n in names])
 
     add_template_routes(router, cluster, caller_of, image_of, authenticator.root_token, _answers)
+    add_snapshot_routes(router, cluster, caller_of, visible, _answers)
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def unsupported(request: Request, path: str) -> JSONResponse:
