@@ -29,6 +29,7 @@ from pathlib import Path
 
 from libdsec import ImageNotFound, InvalidRequest
 from libdsec.protocol import ImageInfo
+from .index import StoreIndex
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}\Z")
 # A fixed filesystem UUID keeps the EROFS bytes free of randomness.
@@ -150,6 +151,8 @@ class LayerStore:
         # resolves its image; a stat tells whether the file (replaced by rename, maybe from
         # another process sharing the store) is still the one read.
         self._images: dict[str, tuple[tuple[int, int, int], Image]] = {}
+        # Names, layer references and totals, answered without reading every manifest.
+        self.index = StoreIndex(self.root, self.images_dir, self.layers_dir, self.locked)
 
     # -- layers ----------------------------------------------------------------------------
 
@@ -181,7 +184,7 @@ class LayerStore:
             if proc.returncode != 0:
                 raise LayerBuildError(f"mkfs.erofs failed for {source}: {proc.stderr.strip()[:500]}")
             os.chmod(tmp, 0o444)
-            os.rename(tmp, final)
+            self.index.layer_placed(digest, os.stat(tmp).st_size, lambda: os.rename(tmp, final))
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -202,8 +205,10 @@ class LayerStore:
         return sorted(p.name.removesuffix(".erofs") for p in self.layers_dir.glob("*.erofs"))
 
     def remove_layer(self, digest: str) -> None:
-        self.layer_path(digest).unlink(missing_ok=True)
-        self.dax_layer_path(digest).unlink(missing_ok=True)
+        def unlink() -> None:
+            self.layer_path(digest).unlink(missing_ok=True)
+            self.dax_layer_path(digest).unlink(missing_ok=True)
+        self.index.layer_removed(digest, unlink)
 
     # -- DAX variants (layers mapped into VMs as persistent memory) ------------------------
 
@@ -235,7 +240,7 @@ class LayerStore:
                 raise LayerBuildError(f"mkfs.erofs (DAX variant of {digest}) failed: {proc.stderr.strip()[:500]}")
             os.truncate(tmp, -(-tmp.stat().st_size // DAX_ALIGN) * DAX_ALIGN)
             os.chmod(tmp, 0o444)
-            os.rename(tmp, final)
+            self.index.layer_file_placed(lambda: os.rename(tmp, final))
         return final
 
     # -- images ----------------------------------------------------------------------------
@@ -244,13 +249,17 @@ class LayerStore:
         check_name(image.name)
         if not image.layers:
             raise InvalidRequest(f"image {image.name!r} has no layers")
+        sizes = {}
         for digest in image.layers:
-            if not self.has_layer(digest):
-                raise InvalidRequest(f"image {image.name!r} names missing layer {digest}")
+            try:
+                sizes[digest] = os.stat(self.layer_path(digest)).st_size
+            except FileNotFoundError:
+                raise InvalidRequest(f"image {image.name!r} names missing layer {digest}") from None
         fd, tmp = tempfile.mkstemp(dir=self.tmp_dir, suffix=".json")
         with os.fdopen(fd, "w") as f:
             f.write(image.to_json())
-        os.rename(tmp, self.images_dir / f"{image.name}.json")
+        self.index.image_put(image.name, list(image.layers), list(image.roles), sizes,
+                             lambda: os.rename(tmp, self.images_dir / f"{image.name}.json"))
         return image
 
     def get_image(self, name: str) -> Image:
@@ -267,9 +276,7 @@ class LayerStore:
                 data = json.loads(f.read())
         except FileNotFoundError:
             self._images.pop(name, None)  # removed by another process sharing the store
-            raise ImageNotFound(
-                f"unknown image {name!r}; known: {', '.join(self.image_names()) or 'none'}"
-            ) from None
+            raise ImageNotFound(f"unknown image {name!r}; {self._known_names(name)}") from None
         image = Image(
             name=data["name"], layers=tuple(data["layers"]), env=data.get("env", {}),
             workdir=data.get("workdir", "/"), user=data.get("user", "root"),
@@ -288,7 +295,15 @@ class LayerStore:
         return image
 
     def image_names(self) -> list[str]:
-        return sorted(p.name.removesuffix(".json") for p in self.images_dir.glob("*.json"))
+        return self.index.names()
+
+    def _known_names(self, missing: str, shown: int = 20) -> str:
+        """The images an unknown name might have meant: those sharing its first characters,
+        or the first ones; a store of 100,000 images is not spelled out in an error."""
+        total = self.index.count()
+        near = self.index.names(limit=shown, prefix=missing[:3]) or self.index.names(limit=shown)
+        more = f", … ({total} images; see `dsec image ls`)" if total > len(near) else ""
+        return f"known: {', '.join(near) or 'none'}{more}"
 
     def has_image(self, name: str) -> bool:
         return bool(_NAME.match(name)) and (self.images_dir / f"{name}.json").exists()
@@ -300,7 +315,7 @@ class LayerStore:
         users = sorted(ref for ref in in_use if name in ref.split("+"))
         if users:
             raise InvalidRequest(f"image {name!r} is in use by running sandboxes ({', '.join(users)}); stop them first")
-        (self.images_dir / f"{name}.json").unlink()
+        self.index.image_removed(name, (self.images_dir / f"{name}.json").unlink)
         self._images.pop(name, None)  # else its cached manifest stays for ever (a soak packs and removes thousands)
 
     @contextmanager
@@ -326,8 +341,7 @@ class LayerStore:
                          user=image.user, setuid=image.setuid, start_cmd=image.start_cmd, ready_cmd=image.ready_cmd)
 
     def unreferenced_layers(self) -> list[str]:
-        used = {d for n in self.image_names() for d in self.get_image(n).layers}
-        return [d for d in self.layer_digests() if d not in used]
+        return self.index.unreferenced_layers()
 
     def gc(self, in_use: frozenset[str] = frozenset()) -> list[str]:
         """Remove layers no image refers to and no sandbox holds (``in_use``: layer digests)."""

@@ -1,0 +1,138 @@
+"""The store's index: pages of image names, layer references for GC and the store's totals,
+kept by the store's writes, found out of date by the directories' mtimes and rebuilt."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from libdsec import ImageNotFound
+from dsec.images.store import Image, LayerStore
+
+pytestmark = pytest.mark.skipif(shutil.which("mkfs.erofs") is None, reason="needs erofs-utils")
+
+
+def _layer(store: LayerStore, tmp: Path, text: str) -> str:
+    root = tmp / f"src-{text}"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "f").write_text(text)
+    return store.add_dir(root)
+
+
+@pytest.fixture
+def store(tmp_path) -> LayerStore:
+    return LayerStore(tmp_path / "store")
+
+
+def test_pages_filter_by_prefix_and_top_role(store, tmp_path):
+    base = _layer(store, tmp_path, "base")
+    store.put_image(Image(name="base-a", layers=(base,)))
+    for i in range(5):
+        ws = _layer(store, tmp_path, f"ws{i}")
+        store.put_image(Image(name=f"ws-{i}", layers=(base, ws), roles=("base", "workspace")))
+    idx = store.index
+    assert idx.names() == ["base-a", "ws-0", "ws-1", "ws-2", "ws-3", "ws-4"]
+    assert idx.names(limit=2) == ["base-a", "ws-0"]
+    assert idx.names(limit=2, after="ws-0") == ["ws-1", "ws-2"]
+    assert idx.names(after="ws-4") == []
+    assert idx.names(prefix="ws-") == [f"ws-{i}" for i in range(5)]
+    assert idx.names(prefix="base") == ["base-a"]
+    assert idx.names(role="workspace", limit=3, after="ws-2") == ["ws-3", "ws-4"]
+    assert idx.names(role="base") == ["base-a"]
+    assert store.image_names() == idx.names()
+
+
+def test_references_gc_and_dedup_stats(store, tmp_path):
+    base, a, b = (_layer(store, tmp_path, t) for t in ("base", "a", "b"))
+    store.put_image(Image(name="one", layers=(base, a)))
+    store.put_image(Image(name="two", layers=(base, b)))
+    size = {d: store.layer_size(d) for d in (base, a, b)}
+    st = store.index.stats()
+    assert (st.images, st.distinct_layers, st.stored_layers) == (2, 3, 3)
+    assert st.stored_bytes == sum(size.values())
+    assert st.referenced_bytes == 2 * size[base] + size[a] + size[b] > st.stored_bytes
+    assert store.unreferenced_layers() == []
+    # Replacing an image drops its old references; removing one drops its own.
+    store.put_image(Image(name="two", layers=(base,)))
+    assert store.unreferenced_layers() == [b]
+    store.remove_image("one")
+    assert store.unreferenced_layers() == sorted([a, b])
+    assert sorted(store.gc(in_use=frozenset({a}))) == [b]
+    assert not store.has_layer(b) and store.has_layer(a)
+    assert store.gc() == [a]
+    st = store.index.stats()
+    assert (st.images, st.distinct_layers, st.stored_layers, st.stored_bytes) == (1, 1, 1, size[base])
+
+
+def test_changes_made_behind_its_back_are_found(store, tmp_path):
+    base, extra = _layer(store, tmp_path, "base"), _layer(store, tmp_path, "extra")
+    store.put_image(Image(name="mine", layers=(base,)))
+    other = LayerStore(store.root)  # another process sharing the store
+    assert other.image_names() == ["mine"]
+    # A manifest renamed into place and a layer file dropped in without the index (a tick of
+    # the kernel's clock later: a directory's mtime is what tells).
+    time.sleep(0.02)
+    manifest = Image(name="foreign", layers=(base, extra)).to_json()
+    (store.tmp_dir / "m.json").write_text(manifest)
+    os.rename(store.tmp_dir / "m.json", store.images_dir / "foreign.json")
+    shutil.copy(store.layer_path(extra), store.layers_dir / ("sha256-" + "f" * 64 + ".erofs"))
+    assert other.image_names() == ["foreign", "mine"]
+    assert other.unreferenced_layers() == ["sha256-" + "f" * 64]
+    # Edited in place (a new inode, the same name): its new layers are read.
+    time.sleep(0.02)
+    os.rename(store.images_dir / "foreign.json", store.tmp_dir / "old.json")
+    (store.tmp_dir / "m.json").write_text(Image(name="foreign", layers=(base,)).to_json())
+    os.rename(store.tmp_dir / "m.json", store.images_dir / "foreign.json")
+    assert sorted(store.unreferenced_layers()) == sorted([extra, "sha256-" + "f" * 64])
+    time.sleep(0.02)
+    (store.images_dir / "foreign.json").unlink()
+    assert store.image_names() == ["mine"] == other.image_names()
+    # A layer file removed by hand is no longer counted as stored.
+    time.sleep(0.02)
+    store.layer_path(extra).unlink()
+    assert extra not in store.unreferenced_layers()
+
+
+def test_a_missing_or_damaged_index_is_rebuilt(store, tmp_path):
+    base = _layer(store, tmp_path, "base")
+    for i in range(3):
+        store.put_image(Image(name=f"img-{i}", layers=(base,)))
+    orphan = _layer(store, tmp_path, "orphan")
+    store.index.close()
+    store.index.path.unlink()
+    fresh = LayerStore(store.root)
+    assert fresh.image_names() == ["img-0", "img-1", "img-2"]
+    assert fresh.unreferenced_layers() == [orphan]
+    fresh.index.close()
+    fresh.index.path.write_bytes(b"this is not a database" * 100)
+    again = LayerStore(store.root)
+    assert again.image_names() == ["img-0", "img-1", "img-2"]
+    assert again.index.stats().distinct_layers == 1
+    again.index.rebuild()
+    assert again.image_names() == ["img-0", "img-1", "img-2"] and again.unreferenced_layers() == [orphan]
+
+
+def test_an_unknown_name_lists_some_images_not_all(store, tmp_path):
+    base = _layer(store, tmp_path, "base")
+    for i in range(60):
+        store.put_image(Image(name=f"task-{i:03d}", layers=(base,)))
+    with pytest.raises(ImageNotFound) as err:
+        store.get_image("tas")
+    msg = str(err.value)
+    assert "task-000" in msg and "task-019" in msg and "task-020" not in msg and "60 images" in msg
+    with pytest.raises(ImageNotFound, match="known: task-000"):
+        store.get_image("zzz")
+
+
+def test_manifests_stay_the_truth(store, tmp_path):
+    """The index adds nothing the manifests do not say: a manifest reads back the same."""
+    base = _layer(store, tmp_path, "base")
+    store.put_image(Image(name="x", layers=(base,), env={"A": "1"}))
+    data = json.loads((store.images_dir / "x.json").read_text())
+    assert data["layers"] == [base] and data["env"] == {"A": "1"}
+    assert sorted(os.listdir(store.root / "index")) == ["store.sqlite"]
