@@ -63,15 +63,60 @@ def _size(n: int) -> str:
     return f"{n / 1e6:.1f} MB"
 
 
+def parse_filters(filters: list[str]) -> dict[str, str]:
+    """``--filter name=PREFIX`` / ``--filter role=ROLE`` as keyword arguments of the index's
+    ``names`` (``prefix``, ``role``)."""
+    from .images.store import ROLES
+
+    out: dict[str, str] = {}
+    for f in filters:
+        key, sep, value = f.partition("=")
+        if not sep or key not in ("name", "role") or not value:
+            raise InvalidRequest(f"bad --filter {f!r}: use name=PREFIX or role=ROLE")
+        if key == "role" and value not in ROLES:
+            raise InvalidRequest(f"bad --filter {f!r}: a role is one of {', '.join(ROLES)}")
+        out["prefix" if key == "name" else "role"] = value
+    return out
+
+
 @image_app.command("ls")
-def image_ls(state_dir: StateDir = DEFAULT_STATE) -> None:
-    """List images."""
+def image_ls(
+    limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many images (a page).")] = 1000,
+    after: Annotated[Optional[str], typer.Option("--after", help="Start after this name (the last of the previous page).")] = None,
+    filters: Annotated[Optional[list[str]], typer.Option(
+        "--filter", help="name=PREFIX or role=ROLE (the role of the top layer: base, workspace, toolkit, step, "
+                         "snapshot); repeatable.")] = None,
+    stats: Annotated[bool, typer.Option("--stats", help="The store's totals: images, distinct layers, bytes stored "
+                                        "and bytes the images refer to (what sharing layers saves).")] = False,
+    reindex: Annotated[bool, typer.Option("--reindex", help="Rebuild the store's index from its files first.")] = False,
+    state_dir: StateDir = DEFAULT_STATE,
+) -> None:
+    """List images, a page at a time, in name order (the next page: --after the last name shown)."""
     store = _store(state_dir)
+    if reindex:
+        store.index.rebuild()
+    if stats:
+        st = store.index.stats()
+        table = Table("IMAGES", "DISTINCT LAYERS", "LAYER FILES", "STORED", "REFERENCED", "SAVED")
+        saved = 1 - st.stored_bytes / st.referenced_bytes if st.referenced_bytes else 0.0
+        table.add_row(str(st.images), str(st.distinct_layers), str(st.stored_layers), _size(st.stored_bytes),
+                      _size(st.referenced_bytes), f"{saved:.0%}")
+        console.print(table)
+        return
+    try:
+        names = store.index.names(limit=limit + 1, after=after, **parse_filters(filters or []))
+    except DSecError as exc:
+        fail(exc)
     table = Table("NAME", "LAYERS", "ROLES", "SIZE")
-    for name in store.image_names():
-        info = store.describe(store.get_image(name))
+    for name in names[:limit]:
+        try:
+            info = store.describe(store.get_image(name))
+        except (DSecError, OSError):
+            continue  # removed while listing
         table.add_row(name, str(len(info.layers)), ",".join(info.roles), _size(info.size_bytes))
     console.print(table)
+    if len(names) > limit:
+        console.print(f"more: dsec image ls --after {names[limit - 1]}", markup=False)
 
 
 @image_app.command("inspect")

@@ -136,3 +136,33 @@ def test_manifests_stay_the_truth(store, tmp_path):
     data = json.loads((store.images_dir / "x.json").read_text())
     assert data["layers"] == [base] and data["env"] == {"A": "1"}
     assert sorted(os.listdir(store.root / "index")) == ["store.sqlite"]
+
+
+def test_image_ls_pages_filters_and_stats(store, tmp_path):
+    from typer.testing import CliRunner
+
+    from dsec.cli import app
+
+    base = _layer(store, tmp_path, "base")
+    store.put_image(Image(name="base", layers=(base,)))
+    for i in range(5):
+        store.put_image(Image(name=f"ws-{i}", layers=(base, _layer(store, tmp_path, f"w{i}")),
+                              roles=("base", "workspace")))
+    state = ["--state-dir", str(tmp_path)]  # the store is STATE_DIR/store
+
+    def ls(*args: str) -> str:
+        result = CliRunner().invoke(app, ["image", "ls", *args, *state], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    out = ls("--limit", "2")
+    assert "base" in out and "ws-0" in out and "ws-1" not in out and "dsec image ls --after ws-0" in out
+    out = ls("--limit", "2", "--after", "ws-0", "--filter", "role=workspace")
+    assert "ws-1" in out and "ws-2" in out and "ws-3" not in out and "base,base" not in out
+    out = ls("--filter", "name=ws-3")
+    assert "ws-3" in out and "ws-4" not in out and "more:" not in out
+    out = ls("--stats", "--reindex")
+    row = next(line for line in out.splitlines() if line.strip().startswith("│ 6"))
+    assert [c.strip() for c in row.split("│")[1:4]] == ["6", "6", "6"]  # images, distinct layers, files
+    bad = CliRunner().invoke(app, ["image", "ls", "--filter", "role=nope", *state])
+    assert bad.exit_code != 0 and "a role is one of" in bad.output
