@@ -330,6 +330,28 @@ def bench_soak(
                                fncall_every=fncall_every, store=store_dir, tracemalloc=tracemalloc))
 
 
+@app.command("images")
+def bench_images(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="Where the two stores and their servers go (the stores "
+                                            "are removed at the end; results in <state-dir>/images.json).")] = Path("/var/lib/dsec-bench-images"),
+    bases: Annotated[int, typer.Option(help="Base images in the big store.")] = 10_000,
+    workspaces: Annotated[int, typer.Option(help="Workspaces in the big store (the small one has 10).")] = 100_000,
+    creates: Annotated[int, typer.Option(help="Measured creates on each store.")] = 200,
+    repeat: Annotated[int, typer.Option(help="Times each store operation is timed (the median is shown).")] = 20,
+    quick: Annotated[bool, typer.Option(help="1,000 bases and 10,000 workspaces, 30 creates each.")] = False,
+    keep: Annotated[bool, typer.Option(help="Keep the generated stores.")] = False,
+    strict: Annotated[bool, typer.Option(help="Exit 2 when the create-latency goal is missed.")] = False,
+) -> None:
+    """The layer store at production size (10,000 bases, 100,000 workspaces) against one of ten: create latency
+    p50/p99, image ls / inspect / gc / a build's store work (see docs/BENCHMARKS.md)."""
+    from .images import main as run_bench
+
+    if quick:
+        bases, workspaces, creates = 1_000, 10_000, min(creates, 30)
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, bases=bases, workspaces=workspaces,
+                               creates=creates, repeat=repeat, keep=keep, strict=strict))
+
+
 @app.command("cluster")
 def bench_cluster(
     nodes: Annotated[int, typer.Option(help="Simulated nodes (fake backend, each behind its own endpoint).")] = 160,
