@@ -201,6 +201,25 @@ async def test_a_batch_given_up_early_is_undone(node):
     assert await node.list() == []
 
 
+async def test_images_answer_in_pages(node, tmp_path):
+    from dsec.images.store import Image
+
+    store = LayerStore(tmp_path / "store")  # the nodes' store, shared
+    tiny = store.get_image("tiny")
+    for i in range(5):
+        store.put_image(Image(name=f"ws-{i}", layers=tiny.layers, roles=("workspace",)))
+    names = lambda images: [i.name for i in images]  # noqa: E731
+    assert names(await node.list_images()) == ["tiny", "ws-0", "ws-1", "ws-2", "ws-3", "ws-4"]
+    assert names(await node.list_images(limit="2")) == ["tiny", "ws-0"]
+    assert names(await node.list_images(limit="2", after="ws-0")) == ["ws-1", "ws-2"]
+    assert names(await node.list_images(prefix="ws-", role="workspace", after="ws-3")) == ["ws-4"]
+    assert names(await node.list_images(role="base")) == ["tiny"]
+    with pytest.raises(InvalidRequest, match="bad limit"):
+        await node.list_images(limit="0")
+    with pytest.raises(InvalidRequest, match="bad role"):
+        await node.list_images(role="nope")
+
+
 async def test_node_report_layer_use_and_the_store(node):
     report = await node.node_info()
     assert report.node == "n0" and report.max_sandboxes == 8 and report.sandboxes == 0

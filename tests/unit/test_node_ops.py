@@ -88,7 +88,7 @@ class RecordingEdge:
         return method
 
 
-QUERY_VALUES = {"str": "/a", "mode": "0o600"}
+QUERY_VALUES = {"str": "/a", "mode": "0o600", "opt": "x"}
 PATH_VALUES = {"str": SANDBOX, "int": "7", "port": "8080", "key": "b1", "name": "busybox"}
 BODIES = {
     "create": {"args": {"container_image": "busybox"}},
@@ -176,6 +176,7 @@ def remote_arguments(op: Operation) -> dict:
             OpenSessionRequest: OpenSessionRequest(),
             OpenWatchRequest: OpenWatchRequest(path="/a", recursive=True)}.get(op.request),
         "watch": 4, "wait": 2.5, "paths": ["/a", "/b"], "prefix": "user.x.", "values": {"k": "v"},
+        "limit": "5", "after": "task-1",
     }
     return {n: values[n] for n in arguments(op)}
 

@@ -656,8 +656,15 @@ class DSecClient(_ProjectMethods, _GroupMethods):
     async def list_sandboxes(self) -> list[SandboxInfo]:
         return SandboxList.model_validate(await self._request("GET", "/v1/sandboxes")).sandboxes
 
-    async def list_images(self) -> ImageList:
-        return ImageList.model_validate(await self._request(*api_route("list_images")))
+    async def list_images(self, limit: int | None = None, after: str | None = None, prefix: str | None = None,
+                          role: str | None = None) -> ImageList:
+        """Images in name order: at most ``limit`` (None: all), after the name ``after``, whose
+        names start with ``prefix``, whose top layer has ``role`` (base, workspace, toolkit,
+        step, snapshot). A page of ``limit`` images may have a next one: ``after=`` its last
+        image's name."""
+        query = {k: str(v) for k, v in (("limit", limit), ("after", after), ("prefix", prefix), ("role", role))
+                 if v is not None}
+        return ImageList.model_validate(await self._request(*api_route("list_images"), params=query or None))
 
     async def inspect_image(self, ref: str) -> ImageInfo:
         """An image by name, or a composition such as ``python+repo-abc+harness``."""

@@ -146,7 +146,8 @@ PUBLIC_OPS: tuple[Op, ...] = (
     Op("download_tree", "POST", SB + "/fs/tree:download", TreeDownloadRequest, spread=True, answer=ExecEvent,
        answers="lines", timeout=3600.0, lifecycle="read_file"),
     # -- images (any node's store) ---------------------------------------------------------------
-    Op("list_images", "GET", "/images", answer=ImageList, unwrap="images"),
+    Op("list_images", "GET", "/images", query=("limit:opt", "after:opt", "prefix:opt", "role:opt"), answer=ImageList,
+       unwrap="images"),
     Op("inspect_image", "GET", "/images/{ref}", answer=ImageInfo),
 )
 

@@ -9,7 +9,8 @@ from it when their modules are imported, so nothing is parsed or formatted from 
 Path templates name their parameters with a type: ``/sandboxes/{sandbox_id}/ptys/{pty:int}``.
 The types are ``PARAM_TYPES``: each a regex for the route and a conversion for the value.
 Query parameters use the same ``name:type`` spelling; a type the table's user gives meaning to
-(``mode``, a file mode) is allowed there.
+(``mode``, a file mode) is allowed there, and ``opt``: a string that may be left out (the
+method gets None).
 
 The shapes:
 

@@ -274,6 +274,9 @@ class TableRoutes:
                 if kind == "mode":
                     kw[name] = query.get(name, "0o644")
                     continue
+                if kind == "opt":
+                    kw[name] = query.get(name) or None
+                    continue
                 try:
                     kw[name] = _QUERY.validate_python(query[name]) if name in query else None
                     if kw[name] is None:
@@ -323,8 +326,9 @@ def _schema_endpoint(op: Op) -> Callable:
         parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                             annotation=int if kind == "int" else str))
     for name, kind in op.query_params:
-        default = Query("0o644") if kind == "mode" else Query(min_length=1)
-        parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=str))
+        default = Query("0o644") if kind == "mode" else Query(None) if kind == "opt" else Query(min_length=1)
+        parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                            annotation=str | None if kind == "opt" else str))
     if op.request is not None:
         parameters.append(inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=op.request))
 

@@ -273,7 +273,12 @@ class EdgeAPI(Protocol):
     async def layer_use(self) -> LayerUse: ...
 
     # The layer store as this node sees it (one store may be shared by every node).
-    async def list_images(self) -> list[ImageInfo]: ...
+    async def list_images(self, limit: str | None = None, after: str | None = None, prefix: str | None = None,
+                          role: str | None = None) -> list[ImageInfo]:
+        """Images in name order: at most ``limit`` (a number; None: all), after the name
+        ``after``, starting with ``prefix``, whose top layer has ``role``. A full page's next
+        one starts after its last name."""
+        ...
 
     async def inspect_image(self, ref: str) -> ImageInfo: ...
 

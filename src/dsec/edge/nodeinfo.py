@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from libdsec import InvalidRequest, SandboxStateError
+from libdsec import ImageNotFound, InvalidRequest, SandboxStateError
 from libdsec.protocol import (
     BuildImageRequest,
     DSecFnCallArgs,
@@ -21,6 +21,8 @@ from libdsec.protocol import (
     NodeStats,
 )
 
+from ..images.index import page_limit
+from ..images.store import ROLES
 from ..isolation import apparmor
 from ..resources import cgroups
 from .protocol import LayerUse
@@ -66,8 +68,18 @@ class NodeCalls(SandboxTable):
 
     # -- the layer store, as this node sees it ------------------------------------------------
 
-    async def list_images(self) -> list[ImageInfo]:
-        return [self.store.describe(self.store.get_image(name)) for name in self.store.image_names()]
+    async def list_images(self, limit: str | None = None, after: str | None = None, prefix: str | None = None,
+                          role: str | None = None) -> list[ImageInfo]:
+        if role is not None and role not in ROLES:
+            raise InvalidRequest(f"bad role {role!r}: one of {', '.join(ROLES)}")
+        names = self.store.index.names(limit=page_limit(limit), after=after, prefix=prefix, role=role)
+        infos = []
+        for name in names:
+            try:
+                infos.append(self.store.describe(self.store.get_image(name)))
+            except (ImageNotFound, FileNotFoundError):
+                continue  # removed since the index was read
+        return infos
 
     async def inspect_image(self, ref: str) -> ImageInfo:
         return self.store.describe(self.store.resolve(ref))

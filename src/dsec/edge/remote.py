@@ -358,7 +358,7 @@ class RemoteEdge:
                     yield item
 
 
-_QUERY_FORMATS: dict[str, Callable[[object], str]] = {"str": str, "int": str, "mode": oct}
+_QUERY_FORMATS: dict[str, Callable[[object], str]] = {"str": str, "int": str, "mode": oct, "opt": str}
 
 
 def _method(op: Op) -> Callable:
@@ -410,7 +410,8 @@ def _method(op: Op) -> Callable:
             request = request_of(values)
             answer = await self._call(verb, path.format_map(values), model=request,
                                       body=values[arg] if raw else None,
-                                      params={n: f(values[n]) for n, f in queries} if queries else None,
+                                      params={n: f(values[n]) for n, f in queries if values[n] is not None}
+                                      if queries else None,
                                       timeout=timeout_of(request))
             if as_bytes:
                 return answer.content

@@ -80,6 +80,7 @@ _QUERY_TYPES: dict[str, Callable[[str, str | None], object]] = {
     "str": _required,
     "int": lambda name, value: int(_required(name, value)),
     "mode": lambda name, value: file_mode("0o644" if value is None else value),
+    "opt": lambda name, value: value or None,
 }
 
 

@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from libdsec import InvalidRequest
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS images (
     name TEXT PRIMARY KEY, top_role TEXT NOT NULL, layers TEXT NOT NULL, size INTEGER NOT NULL,
@@ -43,6 +45,21 @@ CREATE INDEX IF NOT EXISTS layers_unused ON layers (refs) WHERE refs <= 0;
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
 """
 _VERSION = "1"
+MAX_PAGE = 10_000  # images in one answer of the API when a limit is given
+
+
+def page_limit(limit: str | int | None) -> int | None:
+    """A page's ``limit`` as given on the wire (None: no limit); ``InvalidRequest`` if it is
+    not a number from 1 to ``MAX_PAGE``."""
+    if limit is None:
+        return None
+    try:
+        n = int(limit)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_PAGE:
+        raise InvalidRequest(f"bad limit {limit!r}: a number of images from 1 to {MAX_PAGE}")
+    return n
 
 
 @dataclass(frozen=True)
