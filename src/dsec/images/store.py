@@ -6,7 +6,8 @@ stored by name as a small JSON manifest beside the layers. Nothing here mounts a
 edge turns an image into mounts (see ``compose``).
 
 Writes are atomic: a layer or manifest is built under ``tmp/`` and renamed into place, so a
-half-written one is never visible.
+half-written one is never visible. Each rename is recorded in the store's index
+(``dsec.images.index``), which answers listings, GC and totals without reading every manifest.
 """
 
 from __future__ import annotations
