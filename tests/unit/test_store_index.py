@@ -166,3 +166,53 @@ def test_image_ls_pages_filters_and_stats(store, tmp_path):
     assert [c.strip() for c in row.split("│")[1:4]] == ["6", "6", "6"]  # images, distinct layers, files
     bad = CliRunner().invoke(app, ["image", "ls", "--filter", "role=nope", *state])
     assert bad.exit_code != 0 and "a role is one of" in bad.output
+
+
+def test_a_store_whose_index_cannot_be_opened_still_works(store, tmp_path, caplog):
+    """An index the filesystem will not hold (here a directory where the file goes): every
+    call answers as before, from the manifests, and the trouble is logged once."""
+    store.index.path.parent.mkdir(exist_ok=True)
+    store.index.path.mkdir()
+    base, other = _layer(store, tmp_path, "base"), _layer(store, tmp_path, "other")
+    store.put_image(Image(name="b", layers=(base,)))
+    store.put_image(Image(name="w", layers=(base, other), roles=("base", "workspace")))
+    assert store.image_names() == ["b", "w"]
+    assert store.index.names(role="workspace") == ["w"] and store.index.names(limit=1, after="a") == ["b"]
+    assert store.index.count() == 2
+    st = store.index.stats()
+    assert (st.images, st.distinct_layers, st.stored_layers) == (2, 2, 2)
+    assert st.referenced_bytes == 2 * store.layer_size(base) + store.layer_size(other)
+    store.remove_image("w")
+    assert store.gc() == [other] and not store.has_layer(other)
+    with pytest.raises(ImageNotFound, match="known: b"):
+        store.get_image("nope")
+    assert sum("cannot be used" in r.message for r in caplog.records) == 1
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from dsec.images.store import Image, LayerStore
+store, who = LayerStore(Path(sys.argv[1])), sys.argv[2]
+layers = sys.argv[3:]
+for i in range(40):
+    store.put_image(Image(name=f"{who}-{i:02d}", layers=(layers[i % len(layers)],)))
+    if i % 4 == 3:
+        store.remove_image(f"{who}-{i - 1:02d}")
+"""
+
+
+def test_processes_writing_at_once_keep_it_whole(store, tmp_path):
+    import subprocess
+    import sys
+
+    layers = [_layer(store, tmp_path, f"l{i}") for i in range(3)]
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(store.root), who, *layers],
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}) for who in ("a", "b", "c")]
+    assert [w.wait(timeout=120) for w in writers] == [0, 0, 0]
+    expected = sorted(f"{who}-{i:02d}" for who in "abc" for i in range(40) if i % 4 != 2)
+    assert store.image_names() == expected == sorted(p.stem for p in store.images_dir.glob("*.json"))
+    before = store.index.stats()
+    store.index.rebuild()
+    assert store.index.stats() == before and before.images == len(expected) and before.distinct_layers == 3
+    assert store.unreferenced_layers() == []

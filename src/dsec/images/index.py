@@ -25,6 +25,7 @@ file after a machine crash fails to open and is rebuilt.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -45,6 +46,7 @@ CREATE INDEX IF NOT EXISTS layers_unused ON layers (refs) WHERE refs <= 0;
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
 """
 _VERSION = "1"
+log = logging.getLogger(__name__)
 MAX_PAGE = 10_000  # images in one answer of the API when a limit is given
 
 
@@ -102,6 +104,7 @@ class StoreIndex:
         self._db: sqlite3.Connection | None = None
         self._pid = 0
         self._mutex = threading.RLock()
+        self._warned = False
 
     # -- the file ------------------------------------------------------------------------------
 
@@ -120,6 +123,9 @@ class StoreIndex:
                 elif row[0] != _VERSION:
                     raise sqlite3.DatabaseError(f"index version {row[0]}, this DSec writes {_VERSION}")
                 break
+            except sqlite3.OperationalError:
+                db.close()  # locked or unreachable: not to be thrown away
+                raise
             except sqlite3.DatabaseError:
                 db.close()
                 if attempt:
@@ -152,47 +158,59 @@ class StoreIndex:
 
     # -- kept current by the store's writes -------------------------------------------------
 
-    @contextmanager
-    def _placing(self, directory: Path, watermark: str, place: Callable[[], None]) -> Iterator[sqlite3.Connection]:
+    def _placed(self, directory: Path, watermark: str, place: Callable[[], None],
+                record: Callable[[sqlite3.Connection], None] | None = None) -> None:
         """Under the index lock, run ``place`` (a rename into ``directory`` or an unlink from
-        it), then open a write in which the caller records the change. The directory's mtime
-        stays trusted when it was before: no other change slipped in unseen."""
+        it), then ``record`` the change in the index. The directory's mtime stays trusted when
+        it was before: no other change slipped in unseen. An index that cannot be written is
+        logged and left behind: the change is made all the same, and found by the next read."""
         with self._mutex:
-            self._open()  # (a new index fills itself under the lock taken here next)
+            try:
+                self._open()  # (a new index fills itself, under the lock taken below)
+            except (sqlite3.Error, OSError) as exc:
+                self._degraded(exc)
         with self._mutex, self._lock("index"):
             before = _mtime(directory)
             place()
             after = _mtime(directory)
-            with self._write() as db:
-                yield db
-                if self._meta(db, watermark) == before:
-                    self._set_meta(db, watermark, after)
+            try:
+                with self._write() as db:
+                    if record is not None:
+                        record(db)
+                    if self._meta(db, watermark) == before:
+                        self._set_meta(db, watermark, after)
+            except (sqlite3.Error, OSError) as exc:
+                self._degraded(exc)
+
+    def _degraded(self, exc: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("the layer store's index %s cannot be used (%s): listing and GC read every manifest",
+                        self.path, exc)
 
     def image_put(self, name: str, layers: list[str], roles: list[str], sizes: dict[str, int],
                   place: Callable[[], None]) -> None:
         """Run ``place`` (the manifest's rename) and record the image (replacing one of its name)."""
-        with self._placing(self.images_dir, "images_mtime", place) as db:
+        def record(db: sqlite3.Connection) -> None:
             key = _key(os.stat(self.images_dir / f"{name}.json"))
             self._unref(db, name)
             self._insert_image(db, name, layers, roles, sizes, key)
+        self._placed(self.images_dir, "images_mtime", place, record)
 
     def image_removed(self, name: str, unlink: Callable[[], None]) -> None:
-        with self._placing(self.images_dir, "images_mtime", unlink) as db:
-            self._unref(db, name)
+        self._placed(self.images_dir, "images_mtime", unlink, lambda db: self._unref(db, name))
 
     def layer_placed(self, digest: str, size: int, place: Callable[[], None]) -> None:
-        with self._placing(self.layers_dir, "layers_mtime", place) as db:
-            db.execute("INSERT INTO layers VALUES (?, ?, 0) ON CONFLICT (digest) DO UPDATE SET size=excluded.size",
-                       (digest, size))
+        self._placed(self.layers_dir, "layers_mtime", place, lambda db: db.execute(
+            "INSERT INTO layers VALUES (?, ?, 0) ON CONFLICT (digest) DO UPDATE SET size=excluded.size", (digest, size)))
 
     def layer_file_placed(self, place: Callable[[], None]) -> None:
         """Run ``place``, which adds a file beside the layers that is not a layer (a DAX variant)."""
-        with self._placing(self.layers_dir, "layers_mtime", place):
-            pass
+        self._placed(self.layers_dir, "layers_mtime", place)
 
     def layer_removed(self, digest: str, unlink: Callable[[], None]) -> None:
-        with self._placing(self.layers_dir, "layers_mtime", unlink) as db:
-            db.execute("DELETE FROM layers WHERE digest=?", (digest,))
+        self._placed(self.layers_dir, "layers_mtime", unlink,
+                     lambda db: db.execute("DELETE FROM layers WHERE digest=?", (digest,)))
 
     def _unref(self, db: sqlite3.Connection, name: str) -> None:
         row = db.execute("SELECT layers FROM images WHERE name=?", (name,)).fetchone()
@@ -303,28 +321,88 @@ class StoreIndex:
             sql += " LIMIT ?"
             args.append(limit)
         with self._mutex:
-            return [n for (n,) in self._fresh().execute(sql, args)]
+            try:
+                return [n for (n,) in self._fresh().execute(sql, args)]
+            except (sqlite3.Error, OSError) as exc:
+                self._degraded(exc)
+        return self._scan_names(limit, after, prefix, role)
 
     def count(self) -> int:
         with self._mutex:
-            return self._fresh().execute("SELECT count(*) FROM images").fetchone()[0]
+            try:
+                return self._fresh().execute("SELECT count(*) FROM images").fetchone()[0]
+            except (sqlite3.Error, OSError) as exc:
+                self._degraded(exc)
+        return len(self._scan_names())
 
     def unreferenced_layers(self) -> list[str]:
         """Digests of layer files no image refers to, sorted."""
         with self._mutex:
-            db = self._fresh()
-            rows = db.execute("SELECT digest, size FROM layers INDEXED BY layers_unused WHERE refs <= 0").fetchall()
-        return sorted(d for d, size in rows if size > 0)
+            try:
+                db = self._fresh()
+                rows = db.execute("SELECT digest, size FROM layers INDEXED BY layers_unused WHERE refs <= 0").fetchall()
+                return sorted(d for d, size in rows if size > 0)
+            except (sqlite3.Error, OSError) as exc:
+                self._degraded(exc)
+        used = {d for layers, _ in self._scan_manifests() for d in layers}
+        return sorted(d for d in self._scan_layers() if d not in used)
 
     def stats(self) -> StoreStats:
         with self._mutex:
-            db = self._fresh()
-            images, referenced = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM images").fetchone()
-            distinct = db.execute("SELECT count(*) FROM layers WHERE refs > 0").fetchone()[0]
-            stored, stored_bytes = db.execute(
-                "SELECT count(*), coalesce(sum(size), 0) FROM layers WHERE size > 0").fetchone()
-        return StoreStats(images=images, distinct_layers=distinct, stored_layers=stored, stored_bytes=stored_bytes,
-                          referenced_bytes=referenced)
+            try:
+                db = self._fresh()
+                images, referenced = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM images").fetchone()
+                distinct = db.execute("SELECT count(*) FROM layers WHERE refs > 0").fetchone()[0]
+                stored, stored_bytes = db.execute(
+                    "SELECT count(*), coalesce(sum(size), 0) FROM layers WHERE size > 0").fetchone()
+                return StoreStats(images=images, distinct_layers=distinct, stored_layers=stored,
+                                  stored_bytes=stored_bytes, referenced_bytes=referenced)
+            except (sqlite3.Error, OSError) as exc:
+                self._degraded(exc)
+        manifests, files = self._scan_manifests(), self._scan_layers()
+        referenced = sum(files.get(d, 0) for layers, _ in manifests for d in layers)
+        return StoreStats(images=len(manifests), distinct_layers=len({d for layers, _ in manifests for d in layers}),
+                          stored_layers=len(files), stored_bytes=sum(files.values()), referenced_bytes=referenced)
+
+    # -- without the index: what reading every manifest answers -----------------------------
+
+    def _scan_names(self, limit: int | None = None, after: str | None = None, prefix: str | None = None,
+                    role: str | None = None) -> list[str]:
+        out = []
+        for name in sorted(p.removesuffix(".json") for p in os.listdir(self.images_dir) if p.endswith(".json")):
+            if (after and name <= after) or (prefix and not name.startswith(prefix)):
+                continue
+            if role:
+                try:
+                    roles = _manifest_layers(self.images_dir / f"{name}.json")[1]
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue
+                if (roles[-1] if roles else "base") != role:
+                    continue
+            out.append(name)
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    def _scan_manifests(self) -> list[tuple[list[str], list[str]]]:
+        out = []
+        for name in self._scan_names():
+            try:
+                out.append(_manifest_layers(self.images_dir / f"{name}.json"))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def _scan_layers(self) -> dict[str, int]:
+        out = {}
+        with os.scandir(self.layers_dir) as it:
+            for entry in it:
+                if entry.name.endswith(".erofs"):
+                    try:
+                        out[entry.name.removesuffix(".erofs")] = entry.stat().st_size
+                    except OSError:
+                        continue
+        return out
 
     def rebuild(self) -> None:
         """Forget the index and build it again from the directories."""
