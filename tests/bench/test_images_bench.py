@@ -53,6 +53,7 @@ def test_images_bench_at_the_quick_size(tmp_path: Path) -> None:
         assert c["n"] == 10 and 0 < c["p50_ms"] <= c["p99_ms"], c
         for op in ("ls_page", "ls_filtered", "inspect", "gc", "stats", "build"):
             assert res["timings"][label][op]["median_ms"] > 0
+        assert res["concurrent_builds"][label]["n"] > 0 and res["concurrent_builds"][label]["median_ms"] > 0
     st = res["timings"]["big"]["store"]
     assert st["images"] == 1 + 1_000 + 10_000 == st["distinct_layers"] == st["stored_layers"]
     assert st["referenced_bytes"] > 10 * st["stored_bytes"]  # every image refers to busybox's layer

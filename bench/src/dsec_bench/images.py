@@ -9,6 +9,8 @@ store of ten workspaces made the same way. Then, on both, in the same run:
 - create latency (p50, p99): real container sandboxes (crun) of random workspaces, one
   ``dsec serve`` per store, no warm pool, the creates alternating between the two servers so
   both see the same machine; each sandbox is checked to read its own ``/workspace/id``;
+- builds beside the creates: a build's store work (a new layer and its manifest) every 0.1 s
+  on each store, timed;
 - what an operator runs: a page of ``image ls`` (plain, and filtered by name and role),
   ``inspect``, ``gc``, ``ls --stats``, and a build's store work (a new layer and manifest), each
   timed in a fresh ``LayerStore`` as a ``dsec image`` command starts with one.
@@ -35,6 +37,7 @@ import shutil
 import statistics
 import struct
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -258,6 +261,53 @@ def store_timings(root: Path, workspaces: int, repeat: int, scratch: Path) -> di
     return out
 
 
+class ConcurrentBuilds:
+    """A build's store work (a new layer, then an image naming it) every ``every_s`` in a
+    thread of its own while the creates run, each timed; its images and layers are removed
+    when it finishes."""
+
+    def __init__(self, root: Path, scratch: Path, every_s: float = 0.1) -> None:
+        self.root, self.scratch, self.every_s = root, scratch, every_s
+        self.times: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"builds {root}", daemon=True)
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        self.scratch.mkdir(parents=True, exist_ok=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        store = LayerStore(self.root)
+        base = store.get_image("base-00000")
+        n = 0
+        try:
+            while not self._stop.wait(self.every_s):
+                src = self.scratch / f"b{n}"
+                (src / "workspace").mkdir(parents=True)
+                (src / "workspace" / "built").write_text(f"{n}\n")
+                t = time.perf_counter()
+                store.put_image(Image(name=f"cbuild-{n}", layers=base.layers + (store.add_dir(src),),
+                                      roles=base.roles + ("workspace",)))
+                self.times.append(time.perf_counter() - t)
+                shutil.rmtree(src)
+                n += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by finish()
+            self._error = exc
+        finally:
+            for i in range(n):
+                store.remove_image(f"cbuild-{i}")
+            store.gc()
+            store.index.close()
+
+    def finish(self, errors: list[str]) -> None:
+        self._stop.set()
+        self._thread.join()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        if self._error is not None:
+            errors.append(f"builds beside the creates ({self.root}): {type(self._error).__name__}: {self._error}")
+
+
 # -- create latency --------------------------------------------------------------------------
 
 
@@ -304,7 +354,7 @@ def main(state_dir: Path, console: Console, bases: int = 10_000, workspaces: int
     dirs = {label: state_dir / label for label in sizes}
     errors: list[str] = []
     res: dict = {"options": {"bases": bases, "workspaces": workspaces, "creates": creates, "repeat": repeat},
-                 "generated": {}, "timings": {}, "creates": {}}
+                 "generated": {}, "timings": {}, "creates": {}, "concurrent_builds": {}}
     servers: dict[str, LocalServer] = {}
     try:
         for label, (b, w) in sizes.items():
@@ -320,8 +370,19 @@ def main(state_dir: Path, console: Console, bases: int = 10_000, workspaces: int
         for label in sizes:
             servers[label] = LocalServer(dirs[label], extra_args=("--pool-max", "0", "--fncall-max", "0"),
                                          start_timeout_s=120).start()
-        with console.status(f"{creates} creates on each store, alternating …"):
-            times = asyncio.run(_creates(servers, {k: w for k, (_, w) in sizes.items()}, creates, warmup, errors))
+        builders = {label: ConcurrentBuilds(dirs[label] / "store", dirs[label] / "builds") for label in sizes}
+        with console.status(f"{creates} creates on each store, alternating, builds beside them …"):
+            for builder in builders.values():
+                builder.start()
+            try:
+                times = asyncio.run(_creates(servers, {k: w for k, (_, w) in sizes.items()}, creates, warmup, errors))
+            finally:
+                for builder in builders.values():
+                    builder.finish(errors)
+        for label, builder in builders.items():
+            res["concurrent_builds"][label] = {"n": len(builder.times),
+                                               "median_ms": round(_pct(builder.times, 0.5) * 1000, 2),
+                                               "p99_ms": round(_pct(builder.times, 0.99) * 1000, 2)}
         for label, xs in times.items():
             res["creates"][label] = {"n": len(xs), "p50_ms": round(_pct(xs, 0.5) * 1000, 1),
                                      "p99_ms": round(_pct(xs, 0.99) * 1000, 1),
@@ -373,6 +434,11 @@ def _print(console: Console, res: dict) -> None:
             if label in c:
                 t.add_row(label, str(c[label]["n"]), f"{c[label]['p50_ms']} ms", f"{c[label]['p99_ms']} ms")
         console.print(t)
+    cb = res.get("concurrent_builds") or {}
+    if "small" in cb and "big" in cb:
+        console.print(f"builds beside the creates (a layer and a manifest): median {cb['small']['median_ms']} ms "
+                      f"with {SMALL_WORKSPACES} workspaces, {cb['big']['median_ms']} ms with {big['workspaces']} "
+                      f"({cb['small']['n']} and {cb['big']['n']} builds)")
     if "ratio" in res:
         verdict = "[green]met[/green]" if res["goal_met"] else "[red]missed[/red]"
         console.print(f"goal: create latency with {big['workspaces']} workspaces within 1.1× of {SMALL_WORKSPACES}: "
