@@ -345,7 +345,7 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * len(xs) + 0.5) - 1))] if xs else float("nan")
 
 
-def main(state_dir: Path, console: Console, bases: int = 10_000, workspaces: int = 100_000, creates: int = 200,
+def main(state_dir: Path, console: Console, bases: int = 10_000, workspaces: int = 100_000, creates: int = 600,
          warmup: int = 5, repeat: int = 20, keep: bool = False, strict: bool = False) -> int:
     state_dir = Path(state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
