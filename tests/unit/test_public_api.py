@@ -26,7 +26,7 @@ PUBLIC |= {"DSecFullVMRunArgs", "DSecMicroVMRunArgs", "SnapshotInfo"}  # VM sand
 PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
-PUBLIC |= {"SandboxLost"}  # cluster
+PUBLIC |= {"SandboxLost", "StoreUnavailable"}  # cluster, a shared layer store
 PUBLIC |= {"JobNotFound", "KeyReused", "ReplayDiverged", "ReplayIncomplete"}  # idempotency keys, job logs
 PUBLIC |= {"Overloaded"}  # overload
 PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession", "FileEntry", "PortUnreachable"}  # inside a sandbox
@@ -58,6 +58,7 @@ ERRORS = [
     (libdsec.ReplayDiverged, "replay_diverged", 409, libdsec.DSecError),
     (libdsec.ReplayIncomplete, "replay_incomplete", 409, libdsec.ReplayDiverged),
     (libdsec.BackendError, "backend_error", 500, libdsec.DSecError),
+    (libdsec.StoreUnavailable, "store_unavailable", 503, libdsec.BackendError),
     (libdsec.ServerUnavailable, "server_unavailable", 503, ConnectionError),
     (libdsec.ServerError, "internal", 500, libdsec.DSecError),
 ]

@@ -29,6 +29,7 @@ from ._errors import (
     ServerError,
     SessionClosed,
     ServerUnavailable,
+    StoreUnavailable,
     Unauthenticated,
 )
 from .protocol import SecurityEvent
@@ -90,6 +91,7 @@ __all__ = [
     "Session",
     "SessionClosed",
     "SnapshotInfo",
+    "StoreUnavailable",
     "SyncDSecClient",
     "SyncDirWatch",
     "SyncProcess",

@@ -23,6 +23,7 @@
     ├── ReplayDiverged                       a resumed job's call differs from its log (409)
     │   └── ReplayIncomplete                 its log holds, at that place, a call it cannot answer (409)
     ├── BackendError                         the runtime (crun, mounts, …) failed
+    │   └── StoreUnavailable                 the layer store cannot be read (its filesystem is away) (503)
     ├── ServerUnavailable (ConnectionError)  the SDK could not reach the server
     └── ServerError                          anything else the server reported
 
@@ -216,6 +217,15 @@ class BackendError(DSecError):
     status = 500
 
 
+class StoreUnavailable(BackendError):
+    """The node cannot read its layer store (its filesystem unmounted, stopped or not
+    answering): the message names the store and the node. Sandboxes of the node take calls
+    again, and creates work, once the store answers again."""
+
+    code = "store_unavailable"
+    status = 503
+
+
 class ServerUnavailable(DSecError, ConnectionError):
     """The SDK could not reach the server."""
 
@@ -255,6 +265,7 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         ReplayDiverged,
         ReplayIncomplete,
         BackendError,
+        StoreUnavailable,
         ServerUnavailable,
         ServerError,
     )

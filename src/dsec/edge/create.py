@@ -111,6 +111,7 @@ class Creates(SandboxTable):
         limits = self.admission.limits(args)
         self.security.check_rules(args.network_rules)
         self._check_protected(args, kind)
+        await self.store_health.check()
         rec = await self._create(args, kind, project, self.store.resolve(args.image_ref), limits, batch=batch)
         return rec.info(self.node)
 
@@ -219,6 +220,7 @@ class Creates(SandboxTable):
             raise
         self.security.check_rules(args.network_rules)
         self._check_protected(args, kind)
+        await self.store_health.check()
         self.store.resolve(args.image_ref)
         try:
             self.admission.fits(args, count)

@@ -47,7 +47,7 @@ from libdsec.protocol import SandboxKind, SandboxStatus
 
 from ..backends.base import SandboxBackend, check_backend
 from ..fncall.pool import FnCallPool
-from ..images.store import LayerStore
+from ..images.store import LayerStore, StoreHealth
 from . import lifecycle
 from .admission import Admission, WorkGate, memory_total_mb
 from .build import ImageBuilder
@@ -85,6 +85,8 @@ class Edge(Creates, Inside, NodeCalls):
             check_backend(backend)
         self.backend = next(iter(self.backends.values()))
         self.store = store
+        # Asked before creates and calls into sandboxes: a store on a shared filesystem may go away.
+        self.store_health = StoreHealth(store.root, config.node, within_s=config.store_check_s)
         self.records_dir = Path(config.records_dir or Path(config.node_dir) / "records")
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.journal = RecordJournal(self.records_dir)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ..backends.base import SandboxBackend
-    from ..images.store import LayerStore
+    from ..images.store import LayerStore, StoreHealth
     from .admission import Admission, WorkGate
     from .config import EdgeConfig
     from .journal import RecordJournal
@@ -54,6 +54,7 @@ class SandboxTable:
     config: EdgeConfig
     backends: dict[SandboxKind, SandboxBackend]
     store: LayerStore
+    store_health: StoreHealth
     records_dir: Path
     journal: RecordJournal
     _records: dict[str, Record]  # the live sandboxes, by id
@@ -99,8 +100,10 @@ class SandboxTable:
         return rec
 
     async def _ready(self, sandbox_id: str, action: Action) -> Record:
-        """The record of a sandbox that can take a call: a paused one is resumed first."""
+        """The record of a sandbox that can take a call: a paused one is resumed first. Refused
+        (``StoreUnavailable``) while the layer store, which its layers are read from, is away."""
         rec = self._allowed(sandbox_id, action)
+        await self.store_health.check()
         while rec.status is SandboxStatus.paused:  # the table allows the call: it resumes it
             async with rec.transition:
                 if rec.status is SandboxStatus.paused:

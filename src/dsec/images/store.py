@@ -11,6 +11,7 @@ half-written one is never visible.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import hashlib
 import json
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from libdsec import ImageNotFound, InvalidRequest
+from libdsec import ImageNotFound, InvalidRequest, StoreUnavailable
 from libdsec.protocol import ImageInfo
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}\Z")
@@ -339,6 +340,45 @@ class LayerStore:
             if time.time() - stale.lstat().st_mtime > 24 * 3600:
                 shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
         return removed
+
+
+class StoreHealth:
+    """Whether a node can read its layer store, asked before every create and every call into a
+    sandbox: a store on a shared filesystem may go away (unmounted, its server stopped, its
+    FUSE client killed), and then the sandboxes' layers cannot be read either.
+
+    ``check()`` stats the store's filesystem (``statvfs`` of its root, which a network or FUSE
+    filesystem answers from its server) in a thread, waits at most ``within_s`` for it, and
+    raises ``StoreUnavailable`` naming the store and the node when it fails or does not answer
+    in time: a call never hangs on a store that is away. An answer is kept for ``fresh_s``;
+    a failure is not kept, so calls work again as soon as the store answers. One stat runs at
+    a time: while one hangs, later checks wait on it (never more than ``within_s``)."""
+
+    def __init__(self, root: Path, node: str, within_s: float = 10.0, fresh_s: float = 1.0) -> None:
+        self.root, self.node = Path(root), node
+        self.within_s, self.fresh_s = within_s, fresh_s
+        self._fine_at = -float("inf")
+        self._probe: asyncio.Future | None = None
+
+    async def check(self) -> None:
+        if time.monotonic() - self._fine_at < self.fresh_s:
+            return
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(asyncio.to_thread(os.statvfs, self.root))
+        try:
+            await asyncio.wait_for(asyncio.shield(self._probe), self.within_s)
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"the layer store {self.root} did not answer within {self.within_s:g} s on node {self.node}: "
+                f"its filesystem is away or stuck; sandboxes of this node take calls again once it answers"
+            ) from None
+        except OSError as exc:
+            raise StoreUnavailable(
+                f"the layer store {self.root} cannot be read on node {self.node}: {exc.strerror or exc} "
+                f"(its filesystem is unmounted or its server is away); sandboxes of this node take calls "
+                f"again once it answers"
+            ) from None
+        self._fine_at = time.monotonic()
 
 
 def extract_tar(tar_path: Path, dest: Path) -> None:
