@@ -217,6 +217,8 @@ async def test_node_report_layer_use_and_the_store(node):
         await node.remove_image("tiny", frozenset(use.images))
     assert await node.gc_layers(frozenset(use.layers)) == []
     await node.stop(info.id)
+    # Stopped, and no warm pool (pool_max=0) holds a sandbox of it: nothing holds the layer.
+    assert (await node.layer_use()).layers == []
 
 
 # -- a node that misbehaves ----------------------------------------------------------------------

@@ -111,8 +111,12 @@ class WarmPool:
         return sum(len(p.handles) for p in self.pools.values())
 
     def layers(self) -> set[str]:
-        """The layer digests the pooled sandboxes' images hold."""
-        return {d for pool in self.pools.values() if pool.image for d in pool.image.layers}
+        """The layer digests of the images whose pools hold sandboxes, are making them, serve a
+        create or want sandboxes (a refill will make them). A pool that holds and wants none (an
+        image no longer in demand, or no warm pool at all) keeps no layer from GC."""
+        return {d for pool in self.pools.values()
+                if pool.image and (pool.handles or pool.filling or pool.in_flight or pool.want)
+                for d in pool.image.layers}
 
     # -- a create ------------------------------------------------------------------------------
 
