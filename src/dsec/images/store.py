@@ -355,7 +355,8 @@ class StoreHealth:
     a time: while one hangs, later checks wait on it (never more than ``within_s``)."""
 
     def __init__(self, root: Path, node: str, within_s: float = 10.0, fresh_s: float = 1.0) -> None:
-        self.root, self.node = Path(root), node
+        # Named by where it really is (a node's state dir links to a shared store).
+        self.root, self.node = Path(os.path.realpath(root)), node
         self.within_s, self.fresh_s = within_s, fresh_s
         self._fine_at = -float("inf")
         self._probe: asyncio.Future | None = None
