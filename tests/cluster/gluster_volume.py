@@ -151,7 +151,7 @@ class GlusterVolume:
             stdout=subprocess.DEVNULL, stderr=open(log / "client.stderr", "ab"))
         deadline = time.monotonic() + 30
         while True:
-            if os.path.ismount(self.mountpoint):
+            if self.mounted():
                 try:
                     os.statvfs(self.mountpoint)
                     return
@@ -173,8 +173,8 @@ class GlusterVolume:
         self.mount()
 
     def unmount(self) -> None:
-        if os.path.ismount(self.mountpoint):
-            subprocess.run(["umount", "-l", str(self.mountpoint)], capture_output=True, timeout=30)
+        while self.mounted():  # (a dead FUSE mount answers no stat: os.path.ismount says False)
+            subprocess.run(["umount", "-l", str(self.mountpoint)], capture_output=True, timeout=30, check=True)
         if self.client is not None:
             if self.client.poll() is None:
                 self.client.terminate()
@@ -212,10 +212,14 @@ class GlusterVolume:
         out = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True, text=True, timeout=30).stdout
         return [int(p) for p in out.split()]
 
+    def mounted(self) -> bool:
+        with open("/proc/self/mountinfo") as f:
+            return any(line.split()[4] == str(self.mountpoint) for line in f)
+
     def leftovers(self) -> list[str]:
         """What of the volume is still there (after ``close``)."""
         left = []
-        if os.path.ismount(self.mountpoint):
+        if self.mounted():
             left.append(f"mount {self.mountpoint}")
         if Path(f"/run/netns/{self.netns}").exists():
             left.append(f"netns {self.netns}")

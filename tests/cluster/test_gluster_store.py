@@ -11,6 +11,8 @@ works again once it is started."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import time
 
 import pytest
@@ -26,6 +28,8 @@ NODE_ARGS = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory
 # A call or create while the store is away is refused within the edge's store_check_s (10 s);
 # the volume's ping timeout (5 s) bounds a stat that waits on a server gone silent.
 STORE_AWAY_BOUND_S = 15
+# A node takes the store's answer as good for a second (StoreHealth.fresh_s).
+STORE_FRESH_S = 1.2
 
 
 def args(image: str) -> DSecContainerRunArgs:
@@ -87,15 +91,17 @@ async def wait_for_nodes(client: DSecClient, within_s: float = 90) -> None:
 
 
 async def on_every_node(client: DSecClient, image: str) -> dict:
-    """Sandboxes of ``image`` until every node has one: {node: sandbox}; the rest stopped."""
-    made = await client.run_containers(args(image), count=6)
-    by_node = {}
-    for s in made:
-        if s.info.node in by_node:
-            await s.stop()
-        else:
-            by_node[s.info.node] = s
-    assert set(by_node) == set(NODES), {s.id for s in made}
+    """Sandboxes of ``image`` until every node has one: {node: sandbox}; the rest stopped.
+    (Placement spreads a batch, but a node that joined a moment ago may not be in its view yet.)"""
+    by_node: dict = {}
+    deadline = time.monotonic() + 60
+    while set(by_node) != set(NODES):
+        assert time.monotonic() < deadline, f"sandboxes only on {sorted(by_node)}"
+        for s in await client.run_containers(args(image), count=6):
+            if s.info.node in by_node:
+                await s.stop()
+            else:
+                by_node[s.info.node] = s
     return by_node
 
 
@@ -161,6 +167,7 @@ async def test_the_volume_stopped_gives_store_unavailable_then_everything_recove
         await wait_for_nodes(client)
         running = await on_every_node(client, "busybox")
         gluster.stop_volume()
+        await asyncio.sleep(STORE_FRESH_S)  # a call that needs nothing of the store may work until then
         try:
             for node, s in running.items():
                 started = time.monotonic()
@@ -193,3 +200,46 @@ async def test_the_volume_stopped_gives_store_unavailable_then_everything_recove
         for s in running.values():
             await s.stop()
         assert await client.list_sandboxes() == []
+
+
+async def test_the_fuse_client_killed_strands_its_sandboxes_and_creates_work_once_mounted_again(world, gluster):
+    """A killed FUSE client leaves a dead mount: calls and creates get StoreUnavailable. Once
+    the operator mounts the volume again, new sandboxes read their layers through the new mount
+    on every node; those started before read through the gone one, and say so (stop them)."""
+    from dsec.images.store import Image, LayerStore
+
+    _, store_dir = world
+    # An image with a file no sandbox reads before the client dies: none of it is in a cache.
+    store = LayerStore(store_dir)
+    data = gluster.base / "unread"
+    (data / "data").mkdir(parents=True)
+    (data / "data" / "unread").write_bytes(os.urandom(4 << 20))
+    layer = store.add_dir(data)
+    store.put_image(Image(name="gl-unread", layers=(*store.get_image("busybox").layers, layer),
+                          env=store.get_image("busybox").env))
+    async with client_of(world) as client:
+        await wait_for_nodes(client)
+        before = await on_every_node(client, "gl-unread")
+        gluster.kill_mount()
+        await asyncio.sleep(STORE_FRESH_S)  # a call that needs nothing of the store may work until then
+        try:
+            for node, s in before.items():
+                with pytest.raises(StoreUnavailable, match="cannot be read") as refused:
+                    await s.run_shell("true", timeout=30)
+                assert node in str(refused.value)
+            with pytest.raises(StoreUnavailable, match=str(store_dir)):
+                await client.run_container(args("busybox"))
+        finally:
+            gluster.remount()
+        after = await on_every_node(client, "gl-unread")
+        for s in after.values():
+            result = await s.run_shell("md5sum /data/unread")
+            assert result.exit_code == 0 and result.stdout.split()[0] == hashlib.md5(
+                (data / "data" / "unread").read_bytes()).hexdigest(), result
+        for s in before.values():
+            with pytest.raises(StoreUnavailable, match="mounted again"):
+                await s.run_shell("true")
+        for s in [*before.values(), *after.values()]:
+            await s.stop()
+        assert await client.list_sandboxes() == []
+        await client.remove_image("gl-unread")

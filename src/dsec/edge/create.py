@@ -112,7 +112,12 @@ class Creates(SandboxTable):
         self.security.check_rules(args.network_rules)
         self._check_protected(args, kind)
         await self.store_health.check()
-        rec = await self._create(args, kind, project, self.store.resolve(args.image_ref), limits, batch=batch)
+        try:
+            rec = await self._create(args, kind, project, self.store.resolve(args.image_ref), limits, batch=batch)
+        except (OSError, BackendError):
+            # The store went away since the last check (it is kept for a second): say so.
+            await self.store_health.check(cached=False)
+            raise
         return rec.info(self.node)
 
     def _check_protected(self, args: DSecContainerRunArgs, kind: SandboxKind) -> None:
@@ -145,7 +150,7 @@ class Creates(SandboxTable):
         pool = self.warm_pool.arrive(kind, image, limits) if pooled else None
         try:
             if pool is not None:
-                rec.handle, has = await self.warm_pool.take(pool, limits)
+                rec.handle, has = await self.warm_pool.take(pool, limits, self.store_health.remounted_at)
             else:
                 spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits,
                                    snapshot=snapshot, protected_paths=tuple(args.protected_paths), setuid=image.setuid)

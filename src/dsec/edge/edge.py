@@ -42,7 +42,7 @@ import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
-from libdsec import DSecError
+from libdsec import DSecError, StoreUnavailable
 from libdsec.protocol import SandboxKind, SandboxStatus
 
 from ..backends.base import SandboxBackend, check_backend
@@ -117,6 +117,10 @@ class Edge(Creates, Inside, NodeCalls):
     # -- start / close ------------------------------------------------------------------------
 
     async def start(self) -> None:
+        try:  # the store's device from now on: a mount of it made again later is told apart
+            await self.store_health.check()
+        except StoreUnavailable as exc:
+            log.warning("%s", exc)
         records = []
         for sandbox_id, text in self.journal.load().items():
             try:

@@ -9,6 +9,11 @@ are still running; ``release_unused`` unmounts the rest, and detaches any loop d
 backed by a layer of the store that nothing holds (left by an earlier run). ``idmapped`` hands out idmapped clones of
 a layer mount for a sandbox id range (dsec.isolation.userns), made once per (layer, range),
 kept for the last ``CLONES_KEPT`` used, and closed with their layer's mount.
+
+A store on a shared filesystem may be mounted again under the node (its FUSE client died and
+was started again): a layer mount made before reads through the mount that has gone. ``acquire``
+tells it by the device its layer file is on now and was on when mounted, and mounts the layer
+anew for the new sandbox; the sandboxes on the old mount keep it, detached, until they end.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ class LayerMounts:
             raise ValueError(f"layer attach must be file or loop, not {self.attach!r}")
         self.layers_dir = layers_dir
         self._refs: Counter[str] = Counter()
+        # digest -> the device its layer file was on when mounted: a store mounted again since
+        # (a FUSE client restarted) is on another one, and the mount reads through the gone one.
+        self._devs: dict[str, int] = {}
         self._lock = threading.Lock()
         # (layer mount target, id range base) -> fd of its detached idmapped clone
         self._clones: OrderedDict[tuple[str, int], int] = OrderedDict()
@@ -118,6 +126,11 @@ class LayerMounts:
                     if self._refs[layer.digest] == 0 and not os.path.ismount(layer.target):
                         layer.target.mkdir(parents=True, exist_ok=True)
                         self._mount(layer)
+                    elif self._stale(layer):
+                        # The sandboxes on the old mount keep it (detached); new ones get this.
+                        self._close_clones(layer.target)
+                        _sys.umount(str(layer.target), _sys.MNT_DETACH)
+                        self._mount(layer)
                     self._refs[layer.digest] += 1
                     done.append(layer)
             except BaseException:
@@ -125,7 +138,16 @@ class LayerMounts:
                     self._release_locked(layer)
                 raise
 
+    def _stale(self, layer: LayerMount) -> bool:
+        """Whether the layer's mount reads through a mount of the store that has gone."""
+        mounted_from = self._devs.get(layer.digest)
+        if mounted_from is None:  # adopted: mounted by an earlier edge, taken as it is
+            self._devs[layer.digest] = os.stat(layer.source).st_dev
+            return False
+        return os.stat(layer.source).st_dev != mounted_from
+
     def _mount(self, layer: LayerMount) -> None:
+        self._devs[layer.digest] = os.stat(layer.source).st_dev
         flags = _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID
         if self.attach == "file":
             _sys.mount(str(layer.source), str(layer.target), "erofs", flags)
@@ -142,6 +164,7 @@ class LayerMounts:
         self._refs[layer.digest] -= 1
         if self._refs[layer.digest] <= 0:
             del self._refs[layer.digest]
+            self._devs.pop(layer.digest, None)
             self._unmount(layer.target)
 
     def _unmount(self, target: Path) -> None:

@@ -15,6 +15,7 @@ import asyncio
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,8 @@ from pathlib import Path
 
 from libdsec import ImageNotFound, InvalidRequest, StoreUnavailable
 from libdsec.protocol import ImageInfo
+
+log = logging.getLogger("dsec.images")
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}\Z")
 # A fixed filesystem UUID keeps the EROFS bytes free of randomness.
@@ -352,7 +355,14 @@ class StoreHealth:
     raises ``StoreUnavailable`` naming the store and the node when it fails or does not answer
     in time: a call never hangs on a store that is away. An answer is kept for ``fresh_s``;
     a failure is not kept, so calls work again as soon as the store answers. One stat runs at
-    a time: while one hangs, later checks wait on it (never more than ``within_s``)."""
+    a time: while one hangs, later checks wait on it (never more than ``within_s``).
+
+    ``remounted_at`` (wall clock, 0 until then) is when a check first saw the store on another
+    device than before: its filesystem was mounted again (a FUSE client that died and was
+    started again). Layer mounts made before then read through the mount that is gone, so the
+    sandboxes that were started before it cannot read their layers any more (the edge refuses
+    their calls with ``StoreUnavailable``); new layer mounts read through the new one
+    (``dsec.images.mounts``)."""
 
     def __init__(self, root: Path, node: str, within_s: float = 10.0, fresh_s: float = 1.0) -> None:
         # Named by where it really is (a node's state dir links to a shared store).
@@ -360,14 +370,19 @@ class StoreHealth:
         self.within_s, self.fresh_s = within_s, fresh_s
         self._fine_at = -float("inf")
         self._probe: asyncio.Future | None = None
+        self.dev: int | None = None
+        self.remounted_at = 0.0
 
-    async def check(self) -> None:
-        if time.monotonic() - self._fine_at < self.fresh_s:
+    async def check(self, cached: bool = True) -> None:
+        """Raise ``StoreUnavailable`` unless the store answers (``cached``: or answered within
+        ``fresh_s``)."""
+        if cached and time.monotonic() - self._fine_at < self.fresh_s:
             return
         if self._probe is None or self._probe.done():
-            self._probe = asyncio.ensure_future(asyncio.to_thread(os.statvfs, self.root))
+            self._probe = asyncio.ensure_future(asyncio.to_thread(_store_device, self.root))
+        self._fine_at = -float("inf")  # until it answers: the next check looks again, however soon
         try:
-            await asyncio.wait_for(asyncio.shield(self._probe), self.within_s)
+            dev = await asyncio.wait_for(asyncio.shield(self._probe), self.within_s)
         except TimeoutError:
             raise StoreUnavailable(
                 f"the layer store {self.root} did not answer within {self.within_s:g} s on node {self.node}: "
@@ -379,7 +394,18 @@ class StoreHealth:
                 f"(its filesystem is unmounted or its server is away); sandboxes of this node take calls "
                 f"again once it answers"
             ) from None
+        if self.dev is not None and dev != self.dev:
+            self.remounted_at = time.time()
+            log.warning("the layer store %s was mounted again (device %d, was %d): sandboxes of node %s "
+                        "started before read their layers through the mount that has gone", self.root, dev,
+                        self.dev, self.node)
+        self.dev = dev
         self._fine_at = time.monotonic()
+
+
+def _store_device(root: Path) -> int:
+    os.statvfs(root)  # answered by a network or FUSE filesystem's server, never from a cache
+    return os.stat(root).st_dev
 
 
 def extract_tar(tar_path: Path, dest: Path) -> None:
