@@ -72,6 +72,7 @@ class GlusterVolume:
         self.mountpoint = self.base / "mnt"
         self.glusterd: subprocess.Popen | None = None
         self.client: subprocess.Popen | None = None
+        self.other_clients: list[tuple[Path, subprocess.Popen]] = []
         self._netns_made = self._veth_made = False
         self._closed = False
 
@@ -144,21 +145,32 @@ class GlusterVolume:
         self.gluster("volume", "start", self.volume, "force")
 
     def mount(self) -> None:
+        self.client = self._client(self.mountpoint, "client")
+
+    def mount_another(self) -> Path:
+        """A second client's mount of the volume (as on another machine), unmounted by ``close``."""
+        path = self.base / f"mnt{len(self.other_clients) + 2}"
+        path.mkdir()
+        self.other_clients.append((path, self._client(path, path.name)))
+        return path
+
+    def _client(self, path: Path, name: str) -> subprocess.Popen:
         log = self.base / "log"
-        self.client = subprocess.Popen(
+        client = subprocess.Popen(
             ["glusterfs", "-N", f"--volfile-server={self.server_ip}", f"--volfile-id={self.volume}",
-             "-l", f"{log}/client.log", str(self.mountpoint)],
-            stdout=subprocess.DEVNULL, stderr=open(log / "client.stderr", "ab"))
+             "-l", f"{log}/{name}.log", str(path)],
+            stdout=subprocess.DEVNULL, stderr=open(log / f"{name}.stderr", "ab"))
         deadline = time.monotonic() + 30
         while True:
-            if self.mounted():
+            if _mounted(path):
                 try:
-                    os.statvfs(self.mountpoint)
-                    return
+                    os.statvfs(path)
+                    return client
                 except OSError:
                     pass
-            if self.client.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the GlusterFS client did not mount: {self._log_tail('client.log')}")
+            if client.poll() is not None or time.monotonic() > deadline:
+                _end(client)
+                raise RuntimeError(f"the GlusterFS client did not mount {path}: {self._log_tail(f'{name}.log')}")
             time.sleep(0.1)
 
     def kill_mount(self) -> None:
@@ -173,16 +185,9 @@ class GlusterVolume:
         self.mount()
 
     def unmount(self) -> None:
-        while self.mounted():  # (a dead FUSE mount answers no stat: os.path.ismount says False)
-            subprocess.run(["umount", "-l", str(self.mountpoint)], capture_output=True, timeout=30, check=True)
+        _unmount(self.mountpoint)
         if self.client is not None:
-            if self.client.poll() is None:
-                self.client.terminate()
-                try:
-                    self.client.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.client.kill()
-                    self.client.wait(10)
+            _end(self.client)
             self.client = None
 
     def close(self) -> None:
@@ -190,6 +195,9 @@ class GlusterVolume:
             return
         self._closed = True
         self.unmount()
+        for path, client in self.other_clients:
+            _unmount(path)
+            _end(client)
         if self._netns_made:
             # glusterd and every daemon it started (bricks, self-heal) live in the namespace.
             pids = self._netns_pids()
@@ -213,14 +221,12 @@ class GlusterVolume:
         return [int(p) for p in out.split()]
 
     def mounted(self) -> bool:
-        with open("/proc/self/mountinfo") as f:
-            return any(line.split()[4] == str(self.mountpoint) for line in f)
+        return _mounted(self.mountpoint)
 
     def leftovers(self) -> list[str]:
         """What of the volume is still there (after ``close``)."""
         left = []
-        if self.mounted():
-            left.append(f"mount {self.mountpoint}")
+        left += [f"mount {p}" for p in (self.mountpoint, *(p for p, _ in self.other_clients)) if _mounted(p)]
         if Path(f"/run/netns/{self.netns}").exists():
             left.append(f"netns {self.netns}")
         if Path(f"/sys/class/net/{self.host_if}").exists():
@@ -243,3 +249,24 @@ def _run(*args: str) -> None:
     done = subprocess.run(args, capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(args)}: {done.stderr.strip()}")
+
+
+def _mounted(path: Path) -> bool:
+    """From the mount table: a dead FUSE mount answers no stat (os.path.ismount says False)."""
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(path) for line in f)
+
+
+def _unmount(path: Path) -> None:
+    while _mounted(path):  # (a mount made over a dead one: both go)
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30, check=True)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)

@@ -161,6 +161,30 @@ async def test_gc_keeps_the_layers_another_nodes_sandbox_holds(world):
             await asyncio.sleep(0.5)
 
 
+def test_the_store_lock_holds_across_two_clients_of_the_volume(world, gluster):
+    """The store's lock (LayerStore.locked: builds of one image, from any node) is one lock for
+    two machines' mounts of the volume: the second client waits until the first lets go."""
+    import threading
+
+    from dsec.images.store import LayerStore
+
+    _, store_dir = world
+    other = LayerStore(gluster.mount_another() / store_dir.name)
+    mine = LayerStore(store_dir)
+    got = threading.Event()
+
+    def take_it() -> None:
+        with other.locked("gl-build"):
+            got.set()
+
+    with mine.locked("gl-build"):
+        taker = threading.Thread(target=take_it)
+        taker.start()
+        assert not got.wait(1.5), "the second client took the lock while the first held it"
+    assert got.wait(10), "the second client did not get the lock once it was let go"
+    taker.join(10)
+
+
 async def test_the_volume_stopped_gives_store_unavailable_then_everything_recovers(world, gluster):
     _, store_dir = world
     async with client_of(world) as client:
