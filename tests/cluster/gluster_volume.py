@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 PING_TIMEOUT_S = 5
-INSTALL_HINT = "GlusterFS is not installed (glusterd, glusterfs): scripts/setup-host.sh installs glusterfs-server"
+INSTALL_HINT = (
+    "GlusterFS is not installed (glusterd, gluster, glusterfs): apt-get install glusterfs-server glusterfs-client "
+    "(make setup does, through scripts/setup-host.sh)")
 
 
 def missing() -> str | None:
