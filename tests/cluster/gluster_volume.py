@@ -146,6 +146,25 @@ class GlusterVolume:
     def start_volume(self) -> None:
         self.gluster("volume", "start", self.volume, "force")
 
+    def freeze_brick(self) -> None:
+        """The brick process stopped (SIGSTOP): a server gone silent, its connection still up.
+        The client waits for it up to the ping timeout, then answers ENOTCONN."""
+        for pid in self._brick_pids():
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw_brick(self) -> None:
+        for pid in self._brick_pids():
+            os.kill(pid, signal.SIGCONT)
+
+    def _brick_pids(self) -> list[int]:
+        pids = []
+        for pid in self._netns_pids():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "glusterfsd":
+                    pids.append(pid)
+        assert pids, "no brick process"
+        return pids
+
     def mount(self) -> None:
         self.client = self._client(self.mountpoint, "client")
 
@@ -203,6 +222,9 @@ class GlusterVolume:
         if self._netns_made:
             # glusterd and every daemon it started (bricks, self-heal) live in the namespace.
             pids = self._netns_pids()
+            for pid in pids:  # (a frozen brick, if a test failed with it frozen)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
             for sig in (signal.SIGTERM, signal.SIGKILL):
                 for pid in pids:
                     with contextlib.suppress(ProcessLookupError):

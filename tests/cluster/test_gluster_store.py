@@ -226,6 +226,39 @@ async def test_the_volume_stopped_gives_store_unavailable_then_everything_recove
         assert await client.list_sandboxes() == []
 
 
+async def test_a_server_gone_silent_is_refused_within_the_bound_then_recovers(world, gluster):
+    """The brick frozen (its connection up, no answer): calls and creates wait at most the
+    bound, then get StoreUnavailable; thawed, everything works again."""
+    async with client_of(world) as client:
+        await wait_for_nodes(client)
+        running = await on_every_node(client, "busybox")
+        gluster.freeze_brick()
+        try:
+            await asyncio.sleep(STORE_FRESH_S)
+            started = time.monotonic()
+            refusals = await asyncio.gather(*(s.run_shell("true", timeout=60) for s in running.values()),
+                                            client.run_container(args("busybox")), return_exceptions=True)
+            took = time.monotonic() - started
+            assert all(isinstance(r, StoreUnavailable) for r in refusals), refusals
+            assert took < STORE_AWAY_BOUND_S, took
+        finally:
+            gluster.thaw_brick()
+        deadline = time.monotonic() + 30
+        for s in running.values():
+            while True:
+                try:
+                    assert (await s.run_shell("head -1 /etc/passwd")).stdout.startswith("root:")
+                    break
+                except StoreUnavailable:
+                    assert time.monotonic() < deadline, "the store did not come back"
+                    await asyncio.sleep(0.5)
+        for s in (await on_every_node(client, "busybox")).values():
+            await s.stop()
+        for s in running.values():
+            await s.stop()
+        assert await client.list_sandboxes() == []
+
+
 async def test_the_fuse_client_killed_strands_its_sandboxes_and_creates_work_once_mounted_again(world, gluster):
     """A killed FUSE client leaves a dead mount: calls and creates get StoreUnavailable. Once
     the operator mounts the volume again, new sandboxes read their layers through the new mount
