@@ -209,6 +209,22 @@ class LayerStore:
         self.layer_path(digest).unlink(missing_ok=True)
         self.dax_layer_path(digest).unlink(missing_ok=True)
 
+    def _remove_unheld(self, digest: str) -> bool:
+        """Remove the layer unless a node holds it mounted (a shared lock on its file)."""
+        try:
+            fd = os.open(self.layer_path(digest), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False  # removed meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        else:
+            self.remove_layer(digest)
+            return True
+        finally:
+            os.close(fd)
+
     # -- DAX variants (layers mapped into VMs as persistent memory) ------------------------
 
     def dax_layer_path(self, digest: str) -> Path:
@@ -334,10 +350,11 @@ class LayerStore:
         return [d for d in self.layer_digests() if d not in used]
 
     def gc(self, in_use: frozenset[str] = frozenset()) -> list[str]:
-        """Remove layers no image refers to and no sandbox holds (``in_use``: layer digests)."""
-        removed = [d for d in self.unreferenced_layers() if d not in in_use]
-        for digest in removed:
-            self.remove_layer(digest)
+        """Remove layers no image refers to and no sandbox holds (``in_use``: layer digests).
+        A layer some node has mounted is left too, whichever machine asks: each node holds a
+        shared lock on the files of the layers it has mounted (``dsec.images.mounts``), and a
+        layer is removed only under an exclusive one."""
+        removed = [d for d in self.unreferenced_layers() if d not in in_use and self._remove_unheld(d)]
         for stale in self.tmp_dir.iterdir():
             # Half-built layers of builds that died; a live build's files are younger.
             if time.time() - stale.lstat().st_mtime > 24 * 3600:
