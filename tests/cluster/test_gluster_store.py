@@ -207,6 +207,11 @@ async def test_the_volume_stopped_gives_store_unavailable_then_everything_recove
                 await client.run_container(args("busybox"))
             assert time.monotonic() - started < STORE_AWAY_BOUND_S
             assert str(store_dir) in str(refused.value)
+            # The store's own calls, and a pack_diff (which writes a layer to it), say the same.
+            for call in (client.list_images(), client.inspect_image("busybox"), client.gc_images(),
+                         next(iter(running.values())).pack_diff()):
+                with pytest.raises(StoreUnavailable, match=str(store_dir)):
+                    await call
         finally:
             gluster.start_volume()
         # Back: the running sandboxes answer (their layers read through the same mounts), and

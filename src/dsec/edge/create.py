@@ -349,6 +349,7 @@ class Creates(SandboxTable):
     async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult:
         """The sandbox's changes as a new image on top of its own (it keeps running)."""
         rec = self._allowed(sandbox_id, Action.pack_diff)
+        await self._check_store(rec)
         if name is not None:
             check_name(name)
             if self.store.has_image(name):

@@ -67,15 +67,19 @@ class NodeCalls(SandboxTable):
     # -- the layer store, as this node sees it ------------------------------------------------
 
     async def list_images(self) -> list[ImageInfo]:
+        await self.store_health.check()
         return [self.store.describe(self.store.get_image(name)) for name in self.store.image_names()]
 
     async def inspect_image(self, ref: str) -> ImageInfo:
+        await self.store_health.check()
         return self.store.describe(self.store.resolve(ref))
 
     async def remove_image(self, name: str, in_use: frozenset[str]) -> None:
+        await self.store_health.check()
         self.store.remove_image(name, in_use=frozenset(in_use))
 
     async def gc_layers(self, in_use: frozenset[str]) -> list[str]:
+        await self.store_health.check()
         return self.store.gc(in_use=frozenset(in_use))
 
     def build_image(self, build: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:

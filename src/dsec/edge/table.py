@@ -126,7 +126,7 @@ class SandboxTable:
         rec.last_active = time.time()
         try:
             return await coro
-        except BackendError as exc:
+        except (BackendError, OSError) as exc:
             # The store went away since the last check (it is kept for a second): say so.
             if not isinstance(exc, StoreUnavailable):
                 await self._check_store(rec, cached=False)
