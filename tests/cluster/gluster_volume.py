@@ -6,7 +6,8 @@ reaches it: in a network namespace of its own, joined to the host by a veth pair
 namespace has no route out). glusterd runs there in a mount namespace of its own too, its
 working, run and log directories in the test's directory (``/var/lib/glusterd``,
 ``/var/log/glusterfs`` and ``/run/gluster`` of the host are not touched). The volume has one
-brick and a ping timeout of ``PING_TIMEOUT_S``. The FUSE client (``glusterfs``, in the
+brick, a ping timeout of ``PING_TIMEOUT_S`` and no metadata cache in its clients (as
+docs/CLUSTER.md sets it up). The FUSE client (``glusterfs``, in the
 foreground, a child of this process) mounts it on the host.
 
 ``close()`` (idempotent) unmounts, ends every process it started (the client, glusterd and the
@@ -88,6 +89,9 @@ class GlusterVolume:
             self._glusterd()
             self.gluster("volume", "create", self.volume, f"{self.server_ip}:{self.brick}", "force")
             self.gluster("volume", "set", self.volume, "network.ping-timeout", str(PING_TIMEOUT_S))
+            # Without it a client answers stats from its metadata cache for a second: a manifest
+            # replaced on one machine is read as it was on the others (docs/CLUSTER.md).
+            self.gluster("volume", "set", self.volume, "performance.stat-prefetch", "off")
             self.start_volume()
             self.mount()
         except BaseException:

@@ -164,6 +164,27 @@ async def test_gc_keeps_the_layers_another_nodes_sandbox_holds(world, gluster):
             await asyncio.sleep(0.5)
 
 
+def test_a_manifest_put_on_one_client_is_read_at_once_on_another(world, gluster):
+    """An image made, and made again under its name (a rebuild), on one machine is what every
+    other machine reads the moment after: no client answers from a stale cache."""
+    from dsec.images.store import Image, LayerStore
+
+    _, store_dir = world
+    here = LayerStore(store_dir)
+    there = LayerStore(gluster.mount_another() / store_dir.name)
+    layers = here.get_image("busybox").layers
+    stale = []
+    try:
+        for i in range(50):
+            here.put_image(Image(name="gl-again", layers=layers, env={"ROUND": f"{i:03}"}))
+            if not there.has_image("gl-again") or there.get_image("gl-again").env["ROUND"] != f"{i:03}":
+                stale.append(i)
+    finally:
+        here.remove_image("gl-again")
+    assert not stale, f"read as it was before in rounds {stale}"
+    assert not there.has_image("gl-again")
+
+
 def test_the_store_lock_holds_across_two_clients_of_the_volume(world, gluster):
     """The store's lock (LayerStore.locked: builds of one image, from any node) is one lock for
     two machines' mounts of the volume: the second client waits until the first lets go."""
