@@ -313,6 +313,14 @@ class SyncSandbox:
     def clean_copy_result(self):
         return self._sandbox.clean_copy_result
 
+    def fork(self, count: int = 1, **kwargs: Any) -> list:
+        return [SyncSandbox(self._runner, child) if isinstance(child, Sandbox) else child
+                for child in self._run(self._sandbox.fork(count, **kwargs))]
+
+    @property
+    def fork_result(self):
+        return self._sandbox.fork_result
+
     def security_events(self) -> list:
         return self._run(self._sandbox.security_events())
 

@@ -289,6 +289,55 @@ class CleanCopyResult(_Model):
     copy_s: float
 
 
+# Children of one fork, at most (a quota bounds it further: they count as sandboxes).
+MAX_FORK_COUNT = 1000
+# What a fork carried into its children: the parent's memory and running processes, or its
+# filesystem alone (they start the image's command afresh).
+ForkKind = Literal["memory", "filesystem"]
+
+
+class ForkRequest(_Model):
+    """Fork a running sandbox into ``count`` children. All or none by default: on any child's
+    failure every child made is stopped and the fork fails; ``all_or_none=False`` answers one
+    entry per child, a sandbox or its error. ``ttl_running_stop``: the children's idle TTL
+    (None: the parent's)."""
+
+    count: int = Field(1, ge=1, le=MAX_FORK_COUNT)
+    all_or_none: bool = True
+    ttl_running_stop: float | None = None
+
+    @field_validator("ttl_running_stop")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class ForkChild(_Model):
+    """One child of a fork: the running sandbox, or why it could not be made (``ErrorBody``'s
+    code and message)."""
+
+    sandbox: SandboxInfo | None = None
+    error: ErrorBody | None = None
+
+
+class ForkResult(_Model):
+    """A fork: its children in order, which ``kind`` of fork they are (``memory``: restored
+    from one memory image of the parent, processes and all; ``filesystem``: the parent's
+    files, the image's command started afresh), what was taken of the parent once and shared
+    by them all (``layer``: its writable layer as one read-only layer; ``snapshot``: its
+    memory image), how long the parent was frozen for it and how long the fork took."""
+
+    parent: str
+    kind: ForkKind
+    children: list[ForkChild]
+    layer: str | None = None
+    snapshot: str | None = None
+    frozen_s: float
+    fork_s: float
+
+
 class ProjectUsage(_Model):
     """What a project's sandboxes (running or paused) hold on a node, or in all."""
 
@@ -617,6 +666,11 @@ class NodeInfo(_Model):
     # "enforce" (container sandboxes run under the dsec-sandbox profile), or "unsupported: <why>".
     apparmor: str = "unknown"
     projects: dict[str, ProjectUsage] = Field(default_factory=dict)
+    # What a fork of each kind served here carries ("memory" or "filesystem"), and whether
+    # containers could fork their memory: "supported" where ``criu check`` passes, else
+    # "unsupported: <why>" (their forks are then of the filesystem).
+    forks: dict[str, ForkKind] = Field(default_factory=dict)
+    container_memory_fork: str = "unknown"
     # "ready" (serving), or, listed only when asked (``node_info(include_unready=True)``): "lost"
     # (it left the cluster) or "failed" (found, but its edge did not start), with why in ``problem``.
     state: Literal["ready", "lost", "failed"] = "ready"
@@ -917,7 +971,7 @@ def check_key(key: str) -> str:
 
 
 JobOp = Literal["create", "create_batch", "exec", "write_file", "read_file", "pause", "resume", "set_network_rules",
-                "set_ttl", "stop", "clean_copy", "pack_diff", "unrecorded"]
+                "set_ttl", "stop", "clean_copy", "pack_diff", "fork", "unrecorded"]
 
 
 class JobEntry(_Model):

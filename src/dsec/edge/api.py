@@ -34,6 +34,7 @@ from libdsec import InvalidRequest, SandboxLost
 from libdsec.protocol import (
     BuildImageRequest,
     CleanCopyResult,
+    ForkResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
     ExecEvent,
@@ -127,6 +128,15 @@ class EdgeAPI(Protocol):
     async def clean_copy(self, sandbox_id: str, keep: list[str]) -> CleanCopyResult:
         """A new sandbox on the same node (the source's project and run args) from the source's
         image with only its changes beneath ``keep``."""
+        ...
+
+    async def fork(self, sandbox_id: str, count: int = 1, all_or_none: bool = True,
+                   ttl_running_stop: float | None = None) -> ForkResult:
+        """``count`` new running sandboxes on the same node (the parent's project and run args),
+        each someone new (its own id, hostname, machine id, address; a VM's random number
+        generator reseeded) with the parent's memory (where the kind forks it) or filesystem.
+        The parent, frozen meanwhile, runs on untouched. All or none unless ``all_or_none`` is
+        false (then one entry per child, a sandbox or its error)."""
         ...
 
     # -- inside a sandbox --------------------------------------------------------------------

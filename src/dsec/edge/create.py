@@ -120,9 +120,10 @@ class Creates(SandboxTable):
                                  f"(protected_paths is for containers and VMs)")
 
     async def _create(self, args: DSecContainerRunArgs, kind: SandboxKind, project: str, image: Image, limits,
-                      seed=None, batch: str | None = None) -> Record:
+                      seed=None, batch: str | None = None, hostname: str | None = None) -> Record:
         """Admit and start a sandbox of ``image``; ``seed(handle)``, if given, runs on it before
-        it counts as running (a clean copy's carried files); ``batch``: held for that batch."""
+        it counts as running (a clean copy's carried files, a fork child's identity); ``batch``:
+        held for that batch; ``hostname``: its own (made to order, not from the warm pool)."""
         backend = self._backend(kind)
         self._check_room()
         if args.init_user is None or args.workdir is None:  # the image's, as a Dockerfile's USER and WORKDIR
@@ -140,14 +141,16 @@ class Creates(SandboxTable):
         # VMs (whose memory is set at boot), restores from a snapshot and sandboxes with paths
         # of their own made read-only are made to order.
         snapshot = args.snapshot if isinstance(args, DSecMicroVMRunArgs) else None
-        pooled = Capability.WARM_POOL in backend.capabilities and snapshot is None and not args.protected_paths
+        pooled = (Capability.WARM_POOL in backend.capabilities and snapshot is None and not args.protected_paths
+                  and hostname is None)
         pool = self.warm_pool.arrive(kind, image, limits) if pooled else None
         try:
             if pool is not None:
                 rec.handle, has = await self.warm_pool.take(pool, limits)
             else:
                 spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits,
-                                   snapshot=snapshot, protected_paths=tuple(args.protected_paths), setuid=image.setuid)
+                                   snapshot=snapshot, protected_paths=tuple(args.protected_paths), setuid=image.setuid,
+                                   **({"hostname": hostname} if hostname else {}))
                 rec.handle, has = await backend.create(f"c{secrets.token_hex(8)}", spec), None
             try:
                 if has != limits:

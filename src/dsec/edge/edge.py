@@ -5,6 +5,8 @@
   sandbox found dead), a sandbox's TTL, network rules and security events (``SandboxTable``);
 - ``create``: creates, alone or in batches, from the warm pool, and clean copies, packed diffs
   and memory snapshots (``Creates``);
+- ``fork``: forks of a running sandbox into many children, its memory or its filesystem taken
+  once and shared by them (``Forks``);
 - ``inside``: commands, background processes, sessions, PTYs, directory watches, files and
   ports inside a running sandbox (``Inside``);
 - ``nodeinfo``: the node's info and stats, its layer store and builds, fncall (``NodeCalls``).
@@ -53,6 +55,7 @@ from .admission import Admission, WorkGate, memory_total_mb
 from .build import ImageBuilder
 from .config import EdgeConfig
 from .create import Creates
+from .fork import Forks
 from .inside import Inside
 from .journal import RecordJournal
 from .lifecycle import Record
@@ -67,7 +70,7 @@ from .watches import Watches
 log = logging.getLogger("dsec.edge")
 
 
-class Edge(Creates, Inside, NodeCalls):
+class Edge(Creates, Forks, Inside, NodeCalls):
     """The node daemon's core. ``await start()`` before use; ``await close()`` at the end
     (a second ``close()`` does nothing)."""
 
