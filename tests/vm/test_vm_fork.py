@@ -51,3 +51,22 @@ async def test_microvm_fork_carries_memory_and_makes_each_child_someone_new(clie
         finally:
             for child in children:
                 await child.stop()
+
+
+async def test_full_vm_fork_carries_the_filesystem_and_says_so(client):
+    from libdsec import DSecFullVMRunArgs
+
+    parent = await client.run_vm(DSecFullVMRunArgs(container_image="busybox", memory_limit_mb=128), timeout=240)
+    async with parent:
+        r = await parent.run_shell("echo 0123456789abcdef0123456789abcdef > /etc/machine-id; echo kept > /root/file")
+        assert r.exit_code == 0, r
+        [child] = await parent.fork()
+        try:
+            result = child.fork_result
+            assert result.kind == "filesystem" and result.layer is not None and result.snapshot is None
+            assert (await child.read_file("/root/file")) == b"kept\n"
+            seen = [(await vm.run_shell("hostname; cat /etc/machine-id")).stdout.split() for vm in (parent, child)]
+            assert seen[0][0] != seen[1][0] and seen[0][1] != seen[1][1], seen
+            assert (await parent.run_shell("echo alive")).stdout == "alive\n"
+        finally:
+            await child.stop()
