@@ -145,6 +145,20 @@ async def test_the_job_log_records_the_fork_and_its_children(client, server):
     [entry] = [e for e in log.entries if e.op == "fork"]
     assert entry.sandbox == parent.id and entry.request["count"] == 2
     assert [c["sandbox"]["id"] for c in entry.result["children"]] == [c.id for c in children]
+    # A resumed trainer fast-forwards through the fork: the children logged, nothing made.
+    async with DSecClient(server.endpoint, token=server.token, job="fork-log-1", resume=True) as again:
+        async with await again.run_container(args()) as same:
+            assert same.id == parent.id
+            replayed = await same.fork(count=2, all_or_none=False)
+            assert [c.id for c in replayed] == [c.id for c in children]
+            for child in replayed:
+                await child.stop()
+        assert again.replayed == len(log.entries)
+    # And `dsec job replay` forks again, on its own sandboxes (stopped at its end).
+    from dsec.jobreplay import replay
+
+    report = await replay(client, log)
+    assert report.divergences == [], report
 
 
 # -- in one process, with a real container backend: a child that fails -------------------------
