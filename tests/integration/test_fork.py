@@ -218,3 +218,44 @@ async def test_a_failing_child_stops_its_siblings_or_is_one_entry(edge, monkeypa
         await edge.stop(sid)
     assert (await edge.get(parent.id)).status.value == "running"
     await edge.stop(parent.id)
+
+
+async def test_a_fork_cut_by_a_crash_is_undone_at_restart(new_state_dir):
+    """kill -9 of the server while a fork makes its children: the children made are held for
+    the fork, which never answered, so the restarted server stops them; the parent runs on."""
+    import asyncio
+    import json
+    import time
+
+    from dsec.edge import journal
+    from dsec.local import LocalServer, leftovers
+
+    state = new_state_dir("dsec-forkcrash")
+    server = LocalServer(state, extra_args=("--pool-max", "0")).start()
+    try:
+        async with DSecClient(server.endpoint, token=server.token) as client:
+            parent = await client.run_container(args(memory_limit_mb=16))
+            await parent.write_file("/work/state.txt", "parent\n")
+            forking = asyncio.create_task(parent.fork(count=120))
+            records = state / "node" / "run" / "records"
+            deadline = time.monotonic() + 120
+            while not forking.done() and time.monotonic() < deadline:
+                held = [json.loads(r) for r in journal.read(records).values()]
+                if sum(r["batch"] is not None for r in held) >= 10:
+                    break
+                await asyncio.sleep(0.02)
+            assert not forking.done(), "the fork finished before the crash: make it larger"
+            server.kill()
+            with pytest.raises(Exception):  # noqa: B017 - the connection breaks, whatever the error
+                await forking
+        held = [json.loads(r) for r in journal.read(records).values()]
+        assert sum(r["batch"] is not None for r in held) >= 10  # outlived the server, held for the fork
+        server = LocalServer(state, extra_args=("--pool-max", "0")).start()
+        async with DSecClient(server.endpoint, token=server.token) as client:
+            assert [s.id for s in await client.list_sandboxes()] == [parent.id]
+            again = await client.get_sandbox(parent.id)
+            assert (await again.read_file("/work/state.txt")) == b"parent\n"
+            await again.stop()
+    finally:
+        server.stop()
+    assert not leftovers(state)

@@ -24,7 +24,9 @@ The parent runs on with its id, TTL and state untouched.
 Children are made side by side (at most ``batch_concurrency`` at once) through the one create
 path (``Creates._create``). All or none by default: a child that fails stops every child made,
 and the fork fails with that child's error; ``all_or_none=False`` answers one entry per child.
-A fork cut short (its caller went away, the edge closing) stops the children made so far.
+A fork cut short (its caller went away, the edge closing) stops the children made so far; until
+it answers, its children are held as a batch of their own (``Record.batch``), so an edge killed
+in the middle of a fork stops them when it starts again, as it stops an uncommitted batch's.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class Forks(SandboxTable):
     _create: Callable[..., Awaitable[Record]]
     _counted: Callable[[SandboxKind, Awaitable[SandboxInfo]], Awaitable[SandboxInfo]]
     _undoing: set[asyncio.Task]
+    _batches: dict[str, float | None]
 
     async def fork(self, sandbox_id: str, count: int = 1, all_or_none: bool = True,
                    ttl_running_stop: float | None = None) -> ForkResult:
@@ -122,6 +125,10 @@ class Forks(SandboxTable):
     async def _make_children(self, parent: Record, backend: SandboxBackend, args: DSecContainerRunArgs, image: Image,
                              limits, count: int, all_or_none: bool) -> list[ForkChild]:
         room = asyncio.Semaphore(max(1, self.config.batch_concurrency))
+        # Held as a batch of their own until the fork answers: an edge that dies meanwhile stops
+        # them when it starts again (no one was handed them), as it stops an uncommitted batch's.
+        hold = f"fork-{secrets.token_hex(8)}"
+        self._batches[hold] = None
 
         async def child() -> SandboxInfo:
             hostname = child_hostname()
@@ -135,7 +142,7 @@ class Forks(SandboxTable):
 
             async with room, self.create_gate.slot(queue=False):  # the gate was checked for the whole fork
                 made = await self._create(args, parent.kind, parent.project, image, limits, seed=identity,
-                                          hostname=hostname)
+                                          hostname=hostname, batch=hold)
                 return made.info(self.node)
 
         tasks = [asyncio.ensure_future(self._counted(parent.kind, child())) for _ in range(count)]
@@ -146,11 +153,17 @@ class Forks(SandboxTable):
                 task.cancel()
             self._stop_children(tasks, "its fork was cut short")
             raise
+        finally:
+            self._batches.pop(hold, None)
         failed = [t.exception() for t in tasks if t.exception() is not None]
         if failed and all_or_none:
             await self._stop_children(tasks, "a sibling of its fork failed")
             first = next((e for e in failed if isinstance(e, DSecError)), failed[0])
             raise first  # type: ignore[misc]
+        for rec in self._records.values():  # the caller's from here on
+            if rec.batch == hold:
+                rec.batch = None
+                self._persist(rec)
         return [ForkChild(error=_error_body(t.exception())) if t.exception() is not None  # type: ignore[arg-type]
                 else ForkChild(sandbox=t.result()) for t in tasks]
 
