@@ -15,7 +15,8 @@ IDENTITY = "hostname; cat /etc/machine-id; head -c 16 /dev/urandom | od -An -tx1
 
 
 async def test_microvm_fork_carries_memory_and_makes_each_child_someone_new(client):
-    parent = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128), timeout=180)
+    parent = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128,
+                                                         protected_paths=["/bin"]), timeout=180)
     async with parent:
         # A process that holds state only in memory: a shell counting in a variable.
         r = await parent.run_shell("echo 0123456789abcdef0123456789abcdef > /etc/machine-id; "
@@ -35,6 +36,8 @@ async def test_microvm_fork_carries_memory_and_makes_each_child_someone_new(clie
                 alive = await child.run_shell("kill -0 $(cat /root/pid) && echo alive")
                 assert alive.stdout == "alive\n", alive
                 seen.append((await child.run_shell(IDENTITY)).stdout.split())
+                # The parent's protected paths stay protected in the child (its mounts are restored).
+                assert (await child.run_shell("touch /bin/x")).exit_code != 0
             for field, what in enumerate(("host name", "machine id", "random bytes")):
                 values = [s[field] for s in seen]
                 assert len(set(values)) == 3, (what, seen)

@@ -103,7 +103,9 @@ class Forks(SandboxTable):
             meta = await self._call(rec, backend.snapshot(rec.handle))  # type: ignore[attr-defined]
             snapshot, layer, image = meta["id"], None, rec.image
             frozen_s = float(meta.get("paused_s", time.perf_counter() - taken))
-            args = args.model_copy(update={"snapshot": snapshot})
+            # (A restored guest keeps the read-only mounts of the parent's protected paths: they
+            # are in its memory, and a restore takes none anew.)
+            args = args.model_copy(update={"snapshot": snapshot, "protected_paths": []})
         else:
             if isinstance(args, DSecMicroVMRunArgs) and args.snapshot:
                 args = args.model_copy(update={"snapshot": None})
