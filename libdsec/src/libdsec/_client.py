@@ -94,7 +94,7 @@ _CREATE_PATHS = frozenset({"/v1/sandboxes", "/v1/microvms", "/v1/vms", "/v1/sand
 
 
 def _is_create(method: str, path: str) -> bool:
-    return method == "POST" and (path in _CREATE_PATHS or path.endswith("/clean_copy"))
+    return method == "POST" and (path in _CREATE_PATHS or path.endswith(("/clean_copy", "/fork")))
 
 
 def may_repeat(method: str, path: str, headers: dict[str, str] | None, refused: bool) -> bool:
