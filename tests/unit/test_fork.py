@@ -79,3 +79,24 @@ def test_the_sync_twin_forks_the_same():
         assert isinstance(failed, CapacityExceeded)
         assert seen[-1][1] == f"/v1/sandboxes/{PARENT}/fork"
 
+
+
+async def test_the_edge_refuses_before_it_touches_the_parent(edge):
+    """On the fake backend (no identities to give, no layers to pack): each refusal names its
+    problem, and the parent runs on."""
+    from libdsec import DSecContainerRunArgs, LimitOutOfRange, SandboxStateError
+
+    info = await edge.create(DSecContainerRunArgs(container_image="tiny"))
+    for count in (0, -1, MAX_FORK_COUNT + 1):
+        with pytest.raises(LimitOutOfRange, match=f"1 to {MAX_FORK_COUNT} children, not {count}"):
+            await edge.fork(info.id, count)
+    with pytest.raises(InvalidRequest, match="cannot be forked here: its children could not be given an identity"):
+        await edge.fork(info.id, 2)
+    await edge.pause(info.id)
+    with pytest.raises(SandboxStateError, match=f"cannot fork: sandbox {info.id} is paused"):
+        await edge.fork(info.id, 2)
+    await edge.resume(info.id)
+    assert [s.id for s in await edge.list()] == [info.id]
+    await edge.stop(info.id)
+    with pytest.raises(SandboxStateError, match=f"cannot fork: sandbox {info.id} is stopped"):
+        await edge.fork(info.id, 2)

@@ -90,6 +90,9 @@ class Forks(SandboxTable):
         if self._closed:
             raise SandboxStateError(f"edge {self.node} is shutting down")
         backend = self.backends[rec.kind]
+        if Capability.NEW_IDENTITY not in backend.capabilities:
+            raise InvalidRequest(f"a {rec.kind.value} sandbox cannot be forked here: its children could not be "
+                                 "given an identity of their own")
         args = rec.args
         if ttl_running_stop is not None:
             args = args.model_copy(update={"ttl_running_stop": ttl_running_stop})
@@ -136,9 +139,6 @@ class Forks(SandboxTable):
             hostname = child_hostname()
 
             async def identity(handle: Handle) -> None:
-                if Capability.NEW_IDENTITY not in backend.capabilities:
-                    raise InvalidRequest(f"a {parent.kind.value} sandbox cannot be forked: its children could not "
-                                         "be given an identity of their own")
                 await backend.new_identity(handle, hostname, secrets.token_hex(16),  # type: ignore[attr-defined]
                                            secrets.token_bytes(64))
 
