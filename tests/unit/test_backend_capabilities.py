@@ -54,6 +54,6 @@ async def test_the_edge_asks_the_capabilities(edge):
     from libdsec.protocol import DSecContainerRunArgs
 
     info = await edge.create(DSecContainerRunArgs(container_image="tiny"))
-    with pytest.raises(InvalidRequest, match="takes no memory snapshots"):
-        await edge.snapshot(info.id)
+    with pytest.raises(InvalidRequest, match="a container sandbox takes no full snapshots"):
+        await edge.snapshot(info.id, mode="full")
     await edge.stop(info.id)

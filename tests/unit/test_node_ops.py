@@ -164,7 +164,8 @@ def remote_arguments(op: Operation) -> dict:
     values = {
         "sandbox_id": SANDBOX, "reason": "r", "name": "busybox", "role": "snapshot", "keep": ["/a"], "pid": 7,
         "signal": 2, "data": "x" if op.name == "process_stdin" else b"x", "close": False, "timeout": 3.0, "session": 3, "pty": 2, "cols": 80, "rows": 24,
-        "encoding": "utf-8", "port": 8080, "path": "/a", "recursive": True, "src": "/a", "dst": "/b", "mode": 0o600,
+        "encoding": "utf-8", "port": 8080, "path": "/a", "recursive": True, "src": "/a", "dst": "/b",
+        "mode": "filesystem" if op.name == "snapshot" else 0o600, "users": [SANDBOX],
         "network_rules": {"pypi": True}, "ttl_running_stop": 60.0, "ref": "busybox", "in_use": frozenset({"x"}),
         "build": BuildImageRequest(name="task", dockerfile="FROM python\n", timeout=100), "project": "root",
         "args": DSecFnCallArgs(code="print(1)", timeout=4) if op.name == "fncall"
@@ -260,3 +261,19 @@ async def test_remote_edge_keeps_each_calls_timeout(monkeypatch):
         assert seen[op.name] == TIMEOUTS.get(op.name), op.name
     await remote.close()
     assert remote_module.BATCH_IDLE_S == 120.0 and NODE_OPS_BY_NAME["create_batch"].answers == "lines"
+
+
+def test_every_public_call_is_a_node_call_on_the_same_path_with_the_same_models():
+    from libdsec.api_ops import PUBLIC_OPS
+
+    from dsec.edge.ops import NODE_FORMS
+
+    for op in PUBLIC_OPS:
+        node = NODE_OPS_BY_NAME[op.name]
+        if op.name in NODE_FORMS:
+            assert node is NODE_FORMS[op.name]
+            continue
+        assert (node.method, node.path, node.request, node.answer, node.answers, node.body, node.query,
+                node.spread, node.timeout) == (op.method, op.path, op.request, op.answer, op.answers, op.body,
+                                               op.query, op.spread, op.timeout), op.name
+        assert node.lifecycle is None and node.journal is None, op.name  # the edge's method checks its own

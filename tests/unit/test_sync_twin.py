@@ -87,3 +87,39 @@ def test_a_matching_twin_gets_the_originals_docs():
 
     twin = twin_of(_Async)(_twin(run=run, stop=lambda self: None, status=property(lambda self: 1)))
     assert twin.run.__doc__ == "Run it." and "timeout" in inspect.signature(twin.run).parameters
+
+
+class Sandbox:  # a twinned answer, by name, as the SDK's
+    pass
+
+
+class _Answers:
+    async def get(self, key: str, *, default: int = 0) -> int:
+        """Get it."""
+        return {"a": 1}.get(key, default)
+
+    async def child(self) -> Sandbox:
+        """A new object, which has a twin of its own: wrapped by hand."""
+        return Sandbox()
+
+
+def test_a_call_that_only_waits_is_made_for_the_twin_with_its_docs_and_signature():
+    def init(self, inner):
+        import asyncio
+
+        self._inner, self._run = inner, asyncio.run
+
+    def child(self):
+        return "wrapped by hand"
+
+    twin = twin_of(_Answers, forward="_inner")(_twin(__init__=init, child=child))
+    assert twin.get.__doc__ == "Get it." and twin.get.__twin_of__ is _Answers.get
+    assert list(inspect.signature(twin.get).parameters) == ["self", "key", "default"]
+    made = twin(_Answers())
+    assert (made.get("a"), made.get("b"), made.get("b", default=7)) == (1, 0, 7)
+    assert made.child() == "wrapped by hand"
+
+
+def test_a_call_answering_a_twinned_object_is_never_forwarded():
+    with pytest.raises(TypeError, match=r"Twin.child is missing"):
+        twin_of(_Answers, forward="_inner")(_twin())

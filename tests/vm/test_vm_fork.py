@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from libdsec import DSecMicroVMRunArgs, InvalidRequest, SandboxStateError
+from libdsec import DSecMicroVMRunArgs, SandboxStateError, SnapshotNotFound
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.asyncio(loop_scope="module")]
 
@@ -42,7 +42,7 @@ async def test_microvm_fork_carries_memory_and_makes_each_child_someone_new(clie
                 values = [s[field] for s in seen]
                 assert len(set(values)) == 3, (what, seen)
             # The snapshot was the fork's own: gone once the children were up (they map its memory).
-            with pytest.raises(InvalidRequest, match=f"no snapshot {result.snapshot}"):
+            with pytest.raises(SnapshotNotFound, match=f"no snapshot '{result.snapshot}'"):
                 await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128,
                                                             snapshot=result.snapshot), timeout=180)
             after = await parent.refresh()

@@ -29,13 +29,16 @@ from ._errors import (
     ServerError,
     SessionClosed,
     ServerUnavailable,
+    SnapshotConflict,
+    SnapshotNotFound,
     Unauthenticated,
 )
 from .protocol import SecurityEvent
 from .protocol import ExecEvent, FileEntry, FsEvent, ProcessInfo
 from .protocol import BuildResult, DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
-from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
+from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, Snapshot, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
+from ._pausing import SandboxGroupResult, SandboxOutcome
 from ._projects import ProjectInfo, ProjectQuota
 from ._sync import SyncDSecClient, SyncProcess, SyncDirWatch, SyncPty, SyncSandbox, SyncSession
 
@@ -79,9 +82,11 @@ __all__ = [
     "ReplayIncomplete",
     "Sandbox",
     "SandboxFileNotFound",
+    "SandboxGroupResult",
     "SandboxInfo",
     "SandboxLost",
     "SandboxNotFound",
+    "SandboxOutcome",
     "SandboxStateError",
     "SandboxStatus",
     "SecurityEvent",
@@ -89,7 +94,10 @@ __all__ = [
     "ServerUnavailable",
     "Session",
     "SessionClosed",
+    "Snapshot",
+    "SnapshotConflict",
     "SnapshotInfo",
+    "SnapshotNotFound",
     "SyncDSecClient",
     "SyncDirWatch",
     "SyncProcess",

@@ -34,6 +34,7 @@ from ._errors import (
 from ._build import build_request
 from ._files import SandboxFiles
 from ._process import Process, Session, events_of, run_with_callbacks
+from ._pausing import _GroupMethods
 from ._projects import _ProjectMethods
 from ._replay import Replay
 from ._pty import Pty
@@ -76,7 +77,10 @@ from .protocol import (
     SandboxInfo,
     SandboxList,
     SandboxStatus,
-    SnapshotInfo,
+    Snapshot,
+    SnapshotList,
+    SnapshotMode,
+    SnapshotRequest,
 )
 
 if TYPE_CHECKING:
@@ -110,6 +114,13 @@ def may_repeat(method: str, path: str, headers: dict[str, str] | None, refused: 
     return refused or method in _REPEATABLE
 
 ProgressCallback = Callable[[int, int], None]
+
+
+def _path_segment(ref: str) -> str:
+    """``ref`` as one path segment: a reference with a '/' (or nothing) is refused here, by name."""
+    if not ref or "/" in ref or ref in (".", ".."):
+        raise InvalidRequest(f"invalid snapshot reference {ref!r}: an id (s + 16 hex digits) or a name")
+    return ref
 
 
 def default_token() -> str | None:
@@ -461,10 +472,20 @@ class Sandbox:
                                                await self._client._request(*api_route("resume", sandbox_id=self.id)))
         return self.info
 
-    async def snapshot(self) -> SnapshotInfo:
-        """Save a microVM's memory and device state (it keeps running); pass the result's
-        ``id`` as ``DSecMicroVMRunArgs(snapshot=…)`` to start a copy where it was."""
-        return SnapshotInfo.model_validate(await self._client._request(*api_route("snapshot", sandbox_id=self.id)))
+    async def snapshot(self, mode: SnapshotMode | None = None, *, name: str | None = None) -> Snapshot:
+        """Keep this sandbox's state as a snapshot (it runs on). ``mode="full"``: memory,
+        devices and files (microVMs: copies resume where it was); ``"filesystem"``: its files
+        as an image layer (every kind: copies start afresh from them); unset, ``full`` where
+        the kind can, else ``filesystem``. ``name``: unique among snapshots (a clash is
+        ``SnapshotConflict``). Start sandboxes of the same kind from it with run args'
+        ``snapshot=snap.id`` (or the name); it outlives this sandbox until
+        ``client.remove_snapshot``."""
+        try:
+            request = SnapshotRequest(mode=mode, name=name)
+        except ValidationError as exc:
+            raise InvalidRequest("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+        body = await self._client._request(*api_route("snapshot", sandbox_id=self.id), model=request, timeout=600)
+        return Snapshot.model_validate(body)
 
     async def stop(self) -> None:
         """Stop and remove the sandbox. Stopping a stopped sandbox does nothing. ``SandboxLost``
@@ -486,7 +507,7 @@ class Sandbox:
         await self.stop()
 
 
-class DSecClient(_ProjectMethods):
+class DSecClient(_ProjectMethods, _GroupMethods):
     """Async client for a DSec apiserver.
 
     ``endpoint`` defaults to DSEC_ENDPOINT or http://127.0.0.1:8765; ``token`` to DSEC_TOKEN or
@@ -683,6 +704,19 @@ class DSecClient(_ProjectMethods):
 
     async def remove_image(self, name: str) -> None:
         await self._request("DELETE", f"/v1/images/{name}")
+
+    async def list_snapshots(self) -> list[Snapshot]:
+        """The snapshots this client's project kept (every one, for the root token), oldest first."""
+        return SnapshotList.model_validate(await self._request("GET", "/v1/snapshots")).snapshots
+
+    async def get_snapshot(self, ref: str) -> Snapshot:
+        """A snapshot by id or name (``SnapshotNotFound`` if there is none)."""
+        return Snapshot.model_validate(await self._request("GET", f"/v1/snapshots/{_path_segment(ref)}"))
+
+    async def remove_snapshot(self, ref: str) -> Snapshot:
+        """Remove a snapshot (by id or name): its record, memory and image. ``SnapshotConflict``,
+        naming them, while sandboxes started from it run."""
+        return Snapshot.model_validate(await self._request("DELETE", f"/v1/snapshots/{_path_segment(ref)}"))
 
     async def gc_images(self) -> list[str]:
         """Remove layers no image refers to and no sandbox holds; returns their digests."""

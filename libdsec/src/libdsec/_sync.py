@@ -7,20 +7,22 @@ async client there, so the two clients cannot drift apart.
 from __future__ import annotations
 
 import asyncio
-import os
+import os  # noqa: F401
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator  # noqa: F401
 from typing import Any, TypeVar
 
-from ._client import DSecClient, OutputCallback, ProgressCallback, Sandbox  # noqa: F401 - (twins' signatures name them)
+# The twins take their originals' signatures (``_twin``): the names those annotations use are
+# imported here too, for the tools that read them (pdoc, IDEs).
+from ._client import DSecClient, OutputCallback, ProgressCallback, Sandbox  # noqa: F401
 from ._files import SandboxFiles
 from ._process import Process, Session
 from ._pty import Pty
 from ._watch import DirWatch
-from .protocol import BuildResult, ExecEvent, FileEntry, FsEvent, ProcessInfo
-from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo
-from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
-from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult, JobInfo, JobLog, NodeInfo, SandboxStatus
+from .protocol import BuildResult, ExecEvent, FileEntry, FsEvent, ProcessInfo  # noqa: F401
+from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo  # noqa: F401,E501
+from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, Snapshot, SnapshotInfo, SnapshotMode  # noqa: F401
+from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult, JobInfo, JobLog, NodeInfo, SandboxStatus  # noqa: F401
 from ._projects import _SyncProjectMethods
 from ._twin import twin_of
 
@@ -53,7 +55,7 @@ class _LoopThread:
         self.loop.close()
 
 
-@twin_of(Process)
+@twin_of(Process, forward="_process")
 class SyncProcess:
     """Blocking twin of :class:`libdsec.Process`."""
 
@@ -73,24 +75,6 @@ class SyncProcess:
     def stream(self, **kwargs: Any) -> Iterator[ExecEvent]:
         return self._runner.iterate(self._process.stream(**kwargs))
 
-    def send_stdin(self, data: str | bytes) -> None:
-        self._run(self._process.send_stdin(data))
-
-    def close_stdin(self) -> None:
-        self._run(self._process.close_stdin())
-
-    def signal(self, sig: int) -> None:
-        self._run(self._process.signal(sig))
-
-    def kill(self) -> None:
-        self._run(self._process.kill())
-
-    def wait(self, **kwargs: Any) -> ProcessInfo:
-        return self._run(self._process.wait(**kwargs))
-
-    def refresh(self) -> ProcessInfo:
-        return self._run(self._process.refresh())
-
     def __enter__(self) -> SyncProcess:
         return self
 
@@ -98,7 +82,7 @@ class SyncProcess:
         self._run(self._process.__aexit__(*exc))
 
 
-@twin_of(DirWatch)
+@twin_of(DirWatch, forward="_watch")
 class SyncDirWatch:
     """Blocking twin of :class:`libdsec.DirWatch`."""
 
@@ -119,9 +103,6 @@ class SyncDirWatch:
     def dropped(self) -> int:
         return self._watch.dropped
 
-    def events(self, **kwargs: Any) -> list[FsEvent]:
-        return self._run(self._watch.events(**kwargs))
-
     def __iter__(self) -> Iterator[FsEvent]:
         return self._runner.iterate(aiter(self._watch))
 
@@ -136,7 +117,7 @@ class SyncDirWatch:
 
 
 # aclose stops an async reading loop; a blocking loop closes its reader when it is left.
-@twin_of(Pty, not_here=("aclose",))
+@twin_of(Pty, not_here=("aclose",), forward="_pty")
 class SyncPty:
     """Blocking twin of :class:`libdsec.Pty`."""
 
@@ -153,20 +134,11 @@ class SyncPty:
     def exit_code(self) -> int | None:
         return self._pty.exit_code
 
-    def write(self, data: bytes | str) -> None:
-        self._run(self._pty.write(data))
-
-    def resize(self, cols: int, rows: int) -> None:
-        self._run(self._pty.resize(cols, rows))
-
     def events(self, **kwargs: Any) -> Iterator[ExecEvent]:
         return self._runner.iterate(self._pty.events(**kwargs))
 
     def __iter__(self) -> Iterator[bytes]:
         return self._runner.iterate(self._pty)
-
-    def wait(self) -> int:
-        return self._run(self._pty.wait())
 
     def close(self) -> None:
         self._run(self._pty.close())
@@ -178,7 +150,7 @@ class SyncPty:
         self.close()
 
 
-@twin_of(Session)
+@twin_of(Session, forward="_session")
 class SyncSession:
     """Blocking twin of :class:`libdsec.Session`."""
 
@@ -190,12 +162,6 @@ class SyncSession:
     def id(self) -> int:
         return self._session.id
 
-    def run_shell(self, command: str, **kwargs: Any) -> ExecResult:
-        return self._run(self._session.run_shell(command, **kwargs))
-
-    def interrupt(self) -> None:
-        self._run(self._session.interrupt())
-
     def close(self) -> None:
         self._run(self._session.close())
 
@@ -206,7 +172,7 @@ class SyncSession:
         self.close()
 
 
-@twin_of(SandboxFiles)
+@twin_of(SandboxFiles, forward="_files")
 class SyncFiles:
     """Blocking twin of ``Sandbox.files``."""
 
@@ -214,35 +180,8 @@ class SyncFiles:
         self._run = runner.run
         self._files = files
 
-    def list(self, path: str) -> list[FileEntry]:
-        return self._run(self._files.list(path))
 
-    def stat(self, path: str) -> FileEntry:
-        return self._run(self._files.stat(path))
-
-    def remove(self, path: str, **kwargs: Any) -> None:
-        self._run(self._files.remove(path, **kwargs))
-
-    def make_dir(self, path: str) -> None:
-        self._run(self._files.make_dir(path))
-
-    def rename(self, src: str, dst: str) -> None:
-        self._run(self._files.rename(src, dst))
-
-    def upload_dir(self, local_dir: Any, path: str) -> None:
-        self._run(self._files.upload_dir(local_dir, path))
-
-    def download_dir(self, path: str, local_dir: Any) -> None:
-        self._run(self._files.download_dir(path, local_dir))
-
-    def upload_file(self, local_file: Any, path: str, **kwargs: Any) -> None:
-        self._run(self._files.upload_file(local_file, path, **kwargs))
-
-    def download_file(self, path: str, local_file: Any) -> None:
-        self._run(self._files.download_file(path, local_file))
-
-
-@twin_of(Sandbox)
+@twin_of(Sandbox, forward="_sandbox")
 class SyncSandbox:
     """Blocking twin of :class:`libdsec.Sandbox`."""
 
@@ -267,17 +206,11 @@ class SyncSandbox:
     def status(self) -> SandboxStatus:
         return self._sandbox.status
 
-    def run_shell(self, command: str, **kwargs: Any) -> ExecResult:
-        return self._run(self._sandbox.run_shell(command, **kwargs))
-
     def stream_shell(self, command: str, **kwargs: Any) -> Iterator[ExecEvent]:
         return self._runner.iterate(self._sandbox.stream_shell(command, **kwargs))
 
     def start_shell(self, command: str, **kwargs: Any) -> SyncProcess:
         return SyncProcess(self._runner, self._run(self._sandbox.start_shell(command, **kwargs)))
-
-    def list_processes(self) -> list[ProcessInfo]:
-        return self._run(self._sandbox.list_processes())
 
     def open_session(self, **kwargs: Any) -> SyncSession:
         return SyncSession(self._runner, self._run(self._sandbox.open_session(**kwargs)))
@@ -297,15 +230,6 @@ class SyncSandbox:
     def connect_process(self, pid: int) -> SyncProcess:
         return SyncProcess(self._runner, self._run(self._sandbox.connect_process(pid)))
 
-    def write_file(self, path: str, data: bytes | str, **kwargs: Any) -> None:
-        self._run(self._sandbox.write_file(path, data, **kwargs))
-
-    def read_file(self, path: str) -> bytes:
-        return self._run(self._sandbox.read_file(path))
-
-    def pack_diff(self, name: str | None = None, *, role: str = "snapshot") -> PackDiffResult:
-        return self._run(self._sandbox.pack_diff(name, role=role))
-
     def clean_copy(self, keep) -> SyncSandbox:
         return SyncSandbox(self._runner, self._run(self._sandbox.clean_copy(keep)))
 
@@ -321,30 +245,6 @@ class SyncSandbox:
     def fork_result(self):
         return self._sandbox.fork_result
 
-    def security_events(self) -> list:
-        return self._run(self._sandbox.security_events())
-
-    def set_network_rules(self, network_rules: dict) -> None:
-        self._run(self._sandbox.set_network_rules(network_rules))
-
-    def set_ttl(self, ttl_running_stop: float) -> SandboxInfo:
-        return self._run(self._sandbox.set_ttl(ttl_running_stop))
-
-    def refresh(self) -> SandboxInfo:
-        return self._run(self._sandbox.refresh())
-
-    def pause(self) -> PauseResult:
-        return self._run(self._sandbox.pause())
-
-    def resume(self) -> SandboxInfo:
-        return self._run(self._sandbox.resume())
-
-    def snapshot(self) -> SnapshotInfo:
-        return self._run(self._sandbox.snapshot())
-
-    def stop(self) -> None:
-        self._run(self._sandbox.stop())
-
     def __enter__(self) -> SyncSandbox:
         return self
 
@@ -352,7 +252,7 @@ class SyncSandbox:
         self.stop()
 
 
-@twin_of(DSecClient)
+@twin_of(DSecClient, forward="_async")
 class SyncDSecClient(_SyncProjectMethods):
     """Blocking twin of :class:`libdsec.DSecClient`; same arguments, same errors."""
 
@@ -364,6 +264,9 @@ class SyncDSecClient(_SyncProjectMethods):
         if self._runner is None:
             self._runner = _LoopThread()
         return self._runner
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._loop().run(coro)
 
     def open(self) -> SyncDSecClient:
         self._loop().run(self._async.open())
@@ -400,57 +303,9 @@ class SyncDSecClient(_SyncProjectMethods):
         made = runner.run(self._async.run_containers(args, count=count, progress=progress, **kwargs))
         return [SyncSandbox(runner, s) for s in made]
 
-    def stop_sandbox(self, sandbox_id: str) -> SandboxInfo:
-        return self._loop().run(self._async.stop_sandbox(sandbox_id))
-
     def get_sandbox(self, sandbox_id: str) -> SyncSandbox:
         runner = self._loop()
         return SyncSandbox(runner, runner.run(self._async.get_sandbox(sandbox_id)))
-
-    def list_sandboxes(self) -> list[SandboxInfo]:
-        return self._loop().run(self._async.list_sandboxes())
-
-    def list_images(self) -> ImageList:
-        return self._loop().run(self._async.list_images())
-
-    def inspect_image(self, ref: str) -> ImageInfo:
-        return self._loop().run(self._async.inspect_image(ref))
-
-    def remove_image(self, name: str) -> None:
-        self._loop().run(self._async.remove_image(name))
-
-    def gc_images(self) -> list[str]:
-        return self._loop().run(self._async.gc_images())
-
-    def build_image(self, name: str, dockerfile: str | os.PathLike | None = None,
-                    context: str | os.PathLike | None = None, *, dockerfile_text: str | None = None,
-                    build_args: dict[str, str] | None = None, no_cache: bool = False,
-                    on_log: Callable[[str], None] | None = None, memory_limit_mb: int = 2048,
-                    cpu_cores_limit: float = 1.0, timeout: float = 3600.0) -> BuildResult:
-        return self._loop().run(self._async.build_image(
-            name, dockerfile, context, dockerfile_text=dockerfile_text, build_args=build_args, no_cache=no_cache,
-            on_log=on_log, memory_limit_mb=memory_limit_mb, cpu_cores_limit=cpu_cores_limit, timeout=timeout))
-
-    def node_info(self, include_unready: bool = False) -> list[NodeInfo]:
-        return self._loop().run(self._async.node_info(include_unready))
-
-    def stats(self) -> ClusterStats:
-        return self._loop().run(self._async.stats())
-
-    def fncall(self, args: DSecFnCallArgs, **kwargs: Any) -> FnCallResult:
-        return self._loop().run(self._async.fncall(args, **kwargs))
-
-    def fncall_many(self, calls: Iterable[DSecFnCallArgs], **kwargs: Any) -> list[FnCallResult]:
-        return self._loop().run(self._async.fncall_many(calls, **kwargs))
-
-    def list_jobs(self) -> list[JobInfo]:
-        return self._loop().run(self._async.list_jobs())
-
-    def job_log(self, job: str, **kwargs: Any) -> JobLog:
-        return self._loop().run(self._async.job_log(job, **kwargs))
-
-    def remove_job(self, job: str) -> None:
-        self._loop().run(self._async.remove_job(job))
 
     @property
     def replayed(self) -> int:

@@ -7,15 +7,46 @@ default; the original's parameters it does not name are ones with a default, whi
 ``**kwargs`` hands on); and it gets the original's docstring and signature (with its own return
 annotation), so ``help()`` and IDEs show the real parameters. A twin that does not match is a
 ``TypeError`` at import, not a surprise at a user's call.
+
+A call that only waits for the original's answer needs no twin written: with ``forward`` (the
+attribute holding the async original), every coroutine method the blocking class leaves out is
+made for it, as ``self._run(original.method(...))`` with the original's docstring and signature,
+unless its answer is one of the objects that have twins of their own (``TWINNED``): those the
+blocking class wraps by hand.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 C = TypeVar("C", bound=type)
+
+# The async objects with blocking twins: a call answering one is wrapped by hand, never forwarded.
+TWINNED = ("DSecClient", "Sandbox", "SandboxFiles", "Process", "Session", "Pty", "DirWatch")
+_TWINNED = re.compile(r"\b(" + "|".join(TWINNED) + r")\b")
+
+
+def _forwarder(name: str, inner: str, original: Callable[..., Any]) -> Callable[..., Any] | None:
+    """A blocking method that runs ``original`` on the twin's loop and hands back its answer;
+    None when the original is not a plain coroutine method or answers a twinned object."""
+    if not inspect.iscoroutinefunction(original):
+        return None
+    answer = inspect.signature(original).return_annotation
+    if _TWINNED.search(answer if isinstance(answer, str) else getattr(answer, "__name__", repr(answer))):
+        return None
+
+    def method(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(getattr(getattr(self, inner), name)(*args, **kwargs))
+
+    method.__name__ = name
+    method.__module__ = original.__module__  # where the names of its annotations are found
+    method.__doc__ = original.__doc__
+    method.__signature__ = inspect.signature(original)  # type: ignore[attr-defined]
+    method.__twin_of__ = original  # type: ignore[attr-defined]
+    return method
 
 
 def _public(cls: type) -> dict[str, Any]:
@@ -45,16 +76,22 @@ def _check(sync_name: str, method: Callable[..., Any], original: Callable[..., A
             raise TypeError(f"{sync_name}: the async original's parameter {p.name!r} is missing")
 
 
-def twin_of(original: type, *, not_here: tuple[str, ...] = ()) -> Callable[[C], C]:
+def twin_of(original: type, *, not_here: tuple[str, ...] = (), forward: str | None = None) -> Callable[[C], C]:
     """Check a blocking class against ``original`` and give its methods the original's docs.
 
-    ``not_here``: public names of the original with no blocking twin, on purpose."""
+    ``not_here``: public names of the original with no blocking twin, on purpose. ``forward``:
+    the attribute of the blocking object that holds the async one, for the calls made for it."""
 
     def check(twin: C) -> C:
         ours = _public(twin)
         for name, member in _public(original).items():
             label = f"{twin.__name__}.{name}"
             if name in not_here:
+                continue
+            if name not in ours and forward is not None and inspect.isfunction(member) \
+                    and (made := _forwarder(name, forward, member)) is not None:
+                made.__qualname__ = f"{twin.__name__}.{name}"
+                setattr(twin, name, made)
                 continue
             if name not in ours:
                 raise TypeError(f"{label} is missing: the sync twin has every public member of {original.__name__}")

@@ -14,13 +14,14 @@ match order: the hottest first (a get, a command, a stop). Beyond ``libdsec.ops`
   with no result: replay cannot answer it), or None (not logged: it changes nothing).
 
 The calls with more to them than one call on a node (creates and their idempotency keys, the
-batch create, the port proxy, image removal and builds, projects, jobs, FnCall, the cluster's
-views) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
+batch create, the port proxy, image removal and builds, the snapshot catalogue, projects, jobs,
+FnCall, the cluster's views) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
 that this table, the apiserver's routes, the SDK and the node seam name the same operations.
 
-Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (with
-its entry in ``dsec.edge.ops``), and the SDK's method; the route, its OpenAPI entry, the job
-log's rule, the node's route and ``RemoteEdge``'s method follow.
+Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (and
+its line on ``EdgeAPI``, the node seam's typed interface), and the SDK's method with its sync
+twin; the route, its OpenAPI entry, the job log's rule, the node's entry (``dsec.edge.ops``
+makes it from this one), its route and ``RemoteEdge``'s method follow.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ from .protocol import (
     SandboxInfo,
     SecurityEventList,
     SessionInfo,
-    SnapshotInfo,
+    Snapshot,
+    SnapshotRequest,
     StartProcessRequest,
     TreeDownloadRequest,
     TTLRequest,
@@ -82,7 +84,8 @@ PUBLIC_OPS: tuple[Op, ...] = (
     # -- a sandbox's state ---------------------------------------------------------------------
     Op("pause", "POST", SB + "/pause", answer=PauseResult, timeout="long", lifecycle="pause", journal=REC),
     Op("resume", "POST", SB + "/resume", answer=SandboxInfo, timeout="long", lifecycle="resume", journal=REC),
-    Op("snapshot", "POST", SB + "/snapshot", answer=SnapshotInfo, timeout="long", lifecycle="snapshot", journal=MADE),
+    Op("snapshot", "POST", SB + "/snapshot", SnapshotRequest, spread=True, answer=Snapshot, timeout="long",
+       lifecycle="snapshot", journal=MADE),
     Op("pack_diff", "POST", SB + "/pack_diff", PackDiffRequest, spread=True, answer=PackDiffResult, timeout="long",
        lifecycle="pack_diff", journal=REC),
     Op("clean_copy", "POST", SB + "/clean_copy", CleanCopyRequest, spread=True, answer=CleanCopyResult,

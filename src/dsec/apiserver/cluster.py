@@ -30,7 +30,7 @@ from typing import NoReturn
 
 from datetime import datetime, timezone
 
-from libdsec import CapacityExceeded, DSecError, Overloaded, QuotaExceeded, SandboxLost, SandboxNotFound
+from libdsec import CapacityExceeded, DSecError, Overloaded, QuotaExceeded, SandboxLost, SandboxNotFound, SnapshotConflict
 from libdsec.protocol import (
     CleanCopyResult,
     ForkResult,
@@ -585,6 +585,8 @@ class Cluster:
             raise self.no_node_ready()
         async with self._reserve(project, args, 1) as reservation:
             view = await self.view(kind)
+            if args.snapshot is not None and (held_on := await self._memory_node(args.snapshot)) is not None:
+                view = [load for load in view if load.node == held_on]
             tried: list[str] = []
             last: DSecError | None = None
             while len(tried) < MAX_NODES_TRIED:
@@ -616,6 +618,17 @@ class Cluster:
                 f"cannot admit a sandbox of {args.memory_limit_mb} MB and {args.cpu_cores_limit:g} cores: "
                 f"no node in the cluster has room"
             )
+
+    async def _memory_node(self, snapshot: str) -> str | None:
+        """The node a create from ``snapshot`` must go to: a full snapshot's, whose memory is
+        there (``SnapshotConflict`` if it is not in the cluster now); None for any node."""
+        snap = await self.any_edge().get_snapshot(snapshot)
+        if snap.mode != "full":
+            return None
+        if snap.node not in self.edges:
+            raise SnapshotConflict(f"snapshot {snap.id} is a full snapshot: its memory is on node {snap.node}, "
+                                   "which is not in the cluster now")
+        return snap.node
 
     async def clean_copy(self, sandbox_id: str, keep: list[str]) -> CleanCopyResult:
         """A clean copy is made on its source's node (it reads the source's writable layer)

@@ -57,7 +57,7 @@ from libdsec.protocol import (
     SandboxKind,
     SecurityEvent,
     SessionInfo,
-    SnapshotInfo,
+    Snapshot,
     StartProcessRequest,
     WatchEvents,
     WatchInfo,
@@ -121,7 +121,9 @@ class EdgeAPI(Protocol):
 
     async def resume(self, sandbox_id: str) -> SandboxInfo: ...
 
-    async def snapshot(self, sandbox_id: str) -> SnapshotInfo: ...
+    async def snapshot(self, sandbox_id: str, mode: str | None = None, name: str | None = None) -> Snapshot:
+        """Keep the sandbox's state as a named snapshot (``dsec.edge.snapshots``); it runs on."""
+        ...
 
     async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult: ...
 
@@ -288,6 +290,15 @@ class EdgeAPI(Protocol):
     async def remove_image(self, name: str, in_use: frozenset[str]) -> None: ...
 
     async def gc_layers(self, in_use: frozenset[str]) -> list[str]: ...
+
+    # Snapshots, kept in the layer store (any node finds them; a full one's memory is on its node).
+    async def list_snapshots(self) -> list[Snapshot]: ...
+
+    async def get_snapshot(self, ref: str) -> Snapshot: ...
+
+    async def remove_snapshot(self, ref: str, users: list[str]) -> Snapshot:
+        """Remove it, unless sandboxes started from it run (``users``: those on other nodes)."""
+        ...
 
     def build_image(self, build: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
         """An image from a Dockerfile (``dsec.edge.build``): ``started``, the build's log as

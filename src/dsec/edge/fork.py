@@ -41,7 +41,6 @@ from libdsec import BackendError, DSecError, InvalidRequest, LimitOutOfRange, Sa
 from libdsec.protocol import (
     MAX_FORK_COUNT,
     DSecContainerRunArgs,
-    DSecMicroVMRunArgs,
     ErrorBody,
     ForkChild,
     ForkKind,
@@ -108,10 +107,8 @@ class Forks(SandboxTable):
             frozen_s = float(meta.get("paused_s", time.perf_counter() - taken))
             # (A restored guest keeps the read-only mounts of the parent's protected paths: they
             # are in its memory, and a restore takes none anew.)
-            args = args.model_copy(update={"snapshot": snapshot, "protected_paths": []})
+            args = args.model_copy(update={"protected_paths": []})
         else:
-            if isinstance(args, DSecMicroVMRunArgs) and args.snapshot:
-                args = args.model_copy(update={"snapshot": None})
             layer, _ = await self._call(rec, backend.pack_diff(rec.handle))
             frozen_s = time.perf_counter() - taken  # (the parent is frozen for all of the pack)
             snapshot = None
@@ -119,7 +116,7 @@ class Forks(SandboxTable):
                           env=rec.image.env, workdir=rec.image.workdir, user=rec.image.user, parent=rec.image.parent,
                           setuid=rec.image.setuid, start_cmd=rec.image.start_cmd, ready_cmd=rec.image.ready_cmd)
         try:
-            children = await self._make_children(rec, backend, args, image, limits, count, all_or_none)
+            children = await self._make_children(rec, backend, args, image, limits, count, all_or_none, snapshot)
         finally:
             if snapshot is not None:  # the children map what they use of it; nothing else does
                 with contextlib.suppress(DSecError, OSError):
@@ -128,7 +125,7 @@ class Forks(SandboxTable):
                           frozen_s=frozen_s, fork_s=time.perf_counter() - start)
 
     async def _make_children(self, parent: Record, backend: SandboxBackend, args: DSecContainerRunArgs, image: Image,
-                             limits, count: int, all_or_none: bool) -> list[ForkChild]:
+                             limits, count: int, all_or_none: bool, memory: str | None) -> list[ForkChild]:
         room = asyncio.Semaphore(max(1, self.config.batch_concurrency))
         # Held as a batch of their own until the fork answers: an edge that dies meanwhile stops
         # them when it starts again (no one was handed them), as it stops an uncommitted batch's.
@@ -144,7 +141,7 @@ class Forks(SandboxTable):
 
             async with room, self.create_gate.slot(queue=False):  # the gate was checked for the whole fork
                 made = await self._create(args, parent.kind, parent.project, image, limits, seed=identity,
-                                          hostname=hostname, batch=hold)
+                                          hostname=hostname, batch=hold, memory=memory)
                 return made.info(self.node)
 
         tasks = [asyncio.ensure_future(self._counted(parent.kind, child())) for _ in range(count)]

@@ -200,7 +200,8 @@ class Record:
             ttl_running_stop=self.args.ttl_running_stop, init_user=self.args.init_user or self.image.user,
             workdir=self.args.workdir or self.image.workdir, reason=self.reason, create_s=self.create_s, project=self.project,
             cpu_cores_cap=self.args.cpu_cores_cap, best_effort=self.args.best_effort,
-            labels=self.args.labels,
+            labels=self.args.labels, on_ttl=self.args.on_ttl, auto_resume=self.args.auto_resume,
+            snapshot=self.args.snapshot,
         )
 
     def to_json(self) -> str:

@@ -80,6 +80,7 @@ class NodeCalls(SandboxTable):
         return self.store.describe(self.store.resolve(ref))
 
     async def remove_image(self, name: str, in_use: frozenset[str]) -> None:
+        self._check_snapshot_image(name)  # (dsec.edge.snapshots)
         self.store.remove_image(name, in_use=frozenset(in_use))
 
     async def gc_layers(self, in_use: frozenset[str]) -> list[str]:

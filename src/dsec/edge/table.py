@@ -102,6 +102,11 @@ class SandboxTable:
         """The record of a sandbox that can take a call: a paused one is resumed first."""
         rec = self._allowed(sandbox_id, action)
         while rec.status is SandboxStatus.paused:  # the table allows the call: it resumes it
+            if not rec.args.auto_resume:
+                raise SandboxStateError(
+                    f"cannot {action.value}: sandbox {sandbox_id} is paused and was made with auto_resume=False; "
+                    f"resume it first (sandbox.resume(), client.resume_sandboxes(ids=[...]), or `dsec resume --id "
+                    f"{sandbox_id}`)")
             async with rec.transition:
                 if rec.status is SandboxStatus.paused:
                     await self._thaw(rec)
