@@ -47,7 +47,8 @@ def _fill(changed_mb: int, files: int) -> str:
 
 
 async def _dsec(client: DSecClient, children: int, changed_mb: int, files: int, console: Console) -> dict:
-    args = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64)
+    # A writable layer holds up to half the memory limit (dsec.isolation.disk): room for the changes.
+    args = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=max(64, 3 * changed_mb + 16))
     async with await client.run_container(args) as parent:
         filled = await parent.run_shell(_fill(changed_mb, files), timeout=600)
         if filled.exit_code != 0:
@@ -65,7 +66,7 @@ async def _dsec(client: DSecClient, children: int, changed_mb: int, files: int, 
         checked = all(a.exit_code == 0 and a.stdout.strip() == digest for a in answers)
         alive = (await parent.run_shell(CHECK)).stdout.strip() == digest
     out = {"children": children, "fork_s": forked, "all_answering_s": answering, "server_fork_s": result.fork_s,
-           "frozen_s": result.frozen_s, "kind": result.kind, "checked": checked and alive}
+           "frozen_s": result.frozen_s, "kind": result.kind, "checked": checked and alive, "layer": result.layer}
     console.print(f"  DSec fork: {children} children in {forked:.2f} s, all answering at {answering:.2f} s "
                   f"(parent frozen {result.frozen_s * 1000:.0f} ms)")
     return out
@@ -149,6 +150,9 @@ def main(state_dir: Path, console: Console, children: int = 100, changed_mb: int
         with serving(state_dir, "--pool-max", "0") as server:
             async with DSecClient(server.endpoint, token=server.token) as client:
                 r["dsec"] = await _dsec(client, children, changed_mb, files, console)
+                # Written once for all the children (each child's own writable layer holds its
+                # machine id only).
+                r["dsec"]["layer_bytes"] = store.layer_size(r["dsec"]["layer"])
         if podman and os.path.exists(PODMAN):
             peers = state_dir.parent / f"{state_dir.name}-peers"
             with PeerRig(peers, store.layer_path(image.layers[0]), secrets.token_hex(3)) as rig:
@@ -166,7 +170,8 @@ def main(state_dir: Path, console: Console, children: int = 100, changed_mb: int
     if "dsec" in r:
         d = r["dsec"]
         table.add_row(f"DSec fork ({d['kind']})", f"{d['all_answering_s']:.2f}",
-                      f"fork {d['fork_s']:.2f} s, parent frozen {d['frozen_s'] * 1000:.0f} ms",
+                      f"fork {d['fork_s']:.2f} s, parent frozen {d['frozen_s'] * 1000:.0f} ms, "
+                      f"one layer of {d['layer_bytes'] / 1e6:.1f} MB written",
                       "yes" if d["checked"] else "NO")
     if "podman" in r:
         p = r["podman"]
