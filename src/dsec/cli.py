@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from libdsec import DSecClient, DSecContainerRunArgs, DSecError
+
+from . import settings
 from .cli_common import DEFAULT_STATE, StateDir, console, err_console, fail, run_sdk
 from .cli_plugins import register as register_plugins
 
@@ -101,7 +102,7 @@ def serve(
                                 fncall=fncall, ray=ray, nodes_file=nodes_file, node_state_dir=node_state_dir,
                                 store_dir=store_dir, db=db,
                                 burst={"max_nodes": burst_max, "quiet_s": burst_quiet_s} if burst_max > 0 else None))
-    except DSecError as exc:
+    except (DSecError, settings.SettingsError) as exc:
         fail(exc)
 
 
@@ -323,7 +324,11 @@ register_shell(app)  # dsec shell
 
 
 def main() -> None:
-    if os.environ.get("DSEC_DEBUG"):
+    try:
+        debug = settings.current().debug
+    except settings.SettingsError:
+        debug = False  # (`dsec serve` says which variable, once it starts)
+    if debug:
         app()
         return
     try:

@@ -1,4 +1,4 @@
-"""``dsec project …`` (projects, quotas, tokens) and ``dsec pause|resume ID``: added to the
+"""``dsec project …`` (projects, quotas, tokens) and ``dsec pause|resume`` (ids, ``--job``, ``--project``): added to the
 main command line by ``register(app)``. Everything goes through the SDK, so a project's own
 token manages the projects below it just as the root token manages all."""
 
@@ -120,30 +120,53 @@ def project_token(name: Annotated[str, typer.Argument(help="Project.")],
     print(run_sdk(go()))
 
 
-def pause(ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")]) -> None:
-    """Pause sandboxes: freeze them and push their memory out to swap."""
+IdArgs = Annotated[Optional[list[str]], typer.Argument(help="Sandbox ids (the same as --id).", show_default=False)]
+JobOpt = Annotated[Optional[str], typer.Option("--job", help="Every sandbox the job made (DSecClient(job=...)).")]
+ProjectOpt = Annotated[Optional[str], typer.Option("--project", help="Every sandbox of the project and those below it.")]
+IdOpt = Annotated[Optional[list[str]], typer.Option("--id", help="A sandbox id (repeat for more).", show_default=False)]
+
+
+def _mib(n: int | None) -> str:
+    return "" if n is None else f"{n / 2**20:.1f}"
+
+
+def _group(action: str, ids: list[str] | None, job: str | None, project: str | None, id_: list[str] | None) -> None:
+    """Send one pause or resume for the selection and print each sandbox's outcome."""
+    chosen = [*(ids or ()), *(id_ or ())] or None
 
     async def go():
         async with DSecClient() as client:
-            for sandbox_id in ids:
-                r = await (await client.get_sandbox(sandbox_id)).pause()
-                before = "?" if r.memory_before_bytes is None else f"{r.memory_before_bytes / 2**20:.1f}"
-                after = "?" if r.memory_after_bytes is None else f"{r.memory_after_bytes / 2**20:.1f}"
-                console.print(f"{sandbox_id} paused in {r.pause_s * 1e3:.0f} ms: memory {before} → {after} MiB")
+            call = client.pause_sandboxes if action == "pause" else client.resume_sandboxes
+            return await call(job=job, project=project, ids=chosen)
 
-    run_sdk(go())
+    result = run_sdk(go())
+    table = Table("SANDBOX", "NODE", "OUTCOME", "STATUS", "MEM BEFORE MiB", "MEM AFTER MiB", "MS", "ERROR")
+    for o in result.sandboxes:
+        colour = "red" if o.outcome == "error" else "green" if o.outcome in ("paused", "resumed") else "dim"
+        table.add_row(o.id, o.node or "", f"[{colour}]{o.outcome}[/{colour}]", o.status.value if o.status else "",
+                      _mib(o.memory_before_bytes), _mib(o.memory_after_bytes),
+                      "" if o.seconds is None else f"{o.seconds * 1e3:.0f}",
+                      "" if o.error is None else f"{o.error.get('code')}: {o.error.get('message')}")
+    console.print(table)
+    done = "paused" if action == "pause" else "resumed"
+    memory = (f"; memory {_mib(result.memory_before_bytes)} → {_mib(result.memory_after_bytes)} MiB"
+              if action == "pause" and result.done else "")
+    console.print(f"{result.done} {done}, {result.already} already so, {result.failed} failed "
+                  f"in {result.seconds:.2f} s{memory}")
+    if result.failed:
+        raise typer.Exit(1)
 
 
-def resume(ids: Annotated[list[str], typer.Argument(help="Sandbox ids.")]) -> None:
-    """Resume paused sandboxes."""
+def pause(ids: IdArgs = None, job: JobOpt = None, project: ProjectOpt = None, id_: IdOpt = None) -> None:
+    """Pause sandboxes in one call: a job's (--job), a project's (--project) or the ids given
+    (--id, or as arguments). Containers are frozen and their memory pushed out to swap; each
+    resumes on its next call (unless made with auto_resume=False) or with `dsec resume`."""
+    _group("pause", ids, job, project, id_)
 
-    async def go():
-        async with DSecClient() as client:
-            for sandbox_id in ids:
-                info = await (await client.get_sandbox(sandbox_id)).resume()
-                console.print(f"{sandbox_id} {info.status.value}")
 
-    run_sdk(go())
+def resume(ids: IdArgs = None, job: JobOpt = None, project: ProjectOpt = None, id_: IdOpt = None) -> None:
+    """Resume paused sandboxes in one call: a job's (--job), a project's (--project) or the ids given."""
+    _group("resume", ids, job, project, id_)
 
 
 def register(app: typer.Typer) -> None:

@@ -28,12 +28,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from libdsec import BackendError
 
 from . import _sys
+from . import settings
 from .images import loopdev
 
 ATTACH_ENV = "DSEC_LAYER_ATTACH"
@@ -57,11 +58,12 @@ class ProbeFailed(Exception):
 # -- how layers are attached ------------------------------------------------------------------
 
 
-def attach_setting(environ: os._Environ | dict[str, str] = os.environ) -> str:
-    value = environ.get(ATTACH_ENV, "").strip().lower() or "auto"
-    if value not in ATTACH_SETTINGS:
-        raise BackendError(f"{ATTACH_ENV}={value!r}: use auto, file or loop")
-    return value
+def attach_setting(environ: Mapping[str, str] | None = None) -> str:
+    """``DSEC_LAYER_ATTACH`` as the server's settings say (or as ``environ`` does)."""
+    try:
+        return (settings.current() if environ is None else settings.Settings.from_env(environ)).layer_attach
+    except settings.SettingsError as exc:
+        raise BackendError(str(exc)) from None
 
 
 def choose_attach(setting: str, mounts_files: Callable[[], bool]) -> str:
@@ -291,7 +293,7 @@ def check_host(
         problems.append(f"the kernel has no {name} (no {fstype} in {filesystems_path}, and `modprobe {module}` "
                         f"did not load it): install the kernel's modules package or use a kernel built with {config}")
     if idmapped is None:
-        idmapped = os.environ.get(USERNS_ENV, "1") != "0"
+        idmapped = settings.current().userns
     if idmapped and (problem := _userns_problem(Path(user_ns), Path(max_user_namespaces))):
         problems.append(problem)
     if problems:  # the probe would only fail on the same causes
@@ -318,7 +320,7 @@ def describe_attach(attach: str) -> str:
 
 
 def _attach_reason(attach: str) -> str:
-    setting = os.environ.get(ATTACH_ENV, "").strip().lower() or "auto"
+    setting = attach_setting()
     if setting != "auto":
         return f"{ATTACH_ENV}={setting}"
     return "this kernel mounts EROFS files" if attach == "file" else "this kernel cannot mount EROFS files: Linux < 6.12"

@@ -21,6 +21,8 @@ import signal
 import tracemalloc
 from pathlib import Path
 
+from . import settings
+
 REPORT = "tracemalloc.txt"
 TOP = 25
 
@@ -103,8 +105,9 @@ def _stat_line(size: int, count: int, traceback: tracemalloc.Traceback, now: int
 
 def install_from_env(state_dir: Path) -> MemoryTracer | None:
     """Trace from here on if ``DSEC_TRACEMALLOC`` is set (not ``0``)."""
-    if os.environ.get("DSEC_TRACEMALLOC", "0") in ("", "0"):
+    config = settings.current()
+    if not config.tracemalloc:
         return None
-    tracer = MemoryTracer(state_dir, frames=int(os.environ.get("DSEC_TRACEMALLOC_FRAMES", "8")))
+    tracer = MemoryTracer(state_dir, frames=config.tracemalloc_frames)
     tracer.install()
     return tracer

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from libdsec import BackendError
 
-from . import hostcheck, native
+from . import hostcheck, native, settings
 from ._sys import set_child_subreaper
 from .backends.container import CRUN, ContainerBackend
 from .edge.edge import Edge, EdgeConfig
@@ -112,7 +112,7 @@ def _edge_over(backend: ContainerBackend, config: NodeConfig, store: LayerStore)
         fncall_config = FnCallConfig(**config.fncall)
         fncalls = FnCallPool(FnCallBackend.beside(backend, tmpfs_mb=fncall_config.tmpfs_mb), store, fncall_config)
     # DSEC_VMS=0: containers only (no guest kernel to fetch, no accelerator probe at start).
-    vms = vm_backends(node_dir, store, config.state_dir / "vm") if os.environ.get("DSEC_VMS", "1") != "0" else []
+    vms = vm_backends(node_dir, store, config.state_dir / "vm") if settings.current().vms else []
     return Edge(edge_config, [backend, *vms], store, fncalls=fncalls)
 
 

@@ -19,18 +19,18 @@ from pathlib import Path
 
 import uvicorn
 
+from . import memtrace, settings
 from .apiserver.app import Cluster
 from .apiserver.ports import DEFAULT_DOMAIN
 from .apiserver.projects import open_project_store
 from .app import create_app
-from . import memtrace
 from .node import NodeConfig, build_edge, lock_node, open_store, prepare_host, use_pidfd_child_watcher
 from .placement import Overcommit
 from .resources.coldmem import ColdMemoryReclaimer
 
 log = logging.getLogger("dsec.server")
 
-DEFAULT_STATE_DIR = Path(os.environ.get("DSEC_STATE_DIR", "/var/lib/dsec"))
+DEFAULT_STATE_DIR = settings.one("state_dir")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
 
@@ -170,6 +170,7 @@ def build_app(config: ServerConfig):
 
 
 def serve(config: ServerConfig) -> None:
+    settings.load()  # every DSEC_* variable read and checked once, here (SettingsError names a bad one)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if memtrace.install_from_env(config.state_dir) is not None:
         log.info("tracing allocations (DSEC_TRACEMALLOC): SIGUSR2 writes %s", config.state_dir / memtrace.REPORT)

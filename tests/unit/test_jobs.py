@@ -316,6 +316,7 @@ async def test_retention_removes_idle_jobs_and_their_keys(edge, project_db):
 
 def test_retention_from_the_environment(monkeypatch):
     from dsec.apiserver.jobs import DEFAULT_RETENTION_S, retention_from_env
+    from dsec.settings import SettingsError
 
     monkeypatch.delenv("DSEC_JOB_RETENTION_S", raising=False)
     assert retention_from_env() == DEFAULT_RETENTION_S
@@ -323,7 +324,7 @@ def test_retention_from_the_environment(monkeypatch):
     assert retention_from_env() == 3600.0
     for bad in ("soon", "-1", "0"):
         monkeypatch.setenv("DSEC_JOB_RETENTION_S", bad)
-        with pytest.raises(libdsec.InvalidRequest, match="DSEC_JOB_RETENTION_S"):
+        with pytest.raises(SettingsError, match="DSEC_JOB_RETENTION_S"):
             retention_from_env()
 
 

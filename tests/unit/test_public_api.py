@@ -29,10 +29,12 @@ PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
 PUBLIC |= {"SandboxLost", "StoreUnavailable"}  # cluster, a shared layer store
 PUBLIC |= {"JobNotFound", "KeyReused", "ReplayDiverged", "ReplayIncomplete"}  # idempotency keys, job logs
 PUBLIC |= {"Overloaded"}  # overload
+PUBLIC |= {"SandboxGroupResult", "SandboxOutcome"}  # pausing a job, a project or many ids at once
 PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClosed", "SyncProcess", "SyncSession", "FileEntry", "PortUnreachable"}  # inside a sandbox
 PUBLIC |= {"Pty", "SyncPty"}  # a terminal in a sandbox
 PUBLIC |= {"BuildResult", "ImageBuildFailed"}  # images built from Dockerfiles
 PUBLIC |= {"DirWatch", "FsEvent", "SyncDirWatch"}  # directory watches
+PUBLIC |= {"Snapshot", "SnapshotConflict", "SnapshotNotFound"}  # named snapshots
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -41,6 +43,8 @@ ERRORS = [
     (libdsec.Unauthenticated, "unauthenticated", 401, PermissionError),
     (libdsec.ImageNotFound, "image_not_found", 404, LookupError),
     (libdsec.SandboxNotFound, "sandbox_not_found", 404, LookupError),
+    (libdsec.SnapshotNotFound, "snapshot_not_found", 404, LookupError),
+    (libdsec.SnapshotConflict, "snapshot_conflict", 409, libdsec.DSecError),
     (libdsec.SandboxStateError, "sandbox_state", 409, RuntimeError),
     (libdsec.SandboxLost, "sandbox_lost", 410, ConnectionError),
     (libdsec.SandboxFileNotFound, "file_not_found", 404, FileNotFoundError),
@@ -170,6 +174,10 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.CleanCopyRequest: {"keep": ["/testbed"]},
         _models.CleanCopyResult: {"sandbox": info, "source": "n0-0123456789abcdef", "keep": ["/testbed"], "files": 1,
                                   "bytes": 1, "scrubbed": [], "tampered": [], "copy_s": 0.01},
+        _models.ForkRequest: {"count": 2},
+        _models.ForkChild: {"sandbox": info},
+        _models.ForkResult: {"parent": "n0-0123456789abcdef", "kind": "filesystem", "children": [{"sandbox": info}],
+                             "frozen_s": 0.1, "fork_s": 0.5},
         _models.PackDiffResult: {"image": "snap", "layer": "sha256-00", "layers": ["sha256-00"],
                                  "size_bytes": 1, "scrubbed": []},
         _models.NodeInfo: node,
@@ -199,6 +207,9 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _node.LayerUse: {},
         _node.ImageRemoveRequest: {},
         _node.LayerGCRequest: {},
+        _node.SnapshotRemoveRequest: {"users": []},
+        _models.SnapshotRequest: {"mode": "filesystem", "name": "base-ready"},
+        _models.SnapshotList: {"snapshots": []},
         _node.LayerGCResult: {"removed": []},
         _models.LatencyHistogram: {},
         _models.SandboxCount: {"status": "running", "kind": "container", "project": "root", "count": 1},

@@ -117,6 +117,22 @@ def bench_clean_copy(
                                podman_rounds=podman_rounds, tree_mb=tree_mb, files=files, podman=podman))
 
 
+@app.command("fork")
+def bench_fork(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-fork"),
+    children: Annotated[int, typer.Option(help="Children of the fork (and podman runs of the committed image).")] = 100,
+    changed_mb: Annotated[int, typer.Option(help="MB the parent changed before the fork.")] = 50,
+    files: Annotated[int, typer.Option(help="Files those MB are in.")] = 2000,
+    concurrency: Annotated[int, typer.Option(help="podman runs at once (the peer).")] = 8,
+    podman: Annotated[bool, typer.Option(help="Measure podman commit + run as the peer.")] = True,
+) -> None:
+    """A live container forked into many against podman commit + a podman run per child (see docs/BENCHMARKS.md)."""
+    from .fork import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, children=children, changed_mb=changed_mb,
+                               files=files, podman=podman, concurrency=concurrency))
+
+
 @app.command("rollout")
 def bench_rollout(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-rollout"),
@@ -340,16 +356,21 @@ def bench_cluster(
     paced_rate: Annotated[float, typer.Option(help="Single creates offered per second in the paced phase (0: none).")] = 2000.0,
     embedded: Annotated[bool, typer.Option(help="Measure the embedded peer (in-process edges) too.")] = True,
     embedded_scale: Annotated[float, typer.Option(help="The embedded arm's counts, as a fraction of the remote arm's.")] = 1.0,
+    crun_nodes: Annotated[int, typer.Option(help="Real nodes (crun) on this machine in the crun arm.")] = 4,
+    crun_count: Annotated[int, typer.Option(help="The crun arms' batch and single creates (0: no crun arms).")] = 256,
+    crun_in_flight: Annotated[int, typer.Option(help="The crun arms' creates and stops outstanding at once.")] = 32,
     results: Annotated[Optional[Path], typer.Option(help="Write the figures to this JSON file.")] = None,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
     """The control plane on the fake backend: one big batch and many single creates over simulated nodes, against
-    in-process edges (both arms on the fake backend: no containers are made)."""
+    in-process edges (both arms on the fake backend: no containers are made); then real containers (crun) on a few
+    nodes of this machine behind one apiserver, against one embedded node."""
     from .cluster import main as run_bench
 
     raise typer.Exit(run_bench(console=console, nodes=nodes, processes=processes, batch=batch, singles=singles,
                                in_flight=in_flight, paced_rate=paced_rate, embedded=embedded,
-                               embedded_scale=embedded_scale, results=results, strict=strict))
+                               embedded_scale=embedded_scale, crun_nodes=crun_nodes, crun_count=crun_count,
+                               crun_in_flight=crun_in_flight, results=results, strict=strict))
 
 
 @app.command("all")

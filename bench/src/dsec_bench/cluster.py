@@ -11,6 +11,15 @@ Two arms, the same phases, one run:
   edges on the fake backend (``Cluster([Edge(FakeBackend) × nodes])``): the same placement,
   quotas and routes without the node seam's hops.
 
+Then, with real containers (``crun``, ``--crun-count`` > 0): **crun-remote**, ``crun_nodes`` (4)
+real nodes on this machine (``python -m dsec.nodes.edged``: an edge over crun each, one shared
+layer store) behind one apiserver (``dsec serve --nodes-file``), against **crun-embedded**, one
+``dsec serve`` whose one in-process edge makes the same containers: the node seam's cost when each
+sandbox is a container, not a record. Both without a warm pool (each create makes its container),
+on ``busybox``, 32 MB each; the batch and the single creates (``crun_count`` each,
+``crun_in_flight`` at once) and their stops, no paced phase; no goal is judged on them (the
+report's goals are the control plane's), their ratio is printed.
+
 The load generator is this process, through the SDK (``libdsec.DSecClient``). Phases, on image
 ``tiny`` (sandboxes of 64 MB, so that 230 fit a simulated node's memory at the default
 overcommit; nodes admit ``max_sandboxes`` (1000) each):
@@ -52,7 +61,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +96,9 @@ class Options:
     memory_mb: int = 64           # each sandbox's memory limit
     embedded: bool = True         # run the embedded peer too
     embedded_scale: float = 1.0   # the embedded arm's counts, as a fraction of the remote arm's
+    crun_nodes: int = 4           # real nodes (crun) of the crun arms
+    crun_count: int = 256         # their batch, and their single creates (0: no crun arms)
+    crun_in_flight: int = 32
     strict: bool = False
 
 
@@ -168,6 +180,9 @@ class Arm:
         self.procs: dict[str, asyncio.subprocess.Process] = {}  # role -> process
         self.endpoint = ""
         self.token = ""
+        self.crun = name.startswith("crun-")
+        self.image = "busybox" if self.crun else "tiny"
+        self.state_dirs: list[Path] = []  # the real nodes' (crun arms), checked and reset at the end
 
     def pids(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
@@ -186,8 +201,24 @@ class Arm:
 
     async def __aexit__(self, *exc: object) -> None:
         await asyncio.gather(*(_end(p) for p in self.procs.values()), return_exceptions=True)
+        if self.state_dirs:
+            await asyncio.to_thread(self._reset_nodes)
+
+    def _reset_nodes(self) -> None:
+        """A real node left nothing (its edge, stopped, leaves running sandboxes to the next one:
+        a phase cut short leaves some), or ``dsec reset`` removes it before the work dir goes."""
+        from dsec.local import leftovers
+
+        for state in self.state_dirs:
+            if leftovers(state, settle_s=1.0):
+                subprocess.run([sys.executable, "-m", "dsec", "reset", "--state-dir", str(state), "--yes"],
+                               capture_output=True, timeout=300)
+            if left := leftovers(state):
+                raise BenchError(f"{self.name}: node {state.name} left {left[:5]}")
 
     async def _start(self) -> None:
+        if self.crun:
+            return await self._start_crun()
         from dsec.edge.simnodes import tiny_image
         from dsec.images.store import LayerStore
 
@@ -218,6 +249,51 @@ class Arm:
             await asyncio.gather(*starting)
             nodes_file = self.work / "nodes.json"
             nodes_file.write_text(json.dumps({"token": NODE_TOKEN, "nodes": {n: urls[n] for n in names}}))
+            log = self.work / "apiserver.log"
+            proc = self.procs["apiserver"] = await _spawn(
+                "dsec", "serve", "--state-dir", str(api_dir), "--nodes-file", str(nodes_file), "--port", str(port),
+                log=log)
+            await _wait_healthy(self.endpoint, proc, log)
+        self.token = (api_dir / "token").read_text().strip()
+
+    async def _start_crun(self) -> None:
+        from dsec.images.builders import build_busybox
+        from dsec.images.store import LayerStore
+
+        store = self.work / "store"
+        build_busybox(LayerStore(store))
+        edge = {"pool_min": 0, "pool_max": 0}
+        port = free_port()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        api_dir = self.work / "api"
+        if self.name == "crun-embedded":
+            api_dir.mkdir()
+            (api_dir / "store").symlink_to(store)
+            self.state_dirs.append(api_dir)
+            log = self.work / "serve.log"
+            proc = self.procs["apiserver"] = await _spawn(
+                "dsec", "serve", "--state-dir", str(api_dir), "--port", str(port), "--pool-max", "0", log=log)
+            await _wait_healthy(self.endpoint, proc, log)
+        else:
+            urls = {}
+            for i in range(self.nodes):
+                name, state = f"n{i}", self.work / f"node-n{i}"
+                self.state_dirs.append(state)
+                log = self.work / f"edged-{name}.log"
+                proc = self.procs[f"node:{i}"] = await _spawn(
+                    "dsec.nodes.edged", "--state-dir", str(state), "--node", name, "--store", str(store),
+                    "--config", json.dumps({"edge": edge, "fncall": None}), log=log,
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                assert proc.stdin is not None and proc.stdout is not None
+                proc.stdin.write(NODE_TOKEN.encode() + b"\n")
+                await proc.stdin.drain()
+                async with asyncio.timeout(120):
+                    line = await proc.stdout.readline()
+                if not line:
+                    raise BenchError(f"node {name} exited at start: {_tail(log)}")
+                urls[name] = json.loads(line)["url"]
+            nodes_file = self.work / "nodes.json"
+            nodes_file.write_text(json.dumps({"token": NODE_TOKEN, "nodes": urls}))
             log = self.work / "apiserver.log"
             proc = self.procs["apiserver"] = await _spawn(
                 "dsec", "serve", "--state-dir", str(api_dir), "--nodes-file", str(nodes_file), "--port", str(port),
@@ -279,7 +355,7 @@ def _spread(infos: list, nodes: int) -> dict[str, Any]:
 class Phases:
     def __init__(self, arm: Arm, client: DSecClient, progress: Progress, opts: Options, scale: float) -> None:
         self.arm, self.client, self.progress, self.opts = arm, client, progress, opts
-        self.args = DSecContainerRunArgs(container_image="tiny", memory_limit_mb=opts.memory_mb)
+        self.args = DSecContainerRunArgs(container_image=arm.image, memory_limit_mb=opts.memory_mb)
         self.batch = max(1, round(opts.batch * scale))
         self.singles = max(1, round(opts.singles * scale))
         self.paced_s = opts.paced_s * scale
@@ -425,6 +501,12 @@ def _collector_held() -> Iterator[None]:
         gc.unfreeze()
 
 
+def _mounts_under(path: Path) -> list[str]:
+    inside = str(path.resolve()) + "/"
+    with open("/proc/self/mountinfo") as f:
+        return [t for line in f if (t := line.split()[4]).startswith(inside)]
+
+
 def _ms(latencies: list[float]) -> dict[str, float]:
     s = host.latency_summary(latencies)
     return {"p50_ms": s["p50_ms"], "p99_ms": s["p99_ms"], "max_ms": s["max_ms"]}
@@ -436,7 +518,7 @@ def _loadavg() -> list[str]:
 
 
 async def _measure_arm(name: str, work: Path, opts: Options, progress: Progress, scale: float) -> dict[str, Any]:
-    nodes = opts.nodes
+    nodes = 1 if name == "crun-embedded" else opts.nodes
     async with Arm(name, work / name, opts, nodes) as arm:
         client = DSecClient(arm.endpoint, token=arm.token, timeout=600, max_connections=opts.in_flight)
         async with client:
@@ -516,6 +598,31 @@ def _table(res: dict[str, Any]) -> Table:
     return t
 
 
+def _crun_table(res: dict[str, Any]) -> Table:
+    remote, embedded = res["arms"].get("crun-remote", {}), res["arms"].get("crun-embedded", {})
+    o = res["options"]
+    t = Table(title=f"dsec bench cluster — real containers (crun): {o['crun_nodes']} nodes on this machine behind "
+                    f"one apiserver, against one embedded node; {o['crun_count']} sandboxes a phase, "
+                    f"{o['crun_in_flight']} in flight, no warm pool")
+    for col in ("measure", "remote seam (crun)", "embedded (crun, same run)", "remote ÷ embedded"):
+        t.add_column(col)
+    rows = [
+        ("batch sandboxes/s", ("batch", "per_s"), ",.1f"),
+        ("batch spread (max/mean per node)", ("batch", "spread"), ".3f"),
+        ("batch: stops/s", ("batch_stop", "per_s"), ",.1f"),
+        ("single creates/s", ("singles", "per_s"), ",.1f"),
+        ("single create p50 ms", ("singles", "p50_ms"), ".1f"),
+        ("single create p99 ms", ("singles", "p99_ms"), ".1f"),
+        ("single creates: stops/s", ("singles_stop", "per_s"), ",.1f"),
+        ("single create: CPU µs, all processes", ("singles", "cpu_us_all"), ",.0f"),
+        ("others' share of the machine (single creates)", ("singles", "others_share"), ".0%"),
+    ]
+    for label, (phase, key), spec in rows:
+        a, b = remote.get(phase, {}).get(key), embedded.get(phase, {}).get(key)
+        t.add_row(label, _fmt(a, spec), _fmt(b, spec), f"{a / b:.2f}" if a is not None and b else "—")
+    return t
+
+
 def _cpu_lines(res: dict[str, Any]) -> list[str]:
     lines = []
     for name, arm in res["arms"].items():
@@ -538,7 +645,9 @@ def main(console: Console, **options: Any) -> int:
                            "arms": {}, "errors": []}
     res["machine"].pop("crun", None), res["machine"].pop("podman", None)
     console.print(f"[bold]dsec bench cluster[/bold]: {opts.nodes} simulated nodes in {opts.processes} processes, "
-                  f"one apiserver; {BACKEND} on both arms (no containers: the control plane's figures); "
+                  f"one apiserver; {BACKEND} on both arms (no containers: the control plane's figures)"
+                  + (f"; then {opts.crun_nodes} real crun nodes against one embedded, {opts.crun_count} sandboxes a "
+                     "phase" if opts.crun_count > 0 else "") + "; "
                   f"{res['machine']['cores']} cores, load average {' '.join(_loadavg())}")
     work = Path(tempfile.mkdtemp(prefix="dsec-bench-cluster-"))
     res["work_dir"] = str(work)
@@ -551,6 +660,13 @@ def main(console: Console, **options: Any) -> int:
         res["arms"]["remote"] = await _measure_arm("remote", work, opts, progress, 1.0)
         if opts.embedded:
             res["arms"]["embedded"] = await _measure_arm("embedded", work, opts, progress, opts.embedded_scale)
+        if opts.crun_count > 0:
+            # Containers only: no VM backend fetches a guest kernel or probes an accelerator.
+            os.environ.setdefault("DSEC_VMS", "0")
+            crun = replace(opts, nodes=opts.crun_nodes, batch=opts.crun_count, singles=opts.crun_count,
+                           in_flight=opts.crun_in_flight, paced_rate=0.0, memory_mb=32)
+            res["arms"]["crun-remote"] = await _measure_arm("crun-remote", work, crun, progress, 1.0)
+            res["arms"]["crun-embedded"] = await _measure_arm("crun-embedded", work, crun, progress, 1.0)
 
     try:
         with Progress(TextColumn("{task.description:<58}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -563,13 +679,20 @@ def main(console: Console, **options: Any) -> int:
         res["errors"].append(f"{type(exc).__name__}: {exc}"[:2000])
         code = 1
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if mounted := _mounts_under(work):  # a real node not reset: never delete through its mounts
+            res["errors"].append(f"left mounted under {work}: {mounted[:5]}")
+            code = code or 1
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     res["machine"]["loadavg_at_end"] = _loadavg()
     res["summary"] = {"goals": _goals(res) if "remote" in res["arms"] else []}
     if results_path is not None:
         Path(results_path).write_text(json.dumps(res, indent=1, default=str) + "\n")
-    if res["arms"]:
+    if "remote" in res["arms"]:
         console.print(_table(res))
+    if "crun-remote" in res["arms"]:
+        console.print(_crun_table(res))
+    if res["arms"]:
         for line in _cpu_lines(res):
             console.print(line)
     for g in res["summary"]["goals"]:

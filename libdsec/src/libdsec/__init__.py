@@ -29,14 +29,17 @@ from ._errors import (
     ServerError,
     SessionClosed,
     ServerUnavailable,
+    SnapshotConflict,
+    SnapshotNotFound,
     StoreUnavailable,
     Unauthenticated,
 )
 from .protocol import SecurityEvent
 from .protocol import ExecEvent, FileEntry, FsEvent, ProcessInfo
 from .protocol import BuildResult, DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
-from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
+from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, Snapshot, SnapshotInfo
 from .protocol import DSecFnCallArgs, FnCallResult
+from ._pausing import SandboxGroupResult, SandboxOutcome
 from ._projects import ProjectInfo, ProjectQuota
 from ._sync import SyncDSecClient, SyncProcess, SyncDirWatch, SyncPty, SyncSandbox, SyncSession
 
@@ -80,9 +83,11 @@ __all__ = [
     "ReplayIncomplete",
     "Sandbox",
     "SandboxFileNotFound",
+    "SandboxGroupResult",
     "SandboxInfo",
     "SandboxLost",
     "SandboxNotFound",
+    "SandboxOutcome",
     "SandboxStateError",
     "SandboxStatus",
     "SecurityEvent",
@@ -90,7 +95,10 @@ __all__ = [
     "ServerUnavailable",
     "Session",
     "SessionClosed",
+    "Snapshot",
+    "SnapshotConflict",
     "SnapshotInfo",
+    "SnapshotNotFound",
     "StoreUnavailable",
     "SyncDSecClient",
     "SyncDirWatch",

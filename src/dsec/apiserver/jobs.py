@@ -29,7 +29,6 @@ import base64
 import hashlib
 import json
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,15 +37,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from libdsec import BackendError, DSecError, InvalidRequest, JobNotFound, SandboxStateError
+from libdsec import BackendError, DSecError, JobNotFound, SandboxStateError
 from libdsec.protocol import JobEntry, JobInfo, JobList, JobLog, SandboxInfo
 
+from .. import settings
 from .auth import Caller
 from .projects import JobRow, ProjectStore
 
 log = logging.getLogger("dsec.apiserver.jobs")
 
-DEFAULT_RETENTION_S = 7 * 86400.0
+DEFAULT_RETENTION_S: float = settings.Settings.job_retention_s
 PRUNE_EVERY_S = 60.0
 # A create that finds its key claimed by one under way waits this long for it at most.
 PENDING_WAIT_S = 600.0
@@ -54,18 +54,13 @@ PENDING_WAIT_S = 600.0
 MAX_LOGGED_FILE_BYTES = 8 << 20
 
 
+# How the entries of the calls that make sandboxes begin (``record`` writes "op" first).
+_MAKING = ('{"op":"create"', '{"op":"create_batch"', '{"op":"clean_copy"')
+
+
 def retention_from_env() -> float:
     """``DSEC_JOB_RETENTION_S`` (seconds a job may stay idle before it is removed), else 7 days."""
-    text = os.environ.get("DSEC_JOB_RETENTION_S")
-    if text is None:
-        return DEFAULT_RETENTION_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < 1e10:
-        raise InvalidRequest(f"DSEC_JOB_RETENTION_S={text!r}: give the seconds a job log is kept idle (> 0)")
-    return value
+    return settings.current().job_retention_s
 
 
 def digest_of(kind: str, args: BaseModel, count: int | None = None) -> str:
@@ -155,6 +150,26 @@ class Jobs:
         entries = [JobEntry(seq=seq, at=_when(at), **json.loads(entry))
                    for seq, at, entry in await self.projects.job_entries(name, after)]
         return JobLog(job=job_info(row), entries=entries)
+
+    async def sandboxes_made(self, caller: Caller, name: str) -> list[str]:
+        """The ids of the sandboxes the job made (its creates, batches and clean copies), in
+        order; ``JobNotFound`` for a job the caller may not see."""
+        await self._visible(caller, name)
+        ids: list[str] = []
+        for _, _, text in await self.projects.job_entries(name):
+            if not text.startswith(_MAKING):  # (most entries are commands: not parsed)
+                continue
+            entry = json.loads(text)
+            result = entry.get("result")
+            if entry.get("error") is not None or result is None:
+                continue
+            if entry["op"] == "create":
+                ids.append(result["id"])
+            elif entry["op"] == "create_batch":
+                ids.extend(info["id"] for info in result)
+            elif entry["op"] == "clean_copy":
+                ids.append(result["sandbox"]["id"])
+        return list(dict.fromkeys(ids))
 
     async def remove(self, caller: Caller, name: str) -> None:
         await self._visible(caller, name)

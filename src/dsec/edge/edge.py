@@ -3,8 +3,12 @@
 
 - ``table``: the records, get and list, the lifecycle's moves of its own (stop, pause, resume, a
   sandbox found dead), a sandbox's TTL, network rules and security events (``SandboxTable``);
-- ``create``: creates, alone or in batches, from the warm pool, and clean copies, packed diffs
-  and memory snapshots (``Creates``);
+- ``create``: creates, alone or in batches, from the warm pool, and clean copies and packed
+  diffs (``Creates``);
+- ``snapshots``: named snapshots (full or filesystem), kept in the layer store, and what a
+  create starts from (``Snapshots``);
+- ``fork``: forks of a running sandbox into many children, its memory or its filesystem taken
+  once and shared by them (``Forks``);
 - ``inside``: commands, background processes, sessions, PTYs, directory watches, files and
   ports inside a running sandbox (``Inside``);
 - ``nodeinfo``: the node's info and stats, its layer store and builds, fncall (``NodeCalls``).
@@ -47,12 +51,14 @@ from libdsec.protocol import SandboxKind, SandboxStatus
 
 from ..backends.base import SandboxBackend, check_backend
 from ..fncall.pool import FnCallPool
+from ..images.snapshots import SnapshotCatalog
 from ..images.store import LayerStore, StoreHealth
 from . import lifecycle
 from .admission import Admission, WorkGate, memory_total_mb
 from .build import ImageBuilder
 from .config import EdgeConfig
 from .create import Creates
+from .fork import Forks
 from .inside import Inside
 from .journal import RecordJournal
 from .lifecycle import Record
@@ -60,6 +66,7 @@ from .nodeinfo import NodeCalls
 from .pool import WarmPool
 from .pty import PtyTable
 from .reaper import TTLReaper
+from .snapshots import Snapshots
 from .security import EdgeSecurity
 from .stats import EdgeStats
 from .watches import Watches
@@ -67,7 +74,7 @@ from .watches import Watches
 log = logging.getLogger("dsec.edge")
 
 
-class Edge(Creates, Inside, NodeCalls):
+class Edge(Creates, Snapshots, Forks, Inside, NodeCalls):
     """The node daemon's core. ``await start()`` before use; ``await close()`` at the end
     (a second ``close()`` does nothing)."""
 
@@ -87,6 +94,7 @@ class Edge(Creates, Inside, NodeCalls):
         self.store = store
         # Asked before creates and calls into sandboxes: a store on a shared filesystem may go away.
         self.store_health = StoreHealth(store.root, config.node, within_s=config.store_check_s)
+        self.catalog = SnapshotCatalog(store)  # named snapshots, beside the images they start from
         self.records_dir = Path(config.records_dir or Path(config.node_dir) / "records")
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.journal = RecordJournal(self.records_dir)
@@ -103,7 +111,8 @@ class Edge(Creates, Inside, NodeCalls):
         # Batches whose sandboxes are held here until committed: id -> when they are given up
         # (None while the batch is still being made).
         self._batches: dict[str, float | None] = {}
-        self.reaper = TTLReaper(config, self._records, self.stop, self._batches, sweep=self._sweep_gone)
+        self.reaper = TTLReaper(config, self._records, self.stop, self._batches, sweep=self._sweep_gone,
+                                pause=self.pause)
         self._undoing: set[asyncio.Task] = set()  # failed batches being undone (close() waits for them)
         self._looking: dict[str, asyncio.Task] = {}  # sandboxes whose death is being confirmed (_look_again)
         self._closed = False
@@ -151,6 +160,7 @@ class Edge(Creates, Inside, NodeCalls):
                     await self.backends[rec.kind].resume(rec.handle)
                 except (DSecError, OSError) as exc:
                     log.warning("could not thaw re-adopted sandbox %s: %s", rec.id, exc)
+        self.clear_pending_snapshots()  # after recover, which removed unfinished memory snapshots
         if self.fncalls is not None:  # after recover, which removed the workers of an earlier run
             await self.fncalls.start()
         await self.security.start(self._records.values())

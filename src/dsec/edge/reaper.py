@@ -1,8 +1,8 @@
 """The TTL reaper: every ``reaper_interval_s`` it stops the sandboxes whose time is up.
 
 A running sandbox with no call in flight and none for ``ttl_running_stop`` seconds (its own run
-arg) is stopped; a paused one is exempt from that until it has been paused for the node's
-``paused_ttl_s``. The sandboxes of a batch not committed by the time its node gives it up
+arg) is stopped, or paused if its ``on_ttl`` says so; a paused one is exempt from that until it
+has been paused for the node's ``paused_ttl_s``. The sandboxes of a batch not committed by the time its node gives it up
 (``batches``: batch id -> that time, or None while it is being made) are stopped too. A stop that fails, with any error, is logged (the stop marks the sandbox
 failed) and the reaper goes on. Each round also calls ``sweep()``, if given (the edge's look for
 sandboxes that died with no call to find it out: VMs whose QEMU or guest agent is gone).
@@ -36,9 +36,8 @@ def expired(records: Iterable[Record], now: float, paused_ttl_s: float,
         return [(r, f"its batch {r.batch} was not committed in time (the apiserver that asked for it went away)")
                 for r in records if r.batch in given_up] + expired(records, now, paused_ttl_s)
     due = [
-        (r, f"idle for over ttl_running_stop={r.args.ttl_running_stop:g}s") for r in records
-        if r.status is SandboxStatus.running and r.calls == 0
-        and now - r.last_active > r.args.ttl_running_stop
+        (r, f"idle for over ttl_running_stop={r.args.ttl_running_stop:g}s") for r in idle(records, now)
+        if r.args.on_ttl == "stop"
     ]
     due += [
         (r, f"paused for over paused_ttl_s={paused_ttl_s:g}s") for r in records
@@ -48,15 +47,29 @@ def expired(records: Iterable[Record], now: float, paused_ttl_s: float,
     return due
 
 
+def idle(records: Iterable[Record], now: float) -> list[Record]:
+    """The running sandboxes with no call in flight and none for their ``ttl_running_stop``."""
+    return [r for r in records if r.status is SandboxStatus.running and r.calls == 0
+            and now - r.last_active > r.args.ttl_running_stop]
+
+
+def to_pause(records: Iterable[Record], now: float) -> list[Record]:
+    """The sandboxes whose idle TTL passed and that pause then (``on_ttl="pause"``)."""
+    return [r for r in idle(records, now) if r.args.on_ttl == "pause"]
+
+
 class TTLReaper:
-    """Stops, through ``stop(sandbox_id, reason)``, what ``expired`` finds in ``records``."""
+    """Stops, through ``stop(sandbox_id, reason)``, what ``expired`` finds in ``records``, and
+    pauses, through ``pause(sandbox_id)``, what ``to_pause`` finds (without ``pause``, nothing is)."""
 
     def __init__(self, config: EdgeConfig, records: Mapping[str, Record],
                  stop: Callable[[str, str], Awaitable[object]], batches: dict[str, float | None] | None = None,
-                 sweep: Callable[[], Awaitable[object]] | None = None) -> None:
+                 sweep: Callable[[], Awaitable[object]] | None = None,
+                 pause: Callable[[str], Awaitable[object]] | None = None) -> None:
         self.config = config
         self.records = records
         self.stop = stop
+        self.pause = pause
         self.batches = batches if batches is not None else {}
         self.sweep = sweep
         self._task: asyncio.Task | None = None
@@ -87,3 +100,9 @@ class TTLReaper:
                     await self.stop(rec.id, reason)
                 except Exception as exc:  # noqa: BLE001 - a backend's own error must not end the reaper
                     log.warning("TTL stop of %s failed: %s", rec.id, exc)
+            if self.pause is not None:
+                for rec in to_pause(self.records.values(), now):
+                    try:
+                        await self.pause(rec.id)
+                    except Exception as exc:  # noqa: BLE001 - e.g. a call arrived meanwhile: tried next round
+                        log.info("TTL pause of %s not made: %s", rec.id, exc)

@@ -20,13 +20,14 @@ from datetime import datetime, timezone
 
 from libdsec.protocol import LATENCY_BOUNDS, LatencyHistogram, NodeInfo, NodeStats, SandboxCount, SandboxKind
 
+from .. import settings
 from ..isolation.events import SecurityEvents
 from .lifecycle import Record
 from .pool import WarmPool
 
 
 def metrics_enabled() -> bool:
-    return os.environ.get("DSEC_METRICS", "1") != "0"
+    return settings.current().metrics
 
 
 class Histogram:

@@ -105,6 +105,11 @@ class SandboxTable:
         rec = self._allowed(sandbox_id, action)
         await self._check_store(rec)
         while rec.status is SandboxStatus.paused:  # the table allows the call: it resumes it
+            if not rec.args.auto_resume:
+                raise SandboxStateError(
+                    f"cannot {action.value}: sandbox {sandbox_id} is paused and was made with auto_resume=False; "
+                    f"resume it first (sandbox.resume(), client.resume_sandboxes(ids=[...]), or `dsec resume --id "
+                    f"{sandbox_id}`)")
             async with rec.transition:
                 if rec.status is SandboxStatus.paused:
                     await self._thaw(rec)

@@ -32,12 +32,13 @@ the loaded profile came out in complain mode, refuses to start: denials would on
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from .. import settings
 
 PROFILE_NAME = "dsec-sandbox"
 SECURITYFS = Path("/sys/kernel/security")
@@ -133,7 +134,7 @@ def ensure_loaded() -> str:
     the profile does not load."""
     global _loaded, _status
     _loaded = None
-    if os.environ.get("DSEC_APPARMOR", "1") == "0":
+    if not settings.current().apparmor:
         _status = "unsupported: turned off (DSEC_APPARMOR=0)"
         return f"AppArmor: {_status}"
     why = kernel_support()

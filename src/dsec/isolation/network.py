@@ -39,7 +39,6 @@ import hashlib
 import ipaddress
 import json
 import logging
-import os
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from pathlib import Path
 
 from libdsec import BackendError, InvalidRequest
 
+from .. import settings
 from .resolver import SandboxResolver
 
 log = logging.getLogger("dsec.network")
@@ -165,7 +165,7 @@ class SandboxNetworks:
         digest = hashlib.sha1(str(Path(node_dir).resolve()).encode()).hexdigest()
         self.tag = digest[:4]
         self.table = f"dsec_{digest[:8]}"
-        path = os.environ.get("DSEC_NETWORK_CONFIG") or Path(node_dir).parent / "network.json"
+        path = settings.current().network_config or Path(node_dir).parent / "network.json"
         self.config = config or NetworkConfig.load(Path(path))
         subnet = self.config.subnet or f"10.{128 + int(digest[8:12], 16) % 64}.0.0/16"
         self.subnet = ipaddress.IPv4Network(subnet)

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import _sys
+from .. import _sys, settings
 
 SANDBOX_ID_BASE = 1 << 30
 SANDBOX_ID_COUNT = 65536
@@ -157,7 +157,7 @@ def detached_layers() -> bool:
     from Linux 6.15 ("fs: allow detached mounts in clone_private_mount()"). Before that the
     overlay refuses it (EINVAL), and each clone is attached to a directory first
     (``attach_clone``). ``DSEC_IDMAP_CLONES=attached`` takes the older kernels' path anywhere."""
-    setting = os.environ.get("DSEC_IDMAP_CLONES", "auto")
+    setting = settings.current().idmap_clones
     if setting in ("attached", "detached"):
         return setting == "detached"
     return _kernel_version() >= (6, 15)

@@ -22,8 +22,9 @@ from pathlib import Path
 
 from libdsec import BackendError
 
+from .. import settings
+
 SOURCES = Path(__file__).parent
-CACHE = Path(os.environ.get("DSEC_NATIVE_CACHE", "/var/cache/dsec/bin"))
 CFLAGS = ("-static", "-O2", "-s", "-Wall", "-Wextra", "-Werror")
 LIBRARY_CFLAGS = ("-shared", "-fPIC", "-O2", "-s", "-Wall", "-Wextra", "-Werror")
 
@@ -49,7 +50,7 @@ def library(name: str, cache: Path | None = None) -> Path:
 
 
 def _build(name: str, flags: tuple[str, ...], suffix: str, cache: Path | None) -> Path:
-    cache = Path(cache) if cache is not None else CACHE
+    cache = Path(cache) if cache is not None else settings.current().native_cache
     target = cache / f"dsec-{name}-{digest(name, flags)}{suffix}"
     if target.exists():
         with contextlib.suppress(OSError):

@@ -23,6 +23,7 @@ import signal
 import sys
 from pathlib import Path
 
+from .. import settings
 from ..edge.server import NodeServer
 from ..node import NodeConfig, build_node_edge
 
@@ -52,6 +53,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", default="{}", help='{"edge": {...}, "fncall": {...} or null}')
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings.load()  # every DSEC_* variable read and checked once, as `dsec serve` does
+    except settings.SettingsError as exc:
+        print(f"error: node {ns.node}: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
     token = sys.stdin.readline().strip()
     extra = json.loads(ns.config)
     config = NodeConfig(state_dir=ns.state_dir, node=ns.node, edge=extra.get("edge", {}),

@@ -33,7 +33,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ... import _sys, native
+from ... import _sys, native, settings
 from ...images.mounts import LayerMounts
 from ...images.store import LayerStore
 from ...isolation import userns
@@ -60,7 +60,7 @@ class ContainerBackend(Lifecycle, Exec, Pty, Files, WritableLayer):
     kind = "container"
     # PROTECTED_PATHS: read-only binds (see oci.protected_mounts); CARRY: check_kept, carry, tampered.
     capabilities = frozenset({Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY, Capability.HOST_PATHS,
-                              Capability.PIPED_STDIN, Capability.PORTS})
+                              Capability.PIPED_STDIN, Capability.PORTS, Capability.NEW_IDENTITY})
     # The v1 controllers of a sandbox's cgroup (see dsec.resources.cgroups).
     cgroup_controllers: tuple[str, ...] = cgroups.SANDBOX_CONTROLLERS
 
@@ -84,7 +84,7 @@ class ContainerBackend(Lifecycle, Exec, Pty, Files, WritableLayer):
         self.layer_mounts = layer_mounts or LayerMounts(self.node_dir / "layers", layers_dir=store.layers_dir)
         # Root inside is not root outside: each sandbox gets a user namespace and a host uid
         # range of its own (see dsec.isolation.userns); DSEC_USERNS=0 turns it off.
-        self.id_ranges = userns.IdRanges() if os.environ.get("DSEC_USERNS", "1") != "0" else None
+        self.id_ranges = userns.IdRanges() if settings.current().userns else None
         self.rootfs = RootFilesystems(store, self.layer_mounts, self.sandboxes_dir, self.id_ranges)
         self.oci = BundleConfigs(native.binary("init"), bundle_hook)
         # Each sandbox's init channel (see dsec.backends.initchan); none for a sandbox adopted

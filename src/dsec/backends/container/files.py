@@ -88,7 +88,13 @@ class Files:
         with os.fdopen(fd, "rb") as f:
             if st.st_size > max_bytes:
                 raise InvalidRequest(f"cannot read {path}: {st.st_size} bytes is over the {max_bytes}-byte limit")
-            return f.read(max_bytes + 1)[:max_bytes]
+            # In pieces: a /proc/sys file's read allocates a kernel buffer the size asked for,
+            # so one read of the whole limit fails there (ENOMEM) where small ones do not.
+            pieces, left = [], max_bytes
+            while left > 0 and (piece := f.read(min(left, 1 << 20))):
+                pieces.append(piece)
+                left -= len(piece)
+            return b"".join(pieces)
 
     async def write_file(self, handle: Handle, path: str, data: bytes, mode: int, uid: int, gid: int) -> None:
         uid, gid = self._host_ids(handle, uid, gid)

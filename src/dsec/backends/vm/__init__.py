@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ... import settings
+
 
 def vm_backends(node_dir: Path, store, assets_dir: Path) -> list:
     """The VM backends for a node, or none where QEMU is not installed."""
@@ -16,5 +18,5 @@ def vm_backends(node_dir: Path, store, assets_dir: Path) -> list:
     if not os.path.exists(QEMU):
         return []
     # Tests and benchmarks share one kernel cache between their servers.
-    assets_dir = Path(os.environ.get("DSEC_VM_ASSETS") or assets_dir)
+    assets_dir = settings.current().vm_assets or Path(assets_dir)
     return [MicroVMBackend(node_dir, store, assets_dir), FullVMBackend(node_dir, store, assets_dir)]

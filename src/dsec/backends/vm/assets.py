@@ -34,12 +34,11 @@ from pathlib import Path
 
 from libdsec import BackendError
 
-from ... import native
+from ... import native, settings
 from ...isolation.jail import GUEST_ALSO_ALLOWED, caps_argument, jail_binary, seccomp_bpf
 from ...isolation.profile import seccomp_profile
 
 STALE_S = 86400.0
-KERNEL_PACKAGE = os.environ.get("DSEC_GUEST_KERNEL_PACKAGE", "linux-image-cloud-amd64")
 BUSYBOX = Path("/bin/busybox")
 GUEST_DIR = Path(__file__).parent / "guest"
 # Loaded in this order by the guest's init; dependencies are added in front of what needs them.
@@ -165,7 +164,7 @@ class AssetCache:
     def __init__(self, root: Path, kernel_package: str | None = None) -> None:
         self.root = Path(root)
         # The kernel package fetched when ``root`` has no kernel yet (a root keeps the first it got).
-        self.kernel_package = kernel_package or KERNEL_PACKAGE
+        self.kernel_package = kernel_package or settings.current().guest_kernel_package
 
     def ensure(self) -> GuestAssets:
         with _locked(self.root / ".lock"):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from libdsec import BackendError
 
+from ... import settings
 from .assets import GuestAssets
 
 log = logging.getLogger("dsec.backends.vm")
@@ -70,8 +71,7 @@ def probe_accel(assets: GuestAssets, cache_dir: Path) -> str:
 
     /dev/kvm may exist and still not run a stock kernel (a PVM host), so the probe boots one.
     The answer is kept per host kernel and guest kernel; DSEC_VM_ACCEL=kvm|tcg overrides it."""
-    forced = os.environ.get("DSEC_VM_ACCEL")
-    if forced in ("kvm", "tcg"):
+    if (forced := settings.current().vm_accel) is not None:
         return forced
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return "tcg"

@@ -48,6 +48,7 @@ from pathlib import Path
 
 from libdsec import BackendError, InvalidRequest
 
+from ... import settings
 from ...resources import ksm
 from ..base import Capability, Handle, SandboxSpec
 from . import machine, ramsplit
@@ -80,7 +81,7 @@ class SnapshotDamaged(InvalidRequest):
 class MicroVMBackend(VMBackend):
     kind = "microvm"
     capabilities = frozenset({Capability.KEPT_LAYER, Capability.SNAPSHOT, Capability.PIPED_STDIN, Capability.WATCHED,
-                              Capability.PROTECTED_PATHS, Capability.PORTS})
+                              Capability.PROTECTED_PATHS, Capability.PORTS, Capability.NEW_IDENTITY})
 
     def __init__(self, node_dir: Path, store, assets_dir: Path | None = None, *, layer_mode: str = "pmem",
                  use_ksm: bool | None = None, **kw) -> None:
@@ -90,7 +91,7 @@ class MicroVMBackend(VMBackend):
         self.layer_mode = layer_mode
         # Private layers are the comparison without sharing: no KSM for them.
         if use_ksm is None:  # KSM is node-wide; DSEC_VM_KSM=0 leaves the host's settings alone (tests)
-            use_ksm = os.environ.get("DSEC_VM_KSM", "1") != "0"
+            use_ksm = settings.current().vm_ksm
         self._ksm_wanted = use_ksm and layer_mode == "pmem"
         self._ksm_on = False
         self._ksm_before: dict[str, str] = {}

@@ -52,6 +52,10 @@ class NetworkConfig(_Request):
     egress_proxy: dict | None = Field(None, alias="egressProxy")
 
 
+class AutoResume(_Request):
+    enabled: bool = False
+
+
 class NewSandbox(_Request):
     template_id: str = Field("base", alias="templateID", min_length=1, max_length=256)
     timeout: int = Field(DEFAULT_TIMEOUT_S, ge=1)
@@ -59,15 +63,30 @@ class NewSandbox(_Request):
     metadata: dict[str, str] = Field(default_factory=dict)
     allow_internet_access: bool | None = None
     network: NetworkConfig | None = None
+    # E2B's ``lifecycle``: ``on_timeout="pause"`` is ``autoPause``; ``autoPauseMemory`` false
+    # asks for a filesystem-only pause; ``auto_resume`` is ``autoResume.enabled``.
     auto_pause: bool = Field(False, alias="autoPause")
-    auto_resume: dict | bool | None = Field(None, alias="autoResume")
+    auto_pause_memory: bool | None = Field(None, alias="autoPauseMemory")
+    auto_resume: AutoResume | None = Field(None, alias="autoResume")
     mcp: dict | None = None
     iam: dict | None = None
     volume_mounts: list | None = Field(None, alias="volumeMounts")
 
 
+class PauseRequest(_Request):
+    # False: a filesystem-only pause (its processes end; a resume boots it afresh).
+    memory: bool | None = None
+
+
 class TimeoutRequest(_Request):
     timeout: int = Field(ge=0)
+
+
+class ForkRequest(_Request):
+    """E2B's fork: ``count`` children (1 to 20), each with ``timeout`` seconds to live."""
+
+    timeout: int = Field(15, ge=1)
+    count: int = Field(1, ge=1, le=20)
 
 
 class ConnectRequest(_Request):
@@ -109,9 +128,15 @@ class ListedSandbox(_Answer):
     envd_version: str = Field(alias="envdVersion")
 
 
+class Lifecycle(_Answer):
+    on_timeout: str = Field(alias="onTimeout")  # "kill" or "pause"
+    auto_resume: bool = Field(alias="autoResume")
+
+
 class SandboxDetail(ListedSandbox):
     envd_access_token: str = Field(alias="envdAccessToken")
     domain: str | None = None
+    lifecycle: Lifecycle | None = None
 
 
 class SandboxMetric(_Answer):
@@ -211,3 +236,15 @@ class TemplateBuildInfo(_Answer):
 class TemplateAlias(_Answer):
     template_id: str = Field(alias="templateID")
     public: bool = False
+
+
+class SnapshotRequest(_Request):
+    """``POST /sandboxes/{id}/snapshots``: ``memory`` false is a filesystem-only snapshot."""
+
+    name: str | None = None
+    memory: bool | None = None
+
+
+class SnapshotInfo(_Answer):
+    snapshot_id: str = Field(alias="snapshotID")
+    names: list[str] = Field(default_factory=list)
