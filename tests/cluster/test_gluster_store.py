@@ -3,10 +3,13 @@
 veth pair of this machine only), mounted through its FUSE client, holds the store of a Ray
 cluster of three DSec nodes (``ray.cluster_utils.Cluster``, real crun containers) behind one
 ``dsec serve --ray``. An image imported or built on one node starts on the others; a
-``pack_diff`` made on one node starts on another; GC never removes a layer another node's
-sandbox holds; the volume stopped in the middle of a run gives calls and creates
-``StoreUnavailable`` naming the store (within ``store_check_s``, never a hang), and everything
-works again once it is started."""
+``pack_diff`` made on one node starts on the others; GC, through the apiserver or on a second
+client of the volume that knows no node, never removes a layer a node's sandbox holds; the
+store's lock and its manifests hold across two clients; the volume stopped or its brick frozen
+in the middle of a run gives calls and creates ``StoreUnavailable`` naming the store (within
+``STORE_AWAY_BOUND_S``, never a hang), and everything works again once it is back; the FUSE
+client killed and mounted again: new sandboxes work on every node, those started before say
+they cannot read their layers."""
 
 from __future__ import annotations
 
