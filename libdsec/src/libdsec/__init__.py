@@ -8,6 +8,7 @@ from ._errors import (
     BackendError,
     CapacityExceeded,
     CommandTimeout,
+    DesktopUnavailable,
     DSecError,
     ImageBuildFailed,
     ImageNotFound,
@@ -35,10 +36,12 @@ from .protocol import SecurityEvent
 from .protocol import ExecEvent, FileEntry, FsEvent, ProcessInfo
 from .protocol import BuildResult, DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
+from .protocol import DesktopInfo, DesktopSpec, DesktopWindow
+from ._desktop import Desktop
 from .protocol import DSecFnCallArgs, FnCallResult
 from ._pausing import SandboxGroupResult, SandboxOutcome
 from ._projects import ProjectInfo, ProjectQuota
-from ._sync import SyncDSecClient, SyncProcess, SyncDirWatch, SyncPty, SyncSandbox, SyncSession
+from ._sync import SyncDSecClient, SyncDesktop, SyncProcess, SyncDirWatch, SyncPty, SyncSandbox, SyncSession
 
 __all__ = [
     "BackendError",
@@ -51,6 +54,11 @@ __all__ = [
     "DSecFnCallArgs",
     "DSecFullVMRunArgs",
     "DSecMicroVMRunArgs",
+    "Desktop",
+    "DesktopInfo",
+    "DesktopSpec",
+    "DesktopUnavailable",
+    "DesktopWindow",
     "DirWatch",
     "ExecEvent",
     "ExecResult",
@@ -94,6 +102,7 @@ __all__ = [
     "SessionClosed",
     "SnapshotInfo",
     "SyncDSecClient",
+    "SyncDesktop",
     "SyncDirWatch",
     "SyncProcess",
     "SyncPty",

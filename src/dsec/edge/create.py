@@ -26,7 +26,7 @@ from contextlib import aclosing
 from datetime import datetime, timezone
 
 from libdsec import (
-    BackendError, CapacityExceeded, InvalidRequest, LimitOutOfRange, Overloaded, SandboxLost, SandboxStateError,
+    BackendError, CapacityExceeded, DSecError, InvalidRequest, LimitOutOfRange, Overloaded, SandboxLost, SandboxStateError,
 )
 from libdsec.protocol import (
     CleanCopyResult,
@@ -111,7 +111,17 @@ class Creates(SandboxTable):
         limits = self.admission.limits(args)
         self.security.check_rules(args.network_rules)
         self._check_protected(args, kind)
+        self._check_desktop(args, kind)
+        if getattr(args, "desktop", None) is not None:  # its commands see the desktop
+            args = args.model_copy(update={"env": {"DISPLAY": ":0", **args.env}})
         rec = await self._create(args, kind, project, self.store.resolve(args.image_ref), limits, batch=batch)
+        if getattr(args, "desktop", None) is not None:
+            try:
+                await self._start_desktop(rec)
+            except BaseException:
+                with contextlib.suppress(DSecError, OSError):
+                    await self.stop(rec.id, reason="its desktop did not start")
+                raise
         return rec.info(self.node)
 
     def _check_protected(self, args: DSecContainerRunArgs, kind: SandboxKind) -> None:

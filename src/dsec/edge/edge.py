@@ -7,6 +7,7 @@
   and memory snapshots (``Creates``);
 - ``inside``: commands, background processes, sessions, PTYs, directory watches, files and
   ports inside a running sandbox (``Inside``);
+- ``desktop``: a sandbox's desktop, started with it, and its screenshots and input (``Desktops``);
 - ``nodeinfo``: the node's info and stats, its layer store and builds, fncall (``NodeCalls``).
 
 The parts are mixed into ``Edge`` rather than held by it, so a call (``create``, ``exec``: the
@@ -53,6 +54,7 @@ from .admission import Admission, WorkGate, memory_total_mb
 from .build import ImageBuilder
 from .config import EdgeConfig
 from .create import Creates
+from .desktop import Desktops
 from .inside import Inside
 from .journal import RecordJournal
 from .lifecycle import Record
@@ -67,7 +69,7 @@ from .watches import Watches
 log = logging.getLogger("dsec.edge")
 
 
-class Edge(Creates, Inside, NodeCalls):
+class Edge(Creates, Inside, Desktops, NodeCalls):
     """The node daemon's core. ``await start()`` before use; ``await close()`` at the end
     (a second ``close()`` does nothing)."""
 
@@ -112,6 +114,7 @@ class Edge(Creates, Inside, NodeCalls):
         self.stats = EdgeStats()  # what node_stats reports
         self.ptys = PtyTable()  # commands on terminals: this process's, they end with it
         self.watches = Watches()  # directory watches (inotify): this process's, they end with it
+        self._desktops = {}  # sandbox id -> the connection to its desktop agent (desktop.py)
 
     # -- start / close ------------------------------------------------------------------------
 
@@ -166,6 +169,7 @@ class Edge(Creates, Inside, NodeCalls):
         await self.reaper.close()
         await self.ptys.close_all()
         self.watches.close_all()
+        self.close_desktops()
         await asyncio.gather(*self._undoing, return_exceptions=True)
         for task in list(self._looking.values()):
             task.cancel()
