@@ -81,12 +81,20 @@ async def test_a_desktop_is_ready_when_create_returns_and_takes_input(client, se
         moved = await desktop.move(321, 123)
         assert (moved.cursor_x, moved.cursor_y) == (321, 123)
         assert (await sandbox.run_shell("xdotool getmouselocation --shell")).stdout.startswith("X=321\nY=123\n")
+        assert (await desktop.drag(100, 100, 220, 160)).cursor_x == 220 and await desktop.cursor() == (220, 160)
         await desktop.click(640, 400, button="left", count=2)
         assert await desktop.cursor() == (640, 400)
+        await desktop.mouse_down("right", x=30, y=40)
+        await desktop.mouse_up("right")
+        await desktop.press("Escape")
+        assert await desktop.cursor() == (30, 40)
+        await desktop.scroll(3, x=600, y=300)
+        await desktop.scroll(-2, dx=1)
 
         # An editor: typed into, saved with ctrl+s, the text in the file.
         await sandbox.run_shell(": > /home/user/note.txt")
-        await sandbox.start_shell("exec mousepad /home/user/note.txt")
+        started = await desktop.launch("org.xfce.mousepad", "/home/user/note.txt")
+        assert started.pid > 0
         editor = await _window(sandbox, "mousepad")
         assert "note.txt" in editor.title and editor.width > 0 and editor.height > 0
         await desktop.focus(editor)
@@ -101,6 +109,16 @@ async def test_a_desktop_is_ready_when_create_returns_and_takes_input(client, se
         assert (await sandbox.read_file("/home/user/note.txt")).decode() == text
         _, _, after = _png_pixels(await desktop.screenshot())
         assert after != rgb  # the editor's window is on the screen now
+
+        # A file opened with its default application (xdg-open): a window of its own.
+        await sandbox.write_file("/home/user/other.txt", b"other")
+        await desktop.open("/home/user/other.txt")
+        for _ in range(150):
+            titles = [w.title for w in await desktop.windows()]
+            if any("other.txt" in t for t in titles):
+                break
+            await asyncio.sleep(0.2)
+        assert any("other.txt" in t for t in titles), titles
 
         # Bad input: each refused with its reason, the desktop still answering.
         with pytest.raises(InvalidRequest, match="outside the 1280x800 screen"):

@@ -51,6 +51,17 @@ _NEEDS = ('command -v Xvfb >/dev/null || { echo "no Xvfb"; exit 1; }; '
 _SESSION_NEEDS = {"xfce4": "xfce4-session", "wm": "xfwm4", "none": None}
 
 
+# A file opened with the application its type's default names (its desktop entry, through
+# gtk-launch: xfce4's exo-open fails on files here), a URL or anything else with xdg-open.
+_OPEN = r'''t=TARGET
+case "$t" in *://*) exec xdg-open "$t";; esac
+m=$(python3 -c 'import mimetypes, sys; print(mimetypes.guess_type(sys.argv[1])[0] or "")' "$t")
+a=$(xdg-mime query default "${m:-application/octet-stream}" 2>/dev/null)
+[ -n "$a" ] && exec gtk-launch "${a%.desktop}" "$t"
+exec xdg-open "$t"
+'''
+
+
 class _Agent:
     """One open connection to a sandbox's desktop agent; one request at a time."""
 
@@ -211,5 +222,6 @@ class Desktops(SandboxTable):
             command = f"exec gtk-launch {shlex.quote(request.app)}" + (
                 f" {shlex.quote(request.uri)}" if request.uri else "")
         else:
-            command = f"exec xdg-open {shlex.quote(request.open)}"
-        return await self.start_process(sandbox_id, StartProcessRequest(command=command, env={"DISPLAY": DISPLAY}))
+            command = _OPEN.replace("TARGET", shlex.quote(request.open))
+        env = {"DISPLAY": DISPLAY, **({"XDG_CURRENT_DESKTOP": "XFCE"} if rec.args.desktop.session == "xfce4" else {})}
+        return await self.start_process(sandbox_id, StartProcessRequest(command=command, env=env))

@@ -308,6 +308,8 @@ def start_session(session, env):
     if session == "none":
         return None
     command = ["dbus-run-session", "--", "xfce4-session"] if session == "xfce4" else ["xfwm4"]
+    if session == "xfce4":  # as startxfce4 sets it: xdg-open then opens with exo-open
+        env = {**env, "XDG_CURRENT_DESKTOP": "XFCE"}
     return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=open("/tmp/.dsec-session.log", "wb"), start_new_session=True)
 
