@@ -6,15 +6,18 @@ window calls, each an ``xdotool`` / ``scrot`` / ``xrandr`` command it runs throu
 from __future__ import annotations
 
 import os
+import socket
 import struct
 import time
 
+import httpx
 import pytest
 
 pytest.importorskip("e2b_desktop")
 
 from e2b import CommandExitException  # noqa: E402
 from e2b_desktop import Sandbox  # noqa: E402
+from websockets.sync.client import connect  # noqa: E402
 
 from libdsec import SyncDSecClient  # noqa: E402
 
@@ -54,7 +57,9 @@ def _windows(desktop: Sandbox, app: str) -> list[str]:
         return []
 
 
-def test_e2b_desktop_drives_a_dsec_desktop(e2b):
+def test_e2b_desktop_drives_a_dsec_desktop(e2b, server, monkeypatch):
+    port = server.endpoint.rsplit(":", 1)[1]
+    monkeypatch.setenv("E2B_DOMAIN", f"localhost:{port}")  # get_host: PORT-ID.localhost:PORT
     desktop = Sandbox.create()  # its default template: "desktop"
     try:
         assert desktop.get_screen_size() == (1024, 768)
@@ -82,5 +87,21 @@ def test_e2b_desktop_drives_a_dsec_desktop(e2b):
         desktop.press(["ctrl", "s"])
         _until(lambda: desktop.files.read("/home/user/note.txt") == "typed by e2b_desktop")
         assert desktop.get_current_window_id() == editor
+
+        # The stream: x11vnc and noVNC in the sandbox, its page and its VNC WebSocket reached
+        # through the host name get_url gives (DSec's port proxy; a token is needed there).
+        desktop.stream.start(require_auth=True)
+        url = desktop.stream.get_url(auth_key=desktop.stream.get_auth_key())
+        assert url.startswith(f"https://6080-{desktop.sandbox_id}.localhost:{port}/vnc.html?") and "password=" in url
+        host = f"6080-{desktop.sandbox_id}.localhost:{port}"
+        path = url.split(host, 1)[1]
+        token = {"e2b-traffic-access-token": e2b["E2B_API_KEY"]}
+        page = httpx.get(f"{server.endpoint}{path}", headers={"host": host, **token}, timeout=30)
+        assert page.status_code == 200 and "noVNC" in page.text
+        assert httpx.get(f"{server.endpoint}{path}", headers={"host": host}, timeout=30).status_code == 401
+        with connect(f"ws://{host}/websockify", sock=socket.create_connection(("127.0.0.1", int(port))),
+                     additional_headers=token, subprotocols=["binary"], open_timeout=30) as ws:
+            assert ws.recv(timeout=30)[:4] == b"RFB "  # the VNC server's greeting
+        desktop.stream.stop()
     finally:
         desktop.kill()

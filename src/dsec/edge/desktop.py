@@ -107,10 +107,10 @@ class Desktops(SandboxTable):
         if checked.exit_code != 0:
             raise InvalidRequest(f"image {rec.image.name!r} cannot run a desktop: {checked.stdout.strip()} "
                                  f"(the `desktop` image can: dsec image build desktop)")
-        command = (f'exec python3 -c "$DSEC_DESKTOP_AGENT" {spec.width} {spec.height} {spec.dpi} {AGENT_PORT} '
+        command = (f'exec python3 -c "$DESKTOP_AGENT_PY" {spec.width} {spec.height} {spec.dpi} {AGENT_PORT} '
                    f'{DISPLAY} {shlex.quote(spec.session)}')
         process = await self.start_process(rec.id, StartProcessRequest(
-            command=command, env={"DSEC_DESKTOP_AGENT": AGENT_SOURCE, "DISPLAY": DISPLAY}))
+            command=command, env={"DESKTOP_AGENT_PY": AGENT_SOURCE, "DISPLAY": DISPLAY}))
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:

@@ -145,6 +145,9 @@ def build_debian(
             shutil.rmtree(root / junk, ignore_errors=True)
             (root / junk).mkdir(parents=True, exist_ok=True)
         (root / "tmp").chmod(0o1777)
+        hosts = root / "etc/hosts"  # (debootstrap writes none: `localhost` would not resolve)
+        if not hosts.exists():
+            hosts.write_text("127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n")
         _add_account(root, account, sudoer)
         if finish is not None:
             finish(root)
