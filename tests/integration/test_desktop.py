@@ -158,3 +158,18 @@ async def test_desktop_asked_where_none_can_be(client, server, python_image, des
     async with await client.run_container(DSecContainerRunArgs(container_image=python_image)) as sandbox:
         with pytest.raises(DesktopUnavailable, match="has no desktop"):
             await sandbox.desktop.screenshot()
+
+
+@pytest.mark.parametrize("session", ["wm", "none"])
+async def test_lighter_sessions(client, desktop_image, session, no_sandbox_outlives_the_test):
+    async with await client.run_container(_desktop_args(desktop_image, session=session)) as sandbox:
+        running = (await sandbox.run_shell("pgrep -x xfwm4 >/dev/null && echo wm; pgrep -x xfce4-session || true")).stdout
+        assert running == ("wm\n" if session == "wm" else "")
+        assert _png_pixels(await sandbox.desktop.screenshot())[:2] == (W, H)
+        await sandbox.start_shell("exec mousepad")
+        if session == "wm":  # a window manager lists the windows it manages
+            assert (await _window(sandbox, "mousepad")).width > 0
+        else:  # none: no list of managed windows, the pointer still moves
+            await asyncio.sleep(1)
+            assert await sandbox.desktop.windows() == []
+            assert (await sandbox.desktop.move(5, 6)).cursor_x == 5
