@@ -140,9 +140,17 @@ async def test_a_desktop_is_ready_when_create_returns_and_takes_input(client, se
         await asyncio.sleep(0.3)
         with pytest.raises(DesktopUnavailable, match="X server|desktop agent"):
             await desktop.screenshot()
-        with pytest.raises(DesktopUnavailable):
-            await desktop.click(1, 1)
         assert (await sandbox.run_shell("echo alive")).stdout == "alive\n"
+        # ... and the desktop is started again: a later call finds it back.
+        for _ in range(150):
+            try:
+                shot = await desktop.screenshot()
+                break
+            except DesktopUnavailable as exc:
+                assert "started again" in str(exc)
+                await asyncio.sleep(0.2)
+        assert _png_pixels(shot)[:2] == (W, H)
+        assert (await sandbox.run_shell("pgrep -c -x Xvfb")).stdout == "1\n"
 
 
 async def test_desktop_asked_where_none_can_be(client, server, python_image, desktop_image,

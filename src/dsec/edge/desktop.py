@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shlex
 import struct
 import time
@@ -41,6 +42,8 @@ from ..backends.base import Capability
 from .lifecycle import Action, Record
 from .table import SandboxTable
 
+log = logging.getLogger("dsec.edge")
+
 AGENT_PORT = 49990  # the desktop agent's, on the sandbox's loopback
 DISPLAY = ":0"
 AGENT_SOURCE = (Path(__file__).resolve().parent.parent / "native" / "desktop_agent.py").read_text()
@@ -60,6 +63,11 @@ a=$(xdg-mime query default "${m:-application/octet-stream}" 2>/dev/null)
 [ -n "$a" ] && exec gtk-launch "${a%.desktop}" "$t"
 exec xdg-open "$t"
 '''
+
+
+# What is left of a dead desktop, killed before it starts again (the agent by its source's first
+# line, which its command line holds; the bracket keeps this command itself out of the match).
+_KILL_DESKTOP = "pkill -KILL -f 'The desktop [a]gent: run inside' ; pkill -KILL -x Xvfb ; true"
 
 
 class _Agent:
@@ -86,8 +94,10 @@ class _Agent:
 class Desktops(SandboxTable):
     """Desktops in sandboxes (see the module)."""
 
-    # Made by Edge.__init__: sandbox id -> the open connection to its desktop agent.
+    # Made by Edge.__init__: sandbox id -> the open connection to its desktop agent, and the
+    # restarts under way of desktops found dead.
     _desktops: dict[str, _Agent]
+    _desktop_restarts: dict[str, asyncio.Task]
 
     def _check_desktop(self, args: DSecContainerRunArgs, kind: SandboxKind) -> None:
         """A create asking for a desktop of a kind this node cannot give one (before anything is made)."""
@@ -136,7 +146,26 @@ class Desktops(SandboxTable):
         for sandbox_id in [s for s in self._desktops if s not in self._records]:
             self._desktops.pop(sandbox_id).close()
 
+    def _restart_desktop(self, rec: Record) -> None:
+        """Start again, in the background, a desktop found dead (its X server or agent gone):
+        what is left of it killed first; one restart at a time per sandbox."""
+        if rec.id in self._desktop_restarts or rec.id not in self._records:
+            return
+
+        async def restart() -> None:
+            try:
+                await self.exec(rec.id, ExecRequest(command=_KILL_DESKTOP, user="root", timeout=10.0))
+                await self._start_desktop(rec)
+            except (DSecError, OSError) as exc:
+                log.warning("could not start the desktop of sandbox %s again: %s", rec.id, exc)
+            finally:
+                self._desktop_restarts.pop(rec.id, None)
+
+        self._desktop_restarts[rec.id] = asyncio.get_running_loop().create_task(restart())
+
     def close_desktops(self) -> None:
+        for task in self._desktop_restarts.values():
+            task.cancel()
         for agent in self._desktops.values():
             agent.close()
         self._desktops.clear()
@@ -161,8 +190,10 @@ class Desktops(SandboxTable):
         except (PortUnreachable, ConnectionError, asyncio.IncompleteReadError) as exc:
             if self._desktops.get(rec.id) is agent and agent is not None:
                 self._desktops.pop(rec.id).close()
+            self._restart_desktop(rec)
             raise DesktopUnavailable(f"the desktop of sandbox {rec.id} is gone: its desktop agent does not answer "
-                                     f"({type(exc).__name__}); the sandbox's other calls still work") from None
+                                     f"({type(exc).__name__}); it is being started again, and the sandbox's other "
+                                     f"calls still work") from None
         except SandboxStateError:
             raise
         except DSecError as exc:
@@ -172,8 +203,9 @@ class Desktops(SandboxTable):
                 raise InvalidRequest(header["message"])
             self._desktops.pop(rec.id, None)
             agent.close()
-            raise DesktopUnavailable(f"the X server of sandbox {rec.id}'s desktop died ({header['message']}); "
-                                     f"the sandbox's other calls still work")
+            self._restart_desktop(rec)
+            raise DesktopUnavailable(f"the X server of sandbox {rec.id}'s desktop died ({header['message']}); it is "
+                                     f"being started again, and the sandbox's other calls still work")
         return header, payload
 
     # -- the calls ------------------------------------------------------------------------------

@@ -115,6 +115,7 @@ class Edge(Creates, Inside, Desktops, NodeCalls):
         self.ptys = PtyTable()  # commands on terminals: this process's, they end with it
         self.watches = Watches()  # directory watches (inotify): this process's, they end with it
         self._desktops = {}  # sandbox id -> the connection to its desktop agent (desktop.py)
+        self._desktop_restarts = {}  # sandbox id -> the restart of its desktop, found dead
 
     # -- start / close ------------------------------------------------------------------------
 
