@@ -354,6 +354,7 @@ def serve(desktop, listener):
 
 
 def main():
+    os.environ.pop("DESKTOP_AGENT_PY", None)  # (its own source: not for the desktop's programs)
     width, height, dpi, port = (int(a) for a in sys.argv[1:5])
     name, session = sys.argv[5], sys.argv[6]
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
