@@ -148,8 +148,8 @@ async def test_errors_cross_as_the_same_types(node):
     info = await node.create(args())
     with pytest.raises(SandboxFileNotFound):
         await node.read_file(info.id, "/no/such/file")
-    with pytest.raises(InvalidRequest, match="takes no memory snapshots"):
-        await node.snapshot(info.id)
+    with pytest.raises(InvalidRequest, match="a container sandbox takes no full snapshots"):
+        await node.snapshot(info.id, "full")
     with pytest.raises(InvalidRequest, match="does not serve fncall"):
         from libdsec.protocol import DSecFnCallArgs
         await node.fncall(DSecFnCallArgs(code="print(1)"))

@@ -264,7 +264,7 @@ def checkout_tar(env: dict[str, str]) -> bytes:
     import io
     import tarfile
 
-    from dsec import native
+    from dsec import native, settings
 
     def clean(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
         if "__pycache__" in info.name or info.name.endswith(".pyc") or ".pytest_cache" in info.name:
@@ -277,7 +277,7 @@ def checkout_tar(env: dict[str, str]) -> bytes:
     with tarfile.open(fileobj=out, mode="w") as tar:
         for part in ("src", "libdsec", "bench", "tests", "pyproject.toml"):
             tar.add(REPO / part, f"opt/dsec/{part}", filter=clean)
-        bins = str(native.CACHE).lstrip("/")
+        bins = str(settings.current().native_cache).lstrip("/")
         for path in (*(native.binary(name) for name in ("agent", "init", "jail")), native.library("zygote")):
             tar.add(path, f"{bins}/{path.name}", filter=clean)
         data = "".join(f"export {k}={v!r}\n" for k, v in sorted(env.items())).encode()

@@ -104,9 +104,9 @@ async def test_quota_and_token_bodies(http, client):
 async def test_sandbox_bodies_snapshot_events_network_rules_and_pack_diff(http, client):
     async with await client.run_container(DSecContainerRunArgs(container_image="busybox", memory_limit_mb=32)) as s:
         base = f"/v1/sandboxes/{s.id}"
-        # snapshot is for microVMs only
-        with pytest.raises(InvalidRequest, match="no memory snapshots"):
-            await s.snapshot()
+        # a full snapshot is for microVMs only
+        with pytest.raises(InvalidRequest, match="a container sandbox takes no full snapshots"):
+            await s.snapshot("full")
         assert await s.security_events() == [] or isinstance(await s.security_events(), list)
         for body, names in (({"network_rules": {"pypi": "yes"}}, "network_rules"), ({"network_rules": []}, "network_rules"),
                             ({"rules": {}}, "rules"), ({"network_rules": {"x": [5]}}, "network_rules")):

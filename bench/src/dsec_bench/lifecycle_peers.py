@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dsec import _sys, hostcheck
 from dsec.images import loopdev
+from dsec.images.store import LayerStore
 from dsec.resources import cgroups
 
 CRUN = shutil.which("crun") or "/usr/bin/crun"
@@ -278,3 +279,30 @@ class PeerRig:
                 PODMAN, "rm", "-f", "-t", "0", *names[i:i + 64],
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
             await _finish(proc, "podman rm")
+
+
+@contextlib.contextmanager
+def image_root(store: LayerStore, name: str, work: Path):
+    """The image's root filesystem, read-only: its layers mounted and overlaid (the lowest last)."""
+    image = store.get_image(name)
+    mounted: list[Path] = []
+    try:
+        for n, digest in enumerate(image.layers):
+            target = work / f"layer{n}"
+            target.mkdir(parents=True)
+            subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(store.layer_path(digest)), str(target)],
+                           check=True, capture_output=True)
+            mounted.append(target)
+        if len(mounted) == 1:  # (overlayfs wants two lower layers when it has no upper one)
+            yield mounted[0]
+            return
+        merged = work / "merged"
+        merged.mkdir()
+        lower = ":".join(str(p) for p in reversed(mounted))
+        subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"ro,lowerdir={lower}", str(merged)],
+                       check=True, capture_output=True)
+        mounted.append(merged)
+        yield merged
+    finally:
+        for path in reversed(mounted):
+            subprocess.run(["umount", str(path)], capture_output=True)

@@ -62,6 +62,8 @@ QUICK: list[Bench] = [
                                      "--latency-rounds", "1", "--cold-rounds", "1", "--pool-max", "16", "--crun-runs", "36",
                                      "--podman-runs", "6", "--strict"],
           90, _inside("bench-lifecycle.json"), without={"podman": ["--no-podman"]}),
+    Bench("fork", "fork", ["--children", "10", "--changed-mb", "5", "--files", "200", "--concurrency", "4"], 15,
+          _beside, without={"podman": ["--no-podman"]}, store="beside"),
     Bench("inside", "inside-a-sandbox", ["--samples", "20", "--podman-samples", "5", "--slow-s", "3", "--tree-mb", "20"],
           30, _inside("bench-inside.json"), without={"podman": ["--no-podman"]}),
     Bench("clean-copy", "clean-copy", ["--rounds", "5", "--pack-rounds", "2", "--podman-rounds", "2", "--tree-mb", "20",
@@ -89,7 +91,7 @@ QUICK: list[Bench] = [
           200, _inside("bench-density.json")),
     Bench("burst", "burst-images-on-demand", ["--quick", "--base", "python", "--strict"], 190, _inside("bench-burst.json"),
           store=""),
-    Bench("cluster-ray", "cluster", ["--lifecycles", "60", "--rounds", "3", "--concurrency", "8"], 90, _beside,
+    Bench("cluster-ray", "cluster", ["--lifecycles", "40", "--rounds", "2", "--concurrency", "8"], 65, _beside,
           needs=[("ray", "pip install 'ray[default]' into this environment")], store="",
           state_dir=Path("/var/lib/dsec-bench-all-ray")),
     Bench("microvm", "microvm", ["--idle", "1", "--many", "2", "--memory", "256"], 120, _beside,
@@ -305,6 +307,17 @@ def _row_harness(r: dict) -> tuple[str, str, str]:
             "; ".join(f"{k} {_met(v)}" for k, v in goals.items()) or "not measured")
 
 
+def _row_fork(r: dict) -> tuple[str, str, str]:
+    d, ratio = r.get("dsec") or {}, r.get("podman_over_dsec")
+    goals = r.get("goals") or {}
+    return (f"{r.get('children', '—')} children of a container with {r.get('changed_mb', '—')} MB changed in "
+            f"{r.get('files', '—')} files, all answering in {_f(d.get('all_answering_s'), '.2f')} s; parent frozen "
+            f"{_f(None if d.get('frozen_s') is None else d['frozen_s'] * 1000, ',.0f')} ms",
+            f"`podman commit` + a `podman run` per child: {_f(_get(r, 'podman', 'all_answering_s'), '.2f')} s "
+            f"({_f(ratio)}×)",
+            f"all answer ≤ 2 s {_met(goals.get('all_answering'))}; ≥ 20× {_met(goals.get('ratio'))}")
+
+
 def _row_generic(r: dict) -> tuple[str, str, str]:
     return ("ran", "", "")
 
@@ -313,7 +326,7 @@ ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "lifecycle": _row_lifecycle, "inside": _row_inside, "density": _row_density, "burst": _row_burst,
     "clean-copy": _row_clean_copy, "fncall": _row_fncall, "joblog": _row_joblog, "cluster": _row_cluster,
     "cluster-ray": _row_cluster_ray, "rollout": _row_rollout, "tti": _row_tti, "soak": _row_soak,
-    "ports": _row_ports, "harness": _row_harness,
+    "ports": _row_ports, "harness": _row_harness, "fork": _row_fork,
 }
 
 

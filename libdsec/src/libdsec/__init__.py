@@ -30,12 +30,14 @@ from ._errors import (
     ServerError,
     SessionClosed,
     ServerUnavailable,
+    SnapshotConflict,
+    SnapshotNotFound,
     Unauthenticated,
 )
 from .protocol import SecurityEvent
 from .protocol import ExecEvent, FileEntry, FsEvent, ProcessInfo
 from .protocol import BuildResult, DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
-from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo
+from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, Snapshot, SnapshotInfo
 from .protocol import DesktopInfo, DesktopSpec, DesktopWindow
 from ._desktop import Desktop
 from .protocol import DSecFnCallArgs, FnCallResult
@@ -100,7 +102,10 @@ __all__ = [
     "ServerUnavailable",
     "Session",
     "SessionClosed",
+    "Snapshot",
+    "SnapshotConflict",
     "SnapshotInfo",
+    "SnapshotNotFound",
     "SyncDSecClient",
     "SyncDesktop",
     "SyncDirWatch",

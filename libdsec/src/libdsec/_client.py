@@ -53,6 +53,8 @@ from .protocol import (
     BuildResult,
     CleanCopyRequest,
     CleanCopyResult,
+    ForkRequest,
+    ForkResult,
     CreateBatchRequest,
     DSecContainerRunArgs,
     DSecFullVMRunArgs,
@@ -76,7 +78,10 @@ from .protocol import (
     SandboxInfo,
     SandboxList,
     SandboxStatus,
-    SnapshotInfo,
+    Snapshot,
+    SnapshotList,
+    SnapshotMode,
+    SnapshotRequest,
 )
 
 if TYPE_CHECKING:
@@ -94,7 +99,7 @@ _CREATE_PATHS = frozenset({"/v1/sandboxes", "/v1/microvms", "/v1/vms", "/v1/sand
 
 
 def _is_create(method: str, path: str) -> bool:
-    return method == "POST" and (path in _CREATE_PATHS or path.endswith("/clean_copy"))
+    return method == "POST" and (path in _CREATE_PATHS or path.endswith(("/clean_copy", "/fork")))
 
 
 def may_repeat(method: str, path: str, headers: dict[str, str] | None, refused: bool) -> bool:
@@ -110,6 +115,13 @@ def may_repeat(method: str, path: str, headers: dict[str, str] | None, refused: 
     return refused or method in _REPEATABLE
 
 ProgressCallback = Callable[[int, int], None]
+
+
+def _path_segment(ref: str) -> str:
+    """``ref`` as one path segment: a reference with a '/' (or nothing) is refused here, by name."""
+    if not ref or "/" in ref or ref in (".", ".."):
+        raise InvalidRequest(f"invalid snapshot reference {ref!r}: an id (s + 16 hex digits) or a name")
+    return ref
 
 
 def default_token() -> str | None:
@@ -143,6 +155,8 @@ class Sandbox:
         self.info = info
         # Set on a sandbox made by ``clean_copy``: what was carried into it.
         self.clean_copy_result: CleanCopyResult | None = None
+        # Set on a child made by ``fork``: the fork (its kind, its parent, its siblings).
+        self.fork_result: ForkResult | None = None
 
     @property
     def files(self) -> SandboxFiles:
@@ -382,6 +396,41 @@ class Sandbox:
         copy.clean_copy_result = result
         return copy
 
+    async def fork(self, count: int = 1, *, all_or_none: bool = True,
+                   ttl_running_stop: float | None = None) -> list[Sandbox] | list[Sandbox | DSecError]:
+        """``count`` new running sandboxes branched from this one, which is frozen for as
+        short a time as it takes and runs on untouched. Each child is someone new (its own id,
+        host name, ``/etc/machine-id`` and address; a VM's random numbers reseeded) and has
+        this sandbox's memory and processes where its kind forks memory (microVMs:
+        ``child.fork_result.kind == "memory"``), else its files, with the image's command
+        started afresh (``"filesystem"``: containers, full VMs; ``node_info().forks`` says
+        which, by kind). All or none: a child that fails stops the others and raises its error;
+        with ``all_or_none=False`` the list has one entry per child, a ``Sandbox`` or the
+        ``DSecError`` that child met. ``ttl_running_stop``: the children's (default: this
+        sandbox's). Children count against the project's quota; stop each when done."""
+        try:
+            request = ForkRequest(count=count, all_or_none=all_or_none, ttl_running_stop=ttl_running_stop)
+        except ValidationError as exc:
+            raise InvalidRequest("fork: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                                      for e in exc.errors())) from None
+        answered, logged = (False, None) if self._client._replay is None else \
+            self._client._replay.call(self.id, "fork", request.model_dump(mode="json"))
+        if answered:
+            result = ForkResult.model_validate(logged)
+        else:
+            result = ForkResult.model_validate(await self._client._request(
+                *api_route("fork", sandbox_id=self.id), model=request, timeout=600))
+        children: list = []
+        for child in result.children:
+            if child.sandbox is None:
+                error = child.error.model_dump() if child.error is not None else {"code": "internal", "message": ""}
+                children.append(error_from_wire({"error": error}, 500))
+                continue
+            made = Sandbox(self._client, child.sandbox)
+            made.fork_result = result
+            children.append(made)
+        return children
+
     async def security_events(self) -> list[SecurityEvent]:
         """Denied actions the platform saw in this sandbox: blocked connections and DNS
         names, denied syscalls, limit hits, output caps (also after it stopped)."""
@@ -429,10 +478,20 @@ class Sandbox:
                                                await self._client._request(*api_route("resume", sandbox_id=self.id)))
         return self.info
 
-    async def snapshot(self) -> SnapshotInfo:
-        """Save a microVM's memory and device state (it keeps running); pass the result's
-        ``id`` as ``DSecMicroVMRunArgs(snapshot=…)`` to start a copy where it was."""
-        return SnapshotInfo.model_validate(await self._client._request(*api_route("snapshot", sandbox_id=self.id)))
+    async def snapshot(self, mode: SnapshotMode | None = None, *, name: str | None = None) -> Snapshot:
+        """Keep this sandbox's state as a snapshot (it runs on). ``mode="full"``: memory,
+        devices and files (microVMs: copies resume where it was); ``"filesystem"``: its files
+        as an image layer (every kind: copies start afresh from them); unset, ``full`` where
+        the kind can, else ``filesystem``. ``name``: unique among snapshots (a clash is
+        ``SnapshotConflict``). Start sandboxes of the same kind from it with run args'
+        ``snapshot=snap.id`` (or the name); it outlives this sandbox until
+        ``client.remove_snapshot``."""
+        try:
+            request = SnapshotRequest(mode=mode, name=name)
+        except ValidationError as exc:
+            raise InvalidRequest("; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())) from None
+        body = await self._client._request(*api_route("snapshot", sandbox_id=self.id), model=request, timeout=600)
+        return Snapshot.model_validate(body)
 
     async def stop(self) -> None:
         """Stop and remove the sandbox. Stopping a stopped sandbox does nothing. ``SandboxLost``
@@ -651,6 +710,19 @@ class DSecClient(_ProjectMethods, _GroupMethods):
 
     async def remove_image(self, name: str) -> None:
         await self._request("DELETE", f"/v1/images/{name}")
+
+    async def list_snapshots(self) -> list[Snapshot]:
+        """The snapshots this client's project kept (every one, for the root token), oldest first."""
+        return SnapshotList.model_validate(await self._request("GET", "/v1/snapshots")).snapshots
+
+    async def get_snapshot(self, ref: str) -> Snapshot:
+        """A snapshot by id or name (``SnapshotNotFound`` if there is none)."""
+        return Snapshot.model_validate(await self._request("GET", f"/v1/snapshots/{_path_segment(ref)}"))
+
+    async def remove_snapshot(self, ref: str) -> Snapshot:
+        """Remove a snapshot (by id or name): its record, memory and image. ``SnapshotConflict``,
+        naming them, while sandboxes started from it run."""
+        return Snapshot.model_validate(await self._request("DELETE", f"/v1/snapshots/{_path_segment(ref)}"))
 
     async def gc_images(self) -> list[str]:
         """Remove layers no image refers to and no sandbox holds; returns their digests."""

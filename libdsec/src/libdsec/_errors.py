@@ -7,6 +7,8 @@
     │   └── ImageBuildFailed                 a Dockerfile build failed: the step, and its log's end
     ├── Unauthenticated (PermissionError)    missing or wrong token
     ├── ImageNotFound (LookupError)          no image by that name
+    ├── SnapshotNotFound (LookupError)       no snapshot by that id or name
+    ├── SnapshotConflict                     a snapshot name taken, or a snapshot in use (409)
     ├── SandboxNotFound (LookupError)        no sandbox by that id (or it is gone)
     ├── SandboxStateError (RuntimeError)     the call does not fit the sandbox's state
     ├── SandboxLost (ConnectionError)        the node that held the sandbox is lost (died, unreachable)
@@ -91,6 +93,21 @@ class ImageNotFound(DSecError, LookupError):
 
     code = "image_not_found"
     status = 404
+
+
+class SnapshotNotFound(DSecError, LookupError):
+    """No snapshot by that id or name (or it was removed)."""
+
+    code = "snapshot_not_found"
+    status = 404
+
+
+class SnapshotConflict(DSecError):
+    """A snapshot's name is taken already, or the snapshot cannot go while sandboxes started
+    from it run: the message names the name or the sandboxes."""
+
+    code = "snapshot_conflict"
+    status = 409
 
 
 class SandboxNotFound(DSecError, LookupError):
@@ -248,6 +265,8 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         ImageBuildFailed,
         Unauthenticated,
         ImageNotFound,
+        SnapshotNotFound,
+        SnapshotConflict,
         SandboxNotFound,
         SandboxStateError,
         SandboxLost,

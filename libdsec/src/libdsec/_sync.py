@@ -22,7 +22,7 @@ from ._pty import Pty
 from ._watch import DirWatch
 from .protocol import BuildResult, ExecEvent, FileEntry, FsEvent, ProcessInfo  # noqa: F401
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo  # noqa: F401,E501
-from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, SnapshotInfo  # noqa: F401
+from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, Snapshot, SnapshotInfo, SnapshotMode  # noqa: F401
 from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult, JobInfo, JobLog, NodeInfo, SandboxStatus  # noqa: F401
 from ._projects import _SyncProjectMethods
 from ._twin import twin_of
@@ -250,6 +250,14 @@ class SyncSandbox:
     @property
     def clean_copy_result(self):
         return self._sandbox.clean_copy_result
+
+    def fork(self, count: int = 1, **kwargs: Any) -> list:
+        return [SyncSandbox(self._runner, child) if isinstance(child, Sandbox) else child
+                for child in self._run(self._sandbox.fork(count, **kwargs))]
+
+    @property
+    def fork_result(self):
+        return self._sandbox.fork_result
 
     def __enter__(self) -> SyncSandbox:
         return self

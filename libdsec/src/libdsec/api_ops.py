@@ -14,8 +14,8 @@ match order: the hottest first (a get, a command, a stop). Beyond ``libdsec.ops`
   with no result: replay cannot answer it), or None (not logged: it changes nothing).
 
 The calls with more to them than one call on a node (creates and their idempotency keys, the
-batch create, the port proxy, image removal and builds, projects, jobs, FnCall, the cluster's
-views) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
+batch create, the port proxy, image removal and builds, the snapshot catalogue, projects, jobs,
+FnCall, the cluster's views) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
 that this table, the apiserver's routes, the SDK and the node seam name the same operations.
 
 Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (and
@@ -42,6 +42,8 @@ from .protocol import (
     FileList,
     FileRemoveRequest,
     FileRenameRequest,
+    ForkRequest,
+    ForkResult,
     ImageInfo,
     ImageList,
     MakeDirRequest,
@@ -65,7 +67,8 @@ from .protocol import (
     SandboxInfo,
     SecurityEventList,
     SessionInfo,
-    SnapshotInfo,
+    Snapshot,
+    SnapshotRequest,
     StartProcessRequest,
     TreeDownloadRequest,
     TTLRequest,
@@ -86,11 +89,14 @@ PUBLIC_OPS: tuple[Op, ...] = (
     # -- a sandbox's state ---------------------------------------------------------------------
     Op("pause", "POST", SB + "/pause", answer=PauseResult, timeout="long", lifecycle="pause", journal=REC),
     Op("resume", "POST", SB + "/resume", answer=SandboxInfo, timeout="long", lifecycle="resume", journal=REC),
-    Op("snapshot", "POST", SB + "/snapshot", answer=SnapshotInfo, timeout="long", lifecycle="snapshot", journal=MADE),
+    Op("snapshot", "POST", SB + "/snapshot", SnapshotRequest, spread=True, answer=Snapshot, timeout="long",
+       lifecycle="snapshot", journal=MADE),
     Op("pack_diff", "POST", SB + "/pack_diff", PackDiffRequest, spread=True, answer=PackDiffResult, timeout="long",
        lifecycle="pack_diff", journal=REC),
     Op("clean_copy", "POST", SB + "/clean_copy", CleanCopyRequest, spread=True, answer=CleanCopyResult,
        timeout="long", lifecycle="clean_copy", journal=REC),
+    Op("fork", "POST", SB + "/fork", ForkRequest, spread=True, answer=ForkResult, timeout="long", lifecycle="fork",
+       journal=REC),
     Op("security_events", "GET", SB + "/security_events", answer=SecurityEventList, unwrap="events"),
     Op("set_network_rules", "PUT", SB + "/network_rules", NetworkRulesRequest, spread=True,
        lifecycle="set_network_rules", journal=REC),

@@ -12,7 +12,7 @@ from datetime import datetime
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # Output kept per stream before truncation, unless a request asks for less.
 DEFAULT_MAX_OUTPUT_BYTES = 1 << 20
@@ -22,6 +22,23 @@ MAX_BATCH_COUNT = 10_000  # calls in one fncall batch
 # Sandboxes in one batch create: a training job asks for tens of thousands at once, split over
 # the cluster's nodes by the apiserver and streamed back as they come up.
 MAX_SANDBOX_BATCH = 100_000
+
+
+# A snapshot's id, and the names a caller may give one: a name that could be taken for an id
+# is refused, so a reference is one or the other.
+SNAPSHOT_ID = re.compile(r"^s[0-9a-f]{16}\Z")
+SNAPSHOT_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
+SnapshotMode = Literal["full", "filesystem"]
+
+
+def check_snapshot_name(name: str) -> str:
+    """``name`` if a snapshot may be called so (``ValueError`` naming the rule, else)."""
+    if not SNAPSHOT_NAME.match(name):
+        raise ValueError(f"invalid snapshot name {name[:80]!r}: 1-64 of lowercase letters, digits, '.', '_' "
+                         "or '-', starting with a letter or digit")
+    if SNAPSHOT_ID.match(name):
+        raise ValueError(f"invalid snapshot name {name!r}: it has the form of a snapshot id (s + 16 hex digits)")
+    return name
 
 
 class _Model(BaseModel):
@@ -84,7 +101,9 @@ class DSecContainerRunArgs(_Model):
     field and the allowed range), so they can follow the node's real capacity.
     """
 
-    container_image: str = Field(min_length=1, max_length=256)
+    # The image: a name, or a composition ``base+workspace+toolkit``. It may be left out when
+    # ``snapshot`` names where to start (the snapshot's own image is then used).
+    container_image: str = Field(default="", max_length=256)
     memory_limit_mb: int = 512
     cpu_cores_limit: float = 1.0
     # Seconds without a call after which the sandbox is stopped (or paused: ``on_ttl``).
@@ -120,6 +139,22 @@ class DSecContainerRunArgs(_Model):
     labels: dict[str, str] = Field(default_factory=dict)
     # A desktop (screen, mouse, keyboard) started with the sandbox: ``sandbox.desktop``.
     desktop: DesktopSpec | None = None
+    # Start from this snapshot (``Sandbox.snapshot()``, by id or name) instead of the bare image:
+    # a filesystem snapshot's files for any kind; a full one (microVMs) resumes its memory too.
+    snapshot: str | None = None
+
+    @model_validator(mode="after")
+    def _image_or_snapshot(self):
+        if not self.container_image and self.snapshot is None:
+            raise ValueError("container_image is required (or snapshot, to start from one)")
+        return self
+
+    @field_validator("snapshot")
+    @classmethod
+    def _snapshot_ref(cls, ref: str | None) -> str | None:
+        if ref is not None and not (SNAPSHOT_ID.match(ref) or SNAPSHOT_NAME.match(ref)):
+            raise ValueError(f"{ref[:80]!r} is neither a snapshot id (s + 16 hex digits) nor a snapshot name")
+        return ref
 
     @property
     def image_ref(self) -> str:
@@ -209,11 +244,9 @@ class DSecMicroVMRunArgs(DSecContainerRunArgs):
     ``container_image`` names the image in the same layer store, ``memory_limit_mb`` is the
     guest's memory (at least 64) and ``cpu_cores_limit`` rounds up to vCPUs.
 
-    ``snapshot``: restore this memory snapshot (from ``Sandbox.snapshot()``) instead of booting;
-    the VM resumes with its processes and files, and the memory and vCPUs it was saved with.
-    The image must be the one the snapshot was taken from."""
-
-    snapshot: str | None = Field(default=None, pattern=r"^s[0-9a-f]{16}$")
+    ``snapshot``: a full snapshot of a microVM (``Sandbox.snapshot()``) is restored instead of
+    booting: the VM resumes with its processes and files, and the memory and vCPUs it was saved
+    with; a filesystem snapshot of a microVM boots with its files."""
 
 
 class DSecFullVMRunArgs(DSecContainerRunArgs):
@@ -226,18 +259,51 @@ RUN_ARGS_BY_KIND: dict[str, type[DSecContainerRunArgs]] = {
 }
 
 
-class SnapshotInfo(_Model):
-    """A memory snapshot of a microVM; pass ``id`` as ``DSecMicroVMRunArgs.snapshot``."""
+class SnapshotRequest(_Model):
+    """Take a snapshot of a running sandbox. ``mode``: ``full`` (memory, devices and files: the
+    copies resume where it was; microVMs) or ``filesystem`` (its files as an image layer: the
+    copies start afresh from them; every kind); unset, ``full`` where the kind can, else
+    ``filesystem``. ``name``: a name unique among the snapshots, to start from it by."""
+
+    mode: SnapshotMode | None = None
+    name: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str | None) -> str | None:
+        return None if name is None else check_snapshot_name(name)
+
+
+class Snapshot(_Model):
+    """A named, kept state of a sandbox: pass ``id`` (or ``name``) as any run args' ``snapshot``
+    to start sandboxes of the same ``kind`` from it. It outlives its sandbox, until removed.
+
+    ``image`` is the image in the layer store a start uses (for ``filesystem``, the source's
+    layers with ``layer`` on top: it may also be named as ``container_image`` by any kind);
+    ``source_image`` the image the sandbox ran. A ``full`` snapshot's memory lies on ``node``."""
 
     id: str
-    sandbox_id: str
+    name: str | None = None
+    mode: SnapshotMode = "full"
     kind: str
+    sandbox_id: str
     node: str
+    project: str = "root"
     image: str
+    source_image: str | None = None
+    layer: str | None = None
     size_bytes: int
-    memory_mb: int
+    memory_mb: int | None = None
     save_s: float
     created_at: datetime
+
+
+# The name it had when a snapshot was a microVM's memory only.
+SnapshotInfo = Snapshot
+
+
+class SnapshotList(_Model):
+    snapshots: list[Snapshot]
 
 
 class CreateBatchRequest(_Model):
@@ -267,6 +333,8 @@ class SandboxInfo(_Model):
     labels: dict[str, str] = Field(default_factory=dict)
     on_ttl: Literal["stop", "pause"] = "stop"
     auto_resume: bool = True
+    # The snapshot (id) it was started from, if any.
+    snapshot: str | None = None
 
 
 class PauseResult(_Model):
@@ -309,6 +377,55 @@ class CleanCopyResult(_Model):
     scrubbed: list[str]
     tampered: list[str]
     copy_s: float
+
+
+# Children of one fork, at most (a quota bounds it further: they count as sandboxes).
+MAX_FORK_COUNT = 1000
+# What a fork carried into its children: the parent's memory and running processes, or its
+# filesystem alone (they start the image's command afresh).
+ForkKind = Literal["memory", "filesystem"]
+
+
+class ForkRequest(_Model):
+    """Fork a running sandbox into ``count`` children. All or none by default: on any child's
+    failure every child made is stopped and the fork fails; ``all_or_none=False`` answers one
+    entry per child, a sandbox or its error. ``ttl_running_stop``: the children's idle TTL
+    (None: the parent's)."""
+
+    count: int = Field(1, ge=1, le=MAX_FORK_COUNT)
+    all_or_none: bool = True
+    ttl_running_stop: float | None = None
+
+    @field_validator("ttl_running_stop")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class ForkChild(_Model):
+    """One child of a fork: the running sandbox, or why it could not be made (``ErrorBody``'s
+    code and message)."""
+
+    sandbox: SandboxInfo | None = None
+    error: ErrorBody | None = None
+
+
+class ForkResult(_Model):
+    """A fork: its children in order, which ``kind`` of fork they are (``memory``: restored
+    from one memory image of the parent, processes and all; ``filesystem``: the parent's
+    files, the image's command started afresh), what was taken of the parent once and shared
+    by them all (``layer``: its writable layer as one read-only layer; ``snapshot``: its
+    memory image), how long the parent was frozen for it and how long the fork took."""
+
+    parent: str
+    kind: ForkKind
+    children: list[ForkChild]
+    layer: str | None = None
+    snapshot: str | None = None
+    frozen_s: float
+    fork_s: float
 
 
 class ProjectUsage(_Model):
@@ -639,6 +756,11 @@ class NodeInfo(_Model):
     # "enforce" (container sandboxes run under the dsec-sandbox profile), or "unsupported: <why>".
     apparmor: str = "unknown"
     projects: dict[str, ProjectUsage] = Field(default_factory=dict)
+    # What a fork of each kind served here carries ("memory" or "filesystem"), and whether
+    # containers could fork their memory: "supported" where ``criu check`` passes, else
+    # "unsupported: <why>" (their forks are then of the filesystem).
+    forks: dict[str, ForkKind] = Field(default_factory=dict)
+    container_memory_fork: str = "unknown"
     # "ready" (serving), or, listed only when asked (``node_info(include_unready=True)``): "lost"
     # (it left the cluster) or "failed" (found, but its edge did not start), with why in ``problem``.
     state: Literal["ready", "lost", "failed"] = "ready"
@@ -939,7 +1061,7 @@ def check_key(key: str) -> str:
 
 
 JobOp = Literal["create", "create_batch", "exec", "write_file", "read_file", "pause", "resume", "set_network_rules",
-                "set_ttl", "stop", "clean_copy", "pack_diff", "unrecorded"]
+                "set_ttl", "stop", "clean_copy", "pack_diff", "fork", "unrecorded"]
 
 
 class JobEntry(_Model):

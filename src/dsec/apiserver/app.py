@@ -4,8 +4,8 @@ edge that the sandbox id names, and errors come back as ``{"error": {"code", "me
 The calls that are one call on a node are the public table's (``libdsec.api_ops``), served by
 ``table.TableRoutes`` in front of FastAPI; the routes here are the others: creates (with their
 idempotency keys and job logs), the batch create's stream, the port proxy, image removal, builds
-and gc, the node list, and (``routes_*.py``, ``pausing.py``) projects, jobs, FnCall, the cluster's views
-and the pause or resume of many sandboxes at once.
+and gc, the node list, and (``routes_*.py``, ``pausing.py``) projects, jobs, snapshots, FnCall, the
+cluster's views and the pause or resume of many sandboxes at once.
 
 The apiserver keeps no sandbox state: sandbox ids name their node, and the node list comes from
 the cluster (one embedded edge here).
@@ -50,6 +50,7 @@ from .routes_fncall import add_fncall_routes
 from .routes_jobs import add_job_routes
 from .routes_observe import add_observe_routes
 from .routes_projects import add_project_routes
+from .routes_snapshots import add_snapshot_routes
 from .table import TableRoutes, add_schema_routes, first_piece, ndjson
 from .ports import DEFAULT_DOMAIN, PortProxy, PortRoutes
 from .websocket import relay as websocket_relay
@@ -343,6 +344,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
     add_project_routes(app, cluster, authenticated, _ERRORS)
     add_pause_routes(app, cluster, jobs, authenticated, _ERRORS)
     add_job_routes(app, jobs, authenticated, _ERRORS)
+    add_snapshot_routes(app, cluster, authenticated, _ERRORS)
     add_fncall_routes(app, cluster, authenticated, _ERRORS)
     add_observe_routes(app, cluster, authenticator, _ERRORS)
     for add in extensions:

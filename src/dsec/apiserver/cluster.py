@@ -30,9 +30,10 @@ from typing import NoReturn
 
 from datetime import datetime, timezone
 
-from libdsec import CapacityExceeded, DSecError, Overloaded, QuotaExceeded, SandboxLost, SandboxNotFound
+from libdsec import CapacityExceeded, DSecError, Overloaded, QuotaExceeded, SandboxLost, SandboxNotFound, SnapshotConflict
 from libdsec.protocol import (
     CleanCopyResult,
+    ForkResult,
     ClusterStats,
     DSecContainerRunArgs,
     DSecFnCallArgs,
@@ -584,6 +585,8 @@ class Cluster:
             raise self.no_node_ready()
         async with self._reserve(project, args, 1) as reservation:
             view = await self.view(kind)
+            if args.snapshot is not None and (held_on := await self._memory_node(args.snapshot)) is not None:
+                view = [load for load in view if load.node == held_on]
             tried: list[str] = []
             last: DSecError | None = None
             while len(tried) < MAX_NODES_TRIED:
@@ -616,6 +619,17 @@ class Cluster:
                 f"no node in the cluster has room"
             )
 
+    async def _memory_node(self, snapshot: str) -> str | None:
+        """The node a create from ``snapshot`` must go to: a full snapshot's, whose memory is
+        there (``SnapshotConflict`` if it is not in the cluster now); None for any node."""
+        snap = await self.any_edge().get_snapshot(snapshot)
+        if snap.mode != "full":
+            return None
+        if snap.node not in self.edges:
+            raise SnapshotConflict(f"snapshot {snap.id} is a full snapshot: its memory is on node {snap.node}, "
+                                   "which is not in the cluster now")
+        return snap.node
+
     async def clean_copy(self, sandbox_id: str, keep: list[str]) -> CleanCopyResult:
         """A clean copy is made on its source's node (it reads the source's writable layer)
         and counts against the source's project like any create."""
@@ -626,6 +640,22 @@ class Cluster:
         async with self._reserve(info.project, like, 1):
             result = await edge.clean_copy(sandbox_id, keep)
             self._note_placed(edge.node, like)
+            return result
+
+    async def fork(self, sandbox_id: str, count: int = 1, all_or_none: bool = True,
+                   ttl_running_stop: float | None = None) -> ForkResult:
+        """A fork is made on its parent's node (it reads the parent's memory or writable layer)
+        and its children count against the parent's project like a batch create's."""
+        edge = self.edge_for(sandbox_id)
+        info = await edge.get(sandbox_id)
+        like = DSecContainerRunArgs(container_image=info.image, memory_limit_mb=info.memory_limit_mb,
+                                    cpu_cores_limit=info.cpu_cores_limit, best_effort=info.best_effort)
+        async with self._reserve(info.project, like, count) as reservation:
+            result = await edge.fork(sandbox_id, count, all_or_none, ttl_running_stop)
+            made = sum(1 for child in result.children if child.sandbox is not None)
+            if made:
+                reservation.release(made)  # landed: held until the nodes' next report counts them
+                self._note_placed(edge.node, like, made)
             return result
 
     async def create_batch(

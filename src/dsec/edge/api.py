@@ -34,6 +34,7 @@ from libdsec import InvalidRequest, SandboxLost
 from libdsec.protocol import (
     BuildImageRequest,
     CleanCopyResult,
+    ForkResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
     DesktopInfo,
@@ -60,7 +61,7 @@ from libdsec.protocol import (
     SandboxKind,
     SecurityEvent,
     SessionInfo,
-    SnapshotInfo,
+    Snapshot,
     StartProcessRequest,
     WatchEvents,
     WatchInfo,
@@ -124,13 +125,24 @@ class EdgeAPI(Protocol):
 
     async def resume(self, sandbox_id: str) -> SandboxInfo: ...
 
-    async def snapshot(self, sandbox_id: str) -> SnapshotInfo: ...
+    async def snapshot(self, sandbox_id: str, mode: str | None = None, name: str | None = None) -> Snapshot:
+        """Keep the sandbox's state as a named snapshot (``dsec.edge.snapshots``); it runs on."""
+        ...
 
     async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult: ...
 
     async def clean_copy(self, sandbox_id: str, keep: list[str]) -> CleanCopyResult:
         """A new sandbox on the same node (the source's project and run args) from the source's
         image with only its changes beneath ``keep``."""
+        ...
+
+    async def fork(self, sandbox_id: str, count: int = 1, all_or_none: bool = True,
+                   ttl_running_stop: float | None = None) -> ForkResult:
+        """``count`` new running sandboxes on the same node (the parent's project and run args),
+        each someone new (its own id, hostname, machine id, address; a VM's random number
+        generator reseeded) with the parent's memory (where the kind forks it) or filesystem.
+        The parent, frozen meanwhile, runs on untouched. All or none unless ``all_or_none`` is
+        false (then one entry per child, a sandbox or its error)."""
         ...
 
     # -- inside a sandbox --------------------------------------------------------------------
@@ -296,6 +308,15 @@ class EdgeAPI(Protocol):
     async def remove_image(self, name: str, in_use: frozenset[str]) -> None: ...
 
     async def gc_layers(self, in_use: frozenset[str]) -> list[str]: ...
+
+    # Snapshots, kept in the layer store (any node finds them; a full one's memory is on its node).
+    async def list_snapshots(self) -> list[Snapshot]: ...
+
+    async def get_snapshot(self, ref: str) -> Snapshot: ...
+
+    async def remove_snapshot(self, ref: str, users: list[str]) -> Snapshot:
+        """Remove it, unless sandboxes started from it run (``users``: those on other nodes)."""
+        ...
 
     def build_image(self, build: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:
         """An image from a Dockerfile (``dsec.edge.build``): ``started``, the build's log as

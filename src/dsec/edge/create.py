@@ -9,7 +9,8 @@ a create that fails on the way leaves nothing behind. Each create is counted (``
 
 Here too: batches (all or none, ``dsec.batch``, held until ``commit_batch``), and what a
 sandbox is made again from: a clean copy (only the changes beneath the kept paths, on the
-original image), an image of its changes (``pack_diff``) and a memory snapshot.
+original image) and an image of its changes (``pack_diff``). Named snapshots, and starts
+from them (``start_point``), are ``dsec.edge.snapshots``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import shlex
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from datetime import datetime, timezone
 
 from libdsec import (
     BackendError, CapacityExceeded, DSecError, InvalidRequest, LimitOutOfRange, Overloaded, SandboxLost, SandboxStateError,
@@ -37,7 +37,6 @@ from libdsec.protocol import (
     SandboxInfo,
     SandboxKind,
     SandboxStatus,
-    SnapshotInfo,
 )
 
 from ..backends.base import Capability, ExecContext, Handle, SandboxBackend, SandboxSpec
@@ -114,7 +113,8 @@ class Creates(SandboxTable):
         self._check_desktop(args, kind)
         if getattr(args, "desktop", None) is not None:  # its commands see the desktop
             args = args.model_copy(update={"env": {"DISPLAY": ":0", **args.env}})
-        rec = await self._create(args, kind, project, self.store.resolve(args.image_ref), limits, batch=batch)
+        args, image, memory = self.start_point(args, kind, project)
+        rec = await self._create(args, kind, project, image, limits, batch=batch, memory=memory)
         if getattr(args, "desktop", None) is not None:
             try:
                 await self._start_desktop(rec)
@@ -130,9 +130,13 @@ class Creates(SandboxTable):
                                  f"(protected_paths is for containers and VMs)")
 
     async def _create(self, args: DSecContainerRunArgs, kind: SandboxKind, project: str, image: Image, limits,
-                      seed=None, batch: str | None = None) -> Record:
+                      seed=None, batch: str | None = None, memory: str | None = None,
+                      hostname: str | None = None) -> Record:
         """Admit and start a sandbox of ``image``; ``seed(handle)``, if given, runs on it before
-        it counts as running (a clean copy's carried files); ``batch``: held for that batch."""
+        it counts as running (a clean copy's carried files, a fork child's identity); ``batch``:
+        held for that batch; ``memory``: the backend's memory snapshot it resumes
+        (``Snapshots.start_point``, a fork's); ``hostname``: its own (made to order, not from the
+        warm pool)."""
         backend = self._backend(kind)
         self._check_room()
         if args.init_user is None or args.workdir is None:  # the image's, as a Dockerfile's USER and WORKDIR
@@ -149,15 +153,17 @@ class Creates(SandboxTable):
         self._records[sandbox_id] = rec
         # VMs (whose memory is set at boot), restores from a snapshot and sandboxes with paths
         # of their own made read-only are made to order.
-        snapshot = args.snapshot if isinstance(args, DSecMicroVMRunArgs) else None
-        pooled = Capability.WARM_POOL in backend.capabilities and snapshot is None and not args.protected_paths
+        snapshot = memory
+        pooled = (Capability.WARM_POOL in backend.capabilities and snapshot is None and not args.protected_paths
+                  and hostname is None)
         pool = self.warm_pool.arrive(kind, image, limits) if pooled else None
         try:
             if pool is not None:
                 rec.handle, has = await self.warm_pool.take(pool, limits)
             else:
                 spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits,
-                                   snapshot=snapshot, protected_paths=tuple(args.protected_paths), setuid=image.setuid)
+                                   snapshot=snapshot, protected_paths=tuple(args.protected_paths), setuid=image.setuid,
+                                   **({"hostname": hostname} if hostname else {}))
                 rec.handle, has = await backend.create(f"c{secrets.token_hex(8)}", spec), None
             try:
                 if has != limits:
@@ -229,7 +235,7 @@ class Creates(SandboxTable):
             raise
         self.security.check_rules(args.network_rules)
         self._check_protected(args, kind)
-        self.store.resolve(args.image_ref)
+        self.start_point(args, kind, project)
         try:
             self.admission.fits(args, count)
             self.create_gate.check()
@@ -368,17 +374,3 @@ class Creates(SandboxTable):
         self.store.put_image(image)
         return PackDiffResult(image=image.name, layer=digest, layers=list(image.layers),
                               size_bytes=self.store.layer_size(digest), scrubbed=scrubbed)
-
-    async def snapshot(self, sandbox_id: str) -> SnapshotInfo:
-        """Save a running sandbox's memory and device state (it keeps running); restore it with
-        run args that name the snapshot. Only backends with memory snapshots (microvm) can."""
-        rec = self._allowed(sandbox_id, Action.snapshot)
-        backend = self.backends[rec.kind]
-        if Capability.SNAPSHOT not in backend.capabilities:
-            raise InvalidRequest(f"a {rec.kind.value} sandbox takes no memory snapshots (use pack_diff)")
-        meta = await self._call(rec, backend.snapshot(rec.handle))
-        return SnapshotInfo(
-            id=meta["id"], sandbox_id=rec.id, kind=rec.kind, node=self.node, image=rec.image.name,
-            size_bytes=meta["size_bytes"], memory_mb=meta["memory_mb"], save_s=meta["save_s"],
-            created_at=datetime.fromtimestamp(meta["created_at"], timezone.utc),
-        )

@@ -3,8 +3,12 @@
 
 - ``table``: the records, get and list, the lifecycle's moves of its own (stop, pause, resume, a
   sandbox found dead), a sandbox's TTL, network rules and security events (``SandboxTable``);
-- ``create``: creates, alone or in batches, from the warm pool, and clean copies, packed diffs
-  and memory snapshots (``Creates``);
+- ``create``: creates, alone or in batches, from the warm pool, and clean copies and packed
+  diffs (``Creates``);
+- ``snapshots``: named snapshots (full or filesystem), kept in the layer store, and what a
+  create starts from (``Snapshots``);
+- ``fork``: forks of a running sandbox into many children, its memory or its filesystem taken
+  once and shared by them (``Forks``);
 - ``inside``: commands, background processes, sessions, PTYs, directory watches, files and
   ports inside a running sandbox (``Inside``);
 - ``desktop``: a sandbox's desktop, started with it, and its screenshots and input (``Desktops``);
@@ -48,6 +52,7 @@ from libdsec.protocol import SandboxKind, SandboxStatus
 
 from ..backends.base import SandboxBackend, check_backend
 from ..fncall.pool import FnCallPool
+from ..images.snapshots import SnapshotCatalog
 from ..images.store import LayerStore
 from . import lifecycle
 from .admission import Admission, WorkGate, memory_total_mb
@@ -55,6 +60,7 @@ from .build import ImageBuilder
 from .config import EdgeConfig
 from .create import Creates
 from .desktop import Desktops
+from .fork import Forks
 from .inside import Inside
 from .journal import RecordJournal
 from .lifecycle import Record
@@ -62,6 +68,7 @@ from .nodeinfo import NodeCalls
 from .pool import WarmPool
 from .pty import PtyTable
 from .reaper import TTLReaper
+from .snapshots import Snapshots
 from .security import EdgeSecurity
 from .stats import EdgeStats
 from .watches import Watches
@@ -69,7 +76,7 @@ from .watches import Watches
 log = logging.getLogger("dsec.edge")
 
 
-class Edge(Creates, Inside, Desktops, NodeCalls):
+class Edge(Creates, Snapshots, Forks, Inside, Desktops, NodeCalls):
     """The node daemon's core. ``await start()`` before use; ``await close()`` at the end
     (a second ``close()`` does nothing)."""
 
@@ -87,6 +94,7 @@ class Edge(Creates, Inside, Desktops, NodeCalls):
             check_backend(backend)
         self.backend = next(iter(self.backends.values()))
         self.store = store
+        self.catalog = SnapshotCatalog(store)  # named snapshots, beside the images they start from
         self.records_dir = Path(config.records_dir or Path(config.node_dir) / "records")
         self.records_dir.mkdir(parents=True, exist_ok=True)
         self.journal = RecordJournal(self.records_dir)
@@ -150,6 +158,7 @@ class Edge(Creates, Inside, Desktops, NodeCalls):
                     await self.backends[rec.kind].resume(rec.handle)
                 except (DSecError, OSError) as exc:
                     log.warning("could not thaw re-adopted sandbox %s: %s", rec.id, exc)
+        self.clear_pending_snapshots()  # after recover, which removed unfinished memory snapshots
         if self.fncalls is not None:  # after recover, which removed the workers of an earlier run
             await self.fncalls.start()
         await self.security.start(self._records.values())

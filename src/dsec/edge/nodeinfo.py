@@ -7,6 +7,7 @@ through ``build.ImageBuilder``), and stateless function calls in the fncall warm
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -19,10 +20,13 @@ from libdsec.protocol import (
     ImageInfo,
     NodeInfo,
     NodeStats,
+    SandboxKind,
 )
 
+from ..backends.container.criu import memory_fork_status
 from ..isolation import apparmor
 from ..resources import cgroups
+from .fork import fork_kind
 from .protocol import LayerUse
 from .table import SandboxTable
 
@@ -50,6 +54,9 @@ class NodeCalls(SandboxTable):
             layer_attach=next((v.layer_attach for b in self.backends.values() if (v := b.host_view()) is not None),
                               "file"),
             apparmor=apparmor.status(),
+            forks={kind.value: fork_kind(b) for kind, b in self.backends.items()},
+            container_memory_fork=(await asyncio.to_thread(memory_fork_status)
+                                   if SandboxKind.container in self.backends else "unknown"),
             **self.admission.commitments(self._records.values()),
         )
 
@@ -73,6 +80,7 @@ class NodeCalls(SandboxTable):
         return self.store.describe(self.store.resolve(ref))
 
     async def remove_image(self, name: str, in_use: frozenset[str]) -> None:
+        self._check_snapshot_image(name)  # (dsec.edge.snapshots)
         self.store.remove_image(name, in_use=frozenset(in_use))
 
     async def gc_layers(self, in_use: frozenset[str]) -> list[str]:

@@ -33,6 +33,8 @@ from libdsec.protocol import (
     NodeStats,
     SandboxInfo,
     SandboxList,
+    Snapshot,
+    SnapshotList,
     StartProcessRequest,
 )
 
@@ -49,6 +51,7 @@ from .protocol import (
     NodeBuildRequest,
     NodeCreateRequest,
     NodeStopRequest,
+    SnapshotRemoveRequest,
 )
 
 PREFIX = "/node/v1"
@@ -92,6 +95,11 @@ NODE_OPS: tuple[Op, ...] = (
        timeout="long"),
     Op("build_image", "POST", "/images:build", NodeBuildRequest, spread=True, answer=ExecEvent, answers="lines",
        timeout="own"),
+    # -- snapshots (kept in the layer store; the apiserver's catalogue routes call these) --------
+    Op("list_snapshots", "GET", "/snapshots", answer=SnapshotList, unwrap="snapshots"),
+    Op("get_snapshot", "GET", "/snapshots/{ref:name}", answer=Snapshot),
+    Op("remove_snapshot", "POST", "/snapshots/{ref:name}:remove", SnapshotRemoveRequest, spread=True,
+       answer=Snapshot),
     # -- stateless calls -------------------------------------------------------------------------
     Op("fncall", "POST", "/fncall", DSecFnCallArgs, request_arg="args", answer=FnCallResult, timeout="own"),
     Op("fncall_many", "POST", "/fncall:batch", FnCallBatchRequest, spread=True, answer=FnCallBatchResult,

@@ -68,6 +68,13 @@ class ImageRemoveRequest(_Model):
     in_use: frozenset[str] = frozenset()
 
 
+class SnapshotRemoveRequest(_Model):
+    """Remove a snapshot unless sandboxes started from it run: ``users``, those the apiserver
+    found on every node (the node adds its own)."""
+
+    users: list[str] = Field(default_factory=list)
+
+
 class LayerGCRequest(_Model):
     """Remove the layers no image names and no node holds (``in_use``: every node's digests)."""
 

@@ -66,6 +66,13 @@ JOIN_HINT = (f"start nodes for DSec with `ray start --address HEAD:6379 --resour
 RETRY_MAX_S = 60.0  # a node whose edge did not start is tried again after 1, 2, 4, … s, up to this
 
 
+def request_burst_nodes(count: int) -> None:
+    """Ask the autoscaler for ``count`` burst nodes in all (blocking; a driver of the cluster)."""
+    from ray.autoscaler.sdk import request_resources
+
+    request_resources(bundles=[{RESOURCE: 1, BURST_RESOURCE: 1}] * count)
+
+
 def node_name(ray_node: dict) -> str:
     """The DSec name a Ray node takes when it is alone under it: its label, else one made from its
     Ray node name (see the module docstring)."""
@@ -240,7 +247,8 @@ class RayNodes:
         self._cluster = cluster
         cluster.join_hint = JOIN_HINT
         if self.burst is not None:
-            self._burst = RayBurst(self.burst, cluster, self.let_go, view_max_age_s=self.poll_s)
+            self._burst = RayBurst(self.burst, cluster, self.let_go, request=request_burst_nodes,
+                                   view_max_age_s=self.poll_s)
         if self._actor_class is None:
             await asyncio.to_thread(self.connect)
         await self._poll()

@@ -33,21 +33,12 @@ log = logging.getLogger("dsec.nodes.ray_burst")
 BURST_RESOURCE = "dsec_burst"
 
 
-def request_burst_nodes(count: int) -> None:
-    """Ask the autoscaler for ``count`` burst nodes in all (blocking; a driver of the cluster)."""
-    from ray.autoscaler.sdk import request_resources
-
-    from .ray import RESOURCE
-
-    request_resources(bundles=[{RESOURCE: 1, BURST_RESOURCE: 1}] * count)
-
-
 class RayBurst:
     """Applies bursting plans to a cluster (see the module docstring). ``step`` is called by one
     task at a time; ``request`` is blocking (run in a thread), ``let_go`` a coroutine."""
 
     def __init__(self, settings: BurstSettings, cluster: Cluster, let_go: Callable[[str], Awaitable[None]], *,
-                 request: Callable[[int], None] = request_burst_nodes, view_max_age_s: float = 1.0,
+                 request: Callable[[int], None], view_max_age_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings, self.cluster, self.let_go, self.request = settings, cluster, let_go, request
         self.view_max_age_s, self.clock = view_max_age_s, clock

@@ -82,6 +82,13 @@ class TimeoutRequest(_Request):
     timeout: int = Field(ge=0)
 
 
+class ForkRequest(_Request):
+    """E2B's fork: ``count`` children (1 to 20), each with ``timeout`` seconds to live."""
+
+    timeout: int = Field(15, ge=1)
+    count: int = Field(1, ge=1, le=20)
+
+
 class ConnectRequest(_Request):
     timeout: int | None = Field(None, ge=1)
 
@@ -229,3 +236,15 @@ class TemplateBuildInfo(_Answer):
 class TemplateAlias(_Answer):
     template_id: str = Field(alias="templateID")
     public: bool = False
+
+
+class SnapshotRequest(_Request):
+    """``POST /sandboxes/{id}/snapshots``: ``memory`` false is a filesystem-only snapshot."""
+
+    name: str | None = None
+    memory: bool | None = None
+
+
+class SnapshotInfo(_Answer):
+    snapshot_id: str = Field(alias="snapshotID")
+    names: list[str] = Field(default_factory=list)

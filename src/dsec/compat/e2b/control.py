@@ -5,14 +5,18 @@ Each route parses E2B's request into one DSec call on the cluster and answers in
 - templates are DSec images (``base``: the image ``DSEC_E2B_BASE_IMAGE`` names, else ``e2b-base``,
   ``base`` or ``python``, the first the store has); one with a start command (an E2B template
   built with ``set_start_cmd``) runs it as a sandbox starts and the create answers once its
-  ready command exits 0; ``templates`` builds them (E2B's template builder);
+  ready command exits 0; ``templates`` builds them (E2B's template builder); a snapshot's id
+  (or name) is a template too (``snapshots``: create, list and delete them);
 - an E2B timeout is the sandbox's ``ttl_running_stop`` (DSec's TTL is idle time: a sandbox in
   use lives on; ``endAt`` is its last call plus the TTL); ``metadata`` is its ``labels``;
 - ``lifecycle``: ``on_timeout="pause"`` (``autoPause``) is ``on_ttl="pause"``, ``auto_resume``
   (``autoResume.enabled``) is ``auto_resume`` (unset: True, DSec's default); a paused
   sandbox keeps its memory, so a filesystem-only pause is refused;
 - ``network.allowOut`` names domains (a name with a dot, or an IPv4 address) and DSec's mirror
-  services (a name without a dot) for its allowlist; ``denyOut`` is what DSec denies anyway.
+  services (a name without a dot) for its allowlist; ``denyOut`` is what DSec denies anyway;
+- a fork is DSec's ``fork`` with each child on its own (``all_or_none=False``), its ``timeout``
+  the children's TTL; a child that carried only the filesystem (a container) runs its
+  template's start command afresh.
 
 Errors are E2B's ``{"code": STATUS, "message"}`` bodies.
 """
@@ -33,14 +37,18 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from libdsec import BackendError, DSecError, ImageNotFound, InvalidRequest, SandboxLost, SandboxNotFound, SandboxStateError
-from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxInfo, SandboxStatus, StartProcessRequest
+from libdsec._errors import error_from_wire
+from libdsec.protocol import (
+    DSecContainerRunArgs, ExecRequest, ForkChild, SandboxInfo, SandboxStatus, StartProcessRequest,
+)
 
 from ... import settings
 from ...apiserver.auth import Authenticator, Caller
 from ...apiserver.cluster import Cluster
 from . import _models as m
-from ._errors import api_error, error_body
+from ._errors import api_error, error_body, status_of
 from .envd import ENVD_VERSION, EnvdTokens
+from .snapshots import add_snapshot_routes, start_of
 from .templates import add_template_routes
 
 BASE_TEMPLATE = "base"
@@ -188,13 +196,15 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         rules = network_rules(network.allow_out, network.deny_out)
         if any(k.startswith(_OWN_LABELS) for k in body.metadata):
             raise InvalidRequest(f"metadata keys starting with {_OWN_LABELS!r} are DSec's own")
-        image = await image_of(body.template_id)
+        snapshot = await start_of(cluster, body.template_id)
+        image = "" if snapshot is not None else await image_of(body.template_id)
         labels = {**body.metadata, **({TEMPLATE_LABEL: body.template_id} if image != body.template_id else {})}
         try:
             args = DSecContainerRunArgs(container_image=image, ttl_running_stop=float(body.timeout),
                                         env=body.env_vars, labels=labels, network_rules=rules,
                                         on_ttl="pause" if body.auto_pause else "stop",
-                                        auto_resume=True if body.auto_resume is None else body.auto_resume.enabled)
+                                        auto_resume=True if body.auto_resume is None else body.auto_resume.enabled,
+                                        snapshot=None if snapshot is None else snapshot.id)
         except ValidationError as exc:
             raise InvalidRequest(f"malformed request: {exc.errors()[0].get('msg')}") from None
         try:
@@ -275,6 +285,33 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         await cluster.edge_for(sandbox_id).set_ttl(sandbox_id, float(duration or info.ttl_running_stop))
         return Response(status_code=204)
 
+    @router.post("/sandboxes/{sandbox_id}/fork")
+    @_answers
+    async def fork(request: Request, sandbox_id: str) -> JSONResponse:
+        """E2B's fork: each child succeeds or fails on its own (DSec's ``all_or_none=False``);
+        a child that forked the filesystem only runs its template's start command afresh."""
+        body = m.parse(m.ForkRequest, await m.read_json(request) or {})
+        _, info = await visible(request, sandbox_id)
+        result = await cluster.fork(sandbox_id, body.count, False, float(body.timeout))
+        template = info.labels.get(TEMPLATE_LABEL, info.image)
+
+        async def answer(child: ForkChild) -> dict:
+            if child.sandbox is None:
+                error = child.error
+                status = status_of(error_from_wire({"error": error.model_dump()}, 500)) if error else 500
+                return {"error": {"code": status, "message": error.message if error else "the fork failed"}}
+            try:
+                if result.kind == "filesystem":
+                    await started(child.sandbox, template)
+            except DSecError as exc:
+                with contextlib.suppress(DSecError):
+                    await cluster.stop(child.sandbox.id, "its template's start failed")
+                return {"error": {"code": status_of(exc), "message": exc.message}}
+            return {"sandbox": created(child.sandbox, template).model_dump(mode="json")}
+
+        answers = await asyncio.gather(*(answer(child) for child in result.children))
+        return JSONResponse(list(answers), status_code=201)
+
     @router.post("/sandboxes/{sandbox_id}/pause")
     @_answers
     async def pause(request: Request, sandbox_id: str) -> Response:
@@ -348,6 +385,7 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
                                         envd_version=ENVD_VERSION).model_dump(mode="json") for n in names])
 
     add_template_routes(router, cluster, caller_of, image_of, authenticator.root_token, _answers)
+    add_snapshot_routes(router, cluster, caller_of, visible, _answers)
 
     @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def unsupported(request: Request, path: str) -> JSONResponse:
