@@ -34,6 +34,7 @@ PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClose
 PUBLIC |= {"Pty", "SyncPty"}  # a terminal in a sandbox
 PUBLIC |= {"BuildResult", "ImageBuildFailed"}  # images built from Dockerfiles
 PUBLIC |= {"DirWatch", "FsEvent", "SyncDirWatch"}  # directory watches
+PUBLIC |= {"Desktop", "DesktopInfo", "DesktopSpec", "DesktopUnavailable", "DesktopWindow", "SyncDesktop"}  # desktops
 PUBLIC |= {"Snapshot", "SnapshotConflict", "SnapshotNotFound"}  # named snapshots
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
@@ -52,6 +53,7 @@ ERRORS = [
     (libdsec.SessionClosed, "session_closed", 409, RuntimeError),
     (libdsec.PortUnreachable, "port_unreachable", 502, ConnectionError),
     (libdsec.CommandTimeout, "command_timeout", 408, TimeoutError),
+    (libdsec.DesktopUnavailable, "desktop_unavailable", 409, libdsec.DSecError),
     (libdsec.CapacityExceeded, "capacity_exceeded", 503, libdsec.DSecError),
     (libdsec.QuotaExceeded, "quota_exceeded", 429, libdsec.DSecError),
     (libdsec.Overloaded, "overloaded", 429, libdsec.DSecError),
@@ -227,6 +229,13 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _node.NodeBuildRequest: {"build": {"name": "task", "dockerfile": "FROM python\n"}},
         _models.ClusterStats: {"at": "2026-01-01T00:00:00Z", "nodes": [],
                                "apiserver": {"started_at": "2026-01-01T00:00:00Z"}},
+        _models.DesktopSpec: {},
+        _models.DesktopInput: {"action": "click"},
+        _models.DesktopInfo: {"width": 8, "height": 8, "dpi": 96, "display": ":0", "cursor_x": 0, "cursor_y": 0},
+        _models.DesktopWindow: {"id": 1, "title": "t", "app": "a", "x": 0, "y": 0, "width": 8, "height": 8},
+        _models.DesktopWindowList: {"windows": []},
+        _models.DesktopFocusRequest: {"window": 1},
+        _models.DesktopLaunchRequest: {},
     }[cls]
 
 

@@ -255,6 +255,23 @@ def bench_ports(
                                samples=samples))
 
 
+@app.command("desktop")
+def bench_desktop(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-desktop"),
+    store: Annotated[Optional[Path], typer.Option(help="A layer store that has the desktop image (else built in the state dir).")] = None,
+    width: Annotated[int, typer.Option(help="Screen width.")] = 1280,
+    height: Annotated[int, typer.Option(help="Screen height.")] = 800,
+    samples: Annotated[int, typer.Option(help="Samples of each DSec latency (moves: 4x this).")] = 100,
+    peer_samples: Annotated[int, typer.Option(help="Samples of each exec latency (the peers').")] = 30,
+    creates: Annotated[int, typer.Option(help="Sandboxes made for create-to-first-screenshot.")] = 5,
+) -> None:
+    """A sandbox's desktop (screenshot, input, create to first screenshot) against scrot and xdotool by crun exec."""
+    from .desktop import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, store=store, width=width, height=height,
+                               samples=samples, peer_samples=peer_samples, creates=creates))
+
+
 @app.command("density")
 def bench_density(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own servers.")] = Path("/var/lib/dsec-bench-density"),

@@ -32,6 +32,7 @@ from ._errors import (
     error_from_wire,
 )
 from ._build import build_request
+from ._desktop import Desktop
 from ._files import SandboxFiles
 from ._process import Process, Session, events_of, run_with_callbacks
 from ._pausing import _GroupMethods
@@ -163,6 +164,11 @@ class Sandbox:
         (Made on each use, not kept: a kept one would make every sandbox a reference cycle,
         left for the garbage collector's full passes to find.)"""
         return SandboxFiles(self)
+
+    @property
+    def desktop(self) -> Desktop:
+        """The sandbox's screen, mouse and keyboard (a sandbox made with ``desktop=DesktopSpec(...)``)."""
+        return Desktop(self)
 
     @property
     def id(self) -> str:

@@ -16,6 +16,7 @@
     ├── ProcessNotFound (LookupError)        no background process by that pid in the sandbox
     ├── SessionClosed (SandboxStateError)    the shell session ended (its shell died or was closed)
     ├── PortUnreachable (ConnectionError)    nothing answered on that port inside the sandbox (502)
+    ├── DesktopUnavailable                   the sandbox has no desktop, or its X server is gone (409)
     ├── CommandTimeout (TimeoutError)        a command ran past its timeout and was killed
     ├── CapacityExceeded                     no node could admit the sandbox
     ├── QuotaExceeded                        the project's quota (or an ancestor's) is used up
@@ -158,6 +159,14 @@ class PortUnreachable(DSecError, ConnectionError):
     status = 502
 
 
+class DesktopUnavailable(DSecError):
+    """The sandbox has no desktop (it was made without one), or its X server or desktop agent
+    is gone (the message says which); the sandbox's other calls still work (409)."""
+
+    code = "desktop_unavailable"
+    status = 409
+
+
 class CommandTimeout(DSecError, TimeoutError):
     """A command ran past its timeout and was killed."""
 
@@ -275,6 +284,7 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         ProcessNotFound,
         SessionClosed,
         PortUnreachable,
+        DesktopUnavailable,
         CommandTimeout,
         CapacityExceeded,
         QuotaExceeded,

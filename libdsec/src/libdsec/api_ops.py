@@ -30,6 +30,11 @@ from .ops import Operation as Op, path_format
 from .protocol import (
     CleanCopyRequest,
     CleanCopyResult,
+    DesktopFocusRequest,
+    DesktopInfo,
+    DesktopInput,
+    DesktopLaunchRequest,
+    DesktopWindowList,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -149,6 +154,15 @@ PUBLIC_OPS: tuple[Op, ...] = (
        lifecycle="read_file"),
     Op("download_tree", "POST", SB + "/fs/tree:download", TreeDownloadRequest, spread=True, answer=ExecEvent,
        answers="lines", timeout=3600.0, lifecycle="read_file"),
+    # -- a sandbox's desktop -----------------------------------------------------------------------
+    Op("desktop_screenshot", "GET", SB + "/desktop/screenshot", query=("format",), answers="bytes", lifecycle="exec"),
+    Op("desktop_input", "POST", SB + "/desktop/input", DesktopInput, answer=DesktopInfo, lifecycle="exec"),
+    Op("desktop_info", "GET", SB + "/desktop", answer=DesktopInfo, lifecycle="exec"),
+    Op("desktop_windows", "GET", SB + "/desktop/windows", answer=DesktopWindowList, unwrap="windows",
+       lifecycle="exec"),
+    Op("desktop_focus", "POST", SB + "/desktop/focus", DesktopFocusRequest, spread=True, lifecycle="exec"),
+    Op("desktop_launch", "POST", SB + "/desktop/launch", DesktopLaunchRequest, answer=ProcessInfo, lifecycle="exec",
+       journal=MADE),
     # -- images (any node's store) ---------------------------------------------------------------
     Op("list_images", "GET", "/images", answer=ImageList, unwrap="images"),
     Op("inspect_image", "GET", "/images/{ref}", answer=ImageInfo),

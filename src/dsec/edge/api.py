@@ -37,6 +37,10 @@ from libdsec.protocol import (
     ForkResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
+    DesktopInfo,
+    DesktopInput,
+    DesktopLaunchRequest,
+    DesktopWindow,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -219,6 +223,20 @@ class EdgeAPI(Protocol):
     async def set_xattrs(self, sandbox_id: str, path: str, prefix: str, values: dict[str, str]) -> None: ...
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
+
+    # -- a sandbox's desktop (made with desktop=DesktopSpec) --------------------------------------
+
+    async def desktop_screenshot(self, sandbox_id: str, format: str = "png") -> bytes: ...
+
+    async def desktop_info(self, sandbox_id: str) -> DesktopInfo: ...
+
+    async def desktop_input(self, sandbox_id: str, request: DesktopInput) -> DesktopInfo: ...
+
+    async def desktop_windows(self, sandbox_id: str) -> list[DesktopWindow]: ...
+
+    async def desktop_focus(self, sandbox_id: str, window: int) -> None: ...
+
+    async def desktop_launch(self, sandbox_id: str, request: DesktopLaunchRequest) -> ProcessInfo: ...
 
     async def connect_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A TCP connection to 127.0.0.1:``port`` inside the sandbox, as asyncio streams that

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 
 from libdsec import (
-    BackendError, CapacityExceeded, InvalidRequest, LimitOutOfRange, Overloaded, SandboxLost, SandboxStateError,
+    BackendError, CapacityExceeded, DSecError, InvalidRequest, LimitOutOfRange, Overloaded, SandboxLost, SandboxStateError,
 )
 from libdsec.protocol import (
     CleanCopyResult,
@@ -110,6 +110,9 @@ class Creates(SandboxTable):
         limits = self.admission.limits(args)
         self.security.check_rules(args.network_rules)
         self._check_protected(args, kind)
+        self._check_desktop(args, kind)
+        if getattr(args, "desktop", None) is not None:  # its commands see the desktop
+            args = args.model_copy(update={"env": {"DISPLAY": ":0", **args.env}})
         await self.store_health.check()
         try:
             args, image, memory = self.start_point(args, kind, project)
@@ -118,6 +121,13 @@ class Creates(SandboxTable):
             # The store went away since the last check (it is kept for a second): say so.
             await self.store_health.check(cached=False)
             raise
+        if getattr(args, "desktop", None) is not None:
+            try:
+                await self._start_desktop(rec)
+            except BaseException:
+                with contextlib.suppress(DSecError, OSError):
+                    await self.stop(rec.id, reason="its desktop did not start")
+                raise
         return rec.info(self.node)
 
     def _check_protected(self, args: DSecContainerRunArgs, kind: SandboxKind) -> None:

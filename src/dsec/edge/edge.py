@@ -11,6 +11,7 @@
   once and shared by them (``Forks``);
 - ``inside``: commands, background processes, sessions, PTYs, directory watches, files and
   ports inside a running sandbox (``Inside``);
+- ``desktop``: a sandbox's desktop, started with it, and its screenshots and input (``Desktops``);
 - ``nodeinfo``: the node's info and stats, its layer store and builds, fncall (``NodeCalls``).
 
 The parts are mixed into ``Edge`` rather than held by it, so a call (``create``, ``exec``: the
@@ -58,6 +59,7 @@ from .admission import Admission, WorkGate, memory_total_mb
 from .build import ImageBuilder
 from .config import EdgeConfig
 from .create import Creates
+from .desktop import Desktops
 from .fork import Forks
 from .inside import Inside
 from .journal import RecordJournal
@@ -74,7 +76,7 @@ from .watches import Watches
 log = logging.getLogger("dsec.edge")
 
 
-class Edge(Creates, Snapshots, Forks, Inside, NodeCalls):
+class Edge(Creates, Snapshots, Forks, Inside, Desktops, NodeCalls):
     """The node daemon's core. ``await start()`` before use; ``await close()`` at the end
     (a second ``close()`` does nothing)."""
 
@@ -122,6 +124,8 @@ class Edge(Creates, Snapshots, Forks, Inside, NodeCalls):
         self.stats = EdgeStats()  # what node_stats reports
         self.ptys = PtyTable()  # commands on terminals: this process's, they end with it
         self.watches = Watches()  # directory watches (inotify): this process's, they end with it
+        self._desktops = {}  # sandbox id -> the connection to its desktop agent (desktop.py)
+        self._desktop_restarts = {}  # sandbox id -> the restart of its desktop, found dead
 
     # -- start / close ------------------------------------------------------------------------
 
@@ -181,6 +185,7 @@ class Edge(Creates, Snapshots, Forks, Inside, NodeCalls):
         await self.reaper.close()
         await self.ptys.close_all()
         self.watches.close_all()
+        self.close_desktops()
         await asyncio.gather(*self._undoing, return_exceptions=True)
         for task in list(self._looking.values()):
             task.cancel()
