@@ -57,11 +57,16 @@ def _beside(state: Path) -> Path:
 
 
 PODMAN_HOW = "apt-get install podman (scripts/setup-host.sh does)"
+# The tests' layer store: the VM benchmarks and the desktop one take their images from it.
+TEST_STORE = Path("/var/lib/dsec-test/store")
 QUICK: list[Bench] = [
     Bench("lifecycle", "lifecycle", ["--idle-count", "16", "--lifecycles", "72", "--rounds", "3", "--concurrency", "8",
                                      "--latency-rounds", "1", "--cold-rounds", "1", "--pool-max", "16", "--crun-runs", "36",
                                      "--podman-runs", "6", "--strict"],
           90, _inside("bench-lifecycle.json"), without={"podman": ["--no-podman"]}),
+    Bench("desktop", "desktop", ["--samples", "20", "--peer-samples", "5", "--creates", "2"], 35,
+          _inside("bench-desktop.json"),
+          needs=[("desktop-image", "the desktop image in the tests' store: `dsec image build desktop` or its tests")]),
     Bench("fork", "fork", ["--children", "10", "--changed-mb", "5", "--files", "200", "--concurrency", "4"], 15,
           _beside, without={"podman": ["--no-podman"]}, store="beside"),
     Bench("inside", "inside-a-sandbox", ["--samples", "20", "--podman-samples", "5", "--slow-s", "3", "--tree-mb", "20"],
@@ -72,13 +77,14 @@ QUICK: list[Bench] = [
     Bench("fncall", "fncall", ["--quick", "--strict"], 45, _inside("bench-fncall.json"),
           needs=[("bwrap", "apt-get install bubblewrap")]),
     Bench("joblog", "job-log", ["--lifecycles", "120", "--rounds", "3", "--concurrency", "8"], 30, _beside),
-    Bench("cluster", "cluster", ["--nodes", "16", "--processes", "2", "--batch", "2000", "--singles", "2000",
-                                 "--in-flight", "64", "--paced-rate", "500", "--strict"], 60,
+    Bench("cluster", "cluster", ["--nodes", "16", "--processes", "2", "--batch", "1000", "--singles", "1000",
+                                 "--in-flight", "64", "--paced-rate", "500", "--crun-count", "32", "--crun-in-flight",
+                                 "8", "--strict"], 50,
           lambda state: state.parent / f"{state.name}.json", state_option="--results", store=""),
     Bench("ports", "ports", ["--seconds", "1", "--samples", "30"], 30, _inside("bench-ports.json")),
     Bench("tti", "time-to-interactive-tti", ["--iterations", "5", "--stagger-ms", "50"], 60, _beside,
           without={"podman": ["--systems", "dsec,e2b"]}, store="beside"),
-    Bench("soak", "soak", ["--lifecycles", "1000", "--sample-every", "250", "--concurrency", "8"], 45,
+    Bench("soak", "soak", ["--lifecycles", "600", "--sample-every", "150", "--concurrency", "8"], 30,
           lambda state: state.with_suffix(".json")),
     Bench("rollout", "rl-rollout", ["--episodes", "48", "--podman-episodes", "4", "--concurrency", "8", "--tasks", "4"],
           60, _beside, without={"podman": ["--podman-episodes", "0"]}, store="beside"),
@@ -142,6 +148,10 @@ def have(what: str) -> bool:
         import importlib.util
 
         return importlib.util.find_spec("ray") is not None
+    if what == "desktop-image":
+        from dsec.images.store import LayerStore
+
+        return TEST_STORE.is_dir() and LayerStore(TEST_STORE).has_image("desktop")
     raise ValueError(what)
 
 
@@ -318,6 +328,19 @@ def _row_fork(r: dict) -> tuple[str, str, str]:
             f"all answer ≤ 2 s {_met(goals.get('all_answering'))}; ≥ 20× {_met(goals.get('ratio'))}")
 
 
+def _row_desktop(r: dict) -> tuple[str, str, str]:
+    d, c, ratios = r.get("dsec") or {}, r.get("crun_exec") or {}, r.get("ratios") or {}
+    shot, move, first = d.get("screenshot_p50_ms"), d.get("move_p50_ms"), r.get("create_to_first_screenshot_p50_s")
+    return (f"screenshot p50 {_f(shot)} ms; pointer move {_f(move, '.2f')} ms; create to first screenshot "
+            f"{_f(first, '.2f')} s",
+            f"`scrot` / `xdotool` by `crun exec` into the same container {_f(c.get('scrot_p50_ms'))} / "
+            f"{_f(c.get('xdotool_move_p50_ms'))} ms ({_f(ratios.get('screenshot_crun_exec_over_dsec'))}× / "
+            f"{_f(ratios.get('move_crun_exec_over_dsec'))}×)",
+            f"≤ 25 ms {_met(None if shot is None else shot <= 25)}, ≤ 5 ms "
+            f"{_met(None if move is None else move <= 5)}, ≤ 1.5 s {_met(None if first is None else first <= 1.5)}; "
+            "≥ 4× / ≥ 10× `podman exec`: not judged (measured against `crun exec`, podman's floor)")
+
+
 def _row_generic(r: dict) -> tuple[str, str, str]:
     return ("ran", "", "")
 
@@ -327,6 +350,7 @@ ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "clean-copy": _row_clean_copy, "fncall": _row_fncall, "joblog": _row_joblog, "cluster": _row_cluster,
     "cluster-ray": _row_cluster_ray, "rollout": _row_rollout, "tti": _row_tti, "soak": _row_soak,
     "ports": _row_ports, "harness": _row_harness, "fork": _row_fork,
+    "desktop": _row_desktop,
 }
 
 
@@ -364,8 +388,8 @@ def _run_one(b: Bench, state_root: Path, quick: bool, timeout_s: float, missing_
     env = dict(os.environ)
     if b.name in ("microvm", "vm-pause"):
         env.setdefault("DSEC_VM_ASSETS", "/var/lib/dsec-test/vm")
-        if Path("/var/lib/dsec-test/store").is_dir():
-            args += ["--store", "/var/lib/dsec-test/store"]
+    if b.name in ("microvm", "vm-pause", "desktop") and TEST_STORE.is_dir():
+        args += ["--store", str(TEST_STORE)]
     console.print(f"[bold]{b.name}[/bold]: {' '.join(args[3:])}  (log {log})")
     t0 = time.monotonic()
     with open(log, "wb") as out:
