@@ -11,6 +11,7 @@ PACKAGES=(crun gcc libc6-dev erofs-utils busybox-static debootstrap podman uidma
           chromium    # headless, for the dashboard's test (tests/integration/test_dashboard.py)
           skopeo buildah  # dsec image pull (a registry) and dsec image build --dockerfile
           docker-registry  # a registry on loopback for their tests (tests/images/test_registry.py)
+          glusterfs-server glusterfs-client  # the layer store on a distributed filesystem (tests/cluster/test_gluster_store.py)
           g++         # the C++ peer of dsec bench fncall's SandboxFusion arm
           tmux        # drives `dsec shell` as a person would (tests/integration/test_shell.py)
           docker.io)  # dockerd for Harbor's docker environment, the peer (dsec_bench.harbor_peer starts its own)

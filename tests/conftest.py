@@ -97,6 +97,20 @@ def swe_agent_image(tmp_path_factory, test_store: Path) -> str:
     return "swe-agent"
 
 
+@pytest.fixture(scope="session")
+def desktop_image(tmp_path_factory, test_store: Path) -> str:
+    """The ``desktop`` image (Xvfb, xfce4, xdotool, noVNC, …), built as a user builds it
+    (``dsec image build desktop``): a few minutes, once per store."""
+    from dsec.images.store import LayerStore
+
+    if not LayerStore(test_store).has_image("desktop"):
+        state = make_state_dir(tmp_path_factory, test_store, "desktop-build")
+        built = subprocess.run([sys.executable, "-m", "dsec", "image", "build", "desktop", "--state-dir", str(state)],
+                               capture_output=True, text=True)
+        assert built.returncode == 0, built.stdout + built.stderr
+    return "desktop"
+
+
 def make_state_dir(tmp_path_factory: pytest.TempPathFactory, store: Path, name: str) -> Path:
     state = tmp_path_factory.mktemp(name)
     (state / "store").symlink_to(store)

@@ -29,6 +29,8 @@ def _summary(entry: JobEntry) -> tuple[str, str]:
         asked = f"{request.get('path')} ({request.get('bytes')} bytes)"
     elif entry.op == "clean_copy":
         asked = f"keep {','.join(request.get('keep', []))}"
+    elif entry.op == "fork":
+        asked = f"x{request.get('count')}"
     elif entry.op in ("create", "create_batch"):
         asked = f"{request.get('kind')} {request.get('args', {}).get('container_image')}" + (
             f" x{request['count']}" if "count" in request else "")
@@ -48,6 +50,9 @@ def _summary(entry: JobEntry) -> tuple[str, str]:
         came = str(result.get("id"))
     elif entry.op == "clean_copy" and isinstance(result, dict):
         came = str(result.get("sandbox", {}).get("id"))
+    elif entry.op == "fork" and isinstance(result, dict):
+        came = f"{result.get('kind')} fork: " + ", ".join(
+            str((c.get("sandbox") or {}).get("id") or (c.get("error") or {}).get("code")) for c in result.get("children", []))
     elif entry.op == "pack_diff" and isinstance(result, dict):
         came = str(result.get("image"))
     elif entry.op == "create_batch" and isinstance(result, list):

@@ -3,7 +3,7 @@ replay``), for debugging and for rebuilding state whose sandboxes are gone.
 
 Each logged create makes a new sandbox from the same arguments (the new one stands in for the
 old id in the calls after it), each command runs again with the same request, each file write
-writes the logged bytes again, each stop stops, each clean copy and pack_diff is made again (a create from a logged snapshot
+writes the logged bytes again, each stop stops, each clean copy, fork and pack_diff is made again (a create from a logged snapshot
 image starts from the replay's own), each read reads again, each pause, resume, network rule
 change and TTL is made again; a command whose exit code, stdout or error differs from the log,
 and a read whose size, bytes or error does, is a divergence, and so is each call the log holds
@@ -126,6 +126,19 @@ async def replay(client: DSecClient, log: JobLog, *, on_entry: Callable[[JobEntr
                 copy = await made[entry.sandbox].clean_copy(keep=request["keep"])
                 if isinstance(entry.result, dict):
                     made[entry.result["sandbox"]["id"]] = copy
+            elif entry.op == "fork":
+                # Each logged child becomes the replay's own child at its place (a child that
+                # failed then is made now too, and stopped with the rest at the end).
+                children = await made[entry.sandbox].fork(request["count"], all_or_none=request["all_or_none"],
+                                                          ttl_running_stop=request.get("ttl_running_stop"))
+                logged = entry.result.get("children", []) if isinstance(entry.result, dict) else []
+                for was, now in zip(logged, children, strict=False):
+                    if isinstance(now, DSecError):
+                        continue
+                    if was.get("sandbox"):
+                        made[was["sandbox"]["id"]] = now
+                    else:
+                        made[now.id] = now
             elif entry.op == "pack_diff":
                 # (a new image of its own: the creates after it that named the logged one use it)
                 snapshot = await made[entry.sandbox].pack_diff(role=request.get("role", "snapshot"))

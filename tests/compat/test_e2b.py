@@ -83,3 +83,35 @@ def test_the_e2b_sdk_tests_pass(release, e2b_env, tmp_path):
     assert run.returncode == 0, f"e2b {version}:\n{run.stdout[-6000:]}\n{run.stderr[-2000:]}"
     summary = run.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, run.stdout[-2000:]
+
+
+async def test_e2b_fork_maps_onto_dsecs(e2b_env, monkeypatch, server):
+    """``sandbox.fork(count)`` of the newest SDK (the older one has none): each child on its own,
+    with the parent's files and E2B's timeout as its TTL; a killed sandbox is E2B's not-found."""
+    from e2b import AsyncSandbox, InvalidArgumentException, SandboxNotFoundException
+
+    for name, value in e2b_env.items():
+        monkeypatch.setenv(name, value)
+    parent = await AsyncSandbox.create(template=e2b_env["DSEC_E2B_TEMPLATE"], timeout=120)
+    try:
+        await parent.files.write("/root/state.txt", "before the fork")
+        forks = await parent.fork(count=2, timeout=45)
+        assert len(forks) == 2 and all(isinstance(f, AsyncSandbox) for f in forks), forks
+        try:
+            assert len({f.sandbox_id for f in forks} | {parent.sandbox_id}) == 3
+            for child in forks:
+                assert await child.files.read("/root/state.txt") == "before the fork"
+                assert (await child.get_info()).end_at  # E2B's view of the TTL
+            with SyncDSecClient(server.endpoint, token=server.token) as dsec:
+                assert [dsec.get_sandbox(f.sandbox_id).info.ttl_running_stop for f in forks] == [45.0, 45.0]
+            await forks[0].files.write("/root/state.txt", "in the fork")
+            assert await parent.files.read("/root/state.txt") == "before the fork"
+        finally:
+            for child in forks:
+                await child.kill()
+    finally:
+        await parent.kill()
+    with pytest.raises(SandboxNotFoundException):
+        await parent.fork()
+    with pytest.raises(InvalidArgumentException):
+        await AsyncSandbox.fork(parent.sandbox_id, count=21)

@@ -23,6 +23,7 @@ from dsec.edge.simnodes import tiny_image
 from dsec.images.store import LayerStore
 from libdsec import (
     CapacityExceeded,
+    DesktopUnavailable,
     ImageNotFound,
     InvalidRequest,
     LimitOutOfRange,
@@ -157,6 +158,31 @@ async def test_errors_cross_as_the_same_types(node):
         await node.exec(info.id, ExecRequest(command="true"))
 
 
+async def test_desktop_calls_cross_the_seam(node):
+    from libdsec.protocol import DesktopInput, DesktopLaunchRequest, DesktopSpec
+
+    info = await node.create(args())  # made without a desktop
+    calls = {
+        "screenshot": lambda sid: node.desktop_screenshot(sid, "png"),
+        "info": node.desktop_info,
+        "input": lambda sid: node.desktop_input(sid, DesktopInput(action="click", x=1, y=1)),
+        "windows": node.desktop_windows,
+        "focus": lambda sid: node.desktop_focus(sid, 7),
+        "launch": lambda sid: node.desktop_launch(sid, DesktopLaunchRequest(app="mousepad")),
+    }
+    for name, call in calls.items():
+        with pytest.raises(DesktopUnavailable, match=f"sandbox {info.id} has no desktop"):
+            await call(info.id)
+        with pytest.raises(SandboxNotFound):
+            await call("n0-0123456789abcdef")
+    with pytest.raises(InvalidRequest, match="screenshot format 'gif'"):
+        await node.desktop_screenshot(info.id, "gif")
+    with pytest.raises(InvalidRequest, match="kind 'microvm' is not served"):  # (no VMs here)
+        await node.create(DSecMicroVMRunArgs(container_image="tiny", memory_limit_mb=64, desktop=DesktopSpec()),
+                          "microvm")
+    await node.stop(info.id)
+
+
 async def test_batch_streams_and_is_all_or_none(node):
     got = [(i, info.id) async for i, info in node.create_batch(args(), 5, "container", "root")]
     assert sorted(i for i, _ in got) == list(range(5)) and len({sid for _, sid in got}) == 5
@@ -236,6 +262,8 @@ async def test_node_report_layer_use_and_the_store(node):
         await node.remove_image("tiny", frozenset(use.images))
     assert await node.gc_layers(frozenset(use.layers)) == []
     await node.stop(info.id)
+    # Stopped, and no warm pool (pool_max=0) holds a sandbox of it: nothing holds the layer.
+    assert (await node.layer_use()).layers == []
 
 
 # -- a node that misbehaves ----------------------------------------------------------------------

@@ -28,12 +28,14 @@ def test_each_backend_has_the_hooks_of_what_it_declares(cls):
 
 def test_what_each_kind_can_do():
     assert ContainerBackend.capabilities == {Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY,
-                                             Capability.HOST_PATHS, Capability.PIPED_STDIN, Capability.PORTS}
+                                             Capability.HOST_PATHS, Capability.PIPED_STDIN, Capability.PORTS,
+                                             Capability.NEW_IDENTITY}
     assert MicroVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.SNAPSHOT, Capability.PIPED_STDIN,
-                                           Capability.WATCHED, Capability.PROTECTED_PATHS, Capability.PORTS}
+                                           Capability.WATCHED, Capability.PROTECTED_PATHS, Capability.PORTS,
+                                           Capability.NEW_IDENTITY}
     # no memory snapshots, no warm pool
     assert FullVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.PIPED_STDIN, Capability.WATCHED,
-                                          Capability.PROTECTED_PATHS, Capability.PORTS}
+                                          Capability.PROTECTED_PATHS, Capability.PORTS, Capability.NEW_IDENTITY}
 
 
 class _Claims(FakeBackend):

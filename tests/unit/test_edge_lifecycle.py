@@ -30,6 +30,7 @@ EXPECTED: dict[Action, tuple[SandboxStatus | None, ...]] = {
     Action.write_file:        (None,    running,  running, None,     None,    None),
     Action.pack_diff:         (None,    running,  None,    None,     None,    None),
     Action.clean_copy:        (None,    running,  None,    None,     None,    None),
+    Action.fork:              (None,    running,  None,    None,     None,    None),
     Action.snapshot:          (None,    running,  None,    None,     None,    None),
     Action.set_network_rules: (None,    running,  None,    None,     None,    None),
     Action.set_ttl:           (None,    running,  paused,  None,     None,    None),
@@ -39,7 +40,8 @@ EXPECTED: dict[Action, tuple[SandboxStatus | None, ...]] = {
 }
 VERBS = {
     Action.exec: "exec", Action.read_file: "read a file", Action.write_file: "write a file",
-    Action.pack_diff: "pack", Action.clean_copy: "make a clean copy of", Action.snapshot: "snapshot", Action.set_network_rules: "change network rules",
+    Action.pack_diff: "pack", Action.clean_copy: "make a clean copy of",
+    Action.fork: "fork", Action.snapshot: "snapshot", Action.set_network_rules: "change network rules",
     Action.set_ttl: "change the TTL of",
     Action.pause: "pause", Action.resume: "resume", Action.stop: "stop",
 }

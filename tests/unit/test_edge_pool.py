@@ -93,3 +93,37 @@ async def test_warm_pool_serves_creates_and_is_released_on_close(tmp_path, store
     await edge.close()
     alive = set(backend.files)
     assert alive == {edge._records[first.id].handle.cid, cid}  # the pool is gone, sandboxes stay
+
+
+async def test_pooled_sandboxes_made_before_the_store_was_mounted_again_are_not_handed_out(tmp_path, store):
+    """Their layers read through the mount of the store that has gone (StoreHealth.remounted_at):
+    a create gets a sandbox made anew, and they are destroyed."""
+    import time
+
+    backend = FakeBackend()
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", pool_min=2, pool_max=2, pool_quiet_s=0), backend, store)
+    await edge.start()
+    try:
+        await edge.create(args())
+        for _ in range(200):
+            pool = next(iter(edge.warm_pool.pools.values()))
+            if len(pool.handles) >= 2 and not pool.filling:
+                break
+            await asyncio.sleep(0.01)
+        old = {h.cid for h in pool.handles}
+        hits = edge.warm_pool.hits
+        served = await edge.create(args())
+        assert edge._records[served.id].handle.cid in old and edge.warm_pool.hits == hits + 1
+        for _ in range(200):  # refilled
+            if len(pool.handles) >= 2 and not pool.filling:
+                break
+            await asyncio.sleep(0.01)
+        old = {h.cid for h in pool.handles}
+        edge.store_health.remounted_at = time.time()  # what a check sets when it sees the store on another device
+        fresh = await edge.create(args())
+        assert edge._records[fresh.id].handle.cid not in old
+        assert edge.warm_pool.hits == hits + 1
+        assert not old & {h.cid for h in pool.handles}
+        assert not old & set(backend.files)  # destroyed
+    finally:
+        await edge.close()

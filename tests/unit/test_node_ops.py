@@ -19,7 +19,7 @@ from dsec.edge.remote import LONG_CALL_TIMEOUT_S, SLACK_S, RemoteEdge
 from dsec.edge.server import EdgeApp, NodeServer, _Request
 from libdsec import SandboxStateError
 from libdsec.ops import Operation, format_path, path_regex
-from libdsec.protocol import MAX_WATCH_WAIT_S, OpenWatchRequest
+from libdsec.protocol import MAX_WATCH_WAIT_S, DesktopInput, DesktopLaunchRequest, OpenWatchRequest
 from libdsec.protocol import (
     BuildImageRequest,
     DSecContainerRunArgs,
@@ -103,6 +103,7 @@ BODIES = {
     "build_image": {"build": {"name": "task", "dockerfile": "FROM python\n"}}, "clean_copy": {"keep": ["/a"]},
     "open_watch": {"path": "/a"}, "get_xattrs": {"paths": ["/a"], "prefix": "user.x."},
     "set_xattrs": {"path": "/a", "prefix": "user.x.", "values": {"k": "v"}},
+    "desktop_input": {"action": "click", "x": 1, "y": 2}, "desktop_focus": {"window": 7},
 }
 
 
@@ -174,8 +175,12 @@ def remote_arguments(op: Operation) -> dict:
         "request": {ExecRequest: ExecRequest(command="true", timeout=5), StartProcessRequest: StartProcessRequest(
             command="true"), ProcessStreamRequest: ProcessStreamRequest(timeout=6), OpenPtyRequest: OpenPtyRequest(),
             OpenSessionRequest: OpenSessionRequest(),
-            OpenWatchRequest: OpenWatchRequest(path="/a", recursive=True)}.get(op.request),
+            OpenWatchRequest: OpenWatchRequest(path="/a", recursive=True),
+            DesktopInput: DesktopInput(action="press", keys="ctrl+s"),
+            DesktopLaunchRequest: DesktopLaunchRequest(app="mousepad")}.get(op.request),
         "watch": 4, "wait": 2.5, "paths": ["/a", "/b"], "prefix": "user.x.", "values": {"k": "v"},
+        "format": "raw", "window": 7,
+        "all_or_none": False,
         "limit": "5", "after": "task-1",
     }
     return {n: values[n] for n in arguments(op)}
@@ -211,7 +216,8 @@ async def test_remote_edge_reaches_each_operation_with_its_arguments():
 # Each call's bound on its wait, as RemoteEdge always had it (None: the client's call timeout).
 TIMEOUTS = {
     "pause": LONG_CALL_TIMEOUT_S, "resume": LONG_CALL_TIMEOUT_S, "snapshot": LONG_CALL_TIMEOUT_S,
-    "pack_diff": LONG_CALL_TIMEOUT_S, "clean_copy": LONG_CALL_TIMEOUT_S, "process_stdin": LONG_CALL_TIMEOUT_S,
+    "pack_diff": LONG_CALL_TIMEOUT_S, "clean_copy": LONG_CALL_TIMEOUT_S, "fork": LONG_CALL_TIMEOUT_S,
+    "process_stdin": LONG_CALL_TIMEOUT_S,
     "pty_input": LONG_CALL_TIMEOUT_S, "close_pty": LONG_CALL_TIMEOUT_S, "remove_path": LONG_CALL_TIMEOUT_S,
     "upload_tree": LONG_CALL_TIMEOUT_S, "gc_layers": LONG_CALL_TIMEOUT_S, "write_file_stream": 3600.0,
     "exec": 5 + SLACK_S, "session_exec": 5 + SLACK_S, "wait_process": 3 + SLACK_S, "fncall": 4 + SLACK_S,

@@ -26,7 +26,7 @@ PUBLIC |= {"DSecFullVMRunArgs", "DSecMicroVMRunArgs", "SnapshotInfo"}  # VM sand
 PUBLIC |= {"SecurityEvent"}  # security events
 PUBLIC |= {"PauseResult", "ProjectInfo", "ProjectNotFound", "ProjectQuota", "QuotaExceeded"}  # resources, projects
 PUBLIC |= {"DSecFnCallArgs", "FnCallResult"}  # fncall
-PUBLIC |= {"SandboxLost"}  # cluster
+PUBLIC |= {"SandboxLost", "StoreUnavailable"}  # cluster, a shared layer store
 PUBLIC |= {"JobNotFound", "KeyReused", "ReplayDiverged", "ReplayIncomplete"}  # idempotency keys, job logs
 PUBLIC |= {"Overloaded"}  # overload
 PUBLIC |= {"SandboxGroupResult", "SandboxOutcome"}  # pausing a job, a project or many ids at once
@@ -34,6 +34,7 @@ PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClose
 PUBLIC |= {"Pty", "SyncPty"}  # a terminal in a sandbox
 PUBLIC |= {"BuildResult", "ImageBuildFailed"}  # images built from Dockerfiles
 PUBLIC |= {"DirWatch", "FsEvent", "SyncDirWatch"}  # directory watches
+PUBLIC |= {"Desktop", "DesktopInfo", "DesktopSpec", "DesktopUnavailable", "DesktopWindow", "SyncDesktop"}  # desktops
 PUBLIC |= {"Snapshot", "SnapshotConflict", "SnapshotNotFound"}  # named snapshots
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
@@ -52,6 +53,7 @@ ERRORS = [
     (libdsec.SessionClosed, "session_closed", 409, RuntimeError),
     (libdsec.PortUnreachable, "port_unreachable", 502, ConnectionError),
     (libdsec.CommandTimeout, "command_timeout", 408, TimeoutError),
+    (libdsec.DesktopUnavailable, "desktop_unavailable", 409, libdsec.DSecError),
     (libdsec.CapacityExceeded, "capacity_exceeded", 503, libdsec.DSecError),
     (libdsec.QuotaExceeded, "quota_exceeded", 429, libdsec.DSecError),
     (libdsec.Overloaded, "overloaded", 429, libdsec.DSecError),
@@ -62,6 +64,7 @@ ERRORS = [
     (libdsec.ReplayDiverged, "replay_diverged", 409, libdsec.DSecError),
     (libdsec.ReplayIncomplete, "replay_incomplete", 409, libdsec.ReplayDiverged),
     (libdsec.BackendError, "backend_error", 500, libdsec.DSecError),
+    (libdsec.StoreUnavailable, "store_unavailable", 503, libdsec.BackendError),
     (libdsec.ServerUnavailable, "server_unavailable", 503, ConnectionError),
     (libdsec.ServerError, "internal", 500, libdsec.DSecError),
 ]
@@ -173,6 +176,10 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.CleanCopyRequest: {"keep": ["/testbed"]},
         _models.CleanCopyResult: {"sandbox": info, "source": "n0-0123456789abcdef", "keep": ["/testbed"], "files": 1,
                                   "bytes": 1, "scrubbed": [], "tampered": [], "copy_s": 0.01},
+        _models.ForkRequest: {"count": 2},
+        _models.ForkChild: {"sandbox": info},
+        _models.ForkResult: {"parent": "n0-0123456789abcdef", "kind": "filesystem", "children": [{"sandbox": info}],
+                             "frozen_s": 0.1, "fork_s": 0.5},
         _models.PackDiffResult: {"image": "snap", "layer": "sha256-00", "layers": ["sha256-00"],
                                  "size_bytes": 1, "scrubbed": []},
         _models.NodeInfo: node,
@@ -222,6 +229,13 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _node.NodeBuildRequest: {"build": {"name": "task", "dockerfile": "FROM python\n"}},
         _models.ClusterStats: {"at": "2026-01-01T00:00:00Z", "nodes": [],
                                "apiserver": {"started_at": "2026-01-01T00:00:00Z"}},
+        _models.DesktopSpec: {},
+        _models.DesktopInput: {"action": "click"},
+        _models.DesktopInfo: {"width": 8, "height": 8, "dpi": 96, "display": ":0", "cursor_x": 0, "cursor_y": 0},
+        _models.DesktopWindow: {"id": 1, "title": "t", "app": "a", "x": 0, "y": 0, "width": 8, "height": 8},
+        _models.DesktopWindowList: {"windows": []},
+        _models.DesktopFocusRequest: {"window": 1},
+        _models.DesktopLaunchRequest: {},
     }[cls]
 
 

@@ -68,7 +68,8 @@ def test_loaded_once_then_the_environment_no_longer_counts(monkeypatch):
 def test_a_server_with_a_bad_variable_does_not_start_and_says_which(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "dsec", "serve", "--state-dir", str(tmp_path), "--port", "1"],
                           capture_output=True, text=True, timeout=60,
-                          env={"PATH": "/usr/bin:/bin", "DSEC_VMS": "sometimes", "PYTHONPATH": str(ROOT / "src")})
+                          env={"PATH": "/usr/bin:/bin", "DSEC_VMS": "sometimes",
+                               "PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'libdsec' / 'src'}"})
     assert proc.returncode != 0
     assert "DSEC_VMS='sometimes': use 1 or 0" in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr

@@ -117,6 +117,22 @@ def bench_clean_copy(
                                podman_rounds=podman_rounds, tree_mb=tree_mb, files=files, podman=podman))
 
 
+@app.command("fork")
+def bench_fork(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-fork"),
+    children: Annotated[int, typer.Option(help="Children of the fork (and podman runs of the committed image).")] = 100,
+    changed_mb: Annotated[int, typer.Option(help="MB the parent changed before the fork.")] = 50,
+    files: Annotated[int, typer.Option(help="Files those MB are in.")] = 2000,
+    concurrency: Annotated[int, typer.Option(help="podman runs at once (the peer).")] = 8,
+    podman: Annotated[bool, typer.Option(help="Measure podman commit + run as the peer.")] = True,
+) -> None:
+    """A live container forked into many against podman commit + a podman run per child (see docs/BENCHMARKS.md)."""
+    from .fork import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, children=children, changed_mb=changed_mb,
+                               files=files, podman=podman, concurrency=concurrency))
+
+
 @app.command("rollout")
 def bench_rollout(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-rollout"),
@@ -237,6 +253,23 @@ def bench_ports(
 
     raise typer.Exit(run_bench(state_dir=state_dir, console=console, seconds=seconds, concurrency=concurrency,
                                samples=samples))
+
+
+@app.command("desktop")
+def bench_desktop(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-desktop"),
+    store: Annotated[Optional[Path], typer.Option(help="A layer store that has the desktop image (else built in the state dir).")] = None,
+    width: Annotated[int, typer.Option(help="Screen width.")] = 1280,
+    height: Annotated[int, typer.Option(help="Screen height.")] = 800,
+    samples: Annotated[int, typer.Option(help="Samples of each DSec latency (moves: 4x this).")] = 100,
+    peer_samples: Annotated[int, typer.Option(help="Samples of each exec latency (the peers').")] = 30,
+    creates: Annotated[int, typer.Option(help="Sandboxes made for create-to-first-screenshot.")] = 5,
+) -> None:
+    """A sandbox's desktop (screenshot, input, create to first screenshot) against scrot and xdotool by crun exec."""
+    from .desktop import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, store=store, width=width, height=height,
+                               samples=samples, peer_samples=peer_samples, creates=creates))
 
 
 @app.command("density")

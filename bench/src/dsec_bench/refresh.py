@@ -57,11 +57,18 @@ def _beside(state: Path) -> Path:
 
 
 PODMAN_HOW = "apt-get install podman (scripts/setup-host.sh does)"
+# The tests' layer store: the VM benchmarks and the desktop one take their images from it.
+TEST_STORE = Path("/var/lib/dsec-test/store")
 QUICK: list[Bench] = [
     Bench("lifecycle", "lifecycle", ["--idle-count", "16", "--lifecycles", "72", "--rounds", "3", "--concurrency", "8",
                                      "--latency-rounds", "1", "--cold-rounds", "1", "--pool-max", "16", "--crun-runs", "36",
                                      "--podman-runs", "6", "--strict"],
           90, _inside("bench-lifecycle.json"), without={"podman": ["--no-podman"]}),
+    Bench("desktop", "desktop", ["--samples", "20", "--peer-samples", "5", "--creates", "2"], 35,
+          _inside("bench-desktop.json"),
+          needs=[("desktop-image", "the desktop image in the tests' store: `dsec image build desktop` or its tests")]),
+    Bench("fork", "fork", ["--children", "10", "--changed-mb", "5", "--files", "200", "--concurrency", "4"], 15,
+          _beside, without={"podman": ["--no-podman"]}, store="beside"),
     Bench("inside", "inside-a-sandbox", ["--samples", "20", "--podman-samples", "5", "--slow-s", "3", "--tree-mb", "20"],
           30, _inside("bench-inside.json"), without={"podman": ["--no-podman"]}),
     Bench("clean-copy", "clean-copy", ["--rounds", "5", "--pack-rounds", "2", "--podman-rounds", "2", "--tree-mb", "20",
@@ -70,13 +77,14 @@ QUICK: list[Bench] = [
     Bench("fncall", "fncall", ["--quick", "--strict"], 45, _inside("bench-fncall.json"),
           needs=[("bwrap", "apt-get install bubblewrap")]),
     Bench("joblog", "job-log", ["--lifecycles", "120", "--rounds", "3", "--concurrency", "8"], 30, _beside),
-    Bench("cluster", "cluster", ["--nodes", "16", "--processes", "2", "--batch", "2000", "--singles", "2000",
-                                 "--in-flight", "64", "--paced-rate", "500", "--strict"], 60,
+    Bench("cluster", "cluster", ["--nodes", "16", "--processes", "2", "--batch", "1000", "--singles", "1000",
+                                 "--in-flight", "64", "--paced-rate", "500", "--crun-count", "32", "--crun-in-flight",
+                                 "8", "--strict"], 50,
           lambda state: state.parent / f"{state.name}.json", state_option="--results", store=""),
     Bench("ports", "ports", ["--seconds", "1", "--samples", "30"], 30, _inside("bench-ports.json")),
     Bench("tti", "time-to-interactive-tti", ["--iterations", "5", "--stagger-ms", "50"], 60, _beside,
           without={"podman": ["--systems", "dsec,e2b"]}, store="beside"),
-    Bench("soak", "soak", ["--lifecycles", "1000", "--sample-every", "250", "--concurrency", "8"], 45,
+    Bench("soak", "soak", ["--lifecycles", "600", "--sample-every", "150", "--concurrency", "8"], 30,
           lambda state: state.with_suffix(".json")),
     Bench("rollout", "rl-rollout", ["--episodes", "48", "--podman-episodes", "4", "--concurrency", "8", "--tasks", "4"],
           60, _beside, without={"podman": ["--podman-episodes", "0"]}, store="beside"),
@@ -90,7 +98,7 @@ QUICK: list[Bench] = [
     Bench("burst", "burst-images-on-demand", ["--quick", "--base", "python", "--strict"], 190, _inside("bench-burst.json"),
           store=""),
     Bench("images", "images-at-production-size", ["--quick", "--repeat", "5"], 60, _inside("images.json"), store=""),
-    Bench("cluster-ray", "cluster", ["--lifecycles", "60", "--rounds", "3", "--concurrency", "8"], 90, _beside,
+    Bench("cluster-ray", "cluster", ["--lifecycles", "40", "--rounds", "2", "--concurrency", "8"], 65, _beside,
           needs=[("ray", "pip install 'ray[default]' into this environment")], store="",
           state_dir=Path("/var/lib/dsec-bench-all-ray")),
     Bench("microvm", "microvm", ["--idle", "1", "--many", "2", "--memory", "256"], 120, _beside,
@@ -141,6 +149,10 @@ def have(what: str) -> bool:
         import importlib.util
 
         return importlib.util.find_spec("ray") is not None
+    if what == "desktop-image":
+        from dsec.images.store import LayerStore
+
+        return TEST_STORE.is_dir() and LayerStore(TEST_STORE).has_image("desktop")
     raise ValueError(what)
 
 
@@ -306,6 +318,30 @@ def _row_harness(r: dict) -> tuple[str, str, str]:
             "; ".join(f"{k} {_met(v)}" for k, v in goals.items()) or "not measured")
 
 
+def _row_fork(r: dict) -> tuple[str, str, str]:
+    d, ratio = r.get("dsec") or {}, r.get("podman_over_dsec")
+    goals = r.get("goals") or {}
+    return (f"{r.get('children', '—')} children of a container with {r.get('changed_mb', '—')} MB changed in "
+            f"{r.get('files', '—')} files, all answering in {_f(d.get('all_answering_s'), '.2f')} s; parent frozen "
+            f"{_f(None if d.get('frozen_s') is None else d['frozen_s'] * 1000, ',.0f')} ms",
+            f"`podman commit` + a `podman run` per child: {_f(_get(r, 'podman', 'all_answering_s'), '.2f')} s "
+            f"({_f(ratio)}×)",
+            f"all answer ≤ 2 s {_met(goals.get('all_answering'))}; ≥ 20× {_met(goals.get('ratio'))}")
+
+
+def _row_desktop(r: dict) -> tuple[str, str, str]:
+    d, c, ratios = r.get("dsec") or {}, r.get("crun_exec") or {}, r.get("ratios") or {}
+    shot, move, first = d.get("screenshot_p50_ms"), d.get("move_p50_ms"), r.get("create_to_first_screenshot_p50_s")
+    return (f"screenshot p50 {_f(shot)} ms; pointer move {_f(move, '.2f')} ms; create to first screenshot "
+            f"{_f(first, '.2f')} s",
+            f"`scrot` / `xdotool` by `crun exec` into the same container {_f(c.get('scrot_p50_ms'))} / "
+            f"{_f(c.get('xdotool_move_p50_ms'))} ms ({_f(ratios.get('screenshot_crun_exec_over_dsec'))}× / "
+            f"{_f(ratios.get('move_crun_exec_over_dsec'))}×)",
+            f"≤ 25 ms {_met(None if shot is None else shot <= 25)}, ≤ 5 ms "
+            f"{_met(None if move is None else move <= 5)}, ≤ 1.5 s {_met(None if first is None else first <= 1.5)}; "
+            "≥ 4× / ≥ 10× `podman exec`: not judged (measured against `crun exec`, podman's floor)")
+
+
 def _row_generic(r: dict) -> tuple[str, str, str]:
     return ("ran", "", "")
 
@@ -324,7 +360,8 @@ ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "lifecycle": _row_lifecycle, "inside": _row_inside, "density": _row_density, "burst": _row_burst,
     "clean-copy": _row_clean_copy, "fncall": _row_fncall, "joblog": _row_joblog, "cluster": _row_cluster,
     "cluster-ray": _row_cluster_ray, "rollout": _row_rollout, "tti": _row_tti, "soak": _row_soak,
-    "ports": _row_ports, "harness": _row_harness, "images": _row_images,
+    "ports": _row_ports, "harness": _row_harness, "fork": _row_fork,
+    "desktop": _row_desktop, "images": _row_images,
 }
 
 
@@ -362,8 +399,8 @@ def _run_one(b: Bench, state_root: Path, quick: bool, timeout_s: float, missing_
     env = dict(os.environ)
     if b.name in ("microvm", "vm-pause"):
         env.setdefault("DSEC_VM_ASSETS", "/var/lib/dsec-test/vm")
-        if Path("/var/lib/dsec-test/store").is_dir():
-            args += ["--store", "/var/lib/dsec-test/store"]
+    if b.name in ("microvm", "vm-pause", "desktop") and TEST_STORE.is_dir():
+        args += ["--store", str(TEST_STORE)]
     console.print(f"[bold]{b.name}[/bold]: {' '.join(args[3:])}  (log {log})")
     t0 = time.monotonic()
     with open(log, "wb") as out:

@@ -8,6 +8,7 @@ from ._errors import (
     BackendError,
     CapacityExceeded,
     CommandTimeout,
+    DesktopUnavailable,
     DSecError,
     ImageBuildFailed,
     ImageNotFound,
@@ -31,16 +32,19 @@ from ._errors import (
     ServerUnavailable,
     SnapshotConflict,
     SnapshotNotFound,
+    StoreUnavailable,
     Unauthenticated,
 )
 from .protocol import SecurityEvent
 from .protocol import ExecEvent, FileEntry, FsEvent, ProcessInfo
 from .protocol import BuildResult, DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, Snapshot, SnapshotInfo
+from .protocol import DesktopInfo, DesktopSpec, DesktopWindow
+from ._desktop import Desktop
 from .protocol import DSecFnCallArgs, FnCallResult
 from ._pausing import SandboxGroupResult, SandboxOutcome
 from ._projects import ProjectInfo, ProjectQuota
-from ._sync import SyncDSecClient, SyncProcess, SyncDirWatch, SyncPty, SyncSandbox, SyncSession
+from ._sync import SyncDSecClient, SyncDesktop, SyncProcess, SyncDirWatch, SyncPty, SyncSandbox, SyncSession
 
 __all__ = [
     "BackendError",
@@ -53,6 +57,11 @@ __all__ = [
     "DSecFnCallArgs",
     "DSecFullVMRunArgs",
     "DSecMicroVMRunArgs",
+    "Desktop",
+    "DesktopInfo",
+    "DesktopSpec",
+    "DesktopUnavailable",
+    "DesktopWindow",
     "DirWatch",
     "ExecEvent",
     "ExecResult",
@@ -98,7 +107,9 @@ __all__ = [
     "SnapshotConflict",
     "SnapshotInfo",
     "SnapshotNotFound",
+    "StoreUnavailable",
     "SyncDSecClient",
+    "SyncDesktop",
     "SyncDirWatch",
     "SyncProcess",
     "SyncPty",

@@ -32,6 +32,7 @@ from ._errors import (
     error_from_wire,
 )
 from ._build import build_request
+from ._desktop import Desktop
 from ._files import SandboxFiles
 from ._process import Process, Session, events_of, run_with_callbacks
 from ._pausing import _GroupMethods
@@ -52,6 +53,8 @@ from .protocol import (
     BuildResult,
     CleanCopyRequest,
     CleanCopyResult,
+    ForkRequest,
+    ForkResult,
     CreateBatchRequest,
     DSecContainerRunArgs,
     DSecFullVMRunArgs,
@@ -96,7 +99,7 @@ _CREATE_PATHS = frozenset({"/v1/sandboxes", "/v1/microvms", "/v1/vms", "/v1/sand
 
 
 def _is_create(method: str, path: str) -> bool:
-    return method == "POST" and (path in _CREATE_PATHS or path.endswith("/clean_copy"))
+    return method == "POST" and (path in _CREATE_PATHS or path.endswith(("/clean_copy", "/fork")))
 
 
 def may_repeat(method: str, path: str, headers: dict[str, str] | None, refused: bool) -> bool:
@@ -152,6 +155,8 @@ class Sandbox:
         self.info = info
         # Set on a sandbox made by ``clean_copy``: what was carried into it.
         self.clean_copy_result: CleanCopyResult | None = None
+        # Set on a child made by ``fork``: the fork (its kind, its parent, its siblings).
+        self.fork_result: ForkResult | None = None
 
     @property
     def files(self) -> SandboxFiles:
@@ -159,6 +164,11 @@ class Sandbox:
         (Made on each use, not kept: a kept one would make every sandbox a reference cycle,
         left for the garbage collector's full passes to find.)"""
         return SandboxFiles(self)
+
+    @property
+    def desktop(self) -> Desktop:
+        """The sandbox's screen, mouse and keyboard (a sandbox made with ``desktop=DesktopSpec(...)``)."""
+        return Desktop(self)
 
     @property
     def id(self) -> str:
@@ -385,6 +395,41 @@ class Sandbox:
         copy = Sandbox(self._client, result.sandbox)
         copy.clean_copy_result = result
         return copy
+
+    async def fork(self, count: int = 1, *, all_or_none: bool = True,
+                   ttl_running_stop: float | None = None) -> list[Sandbox] | list[Sandbox | DSecError]:
+        """``count`` new running sandboxes branched from this one, which is frozen for as
+        short a time as it takes and runs on untouched. Each child is someone new (its own id,
+        host name, ``/etc/machine-id`` and address; a VM's random numbers reseeded) and has
+        this sandbox's memory and processes where its kind forks memory (microVMs:
+        ``child.fork_result.kind == "memory"``), else its files, with the image's command
+        started afresh (``"filesystem"``: containers, full VMs; ``node_info().forks`` says
+        which, by kind). All or none: a child that fails stops the others and raises its error;
+        with ``all_or_none=False`` the list has one entry per child, a ``Sandbox`` or the
+        ``DSecError`` that child met. ``ttl_running_stop``: the children's (default: this
+        sandbox's). Children count against the project's quota; stop each when done."""
+        try:
+            request = ForkRequest(count=count, all_or_none=all_or_none, ttl_running_stop=ttl_running_stop)
+        except ValidationError as exc:
+            raise InvalidRequest("fork: " + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                                                      for e in exc.errors())) from None
+        answered, logged = (False, None) if self._client._replay is None else \
+            self._client._replay.call(self.id, "fork", request.model_dump(mode="json"))
+        if answered:
+            result = ForkResult.model_validate(logged)
+        else:
+            result = ForkResult.model_validate(await self._client._request(
+                *api_route("fork", sandbox_id=self.id), model=request, timeout=600))
+        children: list = []
+        for child in result.children:
+            if child.sandbox is None:
+                error = child.error.model_dump() if child.error is not None else {"code": "internal", "message": ""}
+                children.append(error_from_wire({"error": error}, 500))
+                continue
+            made = Sandbox(self._client, child.sandbox)
+            made.fork_result = result
+            children.append(made)
+        return children
 
     async def security_events(self) -> list[SecurityEvent]:
         """Denied actions the platform saw in this sandbox: blocked connections and DNS

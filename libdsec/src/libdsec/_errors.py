@@ -16,6 +16,7 @@
     ├── ProcessNotFound (LookupError)        no background process by that pid in the sandbox
     ├── SessionClosed (SandboxStateError)    the shell session ended (its shell died or was closed)
     ├── PortUnreachable (ConnectionError)    nothing answered on that port inside the sandbox (502)
+    ├── DesktopUnavailable                   the sandbox has no desktop, or its X server is gone (409)
     ├── CommandTimeout (TimeoutError)        a command ran past its timeout and was killed
     ├── CapacityExceeded                     no node could admit the sandbox
     ├── QuotaExceeded                        the project's quota (or an ancestor's) is used up
@@ -25,6 +26,7 @@
     ├── ReplayDiverged                       a resumed job's call differs from its log (409)
     │   └── ReplayIncomplete                 its log holds, at that place, a call it cannot answer (409)
     ├── BackendError                         the runtime (crun, mounts, …) failed
+    │   └── StoreUnavailable                 the layer store cannot be read (its filesystem is away) (503)
     ├── ServerUnavailable (ConnectionError)  the SDK could not reach the server
     └── ServerError                          anything else the server reported
 
@@ -157,6 +159,14 @@ class PortUnreachable(DSecError, ConnectionError):
     status = 502
 
 
+class DesktopUnavailable(DSecError):
+    """The sandbox has no desktop (it was made without one), or its X server or desktop agent
+    is gone (the message says which); the sandbox's other calls still work (409)."""
+
+    code = "desktop_unavailable"
+    status = 409
+
+
 class CommandTimeout(DSecError, TimeoutError):
     """A command ran past its timeout and was killed."""
 
@@ -233,6 +243,15 @@ class BackendError(DSecError):
     status = 500
 
 
+class StoreUnavailable(BackendError):
+    """The node cannot read its layer store (its filesystem unmounted, stopped or not
+    answering): the message names the store and the node. Sandboxes of the node take calls
+    again, and creates work, once the store answers again."""
+
+    code = "store_unavailable"
+    status = 503
+
+
 class ServerUnavailable(DSecError, ConnectionError):
     """The SDK could not reach the server."""
 
@@ -265,6 +284,7 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         ProcessNotFound,
         SessionClosed,
         PortUnreachable,
+        DesktopUnavailable,
         CommandTimeout,
         CapacityExceeded,
         QuotaExceeded,
@@ -274,6 +294,7 @@ ERROR_CODES: dict[str, type[DSecError]] = {
         ReplayDiverged,
         ReplayIncomplete,
         BackendError,
+        StoreUnavailable,
         ServerUnavailable,
         ServerError,
     )

@@ -41,6 +41,8 @@ def _describe(op: str, request: dict, key: str | None = None) -> str:
         return f"write_file {request.get('path')!r} ({request.get('bytes')} bytes, mode {oct(request.get('mode', 0))})"
     if op == "clean_copy":
         return f"clean_copy keep={request.get('keep')}"
+    if op == "fork":
+        return f"fork count={request.get('count')} all_or_none={request.get('all_or_none')}"
     if op == "pack_diff":
         return f"pack_diff name={request.get('name')!r} role={request.get('role')!r}"
     if op == "read_file":

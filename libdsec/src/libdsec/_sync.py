@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 # The twins take their originals' signatures (``_twin``): the names those annotations use are
 # imported here too, for the tools that read them (pdoc, IDEs).
 from ._client import DSecClient, OutputCallback, ProgressCallback, Sandbox  # noqa: F401
+from ._desktop import Desktop
 from ._files import SandboxFiles
 from ._process import Process, Session
 from ._pty import Pty
@@ -181,6 +182,15 @@ class SyncFiles:
         self._files = files
 
 
+@twin_of(Desktop, forward="_desktop")
+class SyncDesktop:
+    """Blocking twin of ``Sandbox.desktop``."""
+
+    def __init__(self, runner: _LoopThread, desktop: Desktop) -> None:
+        self._run = runner.run
+        self._desktop = desktop
+
+
 @twin_of(Sandbox, forward="_sandbox")
 class SyncSandbox:
     """Blocking twin of :class:`libdsec.Sandbox`."""
@@ -193,6 +203,10 @@ class SyncSandbox:
     @property
     def files(self) -> SyncFiles:
         return SyncFiles(self._runner, self._sandbox.files)
+
+    @property
+    def desktop(self) -> SyncDesktop:
+        return SyncDesktop(self._runner, self._sandbox.desktop)
 
     @property
     def id(self) -> str:
@@ -236,6 +250,14 @@ class SyncSandbox:
     @property
     def clean_copy_result(self):
         return self._sandbox.clean_copy_result
+
+    def fork(self, count: int = 1, **kwargs: Any) -> list:
+        return [SyncSandbox(self._runner, child) if isinstance(child, Sandbox) else child
+                for child in self._run(self._sandbox.fork(count, **kwargs))]
+
+    @property
+    def fork_result(self):
+        return self._sandbox.fork_result
 
     def __enter__(self) -> SyncSandbox:
         return self

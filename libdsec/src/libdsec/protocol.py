@@ -82,6 +82,18 @@ class SandboxStatus(str, Enum):
     failed = "failed"
 
 
+class DesktopSpec(_Model):
+    """A screen for the sandbox (``sandbox.desktop``): an X server of this size and DPI and a
+    desktop session, started with the sandbox and ready when its create returns. ``session``:
+    ``xfce4`` (xfce4-session, as E2B Desktop's), ``wm`` (the window manager alone: lighter) or
+    ``none`` (the X server alone). Needs an image with them (``desktop``)."""
+
+    width: int = Field(1280, ge=64, le=7680)
+    height: int = Field(800, ge=64, le=4320)
+    dpi: int = Field(96, ge=24, le=600)
+    session: Literal["xfce4", "wm", "none"] = "xfce4"
+
+
 class DSecContainerRunArgs(_Model):
     """What a container sandbox is made of and may use.
 
@@ -125,6 +137,8 @@ class DSecContainerRunArgs(_Model):
     protected_paths: list[str] = Field(default_factory=list)
     # Free-form labels of the caller's (E2B's ``metadata``): kept with the sandbox, listed with it.
     labels: dict[str, str] = Field(default_factory=dict)
+    # A desktop (screen, mouse, keyboard) started with the sandbox: ``sandbox.desktop``.
+    desktop: DesktopSpec | None = None
     # Start from this snapshot (``Sandbox.snapshot()``, by id or name) instead of the bare image:
     # a filesystem snapshot's files for any kind; a full one (microVMs) resumes its memory too.
     snapshot: str | None = None
@@ -363,6 +377,55 @@ class CleanCopyResult(_Model):
     scrubbed: list[str]
     tampered: list[str]
     copy_s: float
+
+
+# Children of one fork, at most (a quota bounds it further: they count as sandboxes).
+MAX_FORK_COUNT = 1000
+# What a fork carried into its children: the parent's memory and running processes, or its
+# filesystem alone (they start the image's command afresh).
+ForkKind = Literal["memory", "filesystem"]
+
+
+class ForkRequest(_Model):
+    """Fork a running sandbox into ``count`` children. All or none by default: on any child's
+    failure every child made is stopped and the fork fails; ``all_or_none=False`` answers one
+    entry per child, a sandbox or its error. ``ttl_running_stop``: the children's idle TTL
+    (None: the parent's)."""
+
+    count: int = Field(1, ge=1, le=MAX_FORK_COUNT)
+    all_or_none: bool = True
+    ttl_running_stop: float | None = None
+
+    @field_validator("ttl_running_stop")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class ForkChild(_Model):
+    """One child of a fork: the running sandbox, or why it could not be made (``ErrorBody``'s
+    code and message)."""
+
+    sandbox: SandboxInfo | None = None
+    error: ErrorBody | None = None
+
+
+class ForkResult(_Model):
+    """A fork: its children in order, which ``kind`` of fork they are (``memory``: restored
+    from one memory image of the parent, processes and all; ``filesystem``: the parent's
+    files, the image's command started afresh), what was taken of the parent once and shared
+    by them all (``layer``: its writable layer as one read-only layer; ``snapshot``: its
+    memory image), how long the parent was frozen for it and how long the fork took."""
+
+    parent: str
+    kind: ForkKind
+    children: list[ForkChild]
+    layer: str | None = None
+    snapshot: str | None = None
+    frozen_s: float
+    fork_s: float
 
 
 class ProjectUsage(_Model):
@@ -693,6 +756,11 @@ class NodeInfo(_Model):
     # "enforce" (container sandboxes run under the dsec-sandbox profile), or "unsupported: <why>".
     apparmor: str = "unknown"
     projects: dict[str, ProjectUsage] = Field(default_factory=dict)
+    # What a fork of each kind served here carries ("memory" or "filesystem"), and whether
+    # containers could fork their memory: "supported" where ``criu check`` passes, else
+    # "unsupported: <why>" (their forks are then of the filesystem).
+    forks: dict[str, ForkKind] = Field(default_factory=dict)
+    container_memory_fork: str = "unknown"
     # "ready" (serving), or, listed only when asked (``node_info(include_unready=True)``): "lost"
     # (it left the cluster) or "failed" (found, but its edge did not start), with why in ``problem``.
     state: Literal["ready", "lost", "failed"] = "ready"
@@ -993,7 +1061,7 @@ def check_key(key: str) -> str:
 
 
 JobOp = Literal["create", "create_batch", "exec", "write_file", "read_file", "pause", "resume", "set_network_rules",
-                "set_ttl", "stop", "clean_copy", "pack_diff", "unrecorded"]
+                "set_ttl", "stop", "clean_copy", "pack_diff", "fork", "unrecorded"]
 
 
 class JobEntry(_Model):
@@ -1033,3 +1101,68 @@ class JobLog(_Model):
 
     job: JobInfo
     entries: list[JobEntry]
+
+
+# -- desktops ----------------------------------------------------------------------------------
+
+MAX_TYPED_TEXT = 65536  # characters one ``type`` call sends
+
+
+class DesktopInput(_Model):
+    """One input action on a sandbox's desktop. ``action`` and the fields it reads:
+    ``move`` (x, y), ``click`` (x, y optional, button, count), ``mouse_down`` / ``mouse_up``
+    (x, y optional, button), ``drag`` (x, y to to_x, to_y, button), ``scroll`` (dx, dy in
+    wheel clicks, down and right positive; x, y optional), ``type`` (text), ``press`` (keys:
+    ``ctrl+s``, ``Return``, ``F5``)."""
+
+    action: Literal["move", "click", "mouse_down", "mouse_up", "drag", "scroll", "type", "press"]
+    x: int | None = None
+    y: int | None = None
+    to_x: int | None = None
+    to_y: int | None = None
+    button: Literal["left", "middle", "right", "back", "forward"] = "left"
+    count: int = Field(1, ge=1, le=10)
+    dx: int = Field(0, ge=-100, le=100)
+    dy: int = Field(0, ge=-100, le=100)
+    text: str | None = Field(None, max_length=MAX_TYPED_TEXT)
+    keys: str | None = Field(None, min_length=1, max_length=200)
+
+
+class DesktopInfo(_Model):
+    """A desktop's screen and where its pointer is."""
+
+    width: int
+    height: int
+    dpi: int
+    display: str
+    cursor_x: int
+    cursor_y: int
+
+
+class DesktopWindow(_Model):
+    id: int
+    title: str
+    app: str  # its WM_CLASS class ("Mousepad", "firefox-esr")
+    x: int
+    y: int
+    width: int
+    height: int
+    pid: int | None = None
+    focused: bool = False
+
+
+class DesktopWindowList(_Model):
+    windows: list[DesktopWindow]
+
+
+class DesktopFocusRequest(_Model):
+    window: int
+
+
+class DesktopLaunchRequest(_Model):
+    """Start an application by its desktop entry (``gtk-launch APP [URI]``), or open a file or
+    URL with its default application (``xdg-open TARGET``): one of ``app`` and ``open``."""
+
+    app: str | None = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._+-]+$")
+    uri: str | None = Field(None, max_length=4096)
+    open: str | None = Field(None, min_length=1, max_length=4096)

@@ -33,6 +33,7 @@ from datetime import datetime, timezone
 from libdsec import CapacityExceeded, DSecError, Overloaded, QuotaExceeded, SandboxLost, SandboxNotFound, SnapshotConflict
 from libdsec.protocol import (
     CleanCopyResult,
+    ForkResult,
     ClusterStats,
     DSecContainerRunArgs,
     DSecFnCallArgs,
@@ -639,6 +640,22 @@ class Cluster:
         async with self._reserve(info.project, like, 1):
             result = await edge.clean_copy(sandbox_id, keep)
             self._note_placed(edge.node, like)
+            return result
+
+    async def fork(self, sandbox_id: str, count: int = 1, all_or_none: bool = True,
+                   ttl_running_stop: float | None = None) -> ForkResult:
+        """A fork is made on its parent's node (it reads the parent's memory or writable layer)
+        and its children count against the parent's project like a batch create's."""
+        edge = self.edge_for(sandbox_id)
+        info = await edge.get(sandbox_id)
+        like = DSecContainerRunArgs(container_image=info.image, memory_limit_mb=info.memory_limit_mb,
+                                    cpu_cores_limit=info.cpu_cores_limit, best_effort=info.best_effort)
+        async with self._reserve(info.project, like, count) as reservation:
+            result = await edge.fork(sandbox_id, count, all_or_none, ttl_running_stop)
+            made = sum(1 for child in result.children if child.sandbox is not None)
+            if made:
+                reservation.release(made)  # landed: held until the nodes' next report counts them
+                self._note_placed(edge.node, like, made)
             return result
 
     async def create_batch(

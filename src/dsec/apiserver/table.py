@@ -42,9 +42,9 @@ from .cluster import Cluster
 from .jobs import Jobs, file_request
 from .lean import _error, internal_error
 
-# The operations the cluster wraps (metrics, a stop kept for a node that is away, a copy made
-# on another node); the others are the edge's method of the same name.
-CLUSTER_CALLS = frozenset({"exec", "stop", "clean_copy"})
+# The operations the cluster wraps (metrics, a stop kept for a node that is away, a copy or a
+# fork counted against its project's quota); the others are the edge's method of the same name.
+CLUSTER_CALLS = frozenset({"exec", "stop", "clean_copy", "fork"})
 # A chunked answer's media type, when not raw bytes.
 MEDIA = {"download_tree_tar": "application/x-tar"}
 _OCTETS = "application/octet-stream"

@@ -61,6 +61,11 @@ refuses a backend that declares an ability without its hook:
   (every component resolved inside the sandbox, no symlink followed: the paths it is used for
   are writable by the sandbox's user), for I/O that needs no command in the sandbox: FIFOs a
   session's shell holds (``dsec.edge.sessions``), files streamed in and out.
+- ``NEW_IDENTITY`` (``Identities``): ``new_identity(handle, hostname, machine_id, seed)`` makes a
+  sandbox just made as a fork's child, before anything of the caller's runs in it, someone new:
+  ``hostname`` (a container's is its ``SandboxSpec.hostname`` already), ``/etc/machine-id``, and,
+  in a guest restored from its parent's memory, ``seed`` mixed into its kernel's random number
+  generator and the generator reseeded at once (``BackendError`` where the guest cannot).
 - ``PORTS`` (``Ports``): ``connect_port`` is a TCP connection from the node to a port inside
   the sandbox, needing nothing of its image (``dsec.backends.portconn``): ``port_url``, the
   sandbox's host names and their WebSockets go over it.
@@ -181,6 +186,7 @@ class Capability(str, Enum):
     PIPED_STDIN = "piped_stdin"
     WATCHED = "watched"
     PORTS = "ports"
+    NEW_IDENTITY = "new_identity"
 
 
 class PtyProcess(Protocol):
@@ -317,10 +323,17 @@ class Ports(Protocol):
     async def connect_port(self, handle: Handle, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]: ...
 
 
+@runtime_checkable
+class Identities(Protocol):
+    """``Capability.NEW_IDENTITY``: a fork's child made someone new (see the module)."""
+
+    async def new_identity(self, handle: Handle, hostname: str, machine_id: str, seed: bytes) -> None: ...
+
+
 _HOOKS: dict[Capability, type] = {Capability.CARRY: CleanCopies, Capability.KEPT_LAYER: KeptLayers,
                                   Capability.SNAPSHOT: Snapshots, Capability.HOST_PATHS: HostPaths,
                                   Capability.PIPED_STDIN: PipedStdin, Capability.WATCHED: Watched,
-                                  Capability.PORTS: Ports}
+                                  Capability.PORTS: Ports, Capability.NEW_IDENTITY: Identities}
 
 
 def check_backend(backend: SandboxBackend) -> None:

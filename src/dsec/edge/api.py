@@ -34,8 +34,13 @@ from libdsec import InvalidRequest, SandboxLost
 from libdsec.protocol import (
     BuildImageRequest,
     CleanCopyResult,
+    ForkResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
+    DesktopInfo,
+    DesktopInput,
+    DesktopLaunchRequest,
+    DesktopWindow,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -131,6 +136,15 @@ class EdgeAPI(Protocol):
         image with only its changes beneath ``keep``."""
         ...
 
+    async def fork(self, sandbox_id: str, count: int = 1, all_or_none: bool = True,
+                   ttl_running_stop: float | None = None) -> ForkResult:
+        """``count`` new running sandboxes on the same node (the parent's project and run args),
+        each someone new (its own id, hostname, machine id, address; a VM's random number
+        generator reseeded) with the parent's memory (where the kind forks it) or filesystem.
+        The parent, frozen meanwhile, runs on untouched. All or none unless ``all_or_none`` is
+        false (then one entry per child, a sandbox or its error)."""
+        ...
+
     # -- inside a sandbox --------------------------------------------------------------------
     async def exec(self, sandbox_id: str, request: ExecRequest) -> ExecResult: ...
 
@@ -209,6 +223,20 @@ class EdgeAPI(Protocol):
     async def set_xattrs(self, sandbox_id: str, path: str, prefix: str, values: dict[str, str]) -> None: ...
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes: ...
+
+    # -- a sandbox's desktop (made with desktop=DesktopSpec) --------------------------------------
+
+    async def desktop_screenshot(self, sandbox_id: str, format: str = "png") -> bytes: ...
+
+    async def desktop_info(self, sandbox_id: str) -> DesktopInfo: ...
+
+    async def desktop_input(self, sandbox_id: str, request: DesktopInput) -> DesktopInfo: ...
+
+    async def desktop_windows(self, sandbox_id: str) -> list[DesktopWindow]: ...
+
+    async def desktop_focus(self, sandbox_id: str, window: int) -> None: ...
+
+    async def desktop_launch(self, sandbox_id: str, request: DesktopLaunchRequest) -> ProcessInfo: ...
 
     async def connect_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A TCP connection to 127.0.0.1:``port`` inside the sandbox, as asyncio streams that

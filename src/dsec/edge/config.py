@@ -44,3 +44,6 @@ class EdgeConfig:
     max_commands_running: int = 1024
     max_commands_queued: int = 4096
     max_queue_wait_s: float = 30.0
+    # How long a create or a call into a sandbox waits for the layer store's filesystem to answer
+    # before it is refused with StoreUnavailable (images.store.StoreHealth).
+    store_check_s: float = 10.0

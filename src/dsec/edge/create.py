@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 
 from libdsec import (
-    BackendError, CapacityExceeded, InvalidRequest, LimitOutOfRange, Overloaded, SandboxLost, SandboxStateError,
+    BackendError, CapacityExceeded, DSecError, InvalidRequest, LimitOutOfRange, Overloaded, SandboxLost, SandboxStateError,
 )
 from libdsec.protocol import (
     CleanCopyResult,
@@ -110,8 +110,24 @@ class Creates(SandboxTable):
         limits = self.admission.limits(args)
         self.security.check_rules(args.network_rules)
         self._check_protected(args, kind)
-        args, image, memory = self.start_point(args, kind, project)
-        rec = await self._create(args, kind, project, image, limits, batch=batch, memory=memory)
+        self._check_desktop(args, kind)
+        if getattr(args, "desktop", None) is not None:  # its commands see the desktop
+            args = args.model_copy(update={"env": {"DISPLAY": ":0", **args.env}})
+        await self.store_health.check()
+        try:
+            args, image, memory = self.start_point(args, kind, project)
+            rec = await self._create(args, kind, project, image, limits, batch=batch, memory=memory)
+        except (OSError, BackendError):
+            # The store went away since the last check (it is kept for a second): say so.
+            await self.store_health.check(cached=False)
+            raise
+        if getattr(args, "desktop", None) is not None:
+            try:
+                await self._start_desktop(rec)
+            except BaseException:
+                with contextlib.suppress(DSecError, OSError):
+                    await self.stop(rec.id, reason="its desktop did not start")
+                raise
         return rec.info(self.node)
 
     def _check_protected(self, args: DSecContainerRunArgs, kind: SandboxKind) -> None:
@@ -120,10 +136,13 @@ class Creates(SandboxTable):
                                  f"(protected_paths is for containers and VMs)")
 
     async def _create(self, args: DSecContainerRunArgs, kind: SandboxKind, project: str, image: Image, limits,
-                      seed=None, batch: str | None = None, memory: str | None = None) -> Record:
+                      seed=None, batch: str | None = None, memory: str | None = None,
+                      hostname: str | None = None) -> Record:
         """Admit and start a sandbox of ``image``; ``seed(handle)``, if given, runs on it before
-        it counts as running (a clean copy's carried files); ``batch``: held for that batch;
-        ``memory``: the backend's memory snapshot it resumes (``Snapshots.start_point``)."""
+        it counts as running (a clean copy's carried files, a fork child's identity); ``batch``:
+        held for that batch; ``memory``: the backend's memory snapshot it resumes
+        (``Snapshots.start_point``, a fork's); ``hostname``: its own (made to order, not from the
+        warm pool)."""
         backend = self._backend(kind)
         self._check_room()
         if args.init_user is None or args.workdir is None:  # the image's, as a Dockerfile's USER and WORKDIR
@@ -141,14 +160,16 @@ class Creates(SandboxTable):
         # VMs (whose memory is set at boot), restores from a snapshot and sandboxes with paths
         # of their own made read-only are made to order.
         snapshot = memory
-        pooled = Capability.WARM_POOL in backend.capabilities and snapshot is None and not args.protected_paths
+        pooled = (Capability.WARM_POOL in backend.capabilities and snapshot is None and not args.protected_paths
+                  and hostname is None)
         pool = self.warm_pool.arrive(kind, image, limits) if pooled else None
         try:
             if pool is not None:
-                rec.handle, has = await self.warm_pool.take(pool, limits)
+                rec.handle, has = await self.warm_pool.take(pool, limits, self.store_health.remounted_at)
             else:
                 spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits,
-                                   snapshot=snapshot, protected_paths=tuple(args.protected_paths), setuid=image.setuid)
+                                   snapshot=snapshot, protected_paths=tuple(args.protected_paths), setuid=image.setuid,
+                                   **({"hostname": hostname} if hostname else {}))
                 rec.handle, has = await backend.create(f"c{secrets.token_hex(8)}", spec), None
             try:
                 if has != limits:
@@ -220,6 +241,7 @@ class Creates(SandboxTable):
             raise
         self.security.check_rules(args.network_rules)
         self._check_protected(args, kind)
+        await self.store_health.check()
         self.start_point(args, kind, project)
         try:
             self.admission.fits(args, count)
@@ -343,6 +365,7 @@ class Creates(SandboxTable):
     async def pack_diff(self, sandbox_id: str, name: str | None = None, role: str = "snapshot") -> PackDiffResult:
         """The sandbox's changes as a new image on top of its own (it keeps running)."""
         rec = self._allowed(sandbox_id, Action.pack_diff)
+        await self._check_store(rec)
         if name is not None:
             check_name(name)
             if self.store.has_image(name):

@@ -7,8 +7,11 @@
   diffs (``Creates``);
 - ``snapshots``: named snapshots (full or filesystem), kept in the layer store, and what a
   create starts from (``Snapshots``);
+- ``fork``: forks of a running sandbox into many children, its memory or its filesystem taken
+  once and shared by them (``Forks``);
 - ``inside``: commands, background processes, sessions, PTYs, directory watches, files and
   ports inside a running sandbox (``Inside``);
+- ``desktop``: a sandbox's desktop, started with it, and its screenshots and input (``Desktops``);
 - ``nodeinfo``: the node's info and stats, its layer store and builds, fncall (``NodeCalls``).
 
 The parts are mixed into ``Edge`` rather than held by it, so a call (``create``, ``exec``: the
@@ -44,18 +47,20 @@ import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
-from libdsec import DSecError
+from libdsec import DSecError, StoreUnavailable
 from libdsec.protocol import SandboxKind, SandboxStatus
 
 from ..backends.base import SandboxBackend, check_backend
 from ..fncall.pool import FnCallPool
 from ..images.snapshots import SnapshotCatalog
-from ..images.store import LayerStore
+from ..images.store import LayerStore, StoreHealth
 from . import lifecycle
 from .admission import Admission, WorkGate, memory_total_mb
 from .build import ImageBuilder
 from .config import EdgeConfig
 from .create import Creates
+from .desktop import Desktops
+from .fork import Forks
 from .inside import Inside
 from .journal import RecordJournal
 from .lifecycle import Record
@@ -71,7 +76,7 @@ from .watches import Watches
 log = logging.getLogger("dsec.edge")
 
 
-class Edge(Creates, Snapshots, Inside, NodeCalls):
+class Edge(Creates, Snapshots, Forks, Inside, Desktops, NodeCalls):
     """The node daemon's core. ``await start()`` before use; ``await close()`` at the end
     (a second ``close()`` does nothing)."""
 
@@ -89,6 +94,8 @@ class Edge(Creates, Snapshots, Inside, NodeCalls):
             check_backend(backend)
         self.backend = next(iter(self.backends.values()))
         self.store = store
+        # Asked before creates and calls into sandboxes: a store on a shared filesystem may go away.
+        self.store_health = StoreHealth(store.root, config.node, within_s=config.store_check_s)
         self.catalog = SnapshotCatalog(store)  # named snapshots, beside the images they start from
         self.records_dir = Path(config.records_dir or Path(config.node_dir) / "records")
         self.records_dir.mkdir(parents=True, exist_ok=True)
@@ -117,10 +124,16 @@ class Edge(Creates, Snapshots, Inside, NodeCalls):
         self.stats = EdgeStats()  # what node_stats reports
         self.ptys = PtyTable()  # commands on terminals: this process's, they end with it
         self.watches = Watches()  # directory watches (inotify): this process's, they end with it
+        self._desktops = {}  # sandbox id -> the connection to its desktop agent (desktop.py)
+        self._desktop_restarts = {}  # sandbox id -> the restart of its desktop, found dead
 
     # -- start / close ------------------------------------------------------------------------
 
     async def start(self) -> None:
+        try:  # the store's device from now on: a mount of it made again later is told apart
+            await self.store_health.check()
+        except StoreUnavailable as exc:
+            log.warning("%s", exc)
         records = []
         for sandbox_id, text in self.journal.load().items():
             try:
@@ -172,6 +185,7 @@ class Edge(Creates, Snapshots, Inside, NodeCalls):
         await self.reaper.close()
         await self.ptys.close_all()
         self.watches.close_all()
+        self.close_desktops()
         await asyncio.gather(*self._undoing, return_exceptions=True)
         for task in list(self._looking.values()):
             task.cancel()

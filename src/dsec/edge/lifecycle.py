@@ -67,6 +67,7 @@ class Action(str, Enum):
     write_file = "write a file"
     pack_diff = "pack"
     clean_copy = "make a clean copy of"
+    fork = "fork"
     snapshot = "snapshot"
     set_network_rules = "change network rules"
     set_ttl = "change the TTL of"
@@ -84,6 +85,7 @@ TRANSITIONS: dict[SandboxStatus, dict[Action, SandboxStatus]] = {
         Action.write_file: SandboxStatus.running,
         Action.pack_diff: SandboxStatus.running,
         Action.clean_copy: SandboxStatus.running,
+        Action.fork: SandboxStatus.running,
         Action.snapshot: SandboxStatus.running,
         Action.set_network_rules: SandboxStatus.running,
         Action.set_ttl: SandboxStatus.running,
@@ -91,7 +93,7 @@ TRANSITIONS: dict[SandboxStatus, dict[Action, SandboxStatus]] = {
         Action.stop: SandboxStatus.stopping,
     },
     SandboxStatus.paused: {
-        # A call resumes a paused sandbox first; a pack, a clean copy, a snapshot or new rules do not.
+        # A call resumes a paused sandbox first; a pack, a clean copy, a fork, a snapshot or new rules do not.
         Action.exec: SandboxStatus.running,
         Action.read_file: SandboxStatus.running,
         Action.write_file: SandboxStatus.running,

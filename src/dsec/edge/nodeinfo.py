@@ -7,6 +7,7 @@ through ``build.ImageBuilder``), and stateless function calls in the fncall warm
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -19,12 +20,15 @@ from libdsec.protocol import (
     ImageInfo,
     NodeInfo,
     NodeStats,
+    SandboxKind,
 )
 
+from ..backends.container.criu import memory_fork_status
 from ..images.index import page_limit
 from ..images.store import ROLES
 from ..isolation import apparmor
 from ..resources import cgroups
+from .fork import fork_kind
 from .protocol import LayerUse
 from .table import SandboxTable
 
@@ -52,6 +56,9 @@ class NodeCalls(SandboxTable):
             layer_attach=next((v.layer_attach for b in self.backends.values() if (v := b.host_view()) is not None),
                               "file"),
             apparmor=apparmor.status(),
+            forks={kind.value: fork_kind(b) for kind, b in self.backends.items()},
+            container_memory_fork=(await asyncio.to_thread(memory_fork_status)
+                                   if SandboxKind.container in self.backends else "unknown"),
             **self.admission.commitments(self._records.values()),
         )
 
@@ -72,6 +79,7 @@ class NodeCalls(SandboxTable):
                           role: str | None = None) -> list[ImageInfo]:
         if role is not None and role not in ROLES:
             raise InvalidRequest(f"bad role {role!r}: one of {', '.join(ROLES)}")
+        await self.store_health.check()
         names = self.store.index.names(limit=page_limit(limit), after=after, prefix=prefix, role=role)
         infos = []
         for name in names:
@@ -82,13 +90,16 @@ class NodeCalls(SandboxTable):
         return infos
 
     async def inspect_image(self, ref: str) -> ImageInfo:
+        await self.store_health.check()
         return self.store.describe(self.store.resolve(ref))
 
     async def remove_image(self, name: str, in_use: frozenset[str]) -> None:
+        await self.store_health.check()
         self._check_snapshot_image(name)  # (dsec.edge.snapshots)
         self.store.remove_image(name, in_use=frozenset(in_use))
 
     async def gc_layers(self, in_use: frozenset[str]) -> list[str]:
+        await self.store_health.check()
         return self.store.gc(in_use=frozenset(in_use))
 
     def build_image(self, build: BuildImageRequest, project: str = "root") -> AsyncIterator[ExecEvent]:

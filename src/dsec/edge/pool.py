@@ -54,6 +54,7 @@ class ImagePool:
     # the same (the common case: a trainer's sandboxes are alike) sets none on its way.
     limits: Limits | None = None
     prepared: dict[str, Limits] = field(default_factory=dict)  # cid -> limits set on it
+    made_at: dict[str, float] = field(default_factory=dict)  # cid -> when it was made (wall clock)
     # When recent creates started: a create served from the pool may finish before the next
     # one arrives, so the size of a burst shows in arrivals, not in creates in flight.
     arrivals: deque[float] = field(default_factory=deque)
@@ -111,8 +112,12 @@ class WarmPool:
         return sum(len(p.handles) for p in self.pools.values())
 
     def layers(self) -> set[str]:
-        """The layer digests the pooled sandboxes' images hold."""
-        return {d for pool in self.pools.values() if pool.image for d in pool.image.layers}
+        """The layer digests of the images whose pools hold sandboxes, are making them, serve a
+        create or want sandboxes (a refill will make them). A pool that holds and wants none (an
+        image no longer in demand, or no warm pool at all) keeps no layer from GC."""
+        return {d for pool in self.pools.values()
+                if pool.image and (pool.handles or pool.filling or pool.in_flight or pool.want)
+                for d in pool.image.layers}
 
     # -- a create ------------------------------------------------------------------------------
 
@@ -133,15 +138,17 @@ class WarmPool:
         """The create that arrived at ``pool`` is over."""
         pool.in_flight -= 1
 
-    async def take(self, pool: ImagePool, limits: Limits) -> tuple[Handle, Limits | None]:
-        """A sandbox of the pool's image, and the limits it already has (see ImagePool.limits)."""
+    async def take(self, pool: ImagePool, limits: Limits, made_after: float = 0.0) -> tuple[Handle, Limits | None]:
+        """A sandbox of the pool's image, and the limits it already has (see ImagePool.limits).
+        Pooled sandboxes made before ``made_after`` (wall clock: when the layer store was mounted
+        again, so their layers read through a mount that has gone) are destroyed, not handed out."""
         backend = self.backends[pool.kind]
         while pool.handles:
             handle = pool.handles.popleft()
             if self._filler is not None:
                 self.wakeup.set()
             has = pool.prepared.pop(handle.cid, None)
-            if await backend.is_alive(handle):
+            if pool.made_at.pop(handle.cid, 0.0) >= made_after and await backend.is_alive(handle):
                 self.hits += 1
                 return handle, has
             await backend.destroy(handle)
@@ -162,6 +169,7 @@ class WarmPool:
                 while len(pool.handles) > pool.want:
                     handle = pool.handles.pop()
                     pool.prepared.pop(handle.cid, None)
+                    pool.made_at.pop(handle.cid, None)
                     self._spawn(self.backends[pool.kind].destroy(handle))
                 if self._burst_on(pool, now):
                     continue
@@ -195,12 +203,14 @@ class WarmPool:
                     return
                 backend = self.backends[pool.kind]
                 limits = pool.limits
+                made_at = time.time()
                 handle = await new_handle(backend, pool.image, limits)
                 if self.closed or self.pools.get((pool.kind, pool.image.layers)) is not pool:
                     await backend.destroy(handle)
                 else:
                     if limits is not None:
                         pool.prepared[handle.cid] = limits
+                    pool.made_at[handle.cid] = made_at
                     pool.handles.append(handle)
         except Exception as exc:  # noqa: BLE001 - a failed refill is retried on next demand
             log.warning("warm pool refill failed: %s", exc)

@@ -50,6 +50,7 @@ class Snapshots(SandboxTable):
     async def snapshot(self, sandbox_id: str, mode: SnapshotMode | None = None, name: str | None = None) -> Snapshot:
         """Keep the running sandbox's state as a snapshot (it runs on afterwards)."""
         rec = self._allowed(sandbox_id, Action.snapshot)
+        await self._check_store(rec)  # a snapshot is kept in the store
         backend = self.backends[rec.kind]
         mode = mode or self.default_mode(rec.kind)
         if mode == "full" and Capability.SNAPSHOT not in backend.capabilities:

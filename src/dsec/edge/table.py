@@ -21,7 +21,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from libdsec import LimitOutOfRange, SandboxNotFound, SandboxStateError
+from libdsec import BackendError, LimitOutOfRange, SandboxNotFound, SandboxStateError, StoreUnavailable
 from libdsec.protocol import PauseResult, SandboxInfo, SandboxKind, SandboxStatus, SecurityEvent
 
 from ..backends.base import Capability, Handle
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ..backends.base import SandboxBackend
-    from ..images.store import LayerStore
+    from ..images.store import LayerStore, StoreHealth
     from .admission import Admission, WorkGate
     from .config import EdgeConfig
     from .journal import RecordJournal
@@ -54,6 +54,7 @@ class SandboxTable:
     config: EdgeConfig
     backends: dict[SandboxKind, SandboxBackend]
     store: LayerStore
+    store_health: StoreHealth
     records_dir: Path
     journal: RecordJournal
     _records: dict[str, Record]  # the live sandboxes, by id
@@ -99,8 +100,10 @@ class SandboxTable:
         return rec
 
     async def _ready(self, sandbox_id: str, action: Action) -> Record:
-        """The record of a sandbox that can take a call: a paused one is resumed first."""
+        """The record of a sandbox that can take a call: a paused one is resumed first. Refused
+        (``StoreUnavailable``) while the layer store, which its layers are read from, is away."""
         rec = self._allowed(sandbox_id, action)
+        await self._check_store(rec)
         while rec.status is SandboxStatus.paused:  # the table allows the call: it resumes it
             if not rec.args.auto_resume:
                 raise SandboxStateError(
@@ -113,11 +116,26 @@ class SandboxTable:
             rec = self._allowed(sandbox_id, action)
         return rec
 
+    async def _check_store(self, rec: Record, cached: bool = True) -> None:
+        """Raise ``StoreUnavailable`` if the layer store is away, or if it was mounted again
+        since ``rec`` started (its layers read through the mount that has gone)."""
+        await self.store_health.check(cached)
+        if rec.created_at < self.store_health.remounted_at:
+            raise StoreUnavailable(
+                f"sandbox {rec.id} cannot read its layers: node {self.node} read them through a mount of the "
+                f"layer store {self.store_health.root} that has gone since it started (the store was mounted "
+                f"again); stop it and create another")
+
     async def _call(self, rec: Record, coro):
         rec.calls += 1
         rec.last_active = time.time()
         try:
             return await coro
+        except (BackendError, OSError) as exc:
+            # The store went away since the last check (it is kept for a second): say so.
+            if not isinstance(exc, StoreUnavailable):
+                await self._check_store(rec, cached=False)
+            raise
         except SandboxStateError:
             if rec.status is SandboxStatus.running:
                 if not await self.backends[rec.kind].is_alive(rec.handle):

@@ -5,7 +5,7 @@ Debian bookworm minbase made by debootstrap with python3, bash and git; it takes
 and is cached (``ensure_default_images`` skips images that exist). ``swe-agent`` (``python`` plus
 what SWE-agent's commands assume), ``e2b-base`` (E2B's ``base`` template: user ``user`` with
 passwordless sudo) and the toolchain images (``LANGUAGE_IMAGES``: ``lang-cpp`` …) are built the
-same way, on demand (``dsec image build NAME``).
+same way, on demand (``dsec image build NAME``), as is ``desktop`` (E2B's ``desktop`` template).
 """
 
 from __future__ import annotations
@@ -28,6 +28,20 @@ SWE_AGENT_PACKAGES = (*PYTHON_PACKAGES, "python-is-python3", "less")
 # E2B's base template: what its SDK's tests and its ReadyCmd helpers call (curl, sudo, `ss` of
 # iproute2 for wait_for_port, `pgrep` of procps for wait_for_process).
 E2B_BASE_PACKAGES = (*PYTHON_PACKAGES, "curl", "sudo", "iproute2", "procps")
+# The desktop: Xvfb and the parts of xfce4 that E2B Desktop's start-up waits for (xfce4-session,
+# xfwm4, xfdesktop) with its panel, not the whole xfce4 (no Thunar, power manager, screensaver
+# or sound plugin: nothing a screen of 1280x800 without a person needs, each one memory in every
+# sandbox); what E2B Desktop's calls run (xdotool, scrot, xrandr, xdpyinfo, x11vnc, noVNC with
+# websockify, gtk-launch, xdg-open); a browser, an editor, fonts; the AT-SPI bus and pyatspi
+# for accessibility trees; python3-xlib for DSec's own desktop agent (one X connection).
+DESKTOP_PACKAGES = (
+    *E2B_BASE_PACKAGES, "xvfb", "xauth", "x11-utils", "x11-xserver-utils", "xfce4-session", "xfwm4", "xfdesktop4",
+    "xfce4-panel", "xfce4-terminal", "dbus", "dbus-x11", "at-spi2-core", "python3-pyatspi", "python3-xlib",
+    "xdotool", "scrot", "x11vnc", "novnc", "websockify", "fonts-dejavu-core", "fonts-liberation2", "firefox-esr",
+    "mousepad", "xdg-utils", "libgtk-3-bin",
+    # (a virtual package python3-cryptography needs, through websockify, which debootstrap does not resolve)
+    "python3-cffi-backend",
+)
 
 Log = Callable[[str], None]
 
@@ -95,13 +109,14 @@ def apt_mirror(suite: str = "bookworm") -> str | None:
 def build_debian(
     store: LayerStore, name: str, suite: str = "bookworm", packages: tuple[str, ...] = (),
     log: Log | None = None, workdir: str = "/root", account: str = "agent", sudoer: bool = False,
-    user: str = "root", setuid: bool = False,
+    user: str = "root", setuid: bool = False, finish: Callable[[Path], None] | None = None,
 ) -> Image:
     """A Debian base made by debootstrap (minbase + ``packages``), from the machine's own apt
     mirror (or debootstrap's default); about a minute for bookworm with python3. ``account``
     is a user of uid 1000 with a home of its own (its ``/etc/skel`` files), given passwordless
     sudo when ``sudoer``; ``user`` and ``workdir`` are the image's (a sandbox's defaults);
-    ``setuid``: its sandboxes may gain privileges through setuid programs (sudo)."""
+    ``setuid``: its sandboxes may gain privileges through setuid programs (sudo); ``finish(root)``
+    completes the tree before it becomes the layer."""
     if shutil.which("debootstrap") is None:
         raise LayerBuildError("debootstrap not found: install it (make demo does)")
     if not re.fullmatch(r"[a-z]+", suite):
@@ -130,7 +145,12 @@ def build_debian(
             shutil.rmtree(root / junk, ignore_errors=True)
             (root / junk).mkdir(parents=True, exist_ok=True)
         (root / "tmp").chmod(0o1777)
+        hosts = root / "etc/hosts"  # (debootstrap writes none: `localhost` would not resolve)
+        if not hosts.exists():
+            hosts.write_text("127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n")
         _add_account(root, account, sudoer)
+        if finish is not None:
+            finish(root)
         if log:
             log("mkfs.erofs")
         digest = store.add_dir(root)
@@ -180,6 +200,36 @@ def build_e2b_base(store: LayerStore, name: str = "e2b-base", log: Log | None = 
                         sudoer=True, user="user", setuid=True)
 
 
+def _finish_desktop(root: Path) -> None:
+    """noVNC also at ``/opt/noVNC`` with ``utils/novnc_proxy`` (where E2B Desktop runs it)."""
+    novnc = root / "usr/share/novnc"
+    if not (novnc / "vnc.html").exists():
+        raise LayerBuildError("the novnc package left no /usr/share/novnc/vnc.html")
+    (root / "opt").mkdir(exist_ok=True)
+    (root / "opt/noVNC").symlink_to("/usr/share/novnc")
+    proxy = novnc / "utils/novnc_proxy"
+    if not (proxy.is_symlink() or proxy.exists()):
+        proxy.parent.mkdir(exist_ok=True)
+        # noVNC's own launcher takes --vnc, --listen and --web; websockify does the same job.
+        proxy.write_text(
+            '#!/bin/sh\n# As noVNC: serve --web, proxy --listen to the VNC server at --vnc.\n'
+            'vnc=localhost:5900 listen=6080 web=/usr/share/novnc\n'
+            'while [ $# -gt 0 ]; do case "$1" in\n'
+            '  --vnc) vnc=$2; shift 2;; --listen) listen=$2; shift 2;; --web) web=$2; shift 2;; *) shift;;\n'
+            'esac; done\n'
+            'exec websockify --web "$web" "$listen" "$vnc"\n'
+        )
+        proxy.chmod(0o755)
+
+
+def build_desktop(store: LayerStore, name: str = "desktop", log: Log | None = None) -> Image:
+    """E2B's ``desktop`` template on ``e2b-base``'s terms (user ``user``, passwordless sudo): Xvfb,
+    a light xfce4, xdotool, scrot, x11vnc, noVNC (also at ``/opt/noVNC``), firefox-esr, mousepad,
+    fonts and the AT-SPI bus (``DESKTOP_PACKAGES``). A few minutes and about 1 GB unpacked."""
+    return build_debian(store, name, "bookworm", DESKTOP_PACKAGES, log=log, workdir="/home/user", account="user",
+                        sudoer=True, user="user", setuid=True, finish=_finish_desktop)
+
+
 # Toolchain images, one a language (SandboxFusion's run_code runs in them on the FnCall pool,
 # which needs python3 in every image): Debian bookworm minbase with python3, bash and the
 # language's packages. Slow to build (debootstrap and mkfs.erofs of a few hundred MB): built once,
@@ -201,6 +251,7 @@ def build_language(store: LayerStore, name: str, log: Log | None = None) -> Imag
 
 BUILDERS: dict[str, Callable[..., Image]] = {
     "busybox": build_busybox, "python": build_python, "swe-agent": build_swe_agent, "e2b-base": build_e2b_base,
+    "desktop": build_desktop,
     **{name: (lambda store, name=name, log=None: build_language(store, name, log=log)) for name in LANGUAGE_IMAGES},
 }
 

@@ -9,11 +9,20 @@ are still running; ``release_unused`` unmounts the rest, and detaches any loop d
 backed by a layer of the store that nothing holds (left by an earlier run). ``idmapped`` hands out idmapped clones of
 a layer mount for a sandbox id range (dsec.isolation.userns), made once per (layer, range),
 kept for the last ``CLONES_KEPT`` used, and closed with their layer's mount.
+
+A store on a shared filesystem may be mounted again under the node (its FUSE client died and
+was started again): a layer mount made before reads through the mount that has gone. ``acquire``
+tells it by the device its layer file is on now and was on when mounted, and mounts the layer
+anew for the new sandbox; the sandboxes on the old mount keep it, detached, until they end.
+
+While a layer is mounted here its file is held open with a shared ``flock``: GC, wherever it
+runs on the store (``LayerStore.gc``), removes only the layers it can lock alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import threading
 from collections import Counter, OrderedDict
@@ -40,6 +49,11 @@ class LayerMounts:
             raise ValueError(f"layer attach must be file or loop, not {self.attach!r}")
         self.layers_dir = layers_dir
         self._refs: Counter[str] = Counter()
+        # digest -> (fd, device) of its layer file, open while mounted here with a shared lock on
+        # it: GC on any machine sharing the store leaves a locked layer (LayerStore.gc). The
+        # device tells a store mounted again since (a FUSE client restarted): the mount reads
+        # through the gone one.
+        self._holds: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         # (layer mount target, id range base) -> fd of its detached idmapped clone
         self._clones: OrderedDict[tuple[str, int], int] = OrderedDict()
@@ -118,6 +132,11 @@ class LayerMounts:
                     if self._refs[layer.digest] == 0 and not os.path.ismount(layer.target):
                         layer.target.mkdir(parents=True, exist_ok=True)
                         self._mount(layer)
+                    elif self._stale(layer):
+                        # The sandboxes on the old mount keep it (detached); new ones get this.
+                        self._close_clones(layer.target)
+                        _sys.umount(str(layer.target), _sys.MNT_DETACH)
+                        self._mount(layer)
                     self._refs[layer.digest] += 1
                     done.append(layer)
             except BaseException:
@@ -125,13 +144,43 @@ class LayerMounts:
                     self._release_locked(layer)
                 raise
 
+    def _stale(self, layer: LayerMount) -> bool:
+        """Whether the layer's mount reads through a mount of the store that has gone."""
+        held = self._holds.get(layer.digest)
+        if held is None:  # adopted: mounted by an earlier edge, taken as it is
+            self._hold(layer)
+            return False
+        return os.stat(layer.source).st_dev != held[1]
+
+    def _hold(self, layer: LayerMount) -> None:
+        self._let_go(layer.digest)
+        fd = os.open(layer.source, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            self._holds[layer.digest] = (fd, os.fstat(fd).st_dev)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _let_go(self, digest: str) -> None:
+        held = self._holds.pop(digest, None)
+        if held is not None:
+            # A store that is gone answers the close with an error (ENOTCONN); the fd is closed.
+            with contextlib.suppress(OSError):
+                os.close(held[0])
+
     def _mount(self, layer: LayerMount) -> None:
+        self._hold(layer)
         flags = _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID
-        if self.attach == "file":
-            _sys.mount(str(layer.source), str(layer.target), "erofs", flags)
-            return
-        with loopdev.attached(layer.source) as device:
-            _sys.mount(device, str(layer.target), "erofs", flags)
+        try:
+            if self.attach == "file":
+                _sys.mount(str(layer.source), str(layer.target), "erofs", flags)
+                return
+            with loopdev.attached(layer.source) as device:
+                _sys.mount(device, str(layer.target), "erofs", flags)
+        except BaseException:
+            self._let_go(layer.digest)
+            raise
 
     def release(self, layers: tuple[LayerMount, ...]) -> None:
         with self._lock:
@@ -142,6 +191,7 @@ class LayerMounts:
         self._refs[layer.digest] -= 1
         if self._refs[layer.digest] <= 0:
             del self._refs[layer.digest]
+            self._let_go(layer.digest)
             self._unmount(layer.target)
 
     def _unmount(self, target: Path) -> None:
@@ -170,6 +220,7 @@ class LayerMounts:
             self._sweep_clones()
             for target in self.mount_dir.iterdir():
                 if target.name not in self._refs and target != self.clones_dir:
+                    self._let_go(target.name)
                     self._unmount(target)
                     removed.append(target.name)
             if self.layers_dir is not None:

@@ -12,9 +12,11 @@ half-written one is never visible. Each rename is recorded in the store's index
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -28,9 +30,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from libdsec import ImageNotFound, InvalidRequest
+from libdsec import ImageNotFound, InvalidRequest, StoreUnavailable
 from libdsec.protocol import ImageInfo
 from .index import StoreIndex
+
+log = logging.getLogger("dsec.images")
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}\Z")
 # A fixed filesystem UUID keeps the EROFS bytes free of randomness.
@@ -211,6 +215,22 @@ class LayerStore:
             self.dax_layer_path(digest).unlink(missing_ok=True)
         self.index.layer_removed(digest, unlink)
 
+    def _remove_unheld(self, digest: str) -> bool:
+        """Remove the layer unless a node holds it mounted (a shared lock on its file)."""
+        try:
+            fd = os.open(self.layer_path(digest), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False  # removed meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        else:
+            self.remove_layer(digest)
+            return True
+        finally:
+            os.close(fd)
+
     # -- DAX variants (layers mapped into VMs as persistent memory) ------------------------
 
     def dax_layer_path(self, digest: str) -> Path:
@@ -345,15 +365,79 @@ class LayerStore:
         return self.index.unreferenced_layers()
 
     def gc(self, in_use: frozenset[str] = frozenset()) -> list[str]:
-        """Remove layers no image refers to and no sandbox holds (``in_use``: layer digests)."""
-        removed = [d for d in self.unreferenced_layers() if d not in in_use]
-        for digest in removed:
-            self.remove_layer(digest)
+        """Remove layers no image refers to and no sandbox holds (``in_use``: layer digests).
+        A layer some node has mounted is left too, whichever machine asks: each node holds a
+        shared lock on the files of the layers it has mounted (``dsec.images.mounts``), and a
+        layer is removed only under an exclusive one."""
+        removed = [d for d in self.unreferenced_layers() if d not in in_use and self._remove_unheld(d)]
         for stale in self.tmp_dir.iterdir():
             # Half-built layers of builds that died; a live build's files are younger.
             if time.time() - stale.lstat().st_mtime > 24 * 3600:
                 shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
         return removed
+
+
+class StoreHealth:
+    """Whether a node can read its layer store, asked before every create and every call into a
+    sandbox: a store on a shared filesystem may go away (unmounted, its server stopped, its
+    FUSE client killed), and then the sandboxes' layers cannot be read either.
+
+    ``check()`` stats the store's filesystem (``statvfs`` of its root, which a network or FUSE
+    filesystem answers from its server) in a thread, waits at most ``within_s`` for it, and
+    raises ``StoreUnavailable`` naming the store and the node when it fails or does not answer
+    in time: a call never hangs on a store that is away. An answer is kept for ``fresh_s``;
+    a failure is not kept, so calls work again as soon as the store answers. One stat runs at
+    a time: while one hangs, later checks wait on it (never more than ``within_s``).
+
+    ``remounted_at`` (wall clock, 0 until then) is when a check first saw the store on another
+    device than before: its filesystem was mounted again (a FUSE client that died and was
+    started again). Layer mounts made before then read through the mount that is gone, so the
+    sandboxes that were started before it cannot read their layers any more (the edge refuses
+    their calls with ``StoreUnavailable``); new layer mounts read through the new one
+    (``dsec.images.mounts``)."""
+
+    def __init__(self, root: Path, node: str, within_s: float = 10.0, fresh_s: float = 1.0) -> None:
+        # Named by where it really is (a node's state dir links to a shared store).
+        self.root, self.node = Path(os.path.realpath(root)), node
+        self.within_s, self.fresh_s = within_s, fresh_s
+        self._fine_at = -float("inf")
+        self._probe: asyncio.Future | None = None
+        self.dev: int | None = None
+        self.remounted_at = 0.0
+
+    async def check(self, cached: bool = True) -> None:
+        """Raise ``StoreUnavailable`` unless the store answers (``cached``: or answered within
+        ``fresh_s``)."""
+        if cached and time.monotonic() - self._fine_at < self.fresh_s:
+            return
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(asyncio.to_thread(_store_device, self.root))
+        self._fine_at = -float("inf")  # until it answers: the next check looks again, however soon
+        try:
+            dev = await asyncio.wait_for(asyncio.shield(self._probe), self.within_s)
+        except TimeoutError:
+            raise StoreUnavailable(
+                f"the layer store {self.root} did not answer within {self.within_s:g} s on node {self.node}: "
+                f"its filesystem is away or stuck; sandboxes of this node take calls again once it answers"
+            ) from None
+        except OSError as exc:
+            raise StoreUnavailable(
+                f"the layer store {self.root} cannot be read on node {self.node}: {exc.strerror or exc} "
+                f"(its filesystem is unmounted or its server is away); sandboxes of this node take calls "
+                f"again once it answers"
+            ) from None
+        if self.dev is not None and dev != self.dev:
+            self.remounted_at = time.time()
+            log.warning("the layer store %s was mounted again (device %d, was %d): sandboxes of node %s "
+                        "started before read their layers through the mount that has gone", self.root, dev,
+                        self.dev, self.node)
+        self.dev = dev
+        self._fine_at = time.monotonic()
+
+
+def _store_device(root: Path) -> int:
+    os.statvfs(root)  # answered by a network or FUSE filesystem's server, never from a cache
+    return os.stat(root).st_dev
 
 
 def extract_tar(tar_path: Path, dest: Path) -> None:

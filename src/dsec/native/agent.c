@@ -49,6 +49,13 @@
  *   write PATHLEN DATALEN MODE UID GID    -> ok 0 or err invalid
  *   mkdir PATHLEN UID GID                 -> ok 0 or err invalid
  *   shutdown                              -> ok 0, then the VM powers off
+ *   ident HOSTLEN SEEDLEN                 payloads: a host name, random bytes -> ok 0: the
+ *                                         guest becomes someone new (a fork's child, restored
+ *                                         from its parent's memory): its host name set, the
+ *                                         bytes mixed into the kernel's entropy pool and the
+ *                                         random number generator reseeded from it at once
+ *                                         (RNDRESEEDCRNG), so no two children share a random
+ *                                         stream; or err invalid
  *   changed                               -> ok LEN + the NUL-separated paths (relative to the
  *                                            root) of the files the writable layer holds under
  *                                            bin, sbin, etc, usr and lib*, and of root's and each
@@ -93,6 +100,7 @@
 #include <stdlib.h>
 #include <termios.h>
 #include <string.h>
+#include <linux/random.h>
 #include <net/if.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
@@ -1135,6 +1143,33 @@ static void relay_pack(struct pack *p)
     }
 }
 
+/* A new host name, and fresh bytes in the entropy pool with the generator reseeded from it
+ * now (a write to /dev/urandom alone is only drawn on at the next scheduled reseed, a minute
+ * away: until then children restored from one memory image would draw the same numbers). */
+static void do_ident(const char *id, const char *name, size_t name_len, const char *seed, size_t seed_len)
+{
+    if (sethostname(name, name_len) < 0) {
+        send_err(id, "invalid", "cannot set the host name: %s", strerror(errno));
+        return;
+    }
+    int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+    if (fd < 0) {
+        send_err(id, "invalid", "cannot open /dev/urandom: %s", strerror(errno));
+        return;
+    }
+    struct { struct rand_pool_info info; char bytes[512]; } entropy;
+    entropy.info.entropy_count = (int)(seed_len * 8);
+    entropy.info.buf_size = (int)seed_len;
+    memcpy(entropy.info.buf, seed, seed_len);
+    int failed = ioctl(fd, RNDADDENTROPY, &entropy) < 0 || ioctl(fd, RNDRESEEDCRNG) < 0;
+    int saved = errno;
+    close(fd);
+    if (failed)
+        send_err(id, "invalid", "cannot reseed the random number generator: %s", strerror(saved));
+    else
+        send_ok(id, NULL, 0);
+}
+
 /* -- the loop ---------------------------------------------------------------------------- */
 
 static void handle_request(char *line)
@@ -1150,7 +1185,7 @@ static void handle_request(char *line)
         return;  /* noise: what is left of a frame from before the host reconnected */
     long long a, b, c, d;
     if (strcmp(op, "ping") == 0) {
-        send_ok(id, "run srun pty sin", 16);
+        send_ok(id, "run srun pty sin ident", 22);
     } else if (strcmp(op, "ack") == 0) {  /* JOBID N */
         struct job *j = f[2] ? job_by_id(f[2]) : NULL;
         if (j && number(f[3], &a) == 0 && a > 0)
@@ -1296,6 +1331,24 @@ static void handle_request(char *line)
         start_pack(id, f[2]);
     } else if (strcmp(op, "changed") == 0) {
         do_changed(id);
+    } else if (strcmp(op, "ident") == 0) {  /* HOSTLEN SEEDLEN */
+        char *name, *seed;
+        if (number(f[2], &a) < 0 || number(f[3], &b) < 0 || a < 1 || a > 64 || b < 0 || b > 512) {
+            send_err(id, "invalid", "malformed ident request");
+            return;
+        }
+        if (take_payload(a, &name) < 0)
+            return;
+        if (take_payload(b, &seed) < 0) {
+            free(name);
+            return;
+        }
+        if (name && seed)
+            do_ident(id, name, (size_t)a, seed, (size_t)b);
+        else
+            send_err(id, "invalid", "cannot take a new identity: out of memory");
+        free(name);
+        free(seed);
     } else if (strcmp(op, "shutdown") == 0) {
         send_ok(id, NULL, 0);
         sync();

@@ -126,6 +126,25 @@ def test_background_list_send_stdin_connect_and_kill(sandbox):
         sandbox.commands.connect(999_999)
 
 
+def test_a_disconnected_command_runs_on_and_can_be_killed(sandbox):
+    # As under envd (E2B Desktop starts Xvfb and xfce4 so): the client goes, the command stays,
+    # and what it writes after is taken (xfce4-session, its output's reader gone, ended on SIGPIPE).
+    writer = sandbox.commands.run("sleep 1; seq 100000; echo done > /tmp/after; exec sleep 60", background=True)
+    writer.disconnect()
+    for _ in range(100):
+        if sandbox.files.exists("/tmp/after"):
+            break
+        time.sleep(0.1)
+    assert sandbox.files.read("/tmp/after") == "done\n"
+    assert writer.pid in [p.pid for p in sandbox.commands.list()]
+    assert sandbox.commands.kill(writer.pid) is True
+    for _ in range(50):
+        if writer.pid not in [p.pid for p in sandbox.commands.list()]:
+            break
+        time.sleep(0.1)
+    assert writer.pid not in [p.pid for p in sandbox.commands.list()]
+
+
 def test_files(sandbox):
     sandbox.files.write("/root/f/a.txt", "alpha")  # the parents are made
     sandbox.files.write("/root/f/b.bin", b"\x00\x01\xff")

@@ -92,5 +92,10 @@ class WritableLayer:
                 cgroups.thaw(self.cgroup_parent, source.cid)
             os.close(root)
 
+    async def new_identity(self, handle: Handle, hostname: str, machine_id: str, seed: bytes) -> None:
+        """A fork's child: its host name is its own from its create (its UTS namespace), the
+        kernel's random number generator is the host's; what is left is ``/etc/machine-id``."""
+        await self.write_file(handle, "/etc/machine-id", machine_id.encode() + b"\n", 0o444, 0, 0)
+
     def tampered(self, handle: Handle) -> list[str]:
         return carry.tampered(self._upper(handle))

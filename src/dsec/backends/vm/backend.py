@@ -199,7 +199,7 @@ class VMBackend:
     # fixed when it boots, so VMs are made for each request instead. KEPT_LAYER: clean copies
     # through the guest agent (kept_layer).
     capabilities = frozenset({Capability.KEPT_LAYER, Capability.PIPED_STDIN, Capability.WATCHED, Capability.PROTECTED_PATHS,
-                              Capability.PORTS})
+                              Capability.PORTS, Capability.NEW_IDENTITY})
 
     def __init__(self, node_dir: Path, store: LayerStore, assets_dir: Path | None = None, *,
                  accel: str | None = None, boot_timeout_s: float = 60.0, default_memory_mb: int = DEFAULT_MEMORY_MB,
@@ -841,6 +841,23 @@ class VMBackend:
     async def make_dir(self, handle: Handle, path: str, uid: int, gid: int) -> None:
         raw = path.encode()
         await self._file_call(handle, "make a directory", f"mkdir {len(raw)} {uid} {gid}", raw)
+
+    async def new_identity(self, handle: Handle, hostname: str, machine_id: str, seed: bytes) -> None:
+        """Through the guest agent: the host name and a reseeded random number generator (its
+        ``ident``), then ``/etc/machine-id``. A guest whose agent predates ``ident`` (restored
+        from an old snapshot) cannot be made someone new: ``BackendError``."""
+        live = self._get(handle, "take a new identity")
+        if "ident" not in live.agent.features:
+            raise BackendError(f"{self.kind} {handle.cid} cannot take a new identity: its guest agent has no "
+                               "'ident' (a VM restored from a snapshot taken before it)")
+        name = hostname.encode()
+        try:
+            await live.agent.request(f"ident {len(name)} {len(seed)}", name, seed, timeout=30.0)
+        except AgentFailure as exc:
+            raise BackendError(f"{self.kind} {handle.cid} cannot take a new identity: {exc.message}") from None
+        except AgentGone as exc:
+            raise self._gone(handle, live, exc) from None
+        await self.write_file(handle, "/etc/machine-id", machine_id.encode() + b"\n", 0o444, 0, 0)
 
     async def resolve_user(self, handle: Handle, user: str) -> tuple[int, int]:
         """``root``, ``UID``, ``UID:GID`` or a name from the image's /etc/passwd."""

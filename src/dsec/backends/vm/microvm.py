@@ -81,7 +81,7 @@ class SnapshotDamaged(InvalidRequest):
 class MicroVMBackend(VMBackend):
     kind = "microvm"
     capabilities = frozenset({Capability.KEPT_LAYER, Capability.SNAPSHOT, Capability.PIPED_STDIN, Capability.WATCHED,
-                              Capability.PROTECTED_PATHS, Capability.PORTS})
+                              Capability.PROTECTED_PATHS, Capability.PORTS, Capability.NEW_IDENTITY})
 
     def __init__(self, node_dir: Path, store, assets_dir: Path | None = None, *, layer_mode: str = "pmem",
                  use_ksm: bool | None = None, **kw) -> None:

@@ -82,6 +82,13 @@ class TimeoutRequest(_Request):
     timeout: int = Field(ge=0)
 
 
+class ForkRequest(_Request):
+    """E2B's fork: ``count`` children (1 to 20), each with ``timeout`` seconds to live."""
+
+    timeout: int = Field(15, ge=1)
+    count: int = Field(1, ge=1, le=20)
+
+
 class ConnectRequest(_Request):
     timeout: int | None = Field(None, ge=1)
 

@@ -13,7 +13,10 @@ Each route parses E2B's request into one DSec call on the cluster and answers in
   (``autoResume.enabled``) is ``auto_resume`` (unset: True, DSec's default); a paused
   sandbox keeps its memory, so a filesystem-only pause is refused;
 - ``network.allowOut`` names domains (a name with a dot, or an IPv4 address) and DSec's mirror
-  services (a name without a dot) for its allowlist; ``denyOut`` is what DSec denies anyway.
+  services (a name without a dot) for its allowlist; ``denyOut`` is what DSec denies anyway;
+- a fork is DSec's ``fork`` with each child on its own (``all_or_none=False``), its ``timeout``
+  the children's TTL; a child that carried only the filesystem (a container) runs its
+  template's start command afresh.
 
 Errors are E2B's ``{"code": STATUS, "message"}`` bodies.
 """
@@ -34,13 +37,16 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from libdsec import BackendError, DSecError, ImageNotFound, InvalidRequest, SandboxLost, SandboxNotFound, SandboxStateError
-from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxInfo, SandboxStatus, StartProcessRequest
+from libdsec._errors import error_from_wire
+from libdsec.protocol import (
+    DSecContainerRunArgs, ExecRequest, ForkChild, SandboxInfo, SandboxStatus, StartProcessRequest,
+)
 
 from ... import settings
 from ...apiserver.auth import Authenticator, Caller
 from ...apiserver.cluster import Cluster
 from . import _models as m
-from ._errors import api_error, error_body
+from ._errors import api_error, error_body, status_of
 from .envd import ENVD_VERSION, EnvdTokens
 from .snapshots import add_snapshot_routes, start_of
 from .templates import add_template_routes
@@ -278,6 +284,33 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         duration = body.get("duration") if isinstance(body, dict) else None
         await cluster.edge_for(sandbox_id).set_ttl(sandbox_id, float(duration or info.ttl_running_stop))
         return Response(status_code=204)
+
+    @router.post("/sandboxes/{sandbox_id}/fork")
+    @_answers
+    async def fork(request: Request, sandbox_id: str) -> JSONResponse:
+        """E2B's fork: each child succeeds or fails on its own (DSec's ``all_or_none=False``);
+        a child that forked the filesystem only runs its template's start command afresh."""
+        body = m.parse(m.ForkRequest, await m.read_json(request) or {})
+        _, info = await visible(request, sandbox_id)
+        result = await cluster.fork(sandbox_id, body.count, False, float(body.timeout))
+        template = info.labels.get(TEMPLATE_LABEL, info.image)
+
+        async def answer(child: ForkChild) -> dict:
+            if child.sandbox is None:
+                error = child.error
+                status = status_of(error_from_wire({"error": error.model_dump()}, 500)) if error else 500
+                return {"error": {"code": status, "message": error.message if error else "the fork failed"}}
+            try:
+                if result.kind == "filesystem":
+                    await started(child.sandbox, template)
+            except DSecError as exc:
+                with contextlib.suppress(DSecError):
+                    await cluster.stop(child.sandbox.id, "its template's start failed")
+                return {"error": {"code": status_of(exc), "message": exc.message}}
+            return {"sandbox": created(child.sandbox, template).model_dump(mode="json")}
+
+        answers = await asyncio.gather(*(answer(child) for child in result.children))
+        return JSONResponse(list(answers), status_code=201)
 
     @router.post("/sandboxes/{sandbox_id}/pause")
     @_answers

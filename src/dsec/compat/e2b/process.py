@@ -5,9 +5,10 @@ its ``run`` returns), so ``Start`` chooses by ``stdin``:
 
 - ``stdin=False`` (the SDK's default): a streamed command (``exec_stream``, DSec's one-call
   path), its pid told first by the shell that then becomes it. It reads ``/dev/null``. It is
-  listed, killed and connected to through the apiserver that streams it (``streamed``); it ends
-  with the stream that started it (a client gone, ``handle.disconnect()``), as DSec's streamed
-  commands do.
+  listed, killed and connected to through the apiserver that streams it (``streamed``). A client
+  that goes away (``handle.disconnect()``, E2B Desktop's way of starting its desktop) leaves it
+  running, as envd does: the apiserver follows it on its own (``_drain``), its output going to
+  those connected, until it ends, is killed, or reaches its stream's deadline.
 - ``stdin=True``: a DSec background process (``dsec.edge.processes``) started and followed in
   one call: it takes stdin (``SendInput``, ``CloseStdin``), outlives its client, and is listed,
   signalled and connected to (output from now on) through any apiserver.
@@ -43,6 +44,8 @@ from .pty import PtyService, is_pty
 
 # Left to themselves, kills sent because a stream's deadline passed (a task each, held here).
 _KILLS: set[asyncio.Task] = set()
+# Streamed commands whose client went away, followed until they end (a task each, held here).
+_DRAINS: set[asyncio.Task] = set()
 
 
 def _command(config: pb.ProcessConfig | None, stdin: bool) -> str:
@@ -109,6 +112,8 @@ class ProcessService:
         deadline = None if not deadline_ms else started + deadline_ms / 1000
         ended = False
         stopped = asyncio.ensure_future(streamed.stop.wait()) if streamed is not None else None
+        step: asyncio.Future | None = None  # the read of the next event, while one is pending
+        detached = False  # the client went away (a streamed command runs on: _drain)
 
         def tell(event: pb.ProcessEvent) -> pb.ProcessEvent:
             for queue in streamed.listeners if streamed is not None else ():
@@ -135,6 +140,7 @@ class ProcessService:
                     event: ExecEvent = step.result()
                 except StopAsyncIteration:
                     break
+                step = None
                 if event.event in ("stdout", "stderr"):
                     data = pb.ProcessEvent.DataEvent(output=Oneof(event.event, event.data.encode()))
                     yield tell(_event(data))
@@ -151,6 +157,9 @@ class ProcessService:
                         raise _sandbox_gone(target)
                     err = event.error or {}
                     raise ConnectError(Code.INTERNAL, str(err.get("message", "the process's stream failed")))
+        except (GeneratorExit, asyncio.CancelledError):
+            detached = True
+            raise
         except TimeoutError:
             if streamed is None:  # (a streamed command dies with its stream)
                 self._kill_later(target, pid)
@@ -160,17 +169,65 @@ class ProcessService:
                 raise _sandbox_gone(target) from None
             raise rpc_error(exc) from None
         finally:
-            if stopped is not None:
-                stopped.cancel()
-                for queue in streamed.listeners:
-                    queue.put_nowait(None)
-                self.streamed.pop((target.sandbox_id, pid), None)
+            if (detached and streamed is not None and not ended
+                    and (deadline is None or time.monotonic() < deadline - 0.05)):
+                # The client went away: the command runs on, followed (and ended) by _drain.
+                task = asyncio.get_running_loop().create_task(
+                    self._drain(target, pid, events, streamed, stopped, step, deadline))
+                _DRAINS.add(task)
+                task.add_done_callback(_DRAINS.discard)
+            else:
+                if stopped is not None:
+                    stopped.cancel()
+                    for queue in streamed.listeners:
+                        queue.put_nowait(None)
+                    self.streamed.pop((target.sandbox_id, pid), None)
+                await events.aclose()
+                if streamed is not None:
+                    streamed.ended.set()
+                if (streamed is None and not ended and deadline is not None
+                        and time.monotonic() >= deadline - 0.05):
+                    self._kill_later(target, pid)  # the client gave up at its deadline first
+
+    async def _drain(self, target, pid: int, events: AsyncIterator[ExecEvent], streamed: _Streamed,
+                     stopped: asyncio.Future, step: asyncio.Future | None, deadline: float | None) -> None:
+        """A streamed command whose client went away: its events go to those connected to it
+        until it ends; a kill (``streamed.stop``) or its stream's deadline closes its stream,
+        which ends it."""
+
+        def tell(event: pb.ProcessEvent) -> None:
+            for queue in streamed.listeners:
+                queue.put_nowait(event)
+
+        try:
+            while True:
+                step = step or asyncio.ensure_future(anext(events))
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, _ = await asyncio.wait({step, stopped}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                if step not in done:  # killed, or at its deadline: closing the stream ends it
+                    step.cancel()
+                    await asyncio.gather(step, return_exceptions=True)
+                    tell(_event(_end(128 + streamed.signal)))
+                    return
+                try:
+                    event: ExecEvent = step.result()
+                except (StopAsyncIteration, DSecError):
+                    return
+                step = None
+                if event.event in ("stdout", "stderr"):
+                    tell(_event(pb.ProcessEvent.DataEvent(output=Oneof(event.event, event.data.encode()))))
+                elif event.event == "exit" and event.result is not None:
+                    tell(_event(_end(event.result.exit_code)))
+                    return
+                elif event.event == "error":
+                    return
+        finally:
+            stopped.cancel()
+            for queue in streamed.listeners:
+                queue.put_nowait(None)
+            self.streamed.pop((target.sandbox_id, pid), None)
             await events.aclose()
-            if streamed is not None:
-                streamed.ended.set()
-            if (streamed is None and not ended and deadline is not None
-                    and time.monotonic() >= deadline - 0.05):
-                self._kill_later(target, pid)  # the client gave up at its deadline first
+            streamed.ended.set()
 
     def _kill_later(self, target, pid: int) -> None:
         async def kill() -> None:

@@ -1,0 +1,259 @@
+"""Desktops: ``Desktops``, the part of ``dsec.edge.edge.Edge`` that starts a sandbox's desktop
+and drives it (screenshots, mouse, keyboard, windows, applications).
+
+A sandbox made with ``desktop=DesktopSpec(...)`` gets, as its create's last step, the desktop
+agent (``dsec/native/desktop_agent.py``, run by the image's python3 with python3-xlib): it starts
+Xvfb and the session and keeps one X connection, and it listens on ``AGENT_PORT`` on the
+sandbox's loopback. The node keeps one TCP connection to it (``connect_port``, into the
+sandbox's network namespace), so a screenshot or a click is one request on an open connection
+to a process that holds an open X connection: no command started per action. The create returns
+once the agent answers (the X server up, the window manager managing); a desktop that does not
+come up fails the create, and the sandbox is removed.
+
+The connection is the edge's (an edge restarted under the sandbox connects again on the next
+call). A call on a sandbox without a desktop, or whose X server or agent died, is
+``DesktopUnavailable`` naming which; the sandbox's other calls go on working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shlex
+import struct
+import time
+from pathlib import Path
+
+from libdsec import DesktopUnavailable, DSecError, InvalidRequest, PortUnreachable, SandboxStateError
+from libdsec.protocol import (
+    DesktopInfo,
+    DesktopInput,
+    DesktopLaunchRequest,
+    DesktopWindow,
+    DSecContainerRunArgs,
+    ExecRequest,
+    ProcessInfo,
+    SandboxKind,
+    StartProcessRequest,
+)
+
+from ..backends.base import Capability
+from .lifecycle import Action, Record
+from .table import SandboxTable
+
+log = logging.getLogger("dsec.edge")
+
+AGENT_PORT = 49990  # the desktop agent's, on the sandbox's loopback
+DISPLAY = ":0"
+AGENT_SOURCE = (Path(__file__).resolve().parent.parent / "native" / "desktop_agent.py").read_text()
+START_TIMEOUT_S = 30.0
+# What the image must have: checked before the agent starts, for an error that names it.
+_NEEDS = ('command -v Xvfb >/dev/null || { echo "no Xvfb"; exit 1; }; '
+          'python3 -c "import Xlib" 2>/dev/null || { echo "no python3 with python3-xlib"; exit 1; }')
+_SESSION_NEEDS = {"xfce4": "xfce4-session", "wm": "xfwm4", "none": None}
+
+
+# A file opened with the application its type's default names (its desktop entry, through
+# gtk-launch: xfce4's exo-open fails on files here), a URL or anything else with xdg-open.
+_OPEN = r'''t=TARGET
+case "$t" in *://*) exec xdg-open "$t";; esac
+m=$(python3 -c 'import mimetypes, sys; print(mimetypes.guess_type(sys.argv[1])[0] or "")' "$t")
+a=$(xdg-mime query default "${m:-application/octet-stream}" 2>/dev/null)
+[ -n "$a" ] && exec gtk-launch "${a%.desktop}" "$t"
+exec xdg-open "$t"
+'''
+
+
+# What is left of a dead desktop, killed before it starts again (the agent by its source's first
+# line, which its command line holds; the bracket keeps this command itself out of the match).
+_KILL_DESKTOP = "pkill -KILL -f 'The desktop [a]gent: run inside' ; pkill -KILL -x Xvfb ; true"
+
+
+class _Agent:
+    """One open connection to a sandbox's desktop agent; one request at a time."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.lock = asyncio.Lock()
+
+    async def call(self, request: dict) -> tuple[dict, bytes]:
+        body = json.dumps(request).encode()
+        async with self.lock:
+            self.writer.write(struct.pack(">I", len(body)) + body)
+            await self.writer.drain()
+            size = struct.unpack(">I", await self.reader.readexactly(4))[0]
+            header = json.loads(await self.reader.readexactly(size))
+            payload = await self.reader.readexactly(header["size"]) if header.get("size") else b""
+        return header, payload
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Desktops(SandboxTable):
+    """Desktops in sandboxes (see the module)."""
+
+    # Made by Edge.__init__: sandbox id -> the open connection to its desktop agent, and the
+    # restarts under way of desktops found dead.
+    _desktops: dict[str, _Agent]
+    _desktop_restarts: dict[str, asyncio.Task]
+
+    def _check_desktop(self, args: DSecContainerRunArgs, kind: SandboxKind) -> None:
+        """A create asking for a desktop of a kind this node cannot give one (before anything is made)."""
+        if getattr(args, "desktop", None) is None:
+            return
+        if kind is not SandboxKind.container or Capability.PORTS not in self._backend(kind).capabilities:
+            raise InvalidRequest(f"a {kind.value} sandbox on node {self.node} cannot have a desktop "
+                                 f"(desktops are for container sandboxes here)")
+
+    async def _start_desktop(self, rec: Record) -> None:
+        """Start the desktop of a new sandbox and wait until its agent answers."""
+        spec = rec.args.desktop
+        needs = _NEEDS
+        if program := _SESSION_NEEDS[spec.session]:
+            needs += f'; command -v {program} >/dev/null || {{ echo "no {program} (session {spec.session})"; exit 1; }}'
+        checked = await self.exec(rec.id, ExecRequest(command=needs, timeout=30.0))
+        if checked.exit_code != 0:
+            raise InvalidRequest(f"image {rec.image.name!r} cannot run a desktop: {checked.stdout.strip()} "
+                                 f"(the `desktop` image can: dsec image build desktop)")
+        command = (f'exec python3 -c "$DESKTOP_AGENT_PY" {spec.width} {spec.height} {spec.dpi} {AGENT_PORT} '
+                   f'{DISPLAY} {shlex.quote(spec.session)}')
+        process = await self.start_process(rec.id, StartProcessRequest(
+            command=command, env={"DESKTOP_AGENT_PY": AGENT_SOURCE, "DISPLAY": DISPLAY}))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                agent = await self._connect_agent(rec)
+                await agent.call({"op": "info"})
+                break
+            except (PortUnreachable, ConnectionError, asyncio.IncompleteReadError):
+                pass
+            info = await self.get_process(rec.id, process.pid)
+            if not info.running or time.monotonic() > deadline:
+                tail = await self.exec(rec.id, ExecRequest(
+                    command=f"tail -c 800 /tmp/.dsec-proc/{process.pid}/err; tail -c 400 /tmp/.dsec-xvfb.log",
+                    timeout=10.0))
+                why = f"its agent exited ({info.exit_code})" if not info.running else \
+                    f"not answering after {START_TIMEOUT_S:.0f} s"
+                raise DesktopUnavailable(f"the desktop of sandbox {rec.id} did not start: {why}: "
+                                         f"{tail.stdout.strip()[-1000:]}")
+            await asyncio.sleep(0.02)
+        self._desktops[rec.id] = agent
+        self._sweep_desktops()
+
+    def _sweep_desktops(self) -> None:
+        for sandbox_id in [s for s in self._desktops if s not in self._records]:
+            self._desktops.pop(sandbox_id).close()
+
+    def _restart_desktop(self, rec: Record) -> None:
+        """Start again, in the background, a desktop found dead (its X server or agent gone):
+        what is left of it killed first; one restart at a time per sandbox."""
+        if rec.id in self._desktop_restarts or rec.id not in self._records:
+            return
+
+        async def restart() -> None:
+            try:
+                await self.exec(rec.id, ExecRequest(command=_KILL_DESKTOP, user="root", timeout=10.0))
+                await self._start_desktop(rec)
+            except (DSecError, OSError) as exc:
+                log.warning("could not start the desktop of sandbox %s again: %s", rec.id, exc)
+            finally:
+                self._desktop_restarts.pop(rec.id, None)
+
+        self._desktop_restarts[rec.id] = asyncio.get_running_loop().create_task(restart())
+
+    def close_desktops(self) -> None:
+        for task in self._desktop_restarts.values():
+            task.cancel()
+        for agent in self._desktops.values():
+            agent.close()
+        self._desktops.clear()
+
+    async def _connect_agent(self, rec: Record) -> _Agent:
+        reader, writer = await self.backends[rec.kind].connect_port(rec.handle, AGENT_PORT)
+        return _Agent(reader, writer)
+
+    async def _desktop_call(self, sandbox_id: str, request: dict) -> tuple[Record, dict, bytes]:
+        rec = await self._ready(sandbox_id, Action.exec)
+        if getattr(rec.args, "desktop", None) is None:
+            raise DesktopUnavailable(f"sandbox {sandbox_id} has no desktop: create it with "
+                                     f"desktop=DesktopSpec(...)")
+        return rec, *await self._call(rec, self._agent_call(rec, request))
+
+    async def _agent_call(self, rec: Record, request: dict) -> tuple[dict, bytes]:
+        agent = self._desktops.get(rec.id)
+        try:
+            if agent is None:  # an edge restarted under the sandbox: connect again
+                agent = self._desktops[rec.id] = await self._connect_agent(rec)
+            header, payload = await agent.call(request)
+        except (PortUnreachable, ConnectionError, asyncio.IncompleteReadError) as exc:
+            if self._desktops.get(rec.id) is agent and agent is not None:
+                self._desktops.pop(rec.id).close()
+            self._restart_desktop(rec)
+            raise DesktopUnavailable(f"the desktop of sandbox {rec.id} is gone: its desktop agent does not answer "
+                                     f"({type(exc).__name__}); it is being started again, and the sandbox's other "
+                                     f"calls still work") from None
+        except SandboxStateError:
+            raise
+        except DSecError as exc:
+            raise DesktopUnavailable(f"the desktop of sandbox {rec.id} cannot be reached: {exc}") from None
+        if not header["ok"]:
+            if header["error"] == "invalid":
+                raise InvalidRequest(header["message"])
+            self._desktops.pop(rec.id, None)
+            agent.close()
+            self._restart_desktop(rec)
+            raise DesktopUnavailable(f"the X server of sandbox {rec.id}'s desktop died ({header['message']}); it is "
+                                     f"being started again, and the sandbox's other calls still work")
+        return header, payload
+
+    # -- the calls ------------------------------------------------------------------------------
+
+    async def desktop_screenshot(self, sandbox_id: str, format: str = "png") -> bytes:
+        if format not in ("png", "raw"):
+            raise InvalidRequest(f"screenshot format {format!r}: png or raw (BGRX pixels, 4 bytes each)")
+        _, _, payload = await self._desktop_call(sandbox_id, {"op": "screenshot", "format": format})
+        return payload
+
+    def _info(self, rec: Record, header: dict) -> DesktopInfo:
+        spec = rec.args.desktop
+        return DesktopInfo(width=spec.width, height=spec.height, dpi=spec.dpi, display=DISPLAY,
+                           cursor_x=header["x"], cursor_y=header["y"])
+
+    async def desktop_info(self, sandbox_id: str) -> DesktopInfo:
+        rec, header, _ = await self._desktop_call(sandbox_id, {"op": "info"})
+        return self._info(rec, header)
+
+    async def desktop_input(self, sandbox_id: str, request: DesktopInput) -> DesktopInfo:
+        fields = request.model_dump(exclude_none=True)
+        action = fields.pop("action")
+        need = {"move": ("x", "y"), "drag": ("x", "y", "to_x", "to_y"), "type": ("text",), "press": ("keys",)}
+        missing = [f for f in need.get(action, ()) if f not in fields]
+        if missing:
+            raise InvalidRequest(f"desktop action {action!r} needs {', '.join(missing)}")
+        if ("x" in fields) != ("y" in fields):
+            raise InvalidRequest(f"desktop action {action!r}: give both x and y, or neither")
+        rec, header, _ = await self._desktop_call(sandbox_id, {"op": action, **fields})
+        return self._info(rec, header)
+
+    async def desktop_windows(self, sandbox_id: str) -> list[DesktopWindow]:
+        _, header, _ = await self._desktop_call(sandbox_id, {"op": "windows"})
+        return [DesktopWindow.model_validate(w) for w in header["windows"]]
+
+    async def desktop_focus(self, sandbox_id: str, window: int) -> None:
+        await self._desktop_call(sandbox_id, {"op": "focus", "window": window})
+
+    async def desktop_launch(self, sandbox_id: str, request: DesktopLaunchRequest) -> ProcessInfo:
+        if (request.app is None) == (request.open is None):
+            raise InvalidRequest("launch needs one of app (a desktop entry's name) and open (a file or URL)")
+        rec = await self._ready(sandbox_id, Action.exec)
+        if getattr(rec.args, "desktop", None) is None:
+            raise DesktopUnavailable(f"sandbox {sandbox_id} has no desktop: create it with desktop=DesktopSpec(...)")
+        if request.app is not None:
+            command = f"exec gtk-launch {shlex.quote(request.app)}" + (
+                f" {shlex.quote(request.uri)}" if request.uri else "")
+        else:
+            command = _OPEN.replace("TARGET", shlex.quote(request.open))
+        env = {"DISPLAY": DISPLAY, **({"XDG_CURRENT_DESKTOP": "XFCE"} if rec.args.desktop.session == "xfce4" else {})}
+        return await self.start_process(sandbox_id, StartProcessRequest(command=command, env=env))

@@ -1,0 +1,376 @@
+"""The desktop agent: run inside a sandbox (``python3 -c`` with this source, python3-xlib), never
+imported by the server.
+
+It starts the X server (Xvfb, ready when it writes its display number on ``-displayfd``) and
+the desktop session, opens ONE connection to the X server, and serves the node on
+127.0.0.1:PORT in the sandbox's network namespace: screenshots (``GetImage`` of the root
+window, encoded as PNG here) and input (the XTEST extension, as xdotool sends it), each a
+request on that one connection.
+
+Wire, one request at a time: the node sends a 4-byte big-endian length and a JSON object
+(``op`` and its arguments); the agent answers a 4-byte length, a JSON header (``ok`` true with
+``size`` bytes of payload following, or ``ok`` false with ``error``: ``invalid`` (the request's
+fault) or ``x_gone`` (the X server is gone), and ``message``).
+
+Arguments: WIDTH HEIGHT DPI PORT DISPLAY SESSION (``xfce4``: xfce4-session on a D-Bus session
+bus, as E2B Desktop starts it; ``wm``: xfwm4 alone; ``none``: only the X server).
+"""
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+import zlib
+
+from Xlib import X, XK, display as xdisplay, error as xerror
+from Xlib.ext import xtest
+from Xlib.protocol import event as xevent
+
+BUTTONS = {"left": 1, "middle": 2, "right": 3, "back": 8, "forward": 9}
+# Key names as agents write them (xdotool's, pyautogui's) -> X keysym names.
+ALIASES = {
+    "ctrl": "Control_L", "control": "Control_L", "alt": "Alt_L", "shift": "Shift_L", "super": "Super_L",
+    "win": "Super_L", "meta": "Super_L", "cmd": "Super_L", "enter": "Return", "return": "Return",
+    "esc": "Escape", "escape": "Escape", "backspace": "BackSpace", "tab": "Tab", "space": "space",
+    "delete": "Delete", "del": "Delete", "insert": "Insert", "home": "Home", "end": "End",
+    "pageup": "Prior", "page_up": "Prior", "pagedown": "Next", "page_down": "Next", "up": "Up", "down": "Down",
+    "left": "Left", "right": "Right", "capslock": "Caps_Lock", "menu": "Menu", "printscreen": "Print",
+}
+MAX_TEXT = 65536
+
+
+class Invalid(Exception):
+    pass
+
+
+def png(width, height, bgrx):
+    """PNG (8-bit RGB, no filter) of a ZPixmap image in BGRX order."""
+    rgb = bytearray(width * height * 3)
+    rgb[0::3] = bgrx[2::4]
+    rgb[1::3] = bgrx[1::4]
+    rgb[2::3] = bgrx[0::4]
+    stride = width * 3
+    rows = b"".join(b"\x00" + rgb[i:i + stride] for i in range(0, len(rgb), stride))
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows, 1)) + chunk(b"IEND", b""))
+
+
+class Desktop:
+    def __init__(self, name):
+        self.d = xdisplay.Display(name)
+        self.root = self.d.screen().root
+        self.width = self.d.screen().width_in_pixels
+        self.height = self.d.screen().height_in_pixels
+        if not self.d.has_extension("XTEST"):
+            raise SystemExit("the X server has no XTEST extension")
+        self.spare = None  # a keycode with no keysym, borrowed for characters the keymap lacks
+
+    def atom(self, name):
+        return self.d.intern_atom(name)
+
+    # -- input ------------------------------------------------------------------------------
+
+    def _point(self, x, y):
+        if not (0 <= x < self.width and 0 <= y < self.height):
+            raise Invalid(f"({x}, {y}) is outside the {self.width}x{self.height} screen")
+        return x, y
+
+    def move(self, x, y):
+        x, y = self._point(x, y)
+        xtest.fake_input(self.d, X.MotionNotify, x=x, y=y)
+
+    def _button(self, name):
+        if name not in BUTTONS:
+            raise Invalid(f"unknown button {name!r}: one of {', '.join(BUTTONS)}")
+        return BUTTONS[name]
+
+    def click(self, x=None, y=None, button="left", count=1):
+        b = self._button(button)
+        if not 1 <= count <= 10:
+            raise Invalid(f"count {count} is outside 1-10")
+        if x is not None:
+            self.move(x, y)
+        for _ in range(count):
+            xtest.fake_input(self.d, X.ButtonPress, b)
+            xtest.fake_input(self.d, X.ButtonRelease, b)
+
+    def button(self, down, x=None, y=None, button="left"):
+        b = self._button(button)
+        if x is not None:
+            self.move(x, y)
+        xtest.fake_input(self.d, X.ButtonPress if down else X.ButtonRelease, b)
+
+    def drag(self, x, y, to_x, to_y, button="left"):
+        b = self._button(button)
+        self._point(to_x, to_y)
+        self.move(x, y)
+        xtest.fake_input(self.d, X.ButtonPress, b)
+        self.d.sync()
+        steps = 8
+        for i in range(1, steps + 1):
+            self.move(x + (to_x - x) * i // steps, y + (to_y - y) * i // steps)
+            self.d.sync()
+        xtest.fake_input(self.d, X.ButtonRelease, b)
+
+    def scroll(self, dx=0, dy=0, x=None, y=None):
+        if x is not None:
+            self.move(x, y)
+        for amount, less, more in ((dy, 4, 5), (dx, 6, 7)):
+            if abs(amount) > 100:
+                raise Invalid(f"scroll of {amount} clicks is over 100")
+            b = more if amount > 0 else less
+            for _ in range(abs(amount)):
+                xtest.fake_input(self.d, X.ButtonPress, b)
+                xtest.fake_input(self.d, X.ButtonRelease, b)
+
+    def _keysym(self, name):
+        if not name:
+            raise Invalid("an empty key name")
+        keysym = XK.string_to_keysym(ALIASES.get(name.lower(), name))
+        if not keysym and len(name) > 1 and name[0].lower() == "f" and name[1:].isdigit():
+            keysym = XK.string_to_keysym(name.upper())
+        if not keysym and len(name) == 1:
+            keysym = _char_keysym(name)
+        if not keysym:
+            raise Invalid(f"unknown key name {name!r}")
+        return keysym
+
+    def _keycode(self, keysym):
+        """(keycode, shifted) for ``keysym``, remapping the spare keycode if the keymap lacks it."""
+        for code, index in self.d.keysym_to_keycodes(keysym):
+            if index in (0, 1):
+                return code, index == 1
+        if self.spare is None:
+            first = self.d.display.info.min_keycode
+            count = self.d.display.info.max_keycode - first + 1
+            mapping = self.d.get_keyboard_mapping(first, count)
+            empty = [first + i for i, syms in enumerate(mapping) if not any(syms)]
+            if not empty:
+                raise Invalid("no free keycode for a character the keymap lacks")
+            self.spare = empty[-1]
+        self.d.change_keyboard_mapping(self.spare, [(keysym, keysym)])
+        self.d.sync()
+        return self.spare, False
+
+    def _tap(self, keysym):
+        code, shifted = self._keycode(keysym)
+        shift = self.d.keysym_to_keycode(XK.XK_Shift_L)
+        if shifted:
+            xtest.fake_input(self.d, X.KeyPress, shift)
+        xtest.fake_input(self.d, X.KeyPress, code)
+        xtest.fake_input(self.d, X.KeyRelease, code)
+        if shifted:
+            xtest.fake_input(self.d, X.KeyRelease, shift)
+        if code == self.spare:
+            self.d.sync()
+
+    def press(self, keys):
+        syms = [self._keysym(k) for k in keys.split("+")] if keys != "+" else [self._keysym("+")]
+        codes = []
+        for sym in syms:
+            code, shifted = self._keycode(sym)
+            codes.append(code)
+        for code in codes:
+            xtest.fake_input(self.d, X.KeyPress, code)
+        for code in reversed(codes):
+            xtest.fake_input(self.d, X.KeyRelease, code)
+
+    def type(self, text):
+        if len(text) > MAX_TEXT:
+            raise Invalid(f"text of {len(text)} characters is over {MAX_TEXT}")
+        for i, ch in enumerate(text):
+            self._tap(_char_keysym(ch))
+            if i % 200 == 199:
+                self.d.sync()
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def cursor(self):
+        p = self.root.query_pointer()
+        return {"x": p.root_x, "y": p.root_y}
+
+    def screenshot(self, fmt):
+        image = self.root.get_image(0, 0, self.width, self.height, X.ZPixmap, 0xFFFFFFFF)
+        if fmt == "raw":
+            return image.data
+        return png(self.width, self.height, image.data)
+
+    def _text(self, window, name, kind):
+        prop = window.get_full_property(self.atom(name), kind)
+        if prop is None or prop.value is None:
+            return None
+        value = prop.value
+        return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+    def windows(self):
+        prop = self.root.get_full_property(self.atom("_NET_CLIENT_LIST"), X.AnyPropertyType)
+        ids = list(prop.value) if prop is not None else []
+        active = self.root.get_full_property(self.atom("_NET_ACTIVE_WINDOW"), X.AnyPropertyType)
+        active_id = active.value[0] if active is not None and len(active.value) else 0
+        out = []
+        for wid in ids:
+            w = self.d.create_resource_object("window", wid)
+            try:
+                title = self._text(w, "_NET_WM_NAME", self.atom("UTF8_STRING")) or self._text(
+                    w, "WM_NAME", X.AnyPropertyType) or ""
+                wm_class = w.get_wm_class() or ("", "")
+                geom = w.get_geometry()
+                at = w.translate_coords(self.root, 0, 0)
+                pid = w.get_full_property(self.atom("_NET_WM_PID"), X.AnyPropertyType)
+            except xerror.BadWindow:
+                continue  # closed since the list was read
+            out.append({
+                "id": wid, "title": title, "app": wm_class[1] or wm_class[0], "x": -at.x, "y": -at.y,
+                "width": geom.width, "height": geom.height,
+                "pid": int(pid.value[0]) if pid is not None and len(pid.value) else None, "focused": wid == active_id,
+            })
+        return out
+
+    def focus(self, window):
+        ids = [w["id"] for w in self.windows()]
+        if window not in ids:
+            raise Invalid(f"no window {window} on the desktop (windows: {ids})")
+        w = self.d.create_resource_object("window", window)
+        ev = xevent.ClientMessage(window=w, client_type=self.atom("_NET_ACTIVE_WINDOW"),
+                                  data=(32, [2, X.CurrentTime, 0, 0, 0]))
+        self.root.send_event(ev, event_mask=X.SubstructureRedirectMask | X.SubstructureNotifyMask)
+        w.configure(stack_mode=X.Above)
+        w.set_input_focus(X.RevertToParent, X.CurrentTime)
+
+    def has_wm(self):
+        return self.d.get_selection_owner(self.atom("WM_S0")) != X.NONE
+
+    # -- a request --------------------------------------------------------------------------
+
+    def handle(self, req):
+        op = req.get("op")
+        if op == "screenshot":
+            return {}, self.screenshot(req.get("format", "png"))
+        if op == "info":
+            return {"width": self.width, "height": self.height, **self.cursor()}, b""
+        if op == "windows":
+            return {"windows": self.windows()}, b""
+        if op == "move":
+            self.move(req["x"], req["y"])
+        elif op == "click":
+            self.click(req.get("x"), req.get("y"), req.get("button", "left"), req.get("count", 1))
+        elif op in ("mouse_down", "mouse_up"):
+            self.button(op == "mouse_down", req.get("x"), req.get("y"), req.get("button", "left"))
+        elif op == "drag":
+            self.drag(req["x"], req["y"], req["to_x"], req["to_y"], req.get("button", "left"))
+        elif op == "scroll":
+            self.scroll(req.get("dx", 0), req.get("dy", 0), req.get("x"), req.get("y"))
+        elif op == "type":
+            self.type(req["text"])
+        elif op == "press":
+            self.press(req["keys"])
+        elif op == "focus":
+            self.focus(req["window"])
+        else:
+            raise Invalid(f"unknown desktop operation {op!r}")
+        self.d.sync()  # done when answered: the X server has the events
+        return self.cursor(), b""
+
+
+def _char_keysym(ch):
+    if ch == "\n":
+        return XK.XK_Return
+    if ch == "\t":
+        return XK.XK_Tab
+    code = ord(ch)
+    if 0x20 <= code <= 0x7E or 0xA0 <= code <= 0xFF:
+        return code
+    return 0x01000000 | code
+
+
+def start_x(display, width, height, dpi):
+    r, w = os.pipe()
+    server = subprocess.Popen(
+        ["Xvfb", display, "-screen", "0", f"{width}x{height}x24", "-dpi", str(dpi), "-nolisten", "tcp",
+         "-displayfd", str(w)],
+        pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open("/tmp/.dsec-xvfb.log", "wb"),
+    )
+    os.close(w)
+    with os.fdopen(r) as ready:
+        if not ready.readline().strip():
+            raise SystemExit(f"Xvfb ended before it was ready (exit {server.wait()}): see /tmp/.dsec-xvfb.log")
+    return server
+
+
+def start_session(session, env):
+    if session == "none":
+        return None
+    command = ["dbus-run-session", "--", "xfce4-session"] if session == "xfce4" else ["xfwm4"]
+    if session == "xfce4":  # as startxfce4 sets it: xdg-open then opens with exo-open
+        env = {**env, "XDG_CURRENT_DESKTOP": "XFCE"}
+    return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=open("/tmp/.dsec-session.log", "wb"), start_new_session=True)
+
+
+def read_exact(conn, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def answer(conn, header, payload=b""):
+    head = json.dumps({**header, "size": len(payload)}).encode()
+    conn.sendall(struct.pack(">I", len(head)) + head + payload)
+
+
+def serve(desktop, listener):
+    while True:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while True:
+                size = read_exact(conn, 4)
+                if size is None:
+                    break
+                body = read_exact(conn, struct.unpack(">I", size)[0])
+                if body is None:
+                    break
+                try:
+                    header, payload = desktop.handle(json.loads(body))
+                    answer(conn, {"ok": True, **header}, payload)
+                except Invalid as exc:
+                    answer(conn, {"ok": False, "error": "invalid", "message": str(exc)})
+                except (KeyError, TypeError, ValueError) as exc:
+                    answer(conn, {"ok": False, "error": "invalid", "message": f"bad request: {exc!r}"})
+                except (xerror.ConnectionClosedError, OSError) as exc:
+                    answer(conn, {"ok": False, "error": "x_gone", "message": f"the X server is gone: {exc}"})
+                    raise SystemExit(3)
+
+
+def main():
+    os.environ.pop("DESKTOP_AGENT_PY", None)  # (its own source: not for the desktop's programs)
+    width, height, dpi, port = (int(a) for a in sys.argv[1:5])
+    name, session = sys.argv[5], sys.argv[6]
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    start_x(name, width, height, dpi)
+    env = {**os.environ, "DISPLAY": name}
+    desktop = Desktop(name)
+    start_session(session, env)
+    if session != "none":  # the window manager up (WM_S0 owned), so windows get frames and focus
+        deadline = time.monotonic() + 10
+        while not desktop.has_wm() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    listener.listen(4)  # the node's connect succeeds only now: the desktop is ready
+    serve(desktop, listener)
+
+
+if __name__ == "__main__":
+    main()

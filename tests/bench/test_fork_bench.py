@@ -1,0 +1,33 @@
+"""``dsec bench fork`` end to end at a tiny size: a parent with a few changed files forked into a
+few children by DSec, and committed and run as many times by podman (when it is here); each
+child holds the parent's files; nothing left behind (the server's own check, podman's images
+and containers removed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from dsec_bench import fork
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+
+def test_fork_bench_forks_and_runs_the_peer(tmp_path: Path) -> None:
+    console = Console(file=open(os.devnull, "w"), width=200)
+    code = fork.main(tmp_path / "state", console, children=3, changed_mb=1, files=40, concurrency=2)
+    res = json.loads((tmp_path / "state.json").read_text())
+    assert code == 0, res["errors"]
+    assert res["dsec"]["kind"] == "filesystem" and res["dsec"]["checked"]
+    assert 0 < res["dsec"]["frozen_s"] <= res["dsec"]["fork_s"] <= res["dsec"]["all_answering_s"]
+    if os.path.exists(fork.PODMAN):
+        assert res["podman"]["checked"] and res["podman_over_dsec"] > 0
+        seen = subprocess.run([fork.PODMAN, "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True).stdout
+        images = subprocess.run([fork.PODMAN, "images", "--format", "{{.Repository}}"], capture_output=True,
+                                text=True).stdout
+        assert "dsec-bench" not in seen and "dsec-bench" not in images, (seen, images)
