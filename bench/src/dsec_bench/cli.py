@@ -414,7 +414,7 @@ def bench_cluster(
 
 @app.command("all")
 def bench_all(
-    quick: Annotated[bool, typer.Option(help="Each benchmark's quick mode, the whole within 21 minutes (without: the "
+    quick: Annotated[bool, typer.Option(help="Each benchmark's quick mode, the whole within 20 minutes (without: the "
                                         "full runs, hours).")] = False,
     state_root: Annotated[Path, typer.Option(help="Where each benchmark's state dir, log and results go.")] = Path("/var/lib/dsec-bench-all"),
     doc: Annotated[Optional[Path], typer.Option(help="The BENCHMARKS.md whose glance table is rewritten (default: "

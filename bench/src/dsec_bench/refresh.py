@@ -2,7 +2,7 @@
 from what the run measured.
 
 With ``--quick`` each benchmark runs at its developer size (``QUICK``), the whole within a budget
-of 21 minutes: a benchmark whose estimate no longer fits is skipped and says so. Without it
+of 20 minutes: a benchmark whose estimate no longer fits is skipped and says so. Without it
 each runs with its own defaults (the full runs, hours). Each runs as a child process
 (``python -m dsec_bench NAME …``) with its own state dir under ``--state-root``, its output in
 ``<state-root>/NAME.log``; its figures are read back from the JSON it writes, a row built for
@@ -29,7 +29,7 @@ from typing import Any
 
 from rich.console import Console
 
-BUDGET_S = 21 * 60
+BUDGET_S = 20 * 60
 GLANCE_HEADING = "## At a glance"
 
 
@@ -60,10 +60,10 @@ PODMAN_HOW = "apt-get install podman (scripts/setup-host.sh does)"
 # The tests' layer store: the VM benchmarks and the desktop one take their images from it.
 TEST_STORE = Path("/var/lib/dsec-test/store")
 QUICK: list[Bench] = [
-    Bench("lifecycle", "lifecycle", ["--idle-count", "16", "--lifecycles", "72", "--rounds", "3", "--concurrency", "8",
+    Bench("lifecycle", "lifecycle", ["--idle-count", "16", "--lifecycles", "48", "--rounds", "2", "--concurrency", "8",
                                      "--latency-rounds", "1", "--cold-rounds", "1", "--pool-max", "16", "--crun-runs", "36",
                                      "--podman-runs", "6", "--strict"],
-          90, _inside("bench-lifecycle.json"), without={"podman": ["--no-podman"]}),
+          70, _inside("bench-lifecycle.json"), without={"podman": ["--no-podman"]}),
     Bench("desktop", "desktop", ["--samples", "20", "--peer-samples", "5", "--creates", "2"], 35,
           _inside("bench-desktop.json"),
           needs=[("desktop-image", "the desktop image in the tests' store: `dsec image build desktop` or its tests")]),
@@ -82,22 +82,22 @@ QUICK: list[Bench] = [
                                  "8", "--strict"], 50,
           lambda state: state.parent / f"{state.name}.json", state_option="--results", store=""),
     Bench("ports", "ports", ["--seconds", "1", "--samples", "30"], 30, _inside("bench-ports.json")),
-    Bench("tti", "time-to-interactive-tti", ["--iterations", "5", "--stagger-ms", "50"], 60, _beside,
+    Bench("tti", "time-to-interactive-tti", ["--iterations", "4", "--stagger-ms", "50"], 50, _beside,
           without={"podman": ["--systems", "dsec,e2b"]}, store="beside"),
     Bench("soak", "soak", ["--lifecycles", "600", "--sample-every", "150", "--concurrency", "8"], 30,
           lambda state: state.with_suffix(".json")),
-    Bench("rollout", "rl-rollout", ["--episodes", "48", "--podman-episodes", "4", "--concurrency", "8", "--tasks", "4"],
-          60, _beside, without={"podman": ["--podman-episodes", "0"]}, store="beside"),
+    Bench("rollout", "rl-rollout", ["--episodes", "36", "--podman-episodes", "4", "--concurrency", "8", "--tasks", "4"],
+          50, _beside, without={"podman": ["--podman-episodes", "0"]}, store="beside"),
     Bench("harness", "a-tasks-environment-harness", ["--files", "20", "--build-rounds", "1", "--rebuild-rounds", "2",
-                                                     "--start-rounds", "5", "--podman-start-rounds", "2", "--no-harbor"],
-          60, _beside, without={"podman": ["--no-podman"]}, store="beside"),
+                                                     "--start-rounds", "3", "--podman-start-rounds", "2", "--no-harbor"],
+          55, _beside, without={"podman": ["--no-podman"]}, store="beside"),
     Bench("density", "density-and-resources", ["--quick", "--max-count", "200", "--step", "100", "--peer-count", "50",
                                                "--pause-count", "8", "--text-count", "4", "--random-count", "2",
-                                               "--cold-count", "4", "--cold-wait-s", "15", "--strict"],
-          200, _inside("bench-density.json")),
+                                               "--cold-count", "4", "--cold-wait-s", "8", "--strict"],
+          185, _inside("bench-density.json")),
     Bench("burst", "burst-images-on-demand", ["--quick", "--base", "python", "--strict"], 190, _inside("bench-burst.json"),
           store=""),
-    Bench("images", "images-at-production-size", ["--quick", "--repeat", "5"], 60, _inside("images.json"), store=""),
+    Bench("images", "images-at-production-size", ["--quick", "--repeat", "3"], 45, _inside("images.json"), store=""),
     Bench("cluster-ray", "cluster", ["--lifecycles", "40", "--rounds", "2", "--concurrency", "8"], 65, _beside,
           needs=[("ray", "pip install 'ray[default]' into this environment")], store="",
           state_dir=Path("/var/lib/dsec-bench-all-ray")),
