@@ -36,7 +36,7 @@ from libdsec import DSecError, InvalidRequest
 from libdsec.api_ops import PREFIX, PUBLIC_OPS
 from libdsec.ops import Operation as Op, path_format, path_regex
 
-from ..edge.api import EdgeAPI
+from ..edge.api import EdgeAPI, node_of
 from ..edge.files import file_mode
 from .cluster import Cluster
 from .jobs import Jobs, file_request
@@ -212,6 +212,8 @@ class TableRoutes:
             return None
         caller = await self.check(headers, params, op.name)
         sandbox_id = params.get("sandbox_id")
+        if route.by_sandbox:
+            node_of(sandbox_id)  # a malformed id is named before any other problem of the request
         if op.journal == "made" and caller.job is not None:
             await self.jobs.mark(caller, sandbox_id, f"{op.method} {scope['path']}")
         kw, request = self._parse(route, params, scope, headers, body, receive)
