@@ -22,7 +22,6 @@ import asyncio
 import os
 import secrets
 import statistics
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,11 +31,9 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs
 
-from dsec.images.builders import build_busybox
-from dsec.images.store import LayerStore
 from dsec.local import serving
 from .lifecycle_peers import PODMAN, PeerRig, _finish
-from .results import save_results
+from .results import busybox_store_beside, save_results, source_commit
 
 DIGEST = "cd /testbed && find . -type f | sort | xargs md5sum | md5sum | cut -c1-32"
 
@@ -131,14 +128,6 @@ async def _podman(rig: PeerRig, rounds: int, tree_mb: int, files: int, console: 
         await rig.podman_remove([source])
 
 
-def _commit() -> str:
-    here = Path(__file__).resolve().parent
-    proc = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
-    return (proc.stdout.strip() or "unknown") + ("+changes" if dirty else "")
-
-
 def main(state_dir: Path, console: Console, rounds: int = 20, pack_rounds: int = 5, podman_rounds: int = 5,
          tree_mb: int = 50, files: int = 500, podman: bool = True, goal_ms: float = 100.0) -> int:
     """Run it, print the table, write ``<state_dir>.json`` (the layer store is kept beside it, in
@@ -148,13 +137,8 @@ def main(state_dir: Path, console: Console, rounds: int = 20, pack_rounds: int =
     os.environ.setdefault("DSEC_GUEST_KERNEL_PACKAGE", "dsec-bench-clean-copy-no-guest-kernel")
     started = datetime.now(timezone.utc)
     state_dir.mkdir(parents=True, exist_ok=True)
-    # The store outlives the server's state dir (removed at its end): the peer runs from its layer.
-    store_dir = state_dir.parent / f"{state_dir.name}-store"
-    store = LayerStore(store_dir)
-    if not (state_dir / "store").is_symlink():
-        (state_dir / "store").symlink_to(store_dir)
-    image = store.get_image("busybox") if store.has_image("busybox") else build_busybox(store)
-    r: dict = {"commit": _commit(), "started": started.isoformat(timespec="seconds"), "rounds": rounds,
+    store, image = busybox_store_beside(state_dir)
+    r: dict = {"commit": source_commit(), "started": started.isoformat(timespec="seconds"), "rounds": rounds,
                "tree_mb": tree_mb, "files": files, "load_start": os.getloadavg()[0]}
     console.print(f"[bold]dsec bench clean-copy[/bold]: a {tree_mb} MB kept tree in {files} files, "
                   f"{rounds} rounds, commit {r['commit']}, load {r['load_start']:.1f}")

@@ -20,7 +20,6 @@ checked).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import statistics
@@ -35,7 +34,9 @@ from libdsec import DesktopSpec, DSecClient, DSecContainerRunArgs
 
 from dsec.images.builders import build_desktop
 from dsec.images.store import LayerStore
-from dsec.local import LocalServer, leftovers
+from dsec.local import LocalServer
+
+from .results import finish_on_server
 
 RESULTS_FILE = "bench-desktop.json"
 CRUN = shutil.which("crun") or "/usr/bin/crun"
@@ -177,13 +178,4 @@ def main(state_dir: Path, console: Console, store: Path | None = None, **opts) -
         errors.append(f"{type(exc).__name__}: {exc}")
     finally:
         server.stop()
-    left = leftovers(state_dir)
-    r.update({"errors": errors, "leftovers": left, "options": opts})
-    (state_dir / RESULTS_FILE).write_text(json.dumps(r, indent=1, default=str) + "\n")
-    if "ratios" in r:
-        console.print(_table(r))
-    for e in errors:
-        console.print(f"[red]error:[/red] {e}")
-    if left:
-        console.print(f"[red]left behind:[/red] {left}")
-    return 1 if errors or left else 0
+    return finish_on_server(console, state_dir, RESULTS_FILE, r, errors, opts, _table, "ratios")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,11 +30,9 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecContainerRunArgs
 
-from dsec.images.builders import build_busybox
-from dsec.images.store import LayerStore
 from dsec.local import serving
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS, SLEEP_ARGS, PeerRig, _finish
-from .results import save_results
+from .results import busybox_store_beside, save_results, source_commit
 
 CHECK = "md5sum /work/d0/f0 | cut -c1-32"
 
@@ -120,12 +117,6 @@ async def _podman(rig: PeerRig, children: int, changed_mb: int, files: int, conc
     return {"children": children, "commit_s": committed_s, "all_answering_s": answering, "checked": all(answers)}
 
 
-def _commit() -> str:
-    here = Path(__file__).resolve().parent
-    proc = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return proc.stdout.strip() or "unknown"
-
-
 def main(state_dir: Path, console: Console, children: int = 100, changed_mb: int = 50, files: int = 2000,
          podman: bool = True, concurrency: int = 8, goal_ratio: float = 20.0, goal_s: float = 2.0) -> int:
     """Run it, print the table, write ``<state_dir>.json`` (the layer store is kept beside it, in
@@ -135,12 +126,8 @@ def main(state_dir: Path, console: Console, children: int = 100, changed_mb: int
     os.environ.setdefault("DSEC_GUEST_KERNEL_PACKAGE", "dsec-bench-fork-no-guest-kernel")
     started = datetime.now(timezone.utc)
     state_dir.mkdir(parents=True, exist_ok=True)
-    store_dir = state_dir.parent / f"{state_dir.name}-store"
-    store = LayerStore(store_dir)
-    if not (state_dir / "store").is_symlink():
-        (state_dir / "store").symlink_to(store_dir)
-    image = store.get_image("busybox") if store.has_image("busybox") else build_busybox(store)
-    r: dict = {"commit": _commit(), "started": started.isoformat(timespec="seconds"), "children": children,
+    store, image = busybox_store_beside(state_dir)
+    r: dict = {"commit": source_commit(), "started": started.isoformat(timespec="seconds"), "children": children,
                "changed_mb": changed_mb, "files": files, "load_start": os.getloadavg()[0]}
     console.print(f"[bold]dsec bench fork[/bold]: a parent with {changed_mb} MB changed in {files} files forks "
                   f"{children} children; commit {r['commit']}, load {r['load_start']:.1f}")

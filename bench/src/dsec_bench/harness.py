@@ -53,9 +53,8 @@ from dsec.images.builders import build_python
 from dsec.images.store import LayerStore
 from dsec.local import serving
 from . import harbor_peer
-from .clean_copy import _commit
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS, image_root
-from .results import save_results
+from .results import save_results, source_commit
 
 DOCKERFILE = """\
 FROM {base}
@@ -266,7 +265,7 @@ def main(state_dir: Path, console: Console, files: int = 200, build_rounds: int 
     o = {"files": files, "build_rounds": build_rounds, "rebuild_rounds": rebuild_rounds,
          "start_rounds": start_rounds, "podman_start_rounds": podman_start_rounds,
          "harbor_concurrency": harbor_concurrency}
-    r: dict = {"commit": _commit(), "started": started.isoformat(timespec="seconds"), **o,
+    r: dict = {"commit": source_commit(), "started": started.isoformat(timespec="seconds"), **o,
                "load_start": os.getloadavg()[0]}
     o.update(harbor_venv=Path(harbor_venv), harbor_tasks=Path(harbor_tasks), harbor_task_names=tuple(harbor_task_names))
     harbor_skipped = "--no-harbor" if not harbor else _harbor_skipped(o["harbor_venv"], o["harbor_tasks"])

@@ -16,7 +16,6 @@ it makes is removed at the end (and checked)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 import shutil
@@ -32,8 +31,9 @@ from libdsec import DSecClient, DSecContainerRunArgs
 
 from dsec.images.builders import build_busybox
 from dsec.images.store import LayerStore
-from dsec.local import LocalServer, leftovers
+from dsec.local import LocalServer
 from .lifecycle_peers import PODMAN, PeerRig
+from .results import finish_on_server
 
 RESULTS_FILE = "bench-inside.json"
 
@@ -202,13 +202,4 @@ def main(state_dir: Path, console: Console, **opts) -> int:
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
-    left = leftovers(state_dir)
-    r.update({"errors": errors, "leftovers": left, "options": opts})
-    (state_dir / RESULTS_FILE).write_text(json.dumps(r, indent=1, default=str) + "\n")
-    if "trees" in r:
-        console.print(_table(r))
-    for e in errors:
-        console.print(f"[red]error:[/red] {e}")
-    if left:
-        console.print(f"[red]left behind:[/red] {left}")
-    return 1 if errors or left else 0
+    return finish_on_server(console, state_dir, RESULTS_FILE, r, errors, opts, _table, "trees")

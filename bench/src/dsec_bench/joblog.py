@@ -33,7 +33,7 @@ from rich.table import Table
 from libdsec import DSecClient, DSecContainerRunArgs
 
 from dsec.local import serving
-from .clean_copy import _commit
+from .results import source_commit
 from .results import median_of_rounds, save_results
 
 ARGS = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64)
@@ -122,7 +122,7 @@ def main(state_dir: Path, console: Console, lifecycles: int = 1200, rounds: int 
     state_dir = Path(state_dir).resolve()
     os.environ.setdefault("DSEC_VMS", "0")
     os.environ.setdefault("DSEC_GUEST_KERNEL_PACKAGE", "dsec-bench-joblog-no-guest-kernel")
-    r: dict = {"commit": _commit(), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    r: dict = {"commit": source_commit(), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "lifecycles": lifecycles, "rounds": rounds, "concurrency": concurrency,
                "load_start": os.getloadavg()[0]}
     console.print(f"[bold]dsec bench joblog[/bold]: {lifecycles} lifecycles per arm in {rounds} rounds, "

@@ -18,7 +18,6 @@ also used by ``tests/integration/test_ports.py``. Its own server runs containers
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import statistics
@@ -34,7 +33,9 @@ from libdsec import DSecClient, DSecContainerRunArgs
 
 from dsec.images.builders import build_python
 from dsec.images.store import LayerStore
-from dsec.local import LocalServer, leftovers
+from dsec.local import LocalServer
+
+from .results import finish_on_server
 
 RESULTS_FILE = "bench-ports.json"
 
@@ -339,14 +340,5 @@ def main(state_dir: Path, console: Console, **opts) -> int:
         errors.append(f"{type(exc).__name__}: {exc}")
     finally:
         server.stop()
-    left = leftovers(state_dir)
-    r.update({"errors": errors, "leftovers": left, "options": opts})
-    (state_dir / RESULTS_FILE).write_text(json.dumps(r, indent=1, default=str) + "\n")
-    if "ws_rtt_host_name_ms" in r:
-        console.print(_table(r))
-    for e in errors:
-        console.print(f"[red]error:[/red] {e}")
-    if left:
-        console.print(f"[red]left behind:[/red] {left}")
     shutil.rmtree(state_dir / "work", ignore_errors=True)
-    return 1 if errors or left else 0
+    return finish_on_server(console, state_dir, RESULTS_FILE, r, errors, opts, _table, "ws_rtt_host_name_ms")

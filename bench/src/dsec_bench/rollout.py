@@ -55,7 +55,7 @@ from dsec.images import loopdev
 from dsec.images.builders import build_python
 from dsec.images.store import Image, LayerStore
 from dsec.local import serving
-from .clean_copy import _commit
+from .results import source_commit
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS, SLEEP_ARGS, _finish, podman_detached
 from .results import save_results
 
@@ -375,7 +375,7 @@ def main(state_dir: Path, console: Console, store_dir: Path | None = None, episo
     state_dir.mkdir(parents=True, exist_ok=True)
     if not (state_dir / "store").is_symlink():
         (state_dir / "store").symlink_to(store_dir)
-    r: dict = {"commit": _commit(), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    r: dict = {"commit": source_commit(), "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                "episodes": episodes, "podman_episodes": podman_episodes, "concurrency": concurrency, "tasks": tasks,
                "branch_every": branch_every, "load_start": os.getloadavg()[0]}
     console.print(f"[bold]dsec bench rollout[/bold]: {episodes} episodes over {tasks} tasks, {concurrency} at a "

@@ -39,7 +39,7 @@ from rich.table import Table
 from libdsec import DSecClient, DSecContainerRunArgs
 
 from dsec.local import serving
-from .clean_copy import _commit
+from .results import source_commit
 from .harness import _import_into_podman, python_store
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS
 from .results import save_results
@@ -172,7 +172,7 @@ def main(state_dir: Path, console: Console, iterations: int = 100, stagger_ms: f
     state_dir = Path(state_dir).resolve()
     started = datetime.now(timezone.utc)
     store = python_store(state_dir, store_dir, console)
-    r: dict = {"commit": _commit(), "started": started.isoformat(timespec="seconds"), "iterations": iterations,
+    r: dict = {"commit": source_commit(), "started": started.isoformat(timespec="seconds"), "iterations": iterations,
                "stagger_ms": stagger_ms, "load_start": os.getloadavg()[0], "skipped": {}}
     console.print(f"[bold]dsec bench tti[/bold]: {iterations} sandboxes a mode, commit {r['commit']}, "
                   f"load {r['load_start']:.1f}")
