@@ -247,14 +247,18 @@ class Arm:
                     log=log, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                 starting.append(self._ready(proc, log, urls))
             await asyncio.gather(*starting)
-            nodes_file = self.work / "nodes.json"
-            nodes_file.write_text(json.dumps({"token": NODE_TOKEN, "nodes": {n: urls[n] for n in names}}))
-            log = self.work / "apiserver.log"
-            proc = self.procs["apiserver"] = await _spawn(
-                "dsec", "serve", "--state-dir", str(api_dir), "--nodes-file", str(nodes_file), "--port", str(port),
-                log=log)
-            await _wait_healthy(self.endpoint, proc, log)
+            await self._serve_nodes({n: urls[n] for n in names}, api_dir, port)
         self.token = (api_dir / "token").read_text().strip()
+
+    async def _serve_nodes(self, urls: dict[str, str], api_dir: Path, port: int) -> None:
+        """The apiserver over the nodes at ``urls`` (``dsec serve --nodes-file``), once it answers."""
+        nodes_file = self.work / "nodes.json"
+        nodes_file.write_text(json.dumps({"token": NODE_TOKEN, "nodes": urls}))
+        log = self.work / "apiserver.log"
+        proc = self.procs["apiserver"] = await _spawn(
+            "dsec", "serve", "--state-dir", str(api_dir), "--nodes-file", str(nodes_file), "--port", str(port),
+            log=log)
+        await _wait_healthy(self.endpoint, proc, log)
 
     async def _start_crun(self) -> None:
         from dsec.images.builders import build_busybox
@@ -292,13 +296,7 @@ class Arm:
                 if not line:
                     raise BenchError(f"node {name} exited at start: {_tail(log)}")
                 urls[name] = json.loads(line)["url"]
-            nodes_file = self.work / "nodes.json"
-            nodes_file.write_text(json.dumps({"token": NODE_TOKEN, "nodes": urls}))
-            log = self.work / "apiserver.log"
-            proc = self.procs["apiserver"] = await _spawn(
-                "dsec", "serve", "--state-dir", str(api_dir), "--nodes-file", str(nodes_file), "--port", str(port),
-                log=log)
-            await _wait_healthy(self.endpoint, proc, log)
+            await self._serve_nodes(urls, api_dir, port)
         self.token = (api_dir / "token").read_text().strip()
 
     @staticmethod
