@@ -5,7 +5,6 @@ window calls, each an ``xdotool`` / ``scrot`` / ``xrandr`` command it runs throu
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import time
@@ -19,26 +18,14 @@ from e2b import CommandExitException  # noqa: E402
 from e2b_desktop import Sandbox  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
-from libdsec import SyncDSecClient  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
 
 @pytest.fixture(scope="module")
-def e2b(server, desktop_image):
-    """The e2b SDK pointed at the server (its settings are environment variables)."""
-    with SyncDSecClient(server.endpoint, token=server.token) as client:
-        key = client.create_project_token("root", e2b=True)
-    settings = {"E2B_API_URL": f"{server.endpoint}/e2b", "E2B_SANDBOX_URL": f"{server.endpoint}/e2b/envd",
-                "E2B_API_KEY": key}
-    before = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    yield settings
-    for k, v in before.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def e2b(e2b_settings, desktop_image):
+    """The e2b SDK pointed at the server, the desktop image in its store."""
+    return e2b_settings
 
 
 def _until(check, timeout: float = 30.0):

@@ -5,7 +5,6 @@ info says its lifecycle, and a filesystem-only pause is refused with a 400 namin
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -14,25 +13,13 @@ pytest.importorskip("e2b")
 
 from e2b import Sandbox, SandboxException, SandboxState  # noqa: E402
 
-from libdsec import SyncDSecClient  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
 
 @pytest.fixture(scope="module")
-def e2b_env(server, python_image):
-    with SyncDSecClient(server.endpoint, token=server.token) as client:
-        key = client.create_project_token("root", e2b=True)
-    env = {"E2B_API_URL": f"{server.endpoint}/e2b", "E2B_SANDBOX_URL": f"{server.endpoint}/e2b/envd",
-           "E2B_API_KEY": key}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield python_image
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def e2b_env(e2b_settings, python_image):
+    return python_image
 
 
 def wait_state(sb: Sandbox, state: SandboxState, within_s: float = 15) -> None:

@@ -5,7 +5,6 @@ one ``dsec serve``."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import subprocess
 import sys
@@ -43,20 +42,9 @@ def e2b_base_image(tmp_path_factory, test_store: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def e2b(server, python_image, e2b_base_image):
-    """The e2b SDK pointed at the server (its settings are environment variables)."""
-    with SyncDSecClient(server.endpoint, token=server.token) as client:
-        key = client.create_project_token("root", e2b=True)
-    settings = {"E2B_API_URL": f"{server.endpoint}/e2b", "E2B_SANDBOX_URL": f"{server.endpoint}/e2b/envd",
-                "E2B_API_KEY": key}
-    before = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    yield settings
-    for k, v in before.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+def e2b(server, e2b_settings, python_image, e2b_base_image):
+    """The e2b SDK pointed at the server; the templates it built are removed after."""
+    yield e2b_settings
     with SyncDSecClient(server.endpoint, token=server.token) as client:  # the templates built (the store is shared)
         for image in client.list_images().images:
             if image.name in NAMED:
