@@ -342,6 +342,20 @@ def bench_vm_pause(
                                memory_mb=memory, state_mb=state_mb, strict=strict))
 
 
+@app.command("pause")
+def bench_pause(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-pause"),
+    count: Annotated[int, typer.Option("--count", "-n", help="Sandboxes in the job.")] = 500,
+    mb: Annotated[int, typer.Option(help="MiB of heap-like content (text, structures, random bytes) each holds.")] = 64,
+    probes: Annotated[int, typer.Option(help="Paused sandboxes whose first call (auto-resume) is timed.")] = 5,
+    loop: Annotated[bool, typer.Option(help="Also pause them one call each (sandbox.pause(), 4 at a time).")] = False,
+) -> None:
+    """A whole job paused and resumed in one call each: time, memory given back, auto-resume's cost."""
+    from .job_pause import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, count=count, mb=mb, probes=probes, loop=loop))
+
+
 @app.command("soak")
 def bench_soak(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-soak"),

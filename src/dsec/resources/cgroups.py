@@ -181,7 +181,13 @@ def lift_swap(parent: str, cid: str, lifted: bool) -> bool:
     from memory, so 0 is what holds it to its limit (v1's memory+swap limit equal to the memory
     limit does the same and still lets a push-out swap, so v1 needs nothing). Pages already in
     swap stay there after a resume; only new ones are kept from it. Returns whether a file was
-    written (False on v1, or with no swap accounting)."""
+    written (False on v1, or with no swap accounting).
+
+    Where zswap is on, a paused sandbox's pages also skip its pool (``memory.zswap.max`` 0):
+    the pool is RAM, and a pause is there to give RAM back, so they go straight to the swap
+    device; a resumed sandbox may use the pool again (its cold pages, pushed out while it runs,
+    are what the pool is for). v1 has no such file: there zswap keeps what it compresses of a
+    paused sandbox in RAM (docs/OPERATIONS.md, swap)."""
     if not is_v2():
         return False
     d = f"{CGROUP_ROOT}/{parent}/{cid}"
@@ -192,6 +198,8 @@ def lift_swap(parent: str, cid: str, lifted: bool) -> bool:
         with open(f"{d}/memory.max") as f:
             value = f.read().strip()
     _write(f"{d}/memory.swap.max", value)
+    if _has(d, "memory.zswap.max"):
+        _write(f"{d}/memory.zswap.max", "0" if lifted else "max")
     return True
 
 
