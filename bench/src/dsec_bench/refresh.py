@@ -67,6 +67,7 @@ QUICK: list[Bench] = [
     Bench("desktop", "desktop", ["--samples", "20", "--peer-samples", "5", "--creates", "2"], 35,
           _inside("bench-desktop.json"),
           needs=[("desktop-image", "the desktop image in the tests' store: `dsec image build desktop` or its tests")]),
+    Bench("pause", "pausing-a-job-pause", ["-n", "10", "--mb", "8"], 15, _beside, store="beside"),
     Bench("fork", "fork", ["--children", "10", "--changed-mb", "5", "--files", "200", "--concurrency", "4"], 15,
           _beside, without={"podman": ["--no-podman"]}, store="beside"),
     Bench("inside", "inside-a-sandbox", ["--samples", "20", "--podman-samples", "5", "--slow-s", "3", "--tree-mb", "20"],
@@ -329,6 +330,18 @@ def _row_fork(r: dict) -> tuple[str, str, str]:
             f"all answer ≤ 2 s {_met(goals.get('all_answering'))}; ≥ 20× {_met(goals.get('ratio'))}")
 
 
+def _row_pause(r: dict) -> tuple[str, str, str]:
+    p, a, goals = r.get("pause") or {}, r.get("auto_resume") or {}, r.get("goals") or {}
+    share = p.get("returned_share")
+    return (f"a job of {r.get('count', '—')} sandboxes × {r.get('mb', '—')} MiB paused in one call in "
+            f"{_f(p.get('seconds'), '.2f')} s, {_f(None if share is None else 100 * share, '.0f')}% of their memory "
+            f"back ({_get(r, 'swap', 'text') or '?'}); resumed in {_f(_get(r, 'resume', 'seconds'), '.2f')} s; "
+            f"auto-resume adds {_f(a.get('added_p50_ms'), '.0f')} ms",
+            "none pauses a job as one call",
+            f"≤ 10 s {_met(goals.get('pause_s'))}; ≥ 80% back {_met(goals.get('returned'))}; resume ≤ 10 s "
+            f"{_met(goals.get('resume_s'))}; auto-resume ≤ 200 ms {_met(goals.get('auto_resume'))}")
+
+
 def _row_desktop(r: dict) -> tuple[str, str, str]:
     d, c, ratios = r.get("dsec") or {}, r.get("crun_exec") or {}, r.get("ratios") or {}
     shot, move, first = d.get("screenshot_p50_ms"), d.get("move_p50_ms"), r.get("create_to_first_screenshot_p50_s")
@@ -360,7 +373,7 @@ ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "lifecycle": _row_lifecycle, "inside": _row_inside, "density": _row_density, "burst": _row_burst,
     "clean-copy": _row_clean_copy, "fncall": _row_fncall, "joblog": _row_joblog, "cluster": _row_cluster,
     "cluster-ray": _row_cluster_ray, "rollout": _row_rollout, "tti": _row_tti, "soak": _row_soak,
-    "ports": _row_ports, "harness": _row_harness, "fork": _row_fork,
+    "ports": _row_ports, "harness": _row_harness, "fork": _row_fork, "pause": _row_pause,
     "desktop": _row_desktop, "images": _row_images,
 }
 
