@@ -238,24 +238,66 @@ def image_import(
 
 @image_app.command("pull")
 def image_pull(
-    name: Annotated[str, typer.Argument(help="Name for the image in DSec.")],
-    ref: Annotated[str, typer.Argument(help="The image in a registry: REGISTRY/NAME:TAG or REGISTRY/NAME@DIGEST.")],
+    name: Annotated[Optional[str], typer.Argument(help="Name for the image in DSec.")] = None,
+    ref: Annotated[Optional[str], typer.Argument(help="The image in a registry: REGISTRY/NAME:TAG or REGISTRY/NAME@DIGEST.")] = None,
+    many: Annotated[Optional[Path], typer.Option("--many", help="Pull many at once: a file of 'NAME REF' lines ('#' comments); shared layers are fetched and converted once.")] = None,
+    concurrency: Annotated[int, typer.Option(help="Images fetched, and layers converted, at a time.")] = 4,
     authfile: Annotated[Optional[Path], typer.Option("--authfile", help="Registry credentials (default: the usual auth file).")] = None,
     insecure: Annotated[bool, typer.Option("--insecure", help="Plain HTTP / unchecked TLS (a registry on this machine).")] = False,
     merge_below_mb: Annotated[int, typer.Option(help="Merge consecutive layers while under this size.")] = 64,
     state_dir: StateDir = DEFAULT_STATE,
 ) -> None:
-    """Pull an image from an OCI registry (skopeo) into EROFS layers."""
-    from .images.registry import pull
+    """Pull images from an OCI registry (skopeo) into EROFS layers: one (NAME REF), or many (--many FILE)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from .images.pulls import pull_many
+
+    if (many is None) == (name is None or ref is None) or (many is not None and (name or ref)):
+        fail("give NAME REF, or --many FILE (not both)")
+    wanted = _pull_list(many) if many is not None else [(name, ref)]
     store = _store(state_dir)
+    columns = (TextColumn("{task.fields[image]}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=len(wanted) == 1) as progress:
+        tasks = {n: progress.add_task("waiting", total=None, image=n) for n, _ in wanted}
+
+        def event(image: str, stage: str, done: int, total: int) -> None:
+            progress.update(tasks[image], description=stage, completed=done, total=total or None)
+
+        try:
+            results = pull_many(store, wanted, authfile=authfile, insecure=insecure, merge_below=merge_below_mb << 20,
+                                concurrency=concurrency, on_event=event)
+        except DSecError as exc:
+            fail(exc)
+    failed = 0
+    for (n, r), result in zip(wanted, results):
+        if isinstance(result, DSecError):
+            failed += 1
+            console.print(f"[red]error:[/red] {n}: {result}")
+        else:
+            console.print(f"pulled {result.name}: {len(result.layers)} layer(s), {_size(store.image_size(result))}")
+    if failed:
+        raise typer.Exit(1)
+
+
+def _pull_list(path: Path) -> list[tuple[str, str]]:
+    """'NAME REF' lines of ``path`` ('#' starts a comment), or a clear error naming the line."""
     try:
-        with console.status(f"pulling {ref} …") as status:
-            image = pull(store, name, ref, authfile=authfile, insecure=insecure, merge_below=merge_below_mb << 20,
-                         log=lambda msg: status.update(f"pulling {ref}: {msg}"))
-    except DSecError as exc:
-        fail(exc)
-    console.print(f"pulled {image.name}: {len(image.layers)} layer(s), {_size(store.image_size(image))}")
+        text = path.read_text()
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror or exc}")
+    wanted = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            fail(f"{path}:{number}: expected 'NAME REF', got {line!r}")
+        wanted.append((parts[0], parts[1]))
+    if not wanted:
+        fail(f"{path} names no image to pull")
+    return wanted
 
 
 @image_app.command("rm")

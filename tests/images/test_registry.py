@@ -249,3 +249,97 @@ async def test_a_dockerfile_built_by_dsec_from_a_registry_image(registry, base_i
             await creds.remove_image(f"from-{hashlib.sha256(base_image.encode()).hexdigest()[:24]}")  # the pulled base
     finally:
         server.stop()
+
+
+def push_task_images(registry: str, tmp: Path, count: int, tag: str) -> list[str]:
+    """``count`` images over one two-layer base (busybox, then a shared file), each with a small
+    layer of its own, pushed as test/task-N:TAG; their references."""
+    busybox = Path("/bin/busybox").read_bytes()
+    # The tag in the base too: the store (the tests' own, kept between runs) remembers every
+    # group it converted, and this test counts what one run converts.
+    base = [_layer({"bin/busybox": busybox, "bin/sh": busybox, "bin/cat": busybox, "etc/tag": tag.encode()},
+                   dirs=("bin", "etc", "tmp", "root")),
+            _layer({"etc/shared.txt": b"one base for all\n"}, dirs=("etc",))]
+    refs = []
+    for i in range(count):
+        layout = tmp / f"layout-{tag}-{i}"
+        blobs = layout / "blobs/sha256"
+        blobs.mkdir(parents=True)
+
+        def blob(data: bytes) -> dict:
+            digest = hashlib.sha256(data).hexdigest()
+            (blobs / digest).write_bytes(data)
+            return {"digest": f"sha256:{digest}", "size": len(data)}
+
+        own = _layer({"task.txt": f"task {i} of {tag}\n".encode()})
+        layers = [*base, own]
+        config = {"architecture": "amd64", "os": "linux", "config": {"Env": ["PATH=/bin", f"TASK={i}"]},
+                  "rootfs": {"type": "layers",
+                             "diff_ids": [f"sha256:{hashlib.sha256(gzip.decompress(x)).hexdigest()}" for x in layers]}}
+        manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                    "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                               **blob(json.dumps(config).encode())},
+                    "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **blob(x)} for x in layers]}
+        m = json.dumps(manifest).encode()
+        (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [{
+            "mediaType": "application/vnd.oci.image.manifest.v1+json", **blob(m)}]}))
+        (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+        ref = f"{registry}/test/task-{i}:{tag}"
+        subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", "--dest-creds", f"{USER}:{PASSWORD}",
+                        f"oci:{layout}", f"docker://{ref}"], check=True, capture_output=True)
+        refs.append(ref)
+    return refs
+
+
+async def test_many_images_pulled_at_once_share_their_base(registry, tmp_path, server, client, names):
+    from dsec.images.pulls import pull_many
+    from dsec.images.store import LayerBuildError, LayerStore
+
+    store = LayerStore(server.state_dir / "store")
+    auth = auth_file(tmp_path, registry)
+    tag = secrets.token_hex(3)
+    refs = push_task_images(registry, tmp_path, 5, tag)
+    before = set(store.layer_digests())
+
+    # One pull, then a batch. The single pull merges its base with its own layer (three small
+    # layers: one group); the batch parts that group where its images part ways: the base once,
+    # then each image's own layer.
+    first = pull_many(store, [(names("task"), refs[0])], insecure=True, authfile=auth)[0]
+    assert len(first.layers) == 1
+    wanted = [(names("task"), ref) for ref in refs[1:4]]
+    wanted.append((names("task"), f"{registry}/test/no-such:{tag}"))
+    events: list[tuple[str, str]] = []
+    results = pull_many(store, wanted, insecure=True, authfile=auth, concurrency=3,
+                        on_event=lambda n, stage, done, total: events.append((n, stage)))
+    images, failure = results[:3], results[3]
+    assert isinstance(failure, LayerBuildError) and "no-such" in str(failure)
+    assert all(len(i.layers) == 2 for i in images), images
+    assert len({i.layers[0] for i in images}) == 1, "the base was converted more than once"
+    assert len({i.layers[1] for i in images}) == 3
+    new = set(store.layer_digests()) - before
+    assert len(new) == 1 + 1 + 3, "each group is converted once: the first pull's, the base, 3 own layers"
+    assert {stage for n, stage in events if n == wanted[0][0]} >= {"fetching", "converting", "done"}
+    assert (wanted[3][0], "failed") in events
+
+    # A later pull reuses the base the batch converted.
+    later = pull_many(store, [(names("task"), refs[4])], insecure=True, authfile=auth)[0]
+    assert later.layers[0] == images[0].layers[0]
+
+    for image, i in ((first, 0), (images[1], 2), (later, 4)):
+        async with await client.run_container(DSecContainerRunArgs(container_image=image.name, memory_limit_mb=64)) as sb:
+            out = await sb.run_shell("cat /etc/shared.txt /task.txt; echo $TASK")
+            assert out.stdout == f"one base for all\ntask {i} of {tag}\n{i}\n", (image, out)
+
+    # Bad input: a name twice, a bad name, a bad reference (each named), and the CLI's list file.
+    with pytest.raises(LayerBuildError, match="asked for twice"):
+        pull_many(store, [("same", refs[0]), ("same", refs[1])], insecure=True, authfile=auth)
+    bad = pull_many(store, [("Bad Name", refs[0]), (names("x"), "-bad ref!")], insecure=True, authfile=auth)
+    assert "Bad Name" in str(bad[0]) and "invalid image reference" in str(bad[1])
+    listing = tmp_path / "pulls.txt"
+    listing.write_text(f"# tasks\n{names('cli')} {refs[1]}\n{names('cli')} {refs[2]}  # two\n")
+    r = dsec_image("pull", "--many", str(listing), "--insecure", "--authfile", str(auth),
+                   "--state-dir", str(server.state_dir))
+    assert r.returncode == 0 and r.stdout.count("2 layer(s)") == 2, r
+    listing.write_text("just-a-name\n")
+    r = dsec_image("pull", "--many", str(listing), "--state-dir", str(server.state_dir))
+    assert r.returncode == 1 and "pulls.txt:1: expected 'NAME REF'" in " ".join(r.stderr.split()), r

@@ -1,7 +1,7 @@
-"""Images from where users keep them: an OCI registry (``pull``, through skopeo) and a
-Dockerfile (``build_dockerfile``, through buildah, else podman). Both end as an OCI archive in
-the store's scratch space, imported by ``sources.import_oci`` (consecutive small layers merged,
-whiteouts applied) and removed.
+"""Images from where users keep them: an OCI registry (``pull``, through skopeo; many at once,
+sharing layers, in ``pulls``) and a Dockerfile (``build_dockerfile``, through buildah, else
+podman). A build ends as an OCI archive in the store's scratch space, imported by
+``sources.import_oci`` (consecutive small layers merged, whiteouts applied) and removed.
 
 Credentials are skopeo's and buildah's own: ``authfile`` if given, else the usual auth file
 (``$REGISTRY_AUTH_FILE``, ``${XDG_RUNTIME_DIR}/containers/auth.json``, ``~/.docker/config.json``),
@@ -49,25 +49,19 @@ def _run(argv: list[str], what: str, timeout: float, cwd: Path | None = None) ->
 
 def pull(store: LayerStore, name: str, ref: str, *, authfile: Path | None = None, insecure: bool = False,
          merge_below: int = DEFAULT_MERGE_BELOW, log: Log | None = None) -> Image:
-    """Image ``name`` from ``ref`` in a registry (linux/amd64 of a multi-arch image)."""
-    if shutil.which("skopeo") is None:
-        raise LayerBuildError("skopeo not found: install it (scripts/setup-host.sh does)")
-    ref = _reference(ref)
-    argv = ["skopeo", "copy", "--quiet", "--override-os", "linux", "--override-arch", "amd64"]
-    if authfile is not None:
-        if not Path(authfile).is_file():
-            raise LayerBuildError(f"no auth file at {authfile}")
-        argv += ["--src-authfile", str(authfile)]
-    if insecure:
-        argv.append("--src-tls-verify=false")
-    with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work:
-        archive = Path(work, "image.tar")
+    """Image ``name`` from ``ref`` in a registry (linux/amd64 of a multi-arch image): a batch of
+    one (``pulls.pull_many``), so it shares the layers earlier pulls converted."""
+    from .pulls import pull_many
+
+    def event(_name: str, stage: str, done: int, total: int) -> None:
         if log:
-            log(f"skopeo copy {ref}")
-        _run([*argv, f"docker://{ref}", f"oci-archive:{archive}"], f"pulling {ref}", PULL_TIMEOUT_S)
-        if log:
-            log("importing the layers")
-        return import_oci(store, archive, name, merge_below=merge_below, log=log)
+            log(f"{stage} {done}/{total}" if total else stage)
+
+    [result] = pull_many(store, [(name, ref)], authfile=authfile, insecure=insecure, merge_below=merge_below,
+                         concurrency=1, on_event=event)
+    if isinstance(result, LayerBuildError):
+        raise result
+    return result
 
 
 def build_dockerfile(store: LayerStore, name: str, dockerfile: Path, context: Path | None = None, *,

@@ -1,0 +1,344 @@
+"""Pulling many images at once from a registry: each blob fetched once, each layer converted once.
+
+A training job's task images share their bases: 32 images may be one 400 MB base and 32 small
+layers of their own. ``pull_many`` takes them as one batch:
+
+1. **Fetch.** ``skopeo copy`` of each image into an OCI layout of its own, its blobs in one
+   directory shared by the batch (``--dest-shared-blob-dir``: a blob already there is not fetched
+   again). The first image goes alone, so the base it brings is there for the others, which then
+   run ``concurrency`` at a time.
+2. **Group.** Each image's layers (bottom first) are cut into groups, each group one EROFS layer
+   in the store. Consecutive small layers are merged while a group stays under ``merge_below``
+   compressed bytes, as an import merges them, but never across a point where the images of the
+   batch part ways (a base's last layer and the first layer of one image's own), and never past
+   the start of a group an earlier pull already converted: those are taken as they are. A
+   converted group is remembered in the store (``pulled/<first layer>/<key>.json``: the group's
+   layers, whether it is an image's bottom, and the store layer it became), so later pulls share
+   it too; an entry whose layer GC has removed is dropped.
+3. **Convert.** Each distinct group of the batch once, ``concurrency`` at a time: its layers
+   applied in order into a directory (whiteouts converted), then ``store.add_dir``.
+4. **Record.** Each image with its groups' layers, env, working directory and user.
+
+One image's failure (a reference the registry does not have, a corrupt layer) is that image's
+result; the others are pulled. ``on_event(name, stage, done, total)`` tells the caller where each
+image is (``fetching``, ``converting`` with groups done of its total, ``done``, ``failed``), for a
+progress bar per image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .sources import DEFAULT_MERGE_BELOW, _drop_markers, apply_layer
+from .store import Image, InvalidRequest, LayerBuildError, LayerStore, check_name
+
+Event = Callable[[str, str, int, int], None]
+LAYER_MEDIA_SUFFIXES = ("tar", "tar+gzip", "tar.gzip", "tar+zstd")
+
+
+@dataclass
+class Layout:
+    """One fetched image: its layers (digest, compressed size), bottom first, and its config."""
+
+    layers: list[tuple[str, int]]
+    env: dict[str, str]
+    workdir: str
+    user: str
+
+
+@dataclass(frozen=True)
+class Group:
+    layers: tuple[str, ...]   # blob digests, bottom first
+    bottom: bool              # the image's lowest group: its deletion markers are dropped
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(json.dumps([self.bottom, list(self.layers)]).encode()).hexdigest()[:32]
+
+
+@dataclass
+class _Pull:
+    name: str
+    ref: str
+    layout: Layout | None = None
+    groups: list[Group] = field(default_factory=list)
+    error: LayerBuildError | None = None
+
+
+def _hex(digest: str) -> str:
+    algo, _, hexpart = digest.partition(":")
+    if algo != "sha256" or len(hexpart) != 64 or not all(c in "0123456789abcdef" for c in hexpart):
+        raise LayerBuildError(f"unsupported or malformed blob digest {digest!r}")
+    return hexpart
+
+
+class Converted:
+    """The groups earlier pulls converted, kept in the store under ``pulled/``."""
+
+    def __init__(self, store: LayerStore) -> None:
+        self.store = store
+        self.root = store.root / "pulled"
+
+    def starting_with(self, digest: str, bottom: bool) -> list[tuple[Group, str]]:
+        """Known groups whose first layer is ``digest`` (and whose store layer is still there)."""
+        d = self.root / _hex(digest)
+        found = []
+        try:
+            entries = list(d.iterdir())
+        except FileNotFoundError:
+            return []
+        for path in entries:
+            try:
+                entry = json.loads(path.read_text())
+                group, layer = Group(tuple(entry["layers"]), bool(entry["bottom"])), str(entry["layer"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if group.bottom != bottom:
+                continue
+            if not self.store.has_layer(layer):
+                path.unlink(missing_ok=True)  # GC took it: convert again when asked
+                continue
+            found.append((group, layer))
+        return found
+
+    def remember(self, group: Group, layer: str) -> None:
+        d = self.root / _hex(group.layers[0])
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".{group.key}.{os.getpid()}.{threading.get_ident()}"
+        tmp.write_text(json.dumps({"layers": list(group.layers), "bottom": group.bottom, "layer": layer}))
+        os.replace(tmp, d / f"{group.key}.json")
+
+
+def read_layout(layout: Path) -> Layout:
+    """The layers and config of the one image in an OCI layout whose blobs are in ``blobs``."""
+    try:
+        index = json.loads((layout / "index.json").read_text())
+        entries = index.get("manifests") or []
+        if not entries:
+            raise LayerBuildError("the pulled image's index lists no manifest")
+        blobs = _blobs_dir(layout)
+        manifest = json.loads((blobs / _hex(entries[0]["digest"])).read_text())
+        config = json.loads((blobs / _hex(manifest["config"]["digest"])).read_text()) if manifest.get("config") else {}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LayerBuildError(f"cannot read the pulled image: {exc}") from exc
+    layers = []
+    for layer in manifest.get("layers") or []:
+        media = str(layer.get("mediaType", ""))
+        if not media.endswith(LAYER_MEDIA_SUFFIXES) and "tar" not in media:
+            raise LayerBuildError(f"layer {layer.get('digest')} is {media!r}, not a tar layer")
+        layers.append((str(layer["digest"]), int(layer.get("size") or 0)))
+    if not layers:
+        raise LayerBuildError("the pulled image has no layers")
+    cfg = (config.get("config") or {}) if isinstance(config, dict) else {}
+    env = dict(e.split("=", 1) for e in cfg.get("Env") or [] if "=" in e)
+    return Layout(layers=layers, env=env, workdir=cfg.get("WorkingDir") or "/", user=cfg.get("User") or "root")
+
+
+def _blobs_dir(layout: Path) -> Path:
+    shared = layout.parent.parent / "blobs" / "sha256"
+    return shared if shared.is_dir() else layout / "blobs" / "sha256"
+
+
+def plan_groups(pulls: list[_Pull], converted: Converted, merge_below: int) -> None:
+    """Cut each fetched image's layers into groups (module docstring, step 2)."""
+    # How many images of the batch begin with each prefix: where that count changes, they part ways.
+    sharing: dict[tuple[str, ...], int] = {}
+    for p in pulls:
+        if p.layout is not None:
+            digests = tuple(d for d, _ in p.layout.layers)
+            for i in range(1, len(digests) + 1):
+                sharing[digests[:i]] = sharing.get(digests[:i], 0) + 1
+    for p in pulls:
+        if p.layout is None:
+            continue
+        digests = [d for d, _ in p.layout.layers]
+        sizes = dict(p.layout.layers)
+        i = 0
+        while i < len(digests):
+            bottom = i == 0
+            known = _known_at(converted, digests, i, bottom, sizes, merge_below)
+            if known is not None:
+                p.groups.append(known)
+                i += len(known.layers)
+                continue
+            j, size = i + 1, sizes[digests[i]]
+            stop = _partial_end(converted, digests, i, bottom)
+            while j < len(digests) and j != stop:
+                if sharing[tuple(digests[:j])] != sharing[tuple(digests[:j + 1])]:
+                    break  # the batch's images part ways after layer j - 1
+                if size + sizes[digests[j]] >= merge_below:
+                    break
+                if converted.starting_with(digests[j], False):
+                    break  # a group an earlier pull converted starts here: keep it reusable
+                size += sizes[digests[j]]
+                j += 1
+            p.groups.append(Group(tuple(digests[i:j]), bottom))
+            i = j
+
+
+def _known_at(converted: Converted, digests: list[str], i: int, bottom: bool, sizes: dict[str, int],
+              merge_below: int) -> Group | None:
+    """The longest group converted before that these layers begin with at ``i`` and that the
+    merge policy allows (one layer, or under ``merge_below`` together)."""
+    best = None
+    for group, _ in converted.starting_with(digests[i], bottom):
+        n = len(group.layers)
+        if tuple(digests[i:i + n]) != group.layers:
+            continue
+        if n > 1 and sum(sizes[d] for d in group.layers) >= merge_below:
+            continue
+        if best is None or n > len(best.layers):
+            best = group
+    return best
+
+
+def _partial_end(converted: Converted, digests: list[str], i: int, bottom: bool) -> int:
+    """Where a known group that these layers only partly match stops matching (a base an
+    earlier pull merged with that image's own layer): a boundary there makes the shared part a
+    group of its own, which later pulls then reuse. -1 when there is none."""
+    end = -1
+    for group, _ in converted.starting_with(digests[i], bottom):
+        n = 0
+        while n < len(group.layers) and i + n < len(digests) and group.layers[n] == digests[i + n]:
+            n += 1
+        if 0 < n < len(group.layers):
+            end = max(end, i + n)
+    return end
+
+
+def _convert(store: LayerStore, blobs: Path, group: Group) -> str:
+    with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work:
+        root = Path(work, "root")
+        root.mkdir()
+        for digest in group.layers:
+            try:
+                with open(blobs / _hex(digest), "rb") as blob:
+                    apply_layer(blob, root)
+            except FileNotFoundError:
+                raise LayerBuildError(f"layer {digest} was not fetched") from None
+            except LayerBuildError as exc:
+                raise LayerBuildError(f"layer {digest}: {exc}") from None
+        if group.bottom:
+            _drop_markers(root)
+        return store.add_dir(root)
+
+
+def _skopeo_argv(authfile: Path | None, insecure: bool) -> list[str]:
+    if shutil.which("skopeo") is None:
+        raise LayerBuildError("skopeo not found: install it (scripts/setup-host.sh does)")
+    argv = ["skopeo", "copy", "--quiet", "--override-os", "linux", "--override-arch", "amd64"]
+    if authfile is not None:
+        if not Path(authfile).is_file():
+            raise LayerBuildError(f"no auth file at {authfile}")
+        argv += ["--src-authfile", str(authfile)]
+    if insecure:
+        argv.append("--src-tls-verify=false")
+    return argv
+
+
+def pull_many(store: LayerStore, wanted: list[tuple[str, str]], *, authfile: Path | None = None,
+              insecure: bool = False, merge_below: int = DEFAULT_MERGE_BELOW, concurrency: int = 4,
+              on_event: Event | None = None) -> list[Image | LayerBuildError]:
+    """Pull ``(name, reference)`` pairs; for each, its image or the error that stopped it."""
+    from .registry import PULL_TIMEOUT_S, _reference, _run
+
+    def event(name: str, stage: str, done: int = 0, total: int = 0) -> None:
+        if on_event is not None:
+            on_event(name, stage, done, total)
+
+    names = [n for n, _ in wanted]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise LayerBuildError(f"image name {dup!r} is asked for twice in one pull")
+    argv = _skopeo_argv(authfile, insecure)
+    pulls = []
+    for name, ref in wanted:
+        p = _Pull(name, ref)
+        try:
+            check_name(name)
+            p.ref = _reference(ref)
+        except InvalidRequest as exc:
+            p.error = exc if isinstance(exc, LayerBuildError) else LayerBuildError(str(exc))
+        pulls.append(p)
+    concurrency = max(1, concurrency)
+    store.tmp_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=store.tmp_dir, prefix="pull-") as work:
+        blobs = Path(work, "blobs")
+        (blobs / "sha256").mkdir(parents=True)
+
+        def fetch(index: int, p: _Pull) -> None:
+            if p.error is not None:
+                return
+            event(p.name, "fetching")
+            layout = Path(work, "layouts", str(index))
+            layout.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                _run([*argv, "--dest-shared-blob-dir", str(blobs), f"docker://{p.ref}", f"oci:{layout}:image"],
+                     f"pulling {p.ref}", PULL_TIMEOUT_S)
+                p.layout = read_layout(layout)
+            except LayerBuildError as exc:
+                p.error = exc
+
+        todo = [(i, p) for i, p in enumerate(pulls) if p.error is None]
+        if todo:
+            fetch(*todo[0])  # alone: the base it brings is then there for the rest
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(lambda ip: fetch(*ip), todo[1:]))
+        for p in pulls:
+            if p.error is not None:
+                event(p.name, "failed")
+
+        converted = Converted(store)
+        plan_groups(pulls, converted, merge_below)
+        made: dict[str, Future] = {}
+        lock = threading.Lock()
+        remaining = {p.name: len(p.groups) for p in pulls if p.layout is not None}
+
+        def convert(group: Group) -> str:
+            known = [layer for g, layer in converted.starting_with(group.layers[0], group.bottom) if g == group]
+            if known:
+                return known[0]
+            layer = _convert(store, blobs / "sha256", group)
+            converted.remember(group, layer)
+            return layer
+
+        with ThreadPoolExecutor(concurrency) as pool:
+            for p in pulls:
+                if p.layout is None:
+                    continue
+                event(p.name, "converting", 0, len(p.groups))
+                for group in p.groups:
+                    with lock:
+                        if group.key not in made:
+                            made[group.key] = pool.submit(convert, group)
+
+                    def done(_f: Future, p: _Pull = p) -> None:
+                        with lock:
+                            remaining[p.name] -= 1
+                            left = remaining[p.name]
+                        event(p.name, "converting", len(p.groups) - left, len(p.groups))
+
+                    made[group.key].add_done_callback(done)
+            results: list[Image | LayerBuildError] = []
+            for p in pulls:
+                if p.layout is None:
+                    results.append(p.error or LayerBuildError(f"pulling {p.ref} failed"))
+                    continue
+                try:
+                    layers = tuple(made[g.key].result() for g in p.groups)
+                    results.append(store.put_image(Image(name=p.name, layers=layers, env=p.layout.env,
+                                                         workdir=p.layout.workdir, user=p.layout.user)))
+                    event(p.name, "done", len(layers), len(layers))
+                except (InvalidRequest, OSError) as exc:
+                    results.append(LayerBuildError(f"pulling {p.ref}: {exc}"))
+                    event(p.name, "failed")
+    return results
