@@ -356,6 +356,24 @@ def bench_pause(
     raise typer.Exit(run_bench(state_dir=state_dir, console=console, count=count, mb=mb, probes=probes, loop=loop))
 
 
+@app.command("pulls")
+def bench_pulls(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="Work dir of the benchmark (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-pulls"),
+    images: Annotated[int, typer.Option(help="Task images over the one base.")] = 32,
+    files: Annotated[int, typer.Option(help="Files in each task image's own layer.")] = 200,
+    base: Annotated[str, typer.Option(help="The shared base: python (about 400 MB) or busybox.")] = "python",
+    concurrency: Annotated[int, typer.Option(help="Images pulled at a time (both ways).")] = 4,
+    peer: Annotated[bool, typer.Option(help="Measure skopeo copy into containers-storage as the peer.")] = True,
+) -> None:
+    """Many task images sharing a base pulled from a loopback registry: DSec's pull --many against skopeo into containers-storage."""
+    from .pulls import main as run_bench
+
+    if base not in ("python", "busybox"):
+        raise typer.BadParameter(f"--base {base!r}: use python or busybox")
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, images=images, files=files, base=base,
+                               concurrency=concurrency, peer=peer))
+
+
 @app.command("soak")
 def bench_soak(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-soak"),

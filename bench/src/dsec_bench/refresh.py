@@ -68,6 +68,9 @@ QUICK: list[Bench] = [
           _inside("bench-desktop.json"),
           needs=[("desktop-image", "the desktop image in the tests' store: `dsec image build desktop` or its tests")]),
     Bench("pause", "pausing-a-job-pause", ["-n", "10", "--mb", "8"], 15, _beside, store="beside"),
+    Bench("pulls", "pulling-many-images-pulls", ["--images", "8", "--base", "busybox"], 10, _beside,
+          needs=[("skopeo", "apt-get install skopeo (scripts/setup-host.sh does)"),
+                 ("registry", "apt-get install docker-registry (scripts/setup-host.sh does)")], store=""),
     Bench("fork", "fork", ["--children", "10", "--changed-mb", "5", "--files", "200", "--concurrency", "4"], 15,
           _beside, without={"podman": ["--no-podman"]}, store="beside"),
     Bench("inside", "inside-a-sandbox", ["--samples", "20", "--podman-samples", "5", "--slow-s", "3", "--tree-mb", "20"],
@@ -93,9 +96,9 @@ QUICK: list[Bench] = [
                                                      "--start-rounds", "3", "--podman-start-rounds", "2", "--no-harbor"],
           55, _beside, without={"podman": ["--no-podman"]}, store="beside"),
     Bench("density", "density-and-resources", ["--quick", "--max-count", "200", "--step", "100", "--peer-count", "50",
-                                               "--pause-count", "8", "--text-count", "4", "--random-count", "2",
+                                               "--pause-count", "8", "--text-count", "0", "--random-count", "0",
                                                "--cold-count", "4", "--cold-wait-s", "8", "--strict"],
-          185, _inside("bench-density.json")),
+          170, _inside("bench-density.json")),
     Bench("burst", "burst-images-on-demand", ["--quick", "--base", "python", "--strict"], 190, _inside("bench-burst.json"),
           store=""),
     Bench("images", "images-at-production-size", ["--quick", "--repeat", "3"], 45, _inside("images.json"), store=""),
@@ -139,6 +142,10 @@ def have(what: str) -> bool:
     """Whether a peer or tool a benchmark needs is on this machine."""
     if what == "podman":
         return shutil.which("podman") is not None
+    if what == "skopeo":
+        return shutil.which("skopeo") is not None
+    if what == "registry":
+        return shutil.which("docker-registry") is not None
     if what == "bwrap":
         return shutil.which("bwrap") is not None
     if what == "qemu":
@@ -342,6 +349,14 @@ def _row_pause(r: dict) -> tuple[str, str, str]:
             f"{_met(goals.get('resume_s'))}; auto-resume ≤ 200 ms {_met(goals.get('auto_resume'))}")
 
 
+def _row_pulls(r: dict) -> tuple[str, str, str]:
+    d, p = r.get("dsec") or {}, r.get("peer") or {}
+    return (f"{r.get('images', '—')} task images sharing a {r.get('base', '—')} base pulled in "
+            f"{_f(d.get('seconds'), '.2f')} s, the base converted {d.get('base_layers', '—')}×",
+            f"`skopeo copy` into containers-storage {_f(p.get('seconds'), '.2f')} s ({_f(r.get('ratio'), '.2f')}×)",
+            f"≥ 2× {_met(r.get('goal_met'))}")
+
+
 def _row_desktop(r: dict) -> tuple[str, str, str]:
     d, c, ratios = r.get("dsec") or {}, r.get("crun_exec") or {}, r.get("ratios") or {}
     shot, move, first = d.get("screenshot_p50_ms"), d.get("move_p50_ms"), r.get("create_to_first_screenshot_p50_s")
@@ -373,7 +388,7 @@ ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "lifecycle": _row_lifecycle, "inside": _row_inside, "density": _row_density, "burst": _row_burst,
     "clean-copy": _row_clean_copy, "fncall": _row_fncall, "joblog": _row_joblog, "cluster": _row_cluster,
     "cluster-ray": _row_cluster_ray, "rollout": _row_rollout, "tti": _row_tti, "soak": _row_soak,
-    "ports": _row_ports, "harness": _row_harness, "fork": _row_fork, "pause": _row_pause,
+    "ports": _row_ports, "harness": _row_harness, "fork": _row_fork, "pause": _row_pause, "pulls": _row_pulls,
     "desktop": _row_desktop, "images": _row_images,
 }
 
