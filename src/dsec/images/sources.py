@@ -93,12 +93,24 @@ def read_oci_archive(tar: tarfile.TarFile) -> OciImage:
     return OciImage(layer_paths=layers, env=env, workdir=cfg.get("WorkingDir") or "/", user=cfg.get("User") or "root")
 
 
-def _no_symlink_on_path(dest: Path, rel: str) -> None:
-    """Refuse to write through a symlink an earlier member (or layer) left in ``dest``."""
-    parts = Path(rel).parts
-    for i in range(1, len(parts)):
-        if os.path.islink(dest.joinpath(*parts[:i])):
+def _no_symlink_on_path(dest: str, rel: str, known_dirs: set[str]) -> None:
+    """Refuse to write through a symlink an earlier member (or layer) left in ``dest``.
+    ``known_dirs``: directories under ``dest`` already found to be real ones (an ancestor of
+    one is one too), so a layer of 10,000 files does not look at each directory again for each
+    file; whoever removes or replaces a directory in the set clears it."""
+    cur = dest
+    for part in rel.split("/")[:-1]:
+        cur = f"{cur}/{part}"
+        if cur in known_dirs:
+            continue
+        try:
+            mode = os.lstat(cur).st_mode
+        except FileNotFoundError:
+            return  # nothing deeper exists yet, so no symlink is on the rest of the way
+        if stat.S_ISLNK(mode):
             raise LayerBuildError(f"layer member {rel!r} would be written through a symlink")
+        if stat.S_ISDIR(mode):
+            known_dirs.add(cur)
 
 
 def _remove(path: Path) -> None:
@@ -116,7 +128,13 @@ def _whiteout(path: Path) -> None:
 def apply_layer(fileobj, dest: Path) -> None:
     """Apply one OCI layer tar (plain or gzip) onto ``dest``, converting whiteouts."""
     dest = dest.resolve()
+    root = str(dest)
     opaque: list[Path] = []
+    known_dirs: set[str] = set()
+    # Times that extracting disturbs (a directory's, by what goes into it; a symlink's and a
+    # marker's, never set), put back at the end: the same layer gives the same tree, so the
+    # same layer digest on any node and in any pull.
+    times: dict[str, int] = {}
     try:
         with tarfile.open(fileobj=fileobj, mode="r:*") as tar:
             for member in tar:
@@ -124,26 +142,36 @@ def apply_layer(fileobj, dest: Path) -> None:
                 if name in (".", "/"):
                     continue
                 _check_member(member, dest)
-                _no_symlink_on_path(dest, name)
-                base = os.path.basename(name)
-                parent = dest / os.path.dirname(name)
-                if base == OPAQUE_MARKER:
-                    parent.mkdir(parents=True, exist_ok=True)
-                    for child in parent.iterdir():
-                        _remove(child)
-                    opaque.append(parent)
-                    continue
-                if base.startswith(WHITEOUT_PREFIX):
+                _no_symlink_on_path(root, name, known_dirs)
+                head, _, base = name.rpartition("/")
+                if base == OPAQUE_MARKER or base.startswith(WHITEOUT_PREFIX):
+                    known_dirs.clear()  # directories go: look again
+                    parent = dest / head
+                    if base == OPAQUE_MARKER:
+                        parent.mkdir(parents=True, exist_ok=True)
+                        for child in parent.iterdir():
+                            _remove(child)
+                        opaque.append(parent)
+                        continue
                     target = base[len(WHITEOUT_PREFIX):]
                     if not target or target in (".", ".."):
                         raise LayerBuildError(f"layer has a malformed whiteout {member.name!r}")
                     parent.mkdir(parents=True, exist_ok=True)
                     _whiteout(parent / target)
+                    times[str(parent / target)] = int(member.mtime)
                     continue
-                path = dest / name
-                if (path.exists() or path.is_symlink()) and not (member.isdir() and path.is_dir() and not path.is_symlink()):
-                    _remove(path)
+                path = f"{root}/{name}"
+                try:
+                    mode = os.lstat(path).st_mode
+                except FileNotFoundError:
+                    mode = None
+                if mode is not None and not (member.isdir() and stat.S_ISDIR(mode)):
+                    if path in known_dirs:
+                        known_dirs.clear()
+                    _remove(Path(path))
                 member.name = name
+                if member.isdir() or member.issym():
+                    times[path] = int(member.mtime)
                 try:
                     tar.extract(member, dest, numeric_owner=True)
                 except KeyError:  # (tarfile: a hard link whose target is neither written nor in the tar)
@@ -153,6 +181,21 @@ def apply_layer(fileobj, dest: Path) -> None:
         raise LayerBuildError(f"cannot apply layer: {exc}") from exc
     for directory in opaque:
         os.setxattr(directory, OPAQUE_XATTR, b"y")
+    _settle_times(root, times)
+
+
+def _settle_times(root: str, times: dict[str, int]) -> None:
+    """Each directory, symlink and marker the layer named gets its time from the layer, and a
+    directory it did not name (made on the way to a member) the epoch; deepest first."""
+    for dirpath, dirnames, _ in os.walk(root):
+        for name in dirnames:
+            times.setdefault(f"{dirpath}/{name}", 0)
+    for path in sorted(times, key=lambda p: p.count("/"), reverse=True):
+        ns = times[path] * 1_000_000_000
+        try:
+            os.utime(path, ns=(ns, ns), follow_symlinks=False)
+        except FileNotFoundError:
+            pass  # named, then removed by a later member
 
 
 def import_oci(
