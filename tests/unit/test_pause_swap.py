@@ -20,6 +20,7 @@ def v2_tree(tmp_path, monkeypatch):
     (d / "memory.max").write_text("268435456\n")
     (d / "memory.swap.max").write_text("0\n")
     monkeypatch.setattr(cgroups, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(cgroups, "is_v2", lambda: True)  # (cached for the host it runs on)
     monkeypatch.setattr(cgroups, "_HAS", {})
     # A cgroup file takes each write as its whole new value; a plain file needs truncating.
     monkeypatch.setattr(cgroups, "_write", lambda path, value: Path(path).write_text(value))
