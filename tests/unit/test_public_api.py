@@ -236,6 +236,8 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.DesktopWindowList: {"windows": []},
         _models.DesktopFocusRequest: {"window": 1},
         _models.DesktopLaunchRequest: {},
+        _models.DesktopStreamRequest: {},
+        _models.DesktopStream: {"path": "/p", "expires_at": 1.0},
     }[cls]
 
 

@@ -18,6 +18,8 @@ from .protocol import (
     DesktopInfo,
     DesktopInput,
     DesktopLaunchRequest,
+    DesktopStream,
+    DesktopStreamRequest,
     DesktopWindow,
     DesktopWindowList,
     ProcessInfo,
@@ -118,3 +120,14 @@ class Desktop:
         sandbox = self._sandbox
         return ProcessInfo.model_validate(await sandbox._client._request(
             *api_route("desktop_launch", sandbox_id=sandbox.id), model=DesktopLaunchRequest(open=path_or_url)))
+
+    async def stream_url(self, *, ttl_s: float = 3600.0) -> str:
+        """A live view of the desktop in the browser: the URL of noVNC's page through the API,
+        which connects by itself and takes the mouse and keyboard. It opens for this client's
+        project only (its path carries a key made for it and this sandbox, valid ``ttl_s``
+        seconds): keep it as you would a token. x11vnc and noVNC start in the sandbox on the
+        first call (on E2B Desktop's ports, 5900 and 6080)."""
+        sandbox = self._sandbox
+        body = await sandbox._client._request(*api_route("desktop_stream", sandbox_id=sandbox.id),
+                                              model=DesktopStreamRequest(ttl_s=ttl_s))
+        return sandbox._client.endpoint + DesktopStream.model_validate(body).path

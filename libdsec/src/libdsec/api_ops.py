@@ -34,6 +34,8 @@ from .protocol import (
     DesktopInfo,
     DesktopInput,
     DesktopLaunchRequest,
+    DesktopStream,
+    DesktopStreamRequest,
     DesktopWindowList,
     ExecEvent,
     ExecRequest,
@@ -163,6 +165,8 @@ PUBLIC_OPS: tuple[Op, ...] = (
     Op("desktop_focus", "POST", SB + "/desktop/focus", DesktopFocusRequest, spread=True, lifecycle="exec"),
     Op("desktop_launch", "POST", SB + "/desktop/launch", DesktopLaunchRequest, answer=ProcessInfo, lifecycle="exec",
        journal=MADE),
+    Op("desktop_stream", "POST", SB + "/desktop/stream", DesktopStreamRequest, spread=True, answer=DesktopStream,
+       lifecycle="exec", journal=MADE),
     # -- images (any node's store) ---------------------------------------------------------------
     Op("list_images", "GET", "/images", query=("limit:opt", "after:opt", "prefix:opt", "role:opt"), answer=ImageList,
        unwrap="images"),

@@ -1159,6 +1159,21 @@ class DesktopFocusRequest(_Model):
     window: int
 
 
+class DesktopStreamRequest(_Model):
+    """``sandbox.desktop.stream_url()``: a live view of the desktop (noVNC in the browser),
+    its key valid ``ttl_s`` seconds."""
+
+    ttl_s: float = Field(3600.0, gt=0, le=7 * 86400)
+
+
+class DesktopStream(_Model):
+    """The live view's page: ``path`` under the API's endpoint (it carries the key that opens
+    it, made for the caller's project and this sandbox only) and when the key expires."""
+
+    path: str
+    expires_at: float
+
+
 class DesktopLaunchRequest(_Model):
     """Start an application by its desktop entry (``gtk-launch APP [URI]``), or open a file or
     URL with its default application (``xdg-open TARGET``): one of ``app`` and ``open``."""

@@ -238,6 +238,8 @@ class EdgeAPI(Protocol):
 
     async def desktop_launch(self, sandbox_id: str, request: DesktopLaunchRequest) -> ProcessInfo: ...
 
+    async def desktop_stream(self, sandbox_id: str) -> None: ...
+
     async def connect_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A TCP connection to 127.0.0.1:``port`` inside the sandbox, as asyncio streams that
         carry bytes both ways until either side closes (``write_eof`` half-closes); the pair is
