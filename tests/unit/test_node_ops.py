@@ -179,7 +179,7 @@ def remote_arguments(op: Operation) -> dict:
             DesktopInput: DesktopInput(action="press", keys="ctrl+s"),
             DesktopLaunchRequest: DesktopLaunchRequest(app="mousepad")}.get(op.request),
         "watch": 4, "wait": 2.5, "paths": ["/a", "/b"], "prefix": "user.x.", "values": {"k": "v"},
-        "format": "raw", "window": 7,
+        "format": "raw", "window": 7, "max_chars": 5000,
         "all_or_none": False,
         "limit": "5", "after": "task-1",
     }

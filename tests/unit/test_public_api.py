@@ -237,6 +237,8 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.DesktopFocusRequest: {"window": 1},
         _models.DesktopLaunchRequest: {},
         _models.DesktopStreamRequest: {},
+        _models.DesktopAccessibilityRequest: {},
+        _models.DesktopAccessibilityTree: {"tree": "", "count": 0, "truncated": False},
         _models.DesktopStream: {"path": "/p", "expires_at": 1.0},
     }[cls]
 

@@ -30,6 +30,8 @@ from .ops import Operation as Op, path_format
 from .protocol import (
     CleanCopyRequest,
     CleanCopyResult,
+    DesktopAccessibilityRequest,
+    DesktopAccessibilityTree,
     DesktopFocusRequest,
     DesktopInfo,
     DesktopInput,
@@ -165,6 +167,8 @@ PUBLIC_OPS: tuple[Op, ...] = (
     Op("desktop_focus", "POST", SB + "/desktop/focus", DesktopFocusRequest, spread=True, lifecycle="exec"),
     Op("desktop_launch", "POST", SB + "/desktop/launch", DesktopLaunchRequest, answer=ProcessInfo, lifecycle="exec",
        journal=MADE),
+    Op("desktop_accessibility_tree", "POST", SB + "/desktop/accessibility_tree", DesktopAccessibilityRequest,
+       spread=True, answer=DesktopAccessibilityTree, lifecycle="exec"),
     Op("desktop_stream", "POST", SB + "/desktop/stream", DesktopStreamRequest, spread=True, answer=DesktopStream,
        lifecycle="exec", journal=MADE),
     # -- images (any node's store) ---------------------------------------------------------------

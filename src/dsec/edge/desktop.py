@@ -32,6 +32,7 @@ from pathlib import Path
 
 from libdsec import DesktopUnavailable, DSecError, InvalidRequest, PortUnreachable, SandboxStateError
 from libdsec.protocol import (
+    DesktopAccessibilityTree,
     DesktopInfo,
     DesktopInput,
     DesktopLaunchRequest,
@@ -247,6 +248,9 @@ class Desktops(SandboxTable):
         if not header["ok"]:
             if header["error"] == "invalid":
                 raise InvalidRequest(header["message"])
+            if header["error"] == "a11y_down":
+                raise DesktopUnavailable(f"the accessibility (AT-SPI) bus of sandbox {rec.id}'s desktop is down: "
+                                         f"{header['message']}; the desktop's other calls still work")
             self._desktops.pop(rec.id, None)
             agent.close()
             self._restart_desktop(rec)
@@ -286,6 +290,11 @@ class Desktops(SandboxTable):
     async def desktop_windows(self, sandbox_id: str) -> list[DesktopWindow]:
         _, header, _ = await self._desktop_call(sandbox_id, {"op": "windows"})
         return [DesktopWindow.model_validate(w) for w in header["windows"]]
+
+    async def desktop_accessibility_tree(self, sandbox_id: str, max_chars: int = 100_000) -> DesktopAccessibilityTree:
+        _, header, payload = await self._desktop_call(sandbox_id, {"op": "accessibility_tree", "max_chars": max_chars})
+        return DesktopAccessibilityTree(tree=payload.decode("utf-8", "replace"), count=header["count"],
+                                        truncated=header["truncated"])
 
     async def desktop_focus(self, sandbox_id: str, window: int) -> None:
         await self._desktop_call(sandbox_id, {"op": "focus", "window": window})
