@@ -80,8 +80,10 @@ exec xdg-open "$t"
 
 
 # What is left of a dead desktop, killed before it starts again (the agent by its source's first
-# line, which its command line holds; the bracket keeps this command itself out of the match).
-_KILL_DESKTOP = "pkill -KILL -f 'The desktop [a]gent: run inside' ; pkill -KILL -x Xvfb ; true"
+# line, which its command line holds; the bracket keeps this command itself out of the match; the
+# AT-SPI bus launcher by its process name, cut at 15 characters, as the agent starts one again).
+_KILL_DESKTOP = ("pkill -KILL -f 'The desktop [a]gent: run inside' ; pkill -KILL -x Xvfb ; "
+                 "pkill -KILL -x at-spi-bus-laun ; true")
 
 
 class _Agent:
