@@ -27,3 +27,10 @@ def test_desktop_bench_measures_each_figure_against_its_peers(tmp_path: Path, de
     assert 0 < c["scrot_p50_ms"] and 0 < c["xdotool_move_p50_ms"] and 0 < x["scrot_p50_ms"]
     assert res["ratios"]["screenshot_crun_exec_over_dsec"] == pytest.approx(c["scrot_p50_ms"] / d["screenshot_p50_ms"])
     assert 0 < res["create_to_first_screenshot_p50_s"] < 60
+    # The peer: podman exec on a podman container of the same image, in the same run.
+    pm = res["podman_exec"]
+    assert 0 < pm["scrot_p50_ms"] and 0 < pm["xdotool_move_p50_ms"] and 0 < pm["xdotool_key_p50_ms"]
+    assert res["ratios"]["screenshot_podman_exec_over_dsec"] == pytest.approx(pm["scrot_p50_ms"] / d["screenshot_p50_ms"])
+    assert res["ratios"]["press_podman_exec_over_dsec"] == pytest.approx(pm["xdotool_key_p50_ms"] / d["press_p50_ms"])
+    assert set(res["goals"]) == {"screenshot_p50_le_25ms", "screenshot_ge_4x_podman", "input_p50_le_5ms",
+                                 "input_ge_10x_podman"}

@@ -169,6 +169,8 @@ async def test_desktop_calls_cross_the_seam(node):
         "windows": node.desktop_windows,
         "focus": lambda sid: node.desktop_focus(sid, 7),
         "launch": lambda sid: node.desktop_launch(sid, DesktopLaunchRequest(app="mousepad")),
+        "stream": node.desktop_stream,
+        "accessibility_tree": lambda sid: node.desktop_accessibility_tree(sid, 100_000),
     }
     for name, call in calls.items():
         with pytest.raises(DesktopUnavailable, match=f"sandbox {info.id} has no desktop"):

@@ -181,3 +181,47 @@ async def test_lighter_sessions(client, desktop_image, session, no_sandbox_outli
             await asyncio.sleep(1)
             assert await sandbox.desktop.windows() == []
             assert (await sandbox.desktop.move(5, 6)).cursor_x == 5
+
+
+async def test_accessibility_tree(client, desktop_image, no_sandbox_outlives_the_test):
+    async with await client.run_container(_desktop_args(desktop_image)) as sandbox:
+        desktop = sandbox.desktop
+        await sandbox.run_shell("printf 'accessible words' > /home/user/a11y.txt")
+        await desktop.launch("org.xfce.mousepad", "/home/user/a11y.txt")
+        editor = await _window(sandbox, "mousepad")
+        for _ in range(50):  # (the editor joins the bus as its window maps)
+            tree = await desktop.accessibility_tree()
+            if '[menu item] "Save' in tree:
+                break
+            await asyncio.sleep(0.2)
+        lines = tree.splitlines()
+        # The application at the top, its window a child (indented), with its place on the screen.
+        app = lines.index('[application] "mousepad"')
+        frames = [line for line in lines[app + 1:] if line.startswith("  [frame] ") and "a11y.txt" in line]
+        assert frames, tree[:3000]
+        # Its extents: the window with the window manager's frame around it.
+        at, size = frames[0].rsplit("@", 1)[1].split()
+        (fx, fy), (fw, fh) = map(int, at.split(",")), map(int, size.split("x"))
+        assert fx <= editor.x and fy <= editor.y and fx + fw >= editor.x + editor.width \
+            and fy + fh >= editor.y + editor.height, (frames[0], editor)
+        # Its menus and their items, nested deeper; the text field with the file's text.
+        assert any(line.strip().startswith('[menu] "File"') for line in lines), tree[:2000]
+        [save] = [line for line in lines if line.strip().startswith('[menu item] "Save"')]
+        assert save.startswith("    ") and "hidden)" in save  # (a closed menu's items are not showing)
+        assert any('text="accessible words"' in line and "editable" in line for line in lines), tree[:4000]
+
+        # Bounded: a tree cut at max_chars says so on its last line.
+        small = await desktop.accessibility_tree_info(max_chars=1000)
+        assert small.truncated and len(small.tree) <= 1100 and "[... truncated:" in small.tree.splitlines()[-1]
+        with pytest.raises(ValueError, match="max_chars"):  # (refused before it is sent)
+            await desktop.accessibility_tree(max_chars=10)
+
+        # The AT-SPI bus killed: a typed error naming it; screenshots and input go on.
+        # (by process name: the desktop agent's command line holds its source, which names them)
+        await sandbox.run_shell("pkill -KILL -x at-spi-bus-laun; pkill -KILL -f accessibility.conf; "
+                                "pkill -KILL -x at-spi2-registr; true", user="root")
+        await asyncio.sleep(0.3)
+        with pytest.raises(DesktopUnavailable, match="AT-SPI"):
+            await desktop.accessibility_tree()
+        assert _png_pixels(await desktop.screenshot())[:2] == (W, H)
+        await desktop.click(10, 10)

@@ -179,7 +179,7 @@ def remote_arguments(op: Operation) -> dict:
             DesktopInput: DesktopInput(action="press", keys="ctrl+s"),
             DesktopLaunchRequest: DesktopLaunchRequest(app="mousepad")}.get(op.request),
         "watch": 4, "wait": 2.5, "paths": ["/a", "/b"], "prefix": "user.x.", "values": {"k": "v"},
-        "format": "raw", "window": 7,
+        "format": "raw", "window": 7, "max_chars": 5000,
         "all_or_none": False,
         "limit": "5", "after": "task-1",
     }
@@ -220,6 +220,7 @@ TIMEOUTS = {
     "process_stdin": LONG_CALL_TIMEOUT_S,
     "pty_input": LONG_CALL_TIMEOUT_S, "close_pty": LONG_CALL_TIMEOUT_S, "remove_path": LONG_CALL_TIMEOUT_S,
     "upload_tree": LONG_CALL_TIMEOUT_S, "gc_layers": LONG_CALL_TIMEOUT_S, "write_file_stream": 3600.0,
+    "desktop_stream": LONG_CALL_TIMEOUT_S,
     "exec": 5 + SLACK_S, "session_exec": 5 + SLACK_S, "wait_process": 3 + SLACK_S, "fncall": 4 + SLACK_S,
     "fncall_many": LONG_CALL_TIMEOUT_S + 9,
     "exec_stream": 5 + SLACK_S, "session_exec_stream": 5 + SLACK_S, "stream_process": 6 + SLACK_S,

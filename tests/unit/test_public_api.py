@@ -34,7 +34,7 @@ PUBLIC |= {"Process", "ProcessInfo", "ProcessNotFound", "Session", "SessionClose
 PUBLIC |= {"Pty", "SyncPty"}  # a terminal in a sandbox
 PUBLIC |= {"BuildResult", "ImageBuildFailed"}  # images built from Dockerfiles
 PUBLIC |= {"DirWatch", "FsEvent", "SyncDirWatch"}  # directory watches
-PUBLIC |= {"Desktop", "DesktopInfo", "DesktopSpec", "DesktopUnavailable", "DesktopWindow", "SyncDesktop"}  # desktops
+PUBLIC |= {"Desktop", "DesktopAccessibilityTree", "DesktopInfo", "DesktopSpec", "DesktopUnavailable", "DesktopWindow", "SyncDesktop"}  # desktops
 PUBLIC |= {"Snapshot", "SnapshotConflict", "SnapshotNotFound"}  # named snapshots
 
 # Every error class, its wire code, HTTP status and the built-in it also is.
@@ -236,6 +236,10 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _models.DesktopWindowList: {"windows": []},
         _models.DesktopFocusRequest: {"window": 1},
         _models.DesktopLaunchRequest: {},
+        _models.DesktopStreamRequest: {},
+        _models.DesktopAccessibilityRequest: {},
+        _models.DesktopAccessibilityTree: {"tree": "", "count": 0, "truncated": False},
+        _models.DesktopStream: {"path": "/p", "expires_at": 1.0},
     }[cls]
 
 

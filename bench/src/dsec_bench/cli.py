@@ -265,7 +265,7 @@ def bench_desktop(
     peer_samples: Annotated[int, typer.Option(help="Samples of each exec latency (the peers').")] = 30,
     creates: Annotated[int, typer.Option(help="Sandboxes made for create-to-first-screenshot.")] = 5,
 ) -> None:
-    """A sandbox's desktop (screenshot, input, create to first screenshot) against scrot and xdotool by crun exec."""
+    """A sandbox's desktop (screenshot, input, create to first screenshot) against scrot and xdotool by podman exec (and crun exec)."""
     from .desktop import main as run_bench
 
     raise typer.Exit(run_bench(state_dir=state_dir, console=console, store=store, width=width, height=height,

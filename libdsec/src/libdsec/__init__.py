@@ -39,7 +39,7 @@ from .protocol import SecurityEvent
 from .protocol import ExecEvent, FileEntry, FsEvent, ProcessInfo
 from .protocol import BuildResult, DSecContainerRunArgs, ExecResult, ImageInfo, PackDiffResult, PauseResult, SandboxInfo, SandboxStatus
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, Snapshot, SnapshotInfo
-from .protocol import DesktopInfo, DesktopSpec, DesktopWindow
+from .protocol import DesktopAccessibilityTree, DesktopInfo, DesktopSpec, DesktopWindow
 from ._desktop import Desktop
 from .protocol import DSecFnCallArgs, FnCallResult
 from ._pausing import SandboxGroupResult, SandboxOutcome
@@ -58,6 +58,7 @@ __all__ = [
     "DSecFullVMRunArgs",
     "DSecMicroVMRunArgs",
     "Desktop",
+    "DesktopAccessibilityTree",
     "DesktopInfo",
     "DesktopSpec",
     "DesktopUnavailable",

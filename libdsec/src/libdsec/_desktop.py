@@ -14,10 +14,14 @@ from typing import TYPE_CHECKING, Literal
 
 from .api_ops import api_route
 from .protocol import (
+    DesktopAccessibilityRequest,
+    DesktopAccessibilityTree,
     DesktopFocusRequest,
     DesktopInfo,
     DesktopInput,
     DesktopLaunchRequest,
+    DesktopStream,
+    DesktopStreamRequest,
     DesktopWindow,
     DesktopWindowList,
     ProcessInfo,
@@ -100,6 +104,22 @@ class Desktop:
         body = await sandbox._client._request(*api_route("desktop_windows", sandbox_id=sandbox.id))
         return DesktopWindowList.model_validate(body).windows
 
+    async def accessibility_tree(self, *, max_chars: int = 100_000) -> str:
+        """The AT-SPI accessibility tree of the desktop as text, as OSWorld gives it to agents: one
+        line per accessible (``[role] "name"``, a text field's ``text="…"``, states that matter
+        such as ``focused``, ``selected``, ``checked``, ``hidden``; ``@x,y WxH`` on the screen),
+        children indented under their parent. At most ``max_chars`` characters; a tree cut there
+        ends with a ``[... truncated: …]`` line. ``DesktopUnavailable`` naming the AT-SPI bus when
+        it is down. (``accessibility_tree_info`` gives the counts too.)"""
+        return (await self.accessibility_tree_info(max_chars=max_chars)).tree
+
+    async def accessibility_tree_info(self, *, max_chars: int = 100_000) -> DesktopAccessibilityTree:
+        """``accessibility_tree`` with how many accessibles it shows and whether it was cut."""
+        sandbox = self._sandbox
+        return DesktopAccessibilityTree.model_validate(await sandbox._client._request(
+            *api_route("desktop_accessibility_tree", sandbox_id=sandbox.id),
+            model=DesktopAccessibilityRequest(max_chars=max_chars)))
+
     async def focus(self, window: int | DesktopWindow) -> None:
         """Raise ``window`` and give it the keyboard."""
         sandbox = self._sandbox
@@ -118,3 +138,14 @@ class Desktop:
         sandbox = self._sandbox
         return ProcessInfo.model_validate(await sandbox._client._request(
             *api_route("desktop_launch", sandbox_id=sandbox.id), model=DesktopLaunchRequest(open=path_or_url)))
+
+    async def stream_url(self, *, ttl_s: float = 3600.0) -> str:
+        """A live view of the desktop in the browser: the URL of noVNC's page through the API,
+        which connects by itself and takes the mouse and keyboard. It opens for this client's
+        project only (its path carries a key made for it and this sandbox, valid ``ttl_s``
+        seconds): keep it as you would a token. x11vnc and noVNC start in the sandbox on the
+        first call (on E2B Desktop's ports, 5900 and 6080)."""
+        sandbox = self._sandbox
+        body = await sandbox._client._request(*api_route("desktop_stream", sandbox_id=sandbox.id),
+                                              model=DesktopStreamRequest(ttl_s=ttl_s))
+        return sandbox._client.endpoint + DesktopStream.model_validate(body).path

@@ -1159,6 +1159,38 @@ class DesktopFocusRequest(_Model):
     window: int
 
 
+class DesktopAccessibilityRequest(_Model):
+    """``sandbox.desktop.accessibility_tree(max_chars=…)``: at most this many characters."""
+
+    max_chars: int = Field(100_000, ge=1000, le=2_000_000)
+
+
+class DesktopAccessibilityTree(_Model):
+    """The AT-SPI tree as text: one line per accessible (``[role] "name"``, a text field's
+    ``text="…"``, the states that matter in parentheses, ``@x,y WxH`` on the screen), children
+    indented two spaces under their parent, applications at the top. ``truncated``: the tree
+    was cut at ``max_chars`` (its last line says so); ``count``: the accessibles shown."""
+
+    tree: str
+    count: int
+    truncated: bool
+
+
+class DesktopStreamRequest(_Model):
+    """``sandbox.desktop.stream_url()``: a live view of the desktop (noVNC in the browser),
+    its key valid ``ttl_s`` seconds."""
+
+    ttl_s: float = Field(3600.0, gt=0, le=7 * 86400)
+
+
+class DesktopStream(_Model):
+    """The live view's page: ``path`` under the API's endpoint (it carries the key that opens
+    it, made for the caller's project and this sandbox only) and when the key expires."""
+
+    path: str
+    expires_at: float
+
+
 class DesktopLaunchRequest(_Model):
     """Start an application by its desktop entry (``gtk-launch APP [URI]``), or open a file or
     URL with its default application (``xdg-open TARGET``): one of ``app`` and ``open``."""

@@ -53,6 +53,7 @@ from .routes_projects import add_project_routes
 from .routes_snapshots import add_snapshot_routes
 from .table import TableRoutes, add_schema_routes, first_piece, ndjson
 from .ports import DEFAULT_DOMAIN, PortProxy, PortRoutes
+from .streams import StreamKeys, StreamRoutes
 from .websocket import relay as websocket_relay
 
 log = logging.getLogger("dsec.apiserver")
@@ -183,6 +184,9 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
     # Outermost: a sandbox's host name is served whatever its path (E2B's proxy does the same),
     # and port_url's requests skip the framework (ports.PortRoutes).
     app.add_middleware(PortRoutes, domain=domain, proxy=ports, check=check, job_header=_JOB)
+    # A desktop's live view (noVNC) to a browser, by the key its page's path carries (streams.py).
+    cluster.stream_keys = StreamKeys(token)
+    app.add_middleware(StreamRoutes, keys=cluster.stream_keys, proxy=ports)
 
     auth = [Depends(authenticated)]
 

@@ -26,17 +26,18 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from datetime import datetime, timezone
 
-from libdsec import CapacityExceeded, DSecError, Overloaded, QuotaExceeded, SandboxLost, SandboxNotFound, SnapshotConflict
+from libdsec import CapacityExceeded, DSecError, InvalidRequest, Overloaded, QuotaExceeded, SandboxLost, SandboxNotFound, SnapshotConflict
 from libdsec.protocol import (
     CleanCopyResult,
     ForkResult,
     ClusterStats,
     DSecContainerRunArgs,
     DSecFnCallArgs,
+    DesktopStream,
     ExecRequest,
     ExecResult,
     FnCallResult,
@@ -53,6 +54,9 @@ from .jobs import Jobs
 from .metrics import ApiMetrics
 from .projects import OwedStop, ProjectStore, open_project_store
 from .quota import RESOURCES, Amount, check_create
+
+if TYPE_CHECKING:
+    from .streams import StreamKeys
 
 log = logging.getLogger("dsec.apiserver.cluster")
 
@@ -126,6 +130,8 @@ class Cluster:
         view_max_age_s: float = 0.2,
     ) -> None:
         self.edges = {e.node: e for e in edges}
+        # Who makes the keys of desktops' live views (set by the app that serves them).
+        self.stream_keys: StreamKeys | None = None
         # Nodes that left the cluster (died, or stopped answering): node -> (since, why). Their
         # sandboxes answer SandboxLost until the node comes back (``add_edge``) and re-adopts them.
         self.lost: dict[str, tuple[float, str]] = {}
@@ -641,6 +647,16 @@ class Cluster:
             result = await edge.clean_copy(sandbox_id, keep)
             self._note_placed(edge.node, like)
             return result
+
+    async def desktop_stream(self, sandbox_id: str, ttl_s: float = 3600.0) -> DesktopStream:
+        """The live view of the sandbox's desktop: started by its node, its page's key made here
+        for the sandbox's project (``dsec.apiserver.streams``)."""
+        if self.stream_keys is None:
+            raise InvalidRequest("this apiserver does not serve desktops' live views")
+        edge = self.edge_for(sandbox_id)
+        info = await edge.get(sandbox_id)
+        await edge.desktop_stream(sandbox_id)
+        return self.stream_keys.stream(sandbox_id, info.project, ttl_s)
 
     async def fork(self, sandbox_id: str, count: int = 1, all_or_none: bool = True,
                    ttl_running_stop: float | None = None) -> ForkResult:

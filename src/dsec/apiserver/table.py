@@ -43,8 +43,8 @@ from .jobs import Jobs, file_request
 from .lean import _error, internal_error
 
 # The operations the cluster wraps (metrics, a stop kept for a node that is away, a copy or a
-# fork counted against its project's quota); the others are the edge's method of the same name.
-CLUSTER_CALLS = frozenset({"exec", "stop", "clean_copy", "fork"})
+# fork counted against its project's quota, a desktop's live view and its key); the others are the edge's method of the same name.
+CLUSTER_CALLS = frozenset({"exec", "stop", "clean_copy", "fork", "desktop_stream"})
 # A chunked answer's media type, when not raw bytes.
 MEDIA = {"download_tree_tar": "application/x-tar"}
 _OCTETS = "application/octet-stream"

@@ -37,6 +37,7 @@ from libdsec.protocol import (
     ForkResult,
     DSecContainerRunArgs,
     DSecFnCallArgs,
+    DesktopAccessibilityTree,
     DesktopInfo,
     DesktopInput,
     DesktopLaunchRequest,
@@ -237,6 +238,10 @@ class EdgeAPI(Protocol):
     async def desktop_focus(self, sandbox_id: str, window: int) -> None: ...
 
     async def desktop_launch(self, sandbox_id: str, request: DesktopLaunchRequest) -> ProcessInfo: ...
+
+    async def desktop_stream(self, sandbox_id: str) -> None: ...
+
+    async def desktop_accessibility_tree(self, sandbox_id: str, max_chars: int = 100_000) -> DesktopAccessibilityTree: ...
 
     async def connect_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A TCP connection to 127.0.0.1:``port`` inside the sandbox, as asyncio streams that

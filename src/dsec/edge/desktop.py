@@ -10,6 +10,11 @@ to a process that holds an open X connection: no command started per action. The
 once the agent answers (the X server up, the window manager managing); a desktop that does not
 come up fails the create, and the sandbox is removed.
 
+The live view (``desktop_stream``): x11vnc on the desktop's display and noVNC's page with its
+WebSocket proxy (websockify, the image's ``/opt/noVNC/utils/novnc_proxy``) on ``STREAM_PORT``,
+the ports and programs E2B Desktop's ``stream.start()`` uses, so either way of starting it finds
+the other's running; the apiserver serves that port to a browser (``dsec.apiserver.streams``).
+
 The connection is the edge's (an edge restarted under the sandbox connects again on the next
 call). A call on a sandbox without a desktop, or whose X server or agent died, is
 ``DesktopUnavailable`` naming which; the sandbox's other calls go on working.
@@ -27,6 +32,7 @@ from pathlib import Path
 
 from libdsec import DesktopUnavailable, DSecError, InvalidRequest, PortUnreachable, SandboxStateError
 from libdsec.protocol import (
+    DesktopAccessibilityTree,
     DesktopInfo,
     DesktopInput,
     DesktopLaunchRequest,
@@ -48,6 +54,14 @@ AGENT_PORT = 49990  # the desktop agent's, on the sandbox's loopback
 DISPLAY = ":0"
 AGENT_SOURCE = (Path(__file__).resolve().parent.parent / "native" / "desktop_agent.py").read_text()
 START_TIMEOUT_S = 30.0
+# The live view: x11vnc's port and noVNC's (page and WebSocket), as E2B Desktop's stream has them.
+VNC_PORT = 5900
+STREAM_PORT = 6080
+_VNC = (f"pgrep -x x11vnc >/dev/null || x11vnc -bg -display {DISPLAY} -forever -wait 50 -shared -localhost "
+        f"-rfbport {VNC_PORT} -nopw -o /tmp/.dsec-x11vnc.log >/dev/null 2>&1; pgrep -x x11vnc >/dev/null || "
+        f"{{ echo 'x11vnc did not start:'; tail -c 600 /tmp/.dsec-x11vnc.log; exit 1; }}")
+_NOVNC = (f"exec /opt/noVNC/utils/novnc_proxy --vnc localhost:{VNC_PORT} --listen {STREAM_PORT} --web /opt/noVNC "
+          f">/tmp/.dsec-novnc.log 2>&1")
 # What the image must have: checked before the agent starts, for an error that names it.
 _NEEDS = ('command -v Xvfb >/dev/null || { echo "no Xvfb"; exit 1; }; '
           'python3 -c "import Xlib" 2>/dev/null || { echo "no python3 with python3-xlib"; exit 1; }')
@@ -66,8 +80,10 @@ exec xdg-open "$t"
 
 
 # What is left of a dead desktop, killed before it starts again (the agent by its source's first
-# line, which its command line holds; the bracket keeps this command itself out of the match).
-_KILL_DESKTOP = "pkill -KILL -f 'The desktop [a]gent: run inside' ; pkill -KILL -x Xvfb ; true"
+# line, which its command line holds; the bracket keeps this command itself out of the match; the
+# AT-SPI bus launcher by its process name, cut at 15 characters, as the agent starts one again).
+_KILL_DESKTOP = ("pkill -KILL -f 'The desktop [a]gent: run inside' ; pkill -KILL -x Xvfb ; "
+                 "pkill -KILL -x at-spi-bus-laun ; true")
 
 
 class _Agent:
@@ -163,6 +179,39 @@ class Desktops(SandboxTable):
 
         self._desktop_restarts[rec.id] = asyncio.get_running_loop().create_task(restart())
 
+    async def desktop_stream(self, sandbox_id: str) -> None:
+        """Start the live view if it is not running (x11vnc again if the X server was restarted
+        under it) and return once noVNC answers on ``STREAM_PORT``."""
+        rec = await self._ready(sandbox_id, Action.exec)
+        if getattr(rec.args, "desktop", None) is None:
+            raise DesktopUnavailable(f"sandbox {sandbox_id} has no desktop: create it with desktop=DesktopSpec(...)")
+        vnc = await self.exec(sandbox_id, ExecRequest(command=_VNC, env={"DISPLAY": DISPLAY}, timeout=30.0))
+        if vnc.exit_code != 0:
+            raise DesktopUnavailable(f"the live view of sandbox {sandbox_id}'s desktop did not start: "
+                                     f"{(vnc.stdout + vnc.stderr).strip()[-800:]}")
+        if await self._stream_answers(rec):
+            return
+        process = await self.start_process(sandbox_id, StartProcessRequest(command=_NOVNC))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not await self._stream_answers(rec):
+            info = await self.get_process(sandbox_id, process.pid)
+            if not info.running and await self._stream_answers(rec):
+                return  # (another call's noVNC took the port first)
+            if not info.running or time.monotonic() > deadline:
+                tail = await self.exec(sandbox_id, ExecRequest(command="tail -c 800 /tmp/.dsec-novnc.log", timeout=10.0))
+                raise DesktopUnavailable(f"the live view of sandbox {sandbox_id}'s desktop did not start: noVNC "
+                                         f"{'exited' if not info.running else 'is not answering'}: "
+                                         f"{tail.stdout.strip()}")
+            await asyncio.sleep(0.05)
+
+    async def _stream_answers(self, rec: Record) -> bool:
+        try:
+            _, writer = await self.backends[rec.kind].connect_port(rec.handle, STREAM_PORT)
+        except (PortUnreachable, OSError):
+            return False
+        writer.close()
+        return True
+
     def close_desktops(self) -> None:
         for task in self._desktop_restarts.values():
             task.cancel()
@@ -201,6 +250,9 @@ class Desktops(SandboxTable):
         if not header["ok"]:
             if header["error"] == "invalid":
                 raise InvalidRequest(header["message"])
+            if header["error"] == "a11y_down":
+                raise DesktopUnavailable(f"the accessibility (AT-SPI) bus of sandbox {rec.id}'s desktop is down: "
+                                         f"{header['message']}; the desktop's other calls still work")
             self._desktops.pop(rec.id, None)
             agent.close()
             self._restart_desktop(rec)
@@ -240,6 +292,11 @@ class Desktops(SandboxTable):
     async def desktop_windows(self, sandbox_id: str) -> list[DesktopWindow]:
         _, header, _ = await self._desktop_call(sandbox_id, {"op": "windows"})
         return [DesktopWindow.model_validate(w) for w in header["windows"]]
+
+    async def desktop_accessibility_tree(self, sandbox_id: str, max_chars: int = 100_000) -> DesktopAccessibilityTree:
+        _, header, payload = await self._desktop_call(sandbox_id, {"op": "accessibility_tree", "max_chars": max_chars})
+        return DesktopAccessibilityTree(tree=payload.decode("utf-8", "replace"), count=header["count"],
+                                        truncated=header["truncated"])
 
     async def desktop_focus(self, sandbox_id: str, window: int) -> None:
         await self._desktop_call(sandbox_id, {"op": "focus", "window": window})

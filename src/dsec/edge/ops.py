@@ -70,6 +70,8 @@ def public_twin(op: Op, **changes) -> Op:
 NODE_FORMS: dict[str, Op] = {
     "stop": Op("stop", "POST", SB + "/stop", NodeStopRequest, spread=True, answer=SandboxInfo),
     "watch_events": public_twin(PUBLIC_OPS_BY_NAME["watch_events"], timeout=MAX_WATCH_WAIT_S),
+    # The node starts the stream; the apiserver makes its page's key (``Cluster.desktop_stream``).
+    "desktop_stream": Op("desktop_stream", "POST", SB + "/desktop/stream", timeout="long"),
 }
 
 NODE_OPS: tuple[Op, ...] = (

@@ -10,7 +10,13 @@ request on that one connection.
 Wire, one request at a time: the node sends a 4-byte big-endian length and a JSON object
 (``op`` and its arguments); the agent answers a 4-byte length, a JSON header (``ok`` true with
 ``size`` bytes of payload following, or ``ok`` false with ``error``: ``invalid`` (the request's
-fault) or ``x_gone`` (the X server is gone), and ``message``).
+fault), ``a11y_down`` (the AT-SPI bus cannot be read) or ``x_gone`` (the X server is gone), and
+``message``).
+
+Accessibility: the session's programs find the AT-SPI bus by the root window's ``AT_SPI_BUS``
+(at-spi-bus-launcher sets it; xfce4-session starts the launcher itself, the lighter sessions get
+one started here), with toolkit accessibility on (``NO_AT_BRIDGE`` removed from their
+environment); ``accessibility_tree`` reads that bus with pyatspi in a child process.
 
 Arguments: WIDTH HEIGHT DPI PORT DISPLAY SESSION (``xfce4``: xfce4-session on a D-Bus session
 bus, as E2B Desktop starts it; ``wm``: xfwm4 alone; ``none``: only the X server).
@@ -41,9 +47,92 @@ ALIASES = {
 }
 MAX_TEXT = 65536
 
+# The accessibility tree, as OSWorld gives agents one: run as ``python3 -c A11Y_TREE MAX_CHARS``
+# in a process of its own (pyatspi's D-Bus calls can hang on a broken bus: the agent bounds it by
+# a timeout), on the AT-SPI bus the agent found (AT_SPI_BUS_ADDRESS). One line per accessible:
+# role, "name", the states that matter, text of a text field, screen extents; children indented.
+A11Y_TREE = r"""
+import sys
+import pyatspi
+
+MAX_CHARS, MAX_NODES, MAX_DEPTH = int(sys.argv[1]), 20000, 60
+S = pyatspi
+FLAGS = [(S.STATE_FOCUSED, "focused"), (S.STATE_SELECTED, "selected"), (S.STATE_CHECKED, "checked"),
+         (S.STATE_EXPANDED, "expanded"), (S.STATE_EDITABLE, "editable"), (S.STATE_ACTIVE, "active")]
+TEXT_ROLES = {"text", "entry", "password text", "paragraph", "terminal", "document text", "label"}
+
+
+def describe(acc, depth):
+    role = acc.getRoleName()
+    name = (acc.name or "").replace("\n", " ").strip()[:200]
+    states = acc.getState()
+    if role == "application":  # (an application has no states or place of its own)
+        return "  " * depth + f'[{role}] "{name}"'
+    flags = [n for s, n in FLAGS if states.contains(s)]
+    if not states.contains(S.STATE_SENSITIVE):
+        flags.append("disabled")
+    if not states.contains(S.STATE_SHOWING):
+        flags.append("hidden")
+    line = "  " * depth + f'[{role}] "{name}"'
+    if role in TEXT_ROLES or states.contains(S.STATE_EDITABLE):
+        try:
+            text = acc.queryText()
+            value = text.getText(0, min(text.characterCount, 200)).replace("\n", "\\n")
+            if value and value != name:
+                line += f' text="{value}"'
+        except NotImplementedError:
+            pass
+    if flags:
+        line += " (" + ", ".join(flags) + ")"
+    try:
+        ext = acc.queryComponent().getExtents(S.DESKTOP_COORDS)
+        if ext.x > -(1 << 30) and ext.y > -(1 << 30):  # (a menu not open has no place: G_MININT)
+            line += f" @{ext.x},{ext.y} {ext.width}x{ext.height}"
+    except NotImplementedError:
+        pass
+    return line
+
+
+def main():
+    desktop = S.Registry.getDesktop(0)
+    out, size, seen = [], 0, 0
+    stack = [(desktop.getChildAtIndex(i), 0) for i in reversed(range(desktop.childCount))]
+    left = 0
+    while stack:
+        acc, depth = stack.pop()
+        if acc is None:
+            continue
+        try:
+            line = describe(acc, depth)
+            children = [] if depth >= MAX_DEPTH else [(acc.getChildAtIndex(i), depth + 1)
+                                                       for i in reversed(range(min(acc.childCount, 1000)))]
+        except Exception:  # (gone since its parent listed it)
+            continue
+        if size + len(line) + 1 > MAX_CHARS or seen >= MAX_NODES:
+            left = 1 + len(stack)
+            break
+        out.append(line)
+        size += len(line) + 1
+        seen += 1
+        stack.extend(children)
+    if left:
+        out.append(f"[... truncated: {left}+ more accessibles not shown, at {MAX_CHARS} characters]")
+    sys.stdout.write("\n".join(out) + "\n")
+    sys.stdout.write(f"\0{seen} {1 if left else 0}")
+
+
+main()
+"""
+A11Y_TIMEOUT_S = 20.0
+
+
 
 class Invalid(Exception):
     pass
+
+
+class A11yDown(Exception):
+    """The AT-SPI bus cannot be reached (or the tree not read from it)."""
 
 
 def png(width, height, bgrx):
@@ -64,6 +153,7 @@ def png(width, height, bgrx):
 
 class Desktop:
     def __init__(self, name):
+        self.name = name
         self.d = xdisplay.Display(name)
         self.root = self.d.screen().root
         self.width = self.d.screen().width_in_pixels
@@ -244,6 +334,27 @@ class Desktop:
         w.configure(stack_mode=X.Above)
         w.set_input_focus(X.RevertToParent, X.CurrentTime)
 
+    def accessibility_tree(self, max_chars):
+        if not 1000 <= max_chars <= 2_000_000:
+            raise Invalid(f"max_chars {max_chars} is outside 1000-2000000")
+        prop = self.root.get_full_property(self.atom("AT_SPI_BUS"), X.AnyPropertyType)
+        if prop is None or not prop.value:
+            raise A11yDown("no AT-SPI bus: the root window has no AT_SPI_BUS (at-spi-bus-launcher is not running)")
+        address = prop.value.decode() if isinstance(prop.value, bytes) else str(prop.value)
+        env = {**os.environ, "DISPLAY": self.name, "AT_SPI_BUS_ADDRESS": address}
+        env.pop("NO_AT_BRIDGE", None)
+        try:
+            done = subprocess.run([sys.executable, "-c", A11Y_TREE, str(max_chars)], env=env, capture_output=True,
+                                  timeout=A11Y_TIMEOUT_S, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise A11yDown(f"the AT-SPI bus at {address} did not answer in {A11Y_TIMEOUT_S:.0f} s") from None
+        tree, _, counts = done.stdout.decode("utf-8", "replace").rpartition("\0")
+        if done.returncode != 0 or not counts:
+            why = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+            raise A11yDown(f"the AT-SPI bus at {address} could not be read: {why[0][:300]}")
+        count, truncated = (int(n) for n in counts.split())
+        return {"count": count, "truncated": bool(truncated)}, tree.encode()
+
     def has_wm(self):
         return self.d.get_selection_owner(self.atom("WM_S0")) != X.NONE
 
@@ -257,6 +368,8 @@ class Desktop:
             return {"width": self.width, "height": self.height, **self.cursor()}, b""
         if op == "windows":
             return {"windows": self.windows()}, b""
+        if op == "accessibility_tree":
+            return self.accessibility_tree(req.get("max_chars", 100_000))
         if op == "move":
             self.move(req["x"], req["y"])
         elif op == "click":
@@ -304,7 +417,14 @@ def start_x(display, width, height, dpi):
     return server
 
 
+A11Y_LAUNCHER = "/usr/libexec/at-spi-bus-launcher"
+
+
 def start_session(session, env):
+    if session != "xfce4" and os.access(A11Y_LAUNCHER, os.X_OK):  # (xfce4-session starts its own)
+        subprocess.Popen(["dbus-run-session", "--", A11Y_LAUNCHER, "--launch-immediately"], env=env,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=open("/tmp/.dsec-a11y.log", "wb"), start_new_session=True)
     if session == "none":
         return None
     command = ["dbus-run-session", "--", "xfce4-session"] if session == "xfce4" else ["xfwm4"]
@@ -346,6 +466,8 @@ def serve(desktop, listener):
                     answer(conn, {"ok": True, **header}, payload)
                 except Invalid as exc:
                     answer(conn, {"ok": False, "error": "invalid", "message": str(exc)})
+                except A11yDown as exc:
+                    answer(conn, {"ok": False, "error": "a11y_down", "message": str(exc)})
                 except (KeyError, TypeError, ValueError) as exc:
                     answer(conn, {"ok": False, "error": "invalid", "message": f"bad request: {exc!r}"})
                 except (xerror.ConnectionClosedError, OSError) as exc:
@@ -362,6 +484,7 @@ def main():
     listener.bind(("127.0.0.1", port))
     start_x(name, width, height, dpi)
     env = {**os.environ, "DISPLAY": name}
+    env.pop("NO_AT_BRIDGE", None)  # (toolkit accessibility on: the tree needs it)
     desktop = Desktop(name)
     start_session(session, env)
     if session != "none":  # the window manager up (WM_S0 owned), so windows get frames and focus
