@@ -716,24 +716,24 @@ class DSecClient(_ProjectMethods, _GroupMethods):
         return ImageInfo.model_validate(await self._request(*api_route("inspect_image", ref=ref)))
 
     async def remove_image(self, name: str) -> None:
-        await self._request("DELETE", f"/v1/images/{name}")
+        await self._request(*api_route("remove_image", name=name))
 
     async def list_snapshots(self) -> list[Snapshot]:
         """The snapshots this client's project kept (every one, for the root token), oldest first."""
-        return SnapshotList.model_validate(await self._request("GET", "/v1/snapshots")).snapshots
+        return SnapshotList.model_validate(await self._request(*api_route("list_snapshots"))).snapshots
 
     async def get_snapshot(self, ref: str) -> Snapshot:
         """A snapshot by id or name (``SnapshotNotFound`` if there is none)."""
-        return Snapshot.model_validate(await self._request("GET", f"/v1/snapshots/{_path_segment(ref)}"))
+        return Snapshot.model_validate(await self._request(*api_route("get_snapshot", ref=_path_segment(ref))))
 
     async def remove_snapshot(self, ref: str) -> Snapshot:
         """Remove a snapshot (by id or name): its record, memory and image. ``SnapshotConflict``,
         naming them, while sandboxes started from it run."""
-        return Snapshot.model_validate(await self._request("DELETE", f"/v1/snapshots/{_path_segment(ref)}"))
+        return Snapshot.model_validate(await self._request(*api_route("remove_snapshot", ref=_path_segment(ref))))
 
     async def gc_images(self) -> list[str]:
         """Remove layers no image refers to and no sandbox holds; returns their digests."""
-        return (await self._request("POST", "/v1/images:gc"))["removed"]
+        return (await self._request(*api_route("gc_layers")))["removed"]
 
     async def build_image(
         self,
@@ -771,13 +771,13 @@ class DSecClient(_ProjectMethods, _GroupMethods):
     async def node_info(self, include_unready: bool = False) -> list[NodeInfo]:
         """The nodes serving, with what they hold; with ``include_unready``, also a line for each
         node that is not (``state`` "lost" or "failed", and why in ``problem``)."""
-        nodes = await self._request("GET", "/v1/nodes", params={"all": "true"} if include_unready else None)
+        nodes = await self._request(*api_route("nodes"), params={"all": "true"} if include_unready else None)
         return [NodeInfo.model_validate(n) for n in nodes]
 
     async def stats(self) -> ClusterStats:
         """Every node's counters and holdings, and the apiserver's own (root token only): what
         ``/metrics``, the dashboard and ``dsec top`` show."""
-        return ClusterStats.model_validate_json(await self._request("GET", "/v1/stats", raw=True))
+        return ClusterStats.model_validate_json(await self._request(*api_route("stats"), raw=True))
 
     # -- job logs ----------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """The public API's operations, each declared once: the table the apiserver's routes
 (``dsec.apiserver.table``), its OpenAPI document and the SDK's paths are made from.
 
-One ``Operation`` (``libdsec.ops``) per call under ``/v1`` that only parses and makes one call
-on the node seam: its name is the ``EdgeAPI`` method it becomes (on the sandbox's node, or any
-node for the image calls), and the SDK's method that makes it. The order is the apiserver's
+One ``Operation`` (``libdsec.ops``) per call under ``/v1`` that only parses and makes one call:
+on the node seam, where its name is the ``EdgeAPI`` method it becomes (on the sandbox's node, or
+any node for the image calls), or (``served="apiserver"``) on the apiserver's own ``ApiCalls``
+(``dsec.apiserver.calls``), a method of the same name given the caller. The order is the apiserver's
 match order: the hottest first (a get, a command, a stop). Beyond ``libdsec.ops``' fields:
 
 - ``lifecycle``: the action of the sandbox's lifecycle table the node checks the call against
@@ -13,9 +14,9 @@ match order: the hottest first (a get, a command, a stop). Beyond ``libdsec.ops`
   and bytes, or nothing), ``read`` (a file read, with what it read), ``made`` (before it runs,
   with no result: replay cannot answer it), or None (not logged: it changes nothing).
 
-The calls with more to them than one call on a node (creates and their idempotency keys, the
-batch create, the port proxy, image removal and builds, the snapshot catalogue, projects, jobs,
-FnCall, the cluster's views) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
+The calls that are more than a request and its answer (creates and their idempotency keys, the
+batch create's stream, the port proxy, image builds, FnCall, the sandbox list, and still
+projects, jobs and the pause of many sandboxes) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
 that this table, the apiserver's routes, the SDK and the node seam name the same operations.
 
 Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (and
@@ -29,6 +30,7 @@ from __future__ import annotations
 from .ops import Operation as Op, path_format
 from .protocol import (
     CleanCopyRequest,
+    ClusterStats,
     CleanCopyResult,
     DesktopFocusRequest,
     DesktopInfo,
@@ -47,6 +49,7 @@ from .protocol import (
     ImageInfo,
     ImageList,
     MakeDirRequest,
+    NodeInfo,
     NetworkRulesRequest,
     OpenPtyRequest,
     OpenSessionRequest,
@@ -68,6 +71,7 @@ from .protocol import (
     SecurityEventList,
     SessionInfo,
     Snapshot,
+    SnapshotList,
     SnapshotRequest,
     StartProcessRequest,
     TreeDownloadRequest,
@@ -79,7 +83,7 @@ from .protocol import (
 
 PREFIX = "/v1"
 SB = "/sandboxes/{sandbox_id}"
-REC, MADE = "recorded", "made"
+REC, MADE, API = "recorded", "made", "apiserver"
 
 PUBLIC_OPS: tuple[Op, ...] = (
     # -- the hot ones first --------------------------------------------------------------------
@@ -167,6 +171,14 @@ PUBLIC_OPS: tuple[Op, ...] = (
     Op("list_images", "GET", "/images", query=("limit:opt", "after:opt", "prefix:opt", "role:opt"), answer=ImageList,
        unwrap="images"),
     Op("inspect_image", "GET", "/images/{ref}", answer=ImageInfo),
+    # -- served by the apiserver itself (``dsec.apiserver.calls``): more than one node call -------
+    Op("remove_image", "DELETE", "/images/{name}", served=API),
+    Op("gc_layers", "POST", "/images:gc", timeout="long", served=API),
+    Op("nodes", "GET", "/nodes", query=("all:flag",), answer=NodeInfo, answers="list", served=API),
+    Op("stats", "GET", "/stats", answer=ClusterStats, served=API),
+    Op("list_snapshots", "GET", "/snapshots", answer=SnapshotList, served=API),
+    Op("get_snapshot", "GET", "/snapshots/{ref:snapshot}", answer=Snapshot, served=API),
+    Op("remove_snapshot", "DELETE", "/snapshots/{ref:snapshot}", answer=Snapshot, served=API),
 )
 
 PUBLIC_OPS_BY_NAME: dict[str, Op] = {op.name: op for op in PUBLIC_OPS}
@@ -174,12 +186,12 @@ PUBLIC_OPS_BY_NAME: dict[str, Op] = {op.name: op for op in PUBLIC_OPS}
 _ROUTES: dict[str, tuple[str, str]] = {op.name: (op.method, PREFIX + path_format(op.path)) for op in PUBLIC_OPS}
 
 
-def api_path(name: str, **arguments: object) -> str:
+def api_path(name: str, /, **arguments: object) -> str:
     """The path of operation ``name`` for these path arguments: ``api_path("exec", sandbox_id=…)``."""
     return _ROUTES[name][1].format_map(arguments)
 
 
-def api_route(name: str, **arguments: object) -> tuple[str, str]:
+def api_route(name: str, /, **arguments: object) -> tuple[str, str]:
     """(method, path) of operation ``name`` for these path arguments: ``_request(*api_route(…))``."""
     method, path = _ROUTES[name]
     return method, path.format_map(arguments)

@@ -1,11 +1,12 @@
 """The public API's app. Each handler only parses: it turns a request into one typed call on the
 edge that the sandbox id names, and errors come back as ``{"error": {"code", "message"}}``.
 
-The calls that are one call on a node are the public table's (``libdsec.api_ops``), served by
-``table.TableRoutes`` in front of FastAPI; the routes here are the others: creates (with their
-idempotency keys and job logs), the batch create's stream, the port proxy, image removal, builds
-and gc, the node list, and (``routes_*.py``, ``pausing.py``) projects, jobs, snapshots, FnCall, the
-cluster's views and the pause or resume of many sandboxes at once.
+The calls that are a request and its answer are the public table's (``libdsec.api_ops``), served
+by ``table.TableRoutes`` in front of FastAPI (those more than one node call by ``calls.ApiCalls``);
+the routes here are the others: creates (with their idempotency keys and job logs), the batch
+create's stream, the port proxy, image builds, the sandbox list, and (``routes_*.py``,
+``pausing.py``) projects, jobs, FnCall, the metrics and dashboard, and the pause or resume of many
+sandboxes at once.
 
 The apiserver keeps no sandbox state: sandbox ids name their node, and the node list comes from
 the cluster (one embedded edge here).
@@ -36,7 +37,6 @@ from libdsec.protocol import (
     DSecMicroVMRunArgs,
     ErrorResponse,
     ExecEvent,
-    NodeInfo,
     SandboxInfo,
     SandboxList,
     SandboxStatus,
@@ -50,7 +50,6 @@ from .routes_fncall import add_fncall_routes
 from .routes_jobs import add_job_routes
 from .routes_observe import add_observe_routes
 from .routes_projects import add_project_routes
-from .routes_snapshots import add_snapshot_routes
 from .table import TableRoutes, add_schema_routes, first_piece, ndjson
 from .ports import DEFAULT_DOMAIN, PortProxy, PortRoutes
 from .websocket import relay as websocket_relay
@@ -319,32 +318,15 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
         target = "/" + path + (f"?{websocket.url.query}" if websocket.url.query else "")
         await websocket_relay(websocket, edge, sandbox_id, int(port), target)
 
-    @app.delete("/v1/images/{name}", dependencies=auth, responses=_ERRORS)
-    async def remove_image(name: str) -> dict:
-        images, _ = await cluster.layer_use()
-        await cluster.any_edge().remove_image(name, images)
-        return {"removed": name}
-
     @app.post("/v1/images:build", responses=_ERRORS, response_model=ExecEvent)
     async def build_image(request: BuildImageRequest, caller: Caller = Depends(authenticated)) -> StreamingResponse:
         """An image from a Dockerfile, its log as NDJSON ``ExecEvent`` lines (``dsec.edge.build``)."""
         events = cluster.any_edge().build_image(request, caller.project)
         return StreamingResponse(ndjson(await first_piece(events), events), media_type="application/x-ndjson")
 
-    @app.post("/v1/images:gc", dependencies=auth)
-    async def gc_layers() -> dict:
-        _, layers = await cluster.layer_use()
-        return {"removed": await cluster.any_edge().gc_layers(layers)}
-
-    @app.get("/v1/nodes", dependencies=auth)
-    async def nodes(all: bool = False) -> list[NodeInfo]:
-        """The nodes serving; with ``all=true``, also those lost or whose edge did not start."""
-        return await cluster.node_infos() + (cluster.unready_infos() if all else [])
-
     add_project_routes(app, cluster, authenticated, _ERRORS)
     add_pause_routes(app, cluster, jobs, authenticated, _ERRORS)
     add_job_routes(app, jobs, authenticated, _ERRORS)
-    add_snapshot_routes(app, cluster, authenticated, _ERRORS)
     add_fncall_routes(app, cluster, authenticated, _ERRORS)
     add_observe_routes(app, cluster, authenticator, _ERRORS)
     for add in extensions:
