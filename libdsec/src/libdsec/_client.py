@@ -783,16 +783,16 @@ class DSecClient(_ProjectMethods, _GroupMethods):
 
     async def list_jobs(self) -> list[JobInfo]:
         """The jobs of this client's project (every job, for the root token)."""
-        return JobList.model_validate(await self._request("GET", "/v1/jobs")).jobs
+        return JobList.model_validate(await self._request(*api_route("list_jobs"))).jobs
 
     async def job_log(self, job: str, *, after: int = 0) -> JobLog:
         """A job and its log entries (past ``after``, a ``seq``), in order; ``JobNotFound`` when
         there is none (or it is another project's)."""
-        return JobLog.model_validate(await self._request("GET", f"/v1/jobs/{_job_path(job)}",
+        return JobLog.model_validate(await self._request(*api_route("show_job", job=_job_path(job)),
                                                          params={"after": str(after)} if after else None))
 
     async def remove_job(self, job: str) -> None:
-        await self._request("DELETE", f"/v1/jobs/{_job_path(job)}")
+        await self._request(*api_route("remove_job", job=_job_path(job)))
 
     @property
     def replayed(self) -> int:

@@ -16,7 +16,7 @@ match order: the hottest first (a get, a command, a stop). Beyond ``libdsec.ops`
 
 The calls that are more than a request and its answer (creates and their idempotency keys, the
 batch create's stream, the port proxy, image builds, FnCall, the sandbox list, and still
-projects, jobs and the pause of many sandboxes) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
+projects) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
 that this table, the apiserver's routes, the SDK and the node seam name the same operations.
 
 Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (and
@@ -27,6 +27,7 @@ makes it from this one), its route and ``RemoteEdge``'s method follow.
 
 from __future__ import annotations
 
+from ._pausing import SandboxGroupRequest, SandboxGroupResult
 from .ops import Operation as Op, path_format
 from .protocol import (
     CleanCopyRequest,
@@ -48,6 +49,8 @@ from .protocol import (
     ForkResult,
     ImageInfo,
     ImageList,
+    JobList,
+    JobLog,
     MakeDirRequest,
     NodeInfo,
     NetworkRulesRequest,
@@ -179,6 +182,13 @@ PUBLIC_OPS: tuple[Op, ...] = (
     Op("list_snapshots", "GET", "/snapshots", answer=SnapshotList, served=API),
     Op("get_snapshot", "GET", "/snapshots/{ref:snapshot}", answer=Snapshot, served=API),
     Op("remove_snapshot", "DELETE", "/snapshots/{ref:snapshot}", answer=Snapshot, served=API),
+    Op("list_jobs", "GET", "/jobs", answer=JobList, served=API),
+    Op("show_job", "GET", "/jobs/{job:job}", query=("after:count",), answer=JobLog, served=API),
+    Op("remove_job", "DELETE", "/jobs/{job:job}", served=API),
+    Op("pause_sandboxes", "POST", "/sandboxes:pause", SandboxGroupRequest, answer=SandboxGroupResult,
+       timeout="long", served=API),
+    Op("resume_sandboxes", "POST", "/sandboxes:resume", SandboxGroupRequest, answer=SandboxGroupResult,
+       timeout="long", served=API),
 )
 
 PUBLIC_OPS_BY_NAME: dict[str, Op] = {op.name: op for op in PUBLIC_OPS}

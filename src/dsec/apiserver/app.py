@@ -4,9 +4,8 @@ edge that the sandbox id names, and errors come back as ``{"error": {"code", "me
 The calls that are a request and its answer are the public table's (``libdsec.api_ops``), served
 by ``table.TableRoutes`` in front of FastAPI (those more than one node call by ``calls.ApiCalls``);
 the routes here are the others: creates (with their idempotency keys and job logs), the batch
-create's stream, the port proxy, image builds, the sandbox list, and (``routes_*.py``,
-``pausing.py``) projects, jobs, FnCall, the metrics and dashboard, and the pause or resume of many
-sandboxes at once.
+create's stream, the port proxy, image builds, the sandbox list, and (``routes_*.py``) projects,
+FnCall, the metrics and the dashboard.
 
 The apiserver keeps no sandbox state: sandbox ids name their node, and the node list comes from
 the cluster (one embedded edge here).
@@ -45,9 +44,7 @@ from libdsec.protocol import (
 from .auth import Authenticator, Caller
 from .cluster import Cluster
 from .lean import CatchUnexpected, LeanRoutes, error_headers
-from .pausing import add_pause_routes
 from .routes_fncall import add_fncall_routes
-from .routes_jobs import add_job_routes
 from .routes_observe import add_observe_routes
 from .routes_projects import add_project_routes
 from .table import TableRoutes, add_schema_routes, first_piece, ndjson
@@ -325,8 +322,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
         return StreamingResponse(ndjson(await first_piece(events), events), media_type="application/x-ndjson")
 
     add_project_routes(app, cluster, authenticated, _ERRORS)
-    add_pause_routes(app, cluster, jobs, authenticated, _ERRORS)
-    add_job_routes(app, jobs, authenticated, _ERRORS)
     add_fncall_routes(app, cluster, authenticated, _ERRORS)
     add_observe_routes(app, cluster, authenticator, _ERRORS)
     for add in extensions:

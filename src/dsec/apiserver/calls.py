@@ -11,12 +11,14 @@ models (``answers="list"``) or a small JSON object.
 from __future__ import annotations
 
 from libdsec import SnapshotConflict, SnapshotNotFound, Unauthenticated
-from libdsec.protocol import ClusterStats, NodeInfo, SandboxStatus, Snapshot, SnapshotList
+from libdsec._pausing import SandboxGroupRequest, SandboxGroupResult
+from libdsec.protocol import ClusterStats, JobList, JobLog, NodeInfo, SandboxStatus, Snapshot, SnapshotList
 
 from ..edge.api import EdgeAPI
 from .auth import Caller
 from .cluster import Cluster
 from .jobs import Jobs
+from .pausing import SandboxGroups
 from .routes_observe import ROOT_ONLY
 
 # The states in which a sandbox holds the snapshot it was started from.
@@ -29,6 +31,7 @@ class ApiCalls:
     def __init__(self, cluster: Cluster, jobs: Jobs) -> None:
         self.cluster = cluster
         self.jobs = jobs
+        self.groups = SandboxGroups(cluster, jobs)
 
     # -- images and nodes ----------------------------------------------------------------------
 
@@ -71,6 +74,31 @@ class ApiCalls:
         users = [info.id for info in await self.cluster.list_sandboxes()
                  if info.snapshot == snap.id and info.status in _HOLDING]
         return await self._holder(snap).remove_snapshot(snap.id, users)
+
+    # -- job logs (``dsec job ls | show | rm``): a token sees its own project's jobs, the root
+    # token every job; the sandbox calls that name a job record into its log (``jobs``) ---------
+
+    async def list_jobs(self, caller: Caller) -> JobList:
+        return await self.jobs.list(caller)
+
+    async def show_job(self, caller: Caller, job: str, after: int) -> JobLog:
+        """The job and its log entries past ``after`` (a ``seq``), in order."""
+        return await self.jobs.show(caller, job, after)
+
+    async def remove_job(self, caller: Caller, job: str) -> dict:
+        await self.jobs.remove(caller, job)
+        return {"removed": job}
+
+    # -- many sandboxes at once (``pausing``) ---------------------------------------------------
+
+    async def pause_sandboxes(self, caller: Caller, request: SandboxGroupRequest) -> SandboxGroupResult:
+        """Pause every running sandbox of a job, a project (and those below it) or a list of
+        ids: one outcome per sandbox, and the memory they held before and after."""
+        return await self.groups.run("pause", request, caller)
+
+    async def resume_sandboxes(self, caller: Caller, request: SandboxGroupRequest) -> SandboxGroupResult:
+        """Resume every paused sandbox of a job, a project or a list of ids."""
+        return await self.groups.run("resume", request, caller)
 
     def _holder(self, snap: Snapshot) -> EdgeAPI:
         """The node to remove ``snap`` on: a full snapshot's (its memory is there), else any."""
