@@ -15,8 +15,8 @@ match order: the hottest first (a get, a command, a stop). Beyond ``libdsec.ops`
   with no result: replay cannot answer it), or None (not logged: it changes nothing).
 
 The calls that are more than a request and its answer (creates and their idempotency keys, the
-batch create's stream, the port proxy, image builds, FnCall, the sandbox list, and still
-projects) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
+batch create's stream, the port proxy, image builds, FnCall, the sandbox list) keep routes of
+their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
 that this table, the apiserver's routes, the SDK and the node seam name the same operations.
 
 Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (and
@@ -28,6 +28,7 @@ makes it from this one), its route and ``RemoteEdge``'s method follow.
 from __future__ import annotations
 
 from ._pausing import SandboxGroupRequest, SandboxGroupResult
+from ._projects import ProjectCreateRequest, ProjectInfo, ProjectList, ProjectQuota, ProjectToken, TokenRequest
 from .ops import Operation as Op, path_format
 from .protocol import (
     CleanCopyRequest,
@@ -189,6 +190,13 @@ PUBLIC_OPS: tuple[Op, ...] = (
        timeout="long", served=API),
     Op("resume_sandboxes", "POST", "/sandboxes:resume", SandboxGroupRequest, answer=SandboxGroupResult,
        timeout="long", served=API),
+    Op("list_projects", "GET", "/projects", answer=ProjectList, served=API),
+    Op("get_project", "GET", "/projects/{name}", answer=ProjectInfo, served=API),
+    Op("create_project", "POST", "/projects", ProjectCreateRequest, answer=ProjectInfo, served=API),
+    Op("set_quota", "PUT", "/projects/{name}/quota", ProjectQuota, answer=ProjectInfo, served=API),
+    Op("remove_project", "DELETE", "/projects/{name}", served=API),
+    Op("new_token", "POST", "/projects/{name}/tokens", TokenRequest, body="optional", answer=ProjectToken,
+       served=API),
 )
 
 PUBLIC_OPS_BY_NAME: dict[str, Op] = {op.name: op for op in PUBLIC_OPS}

@@ -15,8 +15,9 @@ when left out.
 
 The shapes:
 
-- request bodies: ``json`` (the request model), ``bytes`` (the raw body, whole), ``stream``
-  (the raw body as chunks, read as they arrive), or none;
+- request bodies: ``json`` (the request model), ``optional`` (the request model, or no body at
+  all or ``null``: the method gets None), ``bytes`` (the raw body, whole), ``stream`` (the raw
+  body as chunks, read as they arrive), or none;
 - answers: ``json`` (the answer model, or ``{"ok":true}`` for none), ``list`` (a JSON array
   of the answer model), ``bytes`` (a raw body),
   ``lines`` (an NDJSON stream of the answer model, one a line), ``chunks`` (raw bytes as they
@@ -34,7 +35,7 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel
 
-BodyShape = Literal["json", "bytes", "stream"]
+BodyShape = Literal["json", "optional", "bytes", "stream"]
 AnswerShape = Literal["json", "list", "bytes", "lines", "chunks", "upgrade"]
 Timeout = Literal["call", "long", "own"] | float
 

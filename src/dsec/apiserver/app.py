@@ -4,8 +4,8 @@ edge that the sandbox id names, and errors come back as ``{"error": {"code", "me
 The calls that are a request and its answer are the public table's (``libdsec.api_ops``), served
 by ``table.TableRoutes`` in front of FastAPI (those more than one node call by ``calls.ApiCalls``);
 the routes here are the others: creates (with their idempotency keys and job logs), the batch
-create's stream, the port proxy, image builds, the sandbox list, and (``routes_*.py``) projects,
-FnCall, the metrics and the dashboard.
+create's stream, the port proxy, image builds, the sandbox list, and (``routes_*.py``) FnCall,
+the metrics and the dashboard.
 
 The apiserver keeps no sandbox state: sandbox ids name their node, and the node list comes from
 the cluster (one embedded edge here).
@@ -46,7 +46,6 @@ from .cluster import Cluster
 from .lean import CatchUnexpected, LeanRoutes, error_headers
 from .routes_fncall import add_fncall_routes
 from .routes_observe import add_observe_routes
-from .routes_projects import add_project_routes
 from .table import TableRoutes, add_schema_routes, first_piece, ndjson
 from .ports import DEFAULT_DOMAIN, PortProxy, PortRoutes
 from .websocket import relay as websocket_relay
@@ -321,7 +320,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
         events = cluster.any_edge().build_image(request, caller.project)
         return StreamingResponse(ndjson(await first_piece(events), events), media_type="application/x-ndjson")
 
-    add_project_routes(app, cluster, authenticated, _ERRORS)
     add_fncall_routes(app, cluster, authenticated, _ERRORS)
     add_observe_routes(app, cluster, authenticator, _ERRORS)
     for add in extensions:

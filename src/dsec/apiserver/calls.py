@@ -10,15 +10,27 @@ models (``answers="list"``) or a small JSON object.
 
 from __future__ import annotations
 
-from libdsec import SnapshotConflict, SnapshotNotFound, Unauthenticated
+from libdsec import InvalidRequest, SnapshotConflict, SnapshotNotFound, Unauthenticated
 from libdsec._pausing import SandboxGroupRequest, SandboxGroupResult
-from libdsec.protocol import ClusterStats, JobList, JobLog, NodeInfo, SandboxStatus, Snapshot, SnapshotList
+from libdsec._projects import ProjectCreateRequest, ProjectInfo, ProjectList, ProjectQuota, ProjectToken, TokenRequest
+from libdsec.protocol import (
+    ClusterStats,
+    JobList,
+    JobLog,
+    NodeInfo,
+    ProjectUsage,
+    SandboxStatus,
+    Snapshot,
+    SnapshotList,
+)
 
 from ..edge.api import EdgeAPI
 from .auth import Caller
 from .cluster import Cluster
 from .jobs import Jobs
 from .pausing import SandboxGroups
+from .projects import quota_of
+from .quota import RESOURCES, Amount
 from .routes_observe import ROOT_ONLY
 
 # The states in which a sandbox holds the snapshot it was started from.
@@ -100,6 +112,65 @@ class ApiCalls:
         """Resume every paused sandbox of a job, a project or a list of ids."""
         return await self.groups.run("resume", request, caller)
 
+    # -- projects, quotas and tokens -------------------------------------------------------------
+    # The project store keeps the records and checks the quota tree; the rule here is who may
+    # touch what. A token may read its own project and those below it, create projects below
+    # its own, mint tokens for any of those, and set quotas or remove projects strictly below
+    # its own (a project cannot raise its own quota). The root token may do all of it.
+
+    async def list_projects(self, caller: Caller) -> ProjectList:
+        tree = self.cluster.projects.tree()
+        return ProjectList(projects=await self._describe(sorted(tree.subtree(caller.project), key=tree.path)))
+
+    async def get_project(self, caller: Caller, name: str) -> ProjectInfo:
+        caller.check_sees(self.cluster.projects, name)
+        return (await self._describe([name]))[0]
+
+    async def create_project(self, caller: Caller, request: ProjectCreateRequest) -> ProjectInfo:
+        parent = request.parent or caller.project
+        caller.check_sees(self.cluster.projects, parent)
+        await self.cluster.projects.create(request.name, parent, request.quota)
+        return (await self._describe([request.name]))[0]
+
+    async def set_quota(self, caller: Caller, name: str, request: ProjectQuota) -> ProjectInfo:
+        self._strictly_below(caller, name, "set the quota of")
+        await self.cluster.projects.set_quota(name, request)
+        return (await self._describe([name]))[0]
+
+    async def remove_project(self, caller: Caller, name: str) -> dict:
+        self._strictly_below(caller, name, "remove")
+        held = (await self.cluster.usage()).get(name, Amount())
+        if any(held.get(r) for r in RESOURCES):
+            raise InvalidRequest(f"project {name!r} still has {int(held.sandboxes)} sandboxes: stop them first")
+        await self.cluster.projects.remove(name)
+        return {"removed": name}
+
+    async def new_token(self, caller: Caller, name: str, request: TokenRequest | None) -> ProjectToken:
+        caller.check_sees(self.cluster.projects, name)
+        e2b = request is not None and request.form == "e2b"
+        return ProjectToken(project=name, token=await self.cluster.projects.new_token(name, e2b=e2b))
+
+    def _strictly_below(self, caller: Caller, name: str, action: str) -> None:
+        caller.check_sees(self.cluster.projects, name)
+        if name == caller.project and not caller.is_root:
+            raise InvalidRequest(f"cannot {action} project {name!r} with its own token: ask a token of its parent")
+
+    async def _describe(self, names: list[str]) -> list[ProjectInfo]:
+        tree = self.cluster.projects.tree()
+        usage = await self.cluster.usage()
+        out = []
+        for name in names:
+            project = tree.projects[name]
+            subtree = Amount()
+            for p in tree.subtree(name):
+                subtree = subtree + usage.get(p, Amount())
+            out.append(ProjectInfo(
+                name=name, parent=project.parent, path=tree.path(name), quota=quota_of(project),
+                handed_out=_usage(tree.handed_out(name)), usage=_usage(usage.get(name, Amount())),
+                subtree_usage=_usage(subtree), children=list(tree.children.get(name, ())),
+            ))
+        return out
+
     def _holder(self, snap: Snapshot) -> EdgeAPI:
         """The node to remove ``snap`` on: a full snapshot's (its memory is there), else any."""
         if snap.mode != "full":
@@ -109,3 +180,8 @@ class ApiCalls:
             raise SnapshotConflict(f"snapshot {snap.id}'s memory is on node {snap.node}, which is not in the cluster "
                                    "now; remove the snapshot when the node is back")
         return edge
+
+
+def _usage(amount: Amount) -> ProjectUsage:
+    return ProjectUsage(sandboxes=int(amount.sandboxes), cpu_cores=round(amount.cpu_cores, 6),
+                        memory_mb=int(amount.memory_mb))

@@ -151,9 +151,10 @@ async def _body_chunks(receive) -> AsyncIterator[bytes]:
             return
 
 
-def _json_body(model: type[BaseModel], body: bytes, content_type: bytes, problems: list[str]) -> BaseModel | None:
+def _json_body(model: type[BaseModel], body: bytes, content_type: bytes, problems: list[str],
+               optional: bool = False) -> BaseModel | None:
     """``body`` as ``model``, as FastAPI read it: JSON when the content type says so (or says
-    nothing), else the bytes, which no model takes."""
+    nothing), else the bytes, which no model takes. An ``optional`` body may be ``null``."""
     if not body:
         problems.append("body: Field required")
         return None
@@ -161,6 +162,8 @@ def _json_body(model: type[BaseModel], body: bytes, content_type: bytes, problem
         problems.append("body: Input should be a valid dictionary or object to extract fields from")
         return None
     try:
+        if optional and body.strip() == b"null":
+            return None
         return model.model_validate_json(body)
     except ValidationError as exc:
         problems.extend(_problems(exc))
@@ -228,7 +231,7 @@ class TableRoutes:
         op = route.op
         headers = dict(scope["headers"])
         body = b""
-        if op.body_shape in ("json", "bytes") and (body := await _body(receive)) is None:
+        if op.body_shape in ("json", "optional", "bytes") and (body := await _body(receive)) is None:
             return None
         caller = await self.check(headers, params, op.name)
         sandbox_id = params.get("sandbox_id")
@@ -318,8 +321,9 @@ class TableRoutes:
                 except ValidationError as exc:
                     problems.extend(_problems(exc, name))
         request = None
-        if op.request is not None:
-            request = _json_body(op.request, body, headers.get(b"content-type", b""), problems)
+        if op.request is not None and (body or op.body_shape != "optional"):
+            request = _json_body(op.request, body, headers.get(b"content-type", b""), problems,
+                                 op.body_shape == "optional")
         if problems:
             raise InvalidRequest("malformed request: " + "; ".join(problems[:5]))
         for name, kind in route.queries:
@@ -333,6 +337,8 @@ class TableRoutes:
                 kw[op.request_arg] = request
         elif op.body_shape == "bytes":
             kw[op.request_arg] = body
+        elif op.body_shape == "optional":
+            kw[op.request_arg] = None
         elif op.body_shape == "stream":
             kw[op.request_arg] = _body_chunks(receive)
         return kw, request
@@ -378,7 +384,10 @@ def _schema_endpoint(op: Op) -> Callable:
                                    kind, (Query(min_length=1), str))
         parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                             annotation=annotation))
-    if op.request is not None:
+    if op.body_shape == "optional":
+        parameters.append(inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                            annotation=op.request | None))
+    elif op.request is not None:
         parameters.append(inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=op.request))
 
     async def endpoint(**_: Any) -> None:
