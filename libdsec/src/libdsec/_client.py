@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from .api_ops import api_route
+from .api_ops import api_path, api_route
 from ._errors import (
     DSecError,
     InvalidRequest,
@@ -95,7 +95,8 @@ _HTTP_SLACK_S = 30.0
 # idempotent methods (RFC 9110), reads and stop among them; never a create or an exec (POST).
 _REPEATABLE = frozenset({"GET", "HEAD", "PUT", "DELETE"})
 # The calls that make a sandbox: sent again only when they carry an idempotency key.
-_CREATE_PATHS = frozenset({"/v1/sandboxes", "/v1/microvms", "/v1/vms", "/v1/sandboxes:batch"})
+_CREATE_PATHS = frozenset({*(api_path(name) for name in ("create_sandbox", "create_microvm", "create_fullvm")),
+                           "/v1/sandboxes:batch"})
 
 
 def _is_create(method: str, path: str) -> bool:
@@ -625,26 +626,26 @@ class DSecClient(_ProjectMethods, _GroupMethods):
         with a key used before in the project (or, with ``job=``, in the job) returns the sandbox
         made then, also after an apiserver restart, and makes none; with other arguments it
         raises ``KeyReused``. The same holds for ``run_microvm``, ``run_vm`` and ``run_containers``."""
-        return await self._create("/v1/sandboxes", "container", args, key, timeout)
+        return await self._create(api_route("create_sandbox"), "container", args, key, timeout)
 
     async def run_microvm(self, args: DSecMicroVMRunArgs, *, key: str | None = None,
                           timeout: float | None = None) -> Sandbox:
         """Create one microVM (or restore one from ``args.snapshot``); returns once its guest
         agent answers. The handle is the same as a container's."""
-        return await self._create("/v1/microvms", "microvm", args, key, timeout)
+        return await self._create(api_route("create_microvm"), "microvm", args, key, timeout)
 
     async def run_vm(self, args: DSecFullVMRunArgs, *, key: str | None = None, timeout: float | None = None) -> Sandbox:
         """Create one full VM booting the image's own init; same handle as a container's."""
-        return await self._create("/v1/vms", "fullvm", args, key, timeout)
+        return await self._create(api_route("create_fullvm"), "fullvm", args, key, timeout)
 
-    async def _create(self, path: str, kind: str, args: DSecContainerRunArgs, key: str | None,
+    async def _create(self, route: tuple[str, str], kind: str, args: DSecContainerRunArgs, key: str | None,
                       timeout: float | None) -> Sandbox:
         headers = _key_headers(key)
         if self._replay is not None:
             logged = self._replay.create("create", {"kind": kind, "args": args.model_dump(mode="json")}, key)
             if logged is not None:
                 return Sandbox(self, SandboxInfo.model_validate(logged))
-        body = await self._request("POST", path, model=args, timeout=timeout, headers=headers)
+        body = await self._request(*route, model=args, timeout=timeout, headers=headers)
         return Sandbox(self, SandboxInfo.model_validate(body))
 
     async def run_containers(

@@ -14,9 +14,8 @@ match order: the hottest first (a get, a command, a stop). Beyond ``libdsec.ops`
   and bytes, or nothing), ``read`` (a file read, with what it read), ``made`` (before it runs,
   with no result: replay cannot answer it), or None (not logged: it changes nothing).
 
-The calls that are more than a request and its answer (creates and their idempotency keys, the
-batch create's stream, the port proxy, image builds, FnCall, the sandbox list) keep routes of
-their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
+The calls that are more than a request and its answer (the batch create's stream, the port
+proxy, image builds, FnCall, the sandbox list) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
 that this table, the apiserver's routes, the SDK and the node seam name the same operations.
 
 Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (and
@@ -39,6 +38,9 @@ from .protocol import (
     DesktopInput,
     DesktopLaunchRequest,
     DesktopWindowList,
+    DSecContainerRunArgs,
+    DSecFullVMRunArgs,
+    DSecMicroVMRunArgs,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -91,6 +93,8 @@ REC, MADE, API = "recorded", "made", "apiserver"
 
 PUBLIC_OPS: tuple[Op, ...] = (
     # -- the hot ones first --------------------------------------------------------------------
+    Op("create_sandbox", "POST", "/sandboxes", DSecContainerRunArgs, request_arg="args", answer=SandboxInfo,
+       served=API),
     Op("get", "GET", SB, answer=SandboxInfo),
     Op("exec", "POST", SB + "/exec", ExecRequest, answer=ExecResult, timeout="own", lifecycle="exec", journal=REC),
     Op("stop", "DELETE", SB, answer=SandboxInfo, lifecycle="stop", journal=REC),
@@ -176,6 +180,9 @@ PUBLIC_OPS: tuple[Op, ...] = (
        unwrap="images"),
     Op("inspect_image", "GET", "/images/{ref}", answer=ImageInfo),
     # -- served by the apiserver itself (``dsec.apiserver.calls``): more than one node call -------
+    Op("create_microvm", "POST", "/microvms", DSecMicroVMRunArgs, request_arg="args", answer=SandboxInfo,
+       served=API),
+    Op("create_fullvm", "POST", "/vms", DSecFullVMRunArgs, request_arg="args", answer=SandboxInfo, served=API),
     Op("remove_image", "DELETE", "/images/{name}", served=API),
     Op("gc_layers", "POST", "/images:gc", timeout="long", served=API),
     Op("nodes", "GET", "/nodes", query=("all:flag",), answer=NodeInfo, answers="list", served=API),

@@ -10,15 +10,19 @@ models (``answers="list"``) or a small JSON object.
 
 from __future__ import annotations
 
-from libdsec import InvalidRequest, SnapshotConflict, SnapshotNotFound, Unauthenticated
+from libdsec import DSecError, InvalidRequest, SnapshotConflict, SnapshotNotFound, Unauthenticated
 from libdsec._pausing import SandboxGroupRequest, SandboxGroupResult
 from libdsec._projects import ProjectCreateRequest, ProjectInfo, ProjectList, ProjectQuota, ProjectToken, TokenRequest
 from libdsec.protocol import (
     ClusterStats,
+    DSecContainerRunArgs,
+    DSecFullVMRunArgs,
+    DSecMicroVMRunArgs,
     JobList,
     JobLog,
     NodeInfo,
     ProjectUsage,
+    SandboxInfo,
     SandboxStatus,
     Snapshot,
     SnapshotList,
@@ -44,6 +48,25 @@ class ApiCalls:
         self.cluster = cluster
         self.jobs = jobs
         self.groups = SandboxGroups(cluster, jobs)
+
+    # -- creates: with an idempotency key or a job (x-dsec-job), through the job's log (Jobs.create)
+
+    async def create_sandbox(self, caller: Caller, args: DSecContainerRunArgs) -> SandboxInfo:
+        """With an ``idempotency-key`` header, a key used before in the project (or the job)
+        returns the sandbox made then; ``x-dsec-job`` records the create in that job's log."""
+        if caller.job is None and caller.key is None:
+            return await self.cluster.create(args, caller.project)
+        return await self._create(args, "container", caller)
+
+    async def create_microvm(self, caller: Caller, args: DSecMicroVMRunArgs) -> SandboxInfo:
+        return await self._create(args, "microvm", caller)
+
+    async def create_fullvm(self, caller: Caller, args: DSecFullVMRunArgs) -> SandboxInfo:
+        return await self._create(args, "fullvm", caller)
+
+    async def _create(self, args: DSecContainerRunArgs, kind: str, caller: Caller) -> SandboxInfo:
+        return await self.jobs.create(caller, kind, args, lambda: self.cluster.create(args, caller.project, kind=kind),
+                                      lambda info: current(self.cluster, info))
 
     # -- images and nodes ----------------------------------------------------------------------
 
@@ -185,3 +208,12 @@ class ApiCalls:
 def _usage(amount: Amount) -> ProjectUsage:
     return ProjectUsage(sandboxes=int(amount.sandboxes), cpu_cores=round(amount.cpu_cores, 6),
                         memory_mb=int(amount.memory_mb))
+
+
+async def current(cluster: Cluster, info: SandboxInfo) -> SandboxInfo:
+    """A sandbox made before, as its node says it is now (or as it was, once gone): what a key
+    used again answers."""
+    try:
+        return await cluster.edge_for(info.id).get(info.id)
+    except DSecError:
+        return info.model_copy(update={"status": SandboxStatus.stopped})
