@@ -760,7 +760,7 @@ class DSecClient(_ProjectMethods, _GroupMethods):
         request = await asyncio.to_thread(
             build_request, name, dockerfile, dockerfile_text, context, build_args=dict(build_args or {}),
             no_cache=no_cache, memory_limit_mb=memory_limit_mb, cpu_cores_limit=cpu_cores_limit, timeout=timeout)
-        async for event in self._stream("POST", "/v1/images:build", request, timeout + 60, event_model=ExecEvent):
+        async for event in self._stream(*api_route("build_image"), request, timeout + 60, event_model=ExecEvent):
             if event.event == "stdout" and on_log is not None:
                 on_log(event.data.removesuffix("\n"))
             elif event.event == "error":

@@ -15,7 +15,7 @@ match order: the hottest first (a get, a command, a stop). Beyond ``libdsec.ops`
   with no result: replay cannot answer it), or None (not logged: it changes nothing).
 
 The calls that are more than a request and its answer (the batch create's stream, the port
-proxy, image builds, FnCall, the sandbox list) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
+proxy, FnCall, the sandbox list) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
 that this table, the apiserver's routes, the SDK and the node seam name the same operations.
 
 Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (and
@@ -30,6 +30,7 @@ from ._pausing import SandboxGroupRequest, SandboxGroupResult
 from ._projects import ProjectCreateRequest, ProjectInfo, ProjectList, ProjectQuota, ProjectToken, TokenRequest
 from .ops import Operation as Op, path_format
 from .protocol import (
+    BuildImageRequest,
     CleanCopyRequest,
     ClusterStats,
     CleanCopyResult,
@@ -185,6 +186,8 @@ PUBLIC_OPS: tuple[Op, ...] = (
     Op("create_fullvm", "POST", "/vms", DSecFullVMRunArgs, request_arg="args", answer=SandboxInfo, served=API),
     Op("remove_image", "DELETE", "/images/{name}", served=API),
     Op("gc_layers", "POST", "/images:gc", timeout="long", served=API),
+    Op("build_image", "POST", "/images:build", BuildImageRequest, answer=ExecEvent, answers="lines", timeout="own",
+       served=API),
     Op("nodes", "GET", "/nodes", query=("all:flag",), answer=NodeInfo, answers="list", served=API),
     Op("stats", "GET", "/stats", answer=ClusterStats, served=API),
     Op("list_snapshots", "GET", "/snapshots", answer=SnapshotList, served=API),

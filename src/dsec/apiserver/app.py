@@ -3,8 +3,8 @@ edge that the sandbox id names, and errors come back as ``{"error": {"code", "me
 
 The calls that are a request and its answer are the public table's (``libdsec.api_ops``), served
 by ``table.TableRoutes`` in front of FastAPI (those more than one node call by ``calls.ApiCalls``);
-the routes here are the others: the batch create's stream, the port proxy, image builds, the
-sandbox list, and (``routes_*.py``) FnCall, the metrics and the dashboard.
+the routes here are the others: the batch create's stream, the port proxy, the sandbox list, and
+(``routes_*.py``) FnCall, the metrics and the dashboard.
 
 The apiserver keeps no sandbox state: sandbox ids name their node, and the node list comes from
 the cluster (one embedded edge here).
@@ -28,10 +28,8 @@ from libdsec import DSecError, InvalidRequest, SandboxLost
 from libdsec.protocol import JOB_HEADER, KEY_HEADER
 from libdsec.protocol import (
     BatchEvent,
-    BuildImageRequest,
     CreateBatchRequest,
     ErrorResponse,
-    ExecEvent,
     SandboxInfo,
     SandboxList,
 )
@@ -42,7 +40,7 @@ from .cluster import Cluster
 from .lean import CatchUnexpected, LeanRoutes, error_headers
 from .routes_fncall import add_fncall_routes
 from .routes_observe import add_observe_routes
-from .table import TableRoutes, add_schema_routes, first_piece, ndjson
+from .table import TableRoutes, add_schema_routes
 from .ports import DEFAULT_DOMAIN, PortProxy, PortRoutes
 from .websocket import relay as websocket_relay
 
@@ -280,12 +278,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
             return
         target = "/" + path + (f"?{websocket.url.query}" if websocket.url.query else "")
         await websocket_relay(websocket, edge, sandbox_id, int(port), target)
-
-    @app.post("/v1/images:build", responses=_ERRORS, response_model=ExecEvent)
-    async def build_image(request: BuildImageRequest, caller: Caller = Depends(authenticated)) -> StreamingResponse:
-        """An image from a Dockerfile, its log as NDJSON ``ExecEvent`` lines (``dsec.edge.build``)."""
-        events = cluster.any_edge().build_image(request, caller.project)
-        return StreamingResponse(ndjson(await first_piece(events), events), media_type="application/x-ndjson")
 
     add_fncall_routes(app, cluster, authenticated, _ERRORS)
     add_observe_routes(app, cluster, authenticator, _ERRORS)

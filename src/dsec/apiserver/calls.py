@@ -10,14 +10,18 @@ models (``answers="list"``) or a small JSON object.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 from libdsec import DSecError, InvalidRequest, SnapshotConflict, SnapshotNotFound, Unauthenticated
 from libdsec._pausing import SandboxGroupRequest, SandboxGroupResult
 from libdsec._projects import ProjectCreateRequest, ProjectInfo, ProjectList, ProjectQuota, ProjectToken, TokenRequest
 from libdsec.protocol import (
+    BuildImageRequest,
     ClusterStats,
     DSecContainerRunArgs,
     DSecFullVMRunArgs,
     DSecMicroVMRunArgs,
+    ExecEvent,
     JobList,
     JobLog,
     NodeInfo,
@@ -78,6 +82,10 @@ class ApiCalls:
     async def gc_layers(self, caller: Caller) -> dict:
         _, layers = await self.cluster.layer_use()
         return {"removed": await self.cluster.any_edge().gc_layers(layers)}
+
+    def build_image(self, caller: Caller, request: BuildImageRequest) -> AsyncIterator[ExecEvent]:
+        """An image from a Dockerfile, its log as NDJSON ``ExecEvent`` lines (``dsec.edge.build``)."""
+        return self.cluster.any_edge().build_image(request, caller.project)
 
     async def nodes(self, caller: Caller, all: bool) -> list[NodeInfo]:  # noqa: A002 - the query's name
         """The nodes serving; with ``all=true``, also those lost or whose edge did not start."""
