@@ -11,7 +11,7 @@ use what is left.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
 
@@ -126,24 +126,3 @@ class _ProjectMethods:
         body = await self._request(*_route("new_token", name=name), model=TokenRequest(form="e2b" if e2b else "dsec"))
         return ProjectToken.model_validate(body).token
 
-
-class _SyncProjectMethods:
-    """Mixed into :class:`libdsec.SyncDSecClient`: the same calls, blocking."""
-
-    def list_projects(self) -> list[ProjectInfo]:
-        return self._loop().run(self._async.list_projects())  # type: ignore[attr-defined]
-
-    def get_project(self, name: str) -> ProjectInfo:
-        return self._loop().run(self._async.get_project(name))  # type: ignore[attr-defined]
-
-    def create_project(self, name: str, **kwargs: Any) -> ProjectInfo:
-        return self._loop().run(self._async.create_project(name, **kwargs))  # type: ignore[attr-defined]
-
-    def set_project_quota(self, name: str, **kwargs: Any) -> ProjectInfo:
-        return self._loop().run(self._async.set_project_quota(name, **kwargs))  # type: ignore[attr-defined]
-
-    def remove_project(self, name: str) -> None:
-        self._loop().run(self._async.remove_project(name))  # type: ignore[attr-defined]
-
-    def create_project_token(self, name: str, *, e2b: bool = False) -> str:
-        return self._loop().run(self._async.create_project_token(name, e2b=e2b))  # type: ignore[attr-defined]
