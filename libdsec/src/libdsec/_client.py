@@ -700,7 +700,7 @@ class DSecClient(_ProjectMethods, _GroupMethods):
         return SandboxInfo.model_validate(await self._request(*api_route("stop", sandbox_id=sandbox_id)))
 
     async def list_sandboxes(self) -> list[SandboxInfo]:
-        return SandboxList.model_validate(await self._request("GET", "/v1/sandboxes")).sandboxes
+        return SandboxList.model_validate(await self._request(*api_route("list_sandboxes"))).sandboxes
 
     async def list_images(self, limit: int | None = None, after: str | None = None, prefix: str | None = None,
                           role: str | None = None) -> ImageList:

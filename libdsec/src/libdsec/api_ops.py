@@ -15,8 +15,9 @@ match order: the hottest first (a get, a command, a stop). Beyond ``libdsec.ops`
   with no result: replay cannot answer it), or None (not logged: it changes nothing).
 
 The calls that are more than a request and its answer (the batch create's stream, the port
-proxy, FnCall, the sandbox list) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
-that this table, the apiserver's routes, the SDK and the node seam name the same operations.
+proxy) and FnCall's (its OpenAPI bodies written inline) keep routes of their own in
+``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks that this table, the apiserver's
+routes, the SDK and the node seam name the same operations.
 
 Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (and
 its line on ``EdgeAPI``, the node seam's typed interface), and the SDK's method with its sync
@@ -75,6 +76,7 @@ from .protocol import (
     PtyResizeRequest,
     PtyStreamRequest,
     SandboxInfo,
+    SandboxList,
     SecurityEventList,
     SessionInfo,
     Snapshot,
@@ -181,6 +183,7 @@ PUBLIC_OPS: tuple[Op, ...] = (
        unwrap="images"),
     Op("inspect_image", "GET", "/images/{ref}", answer=ImageInfo),
     # -- served by the apiserver itself (``dsec.apiserver.calls``): more than one node call -------
+    Op("list_sandboxes", "GET", "/sandboxes", answer=SandboxList, served=API),
     Op("create_microvm", "POST", "/microvms", DSecMicroVMRunArgs, request_arg="args", answer=SandboxInfo,
        served=API),
     Op("create_fullvm", "POST", "/vms", DSecFullVMRunArgs, request_arg="args", answer=SandboxInfo, served=API),

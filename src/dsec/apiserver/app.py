@@ -3,8 +3,8 @@ edge that the sandbox id names, and errors come back as ``{"error": {"code", "me
 
 The calls that are a request and its answer are the public table's (``libdsec.api_ops``), served
 by ``table.TableRoutes`` in front of FastAPI (those more than one node call by ``calls.ApiCalls``);
-the routes here are the others: the batch create's stream, the port proxy, the sandbox list, and
-(``routes_*.py``) FnCall, the metrics and the dashboard.
+the routes here are the others: the batch create's stream, the port proxy, and (``routes_*.py``)
+FnCall, the metrics and the dashboard.
 
 The apiserver keeps no sandbox state: sandbox ids name their node, and the node list comes from
 the cluster (one embedded edge here).
@@ -31,7 +31,6 @@ from libdsec.protocol import (
     CreateBatchRequest,
     ErrorResponse,
     SandboxInfo,
-    SandboxList,
 )
 
 from .auth import Authenticator, Caller
@@ -242,11 +241,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
             give_up()
 
         return StreamingResponse(lines(), media_type="application/x-ndjson", background=BackgroundTask(abandoned))
-
-    @app.get("/v1/sandboxes")
-    async def list_sandboxes(caller: Caller = Depends(authenticated)) -> SandboxList:
-        found = [info for info in await cluster.list_sandboxes() if caller.sees(cluster.projects, info.project)]
-        return SandboxList(sandboxes=found)
 
     add_schema_routes(app, _ERRORS)  # (served by TableRoutes)
 

@@ -27,6 +27,7 @@ from libdsec.protocol import (
     NodeInfo,
     ProjectUsage,
     SandboxInfo,
+    SandboxList,
     SandboxStatus,
     Snapshot,
     SnapshotList,
@@ -61,6 +62,10 @@ class ApiCalls:
         if caller.job is None and caller.key is None:
             return await self.cluster.create(args, caller.project)
         return await self._create(args, "container", caller)
+
+    async def list_sandboxes(self, caller: Caller) -> SandboxList:
+        return SandboxList(sandboxes=[info for info in await self.cluster.list_sandboxes()
+                                      if caller.sees(self.cluster.projects, info.project)])
 
     async def create_microvm(self, caller: Caller, args: DSecMicroVMRunArgs) -> SandboxInfo:
         return await self._create(args, "microvm", caller)
