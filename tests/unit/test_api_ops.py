@@ -14,6 +14,7 @@ import pytest
 import libdsec
 from dsec.apiserver import table
 from dsec.apiserver.app import Cluster
+from dsec.apiserver.calls import ApiCalls
 from dsec.app import create_app
 from dsec.edge.api import EdgeAPI
 from dsec.edge.edge import Edge
@@ -28,6 +29,10 @@ from libdsec.ops import path_format
 NO_SDK_METHOD = {"download_tree"}
 # Routes on a sandbox that are not the table's: the port proxy, its methods each a route.
 HAND_WRITTEN = re.compile(r"/v1/sandboxes/\{sandbox_id\}/ports/")
+
+# The operations the nodes serve, and those the apiserver serves itself (ApiCalls).
+NODE_SERVED = [op for op in PUBLIC_OPS if op.served == "node"]
+APISERVER_SERVED = [op for op in PUBLIC_OPS if op.served == "apiserver"]
 
 SDK = Path(libdsec.__file__).parent
 _SDK_CALL = re.compile(r"""(?:api_route|_route)\(\s*"([a-z_]+)\"""")
@@ -44,11 +49,14 @@ def test_the_table_is_well_formed():
     for op in PUBLIC_OPS:
         assert op.lifecycle is None or op.lifecycle in Action.__members__, op.name
         assert op.journal in (None, "recorded", "made", "read"), op.name
+        assert op.served in ("node", "apiserver"), op.name
+        if op.served == "apiserver":  # (the node checks a lifecycle; a job's log keeps sandbox calls)
+            assert op.lifecycle is None and op.journal is None and "sandbox_id" not in dict(op.params), op.name
         assert (op.journal == "read") == (op.name == "read_file"), op.name
         assert (op.unwrap is None) or op.unwrap in op.answer.model_fields, op.name
 
 
-@pytest.mark.parametrize("op", PUBLIC_OPS, ids=lambda op: op.name)
+@pytest.mark.parametrize("op", NODE_SERVED, ids=lambda op: op.name)
 def test_each_operation_is_the_node_seams_too(op):
     """EdgeAPI, the in-process Edge and RemoteEdge (from the node table) have the method the
     apiserver calls; the node table has the operation."""
@@ -57,6 +65,15 @@ def test_each_operation_is_the_node_seams_too(op):
         assert callable(getattr(cls, op.name, None)), (cls.__name__, op.name)
     edge_args = [p for p in inspect.signature(EdgeAPI.__dict__[op.name]).parameters if p != "self"]
     assert [n for n, _ in op.params if n in edge_args] == [n for n, _ in op.params], (op.name, edge_args)
+
+
+@pytest.mark.parametrize("op", APISERVER_SERVED, ids=lambda op: op.name)
+def test_each_operation_the_apiserver_serves_is_a_method_of_its_calls(op):
+    """``ApiCalls`` has the method, taking the caller and then the table's arguments (by the
+    table handler's own check, ``table._route``)."""
+    params = list(inspect.signature(getattr(ApiCalls, op.name)).parameters)
+    assert params[:2] == ["self", "caller"], (op.name, params)
+    assert table._route(op).own
 
 
 @pytest.mark.parametrize("op", PUBLIC_OPS, ids=lambda op: op.name)
@@ -78,8 +95,11 @@ def test_the_openapi_document_has_the_table_and_no_route_on_a_sandbox_besides(ed
     for op in PUBLIC_OPS:  # the models are the table's
         entry = doc["paths"][PREFIX + path_format(op.path)][op.method.lower()]
         if op.request is not None:
-            ref = entry["requestBody"]["content"]["application/json"]["schema"]["$ref"]
-            assert ref.endswith("/" + op.request.__name__), op.name
+            schema = entry["requestBody"]["content"]["application/json"]["schema"]
+            if op.body_shape == "optional":  # (the model or null; no body at all is allowed too)
+                assert not entry["requestBody"].get("required"), op.name
+                schema = schema["anyOf"][0]
+            assert schema["$ref"].endswith("/" + op.request.__name__), op.name
         if op.answer is not None and op.answers in ("json", "lines"):
             ok = entry["responses"]["200"]["content"]["application/json"]["schema"]
             assert ok.get("$ref", "").endswith("/" + op.answer.__name__), (op.name, ok)

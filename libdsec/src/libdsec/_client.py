@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
-from .api_ops import api_route
+from .api_ops import api_path, api_route
 from ._errors import (
     DSecError,
     InvalidRequest,
@@ -95,7 +95,8 @@ _HTTP_SLACK_S = 30.0
 # idempotent methods (RFC 9110), reads and stop among them; never a create or an exec (POST).
 _REPEATABLE = frozenset({"GET", "HEAD", "PUT", "DELETE"})
 # The calls that make a sandbox: sent again only when they carry an idempotency key.
-_CREATE_PATHS = frozenset({"/v1/sandboxes", "/v1/microvms", "/v1/vms", "/v1/sandboxes:batch"})
+_CREATE_PATHS = frozenset({*(api_path(name) for name in ("create_sandbox", "create_microvm", "create_fullvm")),
+                           "/v1/sandboxes:batch"})
 
 
 def _is_create(method: str, path: str) -> bool:
@@ -625,26 +626,26 @@ class DSecClient(_ProjectMethods, _GroupMethods):
         with a key used before in the project (or, with ``job=``, in the job) returns the sandbox
         made then, also after an apiserver restart, and makes none; with other arguments it
         raises ``KeyReused``. The same holds for ``run_microvm``, ``run_vm`` and ``run_containers``."""
-        return await self._create("/v1/sandboxes", "container", args, key, timeout)
+        return await self._create(api_route("create_sandbox"), "container", args, key, timeout)
 
     async def run_microvm(self, args: DSecMicroVMRunArgs, *, key: str | None = None,
                           timeout: float | None = None) -> Sandbox:
         """Create one microVM (or restore one from ``args.snapshot``); returns once its guest
         agent answers. The handle is the same as a container's."""
-        return await self._create("/v1/microvms", "microvm", args, key, timeout)
+        return await self._create(api_route("create_microvm"), "microvm", args, key, timeout)
 
     async def run_vm(self, args: DSecFullVMRunArgs, *, key: str | None = None, timeout: float | None = None) -> Sandbox:
         """Create one full VM booting the image's own init; same handle as a container's."""
-        return await self._create("/v1/vms", "fullvm", args, key, timeout)
+        return await self._create(api_route("create_fullvm"), "fullvm", args, key, timeout)
 
-    async def _create(self, path: str, kind: str, args: DSecContainerRunArgs, key: str | None,
+    async def _create(self, route: tuple[str, str], kind: str, args: DSecContainerRunArgs, key: str | None,
                       timeout: float | None) -> Sandbox:
         headers = _key_headers(key)
         if self._replay is not None:
             logged = self._replay.create("create", {"kind": kind, "args": args.model_dump(mode="json")}, key)
             if logged is not None:
                 return Sandbox(self, SandboxInfo.model_validate(logged))
-        body = await self._request("POST", path, model=args, timeout=timeout, headers=headers)
+        body = await self._request(*route, model=args, timeout=timeout, headers=headers)
         return Sandbox(self, SandboxInfo.model_validate(body))
 
     async def run_containers(
@@ -699,7 +700,7 @@ class DSecClient(_ProjectMethods, _GroupMethods):
         return SandboxInfo.model_validate(await self._request(*api_route("stop", sandbox_id=sandbox_id)))
 
     async def list_sandboxes(self) -> list[SandboxInfo]:
-        return SandboxList.model_validate(await self._request("GET", "/v1/sandboxes")).sandboxes
+        return SandboxList.model_validate(await self._request(*api_route("list_sandboxes"))).sandboxes
 
     async def list_images(self, limit: int | None = None, after: str | None = None, prefix: str | None = None,
                           role: str | None = None) -> ImageList:
@@ -716,24 +717,24 @@ class DSecClient(_ProjectMethods, _GroupMethods):
         return ImageInfo.model_validate(await self._request(*api_route("inspect_image", ref=ref)))
 
     async def remove_image(self, name: str) -> None:
-        await self._request("DELETE", f"/v1/images/{name}")
+        await self._request(*api_route("remove_image", name=name))
 
     async def list_snapshots(self) -> list[Snapshot]:
         """The snapshots this client's project kept (every one, for the root token), oldest first."""
-        return SnapshotList.model_validate(await self._request("GET", "/v1/snapshots")).snapshots
+        return SnapshotList.model_validate(await self._request(*api_route("list_snapshots"))).snapshots
 
     async def get_snapshot(self, ref: str) -> Snapshot:
         """A snapshot by id or name (``SnapshotNotFound`` if there is none)."""
-        return Snapshot.model_validate(await self._request("GET", f"/v1/snapshots/{_path_segment(ref)}"))
+        return Snapshot.model_validate(await self._request(*api_route("get_snapshot", ref=_path_segment(ref))))
 
     async def remove_snapshot(self, ref: str) -> Snapshot:
         """Remove a snapshot (by id or name): its record, memory and image. ``SnapshotConflict``,
         naming them, while sandboxes started from it run."""
-        return Snapshot.model_validate(await self._request("DELETE", f"/v1/snapshots/{_path_segment(ref)}"))
+        return Snapshot.model_validate(await self._request(*api_route("remove_snapshot", ref=_path_segment(ref))))
 
     async def gc_images(self) -> list[str]:
         """Remove layers no image refers to and no sandbox holds; returns their digests."""
-        return (await self._request("POST", "/v1/images:gc"))["removed"]
+        return (await self._request(*api_route("gc_layers")))["removed"]
 
     async def build_image(
         self,
@@ -759,7 +760,7 @@ class DSecClient(_ProjectMethods, _GroupMethods):
         request = await asyncio.to_thread(
             build_request, name, dockerfile, dockerfile_text, context, build_args=dict(build_args or {}),
             no_cache=no_cache, memory_limit_mb=memory_limit_mb, cpu_cores_limit=cpu_cores_limit, timeout=timeout)
-        async for event in self._stream("POST", "/v1/images:build", request, timeout + 60, event_model=ExecEvent):
+        async for event in self._stream(*api_route("build_image"), request, timeout + 60, event_model=ExecEvent):
             if event.event == "stdout" and on_log is not None:
                 on_log(event.data.removesuffix("\n"))
             elif event.event == "error":
@@ -771,28 +772,28 @@ class DSecClient(_ProjectMethods, _GroupMethods):
     async def node_info(self, include_unready: bool = False) -> list[NodeInfo]:
         """The nodes serving, with what they hold; with ``include_unready``, also a line for each
         node that is not (``state`` "lost" or "failed", and why in ``problem``)."""
-        nodes = await self._request("GET", "/v1/nodes", params={"all": "true"} if include_unready else None)
+        nodes = await self._request(*api_route("nodes"), params={"all": "true"} if include_unready else None)
         return [NodeInfo.model_validate(n) for n in nodes]
 
     async def stats(self) -> ClusterStats:
         """Every node's counters and holdings, and the apiserver's own (root token only): what
         ``/metrics``, the dashboard and ``dsec top`` show."""
-        return ClusterStats.model_validate_json(await self._request("GET", "/v1/stats", raw=True))
+        return ClusterStats.model_validate_json(await self._request(*api_route("stats"), raw=True))
 
     # -- job logs ----------------------------------------------------------------------------
 
     async def list_jobs(self) -> list[JobInfo]:
         """The jobs of this client's project (every job, for the root token)."""
-        return JobList.model_validate(await self._request("GET", "/v1/jobs")).jobs
+        return JobList.model_validate(await self._request(*api_route("list_jobs"))).jobs
 
     async def job_log(self, job: str, *, after: int = 0) -> JobLog:
         """A job and its log entries (past ``after``, a ``seq``), in order; ``JobNotFound`` when
         there is none (or it is another project's)."""
-        return JobLog.model_validate(await self._request("GET", f"/v1/jobs/{_job_path(job)}",
+        return JobLog.model_validate(await self._request(*api_route("show_job", job=_job_path(job)),
                                                          params={"after": str(after)} if after else None))
 
     async def remove_job(self, job: str) -> None:
-        await self._request("DELETE", f"/v1/jobs/{_job_path(job)}")
+        await self._request(*api_route("remove_job", job=_job_path(job)))
 
     @property
     def replayed(self) -> int:

@@ -99,14 +99,18 @@ class _GroupMethods:
         """Pause every running sandbox of a ``job``, a ``project`` (and the projects below it)
         or the given ``ids``, in one call: exactly one of the three. Each sandbox's outcome is in
         the answer (paused, already paused, or the error that kept it running)."""
+        from .api_ops import api_route  # (not above: the table imports this module's models)
+
         request = group_request(job, project, ids, per_node)
         return SandboxGroupResult.model_validate(
-            await self._request("POST", "/v1/sandboxes:pause", model=request, timeout=max(self._timeout, 600)))
+            await self._request(*api_route("pause_sandboxes"), model=request, timeout=max(self._timeout, 600)))
 
     async def resume_sandboxes(self: DSecClient, *, job: str | None = None, project: str | None = None,
                                ids: list[str] | None = None, per_node: int = DEFAULT_PER_NODE) -> SandboxGroupResult:
         """Resume every paused sandbox of a ``job``, a ``project`` or the given ``ids`` (exactly
         one); each one's outcome is in the answer."""
+        from .api_ops import api_route
+
         request = group_request(job, project, ids, per_node)
         return SandboxGroupResult.model_validate(
-            await self._request("POST", "/v1/sandboxes:resume", model=request, timeout=max(self._timeout, 600)))
+            await self._request(*api_route("resume_sandboxes"), model=request, timeout=max(self._timeout, 600)))

@@ -11,7 +11,7 @@ use what is left.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator
 
@@ -72,15 +72,21 @@ class ProjectToken(_Model):
     token: str
 
 
+def _route(name: str, /, **arguments: object) -> tuple[str, str]:
+    from .api_ops import api_route  # (not above: the table imports this module's models)
+
+    return api_route(name, **arguments)
+
+
 class _ProjectMethods:
     """Mixed into :class:`libdsec.DSecClient`."""
 
     async def list_projects(self: DSecClient) -> list[ProjectInfo]:
         """The caller's project and every project below it."""
-        return ProjectList.model_validate(await self._request("GET", "/v1/projects")).projects
+        return ProjectList.model_validate(await self._request(*_route("list_projects"))).projects
 
     async def get_project(self: DSecClient, name: str) -> ProjectInfo:
-        return ProjectInfo.model_validate(await self._request("GET", f"/v1/projects/{name}"))
+        return ProjectInfo.model_validate(await self._request(*_route("get_project", name=name)))
 
     async def create_project(
         self: DSecClient,
@@ -96,7 +102,7 @@ class _ProjectMethods:
             name=name, parent=parent,
             quota=ProjectQuota(sandboxes=sandboxes, cpu_cores=cpu_cores, memory_mb=memory_mb),
         )
-        return ProjectInfo.model_validate(await self._request("POST", "/v1/projects", model=request))
+        return ProjectInfo.model_validate(await self._request(*_route("create_project"), model=request))
 
     async def set_project_quota(
         self: DSecClient,
@@ -108,37 +114,15 @@ class _ProjectMethods:
     ) -> ProjectInfo:
         """Replace a project's quota (``None``: no cap of its own). Only an ancestor may."""
         quota = ProjectQuota(sandboxes=sandboxes, cpu_cores=cpu_cores, memory_mb=memory_mb)
-        return ProjectInfo.model_validate(await self._request("PUT", f"/v1/projects/{name}/quota", model=quota))
+        return ProjectInfo.model_validate(await self._request(*_route("set_quota", name=name), model=quota))
 
     async def remove_project(self: DSecClient, name: str) -> None:
         """Remove a project that has no children and no sandboxes (its tokens go with it)."""
-        await self._request("DELETE", f"/v1/projects/{name}")
+        await self._request(*_route("remove_project", name=name))
 
     async def create_project_token(self: DSecClient, name: str, *, e2b: bool = False) -> str:
         """A new API token for ``name``; shown once (the server keeps only its hash). ``e2b``:
         in E2B's API key form (``e2b_`` + 40 hex digits), for e2b SDKs (docs/COMPAT.md)."""
-        body = await self._request("POST", f"/v1/projects/{name}/tokens",
-                                   model=TokenRequest(form="e2b" if e2b else "dsec"))
+        body = await self._request(*_route("new_token", name=name), model=TokenRequest(form="e2b" if e2b else "dsec"))
         return ProjectToken.model_validate(body).token
 
-
-class _SyncProjectMethods:
-    """Mixed into :class:`libdsec.SyncDSecClient`: the same calls, blocking."""
-
-    def list_projects(self) -> list[ProjectInfo]:
-        return self._loop().run(self._async.list_projects())  # type: ignore[attr-defined]
-
-    def get_project(self, name: str) -> ProjectInfo:
-        return self._loop().run(self._async.get_project(name))  # type: ignore[attr-defined]
-
-    def create_project(self, name: str, **kwargs: Any) -> ProjectInfo:
-        return self._loop().run(self._async.create_project(name, **kwargs))  # type: ignore[attr-defined]
-
-    def set_project_quota(self, name: str, **kwargs: Any) -> ProjectInfo:
-        return self._loop().run(self._async.set_project_quota(name, **kwargs))  # type: ignore[attr-defined]
-
-    def remove_project(self, name: str) -> None:
-        self._loop().run(self._async.remove_project(name))  # type: ignore[attr-defined]
-
-    def create_project_token(self, name: str, *, e2b: bool = False) -> str:
-        return self._loop().run(self._async.create_project_token(name, e2b=e2b))  # type: ignore[attr-defined]

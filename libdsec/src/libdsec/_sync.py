@@ -24,7 +24,6 @@ from .protocol import BuildResult, ExecEvent, FileEntry, FsEvent, ProcessInfo  #
 from .protocol import DSecContainerRunArgs, ExecResult, ImageInfo, ImageList, PackDiffResult, PauseResult, SandboxInfo  # noqa: F401,E501
 from .protocol import DSecFullVMRunArgs, DSecMicroVMRunArgs, Snapshot, SnapshotInfo, SnapshotMode  # noqa: F401
 from .protocol import ClusterStats, DSecFnCallArgs, FnCallResult, JobInfo, JobLog, NodeInfo, SandboxStatus  # noqa: F401
-from ._projects import _SyncProjectMethods
 from ._twin import twin_of
 
 T = TypeVar("T")
@@ -267,7 +266,7 @@ class SyncSandbox:
 
 
 @twin_of(DSecClient, forward="_async")
-class SyncDSecClient(_SyncProjectMethods):
+class SyncDSecClient:
     """Blocking twin of :class:`libdsec.DSecClient`; same arguments, same errors."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -1,9 +1,10 @@
 """The public API's operations, each declared once: the table the apiserver's routes
 (``dsec.apiserver.table``), its OpenAPI document and the SDK's paths are made from.
 
-One ``Operation`` (``libdsec.ops``) per call under ``/v1`` that only parses and makes one call
-on the node seam: its name is the ``EdgeAPI`` method it becomes (on the sandbox's node, or any
-node for the image calls), and the SDK's method that makes it. The order is the apiserver's
+One ``Operation`` (``libdsec.ops``) per call under ``/v1`` that only parses and makes one call:
+on the node seam, where its name is the ``EdgeAPI`` method it becomes (on the sandbox's node, or
+any node for the image calls), or (``served="apiserver"``) on the apiserver's own ``ApiCalls``
+(``dsec.apiserver.calls``), a method of the same name given the caller. The order is the apiserver's
 match order: the hottest first (a get, a command, a stop). Beyond ``libdsec.ops``' fields:
 
 - ``lifecycle``: the action of the sandbox's lifecycle table the node checks the call against
@@ -13,10 +14,10 @@ match order: the hottest first (a get, a command, a stop). Beyond ``libdsec.ops`
   and bytes, or nothing), ``read`` (a file read, with what it read), ``made`` (before it runs,
   with no result: replay cannot answer it), or None (not logged: it changes nothing).
 
-The calls with more to them than one call on a node (creates and their idempotency keys, the
-batch create, the port proxy, image removal and builds, the snapshot catalogue, projects, jobs,
-FnCall, the cluster's views) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks
-that this table, the apiserver's routes, the SDK and the node seam name the same operations.
+The calls that are more than a request and its answer (the batch create's stream, the port
+proxy) and FnCall's (its OpenAPI bodies written inline) keep routes of their own in
+``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks that this table, the apiserver's
+routes, the SDK and the node seam name the same operations.
 
 Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (and
 its line on ``EdgeAPI``, the node seam's typed interface), and the SDK's method with its sync
@@ -26,9 +27,13 @@ makes it from this one), its route and ``RemoteEdge``'s method follow.
 
 from __future__ import annotations
 
+from ._pausing import SandboxGroupRequest, SandboxGroupResult
+from ._projects import ProjectCreateRequest, ProjectInfo, ProjectList, ProjectQuota, ProjectToken, TokenRequest
 from .ops import Operation as Op, path_format
 from .protocol import (
+    BuildImageRequest,
     CleanCopyRequest,
+    ClusterStats,
     CleanCopyResult,
     DesktopAccessibilityRequest,
     DesktopAccessibilityTree,
@@ -39,6 +44,9 @@ from .protocol import (
     DesktopStream,
     DesktopStreamRequest,
     DesktopWindowList,
+    DSecContainerRunArgs,
+    DSecFullVMRunArgs,
+    DSecMicroVMRunArgs,
     ExecEvent,
     ExecRequest,
     ExecResult,
@@ -50,7 +58,10 @@ from .protocol import (
     ForkResult,
     ImageInfo,
     ImageList,
+    JobList,
+    JobLog,
     MakeDirRequest,
+    NodeInfo,
     NetworkRulesRequest,
     OpenPtyRequest,
     OpenSessionRequest,
@@ -69,9 +80,11 @@ from .protocol import (
     PtyResizeRequest,
     PtyStreamRequest,
     SandboxInfo,
+    SandboxList,
     SecurityEventList,
     SessionInfo,
     Snapshot,
+    SnapshotList,
     SnapshotRequest,
     StartProcessRequest,
     TreeDownloadRequest,
@@ -83,10 +96,12 @@ from .protocol import (
 
 PREFIX = "/v1"
 SB = "/sandboxes/{sandbox_id}"
-REC, MADE = "recorded", "made"
+REC, MADE, API = "recorded", "made", "apiserver"
 
 PUBLIC_OPS: tuple[Op, ...] = (
     # -- the hot ones first --------------------------------------------------------------------
+    Op("create_sandbox", "POST", "/sandboxes", DSecContainerRunArgs, request_arg="args", answer=SandboxInfo,
+       served=API),
     Op("get", "GET", SB, answer=SandboxInfo),
     Op("exec", "POST", SB + "/exec", ExecRequest, answer=ExecResult, timeout="own", lifecycle="exec", journal=REC),
     Op("stop", "DELETE", SB, answer=SandboxInfo, lifecycle="stop", journal=REC),
@@ -175,6 +190,34 @@ PUBLIC_OPS: tuple[Op, ...] = (
     Op("list_images", "GET", "/images", query=("limit:opt", "after:opt", "prefix:opt", "role:opt"), answer=ImageList,
        unwrap="images"),
     Op("inspect_image", "GET", "/images/{ref}", answer=ImageInfo),
+    # -- served by the apiserver itself (``dsec.apiserver.calls``): more than one node call -------
+    Op("list_sandboxes", "GET", "/sandboxes", answer=SandboxList, served=API),
+    Op("create_microvm", "POST", "/microvms", DSecMicroVMRunArgs, request_arg="args", answer=SandboxInfo,
+       served=API),
+    Op("create_fullvm", "POST", "/vms", DSecFullVMRunArgs, request_arg="args", answer=SandboxInfo, served=API),
+    Op("remove_image", "DELETE", "/images/{name}", served=API),
+    Op("gc_layers", "POST", "/images:gc", timeout="long", served=API),
+    Op("build_image", "POST", "/images:build", BuildImageRequest, answer=ExecEvent, answers="lines", timeout="own",
+       served=API),
+    Op("nodes", "GET", "/nodes", query=("all:flag",), answer=NodeInfo, answers="list", served=API),
+    Op("stats", "GET", "/stats", answer=ClusterStats, served=API),
+    Op("list_snapshots", "GET", "/snapshots", answer=SnapshotList, served=API),
+    Op("get_snapshot", "GET", "/snapshots/{ref:snapshot}", answer=Snapshot, served=API),
+    Op("remove_snapshot", "DELETE", "/snapshots/{ref:snapshot}", answer=Snapshot, served=API),
+    Op("list_jobs", "GET", "/jobs", answer=JobList, served=API),
+    Op("show_job", "GET", "/jobs/{job:job}", query=("after:count",), answer=JobLog, served=API),
+    Op("remove_job", "DELETE", "/jobs/{job:job}", served=API),
+    Op("pause_sandboxes", "POST", "/sandboxes:pause", SandboxGroupRequest, answer=SandboxGroupResult,
+       timeout="long", served=API),
+    Op("resume_sandboxes", "POST", "/sandboxes:resume", SandboxGroupRequest, answer=SandboxGroupResult,
+       timeout="long", served=API),
+    Op("list_projects", "GET", "/projects", answer=ProjectList, served=API),
+    Op("get_project", "GET", "/projects/{name}", answer=ProjectInfo, served=API),
+    Op("create_project", "POST", "/projects", ProjectCreateRequest, answer=ProjectInfo, served=API),
+    Op("set_quota", "PUT", "/projects/{name}/quota", ProjectQuota, answer=ProjectInfo, served=API),
+    Op("remove_project", "DELETE", "/projects/{name}", served=API),
+    Op("new_token", "POST", "/projects/{name}/tokens", TokenRequest, body="optional", answer=ProjectToken,
+       served=API),
 )
 
 PUBLIC_OPS_BY_NAME: dict[str, Op] = {op.name: op for op in PUBLIC_OPS}
@@ -182,12 +225,12 @@ PUBLIC_OPS_BY_NAME: dict[str, Op] = {op.name: op for op in PUBLIC_OPS}
 _ROUTES: dict[str, tuple[str, str]] = {op.name: (op.method, PREFIX + path_format(op.path)) for op in PUBLIC_OPS}
 
 
-def api_path(name: str, **arguments: object) -> str:
+def api_path(name: str, /, **arguments: object) -> str:
     """The path of operation ``name`` for these path arguments: ``api_path("exec", sandbox_id=…)``."""
     return _ROUTES[name][1].format_map(arguments)
 
 
-def api_route(name: str, **arguments: object) -> tuple[str, str]:
+def api_route(name: str, /, **arguments: object) -> tuple[str, str]:
     """(method, path) of operation ``name`` for these path arguments: ``_request(*api_route(…))``."""
     method, path = _ROUTES[name]
     return method, path.format_map(arguments)

@@ -10,13 +10,16 @@ Path templates name their parameters with a type: ``/sandboxes/{sandbox_id}/ptys
 The types are ``PARAM_TYPES``: each a regex for the route and a conversion for the value.
 Query parameters use the same ``name:type`` spelling; a type the table's user gives meaning to
 (``mode``, a file mode) is allowed there, and ``opt``: a string that may be left out (the
-method gets None).
+method gets None), ``count``: an integer from 0, 0 when left out, ``flag``: a boolean, false
+when left out.
 
 The shapes:
 
-- request bodies: ``json`` (the request model), ``bytes`` (the raw body, whole), ``stream``
-  (the raw body as chunks, read as they arrive), or none;
-- answers: ``json`` (the answer model, or ``{"ok":true}`` for none), ``bytes`` (a raw body),
+- request bodies: ``json`` (the request model), ``optional`` (the request model, or no body at
+  all or ``null``: the method gets None), ``bytes`` (the raw body, whole), ``stream`` (the raw
+  body as chunks, read as they arrive), or none;
+- answers: ``json`` (the answer model, or ``{"ok":true}`` for none), ``list`` (a JSON array
+  of the answer model), ``bytes`` (a raw body),
   ``lines`` (an NDJSON stream of the answer model, one a line), ``chunks`` (raw bytes as they
   come), ``upgrade`` (the connection becomes a raw byte stream both ways);
 - timeouts: ``call`` (the client's call bound), ``long`` (its long bound: packing a layer,
@@ -32,8 +35,8 @@ from typing import Any, Callable, Literal
 
 from pydantic import BaseModel
 
-BodyShape = Literal["json", "bytes", "stream"]
-AnswerShape = Literal["json", "bytes", "lines", "chunks", "upgrade"]
+BodyShape = Literal["json", "optional", "bytes", "stream"]
+AnswerShape = Literal["json", "list", "bytes", "lines", "chunks", "upgrade"]
 Timeout = Literal["call", "long", "own"] | float
 
 # A path parameter's type: the regex its segment must match, and the value made from it.
@@ -43,6 +46,8 @@ PARAM_TYPES: dict[str, tuple[str, Callable[[str], Any]]] = {
     "port": (r"[0-9]{1,5}", int),
     "name": (r"[^/:]+", str),  # a segment with no ':' (one an action such as ':remove' follows)
     "key": (r"[A-Za-z0-9_-]{1,64}", str),
+    "job": (r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", str),  # a job's name (``protocol.check_job_name``)
+    "snapshot": (r"[a-z0-9][a-z0-9._-]{0,63}", str),  # a snapshot's id or name
 }
 _PARAM = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::([a-z]+))?\}")
 
@@ -69,6 +74,11 @@ class Operation:
     # call is kept in a job's log. None for the node's operations.
     lifecycle: str | None = None
     journal: str | None = None
+    # For the public table: who serves the call. ``node``: the ``EdgeAPI`` method of its name,
+    # on the sandbox's node (any node for an image call); ``apiserver``: the apiserver's own
+    # method of its name (``dsec.apiserver.calls``), given the caller first — a call with more
+    # to it than one node call (a catalogue filtered by project, projects, jobs, many nodes).
+    served: Literal["node", "apiserver"] = "node"
 
     @property
     def body_shape(self) -> BodyShape | None:

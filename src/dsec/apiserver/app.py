@@ -1,11 +1,10 @@
 """The public API's app. Each handler only parses: it turns a request into one typed call on the
 edge that the sandbox id names, and errors come back as ``{"error": {"code", "message"}}``.
 
-The calls that are one call on a node are the public table's (``libdsec.api_ops``), served by
-``table.TableRoutes`` in front of FastAPI; the routes here are the others: creates (with their
-idempotency keys and job logs), the batch create's stream, the port proxy, image removal, builds
-and gc, the node list, and (``routes_*.py``, ``pausing.py``) projects, jobs, snapshots, FnCall, the
-cluster's views and the pause or resume of many sandboxes at once.
+The calls that are a request and its answer are the public table's (``libdsec.api_ops``), served
+by ``table.TableRoutes`` in front of FastAPI (those more than one node call by ``calls.ApiCalls``);
+the routes here are the others: the batch create's stream, the port proxy, and (``routes_*.py``)
+FnCall, the metrics and the dashboard.
 
 The apiserver keeps no sandbox state: sandbox ids name their node, and the node list comes from
 the cluster (one embedded edge here).
@@ -16,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 
 from fastapi import Depends, FastAPI, Path, Request, WebSocket
@@ -29,29 +28,18 @@ from libdsec import DSecError, InvalidRequest, SandboxLost
 from libdsec.protocol import JOB_HEADER, KEY_HEADER
 from libdsec.protocol import (
     BatchEvent,
-    BuildImageRequest,
     CreateBatchRequest,
-    DSecContainerRunArgs,
-    DSecFullVMRunArgs,
-    DSecMicroVMRunArgs,
     ErrorResponse,
-    ExecEvent,
-    NodeInfo,
     SandboxInfo,
-    SandboxList,
-    SandboxStatus,
 )
 
 from .auth import Authenticator, Caller
+from .calls import current
 from .cluster import Cluster
 from .lean import CatchUnexpected, LeanRoutes, error_headers
-from .pausing import add_pause_routes
 from .routes_fncall import add_fncall_routes
-from .routes_jobs import add_job_routes
 from .routes_observe import add_observe_routes
-from .routes_projects import add_project_routes
-from .routes_snapshots import add_snapshot_routes
-from .table import TableRoutes, add_schema_routes, first_piece, ndjson
+from .table import TableRoutes, add_schema_routes
 from .ports import DEFAULT_DOMAIN, PortProxy, PortRoutes
 from .streams import StreamKeys, StreamRoutes
 from .websocket import relay as websocket_relay
@@ -63,11 +51,6 @@ _JOB, _KEY = JOB_HEADER.encode(), KEY_HEADER.encode()
 _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
            409: {"model": ErrorResponse}, 422: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
            503: {"model": ErrorResponse}}
-
-
-# Served by the same endpoint without FastAPI's per-request layers (see lean.py); the other hot
-# routes (get, exec, stop) are operations of the public table (table.py).
-LEAN_ROUTES = frozenset({"create_sandbox"})
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -150,12 +133,8 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
     async def authenticated(request: Request) -> Caller:
         return await check(dict(request.headers.raw), request.path_params, request.scope["route"].name)
 
-    async def now(info: SandboxInfo) -> SandboxInfo:
-        """A sandbox made before, as its node says it is now (or as it was, once gone)."""
-        try:
-            return await cluster.edge_for(info.id).get(info.id)
-        except DSecError:
-            return info.model_copy(update={"status": SandboxStatus.stopped})
+    def now(info: SandboxInfo) -> Awaitable[SandboxInfo]:
+        return current(cluster, info)
 
     @app.exception_handler(DSecError)
     async def _dsec_error(request: Request, exc: DSecError) -> JSONResponse:
@@ -175,10 +154,9 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
     # Not an exception handler: Starlette re-raises after those, and uvicorn then closes the
     # keep-alive connection, so the client's next call on it fails.
     app.add_middleware(CatchUnexpected)
-    # A create and the E2B API's routes skip FastAPI's own layers (see lean.py).
+    # The E2B API's routes skip FastAPI's own layers (see lean.py).
     plain_routes: list = []  # the E2B API's, added below
-    app.add_middleware(LeanRoutes, app_ref=app, names=LEAN_ROUTES, check=check, dependency=authenticated,
-                       plain_routes=plain_routes)
+    app.add_middleware(LeanRoutes, plain_routes=plain_routes)
     # Outermost of ours: the operations of the public table, FastAPI's layers skipped (table.py).
     app.add_middleware(TableRoutes, cluster=cluster, check=check, jobs=jobs)
     # Outermost: a sandbox's host name is served whatever its path (E2B's proxy does the same),
@@ -193,25 +171,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict:
         return {"ok": True}
-
-    @app.post("/v1/sandboxes", responses=_ERRORS)
-    async def create_sandbox(args: DSecContainerRunArgs, caller: Caller = Depends(authenticated)) -> SandboxInfo:
-        """With an ``idempotency-key`` header, a key used before in the project (or the job)
-        returns the sandbox made then; ``x-dsec-job`` records the create in that job's log."""
-        if caller.job is None and caller.key is None:
-            return await cluster.create(args, caller.project)
-        return await create_kind(args, "container", caller)
-
-    async def create_kind(args: DSecContainerRunArgs, kind: str, caller: Caller) -> SandboxInfo:
-        return await jobs.create(caller, kind, args, lambda: cluster.create(args, caller.project, kind=kind), now)
-
-    @app.post("/v1/microvms", responses=_ERRORS)
-    async def create_microvm(args: DSecMicroVMRunArgs, caller: Caller = Depends(authenticated)) -> SandboxInfo:
-        return await create_kind(args, "microvm", caller)
-
-    @app.post("/v1/vms", responses=_ERRORS)
-    async def create_fullvm(args: DSecFullVMRunArgs, caller: Caller = Depends(authenticated)) -> SandboxInfo:
-        return await create_kind(args, "fullvm", caller)
 
     @app.post("/v1/sandboxes:batch", dependencies=auth, responses=_ERRORS)
     async def create_batch(batch: CreateBatchRequest, request: Request,
@@ -287,11 +246,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
 
         return StreamingResponse(lines(), media_type="application/x-ndjson", background=BackgroundTask(abandoned))
 
-    @app.get("/v1/sandboxes")
-    async def list_sandboxes(caller: Caller = Depends(authenticated)) -> SandboxList:
-        found = [info for info in await cluster.list_sandboxes() if caller.sees(cluster.projects, info.project)]
-        return SandboxList(sandboxes=found)
-
     add_schema_routes(app, _ERRORS)  # (served by TableRoutes)
 
     # -- ports: HTTP and WebSocket to a port inside, for the caller's token only (ports.py) ----
@@ -323,32 +277,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
         target = "/" + path + (f"?{websocket.url.query}" if websocket.url.query else "")
         await websocket_relay(websocket, edge, sandbox_id, int(port), target)
 
-    @app.delete("/v1/images/{name}", dependencies=auth, responses=_ERRORS)
-    async def remove_image(name: str) -> dict:
-        images, _ = await cluster.layer_use()
-        await cluster.any_edge().remove_image(name, images)
-        return {"removed": name}
-
-    @app.post("/v1/images:build", responses=_ERRORS, response_model=ExecEvent)
-    async def build_image(request: BuildImageRequest, caller: Caller = Depends(authenticated)) -> StreamingResponse:
-        """An image from a Dockerfile, its log as NDJSON ``ExecEvent`` lines (``dsec.edge.build``)."""
-        events = cluster.any_edge().build_image(request, caller.project)
-        return StreamingResponse(ndjson(await first_piece(events), events), media_type="application/x-ndjson")
-
-    @app.post("/v1/images:gc", dependencies=auth)
-    async def gc_layers() -> dict:
-        _, layers = await cluster.layer_use()
-        return {"removed": await cluster.any_edge().gc_layers(layers)}
-
-    @app.get("/v1/nodes", dependencies=auth)
-    async def nodes(all: bool = False) -> list[NodeInfo]:
-        """The nodes serving; with ``all=true``, also those lost or whose edge did not start."""
-        return await cluster.node_infos() + (cluster.unready_infos() if all else [])
-
-    add_project_routes(app, cluster, authenticated, _ERRORS)
-    add_pause_routes(app, cluster, jobs, authenticated, _ERRORS)
-    add_job_routes(app, jobs, authenticated, _ERRORS)
-    add_snapshot_routes(app, cluster, authenticated, _ERRORS)
     add_fncall_routes(app, cluster, authenticated, _ERRORS)
     add_observe_routes(app, cluster, authenticator, _ERRORS)
     for add in extensions:

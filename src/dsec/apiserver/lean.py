@@ -1,19 +1,11 @@
-"""The hottest routes (create, get, exec, stop a sandbox) served without FastAPI's per-request
-machinery, by the same endpoint functions.
+"""Routes served without FastAPI's per-request machinery (the "plain lane"), and the error
+answers every lane shares.
 
-A create from the warm pool costs the edge little CPU; through FastAPI it cost the server's
-event loop several times as much, more than half of it the framework's own layers (exception and
-exit-stack middleware, routing, dependency solving, validation and serialisation wrappers). With
-64 creates in flight the loop answers them one after another, so that is what the p50 of a burst
-is made of. This ASGI middleware, the outermost of the app's own, serves a request for one of
-the routes it was given when it is a plain one (no query string; a JSON body, when the route
-takes one): it checks the caller as the route's dependency would (``check``), parses the body
-with the route's model, calls the route's endpoint and writes its answer with the route's
-response model. Everything else — other routes, other shapes, a route it does not understand —
-goes on to FastAPI unchanged, and the routes stay in the OpenAPI document as they are.
-
-Errors come out as FastAPI's would: a ``DSecError`` as its wire body and status, a body that
-does not parse as ``invalid_request`` (422) naming the field, anything else as ``internal`` (500).
+A call through FastAPI costs the server's event loop several times what the call itself costs
+the apiserver, more than half of it the framework's own layers (exception and exit-stack
+middleware, routing, dependency solving, validation and serialisation wrappers). DSec's own
+operations skip it by the public table's handler (``table.TableRoutes``); the compat layers' by
+this ASGI middleware.
 
 Plain routes (``plain_routes``: the E2B API's) are those that do all their own work: an
 endpoint taking the request and its string path parameters and answering a ``Response`` of its
@@ -36,8 +28,6 @@ import typing
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from fastapi import FastAPI
-from fastapi.params import Depends
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.convertors import PathConvertor
@@ -50,40 +40,6 @@ from libdsec import DSecError, InvalidRequest, Overloaded
 log = logging.getLogger("dsec.apiserver")
 
 _JSON = [(b"content-type", b"application/json")]
-
-
-@dataclass(frozen=True)
-class _Plan:
-    name: str
-    regex: re.Pattern
-    endpoint: Callable[..., Awaitable]
-    path_params: tuple[str, ...]
-    caller_param: str | None
-    body: tuple[str, type[BaseModel]] | None
-    response: type[BaseModel]
-
-
-def _plan(route: APIRoute, dependency: Callable) -> _Plan | None:
-    """How to serve ``route`` here, or None when it takes more than path parameters, one JSON
-    body model and the caller (``dependency``), or answers with anything but a model."""
-    if any(d.dependency is not dependency for d in route.dependencies):
-        return None
-    if not (isinstance(route.response_model, type) and issubclass(route.response_model, BaseModel)):
-        return None
-    hints = typing.get_type_hints(route.endpoint)
-    path, caller, body = [], None, None
-    for name, param in inspect.signature(route.endpoint).parameters.items():
-        kind = hints.get(name)
-        if name in route.param_convertors and kind is str:
-            path.append(name)
-        elif isinstance(param.default, Depends) and param.default.dependency is dependency:
-            caller = name
-        elif (body is None and param.default is inspect.Parameter.empty and isinstance(kind, type)
-              and issubclass(kind, BaseModel)):
-            body = (name, kind)
-        else:
-            return None
-    return _Plan(route.name, route.path_regex, route.endpoint, tuple(path), caller, body, route.response_model)
 
 
 @dataclass(frozen=True)
@@ -166,23 +122,17 @@ class CatchUnexpected:
 
 
 class LeanRoutes:
-    """ASGI middleware: ``app.add_middleware(LeanRoutes, app_ref=app, names=…, check=…,
-    dependency=…)`` after every other one. ``check(headers, path_params, route_name)`` (the
-    raw headers, bytes to bytes) returns the caller (or raises)."""
+    """ASGI middleware: ``app.add_middleware(LeanRoutes, plain_routes=…)``; the list is read at
+    the first request (the app adds them after this)."""
 
-    def __init__(self, app, app_ref: FastAPI, names: frozenset[str], check: Callable[[dict, dict, str], Awaitable],
-                 dependency: Callable, plain_routes: Sequence[BaseRoute] = ()) -> None:
+    def __init__(self, app, plain_routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
-        self._app_ref = app_ref
-        self._names = names
-        self._check = check
-        self._dependency = dependency
-        self._plain_routes = plain_routes  # read at the first request (the app adds them after this)
-        self._plans: dict[str, list[_Plan]] | None = None
+        self._plain_routes = plain_routes
+        self._ready = False
         self._plain: dict[str, list[_Plain]] = {}  # by method; "*": the mounts
         self._plain_prefixes: tuple[str, ...] = ()  # what every plain route's path starts with
 
-    def _by_method(self) -> dict[str, list[_Plan]]:
+    def _by_method(self) -> None:
         for route in self._plain_routes:
             plain = _plain(route)
             if plain is None:
@@ -194,68 +144,16 @@ class LeanRoutes:
             for route in self._plain_routes:
                 groups.setdefault(route.path.split("/")[1], []).append(route.path)
             self._plain_prefixes = tuple(os.path.commonprefix(paths) for paths in groups.values())
-        plans: dict[str, list[_Plan]] = {}
-        for route in self._app_ref.routes:
-            if isinstance(route, APIRoute) and route.name in self._names:
-                plan = _plan(route, self._dependency)
-                if plan is None:
-                    log.warning("route %s cannot take the lean path; FastAPI serves it", route.name)
-                    continue
-                for method in route.methods:
-                    plans.setdefault(method, []).append(plan)
-        return plans
+        self._ready = True
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self._plans is None:
-            self._plans = self._by_method()
-        path = scope["path"]
-        if path.startswith(self._plain_prefixes):
+        if not self._ready:
+            self._by_method()
+        if self._plain and scope["path"].startswith(self._plain_prefixes):
             return await self._serve_plain(scope, receive, send)
-        if scope["query_string"]:
-            return await self.app(scope, receive, send)
-        for plan in self._plans.get(scope["method"], ()):
-            if (match := plan.regex.match(path)) is not None:
-                break
-        else:
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if plan.body is not None and not headers.get(b"content-type", b"").startswith(b"application/json"):
-            return await self.app(scope, receive, send)  # FastAPI says what is wrong with it
-        status, body, extra = await self._serve(plan, match.groupdict(), headers, receive, scope)
-        if status < 0:
-            return  # the client went away
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *extra]})
-        await send({"type": "http.response.body", "body": body})
-
-    async def _serve(self, plan: _Plan, params: dict, headers: dict, receive,
-                     scope) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        try:
-            data = b""
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return -1, b"", []
-                data += message.get("body", b"")
-                if not message.get("more_body", False):
-                    break
-            kwargs = {name: params[name] for name in plan.path_params}
-            caller = await self._check(headers, params, plan.name)
-            if plan.caller_param is not None:
-                kwargs[plan.caller_param] = caller
-            if plan.body is not None:
-                name, model = plan.body
-                kwargs[name] = parse_body(model, data)
-            result = await plan.endpoint(**kwargs)
-            if not isinstance(result, plan.response):
-                result = plan.response.model_validate(result)
-            return 200, result.model_dump_json().encode(), []
-        except DSecError as exc:
-            return _error(exc)
-        except Exception as exc:  # noqa: BLE001 - answered as FastAPI's app would (see CatchUnexpected)
-            return 500, internal_error(exc, scope), []
+        return await self.app(scope, receive, send)
 
     async def _serve_plain(self, scope, receive, send) -> None:
         path = scope["path"]

@@ -1,5 +1,6 @@
 """Pausing and resuming many sandboxes in one call (``POST /v1/sandboxes:pause`` and
-``:resume``; the models are ``libdsec._pausing``'s).
+``:resume``, the public table's ``pause_sandboxes`` and ``resume_sandboxes``, served by
+``calls.ApiCalls``; the models are ``libdsec._pausing``'s).
 
 The selector becomes a list of sandboxes with their nodes: a job's are the ids its log says it
 made; a project's are those the nodes list for it and the projects below it; ``ids`` are taken
@@ -18,8 +19,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
-
-from fastapi import Depends, FastAPI
 
 from libdsec import DSecError, SandboxLost, SandboxNotFound, SandboxStateError
 from libdsec._pausing import SandboxGroupRequest, SandboxGroupResult, SandboxOutcome
@@ -189,17 +188,3 @@ class SandboxGroups:
         return SandboxOutcome(id=target.id, outcome="resumed", node=edge.node, status=now.status,
                               seconds=time.perf_counter() - start)
 
-
-def add_pause_routes(app: FastAPI, cluster: Cluster, jobs: Jobs, authenticated, errors: dict) -> None:
-    groups = SandboxGroups(cluster, jobs)
-
-    @app.post("/v1/sandboxes:pause", responses=errors)
-    async def pause_sandboxes(request: SandboxGroupRequest, caller: Caller = Depends(authenticated)) -> SandboxGroupResult:
-        """Pause every running sandbox of a job, a project (and those below it) or a list of
-        ids: one outcome per sandbox, and the memory they held before and after."""
-        return await groups.run("pause", request, caller)
-
-    @app.post("/v1/sandboxes:resume", responses=errors)
-    async def resume_sandboxes(request: SandboxGroupRequest, caller: Caller = Depends(authenticated)) -> SandboxGroupResult:
-        """Resume every paused sandbox of a job, a project or a list of ids."""
-        return await groups.run("resume", request, caller)

@@ -1,5 +1,6 @@
 """What operators see: ``GET /metrics`` (Prometheus' text format), ``GET /v1/stats`` (the same
-figures as one ``ClusterStats``, for ``dsec top`` and scripts) and the live dashboard at
+figures as one ``ClusterStats``, for ``dsec top`` and scripts: the public table's ``stats``,
+``calls.ApiCalls``) and the live dashboard at
 ``/dashboard``: a static page and a small script of ours (``dashboard/``, served from here, no
 build step, nothing from another host) that polls ``/dashboard/stats`` and draws its charts.
 
@@ -24,6 +25,7 @@ from .cluster import Cluster
 from .metrics import CONTENT_TYPE, Exposition
 
 COOKIE = "dsec_dashboard"
+ROOT_ONLY = "the metrics, stats and dashboard take the root token (they span every project)"
 _ASSETS = {"": ("index.html", "text/html; charset=utf-8"), "/app.js": ("app.js", "text/javascript; charset=utf-8")}
 
 
@@ -38,7 +40,7 @@ def add_observe_routes(app: FastAPI, cluster: Cluster, authenticator: Authentica
     def root(authorization: str) -> Caller:
         caller = authenticator.caller(authorization)
         if not caller.is_root:
-            raise Unauthenticated("the metrics, stats and dashboard take the root token (they span every project)")
+            raise Unauthenticated(ROOT_ONLY)
         return caller
 
     def dashboard_caller(request: Request) -> Caller:
@@ -51,11 +53,6 @@ def add_observe_routes(app: FastAPI, cluster: Cluster, authenticator: Authentica
     async def metrics(request: Request) -> Response:
         root(request.headers.get("authorization", ""))
         return Response(exposition.render(await cluster.stats()), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/stats", responses=errors)
-    async def stats(request: Request) -> ClusterStats:
-        root(request.headers.get("authorization", ""))
-        return await cluster.stats()
 
     @app.get("/dashboard/stats", include_in_schema=False)
     async def dashboard_stats(request: Request) -> ClusterStats:

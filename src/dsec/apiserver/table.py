@@ -4,11 +4,13 @@
 operation of the table is served here, whole — the caller checked (the app's ``check``), the
 path parameters, query and body parsed by their types and the operation's model, the job log's
 rule applied (the entry's ``journal``), then one call: the ``EdgeAPI`` method of the
-operation's name, on the sandbox's node (``Cluster.edge_for``; any node for an image call), or
-the ``Cluster`` method of that name for the few the cluster wraps (``CLUSTER_CALLS``). The
-answer is written by the operation's shape: one JSON body, raw bytes, NDJSON lines or byte
-chunks (for a stream, what fails before its first piece is a plain error answer). Whatever is
-not in the table goes on to FastAPI unchanged.
+operation's name, on the sandbox's node (``Cluster.edge_for``; any node for an image call), the
+``Cluster`` method of that name for the few the cluster wraps (``CLUSTER_CALLS``), or, for an
+operation the apiserver serves itself (``served="apiserver"``), the ``calls.ApiCalls`` method of
+that name, given the caller first. The answer is written by the operation's shape: one JSON
+body (a model, a list of models, or a small object), raw bytes, NDJSON lines or byte chunks (for
+a stream, what fails before its first piece is a plain error answer). Whatever is not in the
+table goes on to FastAPI unchanged.
 
 Errors are FastAPI's, as its routes for these operations gave them: a ``DSecError`` as its wire
 body and status; input that does not parse as 422 ``invalid_request``, "malformed request: "
@@ -22,6 +24,8 @@ the table, FastAPI routes that are there for the document (and a wrong method's 
 from __future__ import annotations
 
 import inspect
+import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -38,6 +42,7 @@ from libdsec.ops import Operation as Op, path_format, path_regex
 
 from ..edge.api import EdgeAPI, node_of
 from ..edge.files import file_mode
+from .calls import ApiCalls
 from .cluster import Cluster
 from .jobs import Jobs, file_request
 from .lean import _error, internal_error
@@ -51,8 +56,21 @@ _OCTETS = "application/octet-stream"
 _JSON = [(b"content-type", b"application/json")]
 _OK = b'{"ok":true}'
 
-_ID = TypeAdapter(Annotated[int, Field(ge=1, le=999_999_999)])
+# The path parameters whose values are checked once the caller is (a segment of any other value
+# still matches the route, so a bad one is a 422 naming it, as FastAPI's routes answered).
+_PATH_CHECKS: dict[str, tuple[type, dict[str, Any]]] = {
+    "int": (int, {"ge": 1, "le": 999_999_999}),
+    "job": (str, {"min_length": 1, "max_length": 128, "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]*$"}),
+    "snapshot": (str, {"min_length": 1, "max_length": 64, "pattern": r"^[a-z0-9][a-z0-9._-]*$"}),
+}
+_CHECKED = {kind: TypeAdapter(Annotated[t, Field(**c)]) for kind, (t, c) in _PATH_CHECKS.items()}
+_LOOSE = re.compile(r":(?:" + "|".join(_PATH_CHECKS) + r")\}")
 _QUERY = TypeAdapter(Annotated[str, Field(min_length=1)])
+# Query parameters that may be left out: their checked value, and the one a call gets without.
+_QUERY_DEFAULTS: dict[str, tuple[TypeAdapter, Any]] = {
+    "count": (TypeAdapter(Annotated[int, Field(ge=0)]), 0),
+    "flag": (TypeAdapter(bool), False),
+}
 Check = Callable[[dict, dict, str], Awaitable[Any]]
 
 
@@ -65,19 +83,20 @@ def _problems(exc: ValidationError, where: str = "") -> list[str]:
 
 
 def _arguments(op: Op) -> tuple[str, ...]:
-    target = Cluster if op.name in CLUSTER_CALLS else EdgeAPI
-    return tuple(p for p in inspect.signature(getattr(target, op.name)).parameters if p != "self")
+    target = ApiCalls if op.served == "apiserver" else Cluster if op.name in CLUSTER_CALLS else EdgeAPI
+    return tuple(p for p in inspect.signature(getattr(target, op.name)).parameters if p not in ("self", "caller"))
 
 
 @dataclass(frozen=True, slots=True)
 class _Route:
     op: Op
-    ints: tuple[str, ...]  # the path parameters that are ids (1 … 999999999)
+    checked: tuple[tuple[str, TypeAdapter], ...]  # the path parameters checked (an id: 1 … 999999999)
     queries: tuple[tuple[str, str], ...]
     fields: tuple[str, ...]  # a spread request's fields that are the method's arguments
     order: tuple[str, ...]  # the method's arguments given, in its order (passed by position)
     on_cluster: bool
     by_sandbox: bool
+    own: bool  # served by the apiserver itself (ApiCalls), given the caller
 
 
 def _route(op: Op) -> _Route:
@@ -89,15 +108,15 @@ def _route(op: Op) -> _Route:
     order = names[:len(given)]
     if set(order) != given:
         raise ValueError(f"{op.name}: the table gives {sorted(given)}, the method takes {names}")
-    return _Route(op, tuple(n for n, kind in op.params if kind == "int"), op.query_params, fields, order,
-                  op.name in CLUSTER_CALLS, "sandbox_id" in dict(op.params))
+    return _Route(op, tuple((n, _CHECKED[kind]) for n, kind in op.params if kind in _CHECKED), op.query_params,
+                  fields, order, op.name in CLUSTER_CALLS, "sandbox_id" in dict(op.params), op.served == "apiserver")
 
 
 # Matched by method, in the table's order (the hottest first); a parameter is any one segment
 # (its type is checked after the caller, as FastAPI did, so "0" is a 422 naming it, not a 404).
 _BY_METHOD: dict[str, list[tuple[Any, _Route]]] = {}
 for _op in PUBLIC_OPS:
-    _loose = _op.path.replace(":int}", "}")
+    _loose = _LOOSE.sub("}", _op.path)
     _BY_METHOD.setdefault(_op.method, []).append((path_regex(_loose, PREFIX), _route(_op)))
 del _op, _loose
 
@@ -132,9 +151,10 @@ async def _body_chunks(receive) -> AsyncIterator[bytes]:
             return
 
 
-def _json_body(model: type[BaseModel], body: bytes, content_type: bytes, problems: list[str]) -> BaseModel | None:
+def _json_body(model: type[BaseModel], body: bytes, content_type: bytes, problems: list[str],
+               optional: bool = False) -> BaseModel | None:
     """``body`` as ``model``, as FastAPI read it: JSON when the content type says so (or says
-    nothing), else the bytes, which no model takes."""
+    nothing), else the bytes, which no model takes. An ``optional`` body may be ``null``."""
     if not body:
         problems.append("body: Field required")
         return None
@@ -142,6 +162,8 @@ def _json_body(model: type[BaseModel], body: bytes, content_type: bytes, problem
         problems.append("body: Input should be a valid dictionary or object to extract fields from")
         return None
     try:
+        if optional and body.strip() == b"null":
+            return None
         return model.model_validate_json(body)
     except ValidationError as exc:
         problems.extend(_problems(exc))
@@ -184,6 +206,7 @@ class TableRoutes:
 
     def __init__(self, app, cluster: Cluster, check: Check, jobs: Jobs) -> None:
         self.app, self.cluster, self.check, self.jobs = app, cluster, check, jobs
+        self.calls = ApiCalls(cluster, jobs)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or (found := match(scope["method"], scope["path"])) is None:
@@ -208,7 +231,7 @@ class TableRoutes:
         op = route.op
         headers = dict(scope["headers"])
         body = b""
-        if op.body_shape in ("json", "bytes") and (body := await _body(receive)) is None:
+        if op.body_shape in ("json", "optional", "bytes") and (body := await _body(receive)) is None:
             return None
         caller = await self.check(headers, params, op.name)
         sandbox_id = params.get("sandbox_id")
@@ -217,10 +240,14 @@ class TableRoutes:
         if op.journal == "made" and caller.job is not None:
             await self.jobs.mark(caller, sandbox_id, f"{op.method} {scope['path']}")
         kw, request = self._parse(route, params, scope, headers, body, receive)
-        target = self.cluster if route.on_cluster else (
-            self.cluster.edge_for(sandbox_id) if route.by_sandbox else self.cluster.any_edge())
-        bound = getattr(target, op.name)
         args = [kw[name] for name in route.order]
+        if route.own:
+            target: Any = self.calls
+            args.insert(0, caller)
+        else:
+            target = self.cluster if route.on_cluster else (
+                self.cluster.edge_for(sandbox_id) if route.by_sandbox else self.cluster.any_edge())
+        bound = getattr(target, op.name)
 
         def method():  # (by position: the edge's own names for them are its affair)
             return bound(*args)
@@ -242,7 +269,7 @@ class TableRoutes:
             result = await method()
             if op.unwrap is not None:
                 return op.answer(**{op.unwrap: result})
-            return {"ok": True} if op.answer is None else result
+            return {"ok": True} if op.answer is None and not route.own else result
 
         if op.journal == "recorded":
             if caller.job is None:
@@ -256,7 +283,7 @@ class TableRoutes:
             result = await self.jobs.recorded(caller, op.name, sandbox_id, entry, call)
         else:
             result = await call()
-        return 200, (_OK if isinstance(result, dict) else result.model_dump_json().encode()), []
+        return 200, _encoded(result), []
 
     @staticmethod
     def _parse(route: _Route, params: dict, scope, headers: dict, body: bytes,
@@ -265,9 +292,9 @@ class TableRoutes:
         ``InvalidRequest`` naming every problem, as FastAPI listed them (up to five)."""
         op, problems = route.op, []
         kw: dict[str, Any] = dict(params)
-        for name in route.ints:
+        for name, checked in route.checked:
             try:
-                kw[name] = _ID.validate_python(params[name])
+                kw[name] = checked.validate_python(params[name])
             except ValidationError as exc:
                 problems.extend(_problems(exc, f"path.{name}"))
         if route.queries:
@@ -279,6 +306,14 @@ class TableRoutes:
                 if kind == "opt":
                     kw[name] = query.get(name) or None
                     continue
+                if kind in _QUERY_DEFAULTS:
+                    adapter, kw[name] = _QUERY_DEFAULTS[kind]
+                    try:
+                        if name in query:
+                            kw[name] = adapter.validate_python(query[name])
+                    except ValidationError as exc:
+                        problems.extend(_problems(exc, name))
+                    continue
                 try:
                     kw[name] = _QUERY.validate_python(query[name]) if name in query else None
                     if kw[name] is None:
@@ -286,8 +321,9 @@ class TableRoutes:
                 except ValidationError as exc:
                     problems.extend(_problems(exc, name))
         request = None
-        if op.request is not None:
-            request = _json_body(op.request, body, headers.get(b"content-type", b""), problems)
+        if op.request is not None and (body or op.body_shape != "optional"):
+            request = _json_body(op.request, body, headers.get(b"content-type", b""), problems,
+                                 op.body_shape == "optional")
         if problems:
             raise InvalidRequest("malformed request: " + "; ".join(problems[:5]))
         for name, kind in route.queries:
@@ -301,6 +337,8 @@ class TableRoutes:
                 kw[op.request_arg] = request
         elif op.body_shape == "bytes":
             kw[op.request_arg] = body
+        elif op.body_shape == "optional":
+            kw[op.request_arg] = None
         elif op.body_shape == "stream":
             kw[op.request_arg] = _body_chunks(receive)
         return kw, request
@@ -315,23 +353,41 @@ def add_schema_routes(app: FastAPI, responses: dict) -> None:
                           responses=responses, response_model=_answer_model(op))
 
 
+def _encoded(result: Any) -> bytes:
+    """A JSON answer's body: a model, a list of models, or a small object (as Starlette wrote it)."""
+    if isinstance(result, BaseModel):
+        return result.model_dump_json().encode()
+    if isinstance(result, list):
+        return b"[" + b",".join(item.model_dump_json().encode() for item in result) + b"]"
+    if result == {"ok": True}:
+        return _OK
+    return json.dumps(result, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
 def _answer_model(op: Op) -> Any:
     if op.answers in ("bytes", "chunks"):
         return None
+    if op.answers == "list":
+        return list[op.answer]  # type: ignore[name-defined]
     return dict if op.answer is None else op.answer
 
 
 def _schema_endpoint(op: Op) -> Callable:
     parameters = []
     for name, kind in op.params:
-        default = Path(ge=1, le=999_999_999) if kind == "int" else Path()
-        parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                            annotation=int if kind == "int" else str))
+        annotation, checks = _PATH_CHECKS.get(kind, (str, {}))
+        parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=Path(**checks),
+                                            annotation=annotation))
     for name, kind in op.query_params:
-        default = Query("0o644") if kind == "mode" else Query(None) if kind == "opt" else Query(min_length=1)
+        default, annotation = {"mode": (Query("0o644"), str), "opt": (Query(None), str | None),
+                               "count": (Query(0, ge=0), int), "flag": (Query(False), bool)}.get(
+                                   kind, (Query(min_length=1), str))
         parameters.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                            annotation=str | None if kind == "opt" else str))
-    if op.request is not None:
+                                            annotation=annotation))
+    if op.body_shape == "optional":
+        parameters.append(inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                            annotation=op.request | None))
+    elif op.request is not None:
         parameters.append(inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=op.request))
 
     async def endpoint(**_: Any) -> None:
@@ -339,4 +395,6 @@ def _schema_endpoint(op: Op) -> Callable:
 
     endpoint.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
     endpoint.__name__ = op.name
+    if op.served == "apiserver":  # (the document's description, as the route's docstring gave it)
+        endpoint.__doc__ = getattr(ApiCalls, op.name).__doc__
     return endpoint

@@ -2,10 +2,10 @@
 (``dsec.edge.server``) and ``RemoteEdge``'s methods (``dsec.edge.remote``) are made from.
 
 One ``Operation`` (``libdsec.ops``) per method of ``EdgeAPI`` but ``close``; its path is under
-``/node/v1``. Every public call of ``libdsec.api_ops`` is also a node call, on the same path with
-the same models (``public_twin``; ``NODE_FORMS`` where the node's form differs): only the calls
-nodes alone take are written here. The order is the server's match order: the hottest first (a
-create, a stop, the watcher's info, a get, a command). ``tests/unit/test_node_ops.py`` checks
+``/node/v1``. Every public call of ``libdsec.api_ops`` a node serves is also a node call, on the
+same path with the same models (``public_twin``; ``NODE_FORMS`` where the node's form differs):
+only the calls nodes alone take are written here. The order is the server's match order: the
+hottest first (a create, a stop, the watcher's info, a get, a command). ``tests/unit/test_node_ops.py`` checks
 that the table, ``EdgeAPI``, ``Edge`` and ``RemoteEdge`` name the same operations, and that each
 has its route.
 
@@ -80,7 +80,8 @@ NODE_OPS: tuple[Op, ...] = (
     NODE_FORMS["stop"],
     Op("node_info", "GET", "/info", answer=NodeInfo),
     # -- every public sandbox and image call, in the public table's order ---------------------
-    *(NODE_FORMS.get(op.name) or public_twin(op) for op in PUBLIC_OPS if op.name != "stop"),
+    *(NODE_FORMS.get(op.name) or public_twin(op) for op in PUBLIC_OPS
+      if op.name != "stop" and op.served == "node"),
     # -- the node's own calls --------------------------------------------------------------------
     Op("create_batch", "POST", "/sandboxes:batch", NodeBatchRequest, answer=BatchEvent, answers="lines"),
     Op("commit_batch", "POST", "/batches/{batch:key}:commit"),
