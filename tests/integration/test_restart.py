@@ -250,3 +250,28 @@ async def test_ptys_end_with_an_edge_restart(state_dir):
             await sandbox.stop()
     finally:
         server.stop()
+
+
+async def test_a_sandbox_paused_keeping_its_files_outlives_a_crash(state_dir):
+    """kill -9 of a server whose sandbox is paused keeping its files only (no process runs in
+    it): the restarted server finds it paused so, its files (and user ids) there, and a resume
+    starts it over them."""
+    server = LocalServer(state_dir, extra_args=("--pool-max", "0")).start()
+    try:
+        async with DSecClient(server.endpoint, token=server.token) as client:
+            sandbox = await client.run_container(ARGS)
+            await sandbox.write_file("/root/note.txt", "kept across the crash\n")
+            await sandbox.pause("filesystem")
+        assert init_pid(state_dir, sandbox.id) == 0
+        port = server.port
+        server.kill()
+        server = LocalServer(state_dir, port=port, extra_args=("--pool-max", "0")).start()
+        async with DSecClient(server.endpoint, token=server.token) as client:
+            again = await client.get_sandbox(sandbox.id)
+            assert (again.info.status, again.info.pause_mode) == (SandboxStatus.paused, "filesystem")
+            await again.resume()
+            assert await again.read_file("/root/note.txt") == b"kept across the crash\n"
+            assert (await again.run_shell("id -u")).stdout.strip() == "0"
+            await again.stop()
+    finally:
+        server.stop()

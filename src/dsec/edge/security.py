@@ -144,6 +144,12 @@ class EdgeSecurity:
 
         await self.networks.attach(rec.id, rec.handle.pid, allowed, write_resolv_conf)
 
+    def halted(self, rec: Record) -> None:
+        """Its processes end (a filesystem-only pause): its network link goes with its network
+        namespace (``attach`` makes it again when it starts)."""
+        self.networks.collect(rec.id)
+        self.networks.detach(rec.id)
+
     async def set_rules(self, rec: Record, rules: dict) -> None:
         allowed = self.networks.check(rules)
         rec.args = rec.args.model_copy(update={"network_rules": rules})

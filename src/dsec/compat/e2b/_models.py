@@ -91,6 +91,8 @@ class ForkRequest(_Request):
 
 class ConnectRequest(_Request):
     timeout: int | None = Field(None, ge=1)
+    # False (``on_resume="reboot"``): a paused sandbox cold-boots from its files.
+    memory: bool | None = None
 
 
 class NetworkUpdate(_Request):
@@ -137,6 +139,8 @@ class SandboxDetail(ListedSandbox):
     envd_access_token: str = Field(alias="envdAccessToken")
     domain: str | None = None
     lifecycle: Lifecycle | None = None
+    # What its latest pause kept: ``full`` or ``filesystem`` (while it is paused).
+    pause_mode: str | None = Field(None, alias="pauseMode")
 
 
 class SandboxMetric(_Answer):
