@@ -19,6 +19,8 @@ Each route parses E2B's request into one DSec call on the cluster and answers in
   one paused so, and refused for one paused whole (DSec does not reboot a frozen sandbox);
 - ``network.allowOut`` names domains (a name with a dot, or an IPv4 address) and DSec's mirror
   services (a name without a dot) for its allowlist; ``denyOut`` is what DSec denies anyway;
+- ``mcp`` is taken and left to the SDK, which starts E2B's MCP gateway in the sandbox itself
+  (the template's ``mcp-gateway`` program; DSec ships none);
 - a fork is DSec's ``fork`` with each child on its own (``all_or_none=False``), its ``timeout``
   the children's TTL; a child that carried only the filesystem (a container) runs its
   template's start command afresh.
@@ -190,7 +192,10 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     async def create(request: Request) -> JSONResponse:
         caller = caller_of(request)
         body = m.parse(m.NewSandbox, await m.read_json(request))
-        for name, value in (("mcp", body.mcp), ("iam", body.iam), ("volumeMounts", body.volume_mounts)):
+        # ``mcp`` needs nothing of the API: E2B's SDK starts the gateway itself, the template's
+        # ``mcp-gateway`` program run in the sandbox once it is made (a template without one
+        # fails that start, and the SDK kills the sandbox).
+        for name, value in (("iam", body.iam), ("volumeMounts", body.volume_mounts)):
             if value:
                 raise InvalidRequest(f"{name} is not supported by DSec's E2B API (docs/COMPAT.md)")
         filesystem_only = bool(body.auto_pause) and body.auto_pause_memory is False
