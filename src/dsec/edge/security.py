@@ -110,8 +110,8 @@ class EdgeSecurity:
         self._open_kmsg()
         if self.id_ranges is not None:  # a real container backend: clear what a crash left
             self.networks.reset()
-        for rec in list(adopted):  # links do not outlive an edge: give them back
-            if rec.args.network_rules:
+        for rec in list(adopted):  # links do not outlive an edge: give them back (a halted one's: when it boots)
+            if rec.args.network_rules and rec.pause_mode != "filesystem":
                 try:
                     await self.attach(rec)
                 except Exception as exc:  # noqa: BLE001 - the sandbox runs on, without network
