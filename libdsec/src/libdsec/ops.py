@@ -60,6 +60,9 @@ class Operation:
     spread: bool = False
     request_arg: str = "request"
     body: BodyShape | None = None  # none: "json" with a request model, no body without one
+    # The JSON request may be left out (its model's defaults): an operation that took no body
+    # before its request had fields, so that a client of then is still understood.
+    body_optional: bool = False
     query: tuple[str, ...] = ()  # "name" or "name:type", each an argument of the method
     answer: type[BaseModel] | None = None  # none: {"ok":true} (a json answer) or raw bytes
     unwrap: str | None = None  # the answer model's field the method returns (a list's models)

@@ -132,10 +132,14 @@ async def _body_chunks(receive) -> AsyncIterator[bytes]:
             return
 
 
-def _json_body(model: type[BaseModel], body: bytes, content_type: bytes, problems: list[str]) -> BaseModel | None:
+def _json_body(model: type[BaseModel], body: bytes, content_type: bytes, problems: list[str],
+               optional: bool = False) -> BaseModel | None:
     """``body`` as ``model``, as FastAPI read it: JSON when the content type says so (or says
-    nothing), else the bytes, which no model takes."""
+    nothing), else the bytes, which no model takes; none at all is the model's defaults where
+    the operation says it may be left out (``body_optional``)."""
     if not body:
+        if optional:
+            return model()
         problems.append("body: Field required")
         return None
     if content_type and not (content_type.startswith(b"application/json") or b"+json" in content_type):
@@ -287,7 +291,7 @@ class TableRoutes:
                     problems.extend(_problems(exc, name))
         request = None
         if op.request is not None:
-            request = _json_body(op.request, body, headers.get(b"content-type", b""), problems)
+            request = _json_body(op.request, body, headers.get(b"content-type", b""), problems, op.body_optional)
         if problems:
             raise InvalidRequest("malformed request: " + "; ".join(problems[:5]))
         for name, kind in route.queries:
