@@ -122,3 +122,10 @@ def test_on_timeout_pause_filesystem_only(e2b_env, e2b_settings):
         assert again.files.read("/proc/sys/kernel/random/boot_id") != boot_id
     finally:
         sb.kill()
+
+
+def test_a_network_option_dsec_cannot_honour_is_refused_by_name(e2b_env, e2b_settings):
+    answer = httpx.post(f"{e2b_settings['E2B_API_URL']}/sandboxes", headers={"X-API-Key": e2b_settings["E2B_API_KEY"]},
+                        json={"templateID": e2b_env, "timeout": 30,
+                              "network": {"maskRequestHost": "custom-host.example.com:${PORT}"}})
+    assert answer.status_code == 400 and "maskRequestHost" in answer.json()["message"]

@@ -50,6 +50,7 @@ class NetworkConfig(_Request):
     allow_public_traffic: bool | None = Field(None, alias="allowPublicTraffic")
     rules: dict | None = None
     egress_proxy: dict | None = Field(None, alias="egressProxy")
+    mask_request_host: str | None = Field(None, alias="maskRequestHost")
 
 
 class AutoResume(_Request):

@@ -203,8 +203,9 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
             raise InvalidRequest("autoResume cannot be combined with a filesystem-only autoPause (autoPauseMemory "
                                  "false): such a sandbox is resumed by a connect or resume only")
         network = body.network or m.NetworkConfig()
-        if network.rules or network.egress_proxy:
-            raise InvalidRequest("network.rules and network.egressProxy are not supported by DSec's E2B API")
+        if network.rules or network.egress_proxy or network.mask_request_host:
+            raise InvalidRequest("network.rules, network.egressProxy and network.maskRequestHost are not supported by "
+                                 "DSec's E2B API")
         rules = network_rules(network.allow_out, network.deny_out)
         if any(k.startswith(_OWN_LABELS) for k in body.metadata):
             raise InvalidRequest(f"metadata keys starting with {_OWN_LABELS!r} are DSec's own")
