@@ -17,7 +17,8 @@ What a caller asks of a sandbox (an ``Action``) is allowed in these states and l
     resume                     ✗         ✗         running    ✗          ✗         ✗
     stop                       ✗²        stopping  stopping   stopping³  stopped⁴  failed³
 
-    ¹ the call resumes it first    ² "still being created"    ⁴ nothing left to do
+    ¹ the call resumes it first (not one paused keeping its files only: ``SandboxStateError``,
+      resume it explicitly)    ² "still being created"    ⁴ nothing left to do
     ³ waits for the end under way (the stop's, or the clean-up of the failure)
 
 ``check(action, …)`` is the table's one gate: it answers the state the action leads to, or
