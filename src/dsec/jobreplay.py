@@ -110,7 +110,7 @@ async def replay(client: DSecClient, log: JobLog, *, on_entry: Callable[[JobEntr
                 if logged != now:
                     diverged(entry, call, logged, now)
             elif entry.op == "pause":
-                await made[entry.sandbox].pause()
+                await made[entry.sandbox].pause(request.get("mode", "full"))
             elif entry.op == "resume":
                 await made[entry.sandbox].resume()
             elif entry.op == "set_network_rules":

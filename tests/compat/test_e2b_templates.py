@@ -5,6 +5,7 @@ one ``dsec serve``."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -221,3 +222,29 @@ def test_upload_links_are_single_use_and_expire(e2b, server):
     forged = url.rsplit(".", 1)[0] + "." + "0" * 64
     assert httpx.put(forged, content=b"x").status_code == 403
     api.close()
+
+
+GATEWAY = ("printf '%s\\n' '#!/bin/sh' 'mkdir -p /etc/mcp-gateway' "
+           "'printf %s \"$GATEWAY_ACCESS_TOKEN\" > /etc/mcp-gateway/.token' "
+           "'printf %s \"$2\" > /etc/mcp-gateway/config.json' > /usr/local/bin/mcp-gateway "
+           "&& chmod 755 /usr/local/bin/mcp-gateway")
+
+
+def test_mcp_the_sdk_starts_the_templates_gateway_and_kills_a_sandbox_without_one(e2b, tmp_path):
+    """``mcp``: the API takes it, and E2B's SDK runs the template's ``mcp-gateway`` (as root, its
+    config and access token given); a template without one fails that start, and the sandbox
+    the create made is gone (E2B's own ``test_mcp_gateway_start_failure_kills_created_sandbox``)."""
+    from e2b import SandboxException, SandboxQuery
+
+    metadata = {"mcp_test": uuid.uuid4().hex}
+    with pytest.raises(SandboxException, match="Failed to start MCP gateway"):
+        Sandbox.create(template="python", metadata=metadata, mcp={"invalid_server": {}})
+    assert Sandbox.list(query=SandboxQuery(metadata=metadata)).next_items() == []
+
+    name = new_name()
+    Template.build(Template(file_context_path=tmp_path).from_image("python").run_cmd(f"{GATEWAY}  # {name}"),
+                   alias=name)
+    config = {"duckduckgo": {}, "arxiv": {"storagePath": "/tmp/papers"}}
+    with Sandbox.create(template=name, mcp=config) as sb:
+        assert json.loads(sb.files.read("/etc/mcp-gateway/config.json", user="root")) == config
+        assert sb.files.read("/etc/mcp-gateway/.token", user="root") == sb.get_mcp_token() != ""

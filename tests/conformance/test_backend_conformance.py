@@ -157,6 +157,33 @@ async def test_users_limits_pause(kit):
         await backend.destroy(handle)
 
 
+async def test_halt_keeps_the_files_and_boot_starts_it_afresh(kit):
+    """``Capability.REBOOT``: halted, nothing runs and the files stay; recover adopts it; booted,
+    it runs again over them (a new boot id where the backend gives one: the fake has none)."""
+    from dsec.backends.base import Capability
+    from dsec.backends.fake import FakeBackend
+
+    backend, spec = kit
+    if Capability.REBOOT not in backend.capabilities:
+        pytest.skip(f"{backend.kind} sandboxes cannot start again over their files")
+    handle = await backend.create(cid(), spec)
+    try:
+        await backend.write_file(handle, "/root/kept", b"kept", 0o644, 0, 0)
+        boot_id = "cat /proc/sys/kernel/random/boot_id 2>/dev/null"
+        before = (await backend.exec(handle, run(boot_id), ROOT)).stdout
+        await backend.halt(handle)
+        assert handle.pid == 0 and not await backend.is_alive(handle)
+        assert [h.cid for h in await backend.recover([handle])] == [handle.cid]
+        await backend.boot(handle)
+        assert await backend.is_alive(handle)
+        assert await backend.read_file(handle, "/root/kept", 1024) == b"kept"
+        after = (await backend.exec(handle, run(boot_id), ROOT)).stdout
+        if not isinstance(backend, FakeBackend):
+            assert before.strip() and after.strip() and after != before
+    finally:
+        await backend.destroy(handle)
+
+
 async def test_recover_adopts_live_and_drops_dead(kit):
     backend, spec = kit
     live = await backend.create(cid(), spec)

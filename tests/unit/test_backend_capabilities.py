@@ -29,7 +29,7 @@ def test_each_backend_has_the_hooks_of_what_it_declares(cls):
 def test_what_each_kind_can_do():
     assert ContainerBackend.capabilities == {Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY,
                                              Capability.HOST_PATHS, Capability.PIPED_STDIN, Capability.PORTS,
-                                             Capability.NEW_IDENTITY}
+                                             Capability.NEW_IDENTITY, Capability.REBOOT}
     assert MicroVMBackend.capabilities == {Capability.KEPT_LAYER, Capability.SNAPSHOT, Capability.PIPED_STDIN,
                                            Capability.WATCHED, Capability.PROTECTED_PATHS, Capability.PORTS,
                                            Capability.NEW_IDENTITY}

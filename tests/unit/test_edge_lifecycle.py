@@ -8,13 +8,13 @@ import asyncio
 
 import pytest
 
-from dsec.backends.base import Handle
+from dsec.backends.base import Capability, Handle
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
 from dsec.edge.lifecycle import MOVES, TRANSITIONS, Action, Finished, IllegalMove, Record, check, move, refusal
 from dsec.images.store import Image
 from libdsec import SandboxStateError
-from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxStatus
+from libdsec.protocol import DSecContainerRunArgs, ExecRequest, SandboxKind, SandboxStatus
 
 creating, running, paused, stopping, stopped, failed = (
     SandboxStatus.creating, SandboxStatus.running, SandboxStatus.paused,
@@ -136,6 +136,9 @@ def test_record_json_round_trip():
         SID, "container", "c1", args, image, running, 1000, "team")
     rec.paused_at = 150.0
     assert Record.from_json(rec.to_json()).status is paused  # a paused one comes back paused
+    assert Record.from_json(rec.to_json()).pause_mode == "full"  # (a record of before modes: a full pause)
+    rec.pause_mode = "filesystem"
+    assert Record.from_json(rec.to_json()).pause_mode == "filesystem"
 
 
 def test_the_finished_table_keeps_each_ended_sandbox_compact_and_at_most_kept():
@@ -238,6 +241,63 @@ async def test_a_paused_sandbox_refuses_a_pack_a_clean_copy_a_snapshot_and_new_r
         assert (await edge.get(info.id)).status is paused  # none of them resumed it
     finally:
         await edge.close()
+
+
+async def test_a_filesystem_pause_halts_it_a_call_is_refused_and_resume_boots_it(tmp_path, store):
+    backend = FakeBackend()
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", pool_min=0, pool_max=0), backend, store)
+    await edge.start()
+    try:
+        info = await edge.create(args())
+        await edge.write_file(info.id, "/kept", b"files", 0o644)
+        cid = edge._records[info.id].handle.cid
+        result = await edge.pause(info.id, "filesystem")
+        assert result.sandbox.status is paused and result.sandbox.pause_mode == "filesystem"
+        assert cid in backend.halted and cid not in backend.paused
+        with pytest.raises(SandboxStateError, match=f"cannot exec: sandbox {info.id} is paused keeping its files only"):
+            await edge.exec(info.id, ExecRequest(command="true"))
+        assert cid in backend.halted  # the call did not start it
+        back = await edge.resume(info.id)
+        assert back.status is running and back.pause_mode is None
+        assert backend.boots[cid] == 2 and cid not in backend.halted
+        assert await edge.read_file(info.id, "/kept") == b"files"
+        assert (await edge.pause(info.id)).sandbox.pause_mode == "full"  # the default: memory kept
+        assert cid in backend.paused and cid not in backend.halted
+    finally:
+        await edge.close()
+
+
+async def test_a_filesystem_pause_is_refused_where_the_backend_cannot_boot_again(tmp_path, store):
+    from libdsec import InvalidRequest
+
+    backend = FakeBackend("microvm")
+    backend.capabilities = backend.capabilities - {Capability.REBOOT}
+    edge = Edge(EdgeConfig(node_dir=tmp_path / "node", pool_min=0, pool_max=0), backend, store)
+    await edge.start()
+    try:
+        info = await edge.create(args(), SandboxKind.microvm)
+        with pytest.raises(InvalidRequest, match="keeping its files only: a microvm sandbox cannot start again"):
+            await edge.pause(info.id, "filesystem")
+        assert (await edge.get(info.id)).status is running
+    finally:
+        await edge.close()
+
+
+async def test_a_filesystem_paused_sandbox_is_paused_so_after_an_edge_restart(tmp_path, store):
+    backend = FakeBackend()
+    config = EdgeConfig(node_dir=tmp_path / "node", pool_min=0, pool_max=0)
+    edge = Edge(config, backend, store)
+    await edge.start()
+    info = await edge.create(args())
+    await edge.pause(info.id, "filesystem")
+    await edge.close()
+    again = Edge(config, backend, store)
+    await again.start()
+    try:
+        assert (await again.get(info.id)).pause_mode == "filesystem"
+        assert (await again.resume(info.id)).status is running
+    finally:
+        await again.close()
 
 
 async def test_a_sandbox_stopped_while_it_resumes_stays_stopped(tmp_path, store):

@@ -166,7 +166,7 @@ def remote_arguments(op: Operation) -> dict:
         "sandbox_id": SANDBOX, "reason": "r", "name": "busybox", "role": "snapshot", "keep": ["/a"], "pid": 7,
         "signal": 2, "data": "x" if op.name == "process_stdin" else b"x", "close": False, "timeout": 3.0, "session": 3, "pty": 2, "cols": 80, "rows": 24,
         "encoding": "utf-8", "port": 8080, "path": "/a", "recursive": True, "src": "/a", "dst": "/b",
-        "mode": "filesystem" if op.name == "snapshot" else 0o600, "users": [SANDBOX],
+        "mode": "filesystem" if op.name in ("snapshot", "pause") else 0o600, "users": [SANDBOX],
         "network_rules": {"pypi": True}, "ttl_running_stop": 60.0, "ref": "busybox", "in_use": frozenset({"x"}),
         "build": BuildImageRequest(name="task", dockerfile="FROM python\n", timeout=100), "project": "root",
         "args": DSecFnCallArgs(code="print(1)", timeout=4) if op.name == "fncall"

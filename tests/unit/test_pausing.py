@@ -154,3 +154,22 @@ def test_the_reaper_splits_stop_and_pause(edge):
     records = [Rec("stop"), Rec("pause"), Rec("pause", idle_s=1), Rec("pause", SandboxStatus.paused)]
     assert [r.id for r, _ in expired(records, 100.0, paused_ttl_s=60)] == ["stop"]
     assert to_pause(records, 100.0) == [records[1]]
+
+
+async def test_a_pause_says_its_mode_on_the_wire_and_none_is_a_full_one(edge, tmp_path):
+    """``sandbox.pause("filesystem")`` through the apiserver; a pause sent with no body (a client
+    from before modes) is a full one; a mode that is neither is refused, named."""
+    async with apiserver(edge, tmp_path) as (client, app), client() as c:
+        sandbox = await c.run_container(ARGS)
+        result = await sandbox.pause("filesystem")
+        assert (result.sandbox.status, result.sandbox.pause_mode) == (SandboxStatus.paused, "filesystem")
+        with pytest.raises(SandboxStateError, match="keeping its files only"):
+            await sandbox.run_shell("true")
+        await sandbox.resume()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api",
+                                     headers={"authorization": f"Bearer {TOKEN}"}) as raw:
+            bad = await raw.post(f"/v1/sandboxes/{sandbox.id}/pause", json={"mode": "memory"})
+            assert bad.status_code == 422 and "mode" in bad.json()["error"]["message"]
+            bare = await raw.post(f"/v1/sandboxes/{sandbox.id}/pause")
+            assert bare.status_code == 200 and bare.json()["sandbox"]["pause_mode"] == "full"
+        await sandbox.stop()

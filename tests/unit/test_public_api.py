@@ -211,6 +211,7 @@ def _minimal(cls: type[pydantic.BaseModel]) -> dict:
         _node.LayerGCRequest: {},
         _node.SnapshotRemoveRequest: {"users": []},
         _models.SnapshotRequest: {"mode": "filesystem", "name": "base-ready"},
+        _models.PauseRequest: {"mode": "filesystem"},
         _models.SnapshotList: {"snapshots": []},
         _node.LayerGCResult: {"removed": []},
         _models.LatencyHistogram: {},

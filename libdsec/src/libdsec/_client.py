@@ -69,6 +69,8 @@ from .protocol import (
     PackDiffResult,
     OpenPtyRequest,
     OpenSessionRequest,
+    PauseMode,
+    PauseRequest,
     PauseResult,
     ProcessInfo,
     ProcessList,
@@ -461,13 +463,17 @@ class Sandbox:
         )
         return self.info
 
-    async def pause(self) -> PauseResult:
-        """Freeze the sandbox and push its memory out (to swap); the result says how much
-        memory it held before and after. Its next call (or ``resume()``) brings it back."""
+    async def pause(self, mode: PauseMode = "full") -> PauseResult:
+        """``mode="full"``: freeze the sandbox and push its memory out (to swap); the result says
+        how much memory it held before and after. Its next call (or ``resume()``) brings it back
+        where it was. ``"filesystem"``: end its processes and keep its files only; ``resume()``
+        starts it afresh over them (its image's init, a new boot id, no process of before; a
+        call does not resume it: ``SandboxStateError``). Containers only (``InvalidRequest``)."""
+        request = PauseRequest(mode=mode)
         answered, logged = (False, None) if self._client._replay is None else \
-            self._client._replay.call(self.id, "pause", {})
-        result = PauseResult.model_validate(logged if answered else
-                                            await self._client._request(*api_route("pause", sandbox_id=self.id)))
+            self._client._replay.call(self.id, "pause", request.model_dump(mode="json"))
+        result = PauseResult.model_validate(logged if answered else await self._client._request(
+            *api_route("pause", sandbox_id=self.id), model=request))
         self.info = result.sandbox
         return result
 

@@ -64,6 +64,8 @@ def _same_call(op: str, logged: dict, now: dict) -> bool:
         return {k: v for k, v in logged.items() if k != "timeout"} == {k: v for k, v in now.items() if k != "timeout"}
     if op == "write_file":
         return all(logged.get(k) == now.get(k) for k in ("path", "mode", "bytes", "sha256"))
+    if op == "pause":  # (logs from before pauses had a mode hold none: a full one)
+        return logged.get("mode", "full") == now.get("mode", "full")
     return logged == now
 
 

@@ -68,6 +68,7 @@ from .protocol import (
     OpenWatchRequest,
     PackDiffRequest,
     PackDiffResult,
+    PauseRequest,
     PauseResult,
     ProcessInfo,
     ProcessList,
@@ -106,7 +107,7 @@ PUBLIC_OPS: tuple[Op, ...] = (
     Op("exec", "POST", SB + "/exec", ExecRequest, answer=ExecResult, timeout="own", lifecycle="exec", journal=REC),
     Op("stop", "DELETE", SB, answer=SandboxInfo, lifecycle="stop", journal=REC),
     # -- a sandbox's state ---------------------------------------------------------------------
-    Op("pause", "POST", SB + "/pause", answer=PauseResult, timeout="long", lifecycle="pause", journal=REC),
+    Op("pause", "POST", SB + "/pause", PauseRequest, spread=True, body="optional", answer=PauseResult, timeout="long", lifecycle="pause", journal=REC),
     Op("resume", "POST", SB + "/resume", answer=SandboxInfo, timeout="long", lifecycle="resume", journal=REC),
     Op("snapshot", "POST", SB + "/snapshot", SnapshotRequest, spread=True, answer=Snapshot, timeout="long",
        lifecycle="snapshot", journal=MADE),

@@ -16,7 +16,9 @@ when left out.
 The shapes:
 
 - request bodies: ``json`` (the request model), ``optional`` (the request model, or no body at
-  all or ``null``: the method gets None), ``bytes`` (the raw body, whole), ``stream`` (the raw
+  all or ``null``: the method gets None, or a spread request's method its own defaults: an
+  operation that took no body before its request had fields, so a client of then is still
+  understood), ``bytes`` (the raw body, whole), ``stream`` (the raw
   body as chunks, read as they arrive), or none;
 - answers: ``json`` (the answer model, or ``{"ok":true}`` for none), ``list`` (a JSON array
   of the answer model), ``bytes`` (a raw body),

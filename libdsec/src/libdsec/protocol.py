@@ -29,6 +29,10 @@ MAX_SANDBOX_BATCH = 100_000
 SNAPSHOT_ID = re.compile(r"^s[0-9a-f]{16}\Z")
 SNAPSHOT_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
 SnapshotMode = Literal["full", "filesystem"]
+# What a pause keeps: ``full``, the sandbox as it is (frozen, its memory pushed out: it resumes
+# where it was); ``filesystem``, its files only (its processes end; a resume starts it afresh
+# over them, as a machine boots from its disk).
+PauseMode = Literal["full", "filesystem"]
 
 
 def check_snapshot_name(name: str) -> str:
@@ -109,10 +113,13 @@ class DSecContainerRunArgs(_Model):
     # Seconds without a call after which the sandbox is stopped (or paused: ``on_ttl``).
     ttl_running_stop: float = 1800.0
     # What its idle TTL does: stop it, or pause it (a paused sandbox then ends after the node's
-    # ``paused_ttl_s``, as any paused one does).
-    on_ttl: Literal["stop", "pause"] = "stop"
+    # ``paused_ttl_s``, as any paused one does); ``pause_filesystem`` pauses it keeping its
+    # files only (``PauseMode``).
+    on_ttl: Literal["stop", "pause", "pause_filesystem"] = "stop"
     # A call to the sandbox while it is paused resumes it first; False: such a call is refused
-    # (``SandboxStateError``, 409) until it is resumed explicitly.
+    # (``SandboxStateError``, 409) until it is resumed explicitly. A sandbox paused keeping its
+    # files only is never resumed by a call: its processes are gone, which a call must not find
+    # out by surprise.
     auto_resume: bool = True
     # Named mirror services (or "domains") mapped to allowed or not. Default: no network.
     network_rules: dict[str, bool | list[str]] = Field(default_factory=dict)
@@ -331,10 +338,19 @@ class SandboxInfo(_Model):
     cpu_cores_cap: float | None = None
     best_effort: bool = False
     labels: dict[str, str] = Field(default_factory=dict)
-    on_ttl: Literal["stop", "pause"] = "stop"
+    on_ttl: Literal["stop", "pause", "pause_filesystem"] = "stop"
     auto_resume: bool = True
+    # How it is paused (``PauseMode``) while it is; None otherwise.
+    pause_mode: PauseMode | None = None
     # The snapshot (id) it was started from, if any.
     snapshot: str | None = None
+
+
+class PauseRequest(_Model):
+    """Pause a running sandbox: ``mode`` says what it keeps (``PauseMode``); ``filesystem`` needs
+    a kind that can start again over its kept files (containers)."""
+
+    mode: PauseMode = "full"
 
 
 class PauseResult(_Model):

@@ -154,7 +154,8 @@ async def _body_chunks(receive) -> AsyncIterator[bytes]:
 def _json_body(model: type[BaseModel], body: bytes, content_type: bytes, problems: list[str],
                optional: bool = False) -> BaseModel | None:
     """``body`` as ``model``, as FastAPI read it: JSON when the content type says so (or says
-    nothing), else the bytes, which no model takes. An ``optional`` body may be ``null``."""
+    nothing), else the bytes, which no model takes. An ``optional`` body may be ``null`` or left
+    out: the method gets None (a spread request: its fields' defaults, as its own)."""
     if not body:
         problems.append("body: Field required")
         return None
@@ -324,6 +325,8 @@ class TableRoutes:
         if op.request is not None and (body or op.body_shape != "optional"):
             request = _json_body(op.request, body, headers.get(b"content-type", b""), problems,
                                  op.body_shape == "optional")
+        if request is None and op.spread and op.body_shape == "optional" and not problems:
+            request = op.request()  # its fields' defaults
         if problems:
             raise InvalidRequest("malformed request: " + "; ".join(problems[:5]))
         for name, kind in route.queries:
@@ -337,7 +340,7 @@ class TableRoutes:
                 kw[op.request_arg] = request
         elif op.body_shape == "bytes":
             kw[op.request_arg] = body
-        elif op.body_shape == "optional":
+        elif op.body_shape == "optional" and not op.spread:
             kw[op.request_arg] = None
         elif op.body_shape == "stream":
             kw[op.request_arg] = _body_chunks(receive)

@@ -69,6 +69,11 @@ refuses a backend that declares an ability without its hook:
 - ``PORTS`` (``Ports``): ``connect_port`` is a TCP connection from the node to a port inside
   the sandbox, needing nothing of its image (``dsec.backends.portconn``): ``port_url``, the
   sandbox's host names and their WebSockets go over it.
+- ``REBOOT`` (``Reboots``): ``halt`` ends every process of a running or paused sandbox and
+  keeps its files (its root filesystem, its cgroup, its user ids; the handle's ``pid`` is 0
+  then); ``boot`` starts a halted one afresh over them, as ``create`` started it (its init, a
+  new boot id), and sets the handle's ``pid``. ``destroy`` takes a halted sandbox as any other,
+  ``recover`` adopts one whose files are there, and ``is_alive`` is False for it.
 
 Handles are plain data (``to_json``/``from_json``) so an edge restart can re-adopt them.
 """
@@ -187,6 +192,7 @@ class Capability(str, Enum):
     WATCHED = "watched"
     PORTS = "ports"
     NEW_IDENTITY = "new_identity"
+    REBOOT = "reboot"
 
 
 class PtyProcess(Protocol):
@@ -324,6 +330,16 @@ class Ports(Protocol):
 
 
 @runtime_checkable
+class Reboots(Protocol):
+    """``Capability.REBOOT``: a sandbox halted with its files kept, and booted again over them
+    (see the module)."""
+
+    async def halt(self, handle: Handle) -> None: ...
+
+    async def boot(self, handle: Handle) -> None: ...
+
+
+@runtime_checkable
 class Identities(Protocol):
     """``Capability.NEW_IDENTITY``: a fork's child made someone new (see the module)."""
 
@@ -333,7 +349,8 @@ class Identities(Protocol):
 _HOOKS: dict[Capability, type] = {Capability.CARRY: CleanCopies, Capability.KEPT_LAYER: KeptLayers,
                                   Capability.SNAPSHOT: Snapshots, Capability.HOST_PATHS: HostPaths,
                                   Capability.PIPED_STDIN: PipedStdin, Capability.WATCHED: Watched,
-                                  Capability.PORTS: Ports, Capability.NEW_IDENTITY: Identities}
+                                  Capability.PORTS: Ports, Capability.NEW_IDENTITY: Identities,
+                                  Capability.REBOOT: Reboots}
 
 
 def check_backend(backend: SandboxBackend) -> None:

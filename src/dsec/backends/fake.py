@@ -24,12 +24,14 @@ from .base import Capability, Emit, ExecContext, Handle, SandboxSpec, numeric_us
 class FakeBackend:
     """Stands in for the backend of any sandbox kind (``container`` unless told otherwise)."""
 
-    capabilities = frozenset({Capability.WARM_POOL, Capability.CARRY, Capability.PORTS})
+    capabilities = frozenset({Capability.WARM_POOL, Capability.CARRY, Capability.PORTS, Capability.REBOOT})
 
     def __init__(self, kind: str = "container") -> None:
         self.kind = kind
         self.files: dict[str, dict[str, bytes]] = {}
         self.paused: set[str] = set()
+        self.halted: set[str] = set()  # (``halt``: its files kept, nothing runs)
+        self.boots: dict[str, int] = {}  # how many times each was started (its create the first)
         self.limits: dict[str, Limits] = {}
         self.destroyed: list[str] = []
         self.fail_next_create: str | None = None
@@ -188,8 +190,21 @@ class FakeBackend:
         self._files(handle)
         self.paused.discard(handle.cid)
 
+    async def halt(self, handle: Handle) -> None:
+        self._files(handle)
+        self.paused.discard(handle.cid)
+        self.halted.add(handle.cid)
+        handle.pid = 0
+
+    async def boot(self, handle: Handle) -> None:
+        self._files(handle)
+        if handle.cid not in self.halted:
+            raise BackendError(f"cannot boot {handle.cid}: it is not halted")
+        self.halted.discard(handle.cid)
+        self.boots[handle.cid] = self.boots.get(handle.cid, 1) + 1
+
     async def is_alive(self, handle: Handle) -> bool:
-        return handle.cid in self.files
+        return handle.cid in self.files and handle.cid not in self.halted
 
     async def connect_port(self, handle: Handle, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A fake sandbox has no network of its own: its ports are the node's loopback's (so a
@@ -204,6 +219,7 @@ class FakeBackend:
         if self.files.pop(handle.cid, None) is not None:
             self.destroyed.append(handle.cid)
         self.paused.discard(handle.cid)
+        self.halted.discard(handle.cid)
         self.limits.pop(handle.cid, None)
 
     async def recover(self, handles: list[Handle]) -> list[Handle]:

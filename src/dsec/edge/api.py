@@ -54,6 +54,7 @@ from libdsec.protocol import (
     OpenPtyRequest,
     OpenWatchRequest,
     OpenSessionRequest,
+    PauseMode,
     PauseResult,
     ProcessInfo,
     ProcessStreamRequest,
@@ -122,7 +123,7 @@ class EdgeAPI(Protocol):
 
     async def stop(self, sandbox_id: str, reason: str = "stopped by request") -> SandboxInfo: ...
 
-    async def pause(self, sandbox_id: str) -> PauseResult: ...
+    async def pause(self, sandbox_id: str, mode: PauseMode = "full") -> PauseResult: ...
 
     async def resume(self, sandbox_id: str) -> SandboxInfo: ...
 

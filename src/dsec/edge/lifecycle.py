@@ -17,7 +17,8 @@ What a caller asks of a sandbox (an ``Action``) is allowed in these states and l
     resume                     ✗         ✗         running    ✗          ✗         ✗
     stop                       ✗²        stopping  stopping   stopping³  stopped⁴  failed³
 
-    ¹ the call resumes it first    ² "still being created"    ⁴ nothing left to do
+    ¹ the call resumes it first (not one paused keeping its files only: ``SandboxStateError``,
+      resume it explicitly)    ² "still being created"    ⁴ nothing left to do
     ³ waits for the end under way (the stop's, or the clean-up of the failure)
 
 ``check(action, …)`` is the table's one gate: it answers the state the action leads to, or
@@ -185,6 +186,8 @@ class Record:
     create_s: float | None = None
     project: str = "root"
     paused_at: float | None = None
+    # How it is paused (``PauseMode``: ``filesystem``, its processes ended), None while it is not.
+    pause_mode: str | None = None
     # The batch it belongs to until that batch is committed (``Edge.commit_batch``): a sandbox
     # of a batch never committed is stopped (all or none holds across a crash too).
     batch: str | None = None
@@ -201,7 +204,7 @@ class Record:
             workdir=self.args.workdir or self.image.workdir, reason=self.reason, create_s=self.create_s, project=self.project,
             cpu_cores_cap=self.args.cpu_cores_cap, best_effort=self.args.best_effort,
             labels=self.args.labels, on_ttl=self.args.on_ttl, auto_resume=self.args.auto_resume,
-            snapshot=self.args.snapshot,
+            snapshot=self.args.snapshot, pause_mode=self.pause_mode,
         )
 
     def to_json(self) -> str:
@@ -212,6 +215,7 @@ class Record:
                       "workdir": self.image.workdir, "user": self.image.user, "roles": list(self.image.roles)},
             "created_at": self.created_at, "uid": self.uid, "gid": self.gid,
             "project": self.project, "paused_at": self.paused_at, "batch": self.batch,
+            **({"pause_mode": self.pause_mode} if self.pause_mode else {}),
         }).decode()
 
     @classmethod
@@ -228,6 +232,7 @@ class Record:
             status=SandboxStatus.paused if d.get("paused_at") else SandboxStatus.running,
             created_at=d["created_at"], last_active=now, uid=d["uid"], gid=d["gid"],
             project=d.get("project", "root"), paused_at=d.get("paused_at"), batch=d.get("batch"),
+            pause_mode=(d.get("pause_mode") or "full") if d.get("paused_at") else None,
         )
 
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from libdsec.protocol import SandboxStatus
+from libdsec.protocol import PauseMode, SandboxStatus
 
 from .lifecycle import Record
 
@@ -54,18 +54,19 @@ def idle(records: Iterable[Record], now: float) -> list[Record]:
 
 
 def to_pause(records: Iterable[Record], now: float) -> list[Record]:
-    """The sandboxes whose idle TTL passed and that pause then (``on_ttl="pause"``)."""
-    return [r for r in idle(records, now) if r.args.on_ttl == "pause"]
+    """The sandboxes whose idle TTL passed and that pause then (``on_ttl="pause"``, or
+    ``"pause_filesystem"``)."""
+    return [r for r in idle(records, now) if r.args.on_ttl in ("pause", "pause_filesystem")]
 
 
 class TTLReaper:
     """Stops, through ``stop(sandbox_id, reason)``, what ``expired`` finds in ``records``, and
-    pauses, through ``pause(sandbox_id)``, what ``to_pause`` finds (without ``pause``, nothing is)."""
+    pauses, through ``pause(sandbox_id, mode)``, what ``to_pause`` finds (without ``pause``, nothing is)."""
 
     def __init__(self, config: EdgeConfig, records: Mapping[str, Record],
                  stop: Callable[[str, str], Awaitable[object]], batches: dict[str, float | None] | None = None,
                  sweep: Callable[[], Awaitable[object]] | None = None,
-                 pause: Callable[[str], Awaitable[object]] | None = None) -> None:
+                 pause: Callable[[str, PauseMode], Awaitable[object]] | None = None) -> None:
         self.config = config
         self.records = records
         self.stop = stop
@@ -103,6 +104,6 @@ class TTLReaper:
             if self.pause is not None:
                 for rec in to_pause(self.records.values(), now):
                     try:
-                        await self.pause(rec.id)
+                        await self.pause(rec.id, "filesystem" if rec.args.on_ttl == "pause_filesystem" else "full")
                     except Exception as exc:  # noqa: BLE001 - e.g. a call arrived meanwhile: tried next round
                         log.info("TTL pause of %s not made: %s", rec.id, exc)

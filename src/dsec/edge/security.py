@@ -110,8 +110,8 @@ class EdgeSecurity:
         self._open_kmsg()
         if self.id_ranges is not None:  # a real container backend: clear what a crash left
             self.networks.reset()
-        for rec in list(adopted):  # links do not outlive an edge: give them back
-            if rec.args.network_rules:
+        for rec in list(adopted):  # links do not outlive an edge: give them back (a halted one's: when it boots)
+            if rec.args.network_rules and rec.pause_mode != "filesystem":
                 try:
                     await self.attach(rec)
                 except Exception as exc:  # noqa: BLE001 - the sandbox runs on, without network
@@ -143,6 +143,12 @@ class EdgeSecurity:
             await backend.write_file(rec.handle, "/etc/resolv.conf", data, 0o644, 0, 0)
 
         await self.networks.attach(rec.id, rec.handle.pid, allowed, write_resolv_conf)
+
+    def halted(self, rec: Record) -> None:
+        """Its processes end (a filesystem-only pause): its network link goes with its network
+        namespace (``attach`` makes it again when it starts)."""
+        self.networks.collect(rec.id)
+        self.networks.detach(rec.id)
 
     async def set_rules(self, rec: Record, rules: dict) -> None:
         allowed = self.networks.check(rules)

@@ -21,8 +21,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from libdsec import BackendError, LimitOutOfRange, SandboxNotFound, SandboxStateError, StoreUnavailable
-from libdsec.protocol import PauseResult, SandboxInfo, SandboxKind, SandboxStatus, SecurityEvent
+from libdsec import BackendError, InvalidRequest, LimitOutOfRange, SandboxNotFound, SandboxStateError, StoreUnavailable
+from libdsec.protocol import PauseMode, PauseResult, SandboxInfo, SandboxKind, SandboxStatus, SecurityEvent
 
 from ..backends.base import Capability, Handle
 from . import lifecycle
@@ -105,6 +105,11 @@ class SandboxTable:
         rec = self._allowed(sandbox_id, action)
         await self._check_store(rec)
         while rec.status is SandboxStatus.paused:  # the table allows the call: it resumes it
+            if rec.pause_mode == "filesystem":
+                raise SandboxStateError(
+                    f"cannot {action.value}: sandbox {sandbox_id} is paused keeping its files only (its processes "
+                    f"ended), and a call does not start it again; resume it first (sandbox.resume(), or `dsec "
+                    f"resume --id {sandbox_id}`)")
             if not rec.args.auto_resume:
                 raise SandboxStateError(
                     f"cannot {action.value}: sandbox {sandbox_id} is paused and was made with auto_resume=False; "
@@ -243,24 +248,39 @@ class SandboxTable:
 
     # -- pause and resume ---------------------------------------------------------------------
 
-    async def pause(self, sandbox_id: str) -> PauseResult:
-        """Freeze the sandbox and push its memory out; says what it held before and after."""
+    async def pause(self, sandbox_id: str, mode: PauseMode = "full") -> PauseResult:
+        """``full``: freeze the sandbox and push its memory out; ``filesystem``: end its
+        processes and keep its files (``Reboots.halt``; its PTYs, watches and network link go
+        with them). Says what it held before and after."""
         rec = self._get(sandbox_id, Action.pause)
+        backend = self.backends[rec.kind]
+        if mode == "filesystem":
+            if Capability.REBOOT not in backend.capabilities:
+                raise InvalidRequest(f"cannot pause sandbox {sandbox_id} keeping its files only: a {rec.kind.value} "
+                                     "sandbox cannot start again over its files (containers can); pause it whole "
+                                     "(mode='full')")
+            if getattr(rec.args, "desktop", None) is not None:
+                raise InvalidRequest(f"cannot pause sandbox {sandbox_id} keeping its files only: its desktop would "
+                                     "not come back on resume; pause it whole (mode='full')")
         async with rec.transition:
             to = lifecycle.check(Action.pause, sandbox_id, rec.status, rec.reason)
             if rec.calls:
                 raise SandboxStateError(f"cannot pause: sandbox {sandbox_id} has {rec.calls} calls in flight")
-            backend = self.backends[rec.kind]
             before = backend.memory_usage(rec.handle)
             start = time.perf_counter()
             # Calls that arrive from here on find it paused and wait (on the lock) to resume it.
             lifecycle.move(rec, to)
-            try:
-                await backend.pause(rec.handle)
-            except BaseException:
-                if rec.status is SandboxStatus.paused:
-                    lifecycle.move(rec, SandboxStatus.running)
-                raise
+            if mode == "filesystem":
+                rec.pause_mode = "filesystem"
+                await self._halt(rec)
+            else:
+                try:
+                    await backend.pause(rec.handle)
+                except BaseException:
+                    if rec.status is SandboxStatus.paused:
+                        lifecycle.move(rec, SandboxStatus.running)
+                    raise
+                rec.pause_mode = "full"
             if rec.status is not SandboxStatus.paused:  # stopped meanwhile
                 raise SandboxStateError(f"sandbox {sandbox_id} was {rec.status.value} while it was being paused")
             rec.paused_at = time.time()
@@ -270,6 +290,19 @@ class SandboxTable:
                                memory_after_bytes=backend.memory_usage(rec.handle),
                                pause_s=time.perf_counter() - start)
 
+    async def _halt(self, rec: Record) -> None:
+        """A filesystem-only pause's step (the caller holds ``rec.transition``): what the edge
+        holds of the sandbox's processes goes, then they do; a failure fails the sandbox."""
+        await self.ptys.close_sandbox(rec.id)
+        self.watches.close_sandbox(rec.id)
+        self.security.halted(rec)
+        try:
+            await self.backends[rec.kind].halt(rec.handle)  # type: ignore[attr-defined]  # (Capability.REBOOT)
+        except Exception as exc:
+            await self._fail(rec, f"a filesystem-only pause failed: {exc}")
+            raise
+        self._persist(rec)  # (its handle has no init now)
+
     async def resume(self, sandbox_id: str) -> SandboxInfo:
         rec = self._get(sandbox_id, Action.resume)
         async with rec.transition:
@@ -278,12 +311,24 @@ class SandboxTable:
         return rec.info(self.node)
 
     async def _thaw(self, rec: Record) -> None:
-        """Resume a paused sandbox (the caller holds ``rec.transition``)."""
-        await self.backends[rec.kind].resume(rec.handle)
+        """Resume a paused sandbox (the caller holds ``rec.transition``); one paused keeping its
+        files only starts afresh over them, its network link made again."""
+        backend = self.backends[rec.kind]
+        if rec.pause_mode == "filesystem":
+            try:
+                await backend.boot(rec.handle)  # type: ignore[attr-defined]  # (Capability.REBOOT)
+                if rec.status is SandboxStatus.paused:
+                    await self.security.attach(rec)
+            except Exception as exc:
+                await self._fail(rec, f"its start after a filesystem-only pause failed: {exc}")
+                raise
+        else:
+            await backend.resume(rec.handle)
         if rec.status is not SandboxStatus.paused:  # stopped meanwhile: it stays so, unwritten
             raise SandboxStateError(f"sandbox {rec.id} was {rec.status.value} while it was being resumed")
         lifecycle.move(rec, SandboxStatus.running)
         rec.paused_at = None
+        rec.pause_mode = None
         rec.last_active = time.time()
         self._persist(rec)
         self.stats.resumed()

@@ -208,6 +208,11 @@ class IdRanges:
                 inside, outside, count = (int(x) for x in f.read().split()[:3])
         except (OSError, ValueError):
             return None
+        return self.adopt_mapped(cid, inside, outside)
+
+    def adopt_mapped(self, cid: str, inside: int, outside: int) -> IdMap | None:
+        """Take back the range of a sandbox whose uid ``inside`` is the host's ``outside`` (a
+        halted one's, from its config: it has no process to read a uid_map of)."""
         if inside != 0 or outside < self.base or (outside - self.base) % self.count:
             return None
         self._used[cid] = (outside - self.base) // self.count

@@ -15,12 +15,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import json
 import logging
 import os
 import select
 import shutil
 import signal
+import socket
 import time
+import uuid
 from pathlib import Path
 
 from libdsec import BackendError
@@ -36,7 +39,7 @@ from ...resources.cgroups import Limits
 from ..base import Handle, SandboxSpec
 from ..initchan import InitChannel
 from ..procs import children, pid_in_cgroup, wait_exit
-from .oci import INIT_PATH, BundleConfigs
+from .oci import BOOT_ID_FILE, INIT_PATH, BundleConfigs
 from .rootfs import RootFilesystems
 
 log = logging.getLogger("dsec.backends.container")
@@ -78,7 +81,6 @@ class Lifecycle:
                 raise BackendError(f"layer {digest} of image {spec.image!r} is missing from the store")
         plan = self.rootfs.plan(cid, spec.layers, spec.image)
         bundle = plan.target.parent
-        pidfile = bundle / "init.pid"
         async with contextlib.AsyncExitStack() as undo:
             idmap = None
             if self.id_ranges is not None:
@@ -96,35 +98,12 @@ class Lifecycle:
             except OSError as exc:
                 raise BackendError(f"cannot mount the root filesystem of {cid}: {exc}") from exc
             undo.callback(self.rootfs.release, plan)
-            host_end, init_end = InitChannel.pair()
-            undo.callback(host_end.close)
-            with init_end:  # the init's, once crun has handed it over
-                (bundle / "config.json").write_text(self.oci.json(plan, spec, idmap))
-                undo.push_async_callback(self._run_crun, "delete", "--force", cid)
-                rc, out = await self._run_crun("run", "--detach", "--bundle", str(bundle), "--pid-file", str(pidfile),
-                                               cid, log=bundle / "crun.log", stdin=init_end.fileno())
-            if rc != 0:
-                raise BackendError(f"crun could not start {cid}: {out[-800:]}")
-            self.oci.learn_compiled(self.crun_root / cid)
-            pid = int(pidfile.read_text())
-            # The init waits for its first command: nothing runs before it is in its cgroup.
-            try:
-                cgroups.enter(self.cgroup_parent, cid, pid, self.cgroup_controllers)
-            except OSError as exc:  # ESRCH: the init is gone already
-                raise BackendError(f"cannot move the init of {cid} into its cgroup: {exc}") from exc
-            # `crun run --detach` may return while the first process is still crun setting up
-            # the namespaces; a `crun exec` then fails (setns: EPERM). Wait for the init.
-            deadline = time.monotonic() + 10
-            while not _runs_init(pid):
-                if time.monotonic() > deadline:
-                    raise BackendError(f"the init of {cid} did not start within 10s")
-                await asyncio.sleep(0.002)
+            (bundle / "config.json").write_text(self.oci.json(plan, spec, idmap))
+            pid, host_end = await self._run_init(cid, bundle, undo)
             undo.pop_all()  # the sandbox is whole
         self.rootfs.started(plan)
-        self.channels[cid] = InitChannel(host_end)
-        with contextlib.suppress(OSError):  # gone already: is_alive reads /proc and says so
-            self._pidfds[cid] = os.pidfd_open(pid)
         handle = Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
+        self._adopt_init(handle, host_end)
         self.rootfs.plans[cid] = plan
         # The cgroup got its limits and the bundle its size; SCHED_IDLE for a best-effort
         # sandbox's init is what is left (its commands get it in exec).
@@ -132,6 +111,74 @@ class Lifecycle:
             with contextlib.suppress(ProcessLookupError):
                 cpu_sched.set_idle(pid, True)
         return handle
+
+    async def _run_init(self, cid: str, bundle: Path, undo: contextlib.AsyncExitStack) -> tuple[int, socket.socket]:
+        """``crun run`` the bundle's config, with a boot id of its own (new at each start), and
+        wait until its init runs in the sandbox's cgroup: the init's pid and the host's end of
+        its channel. What is undone on a failure is pushed on ``undo``."""
+        pidfile = bundle / "init.pid"
+        boot_id = bundle / BOOT_ID_FILE
+        boot_id.write_text(f"{uuid.uuid4()}\n")
+        boot_id.chmod(0o444)
+        host_end, init_end = InitChannel.pair()
+        undo.callback(host_end.close)
+        with init_end:  # the init's, once crun has handed it over
+            undo.push_async_callback(self._run_crun, "delete", "--force", cid)
+            rc, out = await self._run_crun("run", "--detach", "--bundle", str(bundle), "--pid-file", str(pidfile),
+                                           cid, log=bundle / "crun.log", stdin=init_end.fileno())
+        if rc != 0:
+            raise BackendError(f"crun could not start {cid}: {out[-800:]}")
+        self.oci.learn_compiled(self.crun_root / cid)
+        pid = int(pidfile.read_text())
+        # The init waits for its first command: nothing runs before it is in its cgroup.
+        try:
+            cgroups.enter(self.cgroup_parent, cid, pid, self.cgroup_controllers)
+        except OSError as exc:  # ESRCH: the init is gone already
+            raise BackendError(f"cannot move the init of {cid} into its cgroup: {exc}") from exc
+        # `crun run --detach` may return while the first process is still crun setting up
+        # the namespaces; a `crun exec` then fails (setns: EPERM). Wait for the init.
+        deadline = time.monotonic() + 10
+        while not _runs_init(pid):
+            if time.monotonic() > deadline:
+                raise BackendError(f"the init of {cid} did not start within 10s")
+            await asyncio.sleep(0.002)
+        return pid, host_end
+
+    def _adopt_init(self, handle: Handle, host_end: socket.socket) -> None:
+        """Hold the channel and a pidfd of an init just started (``_run_init``)."""
+        self.channels[handle.cid] = InitChannel(host_end)
+        with contextlib.suppress(OSError):  # gone already: is_alive reads /proc and says so
+            self._pidfds[handle.cid] = os.pidfd_open(handle.pid)
+
+    async def halt(self, handle: Handle) -> None:
+        """End every process of the sandbox (its init, its pid namespace with it) and keep its
+        files, cgroup and user ids for ``boot``."""
+        await self._kill_init(handle)
+        with contextlib.suppress(OSError):  # (a paused one's memory may go back to swap-less)
+            cgroups.lift_swap(self.cgroup_parent, handle.cid, False)
+        if killed := await asyncio.to_thread(cgroups.kill_all, self.cgroup_parent, handle.cid):
+            log.warning("killed %d process(es) left in the cgroup of %s as it halted", killed, handle.cid)
+        shutil.rmtree(self.crun_root / handle.cid, ignore_errors=True)  # (what `crun delete` would drop)
+        handle.pid = 0
+
+    async def boot(self, handle: Handle) -> None:
+        """Start a halted sandbox afresh over its kept files: its init, as ``create`` started it."""
+        if handle.pid:
+            raise BackendError(f"cannot boot {handle.cid}: it is not halted (its init is {handle.pid})")
+        plan = self.rootfs.plan(handle.cid, handle.layers, handle.image)
+        bundle = plan.target.parent
+        if not os.path.ismount(bundle):
+            raise BackendError(f"cannot boot {handle.cid}: its files are gone ({bundle} is not mounted)")
+        try:
+            await asyncio.to_thread(self.rootfs.mount_again, plan)
+        except OSError as exc:
+            raise BackendError(f"cannot mount the root filesystem of {handle.cid} again: {exc}") from exc
+        async with contextlib.AsyncExitStack() as undo:
+            handle.pid, host_end = await self._run_init(handle.cid, bundle, undo)
+            undo.pop_all()
+        self.rootfs.started(plan)
+        self.rootfs.plans[handle.cid] = plan
+        self._adopt_init(handle, host_end)
 
     async def apply_limits(self, handle: Handle, limits: Limits) -> None:
         try:
@@ -187,6 +234,17 @@ class Lifecycle:
         cgroups.thaw(self.cgroup_parent, handle.cid)
 
     async def destroy(self, handle: Handle) -> None:
+        await self._kill_init(handle)
+        # What `crun delete` does for a dead container, without spawning it: drop its cgroups
+        # and its state directory; then the root filesystem. Off the event loop: rmdir of a
+        # cgroup in each v1 hierarchy and the unmounts are kernel work the loop need not wait on.
+        if not await asyncio.to_thread(self._teardown, handle):
+            await self._run_crun("delete", "--force", handle.cid)
+            await asyncio.to_thread(self._remove_cgroup, handle.cid)
+
+    async def _kill_init(self, handle: Handle) -> None:
+        """Kill the sandbox's init (every process of its pid namespace goes with it) and wait
+        for it; nothing for a halted one."""
         if (channel := self.channels.pop(handle.cid, None)) is not None:
             channel.close()
         fd = self._pidfds.pop(handle.cid, None)
@@ -205,14 +263,9 @@ class Lifecycle:
                 os.close(fd)
         # When we are the init's subreaper (see dsec.server), reap it now: a zombie still
         # counts in a v1 cgroup, which cannot be removed until it is reaped.
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(handle.pid, os.WNOHANG)
-        # What `crun delete` does for a dead container, without spawning it: drop its cgroups
-        # and its state directory; then the root filesystem. Off the event loop: rmdir of a
-        # cgroup in each v1 hierarchy and the unmounts are kernel work the loop need not wait on.
-        if not await asyncio.to_thread(self._teardown, handle):
-            await self._run_crun("delete", "--force", handle.cid)
-            await asyncio.to_thread(self._remove_cgroup, handle.cid)
+        if handle.pid > 0:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(handle.pid, os.WNOHANG)
 
     def _teardown(self, handle: Handle) -> bool:
         """Remove a dead sandbox's cgroups, root filesystem and crun state; False if its
@@ -263,10 +316,13 @@ class Lifecycle:
         """Adopt the live ones; remove the remains of everything else this backend owns."""
         alive = []
         for h in handles:
-            if await self.is_alive(h) and os.path.ismount(self.sandboxes_dir / h.cid):
+            halted = h.pid == 0  # (``halt``: its files kept for a boot)
+            if (halted or await self.is_alive(h)) and os.path.ismount(self.sandboxes_dir / h.cid):
                 alive.append(h)
-                if self.id_ranges is not None:
+                if self.id_ranges is not None and not halted:
                     self.id_ranges.adopt(h.cid, h.pid)
+                elif self.id_ranges is not None:
+                    self._adopt_halted_ids(h)
         self.layer_mounts.adopt([self.rootfs.plan(h.cid, h.layers, h.image).layers for h in alive])
         keep = {h.cid for h in alive}
         for h in handles:
@@ -283,6 +339,15 @@ class Lifecycle:
                 await self._remove_remains(d.name)
         self.layer_mounts.release_unused()
         return alive
+
+    def _adopt_halted_ids(self, handle: Handle) -> None:
+        """Take back a halted sandbox's user ids from its bundle's config."""
+        try:
+            config = json.loads((self.sandboxes_dir / handle.cid / "config.json").read_text())
+            first = config["linux"]["uidMappings"][0]
+            self.id_ranges.adopt_mapped(handle.cid, int(first["containerID"]), int(first["hostID"]))
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+            log.warning("cannot take back the user ids of halted sandbox %s: %s", handle.cid, exc)
 
     async def _remove_remains(self, cid: str) -> None:
         cgroups.thaw(self.cgroup_parent, cid)

@@ -26,6 +26,11 @@ from ...isolation.userns import IdMap
 from ..base import SandboxSpec
 
 INIT_PATH = "/dev/.dsec-init"
+# The sandbox's boot id (``/proc/sys/kernel/random/boot_id``, the host's otherwise): a file in
+# its bundle, new each time its init starts (``Lifecycle._run_init``), as a machine's is at each
+# boot: what runs in it can tell a sandbox started afresh (a boot after a filesystem-only pause)
+# from one that was frozen and thawed.
+BOOT_ID_FILE = "boot_id"
 # A sandbox may not raise its open-file limit above the host's own.
 _NOFILE_HARD = min(65536, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
 # Where the seccomp profile goes in a config's JSON (see BundleConfigs.json).
@@ -99,6 +104,9 @@ class BundleConfigs:
                  "options": ["nosuid", "noexec", "nodev", "ro"]},
                 {"destination": INIT_PATH, "type": "bind", "source": str(self.init_binary),
                  "options": ["bind", "ro", "nosuid", "nodev"]},
+                {"destination": "/proc/sys/kernel/random/boot_id", "type": "bind",
+                 "source": BOOT_ID_FILE if idmap else str(plan.target.parent / BOOT_ID_FILE),
+                 "options": ["bind", "ro", "nosuid", "nodev", "noexec"]},
                 *protected_mounts(plan, spec, idmap is not None),
             ],
             "linux": {

@@ -60,13 +60,26 @@ class RootFilesystems:
                 d.mkdir(parents=True, exist_ok=True)
             self.layer_mounts.acquire(plan.layers)
             undo.callback(self.layer_mounts.release, plan.layers)
-            if self.id_ranges is None:
-                _sys.mount("overlay", str(plan.target), "overlay", _sys.MS_NODEV, plan.options)
-            else:
-                idmap = self.id_ranges.take(bundle.name)
-                with self.layer_mounts.idmapped(tuple(reversed(plan.layers)), idmap) as lowers:
-                    userns.mount_shifted_overlay(idmap, lowers, plan.upper, plan.work, plan.target, _sys.MS_NODEV)
+            self._mount_overlay(plan)
             undo.pop_all()
+
+    def _mount_overlay(self, plan: OverlayPlan) -> None:
+        if self.id_ranges is None:
+            _sys.mount("overlay", str(plan.target), "overlay", _sys.MS_NODEV, plan.options)
+        else:
+            idmap = self.id_ranges.take(plan.target.parent.name)
+            with self.layer_mounts.idmapped(tuple(reversed(plan.layers)), idmap) as lowers:
+                userns.mount_shifted_overlay(idmap, lowers, plan.upper, plan.work, plan.target, _sys.MS_NODEV)
+
+    def mount_again(self, plan: OverlayPlan) -> None:
+        """The overlay of a sandbox whose init ended with its files kept (``Lifecycle.halt``),
+        on the host again for its next start, over the same writable layer (its bundle's tmpfs
+        and its layers were held all along). Blocks."""
+        self.detach_started()
+        if plan.target in self._started:  # (not unmounted yet: it is still there)
+            self._started.remove(plan.target)
+        if not os.path.ismount(plan.target):
+            self._mount_overlay(plan)
 
     def started(self, plan: OverlayPlan) -> None:
         """The sandbox's init runs on its own namespace's copy of the overlay: the host's copy

@@ -50,6 +50,7 @@ class NetworkConfig(_Request):
     allow_public_traffic: bool | None = Field(None, alias="allowPublicTraffic")
     rules: dict | None = None
     egress_proxy: dict | None = Field(None, alias="egressProxy")
+    mask_request_host: str | None = Field(None, alias="maskRequestHost")
 
 
 class AutoResume(_Request):
@@ -91,6 +92,8 @@ class ForkRequest(_Request):
 
 class ConnectRequest(_Request):
     timeout: int | None = Field(None, ge=1)
+    # False (``on_resume="reboot"``): a paused sandbox cold-boots from its files.
+    memory: bool | None = None
 
 
 class NetworkUpdate(_Request):
@@ -137,6 +140,8 @@ class SandboxDetail(ListedSandbox):
     envd_access_token: str = Field(alias="envdAccessToken")
     domain: str | None = None
     lifecycle: Lifecycle | None = None
+    # What its latest pause kept: ``full`` or ``filesystem`` (while it is paused).
+    pause_mode: str | None = Field(None, alias="pauseMode")
 
 
 class SandboxMetric(_Answer):

@@ -9,11 +9,18 @@ Each route parses E2B's request into one DSec call on the cluster and answers in
   (or name) is a template too (``snapshots``: create, list and delete them);
 - an E2B timeout is the sandbox's ``ttl_running_stop`` (DSec's TTL is idle time: a sandbox in
   use lives on; ``endAt`` is its last call plus the TTL); ``metadata`` is its ``labels``;
-- ``lifecycle``: ``on_timeout="pause"`` (``autoPause``) is ``on_ttl="pause"``, ``auto_resume``
-  (``autoResume.enabled``) is ``auto_resume`` (unset: True, DSec's default); a paused
-  sandbox keeps its memory, so a filesystem-only pause is refused;
+- ``lifecycle``: ``on_timeout="pause"`` (``autoPause``) is ``on_ttl="pause"``, and with
+  ``mode="filesystem"`` (``autoPauseMemory`` false) ``on_ttl="pause_filesystem"``;
+  ``auto_resume`` (``autoResume.enabled``) is ``auto_resume`` (unset: True, DSec's default);
+- a pause with ``memory`` false is DSec's filesystem-only pause (``mode="filesystem"``: its
+  processes end, its files stay, a connect or resume starts it afresh over them with a new
+  boot id; traffic does not resume it); ``pauseMode`` says which a paused sandbox had. A
+  connect with ``memory`` false (``on_resume="reboot"``) is a no-op for a running sandbox or
+  one paused so, and refused for one paused whole (DSec does not reboot a frozen sandbox);
 - ``network.allowOut`` names domains (a name with a dot, or an IPv4 address) and DSec's mirror
   services (a name without a dot) for its allowlist; ``denyOut`` is what DSec denies anyway;
+- ``mcp`` is taken and left to the SDK, which starts E2B's MCP gateway in the sandbox itself
+  (the template's ``mcp-gateway`` program; DSec ships none);
 - a fork is DSec's ``fork`` with each child on its own (``all_or_none=False``), its ``timeout``
   the children's TTL; a child that carried only the filesystem (a container) runs its
   template's start command afresh.
@@ -52,8 +59,8 @@ from .snapshots import add_snapshot_routes, start_of
 from .templates import add_template_routes
 
 BASE_TEMPLATE = "base"
-_NO_FILESYSTEM_PAUSE = ("a filesystem-only pause (mode 'filesystem', keep_memory=False) is not supported by DSec's "
-                        "E2B API: a paused DSec sandbox keeps its memory (docs/COMPAT.md)")
+_NO_REBOOT = ("on_resume='reboot' (connect with memory=false) of a sandbox paused with its memory is not supported by "
+              "DSec's E2B API; resume it (its memory restored), or pause it with mode='filesystem' (docs/COMPAT.md)")
 # The template a sandbox was asked for, where it is not its image's name (``base``): a label of
 # DSec's own, not shown in E2B's ``metadata`` (which may not use the prefix).
 TEMPLATE_LABEL = "dsec.e2b.template"
@@ -185,14 +192,20 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     async def create(request: Request) -> JSONResponse:
         caller = caller_of(request)
         body = m.parse(m.NewSandbox, await m.read_json(request))
-        for name, value in (("mcp", body.mcp), ("iam", body.iam), ("volumeMounts", body.volume_mounts)):
+        # ``mcp`` needs nothing of the API: E2B's SDK starts the gateway itself, the template's
+        # ``mcp-gateway`` program run in the sandbox once it is made (a template without one
+        # fails that start, and the SDK kills the sandbox).
+        for name, value in (("iam", body.iam), ("volumeMounts", body.volume_mounts)):
             if value:
                 raise InvalidRequest(f"{name} is not supported by DSec's E2B API (docs/COMPAT.md)")
-        if body.auto_pause and body.auto_pause_memory is False:
-            raise InvalidRequest(_NO_FILESYSTEM_PAUSE)
+        filesystem_only = bool(body.auto_pause) and body.auto_pause_memory is False
+        if filesystem_only and body.auto_resume is not None and body.auto_resume.enabled:
+            raise InvalidRequest("autoResume cannot be combined with a filesystem-only autoPause (autoPauseMemory "
+                                 "false): such a sandbox is resumed by a connect or resume only")
         network = body.network or m.NetworkConfig()
-        if network.rules or network.egress_proxy:
-            raise InvalidRequest("network.rules and network.egressProxy are not supported by DSec's E2B API")
+        if network.rules or network.egress_proxy or network.mask_request_host:
+            raise InvalidRequest("network.rules, network.egressProxy and network.maskRequestHost are not supported by "
+                                 "DSec's E2B API")
         rules = network_rules(network.allow_out, network.deny_out)
         if any(k.startswith(_OWN_LABELS) for k in body.metadata):
             raise InvalidRequest(f"metadata keys starting with {_OWN_LABELS!r} are DSec's own")
@@ -202,7 +215,8 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         try:
             args = DSecContainerRunArgs(container_image=image, ttl_running_stop=float(body.timeout),
                                         env=body.env_vars, labels=labels, network_rules=rules,
-                                        on_ttl="pause" if body.auto_pause else "stop",
+                                        on_ttl=("pause_filesystem" if filesystem_only else "pause") if body.auto_pause
+                                        else "stop",
                                         auto_resume=True if body.auto_resume is None else body.auto_resume.enabled,
                                         snapshot=None if snapshot is None else snapshot.id)
         except ValidationError as exc:
@@ -254,9 +268,10 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     async def get_sandbox(request: Request, sandbox_id: str) -> JSONResponse:
         _, info = await visible(request, sandbox_id)
         detail = listed(info, m.SandboxDetail, envd_access_token=tokens.token(info.id, info.init_user),
-                        lifecycle=m.Lifecycle(on_timeout="pause" if info.on_ttl == "pause" else "kill",
-                                              auto_resume=info.auto_resume))
-        return JSONResponse(detail.model_dump(mode="json"))
+                        lifecycle=m.Lifecycle(on_timeout="kill" if info.on_ttl == "stop" else "pause",
+                                              auto_resume=info.auto_resume and info.on_ttl != "pause_filesystem"),
+                        pause_mode=info.pause_mode)
+        return JSONResponse(detail.model_dump(mode="json", exclude={"pause_mode"} if info.pause_mode is None else None))
 
     @router.delete("/sandboxes/{sandbox_id}")
     @_answers
@@ -315,12 +330,11 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
     @router.post("/sandboxes/{sandbox_id}/pause")
     @_answers
     async def pause(request: Request, sandbox_id: str) -> Response:
-        if m.parse(m.PauseRequest, await m.read_json(request)).memory is False:
-            raise InvalidRequest(_NO_FILESYSTEM_PAUSE)
+        body = m.parse(m.PauseRequest, await m.read_json(request))
         _, info = await visible(request, sandbox_id)
         if info.status is SandboxStatus.paused:
             return error_body(409, f"sandbox {sandbox_id} is already paused")
-        await cluster.edge_for(sandbox_id).pause(sandbox_id)
+        await cluster.edge_for(sandbox_id).pause(sandbox_id, "filesystem" if body.memory is False else "full")
         return Response(status_code=204)
 
     async def connect_to(request: Request, sandbox_id: str, resume_only: bool) -> JSONResponse:
@@ -330,8 +344,13 @@ def e2b_router(cluster: Cluster, authenticator: Authenticator, tokens: EnvdToken
         resumed = info.status is SandboxStatus.paused
         if resume_only and not resumed:
             raise SandboxStateError(f"sandbox {sandbox_id} is already running")
+        if resumed and body.memory is False and info.pause_mode != "filesystem":
+            raise InvalidRequest(_NO_REBOOT)
         if resumed:
+            filesystem_only = info.pause_mode == "filesystem"
             info = await edge.resume(sandbox_id)
+            if filesystem_only:  # started afresh: its template's start command too, as at its create
+                await started(info, info.labels.get(TEMPLATE_LABEL, info.image))
         now = datetime.now(timezone.utc)
         ends = info.last_active_at + timedelta(seconds=info.ttl_running_stop)
         if body.timeout is not None and now + timedelta(seconds=body.timeout) > ends:  # E2B only extends
