@@ -24,10 +24,12 @@ from .cli_top import register as register_top
 
 from .cli_images import image_app
 from .cli_jobs import job_app
+from .cli_snapshots import snapshot_app
 
 app = typer.Typer(help="DSec: sandboxes for agent training.", no_args_is_help=True, add_completion=False)
 app.add_typer(image_app, name="image")
 app.add_typer(job_app, name="job")
+app.add_typer(snapshot_app, name="snapshot")
 register_plugins(app)
 
 

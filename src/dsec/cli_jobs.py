@@ -36,6 +36,9 @@ def _summary(entry: JobEntry) -> tuple[str, str]:
             f" x{request['count']}" if "count" in request else "")
     elif entry.op == "read_file":
         asked = str(request.get("path"))
+    elif entry.op in ("pause_sandboxes", "resume_sandboxes"):
+        asked = (f"job {request['job']}" if request.get("job") else f"project {request['project']}"
+                 if request.get("project") else f"{len(request.get('ids') or [])} ids")
     elif entry.op == "unrecorded":
         asked = str(request.get("call"))
     elif entry.op in ("set_network_rules", "set_ttl"):
@@ -57,6 +60,9 @@ def _summary(entry: JobEntry) -> tuple[str, str]:
         came = str(result.get("image"))
     elif entry.op == "create_batch" and isinstance(result, list):
         came = f"{len(result)} sandboxes"
+    elif entry.op in ("pause_sandboxes", "resume_sandboxes") and isinstance(result, dict):
+        came = (f"{result.get('done')} {entry.op.split('_')[0]}d, {result.get('already')} already, "
+                f"{result.get('failed')} failed")
     elif entry.op == "read_file" and isinstance(result, dict):
         came = f"{result.get('bytes')} bytes"
     elif entry.op == "unrecorded":

@@ -5,7 +5,8 @@ Each logged create makes a new sandbox from the same arguments (the new one stan
 old id in the calls after it), each command runs again with the same request, each file write
 writes the logged bytes again, each stop stops, each clean copy, fork and pack_diff is made again (a create from a logged snapshot
 image starts from the replay's own), each read reads again, each pause, resume, network rule
-change and TTL is made again; a command whose exit code, stdout or error differs from the log,
+change and TTL is made again, and so is each pause or resume of a group (``pause_sandboxes``: those
+the job made of the sandboxes it paused, in one call); a command whose exit code, stdout or error differs from the log,
 and a read whose size, bytes or error does, is a divergence, and so is each call the log holds
 only as made (``unrecorded``: a streamed command, a process, a session …), which is not replayed. The replay's own sandboxes are stopped at the end, and
 its calls are not recorded (its client has no job).
@@ -76,6 +77,8 @@ async def replay(client: DSecClient, log: JobLog, *, on_entry: Callable[[JobEntr
                     new = await client.run_containers(args, count=request["count"])
                     old = [info["id"] for info in entry.result or []]
                 made.update(zip(old, new))
+            elif entry.op in ("pause_sandboxes", "resume_sandboxes"):
+                await _group(client, entry, made, diverged)
             elif entry.sandbox not in made:
                 diverged(entry, entry.op, "a sandbox this job made", f"no create of {entry.sandbox} in the log")
             elif entry.op == "exec":
@@ -157,3 +160,21 @@ async def replay(client: DSecClient, log: JobLog, *, on_entry: Callable[[JobEntr
             except DSecError:
                 pass
     return ReplayReport(log.job.name, done, divergences)
+
+
+async def _group(client: DSecClient, entry: JobEntry, made: dict[str, Sandbox],
+                 diverged: Callable[[JobEntry, str, str, str], None]) -> None:
+    """A group's pause or resume again, as one call, of the replay's sandboxes standing in for
+    those it paused or resumed then; one it acted on that this job did not make is a divergence."""
+    action = entry.op.removesuffix("_sandboxes")
+    acted = [o["id"] for o in (entry.result or {}).get("sandboxes", []) if o.get("outcome") == f"{action}d"]
+    ours = [made[sid].id for sid in acted if sid in made]
+    for sid in acted:
+        if sid not in made:
+            diverged(entry, f"{entry.op} {sid}", f"{action}d", "not replayed: a sandbox this job did not make")
+    if ours:
+        call = client.pause_sandboxes if action == "pause" else client.resume_sandboxes
+        result = await call(ids=ours)
+        if result.failed:
+            failed = [o for o in result.sandboxes if o.outcome == "error"]
+            diverged(entry, entry.op, f"{len(ours)} {action}d", f"{result.failed} failed: {failed[0].error}")

@@ -1,7 +1,8 @@
-"""``dsec bench fork`` end to end at a tiny size: a parent with a few changed files forked into a
-few children by DSec, and committed and run as many times by podman (when it is here); each
-child holds the parent's files; nothing left behind (the server's own check, podman's images
-and containers removed)."""
+"""``dsec bench fork`` end to end at a tiny size: a container parent with a few changed files
+forked into a few children by DSec, and committed and run as many times by podman (when it is
+here); each child holds the parent's files; nothing left behind (the server's own check,
+podman's images and containers removed). The microVM arm likewise: a parent holding memory
+forked into two children, against two cold boots."""
 
 from __future__ import annotations
 
@@ -31,3 +32,20 @@ def test_fork_bench_forks_and_runs_the_peer(tmp_path: Path) -> None:
         images = subprocess.run([fork.PODMAN, "images", "--format", "{{.Repository}}"], capture_output=True,
                                 text=True).stdout
         assert "dsec-bench" not in seen and "dsec-bench" not in images, (seen, images)
+
+
+def test_microvm_fork_bench_forks_and_boots_the_peer(tmp_path: Path) -> None:
+    """The microVM arm at a tiny size: a parent holding 16 MiB forked into 2 children (its
+    process alive in each), 2 cold boots beside it, and the memory of all against one VM's."""
+    from dsec_bench import fork_microvm
+
+    console = Console(file=open(os.devnull, "w"), width=200)
+    code = fork_microvm.main(tmp_path / "state", console, children=2, touched_mb=16)
+    res = json.loads((tmp_path / "state.json").read_text())
+    assert code == 0, res["errors"]
+    d = res["dsec"]
+    assert d["kind"] == "memory" and d["checked"] and res["cold"]["checked"]
+    assert d["holder_kib"] >= 16 * 1024 - 512
+    assert 0 < d["frozen_s"] <= d["fork_s"] <= d["all_answering_s"]
+    assert d["qemu_processes"] == 3 and d["one_vm_pss"] > 16 << 20 and d["all_vms_pss"] > d["one_vm_pss"]
+    assert res["cold_over_fork"] > 0 and res["memory_over_one_vm"] > 1

@@ -167,3 +167,36 @@ async def test_a_microvm_create_on_a_full_state_dir_fails_clearly_and_leaves_not
     finally:
         await srv.stop_sandboxes_async()
         srv.stop()
+
+
+async def test_a_full_disk_fails_a_microvm_snapshot_clearly_and_keeps_nothing(small_state):
+    """A full snapshot of a microVM writes its memory to the state dir's disk: with that full, the
+    call fails with ``BackendError`` naming the disk, nothing of it is listed or kept (no memory
+    directory, no record, its name free), and the VM and the server go on."""
+    srv = LocalServer(small_state, extra_args=("--pool-max", "0")).start()
+    snapshots = small_state / "node" / "snapshots"
+    try:
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            vm = await client.run_microvm(DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=128),
+                                          timeout=300)
+            await vm.run_shell("head -c 4194304 /dev/urandom > /root/held")
+            # Full but for 256 KiB: the snapshot's record fits, its memory does not.
+            room, filler = small_state / "room", small_state / "filler"
+            room.write_bytes(b"\1" * (256 << 10))
+            fill(str(filler))
+            room.unlink()
+            with pytest.raises(BackendError, match=r"no space left on the disk of .*\(ENOSPC\); nothing was kept"):
+                await vm.snapshot("full", name="taken-when-full")
+            assert [s for s in await client.list_snapshots() if s.sandbox_id == vm.id] == []
+            assert list(snapshots.iterdir()) == [], list(snapshots.iterdir())
+            catalog = small_state / "store" / "snapshots"
+            assert not (catalog / "names" / "taken-when-full").exists()
+            assert list((catalog / "pending").iterdir()) == []
+            # The VM runs on; the server answers.
+            assert (await vm.run_shell("wc -c < /root/held")).stdout.strip() == "4194304"
+            assert [s.id for s in await client.list_sandboxes()] == [vm.id]
+            os.unlink(filler)
+            await vm.stop()
+    finally:
+        await srv.stop_sandboxes_async()
+        srv.stop()

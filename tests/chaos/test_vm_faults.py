@@ -2,13 +2,17 @@
 the guest's OOM killer), and ``kill -9`` of the server in the middle of a snapshot. A dead VM's
 next call fails with a clear error naming what happened and it is ``failed``; the sandboxes
 beside it are not affected; a VM whose server died while its vCPUs were stopped for a snapshot
-is re-adopted and runs, the snapshot whole or absent; nothing is left once they are stopped."""
+is re-adopted and runs, the snapshot absent from the catalogue and the disk; one killed in the
+middle of a fork leaves the parent running, its children stopped and the fork's memory snapshot
+removed; a snapshot saved by another QEMU or of another guest kernel is refused, naming both;
+nothing is left once they are stopped."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -123,9 +127,10 @@ async def test_a_kill_during_a_microvm_snapshot_leaves_it_running_and_the_snapsh
             assert (await again.run_shell("cat /root/note", timeout=60)).stdout == "before the crash\n"
             assert (await again.run_shell("echo runs")).stdout == "runs\n"
             left = sorted(d.name for d in snapshots.iterdir()) if snapshots.is_dir() else []
-            assert not [n for n in left if n.startswith(".")], left  # no half-made snapshot
-            for name in left:  # one that finished before the kill is whole
-                assert (snapshots / name / "meta.json").is_file() and (snapshots / name / "state").is_file(), name
+            # No half-made snapshot, and none whose record the kill cut short: nothing in the
+            # catalogue, no memory on the node.
+            assert left == [], left
+            assert [s for s in await client.list_snapshots() if s.sandbox_id == vm.id] == []
             await again.stop()
     log = srv.log_path.read_text()
     assert "with its vCPUs stopped" in log, log[-2000:]  # the kill came while they were
@@ -147,3 +152,68 @@ async def test_a_paused_microvm_is_re_adopted_paused_and_resumes(new_state_dir):
             assert (await again.run_shell("cat /root/note", timeout=60)).stdout == "paused\n"
             assert (await again.refresh()).status is SandboxStatus.running
             await again.stop()
+
+
+async def test_a_kill_during_a_microvm_fork_leaves_the_parent_running_and_no_snapshot_behind(new_state_dir):
+    async with vm_server(new_state_dir, "dsec-vmforkkill") as (state, srv):
+        snapshots, vms = Path(state) / "node" / "snapshots", Path(state) / "node" / "vms" / "microvm"
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            parent = await busybox_vm(client)
+            await parent.write_file("/root/note", "the parent's\n")
+            forking = asyncio.create_task(parent.fork(count=2))
+            # The kill comes once the fork's memory snapshot is saved and its children are being
+            # restored from it (a VM directory beside the parent's).
+            deadline = time.monotonic() + 180
+            while not ([d for d in snapshots.glob("s*")] and len(list(vms.iterdir())) > 1):
+                assert time.monotonic() < deadline and not forking.done(), forking
+                await asyncio.sleep(0.005)
+            srv.kill()
+            with pytest.raises(Exception):  # noqa: B017 - the server is gone: how the client says so does not matter
+                await forking
+        assert [d.name for d in snapshots.iterdir()], "the kill came after the fork's snapshot was saved"
+        srv.start()
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            again = await client.get_sandbox(parent.id)
+            assert again.status is SandboxStatus.running, again.info
+            assert (await again.run_shell("cat /root/note", timeout=60)).stdout == "the parent's\n"
+            # Its children were never handed to anyone: stopped at the restart.
+            deadline = time.monotonic() + 60
+            while [s.id for s in await client.list_sandboxes()] != [parent.id] and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            assert [s.id for s in await client.list_sandboxes()] == [parent.id]
+            assert sorted(d.name for d in snapshots.iterdir()) == []  # the fork's memory snapshot is gone
+            await again.stop()
+
+
+async def test_a_snapshot_of_another_qemu_or_kernel_is_refused_naming_both(new_state_dir):
+    import json
+
+    from dsec.backends.vm import machine
+    from libdsec import InvalidRequest
+
+    async with vm_server(new_state_dir, "dsec-vmsnapver") as (state, srv):
+        async with DSecClient(srv.endpoint, token=srv.token) as client:
+            vm = await busybox_vm(client)
+            await vm.write_file("/root/note", "saved\n")
+            snap = await vm.snapshot("full")
+            await vm.stop()
+            [memory] = (Path(state) / "node" / "snapshots").iterdir()
+            meta_path = memory / "meta.json"
+            saved = json.loads(meta_path.read_text())
+            assert saved["qemu"] == machine.qemu_version() and saved["kernel"], saved
+            from_it = DSecMicroVMRunArgs(snapshot=snap.id, memory_limit_mb=128)
+            try:
+                meta_path.write_text(json.dumps({**saved, "qemu": "6.2.0 (Debian 1:6.2+dfsg-2)"}))
+                with pytest.raises(InvalidRequest, match=r"made by QEMU 6\.2\.0 \(Debian 1:6\.2\+dfsg-2\); this node has "
+                                                         rf"QEMU {re.escape(machine.qemu_version())}"):
+                    await client.run_microvm(from_it, timeout=120)
+                meta_path.write_text(json.dumps({**saved, "kernel": "5.10.0-99-cloud-amd64"}))
+                with pytest.raises(InvalidRequest, match=r"running kernel 5\.10\.0-99-cloud-amd64; this node boots "
+                                                         rf"kernel {re.escape(saved['kernel'])}"):
+                    await client.run_microvm(from_it, timeout=120)
+                assert await client.list_sandboxes() == []  # (nothing was made of either)
+                meta_path.write_text(json.dumps(saved))
+                async with await client.run_microvm(from_it, timeout=180) as restored:
+                    assert (await restored.read_file("/root/note")) == b"saved\n"
+            finally:
+                await client.remove_snapshot(snap.id)

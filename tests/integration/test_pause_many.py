@@ -163,3 +163,40 @@ async def test_a_kill_9_during_a_jobs_pause_leaves_each_running_or_paused(state_
             await asyncio.gather(*(s.stop() for s in [await client.get_sandbox(i) for i in ids]))
     finally:
         server.stop()
+
+
+async def test_a_group_pause_and_resume_are_written_to_the_job_log_and_replayed(server, client,
+                                                                                no_sandbox_outlives_the_test):
+    from dsec.jobreplay import replay
+
+    async with DSecClient(server.endpoint, token=server.token, job="pause-logged") as job:
+        made = await job.run_containers(ARGS, count=2)
+        [child] = await made[0].fork()  # a fork's child is the job's too
+    made = [await client.get_sandbox(s.id) for s in made]
+    child = await client.get_sandbox(child.id)
+    try:
+        paused = await client.pause_sandboxes(job="pause-logged")
+        assert paused.done == 3 and {o.id for o in paused.sandboxes} == {made[0].id, made[1].id, child.id}
+        # Called from inside the job (its own header) as well: written once to its log.
+        async with DSecClient(server.endpoint, token=server.token, job="pause-logged") as job:
+            resumed = await job.resume_sandboxes(job="pause-logged")
+        assert resumed.done == 3
+        log = await client.job_log("pause-logged")
+        assert [e.op for e in log.entries] == ["create_batch", "fork", "pause_sandboxes", "resume_sandboxes"]
+        entry = log.entries[2]
+        assert entry.sandbox is None and entry.request["job"] == "pause-logged"
+        assert sorted(o["outcome"] for o in entry.result["sandboxes"]) == ["paused"] * 3
+        shown = dsec(server, "job", "show", "pause-logged")
+        assert shown.returncode == 0, shown.stderr
+        assert "pause_sandboxes" in shown.stdout and "3 paused, 0 already, 0 failed" in shown.stdout, shown.stdout
+        assert "resume_sandboxes" in shown.stdout and "3 resumed" in shown.stdout, shown.stdout
+
+        # Replayed: the replay's own three paused and resumed in one call each, no divergence.
+        report = await replay(client, log)
+        assert report.replayed == 4 and report.divergences == [], report
+        # A bad selector is an error of the call, and nothing is written.
+        with pytest.raises(Exception, match="no job log 'no-such-job'"):
+            await client.pause_sandboxes(job="no-such-job")
+        assert len((await client.job_log("pause-logged")).entries) == 4
+    finally:
+        await asyncio.gather(*(s.stop() for s in [*made, child]))

@@ -120,16 +120,25 @@ def bench_clean_copy(
 @app.command("fork")
 def bench_fork(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server (removed at the end; results in <state-dir>.json).")] = Path("/var/lib/dsec-bench-fork"),
-    children: Annotated[int, typer.Option(help="Children of the fork (and podman runs of the committed image).")] = 100,
+    children: Annotated[int, typer.Option(help="Children of the fork (and podman runs of the committed image, or cold boots); default 100 for containers, 16 for microVMs.")] = 0,
     changed_mb: Annotated[int, typer.Option(help="MB the parent changed before the fork.")] = 50,
     files: Annotated[int, typer.Option(help="Files those MB are in.")] = 2000,
     concurrency: Annotated[int, typer.Option(help="podman runs at once (the peer).")] = 8,
     podman: Annotated[bool, typer.Option(help="Measure podman commit + run as the peer.")] = True,
+    kind: Annotated[str, typer.Option(help="container: podman commit + run as the peer; microvm: a microVM holding --touched-mb forked into --children, against as many cold boots.")] = "container",
+    touched_mb: Annotated[int, typer.Option(help="microvm: MiB the parent's process holds (random bytes and text).")] = 256,
 ) -> None:
-    """A live container forked into many against podman commit + a podman run per child (see docs/BENCHMARKS.md)."""
+    """A live sandbox forked into many: a container against podman commit + a podman run per child,
+    a microVM against cold boots (see docs/BENCHMARKS.md)."""
+    if kind == "microvm":
+        from .fork_microvm import main as run_vm_bench
+
+        raise typer.Exit(run_vm_bench(state_dir=state_dir, console=console, children=children or 16, touched_mb=touched_mb))
+    if kind != "container":
+        raise typer.BadParameter(f"--kind is container or microvm, not {kind!r}")
     from .fork import main as run_bench
 
-    raise typer.Exit(run_bench(state_dir=state_dir, console=console, children=children, changed_mb=changed_mb,
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, children=children or 100, changed_mb=changed_mb,
                                files=files, podman=podman, concurrency=concurrency))
 
 

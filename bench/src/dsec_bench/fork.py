@@ -1,5 +1,10 @@
-"""``dsec bench fork``: forking a live container into many, against the way a container engine
-does it (``podman commit`` of the parent, then a ``podman run`` of the result for each child).
+"""``dsec bench fork``: forking a live sandbox into many, against what one has without a fork.
+
+Two arms (``kind``): ``container`` (below) and ``microvm`` (``fork_microvm``: a microVM parent
+holding memory forked into children restored from one memory image, against as many cold boots).
+
+Container: forking a live container into many, against the way a container engine does it
+(``podman commit`` of the parent, then a ``podman run`` of the result for each child).
 
 A parent container (busybox, through a ``dsec serve`` of the benchmark's own) has ``changed_mb``
 MB changed in ``files`` files (random bytes, under ``/work``). Measured, one way after the other:

@@ -31,7 +31,7 @@ Outcome = Literal["paused", "already_paused", "resumed", "already_running", "err
 
 class SandboxGroupRequest(_Model):
     """Which sandboxes: exactly one of a job (those its log made: creates, batches, clean
-    copies), a project (its own and those of the projects below it) or a list of ids."""
+    copies, forks), a project (its own and those of the projects below it) or a list of ids."""
 
     job: str | None = None
     project: str | None = None

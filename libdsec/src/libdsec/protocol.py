@@ -1077,17 +1077,19 @@ def check_key(key: str) -> str:
 
 
 JobOp = Literal["create", "create_batch", "exec", "write_file", "read_file", "pause", "resume", "set_network_rules",
-                "set_ttl", "stop", "clean_copy", "pack_diff", "fork", "unrecorded"]
+                "set_ttl", "stop", "clean_copy", "pack_diff", "fork", "pause_sandboxes", "resume_sandboxes",
+                "unrecorded"]
 
 
 class JobEntry(_Model):
     """One call of a job, as its log holds it: ``seq`` orders the job's calls; ``request`` is
     what was asked (the run args and ``kind`` of a create, an ``ExecRequest``, a file write's
     path, mode, size and SHA-256, with its bytes base64 in ``data_b64``, a ``CleanCopyRequest``,
-    a ``PackDiffRequest``, a read's path, a ``NetworkRulesRequest``, a ``TTLRequest``; for an
+    a ``PackDiffRequest``, a read's path, a ``NetworkRulesRequest``, a ``TTLRequest``, a group's
+    ``SandboxGroupRequest`` (``pause_sandboxes``, ``resume_sandboxes``: ``sandbox`` is None); for an
     ``unrecorded`` call, one logged only as made, its method and path in ``call``), ``result``
     what came back (``SandboxInfo``, a list of them for a batch, ``ExecResult``,
-    ``CleanCopyResult``, ``PackDiffResult``, ``PauseResult``, a read's size, SHA-256 and bytes
+    ``CleanCopyResult``, ``PackDiffResult``, ``PauseResult``, ``SandboxGroupResult``, a read's size, SHA-256 and bytes
     base64 in ``data_b64``), or ``error`` (the wire error body's ``error``) when the call failed."""
 
     seq: int

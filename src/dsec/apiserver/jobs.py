@@ -8,7 +8,7 @@ are shared by every apiserver over one database).
   ``KeyReused``; one that arrives while the first is under way waits for it.
 - A request with a job (``x-dsec-job`` header) is recorded, after it ran, in the job's log with
   its result (or its error): creates (with their key), commands (``exec``), file writes and
-  reads, pack_diffs, clean copies, pauses, resumes, network rules, TTLs and stops. The other
+  reads, pack_diffs, clean copies, pauses, resumes (one sandbox, or a group: ``dsec.apiserver.pausing``), network rules, TTLs and stops. The other
   calls that change a sandbox (``journal="made"`` in the public table, ``libdsec.api_ops``:
   streamed commands, background processes, sessions, PTYs, file-tree calls, snapshots) are
   logged as *made*, before they run, with no
@@ -55,7 +55,7 @@ MAX_LOGGED_FILE_BYTES = 8 << 20
 
 
 # How the entries of the calls that make sandboxes begin (``record`` writes "op" first).
-_MAKING = ('{"op":"create"', '{"op":"create_batch"', '{"op":"clean_copy"')
+_MAKING = ('{"op":"create"', '{"op":"create_batch"', '{"op":"clean_copy"', '{"op":"fork"')
 
 
 def retention_from_env() -> float:
@@ -152,7 +152,7 @@ class Jobs:
         return JobLog(job=job_info(row), entries=entries)
 
     async def sandboxes_made(self, caller: Caller, name: str) -> list[str]:
-        """The ids of the sandboxes the job made (its creates, batches and clean copies), in
+        """The ids of the sandboxes the job made (its creates, batches, clean copies and forks), in
         order; ``JobNotFound`` for a job the caller may not see."""
         await self._visible(caller, name)
         ids: list[str] = []
@@ -169,6 +169,8 @@ class Jobs:
                 ids.extend(info["id"] for info in result)
             elif entry["op"] == "clean_copy":
                 ids.append(result["sandbox"]["id"])
+            elif entry["op"] == "fork":
+                ids.extend(child["sandbox"]["id"] for child in result.get("children", []) if child.get("sandbox"))
         return list(dict.fromkeys(ids))
 
     async def remove(self, caller: Caller, name: str) -> None:

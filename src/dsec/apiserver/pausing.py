@@ -9,7 +9,11 @@ current state of each is known without a call per sandbox), and then to pause or
 ``per_node`` at a time: a node's sandboxes pause in parallel with other nodes', and a slow or
 failing sandbox holds up nobody else. Every sandbox gets an outcome; nothing here raises for
 one sandbox's error. A job's or a project's sandboxes that already ended are left out; an id
-given that names no live sandbox the caller may see is an error outcome.
+given that names no live sandbox the caller may see is an error outcome. A job's sandboxes are
+those its creates, batches, clean copies and forks made.
+
+The call is written to job logs (``SandboxGroups._record``): the caller's own job, and the job it
+selected, so a job's log shows the pauses and resumes of its sandboxes made as one call.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -76,7 +81,7 @@ class SandboxGroups:
         outcomes = [t.outcome for t in targets if t.outcome is not None]
         done_as = "paused" if action == "pause" else "resumed"
         paused = [o for o in outcomes if o.outcome == "paused"]
-        return SandboxGroupResult(
+        result = SandboxGroupResult(
             action=action, sandboxes=outcomes,
             done=sum(o.outcome == done_as for o in outcomes),
             already=sum(o.outcome in ("already_paused", "already_running") for o in outcomes),
@@ -84,6 +89,21 @@ class SandboxGroups:
             memory_before_bytes=sum(o.memory_before_bytes or 0 for o in paused),
             memory_after_bytes=sum(o.memory_after_bytes or 0 for o in paused),
             seconds=time.perf_counter() - start)
+        await self._record(action, request, caller, result)
+        return result
+
+    async def _record(self, action: Action, request: SandboxGroupRequest, caller: Caller,
+                      result: SandboxGroupResult) -> None:
+        """Write the call, with each sandbox's outcome, to the caller's job log (its ``x-dsec-job``)
+        and to the log of the job it selected (``job=``), as ``pause_sandboxes`` or
+        ``resume_sandboxes``: ``dsec job show`` lists it, ``dsec job replay`` makes it again."""
+        logs = dict.fromkeys(j for j in (caller.job, request.job) if j is not None)
+        asked = request.model_dump(mode="json", exclude_none=True)
+        if caller.job is not None:
+            await self.jobs.check(caller)  # (its own job is made on first use; a selected one was seen)
+        for job in logs:
+            await self.jobs.record(replace(caller, job=job, key=None), f"{action}_sandboxes", None, asked,
+                                   result.model_dump(mode="json"))
 
     # -- which sandboxes ---------------------------------------------------------------------
 

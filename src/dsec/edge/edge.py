@@ -165,6 +165,7 @@ class Edge(Creates, Snapshots, Forks, Inside, Desktops, NodeCalls):
                 except (DSecError, OSError) as exc:
                     log.warning("could not thaw re-adopted sandbox %s: %s", rec.id, exc)
         self.clear_pending_snapshots()  # after recover, which removed unfinished memory snapshots
+        self.clear_unheld_memory()  # (a fork's, when the edge died before it removed it)
         if self.fncalls is not None:  # after recover, which removed the workers of an earlier run
             await self.fncalls.start()
         await self.security.start(self._records.values())

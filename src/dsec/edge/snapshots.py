@@ -17,11 +17,12 @@ starts sandboxes of its own kind; one that sandboxes started from still run cann
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import time
 from datetime import datetime, timezone
 
-from libdsec import DSecError, ImageNotFound, InvalidRequest, SandboxStateError, SnapshotConflict, SnapshotNotFound
+from libdsec import BackendError, DSecError, ImageNotFound, InvalidRequest, SandboxStateError, SnapshotConflict, SnapshotNotFound
 from libdsec.protocol import DSecContainerRunArgs, SandboxKind, SandboxStatus, Snapshot, SnapshotMode
 
 from ..backends.base import Capability
@@ -62,6 +63,15 @@ class Snapshots(SandboxTable):
             snapshots.check_name(name)
         if self._closed:
             raise SandboxStateError(f"edge {self.node} is shutting down")
+        try:
+            return await self._take(rec, backend, mode, name)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise BackendError(f"cannot snapshot {rec.id}: no space left on the disk of {exc.filename or self.store.root} "
+                               f"(ENOSPC); nothing was kept") from None
+
+    async def _take(self, rec, backend, mode: SnapshotMode, name: str | None) -> Snapshot:
         snap_id = self.catalog.begin(self.node, name)
         image_made = memory = None
         try:
@@ -123,6 +133,34 @@ class Snapshots(SandboxTable):
                 self.store.remove_image(snapshots.image_name(snap_id))
             self.catalog.abandon(snap_id, None)
         # (Memory files still being written when it stopped: the backend's recover removes them.)
+
+    def clear_unheld_memory(self) -> None:
+        """On start, after ``clear_pending_snapshots``: the memory snapshots on this node that no
+        snapshot record holds. A fork's own is removed once its children are up, and a full
+        snapshot's is recorded just after it is saved: an edge killed in between left it."""
+        # Read from every record's text: a record that cannot be read (the store away) keeps
+        # all memory, rather than have what it holds taken for unheld.
+        try:
+            records = [path.read_text() for path in self.catalog.dir.glob("s*.json")]
+        except OSError as exc:
+            log.warning("cannot read the snapshot records (%s): memory snapshots left as they are", exc)
+            return
+        if not self.catalog.dir.is_dir():
+            return
+        for kind, backend in self.backends.items():
+            listing = getattr(backend, "memory_snapshots", None)
+            if listing is None:
+                continue
+            try:
+                found = listing()
+            except OSError as exc:
+                log.warning("cannot list the %s memory snapshots: %s", kind.value, exc)
+                continue
+            for memory in found:
+                if not any(f'"{memory}"' in text for text in records):
+                    log.info("removing memory snapshot %s, which no snapshot holds (a fork or a snapshot cut short)",
+                             memory)
+                    self._drop_memory(kind, memory)
 
     async def list_snapshots(self) -> list[Snapshot]:
         return [kept.snapshot for kept in self.catalog.list()]

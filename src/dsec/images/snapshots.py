@@ -67,7 +67,11 @@ class SnapshotCatalog:
         """A new snapshot id, marked pending for ``node``, with ``name`` claimed for it
         (``SnapshotConflict`` naming it if another snapshot has it)."""
         snap_id = "s" + secrets.token_hex(8)
-        (self.pending_dir / snap_id).write_text(_taker(node))
+        try:
+            (self.pending_dir / snap_id).write_text(_taker(node))
+        except BaseException:  # (a full disk: an empty mark would outlive the error)
+            (self.pending_dir / snap_id).unlink(missing_ok=True)
+            raise
         if name is not None:
             try:
                 self._claim(name, snap_id)

@@ -36,6 +36,7 @@ as a virtio-balloon, or one clone could zero pages of the snapshot under all the
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -76,6 +77,10 @@ class SnapshotNotFound(InvalidRequest):
 
 class SnapshotDamaged(InvalidRequest):
     """A snapshot's files are not as saved (a RAM file cut short or rewritten)."""
+
+
+class SnapshotIncompatible(InvalidRequest):
+    """A snapshot made by another QEMU, or of a guest running another kernel, than this node has."""
 
 
 class MicroVMBackend(VMBackend):
@@ -224,7 +229,9 @@ class MicroVMBackend(VMBackend):
 
     async def snapshot(self, handle: Handle) -> dict:
         """Save memory and device state; the VM runs on afterwards. Returns the snapshot's
-        metadata (``id``, ``size_bytes``, …).
+        metadata (``id``, ``size_bytes``, …). Whoever keeps it records its id (the snapshot
+        catalogue); one no record holds is removed when the node starts again
+        (``memory_snapshots``: a fork's, or one whose record a crash cut short).
 
         The VM is paused while QEMU writes its migration stream; then (the VM running again)
         the guest RAM's pages are split out of the stream into one sparse file per RAM block,
@@ -232,34 +239,52 @@ class MicroVMBackend(VMBackend):
         live = self._get(handle, "snapshot")
         snap_id = "s" + secrets.token_hex(8)
         tmp = self.snapshots_dir / f".{snap_id}"
-        tmp.mkdir()
-        start = time.perf_counter()
         try:
-            qmp = live.qmp
-            await qmp.execute("migrate-set-capabilities", {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
-            await qmp.execute("stop")
-            live.paused = True
-            try:
-                await qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(tmp / 'stream'))}"})
-                await self._wait_migration(qmp, handle.pid, "saving")
-            finally:
-                await qmp.execute("cont")
-                live.paused = False
-            paused_s = time.perf_counter() - start
-            shape = json.loads((self.vm_dir(handle.cid) / "machine.json").read_text())
-            blocks = dict(self._ram_blocks(shape["memory_mb"]))
-            await asyncio.to_thread(ramsplit.split, tmp / "stream", tmp / "state",
-                                    {block: tmp / f"{block}.ram" for block in blocks})
-            (tmp / "stream").unlink()
-        except QMPError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise BackendError(f"cannot snapshot {handle.cid}: {exc}") from exc
-        except ramsplit.StreamError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise BackendError(f"cannot snapshot {handle.cid}: QEMU's migration stream: {exc}") from exc
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            meta = await self._save(handle, live, snap_id, tmp)
+            tmp.rename(self.snapshots_dir / snap_id)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written is kept, nor ever restored
+            if self._disk_full(exc):
+                raise BackendError(f"cannot snapshot {handle.cid}: no space left on the disk of {self.snapshots_dir} "
+                                   f"for its memory (ENOSPC); nothing was kept") from None
+            if isinstance(exc, QMPError):
+                raise BackendError(f"cannot snapshot {handle.cid}: {exc}") from exc
+            if isinstance(exc, ramsplit.StreamError):
+                raise BackendError(f"cannot snapshot {handle.cid}: QEMU's migration stream: {exc}") from exc
             raise
+        return meta
+
+    def _disk_full(self, exc: BaseException) -> bool:
+        """An error of writing the snapshot that came of its disk being full (an ``OSError``
+        saying so, or QEMU's migration failing with the disk out of room)."""
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(exc, (QMPError, ramsplit.StreamError)):
+            try:
+                return os.statvfs(self.snapshots_dir).f_bavail * os.statvfs(self.snapshots_dir).f_frsize < 4 * MiB
+            except OSError:
+                return False
+        return False
+
+    async def _save(self, handle: Handle, live, snap_id: str, tmp: Path) -> dict:
+        start = time.perf_counter()
+        qmp = live.qmp
+        await qmp.execute("migrate-set-capabilities", {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
+        await qmp.execute("stop")
+        live.paused = True
+        try:
+            await qmp.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(tmp / 'stream'))}"})
+            await self._wait_migration(qmp, handle.pid, "saving")
+        finally:
+            await qmp.execute("cont")
+            live.paused = False
+        paused_s = time.perf_counter() - start
+        shape = json.loads((self.vm_dir(handle.cid) / "machine.json").read_text())
+        blocks = dict(self._ram_blocks(shape["memory_mb"]))
+        await asyncio.to_thread(ramsplit.split, tmp / "stream", tmp / "state",
+                                {block: tmp / f"{block}.ram" for block in blocks})
+        (tmp / "stream").unlink()
         ram = {}
         for block in blocks:
             path = tmp / f"{block}.ram"
@@ -270,13 +295,13 @@ class MicroVMBackend(VMBackend):
         meta = {
             "id": snap_id, "kind": self.kind, "image": handle.image, "layers": list(handle.layers),
             "env": handle.env, "memory_mb": shape["memory_mb"], "vcpus": shape["vcpus"], "layer_mode": self.layer_mode,
-            "accel": await self.accel(), "qemu": machine.qemu_version(), "created_at": time.time(),
+            "accel": await self.accel(), "qemu": machine.qemu_version(),
+            "kernel": (await self.assets()).kernel_version, "created_at": time.time(),
             "ram": ram, "state_bytes": state_bytes,
             "size_bytes": state_bytes + sum(r["allocated"] for r in ram.values()),
             "paused_s": paused_s, "save_s": time.perf_counter() - start,
         }
         (tmp / "meta.json").write_text(json.dumps(meta))
-        tmp.rename(self.snapshots_dir / snap_id)
         return meta
 
     async def recover(self, handles: list[Handle]) -> list[Handle]:
@@ -301,6 +326,10 @@ class MicroVMBackend(VMBackend):
                 raise QMPError(f"{what} the memory state took over {MIGRATION_TIMEOUT_S:g}s")
             await asyncio.sleep(0.01)
 
+    def memory_snapshots(self) -> list[str]:
+        """The ids of the finished snapshots on this node."""
+        return sorted(d.name for d in self.snapshots_dir.iterdir() if SNAPSHOT_ID.match(d.name))
+
     def delete_snapshot(self, snapshot_id: str) -> None:
         d = self.snapshot_dir(snapshot_id)
         if not d.exists():
@@ -319,7 +348,21 @@ class MicroVMBackend(VMBackend):
                                  f"whose layers differ from those of {spec.image!r}")
         if meta.get("layer_mode") != self.layer_mode:
             raise InvalidRequest(f"snapshot {spec.snapshot} has layers as {meta.get('layer_mode')}, this node as {self.layer_mode}")
+        await self._check_made_here(spec.snapshot, meta)
         return await super().create(cid, spec)
+
+    async def _check_made_here(self, snapshot_id: str, meta: dict) -> None:
+        """A memory image is restored by the QEMU that saved it, into the guest kernel it holds:
+        another QEMU may read its device state wrongly, and the guest's memory holds the old
+        kernel's code, not the one this node would boot. Refused, naming both."""
+        qemu, kernel = machine.qemu_version(), (await self.assets()).kernel_version
+        saved_qemu, saved_kernel = meta.get("qemu", "unknown"), meta.get("kernel", kernel)
+        if saved_qemu != qemu:
+            raise SnapshotIncompatible(f"snapshot {snapshot_id} was made by QEMU {saved_qemu}; this node has QEMU "
+                                       f"{qemu}, which cannot restore it (take the snapshot again here)")
+        if saved_kernel != kernel:
+            raise SnapshotIncompatible(f"snapshot {snapshot_id} holds a guest running kernel {saved_kernel}; this node "
+                                       f"boots kernel {kernel}, whose VM it cannot resume (take the snapshot again here)")
 
     async def _before_agent(self, qmp: QMP, pid: int, spec: SandboxSpec) -> None:
         if spec.snapshot is None:
