@@ -49,6 +49,7 @@ def test_desktop_density_holds_idle_desktops_and_measures_each_against_podman(tm
     # Every desktop held, then answered a screenshot of the whole 1280x800 screen.
     assert d["count"] == 3 and d["stopped_by"] == "asked: 3" and not d["limit_hit"], d
     assert d["screenshots_ok"] == 3 and d["screenshot_failures"] == [] and d["screenshot_p50_ms"] > 0
+    assert d["sessions_up"] == 3 and pm["sessions_up"] == 3  # (each session whole before the reading)
     # What their cgroups are charged: an idle desktop is tens of MiB, most of it anonymous memory.
     assert 10 < d["cgroup_anon_mib_per_desktop"] < d["cgroup_charged_mib_per_desktop"] < 400, d
     assert d["meminfo_mib_per_desktop"].keys() >= {"AnonPages", "PageTables"}

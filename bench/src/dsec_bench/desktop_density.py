@@ -53,13 +53,48 @@ def png_size(png: bytes) -> tuple[int, int] | None:
 def cgroup_memory(path: str) -> tuple[int, int]:
     """(bytes charged, of which anonymous) of the memory cgroup at ``path`` and below it."""
     v2 = cgroups.is_v2()
-    d = cgroups.CGROUP_ROOT / path.strip("/") if v2 else cgroups.CGROUP_ROOT / "memory" / path.strip("/")
+    d = _cgroup_dir(path)
     try:
         usage = int((d / ("memory.current" if v2 else "memory.usage_in_bytes")).read_text())
         stat = dict(line.split() for line in (d / "memory.stat").read_text().splitlines())
     except (OSError, ValueError):
         return 0, 0
     return usage, int(stat.get("anon" if v2 else "total_rss", 0))
+
+
+# The session's last programs: a desktop counts as up (for the settle) once its cgroup runs them all.
+SESSION_UP = {"xfce4": ("xfwm4", "xfdesktop", "xfce4-panel", "xfsettingsd"), "wm": ("xfwm4",), "none": ("Xvfb",)}
+
+
+def _cgroup_dir(path: str) -> Path:
+    return cgroups.CGROUP_ROOT / path.strip("/") if cgroups.is_v2() else cgroups.CGROUP_ROOT / "memory" / path.strip("/")
+
+
+def sessions_up(paths: list[str], session: str) -> int:
+    """How many of the cgroups at ``paths`` (each with those below it) run all of the session's
+    last programs."""
+    up = 0
+    for path in paths:
+        names: set[str] = set()
+        for procs in _cgroup_dir(path).rglob("cgroup.procs"):
+            for pid in procs.read_text().split():
+                try:
+                    names.add(Path(f"/proc/{pid}/comm").read_text().strip())
+                except OSError:
+                    pass
+        up += all(p in names for p in SESSION_UP[session])
+    return up
+
+
+async def wait_sessions_up(paths_of, count: int, session: str, timeout_s: float) -> tuple[int, float]:
+    """Wait until ``count`` desktops have their whole session up (``paths_of()``: their cgroups)
+    or ``timeout_s``: (how many are up, seconds waited)."""
+    started = time.perf_counter()
+    while True:
+        up = await asyncio.to_thread(lambda: sessions_up(paths_of(), session))
+        if up >= count or time.perf_counter() - started > timeout_s:
+            return up, time.perf_counter() - started
+        await asyncio.sleep(1.0)
 
 
 def _low_memory(reserve: int) -> str:
@@ -103,6 +138,11 @@ async def dsec_arm(client: DSecClient, state_dir: Path, o: dict, console: Consol
             console.print(f"  {len(sandboxes)} desktops ({session}) up")
         fill_s = time.perf_counter() - started
         count = len(sandboxes)
+
+        def sandbox_cgroups() -> list[str]:
+            return [f"{parent}/{d.name}" for d in _cgroup_dir(parent).iterdir() if d.is_dir()]
+
+        up, up_wait_s = await wait_sessions_up(sandbox_cgroups, count, session, 120 + count)
         after = await settled_used(o["density_settle_s"])
         after_meminfo, (charged, anon) = meminfo(), cgroup_memory(parent)
         # A screenshot of every one: all must answer with a PNG of the screen's size.
@@ -131,6 +171,7 @@ async def dsec_arm(client: DSecClient, state_dir: Path, o: dict, console: Consol
     r = {
         "session": session, "asked": n, "count": count, "stopped_by": stopped_by or f"asked: {n}",
         "limit_hit": bool(stopped_by), "fill_s": fill_s, "stop_s": stop_s, "load_average": load,
+        "sessions_up": up, "sessions_up_wait_s": up_wait_s,
         "host_mib_per_desktop": mib((after - base) / max(count, 1)),
         "host_mib_per_desktop_after_screenshots": mib((after_shots - base) / max(count, 1)),
         "cgroup_charged_mib_per_desktop": mib((charged - base_charged) / max(count, 1)),
@@ -140,7 +181,7 @@ async def dsec_arm(client: DSecClient, state_dir: Path, o: dict, console: Consol
         "screenshot_p50_ms": statistics.median(shots) if shots else None,
         "mem_available_mib_at_top": mib(after_meminfo["MemAvailable"]),
     }
-    console.print(f"DSec: {count} idle desktops ({session}), {r['host_mib_per_desktop']:.1f} MiB of host memory each "
+    console.print(f"DSec: {count} idle desktops ({session}, {up} with the whole session up), {r['host_mib_per_desktop']:.1f} MiB of host memory each "
                   f"({r['cgroup_charged_mib_per_desktop']:.1f} MiB charged to their cgroups); screenshots "
                   f"{r['screenshots_ok']}/{count}; stopped by {r['stopped_by']}")
     return r
@@ -157,19 +198,20 @@ def _podman_start(o: dict, session: str) -> str:
 
 def _podman_run(root: Path, name: str, command: str) -> str:
     run = subprocess.run(
+        # (no nproc limit, unlike the latency peer's container: it counts the threads of every
+        # container running as the same host uid 1000, and past ~14 xfce4 desktops it stops
+        # their sessions from starting)
         [PODMAN, "run", "-d", "--name", name, "--network", "none", "--ulimit", "nofile=1024:1024",
-         "--ulimit", "nproc=1024:1024", "--user", "1000:1000", "-e", "HOME=/home/user", "-e", "DISPLAY=:0",
+         "--user", "1000:1000", "-e", "HOME=/home/user", "-e", "DISPLAY=:0",
          "--workdir", "/home/user", "--rootfs", f"{root}:O", "/bin/sh", "-c", command],
         capture_output=True, timeout=300)
     return "" if run.returncode == 0 else run.stderr.decode(errors="replace")[-300:]
 
 
-def _podman_charged(names: list[str]) -> tuple[int, int]:
+def _podman_charged(paths: list[str]) -> tuple[int, int]:
     """(bytes charged, of which anonymous) summed over the memory cgroups of podman's containers."""
-    out = subprocess.run([PODMAN, "inspect", "--format", "{{.State.CgroupPath}}", *names], capture_output=True,
-                         text=True, timeout=120)
     charged = anon = 0
-    for path in out.stdout.split():
+    for path in paths:
         c, a = cgroup_memory(path)
         charged, anon = charged + c, anon + a
     return charged, anon
@@ -205,10 +247,13 @@ def podman_arm(store: LayerStore, work: Path, o: dict, console: Console) -> dict
                         stopped_by = f"podman run failed: {errors[0]}"
                         break
             fill_s = time.perf_counter() - started
+            paths = subprocess.run([PODMAN, "inspect", "--format", "{{.State.CgroupPath}}", *names],
+                                   capture_output=True, text=True, timeout=120).stdout.split()
+            up, up_wait_s = asyncio.run(wait_sessions_up(lambda: paths, len(names), session, 120 + len(names)))
             after = asyncio.run(settled_used(o["density_settle_s"]))
             after_meminfo = meminfo()
             running = _podman_running(names)
-            charged, anon = _podman_charged(names)
+            charged, anon = _podman_charged(paths)
             try:
                 subprocess.run([PODMAN, "rm", "-f", "-t", "0", *names], capture_output=True, timeout=600)
             finally:
@@ -219,11 +264,11 @@ def podman_arm(store: LayerStore, work: Path, o: dict, console: Console) -> dict
         shutil.rmtree(work, ignore_errors=True)
     count = len(names) - sum(1 for _ in errors)
     r = {"session": session, "asked": n, "count": count, "running_at_top": running, "stopped_by": stopped_by or f"asked: {n}",
-         "fill_s": fill_s, "host_mib_per_desktop": mib((after - base) / max(count, 1)),
+         "fill_s": fill_s, "sessions_up": up, "sessions_up_wait_s": up_wait_s, "host_mib_per_desktop": mib((after - base) / max(count, 1)),
          "cgroup_charged_mib_per_desktop": mib(charged / max(count, 1)),
          "cgroup_anon_mib_per_desktop": mib(anon / max(count, 1)),
          "meminfo_mib_per_desktop": _parts(base_meminfo, after_meminfo, count), "left_running": names_left}
-    console.print(f"podman: {count} idle desktops ({session}), {r['host_mib_per_desktop']:.1f} MiB of host memory each "
+    console.print(f"podman: {count} idle desktops ({session}, {up} with the whole session up), {r['host_mib_per_desktop']:.1f} MiB of host memory each "
                   f"({r['cgroup_charged_mib_per_desktop']:.1f} MiB charged to their cgroups); {running} running at the top")
     return r
 
