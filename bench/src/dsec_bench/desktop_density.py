@@ -18,6 +18,7 @@ image running the same session as E2B Desktop's template starts it (Xvfb, then t
 from __future__ import annotations
 
 import asyncio
+import resource
 import secrets
 import shutil
 import statistics
@@ -38,6 +39,8 @@ from .density import meminfo, mib, settled_used
 from .lifecycle_peers import image_root
 
 PODMAN = shutil.which("podman") or "/usr/bin/podman"
+# The peer's nproc: the host's, within what podman may set here (65536 is refused, 16384 is not).
+NPROC = min(resource.getrlimit(resource.RLIMIT_NPROC)[1], 16384)
 # The goals: >= 150 idle desktops at 1280x800 on this machine, each <= 100 MiB of host memory.
 GOALS = {"count": 150, "host_mib_per_desktop": 100.0}
 MEMINFO_PARTS = ("AnonPages", "Shmem", "Slab", "SUnreclaim", "KernelStack", "PageTables", "Percpu")
@@ -198,11 +201,11 @@ def _podman_start(o: dict, session: str) -> str:
 
 def _podman_run(root: Path, name: str, command: str) -> str:
     run = subprocess.run(
-        # (no nproc limit, unlike the latency peer's container: it counts the threads of every
-        # container running as the same host uid 1000, and past ~14 xfce4 desktops it stops
-        # their sessions from starting)
+        # (nproc 16384, not the latency peer's 1024: the limit counts the threads of every
+        # container running as the same host uid 1000, and past ~14 xfce4 desktops it kept their
+        # sessions from starting)
         [PODMAN, "run", "-d", "--name", name, "--network", "none", "--ulimit", "nofile=1024:1024",
-         "--user", "1000:1000", "-e", "HOME=/home/user", "-e", "DISPLAY=:0",
+         "--ulimit", f"nproc={NPROC}:{NPROC}", "--user", "1000:1000", "-e", "HOME=/home/user", "-e", "DISPLAY=:0",
          "--workdir", "/home/user", "--rootfs", f"{root}:O", "/bin/sh", "-c", command],
         capture_output=True, timeout=300)
     return "" if run.returncode == 0 else run.stderr.decode(errors="replace")[-300:]
@@ -249,7 +252,7 @@ def podman_arm(store: LayerStore, work: Path, o: dict, console: Console) -> dict
             fill_s = time.perf_counter() - started
             paths = subprocess.run([PODMAN, "inspect", "--format", "{{.State.CgroupPath}}", *names],
                                    capture_output=True, text=True, timeout=120).stdout.split()
-            up, up_wait_s = asyncio.run(wait_sessions_up(lambda: paths, len(names), session, 120 + len(names)))
+            up, up_wait_s = asyncio.run(wait_sessions_up(lambda: paths, len(paths), session, 120 + len(paths)))
             after = asyncio.run(settled_used(o["density_settle_s"]))
             after_meminfo = meminfo()
             running = _podman_running(names)
@@ -262,11 +265,13 @@ def podman_arm(store: LayerStore, work: Path, o: dict, console: Console) -> dict
         if names:
             subprocess.run([PODMAN, "rm", "-f", "-t", "0", "--ignore", *names], capture_output=True, timeout=600)
         shutil.rmtree(work, ignore_errors=True)
-    count = len(names) - sum(1 for _ in errors)
+    count = len(names) - len(errors)
+    if not count:
+        raise RuntimeError(f"the podman peer started no desktop: {stopped_by}")
     r = {"session": session, "asked": n, "count": count, "running_at_top": running, "stopped_by": stopped_by or f"asked: {n}",
-         "fill_s": fill_s, "sessions_up": up, "sessions_up_wait_s": up_wait_s, "host_mib_per_desktop": mib((after - base) / max(count, 1)),
-         "cgroup_charged_mib_per_desktop": mib(charged / max(count, 1)),
-         "cgroup_anon_mib_per_desktop": mib(anon / max(count, 1)),
+         "fill_s": fill_s, "sessions_up": up, "sessions_up_wait_s": up_wait_s,
+         "host_mib_per_desktop": mib((after - base) / count), "cgroup_charged_mib_per_desktop": mib(charged / count),
+         "cgroup_anon_mib_per_desktop": mib(anon / count),
          "meminfo_mib_per_desktop": _parts(base_meminfo, after_meminfo, count), "left_running": names_left}
     console.print(f"podman: {count} idle desktops ({session}, {up} with the whole session up), {r['host_mib_per_desktop']:.1f} MiB of host memory each "
                   f"({r['cgroup_charged_mib_per_desktop']:.1f} MiB charged to their cgroups); {running} running at the top")
