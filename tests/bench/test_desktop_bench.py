@@ -34,3 +34,28 @@ def test_desktop_bench_measures_each_figure_against_its_peers(tmp_path: Path, de
     assert res["ratios"]["press_podman_exec_over_dsec"] == pytest.approx(pm["xdotool_key_p50_ms"] / d["press_p50_ms"])
     assert set(res["goals"]) == {"screenshot_p50_le_25ms", "screenshot_ge_4x_podman", "input_p50_le_5ms",
                                  "input_ge_10x_podman"}
+
+
+def test_desktop_density_holds_idle_desktops_and_measures_each_against_podman(tmp_path: Path, desktop_image,
+                                                                                 test_store) -> None:
+    console = Console(file=open(os.devnull, "w"), width=200)
+    state = tmp_path / "state"
+    code = desktop.main(state, console, store=test_store, width=1280, height=800, density=3, density_only=True,
+                        density_batch=2, density_settle_s=3.0, density_reserve_gib=2.0)
+    res = json.loads((state / desktop.RESULTS_FILE).read_text())
+    assert code == 0 and res["errors"] == [] and res["leftovers"] == [], res
+    assert "ratios" not in res  # (the latency arms were not run)
+    d, pm = res["density"]["dsec"], res["density"]["podman"]
+    # Every desktop held, then answered a screenshot of the whole 1280x800 screen.
+    assert d["count"] == 3 and d["stopped_by"] == "asked: 3" and not d["limit_hit"], d
+    assert d["screenshots_ok"] == 3 and d["screenshot_failures"] == [] and d["screenshot_p50_ms"] > 0
+    assert d["sessions_up"] == 3 and pm["sessions_up"] == 3  # (each session whole before the reading)
+    # What their cgroups are charged: an idle desktop is tens of MiB, most of it anonymous memory.
+    assert 10 < d["cgroup_anon_mib_per_desktop"] < d["cgroup_charged_mib_per_desktop"] < 400, d
+    assert d["meminfo_mib_per_desktop"].keys() >= {"AnonPages", "PageTables"}
+    # The peer: as many podman desktops of the same session, all running at the top, none left.
+    assert pm["count"] == 3 and pm["running_at_top"] == 3 and pm["left_running"] == 0, pm
+    assert 10 < pm["cgroup_anon_mib_per_desktop"] < 400, pm
+    assert set(res["density"]["goals"]) == {"count_ge_150", "host_mib_per_desktop_le_100", "all_screenshots"}
+    assert res["density"]["goals"]["all_screenshots"] and not res["density"]["goals"]["count_ge_150"]
+

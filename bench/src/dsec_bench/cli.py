@@ -273,12 +273,23 @@ def bench_desktop(
     samples: Annotated[int, typer.Option(help="Samples of each DSec latency (moves: 4x this).")] = 100,
     peer_samples: Annotated[int, typer.Option(help="Samples of each exec latency (the peers').")] = 30,
     creates: Annotated[int, typer.Option(help="Sandboxes made for create-to-first-screenshot.")] = 5,
+    density: Annotated[int, typer.Option(help="Idle desktops to hold at once, against as many podman run (0: off).")] = 0,
+    density_only: Annotated[bool, typer.Option(help="Only the density arm.")] = False,
+    density_session: Annotated[str, typer.Option(help="Session of the idle desktops: wm, xfce4 or none.")] = "wm",
+    density_peer: Annotated[Optional[int], typer.Option(help="podman desktops of the peer (default: --density).")] = None,
+    density_batch: Annotated[int, typer.Option(help="Desktops created at once.")] = 10,
+    density_memory_mb: Annotated[int, typer.Option(help="Memory limit of each idle desktop (admission counts it).")] = 384,
+    density_reserve_gib: Annotated[float, typer.Option(help="Stop filling when MemAvailable would go under this.")] = 4.0,
+    density_settle_s: Annotated[float, typer.Option(help="Wait this long for the host's memory to settle.")] = 10.0,
 ) -> None:
     """A sandbox's desktop (screenshot, input, create to first screenshot) against scrot and xdotool by podman exec (and crun exec)."""
     from .desktop import main as run_bench
 
     raise typer.Exit(run_bench(state_dir=state_dir, console=console, store=store, width=width, height=height,
-                               samples=samples, peer_samples=peer_samples, creates=creates))
+                               samples=samples, peer_samples=peer_samples, creates=creates, density=density,
+                               density_only=density_only, density_session=density_session, density_peer=density_peer,
+                               density_batch=density_batch, density_memory_mb=density_memory_mb,
+                               density_reserve_gib=density_reserve_gib, density_settle_s=density_settle_s))
 
 
 @app.command("density")

@@ -12,7 +12,9 @@ doing the same, in the same run (docs/BENCHMARKS.md, "Desktop").
 - an input action, p50: ``sandbox.desktop.move`` (alternating points) against ``xdotool
   mousemove --sync`` by ``podman exec`` (and by ``crun exec``, DSec's exec), and
   ``sandbox.desktop.press("shift")`` against ``xdotool key shift`` by ``podman exec``;
-- create to first screenshot, p50 over ``--creates`` sandboxes made one after another.
+- create to first screenshot, p50 over ``--creates`` sandboxes made one after another;
+- with ``--density N``: N idle desktops on the node and what each costs the host, against as many
+  ``podman run`` of the same session (``desktop_density``); ``--density-only`` runs that alone.
 
 Its own server (containers only, no warm pool) runs on 127.0.0.1 with its state under
 ``--state-dir``; the ``desktop`` image is built there on first use (a few minutes), or taken
@@ -40,6 +42,7 @@ from dsec.images.builders import build_desktop
 from dsec.images.store import LayerStore
 from dsec.local import LocalServer
 
+from . import desktop_density
 from .lifecycle_peers import image_root
 from .results import finish_on_server
 
@@ -141,6 +144,15 @@ def _podman_peer(store: LayerStore, work: Path, o: dict, console: Console) -> di
 
 async def _run(server: LocalServer, state_dir: Path, o: dict, console: Console) -> dict:
     r: dict = {"width": o["width"], "height": o["height"]}
+    if not o.get("density_only"):
+        await _latency(server, state_dir, o, console, r)
+    if o.get("density"):
+        async with DSecClient(server.endpoint, token=server.token, timeout=300, max_connections=64) as client:
+            r["density"] = await desktop_density.run(client, state_dir, o, console)
+    return r
+
+
+async def _latency(server: LocalServer, state_dir: Path, o: dict, console: Console, r: dict) -> None:
     args = DSecContainerRunArgs(container_image="desktop", memory_limit_mb=1024,
                                 desktop=DesktopSpec(width=o["width"], height=o["height"], dpi=96))
     async with DSecClient(server.endpoint, token=server.token, timeout=120) as client:
@@ -220,10 +232,27 @@ async def _run(server: LocalServer, state_dir: Path, o: dict, console: Console) 
         "input_ge_10x_podman": min(q["move_podman_exec_over_dsec"], q["press_podman_exec_over_dsec"])
         >= GOALS["input_vs_podman"],
     }
-    return r
+
+
+def _density_table(r: dict) -> Table:
+    dd = r["density"]
+    d, pm, goals = dd["dsec"], dd["podman"], dd["goals"]
+    t = Table(title=f"idle desktops {r['width']}x{r['height']} ({d['session']}), host memory per desktop")
+    for col in ("", "count", "host MiB each", "charged MiB each", "of it anonymous", "screenshots", "stopped by"):
+        t.add_column(col)
+    for label, x in (("DSec", d), ("podman run (peer)", pm)):
+        t.add_row(label, str(x["count"]), f"{x['host_mib_per_desktop']:.1f}", f"{x['cgroup_charged_mib_per_desktop']:.1f}",
+                  f"{x['cgroup_anon_mib_per_desktop']:.1f}",
+                  f"{x['screenshots_ok']}/{x['count']}" if "screenshots_ok" in x else "", x["stopped_by"])
+    t.caption = (f"load average {' '.join(d['load_average'])}; goals: >= 150 "
+                 + ("met" if goals["count_ge_150"] else "MISSED") + ", <= 100 MiB each "
+                 + ("met" if goals["host_mib_per_desktop_le_100"] else "MISSED"))
+    return t
 
 
 def _table(r: dict) -> Table:
+    if "ratios" not in r:
+        return _density_table(r)
     d, x, c, pm, q = r["dsec"], r["dsec_exec"], r["crun_exec"], r["podman_exec"], r["ratios"]
     t = Table(title=f"desktop {r['width']}x{r['height']}: p50, ms")
     for col in ("", "sandbox.desktop", "by podman exec (peer)", "podman / DSec", "by crun exec", "crun / DSec",
@@ -246,7 +275,15 @@ def _table(r: dict) -> Table:
     return t
 
 
+DENSITY_DEFAULTS = {"density": 0, "density_only": False, "density_session": "wm", "density_batch": 10,
+                    "density_peer": None, "density_memory_mb": 384, "density_reserve_gib": 4.0,
+                    "density_settle_s": 10.0}
+
+
 def main(state_dir: Path, console: Console, store: Path | None = None, **opts) -> int:
+    opts = {**DENSITY_DEFAULTS, **opts}
+    if opts["density_peer"] is None:
+        opts["density_peer"] = opts["density"]
     state_dir = Path(state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     if store is not None and not (state_dir / "store").exists():
@@ -265,4 +302,7 @@ def main(state_dir: Path, console: Console, store: Path | None = None, **opts) -
         errors.append(f"{type(exc).__name__}: {exc}")
     finally:
         server.stop()
-    return finish_on_server(console, state_dir, RESULTS_FILE, r, errors, opts, _table, "ratios")
+    if "density" in r and "ratios" in r:
+        console.print(_density_table(r))
+    measured = "density" if opts.get("density_only") else "ratios"
+    return finish_on_server(console, state_dir, RESULTS_FILE, r, errors, opts, _table, measured)

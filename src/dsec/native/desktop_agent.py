@@ -403,11 +403,16 @@ def _char_keysym(ch):
     return 0x01000000 | code
 
 
+# No GLX: it loads Mesa (libLLVM's relocated pages, 8 MiB anonymous in every process that maps
+# it) into the X server and into the window manager, which uses GL when the server offers it.
+XVFB_LEAN = ("-extension", "GLX")
+
+
 def start_x(display, width, height, dpi):
     r, w = os.pipe()
     server = subprocess.Popen(
         ["Xvfb", display, "-screen", "0", f"{width}x{height}x24", "-dpi", str(dpi), "-nolisten", "tcp",
-         "-displayfd", str(w)],
+         *XVFB_LEAN, "-displayfd", str(w)],
         pass_fds=(w,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=open("/tmp/.dsec-xvfb.log", "wb"),
     )
     os.close(w)
@@ -427,7 +432,9 @@ def start_session(session, env):
                          stderr=open("/tmp/.dsec-a11y.log", "wb"), start_new_session=True)
     if session == "none":
         return None
-    command = ["dbus-run-session", "--", "xfce4-session"] if session == "xfce4" else ["xfwm4"]
+    # (the lone window manager without its compositor: nothing here needs one, and it keeps an
+    # off-screen copy of every window in the X server)
+    command = ["dbus-run-session", "--", "xfce4-session"] if session == "xfce4" else ["xfwm4", "--compositor=off"]
     if session == "xfce4":  # as startxfce4 sets it: xdg-open then opens with exo-open
         env = {**env, "XDG_CURRENT_DESKTOP": "XFCE"}
     return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -477,6 +484,7 @@ def serve(desktop, listener):
 
 def main():
     os.environ.pop("DESKTOP_AGENT_PY", None)  # (its own source: not for the desktop's programs)
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)  # (the agent's own malloc tuning, likewise)
     width, height, dpi, port = (int(a) for a in sys.argv[1:5])
     name, session = sys.argv[5], sys.argv[6]
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
