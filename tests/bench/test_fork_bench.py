@@ -34,14 +34,17 @@ def test_fork_bench_forks_and_runs_the_peer(tmp_path: Path) -> None:
         assert "dsec-bench" not in seen and "dsec-bench" not in images, (seen, images)
 
 
-def test_microvm_fork_bench_forks_and_boots_the_peer(tmp_path: Path) -> None:
+def test_microvm_fork_bench_forks_and_boots_the_peer(tmp_path_factory) -> None:
     """The microVM arm at a tiny size: a parent holding 16 MiB forked into 2 children (its
-    process alive in each), 2 cold boots beside it, and the memory of all against one VM's."""
+    process alive in each), 2 cold boots beside it, and the memory of all against one VM's.
+    A short directory: a VM's agent socket lives under the state dir, and a socket's path holds
+    107 bytes (the test's own tmp_path under the suite's basetemp is too long for it)."""
     from dsec_bench import fork_microvm
 
+    work = tmp_path_factory.mktemp("fvm")
     console = Console(file=open(os.devnull, "w"), width=200)
-    code = fork_microvm.main(tmp_path / "state", console, children=2, touched_mb=16)
-    res = json.loads((tmp_path / "state.json").read_text())
+    code = fork_microvm.main(work / "state", console, children=2, touched_mb=16)
+    res = json.loads((work / "state.json").read_text())
     assert code == 0, res["errors"]
     d = res["dsec"]
     assert d["kind"] == "memory" and d["checked"] and res["cold"]["checked"]
