@@ -234,5 +234,6 @@ def main(state_dir: Path, console: Console, count: int = 500, mb: int = 64, prob
                           "RAM); see docs/OPERATIONS.md for DSEC_SETUP_SWAP=disk")
     errors += [] if r.get("read_back", {}).get("intact") == count else \
         [f"content intact in {r.get('read_back', {}).get('intact', 0)} of {count} sandboxes after resume"]
+    r["errors"] = errors
     save_results(console, state_dir, r, errors)
     return 0 if not errors else 1

@@ -246,5 +246,6 @@ def main(state_dir: Path, console: Console, images: int = 32, files: int = 200, 
     if "ratio" in r:
         console.print(f"the peer takes {r['ratio']:.2f}× as long (goal ≥ {GOAL_RATIO:g}×: "
                       f"{'met' if r['goal_met'] else 'MISSED'})")
+    r["errors"] = errors
     save_results(console, state_dir, r, errors)
     return 0 if not errors else 1

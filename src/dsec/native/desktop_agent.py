@@ -207,7 +207,19 @@ class Desktop:
         for i in range(1, steps + 1):
             self.move(x + (to_x - x) * i // steps, y + (to_y - y) * i // steps)
             self.d.sync()
+        self._arrive(to_x, to_y)
         xtest.fake_input(self.d, X.ButtonRelease, b)
+
+    def _arrive(self, x, y, wait_s=0.5):
+        """Wait until the pointer is at (x, y): with a button held, a client's grab (the desktop's
+        rubber band, a window being dragged) may have the server apply the queued motion a moment
+        after the sync that sent it, and the release must land where the drag ends."""
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            p = self.root.query_pointer()
+            if (p.root_x, p.root_y) == (x, y):
+                return
+            time.sleep(0.002)
 
     def scroll(self, dx=0, dy=0, x=None, y=None):
         if x is not None:
