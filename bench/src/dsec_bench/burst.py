@@ -486,6 +486,25 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def put_blob(blobs: Path, path: Path | None = None, data: bytes | None = None, move: bool = False) -> dict:
+    """A file (linked, or moved with ``move``) or ``data`` as a blob of an OCI layout's
+    ``blobs`` directory (``blobs/sha256``); its descriptor's digest and size."""
+    h = hashlib.sha256()
+    if path is not None:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    else:
+        h.update(data or b"")
+    target = blobs / h.hexdigest()
+    if not target.exists():
+        if path is not None:
+            (os.replace if move else os.link)(path, target)
+        else:
+            target.write_bytes(data or b"")
+    return {"digest": f"sha256:{h.hexdigest()}", "size": target.stat().st_size}
+
+
 def push_images(inputs: Inputs, registry: Registry, work: Path, progress: Progress) -> None:
     """Every task image as a two-layer OCI image (uncompressed layer tars, the base shared) in
     one OCI layout, then each ``skopeo copy``-ed to the registry (the base blob goes once)."""
@@ -494,20 +513,7 @@ def push_images(inputs: Inputs, registry: Registry, work: Path, progress: Progre
     blobs.mkdir(parents=True)
 
     def blob(path: Path | None = None, data: bytes | None = None) -> dict:
-        h = hashlib.sha256()
-        if path is not None:
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-        else:
-            h.update(data or b"")
-        target = blobs / h.hexdigest()
-        if not target.exists():
-            if path is not None:
-                os.link(path, target)
-            else:
-                target.write_bytes(data or b"")
-        return {"digest": f"sha256:{h.hexdigest()}", "size": target.stat().st_size}
+        return put_blob(blobs, path, data)
 
     layer_type = "application/vnd.oci.image.layer.v1.tar"
     base = {"mediaType": layer_type, **blob(inputs.base_tar)}

@@ -40,7 +40,7 @@ from dsec import _sys
 from dsec.images.builders import build_busybox
 from dsec.images.pulls import pull_many
 from dsec.images.store import LayerStore
-from .burst import SKOPEO, Registry, ensure_python, generate_workspace, mounted_layer
+from .burst import SKOPEO, Registry, ensure_python, generate_workspace, mounted_layer, put_blob
 from .results import save_results, source_commit
 
 GOAL_RATIO = 2.0
@@ -76,20 +76,7 @@ def prepare(work: Path, base: str, images: int, files: int, registry: Registry, 
     blobs.mkdir(parents=True, exist_ok=True)
 
     def blob(path: Path | None = None, data: bytes | None = None) -> dict:
-        h = hashlib.sha256()
-        if path is not None:
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
-        else:
-            h.update(data or b"")
-        target = blobs / h.hexdigest()
-        if not target.exists():
-            if path is not None:
-                os.replace(path, target)
-            else:
-                target.write_bytes(data or b"")
-        return {"digest": f"sha256:{h.hexdigest()}", "size": target.stat().st_size}
+        return put_blob(blobs, path, data, move=True)  # (the next workspace's tar takes its path)
 
     def diff_id(entry: dict) -> str:
         h = hashlib.sha256()
