@@ -88,9 +88,9 @@ def _layer(files: dict[str, bytes | None], dirs: tuple[str, ...] = ()) -> bytes:
     return gzip.compress(raw.getvalue(), mtime=0)
 
 
-def push_base_image(registry: str, tmp: Path) -> str:
-    """A two-layer image (busybox, then a file and a whiteout) pushed as test/base:v1."""
-    layout = tmp / "layout"
+def push_layers(layout: Path, layers: list[bytes], cfg: dict, ref: str) -> str:
+    """gzip ``layers`` (bottom first) and config ``cfg`` as one image in an OCI layout at
+    ``layout``, pushed to ``ref`` (registry/name:tag) with the test's credentials; ``ref``."""
     blobs = layout / "blobs/sha256"
     blobs.mkdir(parents=True)
 
@@ -99,27 +99,31 @@ def push_base_image(registry: str, tmp: Path) -> str:
         (blobs / digest).write_bytes(data)
         return {"digest": f"sha256:{digest}", "size": len(data)}
 
-    busybox = Path("/bin/busybox").read_bytes()
-    base = _layer({"bin/busybox": busybox, "bin/sh": busybox, "bin/cat": busybox, "bin/ls": busybox,
-                   "etc/hostname": b"old\n", "etc/passwd": b"root:x:0:0:root:/root:/bin/sh\n"},
-                  dirs=("bin", "etc", "tmp", "root"))
-    top = _layer({"hello.txt": b"hello from the registry\n", "etc/hostname": None})
-    layers = [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **blob(layer)} for layer in (base, top)]
-    diff_ids = [f"sha256:{hashlib.sha256(gzip.decompress(layer)).hexdigest()}" for layer in (base, top)]
-    config = {"architecture": "amd64", "os": "linux",
-              "config": {"Env": ["PATH=/bin", "FROM_IMAGE=yes"], "WorkingDir": "/root", "Cmd": ["/bin/sh"]},
-              "rootfs": {"type": "layers", "diff_ids": diff_ids}}
+    diff_ids = [f"sha256:{hashlib.sha256(gzip.decompress(layer)).hexdigest()}" for layer in layers]
+    config = {"architecture": "amd64", "os": "linux", "config": cfg, "rootfs": {"type": "layers", "diff_ids": diff_ids}}
     manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
                 "config": {"mediaType": "application/vnd.oci.image.config.v1+json", **blob(json.dumps(config).encode())},
-                "layers": layers}
+                "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **blob(layer)} for layer in layers]}
     m = json.dumps(manifest).encode()
     (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [{
         "mediaType": "application/vnd.oci.image.manifest.v1+json", **blob(m),
         "annotations": {"org.opencontainers.image.ref.name": "v1"}}]}))
     (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
     subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", "--dest-creds", f"{USER}:{PASSWORD}",
-                    f"oci:{layout}:v1", f"docker://{registry}/test/base:v1"], check=True, capture_output=True)
-    return f"{registry}/test/base:v1"
+                    f"oci:{layout}:v1", f"docker://{ref}"], check=True, capture_output=True)
+    return ref
+
+
+def push_base_image(registry: str, tmp: Path) -> str:
+    """A two-layer image (busybox, then a file and a whiteout) pushed as test/base:v1."""
+    busybox = Path("/bin/busybox").read_bytes()
+    base = _layer({"bin/busybox": busybox, "bin/sh": busybox, "bin/cat": busybox, "bin/ls": busybox,
+                   "etc/hostname": b"old\n", "etc/passwd": b"root:x:0:0:root:/root:/bin/sh\n"},
+                  dirs=("bin", "etc", "tmp", "root"))
+    top = _layer({"hello.txt": b"hello from the registry\n", "etc/hostname": None})
+    return push_layers(tmp / "layout", [base, top],
+                       {"Env": ["PATH=/bin", "FROM_IMAGE=yes"], "WorkingDir": "/root", "Cmd": ["/bin/sh"]},
+                       f"{registry}/test/base:v1")
 
 
 @pytest.fixture(scope="module")
@@ -260,35 +264,9 @@ def push_task_images(registry: str, tmp: Path, count: int, tag: str) -> list[str
     base = [_layer({"bin/busybox": busybox, "bin/sh": busybox, "bin/cat": busybox, "etc/tag": tag.encode()},
                    dirs=("bin", "etc", "tmp", "root")),
             _layer({"etc/shared.txt": b"one base for all\n"}, dirs=("etc",))]
-    refs = []
-    for i in range(count):
-        layout = tmp / f"layout-{tag}-{i}"
-        blobs = layout / "blobs/sha256"
-        blobs.mkdir(parents=True)
-
-        def blob(data: bytes) -> dict:
-            digest = hashlib.sha256(data).hexdigest()
-            (blobs / digest).write_bytes(data)
-            return {"digest": f"sha256:{digest}", "size": len(data)}
-
-        own = _layer({"task.txt": f"task {i} of {tag}\n".encode()})
-        layers = [*base, own]
-        config = {"architecture": "amd64", "os": "linux", "config": {"Env": ["PATH=/bin", f"TASK={i}"]},
-                  "rootfs": {"type": "layers",
-                             "diff_ids": [f"sha256:{hashlib.sha256(gzip.decompress(x)).hexdigest()}" for x in layers]}}
-        manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                    "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                               **blob(json.dumps(config).encode())},
-                    "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **blob(x)} for x in layers]}
-        m = json.dumps(manifest).encode()
-        (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [{
-            "mediaType": "application/vnd.oci.image.manifest.v1+json", **blob(m)}]}))
-        (layout / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
-        ref = f"{registry}/test/task-{i}:{tag}"
-        subprocess.run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false", "--dest-creds", f"{USER}:{PASSWORD}",
-                        f"oci:{layout}", f"docker://{ref}"], check=True, capture_output=True)
-        refs.append(ref)
-    return refs
+    return [push_layers(tmp / f"layout-{tag}-{i}", [*base, _layer({"task.txt": f"task {i} of {tag}\n".encode()})],
+                        {"Env": ["PATH=/bin", f"TASK={i}"]}, f"{registry}/test/task-{i}:{tag}")
+            for i in range(count)]
 
 
 async def test_many_images_pulled_at_once_share_their_base(registry, tmp_path, server, client, names):
