@@ -150,7 +150,16 @@ def _blobs_dir(layout: Path) -> Path:
 
 
 def plan_groups(pulls: list[_Pull], converted: Converted, merge_below: int) -> None:
-    """Cut each fetched image's layers into groups (module docstring, step 2)."""
+    """Cut each fetched image's layers into groups (module docstring, step 2). The groups
+    earlier pulls converted are read once per first layer for the whole plan (the images of a
+    batch ask about the same base layers again and again)."""
+    known: dict[tuple[str, bool], list[tuple[Group, str]]] = {}
+
+    def starting_with(digest: str, bottom: bool) -> list[tuple[Group, str]]:
+        if (digest, bottom) not in known:
+            known[digest, bottom] = converted.starting_with(digest, bottom)
+        return known[digest, bottom]
+
     # How many images of the batch begin with each prefix: where that count changes, they part ways.
     sharing: dict[tuple[str, ...], int] = {}
     for p in pulls:
@@ -166,19 +175,19 @@ def plan_groups(pulls: list[_Pull], converted: Converted, merge_below: int) -> N
         i = 0
         while i < len(digests):
             bottom = i == 0
-            known = _known_at(converted, digests, i, bottom, sizes, merge_below)
-            if known is not None:
-                p.groups.append(known)
-                i += len(known.layers)
+            done = _known_at(starting_with(digests[i], bottom), digests, i, sizes, merge_below)
+            if done is not None:
+                p.groups.append(done)
+                i += len(done.layers)
                 continue
             j, size = i + 1, sizes[digests[i]]
-            stop = _partial_end(converted, digests, i, bottom)
+            stop = _partial_end(starting_with(digests[i], bottom), digests, i)
             while j < len(digests) and j != stop:
                 if sharing[tuple(digests[:j])] != sharing[tuple(digests[:j + 1])]:
                     break  # the batch's images part ways after layer j - 1
                 if size + sizes[digests[j]] >= merge_below:
                     break
-                if converted.starting_with(digests[j], False):
+                if starting_with(digests[j], False):
                     break  # a group an earlier pull converted starts here: keep it reusable
                 size += sizes[digests[j]]
                 j += 1
@@ -186,12 +195,12 @@ def plan_groups(pulls: list[_Pull], converted: Converted, merge_below: int) -> N
             i = j
 
 
-def _known_at(converted: Converted, digests: list[str], i: int, bottom: bool, sizes: dict[str, int],
+def _known_at(candidates: list[tuple[Group, str]], digests: list[str], i: int, sizes: dict[str, int],
               merge_below: int) -> Group | None:
     """The longest group converted before that these layers begin with at ``i`` and that the
     merge policy allows (one layer, or under ``merge_below`` together)."""
     best = None
-    for group, _ in converted.starting_with(digests[i], bottom):
+    for group, _ in candidates:
         n = len(group.layers)
         if tuple(digests[i:i + n]) != group.layers:
             continue
@@ -202,12 +211,12 @@ def _known_at(converted: Converted, digests: list[str], i: int, bottom: bool, si
     return best
 
 
-def _partial_end(converted: Converted, digests: list[str], i: int, bottom: bool) -> int:
+def _partial_end(candidates: list[tuple[Group, str]], digests: list[str], i: int) -> int:
     """Where a known group that these layers only partly match stops matching (a base an
     earlier pull merged with that image's own layer): a boundary there makes the shared part a
     group of its own, which later pulls then reuse. -1 when there is none."""
     end = -1
-    for group, _ in converted.starting_with(digests[i], bottom):
+    for group, _ in candidates:
         n = 0
         while n < len(group.layers) and i + n < len(digests) and group.layers[n] == digests[i + n]:
             n += 1
