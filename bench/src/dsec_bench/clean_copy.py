@@ -33,7 +33,7 @@ from libdsec import DSecClient, DSecContainerRunArgs
 
 from dsec.local import serving
 from .lifecycle_peers import PODMAN, PeerRig, _finish
-from .results import busybox_store_beside, save_results, source_commit
+from .results import busybox_store_beside, run_noting, save_results, source_commit
 
 DIGEST = "cd /testbed && find . -type f | sort | xargs md5sum | md5sum | cut -c1-32"
 
@@ -154,11 +154,7 @@ def main(state_dir: Path, console: Console, rounds: int = 20, pack_rounds: int =
             with PeerRig(peers, layer_file, secrets.token_hex(3)) as rig:
                 r["podman"] = await _podman(rig, podman_rounds, tree_mb, files, console)
 
-    try:
-        asyncio.run(run())
-    except Exception as exc:  # noqa: BLE001 - reported
-        errors.append(f"{type(exc).__name__}: {exc}")
-    r["load_end"] = os.getloadavg()[0]
+    run_noting(run(), r, errors)
     r["errors"] = errors
     table = Table(title=f"clean copy of a {tree_mb} MB kept tree ({files} files), commit {r['commit']}")
     for col in ("way", "p50 ms", "p90 ms", "min ms", "runs", "tree checked"):

@@ -37,7 +37,7 @@ from libdsec import DSecClient, DSecContainerRunArgs
 
 from dsec.local import serving
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS, SLEEP_ARGS, PeerRig, _finish
-from .results import busybox_store_beside, save_results, source_commit
+from .results import busybox_store_beside, run_noting, save_results, source_commit
 
 CHECK = "md5sum /work/d0/f0 | cut -c1-32"
 
@@ -150,11 +150,7 @@ def main(state_dir: Path, console: Console, children: int = 100, changed_mb: int
             with PeerRig(peers, store.layer_path(image.layers[0]), secrets.token_hex(3)) as rig:
                 r["podman"] = await _podman(rig, children, changed_mb, files, concurrency, console)
 
-    try:
-        asyncio.run(run())
-    except Exception as exc:  # noqa: BLE001 - reported
-        errors.append(f"{type(exc).__name__}: {exc}")
-    r["load_end"] = os.getloadavg()[0]
+    run_noting(run(), r, errors)
     r["errors"] = errors
     table = Table(title=f"fork of a parent with {changed_mb} MB in {files} files into {children} children")
     for col in ("way", "until all answer (s)", "of which", "children checked"):

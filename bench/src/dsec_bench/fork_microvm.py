@@ -36,7 +36,7 @@ from libdsec import DSecClient, DSecMicroVMRunArgs
 from dsec.local import serving
 from dsec.resources import ksm
 from .hoststats import pss_bytes
-from .results import busybox_store_beside, save_results, source_commit
+from .results import busybox_store_beside, run_noting, save_results, source_commit
 
 MiB = 1 << 20
 # The parent's memory-holding process: dd reads one block of touched_mb MiB (random bytes, then
@@ -185,11 +185,7 @@ def main(state_dir: Path, console: Console, children: int = 16, touched_mb: int 
                 if cold:
                     r["cold"] = await _cold(client, args, children, console)
 
-    try:
-        asyncio.run(run())
-    except Exception as exc:  # noqa: BLE001 - reported
-        errors.append(f"{type(exc).__name__}: {exc}")
-    r["load_end"] = os.getloadavg()[0]
+    run_noting(run(), r, errors)
     r["errors"] = errors
     table = Table(title=f"fork of a {memory_mb} MB microVM holding {touched_mb} MiB into {children} children")
     for col in ("way", "until all answer (s)", "of which", "checked"):

@@ -3,9 +3,11 @@ or in it), and what several benchmarks start from: the commit measured, a busybo
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 
 from rich.console import Console
@@ -50,6 +52,16 @@ def finish_on_server(console: Console, state_dir: Path, results_file: str, r: di
     if left:
         console.print(f"[red]left behind:[/red] {left}")
     return 1 if errors or left else 0
+
+
+def run_noting(main: Coroutine, r: dict, errors: list[str]) -> None:
+    """Run a benchmark's coroutine to its end: an exception is one of the run's ``errors`` (what
+    was measured before it is still reported), and the load average at the end goes in ``r``."""
+    try:
+        asyncio.run(main)
+    except Exception as exc:  # noqa: BLE001 - reported
+        errors.append(f"{type(exc).__name__}: {exc}")
+    r["load_end"] = os.getloadavg()[0]
 
 
 def save_results(console: Console, state_dir: Path, results: dict, errors: list[str]) -> Path:

@@ -55,9 +55,8 @@ from dsec.images import loopdev
 from dsec.images.builders import build_python
 from dsec.images.store import Image, LayerStore
 from dsec.local import serving
-from .results import source_commit
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS, SLEEP_ARGS, _finish, podman_detached
-from .results import save_results
+from .results import run_noting, save_results, source_commit
 
 KEEP = ["/testbed"]
 GRADE = "python3 -I -S /grader/grade.py"
@@ -399,11 +398,7 @@ def main(state_dir: Path, console: Console, store_dir: Path | None = None, episo
                     r["podman"] = await run_episodes("podman exec", podman_episodes, concurrency,
                                                      lambda n: podman_episode(rig, n, task_set, branch_every), progress)
 
-    try:
-        asyncio.run(run())
-    except Exception as exc:  # noqa: BLE001 - reported
-        errors.append(f"{type(exc).__name__}: {exc}")
-    r["load_end"] = os.getloadavg()[0]
+    run_noting(run(), r, errors)
     table = Table(title=f"SWE-style rollout: {tasks} tasks, concurrency {concurrency}, commit {r['commit']}")
     for col in ("way", "episodes", "episodes/s", "p50 ms", "p99 ms", "verdicts right", "branched",
                 "host mem peak MB", "mean MB"):

@@ -39,10 +39,9 @@ from rich.table import Table
 from libdsec import DSecClient, DSecContainerRunArgs
 
 from dsec.local import serving
-from .results import source_commit
 from .harness import _import_into_podman, python_store
 from .lifecycle_peers import PODMAN, PODMAN_FLAGS
-from .results import save_results
+from .results import run_noting, save_results, source_commit
 
 MODES = ("sequential", "staggered", "burst")
 COMMAND = "echo benchmark"
@@ -214,11 +213,7 @@ def main(state_dir: Path, console: Console, iterations: int = 100, stagger_ms: f
                 await proc.wait()
                 shutil.rmtree(work, ignore_errors=True)
 
-    try:
-        asyncio.run(run())
-    except Exception as exc:  # noqa: BLE001 - reported
-        errors.append(f"{type(exc).__name__}: {exc}")
-    r["load_end"] = os.getloadavg()[0]
+    run_noting(run(), r, errors)
     for system in ("dsec", "e2b", "podman"):
         for mode, s in r.get(system, {}).items():
             if s["success"] < 1.0:
