@@ -238,6 +238,22 @@ def mib(n: float | None) -> float | None:
     return None if n is None else n / 2**20
 
 
+async def workers(items: list, fn, concurrency: int, errors: list[str]) -> list:
+    """``fn`` of each item, ``concurrency`` at a time; an item whose call failed has its
+    exception in the answer, and the failure is one of ``errors``."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(x):
+        async with sem:
+            try:
+                return await fn(x)
+            except Exception as exc:  # noqa: BLE001 - counted and reported
+                errors.append(f"{type(exc).__name__}: {exc}"[:300])
+                return exc
+
+    return await asyncio.gather(*(one(x) for x in items))
+
+
 # -- fill data ----------------------------------------------------------------------------------
 
 _WORDS = ("request", "handler", "worker", "session", "token", "module", "config", "import", "return", "self",
@@ -404,17 +420,7 @@ class Bench:
         self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}")
 
     async def workers(self, items: list, fn, concurrency: int | None = None) -> list:
-        sem = asyncio.Semaphore(concurrency or self.opts.concurrency)
-
-        async def one(x):
-            async with sem:
-                try:
-                    return await fn(x)
-                except Exception as exc:  # noqa: BLE001 - counted and reported
-                    self.errors.append(f"{type(exc).__name__}: {exc}"[:300])
-                    return exc
-
-        return await asyncio.gather(*(one(x) for x in items))
+        return await workers(items, fn, concurrency or self.opts.concurrency, self.errors)
 
     # -- 1. placement -----------------------------------------------------------------------
 

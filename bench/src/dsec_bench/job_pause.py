@@ -43,7 +43,7 @@ from libdsec import DSecClient, DSecContainerRunArgs, Sandbox
 from dsec.local import serving
 from dsec.resources import cgroups, reclaim
 from .density import (HEAP_PATH, fill_image, meminfo, mib, parent_memory, parent_swap, pct, settled_used,
-                      swap_setup, zram_kept)
+                      swap_setup, workers, zram_kept)
 from .results import busybox_store_beside, save_results, source_commit
 
 JOB = "bench-pause"
@@ -68,20 +68,6 @@ def fits(count: int, mb: int) -> str | None:
             f"{int(room / ((mb << 20) * 1.15))} at {mb} MiB (--count), or less each (--mb)")
 
 
-async def _gather(items: list, fn, concurrency: int, errors: list[str]) -> list:
-    sem = asyncio.Semaphore(concurrency)
-
-    async def one(x):
-        async with sem:
-            try:
-                return await fn(x)
-            except Exception as exc:  # noqa: BLE001 - counted and reported
-                errors.append(f"{type(exc).__name__}: {exc}"[:300])
-                return exc
-
-    return await asyncio.gather(*(one(x) for x in items))
-
-
 async def _timed_calls(sandboxes: list[Sandbox]) -> list[float]:
     out = []
     for s in sandboxes:
@@ -103,7 +89,7 @@ async def _run(server, image: str, r: dict, count: int, mb: int, probes: int, lo
         for i in range(0, count, 100):
             sandboxes += await client.run_containers(args, count=min(100, count - i), timeout=900)
         fill = f"cat {HEAP_PATH} > /root/fill && {CHECK}"
-        fills = await _gather(sandboxes, lambda s: s.run_shell(fill, timeout=600), 4, errors)
+        fills = await workers(sandboxes, lambda s: s.run_shell(fill, timeout=600), 4, errors)
         digests = [f.stdout.strip() if not isinstance(f, Exception) and f.exit_code == 0 else None for f in fills]
         console.print(f"  {len(sandboxes)} sandboxes made and filled with {mb} MiB each in "
                       f"{time.perf_counter() - t0:.0f} s")
@@ -145,17 +131,17 @@ async def _run(server, image: str, r: dict, count: int, mb: int, probes: int, lo
                           f"paused one took {r['auto_resume']['first_call_p50_ms']:.0f} ms (p50), to a running one "
                           f"{r['auto_resume']['running_call_p50_ms']:.0f} ms")
             t0 = time.perf_counter()
-            checks = await _gather(sandboxes, lambda s: s.run_shell(CHECK, timeout=600), 4, errors)
+            checks = await workers(sandboxes, lambda s: s.run_shell(CHECK, timeout=600), 4, errors)
             intact = sum(1 for c, d in zip(checks, digests)
                          if d and not isinstance(c, Exception) and c.stdout.strip() == d)
             r["read_back"] = {"seconds": time.perf_counter() - t0, "intact": intact, "count": len(sandboxes)}
             if loop:
                 t0 = time.perf_counter()
-                await _gather(sandboxes, lambda s: s.pause(), 4, errors)
+                await workers(sandboxes, lambda s: s.pause(), 4, errors)
                 r["loop_pause_s"] = time.perf_counter() - t0
                 await client.resume_sandboxes(job=JOB)
         finally:
-            await _gather(sandboxes, lambda s: s.stop(), 32, errors)
+            await workers(sandboxes, lambda s: s.stop(), 32, errors)
 
 
 def _table(r: dict, count: int, mb: int) -> Table:
