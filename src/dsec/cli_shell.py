@@ -20,7 +20,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from libdsec import DSecClient, Sandbox
+from libdsec import DSecClient, Sandbox, SandboxStateError
 
 from .cli_common import run_sdk
 
@@ -77,7 +77,10 @@ async def interactive(sandbox: Sandbox, command: str, *, user: str | None = None
                         typed.put_nowait(None)
                         break
                     data += more
-                await pty.write(data)
+                try:
+                    await pty.write(data)
+                except SandboxStateError:
+                    return  # the command has ended: what is typed after goes nowhere, as at a terminal
 
         resized = asyncio.Event()
 
