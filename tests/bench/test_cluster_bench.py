@@ -25,6 +25,7 @@ def _processes_naming(text: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # (9 s: the fake backend, but a benchmark's whole run at a small size)
 def test_both_arms_run_every_phase_and_clean_up(tmp_path: Path) -> None:
     results = tmp_path / "results.json"
     console = Console(file=open(os.devnull, "w"), width=200)

@@ -15,8 +15,8 @@ from libdsec.protocol import MAX_SANDBOX_BATCH
 from sdk_answers import ARGS, INFO
 
 
-def _client(handler, token: str | None = "t0k3n") -> DSecClient:
-    return DSecClient("http://dsec.test", token=token, transport=httpx.MockTransport(handler))
+def _client(handler, token: str | None = "t0k3n", **options) -> DSecClient:
+    return DSecClient("http://dsec.test", token=token, transport=httpx.MockTransport(handler), **options)
 
 
 async def test_token_header_and_request_body():
@@ -102,7 +102,7 @@ async def test_transport_errors_are_server_unavailable():
     def handler(request):
         raise httpx.ReadError("connection reset", request=request)
 
-    async with _client(handler) as client:
+    async with _client(handler, retry_backoff_s=0.001) as client:  # (retried first, as a broken connection is)
         with pytest.raises(libdsec.ServerUnavailable, match="connection reset"):
             await client.list_sandboxes()
 
