@@ -46,6 +46,9 @@ def serve(
     node: Annotated[str, typer.Option(help="This node's name (lowercase letters and digits).")] = "n0",
     max_sandboxes: Annotated[int, typer.Option(help="Most sandboxes this node admits.")] = 4096,
     pool_max: Annotated[int, typer.Option(help="Most pre-created sandboxes kept per image (0: no warm pool).")] = 64,
+    ended_kept: Annotated[int, typer.Option(
+        help="Ended sandboxes this node remembers (about 200 bytes each), so a late get still answers; "
+             "the oldest is forgotten first.")] = 10_000,
     cpu_overcommit: Annotated[Optional[float], typer.Option(help="CPU weights committed per core (default 2048).")] = None,
     memory_overcommit: Annotated[Optional[float], typer.Option(help="Memory limits committed per MB of RAM (default 2.5).")] = None,
     cold_memory_idle_s: Annotated[float, typer.Option(help="Reclaim memory of sandboxes idle this long (0: off).")] = 0.0,
@@ -84,10 +87,10 @@ def serve(
 
     edge = {"max_sandboxes": max_sandboxes, "pool_max": pool_max, "max_creates_running": max_creates,
             "max_commands_running": max_commands, "max_creates_queued": max_queued,
-            "max_commands_queued": 4 * max_queued, "max_queue_wait_s": max_queue_wait_s}
-    if min(max_creates, max_commands) < 1 or max_queued < 0 or max_queue_wait_s <= 0:
-        fail(ValueError("--max-creates and --max-commands must be at least 1, --max-queued at least 0 and "
-                        "--max-queue-wait-s above 0"))
+            "max_commands_queued": 4 * max_queued, "max_queue_wait_s": max_queue_wait_s, "finished_kept": ended_kept}
+    if min(max_creates, max_commands) < 1 or max_queued < 0 or max_queue_wait_s <= 0 or ended_kept < 0:
+        fail(ValueError("--max-creates and --max-commands must be at least 1, --max-queued and --ended-kept at "
+                        "least 0 and --max-queue-wait-s above 0"))
     if pool_max == 0:
         edge["pool_min"] = 0
     if cpu_overcommit is not None:
