@@ -39,6 +39,8 @@ def _summary(entry: JobEntry) -> tuple[str, str]:
     elif entry.op in ("pause_sandboxes", "resume_sandboxes"):
         asked = (f"job {request['job']}" if request.get("job") else f"project {request['project']}"
                  if request.get("project") else f"{len(request.get('ids') or [])} ids")
+        if "asked_by_job" in request:  # (another caller's, selecting this job)
+            asked += f", asked by {'job ' + request['asked_by_job'] if request['asked_by_job'] else 'a caller with no job'}"
     elif entry.op == "unrecorded":
         asked = str(request.get("call"))
     elif entry.op in ("set_network_rules", "set_ttl"):

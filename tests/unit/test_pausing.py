@@ -15,7 +15,8 @@ from dsec.apiserver.app import Cluster
 from dsec.apiserver.projects import open_project_store
 from dsec.app import create_app
 from dsec.edge.reaper import expired, to_pause
-from libdsec import DSecClient, DSecContainerRunArgs, InvalidRequest, SandboxStateError, SandboxStatus
+from libdsec import (DSecClient, DSecContainerRunArgs, InvalidRequest, ReplayDiverged, SandboxStateError,
+                     SandboxStatus)
 
 TOKEN = "s3cret"
 ARGS = DSecContainerRunArgs(container_image="tiny", memory_limit_mb=64)
@@ -173,3 +174,38 @@ async def test_a_pause_says_its_mode_on_the_wire_and_none_is_a_full_one(edge, tm
             bare = await raw.post(f"/v1/sandboxes/{sandbox.id}/pause")
             assert bare.status_code == 200 and bare.json()["sandbox"]["pause_mode"] == "full"
         await sandbox.stop()
+
+
+async def test_a_resumed_job_answers_its_group_calls_from_the_log(edge, tmp_path):
+    """``resume=True``: the job's own group pause and resume are answered from its log (nothing
+    paused again); one another caller made selecting the job is not this run's; past the log
+    they go live; a different group call at the log's place is ``ReplayDiverged``."""
+    async with apiserver(edge, tmp_path) as (client, _), client() as c:
+        async def run(job: DSecClient) -> tuple:
+            sandboxes = [await job.run_container(ARGS, key=f"episode-{i}") for i in range(2)]
+            paused = await job.pause_sandboxes(job="j2")
+            resumed = await job.resume_sandboxes(job="j2")
+            return [s.id for s in sandboxes], paused, resumed
+
+        async with client(job="j2") as job:
+            ids, paused, resumed = await run(job)
+        assert paused.done == 2 and resumed.done == 2
+        await c.pause_sandboxes(job="j2")  # another caller's, logged in j2's log too
+        await c.resume_sandboxes(job="j2")
+        assert [e.request.get("asked_by_job", "-") for e in (await c.job_log("j2")).entries
+                if e.op.endswith("_sandboxes")] == ["-", "-", None, None]
+
+        async with client(job="j2", resume=True) as job:
+            again = await run(job)
+            assert again == (ids, paused, resumed)
+            assert job.replayed == 4
+            assert (await statuses(c)) == {i: SandboxStatus.running for i in ids}  # (not paused again)
+            live = await job.pause_sandboxes(job="j2")  # past the log: live
+            assert live.done == 2
+        async with client(job="j2", resume=True) as job:
+            for i in range(2):
+                await job.run_container(ARGS, key=f"episode-{i}")
+            with pytest.raises(ReplayDiverged, match="the log has pause_sandboxes .* this run asks resume_sandboxes"):
+                await job.resume_sandboxes(job="j2")
+        for sid in ids:
+            await (await c.get_sandbox(sid)).stop()

@@ -12,6 +12,10 @@ calls run out (or a key was never logged) the call goes to the server: the job g
 on the same sandboxes. A call that is not the one logged at its place raises
 ``ReplayDiverged`` naming both.
 
+A group's pause or resume (``pause_sandboxes``, ``resume_sandboxes``) is answered by the next
+group call logged when it is the same call; one that another job's caller made selecting this
+job (logged with ``asked_by_job``) is not this run's and is left out.
+
 Reads, pauses, resumes, network rules and TTLs are logged with their results too (a read's
 bytes up to 8 MiB; past that the read goes live and must find the same bytes). The other calls
 on a sandbox (streamed commands, background processes, sessions, PTYs, file-tree calls,
@@ -75,6 +79,7 @@ class Replay:
         self._by_key: dict[str, JobEntry] = {}
         self._keyless: deque[JobEntry] = deque()
         self._calls: dict[str, deque[JobEntry]] = {}
+        self._groups: deque[JobEntry] = deque()
         self.answered = 0  # calls answered from the log
         for entry in log.entries:
             if entry.op in ("create", "create_batch"):
@@ -82,12 +87,16 @@ class Replay:
                     self._by_key.setdefault(entry.key, entry)
                 else:
                     self._keyless.append(entry)
+            elif entry.op in _GROUP_OPS:
+                if "asked_by_job" not in entry.request:
+                    self._groups.append(entry)
             elif entry.sandbox is not None:
                 self._calls.setdefault(entry.sandbox, deque()).append(entry)
 
     @property
     def remaining(self) -> int:
-        return len(self._by_key) + len(self._keyless) + sum(len(q) for q in self._calls.values())
+        return (len(self._by_key) + len(self._keyless) + len(self._groups)
+                + sum(len(q) for q in self._calls.values()))
 
     def create(self, op: str, request: dict, key: str | None) -> Any:
         """The logged result of this create (a ``SandboxInfo`` dict, a list for a batch), or
@@ -128,6 +137,21 @@ class Replay:
             raise error_from_wire({"error": entry.error}, 500)
         return True, entry.result
 
+    def group(self, op: str, request: dict) -> tuple[bool, Any]:
+        """(True, the logged ``SandboxGroupResult`` dict) for a group pause or resume the log
+        answers (its logged error raised), or (False, None): no group call left, go live."""
+        if not self._groups:
+            return False, None
+        entry = self._groups[0]
+        if entry.op != op or entry.request != request:
+            raise ReplayDiverged(f"job {self.job!r}, log entry {entry.seq}: the log has {entry.op} {entry.request}, "
+                                 f"this run asks {op} {request}")
+        self._groups.popleft()
+        self.answered += 1
+        if entry.error is not None:
+            raise error_from_wire({"error": entry.error}, 500)
+        return True, entry.result
+
     def guard(self, method: str, path: str) -> None:
         """A request about to go to the server (one the log did not answer): refused with
         ``ReplayIncomplete`` while its sandbox's log holds more (it would run against the
@@ -149,4 +173,5 @@ class Replay:
             f"the logged calls, or record with calls the log answers (run_shell without callbacks, write_file, read_file)")
 
 
+_GROUP_OPS = ("pause_sandboxes", "resume_sandboxes")
 _SANDBOX_PATH = re.compile(r"^/v1/sandboxes/([^/:?]+)(/[^?]*)?")

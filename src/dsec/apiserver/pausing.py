@@ -101,8 +101,9 @@ class SandboxGroups:
         asked = request.model_dump(mode="json", exclude_none=True)
         if caller.job is not None:
             await self.jobs.check(caller)  # (its own job is made on first use; a selected one was seen)
-        for job in logs:
-            await self.jobs.record(replace(caller, job=job, key=None), f"{action}_sandboxes", None, asked,
+        for job in logs:  # (in a job's log that is not the caller's, with the caller's: another's call)
+            await self.jobs.record(replace(caller, job=job, key=None), f"{action}_sandboxes", None,
+                                   asked if job == caller.job else {**asked, "asked_by_job": caller.job},
                                    result.model_dump(mode="json"))
 
     # -- which sandboxes ---------------------------------------------------------------------
