@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dsec.images import loopdev
 from dsec.images.compose import LayerMount
 from dsec.images.layercache import CHUNK, LayerCache
 from dsec.images.mounts import LayerMounts
@@ -45,9 +46,10 @@ class Node:
     """LayerMounts over the store with a cache of ``limit`` bytes; ``read`` mounts the layer,
     reads files and unmounts it (the cache stopped with it, as when a node's last sandbox ends)."""
 
-    def __init__(self, tmp_path: Path, store: LayerStore, digest: str, limit: int) -> None:
+    def __init__(self, tmp_path: Path, store: LayerStore, digest: str, limit: int, attach: str = "file") -> None:
         self.cache = LayerCache(tmp_path / "cache", limit, store.layers_dir)
-        self.mounts = LayerMounts(tmp_path / "node" / "layers", layers_dir=store.layers_dir, cache=self.cache)
+        self.mounts = LayerMounts(tmp_path / "node" / "layers", attach=attach, layers_dir=store.layers_dir,
+                                  cache=self.cache)
         self.layer = LayerMount(digest=digest, source=store.layer_path(digest), target=self.mounts.mount_dir / digest)
 
     def read(self, *names: str) -> tuple[dict[str, str], dict]:
@@ -59,12 +61,14 @@ class Node:
             self.mounts.release((self.layer,))
             self.mounts.release_unused()
         assert not self.cache.running()
+        assert not loopdev.backed_by(self.cache.mountpoint)
         return sums, stats
 
 
-def test_a_second_mount_reads_nothing_from_the_store_and_a_corrupted_chunk_is_refused(tmp_path, layer):
+@pytest.mark.parametrize("attach", ["file", "loop"])
+def test_a_second_mount_reads_nothing_from_the_store_and_a_corrupted_chunk_is_refused(tmp_path, layer, attach):
     store, digest, sums = layer
-    node = Node(tmp_path, store, digest, 64 << 20)
+    node = Node(tmp_path, store, digest, 64 << 20, attach)
     got, first = node.read("f0", "f1")
     assert got == {n: sums[n] for n in ("f0", "f1")}
     size = store.layer_size(digest)

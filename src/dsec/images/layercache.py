@@ -51,7 +51,7 @@ from .. import _sys
 
 log = logging.getLogger("dsec.images.layercache")
 
-CHUNK = 128 << 10
+CHUNK = 64 << 10
 _LAYER = re.compile(r"^sha256-[0-9a-f]{64}\.erofs\Z")
 _STATS = ".stats"
 
