@@ -213,20 +213,22 @@ def _report(console: Console, res: dict) -> None:
     total = res.get("image_bytes") or 0
     table = Table(title=f"creates of {res['options']['images']} images × {res['options']['per_image']} "
                         f"(images: {total / 1e6:.0f} MB of layers)")
-    for col in ("arm", "create p50 (s)", "create max (s)", "task p50 (s)", "read from the volume", "of the images",
-                "create p50 ÷ local"):
-        table.add_column(col)
+    for col in ("arm", "create p50 (s)", "create max (s)", "task p50 (s)", "read from the volume", "per create",
+                "of the images", "create p50 ÷ local"):
+        table.add_column(col, no_wrap=col == "arm")
     base = arms.get("local", {}).get("create_p50_s")
     for arm, a in arms.items():
         read = a["read_bytes"]
+        creates = len(a["task_s"]) or 1
         table.add_row(arm, f"{a['create_p50_s']:.3f}", f"{a['create_max_s']:.3f}", f"{a['task_p50_s']:.3f}",
                       "—" if read is None else f"{read / 1e6:.2f} MB",
+                      "—" if read is None else f"{read / creates / 1e6:.2f} MB",
                       "—" if read is None or not total else f"{100 * read / total:.1f}%",
                       f"{a['create_p50_s'] / base:.2f}×" if base else "—")
     console.print(table)
     if "shared-warm" in arms:
-        per_image = arms["shared-warm"]["read_bytes"]
-        console.print(f"warm cache: {per_image} bytes read from the volume in all ({per_image / max(1, len(arms['shared-warm']['create_s'])):.0f} per image)")
+        console.print(f"warm cache (after a node restart): {arms['shared-warm']['read_bytes']} bytes read from the "
+                      "volume in all (goal: none)")
     for e in res["errors"]:
         console.print(f"[red]error:[/red] {e}")
     for left in res["leftovers"]:
