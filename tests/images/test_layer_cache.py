@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,29 @@ def test_a_full_cache_disk_serves_reads_from_the_store(tmp_path, layer):
         assert "reading from the store" in (tmp_path / "cache" / "log").read_text()
     finally:
         subprocess.run(["umount", str(chunks)], check=True)
+
+
+def test_a_killed_cache_server_is_started_again_and_the_layer_mounted_anew(tmp_path, layer):
+    """The cache's server killed (its mount answers ENOTCONN): the next mount of a layer starts
+    it again and mounts the layer anew through it, though a sandbox still holds the old mount."""
+    store, digest, sums = layer
+    node = Node(tmp_path, store, digest, 64 << 20)
+    node.mounts.acquire((node.layer,))
+    try:
+        assert hashlib.md5((node.layer.target / "f0").read_bytes()).hexdigest() == sums["f0"]
+        pid = int((tmp_path / "cache" / "lock").read_text())
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while node.cache.running():
+            assert time.monotonic() < deadline, "the killed server's mount still answers"
+            time.sleep(0.05)
+        node.mounts.acquire((node.layer,))  # a second sandbox of the layer
+        try:
+            assert hashlib.md5((node.layer.target / "f1").read_bytes()).hexdigest() == sums["f1"]
+            assert node.cache.running() and node.cache.stats()["cached_bytes_served"] >= 0
+        finally:
+            node.mounts.release((node.layer,))
+    finally:
+        node.mounts.release((node.layer,))
+        node.mounts.release_unused()
+    assert not node.cache.running()

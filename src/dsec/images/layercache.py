@@ -464,9 +464,17 @@ class LayerCache:
         return self.mountpoint / source.name
 
     def running(self) -> bool:
-        with contextlib.suppress(OSError):
-            return _fuse_mounted(self.mountpoint) and os.path.isdir(self.mountpoint)
-        return False
+        """Whether its server is serving: its mount is there and answers (a killed server's
+        mount answers ENOTCONN)."""
+        return self.device() is not None
+
+    def device(self) -> int | None:
+        """The device of the mount being served (another after a restart of the server)."""
+        try:
+            dev = os.stat(self.mountpoint).st_dev
+            return dev if dev != os.stat(self.cache_dir).st_dev else None
+        except OSError:
+            return None
 
     def ensure(self) -> None:
         """Start the cache's server unless it is serving (an earlier edge's is taken as it is)."""

@@ -63,6 +63,9 @@ class LayerMounts:
         # device tells a store mounted again since (a FUSE client restarted): the mount reads
         # through the gone one.
         self._holds: dict[str, tuple[int, int]] = {}
+        # digest -> the device of the layer cache's mount it was mounted through: a cache whose
+        # server was killed and started again serves another.
+        self._cache_devs: dict[str, int | None] = {}
         self._lock = threading.Lock()
         # (layer mount target, id range base) -> fd of its detached idmapped clone
         self._clones: OrderedDict[tuple[str, int], int] = OrderedDict()
@@ -154,11 +157,16 @@ class LayerMounts:
                 raise
 
     def _stale(self, layer: LayerMount) -> bool:
-        """Whether the layer's mount reads through a mount of the store that has gone."""
+        """Whether the layer's mount reads through a mount of the store, or a server of the
+        layer cache, that has gone."""
         held = self._holds.get(layer.digest)
         if held is None:  # adopted: mounted by an earlier edge, taken as it is
             self._hold(layer)
             return False
+        if self.cache is not None and layer.digest in self._cache_devs:
+            self.cache.ensure()
+            if self.cache.device() != self._cache_devs[layer.digest]:
+                return True
         return os.stat(layer.source).st_dev != held[1]
 
     def _hold(self, layer: LayerMount) -> None:
@@ -182,7 +190,10 @@ class LayerMounts:
         self._hold(layer)
         flags = _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID
         try:
-            source = self.cache.path(layer.source) if self.cache is not None else layer.source
+            source = layer.source
+            if self.cache is not None:
+                source = self.cache.path(layer.source)
+                self._cache_devs[layer.digest] = self.cache.device()
             if self.attach == "file":
                 _sys.mount(str(source), str(layer.target), "erofs", flags)
                 return
@@ -201,6 +212,7 @@ class LayerMounts:
         self._refs[layer.digest] -= 1
         if self._refs[layer.digest] <= 0:
             del self._refs[layer.digest]
+            self._cache_devs.pop(layer.digest, None)
             self._let_go(layer.digest)
             self._unmount(layer.target)
 
