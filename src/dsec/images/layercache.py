@@ -18,7 +18,8 @@ is bounded by the operator (``DSEC_LAYER_CACHE_MB``): a chunk fetched over the b
 least recently used chunks of any layer (their space given back: holes punched). A restart
 (of the cache process, the node, the machine) keeps every chunk: the records are read back.
 
-Faults: a cached chunk whose bytes no longer match its sha256 is refused (never served),
+Faults: a cached chunk whose bytes no longer match its sha256 is refused (never served; each
+chunk is checked the first time a server reads it back from the node's disk, as after a restart),
 dropped, logged naming the layer, chunk and file, and read from the store again. A cache disk
 that is full (or failing writes) degrades to reading from the store: the sandbox gets its data,
 nothing is cached until writes work again, and ``stats()`` counts the failures. The store gone
@@ -126,10 +127,13 @@ class ChunkCache:
         self._layers: dict[str, _Layer] = {}
         # (layer, chunk) -> (size, sha256), least recently used first
         self._lru: OrderedDict[tuple[str, int], tuple[int, bytes]] = OrderedDict()
+        # chunks checked against their sha256 by this process (read back from disk, or written)
+        self._verified: set[tuple[str, int]] = set()
         self._seq = 0
         self.used = 0
         self.counters = {"fetched_bytes": 0, "cached_bytes_served": 0, "chunks_cached": 0,
-                         "chunks_evicted": 0, "chunks_refused": 0, "write_failures": 0}
+                         "chunks_evicted": 0, "chunks_refused": 0, "write_failures": 0,
+                         "read_requests": 0}
         self._load()
 
     def _load(self) -> None:
@@ -171,22 +175,26 @@ class ChunkCache:
     def _drop_layer(self, name: str) -> None:
         for key in [k for k in self._lru if k[0] == name]:
             self.used -= self._lru.pop(key)[0]
+            self._verified.discard(key)
 
-    def read(self, name: str, store_fd: int, chunk: int) -> bytes:
-        """Chunk ``chunk`` of layer ``name``: from the cache, else from ``store_fd`` (and kept)."""
+    def read(self, name: str, store_fd: int, chunk: int, start: int = 0, length: int = CHUNK) -> bytes:
+        """``length`` bytes from ``start`` in chunk ``chunk`` of layer ``name``: from the cache,
+        else from ``store_fd`` (the whole chunk fetched, and kept). A cached chunk is checked
+        against its sha256 the first time this process serves it."""
         with self._lock:
             held = self._lru.get((name, chunk))
             layer = self._layer(name)
             if held is not None:
                 size, sha = held
+                if (name, chunk) in self._verified:
+                    data = os.pread(layer.data, min(length, size - start), chunk * CHUNK + start)
+                    self._used(layer, name, chunk, len(data))
+                    return data
                 data = os.pread(layer.data, size, chunk * CHUNK)
                 if len(data) == size and hashlib.sha256(data).digest() == sha:
-                    self._seq += 1
-                    self._lru.move_to_end((name, chunk))
-                    with contextlib.suppress(OSError):
-                        layer.touch(chunk, self._seq)
-                    self.counters["cached_bytes_served"] += size
-                    return data
+                    self._verified.add((name, chunk))
+                    self._used(layer, name, chunk, len(data))
+                    return data[start: start + length]
                 log.error("layer cache: chunk %d of %s in %s does not match its sha256: refused, "
                           "read from the store again", chunk, name, self.chunks_dir / f"{name}.data")
                 self.counters["chunks_refused"] += 1
@@ -196,7 +204,14 @@ class ChunkCache:
             self.counters["fetched_bytes"] += len(data)
             if data and (name, chunk) not in self._lru and len(data) <= self.limit:
                 self._keep(name, chunk, data)
-        return data
+        return data[start: start + length]
+
+    def _used(self, layer: _Layer, name: str, chunk: int, served: int) -> None:
+        self._seq += 1
+        self._lru.move_to_end((name, chunk))
+        with contextlib.suppress(OSError):
+            layer.touch(chunk, self._seq)
+        self.counters["cached_bytes_served"] += served
 
     def _keep(self, name: str, chunk: int, data: bytes) -> None:
         self._evict(len(data))
@@ -204,7 +219,8 @@ class ChunkCache:
         sha = hashlib.sha256(data).digest()
         self._seq += 1
         try:
-            os.pwrite(layer.data, data, chunk * CHUNK)
+            if os.pwrite(layer.data, data, chunk * CHUNK) != len(data):  # (a disk that filled up)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             layer.record(chunk, self._seq, sha)
         except OSError as exc:
             # A full or failing cache disk: the reader has its data from the store all the same.
@@ -216,11 +232,13 @@ class ChunkCache:
                 _punch(layer.data, chunk * CHUNK, CHUNK)
             return
         self._lru[(name, chunk)] = (len(data), sha)
+        self._verified.add((name, chunk))
         self.used += len(data)
         self.counters["chunks_cached"] += 1
 
     def _forget(self, name: str, chunk: int) -> None:
         size, _ = self._lru.pop((name, chunk))
+        self._verified.discard((name, chunk))
         self.used -= size
         layer = self._layer(name)
         with contextlib.suppress(OSError):
@@ -414,14 +432,14 @@ class CacheFS:
         if text is not None:
             return text[offset: offset + size]
         name, store_fd, file_size = opened
+        self.cache.counters["read_requests"] += 1
         end = min(offset + size, file_size)
         out = []
         pos = offset
         while pos < end:
             chunk = pos // CHUNK
-            data = self.cache.read(name, store_fd, chunk)
             start = pos - chunk * CHUNK
-            piece = data[start: start + (end - pos)]
+            piece = self.cache.read(name, store_fd, chunk, start, min(CHUNK - start, end - pos))
             if not piece:
                 break
             out.append(piece)
