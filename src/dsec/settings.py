@@ -59,6 +59,12 @@ def _count(text: str) -> int:
     return int(text)
 
 
+def _megabytes(text: str) -> int:
+    if not text.isdigit():
+        raise ValueError("give a whole number of MiB (0: off)")
+    return int(text)
+
+
 def _var(name: str, default: Any, parse: Callable[[str], Any], meaning: str) -> Any:
     return field(default=default, metadata={"env": name, "parse": parse, "meaning": meaning})
 
@@ -81,6 +87,10 @@ class Settings:
                              "how idmapped layer clones reach overlayfs (auto: detached from Linux 6.15)")
     layer_attach: str = _var("DSEC_LAYER_ATTACH", "auto", _choice("auto", "file", "loop"),
                              "how EROFS layers are mounted: from their files (Linux 6.12) or loop devices")
+    layer_cache_mb: int = _var("DSEC_LAYER_CACHE_MB", 0, _megabytes,
+                               "MiB of the node's disk for its cache of what it read of layers on a shared store (0: none)")
+    layer_cache_dir: Path | None = _var("DSEC_LAYER_CACHE_DIR", None, Path,
+                                        "where the node's layer cache is kept (default: STATE_DIR/node/layer-cache)")
     apparmor: bool = _var("DSEC_APPARMOR", True, _flag, "0: no AppArmor profile, even where the host has AppArmor")
     network_config: Path | None = _var("DSEC_NETWORK_CONFIG", None, Path,
                                        "the sandboxes' network settings file (default: STATE_DIR/network.json)")

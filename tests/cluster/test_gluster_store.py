@@ -9,14 +9,17 @@ store's lock and its manifests hold across two clients; the volume stopped or it
 in the middle of a run gives calls and creates ``StoreUnavailable`` naming the store (within
 ``STORE_AWAY_BOUND_S``, never a hang), and everything works again once it is back; the FUSE
 client killed and mounted again: new sandboxes work on every node, those started before say
-they cannot read their layers."""
+they cannot read their layers. Each node reads its layers through its layer cache
+(``DSEC_LAYER_CACHE_MB``): a second create of an image on a node reads nothing from the volume."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +36,8 @@ NODE_ARGS = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory
 STORE_AWAY_BOUND_S = 15
 # A node takes the store's answer as good for a second (StoreHealth.fresh_s).
 STORE_FRESH_S = 1.2
+# Each node's layer cache (dsec.images.layercache), in MiB.
+CACHE_MB = 64
 
 
 def args(image: str) -> DSecContainerRunArgs:
@@ -63,6 +68,8 @@ def world(gluster, ray_base):
 
     store = gluster.mountpoint / "store"
     build_busybox(LayerStore(store))  # imported from outside, as an operator does on the store's mount
+    # The nodes' edges (Ray's workers) take it from here; ray_base puts the environment back.
+    os.environ["DSEC_LAYER_CACHE_MB"] = str(CACHE_MB)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False,
         "object_store_memory": 80 << 20})
@@ -165,6 +172,34 @@ async def test_gc_keeps_the_layers_another_nodes_sandbox_holds(world, gluster):
             assert time.monotonic() < deadline, f"layer {layer} was not collected once its sandbox stopped"
             await client.gc_images()
             await asyncio.sleep(0.5)
+
+
+def cache_stats(ray_base) -> dict[str, dict]:
+    """Each node's layer cache's counters, by node (from its own mount of the cache)."""
+    return {p.parents[3].name: json.loads(p.read_text())
+            for p in (ray_base / "nodes").glob("*/node/layer-cache/mnt/.stats")}
+
+
+async def test_a_second_create_of_an_image_on_a_node_reads_nothing_from_the_volume(world, gluster, ray_base):
+    async with client_of(world) as client:
+        await wait_for_nodes(client)
+        for s in (await on_every_node(client, "busybox")).values():
+            assert (await s.run_shell("md5sum /bin/busybox")).exit_code == 0
+            await s.stop()
+        first = cache_stats(ray_base)
+        assert set(first) == set(NODES) and all(c["fetched_bytes"] > 0 for c in first.values()), first
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")  # from the nodes' disks, not their memory
+        gluster.start_profile()
+        read_before = gluster.data_read()
+        for s in (await on_every_node(client, "busybox")).values():
+            assert (await s.run_shell("md5sum /bin/busybox")).exit_code == 0
+            await s.stop()
+        assert gluster.data_read() == read_before
+        again = cache_stats(ray_base)
+        for node in NODES:
+            assert again[node]["fetched_bytes"] == first[node]["fetched_bytes"], (node, first[node], again[node])
+            assert again[node]["cached_bytes_served"] > first[node]["cached_bytes_served"]
+            assert again[node]["used_bytes"] <= CACHE_MB << 20
 
 
 def test_a_manifest_put_on_one_client_is_read_at_once_on_another(world, gluster):

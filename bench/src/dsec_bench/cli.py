@@ -345,6 +345,22 @@ def bench_burst(
     ))
 
 
+@app.command("layercache")
+def bench_layercache(
+    state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark.")] = Path("/var/lib/dsec-bench-layercache"),
+    images: Annotated[int, typer.Option("--images", "-m", help="Task images (over one shared base).")] = 8,
+    per_image: Annotated[int, typer.Option("--per-image", "-n", help="Sandboxes created of each image per arm.")] = 8,
+    cache_mb: Annotated[int, typer.Option(help="The node's layer cache (DSEC_LAYER_CACHE_MB) in the cached arms.")] = 4096,
+    base: Annotated[str, typer.Option(help="Shared base: python-pkgs (python + Python packages) or python.")] = "python-pkgs",
+) -> None:
+    """A burst of creates of images on a GlusterFS store: no cache, the node's layer cache cold and warm (after a
+    node restart), against the store on local disk; bytes read from the shared filesystem."""
+    from .layercache import main as run_bench
+
+    raise typer.Exit(run_bench(state_dir=state_dir, console=console, command=shlex.join(["dsec", *sys.argv[1:]]),
+                               images=images, per_image=per_image, cache_mb=cache_mb, base=base))
+
+
 @app.command("vm-pause")
 def bench_vm_pause(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's VMs.")] = Path("/var/lib/dsec-bench-vm-pause"),

@@ -15,6 +15,11 @@ was started again): a layer mount made before reads through the mount that has g
 tells it by the device its layer file is on now and was on when mounted, and mounts the layer
 anew for the new sandbox; the sandboxes on the old mount keep it, detached, until they end.
 
+With a layer cache (``DSEC_LAYER_CACHE_MB``, see dsec.images.layercache) a layer is mounted
+from the cache's file of it, which reads the store's on demand and keeps what was read on the
+node's disk; the cache is stopped once no layer is mounted here (``release_unused``) and started
+again, with what it kept, at the next mount.
+
 While a layer is mounted here its file is held open with a shared ``flock``: GC, wherever it
 runs on the store (``LayerStore.gc``), removes only the layers it can lock alone.
 """
@@ -29,31 +34,38 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
-from .. import _sys, hostcheck
+from .. import _sys, hostcheck, settings
 from ..isolation import userns
 from . import loopdev
 from .compose import LayerMount
+from .layercache import LayerCache
 
 CLONES_KEPT = 256
 
 
 class LayerMounts:
     """``attach``: ``"file"`` or ``"loop"`` (None: what dsec.hostcheck chose for this host);
-    ``layers_dir``: the store's layer files, whose loop devices ``release_unused`` sweeps."""
+    ``layers_dir``: the store's layer files, whose loop devices ``release_unused`` sweeps;
+    ``cache``: the node's layer cache (None: the one the settings ask for, if any)."""
 
-    def __init__(self, mount_dir: Path, attach: str | None = None, layers_dir: Path | None = None) -> None:
+    def __init__(self, mount_dir: Path, attach: str | None = None, layers_dir: Path | None = None,
+                 cache: LayerCache | None = None) -> None:
         self.mount_dir = Path(mount_dir)
         self.mount_dir.mkdir(parents=True, exist_ok=True)
         self.attach = attach or hostcheck.layer_attach()
         if self.attach not in ("file", "loop"):
             raise ValueError(f"layer attach must be file or loop, not {self.attach!r}")
         self.layers_dir = layers_dir
+        self.cache = cache or _configured_cache(self.mount_dir, layers_dir)
         self._refs: Counter[str] = Counter()
         # digest -> (fd, device) of its layer file, open while mounted here with a shared lock on
         # it: GC on any machine sharing the store leaves a locked layer (LayerStore.gc). The
         # device tells a store mounted again since (a FUSE client restarted): the mount reads
         # through the gone one.
         self._holds: dict[str, tuple[int, int]] = {}
+        # digest -> the device of the layer cache's mount it was mounted through: a cache whose
+        # server was killed and started again serves another.
+        self._cache_devs: dict[str, int | None] = {}
         self._lock = threading.Lock()
         # (layer mount target, id range base) -> fd of its detached idmapped clone
         self._clones: OrderedDict[tuple[str, int], int] = OrderedDict()
@@ -145,11 +157,16 @@ class LayerMounts:
                 raise
 
     def _stale(self, layer: LayerMount) -> bool:
-        """Whether the layer's mount reads through a mount of the store that has gone."""
+        """Whether the layer's mount reads through a mount of the store, or a server of the
+        layer cache, that has gone."""
         held = self._holds.get(layer.digest)
         if held is None:  # adopted: mounted by an earlier edge, taken as it is
             self._hold(layer)
             return False
+        if self.cache is not None and layer.digest in self._cache_devs:
+            self.cache.ensure()
+            if self.cache.device() != self._cache_devs[layer.digest]:
+                return True
         return os.stat(layer.source).st_dev != held[1]
 
     def _hold(self, layer: LayerMount) -> None:
@@ -173,10 +190,14 @@ class LayerMounts:
         self._hold(layer)
         flags = _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID
         try:
+            source = layer.source
+            if self.cache is not None:
+                source = self.cache.path(layer.source)
+                self._cache_devs[layer.digest] = self.cache.device()
             if self.attach == "file":
-                _sys.mount(str(layer.source), str(layer.target), "erofs", flags)
+                _sys.mount(str(source), str(layer.target), "erofs", flags)
                 return
-            with loopdev.attached(layer.source) as device:
+            with loopdev.attached(source) as device:
                 _sys.mount(device, str(layer.target), "erofs", flags)
         except BaseException:
             self._let_go(layer.digest)
@@ -191,6 +212,7 @@ class LayerMounts:
         self._refs[layer.digest] -= 1
         if self._refs[layer.digest] <= 0:
             del self._refs[layer.digest]
+            self._cache_devs.pop(layer.digest, None)
             self._let_go(layer.digest)
             self._unmount(layer.target)
 
@@ -225,11 +247,25 @@ class LayerMounts:
                     removed.append(target.name)
             if self.layers_dir is not None:
                 loopdev.detach_backed_by(self.layers_dir)
+            if self.cache is not None and not self._refs:
+                if self.attach == "loop":
+                    loopdev.detach_backed_by(self.cache.mountpoint)
+                self.cache.stop()
         return removed
 
     def mounted(self) -> dict[str, int]:
         with self._lock:
             return dict(self._refs)
+
+
+def _configured_cache(mount_dir: Path, layers_dir: Path | None) -> LayerCache | None:
+    """The layer cache DSEC_LAYER_CACHE_MB asks for (beside the mount dir, or at
+    DSEC_LAYER_CACHE_DIR), over the store's ``layers_dir``."""
+    conf = settings.current()
+    if layers_dir is None or conf.layer_cache_mb <= 0:
+        return None
+    return LayerCache(conf.layer_cache_dir or mount_dir.parent / "layer-cache", conf.layer_cache_mb << 20,
+                      layers_dir)
 
 
 def _unmount_dir(path: Path) -> None:

@@ -29,6 +29,8 @@ undo stack, pause, destroy, recover), ``exec`` (commands and ports), ``files``, 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -110,7 +112,13 @@ class ContainerBackend(Lifecycle, Exec, Pty, Files, WritableLayer):
         return HostView(self.cgroup_parent, self.sandboxes_dir, self.id_ranges, self.layer_attach)
 
     async def warm_up(self) -> None:
-        """Nothing to prepare: layers are mounted at the first create that needs them."""
+        """The node's layer cache started, if it has one (its first create need not wait for
+        it); layers are mounted at the first create that needs them."""
+        if self.layer_mounts.cache is not None:
+            try:
+                await asyncio.to_thread(self.layer_mounts.cache.ensure)
+            except OSError as exc:  # said again by the first create that needs it
+                logging.getLogger("dsec.images").warning("%s", exc)
 
     async def close(self) -> None:
         """Nothing held in this process outlives it but what the sandboxes themselves hold."""

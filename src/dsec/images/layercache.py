@@ -1,0 +1,546 @@
+"""A node's read cache of layer files on a shared store: what a node reads of a layer is kept on
+its own disk, in chunks, so a second create of an image on the node reads nothing from the
+shared filesystem.
+
+The cache is a small FUSE filesystem of this module's own (``serve``, a process of its own per
+node, started by ``LayerCache.ensure``): ``MOUNT/sha256-….erofs`` is the store's layer file of
+that name, read-only. The node mounts that file (file-backed EROFS, or a loop device over it)
+instead of the store's. A read is served chunk by chunk (``CHUNK`` bytes): a chunk the node has
+is read from its local cache file, one it has not is read from the store, written to the cache
+and served. The kernel's EROFS reads on demand, so only what sandboxes read is fetched, metadata
+first (the superblock, inodes and directories a create walks), and that stays on the node.
+
+On the node's disk (``DIR/chunks``), per layer: ``<digest>.data``, a sparse file holding the
+chunks fetched at their offsets, and ``<digest>.idx``, a header (the store file's size and
+mtime, so a layer rebuilt under its name is fetched anew) and one record per chunk: the sequence
+number of its last use (least recently used goes first) and the sha256 of its bytes. The cache
+is bounded by the operator (``DSEC_LAYER_CACHE_MB``): a chunk fetched over the bound evicts the
+least recently used chunks of any layer (their space given back: holes punched). A restart
+(of the cache process, the node, the machine) keeps every chunk: the records are read back.
+
+Faults: a cached chunk whose bytes no longer match its sha256 is refused (never served; each
+chunk is checked the first time a server reads it back from the node's disk, as after a restart),
+dropped, logged naming the layer, chunk and file, and read from the store again. A cache disk
+that is full (or failing writes) degrades to reading from the store: the sandbox gets its data,
+nothing is cached until writes work again, and ``stats()`` counts the failures. The store gone
+gives the reader EIO for a chunk not cached (the edge's store check names the store).
+
+``MOUNT/.stats`` is a JSON of the counters: bytes fetched from the store, bytes served from the
+cache, chunks cached, evicted and refused, write failures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from .. import _sys
+
+log = logging.getLogger("dsec.images.layercache")
+
+CHUNK = 64 << 10
+_LAYER = re.compile(r"^sha256-[0-9a-f]{64}\.erofs\Z")
+_STATS = ".stats"
+
+# -- the cache on disk -------------------------------------------------------------------------
+
+_IDX_MAGIC = b"DSECLC01"
+_IDX_HEADER = struct.Struct("<8sQQQ")  # magic, chunk size, store file size, store file mtime_ns
+_RECORD = struct.Struct("<Q32s")  # last use (0: absent), sha256
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def _punch(fd: int, offset: int, length: int) -> None:
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+class _Layer:
+    """One layer's cache files, open."""
+
+    def __init__(self, chunks_dir: Path, name: str) -> None:
+        self.name = name
+        self.data = os.open(chunks_dir / f"{name}.data", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self.idx = os.open(chunks_dir / f"{name}.idx", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def header(self) -> tuple[int, int] | None:
+        raw = os.pread(self.idx, _IDX_HEADER.size, 0)
+        if len(raw) < _IDX_HEADER.size:
+            return None
+        magic, chunk, size, mtime = _IDX_HEADER.unpack(raw)
+        return (size, mtime) if magic == _IDX_MAGIC and chunk == CHUNK else None
+
+    def records(self) -> list[tuple[int, int, bytes]]:
+        """(chunk, last use, sha256) of each chunk held."""
+        raw = b""
+        while part := os.pread(self.idx, 1 << 20, _IDX_HEADER.size + len(raw)):
+            raw += part
+        out = []
+        for i in range(len(raw) // _RECORD.size):
+            seq, sha = _RECORD.unpack_from(raw, i * _RECORD.size)
+            if seq:
+                out.append((i, seq, sha))
+        return out
+
+    def reset(self, size: int, mtime: int) -> None:
+        os.ftruncate(self.idx, 0)
+        os.ftruncate(self.data, 0)
+        os.pwrite(self.idx, _IDX_HEADER.pack(_IDX_MAGIC, CHUNK, size, mtime), 0)
+
+    def record(self, chunk: int, seq: int, sha: bytes) -> None:
+        os.pwrite(self.idx, _RECORD.pack(seq, sha), _IDX_HEADER.size + chunk * _RECORD.size)
+
+    def touch(self, chunk: int, seq: int) -> None:
+        os.pwrite(self.idx, struct.pack("<Q", seq), _IDX_HEADER.size + chunk * _RECORD.size)
+
+    def close(self) -> None:
+        os.close(self.data)
+        os.close(self.idx)
+
+
+class ChunkCache:
+    """The chunks of layer files kept under ``root``, at most ``limit`` bytes, LRU."""
+
+    def __init__(self, root: Path, limit: int) -> None:
+        self.root = Path(root)
+        self.chunks_dir = self.root / "chunks"
+        self.chunks_dir.mkdir(parents=True, exist_ok=True)
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._layers: dict[str, _Layer] = {}
+        # (layer, chunk) -> (size, sha256), least recently used first
+        self._lru: OrderedDict[tuple[str, int], tuple[int, bytes]] = OrderedDict()
+        # chunks checked against their sha256 by this process (read back from disk, or written)
+        self._verified: set[tuple[str, int]] = set()
+        self._seq = 0
+        self.used = 0
+        self.counters = {"fetched_bytes": 0, "cached_bytes_served": 0, "chunks_cached": 0,
+                         "chunks_evicted": 0, "chunks_refused": 0, "write_failures": 0,
+                         "read_requests": 0}
+        self._load()
+
+    def _load(self) -> None:
+        found = []
+        for idx in sorted(self.chunks_dir.glob("*.idx")):
+            name = idx.name[: -len(".idx")]
+            layer = self._layer(name)
+            if layer.header() is None:
+                layer.reset(0, 0)
+                continue
+            found += [(seq, name, chunk, sha) for chunk, seq, sha in layer.records()]
+        for seq, name, chunk, sha in sorted(found):
+            size = self._chunk_size(name, chunk)
+            self._lru[(name, chunk)] = (size, sha)
+            self.used += size
+            self._seq = max(self._seq, seq)
+        self._evict(0)
+
+    def _chunk_size(self, name: str, chunk: int) -> int:
+        header = self._layers[name].header()
+        size = header[0] if header else 0
+        return max(0, min(CHUNK, size - chunk * CHUNK))
+
+    def _layer(self, name: str) -> _Layer:
+        layer = self._layers.get(name)
+        if layer is None:
+            layer = self._layers[name] = _Layer(self.chunks_dir, name)
+        return layer
+
+    def opened(self, name: str, size: int, mtime: int) -> None:
+        """The store's file of layer ``name`` is ``size`` bytes of ``mtime``: chunks cached of
+        another file of that name (removed and built again) are dropped."""
+        with self._lock:
+            layer = self._layer(name)
+            if layer.header() != (size, mtime):
+                self._drop_layer(name)
+                layer.reset(size, mtime)
+
+    def _drop_layer(self, name: str) -> None:
+        for key in [k for k in self._lru if k[0] == name]:
+            self.used -= self._lru.pop(key)[0]
+            self._verified.discard(key)
+
+    def read(self, name: str, store_fd: int, chunk: int, start: int = 0, length: int = CHUNK) -> bytes:
+        """``length`` bytes from ``start`` in chunk ``chunk`` of layer ``name``: from the cache,
+        else from ``store_fd`` (the whole chunk fetched, and kept). A cached chunk is checked
+        against its sha256 the first time this process serves it."""
+        with self._lock:
+            held = self._lru.get((name, chunk))
+            layer = self._layer(name)
+            if held is not None:
+                size, sha = held
+                if (name, chunk) in self._verified:
+                    data = os.pread(layer.data, min(length, size - start), chunk * CHUNK + start)
+                    self._used(layer, name, chunk, len(data))
+                    return data
+                data = os.pread(layer.data, size, chunk * CHUNK)
+                if len(data) == size and hashlib.sha256(data).digest() == sha:
+                    self._verified.add((name, chunk))
+                    self._used(layer, name, chunk, len(data))
+                    return data[start: start + length]
+                log.error("layer cache: chunk %d of %s in %s does not match its sha256: refused, "
+                          "read from the store again", chunk, name, self.chunks_dir / f"{name}.data")
+                self.counters["chunks_refused"] += 1
+                self._forget(name, chunk)
+        data = _pread_all(store_fd, CHUNK, chunk * CHUNK)
+        with self._lock:
+            self.counters["fetched_bytes"] += len(data)
+            if data and (name, chunk) not in self._lru and len(data) <= self.limit:
+                self._keep(name, chunk, data)
+        return data[start: start + length]
+
+    def _used(self, layer: _Layer, name: str, chunk: int, served: int) -> None:
+        self._seq += 1
+        self._lru.move_to_end((name, chunk))
+        with contextlib.suppress(OSError):
+            layer.touch(chunk, self._seq)
+        self.counters["cached_bytes_served"] += served
+
+    def _keep(self, name: str, chunk: int, data: bytes) -> None:
+        self._evict(len(data))
+        layer = self._layer(name)
+        sha = hashlib.sha256(data).digest()
+        self._seq += 1
+        try:
+            if os.pwrite(layer.data, data, chunk * CHUNK) != len(data):  # (a disk that filled up)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            layer.record(chunk, self._seq, sha)
+        except OSError as exc:
+            # A full or failing cache disk: the reader has its data from the store all the same.
+            self.counters["write_failures"] += 1
+            if self.counters["write_failures"] in (1, 10, 100) or self.counters["write_failures"] % 1000 == 0:
+                log.warning("layer cache: cannot keep a chunk of %s in %s (%s): reading from the store",
+                            name, self.chunks_dir, exc.strerror)
+            with contextlib.suppress(OSError):
+                _punch(layer.data, chunk * CHUNK, CHUNK)
+            return
+        self._lru[(name, chunk)] = (len(data), sha)
+        self._verified.add((name, chunk))
+        self.used += len(data)
+        self.counters["chunks_cached"] += 1
+
+    def _forget(self, name: str, chunk: int) -> None:
+        size, _ = self._lru.pop((name, chunk))
+        self._verified.discard((name, chunk))
+        self.used -= size
+        layer = self._layer(name)
+        with contextlib.suppress(OSError):
+            layer.record(chunk, 0, bytes(32))
+            _punch(layer.data, chunk * CHUNK, CHUNK)
+
+    def _evict(self, room: int) -> None:
+        while self._lru and self.used + room > self.limit:
+            (name, chunk), _ = next(iter(self._lru.items()))
+            self._forget(name, chunk)
+            self.counters["chunks_evicted"] += 1
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {**self.counters, "used_bytes": self.used, "limit_bytes": self.limit,
+                    "chunks": len(self._lru), "chunk_size": CHUNK}
+
+    def close(self) -> None:
+        with self._lock:
+            for layer in self._layers.values():
+                layer.close()
+            self._layers.clear()
+
+
+def _pread_all(fd: int, size: int, offset: int) -> bytes:
+    out = b""
+    while len(out) < size:
+        part = os.pread(fd, size - len(out), offset + len(out))
+        if not part:
+            break
+        out += part
+    return out
+
+
+# -- the FUSE filesystem -----------------------------------------------------------------------
+
+_IN = struct.Struct("<IIQQIIIHH")  # len, opcode, unique, nodeid, uid, gid, pid, total_extlen, pad
+_OUT = struct.Struct("<IiQ")  # len, error, unique
+_ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # ino size blocks atime mtime ctime (nsec x3) mode nlink uid gid rdev blksize flags
+_LOOKUP, _FORGET, _GETATTR, _OPEN, _READ, _STATFS, _RELEASE = 1, 2, 3, 14, 15, 17, 18
+_FLUSH, _INIT, _OPENDIR, _READDIR, _RELEASEDIR, _INTERRUPT, _DESTROY, _BATCH_FORGET = 25, 26, 27, 28, 29, 36, 38, 42
+_NO_REPLY = (_FORGET, _BATCH_FORGET, _INTERRUPT)
+_FOPEN_DIRECT_IO, _FOPEN_KEEP_CACHE = 1 << 0, 1 << 1
+_FUSE_ASYNC_READ, _FUSE_MAX_PAGES = 1 << 0, 1 << 22
+_MAX_PAGES = 256  # reads of up to 1 MiB
+_BUFSIZE = (_MAX_PAGES << 12) + 4096
+_ROOT = 1
+_VALID_S = 1
+
+
+class CacheFS:
+    """The FUSE server: ``layers_dir``'s layer files, read through ``cache``."""
+
+    def __init__(self, fd: int, layers_dir: Path, cache: ChunkCache) -> None:
+        self.fd = fd
+        self.layers_dir = Path(layers_dir)
+        self.cache = cache
+        self._lock = threading.Lock()
+        self._inodes: dict[str, int] = {}
+        self._names: dict[int, str] = {}
+        self._files: dict[int, tuple[str, int, int]] = {}  # fh -> (name, store fd, size); -1 fd: .stats
+        self._stats_text: dict[int, bytes] = {}
+        self._next_fh = 1
+
+    def serve(self, threads: int = 4) -> None:
+        workers = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads - 1)]
+        for w in workers:
+            w.start()
+        self._loop()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                req = os.read(self.fd, _BUFSIZE)
+            except OSError as exc:
+                if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                    continue  # (ENOENT: a request interrupted before it was read)
+                if exc.errno == errno.ENODEV:  # unmounted: the connection has ended
+                    os._exit(0)
+                raise
+            _, opcode, unique, nodeid, *_ = _IN.unpack_from(req)
+            body = req[_IN.size:]
+            try:
+                reply = self._handle(opcode, nodeid, body)
+            except OSError as exc:
+                reply = -(exc.errno or errno.EIO)
+            except Exception:
+                log.exception("layer cache: request %d failed", opcode)
+                reply = -errno.EIO
+            if opcode in _NO_REPLY:
+                continue
+            if isinstance(reply, int):
+                out = _OUT.pack(_OUT.size, reply, unique)
+            else:
+                out = _OUT.pack(_OUT.size + len(reply), 0, unique) + reply
+            with contextlib.suppress(OSError):  # (ENOENT: the request was interrupted)
+                os.write(self.fd, out)
+
+    def _handle(self, opcode: int, nodeid: int, body: bytes) -> bytes | int:
+        if opcode == _INIT:
+            major, minor, readahead, _flags = struct.unpack_from("<IIII", body)
+            return struct.pack("<IIIIHHIIHHII6I", 7, 31, 0, _FUSE_ASYNC_READ | _FUSE_MAX_PAGES,
+                               16, 12, 1 << 20, 1, _MAX_PAGES, 0, 0, 0, *([0] * 6))
+        if opcode == _LOOKUP:
+            return self._lookup(body.split(b"\0", 1)[0].decode(errors="replace"))
+        if opcode == _GETATTR:
+            return struct.pack("<QII", _VALID_S, 0, 0) + self._attr(nodeid)
+        if opcode == _OPEN:
+            return self._open(nodeid)
+        if opcode == _READ:
+            fh, offset, size = struct.unpack_from("<QQI", body)
+            return self._read(fh, offset, size)
+        if opcode == _RELEASE:
+            (fh,) = struct.unpack_from("<Q", body)
+            with self._lock:
+                name, store_fd, _ = self._files.pop(fh, ("", -1, 0))
+                self._stats_text.pop(fh, None)
+            if store_fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(store_fd)
+            return b""
+        if opcode in (_FLUSH, _RELEASEDIR, _DESTROY):
+            return b""
+        if opcode == _OPENDIR:
+            return struct.pack("<QII", 0, 0, 0)
+        if opcode == _READDIR:
+            return b""  # nothing is listed: layers are opened by name
+        if opcode == _STATFS:
+            st = os.statvfs(self.cache.root)
+            return struct.pack("<QQQQQIII I6I", st.f_blocks, st.f_bfree, st.f_bavail, 0, 0,
+                               st.f_bsize, 255, st.f_frsize, 0, *([0] * 6))
+        return -errno.ENOSYS
+
+    def _ino(self, name: str) -> int:
+        with self._lock:
+            ino = self._inodes.get(name)
+            if ino is None:
+                ino = self._inodes[name] = len(self._inodes) + 2
+                self._names[ino] = name
+            return ino
+
+    def _lookup(self, name: str) -> bytes | int:
+        if name != _STATS and not _LAYER.match(name):
+            return -errno.ENOENT
+        ino = self._ino(name)
+        return struct.pack("<QQQQII", ino, 0, _VALID_S, _VALID_S, 0, 0) + self._attr(ino)
+
+    def _attr(self, ino: int) -> bytes:
+        if ino == _ROOT:
+            return _ATTR.pack(_ROOT, 0, 0, 0, 0, 0, 0, 0, 0, 0o40555, 2, 0, 0, 0, 4096, 0)
+        name = self._names.get(ino)
+        if name is None:
+            raise OSError(errno.ENOENT, "unknown inode")
+        if name == _STATS:
+            return _ATTR.pack(ino, 0, 0, 0, 0, 0, 0, 0, 0, 0o100444, 1, 0, 0, 0, 4096, 0)
+        st = os.stat(self.layers_dir / name)
+        mtime = int(st.st_mtime)
+        return _ATTR.pack(ino, st.st_size, (st.st_size + 511) // 512, mtime, mtime, mtime, 0, 0, 0,
+                          0o100444, 1, 0, 0, 0, 4096, 0)
+
+    def _open(self, ino: int) -> bytes | int:
+        name = self._names.get(ino)
+        if name is None:
+            return -errno.ENOENT
+        if name == _STATS:
+            with self._lock:
+                fh = self._next_fh
+                self._next_fh += 1
+                self._files[fh] = (name, -1, 0)
+                self._stats_text[fh] = json.dumps(self.cache.stats()).encode()
+            return struct.pack("<QIi", fh, _FOPEN_DIRECT_IO, 0)
+        store_fd = os.open(self.layers_dir / name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(store_fd)
+            self.cache.opened(name, st.st_size, st.st_mtime_ns)
+        except BaseException:
+            os.close(store_fd)
+            raise
+        with self._lock:
+            fh = self._next_fh
+            self._next_fh += 1
+            self._files[fh] = (name, store_fd, st.st_size)
+        return struct.pack("<QIi", fh, _FOPEN_KEEP_CACHE, 0)
+
+    def _read(self, fh: int, offset: int, size: int) -> bytes | int:
+        with self._lock:
+            opened = self._files.get(fh)
+            text = self._stats_text.get(fh)
+        if opened is None:
+            return -errno.EBADF
+        if text is not None:
+            return text[offset: offset + size]
+        name, store_fd, file_size = opened
+        self.cache.counters["read_requests"] += 1
+        end = min(offset + size, file_size)
+        out = []
+        pos = offset
+        while pos < end:
+            chunk = pos // CHUNK
+            start = pos - chunk * CHUNK
+            piece = self.cache.read(name, store_fd, chunk, start, min(CHUNK - start, end - pos))
+            if not piece:
+                break
+            out.append(piece)
+            pos += len(piece)
+        return b"".join(out)
+
+
+def serve(layers_dir: Path, cache_dir: Path, limit: int, mountpoint: Path) -> None:
+    """Mount the cache's filesystem at ``mountpoint`` and serve it until it is unmounted. One
+    server per cache dir (it holds ``cache_dir/lock``)."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    lock = os.open(cache_dir / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    cache = ChunkCache(cache_dir, limit)
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    _sys.mount("dsec-layer-cache", str(mountpoint), "fuse.dsec-layer-cache",
+               _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID,
+               f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other,max_read={_MAX_PAGES << 12}")
+    os.write(lock, str(os.getpid()).encode())
+    CacheFS(fd, layers_dir, cache).serve()
+
+
+# -- the node's handle on it --------------------------------------------------------------------
+
+
+class LayerCache:
+    """The node's layer cache at ``cache_dir`` (``limit`` bytes) over the store's ``layers_dir``:
+    ``path(source)`` is where a layer file of the store reads through the cache."""
+
+    def __init__(self, cache_dir: Path, limit: int, layers_dir: Path) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.limit = limit
+        self.layers_dir = Path(layers_dir)
+        self.mountpoint = self.cache_dir / "mnt"
+        self._lock = threading.Lock()
+
+    def path(self, source: Path) -> Path:
+        self.ensure()
+        return self.mountpoint / source.name
+
+    def running(self) -> bool:
+        """Whether its server is serving: its mount is there and answers (a killed server's
+        mount answers ENOTCONN)."""
+        return self.device() is not None
+
+    def device(self) -> int | None:
+        """The device of the mount being served (another after a restart of the server)."""
+        try:
+            dev = os.stat(self.mountpoint).st_dev
+            return dev if dev != os.stat(self.cache_dir).st_dev else None
+        except OSError:
+            return None
+
+    def ensure(self) -> None:
+        """Start the cache's server unless it is serving (an earlier edge's is taken as it is)."""
+        with self._lock:
+            if self.running():
+                return
+            self._unmount()  # a dead one's mount (its server killed)
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            logfile = open(self.cache_dir / "log", "ab")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dsec.images.layercache", str(self.layers_dir), str(self.cache_dir),
+                 str(self.limit), str(self.mountpoint)],
+                stdin=subprocess.DEVNULL, stdout=logfile, stderr=logfile, start_new_session=True,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+            logfile.close()
+            deadline = time.monotonic() + 20
+            while not self.running():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = (self.cache_dir / "log").read_text(errors="replace").splitlines()[-5:]
+                    raise OSError(errno.EIO, f"the layer cache at {self.cache_dir} did not start: {' '.join(tail)}")
+                time.sleep(0.02)
+
+    def stats(self) -> dict:
+        """The cache's counters (empty when it is not running)."""
+        if not self.running():
+            return {}
+        return json.loads((self.mountpoint / _STATS).read_text())
+
+    def stop(self) -> None:
+        """Unmount it: its server ends once the kernel lets go of the last file open on it."""
+        with self._lock:
+            self._unmount()
+
+    def _unmount(self) -> None:
+        while _fuse_mounted(self.mountpoint):
+            _sys.umount(str(self.mountpoint), _sys.MNT_DETACH)
+
+
+def _fuse_mounted(path: Path) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(path) for line in f)
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    layers_dir, cache_dir, limit, mountpoint = argv
+    serve(Path(layers_dir), Path(cache_dir), int(limit), Path(mountpoint))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

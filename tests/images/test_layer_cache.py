@@ -1,0 +1,151 @@
+"""The node's layer cache (dsec.images.layercache) in front of a store's layer files: a layer
+mounted through it reads what it needs from the store once, and the next mount (the cache's
+server started again, as after a node restart) reads it from the node's disk; the cache stays
+within its bound, evicting least recently used; a chunk corrupted on the node's disk is refused
+and fetched again; a full cache disk still serves every read from the store. (On a GlusterFS
+store, with the nodes of a cluster: tests/cluster/test_gluster_store.py.)"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from dsec.images import loopdev
+from dsec.images.compose import LayerMount
+from dsec.images.layercache import CHUNK, LayerCache
+from dsec.images.mounts import LayerMounts
+from dsec.images.store import LayerStore
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+FILES = 8
+FILE_BYTES = 512 << 10
+
+
+@pytest.fixture
+def layer(tmp_path):
+    """A store with one layer of ``FILES`` incompressible files; (store, digest, {name: md5})."""
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = random.Random(7)
+    sums = {}
+    for i in range(FILES):
+        data = rng.randbytes(FILE_BYTES)
+        (src / f"f{i}").write_bytes(data)
+        sums[f"f{i}"] = hashlib.md5(data).hexdigest()
+    store = LayerStore(tmp_path / "store")
+    return store, store.add_dir(src), sums
+
+
+class Node:
+    """LayerMounts over the store with a cache of ``limit`` bytes; ``read`` mounts the layer,
+    reads files and unmounts it (the cache stopped with it, as when a node's last sandbox ends)."""
+
+    def __init__(self, tmp_path: Path, store: LayerStore, digest: str, limit: int, attach: str = "file") -> None:
+        self.cache = LayerCache(tmp_path / "cache", limit, store.layers_dir)
+        self.mounts = LayerMounts(tmp_path / "node" / "layers", attach=attach, layers_dir=store.layers_dir,
+                                  cache=self.cache)
+        self.layer = LayerMount(digest=digest, source=store.layer_path(digest), target=self.mounts.mount_dir / digest)
+
+    def read(self, *names: str) -> tuple[dict[str, str], dict]:
+        self.mounts.acquire((self.layer,))
+        try:
+            sums = {n: hashlib.md5((self.layer.target / n).read_bytes()).hexdigest() for n in names}
+            stats = self.cache.stats()
+        finally:
+            self.mounts.release((self.layer,))
+            self.mounts.release_unused()
+        assert not self.cache.running()
+        assert not loopdev.backed_by(self.cache.mountpoint)
+        return sums, stats
+
+
+@pytest.mark.parametrize("attach", ["file", "loop"])
+def test_a_second_mount_reads_nothing_from_the_store_and_a_corrupted_chunk_is_refused(tmp_path, layer, attach):
+    store, digest, sums = layer
+    node = Node(tmp_path, store, digest, 64 << 20, attach)
+    got, first = node.read("f0", "f1")
+    assert got == {n: sums[n] for n in ("f0", "f1")}
+    size = store.layer_size(digest)
+    # What was read and little more: two of the eight files, the metadata, chunk rounding.
+    assert 2 * FILE_BYTES <= first["fetched_bytes"] <= 2 * FILE_BYTES + 4 * CHUNK < size
+    got, second = node.read("f0", "f1")  # a new server on the same cache: a node restarted
+    assert got == {n: sums[n] for n in ("f0", "f1")}
+    assert second["fetched_bytes"] == 0 and second["cached_bytes_served"] > 0
+    assert second["used_bytes"] == first["used_bytes"]
+    # A byte of a cached chunk changed on the node's disk: refused by its sha256, read anew.
+    data = tmp_path / "cache" / "chunks" / f"{store.layer_path(digest).name}.data"
+    with open(data, "r+b") as f:
+        f.seek(2 * CHUNK + 5)
+        byte = f.read(1)
+        f.seek(2 * CHUNK + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    got, third = node.read("f0", "f1")
+    assert got == {n: sums[n] for n in ("f0", "f1")}
+    assert third["chunks_refused"] == 1 and third["fetched_bytes"] == CHUNK
+    assert "does not match its sha256: refused" in (tmp_path / "cache" / "log").read_text()
+
+
+def test_the_cache_stays_within_its_bound_evicting_the_least_recently_used(tmp_path, layer):
+    store, digest, sums = layer
+    limit = 3 * FILE_BYTES
+    node = Node(tmp_path, store, digest, limit)
+    names = [f"f{i}" for i in range(FILES)]
+    got, first = node.read(*names)
+    assert got == sums
+    assert first["used_bytes"] <= limit and first["chunks_evicted"] > 0
+    assert os.stat(tmp_path / "cache" / "chunks" / f"{store.layer_path(digest).name}.data").st_blocks * 512 <= limit
+    # After a restart: the last file read is still there (the layer's head, its metadata, read
+    # first and not since, was evicted: at most a chunk), the first files were evicted.
+    _, last = node.read(names[-1])
+    assert last["fetched_bytes"] <= CHUNK
+    _, early = node.read(names[0])
+    assert early["fetched_bytes"] >= FILE_BYTES and early["used_bytes"] <= limit
+
+
+def test_a_full_cache_disk_serves_reads_from_the_store(tmp_path, layer):
+    store, digest, sums = layer
+    chunks = tmp_path / "cache" / "chunks"
+    chunks.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "dsec-test-full", str(chunks)], check=True)
+    try:
+        node = Node(tmp_path, store, digest, 64 << 20)
+        got, stats = node.read(*sums)
+        assert got == sums
+        assert stats["write_failures"] > 0 and stats["used_bytes"] <= 256 << 10
+        assert "reading from the store" in (tmp_path / "cache" / "log").read_text()
+    finally:
+        subprocess.run(["umount", str(chunks)], check=True)
+
+
+def test_a_killed_cache_server_is_started_again_and_the_layer_mounted_anew(tmp_path, layer):
+    """The cache's server killed (its mount answers ENOTCONN): the next mount of a layer starts
+    it again and mounts the layer anew through it, though a sandbox still holds the old mount."""
+    store, digest, sums = layer
+    node = Node(tmp_path, store, digest, 64 << 20)
+    node.mounts.acquire((node.layer,))
+    try:
+        assert hashlib.md5((node.layer.target / "f0").read_bytes()).hexdigest() == sums["f0"]
+        pid = int((tmp_path / "cache" / "lock").read_text())
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while node.cache.running():
+            assert time.monotonic() < deadline, "the killed server's mount still answers"
+            time.sleep(0.05)
+        node.mounts.acquire((node.layer,))  # a second sandbox of the layer
+        try:
+            assert hashlib.md5((node.layer.target / "f1").read_bytes()).hexdigest() == sums["f1"]
+            assert node.cache.running() and node.cache.stats()["cached_bytes_served"] >= 0
+        finally:
+            node.mounts.release((node.layer,))
+    finally:
+        node.mounts.release((node.layer,))
+        node.mounts.release_unused()
+    assert not node.cache.running()
