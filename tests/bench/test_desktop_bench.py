@@ -59,3 +59,21 @@ def test_desktop_density_holds_idle_desktops_and_measures_each_against_podman(tm
     assert set(res["density"]["goals"]) == {"count_ge_150", "host_mib_per_desktop_le_100", "all_screenshots"}
     assert res["density"]["goals"]["all_screenshots"] and not res["density"]["goals"]["count_ge_150"]
 
+
+
+def test_desktop_bench_on_a_microvm_against_a_container(tmp_path: Path, desktop_image, test_store) -> None:
+    """``--kind microvm``: one microVM's desktop (created once, then measured) against the same
+    image's in a container, in the same run."""
+    console = Console(file=open(os.devnull, "w"), width=200)
+    state = tmp_path / "state"
+    code = desktop.main(state, console, store=test_store, width=800, height=600, samples=3, creates=1, kind="microvm")
+    res = json.loads((state / "bench-desktop-microvm.json").read_text())
+    assert code == 0 and res["errors"] == [] and res["leftovers"] == [], res
+    vm, ct = res["microvm"], res["container"]
+    for m in ("create_p50_s", "create_to_first_screenshot_p50_s", "screenshot_p50_ms", "move_p50_ms", "press_p50_ms"):
+        assert 0 < vm[m] and 0 < ct[m], m
+        assert res["ratios"][f"{m}_microvm_over_container"] == pytest.approx(vm[m] / ct[m])
+    assert vm["create_p50_s"] < vm["create_to_first_screenshot_p50_s"] and "first_create_s" not in vm
+    assert "goals" not in res  # (figures, not goals)
+    with pytest.raises(ValueError, match="--kind 'qemu': one of container, microvm, fullvm"):
+        desktop.main(tmp_path / "other", console, kind="qemu")

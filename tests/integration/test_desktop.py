@@ -11,7 +11,8 @@ import zlib
 import httpx
 import pytest
 
-from libdsec import DesktopSpec, DesktopUnavailable, DSecContainerRunArgs, InvalidRequest, DSecMicroVMRunArgs
+from libdsec import (DesktopSpec, DesktopUnavailable, DSecContainerRunArgs, DSecMicroVMRunArgs, InvalidRequest,
+                     LimitOutOfRange)
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -158,9 +159,11 @@ async def test_desktop_asked_where_none_can_be(client, server, python_image, des
     # An image without an X server: refused at create, naming what it lacks; nothing left.
     with pytest.raises(InvalidRequest, match="cannot run a desktop: no Xvfb"):
         await client.run_container(_desktop_args(python_image))
-    # A kind that cannot have one here.
-    with pytest.raises(InvalidRequest, match="cannot have a desktop|not served"):
-        await client.run_microvm(DSecMicroVMRunArgs(container_image=desktop_image, memory_limit_mb=512,
+    # A VM too small for one (its memory is all its guest has): refused before it boots. (Kinds
+    # that cannot have a desktop at all: tests/unit/test_backend_capabilities.py.)
+    with pytest.raises(LimitOutOfRange, match="memory_limit_mb=256 is too small for a microvm with a desktop: "
+                                              "at least 384 MB"):
+        await client.run_microvm(DSecMicroVMRunArgs(container_image=desktop_image, memory_limit_mb=256,
                                                     desktop=DesktopSpec()))
     # A sandbox made without one.
     async with await client.run_container(DSecContainerRunArgs(container_image=python_image)) as sandbox:

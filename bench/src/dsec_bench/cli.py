@@ -281,6 +281,7 @@ def bench_desktop(
     density_memory_mb: Annotated[int, typer.Option(help="Memory limit of each idle desktop (admission counts it).")] = 384,
     density_reserve_gib: Annotated[float, typer.Option(help="Stop filling when MemAvailable would go under this.")] = 4.0,
     density_settle_s: Annotated[float, typer.Option(help="Wait this long for the host's memory to settle.")] = 10.0,
+    kind: Annotated[str, typer.Option(help="container, or microvm / fullvm: the same desktop in a VM against it in a container.")] = "container",
 ) -> None:
     """A sandbox's desktop (screenshot, input, create to first screenshot) against scrot and xdotool by podman exec (and crun exec)."""
     from .desktop import main as run_bench
@@ -289,7 +290,8 @@ def bench_desktop(
                                samples=samples, peer_samples=peer_samples, creates=creates, density=density,
                                density_only=density_only, density_session=density_session, density_peer=density_peer,
                                density_batch=density_batch, density_memory_mb=density_memory_mb,
-                               density_reserve_gib=density_reserve_gib, density_settle_s=density_settle_s))
+                               density_reserve_gib=density_reserve_gib, density_settle_s=density_settle_s,
+                               kind=kind))
 
 
 @app.command("density")

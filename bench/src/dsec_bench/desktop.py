@@ -16,7 +16,13 @@ doing the same, in the same run (docs/BENCHMARKS.md, "Desktop").
 - with ``--density N``: N idle desktops on the node and what each costs the host, against as many
   ``podman run`` of the same session (``desktop_density``); ``--density-only`` runs that alone.
 
-Its own server (containers only, no warm pool) runs on 127.0.0.1 with its state under
+``--kind microvm`` or ``--kind fullvm``: the same desktop in a VM of that kind (figures, not
+goals: the VMs here run under TCG), against its peer in the same run, the same image's desktop
+in a container of DSec's: boot to desktop (create returns once the desktop agent answers) and to
+the first screenshot, then screenshot, move and key press p50 on each (``_kind_latency``). A full
+VM's first create of the image builds its disk: timed apart, before the ones counted.
+
+Its own server (containers only unless ``--kind`` asks for VMs, no warm pool) runs on 127.0.0.1 with its state under
 ``--state-dir``; the ``desktop`` image is built there on first use (a few minutes), or taken
 from ``--store`` (a layer store that has it). Everything it makes is removed at the end (and
 checked).
@@ -36,7 +42,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from libdsec import DesktopSpec, DSecClient, DSecContainerRunArgs
+from libdsec import DesktopSpec, DSecClient, DSecContainerRunArgs, DSecFullVMRunArgs, DSecMicroVMRunArgs
 
 from dsec.images.builders import build_desktop
 from dsec.images.store import LayerStore
@@ -142,8 +148,82 @@ def _podman_peer(store: LayerStore, work: Path, o: dict, console: Console) -> di
     return {"scrot_p50_ms": _p50(shots), "xdotool_move_p50_ms": _p50(moves), "xdotool_key_p50_ms": _p50(keys)}
 
 
+KINDS = ("container", "microvm", "fullvm")
+
+
+def _results_file(kind: str) -> str:
+    return RESULTS_FILE if kind == "container" else f"bench-desktop-{kind}.json"
+
+
+async def _kind_latency(client: DSecClient, kind: str, o: dict, console: Console) -> dict:
+    """A desktop on ``kind``: create (returns with the desktop ready) and then the first screenshot,
+    over ``creates`` sandboxes one after another; then screenshot, move and press p50 on one."""
+    spec = DesktopSpec(width=o["width"], height=o["height"], dpi=96)
+    if kind == "container":
+        args, run = DSecContainerRunArgs(container_image="desktop", memory_limit_mb=1024, desktop=spec), \
+            client.run_container
+    elif kind == "microvm":
+        args, run = DSecMicroVMRunArgs(container_image="desktop", memory_limit_mb=1024, desktop=spec), client.run_microvm
+    else:
+        args, run = DSecFullVMRunArgs(container_image="desktop", memory_limit_mb=1024, desktop=spec), client.run_vm
+    out: dict = {}
+    if kind == "fullvm":  # its first VM of the image builds the image's disk
+        start = time.perf_counter()
+        async with await run(args):
+            out["first_create_s"] = time.perf_counter() - start
+    creates, firsts = [], []
+    for i in range(max(1, o["creates"])):
+        start = time.perf_counter()
+        sandbox = await run(args)
+        creates.append(time.perf_counter() - start)
+        png = await sandbox.desktop.screenshot()
+        firsts.append(time.perf_counter() - start)
+        assert png[:4] == b"\x89PNG"
+        if i < o["creates"] - 1:  # (the last one is measured next: one VM boot fewer)
+            await sandbox.stop()
+    out.update(create_p50_s=_p50(creates), create_to_first_screenshot_p50_s=_p50(firsts), creates=creates,
+               create_to_first_screenshot=firsts)
+    async with sandbox:
+        desktop = sandbox.desktop
+        await asyncio.sleep(2)  # the session settled (its backdrop and panel drawn)
+        shots, moves, presses = [], [], []
+        for _ in range(o["samples"]):
+            start = time.perf_counter()
+            await desktop.screenshot()
+            shots.append((time.perf_counter() - start) * 1000)
+        for i in range(o["samples"]):
+            start = time.perf_counter()
+            await desktop.move(100 + i % 2 * 300, 100 + i % 2 * 200)
+            moves.append((time.perf_counter() - start) * 1000)
+        for _ in range(o["samples"]):
+            start = time.perf_counter()
+            await desktop.press("shift")
+            presses.append((time.perf_counter() - start) * 1000)
+    out.update(screenshot_p50_ms=_p50(shots), move_p50_ms=_p50(moves), press_p50_ms=_p50(presses))
+    console.print(f"{kind}: create {out['create_p50_s']:.2f} s, to first screenshot "
+                  f"{out['create_to_first_screenshot_p50_s']:.2f} s; screenshot {out['screenshot_p50_ms']:.1f} ms, "
+                  f"move {out['move_p50_ms']:.2f} ms, press {out['press_p50_ms']:.2f} ms")
+    return out
+
+
+async def _vm_kind(server: LocalServer, o: dict, console: Console, r: dict) -> None:
+    """``--kind microvm|fullvm``: that kind's desktop against the same image's in a container."""
+    kind = o["kind"]
+    async with DSecClient(server.endpoint, token=server.token, timeout=600) as client:
+        r["container"] = await _kind_latency(client, "container", o, console)
+        r[kind] = await _kind_latency(client, kind, o, console)
+    v, c = r[kind], r["container"]
+    r["ratios"] = {f"{m}_{kind}_over_container": v[m] / c[m]
+                   for m in ("create_p50_s", "create_to_first_screenshot_p50_s", "screenshot_p50_ms", "move_p50_ms",
+                             "press_p50_ms")}
+
+
 async def _run(server: LocalServer, state_dir: Path, o: dict, console: Console) -> dict:
-    r: dict = {"width": o["width"], "height": o["height"]}
+    r: dict = {"width": o["width"], "height": o["height"], "kind": o["kind"]}
+    if o["kind"] != "container":
+        await _vm_kind(server, o, console, r)
+        r["load_end"] = os.getloadavg()
+        return r
     if not o.get("density_only"):
         await _latency(server, state_dir, o, console, r)
     if o.get("density"):
@@ -250,7 +330,25 @@ def _density_table(r: dict) -> Table:
     return t
 
 
+def _kind_table(r: dict) -> Table:
+    kind = r["kind"]
+    v, c, q = r[kind], r["container"], r["ratios"]
+    t = Table(title=f"desktop {r['width']}x{r['height']} on a {kind} (TCG) and in a container: p50")
+    for col in ("", kind, "container (peer)", f"{kind} / container"):
+        t.add_column(col)
+    for label, m, unit, fmt in (("create, desktop ready", "create_p50_s", "s", ".2f"),
+                                ("create to first screenshot", "create_to_first_screenshot_p50_s", "s", ".2f"),
+                                ("screenshot (PNG in hand)", "screenshot_p50_ms", "ms", ".1f"),
+                                ("pointer move", "move_p50_ms", "ms", ".2f"), ("key press (shift)", "press_p50_ms", "ms", ".2f")):
+        t.add_row(label, f"{v[m]:{fmt}} {unit}", f"{c[m]:{fmt}} {unit}", f"{q[f'{m}_{kind}_over_container']:.1f}x")
+    first = f"; the first full VM of the image (its disk built) {v['first_create_s']:.1f} s" if "first_create_s" in v else ""
+    t.caption = f"figures, not goals{first}; load average at the end {r['load_end'][0]:.1f}"
+    return t
+
+
 def _table(r: dict) -> Table:
+    if r.get("kind", "container") != "container":
+        return _kind_table(r)
     if "ratios" not in r:
         return _density_table(r)
     d, x, c, pm, q = r["dsec"], r["dsec_exec"], r["crun_exec"], r["podman_exec"], r["ratios"]
@@ -281,7 +379,9 @@ DENSITY_DEFAULTS = {"density": 0, "density_only": False, "density_session": "wm"
 
 
 def main(state_dir: Path, console: Console, store: Path | None = None, **opts) -> int:
-    opts = {**DENSITY_DEFAULTS, **opts}
+    opts = {**DENSITY_DEFAULTS, "kind": "container", **opts}
+    if opts["kind"] not in KINDS:
+        raise ValueError(f"--kind {opts['kind']!r}: one of {', '.join(KINDS)}")
     if opts["density_peer"] is None:
         opts["density_peer"] = opts["density"]
     state_dir = Path(state_dir).resolve()
@@ -292,10 +392,13 @@ def main(state_dir: Path, console: Console, store: Path | None = None, **opts) -
     if not layers.has_image("desktop"):
         console.print("building the desktop image (a few minutes, once)")
         build_desktop(layers, log=console.print)
-    os.environ.setdefault("DSEC_VMS", "0")
+    if opts["kind"] == "container":
+        os.environ.setdefault("DSEC_VMS", "0")
     errors: list[str] = []
     r: dict = {}
-    server = LocalServer(state_dir, extra_args=("--pool-max", "0")).start()
+    # (A server with VMs fetches the guest kernel and probes the accelerator as it starts.)
+    server = LocalServer(state_dir, extra_args=("--pool-max", "0"),
+                         **({} if opts["kind"] == "container" else {"start_timeout_s": 300.0})).start()
     try:
         r = asyncio.run(_run(server, state_dir, opts, console))
     except Exception as exc:  # noqa: BLE001 - reported, then cleaned up and checked
@@ -305,4 +408,4 @@ def main(state_dir: Path, console: Console, store: Path | None = None, **opts) -
     if "density" in r and "ratios" in r:
         console.print(_density_table(r))
     measured = "density" if opts.get("density_only") else "ratios"
-    return finish_on_server(console, state_dir, RESULTS_FILE, r, errors, opts, _table, measured)
+    return finish_on_server(console, state_dir, _results_file(opts["kind"]), r, errors, opts, _table, measured)

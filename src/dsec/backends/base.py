@@ -74,6 +74,9 @@ refuses a backend that declares an ability without its hook:
   then); ``boot`` starts a halted one afresh over them, as ``create`` started it (its init, a
   new boot id), and sets the handle's ``pid``. ``destroy`` takes a halted sandbox as any other,
   ``recover`` adopts one whose files are there, and ``is_alive`` is False for it.
+- ``DESKTOP``: a sandbox can run a desktop (``dsec.edge.desktop``): its commands can start
+  Xvfb and keep it running, and ``connect_port`` reaches the desktop agent; no hook of its own,
+  but it needs ``PORTS``.
 
 Handles are plain data (``to_json``/``from_json``) so an edge restart can re-adopt them.
 """
@@ -193,6 +196,7 @@ class Capability(str, Enum):
     PORTS = "ports"
     NEW_IDENTITY = "new_identity"
     REBOOT = "reboot"
+    DESKTOP = "desktop"
 
 
 class PtyProcess(Protocol):
@@ -359,6 +363,9 @@ def check_backend(backend: SandboxBackend) -> None:
     for name in ("describe", "host_view", "warm_up", "close"):
         if not callable(getattr(backend, name, None)):
             raise TypeError(f"{type(backend).__name__} has no {name}(): every backend has one (dsec.backends.base)")
+    if Capability.DESKTOP in backend.capabilities and Capability.PORTS not in backend.capabilities:
+        raise TypeError(f"{type(backend).__name__} declares desktop but not ports: the node reaches a desktop's "
+                        f"agent by connect_port")
     for capability in backend.capabilities:
         hook = _HOOKS.get(capability)
         if hook is not None and not isinstance(backend, hook):

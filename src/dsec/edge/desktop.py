@@ -10,6 +10,13 @@ to a process that holds an open X connection: no command started per action. The
 once the agent answers (the X server up, the window manager managing); a desktop that does not
 come up fails the create, and the sandbox is removed.
 
+Every kind whose backend declares ``Capability.DESKTOP`` runs the same agent, Xvfb and session
+from the same image: containers, and microVMs and full VMs, whose guest agent starts the agent
+and carries ``connect_port`` to it. (Xvfb in guests too, not Xorg with the dummy driver: the image
+has Xvfb, and neither gives a guest emulated by TCG a GPU; a screenshot is a GetImage either
+way.) A VM's start is slower under TCG (``VM_START_TIMEOUT_S``), and its memory is the guest's
+whole memory, so a desktop needs at least ``VM_DESKTOP_MIN_MEMORY_MB`` of it.
+
 The live view (``desktop_stream``): x11vnc on the desktop's display and noVNC's page with its
 WebSocket proxy (websockify, the image's ``/opt/noVNC/utils/novnc_proxy``) on ``STREAM_PORT``,
 the ports and programs E2B Desktop's ``stream.start()`` uses, so either way of starting it finds
@@ -30,7 +37,8 @@ import struct
 import time
 from pathlib import Path
 
-from libdsec import DesktopUnavailable, DSecError, InvalidRequest, PortUnreachable, SandboxStateError
+from libdsec import (DesktopUnavailable, DSecError, InvalidRequest, LimitOutOfRange, PortUnreachable,
+                     SandboxStateError)
 from libdsec.protocol import (
     DesktopAccessibilityTree,
     DesktopInfo,
@@ -54,6 +62,13 @@ AGENT_PORT = 49990  # the desktop agent's, on the sandbox's loopback
 DISPLAY = ":0"
 AGENT_SOURCE = (Path(__file__).resolve().parent.parent / "native" / "desktop_agent.py").read_text()
 START_TIMEOUT_S = 30.0
+# A VM's desktop starts in a guest that may be emulated (TCG: Xvfb and xfce4 take about 20 s on
+# this 2-core machine where a container's take 1), and its memory is the guest's whole memory
+# (kernel, page cache, a microVM's writable layer): a desktop needs this much of it (xfce4 and
+# the agent use about 95 MB of a 512 MB microVM right after the start; applications more).
+VM_START_TIMEOUT_S = 180.0
+VM_DESKTOP_MIN_MEMORY_MB = 384
+_VM_KINDS = (SandboxKind.microvm, SandboxKind.fullvm)
 AGENT_MMAP_THRESHOLD = 262144
 # The live view: x11vnc's port and noVNC's (page and WebSocket), as E2B Desktop's stream has them.
 VNC_PORT = 5900
@@ -120,9 +135,16 @@ class Desktops(SandboxTable):
         """A create asking for a desktop of a kind this node cannot give one (before anything is made)."""
         if getattr(args, "desktop", None) is None:
             return
-        if kind is not SandboxKind.container or Capability.PORTS not in self._backend(kind).capabilities:
+        if Capability.DESKTOP not in self._backend(kind).capabilities:
+            can = [k for k, b in self.backends.items() if Capability.DESKTOP in b.capabilities]
             raise InvalidRequest(f"a {kind.value} sandbox on node {self.node} cannot have a desktop "
-                                 f"(desktops are for container sandboxes here)")
+                                 f"(desktops here: {', '.join(k.value for k in can) or 'none'})")
+        if kind in _VM_KINDS and args.memory_limit_mb < VM_DESKTOP_MIN_MEMORY_MB:
+            raise LimitOutOfRange(f"memory_limit_mb={args.memory_limit_mb} is too small for a {kind.value} with a "
+                                  f"desktop: at least {VM_DESKTOP_MIN_MEMORY_MB} MB (the guest's whole memory)")
+
+    def _start_timeout(self, rec: Record) -> float:
+        return VM_START_TIMEOUT_S if rec.kind in _VM_KINDS else START_TIMEOUT_S
 
     async def _start_desktop(self, rec: Record) -> None:
         """Start the desktop of a new sandbox and wait until its agent answers."""
@@ -140,7 +162,7 @@ class Desktops(SandboxTable):
                    f'{spec.width} {spec.height} {spec.dpi} {AGENT_PORT} {DISPLAY} {shlex.quote(spec.session)}')
         process = await self.start_process(rec.id, StartProcessRequest(
             command=command, env={"DESKTOP_AGENT_PY": AGENT_SOURCE, "DISPLAY": DISPLAY}))
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self._start_timeout(rec)
         while True:
             try:
                 agent = await self._connect_agent(rec)
@@ -154,7 +176,7 @@ class Desktops(SandboxTable):
                     command=f"tail -c 800 /tmp/.dsec-proc/{process.pid}/err; tail -c 400 /tmp/.dsec-xvfb.log",
                     timeout=10.0))
                 why = f"its agent exited ({info.exit_code})" if not info.running else \
-                    f"not answering after {START_TIMEOUT_S:.0f} s"
+                    f"not answering after {self._start_timeout(rec):.0f} s"
                 raise DesktopUnavailable(f"the desktop of sandbox {rec.id} did not start: {why}: "
                                          f"{tail.stdout.strip()[-1000:]}")
             await asyncio.sleep(0.02)
@@ -195,7 +217,7 @@ class Desktops(SandboxTable):
         if await self._stream_answers(rec):
             return
         process = await self.start_process(sandbox_id, StartProcessRequest(command=_NOVNC))
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + self._start_timeout(rec)
         while not await self._stream_answers(rec):
             info = await self.get_process(sandbox_id, process.pid)
             if not info.running and await self._stream_answers(rec):

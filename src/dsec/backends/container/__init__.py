@@ -63,7 +63,7 @@ class ContainerBackend(Lifecycle, Exec, Pty, Files, WritableLayer):
     # PROTECTED_PATHS: read-only binds (see oci.protected_mounts); CARRY: check_kept, carry, tampered.
     capabilities = frozenset({Capability.WARM_POOL, Capability.PROTECTED_PATHS, Capability.CARRY, Capability.HOST_PATHS,
                               Capability.PIPED_STDIN, Capability.PORTS, Capability.NEW_IDENTITY,
-                              Capability.REBOOT})
+                              Capability.REBOOT, Capability.DESKTOP})
     # The v1 controllers of a sandbox's cgroup (see dsec.resources.cgroups).
     cgroup_controllers: tuple[str, ...] = cgroups.SANDBOX_CONTROLLERS
 

@@ -199,7 +199,7 @@ class VMBackend:
     # fixed when it boots, so VMs are made for each request instead. KEPT_LAYER: clean copies
     # through the guest agent (kept_layer).
     capabilities = frozenset({Capability.KEPT_LAYER, Capability.PIPED_STDIN, Capability.WATCHED, Capability.PROTECTED_PATHS,
-                              Capability.PORTS, Capability.NEW_IDENTITY})
+                              Capability.PORTS, Capability.NEW_IDENTITY, Capability.DESKTOP})
 
     def __init__(self, node_dir: Path, store: LayerStore, assets_dir: Path | None = None, *,
                  accel: str | None = None, boot_timeout_s: float = 60.0, default_memory_mb: int = DEFAULT_MEMORY_MB,

@@ -47,7 +47,7 @@ import shutil
 import time
 from pathlib import Path
 
-from libdsec import BackendError, InvalidRequest
+from libdsec import BackendError, InvalidRequest, LimitOutOfRange
 
 from ... import settings
 from ...resources import ksm
@@ -60,6 +60,8 @@ MiB = 1 << 20
 log = logging.getLogger(__name__)
 
 TAIL_RAM_MB = 32
+INITRD_MAX_MB = 2048  # the guest kernel's initrd_addr_max: QEMU loads the initrd below it
+MIN_HEAD_RAM_MB = 128  # the RAM before the layers: where the kernel is loaded and starts
 # microvm keeps guest memory below 4 GiB in one piece only up to here.
 MAX_GUEST_SPAN_MB = 2816
 SNAPSHOT_ID = re.compile(r"^s[0-9a-f]{16}\Z")
@@ -86,7 +88,7 @@ class SnapshotIncompatible(InvalidRequest):
 class MicroVMBackend(VMBackend):
     kind = "microvm"
     capabilities = frozenset({Capability.KEPT_LAYER, Capability.SNAPSHOT, Capability.PIPED_STDIN, Capability.WATCHED,
-                              Capability.PROTECTED_PATHS, Capability.PORTS, Capability.NEW_IDENTITY})
+                              Capability.PROTECTED_PATHS, Capability.PORTS, Capability.NEW_IDENTITY, Capability.DESKTOP})
 
     def __init__(self, node_dir: Path, store, assets_dir: Path | None = None, *, layer_mode: str = "pmem",
                  use_ksm: bool | None = None, **kw) -> None:
@@ -111,12 +113,25 @@ class MicroVMBackend(VMBackend):
             return [self.store.layer_path(d) for d in layers]
         return [await asyncio.to_thread(self.store.dax_layer, d) for d in layers]
 
-    def _ram_blocks(self, ram_mb: int) -> list[tuple[str, int]]:
+    def _ram_blocks(self, ram_mb: int, layers_mb: int = 0) -> list[tuple[str, int]]:
         """The guest RAM's memory backends, (id, MiB) in guest-address order. Their ids name
-        the RAM blocks in a snapshot, so a clone's must be the same."""
+        the RAM blocks in a snapshot, so a clone's must be the same (and, for the same memory
+        and layers, so are their sizes).
+
+        pmem: the RAM before the layers and the tail after them. QEMU puts the initrd at the
+        top of the RAM below the kernel's ``initrd_addr_max`` (2 GiB): when memory and layers
+        reach past that, the tail must too, or the initrd lands inside a layer and the guest
+        finds no root (a 1 GB microVM of the 1.3 GB ``desktop`` image did)."""
         if self.layer_mode == "private":
             return [("ram0", ram_mb)]
-        return [("ram0", ram_mb - TAIL_RAM_MB), ("ramtail", TAIL_RAM_MB)]
+        head = ram_mb - TAIL_RAM_MB
+        if head + layers_mb + TAIL_RAM_MB > INITRD_MAX_MB:
+            head = min(head, INITRD_MAX_MB - TAIL_RAM_MB - layers_mb)
+            if head < MIN_HEAD_RAM_MB:
+                raise LimitOutOfRange(f"{layers_mb} MB of layers leave a microVM too little memory below "
+                                      f"{INITRD_MAX_MB} MB to boot from (at most {INITRD_MAX_MB - TAIL_RAM_MB - MIN_HEAD_RAM_MB} "
+                                      f"MB of layers)")
+        return [("ram0", head), ("ramtail", ram_mb - head)]
 
     def _ram_object(self, block: str, size_mb: int, ram_file: Path | None) -> str:
         merge = "off" if self.layer_mode == "private" else "on"
@@ -162,9 +177,10 @@ class MicroVMBackend(VMBackend):
         files = await self._layer_files(spec.layers)
         argv = [*self._common_args(vm_dir, accel, "virtio-serial-device"), "-smp", str(vcpus)]
         machine_opts = "microvm,pcie=on"
+        sizes = [-(-f.stat().st_size // (2 * MiB)) * 2 for f in files]  # MiB, 2 MiB steps
         ram = [(block, mb, self._ram_object(block, mb, self.snapshot_dir(spec.snapshot) / f"{block}.ram"
                                             if block in saved_ram else None))
-               for block, mb in self._ram_blocks(ram_mb)]
+               for block, mb in self._ram_blocks(ram_mb, sum(sizes) if self.layer_mode == "pmem" else 0)]
         if self.layer_mode == "private":
             (block, _, obj), = ram
             machine_opts += f",mem-merge=off,memory-backend={block}"
@@ -175,7 +191,6 @@ class MicroVMBackend(VMBackend):
             extra = f"dsec.mode=microvm dsec.layers={len(files)} dsec.layerdev=vd"
         else:
             (head, head_mb, head_obj), (tail, _, tail_obj) = ram
-            sizes = [-(-f.stat().st_size // (2 * MiB)) * 2 for f in files]  # MiB, 2 MiB steps
             total = ram_mb + sum(sizes)
             if total > MAX_GUEST_SPAN_MB:
                 raise BackendError(f"image {spec.image!r} needs {sum(sizes)} MB of pmem: with {ram_mb} MB of "
