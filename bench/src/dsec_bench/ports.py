@@ -214,6 +214,13 @@ print(" ".join(map(str, out)))
 '''
 
 
+def _cpu_s(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid``, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def _host_pid(marker: str) -> int:
     """The pid, on the host, of the process in the sandbox whose command line has ``marker``."""
     for entry in os.listdir("/proc"):
@@ -319,16 +326,22 @@ async def _run(server: LocalServer, image: str, opts: dict, console: Console) ->
             path = f"/v1/sandboxes/{sandbox.id}/ports/8000"
             console.print("requests/s ...")
             seen: dict[str, list[float]] = {"rps_direct": [], "rps_port_url": [], "rps_host_name": []}
+            cpu = []  # the apiserver's (user, system) CPU µs per request through port_url
             for _ in range(rounds):
                 seen["rps_direct"].append(await _load(["nsenter", f"--net=/proc/{pid}/ns/net"], "127.0.0.1", 8000,
                                                       "x", "", concurrency, seconds))
+                before = _cpu_s(server.proc.pid)
                 seen["rps_port_url"].append(await _load([], *api, f"127.0.0.1:{server.port}", auth, concurrency,
                                                         seconds, f"{path}/conn"))
+                after, served = _cpu_s(server.proc.pid), seen["rps_port_url"][-1] * seconds
+                cpu.append(tuple((a - b) / served * 1e6 for a, b in zip(after, before)))
                 seen["rps_host_name"].append(await _load([], *api, f"{name}:{server.port}", auth, concurrency,
                                                          seconds))
             for key, figures in seen.items():
                 r[key] = statistics.median(figures)
                 r[key + "_rounds"] = figures
+            r["apiserver_cpu_us_per_request"] = {"user": statistics.median(c[0] for c in cpu),
+                                                 "system": statistics.median(c[1] for c in cpu)}
             console.print("first byte ...")
             r["first_byte_direct_ms"] = statistics.median(await _first_byte_direct_ms(pid, 8000, samples))
             r["first_byte_port_url_ms"] = statistics.median(await _first_byte_ms(
@@ -359,6 +372,9 @@ def _table(r: dict) -> Table:
     t.add_row("first byte p50 (ms)", f"{r['first_byte_direct_ms']:.2f}",
               ms("first_byte_port_url_ms", "first_byte_direct_ms"), ms("first_byte_host_name_ms", "first_byte_direct_ms"),
               "≤ 5 ms")
+    if "apiserver_cpu_us_per_request" in r:
+        c = r["apiserver_cpu_us_per_request"]
+        t.add_row("apiserver CPU a request (µs)", "", f"{c['user']:.0f} user + {c['system']:.0f} system", "", "")
     t.add_row("WebSocket echo RTT p50 (ms)", f"{r['ws_rtt_direct_ms']:.2f}" if "ws_rtt_direct_ms" in r else "",
               ms("ws_rtt_port_url_ms", "ws_rtt_direct_ms"), ms("ws_rtt_host_name_ms", "ws_rtt_direct_ms"), "≤ 2 ms")
     return t

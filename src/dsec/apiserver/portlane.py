@@ -29,8 +29,6 @@ wait ``KEEPALIVE_S`` for the next client connection to the same port.
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
 import json
 import logging
 import re
@@ -42,19 +40,26 @@ from libdsec import DSecError, InvalidRequest, PortUnreachable, Unauthenticated
 from .auth import Authenticator
 from .cluster import Cluster
 from .lean import error_headers
-from .ports import KEEPALIVE_S, MAX_IDLE, split_host
+from .ports import _CREDENTIALS, KEEPALIVE_S, MAX_IDLE, _token, split_host
 
 log = logging.getLogger("dsec.apiserver.portlane")
 
 MAX_HEAD = 64 << 10
 _PORT_PATH = re.compile(rb"/v1/sandboxes/([^/?#]+)/ports/([^/?#]*)(/[^ ]*)\Z")
 _TOKEN_CHARS = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
+# A request line, then header fields (RFC 9112 5: a token, a colon, a value with no CR, LF or NUL;
+# no folded lines), each field's name and value (its spaces around taken off).
+_REQUEST_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) ([^ \r\n\0]+) (HTTP/1\.[01])\r\n")
+_FIELDS = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\r\n\0]*\r\n)*")
+_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([^\r\n]*?)[ \t]*\r\n")
+# What the lane reads of an answer's head.
+_STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})[^\r\n]*")
+_ANSWER_FIELD = re.compile(rb"\r\n(content-length|transfer-encoding|connection)[ \t]*:[ \t]*([^\r\n]*)", re.I)
 _CHUNK_SIZE = re.compile(rb"[0-9a-fA-F]{1,15}")
 # Not passed on (RFC 9110 7.6.1; and the ones a proxy answers itself). ``connection`` is
 # written anew; ``upgrade`` only for a WebSocket handshake.
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"te", b"trailer", b"upgrade",
                          b"proxy-authorization", b"proxy-authenticate", b"host"})
-_CREDENTIALS = (b"e2b-traffic-access-token", b"x-api-key")
 
 
 class _Bad(Exception):
@@ -111,22 +116,10 @@ class _Body:
                 self.left = n + 2
 
 
-def _split_head(head: bytes) -> list[bytes]:
-    """The lines of a head (without its blank line); ``_Bad`` for a lone CR or LF (a header
-    hidden in another one's value), NUL, or a folded line."""
-    if head.count(b"\n") != head.count(b"\r\n") or head.count(b"\r") != head.count(b"\r\n") or b"\0" in head:
-        raise _Bad("a lone CR, LF or NUL in the head")
-    lines = head.split(b"\r\n")
-    for line in lines[1:]:
-        if line[:1] in (b" ", b"\t"):
-            raise _Bad("a folded header line")
-    return lines
-
-
 class _Request:
     """A request head the lane serves (``classify``)."""
 
-    __slots__ = ("method", "version", "target", "sandbox_id", "port", "host", "headers", "drop", "token",
+    __slots__ = ("method", "version", "target", "sandbox_id", "port", "host", "headers", "names", "drop", "token",
                  "token_header", "key", "host_name", "body", "upgrade", "close", "error")
 
     def __init__(self) -> None:
@@ -139,8 +132,10 @@ class _Request:
 
     def head(self) -> bytes:
         """The head the server inside gets."""
+        drop = self.drop
         out = [b"%s %s %s\r\nhost: %s\r\n" % (self.method, self.target, self.version, self.host)]
-        out += [line for name, line in self.headers if name not in self.drop]
+        out += [b"%s: %s\r\n" % (name, value) for (name, value), lname in zip(self.headers, self.names)
+                if lname not in _HOP_BY_HOP and lname not in drop]
         if self.upgrade:
             out.append(b"connection: upgrade\r\nupgrade: websocket\r\n")
         elif self.close:
@@ -149,22 +144,6 @@ class _Request:
             out.append(b"connection: keep-alive\r\n")
         out.append(b"\r\n")
         return b"".join(out)
-
-
-def _token(headers: dict[bytes, bytes]) -> tuple[str, bytes] | None:
-    """The caller's token on a host name and the header it came in (``ports._token``'s rules)."""
-    scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-    if scheme.lower() == "bearer" and given.strip():
-        return given.strip(), b"authorization"
-    if scheme.lower() == "basic":
-        with contextlib.suppress(ValueError):
-            password = base64.b64decode(given.strip(), validate=True).decode().partition(":")[2]
-            if password:
-                return password, b"authorization"
-    for name in _CREDENTIALS:
-        if headers.get(name):
-            return headers[name].decode("latin-1").strip(), name
-    return None
 
 
 # -- the lane -----------------------------------------------------------------------------------
@@ -190,20 +169,20 @@ class PortLane:
     def classify(self, head: bytes) -> _Request | None:
         """The port request ``head`` is, None when it is none (uvicorn's then); ``_Bad`` for a
         head that is not HTTP/1.x."""
-        lines = _split_head(head)
-        parts = lines[0].split(b" ")
-        if len(parts) != 3 or parts[2] not in (b"HTTP/1.1", b"HTTP/1.0") or not _TOKEN_CHARS.match(parts[0]):
-            raise _Bad(f"not an HTTP/1.x request line: {lines[0][:80]!r}")
+        head += b"\r\n"
+        first = _REQUEST_LINE.match(head)
+        if first is None:
+            line = head[:head.find(b"\r\n")]
+            raise _Bad(f"not an HTTP/1.x request line: {line[:80]!r}")
+        block = head[first.end():]
+        if _FIELDS.fullmatch(block) is None:
+            raise _Bad("a header line that is not a name, a colon and a value (or a lone CR, LF or NUL)")
         req = _Request()
-        req.method, target, req.version = parts
-        headers: list[tuple[bytes, bytes]] = []
+        req.method, target, req.version = first.groups()
+        headers = _FIELD.findall(block)
+        names = [name.lower() for name, _ in headers]
         values: dict[bytes, bytes] = {}
-        for line in lines[1:]:
-            name, colon, value = line.partition(b":")
-            if not colon or not _TOKEN_CHARS.match(name):
-                raise _Bad(f"not a header line: {line[:80]!r}")
-            name = name.lower()
-            value = value.strip(b" \t")
+        for name, (_, value) in zip(names, headers):
             if name in values:
                 if name == b"content-length" and value != values[name]:
                     raise _Bad("two different Content-Length headers")
@@ -212,7 +191,6 @@ class PortLane:
                 values[name] = values[name] + b", " + value
             else:
                 values[name] = value
-            headers.append((name, line + b"\r\n"))
         if self.job_header in values:
             return None  # (a job's request: the route logs it)
         host = values.get(b"host", b"")
@@ -259,7 +237,8 @@ class PortLane:
                 raise _Bad(f"a Content-Length that is not a length: {length[:20]!r}")
             if int(length):
                 req.body = _Body(int(length), False)
-        tokens = {t.strip().lower() for t in values.get(b"connection", b"").split(b",")}
+        connection = values.get(b"connection")
+        tokens = {t.strip().lower() for t in connection.split(b",")} if connection else set()
         upgrade = values.get(b"upgrade")
         if upgrade is not None and b"upgrade" in tokens:
             if upgrade.lower() != b"websocket":
@@ -270,16 +249,14 @@ class PortLane:
                     "not a WebSocket handshake: a GET of HTTP/1.1 with Sec-WebSocket-Key is one")
             req.upgrade = True
         req.close = b"close" in tokens or (req.version == b"HTTP/1.0" and b"keep-alive" not in tokens)
-        drop = set(_HOP_BY_HOP)
-        drop.update(tokens)  # (what Connection names is this hop's alone)
-        drop.add(req.token_header)
+        drop = {req.token_header}
+        if tokens:  # (what Connection names is this hop's alone; the body's framing stays)
+            drop.update(tokens - {b"content-length", b"transfer-encoding"})
         if req.token:  # (and any other header that carries the token: never passed on)
-            drop.update(name for name in (b"authorization", *_CREDENTIALS)
-                        if name in values and req.token.encode("latin-1") in values[name])
-        drop.discard(b"content-length")
-        drop.discard(b"transfer-encoding")
+            token = req.token.encode("latin-1")
+            drop.update(name for name in (b"authorization", *_CREDENTIALS) if token in values.get(name, b"\0"))
         req.drop = drop
-        req.headers = headers
+        req.headers, req.names = headers, names
         return req
 
     # connections to ports, kept between client connections
@@ -427,15 +404,13 @@ class _Relay:
         self.busy: asyncio.Task | None = None
         self.paused: set[bytes] = set()
         self.closed = False
-        self.timer: asyncio.TimerHandle | None = None
+        self.timer: asyncio.TimerHandle | None = None  # the client's keep-alive: checked when it is due
+        self.idle_since = 0.0
         self.host_name = False  # the last request came by host name (errors then E2B's)
 
     # client → port
 
     def client_data(self, data: bytes) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
         if self.tunnel and self.up is not None:
             self.up.transport.write(data)
             return
@@ -449,7 +424,10 @@ class _Relay:
         except _Bad as exc:
             self.fail(InvalidRequest(f"malformed request: {exc}"))
         if not self.closed and not self.inflight and not self.buf and self.busy is None and not self.tunnel:
-            self.timer = self.proto.loop.call_later(self.proto.timeout_keep_alive, self.close)
+            # (one timer a connection, not one a request: at its time, it looks how long it was idle)
+            self.idle_since = self.proto.loop.time()
+            if self.timer is None:
+                self.timer = self.proto.loop.call_later(self.proto.timeout_keep_alive, self._idle)
         if len(self.buf) > MAX_HEAD:
             self.pause(b"buf")  # (until it has gone on)
         elif b"buf" in self.paused:
@@ -493,6 +471,16 @@ class _Relay:
                 return
             self.buf = self.buf[end + 4:]
             self.send(req)
+
+    def _idle(self) -> None:
+        self.timer = None
+        if self.closed or self.inflight or self.buf or self.busy is not None or self.tunnel:
+            return  # (armed again once idle)
+        left = self.idle_since + self.proto.timeout_keep_alive - self.proto.loop.time()
+        if left > 0.01:
+            self.timer = self.proto.loop.call_later(left, self._idle)
+        else:
+            self.close()
 
     def _fits(self, req: _Request) -> bool:
         """Whether ``req`` goes on the port connection there is, its caller checked (the
@@ -654,23 +642,21 @@ class _Relay:
             self.client.write(data if start == 0 else data[start:])
 
     def _answer_head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        status_line = lines[0]
-        if not status_line.startswith((b"HTTP/1.1 ", b"HTTP/1.0 ")) or not status_line[9:12].isdigit():
-            raise _Bad(f"not a status line: {status_line[:40]!r}")
-        status = int(status_line[9:12])
+        m = _STATUS_LINE.match(head)
+        if m is None:
+            raise _Bad(f"not a status line: {head[:40]!r}")
+        status = int(m.group(2))
         self.answered = True
         self.retry = None
         length = chunked = None
-        close = status_line.startswith(b"HTTP/1.0")
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
+        close = m.group(1) == b"0"
+        for name, value in _ANSWER_FIELD.findall(head):
+            name = name.lower()
             if name == b"content-length":
                 length = value.strip()
             elif name == b"transfer-encoding":
                 chunked = b"chunked" in value.lower()
-            elif name == b"connection":
+            else:
                 tokens = value.lower()
                 if b"close" in tokens:
                     close = True
