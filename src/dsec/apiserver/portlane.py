@@ -520,6 +520,8 @@ class _Relay:
                         self.lane.keep(key, up)
                         return
                     self._attach(up, key)
+                if self.up is None:  # (it ended as it came)
+                    raise PortUnreachable(f"port {req.port} in the sandbox closed the connection at once")
                 self.checked = (req.token, req.sandbox_id)
             except DSecError as exc:
                 if not self.closed:
