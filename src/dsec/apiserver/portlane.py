@@ -50,8 +50,11 @@ _TOKEN_CHARS = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 # A request line, then header fields (RFC 9112 5: a token, a colon, a value with no CR, LF or NUL;
 # no folded lines), each field's name and value (its spaces around taken off).
 _REQUEST_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) ([^ \r\n\0]+) (HTTP/1\.[01])\r\n")
-_FIELDS = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\r\n\0]*\r\n)*")
-_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([^\r\n]*?)[ \t]*\r\n")
+_HEAD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) ([^ \r\n\0]+) (HTTP/1\.[01])\r\n"
+                   rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\r\n\0]*\r\n)*")
+# The headers the lane reads (of a head checked by _HEAD: each line CRLF-led, no CR or LF in a value).
+_READ = (b"host", b"authorization", b"x-api-key", b"e2b-traffic-access-token", b"content-length",
+         b"transfer-encoding", b"connection", b"upgrade", b"sec-websocket-key")
 # What the lane reads of an answer's head.
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})[^\r\n]*")
 _ANSWER_FIELD = re.compile(rb"\r\n(content-length|transfer-encoding|connection)[ \t]*:[ \t]*([^\r\n]*)", re.I)
@@ -119,7 +122,7 @@ class _Body:
 class _Request:
     """A request head the lane serves (``classify``)."""
 
-    __slots__ = ("method", "version", "target", "sandbox_id", "port", "host", "headers", "names", "drop", "token",
+    __slots__ = ("method", "version", "target", "sandbox_id", "port", "host", "rest", "drop", "token",
                  "token_header", "key", "host_name", "body", "upgrade", "close", "error")
 
     def __init__(self) -> None:
@@ -131,19 +134,33 @@ class _Request:
         self.key: str | None = None
 
     def head(self) -> bytes:
-        """The head the server inside gets."""
-        drop = self.drop
-        out = [b"%s %s %s\r\nhost: %s\r\n" % (self.method, self.target, self.version, self.host)]
-        out += [b"%s: %s\r\n" % (name, value) for (name, value), lname in zip(self.headers, self.names)
-                if lname not in _HOP_BY_HOP and lname not in drop]
+        """The head the server inside gets: the caller's header lines but those dropped, in
+        their order, after its request line and Host."""
+        rest = _dropping(self.drop).sub(b"", self.rest)  # ("\r\nname: value…\r\n", lines dropped)
         if self.upgrade:
-            out.append(b"connection: upgrade\r\nupgrade: websocket\r\n")
+            end = b"connection: upgrade\r\nupgrade: websocket\r\n\r\n"
         elif self.close:
-            out.append(b"connection: close\r\n")
+            end = b"connection: close\r\n\r\n"
         elif self.version == b"HTTP/1.0":
-            out.append(b"connection: keep-alive\r\n")
-        out.append(b"\r\n")
-        return b"".join(out)
+            end = b"connection: keep-alive\r\n\r\n"
+        else:
+            end = b"\r\n"
+        return b"%s %s %s\r\nhost: %s%s%s" % (self.method, self.target, self.version, self.host, rest, end)
+
+
+_DROPPING: dict[frozenset[bytes], re.Pattern] = {}
+
+
+def _dropping(extra: frozenset[bytes]) -> re.Pattern:
+    """The lines of the hop-by-hop headers and of ``extra`` (CRLF first: lines are CRLF-led
+    in a request's ``rest``), one pattern a set of names (few: the credentials)."""
+    pattern = _DROPPING.get(extra)
+    if pattern is None:
+        if len(_DROPPING) > 64:
+            _DROPPING.clear()
+        names = b"|".join(re.escape(n) for n in sorted(_HOP_BY_HOP | extra))
+        pattern = _DROPPING[extra] = re.compile(rb"\r\n(?:" + names + rb"):[^\r\n]*", re.I)
+    return pattern
 
 
 # -- the lane -----------------------------------------------------------------------------------
@@ -158,6 +175,8 @@ class PortLane:
         self.domain = domain.strip(".").lower()
         self._domain_b = self.domain.encode()
         self.job_header, self.key_header = job_header, key_header
+        names = b"|".join(re.escape(n) for n in (*_READ, job_header, key_header))
+        self._read = re.compile(rb"\r\n(" + names + rb"):[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)", re.I)
         self.idle: dict[tuple[str, int], list[_Upstream]] = {}
         self.idle_count = 0
 
@@ -168,21 +187,21 @@ class PortLane:
 
     def classify(self, head: bytes) -> _Request | None:
         """The port request ``head`` is, None when it is none (uvicorn's then); ``_Bad`` for a
-        head that is not HTTP/1.x."""
+        head that is not HTTP/1.x. Two passes of C: the head checked whole, then the few
+        headers the lane reads taken out of it."""
         head += b"\r\n"
-        first = _REQUEST_LINE.match(head)
-        if first is None:
+        m = _HEAD.fullmatch(head)
+        if m is None:
             line = head[:head.find(b"\r\n")]
-            raise _Bad(f"not an HTTP/1.x request line: {line[:80]!r}")
-        block = head[first.end():]
-        if _FIELDS.fullmatch(block) is None:
+            if _REQUEST_LINE.match(head) is None:
+                raise _Bad(f"not an HTTP/1.x request line: {line[:80]!r}")
             raise _Bad("a header line that is not a name, a colon and a value (or a lone CR, LF or NUL)")
         req = _Request()
-        req.method, target, req.version = first.groups()
-        headers = _FIELD.findall(block)
-        names = [name.lower() for name, _ in headers]
+        req.method, target, req.version = m.groups()
+        req.rest = head[m.end(3):]
         values: dict[bytes, bytes] = {}
-        for name, (_, value) in zip(names, headers):
+        for name, value in self._read.findall(head):
+            name = name.lower()
             if name in values:
                 if name == b"content-length" and value != values[name]:
                     raise _Bad("two different Content-Length headers")
@@ -194,7 +213,8 @@ class PortLane:
         if self.job_header in values:
             return None  # (a job's request: the route logs it)
         host = values.get(b"host", b"")
-        where = split_host(host.decode("latin-1"), self.domain) if self.domain and host else None
+        where = (split_host(host.decode("latin-1"), self.domain)
+                 if self._domain_b and self._domain_b in host.lower() else None)
         if where is not None:
             req.host_name = True
             req.port, req.sandbox_id = where
@@ -237,26 +257,28 @@ class PortLane:
                 raise _Bad(f"a Content-Length that is not a length: {length[:20]!r}")
             if int(length):
                 req.body = _Body(int(length), False)
-        connection = values.get(b"connection")
-        tokens = {t.strip().lower() for t in connection.split(b",")} if connection else set()
-        upgrade = values.get(b"upgrade")
-        if upgrade is not None and b"upgrade" in tokens:
-            if upgrade.lower() != b"websocket":
-                req.error = req.error or InvalidRequest(
-                    "an upgrade that is not a WebSocket handshake cannot go to a sandbox's port")
-            elif req.method != b"GET" or b"sec-websocket-key" not in values or req.version != b"HTTP/1.1":
-                req.error = req.error or _BadHandshake(
-                    "not a WebSocket handshake: a GET of HTTP/1.1 with Sec-WebSocket-Key is one")
-            req.upgrade = True
-        req.close = b"close" in tokens or (req.version == b"HTTP/1.0" and b"keep-alive" not in tokens)
         drop = {req.token_header}
-        if tokens:  # (what Connection names is this hop's alone; the body's framing stays)
-            drop.update(tokens - {b"content-length", b"transfer-encoding"})
+        connection = values.get(b"connection")
+        if connection:
+            tokens = {t.strip().lower() for t in connection.split(b",")}
+            upgrade = values.get(b"upgrade")
+            if upgrade is not None and b"upgrade" in tokens:
+                if upgrade.lower() != b"websocket":
+                    req.error = req.error or InvalidRequest(
+                        "an upgrade that is not a WebSocket handshake cannot go to a sandbox's port")
+                elif req.method != b"GET" or b"sec-websocket-key" not in values or req.version != b"HTTP/1.1":
+                    req.error = req.error or _BadHandshake(
+                        "not a WebSocket handshake: a GET of HTTP/1.1 with Sec-WebSocket-Key is one")
+                req.upgrade = True
+            req.close = b"close" in tokens or (req.version == b"HTTP/1.0" and b"keep-alive" not in tokens)
+            # (what Connection names is this hop's alone; the body's framing stays)
+            drop.update(t for t in tokens - {b"content-length", b"transfer-encoding", b""} if _TOKEN_CHARS.match(t))
+        else:
+            req.close = req.version == b"HTTP/1.0"
         if req.token:  # (and any other header that carries the token: never passed on)
             token = req.token.encode("latin-1")
             drop.update(name for name in (b"authorization", *_CREDENTIALS) if token in values.get(name, b"\0"))
-        req.drop = drop
-        req.headers, req.names = headers, names
+        req.drop = frozenset(drop)
         return req
 
     # connections to ports, kept between client connections
