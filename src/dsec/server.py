@@ -21,6 +21,7 @@ import uvicorn
 
 from . import memtrace, settings
 from .apiserver.app import Cluster
+from .apiserver.portlane import lane_protocol
 from .apiserver.ports import DEFAULT_DOMAIN
 from .apiserver.projects import open_project_store
 from .app import create_app
@@ -182,6 +183,9 @@ def serve(config: ServerConfig) -> None:
     # crun. A cluster's apiserver spawns nothing: it only forwards, on uvloop.
     uvicorn.run(app, host=config.host, port=config.port, loop="uvloop" if clustered else "asyncio",
                 log_level="warning",
+                # uvicorn's own HTTP protocol, port requests relayed on the client's connection
+                # (dsec.apiserver.portlane)
+                http=lane_protocol(app.state.port_lane),
                 timeout_graceful_shutdown=10,
                 # No proxy stands in front: its headers would only be one more layer a request
                 # passes through (and a client could set them).

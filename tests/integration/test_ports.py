@@ -216,11 +216,20 @@ async def test_e2b_get_host(server, python_image, monkeypatch):
 
 
 async def test_a_sandbox_stopped_mid_stream(client, server, python_image):
-    """The client's answer breaks off; the server keeps serving, with nothing left open."""
+    """The client's answer breaks off; the server keeps serving, with nothing left open; a kept
+    connection's next request gets the sandbox's error (the edge ends its port connections)."""
     import httpx
+
+    async def ask(conn, path: str) -> tuple[bytes, bytes]:
+        reader, writer = conn
+        writer.write(f"GET {path} HTTP/1.1\r\nhost: x\r\n{auth_line}\r\n".encode())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        return head.split(b"\r\n")[0], await reader.readexactly(length)
 
     pid = _server_pid(server)
     auth = {"authorization": f"Bearer {server.token}"}
+    auth_line = f"authorization: Bearer {server.token}\r\n"
     async with httpx.AsyncClient(timeout=60) as http:
         for round_ in range(2):
             async with await client.run_container(DSecContainerRunArgs(container_image=python_image,
@@ -230,6 +239,9 @@ async def test_a_sandbox_stopped_mid_stream(client, server, python_image):
                 if round_ == 0:
                     await http.get(sandbox.port_url(8001), headers=auth)  # (a first use: pools, tasks)
                     before = _fds(pid)
+                kept = await asyncio.open_connection("127.0.0.1", server.port)
+                path = f"/v1/sandboxes/{sandbox.id}/ports/8001/conn"
+                assert b" 200 " in (await ask(kept, path))[0]
                 async with http.stream("GET", sandbox.port_url(8001) + "stream", headers=auth) as streamed:
                     chunks = streamed.aiter_raw()
                     assert await asyncio.wait_for(anext(chunks), 30) == b"first\n"
@@ -238,6 +250,9 @@ async def test_a_sandbox_stopped_mid_stream(client, server, python_image):
                         async for _ in chunks:
                             pass
                 assert (await http.get(sandbox.port_url(8001), headers=auth)).status_code in (404, 409, 410)
+                status, body = await ask(kept, path)
+                assert status.split()[1] in (b"404", b"409", b"410") and sandbox.id.encode() in body, (status, body)
+                kept[1].close()
         assert (await http.get(f"{server.endpoint}/healthz")).status_code == 200
     for _ in range(50):  # (closed connections take a moment on the server's side)
         if _fds(pid) <= before + 2:

@@ -256,12 +256,13 @@ def bench_ports(
     seconds: Annotated[float, typer.Option(help="Seconds of each requests/s load.")] = 5.0,
     concurrency: Annotated[int, typer.Option(help="Keep-alive connections of the load, one request in flight on each.")] = 8,
     samples: Annotated[int, typer.Option(help="Samples of each latency.")] = 200,
+    rounds: Annotated[int, typer.Option(help="Rounds of the three loads, taken in turn (the median is reported).")] = 3,
 ) -> None:
     """HTTP and WebSocket to a port inside a sandbox (port_url, host name) against the port reached directly."""
     from .ports import main as run_bench
 
     raise typer.Exit(run_bench(state_dir=state_dir, console=console, seconds=seconds, concurrency=concurrency,
-                               samples=samples))
+                               samples=samples, rounds=rounds))
 
 
 @app.command("desktop")

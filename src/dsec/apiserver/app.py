@@ -40,6 +40,7 @@ from .lean import CatchUnexpected, LeanRoutes, error_headers
 from .routes_fncall import add_fncall_routes
 from .routes_observe import add_observe_routes
 from .table import TableRoutes, add_schema_routes
+from .portlane import PortLane
 from .ports import DEFAULT_DOMAIN, PortProxy, PortRoutes
 from .streams import StreamKeys, StreamRoutes
 from .websocket import relay as websocket_relay
@@ -102,6 +103,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
                     yield state
         finally:
             await ports.aclose()
+            lane.close()
 
     app = FastAPI(title="DSec", version="0.1.0", lifespan=lifespan_with_ports,
                   description="Sandboxes for agent training: containers from shared EROFS layers.",
@@ -110,6 +112,9 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
                   **_NO_TELEMETRY)
 
     authenticator = Authenticator(token, cluster.projects)
+    # ``dsec serve`` relays port requests on the client's own connection (portlane.py); the
+    # middleware below serves them where the lane does not (another server, a job's request).
+    lane = app.state.port_lane = PortLane(cluster, authenticator, domain, _JOB, _KEY)
     jobs = cluster.jobs
 
     async def check(headers: dict[bytes, bytes], path_params: dict, route: str = "") -> Caller:

@@ -2,22 +2,29 @@
 
 The node connects to 127.0.0.1:PORT inside the sandbox itself (``EdgeAPI.connect_port``: a
 socket made in the sandbox's network namespace, a VM's through its agent; across the node seam
-an upgraded connection of its own), so nothing of the image is needed. Over that byte stream the
-apiserver speaks HTTP/1.1 as a client (httpcore, on a network backend whose "TCP connect" is
-``connect_port``): request bodies go on as they arrive and answers come back as the server
-inside writes them, both streamed; the connections to a port are kept alive between requests
-(one pool per sandbox and port, idle ones let go after a few seconds). The client's own
-connection is the ASGI server's, so the request is re-framed, not relayed byte for byte: the
-head is passed on without its hop-by-hop headers and the caller's credentials, the body as it
-comes (chunked when the caller sent it so). A WebSocket is relayed message for message over the
-same kind of connection (``dsec.apiserver.websocket``).
+an upgraded connection of its own), so nothing of the image is needed; the edge closes those
+connections when the sandbox ends. Two ways over that byte stream, with the same promises
+(bodies streamed both ways, connections to ports kept alive, WebSocket upgrades, the caller's
+credentials and the hop-by-hop headers never passed on, the same access rules, E2B's errors on
+host names):
+
+- ``dsec serve``: the port lane (``dsec.apiserver.portlane``), uvicorn's HTTP protocol taking
+  the client's connection between requests: heads checked and re-written, bodies and answers
+  relayed byte for byte on a port connection paired with the client's.
+- Anywhere else (another ASGI server, a request of a job, one the lane does not take):
+  ``PortRoutes`` here, in front of every route. The request is re-framed: the head passed on
+  without its hop-by-hop headers and the caller's credentials, the body as it comes (chunked
+  when the caller sent it so), the answer parsed with httptools and sent as ASGI messages as
+  the server inside writes it; connections to a port are pooled per sandbox and port (idle ones
+  let go after a few seconds). A WebSocket is relayed message for message
+  (``dsec.apiserver.websocket``).
 
 Host names (``HostNames``, an ASGI middleware in front of every route): a request whose Host is
 ``PORT-SANDBOXID.DOMAIN`` (DOMAIN: ``dsec serve --domain``) goes to that port of that sandbox,
 HTTP or WebSocket, whatever its path, as E2B's proxy does (``sandbox.get_host(port)``). Access
 is port_url's: a token that sees the sandbox, taken from ``Authorization: Bearer``, HTTP Basic
 (the token as the password: what a browser sends for ``http://user:TOKEN@host/``),
-``X-API-Key`` or ``e2b-traffic-access-token``; that header is not passed on. Errors there are
+``X-API-Key`` or ``e2b-traffic-access-token``; no header carrying it is passed on. Errors there are
 E2B-shaped (``{"code", "message"}``), a missing token answers 401 with a Basic challenge.
 """
 
@@ -431,7 +438,9 @@ class PortRoutes:
                                   host=host.decode("latin-1"), deny=_e2b_error)
             return
         try:
+            carried = token.encode("latin-1")
             await self.proxy.serve(scope, receive, send, sandbox_id, port, target.encode("latin-1"), host,
-                                   drop=frozenset({header}))
+                                   drop=frozenset({header, *(name for name in (b"authorization", *_CREDENTIALS)
+                                                             if carried in headers.get(name, b"\0"))}))
         except DSecError as exc:
             await _e2b_error(exc)(scope, receive, send)

@@ -104,6 +104,8 @@ class Edge(Creates, Snapshots, Forks, Inside, Desktops, NodeCalls):
         self._finished = lifecycle.Finished(config.finished_kept)
         # One command at a time per session; held only while one runs (no entry outlives it).
         self._session_locks: weakref.WeakValueDictionary[tuple[str, int], asyncio.Lock] = weakref.WeakValueDictionary()
+        # The connections to its ports each live sandbox has open (closed when it ends).
+        self._port_conns: dict[str, weakref.WeakSet[asyncio.StreamWriter]] = {}
         self.admission = Admission(config, memory_total_mb(), os.cpu_count() or 1)
         self.create_gate = WorkGate("creates", config.node, config.max_creates_running, config.max_creates_queued,
                                     config.max_queue_wait_s)

@@ -20,7 +20,8 @@ import weakref
 from collections.abc import AsyncIterator
 
 from libdsec import (
-    CommandTimeout, InvalidRequest, PortUnreachable, ProcessNotFound, SandboxFileNotFound, SandboxStateError,
+    CommandTimeout, InvalidRequest, PortUnreachable, ProcessNotFound, SandboxFileNotFound, SandboxNotFound,
+    SandboxStateError,
     SessionClosed,
 )
 from libdsec.protocol import (
@@ -487,7 +488,14 @@ class Inside(SandboxTable):
         backend = self.backends[rec.kind]
         if Capability.PORTS not in backend.capabilities:
             raise PortUnreachable(f"a {rec.kind.value} sandbox's ports cannot be reached from the node")
-        return await self._call(rec, backend.connect_port(rec.handle, port))
+        reader, writer = await self._call(rec, backend.connect_port(rec.handle, port))
+        if self._records.get(sandbox_id) is not rec:  # (it ended meanwhile)
+            writer.close()
+            raise SandboxNotFound(f"no sandbox {sandbox_id} on node {self.node}: it ended")
+        # Ended with the sandbox (``_forget``), whatever the backend's connection is: a
+        # client's kept connection then learns at its next request that the sandbox is gone.
+        self._port_conns.setdefault(sandbox_id, weakref.WeakSet()).add(writer)
+        return reader, writer
 
 
 async def _one_chunk(data: bytes) -> AsyncIterator[bytes]:

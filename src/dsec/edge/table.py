@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from libdsec import BackendError, InvalidRequest, LimitOutOfRange, SandboxNotFound, SandboxStateError, StoreUnavailable
@@ -58,6 +59,7 @@ class SandboxTable:
     records_dir: Path
     journal: RecordJournal
     _records: dict[str, Record]  # the live sandboxes, by id
+    _port_conns: dict[str, weakref.WeakSet[asyncio.StreamWriter]]  # a live sandbox's connections to its ports
     _finished: lifecycle.Finished  # the last info of those that ended
     _looking: dict[str, asyncio.Task]  # sandboxes whose death is being confirmed (_look_again)
     _closed: bool
@@ -198,6 +200,8 @@ class SandboxTable:
         """Drop the record of an ended sandbox; its last info, kept for later reads, is returned."""
         self.security.forget(rec)
         self._records.pop(rec.id, None)
+        for writer in list(self._port_conns.pop(rec.id, ())):
+            writer.close()
         self.admission.unhold(rec.id)
         self.journal.drop(rec.id)
         info = self._finished[rec.id] = rec.info(self.node)
