@@ -99,21 +99,24 @@ class _GroupMethods:
         """Pause every running sandbox of a ``job``, a ``project`` (and the projects below it)
         or the given ``ids``, in one call: exactly one of the three. Each sandbox's outcome is in
         the answer (paused, already paused, or the error that kept it running)."""
-        return await self._group("pause_sandboxes", group_request(job, project, ids, per_node))
+        from .api_ops import api_route  # (not above: the table imports this module's models)
+
+        return await self._group(api_route("pause_sandboxes"), group_request(job, project, ids, per_node))
 
     async def resume_sandboxes(self: DSecClient, *, job: str | None = None, project: str | None = None,
                                ids: list[str] | None = None, per_node: int = DEFAULT_PER_NODE) -> SandboxGroupResult:
         """Resume every paused sandbox of a ``job``, a ``project`` or the given ``ids`` (exactly
         one); each one's outcome is in the answer."""
-        return await self._group("resume_sandboxes", group_request(job, project, ids, per_node))
+        from .api_ops import api_route
 
-    async def _group(self: DSecClient, op: str, request: SandboxGroupRequest) -> SandboxGroupResult:
+        return await self._group(api_route("resume_sandboxes"), group_request(job, project, ids, per_node))
+
+    async def _group(self: DSecClient, route: tuple[str, str], request: SandboxGroupRequest) -> SandboxGroupResult:
         """The call, or on a resumed job (``resume=True``) its logged answer while the log has one."""
-        from .api_ops import api_route  # (not above: the table imports this module's models)
-
         if self._replay is not None:
+            op = "pause_sandboxes" if route[1].endswith(":pause") else "resume_sandboxes"
             answered, result = self._replay.group(op, request.model_dump(mode="json", exclude_none=True))
             if answered:
                 return SandboxGroupResult.model_validate(result)
         return SandboxGroupResult.model_validate(
-            await self._request(*api_route(op), model=request, timeout=max(self._timeout, 600)))
+            await self._request(*route, model=request, timeout=max(self._timeout, 600)))
