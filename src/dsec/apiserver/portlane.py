@@ -29,7 +29,6 @@ wait ``KEEPALIVE_S`` for the next client connection to the same port.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import re
@@ -46,10 +45,6 @@ from .ports import _CREDENTIALS, KEEPALIVE_S, MAX_IDLE, _token, split_host
 log = logging.getLogger("dsec.apiserver.portlane")
 
 MAX_HEAD = 64 << 10
-# What a lane connection reads at a time. asyncio's transports read up to 256 KiB, and a read
-# that large costs ~10 us more than one of 64 KiB however little comes: the buffer is above
-# glibc's mmap threshold (128 KiB), so each read maps it, then shrinks it by a copy and unmaps.
-READ_SIZE = 64 << 10
 _PORT_PATH = re.compile(rb"/v1/sandboxes/([^/?#]+)/ports/([^/?#]*)(/[^ ]*)\Z")
 _TOKEN_CHARS = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 # A request line, then header fields (RFC 9112 5: a token, a colon, a value with no CR, LF or NUL;
@@ -376,15 +371,9 @@ class _Upstream(asyncio.Protocol):
             relay.upstream_ended(self)
 
 
-async def _reads_less(transport: asyncio.BaseTransport) -> None:
-    with contextlib.suppress(AttributeError):  # (asyncio's selector transports; uvloop's read their own way)
-        transport.max_size = READ_SIZE
-
-
 async def _connect(lane: PortLane, sandbox_id: str, port: int) -> _Upstream:
     reader, writer = await lane.cluster.edge_for(sandbox_id).connect_port(sandbox_id, port)
     transport = writer.transport
-    _reads_less(transport)
     up = _Upstream(transport, writer)
     # What the streams read already (a node's answer may bring the first bytes): StreamReader
     # has no way to take it but its buffer.
@@ -850,7 +839,6 @@ class _LaneProtocol(HttpToolsProtocol):
                 req = None  # (uvicorn answers it)
             if req is not None:
                 self._unset_keepalive_if_required()
-                _reads_less(self.transport)
                 self.relay = _Relay(self, self.lane)
                 self.relay.client_data(data)
                 return
