@@ -165,7 +165,7 @@ server.serve_forever()
 '''
 
 # The load loop: CONCURRENCY keep-alive connections for SECONDS, GET PATH on each, one request in
-# flight; prints the requests completed a second. Argv: host port host-header authorization
+# flight; prints the requests completed a second and its own CPU seconds. Argv: host port host-header authorization
 # concurrency seconds path.
 LOAD = r'''
 import asyncio, sys, time
@@ -188,7 +188,7 @@ async def main(host, port, name, auth, concurrency, seconds, path):
         writer.close()
 
     await asyncio.gather(*(one() for _ in range(concurrency)))
-    print(done / seconds)
+    print(done / seconds, time.process_time())
 
 asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5]), float(sys.argv[6]),
                  sys.argv[7]))
@@ -222,11 +222,13 @@ def _cpu_s(pid: int) -> tuple[float, float]:
 
 
 def _host_pid(marker: str) -> int:
-    """The pid, on the host, of the process in the sandbox whose command line has ``marker``."""
+    """The pid, on the host, of the python process in the sandbox whose command line has
+    ``marker`` (not the shell that started it)."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+                if b"python" in argv[0] and any(marker.encode() in arg for arg in argv[1:]):
                     return int(entry)
             except OSError:
                 continue
@@ -234,14 +236,16 @@ def _host_pid(marker: str) -> int:
 
 
 async def _load(argv_prefix: list[str], host: str, port: int, name: str, auth: str, concurrency: int,
-                seconds: float, path: str = "/conn") -> float:
+                seconds: float, path: str = "/conn") -> tuple[float, float]:
+    """(requests/s, the load loop's own CPU seconds)."""
     proc = await asyncio.create_subprocess_exec(*argv_prefix, sys.executable, "-c", LOAD, host, str(port), name, auth,
                                                 str(concurrency), str(seconds), path, stdout=subprocess.PIPE,
                                                 stderr=subprocess.PIPE)
     out, err = await proc.communicate()
     if proc.returncode != 0:
         raise RuntimeError(f"the load loop failed: {err.decode()[-500:]}")
-    return float(out)
+    rps, cpu = out.split()
+    return float(rps), float(cpu)
 
 
 async def _first_byte_ms(url: str, headers: dict, samples: int) -> list[float]:
@@ -325,23 +329,26 @@ async def _run(server: LocalServer, image: str, opts: dict, console: Console) ->
             api = ("127.0.0.1", server.port)
             path = f"/v1/sandboxes/{sandbox.id}/ports/8000"
             console.print("requests/s ...")
-            seen: dict[str, list[float]] = {"rps_direct": [], "rps_port_url": [], "rps_host_name": []}
-            cpu = []  # the apiserver's (user, system) CPU µs per request through port_url
+            loads = {"direct": (["nsenter", f"--net=/proc/{pid}/ns/net"], "127.0.0.1", 8000, "x", "", "/conn"),
+                     "port_url": ([], *api, f"127.0.0.1:{server.port}", auth, f"{path}/conn"),
+                     "host_name": ([], *api, f"{name}:{server.port}", auth, "/conn")}
+            seen: dict[str, list[float]] = {way: [] for way in loads}
+            # CPU µs a request (user + system) of the load loop, the apiserver and the server inside
+            cpu: dict[str, list[dict]] = {way: [] for way in loads}
             for _ in range(rounds):
-                seen["rps_direct"].append(await _load(["nsenter", f"--net=/proc/{pid}/ns/net"], "127.0.0.1", 8000,
-                                                      "x", "", concurrency, seconds))
-                before = _cpu_s(server.proc.pid)
-                seen["rps_port_url"].append(await _load([], *api, f"127.0.0.1:{server.port}", auth, concurrency,
-                                                        seconds, f"{path}/conn"))
-                after, served = _cpu_s(server.proc.pid), seen["rps_port_url"][-1] * seconds
-                cpu.append(tuple((a - b) / served * 1e6 for a, b in zip(after, before)))
-                seen["rps_host_name"].append(await _load([], *api, f"{name}:{server.port}", auth, concurrency,
-                                                         seconds))
-            for key, figures in seen.items():
-                r[key] = statistics.median(figures)
-                r[key + "_rounds"] = figures
-            r["apiserver_cpu_us_per_request"] = {"user": statistics.median(c[0] for c in cpu),
-                                                 "system": statistics.median(c[1] for c in cpu)}
+                for way, (prefix, host, port, name_, auth_, path_) in loads.items():
+                    before = {"apiserver": sum(_cpu_s(server.proc.pid)), "server": sum(_cpu_s(pid))}
+                    rps, load_cpu = await _load(prefix, host, port, name_, auth_, concurrency, seconds, path_)
+                    served = rps * seconds
+                    seen[way].append(rps)
+                    cpu[way].append({"load": load_cpu / served * 1e6,
+                                     "apiserver": (sum(_cpu_s(server.proc.pid)) - before["apiserver"]) / served * 1e6,
+                                     "server": (sum(_cpu_s(pid)) - before["server"]) / served * 1e6})
+            for way, figures in seen.items():
+                r[f"rps_{way}"] = statistics.median(figures)
+                r[f"rps_{way}_rounds"] = figures
+                r[f"cpu_us_per_request_{way}"] = {part: statistics.median(c[part] for c in cpu[way])
+                                                  for part in ("load", "apiserver", "server")}
             console.print("first byte ...")
             r["first_byte_direct_ms"] = statistics.median(await _first_byte_direct_ms(pid, 8000, samples))
             r["first_byte_port_url_ms"] = statistics.median(await _first_byte_ms(
@@ -372,9 +379,13 @@ def _table(r: dict) -> Table:
     t.add_row("first byte p50 (ms)", f"{r['first_byte_direct_ms']:.2f}",
               ms("first_byte_port_url_ms", "first_byte_direct_ms"), ms("first_byte_host_name_ms", "first_byte_direct_ms"),
               "≤ 5 ms")
-    if "apiserver_cpu_us_per_request" in r:
-        c = r["apiserver_cpu_us_per_request"]
-        t.add_row("apiserver CPU a request (µs)", "", f"{c['user']:.0f} user + {c['system']:.0f} system", "", "")
+    if "cpu_us_per_request_direct" in r:
+        def cpu(way: str) -> str:
+            c = r[f"cpu_us_per_request_{way}"]
+            apiserver = f" + api {c['apiserver']:.0f}" if way != "direct" else ""
+            return f"load {c['load']:.0f}{apiserver} + server {c['server']:.0f}"
+
+        t.add_row("CPU a request (µs)", cpu("direct"), cpu("port_url"), cpu("host_name"), "")
     t.add_row("WebSocket echo RTT p50 (ms)", f"{r['ws_rtt_direct_ms']:.2f}" if "ws_rtt_direct_ms" in r else "",
               ms("ws_rtt_port_url_ms", "ws_rtt_direct_ms"), ms("ws_rtt_host_name_ms", "ws_rtt_direct_ms"), "≤ 2 ms")
     return t

@@ -114,7 +114,7 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
     authenticator = Authenticator(token, cluster.projects)
     # ``dsec serve`` relays port requests on the client's own connection (portlane.py); the
     # middleware below serves them where the lane does not (another server, a job's request).
-    lane = app.state.port_lane = PortLane(cluster, authenticator, domain, _JOB, _KEY)
+    lane = app.state.port_lane = PortLane(cluster, authenticator, domain, _JOB)
     jobs = cluster.jobs
 
     async def check(headers: dict[bytes, bytes], path_params: dict, route: str = "") -> Caller:

@@ -44,6 +44,13 @@ class Authenticator:
         self.root_token = root_token.encode()
         self.projects = projects
 
+    def project_of(self, token: str) -> str | None:
+        """The project whose token ``token`` is (the root project's for the root token), None
+        for a token no one has (or has no longer)."""
+        if secrets.compare_digest(token.encode(), self.root_token):
+            return ROOT_PROJECT
+        return self.projects.project_of_token(token)
+
     def caller(self, authorization: str, job: str | None = None, key: str | None = None) -> Caller:
         scheme, _, given = authorization.partition(" ")
         given = given.strip()

@@ -53,6 +53,7 @@ _REQUEST_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) ([^ \r\n\0]+) (HTTP/
 _HEAD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) ([^ \r\n\0]+) (HTTP/1\.[01])\r\n"
                    rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\r\n\0]*\r\n)*")
 # The headers the lane reads (of a head checked by _HEAD: each line CRLF-led, no CR or LF in a value).
+_CARRIERS = (b"authorization", *_CREDENTIALS)
 _READ = (b"host", b"authorization", b"x-api-key", b"e2b-traffic-access-token", b"content-length",
          b"transfer-encoding", b"connection", b"upgrade", b"sec-websocket-key")
 # What the lane reads of an answer's head.
@@ -123,7 +124,7 @@ class _Request:
     """A request head the lane serves (``classify``)."""
 
     __slots__ = ("method", "version", "target", "sandbox_id", "port", "host", "rest", "drop", "token",
-                 "token_header", "key", "host_name", "body", "upgrade", "close", "error")
+                 "token_header", "host_name", "body", "upgrade", "close", "error")
 
     def __init__(self) -> None:
         self.body: _Body | None = None
@@ -131,7 +132,6 @@ class _Request:
         self.error: DSecError | None = None
         self.token: str | None = None
         self.token_header = b""
-        self.key: str | None = None
 
     def head(self) -> bytes:
         """The head the server inside gets: the caller's header lines but those dropped, in
@@ -169,13 +169,12 @@ class PortLane:
     """What every lane connection shares: how to check a caller, the domain of host names, and
     the connections to ports kept between client connections."""
 
-    def __init__(self, cluster: Cluster, authenticator: Authenticator, domain: str, job_header: bytes,
-                 key_header: bytes) -> None:
+    def __init__(self, cluster: Cluster, authenticator: Authenticator, domain: str, job_header: bytes) -> None:
         self.cluster, self.authenticator = cluster, authenticator
         self.domain = domain.strip(".").lower()
         self._domain_b = self.domain.encode()
-        self.job_header, self.key_header = job_header, key_header
-        names = b"|".join(re.escape(n) for n in (*_READ, job_header, key_header))
+        self.job_header = job_header
+        names = b"|".join(re.escape(n) for n in (*_READ, job_header))
         self._read = re.compile(rb"\r\n(" + names + rb"):[ \t]*([^\r\n]*?)[ \t]*(?=\r\n)", re.I)
         self.idle: dict[tuple[str, int], list[_Upstream]] = {}
         self.idle_count = 0
@@ -242,8 +241,6 @@ class PortLane:
             req.token_header = b"authorization"
             if req.token is None:
                 req.error = Unauthenticated("missing or invalid API token (Authorization: Bearer <token>)")
-            key = values.get(self.key_header)
-            req.key = None if key is None else key.decode("latin-1")
         if not 1 <= req.port <= 65535 and req.error is None:
             req.error = InvalidRequest(f"port {req.port} is outside 1-65535")
         # The framing of the body (RFC 9112 6): chunked as the only coding, or a length.
@@ -277,7 +274,10 @@ class PortLane:
             req.close = req.version == b"HTTP/1.0"
         if req.token:  # (and any other header that carries the token: never passed on)
             token = req.token.encode("latin-1")
-            drop.update(name for name in (b"authorization", *_CREDENTIALS) if token in values.get(name, b"\0"))
+            for name in _CARRIERS:
+                value = values.get(name)
+                if value is not None and token in value:
+                    drop.add(name)
         req.drop = frozenset(drop)
         return req
 
@@ -414,7 +414,8 @@ class _Relay:
         self.body: _Body | None = None  # the body of the request being passed on
         self.up: _Upstream | None = None
         self.up_key: tuple[str, int] | None = None
-        self.checked: tuple[str | None, str] | None = None  # (token, sandbox) seen to see the sandbox
+        # (token, sandbox, the token's project) last seen to see the sandbox
+        self.checked: tuple[str | None, str, str] | None = None
         self.inflight: list[bytes] = []  # the methods of requests the answers of which have not ended
         self.retry: bytes | None = None  # the head of the one request in flight, when it may be sent again
         self.answered = False  # bytes of the current answer went to the client
@@ -507,13 +508,12 @@ class _Relay:
     def _fits(self, req: _Request) -> bool:
         """Whether ``req`` goes on the port connection there is, its caller checked (the
         token each time: a revoked one is refused at once)."""
-        try:
-            self.lane.authenticator.caller("Bearer " + req.token, None, req.key)
-        except DSecError as exc:
-            req.error = exc
-            return False
+        checked = self.checked
+        if (checked is None or checked[0] != req.token or checked[1] != req.sandbox_id
+                or self.lane.authenticator.project_of(req.token) != checked[2]):
+            return False  # (checked whole: _open)
         return (self.up is not None and not self.up.closed and self.up_key == (req.sandbox_id, req.port)
-                and self.checked == (req.token, req.sandbox_id) and not self.after_close)
+                and not self.after_close)
 
     def send(self, req: _Request) -> None:
         head = req.head()
@@ -531,7 +531,7 @@ class _Relay:
         """Check the caller against the sandbox, take a connection to the port, send ``req``."""
         try:
             try:
-                caller = self.lane.authenticator.caller("Bearer " + req.token, None, req.key)
+                caller = self.lane.authenticator.caller("Bearer " + req.token)
                 await self.lane.cluster.edge_for_caller(req.sandbox_id, caller)
                 key = (req.sandbox_id, req.port)
                 if self.up is not None and (self.up_key != key or self.up.closed):
@@ -544,7 +544,7 @@ class _Relay:
                     self._attach(up, key)
                 if self.up is None:  # (it ended as it came)
                     raise PortUnreachable(f"port {req.port} in the sandbox closed the connection at once")
-                self.checked = (req.token, req.sandbox_id)
+                self.checked = (req.token, req.sandbox_id, caller.project)
             except DSecError as exc:
                 if not self.closed:
                     self.refuse(req, exc)
