@@ -181,4 +181,7 @@ async def build_node_edge(config: NodeConfig, store_dir: Path) -> Edge:
     use_pidfd_child_watcher()
     edge = build_edge(config, open_store(config.state_dir))
     await edge.start()
+    for backend in edge.backends.values():
+        if isinstance(backend, ContainerBackend):
+            await backend.start_layer_cache()
     return edge

@@ -355,13 +355,14 @@ def bench_layercache(
     per_image: Annotated[int, typer.Option("--per-image", "-n", help="Sandboxes created of each image per arm.")] = 8,
     cache_mb: Annotated[int, typer.Option(help="The node's layer cache (DSEC_LAYER_CACHE_MB) in the cached arms.")] = 4096,
     base: Annotated[str, typer.Option(help="Shared base: python-pkgs (python + Python packages) or python.")] = "python-pkgs",
+    nodes: Annotated[int, typer.Option(help="DSec nodes: 1 (one dsec serve), or a Ray cluster of this many on this machine.")] = 1,
 ) -> None:
     """A burst of creates of images on a GlusterFS store: no cache, the node's layer cache cold and warm (after a
     node restart), against the store on local disk; bytes read from the shared filesystem."""
     from .layercache import main as run_bench
 
     raise typer.Exit(run_bench(state_dir=state_dir, console=console, command=shlex.join(["dsec", *sys.argv[1:]]),
-                               images=images, per_image=per_image, cache_mb=cache_mb, base=base))
+                               images=images, per_image=per_image, cache_mb=cache_mb, base=base, nodes=nodes))
 
 
 @app.command("vm-pause")

@@ -339,6 +339,9 @@ class CacheFS:
 
     def _handle(self, opcode: int, nodeid: int, body: bytes) -> bytes | int:
         if opcode == _INIT:
+            # No readahead on the cache's files: a node fetches the chunks its sandboxes read
+            # and no others, so what a warm node reads is what it has (64 KiB of readahead cut
+            # the requests 7.6-fold but fetched chunks a cold run had not read).
             major, minor, readahead, _flags = struct.unpack_from("<IIII", body)
             return struct.pack("<IIIIHHIIHHII6I", 7, 31, 0, _FUSE_ASYNC_READ | _FUSE_MAX_PAGES,
                                16, 12, 1 << 20, 1, _MAX_PAGES, 0, 0, 0, *([0] * 6))

@@ -112,8 +112,13 @@ class ContainerBackend(Lifecycle, Exec, Pty, Files, WritableLayer):
         return HostView(self.cgroup_parent, self.sandboxes_dir, self.id_ranges, self.layer_attach)
 
     async def warm_up(self) -> None:
-        """The node's layer cache started, if it has one (its first create need not wait for
-        it); layers are mounted at the first create that needs them."""
+        """The node's layer cache started (``start_layer_cache``); layers are mounted at the
+        first create that needs them."""
+        await self.start_layer_cache()
+
+    async def start_layer_cache(self) -> None:
+        """The node's layer cache started, if it has one, so that its first create need not
+        wait for it (a node of a cluster calls it at start, as the server calls ``warm_up``)."""
         if self.layer_mounts.cache is not None:
             try:
                 await asyncio.to_thread(self.layer_mounts.cache.ensure)
