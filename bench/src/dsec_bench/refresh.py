@@ -2,7 +2,7 @@
 from what the run measured.
 
 With ``--quick`` each benchmark runs at its developer size (``QUICK``), the whole within a budget
-of 21 minutes: a benchmark whose estimate no longer fits is skipped and says so. Without it
+of 20 minutes: a benchmark whose estimate no longer fits is skipped and says so. Without it
 each runs with its own defaults (the full runs, hours). Each runs as a child process
 (``python -m dsec_bench NAME …``) with its own state dir under ``--state-root``, its output in
 ``<state-root>/NAME.log``; its figures are read back from the JSON it writes, a row built for
@@ -29,7 +29,7 @@ from typing import Any
 
 from rich.console import Console
 
-BUDGET_S = 21 * 60
+BUDGET_S = 20 * 60
 GLANCE_HEADING = "## At a glance"
 
 
@@ -99,7 +99,7 @@ QUICK: list[Bench] = [
                                                "--pause-count", "8", "--text-count", "0", "--random-count", "0",
                                                "--cold-count", "4", "--cold-wait-s", "8", "--strict"],
           170, _inside("bench-density.json")),
-    Bench("burst", "burst-images-on-demand", ["--quick", "--base", "python", "--strict"], 190, _inside("bench-burst.json"),
+    Bench("burst", "burst-images-on-demand", ["--quick", "--base", "python", "--strict"], 120, _inside("bench-burst.json"),
           store=""),
     Bench("images", "images-at-production-size", ["--quick", "--repeat", "3"], 45, _inside("images.json"), store=""),
     Bench("layercache", "layer-cache-layercache", ["--images", "2", "--per-image", "2", "--cache-mb", "256",
