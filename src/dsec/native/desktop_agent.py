@@ -4,7 +4,7 @@ imported by the server.
 It starts the X server (Xvfb, ready when it writes its display number on ``-displayfd``) and
 the desktop session, opens ONE connection to the X server, and serves the node on
 127.0.0.1:PORT in the sandbox's network namespace: screenshots (``GetImage`` of the root
-window, encoded as PNG here) and input (the XTEST extension, as xdotool sends it), each a
+window in bands, encoded as PNG here as they come) and input (the XTEST extension, as xdotool sends it), each a
 request on that one connection.
 
 Wire, one request at a time: the node sends a 4-byte big-endian length and a JSON object
@@ -135,20 +135,34 @@ class A11yDown(Exception):
     """The AT-SPI bus cannot be reached (or the tree not read from it)."""
 
 
-def png(width, height, bgrx):
-    """PNG (8-bit RGB, no filter) of a ZPixmap image in BGRX order."""
-    rgb = bytearray(width * height * 3)
-    rgb[0::3] = bgrx[2::4]
-    rgb[1::3] = bgrx[1::4]
-    rgb[2::3] = bgrx[0::4]
+# A screenshot is read and encoded in bands of rows of at most this many bytes of pixels: each
+# band's buffers stay under the malloc mmap threshold the node starts the agent with
+# (dsec.edge.desktop.AGENT_MMAP_THRESHOLD, 256 KiB), so they come from the heap and go back to it
+# instead of being mapped afresh (page faults on every megabyte, each screenshot: 2.5x its time
+# here), and python-xlib receives each band's reply in one or two reads instead of growing one
+# 4 MB buffer read by read.
+BAND_BYTES = 240 * 1024
+
+
+def png_chunk(kind, data):
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+
+def png(width, height, bands):
+    """PNG (8-bit RGB, no filter, zlib level 1) of a screen whose rows come as ``bands``:
+    ZPixmap images in BGRX order, top to bottom."""
     stride = width * 3
-    rows = b"".join(b"\x00" + rgb[i:i + stride] for i in range(0, len(rgb), stride))
-
-    def chunk(kind, data):
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(rows, 1)) + chunk(b"IEND", b""))
+    z = zlib.compressobj(1)
+    parts = []
+    for bgrx in bands:
+        rgb = bytearray(len(bgrx) // 4 * 3)
+        rgb[0::3] = bgrx[2::4]
+        rgb[1::3] = bgrx[1::4]
+        rgb[2::3] = bgrx[0::4]
+        parts.append(z.compress(b"".join(b"\x00" + rgb[i:i + stride] for i in range(0, len(rgb), stride))))
+    parts.append(z.flush())
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + png_chunk(b"IDAT", b"".join(parts)) + png_chunk(b"IEND", b""))
 
 
 class Desktop:
@@ -299,10 +313,19 @@ class Desktop:
         return {"x": p.root_x, "y": p.root_y}
 
     def screenshot(self, fmt):
-        image = self.root.get_image(0, 0, self.width, self.height, X.ZPixmap, 0xFFFFFFFF)
         if fmt == "raw":
-            return image.data
-        return png(self.width, self.height, image.data)
+            return self.root.get_image(0, 0, self.width, self.height, X.ZPixmap, 0xFFFFFFFF).data
+        rows = max(1, BAND_BYTES // (self.width * 4))
+        bands = (self.root.get_image(0, y, self.width, min(rows, self.height - y), X.ZPixmap, 0xFFFFFFFF).data
+                 for y in range(0, self.height, rows))
+        # One screen, not bands of different moments: no other client is served until the last
+        # band is read and encoded (they wait a screenshot's time, tens of milliseconds).
+        self.d.grab_server()
+        try:
+            return png(self.width, self.height, bands)
+        finally:
+            self.d.ungrab_server()
+            self.d.flush()
 
     def _text(self, window, name, kind):
         prop = window.get_full_property(self.atom(name), kind)
