@@ -246,6 +246,10 @@ async def test_websocket_and_a_port_with_nothing(api, inside):
         conn.send(_get(f"/v1/sandboxes/{sandbox.id}/ports/70000/", authorization=f"Bearer {TOKEN}"))
         status, _, body = await conn.answer()
         assert status == 422 and "70000" in json.loads(body)["error"]["message"]
+        # An error answer to HEAD has its length and no body: the next answer is read whole.
+        conn.send(f"HEAD /v1/sandboxes/xyz/ports/{inside}/ HTTP/1.1\r\nhost: api\r\nauthorization: Bearer {TOKEN}\r\n\r\n")
+        status, headers, _ = await conn.answer(head_only=True)
+        assert status == 422 and int(headers["content-length"]) > 0
         conn.send(_get(f"/v1/sandboxes/{sandbox.id}/ports/{inside}/", authorization=f"Bearer {TOKEN}"))
         assert (await conn.answer())[0] == 200
     finally:

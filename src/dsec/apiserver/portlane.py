@@ -127,6 +127,7 @@ class _Request:
                  "token_header", "host_name", "body", "upgrade", "close", "error")
 
     def __init__(self) -> None:
+        self.method = b""
         self.body: _Body | None = None
         self.upgrade = self.close = False
         self.error: DSecError | None = None
@@ -401,7 +402,8 @@ def _answer(req: _Request, exc: DSecError, close: bool) -> bytes:
     if close:
         lines.append(b"connection: close\r\n")
     lines.append(b"\r\n")
-    return b"".join(lines) + data
+    # (an answer to HEAD has its length but no body: the client reads none)
+    return b"".join(lines) + (b"" if req.method == b"HEAD" else data)
 
 
 class _Relay:
