@@ -61,10 +61,12 @@ def test_desktop_density_holds_idle_desktops_and_measures_each_against_podman(tm
 
 
 
-def test_desktop_bench_on_a_microvm_against_a_container(tmp_path: Path, desktop_image, test_store) -> None:
+def test_desktop_bench_on_a_microvm_against_a_container(tmp_path_factory, desktop_image, test_store) -> None:
     """``--kind microvm``: one microVM's desktop (created once, then measured) against the same
-    image's in a container, in the same run."""
+    image's in a container, in the same run. (A short directory: a VM's agent socket lives under
+    the state dir, and a socket's path holds 107 bytes.)"""
     console = Console(file=open(os.devnull, "w"), width=200)
+    tmp_path = tmp_path_factory.mktemp("dvm")
     state = tmp_path / "state"
     code = desktop.main(state, console, store=test_store, width=800, height=600, samples=3, creates=1, kind="microvm")
     res = json.loads((state / "bench-desktop-microvm.json").read_text())
