@@ -36,3 +36,17 @@ def test_small_spans_keep_the_usual_tail(backend):
 def test_layers_that_leave_no_room_to_boot_are_refused(backend):
     with pytest.raises(LimitOutOfRange, match="too little memory below 2048 MB to boot from"):
         backend._ram_blocks(1024, 1950)
+
+
+async def test_a_node_dir_too_long_for_the_vms_sockets_is_a_clear_error(tmp_path):
+    """A VM's QMP and agent sockets live in its directory under the node's: past the 107 bytes
+    a socket's path may hold, create says so and what to do, before anything is made."""
+    from dsec.backends.base import SandboxSpec
+    from libdsec import BackendError
+
+    node = tmp_path / ("n" * 60)
+    backend = MicroVMBackend(node, None, tmp_path / "assets", use_ksm=False)
+    with pytest.raises(BackendError, match=r"over the 107 a UNIX socket's path may hold: give the node a shorter "
+                                           r"state dir"):
+        await backend.create("c0123456789abcdef", SandboxSpec(image="busybox", layers=(), env={}, limits=None))
+    assert not backend.vm_dir("c0123456789abcdef").exists()

@@ -66,6 +66,8 @@ KILL_GRACE_S = 5.0
 _FEED_PIECE = 256 << 10
 _FEED_WAIT_S = 0.005
 MIN_MEMORY_MB = 64
+# The longest path of a UNIX socket (sun_path, less its NUL): QEMU refuses a longer one.
+MAX_SOCKET_PATH = 107
 DEFAULT_MEMORY_MB = 256
 
 
@@ -294,6 +296,10 @@ class VMBackend:
             if not self.store.has_layer(digest):
                 raise BackendError(f"layer {digest} of image {spec.image!r} is missing from the store")
         vm_dir = self.vm_dir(cid)
+        if len(socket := os.fsencode(vm_dir / "agent.sock")) > MAX_SOCKET_PATH:
+            raise BackendError(f"a {self.kind}'s sockets would be at {vm_dir}/, {len(socket)} bytes with the socket's "
+                               f"name, over the {MAX_SOCKET_PATH} a UNIX socket's path may hold: give the node a "
+                               f"shorter state dir (dsec serve --state-dir)")
         pid = 0
         try:
             vm_dir.mkdir(parents=True)
