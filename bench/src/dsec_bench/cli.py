@@ -494,7 +494,7 @@ def bench_all(
     write: Annotated[bool, typer.Option(help="Rewrite the glance table (--no-write: print it only).")] = True,
     only: Annotated[str, typer.Option(help="Comma-separated: run only these benchmarks.")] = "",
     skip: Annotated[str, typer.Option(help="Comma-separated: leave these out.")] = "",
-    seed_store: Annotated[Optional[Path], typer.Option(help="A layer store whose python and busybox images are linked "
+    seed_store: Annotated[Optional[Path], typer.Option(help="A layer store whose python, busybox and desktop images are linked "
                                                        "into each benchmark's store, so none is built again.")] = None,
 ) -> None:
     """Every benchmark, then docs/BENCHMARKS.md's glance table rewritten from what they measured."""

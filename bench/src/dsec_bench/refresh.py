@@ -117,7 +117,7 @@ QUICK: list[Bench] = [
 ]
 
 
-def seed_store(target: Path, seed: Path, names: tuple[str, ...] = ("python", "busybox")) -> list[str]:
+def seed_store(target: Path, seed: Path, names: tuple[str, ...] = ("python", "busybox", "desktop")) -> list[str]:
     """Link the images ``names`` from the layer store ``seed`` into ``target`` (layers are
     content-addressed files: hard links, or copies across file systems), so that no benchmark
     builds them again (debootstrap). Returns the names linked."""
