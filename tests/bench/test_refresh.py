@@ -64,10 +64,11 @@ def test_a_missing_peer_is_named_with_how_to_install(monkeypatch, tmp_path: Path
     console = Console(file=open(os.devnull, "w"), width=200)
     doc = tmp_path / "BENCHMARKS.md"
     shutil.copy(DOC, doc)
+    lifecycle = next(line for line in doc.read_text().splitlines() if line.startswith("| [lifecycle](#lifecycle) |"))
     assert refresh.main(console, state_root=tmp_path / "all", doc=doc, quick=True, only=["fncall"], skip=[]) == 0
     text = doc.read_text()
     assert "| [fncall](#fncall) | **skipped**: bwrap missing here (apt-get install bubblewrap) |" in text
-    assert "| [lifecycle](#lifecycle) | 103.1 lifecycles/s" in text  # the other rows stay
+    assert lifecycle in text.splitlines()  # the other rows stay
 
 
 @pytest.mark.slow
