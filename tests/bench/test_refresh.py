@@ -82,3 +82,19 @@ def test_all_quick_runs_a_benchmark_and_writes_its_row(tmp_path: Path) -> None:
     assert code == 0, (tmp_path / "all" / "pause.log").read_text()[-2000:]
     row = next(line for line in text.splitlines() if line.startswith("| [pause](#pausing-a-job-pause)"))
     assert "met" in row or "missed" in row, row
+
+
+def test_the_vm_benchmarks_rows_judge_their_goals() -> None:
+    """microvm and vm-pause write their results, and their rows say each goal: judged where the
+    run measured it, "not measured" where its size could not."""
+    vm = refresh._row_microvm({"restore_s": 0.326, "boot_s": 3.572, "restore_speedup": 10.96, "idle": 1,
+                               "shared_mb": 178.0, "private_mb": 209.0, "memory_saving": 0.15, "many": 2,
+                               "many_answering": 2})
+    assert vm == ("restore to a shell 326 ms; 1 idle microVMs on pmem/DAX + KSM hold 178 MiB; 2 of 2 clones answering",
+                  "cold boot 3572 ms (11.0×); private copies 209 MiB (15% less)",
+                  "≥ 10× met; ≥ 40% less memory **missed**; ≥ 50 idle microVMs not measured (2 at this size)")
+    paused = refresh._row_vm_pause({"paused": {"held": 149 << 20}, "stopped": {"held": 333 << 20}, "swap_total": 1,
+                                    "count": 2, "intact": 2, "resume_latency_ms": 76.4})
+    assert paused[1:] == ("QMP `stop` 333 MiB (55.3% less)", "≥ 50% less met; all intact met")
+    assert refresh._row_vm_pause({"paused": {"held": 1}, "stopped": {"held": 2}, "swap_total": 0, "count": 2,
+                                  "intact": 1})[2] == "≥ 50% less not measured; all intact **missed**"

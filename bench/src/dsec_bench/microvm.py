@@ -38,6 +38,8 @@ from dsec.images.store import LayerStore
 from dsec.resources import ksm
 from libdsec.protocol import ExecRequest
 
+from .results import save_results
+
 ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"})
 # What each VM does before it idles: read part of its image, as an agent's first steps would.
 WARM_COMMANDS = {
@@ -310,4 +312,5 @@ def main(state_dir: Path, store_dir: Path, console: Console, image: str = "pytho
     missed = report(results, console, idle, many)
     if missed:
         console.print(f"[yellow]goals missed: {', '.join(missed)}[/yellow]")
+    save_results(console, state_dir, {**results, "idle": idle, "many": many, "missed": missed}, [])
     return 2 if (missed and strict) else 0

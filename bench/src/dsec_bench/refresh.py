@@ -376,6 +376,35 @@ def _row_desktop(r: dict) -> tuple[str, str, str]:
             f"≤ 1.5 s {_met(None if first is None else first <= 1.5)}")
 
 
+def _row_microvm(r: dict) -> tuple[str, str, str]:
+    many, answering = r.get("many") or 0, r.get("many_answering") or 0
+    speedup, saving = r.get("restore_speedup"), r.get("memory_saving")
+    return (f"restore to a shell {_f(_ms(r.get('restore_s')), '.0f')} ms; {r.get('idle', '—')} idle microVMs on "
+            f"pmem/DAX + KSM hold {_f(r.get('shared_mb'), '.0f')} MiB; {answering} of {many} clones answering",
+            f"cold boot {_f(_ms(r.get('boot_s')), '.0f')} ms ({_f(speedup)}×); private copies "
+            f"{_f(r.get('private_mb'), '.0f')} MiB ({_f(None if saving is None else 100 * saving, '.0f')}% less)",
+            f"≥ 10× {_met(None if speedup is None else speedup >= 10)}; ≥ 40% less memory "
+            f"{_met(None if saving is None else saving >= 0.40)}; ≥ 50 idle microVMs "
+            + (_met(answering >= 50) if many >= 50 else f"not measured ({many} at this size)"))
+
+
+def _row_vm_pause(r: dict) -> tuple[str, str, str]:
+    paused, stopped = _get(r, "paused", "held"), _get(r, "stopped", "held")
+    saving = None if not paused or not stopped or not r.get("swap_total") else 1 - paused / stopped
+    count, intact = r.get("count"), r.get("intact")
+    return (f"{count} paused microVMs hold {_f(None if paused is None else paused / 2**20, '.0f')} MiB; "
+            f"{intact} of {count} resumed intact; first command after resume "
+            f"{_f(r.get('resume_latency_ms'), '.0f')} ms",
+            f"QMP `stop` {_f(None if stopped is None else stopped / 2**20, '.0f')} MiB"
+            + ("" if saving is None else f" ({100 * saving:.1f}% less)"),
+            f"≥ 50% less {_met(None if saving is None else saving >= 0.5)}; all intact "
+            f"{_met(None if intact is None else intact == count)}")
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
 def _row_generic(r: dict) -> tuple[str, str, str]:
     return ("ran", "", "")
 
@@ -407,7 +436,8 @@ ROWS: dict[str, Callable[[dict], tuple[str, str, str]]] = {
     "clean-copy": _row_clean_copy, "fncall": _row_fncall, "joblog": _row_joblog, "cluster": _row_cluster,
     "cluster-ray": _row_cluster_ray, "rollout": _row_rollout, "tti": _row_tti, "soak": _row_soak,
     "ports": _row_ports, "harness": _row_harness, "fork": _row_fork, "pause": _row_pause, "pulls": _row_pulls,
-    "desktop": _row_desktop, "images": _row_images, "layercache": _row_layercache,
+    "desktop": _row_desktop, "images": _row_images, "layercache": _row_layercache, "microvm": _row_microvm,
+    "vm-pause": _row_vm_pause,
 }
 
 

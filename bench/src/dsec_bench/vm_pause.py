@@ -37,6 +37,7 @@ from dsec.backends.vm.microvm import MicroVMBackend
 from dsec.resources import reclaim
 from .hoststats import settled_memory
 from .microvm import vm_spec
+from .results import save_results
 
 ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"})
 MiB = 1 << 20
@@ -165,4 +166,5 @@ def main(state_dir: Path, store_dir: Path, console: Console, image: str = "busyb
     missed = report(results, console, count)
     if missed:
         console.print(f"[yellow]goals missed: {', '.join(missed)}[/yellow]")
+    save_results(console, state_dir, {**results, "count": count, "missed": missed}, [])
     return 2 if (missed and strict) else 0
