@@ -101,7 +101,8 @@ class _GroupMethods:
         the answer (paused, already paused, or the error that kept it running)."""
         from .api_ops import api_route  # (not above: the table imports this module's models)
 
-        return await self._group(api_route("pause_sandboxes"), group_request(job, project, ids, per_node))
+        return await self._group("pause_sandboxes", api_route("pause_sandboxes"),
+                                 group_request(job, project, ids, per_node))
 
     async def resume_sandboxes(self: DSecClient, *, job: str | None = None, project: str | None = None,
                                ids: list[str] | None = None, per_node: int = DEFAULT_PER_NODE) -> SandboxGroupResult:
@@ -109,12 +110,14 @@ class _GroupMethods:
         one); each one's outcome is in the answer."""
         from .api_ops import api_route
 
-        return await self._group(api_route("resume_sandboxes"), group_request(job, project, ids, per_node))
+        return await self._group("resume_sandboxes", api_route("resume_sandboxes"),
+                                 group_request(job, project, ids, per_node))
 
-    async def _group(self: DSecClient, route: tuple[str, str], request: SandboxGroupRequest) -> SandboxGroupResult:
-        """The call, or on a resumed job (``resume=True``) its logged answer while the log has one."""
+    async def _group(self: DSecClient, op: str, route: tuple[str, str],
+                     request: SandboxGroupRequest) -> SandboxGroupResult:
+        """The call ``op`` at ``route``, or on a resumed job (``resume=True``) its logged answer
+        while the log has one."""
         if self._replay is not None:
-            op = "pause_sandboxes" if route[1].endswith(":pause") else "resume_sandboxes"
             answered, result = self._replay.group(op, request.model_dump(mode="json", exclude_none=True))
             if answered:
                 return SandboxGroupResult.model_validate(result)
