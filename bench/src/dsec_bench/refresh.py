@@ -336,7 +336,7 @@ def _row_fork(r: dict) -> tuple[str, str, str]:
     goals = r.get("goals") or {}
     return (f"{r.get('children', '—')} children of a container with {r.get('changed_mb', '—')} MB changed in "
             f"{r.get('files', '—')} files, all answering in {_f(d.get('all_answering_s'), '.2f')} s; parent frozen "
-            f"{_f(None if d.get('frozen_s') is None else d['frozen_s'] * 1000, ',.0f')} ms",
+            f"{_f(_ms(d.get('frozen_s')), ',.0f')} ms",
             f"`podman commit` + a `podman run` per child: {_f(_get(r, 'podman', 'all_answering_s'), '.2f')} s "
             f"({_f(ratio)}×)",
             f"all answer ≤ 2 s {_met(goals.get('all_answering'))}; ≥ 20× {_met(goals.get('ratio'))}")
@@ -425,9 +425,9 @@ def _row_layercache(r: dict) -> tuple[str, str, str]:
     warm = _get(arms, "shared-warm", "create_p50_s")
     ratio = warm / local if warm and local else None
     return (f"store on GlusterFS, node cache warm: {_f(_get(arms, 'shared-warm', 'read_bytes'), ',.0f')} bytes read "
-            f"from the volume; create p50 {_f(None if warm is None else warm * 1e3)} ms; cold "
+            f"from the volume; create p50 {_f(_ms(warm))} ms; cold "
             f"{_f(None if _get(arms, 'shared-cold', 'read_bytes') is None else _get(arms, 'shared-cold', 'read_bytes') / 1e6)} MB read",
-            f"store on local disk {_f(None if local is None else local * 1e3)} ms ({_f(ratio, '.2f')}×)",
+            f"store on local disk {_f(_ms(local))} ms ({_f(ratio, '.2f')}×)",
             f"warm create reads nothing {_met(r.get('goal_met'))}")
 
 
