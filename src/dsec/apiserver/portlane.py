@@ -40,7 +40,7 @@ from libdsec import DSecError, InvalidRequest, PortUnreachable, Unauthenticated
 from .auth import Authenticator
 from .cluster import Cluster
 from .lean import error_headers
-from .ports import _CREDENTIALS, KEEPALIVE_S, MAX_IDLE, _token, split_host
+from .ports import _CREDENTIALS, KEEPALIVE_S, MAX_IDLE, _token, e2b_error, split_host
 
 log = logging.getLogger("dsec.apiserver.portlane")
 
@@ -50,11 +50,10 @@ _TOKEN_CHARS = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 # A request line, then header fields (RFC 9112 5: a token, a colon, a value with no CR, LF or NUL;
 # no folded lines), each field's name and value (its spaces around taken off).
 _REQUEST_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) ([^ \r\n\0]+) (HTTP/1\.[01])\r\n")
-_HEAD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) ([^ \r\n\0]+) (HTTP/1\.[01])\r\n"
-                   rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\r\n\0]*\r\n)*")
+_HEAD = re.compile(_REQUEST_LINE.pattern + rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[^\r\n\0]*\r\n)*")
 # The headers the lane reads (of a head checked by _HEAD: each line CRLF-led, no CR or LF in a value).
 _CARRIERS = (b"authorization", *_CREDENTIALS)
-_READ = (b"host", b"authorization", b"x-api-key", b"e2b-traffic-access-token", b"content-length",
+_READ = (b"host", *_CARRIERS, b"content-length",
          b"transfer-encoding", b"connection", b"upgrade", b"sec-websocket-key")
 # What the lane reads of an answer's head.
 _STATUS_LINE = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})[^\r\n]*")
@@ -389,9 +388,8 @@ def _answer(req: _Request, exc: DSecError, close: bool) -> bytes:
     """The error answer to ``req``: E2B's shape on a host name, DSec's on port_url."""
     headers = error_headers(exc)
     if req.host_name:
-        body = {"code": exc.status, "message": str(exc)}
-        if isinstance(exc, Unauthenticated):
-            headers["www-authenticate"] = 'Basic realm="dsec sandbox ports"'
+        body, extra = e2b_error(exc)
+        headers.update(extra)
     else:
         body = exc.to_wire()
     data = json.dumps(body, separators=(",", ":")).encode()

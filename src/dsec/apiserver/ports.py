@@ -362,9 +362,16 @@ def _token(headers: dict[bytes, bytes]) -> tuple[str, bytes] | None:
     return None
 
 
+def e2b_error(exc: DSecError) -> tuple[dict, dict[str, str]]:
+    """A host name's error as E2B's proxy gives it: the body, and the headers it adds (a Basic
+    challenge for a missing token)."""
+    headers = {"www-authenticate": 'Basic realm="dsec sandbox ports"'} if isinstance(exc, Unauthenticated) else {}
+    return {"code": exc.status, "message": str(exc)}, headers
+
+
 def _e2b_error(exc: DSecError) -> JSONResponse:
-    headers = {"www-authenticate": 'Basic realm="dsec sandbox ports"'} if isinstance(exc, Unauthenticated) else None
-    return JSONResponse({"code": exc.status, "message": str(exc)}, status_code=exc.status, headers=headers)
+    body, headers = e2b_error(exc)
+    return JSONResponse(body, status_code=exc.status, headers=headers or None)
 
 
 _PORT_PATH = re.compile(rb"/v1/sandboxes/([^/]+)/ports/([^/]*)/")
