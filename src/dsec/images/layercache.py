@@ -32,7 +32,6 @@ cache, chunks cached, evicted and refused, write failures.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import hashlib
@@ -61,16 +60,6 @@ _STATS = ".stats"
 _IDX_MAGIC = b"DSECLC01"
 _IDX_HEADER = struct.Struct("<8sQQQ")  # magic, chunk size, store file size, store file mtime_ns
 _RECORD = struct.Struct("<Q32s")  # last use (0: absent), sha256
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-
-
-def _punch(fd: int, offset: int, length: int) -> None:
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
 
 class _Layer:
     """One layer's cache files, open."""
@@ -229,7 +218,7 @@ class ChunkCache:
                 log.warning("layer cache: cannot keep a chunk of %s in %s (%s): reading from the store",
                             name, self.chunks_dir, exc.strerror)
             with contextlib.suppress(OSError):
-                _punch(layer.data, chunk * CHUNK, CHUNK)
+                _sys.punch_hole(layer.data, chunk * CHUNK, CHUNK)
             return
         self._lru[(name, chunk)] = (len(data), sha)
         self._verified.add((name, chunk))
@@ -243,7 +232,7 @@ class ChunkCache:
         layer = self._layer(name)
         with contextlib.suppress(OSError):
             layer.record(chunk, 0, bytes(32))
-            _punch(layer.data, chunk * CHUNK, CHUNK)
+            _sys.punch_hole(layer.data, chunk * CHUNK, CHUNK)
 
     def _evict(self, room: int) -> None:
         while self._lru and self.used + room > self.limit:
