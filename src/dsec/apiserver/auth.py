@@ -54,12 +54,8 @@ class Authenticator:
     def caller(self, authorization: str, job: str | None = None, key: str | None = None) -> Caller:
         scheme, _, given = authorization.partition(" ")
         given = given.strip()
-        if scheme.lower() == "bearer" and given:
-            if secrets.compare_digest(given.encode(), self.root_token):
-                return _with(ROOT_PROJECT, job, key)
-            project = self.projects.project_of_token(given)
-            if project is not None:
-                return _with(project, job, key)
+        if scheme.lower() == "bearer" and given and (project := self.project_of(given)) is not None:
+            return _with(project, job, key)
         raise Unauthenticated("missing or invalid API token (Authorization: Bearer <token>)")
 
 
