@@ -165,11 +165,13 @@ async def kill(pid: int, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.01)
 
 
-def rss_bytes(pid: int) -> int | None:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int | None:
+    """A process's resident memory from /proc/PID/status: all of it (``VmRSS``), or one part
+    (``RssAnon``: its own pages, the ones that can go to swap; ``RssFile``: mapped files)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
