@@ -59,11 +59,14 @@ for s in $steps; do
             # timeout under TCG.
             # shellcheck disable=SC2086
             # -v: each test's outcome goes to the console too (tail -f the VM's console.log).
-            step pytest python3 -m pytest -p no:cacheprovider -v -rs --durations=20 --junitxml=$out/junit.xml \
-                ${DSEC_HOSTVM_TESTS:-tests/unit/test_apparmor.py tests/hosts/test_apparmor_enforced.py \
+            tests=${DSEC_HOSTVM_TESTS:-tests/unit/test_apparmor.py tests/hosts/test_apparmor_enforced.py \
                 tests/integration/test_lifecycle.py tests/integration/test_loop_devices.py \
                 tests/resources/test_pause_reclaim.py tests/resources/test_cpu_sched.py \
-                tests/security/test_limits.py tests/security/test_isolation.py tests/fncall/test_fncall_api.py} \
+                tests/security/test_limits.py tests/security/test_isolation.py tests/fncall/test_fncall_api.py}
+            # Layers on loop devices are the path of kernels before 6.12: a row on a newer kernel
+            # (DSEC_HOSTVM_LOOP=0) leaves their tests to the Debian 12 row.
+            [ "${DSEC_HOSTVM_LOOP:-1}" = 0 ] && tests=${tests//tests\/integration\/test_loop_devices.py/}
+            step pytest python3 -m pytest -p no:cacheprovider -v -rs --durations=20 --junitxml=$out/junit.xml $tests \
                 -k "${DSEC_HOSTVM_DESELECT:-not connecting_to_the_host and not pushes_memory_out and not cold_memory_reclaimer}"
             ;;
         demo)

@@ -11,7 +11,7 @@ through the agent, reads the results back, and fails if any step did. The in-gue
 the bench's figures are printed (with or without ``-s``); everything is left in
 ``<basetemp>/hostvm-results-<kernel>``. A second row boots the newest Debian cloud kernel the packages
 offer (``linux-image-X.Y-cloud-amd64``, 6.12 today) on a root made the same way and runs the test
-subsets.
+subsets but the loop-device one (layers on loop devices are the path of kernels before 6.12).
 
 The debootstrap tree, the guest root's layer and the full-VM disks are cached under
 ``/var/lib/dsec-test/hostvm`` (made by this test on a fresh machine; docs/HOSTS.md). Under TCG
@@ -113,6 +113,7 @@ class BackgroundRows:
             env = {k: os.environ[k] for k in ("DSEC_HOSTVM_STEPS", "DSEC_HOSTVM_TESTS") if k in os.environ}
             if steps is not None:
                 env.setdefault("DSEC_HOSTVM_STEPS", steps)
+                env["DSEC_HOSTVM_LOOP"] = "0"  # (loop devices are for kernels before 6.12: the Debian 12 row's)
             checkout = control / f"{row}-checkout.tar"
             checkout.write_bytes(checkout_tar(env))
             todo.append({"row": row, "package": package, "checkout": str(checkout), "test_store": str(test_store),
