@@ -37,7 +37,8 @@ def test_density_fills_to_a_limit_and_judges_the_host(tmp_path: Path, test_store
     (state / "store").symlink_to(test_store)
     console = Console(file=open(os.devnull, "w"), width=220)
     code = density.main(state, console, max_count=12, step=6, probe=2, batch=4, peer_count=4, pause_count=2,
-                        pause_mb=8, text_count=1, random_count=1, cold_count=1, cold_wait_s=2, time_limit_s=1200)
+                        pause_mb=8, text_count=1, random_count=1, cold_count=1, cold_wait_s=2, time_limit_s=1200,
+                        settle_scale=0.2)
     res = json.loads((state / density.RESULTS_FILE).read_text())
     assert code == 0, res["errors"]
     idle = res["idle"]

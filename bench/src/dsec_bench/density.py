@@ -97,6 +97,7 @@ class Options:
     concurrency: int = 16
     time_limit_s: float = 2400.0
     strict: bool = False
+    settle_scale: float = 1.0     # the waits for host memory to settle, scaled (a test's run: less)
 
 
 # -- host readings ------------------------------------------------------------------------------
@@ -147,12 +148,14 @@ def swap_setup() -> dict[str, Any]:
             "text": ", ".join(parts)}
 
 
-async def settled_used(settle_s: float = 3.0, samples: int = 5) -> int:
+async def settled_used(settle_s: float = 3.0, samples: int = 5, every_s: float = 0.2) -> int:
+    """Host memory used (``used()``) once it settled: the median of ``samples`` readings
+    ``every_s`` apart, after ``settle_s``."""
     await asyncio.sleep(settle_s)
     readings = []
     for _ in range(samples):
         readings.append(used())
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(every_s)
     return int(statistics.median(readings))
 
 
@@ -413,6 +416,10 @@ class Bench:
         self.errors: list[str] = []
         self.notes: list[str] = []
 
+    async def settled(self, settle_s: float, samples: int = 5) -> int:
+        scale = self.opts.settle_scale
+        return await settled_used(settle_s * scale, samples, 0.2 * scale)
+
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
@@ -450,12 +457,12 @@ class Bench:
     async def crun_floor(self, layer_file: Path) -> None:
         n = self.opts.peer_count
         with CrunPeer(self.state_dir / "peer", layer_file) as peer:
-            before = await settled_used(2.0)
+            before = await self.settled(2.0)
             parts0 = attributable(peer.parent)
             t0 = time.perf_counter()
             await self.workers(list(range(n)), peer.start, concurrency=8)
             secs = time.perf_counter() - t0
-            after = await settled_used(3.0)
+            after = await self.settled(3.0)
             made = len(peer.ids)
             parts = per_unit(parts0, attributable(peer.parent), made)
             self.r["crun"] = {"count": made, "host_mib_per_container": mib((after - before) / max(made, 1)),
@@ -506,7 +513,7 @@ class Bench:
         points: list[tuple[int, int]] = []
         try:
             async with DSecClient(server.endpoint, token=server.token, max_connections=64) as client:
-                base = await settled_used(2.0)
+                base = await self.settled(2.0)
                 base_meminfo = meminfo()
                 parts0 = attributable(self.parent)
                 t_start = time.perf_counter()
@@ -541,7 +548,7 @@ class Bench:
                 self.say(f"idle fill stopped at {len(sandboxes)} sandboxes: {stopped_by}")
                 fill_s = time.perf_counter() - t_start
                 count = len(sandboxes)
-                after = await settled_used(5.0)
+                after = await self.settled(5.0)
                 points.append((len(sandboxes), after))
                 after_meminfo = meminfo()
                 parts = per_unit(parts0, attributable(self.parent), len(sandboxes))
@@ -571,7 +578,7 @@ class Bench:
                          f"charged {parts['kernel_plus_charged']:.2f} MiB ({mib(charged / max(count, 1)):.2f} MiB charged "
                          f"to their cgroups)")
                 await self.stop_all(client, sandboxes)
-                self.r["idle"]["host_mib_per_sandbox_at_stop"] = mib((after - await settled_used(5.0)) / max(count, 1))
+                self.r["idle"]["host_mib_per_sandbox_at_stop"] = mib((after - await self.settled(5.0)) / max(count, 1))
         finally:
             await asyncio.to_thread(server.stop)
 
@@ -580,18 +587,18 @@ class Bench:
     async def pause_group(self, client: DSecClient, image: str, count: int, fill_cmd: str, label: str) -> dict:
         # The writable layer may take half the memory limit: 3× the fill leaves room.
         args = DSecContainerRunArgs(container_image=image, memory_limit_mb=3 * self.opts.pause_mb, ttl_running_stop=7200)
-        base = await settled_used(2.0)
+        base = await self.settled(2.0)
         sandboxes = await client.run_containers(args, count=count, timeout=600)
         try:
             fills = await self.workers(sandboxes, lambda s: s.run_shell(fill_cmd, timeout=300), concurrency=4)
             digests = [f.stdout.strip() if not isinstance(f, Exception) else None for f in fills]
-            filled = await settled_used(3.0)
+            filled = await self.settled(3.0)
             charged_filled = parent_memory(self.parent)
             swap0, zram0 = parent_swap(self.parent), reclaim.zram_stats()
             t0 = time.perf_counter()
             results = await self.workers(sandboxes, lambda s: s.pause(), concurrency=4)
             pause_wall = time.perf_counter() - t0
-            paused = await settled_used(3.0)
+            paused = await self.settled(3.0)
             zram1, swap1, charged_paused = reclaim.zram_stats(), parent_swap(self.parent), parent_memory(self.parent)
             ok = [r for r in results if not isinstance(r, Exception)]
             t0 = time.perf_counter()
@@ -654,7 +661,7 @@ class Bench:
         try:
             async with DSecClient(server.endpoint, token=server.token, max_connections=64) as client:
                 args = DSecContainerRunArgs(container_image=image.name, memory_limit_mb=3 * o.pause_mb)
-                base = await settled_used(2.0)
+                base = await self.settled(2.0)
                 sandboxes = await client.run_containers(args, count=o.cold_count, timeout=600)
                 try:
                     await self.workers(sandboxes, lambda s: s.run_shell(f"cat {FILL_PATH} > /root/fill", timeout=300),
@@ -664,7 +671,7 @@ class Bench:
                     swap0, zram0 = parent_swap(self.parent), reclaim.zram_stats()
                     t0 = time.perf_counter()
                     await asyncio.sleep(o.cold_wait_s)
-                    after = await settled_used(1.0, samples=3)
+                    after = await self.settled(1.0, samples=3)
                     charged1 = parent_memory(self.parent)
                     kept = zram_kept(parent_swap(self.parent) - swap0, zram0, reclaim.zram_stats())
                     lat = []
