@@ -26,6 +26,7 @@ def bench_lifecycle(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench"),
     idle_count: Annotated[int, typer.Option(help="Idle sandboxes held at once for the memory figure.")] = 1000,
     lifecycles: Annotated[int, typer.Option(help="Measured DSec lifecycles (all rounds).")] = 1200,
+    warmup: Annotated[int, typer.Option(help="DSec lifecycles before each throughput round, not measured.")] = 64,
     rounds: Annotated[int, typer.Option(help="Throughput rounds: crun, podman and DSec in turn, each round.")] = 2,
     concurrency: Annotated[int, typer.Option(help="Lifecycles in flight (DSec and peers).")] = 32,
     latency_rounds: Annotated[int, typer.Option(help="Rounds of 64 creates with a warm pool (and for crun).")] = 5,
@@ -51,7 +52,7 @@ def bench_lifecycle(
 
     raise typer.Exit(run_bench(
         state_dir=state_dir, console=console, idle_count=idle_count, lifecycles=lifecycles, rounds=rounds,
-        concurrency=concurrency,
+        concurrency=concurrency, warmup=warmup,
         latency_rounds=latency_rounds, cold_rounds=cold_rounds, pool_max=pool_max, crun_runs=crun_runs,
         podman_runs=podman_runs, podman=podman, layer_attach=layer_attach, compare_loop=compare_loop,
         compare_metrics=compare_metrics, compare_e2b=compare_e2b, throughput_only=throughput_only,
