@@ -71,8 +71,8 @@ def test_the_base_template_is_e2bs(e2b):
         assert run(sb, "pwd") == "/home/user"
         assert run(sb, "sudo -n true && sudo -n whoami") == "root"
         assert run(sb, "stat -c %U:%G /home/user && stat -c %U /home/user/.bashrc") == "user:user\nuser"
-        assert run(sb, "command -v curl git python3 ss pgrep").split() == [
-            "/usr/bin/curl", "/usr/bin/git", "/usr/bin/python3", "/usr/bin/ss", "/usr/bin/pgrep"]
+        assert run(sb, "command -v curl git python3 python ss pgrep").split() == [
+            "/usr/bin/curl", "/usr/bin/git", "/usr/bin/python3", "/usr/bin/python", "/usr/bin/ss", "/usr/bin/pgrep"]
         assert run(sb, "python3 -c 'print(6 * 7)'") == "42"
         sb.files.write("/home/user/note.txt", "from the SDK")
         assert run(sb, "cat ~/note.txt") == "from the SDK"

@@ -26,8 +26,8 @@ PYTHON_PACKAGES = ("python3", "bash", "git", "ca-certificates")
 # SWE-agent's commands and SWE-ReX's tests call `python` (python-is-python3 links it) and page with `less`.
 SWE_AGENT_PACKAGES = (*PYTHON_PACKAGES, "python-is-python3", "less")
 # E2B's base template: what its SDK's tests and its ReadyCmd helpers call (curl, sudo, `ss` of
-# iproute2 for wait_for_port, `pgrep` of procps for wait_for_process).
-E2B_BASE_PACKAGES = (*PYTHON_PACKAGES, "curl", "sudo", "iproute2", "procps")
+# iproute2 for wait_for_port, `pgrep` of procps for wait_for_process, `python -m http.server`).
+E2B_BASE_PACKAGES = (*PYTHON_PACKAGES, "python-is-python3", "curl", "sudo", "iproute2", "procps")
 # The desktop: Xvfb and the parts of xfce4 that E2B Desktop's start-up waits for (xfce4-session,
 # xfwm4, xfdesktop) with its panel, not the whole xfce4 (no Thunar, power manager, screensaver
 # or sound plugin: nothing a screen of 1280x800 without a person needs, each one memory in every
@@ -194,7 +194,7 @@ def build_swe_agent(store: LayerStore, name: str = "swe-agent", log: Log | None 
 
 
 def build_e2b_base(store: LayerStore, name: str = "e2b-base", log: Log | None = None) -> Image:
-    """E2B's ``base`` template: python3, bash, git, curl, sudo, iproute2 and procps; sandboxes
+    """E2B's ``base`` template: python3 (also as ``python``), bash, git, curl, sudo, iproute2 and procps; sandboxes
     start as ``user`` (uid 1000, passwordless sudo) in ``/home/user``, which it owns."""
     return build_debian(store, name, "bookworm", E2B_BASE_PACKAGES, log=log, workdir="/home/user", account="user",
                         sudoer=True, user="user", setuid=True)
