@@ -95,3 +95,35 @@ def test_a_write_that_fails_leaves_the_reader_its_data_and_keeps_nothing(tmp_pat
     stats = cache.stats()
     assert stats["write_failures"] == 1 and stats["chunks"] == 0 and stats["used_bytes"] == 0
     os.close(fd)
+
+
+def test_layers_gc_removed_from_the_store_give_their_chunks_back_but_not_while_open_or_unlisted(tmp_path):
+    from dsec.images.layercache import CacheFS
+
+    layers = tmp_path / "layers"
+    layers.mkdir()
+    kept, gone, held = ("sha256-" + c * 64 + ".erofs" for c in "123")
+    cache = ChunkCache(tmp_path / "cache", 1 << 20)
+    for name in (kept, gone, held):
+        (layers / name).write_bytes(bytes(2 * CHUNK))
+        fd = os.open(layers / name, os.O_RDONLY)
+        cache.opened(name, 2 * CHUNK, 1)
+        cache.read(name, fd, 0)
+        os.close(fd)
+    fs = CacheFS(-1, layers, cache)
+    fs._files[7] = (held, -1, 2 * CHUNK)  # a reader has it open
+    assert fs.sweep() == 0  # everything still in the store
+    (layers / gone).unlink()
+    (layers / held).unlink()
+    assert fs.sweep() == 1
+    assert cache.stats()["used_bytes"] == 2 * CHUNK and cache.stats()["layers_removed"] == 1
+    assert sorted(p.name for p in (tmp_path / "cache" / "chunks").iterdir()) == sorted(
+        f"{name}{suffix}" for name in (kept, held) for suffix in (".data", ".idx"))
+    del fs._files[7]
+    (layers / kept).rename(tmp_path / "elsewhere")  # the store lists nothing (unmounted): kept
+    assert fs.sweep() == 0 and cache.stats()["used_bytes"] == 2 * CHUNK
+    (tmp_path / "elsewhere").rename(layers / kept)
+    assert fs.sweep() == 1 and cache.stats()["used_bytes"] == CHUNK
+    cache.close()
+    again = ChunkCache(tmp_path / "cache", 1 << 20)  # what was removed stays removed
+    assert again.stats()["used_bytes"] == CHUNK

@@ -25,8 +25,13 @@ that is full (or failing writes) degrades to reading from the store: the sandbox
 nothing is cached until writes work again, and ``stats()`` counts the failures. The store gone
 gives the reader EIO for a chunk not cached (the edge's store check names the store).
 
+A layer removed from the store (by GC) has its cache files removed too: the server looks at its
+start and every ``SWEEP_S`` (a layer a reader still has open is kept until the next look; a
+store it cannot list, or that lists no layer at all, as an unmounted shared filesystem's
+mountpoint does, is taken as unreachable and nothing is removed).
+
 ``MOUNT/.stats`` is a JSON of the counters: bytes fetched from the store, bytes served from the
-cache, chunks cached, evicted and refused, write failures.
+cache, chunks cached, evicted and refused, write failures, layers removed.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ from .. import _sys
 log = logging.getLogger("dsec.images.layercache")
 
 CHUNK = 64 << 10
+# How often the cache looks for layers GC removed from the store (their chunks are given back).
+SWEEP_S = 300.0
 _LAYER = re.compile(r"^sha256-[0-9a-f]{64}\.erofs\Z")
 _STATS = ".stats"
 
@@ -122,7 +129,7 @@ class ChunkCache:
         self.used = 0
         self.counters = {"fetched_bytes": 0, "cached_bytes_served": 0, "chunks_cached": 0,
                          "chunks_evicted": 0, "chunks_refused": 0, "write_failures": 0,
-                         "read_requests": 0}
+                         "read_requests": 0, "layers_removed": 0}
         self._load()
 
     def _load(self) -> None:
@@ -165,6 +172,28 @@ class ChunkCache:
         for key in [k for k in self._lru if k[0] == name]:
             self.used -= self._lru.pop(key)[0]
             self._verified.discard(key)
+
+    def cached_layers(self) -> set[str]:
+        with self._lock:
+            return {name for name, _ in self._lru} | set(self._layers)
+
+    def remove_layers(self, names: set[str]) -> int:
+        """Forget the layers ``names`` (gone from the store: removed by GC) and give their cache
+        files back. Returns the bytes of chunks given back."""
+        freed = 0
+        with self._lock:
+            for name in names:
+                before = self.used
+                self._drop_layer(name)
+                freed += before - self.used
+                layer = self._layers.pop(name, None)
+                if layer is not None:
+                    layer.close()
+                for suffix in (".idx", ".data"):
+                    with contextlib.suppress(FileNotFoundError):
+                        (self.chunks_dir / f"{name}{suffix}").unlink()
+                self.counters["layers_removed"] += 1
+        return freed
 
     def read(self, name: str, store_fd: int, chunk: int, start: int = 0, length: int = CHUNK) -> bytes:
         """``length`` bytes from ``start`` in chunk ``chunk`` of layer ``name``: from the cache,
@@ -294,9 +323,40 @@ class CacheFS:
 
     def serve(self, threads: int = 4) -> None:
         workers = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads - 1)]
+        workers.append(threading.Thread(target=self._sweeping, daemon=True))
         for w in workers:
             w.start()
         self._loop()
+
+    def sweep(self) -> int:
+        """Give back the cache files of layers no longer in the store (GC removed them), but for
+        one a reader still has open. A store that cannot be listed, or lists nothing (an
+        unmounted shared filesystem's empty mountpoint), keeps the cache as it is. Returns the
+        number of layers removed."""
+        try:
+            present = {name for name in os.listdir(self.layers_dir) if _LAYER.match(name)}
+        except OSError as exc:
+            log.warning("layer cache: cannot list the store's layers in %s (%s): nothing swept",
+                        self.layers_dir, exc.strerror)
+            return 0
+        if not present:
+            return 0
+        with self._lock:
+            open_names = {name for name, _, _ in self._files.values()}
+        gone = self.cache.cached_layers() - present - open_names
+        if gone:
+            freed = self.cache.remove_layers(gone)
+            log.info("layer cache: %d layer(s) gone from the store: their %d MiB of chunks given back",
+                     len(gone), freed >> 20)
+        return len(gone)
+
+    def _sweeping(self) -> None:
+        while True:
+            try:
+                self.sweep()
+            except Exception:
+                log.exception("layer cache: the sweep of removed layers failed")
+            time.sleep(SWEEP_S)
 
     def _loop(self) -> None:
         while True:
