@@ -303,6 +303,10 @@ async def test_unauthenticated(server, monkeypatch, tmp_path):
             r = await http.post("/v1/sandboxes", json={"container_image": "busybox"}, headers=headers)
             assert r.status_code == 401
             assert r.json()["error"]["code"] == "unauthenticated" and "token" in r.json()["error"]["message"]
+            # FnCall's lane (in front of FastAPI) checks the caller before it reads the call.
+            for path, body in (("/v1/fncall", {"code": 5}), ("/v1/fncall:batch", {"calls": []})):
+                r = await http.post(path, json=body, headers=headers)
+                assert (r.status_code, r.json()["error"]["code"]) == (401, "unauthenticated"), path
     async with DSecClient(server.endpoint, token="wrong") as bad:
         with pytest.raises(Unauthenticated, match="token") as info:
             await bad.run_container(args())

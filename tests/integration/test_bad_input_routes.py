@@ -72,6 +72,8 @@ async def test_every_sandbox_route_refuses_a_malformed_id(http):
     ("/v1/fncall:batch", {"calls": [{"code": 5}]}, "code"),
     ("/v1/fncall:batch", {"call": [{"code": "print(1)"}]}, "call"),
     ("/v1/fncall:batch", [1, 2], "body"),
+    ("/v1/fncall", {"code": "print(1)", "timeout": "soon"}, "timeout"),
+    ("/v1/fncall", {"code": "print(1)", "nonsense": 1}, "nonsense"),
     ("/v1/projects", {"name": "team", "quota": 5}, "quota"),
     ("/v1/projects", {"name": "Bad Name!", "quota": {}}, "name"),
     ("/v1/projects", {"name": "team", "quota": {"memory_mb": -5}}, "memory_mb"),

@@ -208,7 +208,8 @@ def bench_microvm(
 def bench_fncall(
     state_dir: Annotated[Path, typer.Option("--state-dir", help="State dir of the benchmark's own server.")] = Path("/var/lib/dsec-bench-fncall"),
     store_dir: Annotated[Optional[Path], typer.Option("--store", help="Layer store with the python image (default: the state dir's; built if missing).")] = None,
-    calls: Annotated[int, typer.Option(help="Calls for the throughput figure (fncall_many).")] = 6000,
+    calls: Annotated[int, typer.Option(help="Calls for the throughput figure (fncall_many), a round.")] = 6000,
+    rounds: Annotated[int, typer.Option(help="Rounds of the throughput and floor figures, in turn (median judged).")] = 3,
     latency_calls: Annotated[int, typer.Option(help="Calls for the latency figures (one request each).")] = 3000,
     peer_calls: Annotated[int, typer.Option(help="Calls per peer (python3 -c, bwrap).")] = 300,
     in_flight: Annotated[int, typer.Option(help="Calls in flight (DSec and peers).")] = 32,
@@ -231,7 +232,7 @@ def bench_fncall(
                                latency_calls=latency_calls, peer_calls=peer_calls, in_flight=in_flight,
                                workers=workers, strict=strict, fusion=fusion, fusion_calls=fusion_calls,
                                fusion_cpp_calls=fusion_cpp_calls, fusion_cpp_in_flight=fusion_cpp_in_flight,
-                               sequential_min=sequential_min))
+                               sequential_min=sequential_min, rounds=rounds))
 
 
 @app.command("inside")

@@ -250,7 +250,9 @@ def _row_fncall(r: dict) -> tuple[str, str, str]:
     batched = _get(r, "dsec", "sequential_batched", "round_trip") or {}
     return (f"{_f(s.get('calls_per_s'), ',.0f')} calls/s; at the client, 1 in flight: p50 {_f(single.get('p50_ms'), '.2f')} "
             f"ms a call a request, {_f(batched.get('p50_ms'), '.2f')} ms 8 a request",
-            f"bwrap `python3 -c` {_f(_get(r, 'peers', 'bwrap', 'calls_per_s'), ',.0f')}/s ({_f(s.get('vs_bwrap'))}×)",
+            f"bwrap `python3 -c` {_f(_get(r, 'peers', 'bwrap', 'calls_per_s'), ',.0f')}/s ({_f(s.get('vs_bwrap'))}×); "
+            f"the floor (`pass`) {_f(s.get('floor_calls_per_s'), ',.0f')}/s "
+            f"({_f(None if s.get('floor_share') is None else s['floor_share'] * 100)}%)",
             "; ".join(f"{k} {_met(v)}" for k, v in (s.get("goals") or {}).items()))
 
 

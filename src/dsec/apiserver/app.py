@@ -37,7 +37,7 @@ from .auth import Authenticator, Caller
 from .calls import current
 from .cluster import Cluster
 from .lean import CatchUnexpected, LeanRoutes, error_headers
-from .routes_fncall import add_fncall_routes
+from .routes_fncall import FnCallRoutes, add_fncall_routes
 from .routes_observe import add_observe_routes
 from .table import TableRoutes, add_schema_routes
 from .portlane import PortLane
@@ -162,8 +162,10 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
     # The E2B API's routes skip FastAPI's own layers (see lean.py).
     plain_routes: list = []  # the E2B API's, added below
     app.add_middleware(LeanRoutes, plain_routes=plain_routes)
-    # Outermost of ours: the operations of the public table, FastAPI's layers skipped (table.py).
+    # The operations of the public table, FastAPI's layers skipped (table.py).
     app.add_middleware(TableRoutes, cluster=cluster, check=check, jobs=jobs)
+    # FnCall's two routes, likewise (routes_fncall.py).
+    app.add_middleware(FnCallRoutes, cluster=cluster, check=check)
     # Outermost: a sandbox's host name is served whatever its path (E2B's proxy does the same),
     # and port_url's requests skip the framework (ports.PortRoutes).
     app.add_middleware(PortRoutes, domain=domain, proxy=ports, check=check, job_header=_JOB)
