@@ -81,6 +81,10 @@ RESULTS_FILE = "bench-lifecycle.json"
 GOAL_LIFECYCLES_PER_S = 100.0
 GOAL_VS_PODMAN = 10.0
 GOAL_VS_CRUN = 0.8  # issue 34: lifecycles at ≥ 80% of bare `crun run`'s rate, same run, median rounds
+# Past this share of the machine taken by other work during DSec's or crun's rounds, the ratio to
+# crun is not judged: crun's 32 processes lose more to other work than DSec's one server (on a
+# loaded host the same code measured 0.8× to 1.6× of crun), so a busy host flatters DSec.
+CRUN_GOAL_MAX_OTHERS_SHARE = 0.25
 GOAL_CREATE_P50_MS = 30.0
 GOAL_CREATE_P99_MS = 200.0
 GOAL_IDLE_MIB = 4.0
@@ -790,7 +794,7 @@ def _summarise(r: dict) -> tuple[dict, list[dict]]:
     goals = [
         goal("lifecycles/s", tput, GOAL_LIFECYCLES_PER_S, True, "/s"),
         goal("throughput vs podman", ratios["throughput_dsec_over_podman"], GOAL_VS_PODMAN, True, "×"),
-        goal("throughput vs bare crun", ratios["throughput_dsec_over_crun"], GOAL_VS_CRUN, True, "×"),
+        _crun_goal(ratios["throughput_dsec_over_crun"], d, c),
         goal("create p50, warm pool", _get(d, "create_warm", "latency", "p50_ms"), GOAL_CREATE_P50_MS, False, "ms"),
         goal("create p99, warm pool", _get(d, "create_warm", "latency", "p99_ms"), GOAL_CREATE_P99_MS, False, "ms"),
         goal("host memory per idle sandbox", mem, GOAL_IDLE_MIB, False, "MiB"),
@@ -802,6 +806,19 @@ def _summarise(r: dict) -> tuple[dict, list[dict]]:
         goals.append(goal("E2B layer: server capacity vs DSec SDK, same command",
                           ratios["server_capacity_e2b_over_dsec_login"], GOAL_E2B_OVER_DSEC, True, "×"))
     return ratios, goals
+
+
+def _crun_goal(value: float | None, d: dict, c: dict) -> dict:
+    """The goal against bare crun, judged only on a host quiet enough (see CRUN_GOAL_MAX_OTHERS_SHARE)."""
+    goal = {"goal": "throughput vs bare crun", "target": GOAL_VS_CRUN, "unit": "×", "value": value,
+            "met": None if value is None else value >= GOAL_VS_CRUN}
+    shares = [s for s in (_get(d, "throughput", "cpu", "others_share"), _get(c, "throughput", "cpu", "others_share"))
+              if s is not None]
+    if goal["met"] is not None and shares and max(shares) > CRUN_GOAL_MAX_OTHERS_SHARE:
+        goal["met"] = None
+        goal["not_judged"] = (f"other work took {max(shares) * 100:.0f}% of the machine during the rounds "
+                              f"(judged up to {CRUN_GOAL_MAX_OTHERS_SHARE * 100:.0f}%)")
+    return goal
 
 
 def _fmt(v: float | None, spec: str = ".1f", unit: str = "") -> str:
@@ -1002,7 +1019,8 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
         console.print(
             f"DSec ÷ bare crun, lifecycles/s, median rounds: {vs_crun['value']:.2f}× (goal ≥{GOAL_VS_CRUN:g}×) "
             f"{_verdict(vs_crun['met'])}; round by round (DSec over the crun round before it): {by_round}, "
-            f"median {_fmt(res['ratios']['throughput_dsec_over_crun_paired_median'], '.2f', '×')}")
+            f"median {_fmt(res['ratios']['throughput_dsec_over_crun_paired_median'], '.2f', '×')}"
+            + (f"; not judged: {vs_crun['not_judged']}" if vs_crun.get("not_judged") else ""))
     if dt:
         console.print(
             f"DSec lifecycle parts, p50: create {dt['create']['p50_ms']:.1f} ms, exec {dt['exec']['p50_ms']:.1f} ms, "
