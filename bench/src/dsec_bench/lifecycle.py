@@ -80,6 +80,11 @@ RESULTS_FILE = "bench-lifecycle.json"
 
 GOAL_LIFECYCLES_PER_S = 100.0
 GOAL_VS_PODMAN = 10.0
+GOAL_VS_CRUN = 0.8  # issue 34: lifecycles at ≥ 80% of bare `crun run`'s rate, same run, median rounds
+# Past this share of the machine taken by other work during DSec's or crun's rounds, the ratio to
+# crun is not judged: crun's 32 processes lose more to other work than DSec's one server (on a
+# loaded host the same code measured 0.8× to 1.6× of crun), so a busy host flatters DSec.
+CRUN_GOAL_MAX_OTHERS_SHARE = 0.25
 GOAL_CREATE_P50_MS = 30.0
 GOAL_CREATE_P99_MS = 200.0
 GOAL_IDLE_MIB = 4.0
@@ -723,6 +728,13 @@ def _summarise(r: dict) -> tuple[dict, list[dict]]:
         "throughput_dsec_over_podman": _ratio(tput, _get(p, "throughput", "lifecycles_per_s")),
         "throughput_dsec_over_crun": _ratio(tput, _get(c, "throughput", "lifecycles_per_s")),
     }
+    # Beside it, round by round: DSec's round over the crun round just before it (the same
+    # stretch of the host's speed), the median of those; the goal is judged on the medians above.
+    paired = [_ratio(dr["lifecycles_per_s"], cr["lifecycles_per_s"])
+              for dr, cr in zip(_get(d, "throughput", "rounds") or [], _get(c, "throughput", "rounds") or [])]
+    paired = [x for x in paired if x is not None]
+    ratios["throughput_dsec_over_crun_by_round"] = paired
+    ratios["throughput_dsec_over_crun_paired_median"] = median_of_rounds(paired) if paired else None
     # What each would do with the machine to itself: cores ÷ its own CPU time per lifecycle.
     # Derived, not measured, but it holds still while other work on the host comes and goes.
     cores = os.cpu_count() or 1
@@ -782,6 +794,7 @@ def _summarise(r: dict) -> tuple[dict, list[dict]]:
     goals = [
         goal("lifecycles/s", tput, GOAL_LIFECYCLES_PER_S, True, "/s"),
         goal("throughput vs podman", ratios["throughput_dsec_over_podman"], GOAL_VS_PODMAN, True, "×"),
+        _crun_goal(ratios["throughput_dsec_over_crun"], d, c),
         goal("create p50, warm pool", _get(d, "create_warm", "latency", "p50_ms"), GOAL_CREATE_P50_MS, False, "ms"),
         goal("create p99, warm pool", _get(d, "create_warm", "latency", "p99_ms"), GOAL_CREATE_P99_MS, False, "ms"),
         goal("host memory per idle sandbox", mem, GOAL_IDLE_MIB, False, "MiB"),
@@ -793,6 +806,19 @@ def _summarise(r: dict) -> tuple[dict, list[dict]]:
         goals.append(goal("E2B layer: server capacity vs DSec SDK, same command",
                           ratios["server_capacity_e2b_over_dsec_login"], GOAL_E2B_OVER_DSEC, True, "×"))
     return ratios, goals
+
+
+def _crun_goal(value: float | None, d: dict, c: dict) -> dict:
+    """The goal against bare crun, judged only on a host quiet enough (see CRUN_GOAL_MAX_OTHERS_SHARE)."""
+    goal = {"goal": "throughput vs bare crun", "target": GOAL_VS_CRUN, "unit": "×", "value": value,
+            "met": None if value is None else value >= GOAL_VS_CRUN}
+    shares = [s for s in (_get(d, "throughput", "cpu", "others_share"), _get(c, "throughput", "cpu", "others_share"))
+              if s is not None]
+    if goal["met"] is not None and shares and max(shares) > CRUN_GOAL_MAX_OTHERS_SHARE:
+        goal["met"] = None
+        goal["not_judged"] = (f"other work took {max(shares) * 100:.0f}% of the machine during the rounds "
+                              f"(judged up to {CRUN_GOAL_MAX_OTHERS_SHARE * 100:.0f}%)")
+    return goal
 
 
 def _fmt(v: float | None, spec: str = ".1f", unit: str = "") -> str:
@@ -822,8 +848,9 @@ def _table(res: dict) -> Table:
 
     tp = ("throughput", "lifecycles_per_s")
     row(f"lifecycles/s ({o['concurrency']} in flight)", tp, tp, tp, "throughput",
-        f"≥{GOAL_LIFECYCLES_PER_S:g}, ≥{GOAL_VS_PODMAN:g}× podman",
-        f"{_verdict(goals['lifecycles/s']['met'])} {_verdict(goals['throughput vs podman']['met'])}")
+        f"≥{GOAL_LIFECYCLES_PER_S:g}, ≥{GOAL_VS_PODMAN:g}× podman, ≥{GOAL_VS_CRUN:g}× crun",
+        f"{_verdict(goals['lifecycles/s']['met'])} {_verdict(goals['throughput vs podman']['met'])} "
+        f"{_verdict(goals['throughput vs bare crun']['met'])}")
     own = ("throughput", "cpu", "own_cpu_ms_per_op")
     row("CPU ms per lifecycle", own, own, own, "own_cpu_per_lifecycle")
     ceil = ("throughput", "cpu_bound_ceiling_per_s")
@@ -986,6 +1013,14 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
 
     console.print(_table(res))
     dt = _get(res, "dsec", "throughput")
+    vs_crun = next(g for g in res["goals"] if g["goal"] == "throughput vs bare crun")
+    if vs_crun["value"] is not None:
+        by_round = ", ".join(f"{x:.2f}" for x in res["ratios"]["throughput_dsec_over_crun_by_round"])
+        console.print(
+            f"DSec ÷ bare crun, lifecycles/s, median rounds: {vs_crun['value']:.2f}× (goal ≥{GOAL_VS_CRUN:g}×) "
+            f"{_verdict(vs_crun['met'])}; round by round (DSec over the crun round before it): {by_round}, "
+            f"median {_fmt(res['ratios']['throughput_dsec_over_crun_paired_median'], '.2f', '×')}"
+            + (f"; not judged: {vs_crun['not_judged']}" if vs_crun.get("not_judged") else ""))
     if dt:
         console.print(
             f"DSec lifecycle parts, p50: create {dt['create']['p50_ms']:.1f} ms, exec {dt['exec']['p50_ms']:.1f} ms, "
