@@ -322,6 +322,7 @@ class MicroVMBackend(VMBackend):
             "paused_s": paused_s, "save_s": time.perf_counter() - start,
         }
         (tmp / "meta.json").write_text(json.dumps(meta))
+        log.info("snapshot %s of %s: paused %.2f s, saved %.2f s", snap_id, handle.cid, paused_s, meta["save_s"])
         return meta
 
     async def recover(self, handles: list[Handle]) -> list[Handle]:
