@@ -210,8 +210,13 @@ class MicroVMBackend(VMBackend):
             argv += ["-object", tail_obj, "-numa", f"node,nodeid={len(files) + 1},memdev={tail}"]
             extra = " ".join([*memmap, f"dsec.mode=microvm dsec.layers={len(files)}"])
         extra += " " + GUEST_SHARING_ARGS + self.protect_arg(spec)
-        argv += ["-M", machine_opts, *self._kernel_args(assets, accel, extra)]
-        if spec.snapshot is not None:
+        argv += ["-M", machine_opts]
+        if spec.snapshot is None:
+            argv += self._kernel_args(assets, accel, extra)
+        else:
+            # No kernel: the guest's is in the memory restored. QEMU would read the kernel and
+            # initrd into its own memory for the firmware to load (14 MB of each clone's own,
+            # never used again: a clone that reboots is ended, -no-reboot).
             argv += ["-incoming", "defer", "-S"]
         return argv
 
