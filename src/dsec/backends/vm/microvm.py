@@ -23,10 +23,10 @@ Snapshots: ``snapshot(handle)`` pauses the VM, writes its memory and device stat
 migration (the pmem layers are skipped: ``x-ignore-shared``) and resumes it; the guest RAM's pages
 are then split out of that stream into one sparse file per RAM block (``ramsplit``). Creating a
 VM with ``spec.snapshot`` starts QEMU with each RAM block a ``memory-backend-file`` over the
-snapshot's file with ``share=off`` (MAP_PRIVATE) and ``-incoming defer``, loads the rest of the
-stream (device state, no RAM pages) and resumes it: its processes carry on where they were, and
-N clones share one copy of the snapshot's memory in the host page cache, each writing into its
-own copy-on-write pages. Snapshots live in ``<node_dir>/snapshots/<id>/`` (``meta.json``,
+snapshot's file with ``share=off`` (MAP_PRIVATE) and ``-incoming defer`` (and no kernel or initrd:
+the guest's are in its memory), loads the rest of the stream (device state, no RAM pages) and
+resumes it: its processes carry on where they were, and N clones share one copy of the
+snapshot's memory in the host page cache, each writing into its own copy-on-write pages. Snapshots live in ``<node_dir>/snapshots/<id>/`` (``meta.json``,
 ``state``, ``<block>.ram``); a RAM file that is missing, cut short or modified since is refused
 before any QEMU maps it. (QEMU 7.2 discards guest RAM of a file-backed block by punching a hole
 in the file, MAP_PRIVATE or not: a microVM must therefore have no device that discards RAM, such
