@@ -93,3 +93,28 @@ def test_a_block_missing_from_the_stream_is_an_error(tmp_path):
     src.write_bytes(stream())
     with pytest.raises(ramsplit.StreamError, match="ramtail"):
         ramsplit.split(src, tmp_path / "state", {"ram0": tmp_path / "ram0.ram", "ramtail": tmp_path / "t.ram"})
+
+
+def test_long_runs_gaps_and_a_page_sent_again_land_where_they_belong(tmp_path):
+    # Pages are written a run of consecutive ones at a time (at most IOV_MAX a write): a run
+    # longer than that, one broken by a gap, a page of one byte repeated, and a page sent twice
+    # (the later copy wins, as QEMU's loader would have it).
+    pages = ramsplit.IOV_MAX + 5
+    size = (pages + 8) * P
+    mem = struct.pack(">Q", size | FLAG_MEM_SIZE) + name("ram0") + struct.pack(">QQ", size, 0)
+    part = rec(0, FLAG_PAGE, "ram0", page(1))
+    for i in range(1, pages):
+        part += rec(i * P, FLAG_PAGE, None, page(i % 251))
+    part += rec((pages + 2) * P, FLAG_PAGE, None, page(0xC2))  # after a gap of two
+    part += rec((pages + 3) * P, FLAG_ZERO, None, b"\x07")  # a page of one byte, not zero
+    part += rec(5 * P, FLAG_PAGE, None, page(0xEE))  # sent again
+    src = tmp_path / "stream"
+    src.write_bytes(HEADER + CONFIG + section(ramsplit.SECTION_START, mem) + section(ramsplit.SECTION_PART, part)
+                    + section(ramsplit.SECTION_END, b"") + DEVICES)
+    ram0 = tmp_path / "ram0.ram"
+    result = ramsplit.split(src, tmp_path / "state", {"ram0": ram0})
+    assert result.pages_written == pages + 2
+    want = bytearray(page(1) + b"".join(page(i % 251) for i in range(1, pages)) + page(0) * 2 + page(0xC2)
+                     + page(7) + page(0) * 4)
+    want[5 * P:6 * P] = page(0xEE)
+    assert ram0.read_bytes() == bytes(want)

@@ -131,6 +131,10 @@ async def test_clones_share_the_snapshot_memory_copy_on_write(vm_kit):
             result = await backend.exec(clone, ExecRequest(command="cat /root/state; ls /root; head -c 3 /root/big*"), ROOT)
             assert result.stdout == f"clone{i}\nbig{i}\nstate\n{str(i) * 3}", result.stdout
         assert await backend.read_file(base, "/root/state", 100) == b"saved\n"
+        # A clone's QEMU starts without the guest's kernel and initrd (its memory holds them):
+        # no copy of them in each clone's own memory.
+        assert "-kernel" in Path(f"/proc/{base.pid}/cmdline").read_bytes().decode().split("\0")
+        assert not {"-kernel", "-initrd"} & set(Path(f"/proc/{clones[0].pid}/cmdline").read_bytes().decode().split("\0"))
         # The snapshot's memory is mapped by every clone: pages they only read are one copy
         # (shared between processes), pages they wrote are their own.
         for clone in clones:

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from libdsec import DSecClient, DSecMicroVMRunArgs
 
+from dsec.backends.vm import machine
 from dsec.local import serving
 from dsec.resources import ksm
 from .hoststats import pss_bytes
@@ -100,6 +101,11 @@ def _pss_parts(pids: list[int]) -> dict[str, int]:
     return parts
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """The user + system CPU seconds these processes have used so far (those gone count 0)."""
+    return sum(machine.cpu_seconds(pid) or 0.0 for pid in pids)
+
+
 def _ksm_sharing() -> int:
     return ksm.stats().get("pages_sharing", 0) if ksm.available() else 0
 
@@ -119,8 +125,11 @@ async def _fork(client: DSecClient, state_dir: Path, args: DSecMicroVMRunArgs, c
         forked = await parent.fork(count=children)
         fork_s = time.perf_counter() - t0
         try:
+            child_pids = [p for p in _qemu_pids(state_dir) if p not in parent_pids]
+            cpu_at_fork = _cpu_s(child_pids)
             answers = await asyncio.gather(*(child.run_shell(ALIVE) for child in forked))
             answering = time.perf_counter() - t0
+            cpu_at_answer = _cpu_s(child_pids)
             pids = _qemu_pids(state_dir)
             all_vms = pss_bytes(pids)
             children_parts = _pss_parts([p for p in pids if p not in parent_pids])
@@ -135,11 +144,14 @@ async def _fork(client: DSecClient, state_dir: Path, args: DSecMicroVMRunArgs, c
     out = {"children": children, "fork_s": fork_s, "all_answering_s": answering, "server_fork_s": result.fork_s,
            "frozen_s": result.frozen_s, "kind": result.kind, "checked": checked, "holder_kib": holder_kib,
            "one_vm_pss": one_vm, "all_vms_pss": all_vms, "qemu_processes": len(pids), "ksm_pages_sharing": ksm_pages,
-           "children_pss_anon": children_parts["Pss_Anon"], "children_pss_file": children_parts["Pss_File"]}
+           "children_pss_anon": children_parts["Pss_Anon"], "children_pss_file": children_parts["Pss_File"],
+           "children_cpu_at_fork_s": cpu_at_fork, "children_cpu_first_command_s": cpu_at_answer - cpu_at_fork}
     console.print(f"  DSec fork: {children} children in {fork_s:.2f} s, all answering at {answering:.2f} s "
                   f"(parent frozen {result.frozen_s * 1000:.0f} ms); PSS parent alone {one_vm / MiB:.0f} MiB, "
                   f"parent + children {all_vms / MiB:.0f} MiB (the children's: {children_parts['Pss_Anon'] / MiB:.0f} MiB "
-                  f"anonymous, {children_parts['Pss_File'] / MiB:.0f} MiB file-backed)")
+                  f"anonymous, {children_parts['Pss_File'] / MiB:.0f} MiB file-backed); the children's QEMU CPU "
+                  f"{cpu_at_fork:.1f} s until the fork answered, {cpu_at_answer - cpu_at_fork:.1f} s for their first "
+                  f"command")
     return out
 
 

@@ -17,6 +17,8 @@ could not load.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import os
 import struct
 from dataclasses import dataclass, field
@@ -29,6 +31,8 @@ SUBSECTION, CONFIGURATION, FOOTER = 0x05, 0x07, 0x7E
 PAGE_SIZE = 4096
 FLAG_ZERO, FLAG_MEM_SIZE, FLAG_PAGE, FLAG_EOS, FLAG_CONTINUE = 0x02, 0x04, 0x08, 0x10, 0x20
 KNOWN_FLAGS = FLAG_ZERO | FLAG_MEM_SIZE | FLAG_PAGE | FLAG_EOS | FLAG_CONTINUE
+IOV_MAX = 1024
+_BE32, _BE64 = struct.Struct(">I"), struct.Struct(">Q")
 
 
 class StreamError(Exception):
@@ -43,30 +47,60 @@ class SplitResult:
 
 
 class _Reader:
-    def __init__(self, f: BinaryIO) -> None:
-        self.f = f
+    """The stream, mapped: headers are read at an offset, a page is a view of the mapping (no
+    copy on its way to its RAM file)."""
 
-    def take(self, n: int) -> bytes:
-        data = self.f.read(n)
-        if len(data) != n:
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.pos = 0
+
+    def take(self, n: int) -> memoryview:
+        start, self.pos = self.pos, self.pos + n
+        if self.pos > len(self.data):
             raise StreamError("the migration stream ends early")
-        return data
+        return self.data[start:self.pos]
 
     def u8(self) -> int:
-        return self.take(1)[0]
+        if self.pos >= len(self.data):
+            raise StreamError("the migration stream ends early")
+        self.pos += 1
+        return self.data[self.pos - 1]
 
     def be32(self) -> int:
-        return struct.unpack(">I", self.take(4))[0]
+        return _BE32.unpack(self.take(4))[0]
 
     def be64(self) -> int:
-        return struct.unpack(">Q", self.take(8))[0]
+        return _BE64.unpack(self.take(8))[0]
 
     def peek8(self) -> int | None:
-        data = self.f.peek(1)[:1] if hasattr(self.f, "peek") else b""
-        return data[0] if data else None
+        return self.data[self.pos] if self.pos < len(self.data) else None
 
     def name(self) -> bytes:
-        return self.take(self.u8())
+        return bytes(self.take(self.u8()))
+
+
+class _PageRun:
+    """Consecutive pages of one RAM file, written with one ``pwritev`` (a page at a time, the
+    split of a 384 MB guest took a second of Python)."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.start = 0
+        self.pages: list[memoryview] = []
+
+    def add(self, fd: int, addr: int, page: memoryview) -> None:
+        if fd != self.fd or addr != self.start + len(self.pages) * PAGE_SIZE or len(self.pages) >= IOV_MAX:
+            self.flush()
+            self.fd, self.start = fd, addr
+        self.pages.append(page)
+
+    def flush(self) -> None:
+        if self.pages:
+            want = len(self.pages) * PAGE_SIZE
+            done = os.pwritev(self.fd, self.pages, self.start)
+            if done != want:  # (a regular file takes it whole or fails: ENOSPC is an OSError)
+                os.pwrite(self.fd, b"".join(self.pages)[done:], self.start + done)
+            self.pages = []
 
 
 def _configuration(r: _Reader, out: BinaryIO) -> bool:
@@ -110,8 +144,10 @@ class _RamSection:
         self.fds: dict[str, int] = {}
         self.block: str | None = None
         self.ignore_shared = False
+        self.run = _PageRun()
 
     def close(self) -> None:
+        self.run.pages = []  # (views of the mapping: let go before it closes)
         for fd in self.fds.values():
             os.close(fd)
         self.fds.clear()
@@ -124,6 +160,7 @@ class _RamSection:
             if flags & ~KNOWN_FLAGS:
                 raise StreamError(f"RAM record flags {flags:#x} (compression, XBZRLE, RDMA?) are not supported")
             if flags & FLAG_EOS:
+                self.run.flush()
                 out.write(struct.pack(">Q", word))
                 return
             if flags & FLAG_MEM_SIZE:
@@ -141,9 +178,10 @@ class _RamSection:
             data = bytes([r.u8()]) if flags & FLAG_ZERO else r.take(PAGE_SIZE)
             if self.block in self.fds:
                 if flags & FLAG_PAGE:
-                    os.pwrite(self.fds[self.block], data, addr)
+                    self.run.add(self.fds[self.block], addr, data)
                     self.result.pages_written += 1
                 elif data != b"\0":
+                    self.run.flush()
                     os.pwrite(self.fds[self.block], data * PAGE_SIZE, addr)
                 continue
             out.write(struct.pack(">Q", word))
@@ -198,37 +236,47 @@ def split(stream: Path, state: Path, extract: dict[str, Path]) -> SplitResult:
     ram = _RamSection(extract, result)
     try:
         with open(stream, "rb") as raw, open(state, "wb") as out:
-            r = _Reader(raw)
-            if r.be32() != MAGIC or r.be32() != VERSION:
-                raise StreamError("not a QEMU migration stream (version 3)")
-            out.write(struct.pack(">II", MAGIC, VERSION))
-            ram.ignore_shared = _configuration(r, out)
-            ram_id = None
-            while True:
-                kind = r.u8()
-                if kind not in (SECTION_START, SECTION_PART, SECTION_END):
-                    out.write(bytes([kind]))
-                    break
-                section_id, name = _section_header(r, out, kind)
-                if kind == SECTION_START:
-                    if name != "ram" or ram_id is not None:
-                        raise StreamError(f"iterable section {name!r} is not supported (only ram)")
-                    ram_id = section_id
-                elif section_id != ram_id:
-                    raise StreamError(f"section {section_id} continues before it started")
-                ram.records(r, out)
-                _footer(r, out, section_id)
-                if kind == SECTION_END:
-                    kind = None
-                    break
-            if ram_id is None or kind is not None:
-                raise StreamError("the stream has no complete ram section")
-            while chunk := raw.read(1 << 20):
-                out.write(chunk)
-            result.state_bytes = out.tell()
+            if os.fstat(raw.fileno()).st_size == 0:
+                raise StreamError("the migration stream ends early")
+            mapped = mmap.mmap(raw.fileno(), 0, prot=mmap.PROT_READ)
+            try:
+                _split(_Reader(memoryview(mapped)), out, ram, result)
+            finally:
+                ram.close()
+                with contextlib.suppress(BufferError):  # (a view still held by an error's traceback)
+                    mapped.close()
     finally:
         ram.close()
     missing = set(extract) - set(result.blocks)
     if missing:
         raise StreamError(f"RAM block(s) {', '.join(sorted(missing))} are not in the stream")
     return result
+
+
+def _split(r: _Reader, out: BinaryIO, ram: _RamSection, result: SplitResult) -> None:
+    if r.be32() != MAGIC or r.be32() != VERSION:
+        raise StreamError("not a QEMU migration stream (version 3)")
+    out.write(struct.pack(">II", MAGIC, VERSION))
+    ram.ignore_shared = _configuration(r, out)
+    ram_id = None
+    while True:
+        kind = r.u8()
+        if kind not in (SECTION_START, SECTION_PART, SECTION_END):
+            out.write(bytes([kind]))
+            break
+        section_id, name = _section_header(r, out, kind)
+        if kind == SECTION_START:
+            if name != "ram" or ram_id is not None:
+                raise StreamError(f"iterable section {name!r} is not supported (only ram)")
+            ram_id = section_id
+        elif section_id != ram_id:
+            raise StreamError(f"section {section_id} continues before it started")
+        ram.records(r, out)
+        _footer(r, out, section_id)
+        if kind == SECTION_END:
+            kind = None
+            break
+    if ram_id is None or kind is not None:
+        raise StreamError("the stream has no complete ram section")
+    out.write(r.data[r.pos:])  # the devices' sections, as they are
+    result.state_bytes = out.tell()
