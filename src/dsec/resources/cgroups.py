@@ -21,6 +21,7 @@ import hashlib
 import os
 import shlex
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,6 +282,13 @@ def sandbox_hierarchies(controllers: tuple[str, ...] = SANDBOX_CONTROLLERS) -> t
     return tuple(found.values())
 
 
+# Held while sandbox cgroups are made and while their parent is removed: creates run in threads,
+# and on v2 a parent just made hands its controllers down (``cgroup.subtree_control``) only after
+# its mkdir, so a sandbox cgroup made by another thread in between would have none of them (no
+# ``memory.max``, and ``_has`` would remember ``cpu.idle`` as missing).
+_MAKING = threading.Lock()
+
+
 def _make_parent(parent: str, controllers: tuple[str, ...]) -> None:
     """The parent cgroups, and on v2 the controllers handed down through them."""
     for h in sandbox_hierarchies(controllers):
@@ -298,18 +306,19 @@ def make_sandbox_cgroup(parent: str, cid: str, limits: Limits | None,
                         controllers: tuple[str, ...] = SANDBOX_CONTROLLERS) -> None:
     """Make a sandbox's cgroup with its limits (none without ``limits``); nothing is left
     behind when it fails. Only the limits that differ from a fresh cgroup's are written (four
-    writes on v1 for most): little kernel work, and no wait (no RCU grace period), so the event
-    loop may call it."""
+    writes on v1 for most): little kernel work, and no wait (no RCU grace period). Safe to call
+    from several threads at once."""
     made = []
     try:
-        for h in sandbox_hierarchies(controllers):
-            d = f"{h}/{parent}/{cid}"
-            try:
-                os.mkdir(d)
-            except FileNotFoundError:  # first sandbox, or the empty parent was just removed
-                _make_parent(parent, controllers)
-                os.mkdir(d)
-            made.append(d)
+        with _MAKING:
+            for h in sandbox_hierarchies(controllers):
+                d = f"{h}/{parent}/{cid}"
+                try:
+                    os.mkdir(d)
+                except FileNotFoundError:  # first sandbox, or the empty parent was just removed
+                    _make_parent(parent, controllers)
+                    os.mkdir(d)
+                made.append(d)
         for path, value in () if limits is None else _limit_writes(parent, cid, limits, fresh=True):
             _write(path, value)
     except BaseException:
@@ -461,8 +470,9 @@ def remove_cgroup(parent: str, cid: str) -> None:
 
 def remove_parent(parent: str) -> None:
     """Remove the parent cgroups once no sandbox cgroup is left under them."""
-    for d in _parent_dirs(parent):
-        try:
-            d.rmdir()
-        except OSError:
-            pass
+    with _MAKING:
+        for d in _parent_dirs(parent):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
