@@ -307,15 +307,21 @@ class Lifecycle:
     def _reap_orphans(self) -> None:
         """Reap zombies that were reparented to us (we are the subreaper) from inside our
         sandboxes, e.g. a command whose ``crun exec`` died first. Only processes in our sandbox
-        cgroups: asyncio reaps the ``crun`` processes it spawned, which live outside them."""
+        cgroups or in a pid namespace below ours (a process ``crun exec`` started that failed
+        before it joined the sandbox's cgroup, as when its program is missing): asyncio reaps
+        the ``crun`` processes it spawned, which are in neither."""
         for pid in children():
             try:
                 if _sys.proc_stat(pid)[0] != "Z":
                     continue
                 with open(f"/proc/{pid}/cgroup") as f:
-                    if f"/{self.cgroup_parent}/" not in f.read():
-                        continue
-                os.waitpid(pid, os.WNOHANG)
+                    ours = f"/{self.cgroup_parent}/" in f.read()
+                if not ours:
+                    with open(f"/proc/{pid}/status") as f:
+                        nspid = next((line.split()[1:] for line in f if line.startswith("NSpid:")), [])
+                    ours = len(nspid) > 1
+                if ours:
+                    os.waitpid(pid, os.WNOHANG)
             except (OSError, IndexError, ValueError, ChildProcessError):
                 continue
 
