@@ -98,6 +98,32 @@ def internal_error(exc: Exception, scope) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]
+
+
+async def send_answer(serve: Callable[[], Awaitable[Answer | Response | None]], scope, receive, send) -> None:
+    """Send what ``serve()`` answers: (status, JSON body, extra headers), a ``Response``, or
+    nothing (the client went away); a ``DSecError`` as its wire body and status, anything else
+    a 500 ``internal``, as FastAPI's app would answer them (``CatchUnexpected``). For the ASGI
+    middleware that serve their routes ahead of FastAPI (``table.TableRoutes``,
+    ``routes_fncall.FnCallRoutes``)."""
+    try:
+        answer = await serve()
+    except DSecError as exc:
+        answer = _error(exc)
+    except Exception as exc:  # noqa: BLE001 - see above
+        answer = 500, internal_error(exc, scope), []
+    if answer is None:
+        return
+    if isinstance(answer, Response):
+        return await answer(scope, receive, send)
+    status, body, headers = answer
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class CatchUnexpected:
     """ASGI middleware: an unexpected error becomes a 500 ``internal`` error body, if the
     answer has not started (else it is raised on: the connection is then closed)."""

@@ -20,16 +20,14 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request, Response
 from pydantic import BaseModel
 
-from libdsec import DSecError
 from libdsec.protocol import MAX_BATCH_COUNT, DSecFnCallArgs, FnCallBatchRequest, FnCallBatchResult, FnCallResult
 
 from .cluster import Cluster
-from .lean import _error, internal_error, parse_body
+from .lean import parse_body, send_answer
 from .table import _body
 
 Check = Callable[[dict, dict, str], Awaitable[Any]]
 CALL_PATH, BATCH_PATH = "/v1/fncall", "/v1/fncall:batch"
-_JSON = (b"content-type", b"application/json")
 
 
 def _body_schema(schema: dict) -> dict:
@@ -51,18 +49,7 @@ class FnCallRoutes:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in (CALL_PATH, BATCH_PATH):
             return await self.app(scope, receive, send)
-        try:
-            answer = await self._serve(scope, receive)
-        except DSecError as exc:
-            answer = _error(exc)
-        except Exception as exc:  # noqa: BLE001 - answered as FastAPI's app would (see lean.CatchUnexpected)
-            answer = 500, internal_error(exc, scope), []
-        if answer is None:
-            return  # the client went away
-        status, body, headers = answer
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [_JSON, (b"content-length", str(len(body)).encode()), *headers]})
-        await send({"type": "http.response.body", "body": body})
+        await send_answer(lambda: self._serve(scope, receive), scope, receive, send)
 
     async def _serve(self, scope, receive) -> tuple[int, bytes, list] | None:
         body = await _body(receive)

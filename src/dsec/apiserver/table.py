@@ -36,7 +36,7 @@ from fastapi import FastAPI, Path, Query
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from starlette.responses import Response, StreamingResponse
 
-from libdsec import DSecError, InvalidRequest
+from libdsec import InvalidRequest
 from libdsec.api_ops import PREFIX, PUBLIC_OPS
 from libdsec.ops import Operation as Op, path_format, path_regex
 
@@ -45,7 +45,7 @@ from ..edge.files import file_mode
 from .calls import ApiCalls
 from .cluster import Cluster
 from .jobs import Jobs, file_request
-from .lean import _error, internal_error
+from .lean import send_answer
 
 # The operations the cluster wraps (metrics, a stop kept for a node that is away, a copy or a
 # fork counted against its project's quota, a desktop's live view and its key); the others are the edge's method of the same name.
@@ -53,7 +53,6 @@ CLUSTER_CALLS = frozenset({"exec", "stop", "clean_copy", "fork", "desktop_stream
 # A chunked answer's media type, when not raw bytes.
 MEDIA = {"download_tree_tar": "application/x-tar"}
 _OCTETS = "application/octet-stream"
-_JSON = [(b"content-type", b"application/json")]
 _OK = b'{"ok":true}'
 
 # The path parameters whose values are checked once the caller is (a segment of any other value
@@ -213,20 +212,7 @@ class TableRoutes:
         if scope["type"] != "http" or (found := match(scope["method"], scope["path"])) is None:
             return await self.app(scope, receive, send)
         route, params = found
-        try:
-            answer = await self._serve(route, params, scope, receive)
-        except DSecError as exc:
-            answer = _error(exc)
-        except Exception as exc:  # noqa: BLE001 - answered as FastAPI's app would (see lean.CatchUnexpected)
-            answer = 500, internal_error(exc, scope), []
-        if answer is None:
-            return  # the client went away
-        if isinstance(answer, Response):
-            return await answer(scope, receive, send)
-        status, body, headers = answer
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [*_JSON, (b"content-length", str(len(body)).encode()), *headers]})
-        await send({"type": "http.response.body", "body": body})
+        await send_answer(lambda: self._serve(route, params, scope, receive), scope, receive, send)
 
     async def _serve(self, route: _Route, params: dict, scope, receive):
         op = route.op

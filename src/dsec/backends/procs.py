@@ -23,6 +23,19 @@ from .. import _sys
 log = logging.getLogger("dsec.backends.procs")
 
 
+async def outlast_cancel(future: asyncio.Future) -> bool:
+    """Wait until ``future`` is done, even when the caller is cancelled meanwhile (the work of
+    a thread cannot be stopped, and what it made must be seen to). True when a cancellation
+    came: the caller raises ``CancelledError`` once it has dealt with the result."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and every descendant (found through /proc children lists)."""
     pids, todo = [], [pid]
@@ -191,12 +204,7 @@ async def spawn_wait(argv: list[str], stdin: int | None, out: int, timeout: floa
     and ``out``, which the caller closes once this returns), and what it started is killed."""
     spawning = asyncio.get_running_loop().run_in_executor(
         None, _sys.posix_spawn, argv[0], argv, spawn_env(), stdin, out, out)
-    cancelled = False
-    while not spawning.done():
-        try:
-            await asyncio.shield(spawning)
-        except asyncio.CancelledError:
-            cancelled = True
+    cancelled = await outlast_cancel(spawning)
     pid = spawning.result()  # or the spawn's OSError
     reaped = False
     try:

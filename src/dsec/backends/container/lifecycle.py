@@ -38,7 +38,7 @@ from ...resources import cpu as cpu_sched
 from ...resources.cgroups import Limits
 from ..base import Handle, SandboxSpec
 from ..initchan import InitChannel
-from ..procs import children, pid_in_cgroup, wait_exit
+from ..procs import children, outlast_cancel, pid_in_cgroup, wait_exit
 from .oci import BOOT_ID_FILE, INIT_PATH, BundleConfigs
 from .rootfs import RootFilesystems
 
@@ -111,12 +111,7 @@ class Lifecycle:
             # the event loop. A thread cannot be stopped: a create cancelled meanwhile waits for
             # it, so that the undo removes what it made.
             making = asyncio.ensure_future(asyncio.to_thread(self._make_cgroup_and_root, cid, plan, spec.limits))
-            cancelled = False
-            while not making.done():
-                try:
-                    await asyncio.shield(making)
-                except asyncio.CancelledError:
-                    cancelled = True
+            cancelled = await outlast_cancel(making)
             making.result()  # or its BackendError (it undid its own steps)
             undo.callback(self.rootfs.release, plan)
             if cancelled:
