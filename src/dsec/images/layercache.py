@@ -174,8 +174,9 @@ class ChunkCache:
             self._verified.discard(key)
 
     def cached_layers(self) -> set[str]:
+        """The layers with cache files (every layer with a chunk kept is open here)."""
         with self._lock:
-            return {name for name, _ in self._lru} | set(self._layers)
+            return set(self._layers)
 
     def remove_layers(self, names: set[str]) -> int:
         """Forget the layers ``names`` (gone from the store: removed by GC) and give their cache

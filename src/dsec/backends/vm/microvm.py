@@ -26,9 +26,9 @@ VM with ``spec.snapshot`` starts QEMU with each RAM block a ``memory-backend-fil
 snapshot's file with ``share=off`` (MAP_PRIVATE) and ``-incoming defer`` (and no kernel or initrd:
 the guest's are in its memory), loads the rest of the stream (device state, no RAM pages) and
 resumes it: its processes carry on where they were, and N clones share one copy of the
-snapshot's memory in the host page cache, each writing into its own copy-on-write pages. Snapshots live in ``<node_dir>/snapshots/<id>/`` (``meta.json``,
-``state``, ``<block>.ram``); a RAM file that is missing, cut short or modified since is refused
-before any QEMU maps it. (QEMU 7.2 discards guest RAM of a file-backed block by punching a hole
+snapshot's memory in the host page cache, each writing into its own copy-on-write pages.
+Snapshots live in ``<node_dir>/snapshots/<id>/`` (``meta.json``, ``state``, ``<block>.ram``);
+a RAM file that is missing, cut short or modified since is refused before any QEMU maps it. (QEMU 7.2 discards guest RAM of a file-backed block by punching a hole
 in the file, MAP_PRIVATE or not: a microVM must therefore have no device that discards RAM, such
 as a virtio-balloon, or one clone could zero pages of the snapshot under all the others.)
 """
