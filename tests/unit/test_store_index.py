@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import time
 from pathlib import Path
 
@@ -22,6 +23,23 @@ def _layer(store: LayerStore, tmp: Path, text: str) -> str:
     (root / "d").mkdir(parents=True)
     (root / "d" / "f").write_text(text)
     return store.add_dir(root)
+
+
+def _summed(store: LayerStore) -> tuple[int, ...]:
+    """The totals summed over the index's rows, as ``stats()`` answered before its triggers."""
+    db = sqlite3.connect(store.index.path)
+    try:
+        return (*db.execute("SELECT count(*), coalesce(sum(size), 0) FROM images").fetchone(),
+                db.execute("SELECT count(*) FROM layers WHERE refs > 0").fetchone()[0],
+                *db.execute("SELECT count(*), coalesce(sum(size), 0) FROM layers WHERE size > 0").fetchone())
+    finally:
+        db.close()
+
+
+def _totals_hold(store: LayerStore) -> None:
+    st = store.index.stats()
+    assert (st.images, st.referenced_bytes, st.distinct_layers, st.stored_layers, st.stored_bytes) == _summed(store)
+    assert store.index.count() == st.images
 
 
 @pytest.fixture
@@ -57,16 +75,20 @@ def test_references_gc_and_dedup_stats(store, tmp_path):
     assert st.stored_bytes == sum(size.values())
     assert st.referenced_bytes == 2 * size[base] + size[a] + size[b] > st.stored_bytes
     assert store.unreferenced_layers() == []
+    _totals_hold(store)
     # Replacing an image drops its old references; removing one drops its own.
     store.put_image(Image(name="two", layers=(base,)))
     assert store.unreferenced_layers() == [b]
+    _totals_hold(store)
     store.remove_image("one")
     assert store.unreferenced_layers() == sorted([a, b])
+    _totals_hold(store)
     assert sorted(store.gc(in_use=frozenset({a}))) == [b]
     assert not store.has_layer(b) and store.has_layer(a)
     assert store.gc() == [a]
     st = store.index.stats()
     assert (st.images, st.distinct_layers, st.stored_layers, st.stored_bytes) == (1, 1, 1, size[base])
+    _totals_hold(store)
 
 
 def test_changes_made_behind_its_back_are_found(store, tmp_path):
@@ -96,6 +118,9 @@ def test_changes_made_behind_its_back_are_found(store, tmp_path):
     time.sleep(0.02)
     store.layer_path(extra).unlink()
     assert extra not in store.unreferenced_layers()
+    # The totals follow what reconciling found (a referenced layer whose file went: size 0).
+    _totals_hold(store)
+    _totals_hold(other)
 
 
 def test_a_missing_or_damaged_index_is_rebuilt(store, tmp_path):
@@ -115,6 +140,16 @@ def test_a_missing_or_damaged_index_is_rebuilt(store, tmp_path):
     assert again.index.stats().distinct_layers == 1
     again.index.rebuild()
     assert again.image_names() == ["img-0", "img-1", "img-2"] and again.unreferenced_layers() == [orphan]
+    _totals_hold(again)
+    # An index an older DSec wrote (version 1, no totals) is rebuilt with them.
+    again.index.close()
+    db = sqlite3.connect(again.index.path)
+    db.executescript("DROP TRIGGER images_in; DROP TABLE totals; UPDATE meta SET v='1' WHERE k='version';")
+    db.commit()
+    db.close()
+    older = LayerStore(store.root)
+    assert older.index.stats().images == 3
+    _totals_hold(older)
 
 
 def test_an_unknown_name_lists_some_images_not_all(store, tmp_path):

@@ -3,8 +3,9 @@
 The manifests (``images/NAME.json``) and layer files (``layers/DIGEST.erofs``) stay the truth;
 the index is a SQLite file beside them (``index/store.sqlite``) that answers what would
 otherwise read every manifest or list every layer: a page of image names (by prefix, by the
-role of their top layer), the layers no image refers to, and the store's totals. With 100,000
-images a listing or a GC read every manifest (seconds); from the index they cost a query.
+role of their top layer), the layers no image refers to, and the store's totals (kept by
+triggers as rows come and go, so ``stats()`` reads one row at any size). With 100,000 images a
+listing or a GC read every manifest (seconds); from the index they cost a query.
 
 Kept current by the store's own writes: ``LayerStore`` calls ``placed``/``removed`` around
 each rename or unlink, under the store's ``index`` lock (every process and node sharing the
@@ -44,8 +45,29 @@ CREATE INDEX IF NOT EXISTS images_role ON images (top_role, name);
 CREATE TABLE IF NOT EXISTS layers (digest TEXT PRIMARY KEY, size INTEGER NOT NULL, refs INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS layers_unused ON layers (refs) WHERE refs <= 0;
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS totals (
+    one INTEGER PRIMARY KEY CHECK (one = 1), images INTEGER NOT NULL, referenced INTEGER NOT NULL,
+    distinct_layers INTEGER NOT NULL, stored INTEGER NOT NULL, stored_bytes INTEGER NOT NULL);
+INSERT OR IGNORE INTO totals VALUES (1, 0, 0, 0, 0, 0);
+CREATE TRIGGER IF NOT EXISTS images_in AFTER INSERT ON images BEGIN
+    UPDATE totals SET images = images + 1, referenced = referenced + new.size; END;
+CREATE TRIGGER IF NOT EXISTS images_out AFTER DELETE ON images BEGIN
+    UPDATE totals SET images = images - 1, referenced = referenced - old.size; END;
+CREATE TRIGGER IF NOT EXISTS images_changed AFTER UPDATE ON images BEGIN
+    UPDATE totals SET referenced = referenced - old.size + new.size; END;
+CREATE TRIGGER IF NOT EXISTS layers_in AFTER INSERT ON layers BEGIN
+    UPDATE totals SET distinct_layers = distinct_layers + (new.refs > 0), stored = stored + (new.size > 0),
+                      stored_bytes = stored_bytes + max(new.size, 0); END;
+CREATE TRIGGER IF NOT EXISTS layers_out AFTER DELETE ON layers BEGIN
+    UPDATE totals SET distinct_layers = distinct_layers - (old.refs > 0), stored = stored - (old.size > 0),
+                      stored_bytes = stored_bytes - max(old.size, 0); END;
+CREATE TRIGGER IF NOT EXISTS layers_changed AFTER UPDATE ON layers BEGIN
+    UPDATE totals SET distinct_layers = distinct_layers - (old.refs > 0) + (new.refs > 0),
+                      stored = stored - (old.size > 0) + (new.size > 0),
+                      stored_bytes = stored_bytes - max(old.size, 0) + max(new.size, 0); END;
 """
-_VERSION = "1"
+# Version 2: the store's totals kept by triggers (``totals``), so ``stats()`` reads one row.
+_VERSION = "2"
 log = logging.getLogger(__name__)
 MAX_PAGE = 10_000  # images in one answer of the API when a limit is given
 
@@ -330,7 +352,7 @@ class StoreIndex:
     def count(self) -> int:
         with self._mutex:
             try:
-                return self._fresh().execute("SELECT count(*) FROM images").fetchone()[0]
+                return self._fresh().execute("SELECT images FROM totals").fetchone()[0]
             except (sqlite3.Error, OSError) as exc:
                 self._degraded(exc)
         return len(self._scan_names())
@@ -350,11 +372,8 @@ class StoreIndex:
     def stats(self) -> StoreStats:
         with self._mutex:
             try:
-                db = self._fresh()
-                images, referenced = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM images").fetchone()
-                distinct = db.execute("SELECT count(*) FROM layers WHERE refs > 0").fetchone()[0]
-                stored, stored_bytes = db.execute(
-                    "SELECT count(*), coalesce(sum(size), 0) FROM layers WHERE size > 0").fetchone()
+                images, referenced, distinct, stored, stored_bytes = self._fresh().execute(
+                    "SELECT images, referenced, distinct_layers, stored, stored_bytes FROM totals").fetchone()
                 return StoreStats(images=images, distinct_layers=distinct, stored_layers=stored,
                                   stored_bytes=stored_bytes, referenced_bytes=referenced)
             except (sqlite3.Error, OSError) as exc:
