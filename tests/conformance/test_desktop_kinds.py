@@ -1,10 +1,11 @@
 """The desktop case of the conformance suite: every sandbox kind whose backend declares
 ``Capability.DESKTOP`` runs the ``desktop`` image's desktop with the same calls, through one real
 ``dsec serve`` (one sandbox, and so one VM boot, per kind): a screenshot of the asked size as a
-PNG, a window listed by ``windows()``, a double click that maximizes it, and typing that
-reaches it (on a full VM: the screenshots and the pointer, the rest being the guest's, as on a
-microVM). (The container kind's full set of calls and errors: tests/integration/
-test_desktop.py.)"""
+PNG, a window listed by ``windows()``, a double click that maximizes it, typing that reaches
+it, the live view (``stream_url()``: noVNC's page and the VNC server's greeting on its
+WebSocket, through the apiserver) and the accessibility tree (on a full VM: the screenshots and
+the pointer, the rest being the guest's, as on a microVM). (The container kind's full set of
+calls and errors: tests/integration/test_desktop.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import re
 import struct
 import time
 
+import httpx
 import pytest
+from websockets.asyncio.client import connect
 
 from dsec.backends.base import Capability
 from dsec.backends.container import ContainerBackend
@@ -79,7 +82,28 @@ async def test_a_desktop_on_each_kind(kind, client, desktop_image):
             assert await desktop.cursor() == (5, 7)
         else:
             await _a_window_clicked_and_typed_into(sandbox, kind)
+            await _seen_live_and_by_accessibility(sandbox)
     assert await client.list_sandboxes() == []
+
+
+async def _seen_live_and_by_accessibility(sandbox) -> None:
+    desktop = sandbox.desktop
+    # The live view: x11vnc and noVNC started in the sandbox (the guest, on a microVM), the page
+    # and its WebSocket reached through the apiserver's port path with the URL's key.
+    url = await desktop.stream_url()
+    base = url.partition("?")[0].rsplit("/", 1)[0]
+    async with httpx.AsyncClient(timeout=WAIT_S) as http:
+        page = await http.get(url)
+        assert page.status_code == 200 and "noVNC" in page.text, page.text[:200]
+    async with connect(base.replace("http://", "ws://") + "/websockify", subprotocols=["binary"],
+                       open_timeout=WAIT_S) as ws:
+        assert (await asyncio.wait_for(ws.recv(), WAIT_S))[:4] == b"RFB "
+    # The AT-SPI bus answers with the session's accessible applications: the window manager.
+    async def wm_seen():
+        return '[application] "xfwm4"' in (tree := await desktop.accessibility_tree()) and tree
+
+    tree = await _until(wm_seen, "xfwm4 not in the accessibility tree")
+    assert tree.splitlines()[0] == '[application] "xfwm4"', tree[:2000]
 
 
 async def _a_window_clicked_and_typed_into(sandbox, kind: str) -> None:

@@ -8,8 +8,10 @@ nothing of the sandbox's image.
 - A VM: its guest's own loopback is out of the node's reach, so a terminal of the guest agent's
   (``open_pty``) runs the guest's busybox ``nc`` in raw mode (``stty raw -echo``: every byte
   passes as it is); ``pty_tunnel`` relays it onto one end of a socketpair and hands the other
-  end over as the same asyncio streams. Nothing listening there: the stream ends at once, with
-  nothing (nc cannot say more through a terminal).
+  end over as the same asyncio streams. nc connects first and then runs the relay (``-e``: two
+  ``cat``s between the connection and the terminal), which says it is ready: so nothing
+  listening there is ``PortUnreachable`` with nc's own words, as a container's refusal is,
+  never a stream that ends at once.
 """
 
 from __future__ import annotations
@@ -89,11 +91,13 @@ async def connect_in_netns(pid: int, port: int) -> tuple[asyncio.StreamReader, a
         raise
 
 
-READY = b"\x01"  # the tunnel's command says it is in raw mode (bytes before that would be cooked)
+READY = b"\x01"  # the tunnel's command says it is connected, in raw mode (bytes before would be cooked)
 
+# nc connects, then becomes the relay with the connection on its stdin and stdout and the
+# terminal on stderr (busybox nc's -e leaves stderr alone): one cat from the terminal to the
+# connection, one back. A refusal is nc's message on the terminal, and the end of it.
 _TUNNEL = """stty raw -echo || exit 97
-printf '\\001'
-exec {busybox} nc 127.0.0.1 {port} 2>/dev/null
+exec {busybox} nc 127.0.0.1 {port} -e {busybox} sh -c '{busybox} printf "\\001" >&2; {busybox} cat <&2 & exec {busybox} cat >&2'
 """
 
 
@@ -111,7 +115,8 @@ async def pty_tunnel(pty: PtyProcess, port: int,
             while READY not in pending:
                 chunk = await pty.read()
                 if not chunk:
-                    raise _refused(port, "the guest's tunnel ended")
+                    said = pending.decode(errors="replace").strip().removeprefix("nc: ")
+                    raise _refused(port, said[-200:] or "the guest's tunnel ended")
                 pending += chunk
     except BaseException:
         await pty.close()
