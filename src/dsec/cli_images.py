@@ -300,6 +300,39 @@ def _pull_list(path: Path) -> list[tuple[str, str]]:
     return wanted
 
 
+@image_app.command("verify")
+def image_verify(refs: Annotated[Optional[list[str]], typer.Argument(
+                     help="Images (or compositions a+b+c) whose layers to check; none: every layer of the store.")] = None,
+                 state_dir: StateDir = DEFAULT_STATE) -> None:
+    """Read layers whole against the sums the store took when it placed them, and name each
+    damaged one (a file cut short or changed, a damaged sums file). Exits 1 if any is."""
+    from rich.progress import Progress
+
+    store = _store(state_dir)
+    try:
+        digests = sorted({d for ref in refs for d in store.resolve(ref).layers}) if refs else store.layer_digests()
+    except DSecError as exc:
+        fail(exc)
+    problems: list[str] = []
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("verifying layers", total=len(digests))
+        for digest in digests:
+            try:
+                problems += store.verify_layer(digest)
+            except (DSecError, OSError) as exc:
+                problems.append(f"layer {digest}: {exc}")
+            progress.advance(task)
+    for problem in problems:
+        console.print(problem, markup=False)
+    if problems:
+        fail(f"{len(problems)} problem(s) in {len(digests)} layer(s): build, import or pull their images again")
+    from .images import sums
+
+    unchecked = sum(not sums.path_of(store.layer_path(d)).exists() for d in digests)
+    console.print(f"{len(digests) - unchecked} layer(s) intact"
+                  + (f"; {unchecked} without sums (placed before the store kept them): not checked" if unchecked else ""))
+
+
 @image_app.command("rm")
 def image_rm(name: str, state_dir: StateDir = DEFAULT_STATE) -> None:
     """Remove an image (refused while a sandbox uses it; its layers stay until `gc`)."""

@@ -149,3 +149,62 @@ def test_a_killed_cache_server_is_started_again_and_the_layer_mounted_anew(tmp_p
         node.mounts.release((node.layer,))
         node.mounts.release_unused()
     assert not node.cache.running()
+
+
+def _flip(path: Path, offset: int) -> None:
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_layer_damaged_on_the_store_is_refused(tmp_path, layer):
+    """A layer's file damaged on the store (dsec.images.sums): a chunk that does not match the
+    sum the store took of it is refused by the cache (EIO to the reader, never cached), and
+    served again once the store's file is whole; a file cut short, or a damaged sums file, is
+    refused before it is mounted, naming the layer."""
+    from libdsec import BackendError
+    from dsec.images import sums as layer_sums
+
+    store, digest, sums = layer
+    path = store.layer_path(digest)
+    # Where f3's bytes are in the layer file (incompressible: stored as they are).
+    rng = random.Random(7)
+    f3 = [rng.randbytes(FILE_BYTES) for _ in range(FILES)][3]
+    at = path.read_bytes().find(f3[:4096])
+    assert at > 0
+    _flip(path, at + 1000)
+    node = Node(tmp_path, store, digest, 64 << 20)
+    node.mounts.acquire((node.layer,))
+    try:
+        assert hashlib.md5((node.layer.target / "f0").read_bytes()).hexdigest() == sums["f0"]
+        for _ in range(2):  # (not cached: refused again)
+            with pytest.raises(OSError) as err:
+                (node.layer.target / "f3").read_bytes()
+            assert err.value.errno == 5  # EIO
+        stats = node.cache.stats()
+        assert stats["store_chunks_refused"] >= 1
+        chunk = (at + 1000) // CHUNK
+        log = (tmp_path / "cache" / "log").read_text()
+        assert f"chunk {chunk} of {path.name}" in log and "damaged on the store, refused" in log
+        _flip(path, at + 1000)  # the store's file whole again (the same inode, size and mtime)
+        assert hashlib.md5((node.layer.target / "f3").read_bytes()).hexdigest() == sums["f3"]
+    finally:
+        node.mounts.release((node.layer,))
+        node.mounts.release_unused()
+    # Cut short: refused before it is mounted, with or without the cache.
+    size = path.stat().st_size
+    os.truncate(path, size - CHUNK)
+    for mounts in (node.mounts, LayerMounts(tmp_path / "direct", attach="file", layers_dir=store.layers_dir)):
+        with pytest.raises(BackendError, match=f"layer {digest}: its file has {size - CHUNK} bytes, its sums "
+                                               f"were taken over {size} \\(cut short\\): refused, not mounted"):
+            mounts.acquire((node.layer,))
+        assert not os.path.ismount(node.layer.target) and mounts.mounted() == {}
+    # The sums damaged: refused too.
+    layer_sums.path_of(path).write_bytes(b"not sums")
+    with pytest.raises(BackendError, match="its sums file in the store is damaged"):
+        node.mounts.acquire((node.layer,))
+    node.mounts.release_unused()
+    assert not node.cache.running()

@@ -20,7 +20,11 @@ least recently used chunks of any layer (their space given back: holes punched).
 
 Faults: a cached chunk whose bytes no longer match its sha256 is refused (never served; each
 chunk is checked the first time a server reads it back from the node's disk, as after a restart),
-dropped, logged naming the layer, chunk and file, and read from the store again. A cache disk
+dropped, logged naming the layer, chunk and file, and read from the store again. A chunk fetched
+from the store is checked against the sums the store keeps beside the layer (``dsec.images.sums``,
+taken when the layer was placed; a layer placed before has none): one damaged on the store is
+refused (the reader gets EIO, the log names the layer and chunk, ``store_chunks_refused`` counts
+it) and never cached; a layer whose sums file is damaged is not opened at all. A cache disk
 that is full (or failing writes) degrades to reading from the store: the sandbox gets its data,
 nothing is cached until writes work again, and ``stats()`` counts the failures. The store gone
 gives the reader EIO for a chunk not cached (the edge's store check names the store).
@@ -53,10 +57,11 @@ from collections import OrderedDict
 from pathlib import Path
 
 from .. import _sys
+from . import sums
 
 log = logging.getLogger("dsec.images.layercache")
 
-CHUNK = 64 << 10
+CHUNK = sums.CHUNK  # (so a chunk fetched is one the store's sums name)
 # How often the cache looks for layers GC removed from the store (their chunks are given back).
 SWEEP_S = 300.0
 _LAYER = re.compile(r"^sha256-[0-9a-f]{64}\.erofs\Z")
@@ -125,11 +130,13 @@ class ChunkCache:
         self._lru: OrderedDict[tuple[str, int], tuple[int, bytes]] = OrderedDict()
         # chunks checked against their sha256 by this process (read back from disk, or written)
         self._verified: set[tuple[str, int]] = set()
+        # layer -> the sums the store keeps of its file (None: a layer placed before sums)
+        self._store_sums: dict[str, sums.LayerSums | None] = {}
         self._seq = 0
         self.used = 0
         self.counters = {"fetched_bytes": 0, "cached_bytes_served": 0, "chunks_cached": 0,
-                         "chunks_evicted": 0, "chunks_refused": 0, "write_failures": 0,
-                         "read_requests": 0, "layers_removed": 0}
+                         "chunks_evicted": 0, "chunks_refused": 0, "store_chunks_refused": 0,
+                         "write_failures": 0, "read_requests": 0, "layers_removed": 0}
         self._load()
 
     def _load(self) -> None:
@@ -159,10 +166,15 @@ class ChunkCache:
             layer = self._layers[name] = _Layer(self.chunks_dir, name)
         return layer
 
-    def opened(self, name: str, size: int, mtime: int) -> None:
-        """The store's file of layer ``name`` is ``size`` bytes of ``mtime``: chunks cached of
-        another file of that name (removed and built again) are dropped."""
+    def opened(self, name: str, size: int, mtime: int, store_sums: sums.LayerSums | None = None) -> None:
+        """The store's file of layer ``name`` is ``size`` bytes of ``mtime`` (its sums in the
+        store: ``store_sums``): chunks cached of another file of that name (removed and built
+        again) are dropped."""
         with self._lock:
+            if store_sums is not None and store_sums.chunk == CHUNK:
+                self._store_sums[name] = store_sums
+            else:
+                self._store_sums.pop(name, None)
             layer = self._layer(name)
             if layer.header() != (size, mtime):
                 self._drop_layer(name)
@@ -187,6 +199,7 @@ class ChunkCache:
                 before = self.used
                 self._drop_layer(name)
                 freed += before - self.used
+                self._store_sums.pop(name, None)
                 layer = self._layers.pop(name, None)
                 if layer is not None:
                     layer.close()
@@ -219,10 +232,19 @@ class ChunkCache:
                 self.counters["chunks_refused"] += 1
                 self._forget(name, chunk)
         data = _pread_all(store_fd, CHUNK, chunk * CHUNK)
+        sha = hashlib.sha256(data).digest()
         with self._lock:
             self.counters["fetched_bytes"] += len(data)
+            expected = self._store_sums.get(name)
+            if expected is not None and (chunk >= len(expected.shas) or sha != expected.shas[chunk]):
+                self.counters["store_chunks_refused"] += 1
+                log.error("layer cache: chunk %d of %s (bytes %d-%d) read from the store %s does not match the "
+                          "sum the store took of it: damaged on the store, refused (the reader gets EIO); "
+                          "`dsec image verify` lists the store's damaged layers", chunk, name, chunk * CHUNK,
+                          chunk * CHUNK + len(data) - 1, self.root)
+                raise OSError(errno.EIO, f"chunk {chunk} of layer {name} is damaged on the store")
             if data and (name, chunk) not in self._lru and len(data) <= self.limit:
-                self._keep(name, chunk, data)
+                self._keep(name, chunk, data, sha)
         return data[start: start + length]
 
     def _used(self, layer: _Layer, name: str, chunk: int, served: int) -> None:
@@ -232,10 +254,9 @@ class ChunkCache:
             layer.touch(chunk, self._seq)
         self.counters["cached_bytes_served"] += served
 
-    def _keep(self, name: str, chunk: int, data: bytes) -> None:
+    def _keep(self, name: str, chunk: int, data: bytes, sha: bytes) -> None:
         self._evict(len(data))
         layer = self._layer(name)
-        sha = hashlib.sha256(data).digest()
         self._seq += 1
         try:
             if os.pwrite(layer.data, data, chunk * CHUNK) != len(data):  # (a disk that filled up)
@@ -463,10 +484,16 @@ class CacheFS:
                 self._files[fh] = (name, -1, 0)
                 self._stats_text[fh] = json.dumps(self.cache.stats()).encode()
             return struct.pack("<QIi", fh, _FOPEN_DIRECT_IO, 0)
+        try:
+            store_sums = sums.load(self.layers_dir / name)
+        except sums.SumsDamaged as exc:
+            log.error("layer cache: the sums of %s in the store %s are damaged (%s): the layer is not opened",
+                      name, self.layers_dir, exc)
+            return -errno.EIO
         store_fd = os.open(self.layers_dir / name, os.O_RDONLY | os.O_CLOEXEC)
         try:
             st = os.fstat(store_fd)
-            self.cache.opened(name, st.st_size, st.st_mtime_ns)
+            self.cache.opened(name, st.st_size, st.st_mtime_ns, store_sums)
         except BaseException:
             os.close(store_fd)
             raise
@@ -574,10 +601,30 @@ class LayerCache:
             return {}
         return json.loads((self.mountpoint / _STATS).read_text())
 
-    def stop(self) -> None:
-        """Unmount it: its server ends once the kernel lets go of the last file open on it."""
+    def stop(self, wait_s: float = 5.0) -> None:
+        """Unmount it: its server ends once the kernel lets go of the last file open on it. Wait
+        (at most ``wait_s``) until it has ended, its cache files closed, so the cache's disk can
+        be let go of at once (a server that ends holds the cache dir's lock until then)."""
         with self._lock:
             self._unmount()
+            try:
+                lock = os.open(self.cache_dir / "lock", os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return
+            try:
+                deadline = time.monotonic() + wait_s
+                while True:
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        return
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            log.warning("layer cache: its server at %s has not ended %.0f s after its unmount",
+                                        self.cache_dir, wait_s)
+                            return
+                        time.sleep(0.01)
+            finally:
+                os.close(lock)
 
     def _unmount(self) -> None:
         while _fuse_mounted(self.mountpoint):

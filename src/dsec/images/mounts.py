@@ -22,6 +22,10 @@ again, with what it kept, at the next mount.
 
 While a layer is mounted here its file is held open with a shared ``flock``: GC, wherever it
 runs on the store (``LayerStore.gc``), removes only the layers it can lock alone.
+
+Before a layer is first mounted here its file's size is checked against its sums
+(``dsec.images.sums``): a file cut short on the store, or a damaged sums file, is refused with
+``BackendError`` naming the layer, never mounted.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
+from libdsec import BackendError
+
 from .. import _sys, hostcheck, settings
 from ..isolation import userns
-from . import loopdev
+from . import loopdev, sums
 from .compose import LayerMount
 from .layercache import LayerCache
 
@@ -190,6 +196,7 @@ class LayerMounts:
         self._hold(layer)
         flags = _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID
         try:
+            self._check(layer)
             source = layer.source
             if self.cache is not None:
                 source = self.cache.path(layer.source)
@@ -202,6 +209,18 @@ class LayerMounts:
         except BaseException:
             self._let_go(layer.digest)
             raise
+
+    def _check(self, layer: LayerMount) -> None:
+        """Refuse a layer whose file in the store does not have the size its sums were taken
+        over, or whose sums file is damaged."""
+        refused = "refused, not mounted; `dsec image verify` lists the store's damaged layers: build, import or pull the image again"
+        try:
+            found = sums.load(Path(layer.source))
+        except sums.SumsDamaged as exc:
+            raise BackendError(f"layer {layer.digest}: its sums file in the store is damaged ({exc}): {refused}") from None
+        size = os.fstat(self._holds[layer.digest][0]).st_size
+        if found is not None and (problem := sums.size_problem(layer.digest, found, size)) is not None:
+            raise BackendError(f"{problem}: {refused}")
 
     def release(self, layers: tuple[LayerMount, ...]) -> None:
         with self._lock:

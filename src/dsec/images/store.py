@@ -32,6 +32,7 @@ from pathlib import Path
 
 from libdsec import ImageNotFound, InvalidRequest, StoreUnavailable
 from libdsec.protocol import ImageInfo
+from . import sums
 from .index import StoreIndex
 
 log = logging.getLogger("dsec.images")
@@ -188,12 +189,36 @@ class LayerStore:
             )
             if proc.returncode != 0:
                 raise LayerBuildError(f"mkfs.erofs failed for {source}: {proc.stderr.strip()[:500]}")
-            os.chmod(tmp, 0o444)
-            self.index.layer_placed(digest, os.stat(tmp).st_size, lambda: os.rename(tmp, final))
+            self.place_layer(digest, Path(tmp))
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
         return digest
+
+    def place_layer(self, digest: str, tmp: Path) -> None:
+        """Place the layer file ``tmp`` (in ``tmp_dir``) as layer ``digest``, with its sums
+        beside it (``dsec.images.sums``: taken now, from the bytes just written)."""
+        final = self.layer_path(digest)
+        os.chmod(tmp, 0o444)
+        tmp_sums = tmp.with_suffix(sums.SUFFIX)
+        try:
+            tmp_sums.write_bytes(sums.take(tmp))
+            os.chmod(tmp_sums, 0o444)
+
+            def place() -> None:  # the sums first: a layer is never there without them
+                os.rename(tmp_sums, sums.path_of(final))
+                os.rename(tmp, final)
+            self.index.layer_placed(digest, os.stat(tmp).st_size, place)
+        finally:
+            tmp_sums.unlink(missing_ok=True)
+
+    def verify_layer(self, digest: str) -> list[str]:
+        """The layer's file read whole against its sums: each problem found (empty: intact, or
+        placed before sums were kept)."""
+        path = self.layer_path(digest)
+        if not path.exists():
+            raise InvalidRequest(f"no layer {digest} in the store {self.root}")
+        return sums.verify(path)
 
     def add_tar(self, tar_path: Path) -> str:
         """Build a layer from a tar archive (any compression tarfile reads), checked for escapes."""
@@ -213,6 +238,7 @@ class LayerStore:
         def unlink() -> None:
             self.layer_path(digest).unlink(missing_ok=True)
             self.dax_layer_path(digest).unlink(missing_ok=True)
+            sums.path_of(self.layer_path(digest)).unlink(missing_ok=True)
         self.index.layer_removed(digest, unlink)
 
     def _remove_unheld(self, digest: str) -> bool:
