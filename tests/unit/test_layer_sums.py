@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from libdsec import BackendError, InvalidRequest
 from dsec.images import sums
 from dsec.images.store import Image, LayerStore
 
@@ -71,6 +72,13 @@ def test_damage_on_the_store_is_named(store, tmp_path):
     problems = store.verify_layer(digest)
     assert problems[0] == f"layer {digest}: its file has {size - 5000} bytes, its sums were taken over {size} (cut short)"
     assert "do not match" in problems[1]  # (the last chunk, now short)
+    # What a VM's layers go through (their files given to QEMU, or made into DAX variants).
+    with pytest.raises(BackendError, match=f"layer {digest}: its file has .* \\(cut short\\): refused, not mounted"):
+        store.check_layer(digest)
+    with pytest.raises(BackendError, match="cut short"):
+        store.dax_layer(digest)
+    with pytest.raises(InvalidRequest, match="no layer sha256-0"):
+        store.check_layer("sha256-" + "0" * 64)
     # The sums file itself damaged: named as such.
     other = _layer(store, tmp_path, 3)
     _flip(sums.path_of(store.layer_path(other)), 40)

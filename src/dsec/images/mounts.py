@@ -213,14 +213,9 @@ class LayerMounts:
     def _check(self, layer: LayerMount) -> None:
         """Refuse a layer whose file in the store does not have the size its sums were taken
         over, or whose sums file is damaged."""
-        refused = "refused, not mounted; `dsec image verify` lists the store's damaged layers: build, import or pull the image again"
-        try:
-            found = sums.load(Path(layer.source))
-        except sums.SumsDamaged as exc:
-            raise BackendError(f"layer {layer.digest}: its sums file in the store is damaged ({exc}): {refused}") from None
-        size = os.fstat(self._holds[layer.digest][0]).st_size
-        if found is not None and (problem := sums.size_problem(layer.digest, found, size)) is not None:
-            raise BackendError(f"{problem}: {refused}")
+        problem = sums.mount_problem(Path(layer.source), os.fstat(self._holds[layer.digest][0]).st_size)
+        if problem is not None:
+            raise BackendError(problem)
 
     def release(self, layers: tuple[LayerMount, ...]) -> None:
         with self._lock:

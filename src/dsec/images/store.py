@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from libdsec import ImageNotFound, InvalidRequest, StoreUnavailable
+from libdsec import BackendError, ImageNotFound, InvalidRequest, StoreUnavailable
 from libdsec.protocol import ImageInfo
 from . import sums
 from .index import StoreIndex
@@ -212,6 +212,18 @@ class LayerStore:
         finally:
             tmp_sums.unlink(missing_ok=True)
 
+    def check_layer(self, digest: str) -> Path:
+        """The layer's file, once checked against its sums by what costs no read of it (its
+        size, its sums file whole): else ``BackendError`` naming the layer (``dsec.images.sums``)."""
+        path = self.layer_path(digest)
+        try:
+            problem = sums.mount_problem(path, os.stat(path).st_size)
+        except FileNotFoundError:
+            raise InvalidRequest(f"no layer {digest} in the store {self.root}") from None
+        if problem is not None:
+            raise BackendError(problem)
+        return path
+
     def verify_layer(self, digest: str) -> list[str]:
         """The layer's file read whole against its sums: each problem found (empty: intact, or
         placed before sums were kept)."""
@@ -266,12 +278,10 @@ class LayerStore:
         """The layer rebuilt for DAX: uncompressed, no inline (tail-packed) data, its size a
         multiple of 2 MiB, so a VM can map it as pmem and read it in place. Made on first use
         from the layer itself (mounted read-only) and kept beside it."""
+        source = self.check_layer(digest)
         final = self.dax_layer_path(digest)
         if final.exists():
             return final
-        source = self.layer_path(digest)
-        if not source.exists():
-            raise InvalidRequest(f"no layer {digest} in the store")
         with tempfile.TemporaryDirectory(dir=self.tmp_dir) as work:
             mnt, tmp = Path(work, "mnt"), Path(work, "layer.dax")
             mnt.mkdir()

@@ -98,6 +98,25 @@ def size_problem(digest: str, sums: LayerSums, size: int) -> str | None:
     return f"layer {digest}: its file has {size} bytes, its sums were taken over {sums.size} ({how})"
 
 
+REFUSED = ("refused, not mounted; `dsec image verify` lists the store's damaged layers: build, import or pull "
+           "the image again")
+
+
+def mount_problem(layer: Path, size: int | None = None) -> str | None:
+    """Why the layer file ``layer`` (``size`` bytes: its size now if None) must not be mounted,
+    by what costs no read of it: its sums file damaged, or its size not the one its sums were
+    taken over. None: nothing seen (or no sums)."""
+    digest = layer.name.removesuffix(".erofs")
+    try:
+        found = load(layer)
+    except SumsDamaged as exc:
+        return f"layer {digest}: its sums file in the store is damaged ({exc}): {REFUSED}"
+    if found is None:
+        return None
+    problem = size_problem(digest, found, os.stat(layer).st_size if size is None else size)
+    return None if problem is None else f"{problem}: {REFUSED}"
+
+
 def verify(layer: Path) -> list[str]:
     """Every problem of the layer file ``layer`` against its sums, read whole: its size and
     each chunk that does not match. Empty: intact, or no sums to check against (``load``)."""

@@ -79,7 +79,7 @@ def build_base_disk(store, layers: tuple[str, ...], dest: Path) -> None:
             for i, digest in enumerate(layers):
                 m = w / f"l{i}"
                 m.mkdir()
-                _sh(["mount", "-t", "erofs", "-o", "ro", str(store.layer_path(digest)), str(m)])
+                _sh(["mount", "-t", "erofs", "-o", "ro", str(store.check_layer(digest)), str(m)])
                 mounts.append(m)
             if len(mounts) == 1:
                 merged = mounts[0]

@@ -114,7 +114,7 @@ class MicroVMBackend(VMBackend):
 
     async def _layer_files(self, layers: tuple[str, ...]) -> list[Path]:
         if self.layer_mode == "private":
-            return [self.store.layer_path(d) for d in layers]
+            return [await asyncio.to_thread(self.store.check_layer, d) for d in layers]
         return [await asyncio.to_thread(self.store.dax_layer, d) for d in layers]
 
     def _ram_blocks(self, ram_mb: int, layers_mb: int = 0) -> list[tuple[str, int]]:
