@@ -557,12 +557,22 @@ class _Relay:
                 and not self.after_close)
 
     def send(self, req: _Request) -> None:
+        """Write ``req``'s head to the port, with as much of its body as has come (one write:
+        the server inside reads them in one wake-up, as it does from a client that writes
+        them together). ``self.buf`` is what follows the head; ``_Bad`` for a body that is
+        not chunked as it says (before anything is written)."""
         head = req.head()
+        body = req.body
+        self.retry = head if not self.inflight and body is None and not req.upgrade else None
+        if body is not None and self.buf:
+            end, done = body.take(self.buf, 0)
+            head, self.buf = head + self.buf[:end], self.buf[end:]
+            if done:
+                body = None
         self.host_name = req.host_name
         self.up.transport.write(head)
         self.inflight.append(req.method)
-        self.retry = head if len(self.inflight) == 1 and req.body is None and not req.upgrade else None
-        self.body = req.body
+        self.body = body
         if req.close:
             self.after_close = True
         if req.upgrade:
@@ -596,7 +606,10 @@ class _Relay:
                     self.refuse(req, PortUnreachable(f"could not reach port {req.port}: {type(exc).__name__}: {exc}"))
                 return
             if not self.closed:
-                self.send(req)
+                try:
+                    self.send(req)
+                except _Bad as exc:
+                    self.fail(InvalidRequest(f"malformed request: {exc}"))
         finally:
             self.busy = None
             if not self.closed:
