@@ -18,12 +18,14 @@ one byte stream until either ends. A request that is not a port's, once the answ
 have gone, hands the connection back to uvicorn.
 
 Every request is checked: its token (revoked: refused at once), then, when it is not the one
-checked last for that sandbox on this connection, whether it sees the sandbox. A sandbox that
-ends takes the connection to its port with it; the next request is checked anew (and so
-answered ``sandbox_not_found``). Errors are DSec's (port_url) or E2B's (host names) as in
-``ports``, after the answers before them; one to a request with a body closes the connection
-(its body is not read). Kept connections to ports (a client gone, or asking another port next)
-wait ``KEEPALIVE_S`` for the next client connection to the same port.
+checked last for that sandbox on this connection, whether it sees the sandbox. A head of the same
+bytes as the connection's last one is that same request: what ``classify`` made of it is kept
+(so is an answer head's framing), the checks are not. A sandbox that ends takes the connection
+to its port with it; the next request is checked anew (and so answered ``sandbox_not_found``).
+Errors are DSec's (port_url) or E2B's (host names) as in ``ports``, after the answers before
+them; one to a request with a body closes the connection (its body is not read). Kept
+connections to ports (a client gone, or asking another port next) wait ``KEEPALIVE_S`` for the
+next client connection to the same port.
 """
 
 from __future__ import annotations
