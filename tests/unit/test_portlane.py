@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import random
 import subprocess
@@ -174,8 +175,6 @@ async def test_pipelined_requests_and_bodies(api, inside):
                   f"POST {base}/sum HTTP/1.1\r\nhost: a\r\n{auth}content-length: {len(data)}\r\n\r\n", body=data)
         first, second = await conn.answer(), await conn.answer()
         assert first[0] == 200 and first[2].isdigit()
-        import hashlib
-
         assert second[2].decode() == f"{hashlib.sha256(data).hexdigest()} {len(data)}"
         chunked = b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
         conn.send(f"POST {base}/sum HTTP/1.1\r\nhost: a\r\n{auth}transfer-encoding: chunked\r\n\r\n", body=chunked)
@@ -192,6 +191,17 @@ async def test_pipelined_requests_and_bodies(api, inside):
         assert await conn.ended()
     finally:
         conn.close()
+    # A connection's first request (checked before it goes on) with its body in the same write:
+    # the body goes on whole; a chunked body that is not is refused before any of it goes.
+    for body, expected in ((chunked, (200, f"{hashlib.sha256(b'hello world').hexdigest()} 11".encode())),
+                           (b"zz\r\nhello\r\n0\r\n\r\n", (422, b"a chunk's size is not hex"))):
+        conn = await Conn.open(port)
+        try:
+            conn.send(f"POST {base}/sum HTTP/1.1\r\nhost: a\r\n{auth}transfer-encoding: chunked\r\n\r\n", body=body)
+            status, _, answer = await conn.answer()
+            assert status == expected[0] and expected[1] in answer, answer
+        finally:
+            conn.close()
 
 
 async def test_a_sandbox_killed_between_requests_of_a_kept_connection(api, inside):

@@ -165,7 +165,8 @@ server.serve_forever()
 '''
 
 # The load loop: CONCURRENCY keep-alive connections for SECONDS, GET PATH on each, one request in
-# flight; prints the requests completed a second and its own CPU seconds. Argv: host port host-header authorization
+# flight; prints the requests completed a second and its own CPU seconds (any answer but a 200 ends it
+# with an error: errors are not the server's answers). Argv: host port host-header authorization
 # concurrency seconds path.
 LOAD = r'''
 import asyncio, sys, time
@@ -182,6 +183,8 @@ async def main(host, port, name, auth, concurrency, seconds, path):
         while time.monotonic() < end:
             writer.write(head)
             answer = await reader.readuntil(b"\r\n\r\n")
+            if not answer.startswith(b"HTTP/1.1 200 "):
+                sys.exit(f"not a 200: {answer[:300]!r}")
             length = next(int(l.split(b":")[1]) for l in answer.split(b"\r\n") if l.lower().startswith(b"content-length"))
             await reader.readexactly(length)
             done += 1

@@ -18,12 +18,14 @@ one byte stream until either ends. A request that is not a port's, once the answ
 have gone, hands the connection back to uvicorn.
 
 Every request is checked: its token (revoked: refused at once), then, when it is not the one
-checked last for that sandbox on this connection, whether it sees the sandbox. A sandbox that
-ends takes the connection to its port with it; the next request is checked anew (and so
-answered ``sandbox_not_found``). Errors are DSec's (port_url) or E2B's (host names) as in
-``ports``, after the answers before them; one to a request with a body closes the connection
-(its body is not read). Kept connections to ports (a client gone, or asking another port next)
-wait ``KEEPALIVE_S`` for the next client connection to the same port.
+checked last for that sandbox on this connection, whether it sees the sandbox. A head of the same
+bytes as the connection's last one is that same request: what ``classify`` made of it is kept
+(so is an answer head's framing), the checks are not. A sandbox that ends takes the connection
+to its port with it; the next request is checked anew (and so answered ``sandbox_not_found``).
+Errors are DSec's (port_url) or E2B's (host names) as in ``ports``, after the answers before
+them; one to a request with a body closes the connection (its body is not read). Kept
+connections to ports (a client gone, or asking another port next) wait ``KEEPALIVE_S`` for the
+next client connection to the same port.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ class _Request:
     """A request head the lane serves (``classify``)."""
 
     __slots__ = ("method", "version", "target", "sandbox_id", "port", "host", "rest", "drop", "token",
-                 "token_header", "host_name", "body", "upgrade", "close", "error")
+                 "token_header", "host_name", "body", "upgrade", "close", "error", "wire")
 
     def __init__(self) -> None:
         self.method = b""
@@ -132,10 +134,16 @@ class _Request:
         self.error: DSecError | None = None
         self.token: str | None = None
         self.token_header = b""
+        self.wire: bytes | None = None  # head(), once made
 
     def head(self) -> bytes:
         """The head the server inside gets: the caller's header lines but those dropped, in
         their order, after its request line and Host."""
+        if self.wire is None:
+            self.wire = self._head()
+        return self.wire
+
+    def _head(self) -> bytes:
         rest = _dropping(self.drop).sub(b"", self.rest)  # ("\r\nname: value…\r\n", lines dropped)
         if self.upgrade:
             end = b"connection: upgrade\r\nupgrade: websocket\r\n\r\n"
@@ -384,6 +392,29 @@ async def _connect(lane: PortLane, sandbox_id: str, port: int) -> _Upstream:
     return up
 
 
+def _framing(head: bytes) -> tuple[int, bool, bytes | None, bool | None]:
+    """What an answer's head says of its framing: (status, whether it ends the connection,
+    its Content-Length as written, whether it is chunked)."""
+    m = _STATUS_LINE.match(head)
+    if m is None:
+        raise _Bad(f"not a status line: {head[:40]!r}")
+    length = chunked = None
+    close = m.group(1) == b"0"
+    for name, value in _ANSWER_FIELD.findall(head):
+        name = name.lower()
+        if name == b"content-length":
+            length = value.strip()
+        elif name == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+        else:
+            tokens = value.lower()
+            if b"close" in tokens:
+                close = True
+            elif b"keep-alive" in tokens:
+                close = False
+    return int(m.group(2)), close, length, chunked
+
+
 def _answer(req: _Request, exc: DSecError, close: bool) -> bytes:
     """The error answer to ``req``: E2B's shape on a host name, DSec's on port_url."""
     headers = error_headers(exc)
@@ -430,6 +461,11 @@ class _Relay:
         self.timer: asyncio.TimerHandle | None = None  # the client's keep-alive: checked when it is due
         self.idle_since = 0.0
         self.host_name = False  # the last request came by host name (errors then E2B's)
+        # The last head classified and what it is (a request with no body, no upgrade and no
+        # error): a head of the same bytes is the same request (classify reads nothing else),
+        # as a client asking the same again sends it. Its caller is checked all the same (_fits).
+        self.last: tuple[bytes, _Request] | None = None
+        self.last_answer: tuple[bytes, tuple] | None = None  # the same for an answer's head (_framing)
 
     # client → port
 
@@ -476,7 +512,14 @@ class _Relay:
                 if len(self.buf) > MAX_HEAD:
                     raise _Bad("the request head is larger than 64 KiB")
                 return
-            req = self.lane.classify(self.buf[:end])
+            head = self.buf[:end]
+            last = self.last
+            if last is not None and last[0] == head:
+                req = last[1]
+            else:
+                req = self.lane.classify(head)
+                self.last = ((head, req) if req is not None and req.error is None and req.body is None
+                             and not req.upgrade else None)
             if req is None or req.error is not None or not self._fits(req):
                 if self.inflight or self.after_close:
                     self.pause(b"wait")
@@ -516,12 +559,22 @@ class _Relay:
                 and not self.after_close)
 
     def send(self, req: _Request) -> None:
+        """Write ``req``'s head to the port, with as much of its body as has come (one write:
+        the server inside reads them in one wake-up, as it does from a client that writes
+        them together). ``self.buf`` is what follows the head; ``_Bad`` for a body that is
+        not chunked as it says (before anything is written)."""
         head = req.head()
+        body = req.body
+        self.retry = head if not self.inflight and body is None and not req.upgrade else None
+        if body is not None and self.buf:
+            end, done = body.take(self.buf, 0)
+            head, self.buf = head + self.buf[:end], self.buf[end:]
+            if done:
+                body = None
         self.host_name = req.host_name
         self.up.transport.write(head)
         self.inflight.append(req.method)
-        self.retry = head if len(self.inflight) == 1 and req.body is None and not req.upgrade else None
-        self.body = req.body
+        self.body = body
         if req.close:
             self.after_close = True
         if req.upgrade:
@@ -555,7 +608,10 @@ class _Relay:
                     self.refuse(req, PortUnreachable(f"could not reach port {req.port}: {type(exc).__name__}: {exc}"))
                 return
             if not self.closed:
-                self.send(req)
+                try:
+                    self.send(req)
+                except _Bad as exc:
+                    self.fail(InvalidRequest(f"malformed request: {exc}"))
         finally:
             self.busy = None
             if not self.closed:
@@ -666,26 +722,15 @@ class _Relay:
             self.client.write(data if start == 0 else data[start:])
 
     def _answer_head(self, head: bytes) -> None:
-        m = _STATUS_LINE.match(head)
-        if m is None:
-            raise _Bad(f"not a status line: {head[:40]!r}")
-        status = int(m.group(2))
+        last = self.last_answer
+        if last is not None and last[0] == head:
+            status, close, length, chunked = last[1]
+        else:
+            framing = _framing(head)
+            self.last_answer = (head, framing)
+            status, close, length, chunked = framing
         self.answered = True
         self.retry = None
-        length = chunked = None
-        close = m.group(1) == b"0"
-        for name, value in _ANSWER_FIELD.findall(head):
-            name = name.lower()
-            if name == b"content-length":
-                length = value.strip()
-            elif name == b"transfer-encoding":
-                chunked = b"chunked" in value.lower()
-            else:
-                tokens = value.lower()
-                if b"close" in tokens:
-                    close = True
-                elif b"keep-alive" in tokens:
-                    close = False
         method = self.inflight[0]
         if status < 200:
             if status == 101:
