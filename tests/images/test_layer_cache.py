@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from damage import flip
 
 from dsec.images import loopdev
 from dsec.images.compose import LayerMount
@@ -151,15 +152,6 @@ def test_a_killed_cache_server_is_started_again_and_the_layer_mounted_anew(tmp_p
     assert not node.cache.running()
 
 
-def _flip(path: Path, offset: int) -> None:
-    os.chmod(path, 0o644)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_a_layer_damaged_on_the_store_is_refused(tmp_path, layer):
     """A layer's file damaged on the store (dsec.images.sums): a chunk that does not match the
     sum the store took of it is refused by the cache (EIO to the reader, never cached), and
@@ -175,7 +167,7 @@ def test_a_layer_damaged_on_the_store_is_refused(tmp_path, layer):
     f3 = [rng.randbytes(FILE_BYTES) for _ in range(FILES)][3]
     at = path.read_bytes().find(f3[:4096])
     assert at > 0
-    _flip(path, at + 1000)
+    flip(path, at + 1000)
     node = Node(tmp_path, store, digest, 64 << 20)
     node.mounts.acquire((node.layer,))
     try:
@@ -189,7 +181,7 @@ def test_a_layer_damaged_on_the_store_is_refused(tmp_path, layer):
         chunk = (at + 1000) // CHUNK
         log = (tmp_path / "cache" / "log").read_text()
         assert f"chunk {chunk} of {path.name}" in log and "damaged on the store, refused" in log
-        _flip(path, at + 1000)  # the store's file whole again (the same inode, size and mtime)
+        flip(path, at + 1000)  # the store's file whole again (the same inode, size and mtime)
         assert hashlib.md5((node.layer.target / "f3").read_bytes()).hexdigest() == sums["f3"]
     finally:
         node.mounts.release((node.layer,))

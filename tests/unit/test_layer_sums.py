@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from damage import flip
 from typer.testing import CliRunner
 
 from libdsec import BackendError, InvalidRequest
@@ -34,15 +35,6 @@ def _layer(store: LayerStore, tmp: Path, seed: int, files: int = 4) -> str:
     return store.add_dir(root)
 
 
-def _flip(path: Path, offset: int) -> None:
-    os.chmod(path, 0o644)
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x5A]))
-
-
 def test_sums_are_taken_as_a_layer_is_placed(store, tmp_path):
     digest = _layer(store, tmp_path, 1)
     path = store.layer_path(digest)
@@ -62,10 +54,10 @@ def test_sums_are_taken_as_a_layer_is_placed(store, tmp_path):
 def test_damage_on_the_store_is_named(store, tmp_path):
     digest = _layer(store, tmp_path, 2)
     path = store.layer_path(digest)
-    _flip(path, 3 * sums.CHUNK + 17)
+    flip(path, 3 * sums.CHUNK + 17)
     [problem] = store.verify_layer(digest)
     assert problem.startswith(f"layer {digest}: 1 chunk(s) do not match their sums: 3 (bytes {3 * sums.CHUNK}-")
-    _flip(path, 3 * sums.CHUNK + 17)  # put back
+    flip(path, 3 * sums.CHUNK + 17)  # put back
     assert store.verify_layer(digest) == []
     size = path.stat().st_size
     os.truncate(path, size - 5000)
@@ -81,7 +73,7 @@ def test_damage_on_the_store_is_named(store, tmp_path):
         store.check_layer("sha256-" + "0" * 64)
     # The sums file itself damaged: named as such.
     other = _layer(store, tmp_path, 3)
-    _flip(sums.path_of(store.layer_path(other)), 40)
+    flip(sums.path_of(store.layer_path(other)), 40)
     assert store.verify_layer(other) == [f"layer {other}: its sums file {other}.sums is damaged: "
                                          "its own sha256 does not match (cut short or altered)"]
     with pytest.raises(sums.SumsDamaged):
@@ -113,14 +105,14 @@ def test_dsec_image_verify(store, tmp_path):
 
     result = verify()
     assert result.exit_code == 0 and "2 layer(s) intact" in result.output, result.output
-    _flip(store.layer_path(b), 100)
+    flip(store.layer_path(b), 100)
     assert verify("one").exit_code == 0  # (only a's layer)
     result = verify("two")
     assert result.exit_code == 1, result.output
     assert f"layer {b}: 1 chunk(s) do not match their sums: 0 (bytes 0-" in result.output
     assert "1 problem(s) in 2 layer(s)" in result.output
     sums.path_of(store.layer_path(a)).unlink()
-    _flip(store.layer_path(b), 100)
+    flip(store.layer_path(b), 100)
     result = verify()
     assert result.exit_code == 0 and "1 layer(s) intact; 1 without sums" in result.output, result.output
     result = verify("nosuch")
