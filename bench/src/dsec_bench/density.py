@@ -488,14 +488,16 @@ class Bench:
     def server(self, *extra: str) -> LocalServer:
         return LocalServer(self.state_dir, extra_args=("--pool-max", "0", *extra), start_timeout_s=120)
 
-    async def stop_all(self, client: DSecClient, sandboxes: list[Sandbox]) -> None:
+    async def stop_all(self, client: DSecClient, sandboxes: list[Sandbox]) -> float:
         t0 = time.perf_counter()
         await self.workers(sandboxes, lambda s: s.stop(), concurrency=32)
         remaining = [s for s in await client.list_sandboxes() if s.status.value in ("running", "paused", "creating")]
         if remaining:
             self.notes.append(f"stopping {len(remaining)} sandboxes a failed phase left")
             await self.workers(remaining, lambda s: Sandbox(client, s).stop(), concurrency=32)
-        self.say(f"stopped {len(sandboxes)} sandboxes in {time.perf_counter() - t0:.0f} s")
+        secs = time.perf_counter() - t0
+        self.say(f"stopped {len(sandboxes)} sandboxes in {secs:.0f} s")
+        return secs
 
     async def probe(self, client: DSecClient, args: DSecContainerRunArgs, sandboxes: list[Sandbox],
                     base: int) -> dict:
@@ -624,7 +626,7 @@ class Bench:
                 self.say(f"idle: {count} sandboxes, {self.r['idle']['host_mib_per_sandbox']:.2f} MiB each; kernel + "
                          f"charged {parts['kernel_plus_charged']:.2f} MiB ({mib(charged / max(count, 1)):.2f} MiB charged "
                          f"to their cgroups)")
-                await self.stop_all(client, sandboxes)
+                self.r["idle"]["stop_all_s"] = await self.stop_all(client, sandboxes)
                 self.r["idle"]["host_mib_per_sandbox_at_stop"] = mib((after - await self.settled(5.0)) / max(count, 1))
         finally:
             await asyncio.to_thread(server.stop)
@@ -813,11 +815,15 @@ def _report(res: dict, console: Console) -> None:
     console.print(t)
     if idle.get("latency_table"):
         lt = Table(title="create latency as the node fills (single creates, one at a time)")
-        for col in ("sandboxes already there", "p50 ms", "p99 ms", "max ms", "server p50 ms", "host MiB/sandbox"):
+        for col in ("sandboxes already there", "p50 ms", "p99 ms", "max ms", "server p50 ms",
+                    "create+command+stop p50 / max ms", "host `true` p50 / max ms", "load", "host MiB/sandbox"):
             lt.add_column(col, justify="right")
         for row in idle["latency_table"]:
             lt.add_row(str(row["at"]), _fmt(row["p50_ms"], ".1f"), _fmt(row["p99_ms"], ".1f"), _fmt(row["max_ms"], ".1f"),
-                       _fmt(row["server_p50_ms"], ".1f"), _fmt(row["host_mib_per_sandbox"]))
+                       _fmt(row["server_p50_ms"], ".1f"),
+                       f"{_fmt(row.get('lifecycle_p50_ms'), '.0f')} / {_fmt(row.get('lifecycle_max_ms'), '.0f')}",
+                       f"{_fmt(row.get('host_true_p50_ms'), '.1f')} / {_fmt(row.get('host_true_max_ms'), '.1f')}",
+                       _fmt(row.get("loadavg"), ".1f"), _fmt(row["host_mib_per_sandbox"]))
         console.print(lt)
 
 
