@@ -52,6 +52,36 @@ def use_pidfd_child_watcher() -> None:
         asyncio.set_child_watcher(watcher)
 
 
+# Open files the server wants: a sandbox holds two while it lives (its init channel's socket and
+# its init's pidfd), a running command a few pipes more; 10,000 idle sandboxes hold 20,000.
+NOFILE_WANTED = 1 << 18
+
+
+def raise_nofile(wanted: int = NOFILE_WANTED) -> str | None:
+    """Raise this process's open-file limit to ``wanted`` (as root the hard limit too, never
+    past the kernel's ``fs.nr_open``); a shell's or a unit's 1,024 or 20,000 would otherwise stop
+    the node at half that many sandboxes. Returns a note when the limit stays under ``wanted``."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        nr_open = wanted
+    infinite = hard == resource.RLIM_INFINITY
+    if not infinite and hard < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, min(wanted, nr_open)))
+            hard = min(wanted, nr_open)
+        except (OSError, ValueError):  # no CAP_SYS_RESOURCE: up to the hard limit only
+            pass
+    target = min(max(soft, wanted), nr_open) if infinite else hard
+    if soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if max(soft, target) < wanted:
+        return (f"open files limited to {target:,} (about {target // 2:,} sandboxes: each holds two); raise the "
+                "hard limit (LimitNOFILE=, ulimit -Hn) for more")
+    return None
+
+
 def prepare_host() -> list[str]:
     """Check the runtime and fix what the host needs; returns notes for the log."""
     notes = []
@@ -62,12 +92,10 @@ def prepare_host() -> list[str]:
         native.library("zygote")  # the FnCall zygotes' per-call loop
     except native.NativeBuildError as exc:
         raise BackendError(str(exc)) from None
-    # One socket (the init channel) per sandbox, and pipes per running command: thousands.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if os.geteuid() != 0:
         raise BackendError("dsec serve runs as root (it mounts layers and makes cgroups)")
+    if note := raise_nofile():
+        notes.append(note)
     notes += hostcheck.check_host()  # EROFS, overlayfs, loop devices, user namespaces
     try:
         notes.append(apparmor.ensure_loaded())  # the dsec-sandbox profile, where the host has AppArmor

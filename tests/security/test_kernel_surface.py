@@ -4,6 +4,8 @@ the refusal (a seccomp denial), that it is recorded against the sandbox."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from libdsec import DSecContainerRunArgs
@@ -144,3 +146,28 @@ async def test_kpagecgroup_and_kernel_memory(sclient):
         r = await sb.run_shell("timeout 20 grep -r -l -s dsec-token-canary / 2>/dev/null; echo done", timeout=40)
         assert r.stdout.strip().endswith("done")
         assert (await sb.run_shell("echo alive")).stdout == "alive\n"
+
+
+async def test_masked_directories_and_dev_shm(sclient):
+    """The /proc and /sys directories that show the kernel (ACPI, firmware, debugfs, tracing,
+    bpf) are bound over, read-only, with one empty directory of the sandbox's own tmpfs, which
+    also holds its /dev/shm: no filesystem of their own (each would be a superblock every
+    memory cgroup on the node pays for). Empty, unwritable, the mask cannot be lifted; /dev/shm
+    takes files."""
+    masked = [p for p in ("/proc/acpi", "/sys/firmware", "/sys/kernel/debug", "/sys/kernel/tracing", "/sys/fs/bpf")
+              if os.path.isdir(p)]
+    assert masked
+    async with await sclient.run_container(_args("busybox")) as sb:
+        for d in masked:
+            r = await sb.run_shell(f"ls -A {d}; touch {d}/x; mkdir {d}/y; umount {d}")
+            assert r.stdout == "" and r.exit_code != 0 and "Read-only file system" in r.stderr, (d, r)
+        r = await sb.run_shell("echo held > /dev/shm/f && cat /dev/shm/f")
+        assert r.stdout.strip() == "held", r
+        info = (await sb.run_shell("cat /proc/self/mountinfo")).stdout.splitlines()
+        by_point = {line.split()[4]: line.split() for line in info}
+        shm_dev = by_point["/dev/shm"][2]
+        for d in masked:
+            fields = by_point[d]
+            assert fields[2] == shm_dev and "ro" in fields[5].split(","), fields
+        # One filesystem of the sandbox's own backs them all: not one a directory.
+        assert len({by_point[d][2] for d in masked}) == 1

@@ -310,6 +310,10 @@ def bench_density(
     cold_count: Annotated[int, typer.Option(help="Idle running sandboxes for the cold-memory reclaimer.")] = 20,
     cold_wait_s: Annotated[float, typer.Option(help="Seconds the cold-memory reclaimer is given.")] = 40.0,
     time_limit_s: Annotated[float, typer.Option(help="Bound on the whole run.")] = 2400.0,
+    max_sandboxes: Annotated[int, typer.Option(help="The idle server's --max-sandboxes (its admission).")] = 16384,
+    memory_overcommit: Annotated[float, typer.Option(
+        help="The idle server's --memory-overcommit (0: what --max-sandboxes idle sandboxes of 16 MB commit).")] = 0.0,
+    only: Annotated[str, typer.Option(help="Run one phase alone: placement, crun, idle, pause or cold.")] = "",
     quick: Annotated[bool, typer.Option(help="Developer size: at most 400 sandboxes, 20 paused, 6 cold.")] = False,
     strict: Annotated[bool, typer.Option(help="Exit 2 when a goal is missed.")] = False,
 ) -> None:
@@ -317,12 +321,15 @@ def bench_density(
     the node fills, memory returned by pause (heap-like content), the cold-memory reclaimer, placement decisions/s."""
     from .density import main as run_bench
 
+    if only not in ("", "placement", "crun", "idle", "pause", "cold"):
+        raise typer.BadParameter(f"{only!r}: one of placement, crun, idle, pause, cold", param_hint="--only")
     if quick:
         max_count, step, peer_count, pause_count, text_count, random_count, cold_count = 400, 100, 100, 20, 10, 4, 6
     raise typer.Exit(run_bench(
         state_dir=state_dir, console=console, max_count=max_count, step=step, peer_count=peer_count, pause_count=pause_count,
         pause_mb=pause_mb, text_count=text_count, random_count=random_count, cold_count=cold_count,
-        cold_wait_s=cold_wait_s, time_limit_s=time_limit_s, strict=strict,
+        cold_wait_s=cold_wait_s, time_limit_s=time_limit_s, strict=strict, max_sandboxes=max_sandboxes,
+        memory_overcommit=memory_overcommit, only=only,
     ))
 
 

@@ -65,15 +65,20 @@ from dsec.local import LocalServer, leftovers
 from dsec.resources import cgroups, reclaim
 
 RESULTS_FILE = "bench-density.json"
-GOAL_IDLE_COUNT = 3200
+GOAL_IDLE_COUNT = 10_000
 GOAL_IDLE_MIB = 2.0
 GOAL_PAUSE_RETURNED = 0.80
 CRUN = shutil.which("crun") or "/usr/bin/crun"
 FILL_PATH = "/fill.txt"
 HEAP_PATH = "/heap.bin"
-# The idle fill stops when MemAvailable would fall under this share of RAM: the host (and the
-# other work on it) must keep answering; a limit hit there is the host's.
+# The idle fill stops when MemAvailable would fall under this share of RAM, and never under
+# HOST_RESERVE_MIN: the host (and the other work on it) must keep answering; a limit hit there
+# is the host's.
 HOST_RESERVE_SHARE = 0.10
+HOST_RESERVE_MIN = 4 << 30
+# The idle sandboxes' memory limit: the smallest a sandbox may ask for (admission's
+# MIN_MEMORY_MB); an idle busybox sandbox touches well under 1 MiB of it.
+IDLE_MEMORY_MB = 16
 # Which swap set-up each figure needs (the report prints it beside the figure).
 NEEDS_NONE = "none (no swap used)"
 NEEDS_ANY_SWAP = "any swap: zram (≈2× on text) or disk"
@@ -98,6 +103,13 @@ class Options:
     time_limit_s: float = 2400.0
     strict: bool = False
     settle_scale: float = 1.0     # the waits for host memory to settle, scaled (a test's run: less)
+    # The idle server's admission, as an operator of a node of idle sandboxes sets it: room for
+    # ``max_sandboxes``, and memory limits committed up to ``memory_overcommit`` × RAM (0: as
+    # much as ``max_sandboxes`` sandboxes of IDLE_MEMORY_MB commit). Admission stays on: past
+    # these a create is refused, and that is a limit the fill reports.
+    max_sandboxes: int = 16384
+    memory_overcommit: float = 0.0
+    only: str = ""                # one phase alone (placement, crun, idle, pause, cold); "": all
 
 
 # -- host readings ------------------------------------------------------------------------------
@@ -476,14 +488,16 @@ class Bench:
     def server(self, *extra: str) -> LocalServer:
         return LocalServer(self.state_dir, extra_args=("--pool-max", "0", *extra), start_timeout_s=120)
 
-    async def stop_all(self, client: DSecClient, sandboxes: list[Sandbox]) -> None:
+    async def stop_all(self, client: DSecClient, sandboxes: list[Sandbox]) -> float:
         t0 = time.perf_counter()
         await self.workers(sandboxes, lambda s: s.stop(), concurrency=32)
         remaining = [s for s in await client.list_sandboxes() if s.status.value in ("running", "paused", "creating")]
         if remaining:
             self.notes.append(f"stopping {len(remaining)} sandboxes a failed phase left")
             await self.workers(remaining, lambda s: Sandbox(client, s).stop(), concurrency=32)
-        self.say(f"stopped {len(sandboxes)} sandboxes in {time.perf_counter() - t0:.0f} s")
+        secs = time.perf_counter() - t0
+        self.say(f"stopped {len(sandboxes)} sandboxes in {secs:.0f} s")
+        return secs
 
     async def probe(self, client: DSecClient, args: DSecContainerRunArgs, sandboxes: list[Sandbox],
                     base: int) -> dict:
@@ -497,16 +511,51 @@ class Bench:
             lat.append(time.perf_counter() - t0)
             server_side.append(s.info.create_s or 0.0)
             sandboxes.append(s)
+        # Does the host still answer? A whole lifecycle (create, a command's answer, stop) of a
+        # sandbox that does not stay, and a plain `true` on the host, a few times each.
+        life, host_true = [], []
+        for _ in range(max(1, min(5, self.opts.probe))):
+            t0 = time.perf_counter()
+            s = await client.run_container(args, timeout=120)
+            try:
+                await s.run_shell("true", timeout=60)
+            finally:
+                await s.stop()
+            life.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            proc = await asyncio.create_subprocess_exec("true")
+            await proc.wait()
+            host_true.append(time.perf_counter() - t0)
         row = {"at": at, "p50_ms": pct(lat, 50) * 1e3, "p99_ms": pct(lat, 99) * 1e3, "max_ms": max(lat) * 1e3,
                "server_p50_ms": pct(server_side, 50) * 1e3,
+               "lifecycle_p50_ms": pct(life, 50) * 1e3, "lifecycle_max_ms": max(life) * 1e3,
+               "host_true_p50_ms": pct(host_true, 50) * 1e3, "host_true_max_ms": max(host_true) * 1e3,
+               "loadavg": os.getloadavg()[0], "mem_available_mib": mib(meminfo()["MemAvailable"]),
                "host_mib_per_sandbox": mib((used() - base) / at) if at else None}
-        self.say(f"{at:5d} sandboxes: create p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms")
+        self.say(f"{at:5d} sandboxes: create p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms; create + command + "
+                 f"stop {row['lifecycle_p50_ms']:.0f} ms; host `true` {row['host_true_p50_ms']:.1f} ms; load "
+                 f"{row['loadavg']:.1f}, MemAvailable {row['mem_available_mib']:,.0f} MiB")
         return row
+
+    def idle_admission(self) -> tuple[str, ...]:
+        """``dsec serve`` flags of a node meant for ``max_sandboxes`` idle sandboxes: admission
+        commits each one's memory limit (IDLE_MEMORY_MB, far above what it touches) and CPU
+        weight (one core's), so the overcommits that let them all in are set, as an operator of
+        such a node would."""
+        o = self.opts
+        overcommit = o.memory_overcommit or round(
+            o.max_sandboxes * IDLE_MEMORY_MB / (meminfo()["MemTotal"] >> 20) + 0.05, 1)
+        cpu_overcommit = max(2048, -(-o.max_sandboxes // (os.cpu_count() or 1)))
+        return ("--max-sandboxes", str(o.max_sandboxes), "--memory-overcommit", f"{overcommit:g}",
+                "--cpu-overcommit", str(cpu_overcommit))
 
     async def idle(self) -> None:
         o = self.opts
-        args = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=16, ttl_running_stop=7200)
-        server = self.server()
+        args = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=IDLE_MEMORY_MB, ttl_running_stop=7200)
+        flags = self.idle_admission()
+        self.r["idle_server_flags"] = " ".join(flags)
+        self.say(f"idle server: dsec serve {' '.join(flags)}")
+        server = self.server(*flags)
         await asyncio.to_thread(server.start)
         sandboxes: list[Sandbox] = []
         table: list[dict] = []
@@ -517,7 +566,7 @@ class Bench:
                 base_meminfo = meminfo()
                 parts0 = attributable(self.parent)
                 t_start = time.perf_counter()
-                reserve = int(HOST_RESERVE_SHARE * base_meminfo["MemTotal"])
+                reserve = max(HOST_RESERVE_MIN, int(HOST_RESERVE_SHARE * base_meminfo["MemTotal"]))
                 batch = o.batch
                 stopped_by = ""
                 while not stopped_by:
@@ -577,7 +626,7 @@ class Bench:
                 self.say(f"idle: {count} sandboxes, {self.r['idle']['host_mib_per_sandbox']:.2f} MiB each; kernel + "
                          f"charged {parts['kernel_plus_charged']:.2f} MiB ({mib(charged / max(count, 1)):.2f} MiB charged "
                          f"to their cgroups)")
-                await self.stop_all(client, sandboxes)
+                self.r["idle"]["stop_all_s"] = await self.stop_all(client, sandboxes)
                 self.r["idle"]["host_mib_per_sandbox_at_stop"] = mib((after - await self.settled(5.0)) / max(count, 1))
         finally:
             await asyncio.to_thread(server.stop)
@@ -766,18 +815,25 @@ def _report(res: dict, console: Console) -> None:
     console.print(t)
     if idle.get("latency_table"):
         lt = Table(title="create latency as the node fills (single creates, one at a time)")
-        for col in ("sandboxes already there", "p50 ms", "p99 ms", "max ms", "server p50 ms", "host MiB/sandbox"):
+        for col in ("sandboxes already there", "p50 ms", "p99 ms", "max ms", "server p50 ms",
+                    "create+command+stop p50 / max ms", "host `true` p50 / max ms", "load", "host MiB/sandbox"):
             lt.add_column(col, justify="right")
         for row in idle["latency_table"]:
             lt.add_row(str(row["at"]), _fmt(row["p50_ms"], ".1f"), _fmt(row["p99_ms"], ".1f"), _fmt(row["max_ms"], ".1f"),
-                       _fmt(row["server_p50_ms"], ".1f"), _fmt(row["host_mib_per_sandbox"]))
+                       _fmt(row["server_p50_ms"], ".1f"),
+                       f"{_fmt(row.get('lifecycle_p50_ms'), '.0f')} / {_fmt(row.get('lifecycle_max_ms'), '.0f')}",
+                       f"{_fmt(row.get('host_true_p50_ms'), '.1f')} / {_fmt(row.get('host_true_max_ms'), '.1f')}",
+                       _fmt(row.get("loadavg"), ".1f"), _fmt(row["host_mib_per_sandbox"]))
         console.print(lt)
 
 
 async def _run(bench: Bench, store: LayerStore, layer_file: Path) -> None:
-    bench.placement()
+    if bench.opts.only in ("", "placement"):
+        bench.placement()
     phases = [("crun", lambda: bench.crun_floor(layer_file)), ("idle", bench.idle),
               ("pause", lambda: bench.pause(store)), ("cold", lambda: bench.cold(store))]
+    if bench.opts.only:
+        phases = [p for p in phases if p[0] == bench.opts.only]
     for name, phase in phases:
         if bench.left() < 60:
             bench.notes.append(f"phase {name} skipped: time limit")
@@ -792,6 +848,8 @@ def main(state_dir: Path, console: Console, **options: Any) -> int:
     """Run the benchmark, print the tables, write ``<state_dir>/bench-density.json``. Returns 0
     when it ran cleanly, 1 on errors or leftovers, 2 (``strict``) when a goal is missed."""
     opts = Options(**options)
+    if opts.only not in ("", "placement", "crun", "idle", "pause", "cold"):
+        raise ValueError(f"only={opts.only!r}: one of placement, crun, idle, pause, cold (or empty: all)")
     state_dir = Path(state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     started = datetime.now(timezone.utc)

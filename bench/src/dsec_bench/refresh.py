@@ -211,7 +211,7 @@ def _row_inside(r: dict) -> tuple[str, str, str]:
 
 
 def _row_density(r: dict) -> tuple[str, str, str]:
-    from .density import _goals
+    from .density import GOAL_IDLE_COUNT, _goals
 
     idle, g = r.get("idle") or {}, _goals(r)
     heap = r.get("pause_heap") or {}
@@ -221,7 +221,7 @@ def _row_density(r: dict) -> tuple[str, str, str]:
             f"{'—' if share is None else f'{share:.0%}'} of heap-like content "
             f"(swap: {_get(r, 'machine', 'swap', 'text') or '?'})",
             f"bare crun {_f(_get(r, 'crun', 'host_mib_per_container'), '.2f')} MiB",
-            f"≥ 3,200 fit {_met(g['idle_count'])}; ≤ 2 MiB {_met(g['idle_mib'])}; pause ≥ 80% "
+            f"≥ {GOAL_IDLE_COUNT:,} fit {_met(g['idle_count'])}; ≤ 2 MiB {_met(g['idle_mib'])}; pause ≥ 80% "
             f"{_met(g['pause_returned'])}")
 
 

@@ -93,9 +93,6 @@ class ContainerBackend(Lifecycle, Exec, Pty, Files, WritableLayer):
         # Each sandbox's init channel (see dsec.backends.initchan); none for a sandbox adopted
         # after a restart, whose commands go through `crun exec`.
         self.channels: dict[str, InitChannel] = {}
-        # A pidfd on the init of each sandbox this process started: liveness without reading
-        # /proc, and a kill that cannot hit a reused pid.
-        self._pidfds: dict[str, int] = {}
         self._crun_exe = sealed_copy(CRUN)
 
     @property

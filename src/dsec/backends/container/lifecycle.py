@@ -18,7 +18,6 @@ import errno
 import json
 import logging
 import os
-import select
 import shutil
 import signal
 import socket
@@ -39,7 +38,7 @@ from ...resources.cgroups import Limits
 from ..base import Handle, SandboxSpec
 from ..initchan import InitChannel
 from ..procs import children, outlast_cancel, pid_in_cgroup, wait_exit
-from .oci import BOOT_ID_FILE, INIT_PATH, BundleConfigs
+from .oci import BOOT_ID_FILE, INIT_PATH, MASK_DIR, SHM_DIR, BundleConfigs
 from .rootfs import RootFilesystems
 
 log = logging.getLogger("dsec.backends.container")
@@ -69,7 +68,6 @@ class Lifecycle:
     rootfs: RootFilesystems
     oci: BundleConfigs
     channels: dict[str, InitChannel]
-    _pidfds: dict[str, int]
 
     def _mount_rootfs(self, plan: OverlayPlan, limits: Limits | None) -> None:
         """Create's mount step (``RootFilesystems.mount``): whole, or not at all. Blocks."""
@@ -138,6 +136,12 @@ class Lifecycle:
         boot_id = bundle / BOOT_ID_FILE
         boot_id.write_text(f"{uuid.uuid4()}\n")
         boot_id.chmod(0o444)
+        # The empty directory bound over protected ones, and /dev/shm, empty at each start as a
+        # tmpfs of the init's own would be (see oci.MASK_DIR).
+        (bundle / MASK_DIR).mkdir(mode=0o555, exist_ok=True)
+        shutil.rmtree(bundle / SHM_DIR, ignore_errors=True)
+        (bundle / SHM_DIR).mkdir()
+        (bundle / SHM_DIR).chmod(0o1777)
         host_end, init_end = InitChannel.pair()
         undo.callback(host_end.close)
         with init_end:  # the init's, once crun has handed it over
@@ -166,10 +170,10 @@ class Lifecycle:
         return pid, host_end
 
     def _adopt_init(self, handle: Handle, host_end: socket.socket) -> None:
-        """Hold the channel and a pidfd of an init just started (``_run_init``)."""
+        """Hold the channel of an init just started (``_run_init``). No pidfd is held for it:
+        that would be a second open file a sandbox, and 10,000 idle sandboxes would need
+        20,000; one is opened for a wait or a kill (``_pidfd``)."""
         self.channels[handle.cid] = InitChannel(host_end)
-        with contextlib.suppress(OSError):  # gone already: is_alive reads /proc and says so
-            self._pidfds[handle.cid] = os.pidfd_open(handle.pid)
 
     async def halt(self, handle: Handle) -> None:
         """End every process of the sandbox (its init, its pid namespace with it) and keep its
@@ -212,21 +216,28 @@ class Lifecycle:
             raise BackendError(f"cannot set limits of {handle.cid}: {exc}") from exc
 
     async def is_alive(self, handle: Handle) -> bool:
-        fd = self._pidfds.get(handle.cid)
-        if fd is not None:
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            return not poller.poll(0)  # a pidfd turns readable when its process exits
         return handle.pid > 0 and pid_in_cgroup(handle.pid, handle.cid)
+
+    @staticmethod
+    def _pidfd(handle: Handle) -> int | None:
+        """A pidfd of the sandbox's init while it lives in the sandbox's cgroup (a zombie is not
+        reaped but by us, so its pid cannot be another's meanwhile); the caller closes it."""
+        if handle.pid > 0 and pid_in_cgroup(handle.pid, handle.cid):
+            with contextlib.suppress(OSError):
+                return os.pidfd_open(handle.pid)
+        return None
 
     async def _alive_after(self, handle: Handle, grace: float) -> bool:
         """Whether the init still lives ``grace`` seconds on (or once it is gone, if sooner). A
         pid namespace's init that was killed closes its files first, then waits for all else in
         the namespace to die before it counts as exited: its channel closes well before that."""
-        fd = self._pidfds.get(handle.cid)
+        fd = self._pidfd(handle)
         if fd is None:
-            return await self.is_alive(handle)
-        return not await wait_exit(fd, grace, tick=self._reap_orphans)
+            return False
+        try:
+            return not await wait_exit(fd, grace, tick=self._reap_orphans)
+        finally:
+            os.close(fd)
 
     def _why_gone(self, handle: Handle) -> str:
         kills = cgroups.oom_kills(self.cgroup_parent, handle.cid)
@@ -268,11 +279,7 @@ class Lifecycle:
         for it; nothing for a halted one."""
         if (channel := self.channels.pop(handle.cid, None)) is not None:
             channel.close()
-        fd = self._pidfds.pop(handle.cid, None)
-        if fd is None and handle.pid > 0 and pid_in_cgroup(handle.pid, handle.cid):
-            with contextlib.suppress(ProcessLookupError):
-                fd = os.pidfd_open(handle.pid)
-        if fd is not None:
+        if (fd := self._pidfd(handle)) is not None:
             try:
                 # Killing the pid namespace's init takes every process of the sandbox with it.
                 with contextlib.suppress(ProcessLookupError):
