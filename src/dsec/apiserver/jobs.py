@@ -186,12 +186,19 @@ class Jobs:
     # -- recording -------------------------------------------------------------------------
 
     async def record(self, caller: Caller, op: str, sandbox: str | None, request: dict,
-                     result: Any = None, error: DSecError | None = None, settle: str | None = None) -> None:
-        """Append the entry (and settle the caller's key with ``settle``, in the same write)."""
+                     result: Any = None, error: DSecError | None = None, settle: str | None = None,
+                     result_json: str | None = None) -> None:
+        """Append the entry (and settle the caller's key with ``settle``, in the same write).
+        ``result_json``: the result as JSON already (a model's, say), in place of ``result``."""
         assert caller.job is not None
         entry = {"op": op, "sandbox": sandbox, "key": caller.key, "request": request, "result": result,
                  "error": error.to_wire()["error"] if error is not None else None}
-        row = (caller.job, time.time(), json.dumps(entry, separators=(",", ":")))
+        if result_json is None:
+            text = json.dumps(entry, separators=(",", ":"))
+        else:  # (spliced in: not parsed and written again)
+            del entry["result"], entry["error"]
+            text = f'{json.dumps(entry, separators=(",", ":"))[:-1]},"result":{result_json},"error":null}}'
+        row = (caller.job, time.time(), text)
         settles = (self._scope(caller), caller.key, settle) if settle is not None and caller.key else None
         try:
             if self._writer is not None and not self._queue and (self._flusher is None or self._flusher.done()):
@@ -267,10 +274,11 @@ class Jobs:
             await self.record(caller, op, sandbox, request, error=exc)
             raise
         if summary is not None:
-            logged = summary(answer)
+            await self.record(caller, op, sandbox, request, summary(answer))
+        elif isinstance(answer, BaseModel):
+            await self.record(caller, op, sandbox, request, result_json=answer.model_dump_json())
         else:
-            logged = answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer
-        await self.record(caller, op, sandbox, request, logged)
+            await self.record(caller, op, sandbox, request, answer)
         return answer
 
     async def mark(self, caller: Caller, sandbox: str, call: str) -> None:
@@ -342,7 +350,7 @@ class Jobs:
             await self.projects.settle_key(self._scope(caller), caller.key, made)
         else:  # the entry and the key's settling in one write
             try:
-                await self.record(caller, "create", info.id, request, json.loads(made),
+                await self.record(caller, "create", info.id, request, result_json=made,
                                   settle=made if caller.key is not None else None)
             except DSecError:
                 if caller.key is not None:  # (a retry must find the sandbox, not wait on the claim)

@@ -46,6 +46,8 @@ T = TypeVar("T")
 # Commits by the ``*_now`` writes between checkpoints (each commit adds a page or a few to the
 # WAL; SQLite's own checkpoints come every 1,000 pages).
 CHECKPOINT_EVERY = 256
+# What SQLite answers a write that would wait for another writer (its busy timeout 0).
+_BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS projects (
@@ -287,9 +289,10 @@ class SQLiteProjectStore:
                 raise
         return result
 
-    def _now(self, work: Callable[[sqlite3.Connection], T]) -> tuple[bool, T | None]:
+    def _now(self, work: Callable[[sqlite3.Connection], T], one_statement: bool = False) -> tuple[bool, T | None]:
         """(True, ``work(db)``) done in one transaction on the second connection, or (False,
-        None) with nothing written when that would wait for another writer."""
+        None) with nothing written when that would wait for another writer. ``one_statement``:
+        ``work`` makes one, its own transaction (no BEGIN and COMMIT to pay for)."""
         if self.path == ":memory:" or not self._quick_lock.acquire(blocking=False):
             return False, None  # (an in-memory database is this connection's alone)
         try:
@@ -301,21 +304,17 @@ class SQLiteProjectStore:
                 db.execute("PRAGMA synchronous = NORMAL")
                 db.execute("PRAGMA wal_autocheckpoint = 0")
             try:
-                db.execute("BEGIN IMMEDIATE")
-            except sqlite3.OperationalError as exc:
-                if exc.sqlite_errorcode in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                if one_statement:
+                    result = work(db)
+                else:
+                    db.execute("BEGIN IMMEDIATE")
+                    result = work(db)
+                    db.execute("COMMIT")
+            except BaseException as exc:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.OperationalError) and exc.sqlite_errorcode in _BUSY:
                     return False, None
-                raise
-            try:
-                result = work(db)
-                db.execute("COMMIT")
-            except sqlite3.OperationalError as exc:
-                db.execute("ROLLBACK")
-                if exc.sqlite_errorcode in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-                    return False, None
-                raise
-            except BaseException:
-                db.execute("ROLLBACK")
                 raise
             self._quick_commits += 1
             return True, result
@@ -366,7 +365,7 @@ class SQLiteProjectStore:
             return db.execute("INSERT OR IGNORE INTO create_keys (scope, key, digest, result, claimed_at) "
                               "VALUES (?, ?, ?, NULL, ?)", (scope, key, digest, time.time())).rowcount
 
-        written, inserted = self._now(work)
+        written, inserted = self._now(work, one_statement=True)
         return KeyClaim("claimed") if written and inserted == 1 else None
 
     async def settle_key(self, scope: str, key: str, result: str) -> None:
@@ -406,11 +405,14 @@ class SQLiteProjectStore:
 
     def append_job_now(self, rows: list[tuple[str, float, str]], settles: list[tuple[str, str, str]] = ()) -> bool:
         """``append_job`` if that need not wait; False (nothing written) when it would."""
+        if len(rows) == 1 and not settles:
+            return self._now(lambda db: db.execute("INSERT INTO job_log (job, at, entry) VALUES (?, ?, ?)", rows[0]),
+                             one_statement=True)[0]
+
         def work(db: sqlite3.Connection) -> None:
             db.executemany("INSERT INTO job_log (job, at, entry) VALUES (?, ?, ?)", rows)
-            if settles:
-                db.executemany("UPDATE create_keys SET result = ? WHERE scope = ? AND key = ?",
-                               [(result, scope, key) for scope, key, result in settles])
+            for scope, key, result in settles:
+                db.execute("UPDATE create_keys SET result = ? WHERE scope = ? AND key = ?", (result, scope, key))
 
         return self._now(work)[0]
 
