@@ -137,7 +137,12 @@ def main(state_dir: Path, console: Console, lifecycles: int = 1200, rounds: int 
     errors: list[str] = []
     try:
         with serving(state_dir, "--pool-max", "64") as server:
-            r.update(asyncio.run(_run(server, lifecycles, rounds, concurrency, console)))
+            try:
+                r.update(asyncio.run(_run(server, lifecycles, rounds, concurrency, console)))
+            finally:  # (interrupted mid-round, sandboxes run: the server keeps them over its stop)
+                server.stop_sandboxes()
+    except KeyboardInterrupt:
+        errors.append("interrupted")
     except Exception as exc:  # noqa: BLE001 - reported
         errors.append(f"{type(exc).__name__}: {exc}")
     r["load_end"] = os.getloadavg()[0]
