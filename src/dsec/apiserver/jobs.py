@@ -14,12 +14,13 @@ are shared by every apiserver over one database).
   logged as *made*, before they run, with no
   result: a resume cannot answer one, and says so (``ReplayIncomplete``) instead of running it
   a second time. A job belongs to the project that first wrote to it. Each request is answered once its
-  entry is durable; entries are written in groups (one transaction for those that arrive in
-  one turn of the event loop, or while the last group is being written). Into SQLite, a group
-  (and a new key's claim) is written at once on the loop when no other writer holds the lock
-  (a write to the page cache: tens of microseconds, and durable past a ``kill -9``), else on
-  a thread of their own, which also takes the checkpoints that sync the file: a hop to a
-  thread cost each write milliseconds of waiting for the GIL and the CPU on a busy server.
+  entry is durable. Into SQLite, an entry (and a new key's claim) is written at once, on the
+  event loop, when no other writer holds the file's lock (a write to the page cache: tens of
+  microseconds, and durable past a ``kill -9``); else it waits for a thread of their own,
+  which also takes the checkpoints that sync the file, and the entries that arrive meanwhile
+  are written after it, in one group (a hop to a thread cost each write milliseconds of
+  waiting for the GIL and the CPU on a busy server). Other stores write every entry in
+  groups: one transaction for those that arrive while the last group is being written.
 - Jobs idle past ``retention_s`` (``DSEC_JOB_RETENTION_S``, 7 days by default) are removed
   with their keys, checked at most once a minute when a job is first used.
 
