@@ -50,3 +50,4 @@ def test_joblog_bench(tmp_path: Path, test_store) -> None:
     assert code == 0, res["errors"]
     assert res["log_entries"] == res["log_entries_expected"] == res["resume"]["answered"]
     assert res["ratio_recorded_over_unrecorded"] > 0
+    assert res["recorded"]["server_cpu_ms_per_lifecycle"] > 0 and res["unrecorded"]["server_cpu_ms_per_lifecycle"] > 0

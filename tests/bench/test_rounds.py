@@ -82,3 +82,23 @@ def test_lifecycle_crun_goal_is_not_judged_on_a_busy_host(tmp_path) -> None:
     assert goal["value"] == pytest.approx(1.3)
     assert goal["met"] is None
     assert "60% of the machine" in goal["not_judged"]
+
+
+def test_cluster_ray_waits_for_the_side_just_measured_to_go_quiet() -> None:
+    """`dsec bench cluster-ray` starts a side's round only once the other side's processes are
+    quiet (their pools refilled), at most ``most_s``: a busy process is waited for, an idle one
+    not."""
+    import subprocess
+    import sys
+
+    from dsec_bench.ray_nodes import _settle
+
+    idle = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        assert _settle([idle.pid], window_s=0.1, most_s=2.0) < 1.0
+        assert _settle([busy.pid], window_s=0.1, most_s=1.0) >= 1.0
+    finally:
+        for proc in (idle, busy):
+            proc.kill()
+            proc.wait()

@@ -1,6 +1,7 @@
 """Idempotency keys and the job log against a real ``dsec serve`` (crun sandboxes, the lean
-routes and the SDK's own HTTP client): a keyed create survives an apiserver restart; a resumed
-job does not append twice; ``dsec job ls | show | replay`` from the command line."""
+routes and the SDK's own HTTP client): a keyed create and its job's log survive an apiserver
+killed with SIGKILL; a resumed job does not append twice; ``dsec job ls | show | replay`` from
+the command line."""
 
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ async def test_keys_and_job_log_over_a_restart(new_state_dir):
         async with DSecClient(server.endpoint, token=server.token, job="run-42") as client:
             first_id, first_out = await episode(client, 0)
         assert first_out == "one\ntwo\npatch 0\n"
-        server.stop()
+        # A crash (kill -9) right after the answers: every answered call's entry is in the log.
+        server.kill()
         server = LocalServer(state).start()  # the apiserver restarts; its edge re-adopts the sandbox
         async with DSecClient(server.endpoint, token=server.token, job="run-42", resume=True) as client:
             again_id, again_out = await episode(client, 0)  # from the log: nothing runs again

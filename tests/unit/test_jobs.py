@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sqlite3
+import threading
 from contextlib import asynccontextmanager
 from datetime import datetime, timezone
 
@@ -238,6 +240,36 @@ async def test_the_job_log_holds_every_call_in_order(edge, project_db):
     write = log.entries[2]
     assert write.request["path"] == "/work/patch.diff" and write.request["bytes"] == len("patch 0")
     assert [j.name for j in jobs] == ["run-42"] and jobs[0].entries == 12 and log.job.project == "root"
+
+
+async def test_a_recorded_call_waits_out_another_writer_of_the_sqlite_file(edge, tmp_path, monkeypatch):
+    """The log's writes go on the event loop while no other writer holds the file's lock; while
+    one does (another apiserver's process), the call is answered only once its entry is
+    written, by the writer's thread, after it; checkpoints are that thread's too."""
+    from dsec.apiserver import projects_sqlite
+
+    checkpoints: list[str] = []
+    checkpoint = projects_sqlite.SQLiteProjectStore.checkpoint_blocking
+    monkeypatch.setattr(projects_sqlite, "CHECKPOINT_EVERY", 4)
+    monkeypatch.setattr(projects_sqlite.SQLiteProjectStore, "checkpoint_blocking",
+                        lambda store: (checkpoints.append(threading.current_thread().name), checkpoint(store)))
+    path = tmp_path / "projects.db"
+    async with apiserver(edge, path) as client, client(job="locked") as c:
+        sandbox = await c.run_container(ARGS, key="e1")
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        command = asyncio.create_task(sandbox.run_shell("append while-locked"))
+        await asyncio.sleep(0.3)
+        assert not command.done() and edge.execs == 1  # (it ran; its answer waits for its entry)
+        other.execute("COMMIT")
+        other.close()
+        assert (await asyncio.wait_for(command, 10)).exit_code == 0
+        for n in range(8):
+            await sandbox.run_shell(f"append {n}")
+        log = await c.job_log("locked")
+    assert [e.op for e in log.entries] == ["create"] + ["exec"] * 9
+    assert [e.request["command"] for e in log.entries[1:3]] == ["append while-locked", "append 0"]
+    assert checkpoints and set(checkpoints) == {"dsec-joblog_0"}
 
 
 async def test_resume_fast_forwards_then_goes_live(edge, project_db):

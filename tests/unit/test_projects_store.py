@@ -267,3 +267,39 @@ def test_an_sqlite_file_from_before_owed_stops_had_a_project_gets_the_column(tmp
     for _ in range(2):  # (the second open finds the column there)
         with open_project_store(path) as store:
             assert asyncio.run(store.owed_stops("n1")) == {"n1-a": OwedStop("batch create failed", None)}
+
+
+def test_the_job_logs_writes_now_write_only_when_they_need_not_wait(tmp_path):
+    """``append_job_now``/``claim_key_now`` (the apiserver's event loop) write at once when no
+    other writer holds the file's lock; while one does (here another connection, as another
+    process would), they write nothing and say so, and the blocking twins wait for it. They
+    leave checkpoints to ``checkpoint_blocking``, due every ``CHECKPOINT_EVERY`` commits."""
+    from dsec.apiserver import projects_sqlite
+
+    path = tmp_path / "projects.db"
+    with projects_sqlite.SQLiteProjectStore(path) as store:
+        asyncio.run(store.open_job("j", "root"))
+        assert store.claim_key_now("job:j", "k1", "d1").state == "claimed"
+        assert store.claim_key_now("job:j", "k1", "d1") is None  # (there: the blocking claim says what it holds)
+        assert store.append_job_now([("j", 1.0, '{"op":"create"}')], [("job:j", "k1", '{"id":"n0-1"}')])
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        assert store.append_job_now([("j", 2.0, '{"op":"exec"}')]) is False
+        assert store.claim_key_now("job:j", "k2", "d2") is None
+        other.execute("COMMIT")
+        other.close()
+        assert store.append_job_now([("j", 3.0, '{"op":"stop"}')])
+        entries = [entry for _, _, entry in asyncio.run(store.job_entries("j"))]
+        assert entries == ['{"op":"create"}', '{"op":"stop"}']
+        assert store.claim_key_blocking("job:j", "k1", "d1").result == '{"id":"n0-1"}'
+        assert store.claim_key_blocking("job:j", "k2", "d2").state == "claimed"
+
+        assert not store.checkpoint_due
+        size = path.stat().st_size
+        for i in range(projects_sqlite.CHECKPOINT_EVERY):
+            store.append_job_now([("j", 4.0 + i, '{"op":"exec","padding":"%s"}' % ("x" * 200))])
+        assert store.checkpoint_due and path.stat().st_size == size  # (all in the WAL yet)
+        store.checkpoint_blocking()
+        assert not store.checkpoint_due and path.stat().st_size > size
+    with pytest.raises(RuntimeError, match="closed"):
+        store.append_job_now([("j", 9.0, "{}")])

@@ -12,7 +12,9 @@ arms on it, in alternating rounds so that both see the same stretches of the hos
   its key.
 
 Printed: lifecycles/s of each arm, the median of its rounds, the ratio (goal: recorded ≥ 0.90× the
-unrecorded, i.e. recording adds ≤ 10 %), p50/p99 lifecycle time, and the entries the log holds
+unrecorded, i.e. recording adds ≤ 10 %), p50/p99 lifecycle time, the server's CPU a lifecycle
+(its process, all threads, over the arm's rounds: what predicts the ratio on a quiet machine,
+where the host's CPU is what bounds the rate), and the entries the log holds
 at the end (checked: 3 per recorded lifecycle). Then a resume of the job through the log is
 timed (answered from the log, nothing runs). Results go to ``<state_dir>.json``.
 """
@@ -33,8 +35,8 @@ from rich.table import Table
 from libdsec import DSecClient, DSecContainerRunArgs
 
 from dsec.local import serving
-from .results import source_commit
-from .results import median_of_rounds, save_results
+from . import hoststats as host
+from .results import median_of_rounds, save_results, source_commit
 
 ARGS = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=64)
 JOB = "bench-joblog"
@@ -72,7 +74,9 @@ def _pct(xs: list[float], q: float) -> float:
 
 async def _run(server, lifecycles: int, rounds: int, concurrency: int, console: Console) -> dict:
     per_round = max(1, lifecycles // rounds)
-    arms = {name: {"seconds": 0.0, "times": [], "round_rates": []} for name in ("unrecorded", "recorded")}
+    arms = {name: {"seconds": 0.0, "times": [], "round_rates": [], "server_cpu_s": 0.0}
+            for name in ("unrecorded", "recorded")}
+    pid = server.proc.pid
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         async with DSecClient(server.endpoint, token=server.token) as plain, \
@@ -86,7 +90,9 @@ async def _run(server, lifecycles: int, rounds: int, concurrency: int, console: 
                 for name, client in order if r % 2 == 0 else order[::-1]:
                     task = progress.add_task(f"round {r + 1}/{rounds}: {name}", total=per_round)
                     keys = [f"episode-{n + i}" for i in range(per_round)] if name == "recorded" else None
+                    cpu0 = host.process_cpu(pid)[0]
                     seconds, times = await _round(client, per_round, concurrency, keys, progress, task)
+                    arms[name]["server_cpu_s"] += host.process_cpu(pid)[0] - cpu0
                     if name == "recorded":
                         n += per_round
                     arms[name]["seconds"] += seconds
@@ -109,7 +115,8 @@ async def _run(server, lifecycles: int, rounds: int, concurrency: int, console: 
         out[name] = {"lifecycles": len(times), "seconds": arm["seconds"],
                      "lifecycles_per_s": median_of_rounds(arm["round_rates"]), "rounds": arm["round_rates"],
                      "lifecycles_per_s_pooled": len(times) / arm["seconds"],
-                     "p50_ms": statistics.median(times) * 1000, "p99_ms": _pct(times, 0.99)}
+                     "p50_ms": statistics.median(times) * 1000, "p99_ms": _pct(times, 0.99),
+                     "server_cpu_ms_per_lifecycle": arm["server_cpu_s"] / len(times) * 1000}
     expected = 3 * (n + 2 * concurrency)
     out["log_entries"] = len(log.entries)
     out["log_entries_expected"] = expected
@@ -130,19 +137,25 @@ def main(state_dir: Path, console: Console, lifecycles: int = 1200, rounds: int 
     errors: list[str] = []
     try:
         with serving(state_dir, "--pool-max", "64") as server:
-            r.update(asyncio.run(_run(server, lifecycles, rounds, concurrency, console)))
+            try:
+                r.update(asyncio.run(_run(server, lifecycles, rounds, concurrency, console)))
+            finally:  # (interrupted mid-round, sandboxes run: the server keeps them over its stop)
+                server.stop_sandboxes()
+    except KeyboardInterrupt:
+        errors.append("interrupted")
     except Exception as exc:  # noqa: BLE001 - reported
         errors.append(f"{type(exc).__name__}: {exc}")
     r["load_end"] = os.getloadavg()[0]
     r["errors"] = errors
     if "recorded" in r:
         table = Table(title=f"lifecycle throughput with and without a job log, commit {r['commit']}")
-        for col in ("arm", "lifecycles", "lifecycles/s", "p50 ms", "p99 ms"):
+        for col in ("arm", "lifecycles", "lifecycles/s", "rounds", "p50 ms", "p99 ms", "server CPU a lifecycle"):
             table.add_column(col)
         for name in ("unrecorded", "recorded"):
             a = r[name]
-            table.add_row(name, str(a["lifecycles"]), f"{a['lifecycles_per_s']:.1f}", f"{a['p50_ms']:.1f}",
-                          f"{a['p99_ms']:.1f}")
+            table.add_row(name, str(a["lifecycles"]), f"{a['lifecycles_per_s']:.1f}",
+                          " ".join(f"{x:.0f}" for x in a["rounds"]), f"{a['p50_ms']:.1f}", f"{a['p99_ms']:.1f}",
+                          f"{a['server_cpu_ms_per_lifecycle']:.2f} ms")
         console.print(table)
         ratio = r["ratio_recorded_over_unrecorded"]
         console.print(f"recorded / unrecorded throughput: {ratio:.3f}× (goal ≥ 0.90×: "

@@ -7,7 +7,9 @@ embedded ``dsec serve`` in the same run; then a node killed under load.
   share this machine's cores with the embedded server's one node, so the ratio measures what the
   cluster's path costs (apiserver → node endpoint → edge), not added capacity. Each side's
   figure is the median of its rounds (not the best: a best round flatters the side whose rate
-  wanders most); every round is printed. Goal: within 15%.
+  wanders most); every round is printed. After each round the side just measured is left to
+  go quiet (its warm pools refilled) before the other's round starts, so that neither is
+  charged the other's refill. Goal: within 15%.
 - Node loss: creates keep running (``concurrency`` in flight) while a sandbox on one node is
   probed every 50 ms; that node is killed hard. Measured: kill → the probe's first
   ``SandboxLost`` (goal ≤ 5 s), and the longest stretch in which creates failed (goal ≤ 5 s).
@@ -30,6 +32,7 @@ from libdsec import DSecClient, DSecContainerRunArgs, DSecError, SandboxLost
 
 from dsec.local import LocalServer, leftovers
 
+from . import hoststats as host
 from .results import median_of_rounds
 
 ARGS = DSecContainerRunArgs(container_image="busybox", memory_limit_mb=32, cpu_cores_limit=0.1)
@@ -136,6 +139,44 @@ async def _lifecycles(server: LocalServer, count: int, concurrency: int) -> floa
         return count / (time.perf_counter() - start)
 
 
+def _edge_daemons(nodes_dir: Path) -> list[int]:
+    """The pids of the edge daemons (``dsec.nodes.edged``) whose state dirs are under ``nodes_dir``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"dsec.nodes.edged" in cmd and any(part.startswith(str(nodes_dir).encode()) for part in cmd):
+            found.append(int(entry.name))
+    return found
+
+
+def _settle(pids: list[int], quiet: float = 0.05, window_s: float = 0.25, most_s: float = 15.0) -> float:
+    """Wait until the side just measured is quiet (its processes and their children below
+    ``quiet`` of a core over ``window_s``; at most ``most_s``); the seconds waited. A round ends
+    with its warm pools short of the creates it took, and their refill (crun, a few ms of CPU a
+    sandbox) would otherwise run in the other side's next round, charged to it."""
+    def cpu() -> float:
+        total = 0.0
+        for pid in pids:
+            try:
+                total += sum(host.process_cpu(pid))
+            except OSError:  # (gone: nothing more to wait for)
+                pass
+        return total
+
+    start = time.monotonic()
+    last = cpu()
+    while time.monotonic() - start < most_s:
+        time.sleep(window_s)
+        now = cpu()
+        if now - last < quiet * window_s:
+            break
+        last = now
+    return time.monotonic() - start
+
+
 async def _node_loss(server: LocalServer, ray: _Ray, victim: str, concurrency: int) -> dict:
     async with DSecClient(server.endpoint, token=server.token) as client:
         probe = None
@@ -215,12 +256,16 @@ def main(state_dir: Path, console: Console, lifecycles: int = 300, rounds: int =
         rates: dict[str, list[float]] = {"embedded": [], "ray": []}
         asyncio.run(_lifecycles(embedded, concurrency * 2, concurrency))  # warm both pools
         asyncio.run(_lifecycles(clustered, concurrency * 2, concurrency))
+        sides = {"embedded": [embedded.proc.pid], "ray": [clustered.proc.pid, *_edge_daemons(base / "nodes")]}
+        settled: dict[str, list[float]] = {"embedded": [], "ray": []}
         for r in range(rounds):
             for name, server in (("embedded", embedded), ("ray", clustered)):
                 rate = asyncio.run(_lifecycles(server, lifecycles // rounds, concurrency))
                 rates[name].append(rate)
-                console.print(f"round {r + 1}: {name} {rate:.1f} lifecycles/s")
+                settled[name].append(_settle(sides[name]))
+                console.print(f"round {r + 1}: {name} {rate:.1f} lifecycles/s (then quiet after {settled[name][-1]:.1f} s)")
         result["rounds"] = rates
+        result["settle_s"] = settled
         result["embedded"] = median_of_rounds(rates["embedded"])
         result["ray"] = median_of_rounds(rates["ray"])
         import ray as ray_module

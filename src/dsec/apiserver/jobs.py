@@ -14,8 +14,13 @@ are shared by every apiserver over one database).
   logged as *made*, before they run, with no
   result: a resume cannot answer one, and says so (``ReplayIncomplete``) instead of running it
   a second time. A job belongs to the project that first wrote to it. Each request is answered once its
-  entry is durable; entries are written in groups (one transaction for those that arrive while
-  the last group is being written), into SQLite on a thread of their own, off the event loop.
+  entry is durable. Into SQLite, an entry (and a new key's claim) is written at once, on the
+  event loop, when no other writer holds the file's lock (a write to the page cache: tens of
+  microseconds, and durable past a ``kill -9``); else it waits for a thread of their own,
+  which also takes the checkpoints that sync the file, and the entries that arrive meanwhile
+  are written after it, in one group (a hop to a thread cost each write milliseconds of
+  waiting for the GIL and the CPU on a busy server). Other stores write every entry in
+  groups: one transaction for those that arrive while the last group is being written.
 - Jobs idle past ``retention_s`` (``DSEC_JOB_RETENTION_S``, 7 days by default) are removed
   with their keys, checked at most once a minute when a job is first used.
 
@@ -30,7 +35,7 @@ import hashlib
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -94,9 +99,10 @@ class Jobs:
         self._queue: list[tuple[tuple[str, float, str], tuple[str, str, str] | None, asyncio.Future]] = []
         self._flusher: asyncio.Task | None = None
         self._pruned_at = float("-inf")
-        # A store with blocking writes (SQLite) gets a thread for them: the event loop carries
-        # every request of the apiserver, and a recorded lifecycle's writes cost it milliseconds
-        # there (docs/BENCHMARKS.md, "Job log").
+        self._checkpointing: Future | None = None
+        # A store with blocking writes (SQLite) gets a thread for those that would wait (for
+        # another writer, or a checkpoint's sync): the event loop carries every request of the
+        # apiserver (docs/BENCHMARKS.md, "Job log").
         self._writer = (ThreadPoolExecutor(1, thread_name_prefix="dsec-joblog")
                         if hasattr(projects, "append_job_blocking") else None)
 
@@ -181,21 +187,47 @@ class Jobs:
     # -- recording -------------------------------------------------------------------------
 
     async def record(self, caller: Caller, op: str, sandbox: str | None, request: dict,
-                     result: Any = None, error: DSecError | None = None, settle: str | None = None) -> None:
-        """Append the entry (and settle the caller's key with ``settle``, in the same write)."""
+                     result: Any = None, error: DSecError | None = None, settle: str | None = None,
+                     result_json: str | None = None) -> None:
+        """Append the entry (and settle the caller's key with ``settle``, in the same write).
+        ``result_json``: the result as JSON already (a model's, say), in place of ``result``."""
         assert caller.job is not None
         entry = {"op": op, "sandbox": sandbox, "key": caller.key, "request": request, "result": result,
                  "error": error.to_wire()["error"] if error is not None else None}
-        row = (caller.job, time.time(), json.dumps(entry, separators=(",", ":")))
-        done = asyncio.get_running_loop().create_future()
+        if result_json is None:
+            text = json.dumps(entry, separators=(",", ":"))
+        else:  # (spliced in: not parsed and written again)
+            del entry["result"], entry["error"]
+            text = f'{json.dumps(entry, separators=(",", ":"))[:-1]},"result":{result_json},"error":null}}'
+        row = (caller.job, time.time(), text)
         settles = (self._scope(caller), caller.key, settle) if settle is not None and caller.key else None
-        self._queue.append((row, settles, done))
         try:
+            if self._writer is not None and not self._queue and (self._flusher is None or self._flusher.done()):
+                # Nothing is waiting to be written before it: at once, if that need not wait.
+                if self._write_now([row], [settles] if settles else []):
+                    return
+            done = asyncio.get_running_loop().create_future()
+            self._queue.append((row, settles, done))
             if self._flusher is None or self._flusher.done():
                 self._flusher = asyncio.create_task(self._flush())
             await asyncio.shield(done)
         except DSecError as exc:
             raise BackendError(f"the call ran, but the job log {caller.job!r} could not record it: {exc}") from None
+
+    def _write_now(self, rows: list[tuple[str, float, str]], settles: list[tuple[str, str, str]]) -> bool:
+        """The rows written on the loop (True), or nothing written, for the store's writer
+        would have to wait (False)."""
+        try:
+            written = self.projects.append_job_now(rows, settles)  # type: ignore[attr-defined]
+        except Exception as exc:  # noqa: BLE001 - as the request's error
+            raise self._failed(exc) from None
+        if written:
+            self._checkpoint_now_and_then()
+        return written
+
+    def _failed(self, exc: Exception) -> DSecError:
+        self._owners.clear()  # a job removed meanwhile is made again on next use
+        return exc if isinstance(exc, DSecError) else BackendError(f"{type(exc).__name__}: {exc}")
 
     async def _flush(self) -> None:
         while self._queue:
@@ -204,13 +236,13 @@ class Jobs:
             settles = [settle for _, settle, _ in batch if settle is not None]
             try:
                 if self._writer is not None:
-                    await asyncio.get_running_loop().run_in_executor(
-                        self._writer, self.projects.append_job_blocking, rows, settles)  # type: ignore[attr-defined]
+                    if not self._write_now(rows, settles):
+                        await asyncio.get_running_loop().run_in_executor(
+                            self._writer, self.projects.append_job_blocking, rows, settles)  # type: ignore[attr-defined]
                 else:
                     await self.projects.append_job(rows, settles)
             except Exception as exc:  # noqa: BLE001 - each waiting request answers it
-                self._owners.clear()  # a job removed meanwhile is made again on next use
-                failure = exc if isinstance(exc, DSecError) else BackendError(f"{type(exc).__name__}: {exc}")
+                failure = self._failed(exc)
                 for _, _, done in batch:
                     if not done.done():
                         done.set_exception(failure)
@@ -218,6 +250,17 @@ class Jobs:
             for _, _, done in batch:
                 if not done.done():
                     done.set_result(None)
+
+    def _checkpoint_now_and_then(self) -> None:
+        """Checkpoint the store's WAL on the writer's thread once the writes on the loop are due one."""
+        if self._checkpointing is None and self.projects.checkpoint_due:  # type: ignore[attr-defined]
+            self._checkpointing = self._writer.submit(self.projects.checkpoint_blocking)  # type: ignore[attr-defined,union-attr]
+            self._checkpointing.add_done_callback(self._checkpointed)
+
+    def _checkpointed(self, done: Future) -> None:
+        self._checkpointing = None
+        if (exc := done.exception()) is not None:  # (the next is due after as many writes again)
+            log.warning("the job log's checkpoint failed: %s: %s", type(exc).__name__, exc)
 
     async def recorded(self, caller: Caller, op: str, sandbox: str, request: dict,
                        call: Callable[[], Awaitable[Any]], summary: Callable[[Any], Any] | None = None) -> Any:
@@ -232,10 +275,11 @@ class Jobs:
             await self.record(caller, op, sandbox, request, error=exc)
             raise
         if summary is not None:
-            logged = summary(answer)
+            await self.record(caller, op, sandbox, request, summary(answer))
+        elif isinstance(answer, BaseModel):
+            await self.record(caller, op, sandbox, request, result_json=answer.model_dump_json())
         else:
-            logged = answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer
-        await self.record(caller, op, sandbox, request, logged)
+            await self.record(caller, op, sandbox, request, answer)
         return answer
 
     async def mark(self, caller: Caller, sandbox: str, call: str) -> None:
@@ -266,8 +310,11 @@ class Jobs:
         scope, deadline = self._scope(caller), time.monotonic() + PENDING_WAIT_S
         while True:
             if self._writer is not None:
-                claim = await asyncio.get_running_loop().run_in_executor(
-                    self._writer, self.projects.claim_key_blocking, scope, caller.key, digest)  # type: ignore[attr-defined]
+                claim = self.projects.claim_key_now(scope, caller.key, digest)  # type: ignore[attr-defined]
+                if claim is None:
+                    claim = await asyncio.get_running_loop().run_in_executor(
+                        self._writer, self.projects.claim_key_blocking, scope, caller.key, digest)  # type: ignore[attr-defined]
+                self._checkpoint_now_and_then()
             else:
                 claim = await self.projects.claim_key(scope, caller.key, digest)
             if claim.state == "claimed":
@@ -304,7 +351,7 @@ class Jobs:
             await self.projects.settle_key(self._scope(caller), caller.key, made)
         else:  # the entry and the key's settling in one write
             try:
-                await self.record(caller, "create", info.id, request, json.loads(made),
+                await self.record(caller, "create", info.id, request, result_json=made,
                                   settle=made if caller.key is not None else None)
             except DSecError:
                 if caller.key is not None:  # (a retry must find the sandbox, not wait on the claim)

@@ -4,6 +4,14 @@ A ``ProjectStore`` (see ``projects``). Each write holds the database's write loc
 IMMEDIATE``) while it reads the tree, checks it and changes it, so writers in several processes
 cannot break the tree between them; readers elsewhere see a change within ``recheck_s`` (WAL).
 Writes run on the caller's thread: they take a local file a fraction of a millisecond.
+
+The job log's hot writes (entries, and a new key's claim) have two forms: ``*_blocking``, which
+waits for the write lock like any other write, for a thread of their own; and ``*_now``, for
+the apiserver's event loop, which writes only if it need not wait (no other writer holds the
+lock: another process, or this store's thread mid-write) and else writes nothing and says so.
+The ``*_now`` writes go through a second connection that waits for no lock and leaves
+checkpoints (which sync the file) to ``checkpoint_blocking``, called off the loop once
+``checkpoint_due``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,12 @@ from .projects import (
 from .quota import Project, Tree
 
 T = TypeVar("T")
+
+# Commits by the ``*_now`` writes between checkpoints (each commit adds a page or a few to the
+# WAL; SQLite's own checkpoints come every 1,000 pages).
+CHECKPOINT_EVERY = 256
+# What SQLite answers a write that would wait for another writer (its busy timeout 0).
+_BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS projects (
@@ -122,8 +136,15 @@ class SQLiteProjectStore:
         self._tree: Tree | None = None
         self._version: int | None = None
         self._checked_at = float("-inf")
+        self._quick: sqlite3.Connection | None = None  # the ``*_now`` writes' (opened on first use)
+        self._quick_lock = threading.Lock()
+        self._quick_commits = 0
 
     def close(self) -> None:
+        with self._quick_lock:
+            if self._quick is not None:
+                quick, self._quick = self._quick, None
+                quick.close()
         if self._db is not None:
             db, self._db = self._db, None
             db.close()
@@ -268,6 +289,50 @@ class SQLiteProjectStore:
                 raise
         return result
 
+    def _now(self, work: Callable[[sqlite3.Connection], T], one_statement: bool = False) -> tuple[bool, T | None]:
+        """(True, ``work(db)``) done in one transaction on the second connection, or (False,
+        None) with nothing written when that would wait for another writer. ``one_statement``:
+        ``work`` makes one, its own transaction (no BEGIN and COMMIT to pay for)."""
+        if self.path == ":memory:" or not self._quick_lock.acquire(blocking=False):
+            return False, None  # (an in-memory database is this connection's alone)
+        try:
+            db = self._quick
+            if db is None:
+                self._conn()  # (closed: raises)
+                db = self._quick = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=0)
+                db.execute("PRAGMA foreign_keys = ON")
+                db.execute("PRAGMA synchronous = NORMAL")
+                db.execute("PRAGMA wal_autocheckpoint = 0")
+            try:
+                if one_statement:
+                    result = work(db)
+                else:
+                    db.execute("BEGIN IMMEDIATE")
+                    result = work(db)
+                    db.execute("COMMIT")
+            except BaseException as exc:
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.OperationalError) and exc.sqlite_errorcode in _BUSY:
+                    return False, None
+                raise
+            self._quick_commits += 1
+            return True, result
+        finally:
+            self._quick_lock.release()
+
+    @property
+    def checkpoint_due(self) -> bool:
+        """The ``*_now`` writes have added ``CHECKPOINT_EVERY`` commits to the WAL since the
+        last ``checkpoint_blocking``."""
+        return self._quick_commits >= CHECKPOINT_EVERY
+
+    def checkpoint_blocking(self) -> None:
+        """Copy the WAL into the database as far as no reader holds it back (it syncs the file)."""
+        self._quick_commits = 0
+        with self._lock:
+            self._conn().execute("PRAGMA wal_checkpoint(PASSIVE)")
+
     # -- idempotency keys --------------------------------------------------------------------
 
     async def claim_key(self, scope: str, key: str, digest: str) -> KeyClaim:
@@ -292,6 +357,16 @@ class SQLiteProjectStore:
             return claim
 
         return self._transaction(work)
+
+    def claim_key_now(self, scope: str, key: str, digest: str) -> KeyClaim | None:
+        """``claim_key`` of a new key, if that need not wait; None when it would, or when the
+        key is there already (``claim_key_blocking`` says what it holds)."""
+        def work(db: sqlite3.Connection) -> int:
+            return db.execute("INSERT OR IGNORE INTO create_keys (scope, key, digest, result, claimed_at) "
+                              "VALUES (?, ?, ?, NULL, ?)", (scope, key, digest, time.time())).rowcount
+
+        written, inserted = self._now(work, one_statement=True)
+        return KeyClaim("claimed") if written and inserted == 1 else None
 
     async def settle_key(self, scope: str, key: str, result: str) -> None:
         self._many("UPDATE create_keys SET result = ? WHERE scope = ? AND key = ?", [(result, scope, key)])
@@ -327,6 +402,19 @@ class SQLiteProjectStore:
                                [(result, scope, key) for scope, key, result in settles])
 
         self._transaction(work)
+
+    def append_job_now(self, rows: list[tuple[str, float, str]], settles: list[tuple[str, str, str]] = ()) -> bool:
+        """``append_job`` if that need not wait; False (nothing written) when it would."""
+        if len(rows) == 1 and not settles:
+            return self._now(lambda db: db.execute("INSERT INTO job_log (job, at, entry) VALUES (?, ?, ?)", rows[0]),
+                             one_statement=True)[0]
+
+        def work(db: sqlite3.Connection) -> None:
+            db.executemany("INSERT INTO job_log (job, at, entry) VALUES (?, ?, ?)", rows)
+            for scope, key, result in settles:
+                db.execute("UPDATE create_keys SET result = ? WHERE scope = ? AND key = ?", (result, scope, key))
+
+        return self._now(work)[0]
 
     async def job(self, name: str) -> JobRow | None:
         with self._lock:
