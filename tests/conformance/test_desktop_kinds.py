@@ -3,8 +3,9 @@
 ``dsec serve`` (one sandbox, and so one VM boot, per kind): a screenshot of the asked size as a
 PNG, a window listed by ``windows()``, a double click that maximizes it, typing that reaches
 it, the live view (``stream_url()``: noVNC's page and the VNC server's greeting on its
-WebSocket, through the apiserver) and the accessibility tree (on a full VM: the screenshots and
-the pointer, the rest being the guest's, as on a microVM). (The container kind's full set of
+WebSocket, through the apiserver), the accessibility tree, and the desktop started again after
+its X server is killed (on a full VM: the screenshots and the pointer, the rest being the
+guest's, as on a microVM). (The container kind's full set of
 calls and errors: tests/integration/test_desktop.py.)"""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dsec.backends.base import Capability
 from dsec.backends.container import ContainerBackend
 from dsec.backends.vm.fullvm import FullVMBackend
 from dsec.backends.vm.microvm import MicroVMBackend
-from libdsec import DesktopSpec, DSecContainerRunArgs, DSecFullVMRunArgs, DSecMicroVMRunArgs
+from libdsec import DesktopSpec, DesktopUnavailable, DSecContainerRunArgs, DSecFullVMRunArgs, DSecMicroVMRunArgs
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -83,6 +84,7 @@ async def test_a_desktop_on_each_kind(kind, client, desktop_image):
         else:
             await _a_window_clicked_and_typed_into(sandbox, kind)
             await _seen_live_and_by_accessibility(sandbox)
+            await _started_again_after_its_x_server_dies(sandbox)
     assert await client.list_sandboxes() == []
 
 
@@ -104,6 +106,27 @@ async def _seen_live_and_by_accessibility(sandbox) -> None:
 
     tree = await _until(wm_seen, "xfwm4 not in the accessibility tree")
     assert tree.splitlines()[0] == '[application] "xfwm4"', tree[:2000]
+
+
+async def _started_again_after_its_x_server_dies(sandbox) -> None:
+    # The X server killed: a typed error naming it, the sandbox's commands still run, and the
+    # desktop is started again (in the guest, on a microVM): a later screenshot finds it back.
+    desktop = sandbox.desktop
+    await sandbox.run_shell("pkill -x Xvfb", user="root")
+    await asyncio.sleep(0.5)
+    with pytest.raises(DesktopUnavailable, match="X server|desktop agent"):
+        await desktop.screenshot()
+    assert (await sandbox.run_shell("echo alive")).stdout == "alive\n"
+
+    async def back():
+        try:
+            return await desktop.screenshot()
+        except DesktopUnavailable as exc:
+            assert "started again" in str(exc), exc
+            return None
+
+    assert _png_size(await _until(back, "the desktop was not started again")) == (W, H)
+    assert (await sandbox.run_shell("pgrep -c -x Xvfb")).stdout == "1\n"
 
 
 async def _a_window_clicked_and_typed_into(sandbox, kind: str) -> None:
