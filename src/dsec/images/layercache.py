@@ -130,8 +130,8 @@ class ChunkCache:
         self._lru: OrderedDict[tuple[str, int], tuple[int, bytes]] = OrderedDict()
         # chunks checked against their sha256 by this process (read back from disk, or written)
         self._verified: set[tuple[str, int]] = set()
-        # layer -> the sums the store keeps of its file (None: a layer placed before sums)
-        self._store_sums: dict[str, sums.LayerSums | None] = {}
+        # layer -> the sums the store keeps of its file (none for a layer placed before sums)
+        self._store_sums: dict[str, sums.LayerSums] = {}
         self._seq = 0
         self.used = 0
         self.counters = {"fetched_bytes": 0, "cached_bytes_served": 0, "chunks_cached": 0,
@@ -236,7 +236,7 @@ class ChunkCache:
         with self._lock:
             self.counters["fetched_bytes"] += len(data)
             expected = self._store_sums.get(name)
-            if expected is not None and (chunk >= len(expected.shas) or sha != expected.shas[chunk]):
+            if expected is not None and not expected.sha_ok(chunk, len(data), sha):
                 self.counters["store_chunks_refused"] += 1
                 log.error("layer cache: chunk %d of %s (bytes %d-%d) read from the store %s does not match the "
                           "sum the store took of it: damaged on the store, refused (the reader gets EIO); "

@@ -49,8 +49,12 @@ class LayerSums:
     def chunk_ok(self, index: int, data: bytes) -> bool:
         """Whether ``data`` is chunk ``index`` of the file the sums were taken of (the last one
         may be short; a chunk past the end is not)."""
-        return index < len(self.shas) and len(data) == min(self.chunk, self.size - index * self.chunk) \
-            and hashlib.sha256(data).digest() == self.shas[index]
+        return self.sha_ok(index, len(data), hashlib.sha256(data).digest())
+
+    def sha_ok(self, index: int, length: int, sha: bytes) -> bool:
+        """``chunk_ok`` of a chunk of ``length`` bytes whose sha256 is taken already."""
+        return index < len(self.shas) and length == min(self.chunk, self.size - index * self.chunk) \
+            and sha == self.shas[index]
 
 
 def take(layer: Path) -> bytes:
