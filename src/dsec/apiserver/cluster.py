@@ -162,6 +162,9 @@ class Cluster:
         # choice is tried); quota checks always ask the edges afresh.
         self.view_max_age_s = view_max_age_s
         self._infos: tuple[float, list[NodeInfo]] = (float("-inf"), [])
+        # Bumped when a node joins or leaves: a gathering begun before is not kept as the view
+        # (it would stay "fresh" without the new node, or with the gone one).
+        self._members_seen = 0
         self._placed: dict[str, list] = {}
         # The edges' reports being gathered for the view: creates that find the view stale at
         # once share one gathering instead of asking every edge once each.
@@ -196,7 +199,7 @@ class Cluster:
         self.edges[edge.node] = edge
         self.lost.pop(edge.node, None)
         self.failed.pop(edge.node, None)
-        self._infos = (float("-inf"), [])
+        self._members_changed()
         self._spawn(self._stop_owed(edge))
 
     def _spawn(self, coro) -> None:
@@ -281,8 +284,7 @@ class Cluster:
     def remove_edge(self, node: str) -> EdgeAPI | None:
         """A node holding no sandbox left on purpose (a burst node let go); returns its edge."""
         edge = self.edges.pop(node, None)
-        self._infos = (float("-inf"), [])
-        self._loads.clear()
+        self._members_changed()
         return edge
 
     def note_failed(self, node: str, why: str) -> None:
@@ -323,8 +325,7 @@ class Cluster:
         if edge is not None or node not in self.lost:
             self.lost[node] = (time.monotonic(), why)
             log.warning("node %s lost: %s", node, why)
-        self._infos = (float("-inf"), [])
-        self._loads.clear()
+        self._members_changed()
         return edge
 
     async def edge_for_caller(self, sandbox_id: str, caller: Caller) -> EdgeAPI:
@@ -413,7 +414,16 @@ class Cluster:
             return cached
         return await self._gather_infos()
 
+    def _members_changed(self) -> None:
+        """A node joined or left: the view is dropped, and so is a gathering in flight (its
+        caller still gets its answer; the next create gathers afresh)."""
+        self._members_seen += 1
+        self._infos = (float("-inf"), [])
+        self._loads.clear()
+        self._refresh = None
+
     async def _gather_infos(self) -> list[NodeInfo]:
+        members = self._members_seen
         edges = list(self.edges.values())
         results = await asyncio.gather(*(e.node_info() for e in edges), return_exceptions=True)
         infos = []
@@ -422,8 +432,9 @@ class Cluster:
                 log.warning("edge %s did not report: %s", edge.node, result)
             else:
                 infos.append(result)
-        self._infos = (time.monotonic(), infos)
-        self._placed.clear()
+        if members == self._members_seen:
+            self._infos = (time.monotonic(), infos)
+            self._placed.clear()
         return infos
 
     def _refreshing(self) -> asyncio.Task[list[NodeInfo]]:
