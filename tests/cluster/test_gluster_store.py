@@ -9,12 +9,14 @@ store's lock and its manifests hold across two clients; the volume stopped or it
 in the middle of a run gives calls and creates ``StoreUnavailable`` naming the store (within
 ``STORE_AWAY_BOUND_S``, never a hang), and everything works again once it is back; the FUSE
 client killed and mounted again: new sandboxes work on every node, those started before say
-they cannot read their layers. Each node reads its layers through its layer cache
+they cannot read their layers; the volume slow (every read delayed 200 ms) or full: creates and
+commands work (a full store refuses what writes to it, naming the lack of room). Each node reads its layers through its layer cache
 (``DSEC_LAYER_CACHE_MB``): a second create of an image on a node reads nothing from the volume."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -25,7 +27,7 @@ import pytest
 
 import gluster_volume
 from dsec.local import LocalServer
-from libdsec import DSecClient, DSecContainerRunArgs, StoreUnavailable
+from libdsec import BackendError, DSecClient, DSecContainerRunArgs, DSecError, StoreUnavailable
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.cluster]
 
@@ -367,3 +369,96 @@ async def test_the_fuse_client_killed_strands_its_sandboxes_and_creates_work_onc
             await s.stop()
         assert await client.list_sandboxes() == []
         await client.remove_image("gl-unread")
+
+
+async def back(client: DSecClient, within_s: float = 60) -> None:
+    """Until a create works again on every node (the volume restarted: each node finds its
+    store back by itself)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            for s in (await on_every_node(client, "busybox")).values():
+                await s.stop()
+            return
+        except StoreUnavailable:
+            for info in await client.list_sandboxes():  # what was made before a node refused
+                with contextlib.suppress(DSecError):
+                    await (await client.get_sandbox(info.id)).stop()
+            assert time.monotonic() < deadline, "the store did not come back"
+            await asyncio.sleep(0.5)
+
+
+async def test_a_slow_volume_makes_first_reads_slower_and_nothing_fails(world, gluster):
+    """Every read of the volume delayed by 200 ms (gluster's delay-gen on the brick): creates
+    and commands on every node work and read the right bytes, only slower where they read the
+    volume (a first read on a node); a slow store is no reason to refuse (docs/CLUSTER.md)."""
+    from dsec.images.store import Image, LayerStore
+
+    _, store_dir = world
+    store = LayerStore(store_dir)
+    data = gluster.base / "slow"
+    (data / "data").mkdir(parents=True)
+    blob = os.urandom(512 << 10)
+    (data / "data" / "blob").write_bytes(blob)
+    layer = store.add_dir(data)
+    base = store.get_image("busybox")
+    store.put_image(Image(name="gl-slow", layers=(*base.layers, layer), env=base.env))
+    async with client_of(world) as client:
+        await wait_for_nodes(client)
+        gluster.slow_reads(200)
+        try:
+            await back(client)
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            started = time.monotonic()
+            with open(store.layer_path(layer), "rb") as f:
+                f.read(4096)
+            assert time.monotonic() - started >= 0.2, "the volume's reads are not delayed"
+            made = await on_every_node(client, "gl-slow")
+            for node, s in made.items():
+                result = await s.run_shell("md5sum /data/blob", timeout=60)
+                assert result.exit_code == 0 and result.stdout.split()[0] == hashlib.md5(blob).hexdigest(), (node, result)
+            for s in made.values():
+                await s.stop()
+        finally:
+            gluster.slow_reads(0)
+        await back(client)
+        assert await client.list_sandboxes() == []
+        await client.remove_image("gl-slow")
+
+
+async def test_a_full_volume_refuses_writes_by_name_and_serves_the_rest(world, gluster):
+    """The volume full: a pack_diff (a layer written to the store) is refused naming the lack of
+    space, nothing half-written is left in the store and no image is added; running sandboxes,
+    and creates of images already there, work on every node. With room again it packs."""
+    from dsec.images.store import LayerStore
+
+    _, store_dir = world
+    async with client_of(world) as client:
+        await wait_for_nodes(client)
+        running = await on_every_node(client, "busybox")
+        source = next(iter(running.values()))
+        await source.run_shell("dd if=/dev/urandom of=/root/blob bs=1M count=2 2>/dev/null")
+        images = {i.name for i in (await client.list_images()).images}
+        gluster.fill()
+        try:
+            with pytest.raises(DSecError, match="(?i)no space left|ENOSPC") as refused:
+                await source.pack_diff("gl-when-full")
+            assert isinstance(refused.value, BackendError), refused.value
+            assert {i.name for i in (await client.list_images()).images} == images
+            tmp = LayerStore(store_dir).tmp_dir
+            assert not tmp.exists() or list(tmp.iterdir()) == [], list(tmp.iterdir())
+            for node, s in running.items():
+                assert (await s.run_shell("echo still")).stdout == "still\n", node
+            for s in (await on_every_node(client, "busybox")).values():
+                assert (await s.run_shell("head -1 /etc/passwd")).stdout.startswith("root:")
+                await s.stop()
+        finally:
+            gluster.unfill()
+        packed = await source.pack_diff("gl-with-room")
+        async with await client.run_container(args(packed.image)) as child:
+            assert (await child.run_shell("md5sum /root/blob")).stdout.split()[0] == (
+                await source.run_shell("md5sum /root/blob")).stdout.split()[0]
+        for s in running.values():
+            await s.stop()
+        await client.remove_image(packed.image)
+        assert await client.list_sandboxes() == []

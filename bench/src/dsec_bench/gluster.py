@@ -168,6 +168,31 @@ class GlusterVolume:
     def start_volume(self) -> None:
         self.gluster("volume", "start", self.volume, "force")
 
+    def slow_reads(self, delay_ms: int) -> None:
+        """Every read the brick serves delayed by ``delay_ms`` (GlusterFS's own ``delay-gen``
+        translator, put above the brick's storage); 0 takes it out. It is in the brick's graph,
+        which glusterd does not change under a running brick, so the volume is restarted: its
+        clients answer ENOTCONN for the moment that takes."""
+        if delay_ms:
+            for option, value in (("debug.delay-gen", "posix"), ("delay-gen.enable", "READ"),
+                                  ("delay-gen.delay-duration", str(delay_ms * 1000)),
+                                  ("delay-gen.delay-percentage", "100")):
+                self.gluster("volume", "set", self.volume, option, value)
+        else:
+            self.gluster("volume", "reset", self.volume, "debug.delay-gen")
+        self.stop_volume()
+        self.start_volume()
+
+    def fill(self) -> None:
+        """The volume full: the brick keeps 99% of its disk in reserve (``storage.reserve``),
+        so every write that needs room answers ENOSPC, at once."""
+        self.gluster("volume", "set", self.volume, "storage.reserve", "99")
+
+    def unfill(self) -> None:
+        """Room again. (1%, not 0: 0 stops the brick's check of its free space, and the brick
+        then answers ENOSPC for good.)"""
+        self.gluster("volume", "set", self.volume, "storage.reserve", "1")
+
     def freeze_brick(self) -> None:
         """The brick process stopped (SIGSTOP): a server gone silent, its connection still up.
         The client waits for it up to the ping timeout, then answers ENOTCONN."""

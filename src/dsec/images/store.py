@@ -13,6 +13,7 @@ half-written one is never visible. Each rename is recorded in the store's index
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import hashlib
 import json
@@ -179,21 +180,36 @@ class LayerStore:
         final = self.layer_path(digest)
         if final.exists():
             return digest
-        fd, tmp = tempfile.mkstemp(dir=self.tmp_dir, suffix=".erofs")
-        os.close(fd)
-        try:
-            proc = subprocess.run(
-                ["mkfs.erofs", "--quiet", f"-U{_EROFS_UUID}", "--preserve-mtime",
-                 *(f"--exclude-path={p}" for p in sorted(exclude)), tmp, str(source)],
-                capture_output=True, text=True,
-            )
-            if proc.returncode != 0:
-                raise LayerBuildError(f"mkfs.erofs failed for {source}: {proc.stderr.strip()[:500]}")
-            self.place_layer(digest, Path(tmp))
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with self._room_for(f"a layer of {source}"):
+            fd, tmp = tempfile.mkstemp(dir=self.tmp_dir, suffix=".erofs")
+            os.close(fd)
+            try:
+                proc = subprocess.run(
+                    ["mkfs.erofs", "--quiet", f"-U{_EROFS_UUID}", "--preserve-mtime",
+                     *(f"--exclude-path={p}" for p in sorted(exclude)), tmp, str(source)],
+                    capture_output=True, text=True,
+                )
+                if proc.returncode != 0:
+                    raise LayerBuildError(f"mkfs.erofs failed for {source}: {proc.stderr.strip()[:500]}")
+                self.place_layer(digest, Path(tmp))
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
         return digest
+
+    @contextmanager
+    def _room_for(self, what: str) -> Iterator[None]:
+        """A write to the store that finds its filesystem full (or the quota spent) is a
+        ``LayerBuildError`` naming the store, not an unexplained OSError; the caller's clean-up
+        runs as before, so nothing half-written is kept."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise LayerBuildError(f"no space left on device ({errno.errorcode[exc.errno]}) in the layer store "
+                                  f"{self.root} while writing {what}; nothing was kept: free room on the "
+                                  f"store's filesystem and try again") from None
 
     def place_layer(self, digest: str, tmp: Path) -> None:
         """Place the layer file ``tmp`` (in ``tmp_dir``) as layer ``digest``, with its sums
