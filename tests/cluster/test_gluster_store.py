@@ -462,3 +462,27 @@ async def test_a_full_volume_refuses_writes_by_name_and_serves_the_rest(world, g
             await s.stop()
         await client.remove_image(packed.image)
         assert await client.list_sandboxes() == []
+
+
+async def test_builds_of_one_image_on_several_nodes_at_once_run_once(world):
+    """Six builds of one Dockerfile at once, each sent to whichever node the apiserver picks
+    (with three nodes, all six on one is a chance in 243): the store's lock, which holds across
+    the nodes' mounts of the volume, lets one run its steps; the others wait and take its image."""
+    text = f"FROM busybox\nRUN echo {os.urandom(8).hex()} > /nonce && sleep 1\n"
+    logs: list[list[str]] = [[] for _ in range(6)]
+    async with client_of(world) as client:
+        await wait_for_nodes(client)
+        results = await asyncio.gather(*(client.build_image(f"gl-same-{n}", dockerfile_text=text, on_log=logs[n].append)
+                                         for n in range(6)))
+        try:
+            assert len({r.key for r in results}) == 1
+            ran = [n for n, log in enumerate(logs) if any(line.startswith("step 1/") for line in log)]
+            assert len(ran) == 1, logs
+            for s in (await on_every_node(client, "gl-same-0")).values():
+                assert (await s.read_file("/nonce")).decode().strip() == text.split()[4]
+                await s.stop()
+        finally:
+            for n in range(6):
+                await client.remove_image(f"gl-same-{n}")
+            await client.remove_image(f"dockerfile-{results[0].key[:32]}")
+        assert await client.list_sandboxes() == []
