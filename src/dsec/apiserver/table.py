@@ -34,7 +34,9 @@ from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, Path, Query
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
+from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from libdsec import InvalidRequest
 from libdsec.api_ops import PREFIX, PUBLIC_OPS
@@ -334,12 +336,31 @@ class TableRoutes:
 
 
 def add_schema_routes(app: FastAPI, responses: dict) -> None:
-    """Routes for the OpenAPI document (and a wrong method's 405), one an operation of the
-    table: its path parameters, query, body model and answer model. ``TableRoutes`` serves
-    the requests, so none of them is called."""
+    """The table's operations in the app's routes, though ``TableRoutes`` serves them: a plain
+    route an operation now, so that a request of another method on its path is a 405 (one of
+    the operation's own never gets here), and a FastAPI route an operation, with its path
+    parameters, query, body model and answer model, for the OpenAPI document, made the first
+    time the document is asked for. (Made at start, those cost every server half a second of
+    FastAPI building field validators that no request would use.)"""
     for op in PUBLIC_OPS:
-        app.add_api_route(PREFIX + path_format(op.path), _schema_endpoint(op), methods=[op.method], name=op.name,
-                          responses=responses, response_model=_answer_model(op))
+        app.router.routes.append(Route(PREFIX + path_format(op.path), _not_served, methods=[op.method], name=op.name,
+                                       include_in_schema=False))
+    document = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            for op in PUBLIC_OPS:
+                app.add_api_route(PREFIX + path_format(op.path), _schema_endpoint(op), methods=[op.method],
+                                  name=op.name, responses=responses, response_model=_answer_model(op))
+        return document()
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+async def _not_served(request) -> None:
+    """A table route's request that ``TableRoutes`` left: of another method (a GET route
+    answers HEAD here too)."""
+    raise HTTPException(405)
 
 
 def _encoded(result: Any) -> bytes:
