@@ -82,7 +82,8 @@ class _Proxied(Response):
 
 # Routes of another API added to the app (``dsec.app``: the compatibility layers): called with the
 # app, the cluster and the authenticator, in order, after DSec's own; each returns the routes it
-# added that the lean lane serves (``LeanRoutes``' plain routes), or None.
+# added that the lean lane serves (``LeanRoutes``' plain routes), or None. One that adds its
+# routes later (at its own first request) appends them to ``app.state.plain_routes``.
 RouteAdder = Callable[[FastAPI, Cluster, Authenticator], "list | None"]
 
 
@@ -160,7 +161,8 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
     # keep-alive connection, so the client's next call on it fails.
     app.add_middleware(CatchUnexpected)
     # The E2B API's routes skip FastAPI's own layers (see lean.py).
-    plain_routes: list = []  # the E2B API's, added below
+    plain_routes: list = []  # the E2B API's, added below (or by it, at its first request)
+    app.state.plain_routes = plain_routes
     app.add_middleware(LeanRoutes, plain_routes=plain_routes)
     # The operations of the public table, FastAPI's layers skipped (table.py).
     app.add_middleware(TableRoutes, cluster=cluster, check=check, jobs=jobs)

@@ -149,16 +149,19 @@ class CatchUnexpected:
 
 class LeanRoutes:
     """ASGI middleware: ``app.add_middleware(LeanRoutes, plain_routes=…)``; the list is read at
-    the first request (the app adds them after this)."""
+    the first request (the app adds them after this), and again when it has grown (a layer
+    that adds its routes at its own first request: ``dsec.compat.e2b``)."""
 
     def __init__(self, app, plain_routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
         self._plain_routes = plain_routes
-        self._ready = False
+        self._read = -1  # how many of plain_routes were read
         self._plain: dict[str, list[_Plain]] = {}  # by method; "*": the mounts
         self._plain_prefixes: tuple[str, ...] = ()  # what every plain route's path starts with
 
     def _by_method(self) -> None:
+        self._read = len(self._plain_routes)
+        self._plain = {}
         for route in self._plain_routes:
             plain = _plain(route)
             if plain is None:
@@ -170,12 +173,11 @@ class LeanRoutes:
             for route in self._plain_routes:
                 groups.setdefault(route.path.split("/")[1], []).append(route.path)
             self._plain_prefixes = tuple(os.path.commonprefix(paths) for paths in groups.values())
-        self._ready = True
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if not self._ready:
+        if self._read != len(self._plain_routes):
             self._by_method()
         if self._plain and scope["path"].startswith(self._plain_prefixes):
             return await self._serve_plain(scope, receive, send)
