@@ -64,7 +64,8 @@ log = logging.getLogger("dsec.images.layercache")
 CHUNK = sums.CHUNK  # (so a chunk fetched is one the store's sums name)
 # How often the cache looks for layers GC removed from the store (their chunks are given back).
 SWEEP_S = 300.0
-_LAYER = re.compile(r"^sha256-[0-9a-f]{64}\.erofs\Z")
+# (a layer's file, or its DAX variant, which microVMs map: ``dsec.backends.vm.microvm``)
+_LAYER = re.compile(r"^sha256-[0-9a-f]{64}\.(?:erofs|dax)\Z")
 _STATS = ".stats"
 
 # -- the cache on disk -------------------------------------------------------------------------
@@ -625,6 +626,22 @@ class LayerCache:
                         time.sleep(0.01)
             finally:
                 os.close(lock)
+
+    def stop_unless_busy(self) -> bool:
+        """``stop`` it unless a file of it is open or mapped (a VM's QEMU maps its layers from
+        it, another process's layer mount reads through it): the kernel refuses to unmount a
+        busy mount, and tells across processes (an edge restarted under running VMs) what no
+        count kept here could. Returns whether it was stopped."""
+        with self._lock:
+            try:
+                _sys.umount(str(self.mountpoint))
+            except OSError as exc:
+                if exc.errno == errno.EBUSY:
+                    return False
+                if exc.errno not in (errno.EINVAL, errno.ENOENT, errno.ENOTCONN):  # (not mounted, or dead)
+                    raise
+        self.stop()
+        return True
 
     def _unmount(self) -> None:
         while _fuse_mounted(self.mountpoint):

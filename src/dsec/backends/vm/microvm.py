@@ -113,9 +113,10 @@ class MicroVMBackend(VMBackend):
         return super().describe() + f", layers as {'pmem with DAX' if self.layer_mode == 'pmem' else 'private disks'}"
 
     async def _layer_files(self, layers: tuple[str, ...]) -> list[Path]:
-        if self.layer_mode == "private":
-            return [await asyncio.to_thread(self.store.check_layer, d) for d in layers]
-        return [await asyncio.to_thread(self.store.dax_layer, d) for d in layers]
+        """The files QEMU maps (pmem: the DAX variants) or attaches (private: the layers), read
+        through the node's layer cache when it has one (``VMBackend.layer_file``)."""
+        made = self.store.check_layer if self.layer_mode == "private" else self.store.dax_layer
+        return [await self.layer_file(await asyncio.to_thread(made, d)) for d in layers]
 
     def _ram_blocks(self, ram_mb: int, layers_mb: int = 0) -> list[tuple[str, int]]:
         """The guest RAM's memory backends, (id, MiB) in guest-address order. Their ids name

@@ -1,0 +1,91 @@
+"""MicroVMs read their layers through the node's layer cache (dsec.images.layercache): QEMU maps
+the cache's file of a layer's DAX variant (a FUSE file, shared and read-only) as the guest's
+pmem, so what the guest reads is fetched from the store in chunks, checked and kept on the
+node's disk; the next VM of the image, on a cache started again, reads nothing from the store.
+While a VM maps files of the cache it is not stopped under it; with the last VM gone it is.
+(The same for containers: tests/images/test_layer_cache.py.)"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from dsec.backends.base import ExecContext, SandboxSpec
+from libdsec.protocol import ExecRequest
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/bin:/usr/bin"})
+# Every file of the image's /bin, /etc and /lib, read whole in the guest (from its pmem layers).
+READ_ALL = "find /bin /etc /lib -xdev -type f 2>/dev/null | sort | xargs cat 2>/dev/null | md5sum"
+
+
+async def test_a_microvm_reads_its_layers_through_the_node_layer_cache(test_store):
+    from test_microvm import assets_dir, qemu_processes
+
+    from dsec._sys import set_child_subreaper
+    from dsec.backends.vm.microvm import MicroVMBackend
+    from dsec.images import sums
+    from dsec.images.layercache import LayerCache
+    from dsec.images.store import LayerStore
+    from dsec.local import leftovers
+
+    set_child_subreaper()
+    state = Path(tempfile.mkdtemp(prefix="vmc-", dir="/tmp"))  # (short: QEMU's sockets are in it)
+    # A store of its own with the busybox image's layers: its DAX variants made here, with sums.
+    shared = LayerStore(test_store)
+    image = shared.get_image("busybox")
+    store = LayerStore(state / "store")
+    for digest in image.layers:
+        shutil.copyfile(shared.layer_path(digest), store.tmp_dir / "layer.erofs")
+        store.place_layer(digest, store.tmp_dir / "layer.erofs")
+    store.put_image(image)
+    cache = LayerCache(state / "node" / "layer-cache", 256 << 20, store.layers_dir)
+    backend = MicroVMBackend(state / "node", store, assets_dir(test_store), boot_timeout_s=90, use_ksm=False,
+                             layer_cache=cache)
+    spec = SandboxSpec(image="busybox", layers=image.layers, env=dict(image.env), limits=None)
+    try:
+        vm = await backend.create("clc1000000000000", spec)
+        argv = Path(f"/proc/{vm.pid}/cmdline").read_bytes().decode(errors="replace")
+        for digest in image.layers:  # QEMU maps the cache's file of each DAX variant, not the store's
+            assert f"mem-path={cache.mountpoint}/{digest}.dax," in argv
+            assert f"mem-path={store.layers_dir}" not in argv
+            # (whose chunks the cache checks against the sums taken when it was made)
+            assert sums.load(store.dax_layer_path(digest)).size == store.dax_layer_path(digest).stat().st_size
+        first = await backend.exec(vm, ExecRequest(command=READ_ALL), ROOT)
+        assert first.exit_code == 0, first.stderr
+        cold = cache.stats()
+        # (a) what the guest read was fetched in chunks from the store and kept.
+        assert cold["fetched_bytes"] > 0 and cold["chunks_cached"] > 0
+        assert cold["store_chunks_refused"] == 0 and cold["chunks_refused"] == 0
+        assert cold["used_bytes"] <= sum(store.dax_layer_path(d).stat().st_size for d in image.layers)
+        # Not stopped under a running VM: the cache's mount is busy with QEMU's mappings.
+        assert not cache.stop_unless_busy() and cache.running()
+        await backend.destroy(vm)
+        backend.release_unused()  # the last VM gone: the cache stops
+        assert not cache.running()
+
+        # (b) a second VM of the image, on the cache started again (a new server: nothing in the
+        # host's page cache of it), reads everything from the node's disk.
+        vm = await backend.create("clc2000000000000", spec)
+        second = await backend.exec(vm, ExecRequest(command=READ_ALL), ROOT)
+        assert second.exit_code == 0, second.stderr
+        assert second.stdout == first.stdout
+        warm = cache.stats()
+        assert warm["fetched_bytes"] == 0, warm
+        assert warm["cached_bytes_served"] > 0 and warm["chunks_refused"] == 0
+        assert warm["used_bytes"] == cold["used_bytes"]
+        await backend.destroy(vm)
+    finally:
+        await backend.recover([])
+        backend.release_unused()
+        await backend.close()
+        # (c) nothing left: no QEMU, cgroup or mount (the cache's own under the state dir).
+        left = leftovers(state) + qemu_processes(str(state))
+        running = cache.running()
+        shutil.rmtree(state, ignore_errors=True)
+    assert not left, left
+    assert not running
