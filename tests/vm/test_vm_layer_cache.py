@@ -8,6 +8,7 @@ While a VM maps files of the cache it is not stopped under it; with the last VM 
 from __future__ import annotations
 
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -89,3 +90,36 @@ async def test_a_microvm_reads_its_layers_through_the_node_layer_cache(test_stor
         shutil.rmtree(state, ignore_errors=True)
     assert not left, left
     assert not running
+
+
+def test_a_full_vm_base_disk_is_built_from_the_layer_cache(tmp_path, test_store):
+    """A full VM's base disk (composed from the layers, kept on the node) is built from the
+    cache's files of the layers: a node building it again reads nothing from the store."""
+    import asyncio
+
+    from dsec.backends.vm.fullvm import FullVMBackend
+    from dsec.images.layercache import LayerCache
+    from dsec.images.store import LayerStore
+    from dsec.local import leftovers
+
+    store = LayerStore(test_store)
+    layers = store.get_image("busybox").layers
+    cache = LayerCache(tmp_path / "node" / "layer-cache", 64 << 20, store.layers_dir)
+    backend = FullVMBackend(tmp_path / "node", store, tmp_path / "vm", layer_cache=cache)
+    try:
+        disk = asyncio.run(backend.base_disk(layers))
+        cold = cache.stats()
+        assert cold["fetched_bytes"] > 0 and cold["chunks_cached"] > 0
+        backend.release_unused()  # no VM: the cache stops
+        assert not cache.running()
+        built = subprocess.run(["debugfs", "-R", "stat /bin/busybox", str(disk)], capture_output=True, text=True)
+        assert "Type: regular" in built.stdout, built.stdout + built.stderr
+        disk.unlink()
+        again = asyncio.run(backend.base_disk(layers))  # the cache started again: the node's disk
+        warm = cache.stats()
+        assert warm["fetched_bytes"] == 0 and warm["cached_bytes_served"] > 0
+        assert again.stat().st_size > 0
+    finally:
+        backend.release_unused()
+    assert not cache.running()
+    assert not leftovers(tmp_path)

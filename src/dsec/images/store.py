@@ -282,13 +282,17 @@ class LayerStore:
         (``DIGEST.dax.sums``) that a node's layer cache checks what it fetches of it against."""
         source = self.check_layer(digest)
         final = self.dax_layer_path(digest)
-        if final.exists():
-            return final
-        # (The nodes of a shared store make it once: two made at once could place one's sums
-        # beside the other's file, whose superblocks differ by their build time.)
-        with self.locked(f"dax-{digest}"):
-            if not final.exists():
-                self._make_dax_layer(digest, source, final)
+        if not final.exists():
+            # (The nodes of a shared store make it once: two made at once could place one's
+            # sums beside the other's file, whose superblocks differ by their build time.)
+            with self.locked(f"dax-{digest}"):
+                if not final.exists():
+                    self._make_dax_layer(digest, source, final)
+        # Checked as a layer is before it is mounted: its size against its sums (a file cut
+        # short would be mapped past its end), its sums file whole.
+        if (problem := sums.mount_problem(final)) is not None:
+            raise BackendError(f"{problem} (the DAX variant {final.name}: remove it, and the next microVM of the "
+                               f"image makes it again)")
         return final
 
     def _make_dax_layer(self, digest: str, source: Path, final: Path) -> None:
