@@ -24,19 +24,11 @@ ROOT = ExecContext(uid=0, gid=0, workdir="/", env={"PATH": "/bin:/usr/bin"})
 READ_ALL = "find /bin /etc /lib -xdev -type f 2>/dev/null | sort | xargs cat 2>/dev/null | md5sum"
 
 
-async def test_a_microvm_reads_its_layers_through_the_node_layer_cache(test_store):
-    from test_microvm import assets_dir, qemu_processes
-
-    from dsec._sys import set_child_subreaper
-    from dsec.backends.vm.microvm import MicroVMBackend
-    from dsec.images import sums
-    from dsec.images.layercache import LayerCache
+def own_store(test_store: Path, state: Path):
+    """A store of its own with the busybox image's layers (its DAX variants made there, with
+    their sums): (store, image)."""
     from dsec.images.store import LayerStore
-    from dsec.local import leftovers
 
-    set_child_subreaper()
-    state = Path(tempfile.mkdtemp(prefix="vmc-", dir="/tmp"))  # (short: QEMU's sockets are in it)
-    # A store of its own with the busybox image's layers: its DAX variants made here, with sums.
     shared = LayerStore(test_store)
     image = shared.get_image("busybox")
     store = LayerStore(state / "store")
@@ -44,9 +36,42 @@ async def test_a_microvm_reads_its_layers_through_the_node_layer_cache(test_stor
         shutil.copyfile(shared.layer_path(digest), store.tmp_dir / "layer.erofs")
         store.place_layer(digest, store.tmp_dir / "layer.erofs")
     store.put_image(image)
+    return store, image
+
+
+def microvm(state: Path, store, cache, test_store: Path):
+    from test_microvm import assets_dir
+
+    from dsec._sys import set_child_subreaper
+    from dsec.backends.vm.microvm import MicroVMBackend
+
+    set_child_subreaper()
+    return MicroVMBackend(state / "node", store, assets_dir(test_store), boot_timeout_s=90, use_ksm=False,
+                          layer_cache=cache)
+
+
+async def cleaned_up(backend, cache, state: Path) -> list[str]:
+    """Every VM of the backend ended, the cache stopped with the last: what is left (none)."""
+    from test_microvm import qemu_processes
+
+    from dsec.local import leftovers
+
+    await backend.recover([])
+    backend.release_unused()
+    await backend.close()
+    left = leftovers(state) + qemu_processes(str(state)) + (["the layer cache's server"] if cache.running() else [])
+    shutil.rmtree(state, ignore_errors=True)
+    return left
+
+
+async def test_a_microvm_reads_its_layers_through_the_node_layer_cache(test_store):
+    from dsec.images import sums
+    from dsec.images.layercache import LayerCache
+
+    state = Path(tempfile.mkdtemp(prefix="vmc-", dir="/tmp"))  # (short: QEMU's sockets are in it)
+    store, image = own_store(test_store, state)
     cache = LayerCache(state / "node" / "layer-cache", 256 << 20, store.layers_dir)
-    backend = MicroVMBackend(state / "node", store, assets_dir(test_store), boot_timeout_s=90, use_ksm=False,
-                             layer_cache=cache)
+    backend = microvm(state, store, cache, test_store)
     spec = SandboxSpec(image="busybox", layers=image.layers, env=dict(image.env), limits=None)
     try:
         vm = await backend.create("clc1000000000000", spec)
@@ -81,15 +106,36 @@ async def test_a_microvm_reads_its_layers_through_the_node_layer_cache(test_stor
         assert warm["used_bytes"] == cold["used_bytes"]
         await backend.destroy(vm)
     finally:
-        await backend.recover([])
-        backend.release_unused()
-        await backend.close()
         # (c) nothing left: no QEMU, cgroup or mount (the cache's own under the state dir).
-        left = leftovers(state) + qemu_processes(str(state))
-        running = cache.running()
-        shutil.rmtree(state, ignore_errors=True)
+        left = await cleaned_up(backend, cache, state)
     assert not left, left
-    assert not running
+
+
+async def test_a_chunk_damaged_on_the_store_never_reaches_a_microvm(test_store):
+    """A chunk of a DAX variant that does not match its sum is refused by the cache: the
+    guest's pmem read of it faults in QEMU (a mapped file has no EIO to give), which ends, and
+    the create fails naming the VM; the log names the layer and the chunk."""
+    from damage import flip
+
+    from dsec.images.layercache import LayerCache
+    from libdsec import BackendError
+
+    state = Path(tempfile.mkdtemp(prefix="vmc-", dir="/tmp"))
+    store, image = own_store(test_store, state)
+    cache = LayerCache(state / "node" / "layer-cache", 256 << 20, store.layers_dir)
+    backend = microvm(state, store, cache, test_store)
+    spec = SandboxSpec(image="busybox", layers=image.layers, env=dict(image.env), limits=None)
+    try:
+        dax = store.dax_layer(image.layers[0])
+        flip(dax, 1024 + 100)  # in the EROFS superblock, which the guest reads to mount it
+        with pytest.raises(BackendError, match="did not come up"):
+            await backend.create("clcd000000000000", spec)
+        assert cache.stats()["store_chunks_refused"] >= 1
+        log = (cache.cache_dir / "log").read_text()
+        assert f"chunk 0 of {dax.name} (bytes 0-65535) read from the store" in log
+    finally:
+        left = await cleaned_up(backend, cache, state)
+    assert not left, left
 
 
 def test_a_full_vm_base_disk_is_built_from_the_layer_cache(tmp_path, test_store):
