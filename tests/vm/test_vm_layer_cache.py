@@ -2,7 +2,9 @@
 the cache's file of a layer's DAX variant (a FUSE file, shared and read-only) as the guest's
 pmem, so what the guest reads is fetched from the store in chunks, checked and kept on the
 node's disk; the next VM of the image, on a cache started again, reads nothing from the store.
-While a VM maps files of the cache it is not stopped under it; with the last VM gone it is.
+While a VM maps files of the cache it is not stopped under it (by the VMs' backend or a
+restarted edge's layer mounts); with the last VM gone it is. A chunk damaged on the store never
+reaches a guest. A full VM's base disk is built from the cache's files.
 (The same for containers: tests/images/test_layer_cache.py.)"""
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ async def cleaned_up(backend, cache, state: Path) -> list[str]:
 async def test_a_microvm_reads_its_layers_through_the_node_layer_cache(test_store):
     from dsec.images import sums
     from dsec.images.layercache import LayerCache
+    from dsec.images.mounts import LayerMounts
 
     state = Path(tempfile.mkdtemp(prefix="vmc-", dir="/tmp"))  # (short: QEMU's sockets are in it)
     store, image = own_store(test_store, state)
@@ -104,6 +107,13 @@ async def test_a_microvm_reads_its_layers_through_the_node_layer_cache(test_stor
         assert warm["fetched_bytes"] == 0, warm
         assert warm["cached_bytes_served"] > 0 and warm["chunks_refused"] == 0
         assert warm["used_bytes"] == cold["used_bytes"]
+        # An edge restarted under the VM (new handles on the same cache) whose containers mount
+        # no layer: its layer mounts let go of what is unused, and the cache serves on.
+        again = LayerCache(cache.cache_dir, cache.limit, store.layers_dir)
+        LayerMounts(state / "node" / "layers", layers_dir=store.layers_dir, cache=again).release_unused()
+        assert again.running() and again.device() == cache.device()
+        still = await backend.exec(vm, ExecRequest(command=READ_ALL), ROOT)
+        assert still.exit_code == 0 and still.stdout == first.stdout
         await backend.destroy(vm)
     finally:
         # (c) nothing left: no QEMU, cgroup or mount (the cache's own under the state dir).
