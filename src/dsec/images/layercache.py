@@ -636,8 +636,8 @@ class LayerCache:
         count kept here could. Returns whether it was stopped.
 
         Unmounted, its server is ended outright: a copy of its mount in another mount namespace
-        (a daemon that unshared its mounts while the cache was mounted: glusterd did here, in 2
-        of 15 stops) keeps the FUSE connection, and so the server, alive, and the next start
+        (a daemon that unshared its mounts while the cache was mounted: glusterd did here, in 3
+        of about 60 stops) keeps the FUSE connection, and so the server, alive, and the next start
         would find the cache's lock held. Nothing of the node reads through such a copy."""
         with self._lock:
             try:
