@@ -1,7 +1,8 @@
 """MicroVMs read their layers through the node's layer cache (dsec.images.layercache): QEMU maps
 the cache's file of a layer's DAX variant (a FUSE file, shared and read-only) as the guest's
 pmem, so what the guest reads is fetched from the store in chunks, checked and kept on the
-node's disk; the next VM of the image, on a cache started again, reads nothing from the store.
+node's disk; the next VM of the image, on a cache started again, and a clone of its memory
+snapshot read nothing from the store.
 While a VM maps files of the cache it is not stopped under it (by the VMs' backend or a
 restarted edge's layer mounts); with the last VM gone it is. A chunk damaged on the store never
 reaches a guest. A full VM's base disk is built from the cache's files.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,6 +116,14 @@ async def test_a_microvm_reads_its_layers_through_the_node_layer_cache(test_stor
         assert again.running() and again.device() == cache.device()
         still = await backend.exec(vm, ExecRequest(command=READ_ALL), ROOT)
         assert still.exit_code == 0 and still.stdout == first.stdout
+        # A clone of a memory snapshot maps the same files of the cache (the pmem layers are no
+        # part of the snapshot: x-ignore-shared).
+        meta = await backend.snapshot(vm)
+        clone = await backend.create("clc3000000000000", replace(spec, snapshot=meta["id"]))
+        cloned = await backend.exec(clone, ExecRequest(command=READ_ALL), ROOT)
+        assert cloned.exit_code == 0 and cloned.stdout == first.stdout
+        assert cache.stats()["fetched_bytes"] == 0
+        await backend.destroy(clone)
         await backend.destroy(vm)
     finally:
         # (c) nothing left: no QEMU, cgroup or mount (the cache's own under the state dir).
