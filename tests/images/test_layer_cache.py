@@ -200,3 +200,26 @@ def test_a_layer_damaged_on_the_store_is_refused(tmp_path, layer):
         node.mounts.acquire((node.layer,))
     node.mounts.release_unused()
     assert not node.cache.running()
+
+
+def test_a_copy_of_the_cache_mount_in_another_namespace_does_not_keep_its_server(tmp_path, layer):
+    """A process that unshared its mounts while the cache was mounted (a daemon started then:
+    glusterd on this machine) holds a copy of the cache's mount, which keeps the FUSE connection
+    alive: the cache's stop ends its server all the same, and it starts again at once."""
+    store, digest, sums = layer
+    node = Node(tmp_path, store, digest, 64 << 20)
+    node.cache.ensure()
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        while str(node.cache.mountpoint) not in Path(f"/proc/{holder.pid}/mountinfo").read_text():
+            assert time.monotonic() < deadline, "unshare made no copy of the mount"
+            time.sleep(0.01)
+        start = time.monotonic()
+        got, _ = node.read("f0")  # (the cache stopped at the end)
+        assert got == {"f0": sums["f0"]} and time.monotonic() - start < 4
+        got, again = node.read("f0")  # started again: its lock was let go
+        assert got == {"f0": sums["f0"]} and again["fetched_bytes"] == 0
+    finally:
+        holder.kill()
+        holder.wait()

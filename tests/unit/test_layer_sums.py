@@ -92,6 +92,23 @@ def test_a_layer_without_sums_is_taken_as_it_is_and_gc_takes_the_sums(store, tmp
     assert store.index.stats().stored_layers == 0  # (the sums are no layer to the index)
 
 
+@pytest.mark.root
+def test_a_dax_variant_has_sums_of_its_own_checked_before_a_vm_maps_it(store, tmp_path):
+    """The layer cache serves a layer's DAX variant to microVMs and checks its chunks against
+    these; one cut short on the store is refused before QEMU maps it; GC takes them along."""
+    digest = _layer(store, tmp_path, 6)
+    dax = store.dax_layer(digest)
+    found = sums.load(dax)
+    assert sums.path_of(dax).name == f"{digest}.dax.sums" and found.size == dax.stat().st_size
+    assert sums.load(store.layer_path(digest)).size == store.layer_size(digest)  # (the layer's own, apart)
+    assert store.dax_layer(digest) == dax
+    os.chmod(dax, 0o644)
+    os.truncate(dax, dax.stat().st_size - sums.CHUNK)
+    with pytest.raises(BackendError, match=f"{digest}.dax: its file has .* \\(cut short\\).*next microVM"):
+        store.dax_layer(digest)
+    assert store.gc() == [digest] and not list(store.layers_dir.iterdir())
+
+
 def test_dsec_image_verify(store, tmp_path):
     from dsec.cli import app
 

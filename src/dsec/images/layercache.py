@@ -5,7 +5,8 @@ shared filesystem.
 The cache is a small FUSE filesystem of this module's own (``serve``, a process of its own per
 node, started by ``LayerCache.ensure``): ``MOUNT/sha256-….erofs`` is the store's layer file of
 that name, read-only. The node mounts that file (file-backed EROFS, or a loop device over it)
-instead of the store's. A read is served chunk by chunk (``CHUNK`` bytes): a chunk the node has
+instead of the store's; its VMs map or attach its files of their layers, and of the layers' DAX
+variants (``sha256-….dax``, served alike), instead of the store's (``dsec.backends.vm``). A read is served chunk by chunk (``CHUNK`` bytes): a chunk the node has
 is read from its local cache file, one it has not is read from the store, written to the cache
 and served. The kernel's EROFS reads on demand, so only what sandboxes read is fetched, metadata
 first (the superblock, inodes and directories a create walks), and that stays on the node.
@@ -48,6 +49,7 @@ import json
 import logging
 import os
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -64,7 +66,8 @@ log = logging.getLogger("dsec.images.layercache")
 CHUNK = sums.CHUNK  # (so a chunk fetched is one the store's sums name)
 # How often the cache looks for layers GC removed from the store (their chunks are given back).
 SWEEP_S = 300.0
-_LAYER = re.compile(r"^sha256-[0-9a-f]{64}\.erofs\Z")
+# (a layer's file, or its DAX variant, which microVMs map: ``dsec.backends.vm.microvm``)
+_LAYER = re.compile(r"^sha256-[0-9a-f]{64}\.(?:erofs|dax)\Z")
 _STATS = ".stats"
 
 # -- the cache on disk -------------------------------------------------------------------------
@@ -625,6 +628,40 @@ class LayerCache:
                         time.sleep(0.01)
             finally:
                 os.close(lock)
+
+    def stop_unless_busy(self) -> bool:
+        """``stop`` it unless a file of it is open or mapped (a VM's QEMU maps its layers from
+        it, another process's layer mount reads through it): the kernel refuses to unmount a
+        busy mount, and tells across processes (an edge restarted under running VMs) what no
+        count kept here could. Returns whether it was stopped.
+
+        Unmounted, its server is ended outright: a copy of its mount in another mount namespace
+        (a daemon that unshared its mounts while the cache was mounted: glusterd did here, in 3
+        of about 60 stops) keeps the FUSE connection, and so the server, alive, and the next start
+        would find the cache's lock held. Nothing of the node reads through such a copy."""
+        with self._lock:
+            try:
+                _sys.umount(str(self.mountpoint))
+            except OSError as exc:
+                if exc.errno == errno.EBUSY:
+                    return False
+                if exc.errno not in (errno.EINVAL, errno.ENOENT, errno.ENOTCONN):  # (not mounted, or dead)
+                    raise
+            argv = [b"-m", b"dsec.images.layercache", os.fsencode(self.layers_dir), os.fsencode(self.cache_dir)]
+
+            def serves() -> bool:
+                return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1:5] == argv
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                with contextlib.suppress(OSError):
+                    if serves():
+                        pidfd = os.pidfd_open(int(pid))
+                        try:  # (looked at again once held: the pid cannot be another's by then)
+                            if serves():
+                                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                        finally:
+                            os.close(pidfd)
+        self.stop()
+        return True
 
     def _unmount(self) -> None:
         while _fuse_mounted(self.mountpoint):

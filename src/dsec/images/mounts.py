@@ -17,8 +17,9 @@ anew for the new sandbox; the sandboxes on the old mount keep it, detached, unti
 
 With a layer cache (``DSEC_LAYER_CACHE_MB``, see dsec.images.layercache) a layer is mounted
 from the cache's file of it, which reads the store's on demand and keeps what was read on the
-node's disk; the cache is stopped once no layer is mounted here (``release_unused``) and started
-again, with what it kept, at the next mount.
+node's disk; the cache is stopped once no layer is mounted here (``release_unused``), unless a
+VM still maps layer files from it (``LayerCache.stop_unless_busy``: the node's VMs read their
+layers through the same cache), and started again, with what it kept, at the next mount.
 
 While a layer is mounted here its file is held open with a shared ``flock``: GC, wherever it
 runs on the store (``LayerStore.gc``), removes only the layers it can lock alone.
@@ -62,7 +63,7 @@ class LayerMounts:
         if self.attach not in ("file", "loop"):
             raise ValueError(f"layer attach must be file or loop, not {self.attach!r}")
         self.layers_dir = layers_dir
-        self.cache = cache or _configured_cache(self.mount_dir, layers_dir)
+        self.cache = cache or configured_cache(self.mount_dir.parent, layers_dir)
         self._refs: Counter[str] = Counter()
         # digest -> (fd, device) of its layer file, open while mounted here with a shared lock on
         # it: GC on any machine sharing the store leaves a locked layer (LayerStore.gc). The
@@ -264,7 +265,7 @@ class LayerMounts:
             if self.cache is not None and not self._refs:
                 if self.attach == "loop":
                     loopdev.detach_backed_by(self.cache.mountpoint)
-                self.cache.stop()
+                self.cache.stop_unless_busy()  # (not under a VM mapping layers from it)
         return removed
 
     def mounted(self) -> dict[str, int]:
@@ -272,14 +273,24 @@ class LayerMounts:
             return dict(self._refs)
 
 
-def _configured_cache(mount_dir: Path, layers_dir: Path | None) -> LayerCache | None:
-    """The layer cache DSEC_LAYER_CACHE_MB asks for (beside the mount dir, or at
-    DSEC_LAYER_CACHE_DIR), over the store's ``layers_dir``."""
+_node_caches: dict[Path, LayerCache] = {}
+_node_caches_lock = threading.Lock()
+
+
+def configured_cache(node_dir: Path, layers_dir: Path | None) -> LayerCache | None:
+    """The layer cache DSEC_LAYER_CACHE_MB asks for (``node_dir/layer-cache``, or at
+    DSEC_LAYER_CACHE_DIR), over the store's ``layers_dir``: one handle per cache in a process,
+    shared by the node's layer mounts (containers) and its VM backends, so that they start its
+    server once between them."""
     conf = settings.current()
     if layers_dir is None or conf.layer_cache_mb <= 0:
         return None
-    return LayerCache(conf.layer_cache_dir or mount_dir.parent / "layer-cache", conf.layer_cache_mb << 20,
-                      layers_dir)
+    cache_dir = Path(conf.layer_cache_dir or Path(node_dir) / "layer-cache")
+    with _node_caches_lock:
+        cache = _node_caches.get(cache_dir)
+        if cache is None or (cache.limit, cache.layers_dir) != (conf.layer_cache_mb << 20, Path(layers_dir)):
+            cache = _node_caches[cache_dir] = LayerCache(cache_dir, conf.layer_cache_mb << 20, layers_dir)
+        return cache
 
 
 def _unmount_dir(path: Path) -> None:

@@ -266,6 +266,7 @@ class LayerStore:
         def unlink() -> None:
             self.layer_path(digest).unlink(missing_ok=True)
             self.dax_layer_path(digest).unlink(missing_ok=True)
+            sums.path_of(self.dax_layer_path(digest)).unlink(missing_ok=True)
             sums.path_of(self.layer_path(digest)).unlink(missing_ok=True)
         self.index.layer_removed(digest, unlink)
 
@@ -293,11 +294,24 @@ class LayerStore:
     def dax_layer(self, digest: str) -> Path:
         """The layer rebuilt for DAX: uncompressed, no inline (tail-packed) data, its size a
         multiple of 2 MiB, so a VM can map it as pmem and read it in place. Made on first use
-        from the layer itself (mounted read-only) and kept beside it."""
+        from the layer itself (mounted read-only) and kept beside it, with sums of its own
+        (``DIGEST.dax.sums``) that a node's layer cache checks what it fetches of it against."""
         source = self.check_layer(digest)
         final = self.dax_layer_path(digest)
-        if final.exists():
-            return final
+        if not final.exists():
+            # (The nodes of a shared store make it once: two made at once could place one's
+            # sums beside the other's file, whose superblocks differ by their build time.)
+            with self.locked(f"dax-{digest}"):
+                if not final.exists():
+                    self._make_dax_layer(digest, source, final)
+        # Checked as a layer is before it is mounted: its size against its sums (a file cut
+        # short would be mapped past its end), its sums file whole.
+        if (problem := sums.mount_problem(final)) is not None:
+            raise BackendError(f"{problem} (the DAX variant {final.name}: remove it, and the next microVM of the "
+                               f"image makes it again)")
+        return final
+
+    def _make_dax_layer(self, digest: str, source: Path, final: Path) -> None:
         with tempfile.TemporaryDirectory(dir=self.tmp_dir) as work:
             mnt, tmp = Path(work, "mnt"), Path(work, "layer.dax")
             mnt.mkdir()
@@ -313,8 +327,14 @@ class LayerStore:
                 raise LayerBuildError(f"mkfs.erofs (DAX variant of {digest}) failed: {proc.stderr.strip()[:500]}")
             os.truncate(tmp, -(-tmp.stat().st_size // DAX_ALIGN) * DAX_ALIGN)
             os.chmod(tmp, 0o444)
-            self.index.layer_file_placed(lambda: os.rename(tmp, final))
-        return final
+            tmp_sums = Path(work, "layer.dax.sums")
+            tmp_sums.write_bytes(sums.take(tmp))
+            os.chmod(tmp_sums, 0o444)
+
+            def place() -> None:  # the sums first, as for a layer
+                os.rename(tmp_sums, sums.path_of(final))
+                os.rename(tmp, final)
+            self.index.layer_file_placed(place)
 
     # -- images ----------------------------------------------------------------------------
 

@@ -18,7 +18,9 @@ Checked where it costs nothing or little:
 
 A layer mounted straight from the store's file (no layer cache) is read by the kernel on
 demand, and its chunks are not checked as they are read: ``verify`` is the full check there.
-Layers placed before the store kept sums have none and are taken as they are.
+Layers placed before the store kept sums have none and are taken as they are. A layer's DAX
+variant (``DIGEST.dax``, made by ``LayerStore.dax_layer`` for microVMs) has sums of its own
+(``DIGEST.dax.sums``), taken when it is made: the layer cache checks its chunks alike.
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ def parse(data: bytes) -> LayerSums:
 
 
 def path_of(layer: Path) -> Path:
-    """Where the sums of the layer file ``layer`` (``DIGEST.erofs``) are kept."""
-    return layer.with_suffix(SUFFIX)
+    """Where the sums of the layer file ``layer`` are kept: ``DIGEST.sums`` for ``DIGEST.erofs``,
+    ``DIGEST.dax.sums`` for its DAX variant ``DIGEST.dax`` (which the layer cache serves too)."""
+    return layer.with_suffix(SUFFIX) if layer.suffix == ".erofs" else layer.with_name(layer.name + SUFFIX)
 
 
 def load(layer: Path) -> LayerSums | None:

@@ -39,6 +39,8 @@ from libdsec import BackendError, CommandTimeout, InvalidRequest, LimitOutOfRang
 from libdsec.protocol import ExecRequest, ExecResult
 
 from ...images import carry
+from ...images.layercache import LayerCache
+from ...images.mounts import configured_cache
 from ...images.store import LayerStore
 from ...resources import cgroups, reclaim
 from ...resources.cgroups import Limits
@@ -205,9 +207,12 @@ class VMBackend:
 
     def __init__(self, node_dir: Path, store: LayerStore, assets_dir: Path | None = None, *,
                  accel: str | None = None, boot_timeout_s: float = 60.0, default_memory_mb: int = DEFAULT_MEMORY_MB,
-                 tcg_tb_mb: int | None = None) -> None:
+                 tcg_tb_mb: int | None = None, layer_cache: LayerCache | None = None) -> None:
+        """``layer_cache``: the node's layer cache the VMs read their layers through (None: the
+        one the settings ask for, shared with the node's containers, if any)."""
         self.node_dir = Path(node_dir)
         self.store = store
+        self.layer_cache = layer_cache or configured_cache(self.node_dir, store.layers_dir)
         self.vms_dir = self.node_dir / "vms" / self.kind
         self.vms_dir.mkdir(parents=True, exist_ok=True)
         self.assets_cache = AssetCache(Path(assets_dir) if assets_dir else self.node_dir.parent / "vm")
@@ -250,6 +255,15 @@ class VMBackend:
 
     def vm_dir(self, cid: str) -> Path:
         return self.vms_dir / cid
+
+    async def layer_file(self, path: Path) -> Path:
+        """Where a VM reads the store's layer file ``path`` (a layer, or its DAX variant): with a
+        layer cache, its file there, so what the node's VMs read of it is fetched from the store
+        once, checked against the store's sums, and kept on the node's disk (the cache's server
+        started if it is not serving); else the store's file itself."""
+        if self.layer_cache is None:
+            return path
+        return await asyncio.to_thread(self.layer_cache.path, path)
 
     # -- what each kind provides -----------------------------------------------------------
 
@@ -593,9 +607,13 @@ class VMBackend:
 
     def release_unused(self) -> None:
         """Nothing node-wide outlives the last VM but cached files (kernel, disks, layers) and,
-        while a VM is left, the parent cgroup."""
+        while a VM is left, the parent cgroup and the node's layer cache: its server is stopped
+        only when no file of it is open or mapped (a VM re-adopted by a later edge, a
+        container's layer mount), ``LayerCache.stop_unless_busy``."""
         if not self._live:
             cgroups.remove_parent(self.cgroup_parent)
+            if self.layer_cache is not None:
+                self.layer_cache.stop_unless_busy()
 
     def memory_usage(self, handle: Handle) -> int | None:
         return machine.rss_bytes(handle.pid) if handle.pid else None

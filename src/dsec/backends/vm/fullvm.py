@@ -28,6 +28,7 @@ from pathlib import Path
 
 from libdsec import BackendError
 
+from ...images.layercache import LayerCache
 from ..base import SandboxSpec
 from .backend import VMBackend
 
@@ -69,8 +70,10 @@ def _sh(cmd: list[str]) -> None:
         raise BackendError(f"{' '.join(cmd[:3])} … failed: {(proc.stdout + proc.stderr).strip()[-600:]}")
 
 
-def build_base_disk(store, layers: tuple[str, ...], dest: Path) -> None:
-    """Compose ``layers`` and write them as an ext4 image at ``dest`` (atomically)."""
+def build_base_disk(store, layers: tuple[str, ...], dest: Path, cache: LayerCache | None = None) -> None:
+    """Compose ``layers`` and write them as an ext4 image at ``dest`` (atomically), reading the
+    layers through the node's layer ``cache`` when it has one (the disk is kept on the node:
+    its VMs read nothing of the store after)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as work:
         w = Path(work)
@@ -79,7 +82,8 @@ def build_base_disk(store, layers: tuple[str, ...], dest: Path) -> None:
             for i, digest in enumerate(layers):
                 m = w / f"l{i}"
                 m.mkdir()
-                _sh(["mount", "-t", "erofs", "-o", "ro", str(store.check_layer(digest)), str(m)])
+                source = store.check_layer(digest)
+                _sh(["mount", "-t", "erofs", "-o", "ro", str(cache.path(source) if cache else source), str(m)])
                 mounts.append(m)
             if len(mounts) == 1:
                 merged = mounts[0]
@@ -150,7 +154,7 @@ class FullVMBackend(VMBackend):
         path = self.disks_dir / f"{key}.raw"
         async with self._disk_locks.setdefault(key, asyncio.Lock()):
             if not path.exists():
-                await asyncio.to_thread(build_base_disk, self.store, layers, path)
+                await asyncio.to_thread(build_base_disk, self.store, layers, path, self.layer_cache)
         return path
 
     async def _prepare(self, cid: str, spec: SandboxSpec, vm_dir: Path) -> list[str]:

@@ -10,9 +10,27 @@ that the initrd, which QEMU puts at the top of memory, does not land inside one.
 init composes the layers with overlayfs under a tmpfs upper, so a VM's writes live in its own
 memory — and in its memory snapshots.
 
+Through the node's layer cache (``DSEC_LAYER_CACHE_MB``, dsec.images.layercache), as a node's
+containers read theirs: QEMU maps the cache's file of each DAX variant instead of the store's,
+so what the guests read is fetched from a shared store once per node, in 64 KiB chunks checked
+against the store's sums, and kept on the node's disk within the cache's bound (LRU); a second
+VM of the image reads nothing from the store. The cache serves the DAX variant as a file of its
+own (the store takes its sums when it makes it, ``DIGEST.dax.sums``) rather than the node making
+a DAX copy from the cached layer: such a copy reads every chunk of the layer (mkfs.erofs walks
+the whole tree), not the ones guests touch, and keeps a second whole file on the node outside the
+cache's bound. QEMU maps a FUSE file as it maps any other (``share=on,readonly=on`` is a shared
+read-only mapping of the FUSE file's page cache, filled by the cache's server as the guest faults
+pages in: tests/vm/test_vm_layer_cache.py boots one), so the node's VMs still share one copy of
+each layer in the host's memory. The DAX variant itself is made once per store from the store's
+layer (by the first node that needs it, under the store's lock). A chunk the cache refuses
+(damaged on the store) cannot be an EIO in a mapping: QEMU faults on it and ends, and the VM with
+it, never fed the bad bytes. The cache's server is not stopped while a VM maps a file of it
+(``LayerCache.stop_unless_busy``); one killed under running VMs can serve them no page that is
+not in the host's page cache already (a VM faulting one would end, as above).
+
 ``layer_mode="private"`` (for comparison in ``dsec bench microvm``) attaches the same layers as
-virtio-blk disks read with O_DIRECT and turns off KSM merging: each VM then keeps private copies
-of what it reads.
+virtio-blk disks read with O_DIRECT (through the layer cache's files too, when the node has one)
+and turns off KSM merging: each VM then keeps private copies of what it reads.
 
 Host memory besides the layers: QEMU marks a pmem microVM's RAM mergeable and the backend turns
 KSM on for the node (``dsec.resources.ksm``; ``use_ksm=False`` or DSEC_VM_KSM=0 leave it as the
@@ -113,9 +131,10 @@ class MicroVMBackend(VMBackend):
         return super().describe() + f", layers as {'pmem with DAX' if self.layer_mode == 'pmem' else 'private disks'}"
 
     async def _layer_files(self, layers: tuple[str, ...]) -> list[Path]:
-        if self.layer_mode == "private":
-            return [await asyncio.to_thread(self.store.check_layer, d) for d in layers]
-        return [await asyncio.to_thread(self.store.dax_layer, d) for d in layers]
+        """The files QEMU maps (pmem: the DAX variants) or attaches (private: the layers), read
+        through the node's layer cache when it has one (``VMBackend.layer_file``)."""
+        made = self.store.check_layer if self.layer_mode == "private" else self.store.dax_layer
+        return [await self.layer_file(await asyncio.to_thread(made, d)) for d in layers]
 
     def _ram_blocks(self, ram_mb: int, layers_mb: int = 0) -> list[tuple[str, int]]:
         """The guest RAM's memory backends, (id, MiB) in guest-address order. Their ids name
