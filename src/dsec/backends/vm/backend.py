@@ -212,7 +212,7 @@ class VMBackend:
         one the settings ask for, shared with the node's containers, if any)."""
         self.node_dir = Path(node_dir)
         self.store = store
-        self.layer_cache = layer_cache or configured_cache(self.node_dir, store.layers_dir)
+        self.layer_cache = layer_cache or configured_cache(self.node_dir, None if store is None else store.layers_dir)
         self.vms_dir = self.node_dir / "vms" / self.kind
         self.vms_dir.mkdir(parents=True, exist_ok=True)
         self.assets_cache = AssetCache(Path(assets_dir) if assets_dir else self.node_dir.parent / "vm")
