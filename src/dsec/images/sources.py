@@ -10,6 +10,7 @@ group are applied, and kept as markers for the layers below it).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .inflate import Inflated, is_gzip
 from .store import Image, LayerBuildError, LayerStore, _check_member
 
 WHITEOUT_PREFIX = ".wh."
@@ -136,7 +138,10 @@ def apply_layer(fileobj, dest: Path) -> None:
     # same layer digest on any node and in any pull.
     times: dict[str, int] = {}
     try:
-        with tarfile.open(fileobj=fileobj, mode="r:*") as tar:
+        # A gzip layer is inflated by a thread of its own (``dsec.images.inflate``).
+        inflated = Inflated(fileobj) if is_gzip(fileobj) else None
+        with inflated or contextlib.nullcontext(), \
+                tarfile.open(fileobj=inflated or fileobj, mode="r:" if inflated else "r:*") as tar:
             for member in tar:
                 name = os.path.normpath(member.name)
                 if name in (".", "/"):
