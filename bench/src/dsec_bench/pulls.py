@@ -125,7 +125,7 @@ def dsec_arm(work: Path, refs: list[str], concurrency: int) -> dict:
         marks.setdefault(stage, time.perf_counter())  # the first image to reach each stage
 
     t0 = time.perf_counter()
-    results = pull_many(store, [(f"task-{i:03d}", ref) for i, ref in enumerate(refs)], insecure=True,
+    results = pull_many(store, [(f"task-{i:03d}", ref) for i, ref in enumerate(refs)], insecure=True, processes=True,
                         concurrency=concurrency, on_event=event)
     seconds = time.perf_counter() - t0
     errors = [str(r) for r in results if isinstance(r, Exception)]
