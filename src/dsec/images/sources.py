@@ -178,7 +178,10 @@ def apply_layer(fileobj, dest: Path) -> None:
                 if member.isdir() or member.issym():
                     times[path] = int(member.mtime)
                 try:
-                    tar.extract(member, dest, numeric_owner=True)
+                    if member.type in _PLAIN_FILE and member.sparse is None:
+                        _write_file(tar, member, path)
+                    else:
+                        tar.extract(member, dest, numeric_owner=True)
                 except KeyError:  # (tarfile: a hard link whose target is neither written nor in the tar)
                     raise LayerBuildError(f"layer has a hard link {member.name!r} -> {member.linkname!r} to nothing "
                                           "in the layer") from None
@@ -187,6 +190,45 @@ def apply_layer(fileobj, dest: Path) -> None:
     for directory in opaque:
         os.setxattr(directory, OPAQUE_XATTR, b"y")
     _settle_times(root, times)
+
+
+_PLAIN_FILE = (tarfile.REGTYPE, tarfile.AREGTYPE)
+_COPY = 1 << 20
+
+
+def _write_file(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str) -> None:
+    """A regular file member written as ``tar.extract(member, numeric_owner=True)`` writes it:
+    its parent made if missing, its bytes, then owner (as root), mode and time, a failure of any
+    of those three passed over as ``tarfile`` passes it over. Through one descriptor, in 1 MiB
+    writes: ``tarfile``'s way (a stat, 16 KiB copies, then three calls by path) was a third of
+    applying a base of 10,000 files."""
+    src = tar.fileobj
+    src.seek(member.offset_data)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, flags, 0o666)
+    try:
+        left = member.size
+        while left > 0:
+            data = src.read(min(left, _COPY))
+            if not data:
+                raise tarfile.ReadError("unexpected end of data")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            left -= len(data)
+        if os.geteuid() == 0:
+            with contextlib.suppress(OSError):
+                os.fchown(fd, member.uid, member.gid)
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, member.mode)
+        with contextlib.suppress(OSError):
+            os.utime(fd, (member.mtime, member.mtime))
+    finally:
+        os.close(fd)
 
 
 def _settle_times(root: str, times: dict[str, int]) -> None:
