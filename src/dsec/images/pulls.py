@@ -423,7 +423,7 @@ def _convert_all(store: LayerStore, pulls: list[_Pull], blobs: Path, converted: 
                 start = head.pop()[1]
         start_dir = start.result() if start is not None else None  # (raises the layer's error)
         try:
-            if procs is None:
+            if procs is None or start_dir is not None:  # (the head's group goes on where it began, unqueued)
                 layer = _convert(store, blobs, group, scratch, start_dir)
             else:
                 layer = procs.submit(_convert_in_worker, str(store.root), str(blobs), group, str(scratch),
