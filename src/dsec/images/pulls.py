@@ -15,9 +15,11 @@ layers of their own. ``pull_many`` takes them as one batch:
    converted group is remembered in the store (``pulled/<first layer>/<key>.json``: the group's
    layers, whether it is an image's bottom, and the store layer it became), so later pulls share
    it too; an entry whose layer GC has removed is dropped.
-3. **Convert.** Each distinct group of the batch once, ``concurrency`` at a time: its layers
-   applied in order into a directory (whiteouts converted; in RAM when it fits: ``_scratch``),
-   then ``store.add_dir``.
+3. **Convert.** Each distinct group of the batch once, ``concurrency`` at a time (from the CLI
+   in forked processes, one a core: ``_workers``): its layers applied in order into a directory
+   (whiteouts converted; in RAM when it fits: ``_scratch``), then ``store.add_dir``. The first
+   image's bottom layer (a batch's shared base, most of the work) is applied already while the
+   other images are fetched (``_apply_head``), and its group goes on from there.
 4. **Record.** Each image with its groups' layers, env, working directory and user.
 
 One image's failure (a reference the registry does not have, a corrupt layer) is that image's
