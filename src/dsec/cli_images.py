@@ -266,7 +266,7 @@ def image_pull(
 
         try:
             results = pull_many(store, wanted, authfile=authfile, insecure=insecure, merge_below=merge_below_mb << 20,
-                                concurrency=concurrency, on_event=event)
+                                concurrency=concurrency, on_event=event, processes=True)
         except DSecError as exc:
             fail(exc)
     failed = 0

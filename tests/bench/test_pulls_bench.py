@@ -24,6 +24,7 @@ def test_pulls_bench_pulls_both_ways_and_cleans_up(tmp_path: Path) -> None:
     assert code == 0, res
     assert res["dsec"]["images"] == 3 and res["dsec"]["base_layers"] == 1 and res["dsec"]["distinct_layers"] == 4
     assert res["peer"]["images"] == 3 and res["ratio"] > 0
+    assert res["dsec"]["cpu_s"] > 0 and res["peer"]["cpu_s"] > 0
     assert not (tmp_path / "state").exists()
     assert not [t for t in _sys.mounted_targets() if str(tmp_path) in t or "dsec-bench-pulls" in t]
     assert not list(Path("/run").glob("dsec-bench-pulls-*"))

@@ -15,9 +15,11 @@ layers of their own. ``pull_many`` takes them as one batch:
    converted group is remembered in the store (``pulled/<first layer>/<key>.json``: the group's
    layers, whether it is an image's bottom, and the store layer it became), so later pulls share
    it too; an entry whose layer GC has removed is dropped.
-3. **Convert.** Each distinct group of the batch once, ``concurrency`` at a time: its layers
-   applied in order into a directory (whiteouts converted; in RAM when it fits: ``_scratch``),
-   then ``store.add_dir``.
+3. **Convert.** Each distinct group of the batch once, ``concurrency`` at a time (from the CLI
+   in forked processes, one a core: ``_workers``): its layers applied in order into a directory
+   (whiteouts converted; in RAM when it fits: ``_scratch``), then ``store.add_dir``. The first
+   image's bottom layer (a batch's shared base, most of the work) is applied already while the
+   other images are fetched (``_apply_head``), and its group goes on from there.
 4. **Record.** Each image with its groups' layers, env, working directory and user.
 
 One image's failure (a reference the registry does not have, a corrupt layer) is that image's
@@ -28,14 +30,17 @@ progress bar per image.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
+from concurrent.futures import BrokenExecutor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -246,21 +251,58 @@ def _scratch(store: LayerStore, compressed: int, at_once: int) -> Path:
     return SHM if need <= available // 4 and need <= free // 2 else store.tmp_dir
 
 
-def _convert(store: LayerStore, blobs: Path, group: Group, scratch: Path) -> str:
-    with tempfile.TemporaryDirectory(dir=scratch, prefix="dsec-pull-") as work:
-        root = Path(work, "root")
-        root.mkdir()
-        for digest in group.layers:
-            try:
-                with open(blobs / _hex(digest), "rb") as blob:
-                    apply_layer(blob, root)
-            except FileNotFoundError:
-                raise LayerBuildError(f"layer {digest} was not fetched") from None
-            except LayerBuildError as exc:
-                raise LayerBuildError(f"layer {digest}: {exc}") from None
+def _convert(store: LayerStore, blobs: Path, group: Group, scratch: Path, start: Path | None = None) -> str:
+    """The group's layers applied in order into a directory, made a store layer. ``start``: a
+    directory of its own (removed here) whose ``root`` holds the group's first layer applied
+    already (``_apply_head``)."""
+    work = start if start is not None else Path(tempfile.mkdtemp(dir=scratch, prefix="dsec-pull-"))
+    try:
+        root = work / "root"
+        if start is None:
+            root.mkdir()
+        for digest in group.layers[1 if start is not None else 0:]:
+            _apply(blobs, digest, root)
         if group.bottom:
             _drop_markers(root)
         return store.add_dir(root)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _apply(blobs: Path, digest: str, root: Path) -> None:
+    try:
+        with open(blobs / _hex(digest), "rb") as blob:
+            apply_layer(blob, root)
+    except FileNotFoundError:
+        raise LayerBuildError(f"layer {digest} was not fetched") from None
+    except LayerBuildError as exc:
+        raise LayerBuildError(f"layer {digest}: {exc}") from None
+
+
+def _apply_head(blobs: Path, digest: str, scratch: Path) -> Path:
+    """The first image's bottom layer applied into a directory of its own under ``scratch``
+    (as ``_convert`` lays one out), while the batch's other images are still being fetched:
+    the group it starts is known only once all are, and ``_convert`` goes on from it."""
+    work = Path(tempfile.mkdtemp(dir=scratch, prefix="dsec-pull-"))
+    try:
+        (work / "root").mkdir()
+        _apply(blobs, digest, work / "root")
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return work
+
+
+_stores: dict[str, LayerStore] = {}
+
+
+def _convert_in_worker(root: str, blobs: str, group: Group, scratch: str, start: str | None) -> str:
+    """``_convert`` in a conversion process (``pull_many(processes=True)``): the store opened
+    there once (its index connection is that process's own)."""
+    store = _stores.get(root)
+    if store is None:
+        store = _stores[root] = LayerStore(Path(root))
+    return _convert(store, Path(blobs), group, Path(scratch), Path(start) if start else None)
 
 
 def _skopeo_argv(authfile: Path | None, insecure: bool) -> list[str]:
@@ -276,10 +318,25 @@ def _skopeo_argv(authfile: Path | None, insecure: bool) -> list[str]:
     return argv
 
 
+@contextmanager
+def _workers(n: int) -> Iterator[ProcessPoolExecutor | None]:
+    """``n`` conversion processes (forked when first asked), or None under two. Applying a layer
+    is Python's work (``tarfile``) and holds the GIL: threads of one process convert one layer
+    at a time, so on a 2-core machine a base's conversion and 32 small layers' took turns."""
+    if n < 2:
+        yield None
+        return
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+        yield pool
+
+
 def pull_many(store: LayerStore, wanted: list[tuple[str, str]], *, authfile: Path | None = None,
               insecure: bool = False, merge_below: int = DEFAULT_MERGE_BELOW, concurrency: int = 4,
-              on_event: Event | None = None) -> list[Image | LayerBuildError]:
-    """Pull ``(name, reference)`` pairs; for each, its image or the error that stopped it."""
+              on_event: Event | None = None, processes: bool = False) -> list[Image | LayerBuildError]:
+    """Pull ``(name, reference)`` pairs; for each, its image or the error that stopped it.
+    ``processes``: convert in up to ``concurrency`` forked processes (one a core) rather than
+    threads; for a process whose other threads take no locks a forked child needs (the CLI),
+    not a server's."""
     from .registry import PULL_TIMEOUT_S, _reference, _run
 
     def event(name: str, stage: str, done: int = 0, total: int = 0) -> None:
@@ -302,7 +359,14 @@ def pull_many(store: LayerStore, wanted: list[tuple[str, str]], *, authfile: Pat
         pulls.append(p)
     concurrency = max(1, concurrency)
     store.tmp_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=store.tmp_dir, prefix="pull-") as work:
+    converted = Converted(store)
+    todo = [(i, p) for i, p in enumerate(pulls) if p.error is None]
+    workers = min(concurrency, os.cpu_count() or 1) if processes and len(todo) > 1 else 0
+    # The first image's bottom layer, applied while the others are fetched: (its digest, the
+    # directory it is applied in), taken by the one group that starts with it.
+    head: list[tuple[str, Future]] = []
+    with tempfile.TemporaryDirectory(dir=store.tmp_dir, prefix="pull-") as work, \
+            ThreadPoolExecutor(1) as ahead, _workers(workers) as procs:
         blobs = Path(work, "blobs")
         (blobs / "sha256").mkdir(parents=True)
 
@@ -319,58 +383,89 @@ def pull_many(store: LayerStore, wanted: list[tuple[str, str]], *, authfile: Pat
             except LayerBuildError as exc:
                 p.error = exc
 
-        todo = [(i, p) for i, p in enumerate(pulls) if p.error is None]
-        if todo:
-            fetch(*todo[0])  # alone: the base it brings is then there for the rest
-        with ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(lambda ip: fetch(*ip), todo[1:]))
-        for p in pulls:
-            if p.error is not None:
-                event(p.name, "failed")
-
-        converted = Converted(store)
-        plan_groups(pulls, converted, merge_below)
-        made: dict[str, Future] = {}
-        lock = threading.Lock()
-        remaining = {p.name: len(p.groups) for p in pulls if p.layout is not None}
-
-        def convert(group: Group) -> str:
-            known = [layer for g, layer in converted.starting_with(group.layers[0], group.bottom) if g == group]
-            if known:
-                return known[0]
-            sizes = sum((blobs / "sha256" / _hex(d)).stat().st_size for d in group.layers)
-            layer = _convert(store, blobs / "sha256", group, _scratch(store, sizes, concurrency))
-            converted.remember(group, layer)
-            return layer
-
-        with ThreadPoolExecutor(concurrency) as pool:
+        try:
+            if todo:
+                fetch(*todo[0])  # alone: the base it brings is then there for the rest
+                first = todo[0][1].layout
+                if first is not None and len(todo) > 1 and not converted.starting_with(first.layers[0][0], True):
+                    digest, size = first.layers[0]
+                    head.append((digest, ahead.submit(_apply_head, blobs / "sha256", digest,
+                                                      _scratch(store, size, concurrency))))
+            with ThreadPoolExecutor(concurrency) as pool:
+                list(pool.map(lambda ip: fetch(*ip), todo[1:]))
             for p in pulls:
-                if p.layout is None:
-                    continue
-                event(p.name, "converting", 0, len(p.groups))
-                for group in p.groups:
-                    with lock:
-                        if group.key not in made:
-                            made[group.key] = pool.submit(convert, group)
-
-                    def done(_f: Future, p: _Pull = p) -> None:
-                        with lock:
-                            remaining[p.name] -= 1
-                            left = remaining[p.name]
-                        event(p.name, "converting", len(p.groups) - left, len(p.groups))
-
-                    made[group.key].add_done_callback(done)
-            results: list[Image | LayerBuildError] = []
-            for p in pulls:
-                if p.layout is None:
-                    results.append(p.error or LayerBuildError(f"pulling {p.ref} failed"))
-                    continue
-                try:
-                    layers = tuple(made[g.key].result() for g in p.groups)
-                    results.append(store.put_image(Image(name=p.name, layers=layers, env=p.layout.env,
-                                                         workdir=p.layout.workdir, user=p.layout.user)))
-                    event(p.name, "done", len(layers), len(layers))
-                except (InvalidRequest, OSError) as exc:
-                    results.append(LayerBuildError(f"pulling {p.ref}: {exc}"))
+                if p.error is not None:
                     event(p.name, "failed")
+            return _convert_all(store, pulls, blobs / "sha256", converted, merge_below, concurrency, head, procs,
+                                event)
+        finally:
+            for _, tree in head:  # not taken: no group started with it after all
+                with contextlib.suppress(Exception):
+                    shutil.rmtree(tree.result(), ignore_errors=True)
+
+
+def _convert_all(store: LayerStore, pulls: list[_Pull], blobs: Path, converted: Converted, merge_below: int,
+                 concurrency: int, head: list[tuple[str, Future]], procs: ProcessPoolExecutor | None,
+                 event: Callable[..., None]) -> list[Image | LayerBuildError]:
+    """Steps 2 to 4 of the module docstring, once every image is fetched (or has failed)."""
+    plan_groups(pulls, converted, merge_below)
+    made: dict[str, Future] = {}
+    lock = threading.Lock()
+    remaining = {p.name: len(p.groups) for p in pulls if p.layout is not None}
+
+    def convert(group: Group) -> str:
+        known = [layer for g, layer in converted.starting_with(group.layers[0], group.bottom) if g == group]
+        if known:
+            return known[0]
+        sizes = sum((blobs / _hex(d)).stat().st_size for d in group.layers)
+        scratch = _scratch(store, sizes, concurrency)
+        start = None
+        with lock:
+            if head and group.bottom and head[0][0] == group.layers[0]:
+                start = head.pop()[1]
+        start_dir = start.result() if start is not None else None  # (raises the layer's error)
+        try:
+            if procs is None or start_dir is not None:  # (the head's group goes on where it began, unqueued)
+                layer = _convert(store, blobs, group, scratch, start_dir)
+            else:
+                layer = procs.submit(_convert_in_worker, str(store.root), str(blobs), group, str(scratch),
+                                     str(start_dir) if start_dir else None).result()
+        except BrokenExecutor as exc:
+            raise LayerBuildError(f"the process converting layer {group.layers[0]} died: {exc}") from None
+        finally:
+            if start_dir is not None:  # (``_convert`` removes it; not if it never ran)
+                shutil.rmtree(start_dir, ignore_errors=True)
+        converted.remember(group, layer)
+        return layer
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for p in pulls:
+            if p.layout is None:
+                continue
+            event(p.name, "converting", 0, len(p.groups))
+            for group in p.groups:
+                with lock:
+                    if group.key not in made:
+                        made[group.key] = pool.submit(convert, group)
+
+                def done(_f: Future, p: _Pull = p) -> None:
+                    with lock:
+                        remaining[p.name] -= 1
+                        left = remaining[p.name]
+                    event(p.name, "converting", len(p.groups) - left, len(p.groups))
+
+                made[group.key].add_done_callback(done)
+        results: list[Image | LayerBuildError] = []
+        for p in pulls:
+            if p.layout is None:
+                results.append(p.error or LayerBuildError(f"pulling {p.ref} failed"))
+                continue
+            try:
+                layers = tuple(made[g.key].result() for g in p.groups)
+                results.append(store.put_image(Image(name=p.name, layers=layers, env=p.layout.env,
+                                                     workdir=p.layout.workdir, user=p.layout.user)))
+                event(p.name, "done", len(layers), len(layers))
+            except (InvalidRequest, OSError) as exc:
+                results.append(LayerBuildError(f"pulling {p.ref}: {exc}"))
+                event(p.name, "failed")
     return results

@@ -10,6 +10,7 @@ group are applied, and kept as markers for the layers below it).
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import os
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .inflate import Inflated, is_gzip
 from .store import Image, LayerBuildError, LayerStore, _check_member
 
 WHITEOUT_PREFIX = ".wh."
@@ -136,7 +138,10 @@ def apply_layer(fileobj, dest: Path) -> None:
     # same layer digest on any node and in any pull.
     times: dict[str, int] = {}
     try:
-        with tarfile.open(fileobj=fileobj, mode="r:*") as tar:
+        # A gzip layer is inflated by a thread of its own (``dsec.images.inflate``).
+        inflated = Inflated(fileobj) if is_gzip(fileobj) else None
+        with inflated or contextlib.nullcontext(), \
+                tarfile.open(fileobj=inflated or fileobj, mode="r:" if inflated else "r:*") as tar:
             for member in tar:
                 name = os.path.normpath(member.name)
                 if name in (".", "/"):
@@ -173,7 +178,10 @@ def apply_layer(fileobj, dest: Path) -> None:
                 if member.isdir() or member.issym():
                     times[path] = int(member.mtime)
                 try:
-                    tar.extract(member, dest, numeric_owner=True)
+                    if member.type in _PLAIN_FILE and member.sparse is None:
+                        _write_file(tar, member, path)
+                    else:
+                        tar.extract(member, dest, numeric_owner=True)
                 except KeyError:  # (tarfile: a hard link whose target is neither written nor in the tar)
                     raise LayerBuildError(f"layer has a hard link {member.name!r} -> {member.linkname!r} to nothing "
                                           "in the layer") from None
@@ -182,6 +190,45 @@ def apply_layer(fileobj, dest: Path) -> None:
     for directory in opaque:
         os.setxattr(directory, OPAQUE_XATTR, b"y")
     _settle_times(root, times)
+
+
+_PLAIN_FILE = (tarfile.REGTYPE, tarfile.AREGTYPE)
+_COPY = 1 << 20
+
+
+def _write_file(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str) -> None:
+    """A regular file member written as ``tar.extract(member, numeric_owner=True)`` writes it:
+    its parent made if missing, its bytes, then owner (as root), mode and time, a failure of any
+    of those three passed over as ``tarfile`` passes it over. Through one descriptor, in 1 MiB
+    writes: ``tarfile``'s way (a stat, 16 KiB copies, then three calls by path) was a third of
+    applying a base of 10,000 files."""
+    src = tar.fileobj
+    src.seek(member.offset_data)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o666)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, flags, 0o666)
+    try:
+        left = member.size
+        while left > 0:
+            data = src.read(min(left, _COPY))
+            if not data:
+                raise tarfile.ReadError("unexpected end of data")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            left -= len(data)
+        if os.geteuid() == 0:
+            with contextlib.suppress(OSError):
+                os.fchown(fd, member.uid, member.gid)
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, member.mode)
+        with contextlib.suppress(OSError):
+            os.utime(fd, (member.mtime, member.mtime))
+    finally:
+        os.close(fd)
 
 
 def _settle_times(root: str, times: dict[str, int]) -> None:
@@ -236,16 +283,22 @@ def import_oci(
 
 
 def _drop_markers(root: Path) -> None:
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            st = os.lstat(path)
-            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
-                os.unlink(path)
-        for name in dirnames:
-            path = os.path.join(dirpath, name)
-            if not os.path.islink(path) and OPAQUE_XATTR in os.listxattr(path):
-                os.removexattr(path, OPAQUE_XATTR)
+    """Deletion markers (0:0 character devices) and opaque flags removed from the tree: below
+    the bottom layer there is nothing for them to hide. By ``os.scandir``'s entry types, so
+    only the entries that are neither files, directories nor symlinks are looked at (a base of
+    12,000 entries has a handful)."""
+    todo = [os.fspath(root)]
+    while todo:
+        with os.scandir(todo.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(entry.path)
+                    if OPAQUE_XATTR in os.listxattr(entry.path):
+                        os.removexattr(entry.path, OPAQUE_XATTR)
+                elif not entry.is_file(follow_symlinks=False) and not entry.is_symlink():
+                    st = entry.stat(follow_symlinks=False)
+                    if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                        os.unlink(entry.path)
 
 
 def _merge_groups(tar: tarfile.TarFile, layers: list[str], merge_below: int) -> list[list[str]]:
