@@ -200,3 +200,34 @@ def test_a_layer_damaged_on_the_store_is_refused(tmp_path, layer):
         node.mounts.acquire((node.layer,))
     node.mounts.release_unused()
     assert not node.cache.running()
+
+
+def test_a_read_of_part_of_a_chunk_brings_the_whole_chunk_into_the_page_cache(tmp_path, layer):
+    """The server pushes each chunk a read falls in, whole, into the kernel's page cache: the
+    chunk's other pages are then read with no request to the server, and are the store's bytes."""
+    store, digest, _ = layer
+    source = store.layer_path(digest)
+    expected = source.read_bytes()
+    cache = LayerCache(tmp_path / "cache", 64 << 20, store.layers_dir)
+    try:
+        fd = os.open(cache.path(source), os.O_RDONLY)
+        try:
+            assert os.pread(fd, 4096, 3 * CHUNK) == expected[3 * CHUNK: 3 * CHUNK + 4096]
+            deadline = time.monotonic() + 5
+            while (stats := cache.stats())["chunks_pushed"] < 1:
+                assert time.monotonic() < deadline, "the chunk was not pushed"
+                time.sleep(0.01)
+            requests = stats["read_requests"]
+            for at in range(3 * CHUNK + 4096, 4 * CHUNK, 4096):
+                assert os.pread(fd, 4096, at) == expected[at: at + 4096]
+            after = cache.stats()
+            assert after["read_requests"] == requests and after["fetched_bytes"] == CHUNK
+            assert after["server_cpu_s"] > 0
+            # The next chunk was not pushed: reading it is a request (and a fetch).
+            assert os.pread(fd, 4096, 4 * CHUNK) == expected[4 * CHUNK: 4 * CHUNK + 4096]
+            assert cache.stats()["read_requests"] == requests + 1
+        finally:
+            os.close(fd)
+    finally:
+        cache.stop()
+    assert not cache.running()

@@ -304,7 +304,7 @@ def _report(console: Console, res: dict) -> None:
     o = res["options"]
     table = Table(title=f"a burst of {o['images']} images × {o['per_image']} (images: {total / 1e6:.0f} MB of layers)")
     for col in ("arm", "all tasks done (s)", "÷ local", "create p50 / max (s)", "task p50 (s)", "read from the volume",
-                "of the images", "fetched per node (caches)"):
+                "of the images", "fetched per node (caches)", "read requests / cache CPU s, per node"):
         table.add_column(col, no_wrap=col == "arm")
     local = arms.get("local", {}).get("all_done_s")
     for arm, a in arms.items():
@@ -313,7 +313,9 @@ def _report(console: Console, res: dict) -> None:
                       f"{a['create_p50_s']:.3f} / {a['create_max_s']:.3f}", f"{a['task_p50_s']:.3f}",
                       "—" if read is None else f"{read / 1e6:.2f} MB",
                       "—" if read is None or not total else f"{100 * read / total:.1f}%",
-                      ", ".join(f"{c['fetched_bytes'] / 1e6:.1f} MB" for c in (a.get("cache") or {}).values()) or "—")
+                      ", ".join(f"{c['fetched_bytes'] / 1e6:.1f} MB" for c in (a.get("cache") or {}).values()) or "—",
+                      ", ".join(f"{c['read_requests']} / {c.get('server_cpu_s', 0):.2f}"
+                                for c in (a.get("cache") or {}).values()) or "—")
     console.print(table)
     if "shared-warm" in arms:
         console.print(f"warm cache (after a node restart): {arms['shared-warm']['read_bytes']} bytes read from the "
