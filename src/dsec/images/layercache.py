@@ -581,6 +581,12 @@ def serve(layers_dir: Path, cache_dir: Path, limit: int, mountpoint: Path) -> No
                _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID,
                f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other,max_read={_MAX_PAGES << 12}")
     os.write(lock, str(os.getpid()).encode())
+    # Every sandbox of the node that reads a layer waits on this server's replies: it runs at
+    # the default priority even when its node runs niced (a Ray worker is nice 15), or a burst
+    # of the node's own sandboxes, or anything else on the machine, starves the reads they wait
+    # on. (Before its threads start: a thread's nice is its own, taken by the threads it starts.)
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
     CacheFS(fd, layers_dir, cache).serve()
 
 
