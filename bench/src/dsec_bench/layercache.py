@@ -279,6 +279,8 @@ def main(state_dir: Path, console: Console, command: str = "dsec bench layercach
         for dsec in running:
             with contextlib.suppress(Exception):
                 dsec.stop()
+        if errors:  # (what the GlusterFS client logged, as an EBADFD from a manifest's stat)
+            res["gluster_client_errors"] = volume.client_errors()
         volume.close()
         left = volume.leftovers()
         for node_dir in sorted(node_dirs):
