@@ -8,7 +8,9 @@ that name, read-only. The node mounts that file (file-backed EROFS, or a loop de
 instead of the store's. A read is served chunk by chunk (``CHUNK`` bytes): a chunk the node has
 is read from its local cache file, one it has not is read from the store, written to the cache
 and served. The kernel's EROFS reads on demand, so only what sandboxes read is fetched, metadata
-first (the superblock, inodes and directories a create walks), and that stays on the node.
+first (the superblock, inodes and directories a create walks), and that stays on the node. A
+chunk a read falls in part of is pushed whole into the kernel's page cache (FUSE_NOTIFY_STORE):
+the rest of it is then read with no round trip to the server, and nothing more is fetched.
 
 On the node's disk (``DIR/chunks``), per layer: ``<digest>.data``, a sparse file holding the
 chunks fetched at their offsets, and ``<digest>.idx``, a header (the store file's size and
