@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -223,3 +224,54 @@ def test_a_copy_of_the_cache_mount_in_another_namespace_does_not_keep_its_server
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_read_of_part_of_a_chunk_brings_the_whole_chunk_into_the_page_cache(tmp_path, layer):
+    """The server pushes each chunk a read falls in, whole, into the kernel's page cache: the
+    chunk's other pages are then read with no request to the server, and are the store's bytes."""
+    store, digest, _ = layer
+    source = store.layer_path(digest)
+    expected = source.read_bytes()
+    cache = LayerCache(tmp_path / "cache", 64 << 20, store.layers_dir)
+    try:
+        fd = os.open(cache.path(source), os.O_RDONLY)
+        try:
+            assert os.pread(fd, 4096, 3 * CHUNK) == expected[3 * CHUNK: 3 * CHUNK + 4096]
+            deadline = time.monotonic() + 5
+            while (stats := cache.stats())["chunks_pushed"] < 1:
+                assert time.monotonic() < deadline, "the chunk was not pushed"
+                time.sleep(0.01)
+            requests = stats["read_requests"]
+            for at in range(3 * CHUNK + 4096, 4 * CHUNK, 4096):
+                assert os.pread(fd, 4096, at) == expected[at: at + 4096]
+            after = cache.stats()
+            assert after["read_requests"] == requests and after["fetched_bytes"] == CHUNK
+            assert after["server_cpu_s"] > 0
+            # The next chunk was not pushed: reading it is a request (and a fetch).
+            assert os.pread(fd, 4096, 4 * CHUNK) == expected[4 * CHUNK: 4 * CHUNK + 4096]
+            assert cache.stats()["read_requests"] == requests + 1
+        finally:
+            os.close(fd)
+    finally:
+        cache.stop()
+    assert not cache.running()
+
+
+def test_the_server_runs_at_the_default_priority_when_its_node_runs_niced(tmp_path, layer):
+    """A node in a Ray worker runs at nice 15: the cache's server, which every sandbox of the
+    node waits on, takes the default priority (every thread of it)."""
+    store, digest, _ = layer
+    cache = LayerCache(tmp_path / "cache", 64 << 20, store.layers_dir)
+    try:
+        subprocess.run([sys.executable, "-c", "import os, sys; from pathlib import Path; "
+                        "from dsec.images.layercache import LayerCache; os.nice(15); "
+                        "LayerCache(Path(sys.argv[1]), 64 << 20, Path(sys.argv[2])).ensure()",
+                        str(cache.cache_dir), str(store.layers_dir)], check=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+        assert cache.running()
+        pid = int((tmp_path / "cache" / "lock").read_text())
+        nices = [int(open(t / "stat").read().rsplit(")", 1)[1].split()[16]) for t in Path(f"/proc/{pid}/task").iterdir()]
+        assert len(nices) >= 4 and set(nices) == {0}
+    finally:
+        cache.stop()
+    assert not cache.running()

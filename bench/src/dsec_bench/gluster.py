@@ -309,6 +309,16 @@ class GlusterVolume:
                     left.append(f"process {pid} {cmdline[:120]!r}")
         return left
 
+    def client_errors(self, most: int = 40) -> list[str]:
+        """The client's logged errors and warnings (`` E `` / `` W `` lines), the last ``most``:
+        what a call on the mount that failed was answered from, kept before ``close`` removes
+        the logs."""
+        try:
+            lines = (self.base / "log" / "client.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        return [line for line in lines if "] E [" in line or "] W [" in line][-most:]
+
     def _log_tail(self, name: str) -> str:
         try:
             return "\n".join((self.base / "log" / name).read_text(errors="replace").splitlines()[-15:])

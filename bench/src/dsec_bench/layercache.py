@@ -10,11 +10,13 @@ workspace layers of a few hundred generated files, task image i = base + workspa
 sandbox runs its task (``python3 /workspace/task.py``: imports from the base's stdlib, reads
 files of its workspace and its base) and the digest it prints is checked.
 
-Four arms, one after the other, each one ``dsec serve`` (no warm pool) and each from a cold page
+Five arms, one after the other, each one ``dsec serve`` (no warm pool) and each from a cold page
 cache (``sync; echo 3 > /proc/sys/vm/drop_caches``): the store on local disk; the store on the
 volume with no cache (what a node did before the cache); the store on the volume with an empty
 cache (cold); the same server's node stopped and started again and the page cache dropped, its
-cache kept on its disk (warm). In each arm the burst: all M images at once, ``per_image`` (K)
+cache kept on its disk (warm); the store on local disk again, last (how far the machine's load
+moved the baseline over the run: the ratios are to the first; each arm's load average is kept
+at its start and end). In each arm the burst: all M images at once, ``per_image`` (K)
 sandboxes of each (``run_containers(count=K)``), each task run as soon as its batch is up;
 timed: each batch's create, each task, and the whole to all tasks done.
 
@@ -51,7 +53,9 @@ from . import burst
 from .gluster import GlusterVolume, missing
 
 RESULTS_FILE = "bench-layercache.json"
-ARMS = ("local", "shared-nocache", "shared-cold", "shared-warm")
+# (local-again: the local arm once more, last: how far the machine's load moved the baseline
+# over the run; the ratios are to the first)
+ARMS = ("local", "shared-nocache", "shared-cold", "shared-warm", "local-again")
 
 
 def _images(store: LayerStore, work: Path, images: int, base: str, base_store: str,
@@ -255,12 +259,15 @@ def main(state_dir: Path, console: Console, command: str = "dsec bench layercach
             if arm != "shared-warm":
                 shutil.rmtree(arm_dir, ignore_errors=True)
             burst.drop_caches()
-            store_dir = local.root if arm == "local" else shared.root
-            dsec = _Arm(arm_dir, store_dir, 0 if arm in ("local", "shared-nocache") else cache_mb, nodes)
+            on_local = arm in ("local", "local-again")
+            store_dir = local.root if on_local else shared.root
+            dsec = _Arm(arm_dir, store_dir, 0 if on_local or arm == "shared-nocache" else cache_mb, nodes)
             running.append(dsec)
-            read = (lambda: None) if arm == "local" else volume.data_read
+            read = (lambda: None) if on_local else volume.data_read
             console.print(f"arm {arm}: the burst")
+            loadavg = burst.loadavg()
             measured = asyncio.run(_burst(dsec.server, base, names, expected, per_image, read, errors))
+            measured["loadavg"] = [loadavg, burst.loadavg()]  # (at its start and end)
             measured["cache"] = dsec.cache_stats()
             dsec.stop()
             running.remove(dsec)
@@ -272,6 +279,8 @@ def main(state_dir: Path, console: Console, command: str = "dsec bench layercach
         for dsec in running:
             with contextlib.suppress(Exception):
                 dsec.stop()
+        if errors:  # (what the GlusterFS client logged, as an EBADFD from a manifest's stat)
+            res["gluster_client_errors"] = volume.client_errors()
         volume.close()
         left = volume.leftovers()
         for node_dir in sorted(node_dirs):
@@ -304,7 +313,8 @@ def _report(console: Console, res: dict) -> None:
     o = res["options"]
     table = Table(title=f"a burst of {o['images']} images × {o['per_image']} (images: {total / 1e6:.0f} MB of layers)")
     for col in ("arm", "all tasks done (s)", "÷ local", "create p50 / max (s)", "task p50 (s)", "read from the volume",
-                "of the images", "fetched per node (caches)"):
+                "of the images", "fetched per node (caches)", "read requests / cache CPU s, per node",
+                "load at start / end"):
         table.add_column(col, no_wrap=col == "arm")
     local = arms.get("local", {}).get("all_done_s")
     for arm, a in arms.items():
@@ -313,7 +323,10 @@ def _report(console: Console, res: dict) -> None:
                       f"{a['create_p50_s']:.3f} / {a['create_max_s']:.3f}", f"{a['task_p50_s']:.3f}",
                       "—" if read is None else f"{read / 1e6:.2f} MB",
                       "—" if read is None or not total else f"{100 * read / total:.1f}%",
-                      ", ".join(f"{c['fetched_bytes'] / 1e6:.1f} MB" for c in (a.get("cache") or {}).values()) or "—")
+                      ", ".join(f"{c['fetched_bytes'] / 1e6:.1f} MB" for c in (a.get("cache") or {}).values()) or "—",
+                      ", ".join(f"{c['read_requests']} / {c.get('server_cpu_s', 0):.2f}"
+                                for c in (a.get("cache") or {}).values()) or "—",
+                      " / ".join(load[0] for load in a.get("loadavg", ())) or "—")
     console.print(table)
     if "shared-warm" in arms:
         console.print(f"warm cache (after a node restart): {arms['shared-warm']['read_bytes']} bytes read from the "
