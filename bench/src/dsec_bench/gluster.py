@@ -94,6 +94,9 @@ class GlusterVolume:
             # Without it a client answers stats from its metadata cache for a second: a manifest
             # replaced on one machine is read as it was on the others (docs/CLUSTER.md).
             self.gluster("volume", "set", self.volume, "performance.stat-prefetch", "off")
+            # Nor a stat answered through another process's file not yet opened on the brick
+            # (EBADFD, seen on a manifest in the three-node burst): docs/CLUSTER.md.
+            self.gluster("volume", "set", self.volume, "performance.open-behind", "off")
             self.start_volume()
             self.mount()
         except BaseException:
