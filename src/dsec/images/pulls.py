@@ -320,13 +320,18 @@ def _skopeo_argv(authfile: Path | None, insecure: bool) -> list[str]:
 
 @contextmanager
 def _workers(n: int) -> Iterator[ProcessPoolExecutor | None]:
-    """``n`` conversion processes (forked when first asked), or None under two. Applying a layer
+    """``n`` conversion processes (forked at once), or None under two. Applying a layer
     is Python's work (``tarfile``) and holds the GIL: threads of one process convert one layer
     at a time, so on a 2-core machine a base's conversion and 32 small layers' took turns."""
     if n < 2:
         yield None
         return
     with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("fork")) as pool:
+        # Forked now, all of them (a fork pool starts every worker at its first task), while this
+        # thread is the only one: forked later, from a thread while another was starting
+        # mkfs.erofs or skopeo, a worker kept that Popen's exec-error pipe open, and the Popen
+        # waited for its end for ever (a pull --many that hung).
+        pool.submit(int).result()
         yield pool
 
 
