@@ -51,11 +51,14 @@ MAX_TEXT = 65536
 # in a process of its own (pyatspi's D-Bus calls can hang on a broken bus: the agent bounds it by
 # a timeout), on the AT-SPI bus the agent found (AT_SPI_BUS_ADDRESS). One line per accessible:
 # role, "name", the states that matter, text of a text field, screen extents; children indented.
+# A top-level window placed wholly off the screen is left out with what is in it (xfwm4 keeps one
+# at -1000,-1000 whose "active" state depends on the order focus events came in).
 A11Y_TREE = r"""
 import sys
 import pyatspi
 
 MAX_CHARS, MAX_NODES, MAX_DEPTH = int(sys.argv[1]), 20000, 60
+WIDTH, HEIGHT = int(sys.argv[2]), int(sys.argv[3])
 S = pyatspi
 FLAGS = [(S.STATE_FOCUSED, "focused"), (S.STATE_SELECTED, "selected"), (S.STATE_CHECKED, "checked"),
          (S.STATE_EXPANDED, "expanded"), (S.STATE_EDITABLE, "editable"), (S.STATE_ACTIVE, "active")]
@@ -67,7 +70,7 @@ def describe(acc, depth):
     name = (acc.name or "").replace("\n", " ").strip()[:200]
     states = acc.getState()
     if role == "application":  # (an application has no states or place of its own)
-        return "  " * depth + f'[{role}] "{name}"'
+        return "  " * depth + f'[{role}] "{name}"', True
     flags = [n for s, n in FLAGS if states.contains(s)]
     if not states.contains(S.STATE_SENSITIVE):
         flags.append("disabled")
@@ -84,13 +87,15 @@ def describe(acc, depth):
             pass
     if flags:
         line += " (" + ", ".join(flags) + ")"
+    on_screen = True
     try:
         ext = acc.queryComponent().getExtents(S.DESKTOP_COORDS)
         if ext.x > -(1 << 30) and ext.y > -(1 << 30):  # (a menu not open has no place: G_MININT)
             line += f" @{ext.x},{ext.y} {ext.width}x{ext.height}"
+            on_screen = ext.x < WIDTH and ext.y < HEIGHT and ext.x + ext.width > 0 and ext.y + ext.height > 0
     except NotImplementedError:
         pass
-    return line
+    return line, on_screen
 
 
 def main():
@@ -103,7 +108,9 @@ def main():
         if acc is None:
             continue
         try:
-            line = describe(acc, depth)
+            line, on_screen = describe(acc, depth)
+            if depth == 1 and not on_screen:
+                continue
             children = [] if depth >= MAX_DEPTH else [(acc.getChildAtIndex(i), depth + 1)
                                                        for i in reversed(range(min(acc.childCount, 1000)))]
         except Exception:  # (gone since its parent listed it)
@@ -379,7 +386,7 @@ class Desktop:
         env = {**os.environ, "DISPLAY": self.name, "AT_SPI_BUS_ADDRESS": address}
         env.pop("NO_AT_BRIDGE", None)
         try:
-            done = subprocess.run([sys.executable, "-c", A11Y_TREE, str(max_chars)], env=env, capture_output=True,
+            done = subprocess.run([sys.executable, "-c", A11Y_TREE, str(max_chars), str(self.width), str(self.height)], env=env, capture_output=True,
                                   timeout=A11Y_TIMEOUT_S, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
             raise A11yDown(f"the AT-SPI bus at {address} did not answer in {A11Y_TIMEOUT_S:.0f} s") from None
