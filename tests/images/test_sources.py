@@ -129,6 +129,20 @@ def test_import_applies_whiteouts_and_opaque_dirs(tmp_path, maker, merge_below):
     }
 
 
+@pytest.mark.root
+def test_a_bottom_layers_digest_does_not_depend_on_when_it_was_imported(tmp_path):
+    """A bottom layer that holds deletion markers (a squashed base's leftovers) gives the same
+    layer digest in every import: dropping its markers does not leave their directories the
+    time of the import."""
+    import time
+
+    archive = docker_archive(tmp_path / "img.tar", [layer({**BASE, "etc/.wh.stale": b""})])
+    first = import_oci(LayerStore(tmp_path / "one"), archive, "imported").layers
+    time.sleep(1.1)
+    again = import_oci(LayerStore(tmp_path / "two"), archive, "imported").layers
+    assert first == again
+
+
 @pytest.mark.parametrize(
     "bad_layers, message",
     [

@@ -286,10 +286,13 @@ def _drop_markers(root: Path) -> None:
     """Deletion markers (0:0 character devices) and opaque flags removed from the tree: below
     the bottom layer there is nothing for them to hide. By ``os.scandir``'s entry types, so
     only the entries that are neither files, directories nor symlinks are looked at (a base of
-    12,000 entries has a handful)."""
+    12,000 entries has a handful). A directory a marker leaves keeps its times (the layer's):
+    the same layer, the same digest, whenever it is converted."""
     todo = [os.fspath(root)]
     while todo:
-        with os.scandir(todo.pop()) as entries:
+        directory = todo.pop()
+        times = None
+        with os.scandir(directory) as entries:
             for entry in entries:
                 if entry.is_dir(follow_symlinks=False):
                     todo.append(entry.path)
@@ -298,7 +301,12 @@ def _drop_markers(root: Path) -> None:
                 elif not entry.is_file(follow_symlinks=False) and not entry.is_symlink():
                     st = entry.stat(follow_symlinks=False)
                     if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                        if times is None:
+                            dst = os.stat(directory)
+                            times = (dst.st_atime_ns, dst.st_mtime_ns)
                         os.unlink(entry.path)
+        if times is not None:
+            os.utime(directory, ns=times)
 
 
 def _merge_groups(tar: tarfile.TarFile, layers: list[str], merge_below: int) -> list[list[str]]:
