@@ -362,6 +362,10 @@ _FOPEN_DIRECT_IO, _FOPEN_KEEP_CACHE = 1 << 0, 1 << 1
 _FUSE_ASYNC_READ, _FUSE_MAX_PAGES = 1 << 0, 1 << 22
 _MAX_PAGES = 256  # reads of up to 1 MiB
 _BUFSIZE = (_MAX_PAGES << 12) + 4096
+# Threads answering requests: a cold node's every miss waits on a fetch from the store (a
+# round trip through the shared filesystem's client, slow under a burst), and a burst's
+# sandboxes miss together; with 4, a node's reads queued behind 4 fetches at a time.
+_THREADS = 16
 _ROOT = 1
 _VALID_S = 1
 
@@ -384,7 +388,7 @@ class CacheFS:
         self._prefills: queue.Queue[tuple[int, str]] = queue.Queue()
         self._prefilled: set[int] = set()  # the inodes prefilled (once per server: KEEP_CACHE)
 
-    def serve(self, threads: int = 4) -> None:
+    def serve(self, threads: int = _THREADS) -> None:
         workers = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads - 1)]
         workers.append(threading.Thread(target=self._sweeping, daemon=True))
         workers.append(threading.Thread(target=self._pushing, daemon=True))
