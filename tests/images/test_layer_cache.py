@@ -226,13 +226,17 @@ def test_a_copy_of_the_cache_mount_in_another_namespace_does_not_keep_its_server
         holder.wait()
 
 
+def _layer_file(tmp_path: Path, layer) -> tuple[Path, bytes, LayerCache]:
+    """The layer's file in the store, its bytes, and a cache (not started) of the store."""
+    store, digest, _ = layer
+    source = store.layer_path(digest)
+    return source, source.read_bytes(), LayerCache(tmp_path / "cache", 64 << 20, store.layers_dir)
+
+
 def test_a_read_of_part_of_a_chunk_brings_the_whole_chunk_into_the_page_cache(tmp_path, layer):
     """The server pushes each chunk a read falls in, whole, into the kernel's page cache: the
     chunk's other pages are then read with no request to the server, and are the store's bytes."""
-    store, digest, _ = layer
-    source = store.layer_path(digest)
-    expected = source.read_bytes()
-    cache = LayerCache(tmp_path / "cache", 64 << 20, store.layers_dir)
+    source, expected, cache = _layer_file(tmp_path, layer)
     try:
         fd = os.open(cache.path(source), os.O_RDONLY)
         try:
@@ -282,10 +286,7 @@ def test_a_layer_opened_on_a_warm_node_has_what_the_cache_holds_of_it_in_the_pag
     pushes the chunks the cache holds of it, checked, into the kernel's page cache, so reading
     them is no request to the server; nothing is fetched, and a chunk damaged on the node's disk
     is refused, not pushed, and read from the store again when asked for."""
-    store, digest, _ = layer
-    source = store.layer_path(digest)
-    expected = source.read_bytes()
-    cache = LayerCache(tmp_path / "cache", 64 << 20, store.layers_dir)
+    source, expected, cache = _layer_file(tmp_path, layer)
     try:
         fd = os.open(cache.path(source), os.O_RDONLY)
         for chunk in (0, 3, 5):
@@ -293,11 +294,7 @@ def test_a_layer_opened_on_a_warm_node_has_what_the_cache_holds_of_it_in_the_pag
         os.close(fd)
     finally:
         cache.stop()
-    with open(tmp_path / "cache" / "chunks" / f"{source.name}.data", "r+b") as f:
-        f.seek(5 * CHUNK + 9)
-        byte = f.read(1)
-        f.seek(5 * CHUNK + 9)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip(tmp_path / "cache" / "chunks" / f"{source.name}.data", 5 * CHUNK + 9)
     try:
         fd = os.open(cache.path(source), os.O_RDONLY)
         try:
