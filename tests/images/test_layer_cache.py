@@ -226,13 +226,17 @@ def test_a_copy_of_the_cache_mount_in_another_namespace_does_not_keep_its_server
         holder.wait()
 
 
+def _layer_file(tmp_path: Path, layer) -> tuple[Path, bytes, LayerCache]:
+    """The layer's file in the store, its bytes, and a cache (not started) of the store."""
+    store, digest, _ = layer
+    source = store.layer_path(digest)
+    return source, source.read_bytes(), LayerCache(tmp_path / "cache", 64 << 20, store.layers_dir)
+
+
 def test_a_read_of_part_of_a_chunk_brings_the_whole_chunk_into_the_page_cache(tmp_path, layer):
     """The server pushes each chunk a read falls in, whole, into the kernel's page cache: the
     chunk's other pages are then read with no request to the server, and are the store's bytes."""
-    store, digest, _ = layer
-    source = store.layer_path(digest)
-    expected = source.read_bytes()
-    cache = LayerCache(tmp_path / "cache", 64 << 20, store.layers_dir)
+    source, expected, cache = _layer_file(tmp_path, layer)
     try:
         fd = os.open(cache.path(source), os.O_RDONLY)
         try:
@@ -272,6 +276,44 @@ def test_the_server_runs_at_the_default_priority_when_its_node_runs_niced(tmp_pa
         pid = int((tmp_path / "cache" / "lock").read_text())
         nices = [int(open(t / "stat").read().rsplit(")", 1)[1].split()[16]) for t in Path(f"/proc/{pid}/task").iterdir()]
         assert len(nices) >= 4 and set(nices) == {0}
+    finally:
+        cache.stop()
+    assert not cache.running()
+
+
+def test_a_layer_opened_on_a_warm_node_has_what_the_cache_holds_of_it_in_the_page_cache(tmp_path, layer):
+    """The cache's server started again (a node restarted, its cache kept): opening a layer
+    pushes the chunks the cache holds of it, checked, into the kernel's page cache, so reading
+    them is no request to the server; nothing is fetched, and a chunk damaged on the node's disk
+    is refused, not pushed, and read from the store again when asked for."""
+    source, expected, cache = _layer_file(tmp_path, layer)
+    try:
+        fd = os.open(cache.path(source), os.O_RDONLY)
+        for chunk in (0, 3, 5):
+            os.pread(fd, 4096, chunk * CHUNK)
+        os.close(fd)
+    finally:
+        cache.stop()
+    flip(tmp_path / "cache" / "chunks" / f"{source.name}.data", 5 * CHUNK + 9)
+    try:
+        fd = os.open(cache.path(source), os.O_RDONLY)
+        try:
+            deadline = time.monotonic() + 10
+            while (stats := cache.stats())["chunks_pushed"] < 2 or stats["chunks_refused"] < 1:
+                assert time.monotonic() < deadline, f"the held chunks were not pushed: {stats}"
+                time.sleep(0.01)
+            assert stats["prefilled_bytes"] == 2 * CHUNK and stats["chunks_refused"] == 1
+            for chunk in (0, 3):
+                for at in range(chunk * CHUNK, (chunk + 1) * CHUNK, 4096):
+                    assert os.pread(fd, 4096, at) == expected[at: at + 4096]
+            after = cache.stats()
+            assert after["read_requests"] == 0 and after["fetched_bytes"] == 0
+            # The damaged chunk: not in the page cache, a request, fetched from the store again.
+            assert os.pread(fd, 4096, 5 * CHUNK) == expected[5 * CHUNK: 5 * CHUNK + 4096]
+            after = cache.stats()
+            assert after["read_requests"] == 1 and after["fetched_bytes"] == CHUNK
+        finally:
+            os.close(fd)
     finally:
         cache.stop()
     assert not cache.running()

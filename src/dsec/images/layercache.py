@@ -11,7 +11,9 @@ is read from its local cache file, one it has not is read from the store, writte
 and served. The kernel's EROFS reads on demand, so only what sandboxes read is fetched, metadata
 first (the superblock, inodes and directories a create walks), and that stays on the node. A
 chunk a read falls in part of is pushed whole into the kernel's page cache (FUSE_NOTIFY_STORE):
-the rest of it is then read with no round trip to the server, and nothing more is fetched.
+the rest of it is then read with no round trip to the server, and nothing more is fetched. A
+layer opened (mounted) is prefilled: the chunks the cache holds of it are pushed alike, so a
+node started again with its cache (warm) reads what it read before with no round trip at all.
 
 On the node's disk (``DIR/chunks``), per layer: ``<digest>.data``, a sparse file holding the
 chunks fetched at their offsets, and ``<digest>.idx``, a header (the store file's size and
@@ -38,7 +40,8 @@ store it cannot list, or that lists no layer at all, as an unmounted shared file
 mountpoint does, is taken as unreachable and nothing is removed).
 
 ``MOUNT/.stats`` is a JSON of the counters: bytes fetched from the store, bytes served from the
-cache, chunks cached, evicted and refused, write failures, layers removed.
+cache (of them, prefilled: pushed when their layer was opened), chunks cached, evicted and
+refused, write failures, layers removed.
 """
 
 from __future__ import annotations
@@ -142,7 +145,8 @@ class ChunkCache:
         self.used = 0
         self.counters = {"fetched_bytes": 0, "cached_bytes_served": 0, "chunks_cached": 0,
                          "chunks_evicted": 0, "chunks_refused": 0, "store_chunks_refused": 0,
-                         "write_failures": 0, "read_requests": 0, "layers_removed": 0}
+                         "write_failures": 0, "read_requests": 0, "layers_removed": 0,
+                         "prefilled_bytes": 0}
         self._load()
 
     def _load(self) -> None:
@@ -215,28 +219,49 @@ class ChunkCache:
                 self.counters["layers_removed"] += 1
         return freed
 
-    def read(self, name: str, store_fd: int, chunk: int, start: int = 0, length: int = CHUNK) -> bytes:
-        """``length`` bytes from ``start`` in chunk ``chunk`` of layer ``name``: from the cache,
-        else from ``store_fd`` (the whole chunk fetched, and kept). A cached chunk is checked
-        against its sha256 the first time this process serves it."""
+    def held(self, name: str, limit: int) -> list[int]:
+        """The chunks of layer ``name`` the cache holds, at most ``limit`` bytes of them (the most
+        recently used), in the order of the file."""
+        with self._lock:
+            keys = [chunk for (layer, chunk) in reversed(self._lru) if layer == name]
+        return sorted(keys[: max(0, limit // CHUNK)])
+
+    def cached(self, name: str, chunk: int, start: int = 0, length: int = CHUNK, use: bool = True) -> bytes | None:
+        """``length`` bytes from ``start`` in chunk ``chunk`` of layer ``name`` if the cache
+        holds it (None if not, or if what it holds does not match its sha256: then dropped). A
+        chunk is checked the first time this process serves it. ``use``: a read of a sandbox
+        (the chunk becomes the most recently used), not a prefill."""
         with self._lock:
             held = self._lru.get((name, chunk))
+            if held is None:
+                return None
             layer = self._layer(name)
-            if held is not None:
-                size, sha = held
-                if (name, chunk) in self._verified:
-                    data = os.pread(layer.data, min(length, size - start), chunk * CHUNK + start)
-                    self._used(layer, name, chunk, len(data))
-                    return data
-                data = os.pread(layer.data, size, chunk * CHUNK)
-                if len(data) == size and hashlib.sha256(data).digest() == sha:
-                    self._verified.add((name, chunk))
-                    self._used(layer, name, chunk, len(data))
-                    return data[start: start + length]
-                log.error("layer cache: chunk %d of %s in %s does not match its sha256: refused, "
-                          "read from the store again", chunk, name, self.chunks_dir / f"{name}.data")
-                self.counters["chunks_refused"] += 1
-                self._forget(name, chunk)
+            size, sha = held
+            if (name, chunk) in self._verified:
+                data = os.pread(layer.data, min(length, size - start), chunk * CHUNK + start)
+            else:
+                whole = os.pread(layer.data, size, chunk * CHUNK)
+                if len(whole) != size or hashlib.sha256(whole).digest() != sha:
+                    log.error("layer cache: chunk %d of %s in %s does not match its sha256: refused, "
+                              "read from the store again", chunk, name, self.chunks_dir / f"{name}.data")
+                    self.counters["chunks_refused"] += 1
+                    self._forget(name, chunk)
+                    return None
+                self._verified.add((name, chunk))
+                data = whole[start: start + length]
+            if use:
+                self._used(layer, name, chunk, len(data))
+            else:  # (served all the same: to the kernel's page cache, ahead of the reads)
+                self.counters["prefilled_bytes"] += len(data)
+                self.counters["cached_bytes_served"] += len(data)
+            return data
+
+    def read(self, name: str, store_fd: int, chunk: int, start: int = 0, length: int = CHUNK) -> bytes:
+        """``length`` bytes from ``start`` in chunk ``chunk`` of layer ``name``: from the cache
+        (``cached``), else from ``store_fd`` (the whole chunk fetched, and kept)."""
+        data = self.cached(name, chunk, start, length)
+        if data is not None:
+            return data
         data = _pread_all(store_fd, CHUNK, chunk * CHUNK)
         sha = hashlib.sha256(data).digest()
         with self._lock:
@@ -330,10 +355,17 @@ _NO_REPLY = (_FORGET, _BATCH_FORGET, _INTERRUPT)
 _NOTIFY_STORE = 4  # (a notice of the server's own: these bytes of a file, into the kernel's page cache)
 _STORE_OUT = struct.Struct("<QQII")  # nodeid, offset, size, padding
 _PUSH_QUEUE = 256  # chunks waiting to be pushed (more are not pushed: the kernel asks for them)
+# At most this much of a layer the cache holds is pushed into the page cache when the layer is
+# opened (``CacheFS._prefilling``): the most recently used chunks.
+PREFILL_BYTES = 256 << 20
 _FOPEN_DIRECT_IO, _FOPEN_KEEP_CACHE = 1 << 0, 1 << 1
 _FUSE_ASYNC_READ, _FUSE_MAX_PAGES = 1 << 0, 1 << 22
 _MAX_PAGES = 256  # reads of up to 1 MiB
 _BUFSIZE = (_MAX_PAGES << 12) + 4096
+# Threads answering requests: a cold node's every miss waits on a fetch from the store (a
+# round trip through the shared filesystem's client, slow under a burst), and a burst's
+# sandboxes miss together; with 4, a node's reads queued behind 4 fetches at a time.
+_THREADS = 16
 _ROOT = 1
 _VALID_S = 1
 
@@ -353,11 +385,14 @@ class CacheFS:
         self._next_fh = 1
         self._pushes: queue.Queue[tuple[int, int, bytes]] = queue.Queue(_PUSH_QUEUE)
         self.pushed = 0
+        self._prefills: queue.Queue[tuple[int, str]] = queue.Queue()
+        self._prefilled: set[int] = set()  # the inodes prefilled (once per server: KEEP_CACHE)
 
-    def serve(self, threads: int = 4) -> None:
+    def serve(self, threads: int = _THREADS) -> None:
         workers = [threading.Thread(target=self._loop, daemon=True) for _ in range(threads - 1)]
         workers.append(threading.Thread(target=self._sweeping, daemon=True))
         workers.append(threading.Thread(target=self._pushing, daemon=True))
+        workers.append(threading.Thread(target=self._prefilling, daemon=True))
         for w in workers:
             w.start()
         self._loop()
@@ -405,13 +440,37 @@ class CacheFS:
         waits for a reply from this server, so a thread that answers requests never pushes."""
         while True:
             nodeid, offset, data = self._pushes.get()
-            head = _OUT.pack(_OUT.size + _STORE_OUT.size + len(data), _NOTIFY_STORE, 0)
             try:  # (ENOENT: the kernel has let go of the file's inode; nothing to keep)
-                os.write(self.fd, head + _STORE_OUT.pack(nodeid, offset, len(data), 0) + data)
-                self.pushed += 1
+                self._store(nodeid, offset, data)
             except OSError as exc:
                 if exc.errno == errno.ENODEV:
                     return
+
+    def _store(self, nodeid: int, offset: int, data: bytes) -> None:
+        """FUSE_NOTIFY_STORE: ``data`` at ``offset`` of inode ``nodeid``, into the page cache."""
+        head = _OUT.pack(_OUT.size + _STORE_OUT.size + len(data), _NOTIFY_STORE, 0)
+        os.write(self.fd, head + _STORE_OUT.pack(nodeid, offset, len(data), 0) + data)
+        self.pushed += 1
+
+    def _prefilling(self) -> None:
+        """Push what the cache holds of a layer just opened into the page cache (at most
+        ``PREFILL_BYTES``, each chunk checked against its sha256 as a read would be): a node
+        started again with its cache kept (a warm node) then serves its sandboxes' reads of what
+        it had read before with no request to this server at all, where each page missed would
+        otherwise be a round trip through it (under a burst that holds every core, the round
+        trips, not the node's disk, are what a warm node's reads wait on). Nothing is fetched:
+        only chunks already held are pushed. A thread of its own, like ``_pushing``."""
+        while True:
+            nodeid, name = self._prefills.get()
+            for chunk in self.cache.held(name, PREFILL_BYTES):
+                try:
+                    data = self.cache.cached(name, chunk, use=False)
+                    if data:
+                        self._store(nodeid, chunk * CHUNK, data)
+                except OSError as exc:
+                    if exc.errno == errno.ENODEV:
+                        return
+                    break  # (ENOENT: the kernel let go of the inode, the file closed; a disk error)
 
     def _loop(self) -> None:
         while True:
@@ -534,6 +593,10 @@ class CacheFS:
             fh = self._next_fh
             self._next_fh += 1
             self._files[fh] = (name, store_fd, st.st_size)
+            prefill = ino not in self._prefilled
+            self._prefilled.add(ino)
+        if prefill:
+            self._prefills.put((ino, name))
         return struct.pack("<QIi", fh, _FOPEN_KEEP_CACHE, 0)
 
     def stats(self) -> dict:
