@@ -29,11 +29,12 @@ test: setup docs
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS)
 
-# The quick subset (no crun, no mounts): seconds.
+# The quick subset (no crun, no mounts): seconds. The slow modules are not imported (tests/module_marks.py),
+# and only they use hypothesis and schemathesis: their pytest plugins (3-4 s CPU to load) stay off.
 test-quick: venv
 	$(BIN)/ruff check --quiet src libdsec bench tests
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -p no:hypothesispytest -p no:schemathesis $(PYTEST_ARGS)
 
 # The SDK's API reference, from its docstrings (build/docs/libdsec.html); a warning fails it.
 docs: venv

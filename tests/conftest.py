@@ -14,6 +14,8 @@ import pytest
 # python image (debootstrap, about a minute) is then built once.
 # Harbor tasks are data (their tests run inside sandboxes), not this suite's tests.
 collect_ignore = ["harbor_tasks"]
+# A module whose own marks -m rules out is not imported (``make test-quick``: see module_marks).
+pytest_plugins = ["module_marks"]
 
 TEST_STORE = Path(os.environ.get("DSEC_TEST_STORE", "/var/lib/dsec-test/store"))
 # Every test server shares one VM kernel cache (else each fresh state dir downloads a kernel

@@ -69,6 +69,66 @@ async def simulated_nodes(tmp_path: Path, nodes: list[str], edge_config: dict | 
                 await proc.wait()
 
 
+@pytest.fixture(scope="module")
+def node_process(tmp_path_factory) -> subprocess.Popen:
+    """One ``dsec.edge.simnodes`` process for the module's remote nodes: each test still gets a
+    fresh node of its own in it (``{"add": …}`` on its standard input), over its own store and
+    state; the process's start (mostly imports, about 0.6 s of CPU) is paid once, not per test."""
+    scratch = tmp_path_factory.mktemp("simnodes")
+    (scratch / "token").write_text(TOKEN)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsec.edge.simnodes", "--store", str(scratch / "store"), "--state",
+         str(scratch / "nodes"), "--token-file", str(scratch / "token")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout.readline() == b"ready\n", "the simulated nodes' process exited at start"
+        yield proc
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+async def node_command(proc: subprocess.Popen, command: dict) -> dict:
+    """One command to the simulated nodes' process, and its answer (within 30 s)."""
+    proc.stdin.write(json.dumps(command).encode() + b"\n")
+    proc.stdin.flush()
+    line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)
+    assert line, f"the simulated nodes' process exited (code {proc.poll()})"
+    return json.loads(line)
+
+
+async def test_the_node_process_answers_what_it_cannot_do_and_serves_on(node_process, tmp_path):
+    """A line of the simulated nodes' process's standard input it cannot act on is answered
+    with the error, and it goes on adding and removing nodes."""
+    assert (await node_command(node_process, {"remove": "n7"}))["error"] == "ValueError: node n7 is not served here"
+    assert (await node_command(node_process, {"add": "n7"}))["error"] == "KeyError: 'store'"
+    assert (await node_command(node_process, {"nothing": 1}))["error"] == "ValueError: neither add nor remove"
+    node_process.stdin.write(b"not json\n")
+    node_process.stdin.flush()
+    assert (await asyncio.to_thread(node_process.stdout.readline)).startswith(b'{"error": "JSONDecodeError')
+    place = {"store": str(tmp_path / "store"), "state": str(tmp_path / "nodes")}
+    added = await node_command(node_process, {"add": "n7", **place})
+    assert (await node_command(node_process, {"add": "n7", **place}))["error"] == "ValueError: node n7 is served already"
+    edge = RemoteEdge("n7", added["url"], TOKEN)
+    try:
+        assert (await edge.node_info()).node == "n7"
+    finally:
+        await edge.close()
+    assert await node_command(node_process, {"remove": "n7"}) == {"removed": "n7"}
+    gone = RemoteEdge("n7", added["url"], TOKEN)
+    try:
+        with pytest.raises(NodeUnreachable):  # its endpoint closed with it
+            async with asyncio.timeout(5):
+                await gone.node_info()
+    finally:
+        await gone.close()
+
+
 @pytest.fixture(params=["in-process", "remote"])
 async def node(request, tmp_path) -> EdgeAPI:
     config = {"max_sandboxes": 8, "reaper_interval_s": 0.05, "batch_commit_s": 0.5}
@@ -80,10 +140,16 @@ async def node(request, tmp_path) -> EdgeAPI:
         yield edge
         await edge.close()
         return
-    async with simulated_nodes(tmp_path, ["n0"], config) as (urls, _):
-        edge = RemoteEdge("n0", urls["n0"], TOKEN)
+    proc = request.getfixturevalue("node_process")
+    added = await node_command(proc, {"add": "n0", "store": str(tmp_path / "store"), "state": str(tmp_path / "nodes"),
+                                      "edge_config": config})
+    assert added.get("node") == "n0", added
+    edge = RemoteEdge("n0", added["url"], TOKEN)
+    try:
         yield edge
+    finally:
         await edge.close()
+        assert await node_command(proc, {"remove": "n0"}) == {"removed": "n0"}
 
 
 async def test_lifecycle_and_calls(node):
