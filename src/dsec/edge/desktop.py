@@ -130,6 +130,7 @@ class Desktops(SandboxTable):
     # restarts under way of desktops found dead.
     _desktops: dict[str, _Agent]
     _desktop_restarts: dict[str, asyncio.Task]
+    _desktop_connects: dict[str, asyncio.Lock]
 
     def _check_desktop(self, args: DSecContainerRunArgs, kind: SandboxKind) -> None:
         """A create asking for a desktop of a kind this node cannot give one (before anything is made)."""
@@ -186,6 +187,8 @@ class Desktops(SandboxTable):
     def _sweep_desktops(self) -> None:
         for sandbox_id in [s for s in self._desktops if s not in self._records]:
             self._desktops.pop(sandbox_id).close()
+        for sandbox_id in [s for s in self._desktop_connects if s not in self._records]:
+            del self._desktop_connects[sandbox_id]
 
     def _restart_desktop(self, rec: Record) -> None:
         """Start again, in the background, a desktop found dead (its X server or agent gone):
@@ -244,6 +247,15 @@ class Desktops(SandboxTable):
             agent.close()
         self._desktops.clear()
 
+    async def _reconnect_agent(self, rec: Record) -> _Agent:
+        """The connection to a desktop agent this edge holds none of, made by one call while the
+        others wait for it: the agent serves one connection at a time."""
+        async with self._desktop_connects.setdefault(rec.id, asyncio.Lock()):
+            agent = self._desktops.get(rec.id)
+            if agent is None:
+                agent = self._desktops[rec.id] = await self._connect_agent(rec)
+            return agent
+
     async def _connect_agent(self, rec: Record) -> _Agent:
         reader, writer = await self.backends[rec.kind].connect_port(rec.handle, AGENT_PORT)
         return _Agent(reader, writer)
@@ -257,9 +269,14 @@ class Desktops(SandboxTable):
 
     async def _agent_call(self, rec: Record, request: dict) -> tuple[dict, bytes]:
         agent = self._desktops.get(rec.id)
+        if agent is None and rec.id in self._desktop_restarts:
+            # (the restart makes the connection: the agent serves one at a time, so one made
+            # here beside it would wait for ever, or leave the restart waiting for ever)
+            raise DesktopUnavailable(f"the desktop of sandbox {rec.id} is being started again; the sandbox's "
+                                     f"other calls still work")
         try:
-            if agent is None:  # an edge restarted under the sandbox: connect again
-                agent = self._desktops[rec.id] = await self._connect_agent(rec)
+            if agent is None:  # an edge restarted under the sandbox: connect again, once
+                agent = await self._reconnect_agent(rec)
             header, payload = await agent.call(request)
         except (PortUnreachable, ConnectionError, asyncio.IncompleteReadError) as exc:
             if self._desktops.get(rec.id) is agent and agent is not None:

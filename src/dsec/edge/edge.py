@@ -128,6 +128,7 @@ class Edge(Creates, Snapshots, Forks, Inside, Desktops, NodeCalls):
         self.watches = Watches()  # directory watches (inotify): this process's, they end with it
         self._desktops = {}  # sandbox id -> the connection to its desktop agent (desktop.py)
         self._desktop_restarts = {}  # sandbox id -> the restart of its desktop, found dead
+        self._desktop_connects = {}  # sandbox id -> the lock of the one call connecting to its agent
 
     # -- start / close ------------------------------------------------------------------------
 
