@@ -107,7 +107,12 @@ async def test_seccomp_program_compiled_once(client, server):
         for sb in sandboxes:
             r = await sb.run_shell("kill -TERM 1; echo rc=$?")
             assert "Operation not permitted" in r.stderr and r.stdout == "rc=1\n", r
-            events = await sb.security_events()
+            # (the kernel's log of the refusal is read as it comes: allow it a moment)
+            for _ in range(50):
+                events = await sb.security_events()
+                if any(e.kind == "syscall.denied" and e.detail.startswith("kill ") for e in events):
+                    break
+                await asyncio.sleep(0.1)
             assert any(e.kind == "syscall.denied" and e.detail.startswith("kill ") for e in events), events
     finally:
         await asyncio.gather(*(s.stop() for s in sandboxes))
