@@ -126,3 +126,17 @@ async def test_a_command_whose_init_dies_says_the_sandbox_is_gone(container):
     os.kill(handle.pid, signal.SIGKILL)
     with pytest.raises(SandboxStateError, match=f"sandbox process of {handle.cid} is gone"):
         await asyncio.wait_for(command, 10)
+
+
+async def test_the_init_holds_its_stdio_its_channel_and_its_signalfd_only(container):
+    """What the init inherits past its stdio is closed at its start (close_range, three calls
+    rather than a close of each fd below 1024): it keeps its channel and its signalfd, and a
+    command started through the channel still runs."""
+    import os
+
+    backend, handle = container
+    fds = {int(fd): os.readlink(f"/proc/{handle.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{handle.pid}/fd")}
+    extra = sorted(target.split(":")[0] + (":[signalfd]" if "signalfd" in target else "")
+                   for fd, target in fds.items() if fd > 2)
+    assert {0, 1, 2} <= set(fds) and extra == ["anon_inode:[signalfd]", "socket"], fds
+    assert (await backend.exec(handle, ExecRequest(command="echo alive", timeout=30), ROOT)).stdout == "alive\n"
