@@ -126,3 +126,58 @@ async def test_a_command_whose_init_dies_says_the_sandbox_is_gone(container):
     os.kill(handle.pid, signal.SIGKILL)
     with pytest.raises(SandboxStateError, match=f"sandbox process of {handle.cid} is gone"):
         await asyncio.wait_for(command, 10)
+
+
+async def test_the_init_holds_its_stdio_its_channel_and_its_signalfd_only(container):
+    """What the init inherits past its stdio is closed at its start (close_range, three calls
+    rather than a close of each fd below 1024): it keeps its channel and its signalfd, and a
+    command started through the channel still runs."""
+    import os
+
+    backend, handle = container
+    fds = {int(fd): os.readlink(f"/proc/{handle.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{handle.pid}/fd")}
+    extra = sorted(target.split(":")[0] + (":[signalfd]" if "signalfd" in target else "")
+                   for fd, target in fds.items() if fd > 2)
+    assert {0, 1, 2} <= set(fds) and extra == ["anon_inode:[signalfd]", "socket"], fds
+    assert (await backend.exec(handle, ExecRequest(command="echo alive", timeout=30), ROOT)).stdout == "alive\n"
+
+
+async def test_a_command_gets_back_the_default_of_what_the_init_inherited_ignored():
+    """An ignored disposition outlives exec: a signal the init was started with ignored (SIGPIPE
+    here, as a Python parent leaves it) is the default again in its commands. The init reads
+    which those are once, at its start, and sets back just them in each command. Run on the
+    host, outside a sandbox: the init's channel is all it needs."""
+    import asyncio
+    import os
+    import subprocess
+
+    from dsec import native
+    from dsec.backends.initchan import InitChannel, exit_code
+
+    def ignored(status: str) -> int:
+        return int(next(line for line in status.splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+
+    sigpipe = 1 << (13 - 1)
+    host_end, init_end = InitChannel.pair()
+    init = subprocess.Popen([str(native.binary("init"))], stdin=init_end, restore_signals=False)
+    init_end.close()
+    channel = InitChannel(host_end)
+    r, w = os.pipe()
+    try:
+        assert ignored(open(f"/proc/{init.pid}/status").read()) & sigpipe  # what it was started with
+        job_id, message = channel.encode(["grep", "SigIgn", "/proc/self/status"], {"PATH": "/usr/bin:/bin"}, "/", 0, 0)
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        try:
+            await channel.start(job_id, message, (stdin, w, w))
+        finally:
+            os.close(stdin)
+            os.close(w)
+        status = await asyncio.wait_for(channel.wait(job_id), 10)
+        out = os.read(r, 4096).decode()
+        assert exit_code(status) == 0, out
+        assert not ignored(out) & sigpipe, out
+    finally:
+        os.close(r)
+        channel.close()
+        init.kill()
+        init.wait()
