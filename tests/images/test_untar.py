@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from dsec.images import untar
 from dsec.images.sources import _settle_times, apply_layer
@@ -177,3 +176,59 @@ def test_both_ways_agree_on_hostile_layers(tmp_path):
 
     run()
     assert any(taken_any) and not all(taken_any), "the examples should go both ways"
+
+
+def test_headers_read_as_tarfile_reads_them_or_not_at_all():
+    """``tarheaders`` reads ustar, GNU and pax headers (long names, xattrs, fractional times)
+    as ``tarfile`` does, and leaves what it is not sure of (a NUL in a pax path, a global
+    header, a bad checksum) unread."""
+    from dsec.images import tarheaders
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        f = tarfile.TarInfo("p/" + "x" * 200)
+        f.size, f.mtime, f.uid, f.pax_headers = 2, 1_700_000_000.5, 3_000_000, {"SCHILY.xattr.user.a": "b"}
+        tar.addfile(f, io.BytesIO(b"hi"))
+        s = tarfile.TarInfo("s")
+        s.type, s.linkname = tarfile.SYMTYPE, "/" + "t" * 150
+        tar.addfile(s)
+    for fmt in (tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT):
+        buf.seek(0)
+        with tarfile.open(fileobj=buf, mode="a", format=fmt) as tar:
+            d = tarfile.TarInfo(f"d{fmt}/")
+            d.type, d.mode = tarfile.DIRTYPE, 0o2755
+            tar.addfile(d)
+    data = buf.getvalue()
+    theirs = [(m.name, m.type, m.mode, m.uid, m.gid, m.size, m.mtime, m.linkname)
+              for m in tarfile.open(fileobj=io.BytesIO(data))]
+    stream = io.BytesIO(data)
+    ours = [(m.name, m.type, m.mode, m.uid, m.gid, m.size, m.mtime, m.linkname)
+            for m, _ in tarheaders.members(stream.read, stream.seek)]
+    assert ours == theirs and len(ours) == 4
+
+    def unread(raw: bytes) -> None:
+        s = io.BytesIO(raw)
+        with pytest.raises(tarheaders.Unread):
+            list(tarheaders.members(s.read, s.seek))
+
+    unread(_with_pax(b"path", b"ab/..\x00x"))
+    glob = io.BytesIO()
+    with tarfile.open(fileobj=glob, mode="w", format=tarfile.PAX_FORMAT, pax_headers={"comment": "x"}) as tar:
+        tar.addfile(tarfile.TarInfo("f"))
+    unread(glob.getvalue())
+    bad = bytearray(layer_tar([("file", "f", "", 0, b"x")]))
+    bad[0] ^= 1  # (the name changes, the checksum does not)
+    unread(bytes(bad))
+
+
+def _with_pax(key: bytes, value: bytes) -> bytes:
+    """A one-member tar whose pax header sets ``key`` to ``value`` (bytes as they are)."""
+    record = b" " + key + b"=" + value + b"\n"
+    n = len(record) + 2  # (its own length in two digits)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        x = tarfile.TarInfo("././@PaxHeader")
+        x.type, x.size = tarfile.XHDTYPE, n
+        tar.addfile(x, io.BytesIO(str(n).encode() + record))
+        tar.addfile(tarfile.TarInfo("f"))
+    return buf.getvalue()
