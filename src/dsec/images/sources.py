@@ -244,13 +244,7 @@ def _write_file(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str) -> Non
             while view:
                 view = view[os.write(fd, view):]
             left -= len(data)
-        if os.geteuid() == 0:
-            with contextlib.suppress(OSError):
-                os.fchown(fd, member.uid, member.gid)
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, member.mode)
-        with contextlib.suppress(OSError):
-            os.utime(fd, (member.mtime, member.mtime))
+        untar.set_like_tarfile(fd, member)
     finally:
         os.close(fd)
 

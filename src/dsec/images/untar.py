@@ -282,17 +282,27 @@ def apply(fileobj: BinaryIO, dest: str) -> dict[str, int] | None:
     return plan.times
 
 
+def set_like_tarfile(target: int | str, member: tarfile.TarInfo) -> None:
+    """Owner (as root), mode and time of the written member ``target`` (a path or descriptor) set
+    as ``tarfile`` sets them, a failure of any passed over as ``tarfile`` passes it over."""
+    if os.geteuid() == 0:
+        with contextlib.suppress(OSError):
+            os.chown(target, member.uid, member.gid)
+    with contextlib.suppress(OSError):
+        os.chmod(target, member.mode)
+    with contextlib.suppress(OSError):
+        os.utime(target, (member.mtime, member.mtime))
+
+
 def _post_pass(plan: _Plan) -> None:
     """What ``tarfile`` sets otherwise than GNU tar, set as ``tarfile`` sets it, in the members'
     order: a hard link's header (owner, mode, time) on the inode it shares, a time as a float."""
     for path, member in plan.fixes:
         if member.type == tarfile.LNKTYPE:
+            set_like_tarfile(path, member)
+        else:
             with contextlib.suppress(OSError):
-                os.chown(path, member.uid, member.gid)
-            with contextlib.suppress(OSError):
-                os.chmod(path, member.mode)
-        with contextlib.suppress(OSError):
-            os.utime(path, (member.mtime, member.mtime))
+                os.utime(path, (member.mtime, member.mtime))
 
 
 def _empty(dest: str) -> None:
