@@ -152,6 +152,22 @@ def test_what_the_gnu_tar_way_does_not_take(tmp_path, entries):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("root_mode, taken", [(0o750, True), (0o2775, False)])
+def test_a_root_member_owner_and_mode_as_the_python_way_leaves_them(tmp_path, root_mode, taken):
+    """A ``./`` member: GNU tar sets the root's owner and mode, put back after it (the Python way
+    passes it over); a setgid one goes the Python way (directories made below it would differ)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        root = tarfile.TarInfo("./")
+        root.type, root.mode, root.uid, root.gid = tarfile.DIRTYPE, root_mode, 33, 44
+        tar.addfile(root)
+        f = tarfile.TarInfo("./a/b")
+        f.size = 1
+        tar.addfile(f, io.BytesIO(b"x"))
+    fast, python, was_taken = _both_ways(tmp_path, buf.getvalue())
+    assert was_taken == taken and fast == python and isinstance(fast, tuple)
+
+
 @pytest.mark.slow
 def test_both_ways_agree_on_hostile_layers(tmp_path):
     """Hypothesis over layers of escapes, links through links, devices and whiteouts (the import

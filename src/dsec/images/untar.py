@@ -121,9 +121,9 @@ def _check(member: tarfile.TarInfo, root: str, plan: _Plan) -> None:
         kind = _FILE
     else:
         raise NotPlain(f"member {raw!r} of type {member.type!r}")
-    if name in (".", "/"):
-        if kind != _DIR:
-            raise NotPlain(f"member {raw!r} names the root as a non-directory")
+    if name in (".", "/"):  # (GNU tar sets the root's owner and mode, put back after it)
+        if kind != _DIR or member.mode & stat.S_ISGID:
+            raise NotPlain(f"member {raw!r} names the root as a non-directory or a setgid one")
         return
     if raw.endswith("/") and kind != _DIR:
         raise NotPlain(f"member {raw!r} ends in '/'")
