@@ -17,7 +17,8 @@ layers of their own. ``pull_many`` takes them as one batch:
    it too; an entry whose layer GC has removed is dropped.
 3. **Convert.** Each distinct group of the batch once, ``concurrency`` at a time (from the CLI
    in forked processes, one a core: ``_workers``): its layers applied in order into a directory
-   (whiteouts converted; in RAM when it fits: ``_scratch``), then ``store.add_dir``. The first
+   (whiteouts converted; in RAM when it fits: ``_scratch``; the first into the empty directory by
+   GNU tar, each member checked first: ``untar``), then ``store.add_dir``. The first
    image's bottom layer (a batch's shared base, most of the work) is applied already while the
    other images are fetched (``_apply_head``), and its group goes on from there.
 4. **Record.** Each image with its groups' layers, env, working directory and user.
@@ -321,8 +322,9 @@ def _skopeo_argv(authfile: Path | None, insecure: bool) -> list[str]:
 @contextmanager
 def _workers(n: int) -> Iterator[ProcessPoolExecutor | None]:
     """``n`` conversion processes (forked at once), or None under two. Applying a layer
-    is Python's work (``tarfile``) and holds the GIL: threads of one process convert one layer
-    at a time, so on a 2-core machine a base's conversion and 32 small layers' took turns."""
+    is Python's work in good part (reading its headers; ``tarfile`` writing the members of a
+    layer above another) and holds the GIL: threads of one process convert one layer at a
+    time, so on a 2-core machine a base's conversion and 32 small layers' took turns."""
     if n < 2:
         yield None
         return

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import untar
 from .inflate import Inflated, is_gzip
 from .store import Image, LayerBuildError, LayerStore, _check_member
 
@@ -115,6 +116,20 @@ def _no_symlink_on_path(dest: str, rel: str, known_dirs: set[str]) -> None:
             known_dirs.add(cur)
 
 
+def _no_symlink_to_link(dest: str, member: tarfile.TarInfo, known_dirs: set[str]) -> None:
+    """Refuse a hard link whose target is reached through a symlink, or is one: ``os.link``
+    follows both, and ``tarfile`` then sets the link's owner, mode and time on what it reached
+    (a host file, through an absolute symlink an earlier member or layer left)."""
+    target = os.path.normpath(member.linkname)
+    try:
+        _no_symlink_on_path(dest, target, known_dirs)
+        through = os.path.islink(f"{dest}/{target}")
+    except LayerBuildError:
+        through = True
+    if through:
+        raise LayerBuildError(f"hard link {member.name!r} -> {member.linkname!r} goes through a symlink")
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -127,10 +142,17 @@ def _whiteout(path: Path) -> None:
     os.mknod(path, stat.S_IFCHR | 0o000, os.makedev(0, 0))
 
 
-def apply_layer(fileobj, dest: Path) -> None:
-    """Apply one OCI layer tar (plain or gzip) onto ``dest``, converting whiteouts."""
+def apply_layer(fileobj, dest: Path, *, gnu_tar: bool = True) -> None:
+    """Apply one OCI layer tar (plain or gzip) onto ``dest``, converting whiteouts. Into an
+    empty directory, GNU tar writes the members (``untar``: the same tree, three times faster)
+    unless ``gnu_tar`` is false or a member needs this function's own way."""
     dest = dest.resolve()
     root = str(dest)
+    if gnu_tar and untar.usable(root):
+        times = untar.apply(fileobj, root)
+        if times is not None:
+            _settle_times(root, times)
+            return
     opaque: list[Path] = []
     known_dirs: set[str] = set()
     # Times that extracting disturbs (a directory's, by what goes into it; a symlink's and a
@@ -148,6 +170,8 @@ def apply_layer(fileobj, dest: Path) -> None:
                     continue
                 _check_member(member, dest)
                 _no_symlink_on_path(root, name, known_dirs)
+                if member.islnk():
+                    _no_symlink_to_link(root, member, known_dirs)
                 head, _, base = name.rpartition("/")
                 if base == OPAQUE_MARKER or base.startswith(WHITEOUT_PREFIX):
                     known_dirs.clear()  # directories go: look again
@@ -220,13 +244,7 @@ def _write_file(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str) -> Non
             while view:
                 view = view[os.write(fd, view):]
             left -= len(data)
-        if os.geteuid() == 0:
-            with contextlib.suppress(OSError):
-                os.fchown(fd, member.uid, member.gid)
-        with contextlib.suppress(OSError):
-            os.fchmod(fd, member.mode)
-        with contextlib.suppress(OSError):
-            os.utime(fd, (member.mtime, member.mtime))
+        untar.set_like_tarfile(fd, member)
     finally:
         os.close(fd)
 
