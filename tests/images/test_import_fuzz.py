@@ -30,8 +30,10 @@ NAMES = st.builds(lambda lead, parts: lead + "/".join(parts), st.sampled_from(["
 
 
 def targets(outside: Path) -> st.SearchStrategy[str]:
-    return st.one_of(NAMES, st.sampled_from([str(outside / "secret"), str(outside), "../" * 6 + "etc/passwd",
-                                            "/etc/passwd", "lnk", "lnk/x", "a/../../..", "."]))
+    # (What the links aim at outside is the test's decoy, never the host's own files; ``lnk/secret``
+    # is the decoy's file reached through a symlink ``lnk`` to it, as a hard link's target.)
+    return st.one_of(NAMES, st.sampled_from([str(outside / "secret"), str(outside), "../" * 6 + "outside/secret",
+                                            "lnk", "lnk/x", "lnk/secret", "a/../../..", "."]))
 
 
 def members(outside: Path) -> st.SearchStrategy[list[tuple]]:

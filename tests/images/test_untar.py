@@ -124,12 +124,12 @@ def test_hard_links_and_odd_headers_as_tarfile_sets_them(tmp_path):
     [
         [("file", "../escape", "", 0, b"x")],
         [("file", "/abs", "", 0, b"x")],
-        [("symlink", "lnk", "/etc", 0, b""), ("file", "lnk/passwd", "", 0, b"x")],
+        [("symlink", "lnk", "OUT", 0, b""), ("file", "lnk/passwd", "", 0, b"x")],
         [("symlink", "lnk", "../../../../etc", 0, b"")],
-        [("hardlink", "h", "/etc/passwd", 0, b"")],
+        [("hardlink", "h", "OUT/passwd", 0, b"")],
         [("hardlink", "h", "nothing", 0, b"")],
-        [("symlink", "lnk", "/etc", 0, b""), ("hardlink", "h", "lnk/passwd", 0, b"")],
-        [("symlink", "lnk", "/etc/passwd", 0, b""), ("hardlink", "h", "lnk", 0, b"")],
+        [("symlink", "lnk", "OUT", 0, b""), ("hardlink", "h", "lnk/passwd", 0, b"")],
+        [("symlink", "lnk", "OUT/passwd", 0, b""), ("hardlink", "h", "lnk", 0, b"")],
         [("chr", "dev", "", 1, b"")],
         [("fifo", "fifo", "", 0, b"")],
         [("file", "a", "", 0, b"1"), ("file", "a", "", 0, b"2")],
@@ -140,15 +140,23 @@ def test_hard_links_and_odd_headers_as_tarfile_sets_them(tmp_path):
     ids=["dotdot", "absolute", "through-symlink", "symlink-out", "hardlink-out", "hardlink-to-nothing",
          "hardlink-through-symlink", "hardlink-to-symlink", "device", "fifo", "twice", "below-a-file", "whiteout", "opaque"],
 )
-def test_what_the_gnu_tar_way_does_not_take(tmp_path, entries):
+def test_what_the_gnu_tar_way_does_not_take(tmp_path, tmp_path_factory, entries):
     """Each goes the Python way (which applies or refuses it as before), nothing is written
-    outside, and both ways end alike."""
-    before = Path("/etc/passwd").stat()
+    outside, and both ways end alike. What the links aim at outside (``OUT``) is a decoy
+    directory of the test's, never the host's own files: a regression writes there."""
+    outside = tmp_path_factory.mktemp("outside")
+    decoy = outside / "passwd"
+    decoy.write_text("root:x:0:0::/root:/bin/sh\n")
+    os.chmod(decoy, 0o644)
+    entries = [(kind, name, target.replace("OUT", str(outside)), *rest) for kind, name, target, *rest in entries]
+    before = decoy.stat()
     fast, python, taken = _both_ways(tmp_path, layer_tar(entries))
     assert not taken
     assert fast == python
-    after = Path("/etc/passwd").stat()
-    assert (after.st_mtime_ns, after.st_size, after.st_ino) == (before.st_mtime_ns, before.st_size, before.st_ino)
+    assert sorted(p.name for p in outside.iterdir()) == ["passwd"]
+    after = decoy.stat()
+    assert (after.st_mtime_ns, after.st_size, after.st_ino, after.st_mode, after.st_uid, after.st_nlink) == \
+        (before.st_mtime_ns, before.st_size, before.st_ino, before.st_mode, before.st_uid, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
