@@ -1,0 +1,110 @@
+"""A node's creates mount their layers at once: a layer whose mount waits (here on its file's
+lock, as while GC on some machine holds it alone; on a shared store, on a round trip) holds up
+no create of other layers, a second create of the same layer waits for the one mount, and the
+counts stay exact under many threads (dsec.images.mounts)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from dsec.images.compose import LayerMount
+from dsec.images.mounts import LayerMounts
+from dsec.images.store import LayerStore
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+
+@pytest.fixture
+def layers(tmp_path) -> tuple[LayerMounts, list[LayerMount]]:
+    """Node layer mounts over a store of three one-file layers (file ``f`` says the layer's index)."""
+    store = LayerStore(tmp_path / "store")
+    mounts = LayerMounts(tmp_path / "node" / "layers", layers_dir=store.layers_dir)
+    made = []
+    for i in range(3):
+        src = tmp_path / f"src{i}"
+        src.mkdir()
+        (src / "f").write_text(f"{i}\n")
+        digest = store.add_dir(src)
+        made.append(LayerMount(digest=digest, source=store.layer_path(digest), target=mounts.mount_dir / digest))
+    yield mounts, made
+    counts = mounts.mounted()  # (a failed test may leave some held)
+    for layer in made:
+        for _ in range(counts.get(layer.digest, 0)):
+            mounts.release((layer,))
+    mounts.release_unused()
+
+
+def _mounts_at(target: Path) -> int:
+    with open("/proc/self/mountinfo") as f:
+        return sum(line.split()[4] == str(target) for line in f)
+
+
+def _in_thread(fn, *args) -> threading.Thread:
+    thread = threading.Thread(target=fn, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_mount_waiting_on_its_layer_holds_up_no_other_layer_and_one_mount_serves_both_waiters(layers):
+    mounts, (a, b, _) = layers
+    gc = os.open(a.source, os.O_RDONLY)  # GC's lock: a's acquire waits on its shared lock
+    fcntl.flock(gc, fcntl.LOCK_EX)
+    first = _in_thread(mounts.acquire, (a,))
+    second = _in_thread(mounts.acquire, (a,))
+    other = _in_thread(mounts.acquire, (b,))
+    try:
+        other.join(timeout=10)
+        assert not other.is_alive(), "b's mount waited on a's"
+        assert mounts.mounted() == {b.digest: 1}
+        assert first.is_alive() and second.is_alive()
+    finally:
+        os.close(gc)  # (lets a's acquires go on, whatever was asserted)
+        for thread in (first, second, other):
+            thread.join(timeout=10)
+    assert not first.is_alive() and not second.is_alive()
+    assert mounts.mounted() == {a.digest: 2, b.digest: 1}
+    assert _mounts_at(a.target) == 1
+    assert (a.target / "f").read_text() == "0\n"
+    mounts.release((a,))
+    assert os.path.ismount(a.target)
+    mounts.release((a, b))
+    assert mounts.mounted() == {}
+    assert not os.path.ismount(a.target) and not os.path.ismount(b.target)
+
+
+def test_counts_stay_exact_under_many_threads(layers):
+    mounts, made = layers
+    failures: list[str] = []
+
+    def create(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(40):
+            mine = tuple(rng.sample(made, rng.randint(1, 3)))
+            mounts.acquire(mine)
+            try:
+                for layer in mine:
+                    if (layer.target / "f").read_text() != f"{made.index(layer)}\n":
+                        failures.append(f"{layer.digest} unreadable while held")
+                    if _mounts_at(layer.target) != 1:
+                        failures.append(f"{layer.digest} mounted {_mounts_at(layer.target)} times")
+            finally:
+                mounts.release(mine)
+
+    threads = [_in_thread(create, seed) for seed in range(6)]
+    held = (made[0],)
+    mounts.acquire(held)  # (one held throughout: its count must come back to 1, its mount stay)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert failures == []
+    assert mounts.mounted() == {made[0].digest: 1}
+    assert _mounts_at(made[0].target) == 1
+    mounts.release(held)
+    assert mounts.mounted() == {}
+    assert all(not os.path.ismount(layer.target) for layer in made)
