@@ -16,6 +16,7 @@ import pytest
 from dsec.images.compose import LayerMount
 from dsec.images.mounts import LayerMounts
 from dsec.images.store import LayerStore
+from dsec.isolation import userns
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
 
@@ -108,3 +109,67 @@ def test_counts_stay_exact_under_many_threads(layers):
     mounts.release(held)
     assert mounts.mounted() == {}
     assert all(not os.path.ismount(layer.target) for layer in made)
+
+
+def test_a_new_id_range_being_made_holds_up_no_layer_mount(layers, monkeypatch):
+    """The user namespace of a sandbox's new id range is a process spawn (slow on a loaded host):
+    made with no lock held, a create making one holds up no other create's layer mounts."""
+    mounts, (a, b, _) = layers
+    spawning, go = threading.Event(), threading.Event()
+    make = userns._make_userns_fd
+
+    def slow_make(*args):  # (the real spawn, once the test lets it go)
+        spawning.set()
+        go.wait(20)
+        return make(*args)
+
+    monkeypatch.setattr(userns, "_make_userns_fd", slow_make)
+    mounts.acquire((a,))
+    idmap = userns.IdMap(userns.SANDBOX_ID_BASE + 77 * userns.SANDBOX_ID_COUNT)
+    seen: list[int] = []
+
+    def clone() -> None:
+        with mounts.idmapped((a,), idmap) as fds:
+            seen.append(os.stat("f", dir_fd=fds[0]).st_uid)
+
+    cloning = _in_thread(clone)
+    assert spawning.wait(10)
+    other = _in_thread(mounts.acquire, (b,))
+    try:
+        other.join(timeout=10)
+        assert not other.is_alive(), "b's mount waited on a's clone's user namespace"
+    finally:
+        go.set()
+        cloning.join(timeout=20)
+        other.join(timeout=10)
+    assert seen == [idmap.base]  # (on-disk root, read through the clone as the range's root)
+    assert mounts.mounted() == {a.digest: 1, b.digest: 1}
+    mounts.release((a, b))
+
+
+def test_clones_of_many_ranges_at_once_each_read_as_their_own_range(layers, monkeypatch):
+    """Threads cloning for more ranges than are kept: a user namespace fd is never closed (evicted)
+    while another thread clones with it, so each clone maps its own range."""
+    mounts, (a, _, _) = layers
+    monkeypatch.setattr(userns, "_USERNS_FDS_KEPT", 2)
+    mounts.acquire((a,))
+    wrong: list[str] = []
+
+    def clones(thread: int) -> None:
+        for i in range(8):
+            idmap = userns.IdMap(userns.SANDBOX_ID_BASE + (1000 + thread * 8 + i) * userns.SANDBOX_ID_COUNT)
+            fd = userns.idmapped_clone(a.target, idmap)
+            try:
+                uid = os.stat("f", dir_fd=fd).st_uid
+            finally:
+                os.close(fd)
+            if uid != idmap.base:
+                wrong.append(f"range at {idmap.base} read as {uid}")
+
+    threads = [_in_thread(clones, t) for t in range(4)]
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert wrong == []
+    assert len(userns._USERNS_FDS) <= 2
+    mounts.release((a,))

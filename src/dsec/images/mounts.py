@@ -99,7 +99,11 @@ class LayerMounts:
         Where overlayfs takes no detached layer (before Linux 6.15) each clone is made for this
         block alone and attached under ``clones_dir`` while the overlay is mounted, then unmounted
         (the overlay holds a private copy of its layers): nothing stays in the mount table, so a
-        crash leaves at most the clones of one create, which ``release_unused`` sweeps."""
+        crash leaves at most the clones of one create, which ``release_unused`` sweeps.
+
+        The range's user namespace is made first, with no lock held (a process spawn for each
+        new range: under the node's lock it held up every create's layer mounts)."""
+        userns.prepare(idmap)
         if not userns.detached_layers():
             with self._lock, self._attached_clones(layers, idmap) as fds:
                 yield fds
