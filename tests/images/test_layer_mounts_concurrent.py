@@ -173,3 +173,30 @@ def test_clones_of_many_ranges_at_once_each_read_as_their_own_range(layers, monk
     assert wrong == []
     assert len(userns._USERNS_FDS) <= 2
     mounts.release((a,))
+
+
+def test_two_callers_of_one_new_range_wait_for_one_spawn(monkeypatch):
+    """A create makes its range's user namespace beside its layer mounts and its overlay's clone
+    asks for it again: the second waits for the first's spawn and makes none of its own."""
+    spawns: list[tuple] = []
+    go = threading.Event()
+    make = userns._make_userns_fd
+
+    def held_make(*args):  # (the real spawn, once the test lets it go)
+        spawns.append(args)
+        go.wait(20)
+        return make(*args)
+
+    monkeypatch.setattr(userns, "_make_userns_fd", held_make)
+    idmap = userns.IdMap(userns.SANDBOX_ID_BASE + 2000 * userns.SANDBOX_ID_COUNT)
+    callers = [_in_thread(userns.prepare, idmap) for _ in range(3)]
+    try:
+        for thread in callers:
+            thread.join(timeout=1)  # (all three asked by now)
+    finally:
+        go.set()
+        for thread in callers:
+            thread.join(timeout=20)
+    assert not any(t.is_alive() for t in callers)
+    assert spawns == [(0, idmap.base, idmap.count)]
+    assert (0, idmap.base, idmap.count) in userns._USERNS_FDS

@@ -109,9 +109,10 @@ def _make_userns_fd(inside: int, outside: int, count: int) -> int:
 
 _USERNS_FDS: OrderedDict[tuple[int, int, int], int] = OrderedDict()
 _USERNS_FDS_KEPT = 256  # fds held at most; a range used again after eviction costs one spawn
-# Over the kept fds, and over each use of one: an fd is closed (evicted) only while no thread is
-# using it. Never held over a spawn.
+# Over the kept fds, the ones being made, and each use of one: an fd is closed (evicted) only
+# while no thread is using it. Never held over a spawn.
 _USERNS_LOCK = threading.Lock()
+_USERNS_MAKING: dict[tuple[int, int, int], threading.Event] = {}  # set once made (or failed)
 _T = TypeVar("_T")
 
 
@@ -119,33 +120,43 @@ def _with_userns_fd(inside: int, outside: int, count: int, use: Callable[[int], 
     """``use(fd)`` of the user namespace fd of the mapping (``_make_userns_fd``), made once and
     kept for the ranges used last. The spawn that makes one costs a process start (a few ms, far
     more on a loaded host) and runs with no lock held, so that the creates of a node make theirs
-    at once; ``use`` runs under ``_USERNS_LOCK`` (a syscall or two: no other thread's eviction
-    closes the fd under it)."""
+    at once; a second caller for the same mapping waits for that one. ``use`` runs under
+    ``_USERNS_LOCK`` (a syscall or two: no other thread's eviction closes the fd under it)."""
     key = (inside, outside, count)
+    while True:
+        with _USERNS_LOCK:
+            fd = _USERNS_FDS.get(key)
+            if fd is not None:
+                _USERNS_FDS.move_to_end(key)
+                return use(fd)
+            making = _USERNS_MAKING.get(key)
+            if making is None:
+                making = _USERNS_MAKING[key] = threading.Event()
+                break
+        making.wait()  # (made: kept now; or failed: this caller tries itself)
+    try:
+        made = _make_userns_fd(inside, outside, count)
+    except BaseException:
+        with _USERNS_LOCK:
+            del _USERNS_MAKING[key]
+            making.set()
+        raise
     with _USERNS_LOCK:
-        fd = _USERNS_FDS.get(key)
-        if fd is not None:
-            _USERNS_FDS.move_to_end(key)
-            return use(fd)
-    made = _make_userns_fd(inside, outside, count)
-    with _USERNS_LOCK:
-        fd = _USERNS_FDS.get(key)
-        if fd is None:  # (else another thread made it meanwhile: ours goes)
-            fd = _USERNS_FDS[key] = made
-        else:
-            _USERNS_FDS.move_to_end(key)
+        del _USERNS_MAKING[key]
+        making.set()
+        _USERNS_FDS[key] = made
         try:
-            return use(fd)
+            return use(made)
         finally:
-            if fd != made:
-                os.close(made)
             while len(_USERNS_FDS) > _USERNS_FDS_KEPT:  # (the oldest: never the one just used)
                 os.close(_USERNS_FDS.popitem(last=False)[1])
 
 
 def prepare(idmap: IdMap) -> None:
-    """Make the user namespace fd that ``idmapped_clone`` takes for ``idmap``, unless it is kept:
-    called with no lock held, it spares a caller that clones under a lock of its own the spawn."""
+    """Make the user namespace fd that ``idmapped_clone`` takes for ``idmap``, unless it is kept
+    (or being made: then wait for it). Called with no lock held, it spares a caller that clones
+    under a lock of its own the spawn; called beside other work (``RootFilesystems.mount``
+    makes it while the layers mount), the spawn costs that work no time."""
     _with_userns_fd(0, idmap.base, idmap.count, lambda fd: None)
 
 
