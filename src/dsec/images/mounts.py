@@ -21,6 +21,11 @@ node's disk; the cache is stopped once no layer is mounted here (``release_unuse
 VM still maps layer files from it (``LayerCache.stop_unless_busy``: the node's VMs read their
 layers through the same cache), and started again, with what it kept, at the next mount.
 
+A node's creates mount their layers at once: each layer has a lock of its own over its mount,
+unmount and checks, and a layer mounted and in use is counted after a check under no lock at all;
+the node's lock covers only the counts. ``release_unused`` and ``adopt`` wait until no acquire or
+release is under way.
+
 While a layer is mounted here its file is held open with a shared ``flock``: GC, wherever it
 runs on the store (``LayerStore.gc``), removes only the layers it can lock alone.
 
@@ -73,11 +78,11 @@ class LayerMounts:
         # digest -> the device of the layer cache's mount it was mounted through: a cache whose
         # server was killed and started again serves another.
         self._cache_devs: dict[str, int | None] = {}
-        # The counts, holds and clones, held only for bookkeeping: the filesystem work of an
-        # acquire or release (on a shared store each stat, open, flock and read is a round trip
-        # through its client) is done outside it, under the layer's own lock (``_layer_lock``),
-        # so that the creates of a node mount different layers at once and two creates needing
-        # the same layer wait for one mount.
+        # Over the counts, holds and clones (and ``idmapped``'s clones in use): the filesystem
+        # work of an acquire or release (on a shared store each stat, open, flock and read is a
+        # round trip through its client) is done outside it, under the layer's own lock
+        # (``_layer_lock``), so that the creates of a node mount different layers at once and
+        # two creates needing the same layer wait for one mount.
         self._lock = threading.Lock()
         self._layer_locks: dict[str, threading.Lock] = {}
         # Acquires and releases under way (``_working``); ``release_unused`` and ``adopt`` wait
