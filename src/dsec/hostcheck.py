@@ -162,7 +162,7 @@ def probe_layer_stack(attach: str, idmapped: bool) -> None:
             if idmapped:
                 idmap = userns.IdMap()
                 try:  # the namespace alone first, to tell its failure from the idmapping's
-                    userns._userns_fd(0, idmap.base, idmap.count)
+                    userns.prepare(idmap)
                 except OSError as exc:
                     raise ProbeFailed("userns", _errno(exc), str(exc)) from None
                 try:

@@ -21,6 +21,11 @@ node's disk; the cache is stopped once no layer is mounted here (``release_unuse
 VM still maps layer files from it (``LayerCache.stop_unless_busy``: the node's VMs read their
 layers through the same cache), and started again, with what it kept, at the next mount.
 
+A node's creates mount their layers at once: each layer has a lock of its own over its mount,
+unmount and checks, and a layer mounted and in use is counted after a check under no lock at all;
+the node's lock covers only the counts. ``release_unused`` and ``adopt`` wait until no acquire or
+release is under way.
+
 While a layer is mounted here its file is held open with a shared ``flock``: GC, wherever it
 runs on the store (``LayerStore.gc``), removes only the layers it can lock alone.
 
@@ -73,7 +78,18 @@ class LayerMounts:
         # digest -> the device of the layer cache's mount it was mounted through: a cache whose
         # server was killed and started again serves another.
         self._cache_devs: dict[str, int | None] = {}
+        # Over the counts, holds and clones (and ``idmapped``'s clones in use): the filesystem
+        # work of an acquire or release (on a shared store each stat, open, flock and read is a
+        # round trip through its client) is done outside it, under the layer's own lock
+        # (``_layer_lock``), so that the creates of a node mount different layers at once and
+        # two creates needing the same layer wait for one mount.
         self._lock = threading.Lock()
+        self._layer_locks: dict[str, threading.Lock] = {}
+        # Acquires and releases under way (``_working``); ``release_unused`` and ``adopt`` wait
+        # for none to be (``_alone``), and new ones wait while they run.
+        self._changed = threading.Condition(self._lock)
+        self._busy = 0
+        self._sweeps = 0
         # (layer mount target, id range base) -> fd of its detached idmapped clone
         self._clones: OrderedDict[tuple[str, int], int] = OrderedDict()
         # Where clones are attached for a moment on kernels whose overlayfs takes no detached layer.
@@ -88,7 +104,11 @@ class LayerMounts:
         Where overlayfs takes no detached layer (before Linux 6.15) each clone is made for this
         block alone and attached under ``clones_dir`` while the overlay is mounted, then unmounted
         (the overlay holds a private copy of its layers): nothing stays in the mount table, so a
-        crash leaves at most the clones of one create, which ``release_unused`` sweeps."""
+        crash leaves at most the clones of one create, which ``release_unused`` sweeps.
+
+        The range's user namespace is made first, with no lock held (a process spawn for each
+        new range: under the node's lock it held up every create's layer mounts)."""
+        userns.prepare(idmap)
         if not userns.detached_layers():
             with self._lock, self._attached_clones(layers, idmap) as fds:
                 yield fds
@@ -143,25 +163,93 @@ class LayerMounts:
         for key in [k for k in self._clones if k[0] == str(target)]:
             os.close(self._clones.pop(key))
 
-    def acquire(self, layers: tuple[LayerMount, ...]) -> None:
+    @contextlib.contextmanager
+    def _working(self) -> Iterator[None]:
+        """An acquire or release under way, outside ``_lock``: ``_alone`` waits for it."""
         with self._lock:
+            while self._sweeps:
+                self._changed.wait()
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy -= 1
+                if not self._busy:
+                    self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def _alone(self) -> Iterator[None]:
+        """``_lock`` held with no acquire or release under way (for the sweeps, which look at
+        every mount at once, as a create half-way through its mounts would not have them)."""
+        with self._lock:
+            self._sweeps += 1
+            try:
+                while self._busy:
+                    self._changed.wait()
+                yield
+            finally:
+                self._sweeps -= 1
+                self._changed.notify_all()
+
+    def _layer_lock(self, digest: str) -> threading.Lock:
+        with self._lock:
+            return self._layer_locks.setdefault(digest, threading.Lock())
+
+    def acquire(self, layers: tuple[LayerMount, ...]) -> None:
+        with self._working():
             done: list[LayerMount] = []
             try:
                 for layer in layers:
-                    if self._refs[layer.digest] == 0 and not os.path.ismount(layer.target):
-                        layer.target.mkdir(parents=True, exist_ok=True)
-                        self._mount(layer)
-                    elif self._stale(layer):
-                        # The sandboxes on the old mount keep it (detached); new ones get this.
-                        self._close_clones(layer.target)
-                        _sys.umount(str(layer.target), _sys.MNT_DETACH)
-                        self._mount(layer)
-                    self._refs[layer.digest] += 1
+                    self._acquire_one(layer)
                     done.append(layer)
             except BaseException:
                 for layer in done:
-                    self._release_locked(layer)
+                    self._release_one(layer)
                 raise
+
+    def _acquire_one(self, layer: LayerMount) -> None:
+        if self._take_mounted(layer):
+            return
+        with self._layer_lock(layer.digest):
+            with self._lock:
+                unused = self._refs[layer.digest] == 0
+            if unused and not os.path.ismount(layer.target):
+                layer.target.mkdir(parents=True, exist_ok=True)
+                self._mount(layer)
+            elif self._stale(layer):
+                # The sandboxes on the old mount keep it (detached); new ones get this.
+                with self._lock:
+                    self._close_clones(layer.target)
+                _sys.umount(str(layer.target), _sys.MNT_DETACH)
+                self._mount(layer)
+            with self._lock:
+                self._refs[layer.digest] += 1
+
+    def _take_mounted(self, layer: LayerMount) -> bool:
+        """Count one more user of a layer mounted here and in use, still reading through the
+        store's mount and the cache's server it was mounted through, with no lock held over the
+        checks; False (nothing counted): it needs ``_acquire_one``'s locked way."""
+        with self._lock:
+            held = self._holds.get(layer.digest)
+            if held is None or self._refs[layer.digest] == 0:
+                return False
+            cache_dev = self._cache_devs.get(layer.digest, _NOT_CACHED)
+        if self._moved(layer, held[1], cache_dev):
+            return False
+        with self._lock:
+            # (released to nothing, or mounted anew, while it was looked at: the locked way)
+            if self._holds.get(layer.digest) is not held or self._refs[layer.digest] == 0:
+                return False
+            self._refs[layer.digest] += 1
+            return True
+
+    def _moved(self, layer: LayerMount, store_dev: int, cache_dev: int | None | object) -> bool:
+        """Whether the layer's file is on another device than ``store_dev`` now (a store mounted
+        again), or the cache's mount it was mounted through (``cache_dev``) is not served now."""
+        if self.cache is not None and cache_dev is not _NOT_CACHED and self.cache.device() != cache_dev:
+            return True
+        return os.stat(layer.source).st_dev != store_dev
 
     def _stale(self, layer: LayerMount) -> bool:
         """Whether the layer's mount reads through a mount of the store, or a server of the
@@ -172,36 +260,38 @@ class LayerMounts:
             return False
         if self.cache is not None and layer.digest in self._cache_devs:
             self.cache.ensure()
-            if self.cache.device() != self._cache_devs[layer.digest]:
-                return True
-        return os.stat(layer.source).st_dev != held[1]
+        return self._moved(layer, held[1], self._cache_devs.get(layer.digest, _NOT_CACHED))
 
-    def _hold(self, layer: LayerMount) -> None:
+    def _hold(self, layer: LayerMount) -> int:
+        """Open and share-lock the layer's file (held while mounted here); its fd."""
         self._let_go(layer.digest)
         fd = os.open(layer.source, os.O_RDONLY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            self._holds[layer.digest] = (fd, os.fstat(fd).st_dev)
+            held = (fd, os.fstat(fd).st_dev)
         except BaseException:
             os.close(fd)
             raise
+        with self._lock:
+            self._holds[layer.digest] = held
+        return fd
 
     def _let_go(self, digest: str) -> None:
-        held = self._holds.pop(digest, None)
-        if held is not None:
-            # A store that is gone answers the close with an error (ENOTCONN); the fd is closed.
-            with contextlib.suppress(OSError):
-                os.close(held[0])
+        with self._lock:
+            held = self._holds.pop(digest, None)
+        _close_held(held)
 
     def _mount(self, layer: LayerMount) -> None:
-        self._hold(layer)
+        fd = self._hold(layer)
         flags = _sys.MS_RDONLY | _sys.MS_NODEV | _sys.MS_NOSUID
         try:
-            self._check(layer)
+            self._check(layer, fd)
             source = layer.source
             if self.cache is not None:
                 source = self.cache.path(layer.source)
-                self._cache_devs[layer.digest] = self.cache.device()
+                cache_dev = self.cache.device()
+                with self._lock:
+                    self._cache_devs[layer.digest] = cache_dev
             if self.attach == "file":
                 _sys.mount(str(source), str(layer.target), "erofs", flags)
                 return
@@ -211,39 +301,39 @@ class LayerMounts:
             self._let_go(layer.digest)
             raise
 
-    def _check(self, layer: LayerMount) -> None:
+    def _check(self, layer: LayerMount, fd: int) -> None:
         """Refuse a layer whose file in the store does not have the size its sums were taken
         over, or whose sums file is damaged."""
-        problem = sums.mount_problem(Path(layer.source), os.fstat(self._holds[layer.digest][0]).st_size)
+        problem = sums.mount_problem(Path(layer.source), os.fstat(fd).st_size)
         if problem is not None:
             raise BackendError(problem)
 
     def release(self, layers: tuple[LayerMount, ...]) -> None:
-        with self._lock:
+        with self._working():
             for layer in layers:
-                self._release_locked(layer)
+                self._release_one(layer)
 
-    def _release_locked(self, layer: LayerMount) -> None:
-        self._refs[layer.digest] -= 1
-        if self._refs[layer.digest] <= 0:
-            del self._refs[layer.digest]
-            self._cache_devs.pop(layer.digest, None)
-            self._let_go(layer.digest)
-            self._unmount(layer.target)
-
-    def _unmount(self, target: Path) -> None:
-        self._close_clones(target)
-        if os.path.ismount(target):
-            _sys.umount(str(target), _sys.MNT_DETACH)
-        try:
-            target.rmdir()
-        except OSError:
-            pass
+    def _release_one(self, layer: LayerMount) -> None:
+        with self._lock:
+            if self._refs[layer.digest] > 1:  # (others still use it: nothing to unmount)
+                self._refs[layer.digest] -= 1
+                return
+        with self._layer_lock(layer.digest):
+            with self._lock:
+                self._refs[layer.digest] -= 1
+                if self._refs[layer.digest] > 0:
+                    return
+                del self._refs[layer.digest]
+                self._cache_devs.pop(layer.digest, None)
+                held = self._holds.pop(layer.digest, None)
+                self._close_clones(layer.target)
+            _close_held(held)
+            _unmount_layer(layer.target)
 
     def adopt(self, sandboxes: list[tuple[LayerMount, ...]]) -> None:
         """Recount from scratch: the given sandboxes hold their layers, nothing else does.
         Called when an edge (re)starts; ``release_unused`` then unmounts the rest."""
-        with self._lock:
+        with self._alone():
             self._refs.clear()
         for layers in sandboxes:
             self.acquire(layers)
@@ -253,12 +343,14 @@ class LayerMounts:
         loop devices of the store's layers that nothing holds (whichever way this process
         attaches: an earlier run may have used the other)."""
         removed = []
-        with self._lock:
+        with self._alone():
+            self._layer_locks.clear()  # (none is held: no acquire or release is under way)
             self._sweep_clones()
             for target in self.mount_dir.iterdir():
                 if target.name not in self._refs and target != self.clones_dir:
-                    self._let_go(target.name)
-                    self._unmount(target)
+                    _close_held(self._holds.pop(target.name, None))
+                    self._close_clones(target)
+                    _unmount_layer(target)
                     removed.append(target.name)
             if self.layers_dir is not None:
                 loopdev.detach_backed_by(self.layers_dir)
@@ -291,6 +383,25 @@ def configured_cache(node_dir: Path, layers_dir: Path | None) -> LayerCache | No
         if cache is None or (cache.limit, cache.layers_dir) != (conf.layer_cache_mb << 20, Path(layers_dir)):
             cache = _node_caches[cache_dir] = LayerCache(cache_dir, conf.layer_cache_mb << 20, layers_dir)
         return cache
+
+
+_NOT_CACHED = object()  # (a layer mounted straight from the store's file)
+
+
+def _close_held(held: tuple[int, int] | None) -> None:
+    if held is not None:
+        # A store that is gone answers the close with an error (ENOTCONN); the fd is closed.
+        with contextlib.suppress(OSError):
+            os.close(held[0])
+
+
+def _unmount_layer(target: Path) -> None:
+    if os.path.ismount(target):
+        _sys.umount(str(target), _sys.MNT_DETACH)
+    try:
+        target.rmdir()
+    except OSError:
+        pass
 
 
 def _unmount_dir(path: Path) -> None:

@@ -31,11 +31,13 @@ import functools
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from .. import _sys, settings
 
@@ -107,26 +109,62 @@ def _make_userns_fd(inside: int, outside: int, count: int) -> int:
 
 _USERNS_FDS: OrderedDict[tuple[int, int, int], int] = OrderedDict()
 _USERNS_FDS_KEPT = 256  # fds held at most; a range used again after eviction costs one spawn
+# Over the kept fds, the ones being made, and each use of one: an fd is closed (evicted) only
+# while no thread is using it. Never held over a spawn.
+_USERNS_LOCK = threading.Lock()
+_USERNS_MAKING: dict[tuple[int, int, int], threading.Event] = {}  # set once made (or failed)
+_T = TypeVar("_T")
 
 
-def _userns_fd(inside: int, outside: int, count: int) -> int:
-    """``_make_userns_fd``, kept for the ranges used last (the spawn costs a few ms)."""
+def _with_userns_fd(inside: int, outside: int, count: int, use: Callable[[int], _T]) -> _T:
+    """``use(fd)`` of the user namespace fd of the mapping (``_make_userns_fd``), made once and
+    kept for the ranges used last. The spawn that makes one costs a process start (a few ms, far
+    more on a loaded host) and runs with no lock held, so that the creates of a node make theirs
+    at once; a second caller for the same mapping waits for that one. ``use`` runs under
+    ``_USERNS_LOCK`` (a syscall or two: no other thread's eviction closes the fd under it)."""
     key = (inside, outside, count)
-    fd = _USERNS_FDS.get(key)
-    if fd is not None:
-        _USERNS_FDS.move_to_end(key)
-        return fd
-    fd = _USERNS_FDS[key] = _make_userns_fd(inside, outside, count)
-    while len(_USERNS_FDS) > _USERNS_FDS_KEPT:
-        os.close(_USERNS_FDS.popitem(last=False)[1])
-    return fd
+    while True:
+        with _USERNS_LOCK:
+            fd = _USERNS_FDS.get(key)
+            if fd is not None:
+                _USERNS_FDS.move_to_end(key)
+                return use(fd)
+            making = _USERNS_MAKING.get(key)
+            if making is None:
+                making = _USERNS_MAKING[key] = threading.Event()
+                break
+        making.wait()  # (made: kept now; or failed: this caller tries itself)
+    try:
+        made = _make_userns_fd(inside, outside, count)
+    except BaseException:
+        with _USERNS_LOCK:
+            del _USERNS_MAKING[key]
+            making.set()
+        raise
+    with _USERNS_LOCK:
+        del _USERNS_MAKING[key]
+        making.set()
+        _USERNS_FDS[key] = made
+        try:
+            return use(made)
+        finally:
+            while len(_USERNS_FDS) > _USERNS_FDS_KEPT:  # (the oldest: never the one just used)
+                os.close(_USERNS_FDS.popitem(last=False)[1])
+
+
+def prepare(idmap: IdMap) -> None:
+    """Make the user namespace fd that ``idmapped_clone`` takes for ``idmap``, unless it is kept
+    (or being made: then wait for it). Called with no lock held, it spares a caller that clones
+    under a lock of its own the spawn; called beside other work (``RootFilesystems.mount``
+    makes it while the layers mount), the spawn costs that work no time."""
+    _with_userns_fd(0, idmap.base, idmap.count, lambda fd: None)
 
 
 def idmapped_clone(source: Path, idmap: IdMap) -> int:
     """An fd of a detached idmapped clone of the mount (or directory) ``source``, its ids
     0.. read as ``idmap``'s host ids. Not in any mount table; it goes when the fd is closed
     (and whatever was mounted over it lets go)."""
-    return _clone(source, _userns_fd(0, idmap.base, idmap.count))
+    return _with_userns_fd(0, idmap.base, idmap.count, lambda fd: _clone(source, fd))
 
 
 def _clone(source: Path, userns_fd: int) -> int:
@@ -246,12 +284,11 @@ def shifted_view(idmap: IdMap, directory: Path, view: Path, copy_dir: Path | Non
     mount fails (EINVAL), and the view is a copy instead, made under ``copy_dir`` (default: beside
     ``view``; give one on a disk, not on the sandbox's own capped tmpfs), its ids shifted back
     one entry at a time, and removed after."""
-    nsfd = _userns_fd(idmap.base, 0, idmap.count)
     view.mkdir(parents=True, exist_ok=True)
     while os.path.ismount(view):  # the view of a pack that a crash cut short
         _sys.umount(str(view), _sys.MNT_DETACH)
     try:
-        idmapped_bind(directory, view, nsfd)
+        _with_userns_fd(idmap.base, 0, idmap.count, lambda nsfd: idmapped_bind(directory, view, nsfd))
     except OSError:
         with contextlib.suppress(OSError):
             view.rmdir()

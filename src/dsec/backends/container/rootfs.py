@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from ... import _sys
@@ -50,7 +52,7 @@ class RootFilesystems:
         Blocks: call it from a thread."""
         self.detach_started()
         bundle = plan.target.parent
-        with contextlib.ExitStack() as undo:
+        with self._preparing_ids(bundle.name), contextlib.ExitStack() as undo:
             undo.callback(shutil.rmtree, bundle, ignore_errors=True)
             # The bundle (and so the writable layer) is a tmpfs of its own: its size is the
             # sandbox's disk limit (ENOSPC past it), set again with the memory limit.
@@ -62,6 +64,24 @@ class RootFilesystems:
             undo.callback(self.layer_mounts.release, plan.layers)
             self._mount_overlay(plan)
             undo.pop_all()
+
+    @contextlib.contextmanager
+    def _preparing_ids(self, cid: str) -> Iterator[None]:
+        """The user namespace of the sandbox's id range made in a thread of its own while the
+        block runs (its bundle and layers are mounted), and waited for at its end: a process
+        spawn for each new range, the slowest step of a create under a burst, costs the layer
+        mounts (round trips, on a shared store) no time beside it. A failure is left to the
+        overlay's mount to meet and report."""
+        idmap = None if self.id_ranges is None else self.id_ranges.of(cid)
+        if idmap is None:
+            yield
+            return
+        thread = threading.Thread(target=_prepare_quietly, args=(idmap,), name=f"ids-{cid}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            thread.join()
 
     def _mount_overlay(self, plan: OverlayPlan) -> None:
         if self.id_ranges is None:
@@ -118,3 +138,8 @@ class RootFilesystems:
             _sys.umount(str(target), _sys.MNT_DETACH)
         disk.unmount_bundle(self.sandboxes_dir / cid)
         shutil.rmtree(self.sandboxes_dir / cid, ignore_errors=True)
+
+
+def _prepare_quietly(idmap: userns.IdMap) -> None:
+    with contextlib.suppress(OSError):
+        userns.prepare(idmap)

@@ -1,0 +1,202 @@
+"""A node's creates mount their layers at once: a layer whose mount waits (here on its file's
+lock, as while GC on some machine holds it alone; on a shared store, on a round trip) holds up
+no create of other layers, a second create of the same layer waits for the one mount, and the
+counts stay exact under many threads (dsec.images.mounts)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+
+from dsec.images.compose import LayerMount
+from dsec.images.mounts import LayerMounts
+from dsec.images.store import LayerStore
+from dsec.isolation import userns
+
+pytestmark = [pytest.mark.slow, pytest.mark.root]
+
+
+@pytest.fixture
+def layers(tmp_path) -> tuple[LayerMounts, list[LayerMount]]:
+    """Node layer mounts over a store of three one-file layers (file ``f`` says the layer's index)."""
+    store = LayerStore(tmp_path / "store")
+    mounts = LayerMounts(tmp_path / "node" / "layers", layers_dir=store.layers_dir)
+    made = []
+    for i in range(3):
+        src = tmp_path / f"src{i}"
+        src.mkdir()
+        (src / "f").write_text(f"{i}\n")
+        digest = store.add_dir(src)
+        made.append(LayerMount(digest=digest, source=store.layer_path(digest), target=mounts.mount_dir / digest))
+    yield mounts, made
+    counts = mounts.mounted()  # (a failed test may leave some held)
+    for layer in made:
+        for _ in range(counts.get(layer.digest, 0)):
+            mounts.release((layer,))
+    mounts.release_unused()
+
+
+def _mounts_at(target: Path) -> int:
+    with open("/proc/self/mountinfo") as f:
+        return sum(line.split()[4] == str(target) for line in f)
+
+
+def _in_thread(fn, *args) -> threading.Thread:
+    thread = threading.Thread(target=fn, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_mount_waiting_on_its_layer_holds_up_no_other_layer_and_one_mount_serves_both_waiters(layers):
+    mounts, (a, b, _) = layers
+    gc = os.open(a.source, os.O_RDONLY)  # GC's lock: a's acquire waits on its shared lock
+    fcntl.flock(gc, fcntl.LOCK_EX)
+    first = _in_thread(mounts.acquire, (a,))
+    second = _in_thread(mounts.acquire, (a,))
+    other = _in_thread(mounts.acquire, (b,))
+    try:
+        other.join(timeout=10)
+        assert not other.is_alive(), "b's mount waited on a's"
+        assert mounts.mounted() == {b.digest: 1}
+        assert first.is_alive() and second.is_alive()
+    finally:
+        os.close(gc)  # (lets a's acquires go on, whatever was asserted)
+        for thread in (first, second, other):
+            thread.join(timeout=10)
+    assert not first.is_alive() and not second.is_alive()
+    assert mounts.mounted() == {a.digest: 2, b.digest: 1}
+    assert _mounts_at(a.target) == 1
+    assert (a.target / "f").read_text() == "0\n"
+    mounts.release((a,))
+    assert os.path.ismount(a.target)
+    mounts.release((a, b))
+    assert mounts.mounted() == {}
+    assert not os.path.ismount(a.target) and not os.path.ismount(b.target)
+
+
+def test_counts_stay_exact_under_many_threads(layers):
+    mounts, made = layers
+    failures: list[str] = []
+
+    def create(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(40):
+            mine = tuple(rng.sample(made, rng.randint(1, 3)))
+            mounts.acquire(mine)
+            try:
+                for layer in mine:
+                    if (layer.target / "f").read_text() != f"{made.index(layer)}\n":
+                        failures.append(f"{layer.digest} unreadable while held")
+                    if _mounts_at(layer.target) != 1:
+                        failures.append(f"{layer.digest} mounted {_mounts_at(layer.target)} times")
+            finally:
+                mounts.release(mine)
+
+    threads = [_in_thread(create, seed) for seed in range(6)]
+    held = (made[0],)
+    mounts.acquire(held)  # (one held throughout: its count must come back to 1, its mount stay)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert failures == []
+    assert mounts.mounted() == {made[0].digest: 1}
+    assert _mounts_at(made[0].target) == 1
+    mounts.release(held)
+    assert mounts.mounted() == {}
+    assert all(not os.path.ismount(layer.target) for layer in made)
+
+
+def test_a_new_id_range_being_made_holds_up_no_layer_mount(layers, monkeypatch):
+    """The user namespace of a sandbox's new id range is a process spawn (slow on a loaded host):
+    made with no lock held, a create making one holds up no other create's layer mounts."""
+    mounts, (a, b, _) = layers
+    spawning, go = threading.Event(), threading.Event()
+    make = userns._make_userns_fd
+
+    def slow_make(*args):  # (the real spawn, once the test lets it go)
+        spawning.set()
+        go.wait(20)
+        return make(*args)
+
+    monkeypatch.setattr(userns, "_make_userns_fd", slow_make)
+    mounts.acquire((a,))
+    idmap = userns.IdMap(userns.SANDBOX_ID_BASE + 77 * userns.SANDBOX_ID_COUNT)
+    seen: list[int] = []
+
+    def clone() -> None:
+        with mounts.idmapped((a,), idmap) as fds:
+            seen.append(os.stat("f", dir_fd=fds[0]).st_uid)
+
+    cloning = _in_thread(clone)
+    assert spawning.wait(10)
+    other = _in_thread(mounts.acquire, (b,))
+    try:
+        other.join(timeout=10)
+        assert not other.is_alive(), "b's mount waited on a's clone's user namespace"
+    finally:
+        go.set()
+        cloning.join(timeout=20)
+        other.join(timeout=10)
+    assert seen == [idmap.base]  # (on-disk root, read through the clone as the range's root)
+    assert mounts.mounted() == {a.digest: 1, b.digest: 1}
+    mounts.release((a, b))
+
+
+def test_clones_of_many_ranges_at_once_each_read_as_their_own_range(layers, monkeypatch):
+    """Threads cloning for more ranges than are kept: a user namespace fd is never closed (evicted)
+    while another thread clones with it, so each clone maps its own range."""
+    mounts, (a, _, _) = layers
+    monkeypatch.setattr(userns, "_USERNS_FDS_KEPT", 2)
+    mounts.acquire((a,))
+    wrong: list[str] = []
+
+    def clones(thread: int) -> None:
+        for i in range(8):
+            idmap = userns.IdMap(userns.SANDBOX_ID_BASE + (1000 + thread * 8 + i) * userns.SANDBOX_ID_COUNT)
+            fd = userns.idmapped_clone(a.target, idmap)
+            try:
+                uid = os.stat("f", dir_fd=fd).st_uid
+            finally:
+                os.close(fd)
+            if uid != idmap.base:
+                wrong.append(f"range at {idmap.base} read as {uid}")
+
+    threads = [_in_thread(clones, t) for t in range(4)]
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert wrong == []
+    assert len(userns._USERNS_FDS) <= 2
+    mounts.release((a,))
+
+
+def test_two_callers_of_one_new_range_wait_for_one_spawn(monkeypatch):
+    """A create makes its range's user namespace beside its layer mounts and its overlay's clone
+    asks for it again: the second waits for the first's spawn and makes none of its own."""
+    spawns: list[tuple] = []
+    go = threading.Event()
+    make = userns._make_userns_fd
+
+    def held_make(*args):  # (the real spawn, once the test lets it go)
+        spawns.append(args)
+        go.wait(20)
+        return make(*args)
+
+    monkeypatch.setattr(userns, "_make_userns_fd", held_make)
+    idmap = userns.IdMap(userns.SANDBOX_ID_BASE + 2000 * userns.SANDBOX_ID_COUNT)
+    callers = [_in_thread(userns.prepare, idmap) for _ in range(3)]
+    try:
+        for thread in callers:
+            thread.join(timeout=1)  # (all three asked by now)
+    finally:
+        go.set()
+        for thread in callers:
+            thread.join(timeout=20)
+    assert not any(t.is_alive() for t in callers)
+    assert spawns == [(0, idmap.base, idmap.count)]
+    assert (0, idmap.base, idmap.count) in userns._USERNS_FDS
