@@ -10,6 +10,10 @@ and that third moves to the other core. zlib checks each member's CRC and length
 takes a hard link's content from the archive when its target has gone from the tree) falls
 back to ``gzip.GzipFile`` over the same file, which inflates from the start again: rare, and
 the same as reading the layer with the gzip module all along.
+
+The inflating is ISA-L's (``isal``), zlib's format with twice its speed here (a 92 MB gzip of
+280 MB: 0.69 s against 1.37–1.67 s of CPU): the base's inflating is on a pull's critical path.
+Where isal is not installed, zlib does it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ import queue
 import threading
 import zlib
 from typing import BinaryIO
+
+try:
+    from isal import isal_zlib as _inflater
+except ImportError:  # (a platform isal has no wheel for)
+    _inflater = zlib  # type: ignore[assignment]
 
 GZIP_MAGIC = b"\x1f\x8b"
 _CHUNK = 1 << 20   # compressed bytes read at a time
@@ -57,7 +66,7 @@ class Inflated:
 
     def _inflate(self) -> None:
         try:
-            d = zlib.decompressobj(31)
+            d = _inflater.decompressobj(31)
             started = False
             while chunk := self._raw.read(_CHUNK):
                 while chunk:
@@ -68,7 +77,7 @@ class Inflated:
                     if d.eof:  # one gzip member ends: another may follow (``gzip`` reads them all)
                         chunk = d.unused_data.lstrip(b"\0")  # (trailing zeros pad some files)
                         if chunk:
-                            d = zlib.decompressobj(31)
+                            d = _inflater.decompressobj(31)
                     else:
                         chunk = b""
                 if self._stop.is_set():
@@ -76,7 +85,7 @@ class Inflated:
             if started and not d.eof:
                 raise EOFError("Compressed file ended before the end-of-stream marker was reached")
             self._put(None)
-        except zlib.error as exc:
+        except (zlib.error, _inflater.error) as exc:
             self._put(gzip.BadGzipFile(f"corrupt gzip data: {exc}"))
         except BaseException as exc:  # noqa: BLE001 - handed to the reader, who raises it
             self._put(exc)
