@@ -62,6 +62,27 @@ def test_add_dir_is_content_addressed_and_idempotent(store, tmp_path):
     assert again == a and len(store.layer_path(a).read_bytes()) == len(first)
 
 
+def test_add_dir_says_when_its_source_is_read_before_the_layer_is_placed(store, tmp_path):
+    """``read`` (a packed sandbox thawed there): once mkfs.erofs is done with the source, and
+    before the layer and its sums are in the store; the source changed after it is not in it."""
+    source = _tree(tmp_path / "a", {"etc/conf": b"x=1\n", "bin/tool": b"tool\n"})
+    seen: list[tuple[list[str], list[str]]] = []
+
+    def read() -> None:
+        seen.append(_store_contents(store))
+        (source / "etc/conf").write_bytes(b"changed after it was read\n")
+
+    digest = store.add_dir(source, read=read)
+    assert len(seen) == 1
+    placed, building = seen[0]
+    assert placed == [] and len(building) == 1 and building[0].endswith(".erofs")  # built, not placed
+    assert store.has_layer(digest)
+    # The layer holds the tree as it was read: the same digest as the original tree's.
+    assert digest == store.add_dir(_tree(tmp_path / "b", {"etc/conf": b"x=1\n", "bin/tool": b"tool\n"}))
+    # A layer the store has already: nothing read to the end, ``read`` not called.
+    assert store.add_dir(tmp_path / "b", read=read) == digest and len(seen) == 1
+
+
 def test_tree_digest_sees_content_mode_and_links(tmp_path):
     root = _tree(tmp_path / "t", {"f": b"1"})
     base = tree_digest(root)

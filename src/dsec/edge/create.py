@@ -170,7 +170,10 @@ class Creates(SandboxTable):
                 spec = SandboxSpec(image=image.name, layers=image.layers, env=dict(image.env), limits=limits,
                                    snapshot=snapshot, protected_paths=tuple(args.protected_paths), setuid=image.setuid,
                                    **({"hostname": hostname} if hostname else {}))
-                rec.handle, has = await backend.create(f"c{secrets.token_hex(8)}", spec), None
+                # Made to order, it has its limits already (``SandboxSpec.limits``: a backend sets
+                # them all before ``create`` returns); setting them again cost a fork's children
+                # a sixth of their create's time on the event loop (cgroup writes, the tmpfs resized).
+                rec.handle, has = await backend.create(f"c{secrets.token_hex(8)}", spec), limits
             try:
                 if has != limits:
                     await backend.apply_limits(rec.handle, limits)

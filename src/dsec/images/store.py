@@ -26,7 +26,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,10 +184,14 @@ class LayerStore:
     def has_layer(self, digest: str) -> bool:
         return self.layer_path(digest).exists()
 
-    def add_dir(self, source: Path, exclude: frozenset[str] = frozenset()) -> str:
+    def add_dir(self, source: Path, exclude: frozenset[str] = frozenset(),
+                read: Callable[[], None] | None = None) -> str:
         """Build a layer from a directory, leaving out the relative paths in ``exclude``;
         returns its digest. Idempotent for equal content. Overlay whiteouts (0:0 character
         devices) and opaque-directory xattrs are kept, so an overlay upper becomes a layer.
+        ``read`` (if given) is called, in this thread, as soon as nothing reads ``source`` any
+        more: the sums and the placement that follow read only the file built (a sandbox frozen
+        while its writable layer is packed is thawed there, not after them).
 
         ``mkfs.erofs`` runs while the tree's digest is taken (both only read the tree): on two
         cores the digest costs no time beside it (a 280 MB base: about a second each). When the
@@ -213,6 +217,8 @@ class LayerStore:
                         proc.kill()
                         return digest
                     err = proc.communicate()[1]
+                if read is not None:
+                    read()
                 if proc.returncode != 0:
                     raise LayerBuildError(f"mkfs.erofs failed for {source}: {err.strip()[:500]}")
                 self.place_layer(digest, Path(tmp))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from pathlib import Path
 
 from libdsec import BackendError, SandboxStateError
@@ -30,31 +31,45 @@ class WritableLayer:
     store: LayerStore
     id_ranges: userns.IdRanges | None
     rootfs: RootFilesystems
+    frozen_s: dict[str, float]  # by sandbox: how long its last pack held it frozen (``pack_diff``)
 
     def _upper(self, handle: Handle) -> Path:
         return self.rootfs.plan(handle.cid, handle.layers, handle.image).upper
 
     async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
         """Freeze the sandbox, turn its writable layer (minus residue) into a layer in the
-        store, thaw it. Whiteouts and opaque directories travel as overlay markers."""
+        store, thaw it. Whiteouts and opaque directories travel as overlay markers. It is
+        thawed once its layer is read (``LayerStore.add_dir``'s ``read``), before the layer's
+        sums are taken and it is placed; how long it stood frozen is kept in ``frozen_s`` (a
+        fork reports it)."""
         if not await self.is_alive(handle):
             raise SandboxStateError(f"cannot pack: sandbox process of {handle.cid} is gone")
         upper = self._upper(handle)
+        frozen_at = time.perf_counter()
         was_paused = not await self._freeze(handle)
+        thawed = was_paused  # (one paused already stays paused)
+
+        def thaw() -> None:
+            nonlocal thawed
+            if not thawed:
+                cgroups.thaw(self.cgroup_parent, handle.cid)
+                thawed = True
+                self.frozen_s[handle.cid] = time.perf_counter() - frozen_at
+
+        self.frozen_s.pop(handle.cid, None)
         try:
             with contextlib.ExitStack() as stack:
                 idmap = self.id_ranges.of(handle.cid) if self.id_ranges else None
                 if idmap is not None:  # the layer holds the ids as the sandbox saw them
                     upper = stack.enter_context(userns.shifted_view(idmap, upper, upper.parent / "packview", self.store.tmp_dir))
                 skip = await asyncio.to_thread(scrub.residue, upper)
-                digest = await asyncio.to_thread(self.store.add_dir, upper, skip)
+                digest = await asyncio.to_thread(self.store.add_dir, upper, skip, thaw)
         except LayerBuildError as exc:
             # The sandbox's own files, packed by the node: a failure here (the store's disk
             # full, mkfs.erofs failing) is the node's, not a bad request.
             raise BackendError(f"cannot pack {handle.cid}: {exc}") from None
         finally:
-            if not was_paused:
-                cgroups.thaw(self.cgroup_parent, handle.cid)
+            thaw()
         return digest, sorted("/" + p for p in skip)
 
     async def check_kept(self, handle: Handle, keep: list[str]) -> None:
