@@ -37,8 +37,10 @@ class RootFilesystems:
         self.id_ranges = id_ranges
         # The overlay plan of each live sandbox made here: paths, worked out once.
         self.plans: dict[str, OverlayPlan] = {}
-        # The host's overlay mounts of sandboxes that have started, to unmount (detach_started).
+        # The host's overlay mounts of sandboxes that have started, to unmount (detach_started),
+        # and the lock a thread holds while it unmounts them: roots are mounted in threads at once.
         self._started: list[Path] = []
+        self._detaching = threading.Lock()
 
     def plan(self, cid: str, layers: tuple[str, ...], image: str) -> OverlayPlan:
         plan = self.plans.get(cid)
@@ -95,9 +97,10 @@ class RootFilesystems:
         """The overlay of a sandbox whose init ended with its files kept (``Lifecycle.halt``),
         on the host again for its next start, over the same writable layer (its bundle's tmpfs
         and its layers were held all along). Blocks."""
+        with self._detaching:  # (no batch is being unmounted: its own root is in one or not)
+            if plan.target in self._started:  # (not unmounted yet: it is still there)
+                self._started.remove(plan.target)
         self.detach_started()
-        if plan.target in self._started:  # (not unmounted yet: it is still there)
-            self._started.remove(plan.target)
         if not os.path.ismount(plan.target):
             self._mount_overlay(plan)
 
@@ -113,10 +116,21 @@ class RootFilesystems:
     def detach_started(self) -> None:
         """Unmount, on the host, the overlays of sandboxes that have started since the last
         call. Blocks (each unmount waits for an RCU grace period): called in the thread that
-        mounts the next sandbox's root, so it costs no extra hop to a thread."""
-        while self._started:
-            with contextlib.suppress(OSError):  # torn down meanwhile
-                _sys.umount(str(self._started.pop()), _sys.MNT_DETACH)
+        mounts the next sandbox's root, so it costs no extra hop to a thread. One thread at a
+        time: a thread that finds another one at it leaves the list to it (or to the next
+        mount) and goes on with its own root."""
+        if not self._detaching.acquire(blocking=False):
+            return
+        try:
+            while True:
+                try:
+                    target = self._started.pop()
+                except IndexError:
+                    return
+                with contextlib.suppress(OSError):  # torn down meanwhile
+                    _sys.umount(str(target), _sys.MNT_DETACH)
+        finally:
+            self._detaching.release()
 
     def release(self, plan: OverlayPlan) -> None:
         """Unmount a root mounted by ``mount`` and remove its bundle. Blocks."""
