@@ -458,10 +458,12 @@ def sandbox_cgroup_dirs(parent: str) -> list[Path]:
     return [d for p in _parent_dirs(parent) if p.is_dir() for d in p.iterdir() if d.is_dir()]
 
 
-def remove_cgroup(parent: str, cid: str) -> None:
+def remove_cgroup(parent: str, cid: str, controllers: tuple[str, ...] | None = None) -> None:
     """Remove a sandbox's (empty) cgroups; tolerates ones already gone. Every hierarchy is
-    tried: a sandbox made by an older DSec (crun's cgroups) may have one in each."""
-    for h in _hierarchies():
+    tried, unless ``controllers`` names the only ones the sandbox was given (one this process
+    made, ``make_sandbox_cgroup``): a sandbox made by an older DSec (crun's cgroups) may have
+    one in each, and on a v1 host each of the others is a failed lookup (7 of 11 here)."""
+    for h in _hierarchies() if controllers is None else sandbox_hierarchies(controllers):
         try:
             os.rmdir(f"{h}/{parent}/{cid}")
         except FileNotFoundError:
