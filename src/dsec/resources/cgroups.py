@@ -208,11 +208,7 @@ def read_key(path: str, key: bytes) -> int | None:
     """The value of ``key`` in a flat-keyed cgroup file (None if it cannot be read). Read after
     every command: plain system calls, not a text file object."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = os.read(fd, 1 << 14)
-        finally:
-            os.close(fd)
+        data = _sys.read_small(path, 1 << 14)
     except OSError:
         return None
     for line in data.split(b"\n"):
@@ -394,7 +390,7 @@ def thaw(parent: str, cid: str) -> None:
         path = CGROUP_ROOT / "freezer" / parent / cid / "freezer.state"
         value = "THAWED"
     try:
-        if path.read_text().strip() in ("0", "THAWED"):
+        if _sys.read_small(str(path)).strip() in (b"0", b"THAWED"):
             return
         _write(path, value)
     except OSError:

@@ -47,8 +47,7 @@ log = logging.getLogger("dsec.backends.container")
 def _runs_init(pid: int) -> bool:
     """True once ``pid`` runs the sandbox's init (not crun still setting up its namespaces)."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().split(b"\0")[0] == INIT_PATH.encode()
+        return _sys.read_small(f"/proc/{pid}/cmdline").split(b"\0")[0] == INIT_PATH.encode()
     except OSError:
         return False
 
@@ -152,7 +151,7 @@ class Lifecycle:
         if rc != 0:
             raise BackendError(f"crun could not start {cid}: {out[-800:]}")
         self.oci.learn_compiled(self.crun_root / cid)
-        pid = int(pidfile.read_text())
+        pid = int(_sys.read_small(str(pidfile)))
         # The init waits for its first command: nothing runs before it is in its cgroup. In a
         # thread: on v1 each write to cgroup.procs waits for the kernel's cgroup lock, which
         # every other sandbox's cgroup mkdir and rmdir take too (under load, the event loop
