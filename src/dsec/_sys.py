@@ -92,11 +92,21 @@ def mounted_targets() -> set[str]:
 _FILE_ACTIONS_BYTES = 256
 
 
+def read_small(path: str, size: int = 1 << 16) -> bytes:
+    """A small file (of procfs, cgroupfs, a pid file) in one read(2), with no file object: a text
+    ``open().read()`` costs 5 system calls and ~32 us of CPU here, this 3 and ~15 us, and
+    a sandbox's lifecycle reads ~9 such files on the event loop."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, size)
+    finally:
+        os.close(fd)
+
+
 def proc_stat(pid: int) -> list[str]:
     """The fields of /proc/PID/stat after the command's name: state [0], ppid [1], process
     group [2], session [3] … (OSError once the process is gone)."""
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
+    return read_small(f"/proc/{pid}/stat").decode(errors="replace").rsplit(")", 1)[1].split()
 
 
 def spawn_env(env: dict[str, str] | os._Environ) -> ctypes.Array:

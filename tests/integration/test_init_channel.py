@@ -12,6 +12,7 @@ import socket
 import pytest
 
 from dsec.backends.base import ExecContext, SandboxSpec
+from libdsec import BackendError
 from libdsec.protocol import ExecRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.root]
@@ -126,6 +127,26 @@ async def test_a_command_whose_init_dies_says_the_sandbox_is_gone(container):
     os.kill(handle.pid, signal.SIGKILL)
     with pytest.raises(SandboxStateError, match=f"sandbox process of {handle.cid} is gone"):
         await asyncio.wait_for(command, 10)
+
+
+async def test_a_command_that_cannot_start_says_which_step_failed_and_the_next_runs(container):
+    """The command's process is a vfork of its keeper, sharing its memory until it execs: a
+    step that fails before the exec (its working directory is missing) is reported by name,
+    as the init's channel carries it, the keeper is not left waiting, and the next commands,
+    as other users too, start as before. (The working directory is one only root may enter:
+    the host finds it, the command, already another user, cannot change into it.)"""
+    from dsec.backends.base import ExecContext
+
+    backend, handle = container
+    made = await backend.exec(handle, ExecRequest(command="mkdir -m 700 /tmp/private", timeout=30), ROOT)
+    assert made.exit_code == 0, made
+    shut_out = ExecContext(uid=1000, gid=1000, workdir="/tmp/private", env={"PATH": "/bin:/usr/bin"})
+    with pytest.raises(BackendError, match=r"cannot start the command: .*chdir: Permission denied"):
+        await backend.exec(handle, ExecRequest(command="echo unreachable", timeout=30), shut_out)
+    agent = ExecContext(uid=1000, gid=1000, workdir="/tmp", env={"PATH": "/bin:/usr/bin", "X": "y"})
+    result = await backend.exec(handle, ExecRequest(command="echo $(id -u):$(id -g) $PWD $X $HOME", timeout=30), agent)
+    assert result.stdout == "1000:1000 /tmp y /home/agent\n", result
+    assert (await backend.exec(handle, ExecRequest(command="echo alive", timeout=30), ROOT)).stdout == "alive\n"
 
 
 async def test_the_init_holds_its_stdio_its_channel_and_its_signalfd_only(container):

@@ -295,9 +295,8 @@ def kill_session_of(pidfile: Path, cid: str) -> None:
 def pid_in_cgroup(pid: int, cid: str) -> bool:
     """True while ``pid`` is a live process in sandbox ``cid``'s cgroup (guards pid reuse)."""
     try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            if f"/{cid}\n" not in f.read():
-                return False
+        if f"/{cid}\n".encode() not in _sys.read_small(f"/proc/{pid}/cgroup"):
+            return False
         return _sys.proc_stat(pid)[0] != "Z"
     except (OSError, IndexError):
         return False

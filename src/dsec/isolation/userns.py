@@ -152,6 +152,13 @@ def _with_userns_fd(inside: int, outside: int, count: int, use: Callable[[int], 
                 os.close(_USERNS_FDS.popitem(last=False)[1])
 
 
+def kept(idmap: IdMap) -> bool:
+    """Whether the user namespace fd of ``idmap`` is kept already (``prepare`` has nothing to
+    make): a caller can then spare itself the thread it would prepare it in."""
+    with _USERNS_LOCK:
+        return (0, idmap.base, idmap.count) in _USERNS_FDS
+
+
 def prepare(idmap: IdMap) -> None:
     """Make the user namespace fd that ``idmapped_clone`` takes for ``idmap``, unless it is kept
     (or being made: then wait for it). Called with no lock held, it spares a caller that clones

@@ -208,11 +208,7 @@ def read_key(path: str, key: bytes) -> int | None:
     """The value of ``key`` in a flat-keyed cgroup file (None if it cannot be read). Read after
     every command: plain system calls, not a text file object."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            data = os.read(fd, 1 << 14)
-        finally:
-            os.close(fd)
+        data = _sys.read_small(path, 1 << 14)
     except OSError:
         return None
     for line in data.split(b"\n"):
@@ -394,7 +390,7 @@ def thaw(parent: str, cid: str) -> None:
         path = CGROUP_ROOT / "freezer" / parent / cid / "freezer.state"
         value = "THAWED"
     try:
-        if path.read_text().strip() in ("0", "THAWED"):
+        if _sys.read_small(str(path)).strip() in (b"0", b"THAWED"):
             return
         _write(path, value)
     except OSError:
@@ -458,10 +454,12 @@ def sandbox_cgroup_dirs(parent: str) -> list[Path]:
     return [d for p in _parent_dirs(parent) if p.is_dir() for d in p.iterdir() if d.is_dir()]
 
 
-def remove_cgroup(parent: str, cid: str) -> None:
+def remove_cgroup(parent: str, cid: str, controllers: tuple[str, ...] | None = None) -> None:
     """Remove a sandbox's (empty) cgroups; tolerates ones already gone. Every hierarchy is
-    tried: a sandbox made by an older DSec (crun's cgroups) may have one in each."""
-    for h in _hierarchies():
+    tried, unless ``controllers`` names the only ones the sandbox was given (one this process
+    made, ``make_sandbox_cgroup``): a sandbox made by an older DSec (crun's cgroups) may have
+    one in each, and on a v1 host each of the others is a failed lookup (7 of 11 here)."""
+    for h in _hierarchies() if controllers is None else sandbox_hierarchies(controllers):
         try:
             os.rmdir(f"{h}/{parent}/{cid}")
         except FileNotFoundError:

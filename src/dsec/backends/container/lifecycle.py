@@ -47,8 +47,7 @@ log = logging.getLogger("dsec.backends.container")
 def _runs_init(pid: int) -> bool:
     """True once ``pid`` runs the sandbox's init (not crun still setting up its namespaces)."""
     try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().split(b"\0")[0] == INIT_PATH.encode()
+        return _sys.read_small(f"/proc/{pid}/cmdline").split(b"\0")[0] == INIT_PATH.encode()
     except OSError:
         return False
 
@@ -86,7 +85,7 @@ class Lifecycle:
         try:
             self._mount_rootfs(plan, limits)
         except BaseException as exc:
-            self._remove_cgroup(cid)
+            self._remove_cgroup(cid, made_here=True)
             if isinstance(exc, OSError):
                 raise BackendError(f"cannot mount the root filesystem of {cid}: {exc}") from exc
             raise
@@ -105,7 +104,7 @@ class Lifecycle:
             # (A thread: the init, once killed, may hold the cgroup for a moment.) Pushed first:
             # a cancellation while the thread runs must not leave the cgroup behind; removing
             # one never made does nothing.
-            undo.push_async_callback(asyncio.to_thread, self._remove_cgroup, cid)
+            undo.push_async_callback(asyncio.to_thread, self._remove_cgroup, cid, made_here=True)
             # The cgroup and the mounts (idmapped layer clones, the overlay, a tmpfs) block: off
             # the event loop. A thread cannot be stopped: a create cancelled meanwhile waits for
             # it, so that the undo removes what it made.
@@ -152,7 +151,7 @@ class Lifecycle:
         if rc != 0:
             raise BackendError(f"crun could not start {cid}: {out[-800:]}")
         self.oci.learn_compiled(self.crun_root / cid)
-        pid = int(pidfile.read_text())
+        pid = int(_sys.read_small(str(pidfile)))
         # The init waits for its first command: nothing runs before it is in its cgroup. In a
         # thread: on v1 each write to cgroup.procs waits for the kernel's cgroup lock, which
         # every other sandbox's cgroup mkdir and rmdir take too (under load, the event loop
@@ -300,7 +299,9 @@ class Lifecycle:
     def _teardown(self, handle: Handle) -> bool:
         """Remove a dead sandbox's cgroups, root filesystem and crun state; False if its
         cgroups would not go (crun delete is tried then)."""
-        removed = self._remove_cgroup(handle.cid)
+        # Made (or booted) by this process: its cgroups are in its controllers' hierarchies
+        # only; one adopted after a restart may be an older DSec's, with one in each.
+        removed = self._remove_cgroup(handle.cid, made_here=handle.cid in self.rootfs.plans)
         self.rootfs.release(self.rootfs.plan(handle.cid, handle.layers, handle.image))
         if self.id_ranges is not None:
             self.id_ranges.release(handle.cid)
@@ -329,14 +330,16 @@ class Lifecycle:
             except (OSError, IndexError, ValueError, ChildProcessError):
                 continue
 
-    def _remove_cgroup(self, cid: str, timeout: float = 5.0) -> bool:
+    def _remove_cgroup(self, cid: str, timeout: float = 5.0, made_here: bool = False) -> bool:
         """rmdir the sandbox's cgroups; exiting processes may hold them for a moment. Blocks:
-        call it from a thread."""
+        call it from a thread. ``made_here``: the cgroups were made by this process, in the
+        hierarchies of ``cgroup_controllers`` only (else every hierarchy is tried)."""
+        controllers = self.cgroup_controllers if made_here else None
         deadline = time.monotonic() + timeout
         reaped = False
         while True:
             try:
-                cgroups.remove_cgroup(self.cgroup_parent, cid)
+                cgroups.remove_cgroup(self.cgroup_parent, cid, controllers)
                 return True
             except OSError as exc:
                 if exc.errno != errno.EBUSY or time.monotonic() > deadline:
