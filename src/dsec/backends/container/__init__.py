@@ -93,7 +93,6 @@ class ContainerBackend(Lifecycle, Exec, Pty, Files, WritableLayer):
         # Each sandbox's init channel (see dsec.backends.initchan); none for a sandbox adopted
         # after a restart, whose commands go through `crun exec`.
         self.channels: dict[str, InitChannel] = {}
-        self.frozen_s: dict[str, float] = {}
         self._crun_exe = sealed_copy(CRUN)
 
     @property
