@@ -200,3 +200,35 @@ def test_two_callers_of_one_new_range_wait_for_one_spawn(monkeypatch):
     assert not any(t.is_alive() for t in callers)
     assert spawns == [(0, idmap.base, idmap.count)]
     assert (0, idmap.base, idmap.count) in userns._USERNS_FDS
+
+
+@pytest.mark.parametrize("make", [userns._cloned_userns_fd, userns._spawned_userns_fd], ids=["clone", "spawn"])
+def test_a_range_made_by_clone_or_by_spawn_maps_its_range_and_leaves_no_process(layers, make):
+    """A user namespace fd made by a clone of the server (no program run) or by ``unshare``
+    (where a clone cannot): a layer's clone idmapped with it reads as its range's root and
+    others as its range's ids, each call makes a namespace of its own, and no process is left."""
+    from dsec.backends.procs import children
+
+    if make is userns._cloned_userns_fd and userns._SYS_PAUSE is None:
+        pytest.skip("the clone is made on x86-64 only")
+    mounts, (a, _, _) = layers
+    mounts.acquire((a,))
+    before = set(children())
+    fds = []
+    try:
+        for i in (3000, 3001):
+            base = userns.SANDBOX_ID_BASE + i * userns.SANDBOX_ID_COUNT
+            fds.append(make(0, base, userns.SANDBOX_ID_COUNT))
+            clone = userns._clone(a.target, fds[-1])
+            try:
+                assert os.stat("f", dir_fd=clone).st_uid == base
+                assert os.stat("f", dir_fd=clone).st_gid == base
+            finally:
+                os.close(clone)
+        assert os.readlink(f"/proc/self/fd/{fds[0]}") != os.readlink(f"/proc/self/fd/{fds[1]}")
+        assert os.readlink(f"/proc/self/fd/{fds[0]}") != os.readlink("/proc/self/ns/user")
+        assert set(children()) <= before
+    finally:
+        for fd in fds:
+            os.close(fd)
+        mounts.release((a,))
