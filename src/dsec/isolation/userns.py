@@ -130,11 +130,7 @@ def _cloned_userns_fd(inside: int, outside: int, count: int) -> int:
     if pid < 0:
         raise OSError(err, f"clone of a user namespace: {os.strerror(err)}")
     try:
-        line = f"{inside} {outside} {count}\n"
-        for name in ("uid_map", "gid_map"):
-            with open(f"/proc/{pid}/{name}", "w") as f:
-                f.write(line)
-        return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        return _mapped_userns_fd(pid, inside, outside, count)
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
@@ -151,15 +147,20 @@ def _spawned_userns_fd(inside: int, outside: int, count: int) -> int:
             if time.monotonic() > deadline or child.poll() is not None:
                 raise OSError(f"unshare --user did not start (exit {child.returncode})")
             time.sleep(0.002)
-        line = f"{inside} {outside} {count}\n"
-        for name in ("uid_map", "gid_map"):
-            with open(f"/proc/{child.pid}/{name}", "w") as f:
-                f.write(line)
-        return os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+        return _mapped_userns_fd(child.pid, inside, outside, count)
     finally:
         with contextlib.suppress(BrokenPipeError):
             child.stdin.close()
         child.wait()
+
+
+def _mapped_userns_fd(pid: int, inside: int, outside: int, count: int) -> int:
+    """Map the ids of the user namespace process ``pid`` is in (it has no map yet), and open it."""
+    line = f"{inside} {outside} {count}\n"
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/{pid}/{name}", "w") as f:
+            f.write(line)
+    return os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
 
 
 _USERNS_FDS: OrderedDict[tuple[int, int, int], int] = OrderedDict()
