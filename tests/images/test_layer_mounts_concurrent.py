@@ -232,3 +232,32 @@ def test_a_range_made_by_clone_or_by_spawn_maps_its_range_and_leaves_no_process(
         for fd in fds:
             os.close(fd)
         mounts.release((a,))
+
+
+def test_a_container_backend_warming_up_makes_its_first_ranges_user_namespaces(tmp_path):
+    """``ContainerBackend.warm_up`` makes the user namespaces of the first ``IDS_AHEAD`` id
+    ranges, so that the first creates, which take those ranges, make none (and spawn no thread
+    to make one: ``RootFilesystems._preparing_ids``)."""
+    import asyncio
+
+    from dsec.backends.container import IDS_AHEAD, ContainerBackend
+
+    from dsec.local import leftovers
+    from dsec.resources import cgroups
+
+    backend = ContainerBackend(tmp_path / "node", LayerStore(tmp_path / "store"), cgroup_parent=cgroups.parent_for(tmp_path))
+    try:
+        if backend.id_ranges is None:
+            pytest.skip("no user namespaces here (DSEC_USERNS=0)")
+        first = backend.id_ranges.first(IDS_AHEAD + 1)
+        for key in [(0, m.base, m.count) for m in first]:  # (none kept, as in a server just started)
+            with userns._USERNS_LOCK:
+                if (fd := userns._USERNS_FDS.pop(key, None)) is not None:
+                    os.close(fd)
+        asyncio.run(backend.warm_up())
+        assert [userns.prepared(m) for m in first] == [True] * IDS_AHEAD + [False]
+        assert backend.id_ranges.take("c-first") == first[0]
+    finally:
+        asyncio.run(backend.recover([]))
+        backend.release_unused()
+    assert leftovers(tmp_path) == []

@@ -217,6 +217,12 @@ def prepare(idmap: IdMap) -> None:
     _with_userns_fd(0, idmap.base, idmap.count, lambda fd: None)
 
 
+def prepared(idmap: IdMap) -> bool:
+    """Whether the user namespace fd of ``idmap`` is kept already (``prepare`` would cost nothing)."""
+    with _USERNS_LOCK:
+        return (0, idmap.base, idmap.count) in _USERNS_FDS
+
+
 def idmapped_clone(source: Path, idmap: IdMap) -> int:
     """An fd of a detached idmapped clone of the mount (or directory) ``source``, its ids
     0.. read as ``idmap``'s host ids. Not in any mount table; it goes when the fd is closed
@@ -291,6 +297,11 @@ class IdRanges:
             raise OSError(f"all {self.ranges} sandbox id ranges are in use")
         self._used[cid] = index
         return self.of(cid)
+
+    def first(self, n: int) -> list[IdMap]:
+        """The maps of the first ``n`` ranges: those a node hands out first (``take`` gives the
+        lowest free one)."""
+        return [IdMap(self.base + i * self.count, self.count) for i in range(min(n, self.ranges))]
 
     def of(self, cid: str) -> IdMap | None:
         index = self._used.get(cid)

@@ -73,7 +73,7 @@ class RootFilesystems:
         mounts (round trips, on a shared store) no time beside it. A failure is left to the
         overlay's mount to meet and report."""
         idmap = None if self.id_ranges is None else self.id_ranges.of(cid)
-        if idmap is None:
+        if idmap is None or userns.prepared(idmap):  # (made ahead, or kept from an earlier sandbox)
             yield
             return
         thread = threading.Thread(target=_prepare_quietly, args=(idmap,), name=f"ids-{cid}", daemon=True)
