@@ -134,7 +134,8 @@ def _cloned_userns_fd(inside: int, outside: int, count: int) -> int:
         return _mapped_userns_fd(pid, inside, outside, count)
     finally:
         os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        with contextlib.suppress(ChildProcessError):  # (reaped by a wait of all children elsewhere)
+            os.waitpid(pid, 0)
         del stack
 
 
