@@ -255,7 +255,7 @@ def test_a_container_backend_warming_up_makes_its_first_ranges_user_namespaces(t
                 if (fd := userns._USERNS_FDS.pop(key, None)) is not None:
                     os.close(fd)
         asyncio.run(backend.warm_up())
-        assert [userns.prepared(m) for m in first] == [True] * IDS_AHEAD + [False]
+        assert [userns.kept(m) for m in first] == [True] * IDS_AHEAD + [False]
         assert backend.id_ranges.take("c-first") == first[0]
     finally:
         asyncio.run(backend.recover([]))

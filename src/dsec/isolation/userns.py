@@ -210,18 +210,19 @@ def _with_userns_fd(inside: int, outside: int, count: int, use: Callable[[int], 
                 os.close(_USERNS_FDS.popitem(last=False)[1])
 
 
+def kept(idmap: IdMap) -> bool:
+    """Whether the user namespace fd of ``idmap`` is kept already (``prepare`` has nothing to
+    make): a caller can then spare itself the thread it would prepare it in."""
+    with _USERNS_LOCK:
+        return (0, idmap.base, idmap.count) in _USERNS_FDS
+
+
 def prepare(idmap: IdMap) -> None:
     """Make the user namespace fd that ``idmapped_clone`` takes for ``idmap``, unless it is kept
     (or being made: then wait for it). Called with no lock held, it spares a caller that clones
     under a lock of its own the spawn; called beside other work (``RootFilesystems.mount``
     makes it while the layers mount), the spawn costs that work no time."""
     _with_userns_fd(0, idmap.base, idmap.count, lambda fd: None)
-
-
-def prepared(idmap: IdMap) -> bool:
-    """Whether the user namespace fd of ``idmap`` is kept already (``prepare`` would cost nothing)."""
-    with _USERNS_LOCK:
-        return (0, idmap.base, idmap.count) in _USERNS_FDS
 
 
 def idmapped_clone(source: Path, idmap: IdMap) -> int:

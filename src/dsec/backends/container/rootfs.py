@@ -71,9 +71,11 @@ class RootFilesystems:
         block runs (its bundle and layers are mounted), and waited for at its end: a process
         spawn for each new range, the slowest step of a create under a burst, costs the layer
         mounts (round trips, on a shared store) no time beside it. A failure is left to the
-        overlay's mount to meet and report."""
+        overlay's mount to meet and report. A range whose namespace is kept (the usual case:
+        released ranges are handed out again) needs no thread, whose start and join cost ~0.2 ms
+        of CPU here, a hundredth of a whole lifecycle."""
         idmap = None if self.id_ranges is None else self.id_ranges.of(cid)
-        if idmap is None or userns.prepared(idmap):  # (made ahead, or kept from an earlier sandbox)
+        if idmap is None or userns.kept(idmap):
             yield
             return
         thread = threading.Thread(target=_prepare_quietly, args=(idmap,), name=f"ids-{cid}", daemon=True)
