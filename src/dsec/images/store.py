@@ -106,19 +106,6 @@ def check_name(name: str) -> str:
     return name
 
 
-def _hash_file(h, path: str) -> None:
-    """Feed a regular file's bytes to ``h``, read to its end through a bare descriptor: a
-    Python file object costs three more system calls a file (fstat, ioctl, lseek) and a third
-    read, and where system calls are dear (a PVM guest) a pack's tree of 2,000 files was digested
-    in 0.10-0.12 s that way, in 0.085 s this way."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        while chunk := os.read(fd, 1 << 20):
-            h.update(chunk)
-    finally:
-        os.close(fd)
-
-
 def tree_digest(root: Path, exclude: frozenset[str] = frozenset()) -> str:
     """sha256 over a directory tree's paths, metadata, xattrs and contents (walk order is sorted);
     ``exclude`` lists relative paths left out, as mkfs leaves them out.
@@ -155,7 +142,9 @@ def tree_digest(root: Path, exclude: frozenset[str] = frozenset()) -> str:
             if stat.S_ISLNK(mode):
                 h.update(os.readlink(path).encode())
             elif stat.S_ISREG(mode):
-                _hash_file(h, path)
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
             elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
                 h.update(str(st.st_rdev).encode())
             elif stat.S_ISDIR(mode):
