@@ -209,7 +209,7 @@ def test_a_range_made_by_clone_or_by_spawn_maps_its_range_and_leaves_no_process(
     others as its range's ids, each call makes a namespace of its own, and no process is left."""
     from dsec.backends.procs import children
 
-    if make is userns._cloned_userns_fd and userns._SYS_PAUSE is None:
+    if make is userns._cloned_userns_fd and userns._SYS_GETPID is None:
         pytest.skip("the clone is made on x86-64 only")
     mounts, (a, _, _) = layers
     mounts.acquire((a,))
@@ -261,3 +261,33 @@ def test_a_container_backend_warming_up_makes_its_first_ranges_user_namespaces(t
         asyncio.run(backend.recover([]))
         backend.release_unused()
     assert leftovers(tmp_path) == []
+
+
+def test_a_process_killed_while_it_clones_user_namespaces_leaves_no_process_behind():
+    """A server killed (SIGKILL) while it makes user namespaces by clone: no clone of it lives
+    on (each has exited before its namespace is mapped; a zombie is reaped by its new parent)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if userns._SYS_GETPID is None:
+        pytest.skip("the clone is made on x86-64 only")
+    token = f"dsec-userns-kill-test-{os.getpid()}"
+    code = (f"import os; from dsec.isolation import userns; tag = {token!r}; print('go', flush=True)\n"
+            "while True: os.close(userns._cloned_userns_fd(0, userns.SANDBOX_ID_BASE, userns.SANDBOX_ID_COUNT))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=dict(os.environ))
+    assert proc.stdout.readline() == b"go\n"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(0.5)
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if token.encode() in f.read():
+                    alive.append(pid)
+        except OSError:
+            continue
+    assert alive == []

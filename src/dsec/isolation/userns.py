@@ -91,7 +91,7 @@ def _make_userns_fd(inside: int, outside: int, count: int) -> int:
     """An fd of a new user namespace mapping ``inside..`` to ``outside..`` (it only ever
     describes an idmapped mount): ``_cloned_userns_fd`` where it can (x86-64), else one
     ``unshare --user`` spawn."""
-    if _SYS_PAUSE is not None:
+    if _SYS_GETPID is not None:
         try:
             return _cloned_userns_fd(inside, outside, count)
         except OSError as exc:
@@ -100,13 +100,15 @@ def _make_userns_fd(inside: int, outside: int, count: int) -> int:
     return _spawned_userns_fd(inside, outside, count)
 
 
-# A process made by clone(2) in a new user namespace that shares this one's memory and runs
-# only ``syscall(SYS_pause)`` (glibc's ``syscall`` is a plain wrapper: it touches no lock, no
-# thread state, and errno only on a failure, which a pause with every signal blocked never
-# has) on a stack of its own. No program is executed: an ``unshare --user sh`` spawn cost 2.0
-# ms of CPU a new id range in a loop (2.9 ms in a server's fork profile: two execs, a dynamic
-# link, a shell), the clone 0.55 ms with its maps written and the process reaped.
-_SYS_PAUSE = 34 if os.uname().machine == "x86_64" else None
+# A process made by clone(2) in a new user namespace that shares this one's memory and runs only
+# ``syscall(SYS_getpid)`` on a stack of its own, then exits (glibc's ``syscall`` is a plain
+# wrapper: no lock, no thread state). Its namespace is mapped and opened while it is a zombie
+# (its credentials, which hold the namespace, live until it is reaped). No program is run: an
+# ``unshare --user sh`` spawn cost 2.0 ms of CPU a new id range in a loop (2.9 ms in a server's
+# fork profile: two execs, a dynamic link, a shell), the clone 0.55-0.75 ms. And nothing
+# outlives a server killed meanwhile: a zombie is reaped by whoever inherits it, where a clone
+# kept running until its maps were written would live on, holding the server's memory.
+_SYS_GETPID = 39 if os.uname().machine == "x86_64" else None
 _CLONE_VM = 0x00000100
 _CLONE_NEWUSER = 0x10000000
 _CHILD_STACK_BYTES = 16 << 10
@@ -115,28 +117,28 @@ _libc.clone.restype = ctypes.c_int
 
 
 def _cloned_userns_fd(inside: int, outside: int, count: int) -> int:
-    """``_make_userns_fd`` by a clone of this process in a new user namespace (see above): its
-    maps written, the namespace's fd opened, then it is killed and reaped. Signals are blocked
-    in the calling thread across the clone, so the child starts with all of them blocked (none
-    of this process's handlers can run in it); SIGKILL ends it."""
-    stack = ctypes.create_string_buffer(_CHILD_STACK_BYTES)  # alive until the child is reaped
+    """``_make_userns_fd`` by a clone of this process in a new user namespace (see above): once
+    it has exited (waited for, not reaped), its maps are written and its namespace's fd opened,
+    then it is reaped. Signals are blocked in the calling thread across the clone, so the child
+    starts with all of them blocked: none of this process's handlers can run in it."""
+    stack = ctypes.create_string_buffer(_CHILD_STACK_BYTES)  # alive until the child has exited
     top = (ctypes.addressof(stack) + _CHILD_STACK_BYTES) & ~15
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     try:
         pid = _libc.clone(ctypes.cast(_libc.syscall, ctypes.c_void_p), top,
-                          _CLONE_VM | _CLONE_NEWUSER | signal.SIGCHLD, _SYS_PAUSE)
+                          _CLONE_VM | _CLONE_NEWUSER | signal.SIGCHLD, _SYS_GETPID)
         err = ctypes.get_errno()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     if pid < 0:
         raise OSError(err, f"clone of a user namespace: {os.strerror(err)}")
     try:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # a zombie now, its namespace still held
+        del stack
         return _mapped_userns_fd(pid, inside, outside, count)
     finally:
-        os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):  # (reaped by a wait of all children elsewhere)
             os.waitpid(pid, 0)
-        del stack
 
 
 def _spawned_userns_fd(inside: int, outside: int, count: int) -> int:
