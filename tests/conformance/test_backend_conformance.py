@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -215,8 +216,11 @@ async def test_pack_diff(kit):
             with pytest.raises(BackendError, match="cannot pack"):
                 await backend.pack_diff(handle)
             return
-        digest, scrubbed = await backend.pack_diff(handle)
-        assert "/tmp/junk" in scrubbed
+        started = time.perf_counter()
+        packed = await backend.pack_diff(handle)
+        digest = packed.digest
+        assert "/tmp/junk" in packed.scrubbed
+        assert 0 < packed.frozen_s <= time.perf_counter() - started
         assert (await backend.exec(handle, run("cat /root/p"), ROOT)).stdout == "packed\n"
         with tempfile.TemporaryDirectory() as mnt:
             subprocess.run(["mount", "-t", "erofs", "-o", "ro", str(backend.store.layer_path(digest)), mnt], check=True)

@@ -200,3 +200,94 @@ def test_two_callers_of_one_new_range_wait_for_one_spawn(monkeypatch):
     assert not any(t.is_alive() for t in callers)
     assert spawns == [(0, idmap.base, idmap.count)]
     assert (0, idmap.base, idmap.count) in userns._USERNS_FDS
+
+
+@pytest.mark.parametrize("make", [userns._cloned_userns_fd, userns._spawned_userns_fd], ids=["clone", "spawn"])
+def test_a_range_made_by_clone_or_by_spawn_maps_its_range_and_leaves_no_process(layers, make):
+    """A user namespace fd made by a clone of the server (no program run) or by ``unshare``
+    (where a clone cannot): a layer's clone idmapped with it reads as its range's root and
+    others as its range's ids, each call makes a namespace of its own, and no process is left."""
+    from dsec.backends.procs import children
+
+    if make is userns._cloned_userns_fd and userns._SYS_GETPID is None:
+        pytest.skip("the clone is made on x86-64 only")
+    mounts, (a, _, _) = layers
+    mounts.acquire((a,))
+    before = set(children())
+    fds = []
+    try:
+        for i in (3000, 3001):
+            base = userns.SANDBOX_ID_BASE + i * userns.SANDBOX_ID_COUNT
+            fds.append(make(0, base, userns.SANDBOX_ID_COUNT))
+            clone = userns._clone(a.target, fds[-1])
+            try:
+                assert os.stat("f", dir_fd=clone).st_uid == base
+                assert os.stat("f", dir_fd=clone).st_gid == base
+            finally:
+                os.close(clone)
+        assert os.readlink(f"/proc/self/fd/{fds[0]}") != os.readlink(f"/proc/self/fd/{fds[1]}")
+        assert os.readlink(f"/proc/self/fd/{fds[0]}") != os.readlink("/proc/self/ns/user")
+        assert set(children()) <= before
+    finally:
+        for fd in fds:
+            os.close(fd)
+        mounts.release((a,))
+
+
+def test_a_container_backend_warming_up_makes_its_first_ranges_user_namespaces(tmp_path):
+    """``ContainerBackend.warm_up`` makes the user namespaces of the first ``IDS_AHEAD`` id
+    ranges, so that the first creates, which take those ranges, make none (and spawn no thread
+    to make one: ``RootFilesystems._preparing_ids``)."""
+    import asyncio
+
+    from dsec.backends.container import IDS_AHEAD, ContainerBackend
+
+    from dsec.local import leftovers
+    from dsec.resources import cgroups
+
+    backend = ContainerBackend(tmp_path / "node", LayerStore(tmp_path / "store"), cgroup_parent=cgroups.parent_for(tmp_path))
+    try:
+        if backend.id_ranges is None:
+            pytest.skip("no user namespaces here (DSEC_USERNS=0)")
+        first = backend.id_ranges.first(IDS_AHEAD + 1)
+        for key in [(0, m.base, m.count) for m in first]:  # (none kept, as in a server just started)
+            with userns._USERNS_LOCK:
+                if (fd := userns._USERNS_FDS.pop(key, None)) is not None:
+                    os.close(fd)
+        asyncio.run(backend.warm_up())
+        assert [userns.kept(m) for m in first] == [True] * IDS_AHEAD + [False]
+        assert backend.id_ranges.take("c-first") == first[0]
+    finally:
+        asyncio.run(backend.recover([]))
+        backend.release_unused()
+    assert leftovers(tmp_path) == []
+
+
+def test_a_process_killed_while_it_clones_user_namespaces_leaves_no_process_behind():
+    """A server killed (SIGKILL) while it makes user namespaces by clone: no clone of it lives
+    on (each has exited before its namespace is mapped; a zombie is reaped by its new parent)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if userns._SYS_GETPID is None:
+        pytest.skip("the clone is made on x86-64 only")
+    token = f"dsec-userns-kill-test-{os.getpid()}"
+    code = (f"import os; from dsec.isolation import userns; tag = {token!r}; print('go', flush=True)\n"
+            "while True: os.close(userns._cloned_userns_fd(0, userns.SANDBOX_ID_BASE, userns.SANDBOX_ID_COUNT))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, env=dict(os.environ))
+    assert proc.stdout.readline() == b"go\n"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(0.5)
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if token.encode() in f.read():
+                    alive.append(pid)
+        except OSError:
+            continue
+    assert alive == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
+from dsec.backends.base import PackedDiff
 from dsec.backends.fake import FakeBackend
 from dsec.edge.edge import Edge, EdgeConfig
 from dsec.images import snapshots
@@ -29,7 +30,7 @@ def packing(store, tmp_path, monkeypatch):
                 (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
                 (root / path.lstrip("/")).write_bytes(data)
         root.mkdir(exist_ok=True)
-        return store.add_dir(root), []
+        return PackedDiff(store.add_dir(root), [], 0.0)
 
     monkeypatch.setattr(FakeBackend, "pack_diff", pack_diff)
 

@@ -97,6 +97,29 @@ def test_tree_digest_sees_content_mode_and_links(tmp_path):
     assert tree_digest(root) != with_link
 
 
+@pytest.mark.root
+def test_tree_digest_names_a_tree_as_layers_have_always_been_named(tmp_path):
+    """A layer is found again by the digest of its tree: one tree of every kind of entry (a
+    file read in more than one chunk, an empty one, a link, a whiteout, an opaque directory, a
+    FIFO) names the digest the store gave it before its files were read through bare
+    descriptors."""
+    root = tmp_path / "t"
+    (root / "d" / "o").mkdir(parents=True)
+    (root / "d" / "big").write_bytes(bytes(range(256)) * 5000)  # 1.2 MiB: two reads of 1 MiB at most
+    (root / "d" / "empty").write_bytes(b"")
+    (root / "f").write_bytes(b"one\n")
+    (root / "d" / "link").symlink_to("../f")
+    os.mknod(root / "d" / "gone", 0o600 | stat.S_IFCHR, os.makedev(0, 0))
+    os.mkfifo(root / "d" / "fifo", 0o600)
+    os.setxattr(root / "d" / "o", "trusted.overlay.opaque", b"y")
+    for path in sorted([*root.rglob("*"), root], reverse=True):
+        os.lchown(path, 0, 0)
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        os.utime(path, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000), follow_symlinks=False)
+    assert tree_digest(root) == "sha256-fff67fc3a4cf274715063669fdbae18cbb9ba0c2ca890fb2c0c8fc61964c3888"
+
+
 def test_add_dir_rejects_a_non_directory(store, tmp_path):
     (tmp_path / "file").write_text("x")
     for source in (tmp_path / "file", tmp_path / "missing"):

@@ -18,7 +18,8 @@ Lifecycle of a handle, as the edge drives it::
 - ``recover`` is called once when an edge starts: given the handles it had persisted, it says
   which are still alive (they are adopted as they are); the edge destroys the rest.
 - ``pack_diff`` turns a running sandbox's changes into a layer in the store (consistent: the
-  sandbox is frozen meanwhile; residue scrubbed) and returns its digest and what was scrubbed.
+  sandbox is frozen meanwhile; residue scrubbed) and returns a ``PackedDiff``: its digest, what
+  was scrubbed, and how long the sandbox stood frozen for it.
 - ``release_unused`` (edge shutdown) frees node-level resources no live sandbox holds.
 - ``apply_limits`` changes limits of a live sandbox (the edge uses it to hand out pre-created
   sandboxes).
@@ -182,6 +183,18 @@ class HostView:
     layer_attach: str = "file"
 
 
+@dataclass(frozen=True)
+class PackedDiff:
+    """What ``SandboxBackend.pack_diff`` made: the layer's ``digest``, the paths ``scrubbed``
+    (left out as residue), and ``frozen_s``, how long the sandbox stood frozen for it (a fork
+    reports it: a backend that lets the sandbox run again once its layer is read, before the
+    layer's sums are taken and it is placed, says so here)."""
+
+    digest: str
+    scrubbed: list[str]
+    frozen_s: float
+
+
 class Capability(str, Enum):
     """What a backend can do beyond ``SandboxBackend`` (see the module docstring)."""
 
@@ -251,7 +264,7 @@ class SandboxBackend(Protocol):
 
     async def resolve_user(self, handle: Handle, user: str) -> tuple[int, int]: ...
 
-    async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]: ...
+    async def pack_diff(self, handle: Handle) -> PackedDiff: ...
 
     async def pause(self, handle: Handle) -> None: ...
 

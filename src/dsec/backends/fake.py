@@ -18,7 +18,7 @@ from libdsec.protocol import ExecRequest, ExecResult
 from ..images import scrub
 from ..images.carry import Carried, is_system_path
 from ..resources.cgroups import Limits
-from .base import Capability, Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
+from .base import Capability, Emit, ExecContext, Handle, PackedDiff, SandboxSpec, numeric_user, user_from_passwd
 
 
 class FakeBackend:
@@ -154,7 +154,7 @@ class FakeBackend:
         ids = numeric_user(user)
         return ids if ids is not None else user_from_passwd(user, self._files(handle)["/etc/passwd"].decode())
 
-    async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
+    async def pack_diff(self, handle: Handle) -> PackedDiff:
         self._files(handle)
         raise BackendError("the fake backend keeps no layers: it cannot pack a sandbox")
 

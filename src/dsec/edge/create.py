@@ -376,7 +376,8 @@ class Creates(SandboxTable):
         backend = self.backends[rec.kind]
         self.security.check_tampering(rec)
         await self.security.check_guest_tampering(rec)
-        digest, scrubbed = await self._call(rec, backend.pack_diff(rec.handle))
+        packed = await self._call(rec, backend.pack_diff(rec.handle))
+        digest = packed.digest
         image = Image(
             name=name or f"snap-{digest.removeprefix('sha256-')[:16]}",
             layers=rec.image.layers + (digest,), roles=rec.image.roles + (role,),
@@ -384,4 +385,4 @@ class Creates(SandboxTable):
         )
         self.store.put_image(image)
         return PackDiffResult(image=image.name, layer=digest, layers=list(image.layers),
-                              size_bytes=self.store.layer_size(digest), scrubbed=scrubbed)
+                              size_bytes=self.store.layer_size(digest), scrubbed=packed.scrubbed)

@@ -110,11 +110,8 @@ class Forks(SandboxTable):
             # are in its memory, and a restore takes none anew.)
             args = args.model_copy(update={"protected_paths": []})
         else:
-            layer, _ = await self._call(rec, backend.pack_diff(rec.handle))
-            # A backend that thaws the parent once its layer is read (before the layer's sums
-            # and placement) says how long it stood frozen; else it was frozen for all of the pack.
-            frozen_s = getattr(backend, "frozen_s", {}).pop(rec.handle.cid, None) or time.perf_counter() - taken
-            snapshot = None
+            packed = await self._call(rec, backend.pack_diff(rec.handle))
+            layer, frozen_s, snapshot = packed.digest, packed.frozen_s, None
             image = Image(name=rec.image.name, layers=rec.image.layers + (layer,), roles=rec.image.roles + ("fork",),
                           env=rec.image.env, workdir=rec.image.workdir, user=rec.image.user, parent=rec.image.parent,
                           setuid=rec.image.setuid, start_cmd=rec.image.start_cmd, ready_cmd=rec.image.ready_cmd)

@@ -84,7 +84,7 @@ class Snapshots(SandboxTable):
             else:
                 self.security.check_tampering(rec)
                 await self.security.check_guest_tampering(rec)
-                layer, _ = await self._call(rec, backend.pack_diff(rec.handle))
+                layer = (await self._call(rec, backend.pack_diff(rec.handle))).digest
                 size, memory_mb = self.store.layer_size(layer), None
                 layers, roles = rec.image.layers + (layer,), rec.image.roles + ("snapshot",)
             image = Image(name=snapshots.image_name(snap_id), layers=layers, roles=roles, env=rec.image.env,

@@ -67,7 +67,6 @@ class Lifecycle:
     rootfs: RootFilesystems
     oci: BundleConfigs
     channels: dict[str, InitChannel]
-    frozen_s: dict[str, float]
 
     def _mount_rootfs(self, plan: OverlayPlan, limits: Limits | None) -> None:
         """Create's mount step (``RootFilesystems.mount``): whole, or not at all. Blocks."""
@@ -279,7 +278,6 @@ class Lifecycle:
         for it; nothing for a halted one."""
         if (channel := self.channels.pop(handle.cid, None)) is not None:
             channel.close()
-        self.frozen_s.pop(handle.cid, None)  # (its last pack's, WritableLayer.pack_diff)
         if (fd := self._pidfd(handle)) is not None:
             try:
                 # Killing the pid namespace's init takes every process of the sandbox with it.

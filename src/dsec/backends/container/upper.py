@@ -19,7 +19,7 @@ from ...images import carry, scrub
 from ...images.store import LayerBuildError, LayerStore
 from ...isolation import userns
 from ...resources import cgroups
-from ..base import Handle
+from ..base import Handle, PackedDiff
 from .rootfs import RootFilesystems
 
 
@@ -31,32 +31,30 @@ class WritableLayer:
     store: LayerStore
     id_ranges: userns.IdRanges | None
     rootfs: RootFilesystems
-    frozen_s: dict[str, float]  # by sandbox: how long its last pack held it frozen (``pack_diff``)
 
     def _upper(self, handle: Handle) -> Path:
         return self.rootfs.plan(handle.cid, handle.layers, handle.image).upper
 
-    async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
+    async def pack_diff(self, handle: Handle) -> PackedDiff:
         """Freeze the sandbox, turn its writable layer (minus residue) into a layer in the
         store, thaw it. Whiteouts and opaque directories travel as overlay markers. It is
         thawed once its layer is read (``LayerStore.add_dir``'s ``read``), before the layer's
-        sums are taken and it is placed; how long it stood frozen is kept in ``frozen_s`` (a
-        fork reports it)."""
+        sums are taken and it is placed; the answer's ``frozen_s`` ends there."""
         if not await self.is_alive(handle):
             raise SandboxStateError(f"cannot pack: sandbox process of {handle.cid} is gone")
         upper = self._upper(handle)
         frozen_at = time.perf_counter()
         was_paused = not await self._freeze(handle)
         thawed = was_paused  # (one paused already stays paused)
+        frozen_s = 0.0
 
         def thaw() -> None:
-            nonlocal thawed
+            nonlocal thawed, frozen_s
             if not thawed:
                 cgroups.thaw(self.cgroup_parent, handle.cid)
                 thawed = True
-                self.frozen_s[handle.cid] = time.perf_counter() - frozen_at
+                frozen_s = time.perf_counter() - frozen_at
 
-        self.frozen_s.pop(handle.cid, None)
         try:
             with contextlib.ExitStack() as stack:
                 idmap = self.id_ranges.of(handle.cid) if self.id_ranges else None
@@ -70,7 +68,8 @@ class WritableLayer:
             raise BackendError(f"cannot pack {handle.cid}: {exc}") from None
         finally:
             thaw()
-        return digest, sorted("/" + p for p in skip)
+        # (One paused already stood frozen throughout: the whole pack.)
+        return PackedDiff(digest, sorted("/" + p for p in skip), frozen_s or time.perf_counter() - frozen_at)
 
     async def check_kept(self, handle: Handle, keep: list[str]) -> None:
         """Each kept path exists in the running sandbox, with no link on the way."""

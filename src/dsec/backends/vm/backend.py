@@ -45,7 +45,7 @@ from ...images.store import LayerStore
 from ...resources import cgroups, reclaim
 from ...resources.cgroups import Limits
 from .. import portconn
-from ..base import Capability, Emit, ExecContext, Handle, SandboxSpec, numeric_user, user_from_passwd
+from ..base import Capability, Emit, ExecContext, Handle, PackedDiff, SandboxSpec, numeric_user, user_from_passwd
 from . import machine, pack
 from ..capture import with_feeder
 from .agent import AgentChannel, AgentFailure, AgentGone, Done
@@ -471,20 +471,20 @@ class VMBackend:
             raise BackendError(f"cannot resume {handle.cid}{why}: {exc}") from exc
         live.paused = False
 
-    async def pack_diff(self, handle: Handle) -> tuple[str, list[str]]:
+    async def pack_diff(self, handle: Handle) -> PackedDiff:
         """The VM's writable layer, scrubbed, as a layer in the store (see ``pack``); the VM
-        runs on (its commands are frozen while the agent reads the layer)."""
-        return await self._pack_upper(handle, "pack")
+        runs on (its commands are frozen while the agent reads the layer: ``frozen_s``)."""
+        return await self._pack_upper(handle, "pack", pack.pack_upper)
 
     async def kept_layer(self, handle: Handle, keep: list[str]):
         """A layer of the VM's changes beneath ``keep`` only, for a clean copy (see
         ``pack.kept_from_tar``): (digest, what was carried, system files tampered with)."""
-        return await self._pack_upper(handle, "make a clean copy of", keep=keep)
+        return await self._pack_upper(handle, "make a clean copy of", pack.kept_upper, keep)
 
-    async def _pack_upper(self, handle: Handle, verb: str, **kwargs):
+    async def _pack_upper(self, handle: Handle, verb: str, packer, *args):
         live = self._get(handle, verb)
         try:
-            return await pack.pack_upper(live.agent, self.store, **kwargs)
+            return await packer(live.agent, self.store, *args)
         except AgentFailure as exc:
             raise BackendError(f"cannot pack {self.kind} {handle.cid}: {exc.message}") from None
         except AgentGone as exc:

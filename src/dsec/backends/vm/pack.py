@@ -32,15 +32,18 @@ symlink that climbs above the root, makes the pack fail with the member named.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import tempfile
+import time
 from pathlib import Path
 
 from libdsec import InvalidRequest
 
 from ...images import carry, scrub
 from ...images.store import LayerStore, extract_tar
+from ..base import PackedDiff
 from .agent import AgentChannel
 
 PACK_TIMEOUT_S = 600.0
@@ -109,20 +112,36 @@ def kept_from_tar(store: LayerStore, tar_path: Path, probe: str, visible: bytes,
     return digest, carried, tampered
 
 
-async def pack_upper(agent: AgentChannel, store: LayerStore, timeout: float = PACK_TIMEOUT_S,
-                     keep: list[str] | None = None):
-    """Have the agent stream the upper (see the module docstring) and make a layer of it (of
-    only the paths in ``keep``, if given: ``kept_from_tar``'s answer). Raises ``AgentFailure``
-    when the agent could not pack and ``AgentGone`` when it went away."""
+async def pack_upper(agent: AgentChannel, store: LayerStore, timeout: float = PACK_TIMEOUT_S) -> PackedDiff:
+    """Have the agent stream the upper (see the module docstring) and make a layer of it; the
+    answer's ``frozen_s`` is how long the agent held the commands frozen (its ``pack`` request:
+    they are thawed once the tar is streamed, before the host extracts it). Raises
+    ``AgentFailure`` when the agent could not pack and ``AgentGone`` when it went away."""
+    async with _streamed(agent, store, timeout) as (tar_path, probe, visible, frozen_s):
+        digest, scrubbed = await asyncio.to_thread(layer_from_tar, store, tar_path, probe, visible)
+    return PackedDiff(digest, scrubbed, frozen_s)
+
+
+async def kept_upper(agent: AgentChannel, store: LayerStore, keep: list[str],
+                     timeout: float = PACK_TIMEOUT_S) -> tuple[str, carry.Carried, list[str]]:
+    """``pack_upper`` of only the paths in ``keep`` (``kept_from_tar``'s answer), for a clean copy."""
+    async with _streamed(agent, store, timeout) as (tar_path, probe, visible, _):
+        return await asyncio.to_thread(kept_from_tar, store, tar_path, probe, visible, keep)
+
+
+@contextlib.asynccontextmanager
+async def _streamed(agent: AgentChannel, store: LayerStore, timeout: float):
+    """The agent's tar of the upper in the store's scratch space (removed after), with the paths
+    its probe showed at and how long the request took (the commands' frozen time)."""
     probe = f".dsec-probe-{secrets.token_hex(8)}"
     fd, tar_name = tempfile.mkstemp(dir=store.tmp_dir, suffix=".tar")
     tar_path = Path(tar_name)
     try:
         with os.fdopen(fd, "wb") as sink:
+            asked = time.perf_counter()
             visible = await agent.request(f"pack {probe}", timeout=timeout, sink=sink.write)
+            frozen_s = time.perf_counter() - asked
         assert isinstance(visible, bytes)
-        if keep is not None:
-            return await asyncio.to_thread(kept_from_tar, store, tar_path, probe, visible, keep)
-        return await asyncio.to_thread(layer_from_tar, store, tar_path, probe, visible)
+        yield tar_path, probe, visible, frozen_s
     finally:
         tar_path.unlink(missing_ok=True)
