@@ -97,6 +97,9 @@ class ContainerBackend(Lifecycle, Exec, Pty, Files, WritableLayer):
         # Each sandbox's init channel (see dsec.backends.initchan); none for a sandbox adopted
         # after a restart, whose commands go through `crun exec`.
         self.channels: dict[str, InitChannel] = {}
+        # The sandboxes whose cgroups this process made (in its controllers' hierarchies only),
+        # until they are removed (``Lifecycle._remove_cgroup``).
+        self.cgroups_made: set[str] = set()
         self._crun_exe = sealed_copy(CRUN)
 
     @property

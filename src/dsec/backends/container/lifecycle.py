@@ -67,6 +67,7 @@ class Lifecycle:
     rootfs: RootFilesystems
     oci: BundleConfigs
     channels: dict[str, InitChannel]
+    cgroups_made: set[str]
 
     def _mount_rootfs(self, plan: OverlayPlan, limits: Limits | None) -> None:
         """Create's mount step (``RootFilesystems.mount``): whole, or not at all. Blocks."""
@@ -77,6 +78,7 @@ class Lifecycle:
         v1 host makes a directory in each of four hierarchies, the memory one the dearest),
         which on the event loop held up every other request (a sixth of its time in the
         lifecycle benchmark). The cgroup is removed again if the mount fails. Blocks."""
+        self.cgroups_made.add(cid)  # (before: a partly made one is in those hierarchies too)
         try:
             cgroups.make_sandbox_cgroup(self.cgroup_parent, cid, limits, self.cgroup_controllers)
         except OSError as exc:
@@ -84,7 +86,7 @@ class Lifecycle:
         try:
             self._mount_rootfs(plan, limits)
         except BaseException as exc:
-            self._remove_cgroup(cid, made_here=True)
+            self._remove_cgroup(cid)
             if isinstance(exc, OSError):
                 raise BackendError(f"cannot mount the root filesystem of {cid}: {exc}") from exc
             raise
@@ -103,7 +105,7 @@ class Lifecycle:
             # (A thread: the init, once killed, may hold the cgroup for a moment.) Pushed first:
             # a cancellation while the thread runs must not leave the cgroup behind; removing
             # one never made does nothing.
-            undo.push_async_callback(asyncio.to_thread, self._remove_cgroup, cid, made_here=True)
+            undo.push_async_callback(asyncio.to_thread, self._remove_cgroup, cid)
             # The cgroup and the mounts (idmapped layer clones, the overlay, a tmpfs) block: off
             # the event loop. A thread cannot be stopped: a create cancelled meanwhile waits for
             # it, so that the undo removes what it made.
@@ -297,9 +299,7 @@ class Lifecycle:
     def _teardown(self, handle: Handle) -> bool:
         """Remove a dead sandbox's cgroups, root filesystem and crun state; False if its
         cgroups would not go (crun delete is tried then)."""
-        # Made (or booted) by this process: its cgroups are in its controllers' hierarchies
-        # only; one adopted after a restart may be an older DSec's, with one in each.
-        removed = self._remove_cgroup(handle.cid, made_here=handle.cid in self.rootfs.plans)
+        removed = self._remove_cgroup(handle.cid)
         self.rootfs.release(self.rootfs.plan(handle.cid, handle.layers, handle.image))
         if self.id_ranges is not None:
             self.id_ranges.release(handle.cid)
@@ -328,16 +328,18 @@ class Lifecycle:
             except (OSError, IndexError, ValueError, ChildProcessError):
                 continue
 
-    def _remove_cgroup(self, cid: str, timeout: float = 5.0, made_here: bool = False) -> bool:
+    def _remove_cgroup(self, cid: str, timeout: float = 5.0) -> bool:
         """rmdir the sandbox's cgroups; exiting processes may hold them for a moment. Blocks:
-        call it from a thread. ``made_here``: the cgroups were made by this process, in the
-        hierarchies of ``cgroup_controllers`` only (else every hierarchy is tried)."""
-        controllers = self.cgroup_controllers if made_here else None
+        call it from a thread. Cgroups this process made (``cgroups_made``) are in the
+        hierarchies of ``cgroup_controllers`` only; for any other (adopted after a restart, an
+        older DSec's, remains) every hierarchy is tried."""
+        controllers = self.cgroup_controllers if cid in self.cgroups_made else None
         deadline = time.monotonic() + timeout
         reaped = False
         while True:
             try:
                 cgroups.remove_cgroup(self.cgroup_parent, cid, controllers)
+                self.cgroups_made.discard(cid)
                 return True
             except OSError as exc:
                 if exc.errno != errno.EBUSY or time.monotonic() > deadline:
