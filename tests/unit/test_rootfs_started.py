@@ -55,7 +55,7 @@ def test_threads_detach_together(tmp_path: Path) -> None:
     assert roots._started == []
 
 
-def test_mount_again_keeps_its_root_out_of_a_batch(tmp_path: Path) -> None:
+def test_mount_again_takes_its_root_off_the_list_and_mounts_it(tmp_path: Path) -> None:
     roots = _roots(tmp_path)
     target = tmp_path / "c1" / "rootfs"
     target.mkdir(parents=True)
