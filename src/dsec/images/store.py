@@ -222,7 +222,7 @@ class LayerStore:
                      *(f"--exclude-path={p}" for p in sorted(exclude)), tmp, str(source)],
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                 ) as proc:
-                    digest = None
+                    digest: str | None = None
                     if not once:
                         try:
                             digest = tree_digest(source, exclude)
