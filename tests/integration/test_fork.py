@@ -16,6 +16,7 @@ from libdsec import (
     DSecClient, DSecContainerRunArgs, DSecError, InvalidRequest, QuotaExceeded, SandboxStateError,
 )
 from libdsec.protocol import SandboxKind
+from dsec.images import sums
 
 pytestmark = [pytest.mark.slow, pytest.mark.root, pytest.mark.usefixtures("no_sandbox_outlives_the_test")]
 
@@ -72,7 +73,7 @@ async def test_children_have_the_parents_files_and_are_someone_new(client):
                 await child.stop()
 
 
-async def test_the_children_share_one_carried_layer(client):
+async def test_the_children_share_one_carried_layer(client, server):
     async with await client.run_container(args()) as parent:
         await parent.run_shell("dd if=/dev/urandom of=/big bs=1M count=4 2>/dev/null")
         children = await parent.fork(count=3, ttl_running_stop=120)
@@ -80,6 +81,9 @@ async def test_the_children_share_one_carried_layer(client):
             layer = children[0].fork_result.layer
             images = (await client.list_images()).images
             assert images and all(layer not in i.layers for i in images)  # not an image of its own: the children's
+            # Named by its file's sums (LayerStore.add_dir's once), its tree never hashed.
+            path = server.state_dir / "store" / "layers" / f"{layer}.erofs"
+            assert sums.file_digest(sums.take(path)) == layer
             for child in children:
                 assert child.info.ttl_running_stop == 120
                 r = await child.run_shell("wc -c < /big")

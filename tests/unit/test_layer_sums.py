@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -49,6 +50,22 @@ def test_sums_are_taken_as_a_layer_is_placed(store, tmp_path):
     assert sorted(p.name for p in store.layers_dir.iterdir()) == sorted([path.name, f"{digest}.sums"])
     assert not list(store.tmp_dir.iterdir())  # nothing left behind
     assert store.add_dir(tmp_path / "src-1") == digest  # (placed once)
+
+
+def test_a_layer_made_once_is_named_by_its_file_and_placed_with_its_sums(store, tmp_path):
+    """A fork's layer (``once``): named by its file's sums, not its tree; nothing left behind."""
+    tree = _layer(store, tmp_path, 7)
+    digest = store.add_dir(tmp_path / "src-7", once=True)
+    path = store.layer_path(digest)
+    taken = sums.take(path)
+    assert digest == sums.file_digest(taken) != tree
+    assert re.fullmatch(r"sha256-[0-9a-f]{64}", digest)  # a store's name (the layer cache's too)
+    assert sums.path_of(path).read_bytes() == taken and store.verify_layer(digest) == []
+    assert not list(store.tmp_dir.iterdir())
+    # Made again from the same tree: a layer of its own (mkfs.erofs stamps its build time),
+    # each placed whole.
+    again = store.add_dir(tmp_path / "src-7", once=True)
+    assert store.verify_layer(again) == [] and store.layer_size(again) == store.layer_size(digest)
 
 
 def test_damage_on_the_store_is_named(store, tmp_path):

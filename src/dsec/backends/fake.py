@@ -154,7 +154,7 @@ class FakeBackend:
         ids = numeric_user(user)
         return ids if ids is not None else user_from_passwd(user, self._files(handle)["/etc/passwd"].decode())
 
-    async def pack_diff(self, handle: Handle) -> PackedDiff:
+    async def pack_diff(self, handle: Handle, once: bool = False) -> PackedDiff:
         self._files(handle)
         raise BackendError("the fake backend keeps no layers: it cannot pack a sandbox")
 

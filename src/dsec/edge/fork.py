@@ -110,7 +110,9 @@ class Forks(SandboxTable):
             # are in its memory, and a restore takes none anew.)
             args = args.model_copy(update={"protected_paths": []})
         else:
-            packed = await self._call(rec, backend.pack_diff(rec.handle))
+            # Named by its file, not its tree (``LayerStore.add_dir``'s ``once``): the layer
+            # is its children's alone, and the tree's digest was a tenth of a fork's CPU.
+            packed = await self._call(rec, backend.pack_diff(rec.handle, once=True))
             layer, frozen_s, snapshot = packed.digest, packed.frozen_s, None
             image = Image(name=rec.image.name, layers=rec.image.layers + (layer,), roles=rec.image.roles + ("fork",),
                           env=rec.image.env, workdir=rec.image.workdir, user=rec.image.user, parent=rec.image.parent,

@@ -192,7 +192,7 @@ class LayerStore:
         return self.layer_path(digest).exists()
 
     def add_dir(self, source: Path, exclude: frozenset[str] = frozenset(),
-                read: Callable[[], None] | None = None) -> str:
+                read: Callable[[], None] | None = None, once: bool = False) -> str:
         """Build a layer from a directory, leaving out the relative paths in ``exclude``;
         returns its digest. Idempotent for equal content. Overlay whiteouts (0:0 character
         devices) and opaque-directory xattrs are kept, so an overlay upper becomes a layer.
@@ -202,7 +202,14 @@ class LayerStore:
 
         ``mkfs.erofs`` runs while the tree's digest is taken (both only read the tree): on two
         cores the digest costs no time beside it (a 280 MB base: about a second each). When the
-        digest names a layer the store has, the build is stopped and thrown away."""
+        digest names a layer the store has, the build is stopped and thrown away.
+
+        ``once``: a layer made for one use (a fork's, shared by its children and dropped by the
+        store's GC once none runs), named by its file's bytes (``sums.file_digest``) instead of
+        its tree's: no second read and hash of every byte of the tree beside ``mkfs.erofs``
+        (the tree digest of a fork's 50 MB was 0.1-0.17 s of the server's CPU, a tenth of the
+        fork's). Equal trees then make layers of their own (``mkfs.erofs`` stamps each with
+        its build time), as a fork of a parent that changed since its last one does anyway."""
         source = Path(source)
         if not source.is_dir():
             raise LayerBuildError(f"layer source {source} is not a directory")
@@ -215,20 +222,28 @@ class LayerStore:
                      *(f"--exclude-path={p}" for p in sorted(exclude)), tmp, str(source)],
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                 ) as proc:
-                    try:
-                        digest = tree_digest(source, exclude)
-                    except BaseException:
-                        proc.kill()
-                        raise
-                    if self.layer_path(digest).exists():
-                        proc.kill()
-                        return digest
+                    digest: str | None = None
+                    if not once:
+                        try:
+                            digest = tree_digest(source, exclude)
+                        except BaseException:
+                            proc.kill()
+                            raise
+                        if self.layer_path(digest).exists():
+                            proc.kill()
+                            return digest
                     err = proc.communicate()[1]
                 if read is not None:
                     read()
                 if proc.returncode != 0:
                     raise LayerBuildError(f"mkfs.erofs failed for {source}: {err.strip()[:500]}")
-                self.place_layer(digest, Path(tmp))
+                taken = None
+                if digest is None:
+                    taken = sums.take(Path(tmp))
+                    digest = sums.file_digest(taken)
+                    if self.layer_path(digest).exists():  # the same bytes, placed already
+                        return digest
+                self.place_layer(digest, Path(tmp), taken)
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
@@ -248,14 +263,15 @@ class LayerStore:
                                   f"{self.root} while writing {what}; nothing was kept: free room on the "
                                   f"store's filesystem and try again") from None
 
-    def place_layer(self, digest: str, tmp: Path) -> None:
+    def place_layer(self, digest: str, tmp: Path, taken: bytes | None = None) -> None:
         """Place the layer file ``tmp`` (in ``tmp_dir``) as layer ``digest``, with its sums
-        beside it (``dsec.images.sums``: taken now, from the bytes just written)."""
+        beside it (``dsec.images.sums``: ``taken`` of it already, else taken now, from the
+        bytes just written)."""
         final = self.layer_path(digest)
         os.chmod(tmp, 0o444)
         tmp_sums = tmp.with_suffix(sums.SUFFIX)
         try:
-            tmp_sums.write_bytes(sums.take(tmp))
+            tmp_sums.write_bytes(taken if taken is not None else sums.take(tmp))
             os.chmod(tmp_sums, 0o444)
 
             def place() -> None:  # the sums first: a layer is never there without them

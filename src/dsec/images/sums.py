@@ -71,6 +71,13 @@ def take(layer: Path) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
+def file_digest(taken: bytes) -> str:
+    """A layer's name from its file's bytes: the sha256 a sums file (``take``'s answer) ends
+    with, over the file's size and every chunk's sha256, in the form of a tree digest
+    (``sha256-<hex>``) for a layer named by its file (``LayerStore.add_dir``'s ``once``)."""
+    return "sha256-" + taken[-_SHA:].hex()
+
+
 def parse(data: bytes) -> LayerSums:
     if len(data) < _HEADER.size + _SHA or hashlib.sha256(data[:-_SHA]).digest() != data[-_SHA:]:
         raise SumsDamaged("its own sha256 does not match (cut short or altered)")

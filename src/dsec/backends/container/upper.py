@@ -35,11 +35,12 @@ class WritableLayer:
     def _upper(self, handle: Handle) -> Path:
         return self.rootfs.plan(handle.cid, handle.layers, handle.image).upper
 
-    async def pack_diff(self, handle: Handle) -> PackedDiff:
+    async def pack_diff(self, handle: Handle, once: bool = False) -> PackedDiff:
         """Freeze the sandbox, turn its writable layer (minus residue) into a layer in the
         store, thaw it. Whiteouts and opaque directories travel as overlay markers. It is
         thawed once its layer is read (``LayerStore.add_dir``'s ``read``), before the layer's
-        sums are taken and it is placed; the answer's ``frozen_s`` ends there."""
+        sums are taken and it is placed; the answer's ``frozen_s`` ends there. ``once``: a
+        layer for one use, named by its file (``LayerStore.add_dir``)."""
         if not await self.is_alive(handle):
             raise SandboxStateError(f"cannot pack: sandbox process of {handle.cid} is gone")
         upper = self._upper(handle)
@@ -61,7 +62,7 @@ class WritableLayer:
                 if idmap is not None:  # the layer holds the ids as the sandbox saw them
                     upper = stack.enter_context(userns.shifted_view(idmap, upper, upper.parent / "packview", self.store.tmp_dir))
                 skip = await asyncio.to_thread(scrub.residue, upper)
-                digest = await asyncio.to_thread(self.store.add_dir, upper, skip, thaw)
+                digest = await asyncio.to_thread(self.store.add_dir, upper, skip, thaw, once)
         except LayerBuildError as exc:
             # The sandbox's own files, packed by the node: a failure here (the store's disk
             # full, mkfs.erofs failing) is the node's, not a bad request.

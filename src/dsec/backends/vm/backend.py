@@ -471,10 +471,11 @@ class VMBackend:
             raise BackendError(f"cannot resume {handle.cid}{why}: {exc}") from exc
         live.paused = False
 
-    async def pack_diff(self, handle: Handle) -> PackedDiff:
+    async def pack_diff(self, handle: Handle, once: bool = False) -> PackedDiff:
         """The VM's writable layer, scrubbed, as a layer in the store (see ``pack``); the VM
-        runs on (its commands are frozen while the agent reads the layer: ``frozen_s``)."""
-        return await self._pack_upper(handle, "pack", pack.pack_upper)
+        runs on (its commands are frozen while the agent reads the layer: ``frozen_s``).
+        ``once``: named by its file (``LayerStore.add_dir``)."""
+        return await self._pack_upper(handle, "pack", pack.pack_upper, once)
 
     async def kept_layer(self, handle: Handle, keep: list[str]):
         """A layer of the VM's changes beneath ``keep`` only, for a clean copy (see

@@ -72,7 +72,8 @@ def opaque_dirs(root: Path, probe: str, visible: bytes) -> list[str]:
     return sorted(opaque)
 
 
-def layer_from_tar(store: LayerStore, tar_path: Path, probe: str, visible: bytes) -> tuple[str, list[str]]:
+def layer_from_tar(store: LayerStore, tar_path: Path, probe: str, visible: bytes,
+                   once: bool = False) -> tuple[str, list[str]]:
     """Extract the agent's tar, mark its opaque directories, scrub it and add it to the store;
     returns the layer's digest and the scrubbed paths."""
     with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work:
@@ -82,7 +83,7 @@ def layer_from_tar(store: LayerStore, tar_path: Path, probe: str, visible: bytes
         for rel in opaque_dirs(root, probe, visible):
             os.setxattr(root / rel, OPAQUE_XATTR, b"y", follow_symlinks=False)
         skip = scrub.residue(root)
-        digest = store.add_dir(root, skip)
+        digest = store.add_dir(root, skip, once=once)
     return digest, sorted("/" + p for p in skip)
 
 
@@ -112,13 +113,14 @@ def kept_from_tar(store: LayerStore, tar_path: Path, probe: str, visible: bytes,
     return digest, carried, tampered
 
 
-async def pack_upper(agent: AgentChannel, store: LayerStore, timeout: float = PACK_TIMEOUT_S) -> PackedDiff:
+async def pack_upper(agent: AgentChannel, store: LayerStore, once: bool = False,
+                     timeout: float = PACK_TIMEOUT_S) -> PackedDiff:
     """Have the agent stream the upper (see the module docstring) and make a layer of it; the
     answer's ``frozen_s`` is how long the agent held the commands frozen (its ``pack`` request:
     they are thawed once the tar is streamed, before the host extracts it). Raises
     ``AgentFailure`` when the agent could not pack and ``AgentGone`` when it went away."""
     async with _streamed(agent, store, timeout) as (tar_path, probe, visible, frozen_s):
-        digest, scrubbed = await asyncio.to_thread(layer_from_tar, store, tar_path, probe, visible)
+        digest, scrubbed = await asyncio.to_thread(layer_from_tar, store, tar_path, probe, visible, once)
     return PackedDiff(digest, scrubbed, frozen_s)
 
 
