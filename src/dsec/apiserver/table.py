@@ -50,8 +50,9 @@ from .jobs import Jobs, file_request
 from .lean import send_answer
 
 # The operations the cluster wraps (metrics, a stop kept for a node that is away, a copy or a
-# fork counted against its project's quota, a desktop's live view and its key); the others are the edge's method of the same name.
-CLUSTER_CALLS = frozenset({"exec", "stop", "clean_copy", "fork", "desktop_stream"})
+# fork counted against its project's quota, a desktop's live view and its key, FnCall's choice
+# of a node that serves it); the others are the edge's method of the same name.
+CLUSTER_CALLS = frozenset({"exec", "stop", "clean_copy", "fork", "desktop_stream", "fncall", "fncall_many"})
 # A chunked answer's media type, when not raw bytes.
 MEDIA = {"download_tree_tar": "application/x-tar"}
 _OCTETS = "application/octet-stream"
