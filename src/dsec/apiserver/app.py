@@ -3,7 +3,7 @@ edge that the sandbox id names, and errors come back as ``{"error": {"code", "me
 
 The calls that are a request and its answer are the public table's (``libdsec.api_ops``), served
 by ``table.TableRoutes`` in front of FastAPI (those more than one node call by ``calls.ApiCalls``);
-the routes here are the others: the batch create's stream, the port proxy, and (``routes_*.py``)
+the routes here are the others: the batch create's stream, the port proxy, and (``routes_observe.py``)
 the metrics and the dashboard.
 
 The apiserver keeps no sandbox state: sandbox ids name their node, and the node list comes from
