@@ -298,6 +298,11 @@ async def test_routes_need_a_token(http):
 
 async def test_openapi_documents_the_routes(http):
     doc = (await http.get("/openapi.json")).json()
-    call = doc["paths"]["/v1/fncall"]["post"]
-    assert "code" in call["requestBody"]["content"]["application/json"]["schema"]["properties"]
-    assert "/v1/fncall:batch" in doc["paths"]
+
+    def body(path: str) -> dict:  # (the table's entries name their models: a $ref to the components)
+        ref = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        return doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+
+    assert "code" in body("/v1/fncall")["properties"]
+    calls = body("/v1/fncall:batch")["properties"]["calls"]
+    assert (calls["minItems"], calls["maxItems"]) == (1, libdsec.protocol.MAX_BATCH_COUNT)

@@ -816,7 +816,7 @@ class DSecClient(_ProjectMethods, _GroupMethods):
     async def fncall(self, args: DSecFnCallArgs, *, timeout: float | None = None) -> FnCallResult:
         """Run one stateless call in the warm pool (see ``DSecFnCallArgs``). A call that runs
         returns its result, whatever its exit code; one that cannot run raises."""
-        raw = await self._request("POST", "/v1/fncall", model=args, raw=True,
+        raw = await self._request(*api_route("fncall"), model=args, raw=True,
                                   timeout=timeout if timeout is not None else args.timeout + _HTTP_SLACK_S)
         return FnCallResult.model_validate_json(raw)
 
@@ -837,7 +837,7 @@ class DSecClient(_ProjectMethods, _GroupMethods):
 
         async def one(chunk: list[DSecFnCallArgs]) -> list[FnCallResult]:
             async with gate:
-                raw = await self._request("POST", "/v1/fncall:batch", model=FnCallBatchRequest(calls=chunk),
+                raw = await self._request(*api_route("fncall_many"), model=FnCallBatchRequest(calls=chunk),
                                           raw=True, timeout=timeout)
             return FnCallBatchResult.model_validate_json(raw).results
 

@@ -15,8 +15,7 @@ match order: the hottest first (a get, a command, a stop). Beyond ``libdsec.ops`
   with no result: replay cannot answer it), or None (not logged: it changes nothing).
 
 The calls that are more than a request and its answer (the batch create's stream, the port
-proxy) and FnCall's (its OpenAPI bodies written inline) keep routes of their own in
-``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks that this table, the apiserver's
+proxy) keep routes of their own in ``dsec.apiserver``. ``tests/unit/test_api_ops.py`` checks that this table, the apiserver's
 routes, the SDK and the node seam name the same operations.
 
 Adding an operation: its models (``libdsec.protocol``), an entry here, the edge's method (and
@@ -45,6 +44,7 @@ from .protocol import (
     DesktopStreamRequest,
     DesktopWindowList,
     DSecContainerRunArgs,
+    DSecFnCallArgs,
     DSecFullVMRunArgs,
     DSecMicroVMRunArgs,
     ExecEvent,
@@ -54,6 +54,9 @@ from .protocol import (
     FileList,
     FileRemoveRequest,
     FileRenameRequest,
+    FnCallBatchRequest,
+    FnCallBatchResult,
+    FnCallResult,
     ForkRequest,
     ForkResult,
     ImageInfo,
@@ -106,6 +109,10 @@ PUBLIC_OPS: tuple[Op, ...] = (
     Op("get", "GET", SB, answer=SandboxInfo),
     Op("exec", "POST", SB + "/exec", ExecRequest, answer=ExecResult, timeout="own", lifecycle="exec", journal=REC),
     Op("stop", "DELETE", SB, answer=SandboxInfo, lifecycle="stop", journal=REC),
+    # -- stateless calls (FnCall: on a node that serves it, ``Cluster.fncall_edge``) ----------------
+    Op("fncall", "POST", "/fncall", DSecFnCallArgs, request_arg="args", answer=FnCallResult, timeout="own"),
+    Op("fncall_many", "POST", "/fncall:batch", FnCallBatchRequest, spread=True, answer=FnCallBatchResult,
+       unwrap="results", timeout="long"),
     # -- a sandbox's state ---------------------------------------------------------------------
     Op("pause", "POST", SB + "/pause", PauseRequest, spread=True, body="optional", answer=PauseResult, timeout="long", lifecycle="pause", journal=REC),
     Op("resume", "POST", SB + "/resume", answer=SandboxInfo, timeout="long", lifecycle="resume", journal=REC),

@@ -26,7 +26,8 @@ The shapes:
   come), ``upgrade`` (the connection becomes a raw byte stream both ways);
 - timeouts: ``call`` (the client's call bound), ``long`` (its long bound: packing a layer,
   saving a VM), ``own`` (the request's own ``timeout`` plus slack), or a number of seconds
-  (plus slack; for a stream, the longest silence between two pieces).
+  (plus slack; for a stream, the longest silence between two pieces; for a body streamed, the
+  whole upload's bound, no slack).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ edge that the sandbox id names, and errors come back as ``{"error": {"code", "me
 
 The calls that are a request and its answer are the public table's (``libdsec.api_ops``), served
 by ``table.TableRoutes`` in front of FastAPI (those more than one node call by ``calls.ApiCalls``);
-the routes here are the others: the batch create's stream, the port proxy, and (``routes_*.py``)
-FnCall, the metrics and the dashboard.
+the routes here are the others: the batch create's stream, the port proxy, and (``routes_observe.py``)
+the metrics and the dashboard.
 
 The apiserver keeps no sandbox state: sandbox ids name their node, and the node list comes from
 the cluster (one embedded edge here).
@@ -37,7 +37,6 @@ from .auth import Authenticator, Caller
 from .calls import current
 from .cluster import Cluster
 from .lean import CatchUnexpected, LeanRoutes, error_headers
-from .routes_fncall import FnCallRoutes, add_fncall_routes
 from .routes_observe import add_observe_routes
 from .table import TableRoutes, add_schema_routes
 from .portlane import PortLane
@@ -166,8 +165,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
     app.add_middleware(LeanRoutes, plain_routes=plain_routes)
     # The operations of the public table, FastAPI's layers skipped (table.py).
     app.add_middleware(TableRoutes, cluster=cluster, check=check, jobs=jobs)
-    # FnCall's two routes, likewise (routes_fncall.py).
-    app.add_middleware(FnCallRoutes, cluster=cluster, check=check)
     # Outermost: a sandbox's host name is served whatever its path (E2B's proxy does the same),
     # and port_url's requests skip the framework (ports.PortRoutes).
     app.add_middleware(PortRoutes, domain=domain, proxy=ports, check=check, job_header=_JOB)
@@ -286,7 +283,6 @@ def create_app(cluster: Cluster, token: str, lifespan=None, extensions: Sequence
         target = "/" + path + (f"?{websocket.url.query}" if websocket.url.query else "")
         await websocket_relay(websocket, edge, sandbox_id, int(port), target)
 
-    add_fncall_routes(app, cluster, authenticated, _ERRORS)
     add_observe_routes(app, cluster, authenticator, _ERRORS)
     for add in extensions:
         plain_routes.extend(add(app, cluster, authenticator) or ())

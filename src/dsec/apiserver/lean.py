@@ -29,13 +29,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ValidationError
 from starlette.convertors import PathConvertor
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount
 
-from libdsec import DSecError, InvalidRequest, Overloaded
+from libdsec import DSecError, Overloaded
 
 log = logging.getLogger("dsec.apiserver")
 
@@ -65,19 +64,6 @@ def _plain(route) -> _Plain | None:
     return _Plain(route.path_regex, route.endpoint)
 
 
-def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
-    """``body`` (raw JSON) as ``model``, or ``InvalidRequest`` naming what is wrong. pydantic
-    reads the JSON itself: base64 bytes fields (FnCall's files) are decoded only then."""
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        parts = []
-        for err in exc.errors()[:5]:
-            loc = ".".join(str(x) for x in err.get("loc", ()))
-            parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
-        raise InvalidRequest("malformed request: " + "; ".join(parts)) from None
-
-
 def error_headers(exc: DSecError) -> dict[str, str]:
     """An error answer's headers: ``Retry-After`` (whole seconds, at least 1, as HTTP has it;
     the body's ``retry_after`` is the finer figure) on an ``Overloaded``."""
@@ -105,8 +91,7 @@ async def send_answer(serve: Callable[[], Awaitable[Answer | Response | None]], 
     """Send what ``serve()`` answers: (status, JSON body, extra headers), a ``Response``, or
     nothing (the client went away); a ``DSecError`` as its wire body and status, anything else
     a 500 ``internal``, as FastAPI's app would answer them (``CatchUnexpected``). For the ASGI
-    middleware that serve their routes ahead of FastAPI (``table.TableRoutes``,
-    ``routes_fncall.FnCallRoutes``)."""
+    middleware that serve their routes ahead of FastAPI (``table.TableRoutes``)."""
     try:
         answer = await serve()
     except DSecError as exc:

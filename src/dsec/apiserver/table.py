@@ -50,8 +50,9 @@ from .jobs import Jobs, file_request
 from .lean import send_answer
 
 # The operations the cluster wraps (metrics, a stop kept for a node that is away, a copy or a
-# fork counted against its project's quota, a desktop's live view and its key); the others are the edge's method of the same name.
-CLUSTER_CALLS = frozenset({"exec", "stop", "clean_copy", "fork", "desktop_stream"})
+# fork counted against its project's quota, a desktop's live view and its key, FnCall's choice
+# of a node that serves it); the others are the edge's method of the same name.
+CLUSTER_CALLS = frozenset({"exec", "stop", "clean_copy", "fork", "desktop_stream", "fncall", "fncall_many"})
 # A chunked answer's media type, when not raw bytes.
 MEDIA = {"download_tree_tar": "application/x-tar"}
 _OCTETS = "application/octet-stream"
@@ -97,6 +98,7 @@ class _Route:
     order: tuple[str, ...]  # the method's arguments given, in its order (passed by position)
     on_cluster: bool
     by_sandbox: bool
+    body: str | None  # the operation's body shape (Op.body_shape, read once)
     own: bool  # served by the apiserver itself (ApiCalls), given the caller
 
 
@@ -110,7 +112,8 @@ def _route(op: Op) -> _Route:
     if set(order) != given:
         raise ValueError(f"{op.name}: the table gives {sorted(given)}, the method takes {names}")
     return _Route(op, tuple((n, _CHECKED[kind]) for n, kind in op.params if kind in _CHECKED), op.query_params,
-                  fields, order, op.name in CLUSTER_CALLS, "sandbox_id" in dict(op.params), op.served == "apiserver")
+                  fields, order, op.name in CLUSTER_CALLS, "sandbox_id" in dict(op.params), op.body_shape,
+                  op.served == "apiserver")
 
 
 # Matched by method, in the table's order (the hottest first); a parameter is any one segment
@@ -122,11 +125,25 @@ for _op in PUBLIC_OPS:
 del _op, _loose
 
 
-def match(method: str, path: str) -> tuple[_Route, dict[str, str]] | None:
+def _match_in_order(method: str, path: str) -> tuple[_Route, dict[str, str]] | None:
     for regex, route in _BY_METHOD.get(method, ()):
         if (m := regex.match(path)) is not None:
             return route, m.groupdict()
     return None
+
+
+# The operations without path parameters (the creates, FnCall, the lists) by their path, one
+# look-up (those that an operation before them in the order would take stay in the order).
+_PLAIN: dict[tuple[str, str], tuple[_Route, dict[str, str]]] = {}
+for _op in PUBLIC_OPS:
+    if not _op.params and (_found := _match_in_order(_op.method, PREFIX + _op.path)) is not None \
+            and _found[0].op is _op:
+        _PLAIN[(_op.method, PREFIX + _op.path)] = _found
+del _op
+
+
+def match(method: str, path: str) -> tuple[_Route, dict[str, str]] | None:
+    return _PLAIN.get((method, path)) or _match_in_order(method, path)
 
 
 async def _body(receive) -> bytes | None:
@@ -220,7 +237,7 @@ class TableRoutes:
         op = route.op
         headers = dict(scope["headers"])
         body = b""
-        if op.body_shape in ("json", "optional", "bytes") and (body := await _body(receive)) is None:
+        if route.body in ("json", "optional", "bytes") and (body := await _body(receive)) is None:
             return None
         caller = await self.check(headers, params, op.name)
         sandbox_id = params.get("sandbox_id")
@@ -236,43 +253,34 @@ class TableRoutes:
         else:
             target = self.cluster if route.on_cluster else (
                 self.cluster.edge_for(sandbox_id) if route.by_sandbox else self.cluster.any_edge())
-        bound = getattr(target, op.name)
-
-        def method():  # (by position: the edge's own names for them are its affair)
-            return bound(*args)
-
+        bound = getattr(target, op.name)  # (called by position: the edge's own names are its affair)
         if op.answers == "lines":
-            events = method()
+            events = bound(*args)
             return StreamingResponse(ndjson(await first_piece(events), events), media_type="application/x-ndjson")
         if op.answers == "chunks":
-            chunks = method()
+            chunks = bound(*args)
             return StreamingResponse(_chunks(await first_piece(chunks), chunks), media_type=MEDIA.get(op.name, _OCTETS))
         if op.answers == "bytes":
             if op.journal == "read":
-                data = await self.jobs.recorded_read(caller, sandbox_id, kw["path"], method)
+                data = await self.jobs.recorded_read(caller, sandbox_id, kw["path"], lambda: bound(*args))
             else:
-                data = await method()
+                data = await bound(*args)
             return Response(data, media_type=_OCTETS)
+        if op.journal != "recorded":  # (the common way: no closure, no coroutine of its own)
+            return 200, _encoded(_shaped(route, await bound(*args))), []
 
         async def call() -> Any:
-            result = await method()
-            if op.unwrap is not None:
-                return op.answer(**{op.unwrap: result})
-            return {"ok": True} if op.answer is None and not route.own else result
+            return _shaped(route, await bound(*args))
 
-        if op.journal == "recorded":
-            if caller.job is None:
-                entry = {}
-            elif request is not None:
-                entry = request.model_dump(mode="json")
-            elif op.body_shape == "bytes":
-                entry = file_request(kw["path"], kw["mode"], kw[op.request_arg])
-            else:
-                entry = {}
-            result = await self.jobs.recorded(caller, op.name, sandbox_id, entry, call)
+        if caller.job is None:
+            entry = {}
+        elif request is not None:
+            entry = request.model_dump(mode="json")
+        elif route.body == "bytes":
+            entry = file_request(kw["path"], kw["mode"], kw[op.request_arg])
         else:
-            result = await call()
-        return 200, _encoded(result), []
+            entry = {}
+        return 200, _encoded(await self.jobs.recorded(caller, op.name, sandbox_id, entry, call)), []
 
     @staticmethod
     def _parse(route: _Route, params: dict, scope, headers: dict, body: bytes,
@@ -310,10 +318,10 @@ class TableRoutes:
                 except ValidationError as exc:
                     problems.extend(_problems(exc, name))
         request = None
-        if op.request is not None and (body or op.body_shape != "optional"):
+        if op.request is not None and (body or route.body != "optional"):
             request = _json_body(op.request, body, headers.get(b"content-type", b""), problems,
-                                 op.body_shape == "optional")
-        if request is None and op.spread and op.body_shape == "optional" and not problems:
+                                 route.body == "optional")
+        if request is None and op.spread and route.body == "optional" and not problems:
             request = op.request()  # its fields' defaults
         if problems:
             raise InvalidRequest("malformed request: " + "; ".join(problems[:5]))
@@ -326,11 +334,11 @@ class TableRoutes:
                     kw[f] = getattr(request, f)
             elif not op.spread:
                 kw[op.request_arg] = request
-        elif op.body_shape == "bytes":
+        elif route.body == "bytes":
             kw[op.request_arg] = body
-        elif op.body_shape == "optional" and not op.spread:
+        elif route.body == "optional" and not op.spread:
             kw[op.request_arg] = None
-        elif op.body_shape == "stream":
+        elif route.body == "stream":
             kw[op.request_arg] = _body_chunks(receive)
         return kw, request
 
@@ -361,6 +369,15 @@ async def _not_served(request) -> None:
     """A table route's request that ``TableRoutes`` left: of another method (a GET route
     answers HEAD here too)."""
     raise HTTPException(405)
+
+
+def _shaped(route: _Route, result: Any) -> Any:
+    """A JSON answer's value from the method's result: the answer model around an unwrapped
+    list, ``{"ok": true}`` for an edge's call that answers nothing, else the result itself."""
+    op = route.op
+    if op.unwrap is not None:
+        return op.answer(**{op.unwrap: result})
+    return {"ok": True} if op.answer is None and not route.own else result
 
 
 def _encoded(result: Any) -> bytes:

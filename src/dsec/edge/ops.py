@@ -24,11 +24,7 @@ from libdsec.ops import Operation as Op
 from libdsec.protocol import MAX_WATCH_WAIT_S
 from libdsec.protocol import (
     BatchEvent,
-    DSecFnCallArgs,
     ExecEvent,
-    FnCallBatchRequest,
-    FnCallBatchResult,
-    FnCallResult,
     NodeInfo,
     NodeStats,
     SandboxInfo,
@@ -103,10 +99,6 @@ NODE_OPS: tuple[Op, ...] = (
     Op("get_snapshot", "GET", "/snapshots/{ref:name}", answer=Snapshot),
     Op("remove_snapshot", "POST", "/snapshots/{ref:name}:remove", SnapshotRemoveRequest, spread=True,
        answer=Snapshot),
-    # -- stateless calls -------------------------------------------------------------------------
-    Op("fncall", "POST", "/fncall", DSecFnCallArgs, request_arg="args", answer=FnCallResult, timeout="own"),
-    Op("fncall_many", "POST", "/fncall:batch", FnCallBatchRequest, spread=True, answer=FnCallBatchResult,
-       unwrap="results", timeout="long"),
 )
 
 NODE_OPS_BY_NAME: dict[str, Op] = {op.name: op for op in NODE_OPS}

@@ -4,8 +4,9 @@
 Its methods are made from the node's operation table (``dsec.edge.ops``) when this module is
 imported: one per operation, its path, body, answer and timeout taken from the entry. Written
 here by hand are those that do more than one call: a create (its body serialised once: the
-hottest call), a batch create's stream, a port's connection, streamed uploads, a clean copy
-(checked by the node alone), a build and a fncall batch (their timeouts).
+hottest call), a batch create's stream, a port's connection, a clean copy (checked by the node
+alone), a build and a fncall batch (their timeouts). A body the entry streams (``body="stream"``)
+goes whole when it is bytes, and as it comes (``_put_stream``) when it is an iterator.
 
 Answers come back as the seam's models and errors as the error tree (the wire codes). A node
 that cannot be reached — refused, reset, no answer in time, or an answer that is not the node
@@ -245,20 +246,6 @@ class RemoteEdge:
                                   timeout=LONG_CALL_TIMEOUT_S + longest)
         return self._parse(FnCallBatchResult, answer).results
 
-    async def upload_tree(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes]) -> None:
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            await self._put_stream(f"/sandboxes/{sandbox_id}/fs/tree", {"path": path}, data)
-            return
-        await self._call("PUT", f"/sandboxes/{sandbox_id}/fs/tree", body=bytes(data), params={"path": path},
-                         timeout=LONG_CALL_TIMEOUT_S)
-
-    async def write_file_stream(self, sandbox_id: str, path: str, data: bytes | AsyncIterator[bytes], mode: int) -> None:
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            await self._put_stream(f"/sandboxes/{sandbox_id}/files:stream", {"path": path, "mode": oct(mode)}, data)
-            return
-        await self._call("PUT", f"/sandboxes/{sandbox_id}/files:stream", body=bytes(data),
-                         params={"path": path, "mode": oct(mode)}, timeout=3600.0)
-
     async def connect_port(self, sandbox_id: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A connection of its own to the node, upgraded (``upgrade: dsec-port``) to the raw
         byte stream of the port's connection on the node (``dsec.edge.server``)."""
@@ -372,11 +359,12 @@ def _method(op: Op) -> Callable:
     answer_model, unwrap, as_bytes = op.answer, op.unwrap, op.answers == "bytes"
     queries = tuple((n, _QUERY_FORMATS[kind]) for n, kind in op.query_params)
     fields = spread_fields(op) if op.spread else None
-    raw = op.body_shape in ("bytes", "stream")
+    raw, streamed = op.body_shape in ("bytes", "stream"), op.body_shape == "stream"
     own = op.timeout == "own"
-    # "call": the client's own bound (None); seconds: plus the slack (a stream's longest silence).
+    # "call": the client's own bound (None); seconds: plus the slack, but for a body streamed
+    # (its seconds bound the whole upload: ``libdsec.ops``).
     fixed = {"call": None, "long": LONG_CALL_TIMEOUT_S, "own": None}.get(op.timeout) if isinstance(op.timeout, str) \
-        else op.timeout + SLACK_S
+        else op.timeout + (0.0 if streamed else SLACK_S)
 
     def bind(args: tuple, kwargs: dict) -> dict:
         if not kwargs and len(args) == len(names):
@@ -408,10 +396,12 @@ def _method(op: Op) -> Callable:
         async def method(self, *args, **kwargs):
             values = bind(args, kwargs)
             request = request_of(values)
+            params = {n: f(values[n]) for n, f in queries if values[n] is not None} if queries else None
+            body = values[arg] if raw else None
+            if streamed and not isinstance(body, (bytes, bytearray, memoryview)):
+                return await self._put_stream(path.format_map(values), params or {}, body)
             answer = await self._call(verb, path.format_map(values), model=request,
-                                      body=values[arg] if raw else None,
-                                      params={n: f(values[n]) for n, f in queries if values[n] is not None}
-                                      if queries else None,
+                                      body=None if body is None else bytes(body), params=params,
                                       timeout=timeout_of(request))
             if as_bytes:
                 return answer.content
