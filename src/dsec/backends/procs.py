@@ -24,7 +24,7 @@ from .. import _sys
 
 log = logging.getLogger("dsec.backends.procs")
 
-# How often a thread waiting for a process looks whether it was asked to stop (ms).
+# How often a thread waiting for a process looks whether it was asked to stop, or ticks (ms).
 _STOP_TICK_MS = 50
 
 
@@ -86,6 +86,20 @@ async def wait_exit(fd: int, timeout: float, tick: Callable[[], None] = lambda: 
         return exited.done()
     finally:
         loop.remove_reader(fd)
+
+
+def wait_exit_blocking(fd: int, timeout: float, tick: Callable[[], None] = lambda: None) -> bool:
+    """``wait_exit`` for a thread (poll(2) on the pidfd, no event loop). Blocks."""
+    waiting = select.poll()
+    waiting.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout
+    if waiting.poll(int(min(0.2, timeout) * 1000)):
+        return True
+    while time.monotonic() < deadline:
+        tick()
+        if waiting.poll(_STOP_TICK_MS):
+            return True
+    return False
 
 
 @functools.cache

@@ -41,7 +41,7 @@ from ...resources import cpu as cpu_sched
 from ...resources.cgroups import Limits
 from ..base import Handle, SandboxSpec
 from ..initchan import InitChannel
-from ..procs import ORPHANS, children, outlast_cancel, pid_in_cgroup, wait_exit
+from ..procs import ORPHANS, children, outlast_cancel, pid_in_cgroup, wait_exit, wait_exit_blocking
 from . import crun
 from .oci import BOOT_ID_FILE, INIT_PATH, MASK_DIR, SHM_DIR, BundleConfigs
 from .rootfs import RootFilesystems
@@ -331,26 +331,40 @@ class Lifecycle:
         cgroups.thaw(self.cgroup_parent, handle.cid)
 
     async def destroy(self, handle: Handle) -> None:
-        await self._kill_init(handle)
-        # What `crun delete` does for a dead container, without spawning it: drop its cgroups
-        # and its state directory; then the root filesystem. Off the event loop: rmdir of a
-        # cgroup in each v1 hierarchy and the unmounts are kernel work the loop need not wait on.
-        if not await asyncio.to_thread(self._teardown, handle):
+        self._close_channel(handle)
+        # The kill, the wait for the init's end and what `crun delete` does for a dead
+        # container (without spawning it: its cgroups, its state directory, then the root
+        # filesystem) in one trip to a thread: the wait on the event loop (a future, a reader
+        # and timers) cost as much as the trip, and the rest is kernel work it need not wait on.
+        if not await asyncio.to_thread(self._kill_and_teardown, handle):
             await self._run_crun("delete", "--force", handle.cid)
             await asyncio.to_thread(self._remove_cgroup, handle.cid)
+
+    def _kill_and_teardown(self, handle: Handle) -> bool:
+        """``destroy``'s thread: ``_kill_init_blocking``, then ``_teardown``. Blocks."""
+        self._kill_init_blocking(handle)
+        return self._teardown(handle)
 
     async def _kill_init(self, handle: Handle) -> None:
         """Kill the sandbox's init (every process of its pid namespace goes with it) and wait
         for it; nothing for a halted one."""
+        self._close_channel(handle)
+        await asyncio.to_thread(self._kill_init_blocking, handle)
+
+    def _close_channel(self, handle: Handle) -> None:
+        """Drop the init's channel (on the event loop: its reader is the loop's)."""
         if (channel := self.channels.pop(handle.cid, None)) is not None:
             channel.close()
+
+    def _kill_init_blocking(self, handle: Handle) -> None:
+        """``_kill_init`` once the channel is dropped. Blocks."""
         if (fd := self._pidfd(handle)) is not None:
             try:
                 # Killing the pid namespace's init takes every process of the sandbox with it.
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
                 cgroups.thaw(self.cgroup_parent, handle.cid)  # a frozen (paused) task dies once thawed
-                if not await wait_exit(fd, timeout=10, tick=self._reap_orphans):
+                if not wait_exit_blocking(fd, timeout=10, tick=self._reap_orphans):
                     log.warning("the init of %s did not exit within 10s of SIGKILL", handle.cid)
             finally:
                 os.close(fd)
