@@ -139,7 +139,8 @@ class Exec:
                 wt.write(request.stdin.encode())
                 wt.close()  # after the buffered data is written (or the reader is gone)
             try:
-                status = await asyncio.wait_for(with_feeder(channel.wait(job_id), feeder), request.timeout)
+                async with asyncio.timeout(request.timeout):  # (no task of its own, as wait_for makes)
+                    status = await with_feeder(channel.wait(job_id), feeder)
             except TimeoutError:
                 channel.kill(job_id)
                 with contextlib.suppress(TimeoutError, ChannelClosed):
@@ -153,8 +154,9 @@ class Exec:
                 channel.kill(job_id)
                 raise
             # Output still in the pipes is read at once; a background process that keeps them
-            # open is not waited for.
-            await wait_pipes(emit, [p.done for p in pipes])
+            # open is not waited for. (Most often both have ended already: nothing to wait for.)
+            if not all(p.done.done() for p in pipes):
+                await wait_pipes(emit, [p.done for p in pipes])
         finally:
             for pipe in pipes:
                 pipe.close()
