@@ -726,6 +726,20 @@ def _warm_up():
     env = ctypes.create_string_buffer(b"A=b\0")
     _parse_env(ctypes.string_at(ctypes.addressof(env), 4))  # what a child of the C loop does
     _parse_header(memoryview(_HEADER.pack(1.0, 1, 1, 1, 1, 1) + _U16.pack(1) + _U16.pack(1) + b"f"))
+    _warm_stdio()
+
+
+def _warm_stdio():
+    """Write and flush through the children's own stdout and stderr once (onto the empty
+    placeholder, which is emptied again after): what the first write and flush of a stream set
+    up is then done, and a call's child writes its output with 3 page faults fewer (159 against
+    162 a call of ``pass``, perf stat over the zygotes). Both streams are left at offset 0 of an
+    empty file, as ``_make_stdio`` made them."""
+    for stream in _STDIO[1:]:
+        print(0, "x", file=stream)
+        stream.flush()
+        stream.seek(0)
+    os.ftruncate(1, 0)  # fds 0-2 are one placeholder
 
 
 def _inside_a_sandbox():
