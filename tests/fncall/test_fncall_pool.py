@@ -94,6 +94,18 @@ async def test_every_call_starts_clean(make_pool, loop):
 
 
 @LOOPS
+async def test_a_call_holds_no_fd_of_the_zygote(make_pool, loop):
+    """A call's code finds only its stdin, stdout and stderr open: not the channel, not a memfd,
+    not the request body its child read its code from (the C loop's BODY_FD)."""
+    pool = await make_pool(loop=loop)
+    r = await pool.call(call("import os\nprint(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))", env={"A": "b"}))
+    # listdir holds one fd of its own while it reads
+    assert r.exit_code == 0, r.stderr
+    (fds,) = [eval(line) for line in r.stdout.splitlines()]  # noqa: S307 - a list of ints we printed
+    assert fds[:3] == [0, 1, 2] and len(fds) == 4, fds
+
+
+@LOOPS
 async def test_no_memory_of_an_earlier_call(make_pool, loop):
     """A child is a copy of the zygote: the zygote must hold nothing of a call, not even in freed
     memory, or the next call could read the last one's code, input or output there (nor the

@@ -63,6 +63,7 @@ import os
 import sys
 
 CHAN_IN, CHAN_OUT, LOG, DEVNULL = 3, 4, 5, 6
+BODY_FD = 3  # in a Python call's child of the C loop: the request body (dsec/native/zygote.c)
 INIT_PATH = "/dev/.dsec-init"  # the sandbox init, as dsec.backends.container mounts it
 WORKDIR = "/work"
 WIPED_DIRS = (WORKDIR, "/tmp", "/dev/shm", "/dev/mqueue")
@@ -351,14 +352,26 @@ def _say_cannot_start(exc: BaseException) -> None:
         pass
 
 
+def _read_body_code(fd, code_len, env_len):
+    """The code and environment of the request body on ``fd`` (they follow its fixed part): read
+    with os.pread, not through ctypes, whose call (libffi, ctypes' own objects) costs a child
+    page faults of its own."""
+    raw = os.pread(fd, code_len + env_len, _BODY.size)
+    if len(raw) != code_len + env_len:
+        raise EOFError("the request body is cut short")
+    return raw
+
+
 def _native_child(loop):
     """A Python call's process once the C loop has prepared it (as ``_child`` does up to its
     input files): never returns."""
     try:
-        code = str(ctypes.string_at(loop.code, loop.code_len), "utf-8")
-        if loop.env_len:
-            env = _parse_env(ctypes.string_at(loop.env, loop.env_len))
-            os.environ.update(env)
+        code_len, env_len = loop.code_len, loop.env_len
+        raw = _read_body_code(BODY_FD, code_len, env_len)
+        os.close(BODY_FD)
+        code = str(raw[:code_len], "utf-8")
+        if env_len:
+            os.environ.update(_parse_env(raw[code_len:]))
         limit = loop.vsz + loop.memory
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         _run_python(code)
@@ -723,8 +736,12 @@ def _warm_up():
         sys.stderr = saved
     body = _BODY.pack(0, 1, 4, 1, 1) + b"x" + b"A=b\0" + b"y" + _FILE.pack(1, 1) + b"zw"
     _parse_body(memoryview(body))
-    env = ctypes.create_string_buffer(b"A=b\0")
-    _parse_env(ctypes.string_at(ctypes.addressof(env), 4))  # what a child of the C loop does
+    body_fd = os.memfd_create("warm-up", os.MFD_CLOEXEC)  # what a child of the C loop does
+    os.write(body_fd, body)
+    raw = _read_body_code(body_fd, 1, 4)
+    os.close(body_fd)
+    str(raw[:1], "utf-8")
+    _parse_env(raw[1:])
     _parse_header(memoryview(_HEADER.pack(1.0, 1, 1, 1, 1, 1) + _U16.pack(1) + _U16.pack(1) + b"f"))
     _warm_stdio()
 
