@@ -71,6 +71,14 @@ PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 MAX_HEADER = 1 << 20
 LANGUAGES = ("python", "bash")
+# The edge starts the zygote with LD_BIND_NOW set to this (backend.zygote_argv), unless the
+# calls' environment has LD_BIND_NOW of its own: the dynamic linker then binds every symbol at
+# start, once. Bound lazily, each call's child bound again the libc functions the zygote had not
+# called yet (fork's, _exit …), looking them up through every loaded object: 11 page faults a
+# call with the linker's code at the fault. The zygote takes the variable out of its environment
+# (the calls') at once; what the linker read at start stays, so a call's own dlopen binds all
+# its symbols at once too.
+BIND_NOW = "dsec-zygote"
 
 
 def _setup_fds():
@@ -774,6 +782,8 @@ def main(argv):
         sys.exit(f"{argv[0]}: not inside a DSec sandbox (pid 1 is not {INIT_PATH}); refusing to run")
     global _STDIO
     uid, gid, nproc, fsize, nofile = (int(a) for a in argv[1:6])
+    if os.environ.get("LD_BIND_NOW") == BIND_NOW:
+        del os.environ["LD_BIND_NOW"]  # the edge's, for this process alone (see BIND_NOW)
     _setup_fds()
     _STDIO = _make_stdio()
     preload = [m for m in (argv[6].split(",") if len(argv) > 6 else []) if m]
