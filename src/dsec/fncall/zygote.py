@@ -223,8 +223,8 @@ def _print_exception(exc):
 
 def _run_python(code):
     """Run ``code`` as ``python3 -c`` would, in this (forked) interpreter; never returns.
-    ``sys.argv``, the stdio objects and a fresh ``__main__`` were set up by the zygote."""
-    sys.path.insert(0, "")
+    ``sys.argv``, ``sys.path``, the stdio objects and a fresh ``__main__`` were set up by the
+    zygote."""
     try:
         exec(compile(code, "<string>", "exec"), _MAIN.__dict__)  # noqa: S102 - that is the job
         rc = 0
@@ -250,11 +250,14 @@ def _run_python(code):
 
 def _enter_call_state():
     """Make the zygote look, to the children it forks, like a fresh ``python3 -c``: ``sys.argv``,
-    stdio, a pristine ``__main__``. Its environment is the calls' (the edge starts it so); a
-    call's request carries only what it adds.
+    ``sys.path``, stdio, a pristine ``__main__``. Its environment is the calls' (the edge starts it
+    so); a call's request carries only what it adds.
     Every child gets its own copy, so one call cannot spoil the next."""
     global _MAIN
     sys.argv[:] = ["-c"]
+    # python3 -c's sys.path[0], here rather than in each child (a list a child writes is a page
+    # fault of its own); the zygote imports nothing after this.
+    sys.path.insert(0, "")
     sys.stdin, sys.stdout, sys.stderr = _STDIO
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = _STDIO
     atexit._clear()
