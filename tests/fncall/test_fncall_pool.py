@@ -94,6 +94,31 @@ async def test_every_call_starts_clean(make_pool, loop):
 
 
 @LOOPS
+async def test_a_call_holds_no_fd_of_the_zygote(make_pool, loop):
+    """A call's code finds only its stdin, stdout and stderr open: not the channel, not a memfd,
+    not the request body its child read its code from (the C loop's BODY_FD)."""
+    pool = await make_pool(loop=loop)
+    r = await pool.call(call("import os\nprint(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))", env={"A": "b"}))
+    # listdir holds one fd of its own while it reads
+    assert r.exit_code == 0, r.stderr
+    (fds,) = [eval(line) for line in r.stdout.splitlines()]  # noqa: S307 - a list of ints we printed
+    assert fds[:3] == [0, 1, 2] and len(fds) == 4, fds
+
+
+@LOOPS
+async def test_the_zygotes_bind_now_is_not_the_calls(make_pool, loop):
+    """The edge starts the zygote with LD_BIND_NOW (its symbols bound once, not in every child);
+    the calls' environment, Python's and bash's, is the image's without it."""
+    pool = await make_pool(loop=loop)
+    r = await pool.call(call("import os; print(os.environ.get('LD_BIND_NOW'), os.environ['HOME'])"))
+    assert r.stdout == "None /work\n", r.stderr
+    r = await pool.call(call('echo "[${LD_BIND_NOW-unset}]"', language="bash"))
+    assert r.stdout == "[unset]\n", r.stderr
+    r = await pool.call(call("import os; print(os.environ.get('LD_BIND_NOW'))", env={"LD_BIND_NOW": "1"}))
+    assert r.stdout == "1\n", r.stderr
+
+
+@LOOPS
 async def test_no_memory_of_an_earlier_call(make_pool, loop):
     """A child is a copy of the zygote: the zygote must hold nothing of a call, not even in freed
     memory, or the next call could read the last one's code, input or output there (nor the

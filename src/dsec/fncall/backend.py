@@ -32,6 +32,7 @@ BOOT_SOURCE = Path(__file__).with_name("zygote_boot.py")
 BOOT_PATH = "/dev/.dsec-zygote-boot.py"
 LOOP_PATH = "/dev/.dsec-zygote.so"
 WORKDIR = "/work"
+BIND_NOW = "dsec-zygote"  # zygote.py's BIND_NOW
 IPC_OFF = {"kernel.shmmni": "0", "kernel.msgmni": "0", "kernel.sem": "0 0 0 0", "fs.mqueue.queues_max": "0"}
 
 
@@ -83,6 +84,10 @@ class FnCallBackend(ContainerBackend):
         calls run as ``uid:gid`` under these limits (see ``zygote.py``)."""
         # crun exec does not take no_new_privs from the container's config: ask for it.
         argv = ["exec", "--no-new-privs", "--cwd", "/", "--user", "0:0"]
+        if "LD_BIND_NOW" not in env:
+            # The zygote's symbols bound at start, not in every call's child (see zygote.py,
+            # BIND_NOW), which takes the variable out of the calls' environment again.
+            env = {**env, "LD_BIND_NOW": BIND_NOW}
         for k, v in env.items():
             argv += ["--env", f"{k}={v}"]
         argv += [cid, "python3", "-I", BOOT_PATH, ZYGOTE_PATH, str(uid), str(gid), str(nproc), str(fsize),
