@@ -59,18 +59,16 @@ def _overlay(backend, mp):
 
 def _crun_run(after: bool):
     def install(backend, mp):
-        from dsec.backends.container import crun
+        real = backend._run_crun
 
-        real = crun.run_blocking  # (create runs crun in its thread)
-
-        def run(exe, root, *args, **kwargs):
+        async def run(*args, **kwargs):
             if args[0] != "run":
-                return real(exe, root, *args, **kwargs)
+                return await real(*args, **kwargs)
             if after:
-                real(exe, root, *args, **kwargs)
+                await real(*args, **kwargs)
             raise Injected("crun run" + (" (the container made)" if after else ""))
 
-        mp.setattr(crun, "run_blocking", run)
+        mp.setattr(backend, "_run_crun", run)
 
     return install
 
@@ -149,48 +147,14 @@ def _spec(backend) -> SandboxSpec:
 async def test_a_create_that_fails_at_any_step_leaves_nothing(backend, monkeypatch, step):
     from libdsec import BackendError
 
+    from dsec.resources import cgroups
+
     STEPS[step](backend, monkeypatch)
     with pytest.raises((Injected, BackendError, asyncio.CancelledError)) as failure:
         await backend.create(CID, _spec(backend))
     if failure.type is BackendError:
         assert isinstance(failure.value.__cause__, Injected), failure.value
     monkeypatch.undo()
-    await _nothing_left(backend)
-
-
-async def test_a_create_cancelled_while_crun_runs_kills_it_and_leaves_nothing(backend, monkeypatch):
-    """Create waits for crun in a thread: a cancellation meanwhile asks the thread to stop (a
-    crun running is killed, one not yet spawned, as here where it was held back, is not) instead
-    of waiting it out, and all the create made is undone."""
-    import threading
-    import time
-
-    from dsec.backends.container import crun
-
-    real = crun.run_blocking
-    running = threading.Event()
-
-    def run(exe, root, *args, stop, **kwargs):
-        if args[0] == "run":
-            running.set()
-            stop.wait(20)  # a crun that takes its time
-        return real(exe, root, *args, stop=stop, **kwargs)
-
-    monkeypatch.setattr(crun, "run_blocking", run)
-    create = asyncio.create_task(backend.create(CID, _spec(backend)))
-    while not running.is_set():
-        await asyncio.sleep(0.01)
-    start = time.monotonic()
-    create.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await create
-    assert time.monotonic() - start < 5  # not the 20 s the held crun would take
-    monkeypatch.undo()
-    await _nothing_left(backend)
-
-
-async def _nothing_left(backend) -> None:
-    from dsec.resources import cgroups
 
     bundle = backend.sandboxes_dir / CID
     with open("/proc/self/mountinfo") as f:

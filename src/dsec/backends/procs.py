@@ -12,10 +12,8 @@ import fcntl
 import functools
 import logging
 import os
-import select
 import shutil
 import signal
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,27 +22,17 @@ from .. import _sys
 
 log = logging.getLogger("dsec.backends.procs")
 
-# How often a thread waiting for a process looks whether it was asked to stop, or ticks (ms).
-_STOP_TICK_MS = 50
 
-
-async def outlast_cancel(future: asyncio.Future, on_cancel: Callable[[], None] | None = None) -> bool:
+async def outlast_cancel(future: asyncio.Future) -> bool:
     """Wait until ``future`` is done, even when the caller is cancelled meanwhile (the work of
     a thread cannot be stopped, and what it made must be seen to). True when a cancellation
-    came: the caller raises ``CancelledError`` once it has dealt with the result.
-    ``on_cancel``: called at each cancellation, to ask the thread to cut its work short. The
-    future's own error is not raised here (the caller reads it from the future): one that
-    follows a cancellation must not stand in for it."""
+    came: the caller raises ``CancelledError`` once it has dealt with the result."""
     cancelled = False
     while not future.done():
         try:
             await asyncio.shield(future)
         except asyncio.CancelledError:
             cancelled = True
-            if on_cancel is not None:
-                on_cancel()
-        except Exception:  # noqa: BLE001, S110 - read by the caller from the future
-            pass
     return cancelled
 
 
@@ -86,20 +74,6 @@ async def wait_exit(fd: int, timeout: float, tick: Callable[[], None] = lambda: 
         return exited.done()
     finally:
         loop.remove_reader(fd)
-
-
-def wait_exit_blocking(fd: int, timeout: float, tick: Callable[[], None] = lambda: None) -> bool:
-    """``wait_exit`` for a thread (poll(2) on the pidfd, no event loop). Blocks."""
-    waiting = select.poll()
-    waiting.register(fd, select.POLLIN)
-    deadline = time.monotonic() + timeout
-    if waiting.poll(int(min(0.2, timeout) * 1000)):
-        return True
-    while time.monotonic() < deadline:
-        tick()
-        if waiting.poll(_STOP_TICK_MS):
-            return True
-    return False
 
 
 @functools.cache
@@ -257,39 +231,6 @@ async def spawn_wait(argv: list[str], stdin: int | None, out: int, timeout: floa
                 os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
-
-
-def spawn_wait_blocking(argv: list[str], stdin: int | None, out: int, timeout: float,
-                        stop: threading.Event) -> tuple[int, int | None]:
-    """``spawn_wait`` for a thread that has more to do around the run (a create's one trip to
-    a thread: no second trip for the spawn, no pidfd watched by the event loop). Returns
-    (pid, exit code), the code None when it was killed: past ``timeout``, or once ``stop`` is
-    set (the caller was cancelled). Reaped either way; the caller hands the pid to
-    ``ORPHANS.after`` on the event loop; pid 0 when ``stop`` was set before the spawn (none
-    made). Blocks."""
-    if stop.is_set():
-        return 0, None
-    pid = _sys.posix_spawn(argv[0], argv, spawn_env(), stdin, out, out)
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise
-    try:
-        waiting = select.poll()
-        waiting.register(fd, select.POLLIN)
-        deadline = time.monotonic() + timeout
-        while not waiting.poll(_STOP_TICK_MS):
-            if stop.is_set() or time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return pid, None
-    finally:
-        os.close(fd)
-    _, status = os.waitpid(pid, 0)
-    return pid, os.waitstatus_to_exitcode(status)
 
 
 async def wait_process(proc: asyncio.subprocess.Process, timeout: float) -> int:

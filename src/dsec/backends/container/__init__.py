@@ -33,7 +33,6 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ... import _sys, native, settings
@@ -59,9 +58,6 @@ __all__ = ["CRUN", "INIT_PATH", "ContainerBackend"]
 # Id ranges whose user namespace is made when the backend warms up: half of those kept
 # (``userns._USERNS_FDS_KEPT``), about 0.55 ms of CPU and a kernel object of a few KiB each.
 IDS_AHEAD = 128
-# Inits started at once, at most (each start waits for its crun run in a thread of its own):
-# as many as asyncio's default executor has threads (6 here).
-START_THREADS = min(32, (os.cpu_count() or 1) + 4)
 
 
 class ContainerBackend(Lifecycle, Exec, Pty, Files, WritableLayer):
@@ -105,10 +101,6 @@ class ContainerBackend(Lifecycle, Exec, Pty, Files, WritableLayer):
         # until they are removed (``Lifecycle._remove_cgroup``).
         self.cgroups_made: set[str] = set()
         self._crun_exe = sealed_copy(CRUN)
-        # The threads that start inits (create and boot: ``Lifecycle._in_start_thread``), each
-        # waiting out a crun run; made as they are needed, up to as many runs as ever overlap
-        # usefully on a node.
-        self.start_threads = ThreadPoolExecutor(max_workers=START_THREADS, thread_name_prefix="dsec-start")
 
     @property
     def layer_attach(self) -> str:
@@ -151,9 +143,7 @@ class ContainerBackend(Lifecycle, Exec, Pty, Files, WritableLayer):
                 logging.getLogger("dsec.images").warning("%s", exc)
 
     async def close(self) -> None:
-        """Nothing held in this process outlives it but what the sandboxes themselves hold (the
-        start threads end once idle)."""
-        self.start_threads.shutdown(wait=False)
+        """Nothing held in this process outlives it but what the sandboxes themselves hold."""
 
     def _crun(self, *args: str) -> list[str]:
         """A crun command line on this node's state root."""

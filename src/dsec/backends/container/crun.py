@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 from pathlib import Path
 
-from ..procs import spawn_wait, spawn_wait_blocking
+from ..procs import spawn_wait
 
 CRUN = shutil.which("crun") or "/usr/bin/crun"
 CHRT = shutil.which("chrt") or "/usr/bin/chrt"
@@ -29,33 +28,14 @@ async def run(exe: str, root: Path, *args: str, timeout: float = 30.0, log: Path
     """Run crun (the executable ``exe``); returns (exit code, output). Output goes to a file,
     ``log`` or an anonymous one: ``run --detach`` hands its stdio to the sandbox's init, which
     keeps it open (its stdin, ``stdin`` here, is the init's channel)."""
-    out = _output(log)
+    if log is not None:
+        out = os.open(log, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    else:
+        out = os.memfd_create("crun-output", os.MFD_CLOEXEC)
     try:
         rc = await spawn_wait([exe, *argv(root, *args)[1:]], stdin, out, timeout)
-        return _result(rc, out, args, timeout)
+        if rc is None:
+            return -1, f"crun {args[0]} timed out after {timeout}s"
+        return rc, os.pread(out, 1 << 20, 0).decode(errors="replace").strip()
     finally:
         os.close(out)
-
-
-def run_blocking(exe: str, root: Path, *args: str, stop: threading.Event, timeout: float = 30.0,
-                 log: Path | None = None, stdin: int | None = None) -> tuple[int, str, int]:
-    """``run`` in a thread (``procs.spawn_wait_blocking``): (exit code, output, crun's pid),
-    crun killed once ``stop`` is set. Blocks."""
-    out = _output(log)
-    try:
-        pid, rc = spawn_wait_blocking([exe, *argv(root, *args)[1:]], stdin, out, timeout, stop)
-        return (*_result(rc, out, args, timeout), pid)
-    finally:
-        os.close(out)
-
-
-def _output(log: Path | None) -> int:
-    if log is not None:
-        return os.open(log, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    return os.memfd_create("crun-output", os.MFD_CLOEXEC)
-
-
-def _result(rc: int | None, out: int, args: tuple[str, ...], timeout: float) -> tuple[int, str]:
-    if rc is None:
-        return -1, f"crun {args[0]} timed out after {timeout}s"
-    return rc, os.pread(out, 1 << 20, 0).decode(errors="replace").strip()

@@ -76,14 +76,10 @@ class Exec:
     async def _exec(self, handle: Handle, request: ExecRequest, ctx: ExecContext, emit: Emit | None,
                     feed: AsyncIterator[bytes] | None = None) -> ExecResult:
         flow = Flow(emit) if emit is not None else None
-        channel = self.channels.get(handle.cid)
-        # An open channel is an init alive: its end closes as it exits, and a command asked of
-        # a dead one meets ChannelClosed below. Only without one is the init looked up in
-        # /proc (two files of it opened and read, and the root a third: ~0.1 ms of CPU a command).
-        if (channel is None or channel.closed) and not await self.is_alive(handle):
+        if not await self.is_alive(handle):
             raise SandboxStateError(f"cannot exec: sandbox process of {handle.cid} is gone")
-        if ctx.workdir != "/":  # (the root is a directory in every sandbox)
-            self._check_dir(handle, ctx.workdir)
+        self._check_dir(handle, ctx.workdir)
+        channel = self.channels.get(handle.cid)
         if channel is not None and not channel.closed:
             job_id, message = channel.encode(["/bin/sh", "-c", request.command], ctx.env, ctx.workdir, ctx.uid, ctx.gid)
             if len(message) <= MAX_REQUEST:
@@ -139,8 +135,7 @@ class Exec:
                 wt.write(request.stdin.encode())
                 wt.close()  # after the buffered data is written (or the reader is gone)
             try:
-                async with asyncio.timeout(request.timeout):  # (no task of its own, as wait_for makes)
-                    status = await with_feeder(channel.wait(job_id), feeder)
+                status = await asyncio.wait_for(with_feeder(channel.wait(job_id), feeder), request.timeout)
             except TimeoutError:
                 channel.kill(job_id)
                 with contextlib.suppress(TimeoutError, ChannelClosed):
@@ -154,9 +149,8 @@ class Exec:
                 channel.kill(job_id)
                 raise
             # Output still in the pipes is read at once; a background process that keeps them
-            # open is not waited for. (Most often both have ended already: nothing to wait for.)
-            if not all(p.done.done() for p in pipes):
-                await wait_pipes(emit, [p.done for p in pipes])
+            # open is not waited for.
+            await wait_pipes(emit, [p.done for p in pipes])
         finally:
             for pipe in pipes:
                 pipe.close()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import errno
 import json
 import logging
@@ -22,11 +21,8 @@ import os
 import shutil
 import signal
 import socket
-import threading
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from libdsec import BackendError
@@ -41,8 +37,7 @@ from ...resources import cpu as cpu_sched
 from ...resources.cgroups import Limits
 from ..base import Handle, SandboxSpec
 from ..initchan import InitChannel
-from ..procs import ORPHANS, children, outlast_cancel, pid_in_cgroup, wait_exit, wait_exit_blocking
-from . import crun
+from ..procs import children, outlast_cancel, pid_in_cgroup, wait_exit
 from .oci import BOOT_ID_FILE, INIT_PATH, MASK_DIR, SHM_DIR, BundleConfigs
 from .rootfs import RootFilesystems
 
@@ -55,30 +50,6 @@ def _runs_init(pid: int) -> bool:
         return _sys.read_small(f"/proc/{pid}/cmdline").split(b"\0")[0] == INIT_PATH.encode()
     except OSError:
         return False
-
-
-def _write_file(path: Path, data: bytes, mode: int) -> None:
-    """A small file of the bundle written whole: a descriptor, no file object (whose open adds
-    an fstat, an ioctl and an lseek), the mode set as given (not narrowed by the umask)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-    try:
-        os.fchmod(fd, mode)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
-
-
-@dataclasses.dataclass
-class _Made:
-    """What a start thread (``Lifecycle._in_start_thread``) has made, for its undo: the cgroup
-    and the mounted root (which undo their own parts on a failure), crun run (its container
-    to delete; its pid, whose orphan the server reaps)."""
-
-    root: bool = False
-    crun: bool = False
-    crun_pid: int = 0
 
 
 class Lifecycle:
@@ -97,8 +68,6 @@ class Lifecycle:
     oci: BundleConfigs
     channels: dict[str, InitChannel]
     cgroups_made: set[str]
-    start_threads: ThreadPoolExecutor
-    _crun_exe: str
 
     def _mount_rootfs(self, plan: OverlayPlan, limits: Limits | None) -> None:
         """Create's mount step (``RootFilesystems.mount``): whole, or not at all. Blocks."""
@@ -127,6 +96,7 @@ class Lifecycle:
             if not self.store.has_layer(digest):
                 raise BackendError(f"layer {digest} of image {spec.image!r} is missing from the store")
         plan = self.rootfs.plan(cid, spec.layers, spec.image)
+        bundle = plan.target.parent
         async with contextlib.AsyncExitStack() as undo:
             idmap = None
             if self.id_ranges is not None:
@@ -136,8 +106,17 @@ class Lifecycle:
             # a cancellation while the thread runs must not leave the cgroup behind; removing
             # one never made does nothing.
             undo.push_async_callback(asyncio.to_thread, self._remove_cgroup, cid)
-            pid, host_end = await self._in_start_thread(
-                undo, plan, lambda made, init_fd, stop: self._make_and_start(cid, plan, spec, idmap, made, init_fd, stop))
+            # The cgroup and the mounts (idmapped layer clones, the overlay, a tmpfs) block: off
+            # the event loop. A thread cannot be stopped: a create cancelled meanwhile waits for
+            # it, so that the undo removes what it made.
+            making = asyncio.ensure_future(asyncio.to_thread(self._make_cgroup_and_root, cid, plan, spec.limits))
+            cancelled = await outlast_cancel(making)
+            making.result()  # or its BackendError (it undid its own steps)
+            undo.callback(self.rootfs.release, plan)
+            if cancelled:
+                raise asyncio.CancelledError
+            (bundle / "config.json").write_text(self.oci.json(plan, spec, idmap))
+            pid, host_end = await self._run_init(cid, bundle, undo)
             undo.pop_all()  # the sandbox is whole
         self.rootfs.started(plan)
         handle = Handle(cid=cid, image=spec.image, layers=spec.layers, pid=pid, env=dict(spec.env))
@@ -150,91 +129,49 @@ class Lifecycle:
                 cpu_sched.set_idle(pid, True)
         return handle
 
-    async def _in_start_thread(self, undo: contextlib.AsyncExitStack, plan: OverlayPlan,
-                               start: Callable[[_Made, int, threading.Event], int]) -> tuple[int, socket.socket]:
-        """Run ``start(made, init_fd, stop)`` (its steps blocking, up to the init running in
-        its cgroup; its pid) in one trip to a thread of ``start_threads``, and hold the host's
-        end of the init's channel. One trip, where a create took three (the cgroup and root,
-        crun's spawn, the move into the cgroup) and the event loop watched crun's pidfd
-        between them (the two later trips' hand-offs on the event loop alone were ~5% of the
-        server's Python time in a lifecycle). A thread of its own pool: it waits for crun, and
-        the shared one does the unmounts and cgroup removals that must not queue behind it.
-
-        What the steps made (``_Made``) is undone on ``undo``. A cancellation sets ``stop``,
-        which kills a crun still running, and is raised once the thread is done."""
-        made = _Made()
-        loop = asyncio.get_running_loop()
-        stop = threading.Event()
-        host_end, init_end = InitChannel.pair()
-        undo.callback(host_end.close)
-
-        async def delete_container() -> None:
-            if made.crun:
-                await self._run_crun("delete", "--force", plan.target.parent.name)
-
-        undo.callback(lambda: made.root and self.rootfs.release(plan))
-        undo.push_async_callback(delete_container)
-        with init_end:  # the init's, once crun has handed it over
-            starting = loop.run_in_executor(self.start_threads, start, made, init_end.fileno(), stop)
-            cancelled = await outlast_cancel(starting, stop.set)
-        if made.crun_pid:
-            ORPHANS.after(made.crun_pid)  # (what crun leaves us to reap)
-        if cancelled:
-            starting.exception()  # (retrieved: a failure then came of the stop)
-            raise asyncio.CancelledError
-        return starting.result(), host_end  # or its BackendError
-
-    def _make_and_start(self, cid: str, plan: OverlayPlan, spec: SandboxSpec, idmap: userns.IdMap | None,
-                        made: _Made, init_fd: int, stop: threading.Event) -> int:
-        """Create's steps in its thread (``_in_start_thread``): the cgroup and the root, the
-        config, then the init (``_start_init``). Blocks."""
-        self._make_cgroup_and_root(cid, plan, spec.limits)
-        made.root = True
-        _write_file(plan.target.parent / "config.json", self.oci.json(plan, spec, idmap).encode(), 0o644)
-        return self._start_init(cid, plan.target.parent, made, init_fd, stop)
-
-    def _start_init(self, cid: str, bundle: Path, made: _Made, init_fd: int, stop: threading.Event) -> int:
+    async def _run_init(self, cid: str, bundle: Path, undo: contextlib.AsyncExitStack) -> tuple[int, socket.socket]:
         """``crun run`` the bundle's config, with a boot id of its own (new at each start), and
-        wait until its init runs in the sandbox's cgroup; the init's pid. Blocks."""
+        wait until its init runs in the sandbox's cgroup: the init's pid and the host's end of
+        its channel. What is undone on a failure is pushed on ``undo``."""
         pidfile = bundle / "init.pid"
-        _write_file(bundle / BOOT_ID_FILE, f"{uuid.uuid4()}\n".encode(), 0o444)
+        boot_id = bundle / BOOT_ID_FILE
+        boot_id.write_text(f"{uuid.uuid4()}\n")
+        boot_id.chmod(0o444)
         # The empty directory bound over protected ones, and /dev/shm, empty at each start as a
         # tmpfs of the init's own would be (see oci.MASK_DIR).
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(bundle / MASK_DIR, 0o555)
-        shm = bundle / SHM_DIR
-        try:
-            os.mkdir(shm)
-        except FileExistsError:  # (a boot: the last start's)
-            shutil.rmtree(shm, ignore_errors=True)
-            os.mkdir(shm)
-        os.chmod(shm, 0o1777)
-        made.crun = True
-        rc, out, made.crun_pid = crun.run_blocking(
-            self._crun_exe, self.crun_root, "run", "--detach", "--bundle", str(bundle), "--pid-file", str(pidfile),
-            cid, stop=stop, log=bundle / "crun.log", stdin=init_fd)
+        (bundle / MASK_DIR).mkdir(mode=0o555, exist_ok=True)
+        shutil.rmtree(bundle / SHM_DIR, ignore_errors=True)
+        (bundle / SHM_DIR).mkdir()
+        (bundle / SHM_DIR).chmod(0o1777)
+        host_end, init_end = InitChannel.pair()
+        undo.callback(host_end.close)
+        with init_end:  # the init's, once crun has handed it over
+            undo.push_async_callback(self._run_crun, "delete", "--force", cid)
+            rc, out = await self._run_crun("run", "--detach", "--bundle", str(bundle), "--pid-file", str(pidfile),
+                                           cid, log=bundle / "crun.log", stdin=init_end.fileno())
         if rc != 0:
             raise BackendError(f"crun could not start {cid}: {out[-800:]}")
         self.oci.learn_compiled(self.crun_root / cid)
         pid = int(_sys.read_small(str(pidfile)))
-        # The init waits for its first command: nothing runs before it is in its cgroup. (On v1
-        # each write to cgroup.procs waits for the kernel's cgroup lock, which every other
-        # sandbox's cgroup mkdir and rmdir take too: not on the event loop.)
+        # The init waits for its first command: nothing runs before it is in its cgroup. In a
+        # thread: on v1 each write to cgroup.procs waits for the kernel's cgroup lock, which
+        # every other sandbox's cgroup mkdir and rmdir take too (under load, the event loop
+        # stood still behind them).
         try:
-            cgroups.enter(self.cgroup_parent, cid, pid, self.cgroup_controllers)
+            await asyncio.to_thread(cgroups.enter, self.cgroup_parent, cid, pid, self.cgroup_controllers)
         except OSError as exc:  # ESRCH: the init is gone already
             raise BackendError(f"cannot move the init of {cid} into its cgroup: {exc}") from exc
         # `crun run --detach` may return while the first process is still crun setting up
         # the namespaces; a `crun exec` then fails (setns: EPERM). Wait for the init.
         deadline = time.monotonic() + 10
         while not _runs_init(pid):
-            if stop.is_set() or time.monotonic() > deadline:
+            if time.monotonic() > deadline:
                 raise BackendError(f"the init of {cid} did not start within 10s")
-            time.sleep(0.002)
-        return pid
+            await asyncio.sleep(0.002)
+        return pid, host_end
 
     def _adopt_init(self, handle: Handle, host_end: socket.socket) -> None:
-        """Hold the channel of an init just started (``_start_init``). No pidfd is held for it:
+        """Hold the channel of an init just started (``_run_init``). No pidfd is held for it:
         that would be a second open file a sandbox, and 10,000 idle sandboxes would need
         20,000; one is opened for a wait or a kill (``_pidfd``)."""
         self.channels[handle.cid] = InitChannel(host_end)
@@ -263,8 +200,7 @@ class Lifecycle:
         except OSError as exc:
             raise BackendError(f"cannot mount the root filesystem of {handle.cid} again: {exc}") from exc
         async with contextlib.AsyncExitStack() as undo:
-            handle.pid, host_end = await self._in_start_thread(
-                undo, plan, lambda made, init_fd, stop: self._start_init(handle.cid, bundle, made, init_fd, stop))
+            handle.pid, host_end = await self._run_init(handle.cid, bundle, undo)
             undo.pop_all()
         self.rootfs.started(plan)
         self.rootfs.plans[handle.cid] = plan
@@ -331,40 +267,26 @@ class Lifecycle:
         cgroups.thaw(self.cgroup_parent, handle.cid)
 
     async def destroy(self, handle: Handle) -> None:
-        self._close_channel(handle)
-        # The kill, the wait for the init's end and what `crun delete` does for a dead
-        # container (without spawning it: its cgroups, its state directory, then the root
-        # filesystem) in one trip to a thread: the wait on the event loop (a future, a reader
-        # and timers) cost as much as the trip, and the rest is kernel work it need not wait on.
-        if not await asyncio.to_thread(self._kill_and_teardown, handle):
+        await self._kill_init(handle)
+        # What `crun delete` does for a dead container, without spawning it: drop its cgroups
+        # and its state directory; then the root filesystem. Off the event loop: rmdir of a
+        # cgroup in each v1 hierarchy and the unmounts are kernel work the loop need not wait on.
+        if not await asyncio.to_thread(self._teardown, handle):
             await self._run_crun("delete", "--force", handle.cid)
             await asyncio.to_thread(self._remove_cgroup, handle.cid)
-
-    def _kill_and_teardown(self, handle: Handle) -> bool:
-        """``destroy``'s thread: ``_kill_init_blocking``, then ``_teardown``. Blocks."""
-        self._kill_init_blocking(handle)
-        return self._teardown(handle)
 
     async def _kill_init(self, handle: Handle) -> None:
         """Kill the sandbox's init (every process of its pid namespace goes with it) and wait
         for it; nothing for a halted one."""
-        self._close_channel(handle)
-        await asyncio.to_thread(self._kill_init_blocking, handle)
-
-    def _close_channel(self, handle: Handle) -> None:
-        """Drop the init's channel (on the event loop: its reader is the loop's)."""
         if (channel := self.channels.pop(handle.cid, None)) is not None:
             channel.close()
-
-    def _kill_init_blocking(self, handle: Handle) -> None:
-        """``_kill_init`` once the channel is dropped. Blocks."""
         if (fd := self._pidfd(handle)) is not None:
             try:
                 # Killing the pid namespace's init takes every process of the sandbox with it.
                 with contextlib.suppress(ProcessLookupError):
                     signal.pidfd_send_signal(fd, signal.SIGKILL)
                 cgroups.thaw(self.cgroup_parent, handle.cid)  # a frozen (paused) task dies once thawed
-                if not wait_exit_blocking(fd, timeout=10, tick=self._reap_orphans):
+                if not await wait_exit(fd, timeout=10, tick=self._reap_orphans):
                     log.warning("the init of %s did not exit within 10s of SIGKILL", handle.cid)
             finally:
                 os.close(fd)

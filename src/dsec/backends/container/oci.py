@@ -28,7 +28,7 @@ from ..base import SandboxSpec
 
 INIT_PATH = "/dev/.dsec-init"
 # The sandbox's boot id (``/proc/sys/kernel/random/boot_id``, the host's otherwise): a file in
-# its bundle, new each time its init starts (``Lifecycle._start_init``), as a machine's is at each
+# its bundle, new each time its init starts (``Lifecycle._run_init``), as a machine's is at each
 # boot: what runs in it can tell a sandbox started afresh (a boot after a filesystem-only pause)
 # from one that was frozen and thawed.
 BOOT_ID_FILE = "boot_id"
