@@ -14,6 +14,7 @@ PACKAGES=(crun gcc libc6-dev erofs-utils busybox-static debootstrap podman uidma
           glusterfs-server glusterfs-client  # the layer store on a distributed filesystem (tests/cluster/test_gluster_store.py)
           g++         # the C++ peer of dsec bench fncall's SandboxFusion arm
           tmux        # drives `dsec shell` as a person would (tests/integration/test_shell.py)
+          lz4 zstd    # unpack the guest kernel once for a PVH boot (its payload: lz4 in 6.1, zstd from 6.12)
           docker.io)  # dockerd for Harbor's docker environment, the peer (dsec_bench.harbor_peer starts its own)
 
 if [ "$(id -u)" != 0 ]; then

@@ -91,8 +91,9 @@ mkdir /newroot/dev/.dsec/rw
 mount --move /rw /newroot/dev/.dsec/rw
 mkdir -p /newroot/dev/.dsec/bin /newroot/dev/pts /newroot/dev/shm
 cp /bin/busybox /dsec/agent /dsec/pack.sh /dsec/pid1.sh /dsec/jail /dsec/seccomp.bpf /dsec/caps /newroot/dev/.dsec/
-/newroot/dev/.dsec/busybox --install -s /newroot/dev/.dsec/bin
-for l in /newroot/dev/.dsec/bin/*; do ln -sf /dev/.dsec/busybox "$l"; done
+# One busybox run in the new root makes every applet's link to /dev/.dsec/busybox (its own
+# path there): one process, where a link each (269 of them) took a second of a boot under TCG.
+chroot /newroot /dev/.dsec/busybox --install -s /dev/.dsec/bin
 mount -t devpts -o newinstance,ptmxmode=0666 devpts /newroot/dev/pts
 mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
 mount -t cgroup2 cgroup2 /newroot/sys/fs/cgroup 2>/dev/null
