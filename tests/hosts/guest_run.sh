@@ -68,7 +68,7 @@ for s in $steps; do
             # (DSEC_HOSTVM_LOOP=0) leaves their tests to the Debian 12 row.
             [ "${DSEC_HOSTVM_LOOP:-1}" = 0 ] && tests=${tests//tests\/integration\/test_loop_devices.py/}
             # Without hypothesis' and schemathesis' pytest plugins (none of these tests uses them), as
-            # `make test-quick` runs: loading them took about 35 s of each row's pytest start under TCG.
+            # `make test-quick` runs: a pytest start in the TCG guest took 24.9 s with them, 16.4 s without.
             step pytest python3 -m pytest -p no:cacheprovider -p no:hypothesispytest -p no:schemathesis -v -rs --durations=20 --junitxml=$out/junit.xml $tests \
                 -k "${DSEC_HOSTVM_DESELECT:-not connecting_to_the_host and not pushes_memory_out and not cold_memory_reclaimer and not test_dsec_call}"
             ;;
