@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +27,13 @@ os.environ.setdefault("DSEC_VM_ASSETS", str(TEST_STORE.parent / "vm"))
 # host has it (a test run must not change the host, and merging pages would move the memory
 # figures the VM tests read). Its settings are tested against a stand-in sysfs (test_ksm.py).
 os.environ.setdefault("DSEC_VM_KSM", "0")
+# The run's servers share the microVM boot templates they keep (the first VM of an image and
+# size boots, the rest restore its memory), in a dir of the run's own: every run boots each
+# kind of VM once (its boot path tested), and none is left after it (``nothing_left_after_the_suite``).
+_RUN_TEMPLATES = None
+if "DSEC_VM_TEMPLATES_DIR" not in os.environ and os.geteuid() == 0:
+    TEST_STORE.parent.mkdir(parents=True, exist_ok=True)
+    _RUN_TEMPLATES = os.environ["DSEC_VM_TEMPLATES_DIR"] = tempfile.mkdtemp(prefix="vm-templates-", dir=TEST_STORE.parent)
 # LiteLLM (which Harbor and the harnesses import) fetches its model price list from the
 # internet at import unless told to use the copy it ships: every test's traffic stays here.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -145,6 +154,8 @@ def nothing_left_after_the_suite(tmp_path_factory):
     tmp_path_factory.mktemp = mktemp
     if os.geteuid() != 0:
         return
+    if _RUN_TEMPLATES is not None:
+        shutil.rmtree(_RUN_TEMPLATES, ignore_errors=True)
     deadline = time.monotonic() + 10
     while (problems := suite_leftovers(tmp_path_factory.getbasetemp().resolve(), made)) and time.monotonic() < deadline:
         time.sleep(0.2)

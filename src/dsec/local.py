@@ -147,10 +147,10 @@ class LocalServer:
 
 
 @contextlib.contextmanager
-def serving(state_dir: Path, *extra_args: str) -> Iterator[LocalServer]:
-    """A ``dsec serve`` on ``state_dir`` for a block; on the way out it is stopped, the state dir
-    removed, and anything the server left behind is an error."""
-    server = LocalServer(state_dir, extra_args=extra_args).start()
+def serving(state_dir: Path, *extra_args: str, env: dict[str, str] | None = None) -> Iterator[LocalServer]:
+    """A ``dsec serve`` on ``state_dir`` for a block (``env``: variables of its own); on the way
+    out it is stopped, the state dir removed, and anything the server left behind is an error."""
+    server = LocalServer(state_dir, extra_args=extra_args, env=env).start()
     try:
         yield server
     finally:

@@ -79,6 +79,10 @@ class Settings:
     vm_accel: str | None = _var("DSEC_VM_ACCEL", None, _choice("kvm", "tcg"),
                                 "kvm or tcg: skip the probe boot that picks QEMU's accelerator")
     vm_ksm: bool = _var("DSEC_VM_KSM", True, _flag, "0: leave the host's KSM settings alone (microVMs share less)")
+    vm_boot_templates: bool = _var("DSEC_VM_BOOT_TEMPLATES", True, _flag,
+                                   "0: every microVM boots its kernel (none restored from a booted VM's memory)")
+    vm_templates_dir: Path | None = _var("DSEC_VM_TEMPLATES_DIR", None, Path,
+                                         "where microVM boot templates are kept (default: STATE_DIR/node/vm-templates)")
     guest_kernel_package: str = _var("DSEC_GUEST_KERNEL_PACKAGE", "linux-image-cloud-amd64", str,
                                      "the Debian package the VMs' guest kernel comes from")
     userns: bool = _var("DSEC_USERNS", True, _flag,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import secrets
 import shutil
 import time
@@ -66,7 +67,10 @@ async def _vm_kit(kind, store_path, tmp_path_factory):
     cls = MicroVMBackend if kind == "microvm" else FullVMBackend
     # Guest kernel and initramfs are shared by every test run, like the test store.
     # KSM is node-wide: the tests leave the host's settings alone.
-    extra = {"use_ksm": False} if kind == "microvm" else {}
+    # Boot templates as a node keeps them (the run's dir: the first microVM of the run boots,
+    # the rest restore its memory; tests/vm/test_microvm.py boots every one).
+    templates = os.environ.get("DSEC_VM_TEMPLATES_DIR")
+    extra = {"use_ksm": False, "templates_dir": Path(templates) if templates else None} if kind == "microvm" else {}
     backend = cls(state / "node", store, Path(store_path).parent / "vm", boot_timeout_s=90, **extra)
     image = store.get_image("busybox")
     try:

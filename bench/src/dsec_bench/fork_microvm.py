@@ -9,7 +9,8 @@ block it cannot write on: no zero pages, no two pages alike for KSM to fold). Me
   that finds the parent's memory-holding process alive in it (restored, not started again), as
   the client sees it; the server's ``fork_s`` and how long the parent was frozen beside it.
 - **cold boots** (the peer): ``children`` microVMs of the same image and memory size created at
-  once (``run_microvm``, the server's own concurrency), until every one answered ``echo``.
+  once (``run_microvm``, the server's own concurrency), until every one answered ``echo``; the
+  benchmark's server keeps no boot templates (DSEC_VM_BOOT_TEMPLATES=0), so each boots its kernel.
 - **host memory**: the QEMU processes' proportional set size (``/proc/PID/smaps_rollup``: a page
   shared by k processes counts 1/k to each, so shared pages are counted once in the sum),
   parent + children once all children answered, against the parent's alone just before the
@@ -191,7 +192,9 @@ def main(state_dir: Path, console: Console, children: int = 16, touched_mb: int 
     args = DSecMicroVMRunArgs(container_image="busybox", memory_limit_mb=memory_mb)
 
     async def run() -> None:
-        with serving(state_dir, "--pool-max", "0") as server:
+        # Without boot templates: the peer is what it says, microVMs booted (with them, the
+        # 16 would restore the first one's memory, a fork without the parent's state).
+        with serving(state_dir, "--pool-max", "0", env={"DSEC_VM_BOOT_TEMPLATES": "0"}) as server:
             async with DSecClient(server.endpoint, token=server.token) as client:
                 r["dsec"] = await _fork(client, state_dir, args, children, touched_mb, console)
                 if cold:

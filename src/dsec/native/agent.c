@@ -49,6 +49,9 @@
  *   write PATHLEN DATALEN MODE UID GID    -> ok 0 or err invalid
  *   mkdir PATHLEN UID GID                 -> ok 0 or err invalid
  *   shutdown                              -> ok 0, then the VM powers off
+ *   clock SEC NSEC                        -> ok 0: the guest's wall clock set to the host's (a
+ *                                            guest restored from memory saved earlier wakes with
+ *                                            the clock it had then), or err invalid
  *   ident HOSTLEN SEEDLEN                 payloads: a host name, random bytes -> ok 0: the
  *                                         guest becomes someone new (a fork's child, restored
  *                                         from its parent's memory): its host name set, the
@@ -1185,7 +1188,7 @@ static void handle_request(char *line)
         return;  /* noise: what is left of a frame from before the host reconnected */
     long long a, b, c, d;
     if (strcmp(op, "ping") == 0) {
-        send_ok(id, "run srun pty sin ident", 22);
+        send_ok(id, "run srun pty sin ident clock", 28);
     } else if (strcmp(op, "ack") == 0) {  /* JOBID N */
         struct job *j = f[2] ? job_by_id(f[2]) : NULL;
         if (j && number(f[3], &a) == 0 && a > 0)
@@ -1349,6 +1352,18 @@ static void handle_request(char *line)
             send_err(id, "invalid", "cannot take a new identity: out of memory");
         free(name);
         free(seed);
+    } else if (strcmp(op, "clock") == 0) {  /* SEC NSEC */
+        struct timespec now;
+        if (number(f[2], &a) < 0 || number(f[3], &b) < 0 || a < 0 || b < 0 || b > 999999999) {
+            send_err(id, "invalid", "malformed clock request");
+            return;
+        }
+        now.tv_sec = (time_t)a;
+        now.tv_nsec = (long)b;
+        if (clock_settime(CLOCK_REALTIME, &now) < 0)
+            send_err(id, "invalid", "cannot set the clock: %s", strerror(errno));
+        else
+            send_ok(id, NULL, 0);
     } else if (strcmp(op, "shutdown") == 0) {
         send_ok(id, NULL, 0);
         sync();

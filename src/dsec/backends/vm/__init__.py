@@ -18,5 +18,7 @@ def vm_backends(node_dir: Path, store, assets_dir: Path) -> list:
     if not os.path.exists(QEMU):
         return []
     # Tests and benchmarks share one kernel cache between their servers.
-    assets_dir = settings.current().vm_assets or Path(assets_dir)
-    return [MicroVMBackend(node_dir, store, assets_dir), FullVMBackend(node_dir, store, assets_dir)]
+    config = settings.current()
+    assets_dir = config.vm_assets or Path(assets_dir)
+    templates = (config.vm_templates_dir or Path(node_dir) / "vm-templates") if config.vm_boot_templates else None
+    return [MicroVMBackend(node_dir, store, assets_dir, templates_dir=templates), FullVMBackend(node_dir, store, assets_dir)]

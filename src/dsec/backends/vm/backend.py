@@ -619,6 +619,12 @@ class VMBackend:
                 self.layer_cache.stop_unless_busy()
 
     def memory_usage(self, handle: Handle) -> int | None:
+        """The memory charged to the VM's cgroup (QEMU's own pages and the page cache it read
+        first), as a container's is; not QEMU's RSS, which counts pages of shared files mapped
+        but charged elsewhere (a boot template's memory, the layers) that no push-out can take."""
+        charged = cgroups.memory_usage_bytes(self.cgroup_parent, handle.cid)
+        if charged is not None:
+            return charged
         return machine.rss_bytes(handle.pid) if handle.pid else None
 
     async def close(self) -> None:
