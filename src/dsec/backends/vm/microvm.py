@@ -487,7 +487,10 @@ class MicroVMBackend(VMBackend):
         moment, before anything ran in it). A template that cannot be restored is removed and the
         VM booted."""
         assert self.templates_dir is not None
-        tid = await self.template_id(spec)
+        try:
+            tid = await self.template_id(spec)
+        except OSError:  # (the layers' files cannot be made: a boot says what went wrong, by name)
+            return await super().create(cid, spec)
         tdir = self.templates_dir / tid
         if (tdir / "meta.json").exists():
             try:
