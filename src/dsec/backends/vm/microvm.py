@@ -515,6 +515,9 @@ class MicroVMBackend(VMBackend):
                 await self._keep_template(handle, tid)
             except Exception as exc:  # (the VM is the caller's all the same)
                 log.warning("cannot keep %s as boot template %s: %s", cid, tid, exc)
+            except BaseException:  # cancelled: no one would ever be handed the VM
+                await self.destroy(handle)
+                raise
             finally:
                 self._templating.discard(tid)
         return handle
