@@ -875,10 +875,11 @@ class VMBackend:
         raw = path.encode()
         await self._file_call(handle, "make a directory", f"mkdir {len(raw)} {uid} {gid}", raw)
 
-    async def new_identity(self, handle: Handle, hostname: str, machine_id: str, seed: bytes) -> None:
+    async def new_identity(self, handle: Handle, hostname: str, machine_id: str | None, seed: bytes) -> None:
         """Through the guest agent: the host name and a reseeded random number generator (its
-        ``ident``), then ``/etc/machine-id``. A guest whose agent predates ``ident`` (restored
-        from an old snapshot) cannot be made someone new: ``BackendError``."""
+        ``ident``), then ``/etc/machine-id`` (None: the image's kept, as a boot template's clone
+        keeps it). A guest whose agent predates ``ident`` (restored from an old snapshot) cannot
+        be made someone new: ``BackendError``."""
         live = self._get(handle, "take a new identity")
         if "ident" not in live.agent.features:
             raise BackendError(f"{self.kind} {handle.cid} cannot take a new identity: its guest agent has no "
@@ -890,7 +891,8 @@ class VMBackend:
             raise BackendError(f"{self.kind} {handle.cid} cannot take a new identity: {exc.message}") from None
         except AgentGone as exc:
             raise self._gone(handle, live, exc) from None
-        await self.write_file(handle, "/etc/machine-id", machine_id.encode() + b"\n", 0o444, 0, 0)
+        if machine_id is not None:
+            await self.write_file(handle, "/etc/machine-id", machine_id.encode() + b"\n", 0o444, 0, 0)
 
     async def resolve_user(self, handle: Handle, user: str) -> tuple[int, int]:
         """``root``, ``UID``, ``UID:GID`` or a name from the image's /etc/passwd."""

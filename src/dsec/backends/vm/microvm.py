@@ -502,7 +502,9 @@ class MicroVMBackend(VMBackend):
                 with contextlib.suppress(OSError):
                     os.utime(tdir / "meta.json")  # (used: the last to go)
                 try:
-                    await self._reseed(handle, spec.hostname)
+                    # (/etc/machine-id stays the image's, as a booted VM's: written, it would be
+                    # a file in the upper that pack_diff and the tamper check see)
+                    await self.new_identity(handle, spec.hostname, None, secrets.token_bytes(64))
                     await self._set_clock(handle)
                 except BaseException:
                     await self.destroy(handle)
@@ -521,19 +523,6 @@ class MicroVMBackend(VMBackend):
             finally:
                 self._templating.discard(tid)
         return handle
-
-    async def _reseed(self, handle: Handle, hostname: str) -> None:
-        """The guest's host name, and its random number generator reseeded: no two VMs of one
-        template draw the same numbers (``ident``; /etc/machine-id stays the image's, as a
-        booted VM's does)."""
-        live = self._get(handle, "reseed")
-        name = hostname.encode()
-        try:
-            await live.agent.request(f"ident {len(name)} 64", name, secrets.token_bytes(64), timeout=30.0)
-        except AgentFailure as exc:
-            raise BackendError(f"cannot reseed {self.kind} {handle.cid}: {exc.message}") from None
-        except AgentGone as exc:
-            raise self._gone(handle, live, exc) from None
 
     async def _keep_template(self, handle: Handle, tid: str) -> None:
         assert self.templates_dir is not None
