@@ -109,31 +109,69 @@ class OrphanReaper:
     in a process group neither its own (sandbox inits, sessions we started) nor ours (what we
     spawned and wait for) is such an orphan, and is reaped. Any other zombie is left to its
     waiter; should one stay in the way, a sweep of all children newer than the first crun
-    since (in a thread) takes its place."""
+    since (in a thread) takes its place.
+
+    The orphans still owed (one a ``run --detach``) keep the looks going, less and less often,
+    while they live: on a slow machine (kernel 6.1 under TCG) one outlived the look a tenth of
+    a second on, and no crun ran after it to look again. Past a few looks a thread counts the
+    orphans still alive among our children, and that count is what is owed."""
 
     def __init__(self) -> None:
         self.floor: int | None = None  # the lowest crun pid since the last look
         self.due = False
         self.blocked = 0
+        self.owed = 0  # orphans of crun runs not reaped yet, as far as we know
+        self.waits = 0  # looks in a row that found them alive still
 
-    def after(self, pid: int) -> None:
+    def after(self, pid: int, orphans: int = 0) -> None:
+        """crun ``pid`` has exited, leaving ``orphans`` processes to us."""
+        self.owed += orphans
+        self.waits = 0
         self.floor = pid if self.floor is None else min(self.floor, pid)
+        self._look_in(0.1)
+
+    def _look_in(self, delay: float) -> None:
         if not self.due:
             self.due = True
-            asyncio.get_running_loop().call_later(0.1, self._look)
+            asyncio.get_running_loop().call_later(delay, self._look)
 
     def _look(self) -> None:
         self.due = False
         floor, self.floor = self.floor or 0, None
-        if not _reap_waitable_orphans():
+        reaped, in_the_way = _reap_waitable_orphans()
+        self.owed = max(0, self.owed - reaped)
+        if in_the_way:
+            self.blocked += 1
+            if self.blocked < 5:  # its waiter reaps it soon
+                self.floor = floor if self.floor is None else min(self.floor, floor)
+                self._look_in(0.1)
+                return
             self.blocked = 0
+            sweep = asyncio.get_running_loop().run_in_executor(None, _reap_orphans_above, floor)
+            sweep.add_done_callback(self._swept)
             return
-        self.blocked += 1
-        if self.blocked < 5:
-            self.after(floor)  # another zombie in the way: its waiter reaps it soon
+        self.blocked = 0
+        if not self.owed:
+            return
+        self.waits += 1
+        if self.waits < 6:  # 0.2, 0.4, 0.8, 1.6, 2 s
+            self._look_in(min(0.1 * 2 ** self.waits, 2.0))
         else:
-            self.blocked = 0
-            asyncio.get_running_loop().run_in_executor(None, _reap_orphans_above, floor)
+            count = asyncio.get_running_loop().run_in_executor(None, _living_orphans)
+            count.add_done_callback(self._counted)
+
+    def _swept(self, sweep: asyncio.Future) -> None:
+        if not sweep.cancelled() and sweep.exception() is None:
+            self.owed = max(0, self.owed - sweep.result())
+        if self.owed:
+            self._look_in(0.1)
+
+    def _counted(self, count: asyncio.Future) -> None:
+        if count.cancelled() or count.exception() is not None:
+            return
+        self.owed = count.result()
+        if self.owed:
+            self._look_in(2.0)
 
 
 def children() -> set[int]:
@@ -152,26 +190,29 @@ def _orphan(pid: int, mine: int) -> bool:
         return False
 
 
-def _reap_waitable_orphans() -> bool:
-    """Reap orphaned zombie children (see OrphanReaper) while they come first; True if
-    another zombie is in the way."""
+def _reap_waitable_orphans() -> tuple[int, bool]:
+    """Reap orphaned zombie children (see OrphanReaper) while they come first: how many, and
+    whether another zombie is in the way."""
     mine = os.getpgrp()
+    reaped = 0
     while True:
         try:
             info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
-            return False
+            return reaped, False
         if info is None:
-            return False
+            return reaped, False
         if not _orphan(info.si_pid, mine):
-            return True
+            return reaped, True
         with contextlib.suppress(ChildProcessError):
             os.waitpid(info.si_pid, os.WNOHANG)
+            reaped += 1
 
 
-def _reap_orphans_above(floor: int) -> None:
-    """Reap orphaned zombies newer than ``floor`` among all our children."""
+def _reap_orphans_above(floor: int) -> int:
+    """Reap orphaned zombies newer than ``floor`` among all our children; how many."""
     mine = os.getpgrp()
+    reaped = 0
     for pid in children():
         if pid <= floor:
             continue
@@ -179,8 +220,24 @@ def _reap_orphans_above(floor: int) -> None:
             fields = _sys.proc_stat(pid)
             if fields[0] == "Z" and int(fields[2]) not in (pid, mine):
                 os.waitpid(pid, os.WNOHANG)
+                reaped += 1
         except (OSError, IndexError, ValueError, ChildProcessError):
             continue
+    return reaped
+
+
+def _living_orphans() -> int:
+    """How many orphans (see OrphanReaper) among our children have not exited yet."""
+    mine = os.getpgrp()
+    living = 0
+    for pid in children():
+        try:
+            fields = _sys.proc_stat(pid)
+        except (OSError, IndexError):
+            continue
+        with contextlib.suppress(IndexError, ValueError):
+            living += fields[0] != "Z" and int(fields[2]) not in (pid, mine)
+    return living
 
 
 ORPHANS = OrphanReaper()
@@ -192,9 +249,11 @@ def spawn_env() -> ctypes.Array:
     return _sys.spawn_env(os.environ)
 
 
-async def spawn_wait(argv: list[str], stdin: int | None, out: int, timeout: float) -> int | None:
+async def spawn_wait(argv: list[str], stdin: int | None, out: int, timeout: float,
+                     orphans: int = 0) -> int | None:
     """Run ``argv`` with ``stdin`` (None: /dev/null) and stdout and stderr to ``out``; its exit
-    code, or None when it was killed past ``timeout``. posix_spawn (a vfork) and a pidfd:
+    code, or None when it was killed past ``timeout``. ``orphans``: how many processes it
+    leaves to us, the subreaper, to reap once they exit (see OrphanReaper). posix_spawn (a vfork) and a pidfd:
     cheaper on the event loop than an asyncio subprocess, which sets up pipes, transports and
     a child watcher for each of the crun runs every sandbox costs.
 
@@ -223,7 +282,7 @@ async def spawn_wait(argv: list[str], stdin: int | None, out: int, timeout: floa
             os.close(fd)
         _, status = os.waitpid(pid, 0)
         reaped = True
-        ORPHANS.after(pid)
+        ORPHANS.after(pid, orphans)
         return os.waitstatus_to_exitcode(status)
     finally:
         if not reaped:  # timed out or cancelled: it must not outlive the call, nor stay a zombie

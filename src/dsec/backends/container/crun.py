@@ -33,7 +33,9 @@ async def run(exe: str, root: Path, *args: str, timeout: float = 30.0, log: Path
     else:
         out = os.memfd_create("crun-output", os.MFD_CLOEXEC)
     try:
-        rc = await spawn_wait([exe, *argv(root, *args)[1:]], stdin, out, timeout)
+        # `run --detach` forks a process that outlives this crun (see procs.OrphanReaper).
+        orphans = 1 if args[0] == "run" and "--detach" in args else 0
+        rc = await spawn_wait([exe, *argv(root, *args)[1:]], stdin, out, timeout, orphans)
         if rc is None:
             return -1, f"crun {args[0]} timed out after {timeout}s"
         return rc, os.pread(out, 1 << 20, 0).decode(errors="replace").strip()
