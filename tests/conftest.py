@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -96,32 +97,57 @@ def python_image(test_store: Path) -> str:
     return "python"
 
 
+def _build_image(tmp_path_factory, store: Path, name: str) -> str:
+    """Image ``name``, built as a user builds it (``dsec image build NAME``) when the store lacks it."""
+    from dsec.images.store import LayerStore
+
+    if not LayerStore(store).has_image(name):
+        state = make_state_dir(tmp_path_factory, store, f"{name}-build")
+        built = subprocess.run([sys.executable, "-m", "dsec", "image", "build", name, "--state-dir", str(state)],
+                               capture_output=True, text=True)
+        assert built.returncode == 0, built.stdout + built.stderr
+    return name
+
+
+# Images a selected test needs that take a minute on a fresh store, building in the background.
+_AHEAD: dict[str, Future] = {}
+_BUILT_AHEAD = {"desktop_image": "desktop"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def images_ahead(request, tmp_path_factory):
+    """The ``desktop`` image (``e2b-base`` and a layer over it: about a minute on a fresh store)
+    starts building in a thread at the run's first test when a selected test needs it, beside the
+    tests before that one; ``desktop_image`` then waits for that build rather than making it."""
+    wanted = {fixture for item in request.session.items for fixture in getattr(item, "fixturenames", ())}
+    names = [image for fixture, image in _BUILT_AHEAD.items() if fixture in wanted]
+    if not names or os.geteuid() != 0:
+        yield
+        return
+    store = request.getfixturevalue("test_store")
+    request.getfixturevalue("python_image")  # (the lower of them all, built once, here)
+    with ThreadPoolExecutor(1, thread_name_prefix="images-ahead") as pool:
+        for name in names:
+            _AHEAD[name] = pool.submit(_build_image, tmp_path_factory, store, name)
+        yield
+        for future in _AHEAD.values():
+            future.cancel()
+
+
 @pytest.fixture(scope="session")
 def swe_agent_image(tmp_path_factory, test_store: Path) -> str:
     """The image SWE-agent's tasks assume (``python``, ``less``, ``git``), built as a user builds
-    it (``dsec image build swe-agent``): about a minute, once per store."""
-    from dsec.images.store import LayerStore
-
-    if not LayerStore(test_store).has_image("swe-agent"):
-        state = make_state_dir(tmp_path_factory, test_store, "swe-agent-build")
-        built = subprocess.run([sys.executable, "-m", "dsec", "image", "build", "swe-agent", "--state-dir", str(state)],
-                               capture_output=True, text=True)
-        assert built.returncode == 0, built.stdout + built.stderr
-    return "swe-agent"
+    it (``dsec image build swe-agent``): a layer over ``python``'s, seconds once per store."""
+    return _build_image(tmp_path_factory, test_store, "swe-agent")
 
 
 @pytest.fixture(scope="session")
 def desktop_image(tmp_path_factory, test_store: Path) -> str:
     """The ``desktop`` image (Xvfb, xfce4, xdotool, noVNC, …), built as a user builds it
-    (``dsec image build desktop``): a few minutes, once per store."""
-    from dsec.images.store import LayerStore
-
-    if not LayerStore(test_store).has_image("desktop"):
-        state = make_state_dir(tmp_path_factory, test_store, "desktop-build")
-        built = subprocess.run([sys.executable, "-m", "dsec", "image", "build", "desktop", "--state-dir", str(state)],
-                               capture_output=True, text=True)
-        assert built.returncode == 0, built.stdout + built.stderr
-    return "desktop"
+    (``dsec image build desktop``): about a minute, once per store, begun by ``images_ahead``."""
+    if (ahead := _AHEAD.get("desktop")) is not None and not ahead.cancelled():
+        ahead.result()  # (its failure is this fixture's)
+    return _build_image(tmp_path_factory, test_store, "desktop")
 
 
 def make_state_dir(tmp_path_factory: pytest.TempPathFactory, store: Path, name: str) -> Path:
