@@ -115,17 +115,19 @@ _BUILT_AHEAD = {"desktop_image": "desktop"}
 
 
 @pytest.fixture(scope="session", autouse=True)
-def images_ahead(request, tmp_path_factory):
+def images_ahead(request, tmp_path_factory, hostvm_background):
     """The ``desktop`` image (``e2b-base`` and a layer over it: about a minute on a fresh store)
     starts building in a thread at the run's first test when a selected test needs it, beside the
     tests before that one; ``desktop_image`` then waits for that build rather than making it."""
     wanted = {fixture for item in request.session.items for fixture in getattr(item, "fixturenames", ())}
     names = [image for fixture, image in _BUILT_AHEAD.items() if fixture in wanted]
+    if os.geteuid() == 0 and (names or hostvm_background is not None):
+        # (the lower of them all, and in the hostvm guest's root: its runner, started first, waits for it)
+        request.getfixturevalue("python_image")
     if not names or os.geteuid() != 0:
         yield
         return
     store = request.getfixturevalue("test_store")
-    request.getfixturevalue("python_image")  # (the lower of them all, built once, here)
     with ThreadPoolExecutor(1, thread_name_prefix="images-ahead") as pool:
         for name in names:
             _AHEAD[name] = pool.submit(_build_image, tmp_path_factory, store, name)
@@ -240,7 +242,8 @@ def hostvm_background(request, nothing_left_after_the_suite):
         yield None
         return
     test_store = request.getfixturevalue("test_store")
-    request.getfixturevalue("python_image")  # (the guest's root holds the test images)
+    # (The guest's root holds the test images: the runner waits for ``python``, built meanwhile
+    # at the first test by ``images_ahead``, once its own tree and the kernels are in.)
     rows = list(dict.fromkeys(item.callspec.params["row"] for item in items))
     background = items[0].module.BackgroundRows.start(rows, request.getfixturevalue("tmp_path_factory"), test_store)
     try:

@@ -32,6 +32,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from dsec.images.builders import apt_mirror
@@ -218,6 +219,19 @@ def _lay_out_base(tree: Path, root: Path, kernel_dir: Path, test_store: Path) ->
     (root / "var/lib/dsec-hostvm").mkdir(parents=True, exist_ok=True)
 
 
+def wait_for_images(test_store: Path, timeout: float = 1800.0) -> None:
+    """Until the test store has the guest's images: the runner starts at the suite's first test,
+    beside the build of ``python`` there, and needs them only once its own tree is made."""
+    from dsec.images.store import LayerStore
+
+    store = LayerStore(test_store)
+    deadline = time.monotonic() + timeout
+    while missing := [name for name in GUEST_IMAGES if not store.has_image(name)]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the test store {test_store} has no image {', '.join(missing)} after {timeout:.0f} s")
+        time.sleep(2)
+
+
 def _base_key(tree: Path, kernel_dir: Path, test_store: Path) -> str:
     """What the base layer is made of: the debootstrap tree, the kernel, the Python packages'
     versions, the test images' layers, and this file (the units and the lay-out)."""
@@ -235,6 +249,7 @@ def base_layer(cache: Path, store, kernel_dir: Path, test_store: Path) -> str:
     made once per ``_base_key`` (about a minute, and a few more for the debootstrap tree the
     first time), then reused. This kernel's base layers of older keys are removed from ``store``."""
     tree = debootstrap_tree(cache)
+    wait_for_images(test_store)
     key = _base_key(tree, kernel_dir, test_store)
     marker = cache / f"base-{kernel_dir.name}-{key}.layer"  # one kept per kernel (one per row of the test)
     if marker.exists() and store.has_layer(digest := marker.read_text().strip()):
