@@ -52,8 +52,9 @@ def pytest_collection_finish(session):
 def pytest_collection_modifyitems(config, items):
     # The hostvm tests last: they wait for the VMs that ``hostvm_background`` started at the first test.
     # After them only the tests that count the whole disk's writes: the VMs write to it all along.
-    items.sort(key=lambda item: 2 if item.get_closest_marker("disk_quiet") else
-               1 if item.get_closest_marker("hostvm") else 0)
+    # The quick tests first: they need no image, so they run while ``images_ahead`` builds ``python``.
+    items.sort(key=lambda item: 3 if item.get_closest_marker("disk_quiet") else
+               2 if item.get_closest_marker("hostvm") else 1 if item.get_closest_marker("slow") else 0)
     if os.geteuid() == 0:
         return
     skip = pytest.mark.skip(reason="needs root (crun, mounts, cgroups)")
@@ -86,8 +87,7 @@ def test_store() -> Path:
     return TEST_STORE
 
 
-@pytest.fixture(scope="session")
-def python_image(test_store: Path) -> str:
+def _build_python(test_store: Path) -> str:
     from dsec.images.builders import build_python
     from dsec.images.store import LayerStore
 
@@ -95,6 +95,13 @@ def python_image(test_store: Path) -> str:
     if not store.has_image("python"):
         build_python(store)
     return "python"
+
+
+@pytest.fixture(scope="session")
+def python_image(test_store: Path) -> str:
+    if (ahead := _AHEAD.get("python")) is not None and not ahead.cancelled():
+        ahead.result()  # (begun by ``images_ahead``; its failure is this fixture's)
+    return _build_python(test_store)
 
 
 def _build_image(tmp_path_factory, store: Path, name: str) -> str:
@@ -115,22 +122,21 @@ _BUILT_AHEAD = {"desktop_image": "desktop"}
 
 
 @pytest.fixture(scope="session", autouse=True)
-def images_ahead(request, tmp_path_factory, hostvm_background):
-    """The ``desktop`` image (``e2b-base`` and a layer over it: about a minute on a fresh store)
-    starts building in a thread at the run's first test when a selected test needs it, beside the
-    tests before that one; ``desktop_image`` then waits for that build rather than making it."""
+def images_ahead(request, tmp_path_factory, test_store, hostvm_background):
+    """``python`` (the lower of them all, and in the hostvm guest's root: its runner, started
+    before, waits for it) and the ``desktop`` image (``e2b-base`` and a layer over it: about a
+    minute on a fresh store) build one after the other in a thread from the run's first test on,
+    when a selected test needs them, beside the quick tests, which come first and need no image;
+    ``python_image`` and ``desktop_image`` wait for those builds rather than making them."""
     wanted = {fixture for item in request.session.items for fixture in getattr(item, "fixturenames", ())}
     names = [image for fixture, image in _BUILT_AHEAD.items() if fixture in wanted]
-    if os.geteuid() == 0 and (names or hostvm_background is not None):
-        # (the lower of them all, and in the hostvm guest's root: its runner, started first, waits for it)
-        request.getfixturevalue("python_image")
-    if not names or os.geteuid() != 0:
+    if os.geteuid() != 0 or not (names or hostvm_background is not None or "python_image" in wanted):
         yield
         return
-    store = request.getfixturevalue("test_store")
     with ThreadPoolExecutor(1, thread_name_prefix="images-ahead") as pool:
+        _AHEAD["python"] = pool.submit(_build_python, test_store)
         for name in names:
-            _AHEAD[name] = pool.submit(_build_image, tmp_path_factory, store, name)
+            _AHEAD[name] = pool.submit(_build_image, tmp_path_factory, test_store, name)
         yield
         for future in _AHEAD.values():
             future.cancel()
