@@ -99,8 +99,7 @@ def _build_python(test_store: Path) -> str:
 
 @pytest.fixture(scope="session")
 def python_image(test_store: Path) -> str:
-    if (ahead := _AHEAD.get("python")) is not None and not ahead.cancelled():
-        ahead.result()  # (begun by ``images_ahead``; its failure is this fixture's)
+    _wait_ahead("python")
     return _build_python(test_store)
 
 
@@ -119,6 +118,12 @@ def _build_image(tmp_path_factory, store: Path, name: str) -> str:
 # Images a selected test needs that take a minute on a fresh store, building in the background.
 _AHEAD: dict[str, Future] = {}
 _BUILT_AHEAD = {"desktop_image": "desktop"}
+
+
+def _wait_ahead(name: str) -> None:
+    """Until ``images_ahead``'s build of ``name`` is over, if it began one (its failure is the caller's)."""
+    if (ahead := _AHEAD.get(name)) is not None and not ahead.cancelled():
+        ahead.result()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -153,8 +158,7 @@ def swe_agent_image(tmp_path_factory, test_store: Path) -> str:
 def desktop_image(tmp_path_factory, test_store: Path) -> str:
     """The ``desktop`` image (Xvfb, xfce4, xdotool, noVNC, …), built as a user builds it
     (``dsec image build desktop``): about a minute, once per store, begun by ``images_ahead``."""
-    if (ahead := _AHEAD.get("desktop")) is not None and not ahead.cancelled():
-        ahead.result()  # (its failure is this fixture's)
+    _wait_ahead("desktop")
     return _build_image(tmp_path_factory, test_store, "desktop")
 
 

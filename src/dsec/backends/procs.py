@@ -183,11 +183,14 @@ def children() -> set[int]:
     return children
 
 
-def _orphan(pid: int, mine: int) -> bool:
+def _orphan_state(pid: int, mine: int) -> str | None:
+    """The state (``Z``, ``S`` …) of child ``pid`` if it is an orphan (see OrphanReaper: a
+    process group neither its own nor ``mine``), else None."""
     try:
-        return int(_sys.proc_stat(pid)[2]) not in (pid, mine)
+        fields = _sys.proc_stat(pid)
+        return fields[0] if int(fields[2]) not in (pid, mine) else None
     except (OSError, IndexError, ValueError):
-        return False
+        return None
 
 
 def _reap_waitable_orphans() -> tuple[int, bool]:
@@ -202,7 +205,7 @@ def _reap_waitable_orphans() -> tuple[int, bool]:
             return reaped, False
         if info is None:
             return reaped, False
-        if not _orphan(info.si_pid, mine):
+        if _orphan_state(info.si_pid, mine) is None:
             return reaped, True
         with contextlib.suppress(ChildProcessError):
             os.waitpid(info.si_pid, os.WNOHANG)
@@ -214,30 +217,17 @@ def _reap_orphans_above(floor: int) -> int:
     mine = os.getpgrp()
     reaped = 0
     for pid in children():
-        if pid <= floor:
-            continue
-        try:
-            fields = _sys.proc_stat(pid)
-            if fields[0] == "Z" and int(fields[2]) not in (pid, mine):
+        if pid > floor and _orphan_state(pid, mine) == "Z":
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
                 reaped += 1
-        except (OSError, IndexError, ValueError, ChildProcessError):
-            continue
     return reaped
 
 
 def _living_orphans() -> int:
     """How many orphans (see OrphanReaper) among our children have not exited yet."""
     mine = os.getpgrp()
-    living = 0
-    for pid in children():
-        try:
-            fields = _sys.proc_stat(pid)
-        except (OSError, IndexError):
-            continue
-        with contextlib.suppress(IndexError, ValueError):
-            living += fields[0] != "Z" and int(fields[2]) not in (pid, mine)
-    return living
+    return sum(_orphan_state(pid, mine) not in (None, "Z") for pid in children())
 
 
 ORPHANS = OrphanReaper()

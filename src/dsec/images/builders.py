@@ -112,6 +112,16 @@ def apt_mirror(suite: str = "bookworm") -> str | None:
     return candidates[0] if candidates else None
 
 
+# What apt and debootstrap leave that must not ship in a layer.
+RESIDUE = ("var/cache/apt/archives", "var/lib/apt/lists", "var/log", "tmp")
+
+
+def _check_packages(packages: tuple[str, ...]) -> None:
+    for package in packages:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9+.-]+", package):
+            raise LayerBuildError(f"invalid package name {package!r}")
+
+
 def build_debian(
     store: LayerStore, name: str, suite: str = "bookworm", packages: tuple[str, ...] = (),
     log: Log | None = None, workdir: str = "/root", account: str = "agent", sudoer: bool = False,
@@ -127,9 +137,7 @@ def build_debian(
         raise LayerBuildError("debootstrap not found: install it (make demo does)")
     if not re.fullmatch(r"[a-z]+", suite):
         raise LayerBuildError(f"invalid Debian suite {suite!r}")
-    for package in packages:
-        if not re.fullmatch(r"[a-z0-9][a-z0-9+.-]+", package):
-            raise LayerBuildError(f"invalid package name {package!r}")
+    _check_packages(packages)
     with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work:
         root = Path(work, "rootfs")
         # Packages downloaded once per store: the next Debian image takes them from here.
@@ -146,8 +154,7 @@ def build_debian(
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             raise LayerBuildError(f"debootstrap failed: {(proc.stdout + proc.stderr)[-1500:]}")
-        # Residue that must not ship in a base layer.
-        for junk in ("var/cache/apt/archives", "var/lib/apt/lists", "var/log", "tmp"):
+        for junk in RESIDUE:
             shutil.rmtree(root / junk, ignore_errors=True)
             (root / junk).mkdir(parents=True, exist_ok=True)
         (root / "tmp").chmod(0o1777)
@@ -213,9 +220,7 @@ def derive(store: LayerStore, name: str, lower: str, packages: tuple[str, ...], 
     of them under an overlay; its upper (whiteouts and all) becomes that layer. ``account``:
     the uid-1000 user, put in place of the lower image's; ``finish(root)`` completes the tree
     (the merged view). The other arguments default to the lower image's."""
-    for package in packages:
-        if not re.fullmatch(r"[a-z0-9][a-z0-9+.-]+", package):
-            raise LayerBuildError(f"invalid package name {package!r}")
+    _check_packages(packages)
     base = _lower(store, lower, log)
     with tempfile.TemporaryDirectory(dir=store.tmp_dir) as work, _overlay(store, base, Path(work)) as (root, upper):
         if log:
@@ -316,9 +321,9 @@ def _replace_account(root: Path, account: str, sudoer: bool) -> None:
 
 
 def _drop_residue(upper: Path) -> None:
-    """What apt and the chroot leave that must not ship in a layer (only the upper's own files
-    go: the lower layers have none of it)."""
-    for junk in ("var/lib/apt/lists", "var/cache/apt", "var/log", "tmp", "var/cache/debconf/config.dat-old",
+    """``RESIDUE`` and the old copies apt and dpkg keep, out of the upper (only the upper's own
+    files go: the lower layers have none of them)."""
+    for junk in (*RESIDUE, "var/cache/apt", "var/cache/debconf/config.dat-old",
                  "var/cache/debconf/templates.dat-old", "var/lib/dpkg/status-old"):
         path = upper / junk
         if path.is_dir() and not path.is_symlink():
